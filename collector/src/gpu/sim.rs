@@ -1,0 +1,223 @@
+//! Simulated GPUs for `perch up --simulate-gpus N`, `perch demo` and tests.
+//!
+//! A deterministic model with no clock of its own: every value is a function of the seed, the
+//! node, the GPU index and the `now_ms` the caller passes in, plus two integrators (energy and a
+//! lagging temperature) over the sequence of sample times. Each GPU moves through phases of a few
+//! minutes: idle, steady training (90-100% utilization), bursty, and allocated-but-idle (0%
+//! utilization with memory held), the pattern that makes up about a third of GPU time in public
+//! traces. Power follows utilization from ~70 W to ~700 W like an H100 SXM. Every sample says
+//! `simulated: true`, its UUID starts with `GPU-SIM-` and its model with `Simulated`.
+
+use perch_model::{GpuIndex, GpuSample, NodeId};
+
+/// The model name every simulated GPU reports.
+pub const SIM_MODEL: &str = "Simulated H100 80GB";
+const MEMORY_TOTAL_BYTES: u64 = 81_559 * 1024 * 1024;
+const IDLE_WATTS: f64 = 70.0;
+const MAX_WATTS: f64 = 700.0;
+/// Thermal time constant of the temperature lag, in seconds.
+const THERMAL_TAU_S: f64 = 30.0;
+
+/// What a simulated GPU is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Workload {
+    Idle,
+    Training,
+    Bursty,
+    /// Allocated to a job that holds memory but runs no kernels.
+    AllocatedIdle,
+}
+
+/// SplitMix64: a tiny, well-mixed, stable hash so the model never changes with a crate upgrade.
+pub(crate) fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// Hashes several words into one.
+pub(crate) fn mix_all(words: &[u64]) -> u64 {
+    words.iter().fold(0x5EED_u64, |acc, w| mix(acc ^ mix(*w)))
+}
+
+/// A hash mapped to `[0, 1)`.
+pub(crate) fn unit(h: u64) -> f64 {
+    (h >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// A stable key for one simulated device, from the seed, node name and a per-node number.
+pub(crate) fn device_key(seed: u64, node: &NodeId, n: u32) -> u64 {
+    let name = node
+        .as_str()
+        .bytes()
+        .fold(0xCBF2_9CE4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01B3)
+        });
+    mix_all(&[seed, name, u64::from(n)])
+}
+
+/// The phase a GPU with `key` is in at `now_ms`, and a per-phase random number.
+pub fn workload_at(key: u64, now_ms: i64) -> (Workload, u64) {
+    let slot_ms = 120_000 + (key % 5) as i64 * 60_000; // 2 to 6 minutes per phase
+    let offset = (key % slot_ms as u64) as i64;
+    let slot = (now_ms + offset).div_euclid(slot_ms);
+    let h = mix_all(&[key, slot as u64]);
+    let kind = match h % 100 {
+        0..20 => Workload::Idle,
+        20..55 => Workload::Training,
+        55..75 => Workload::Bursty,
+        _ => Workload::AllocatedIdle,
+    };
+    (kind, mix(h))
+}
+
+/// Instantaneous values of one GPU, before integration.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Instant {
+    util: f64,
+    memory_used: u64,
+    power: f64,
+}
+
+fn instant(key: u64, workload: Workload, phase: u64, now_ms: i64) -> Instant {
+    let second = now_ms.div_euclid(1000) as u64;
+    let noise = unit(mix_all(&[key, second]));
+    // Memory held by the phase's job: a fixed amount for the whole phase.
+    let held =
+        |lo: f64, hi: f64| ((lo + (hi - lo) * unit(phase)) * MEMORY_TOTAL_BYTES as f64) as u64;
+    let (util, memory_used) = match workload {
+        Workload::Idle => (0.0, 0),
+        Workload::Training => ((90.0 + 10.0 * noise).min(100.0), held(0.6, 0.95)),
+        Workload::Bursty => {
+            let on = mix_all(&[key, second / 10]) % 2 == 0;
+            let util = if on { 60.0 + 40.0 * noise } else { 5.0 * noise };
+            (util, held(0.25, 0.75))
+        }
+        Workload::AllocatedIdle => (0.0, held(0.35, 0.9)),
+    };
+    let util = (util * 10.0).round() / 10.0;
+    let mut power = IDLE_WATTS + (MAX_WATTS - IDLE_WATTS) * util / 100.0;
+    if memory_used > 0 {
+        power += 5.0 + 10.0 * noise; // a context and held memory cost a little
+    }
+    Instant {
+        util,
+        memory_used,
+        power,
+    }
+}
+
+/// One simulated GPU and its integrators.
+#[derive(Debug, Clone)]
+struct SimGpu {
+    key: u64,
+    index: u32,
+    uuid: String,
+    profile: Option<Workload>,
+    last: Option<(i64, f64)>,
+    energy_joules: f64,
+    temperature: f64,
+}
+
+/// A node's simulated GPUs.
+#[derive(Debug, Clone)]
+pub struct SimGpus {
+    gpus: Vec<SimGpu>,
+}
+
+impl SimGpus {
+    /// `count` GPUs with indices `first_index..first_index + count` (after any real GPUs, so
+    /// indices never collide), deterministic for (`seed`, `node`).
+    pub fn new(node: &NodeId, count: u32, first_index: u32, seed: u64) -> Self {
+        let gpus = (first_index..first_index + count)
+            .map(|index| SimGpu {
+                key: device_key(seed, node, index),
+                index,
+                uuid: format!("GPU-SIM-{node}-{index}"),
+                profile: None,
+                last: None,
+                energy_joules: 0.0,
+                temperature: 0.0,
+            })
+            .collect();
+        Self { gpus }
+    }
+
+    pub fn len(&self) -> usize {
+        self.gpus.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.gpus.is_empty()
+    }
+
+    /// Pins GPU `index` to a workload (a scheduler placing a job with a synthetic profile), or
+    /// gives it back to the built-in phase model with `None`. Returns false for an unknown index.
+    pub fn set_profile(&mut self, index: u32, profile: Option<Workload>) -> bool {
+        match self.gpus.iter_mut().find(|g| g.index == index) {
+            Some(g) => {
+                g.profile = profile;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The workload each GPU is running at `now_ms`.
+    pub fn workloads(&self, now_ms: i64) -> Vec<Workload> {
+        self.gpus
+            .iter()
+            .map(|g| g.profile.unwrap_or(workload_at(g.key, now_ms).0))
+            .collect()
+    }
+
+    /// One sample per GPU at `now_ms`. Times should not go backwards; if they do, the
+    /// integrators simply do not advance.
+    pub fn sample(&mut self, now_ms: i64) -> Vec<GpuSample> {
+        self.gpus.iter_mut().map(|g| g.sample(now_ms)).collect()
+    }
+}
+
+impl SimGpu {
+    fn sample(&mut self, now_ms: i64) -> GpuSample {
+        let (auto, phase) = workload_at(self.key, now_ms);
+        let workload = self.profile.unwrap_or(auto);
+        let now = instant(self.key, workload, phase, now_ms);
+        let target_temp = 28.0 + 0.07 * now.power;
+        match self.last {
+            None => self.temperature = target_temp,
+            Some((last_ms, last_power)) => {
+                let dt = (now_ms - last_ms).max(0) as f64 / 1000.0;
+                self.energy_joules += (last_power + now.power) / 2.0 * dt;
+                let alpha = 1.0 - (-dt / THERMAL_TAU_S).exp();
+                self.temperature += (target_temp - self.temperature) * alpha;
+            }
+        }
+        self.last = Some((now_ms.max(self.last.map_or(now_ms, |l| l.0)), now.power));
+        let busy = now.util > 0.0;
+        GpuSample {
+            time_ms: now_ms,
+            gpu: GpuIndex(self.index),
+            uuid: self.uuid.clone(),
+            model: SIM_MODEL.to_string(),
+            simulated: true,
+            utilization_gpu_pct: Some(now.util),
+            utilization_memory_pct: Some((now.util * 0.55 * 10.0).round() / 10.0),
+            memory_used_bytes: Some(now.memory_used),
+            memory_total_bytes: Some(MEMORY_TOTAL_BYTES),
+            power_watts: Some((now.power * 100.0).round() / 100.0),
+            energy_joules: Some(self.energy_joules),
+            temperature_celsius: Some((self.temperature * 10.0).round() / 10.0),
+            sm_clock_mhz: Some(if busy {
+                1755 + (225.0 * now.util / 100.0) as u32
+            } else {
+                345
+            }),
+            memory_clock_mhz: Some(2619),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,181 @@
+//! One sampling round: the host, every NIC and every GPU (real through NVML, then simulated) at
+//! one `now_ms`. The sampler owns the sources and their state (the NVML handle, the simulators'
+//! integrators); it reads no clock, so tests drive it with any times they like.
+
+use crate::gpu::NvmlMode;
+use crate::gpu::nvml::NvmlGpus;
+use crate::gpu::sim::SimGpus;
+use crate::host::HostReader;
+use crate::nic::NicReader;
+use crate::sim_node::{SimHost, SimNics};
+use perch_model::{GpuSample, HostSample, NicSample, NodeId};
+use std::path::PathBuf;
+
+/// The samples of one round.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Round {
+    pub hosts: Vec<HostSample>,
+    pub gpus: Vec<GpuSample>,
+    pub nics: Vec<NicSample>,
+}
+
+impl Round {
+    pub fn sample_count(&self) -> usize {
+        self.hosts.len() + self.gpus.len() + self.nics.len()
+    }
+}
+
+/// What to sample and where from.
+#[derive(Debug, Clone)]
+pub struct SamplerConfig {
+    pub node: NodeId,
+    /// Root of the `/proc` and `/sys` trees (`/` in production).
+    pub root: PathBuf,
+    pub data_dir: PathBuf,
+    pub nvml: NvmlMode,
+    pub simulate_gpus: u32,
+    pub simulate_host: bool,
+    pub seed: u64,
+}
+
+enum HostSource {
+    Real(HostReader, NicReader),
+    Simulated(SimHost, SimNics),
+}
+
+/// Every source of one node.
+pub struct Sampler {
+    host: HostSource,
+    nvml: Option<NvmlGpus>,
+    sim: SimGpus,
+}
+
+impl std::fmt::Debug for Sampler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sampler")
+            .field("nvml", &self.nvml)
+            .field("sim", &self.sim)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sampler {
+    /// Opens every source. NVML trouble is logged once here and the sampler carries on without
+    /// real GPUs; it never fails the agent.
+    pub fn new(config: &SamplerConfig) -> Self {
+        let nvml = match NvmlGpus::open(&config.nvml) {
+            Ok(Some(gpus)) => {
+                let models: Vec<&str> = gpus.devices().iter().map(|d| d.model.as_str()).collect();
+                if models.is_empty() {
+                    tracing::info!(
+                        "NVML loaded but reports no GPUs; no NVIDIA GPUs will be sampled"
+                    );
+                } else {
+                    tracing::info!(count = models.len(), models = ?models, driver = ?gpus.driver_version(), "sampling NVIDIA GPUs through NVML");
+                }
+                Some(gpus)
+            }
+            Ok(None) => {
+                tracing::info!("NVML disabled; no NVIDIA GPUs will be sampled");
+                None
+            }
+            Err(e) => {
+                match &config.nvml {
+                    NvmlMode::Path(path) => {
+                        tracing::warn!(path = %path.display(), error = %e, "cannot load NVML from the configured path; no NVIDIA GPUs will be sampled")
+                    }
+                    _ => {
+                        tracing::info!(error = %e, "NVML not available (no NVIDIA driver?); no NVIDIA GPUs will be sampled")
+                    }
+                }
+                None
+            }
+        };
+        let real_gpus = nvml.as_ref().map_or(0, |n| n.devices().len() as u32);
+        let host = if config.simulate_host {
+            HostSource::Simulated(
+                SimHost::new(&config.node, config.seed),
+                SimNics::new(&config.node, config.seed),
+            )
+        } else {
+            HostSource::Real(
+                HostReader::new(&config.root, &config.data_dir),
+                NicReader::new(&config.root),
+            )
+        };
+        let sim = SimGpus::new(&config.node, config.simulate_gpus, real_gpus, config.seed);
+        if !sim.is_empty() {
+            tracing::info!(
+                count = sim.len(),
+                first_index = real_gpus,
+                "adding simulated GPUs, labelled simulated"
+            );
+        }
+        Self { host, nvml, sim }
+    }
+
+    /// The simulated GPUs, e.g. to pin a job's synthetic profile on them.
+    pub fn simulated_gpus_mut(&mut self) -> &mut SimGpus {
+        &mut self.sim
+    }
+
+    /// Takes one round at `now_ms`.
+    pub fn sample(&mut self, now_ms: i64) -> Round {
+        let mut gpus = self
+            .nvml
+            .as_mut()
+            .map(|n| n.sample(now_ms))
+            .unwrap_or_default();
+        gpus.extend(self.sim.sample(now_ms));
+        let (hosts, nics) = match &mut self.host {
+            HostSource::Real(host, nics) => (vec![host.sample(now_ms)], nics.sample(now_ms)),
+            HostSource::Simulated(host, nics) => {
+                let utils: Vec<f64> = gpus.iter().filter_map(|g| g.utilization_gpu_pct).collect();
+                let mean = if utils.is_empty() {
+                    0.0
+                } else {
+                    utils.iter().sum::<f64>() / utils.len() as f64
+                };
+                (vec![host.sample(now_ms, mean)], nics.sample(now_ms, mean))
+            }
+        };
+        Round { hosts, gpus, nics }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn config(simulate_host: bool) -> SamplerConfig {
+        SamplerConfig {
+            node: NodeId::new("t1").expect("valid"),
+            root: Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/node1"),
+            data_dir: std::env::temp_dir(),
+            nvml: NvmlMode::Off,
+            simulate_gpus: 3,
+            simulate_host,
+            seed: 4,
+        }
+    }
+
+    #[test]
+    fn real_host_with_simulated_gpus() {
+        let round = Sampler::new(&config(false)).sample(1_800_000_000_000);
+        assert_eq!(
+            (round.hosts.len(), round.gpus.len(), round.nics.len()),
+            (1, 3, 3)
+        );
+        assert!(!round.hosts[0].simulated && round.nics.iter().all(|n| !n.simulated));
+        assert!(round.gpus.iter().all(|g| g.simulated));
+        assert_eq!(round.sample_count(), 7);
+    }
+
+    #[test]
+    fn fully_simulated_node() {
+        let round = Sampler::new(&config(true)).sample(1_800_000_000_000);
+        assert!(round.hosts.iter().all(|h| h.simulated));
+        assert!(round.nics.iter().all(|n| n.simulated) && !round.nics.is_empty());
+    }
+}
