@@ -146,10 +146,10 @@ impl SimNics {
                     counters[1] += bytes / 4096;
                     // Rare errors and drops, so alert rules have something to fire on.
                     let h = mix_all(&[n.key, second, dir as u64]);
-                    if dt > 0.0 && h % 997 == 0 {
+                    if dt > 0.0 && h.is_multiple_of(997) {
                         counters[2] += 1;
                     }
-                    if dt > 0.0 && h % 499 == 0 {
+                    if dt > 0.0 && h.is_multiple_of(499) {
                         counters[3] += 1;
                     }
                 }

@@ -90,7 +90,7 @@ fn instant(key: u64, workload: Workload, phase: u64, now_ms: i64) -> Instant {
         Workload::Idle => (0.0, 0),
         Workload::Training => ((90.0 + 10.0 * noise).min(100.0), held(0.6, 0.95)),
         Workload::Bursty => {
-            let on = mix_all(&[key, second / 10]) % 2 == 0;
+            let on = mix_all(&[key, second / 10]).is_multiple_of(2);
             let util = if on { 60.0 + 40.0 * noise } else { 5.0 * noise };
             (util, held(0.25, 0.75))
         }
