@@ -9,11 +9,13 @@
 //! This module and the sender are the only places that read the wall clock.
 
 use crate::error::{CollectorError, Result};
-pub use crate::gpu::NvmlMode;
-use crate::gpu::nvml::NvmlGpus;
+pub use crate::gpu::{GpuDetection, NvmlMode, detect_gpus};
 use crate::queue::SendQueue;
 use crate::sampler::{Sampler, SamplerConfig};
+use crate::sender::encode;
 use crate::sender::{Backoff, Sender, SenderShared, lock, run_sender};
+use crate::spool::Spool;
+use perch_model::Batch;
 use perch_model::NodeId;
 use std::future::Future;
 use std::path::PathBuf;
@@ -52,6 +54,10 @@ pub struct AgentConfig {
     pub backoff: Backoff,
     /// Root of `/proc` and `/sys` (`/`; tests point it at a fixture tree).
     pub root: PathBuf,
+    /// Bound of the disk spool under `data_dir/agent-spool/<node>`, in bytes; 0 turns it off.
+    /// Batches evicted from the memory queue, or still queued at shutdown, go there and are
+    /// replayed in order, also after a restart.
+    pub spool_max_bytes: u64,
 }
 
 impl AgentConfig {
@@ -73,6 +79,7 @@ impl AgentConfig {
             request_timeout: Duration::from_secs(10),
             backoff: Backoff::default(),
             root: PathBuf::from("/"),
+            spool_max_bytes: 256 * 1024 * 1024,
         }
     }
 
@@ -107,8 +114,12 @@ pub struct AgentCounters {
     pub samples_dropped: AtomicU64,
     /// Failed delivery attempts (connection errors, 5xx, timeouts).
     pub send_errors: AtomicU64,
-    /// Batches waiting in the queue right now.
+    /// Batches waiting in the memory queue right now.
     pub batches_queued: AtomicU64,
+    /// Batches written to the disk spool.
+    pub batches_spooled: AtomicU64,
+    /// Bytes in the disk spool right now.
+    pub spool_bytes: AtomicU64,
 }
 
 /// A snapshot of [`AgentCounters`].
@@ -123,6 +134,8 @@ pub struct AgentStats {
     pub samples_dropped: u64,
     pub send_errors: u64,
     pub batches_queued: u64,
+    pub batches_spooled: u64,
+    pub spool_bytes: u64,
 }
 
 impl AgentCounters {
@@ -137,6 +150,8 @@ impl AgentCounters {
             samples_dropped: self.samples_dropped.load(Relaxed),
             send_errors: self.send_errors.load(Relaxed),
             batches_queued: self.batches_queued.load(Relaxed),
+            batches_spooled: self.batches_spooled.load(Relaxed),
+            spool_bytes: self.spool_bytes.load(Relaxed),
         }
     }
 }
@@ -198,6 +213,62 @@ fn now_micros() -> u64 {
         .map_or(0, |d| d.as_micros() as u64)
 }
 
+fn open_spool(config: &AgentConfig) -> Option<Spool> {
+    if config.spool_max_bytes == 0 {
+        return None;
+    }
+    let dir = config
+        .data_dir
+        .join("agent-spool")
+        .join(config.node.as_str());
+    match Spool::open(&dir, config.spool_max_bytes) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot open the disk spool; batches past the memory queue will be dropped");
+            None
+        }
+    }
+}
+
+/// Puts a batch that left the memory queue undelivered into the spool, or counts and logs it
+/// as dropped when there is no spool, the spool fails, or the spool bound pushes batches out.
+fn spill_or_drop(shared: &SenderShared, batch: Batch, why: &'static str) {
+    let counters = &shared.counters;
+    let samples = batch.sample_count() as u64;
+    let drop_one = |seq: u64, samples: u64, reason: &str| {
+        let total = counters.batches_dropped.fetch_add(1, Relaxed) + 1;
+        counters.samples_dropped.fetch_add(samples, Relaxed);
+        tracing::warn!(
+            seq,
+            samples,
+            dropped_batches_total = total,
+            reason,
+            "dropped undelivered batch"
+        );
+    };
+    let Some(spool) = &shared.spool else {
+        drop_one(batch.seq, samples, why);
+        return;
+    };
+    let pushed = encode(&batch).and_then(|body| lock(spool).push(batch.seq, samples, &body));
+    match pushed {
+        Ok(evicted) => {
+            let spooled = counters.batches_spooled.fetch_add(1, Relaxed) + 1;
+            if spooled == 1 {
+                tracing::info!(
+                    reason = why,
+                    "writing undelivered batches to the disk spool"
+                );
+            }
+            for e in evicted {
+                drop_one(e.seq, e.samples, "disk spool full");
+            }
+        }
+        Err(e) => drop_one(batch.seq, samples, &format!("{why}; spool failed: {e}")),
+    }
+    counters.spool_bytes.store(lock(spool).bytes(), Relaxed);
+}
+
 /// [`run_agent`] with caller-supplied counters.
 pub async fn run_agent_with(
     config: AgentConfig,
@@ -217,8 +288,19 @@ pub async fn run_agent_with(
         simulate_host: config.simulate_host,
         seed: config.seed,
     });
-    let first_seq = now_micros();
+    let spool = open_spool(&config);
+    // Number new batches above anything spooled by an earlier run, even if the clock stepped
+    // back, so the server never takes them for duplicates.
+    let spooled_max = spool.as_ref().and_then(Spool::max_seq).unwrap_or(0);
+    let first_seq = now_micros().max(spooled_max + 1);
+    if let Some(s) = &spool {
+        counters.spool_bytes.store(s.bytes(), Relaxed);
+        if !s.is_empty() {
+            tracing::info!(batches = s.len(), bytes = s.bytes(), dir = %s.dir().display(), "replaying batches spooled by an earlier run");
+        }
+    }
     let shared = SenderShared {
+        spool: spool.map(|s| Arc::new(Mutex::new(s))),
         queue: Arc::new(Mutex::new(SendQueue::new(
             config.node.clone(),
             first_seq,
@@ -247,10 +329,8 @@ pub async fn run_agent_with(
                 };
                 counters.rounds_sampled.fetch_add(1, Relaxed);
                 counters.batches_queued.store(queued as u64, Relaxed);
-                if let Some(d) = outcome.dropped {
-                    let total = counters.batches_dropped.fetch_add(1, Relaxed) + 1;
-                    counters.samples_dropped.fetch_add(d.samples as u64, Relaxed);
-                    tracing::warn!(seq = d.seq, samples = d.samples, dropped_batches_total = total, max_queue_batches = config.max_queue_batches, "send queue full, dropped the oldest batch");
+                if let Some(batch) = outcome.evicted {
+                    spill_or_drop(&shared, batch, "send queue full");
                 }
                 shared.wake.notify_one();
             }
@@ -270,17 +350,8 @@ pub async fn run_agent_with(
         sender_task.abort();
     }
     let left = lock(&shared.queue).drain();
-    if !left.is_empty() {
-        let samples: usize = left.iter().map(|b| b.sample_count()).sum();
-        counters
-            .batches_dropped
-            .fetch_add(left.len() as u64, Relaxed);
-        counters.samples_dropped.fetch_add(samples as u64, Relaxed);
-        tracing::warn!(
-            batches = left.len(),
-            samples,
-            "shutdown: server did not take these batches in time, dropping them"
-        );
+    for batch in left {
+        spill_or_drop(&shared, batch, "shutdown before delivery");
     }
     counters.batches_queued.store(0, Relaxed);
     let stats = counters.snapshot();
@@ -288,81 +359,9 @@ pub async fn run_agent_with(
     Ok(stats)
 }
 
-/// What `perch up` needs to tell the user about GPUs on this machine.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GpuDetection {
-    pub nvml_available: bool,
-    pub count: u32,
-    pub models: Vec<String>,
-    /// One line for the user, e.g. "found 8 NVIDIA GPUs: NVIDIA H100 80GB HBM3 x8" or
-    /// "no NVIDIA GPUs found (NVML not available: ...)".
-    pub message: String,
-}
-
-/// Probes NVML once (without logging) and describes what it found.
-pub fn detect_gpus(nvml: &NvmlMode) -> GpuDetection {
-    match NvmlGpus::open(nvml) {
-        Ok(Some(gpus)) => {
-            let models: Vec<String> = gpus.devices().iter().map(|d| d.model.clone()).collect();
-            let count = models.len() as u32;
-            let message = if count == 0 {
-                "no NVIDIA GPUs found (NVML loaded, but it reports no devices)".to_string()
-            } else {
-                let mut distinct: Vec<&String> = Vec::new();
-                for m in &models {
-                    if !distinct.contains(&m) {
-                        distinct.push(m);
-                    }
-                }
-                let kinds: Vec<String> = distinct
-                    .iter()
-                    .map(|m| format!("{m} x{}", models.iter().filter(|x| x == m).count()))
-                    .collect();
-                format!(
-                    "found {count} NVIDIA GPU{}: {}",
-                    if count == 1 { "" } else { "s" },
-                    kinds.join(", ")
-                )
-            };
-            GpuDetection {
-                nvml_available: true,
-                count,
-                models,
-                message,
-            }
-        }
-        Ok(None) => GpuDetection {
-            nvml_available: false,
-            count: 0,
-            models: vec![],
-            message: "no NVIDIA GPUs sampled (NVML is turned off)".to_string(),
-        },
-        Err(e) => GpuDetection {
-            nvml_available: false,
-            count: 0,
-            models: vec![],
-            message: format!("no NVIDIA GPUs found ({e})"),
-        },
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn detection_without_nvml_says_so() {
-        let d = detect_gpus(&NvmlMode::Off);
-        assert!(!d.nvml_available && d.count == 0);
-        assert!(d.message.contains("turned off"), "{}", d.message);
-        let d = detect_gpus(&NvmlMode::Path("/nonexistent/libnvidia-ml.so.1".into()));
-        assert!(!d.nvml_available);
-        assert!(
-            d.message.starts_with("no NVIDIA GPUs found (NVML:"),
-            "{}",
-            d.message
-        );
-    }
 
     #[tokio::test]
     async fn bad_configs_are_refused() {

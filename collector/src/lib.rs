@@ -4,8 +4,8 @@
 //!
 //! Layout: parsers and readers ([`host`], [`nic`], [`gpu`]) take an injectable root path or
 //! library path and a `now_ms`, so tests run on fixture trees with no real clock; [`sampler`]
-//! combines them into one round; [`queue`] is the pure, bounded send queue; [`sender`] talks HTTP;
-//! [`agent`] wires them together behind [`run_agent`] / [`spawn_agent`].
+//! combines them into one round; [`queue`] is the pure, bounded send queue; [`spool`] keeps what
+//! does not fit on disk; [`sender`] talks HTTP; [`agent`] wires them together behind [`run_agent`] / [`spawn_agent`].
 //!
 //! The collector never depends on the server, the store or DataFusion: it only shares the wire
 //! types of `perch-model`.
@@ -19,6 +19,7 @@ pub mod queue;
 pub mod sampler;
 pub mod sender;
 pub mod sim_node;
+pub mod spool;
 
 pub use agent::{
     AgentConfig, AgentCounters, AgentHandle, AgentStats, GpuDetection, NvmlMode, detect_gpus,

@@ -4,8 +4,8 @@
 //! server is slow or down, a new round is merged into the newest batch if that batch has never
 //! been offered to the server (a batch that was sent once may already be durable there under its
 //! `seq`, so it is never changed), up to `max_rounds` rounds per batch. Past `max_batches` batches
-//! the oldest one not currently in flight is dropped and reported to the caller, who counts and
-//! logs it: nothing is lost silently.
+//! the oldest one not currently in flight is evicted and handed to the caller, who spills it to
+//! the disk spool or counts and logs it as dropped: nothing is lost silently.
 
 use crate::sampler::Round;
 use perch_model::{Batch, MAX_SAMPLES_PER_BATCH, NodeId};
@@ -19,20 +19,13 @@ struct Pending {
     attempted: bool,
 }
 
-/// A batch dropped to keep the queue within its bound.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Dropped {
-    pub seq: u64,
-    pub samples: usize,
-}
-
 /// What [`SendQueue::push`] did with a round.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct PushOutcome {
     /// The round was merged into an existing batch rather than starting a new one.
     pub merged: bool,
-    /// A batch dropped to make room, if any.
-    pub dropped: Option<Dropped>,
+    /// The batch evicted to make room, if any: spill it or count it as dropped.
+    pub evicted: Option<Batch>,
 }
 
 /// The bounded queue of batches waiting for the server.
@@ -94,7 +87,7 @@ impl SendQueue {
             tail.rounds += 1;
             return PushOutcome {
                 merged: true,
-                dropped: None,
+                evicted: None,
             };
         }
         let batch = Batch {
@@ -110,7 +103,7 @@ impl SendQueue {
             rounds: 1,
             attempted: false,
         });
-        let mut dropped = None;
+        let mut evicted = None;
         if self.items.len() > self.max_batches {
             // The oldest batch that is not on the wire right now; the in-flight one will be
             // settled by the sender.
@@ -118,17 +111,17 @@ impl SendQueue {
                 .items
                 .iter()
                 .position(|p| Some(p.batch.seq) != self.in_flight);
-            if let Some(p) = victim.and_then(|i| self.items.remove(i)) {
-                dropped = Some(Dropped {
-                    seq: p.batch.seq,
-                    samples: p.batch.sample_count(),
-                });
-            }
+            evicted = victim.and_then(|i| self.items.remove(i)).map(|p| p.batch);
         }
         PushOutcome {
             merged: false,
-            dropped,
+            evicted,
         }
+    }
+
+    /// The `seq` of the oldest batch.
+    pub fn front_seq(&self) -> Option<u64> {
+        self.items.front().map(|p| p.batch.seq)
     }
 
     /// The batch to send next (the oldest), marked in flight and frozen against merging.

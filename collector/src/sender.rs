@@ -3,12 +3,14 @@
 //! Replies decide a batch's fate: 2xx means durable (remove it); 4xx means the batch itself is
 //! bad (log the server's message once, count it, drop it: retrying cannot help), except 408 and
 //! 429 which ask us to come back later; 5xx and connection errors are retried with capped
-//! exponential backoff, front of the queue first, so order is kept. Retries are safe because the
-//! server ignores a `(node, seq)` it has already accepted.
+//! exponential backoff, lowest `seq` first (from the disk spool or the memory queue, whichever
+//! holds it), so order is kept. Retries are safe because the server ignores a `(node, seq)` it
+//! has already accepted.
 
 use crate::agent::AgentCounters;
 use crate::error::{CollectorError, Result};
 use crate::queue::SendQueue;
+use crate::spool::{Spool, SpoolEntry};
 use perch_model::Batch;
 use reqwest::header::{CONTENT_ENCODING, CONTENT_TYPE};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -96,15 +98,17 @@ impl Sender {
 
     /// Sends one batch once and classifies the reply.
     pub async fn post(&self, batch: &Batch) -> SendOutcome {
-        let body = match encode(batch) {
-            Ok(b) => b,
-            Err(e) => {
-                return SendOutcome::Rejected {
-                    status: 0,
-                    message: e.to_string(),
-                };
-            }
-        };
+        match encode(batch) {
+            Ok(body) => self.post_body(body).await,
+            Err(e) => SendOutcome::Rejected {
+                status: 0,
+                message: e.to_string(),
+            },
+        }
+    }
+
+    /// Sends an already encoded batch (zstd JSON) once and classifies the reply.
+    pub async fn post_body(&self, body: Vec<u8>) -> SendOutcome {
         let response = self
             .client
             .post(&self.url)
@@ -168,45 +172,99 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-pub(crate) fn lock(q: &Mutex<SendQueue>) -> MutexGuard<'_, SendQueue> {
-    // A panic while holding the lock cannot leave the queue half-updated in a way that matters
-    // more than losing the agent, so keep going with its contents.
-    q.lock().unwrap_or_else(PoisonError::into_inner)
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock cannot leave the queue or spool half-updated in a way that
+    // matters more than losing the agent, so keep going with their contents.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// What the sender loop shares with the sampling loop.
 #[derive(Debug, Clone)]
 pub struct SenderShared {
     pub queue: Arc<Mutex<SendQueue>>,
+    /// Batches spilled to disk; always older than what is in `queue` at the same `seq`.
+    pub spool: Option<Arc<Mutex<Spool>>>,
     /// Signalled when a round is queued or `draining` is set.
     pub wake: Arc<Notify>,
-    /// Set once sampling has stopped: the loop returns when the queue is empty.
+    /// Set once sampling has stopped: the loop returns when the memory queue is empty (the
+    /// spool keeps what is left for the next run).
     pub draining: Arc<AtomicBool>,
     pub counters: Arc<AgentCounters>,
 }
 
-/// Sends queued batches, oldest first, until draining and empty. Runs as its own task.
+/// The next batch to send: the lowest `seq` of the spool and the memory queue.
+enum Next {
+    Memory(Batch),
+    Spooled(SpoolEntry),
+}
+
+fn pick(shared: &SenderShared) -> Option<Next> {
+    let mut queue = lock(&shared.queue);
+    let spooled = shared.spool.as_ref().and_then(|s| lock(s).head());
+    match (queue.front_seq(), spooled) {
+        (Some(mem), Some(sp)) if sp.seq < mem => Some(Next::Spooled(sp)),
+        (None, Some(sp)) if !shared.draining.load(Relaxed) => Some(Next::Spooled(sp)),
+        (Some(_), _) => queue.next_to_send().map(Next::Memory),
+        _ => None,
+    }
+}
+
+/// Removes a settled spooled batch, logging (not failing) if the file cannot be deleted.
+fn unspool(shared: &SenderShared, seq: u64) {
+    if let Some(spool) = &shared.spool {
+        let mut spool = lock(spool);
+        if let Err(e) = spool.remove(seq) {
+            tracing::warn!(seq, error = %e, "cannot delete delivered batch from spool");
+        }
+        shared.counters.spool_bytes.store(spool.bytes(), Relaxed);
+    }
+}
+
+/// Sends batches, lowest `seq` first, until draining and the memory queue is empty. Runs as
+/// its own task.
 pub async fn run_sender(sender: Sender, shared: SenderShared, backoff: Backoff) {
-    let SenderShared {
-        queue,
-        wake,
-        draining,
-        counters,
-    } = shared;
+    let counters = shared.counters.clone();
     let mut failures = 0u32;
     loop {
-        let next = lock(&queue).next_to_send();
-        let Some(batch) = next else {
-            if draining.load(Relaxed) {
+        let Some(next) = pick(&shared) else {
+            if shared.draining.load(Relaxed) {
                 return;
             }
-            wake.notified().await;
+            shared.wake.notified().await;
             continue;
         };
-        let samples = batch.sample_count() as u64;
-        match sender.post(&batch).await {
+        let (seq, samples, outcome) = match next {
+            Next::Memory(batch) => (
+                batch.seq,
+                batch.sample_count() as u64,
+                sender.post(&batch).await,
+            ),
+            Next::Spooled(entry) => {
+                let body = shared.spool.as_ref().map(|s| lock(s).read(&entry));
+                match body {
+                    Some(Ok(body)) => (entry.seq, entry.samples, sender.post_body(body).await),
+                    Some(Err(e)) => {
+                        tracing::warn!(seq = entry.seq, error = %e, "cannot read spooled batch, dropping it");
+                        unspool(&shared, entry.seq);
+                        counters.batches_dropped.fetch_add(1, Relaxed);
+                        counters.samples_dropped.fetch_add(entry.samples, Relaxed);
+                        continue;
+                    }
+                    None => continue,
+                }
+            }
+        };
+        let settle = |shared: &SenderShared| {
+            if !lock(&shared.queue).complete(seq) {
+                unspool(shared, seq);
+            }
+            counters
+                .batches_queued
+                .store(lock(&shared.queue).len() as u64, Relaxed);
+        };
+        match outcome {
             SendOutcome::Accepted { duplicate } => {
-                lock(&queue).complete(batch.seq);
+                settle(&shared);
                 if failures > 0 {
                     tracing::info!(
                         failed_attempts = failures,
@@ -221,13 +279,13 @@ pub async fn run_sender(sender: Sender, shared: SenderShared, backoff: Backoff) 
                 }
             }
             SendOutcome::Rejected { status, message } => {
-                lock(&queue).complete(batch.seq);
+                settle(&shared);
                 counters.batches_rejected.fetch_add(1, Relaxed);
                 counters.samples_dropped.fetch_add(samples, Relaxed);
-                tracing::warn!(seq = batch.seq, status, samples, server_message = %message, "server rejected batch, dropping it");
+                tracing::warn!(seq, status, samples, server_message = %message, "server rejected batch, dropping it");
             }
             SendOutcome::Retry { reason } => {
-                lock(&queue).retry_later(batch.seq);
+                lock(&shared.queue).retry_later(seq);
                 counters.send_errors.fetch_add(1, Relaxed);
                 failures += 1;
                 let delay = backoff.delay(failures);

@@ -183,6 +183,7 @@ async fn deliver(url: &str, n: i64) -> Arc<AgentCounters> {
     let counters = Arc::new(AgentCounters::default());
     let shared = SenderShared {
         queue: Arc::new(Mutex::new(queue)),
+        spool: None,
         wake: Arc::new(Notify::new()),
         draining: Arc::new(AtomicBool::new(true)),
         counters: counters.clone(),
@@ -295,6 +296,7 @@ fn agent_config(url: String) -> AgentConfig {
     c.seed = 9;
     c.data_dir = std::env::temp_dir();
     c.backoff = FAST;
+    c.spool_max_bytes = 0;
     c
 }
 
@@ -354,6 +356,10 @@ async fn with_the_server_down_every_round_is_accounted_as_dropped() {
     let mut config = agent_config(url);
     config.max_batch_rounds = 1;
     config.max_queue_batches = 3;
+    assert_eq!(
+        config.spool_max_bytes, 0,
+        "no spool: batches past the bound are dropped"
+    );
     config.drain_timeout = Duration::from_millis(20);
     let counters = Arc::new(AgentCounters::default());
     let watched = counters.clone();
@@ -377,4 +383,80 @@ async fn with_the_server_down_every_round_is_accounted_as_dropped() {
     );
     assert_eq!(stats.samples_dropped, stats.rounds_sampled * 5);
     assert!(stats.send_errors > 0);
+}
+
+/// Waits until `f` holds for the counters, yielding to the agent in between.
+async fn until(counters: Arc<AgentCounters>, f: impl Fn(&perch_collector::AgentStats) -> bool) {
+    while !f(&counters.snapshot()) {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+#[tokio::test]
+async fn batches_spooled_while_the_server_is_down_are_replayed_in_order_after_a_restart() {
+    let data = tempfile::tempdir().expect("temp dir");
+    let spool_dir = data.path().join("agent-spool").join("test-node");
+
+    // Run 1: the server answers 503 to everything; memory holds 2 batches, the rest spill.
+    let down = Arc::new(Ingest {
+        faults: Mutex::new(vec![Fault::Status(503); 100_000].into()),
+        ..Ingest::default()
+    });
+    let mut config = agent_config(start(down.clone(), 0).await);
+    config.data_dir = data.path().to_path_buf();
+    config.spool_max_bytes = 10 << 20;
+    config.max_batch_rounds = 1;
+    config.max_queue_batches = 2;
+    config.drain_timeout = Duration::from_millis(20);
+    let counters = Arc::new(AgentCounters::default());
+    let shutdown = until(counters.clone(), |s| s.batches_spooled >= 5);
+    let first = bounded(run_agent_with(config.clone(), shutdown, counters))
+        .await
+        .expect("run 1");
+    assert!(stored_seqs(&down).is_empty());
+    assert_eq!(
+        (first.batches_sent, first.batches_dropped),
+        (0, 0),
+        "nothing lost: {first:?}"
+    );
+    assert_eq!(
+        first.batches_spooled, first.rounds_sampled,
+        "every batch reached the spool"
+    );
+    let files = std::fs::read_dir(&spool_dir).expect("spool dir").count() as u64;
+    assert_eq!(files, first.rounds_sampled);
+    assert!(first.spool_bytes > 0);
+
+    // Run 2: a healthy server; the spool is replayed first, then new rounds follow.
+    let (tx, mut rx) = watch::channel(0);
+    let up = Arc::new(Ingest {
+        stored_tx: Some(tx),
+        ..Ingest::default()
+    });
+    config.server = start(up.clone(), 0).await;
+    let want = first.rounds_sampled as usize + 3;
+    let shutdown = async move {
+        let _ = rx.wait_for(|n| *n >= want).await;
+    };
+    let counters = Arc::new(AgentCounters::default());
+    let second = bounded(run_agent_with(config, shutdown, counters))
+        .await
+        .expect("run 2");
+    let stored = up.stored.lock().expect("lock").clone();
+    assert!(
+        stored.windows(2).all(|w| w[1].seq > w[0].seq),
+        "in seq order"
+    );
+    let samples: u64 = stored.iter().map(|b| b.sample_count() as u64).sum();
+    assert_eq!(
+        samples,
+        (first.rounds_sampled + second.rounds_sampled) * 5,
+        "every sample, once"
+    );
+    assert_eq!((second.batches_dropped, second.spool_bytes), (0, 0));
+    assert_eq!(
+        std::fs::read_dir(&spool_dir).expect("spool dir").count(),
+        0,
+        "spool emptied"
+    );
 }

@@ -50,7 +50,7 @@ fn one_round_per_batch_when_merging_is_off() {
             q.push(round(i)),
             PushOutcome {
                 merged: false,
-                dropped: None
+                evicted: None
             }
         );
     }
@@ -84,23 +84,10 @@ fn an_attempted_batch_is_never_changed() {
 #[test]
 fn the_bound_drops_the_oldest_and_reports_it() {
     let mut q = queue(1, 3);
-    let dropped: Vec<Option<Dropped>> = (0..5).map(|i| q.push(round(i)).dropped).collect();
-    assert_eq!(
-        dropped,
-        [
-            None,
-            None,
-            None,
-            Some(Dropped {
-                seq: 100,
-                samples: 1
-            }),
-            Some(Dropped {
-                seq: 101,
-                samples: 1
-            })
-        ]
-    );
+    let evicted: Vec<Option<u64>> = (0..5)
+        .map(|i| q.push(round(i)).evicted.map(|b| b.seq))
+        .collect();
+    assert_eq!(evicted, [None, None, None, Some(100), Some(101)]);
     assert_eq!(q.len(), 3);
     assert_eq!(seqs(&mut q), [(102, 1), (103, 1), (104, 1)]);
 }
@@ -111,13 +98,9 @@ fn the_bound_spares_the_batch_in_flight() {
     q.push(round(0));
     q.push(round(1));
     let sent = q.next_to_send().expect("front");
-    assert_eq!(
-        q.push(round(2)).dropped,
-        Some(Dropped {
-            seq: 101,
-            samples: 1
-        })
-    );
+    let evicted = q.push(round(2)).evicted;
+    assert_eq!(evicted.map(|b| (b.seq, b.sample_count())), Some((101, 1)));
+    assert_eq!(q.front_seq(), Some(100));
     assert!(q.complete(sent.seq));
     assert_eq!(seqs(&mut q), [(102, 1)]);
 }
