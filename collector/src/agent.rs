@@ -178,7 +178,7 @@ impl AgentHandle {
     pub async fn join(self) -> Result<AgentStats> {
         self.task
             .await
-            .map_err(|e| CollectorError::Config(format!("agent task failed: {e}")))?
+            .map_err(|e| CollectorError::Task(e.to_string()))?
     }
 }
 
@@ -277,9 +277,10 @@ pub async fn run_agent_with(
 ) -> Result<AgentStats> {
     config.check()?;
     let sender = Sender::new(&config.server, config.request_timeout)?;
-    // NVML calls and /proc reads block briefly (well under a millisecond per source); the
-    // sampler runs inline on this task rather than paying a thread hop per round.
-    let mut sampler = Sampler::new(&SamplerConfig {
+    // Loading NVML can take a second on a big node: keep it off the async threads. Later NVML
+    // calls and /proc reads block well under a millisecond per source, so each round runs
+    // inline on this task rather than paying a thread hop.
+    let sampler_config = SamplerConfig {
         node: config.node.clone(),
         root: config.root.clone(),
         data_dir: config.data_dir.clone(),
@@ -287,7 +288,10 @@ pub async fn run_agent_with(
         simulate_gpus: config.simulate_gpus,
         simulate_host: config.simulate_host,
         seed: config.seed,
-    });
+    };
+    let mut sampler = tokio::task::spawn_blocking(move || Sampler::new(&sampler_config))
+        .await
+        .map_err(|e| CollectorError::Task(format!("opening the samplers: {e}")))?;
     let spool = open_spool(&config);
     // Number new batches above anything spooled by an earlier run, even if the clock stepped
     // back, so the server never takes them for duplicates.

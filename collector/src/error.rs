@@ -25,6 +25,9 @@ pub enum CollectorError {
     /// Building the HTTP client or encoding a batch failed.
     #[error("cannot prepare batch for sending: {0}")]
     Encode(String),
+    /// An agent task panicked or was cancelled.
+    #[error("agent task stopped abnormally: {0}")]
+    Task(String),
     /// The agent's spool on disk could not be used.
     #[error("spool {path}: {message}")]
     Spool { path: PathBuf, message: String },

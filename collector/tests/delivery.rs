@@ -10,7 +10,7 @@ use perch_collector::agent::{AgentCounters, run_agent_with};
 use perch_collector::queue::SendQueue;
 use perch_collector::sampler::Round;
 use perch_collector::sender::{Backoff, Sender, SenderShared, run_sender};
-use perch_collector::{AgentConfig, NvmlMode};
+use perch_collector::{AgentConfig, NvmlMode, spawn_agent};
 use perch_model::{Batch, HostSample, NodeId};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
@@ -341,6 +341,36 @@ async fn the_agent_delivers_every_round_of_a_simulated_node() {
         assert!(b.hosts.iter().all(|h| h.simulated) && b.gpus.iter().all(|g| g.simulated));
         assert!(b.nics.iter().all(|n| n.simulated));
     }
+}
+
+#[tokio::test]
+async fn a_spawned_agent_reports_stats_while_running() {
+    let (tx, mut rx) = watch::channel(0);
+    let state = Arc::new(Ingest {
+        stored_tx: Some(tx),
+        ..Ingest::default()
+    });
+    let url = start(state.clone(), 0).await;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let handle = spawn_agent(agent_config(url), async move {
+        let _ = stopped.await;
+    });
+    bounded(rx.wait_for(|n| *n >= 3))
+        .await
+        .expect("server alive");
+    // Batches go one at a time, so the third one stored means two replies were counted.
+    let live = handle.stats();
+    assert!(
+        live.batches_sent >= 2 && live.rounds_sampled >= 3,
+        "{live:?}"
+    );
+    stop.send(()).expect("agent still waiting");
+    let last = bounded(handle.join()).await.expect("agent ran");
+    assert!(last.batches_sent >= live.batches_sent);
+    assert_eq!(
+        last.batches_sent as usize,
+        state.stored.lock().expect("lock").len()
+    );
 }
 
 #[tokio::test]
