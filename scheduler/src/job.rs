@@ -1,0 +1,188 @@
+//! What the core needs to know about a job (its spec), and the states and reasons it reports.
+//!
+//! The server's richer spec (command, environment, logs, dependencies) stays in the server; the
+//! core sees only what decides placement and order.
+
+use crate::error::{Error, Result};
+use crate::ids::{Account, GpuModel, JobId, Millis, Time, User};
+use serde::{Deserialize, Serialize};
+
+/// A gang: `nodes` nodes with `gpus_per_node` GPUs on each, all granted at once or none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Shape {
+    /// Number of nodes.
+    pub nodes: u32,
+    /// GPUs on each of those nodes.
+    pub gpus_per_node: u32,
+}
+
+impl Shape {
+    /// Total GPUs of the gang.
+    pub fn gpus(&self) -> u32 {
+        self.nodes * self.gpus_per_node
+    }
+
+    /// The fewest-nodes shape for `gpus` GPUs on nodes of `node_gpus` GPUs: one node when it
+    /// fits, else `ceil(gpus / node_gpus)` nodes with the GPUs spread evenly (rounded up, so a
+    /// count that does not divide evenly asks for slightly more GPUs than `gpus`).
+    pub fn fewest_nodes(gpus: u32, node_gpus: u32) -> Shape {
+        let node_gpus = node_gpus.max(1);
+        if gpus <= node_gpus {
+            return Shape {
+                nodes: 1,
+                gpus_per_node: gpus.max(1),
+            };
+        }
+        let nodes = gpus.div_ceil(node_gpus);
+        Shape {
+            nodes,
+            gpus_per_node: gpus.div_ceil(nodes),
+        }
+    }
+}
+
+/// Quality of service: a priority tier, as Slurm's QOS priority factor.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default,
+)]
+pub enum Qos {
+    /// Scavenger work.
+    Low,
+    /// The default.
+    #[default]
+    Normal,
+    /// Urgent work.
+    High,
+}
+
+impl Qos {
+    /// The QOS factor in `[0, 1]` of the multifactor priority.
+    pub fn factor(self) -> f64 {
+        match self {
+            Qos::Low => 0.0,
+            Qos::Normal => 0.5,
+            Qos::High => 1.0,
+        }
+    }
+}
+
+/// The part of a job spec the scheduling core decides on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobSpec {
+    /// The job's id, unique for the scheduler's life.
+    pub id: JobId,
+    /// Who submitted it.
+    pub user: User,
+    /// Who pays and whose quota it draws on.
+    pub account: Account,
+    /// The gang it needs.
+    pub shape: Shape,
+    /// Only GPUs of this model, when set.
+    pub gpu_model: Option<GpuModel>,
+    /// The wall-clock limit the user declared; the job is ended as `Timeout` past it and
+    /// backfill plans with it.
+    pub time_limit: Millis,
+    /// Priority tier.
+    pub qos: Qos,
+    /// May be preempted (quota reclaim, idle reclaim, SRTF).
+    pub preemptible: bool,
+    /// How many times a job may be requeued after node failure or preemption.
+    pub max_requeues: u32,
+    /// When it was submitted.
+    pub submit: Time,
+    /// The true run time, known only to simulators; only the SRTF reference policy reads it.
+    pub oracle_duration: Option<Millis>,
+}
+
+impl JobSpec {
+    /// Checks every field, naming the first that is wrong and what is allowed.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field, message: &str| Error::InvalidJob {
+            job: self.id,
+            field,
+            message: message.to_string(),
+        };
+        if self.shape.nodes == 0 {
+            return Err(bad("nodes", "must be at least 1"));
+        }
+        if self.shape.gpus_per_node == 0 || self.shape.gpus_per_node > 64 {
+            return Err(bad("gpus_per_node", "must be between 1 and 64"));
+        }
+        if self.time_limit <= 0 {
+            return Err(bad("time_limit", "must be positive"));
+        }
+        if self.account.0.is_empty() {
+            return Err(bad("account", "must not be empty"));
+        }
+        if matches!(self.oracle_duration, Some(d) if d < 0) {
+            return Err(bad("oracle_duration", "must not be negative"));
+        }
+        Ok(())
+    }
+}
+
+/// Why a pending job is not running, in the words `perch queue` shows (Slurm's `squeue` reasons).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum PendingReason {
+    /// Not yet considered by a scheduling pass.
+    New,
+    /// Higher-priority jobs come first.
+    Priority,
+    /// The highest-priority waiting job: the GPUs it needs are reserved for it from `at`.
+    Reserved {
+        /// The time its reservation starts (the planned start, from time limits).
+        at: Time,
+    },
+    /// Not enough free GPUs of the right shape, model and health.
+    Resources,
+    /// The account is at its quota and borrowing is off or nothing is idle to borrow.
+    QuotaExceeded,
+    /// Strict FIFO: a job ahead of it is blocked.
+    FifoBlocked,
+    /// No node of the cluster, even empty and healthy, can run this gang.
+    Unsatisfiable,
+}
+
+/// How a job ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum EndState {
+    /// Exit code 0.
+    Completed,
+    /// Non-zero exit code.
+    Failed {
+        /// The exit code.
+        code: i32,
+    },
+    /// Cancelled by a user or operator.
+    Cancelled,
+    /// Ran past its time limit.
+    Timeout,
+    /// Its node went down and it has no requeues left.
+    NodeFail,
+    /// Preempted without requeue (idle reclaim, or requeues exhausted).
+    Preempted,
+}
+
+/// Why a running job is being preempted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum PreemptReason {
+    /// An account within its quota reclaims capacity this job borrowed.
+    QuotaReclaim {
+        /// The job the GPUs go to.
+        for_job: JobId,
+    },
+    /// Its GPUs were measured idle for the configured time while other jobs waited.
+    Idle,
+    /// SRTF reference policy: a job with less remaining time needs the GPUs.
+    ShorterJob {
+        /// The job the GPUs go to.
+        for_job: JobId,
+    },
+}
+
+/// Why a job was put back in the queue without the user asking.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum RequeueReason {
+    /// Its node went down.
+    NodeFail,
+}

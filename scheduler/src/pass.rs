@@ -1,0 +1,381 @@
+//! One scheduling pass: walk pending jobs in priority order and start, reserve, backfill or
+//! preempt, per the policy.
+//!
+//! EASY backfill: the first job that cannot start gets a reservation: the earliest time `at`
+//! when, releasing running jobs in order of their time-limit deadlines, enough nodes have
+//! enough free GPUs for its gang, on chosen nodes. Every later job may start now only if it
+//! ends by `at` (by its own time limit) or if, on each reserved node, it leaves the GPUs the
+//! reservation needs. So backfill never delays the reserved job (unless a running job
+//! overruns... it cannot: time limits are enforced).
+
+use crate::cluster::NodeState;
+use crate::ids::{JobId, Time};
+use crate::job::{PendingReason, PreemptReason};
+use crate::placement::find;
+use crate::policy::{Config, IdleAction, PolicyKind, fairshare_factor, size_factor};
+use crate::scheduler::{Action, Job, JobState, Scheduler};
+use std::cmp::Ordering;
+use std::collections::HashMap;
+
+/// Queue order: higher priority first, then earlier submission, then lower id.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct OrderKey(f64, Time, JobId);
+
+impl PartialEq for OrderKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for OrderKey {}
+impl PartialOrd for OrderKey {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for OrderKey {
+    fn cmp(&self, other: &Self) -> Ordering {
+        other
+            .0
+            .total_cmp(&self.0)
+            .then(self.1.cmp(&other.1))
+            .then(self.2.cmp(&other.2))
+    }
+}
+
+pub(crate) fn order_key(_config: &Config, j: &Job) -> OrderKey {
+    OrderKey(j.priority, j.spec.submit, j.spec.id)
+}
+
+/// A reservation for the first blocked job.
+struct Reservation {
+    at: Time,
+    /// GPUs a job running past `at` may still take on each reserved node.
+    spare: HashMap<usize, u32>,
+}
+
+impl Scheduler {
+    /// Remaining oracle run time (SRTF), counting the current run.
+    pub(crate) fn remaining(&self, j: &Job, now: Time) -> i64 {
+        let total = j.spec.oracle_duration.unwrap_or(j.spec.time_limit);
+        let running = match j.state {
+            JobState::Running { start, .. } => now - start,
+            JobState::Pending(_) => 0,
+        };
+        total - j.progress - running
+    }
+
+    /// The job's priority now (higher runs first).
+    pub(crate) fn priority_of(&self, j: &Job, now: Time) -> f64 {
+        match self.config.kind {
+            PolicyKind::Fifo | PolicyKind::Backfill => 0.0,
+            PolicyKind::Srtf => -(self.remaining(j, now) as f64),
+            PolicyKind::Perch => {
+                let c = &self.config;
+                let w = c.weights;
+                let age = ((now - j.spec.submit).max(0) as f64 / c.age_max.max(1) as f64).min(1.0);
+                let total: f64 = self.accounts.iter().map(|a| a.usage).sum();
+                let share = self.share(j.account);
+                let fs = fairshare_factor(self.accounts[j.account].usage, total, share);
+                let req = j.spec.shape.gpus() as f64 * j.limit_left() as f64 / 1000.0;
+                let size = size_factor(req, c.size_max_gpu_seconds);
+                w.age * age + w.fairshare * fs + w.qos * j.spec.qos.factor() + w.size * size
+            }
+        }
+    }
+
+    /// The account's fair share: its quota's part of all quotas, or an equal part.
+    fn share(&self, account: usize) -> f64 {
+        let total: u32 = self.accounts.iter().filter_map(|a| a.quota).sum();
+        match self.accounts[account].quota {
+            Some(q) if total > 0 => (q as f64 / total as f64).max(1e-3),
+            _ => 1.0 / self.accounts.len().max(1) as f64,
+        }
+    }
+
+    /// Every `priority_period`: decays usage, charges running jobs, recomputes priorities and
+    /// re-sorts the queue. In between, only drops jobs that left the queue.
+    fn refresh_priorities(&mut self, now: Time) {
+        // Only perch's priorities move with time; the others are fixed at submission.
+        if now < self.next_priority_at || self.config.kind != PolicyKind::Perch {
+            if self.queue.len() > 2 * self.pending_len() + 64 {
+                self.queue.retain(|id| {
+                    matches!(
+                        self.jobs.get(id).map(|j| &j.state),
+                        Some(JobState::Pending(_))
+                    )
+                });
+            }
+            return;
+        }
+        self.next_priority_at = now + self.config.priority_period;
+        if let Some(last) = self.usage_decayed_at {
+            let factor =
+                (-((now - last) as f64) / self.config.usage_half_life.max(1) as f64).exp2();
+            for a in &mut self.accounts {
+                a.usage *= factor;
+            }
+        }
+        self.usage_decayed_at = Some(now);
+        let running: Vec<JobId> = self.deadlines.iter().map(|&(_, id)| id).collect();
+        for id in running {
+            if let Some(j) = self.jobs.get_mut(&id) {
+                if let JobState::Running { start, .. } = j.state {
+                    let from = j.charged_until.max(start);
+                    self.accounts[j.account].usage +=
+                        (now - from).max(0) as f64 * j.spec.shape.gpus() as f64;
+                    j.charged_until = now;
+                }
+            }
+        }
+        let mut queue = std::mem::take(&mut self.queue);
+        queue.retain(|id| {
+            matches!(
+                self.jobs.get(id).map(|j| &j.state),
+                Some(JobState::Pending(_))
+            )
+        });
+        let mut keyed: Vec<(OrderKey, JobId)> = Vec::with_capacity(queue.len());
+        for id in queue {
+            let Some(j) = self.jobs.get(&id) else {
+                continue;
+            };
+            let p = self.priority_of(j, now);
+            if let Some(j) = self.jobs.get_mut(&id) {
+                j.priority = p;
+                keyed.push((order_key(&self.config, j), id));
+            }
+        }
+        keyed.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        self.queue = keyed.into_iter().map(|(_, id)| id).collect();
+    }
+
+    fn set_reason(&mut self, id: JobId, reason: PendingReason) {
+        if let Some(j) = self.jobs.get_mut(&id) {
+            j.state = JobState::Pending(reason);
+        }
+    }
+
+    /// Whether no node, even empty and healthy, could ever hold the gang.
+    fn unsatisfiable(&self, j: &Job) -> bool {
+        let fit = self
+            .cluster
+            .nodes
+            .iter()
+            .filter(|n| n.state != NodeState::Down)
+            .filter(|n| {
+                j.model.is_none_or(|m| m == n.model) && n.spec.gpus >= j.spec.shape.gpus_per_node
+            })
+            .count();
+        fit < j.spec.shape.nodes as usize
+    }
+
+    fn free_total(&self) -> u32 {
+        self.cluster
+            .hist
+            .iter()
+            .map(|h| h.iter().enumerate().map(|(k, c)| k as u32 * c).sum::<u32>())
+            .sum()
+    }
+
+    /// Runs one scheduling pass at `now`.
+    pub fn schedule(&mut self, now: Time) -> Vec<Action> {
+        let mut out = Vec::new();
+        self.refresh_priorities(now);
+        self.fifo_blocked = false;
+        if let IdleAction::Reclaim { requeue } = self.config.idle.action {
+            if self.pending_len() > 0 {
+                out.extend(self.reclaim_idle(now, requeue));
+            }
+        }
+        // Jobs requeued during the pass land in `self.queue` and are merged back after it.
+        let order = std::mem::take(&mut self.queue);
+        let kind = self.config.kind;
+        let quotas = !self.config.quotas.is_empty();
+        let mut reservation: Option<Reservation> = None;
+        let mut fifo_blocked = false;
+        let mut reclaims_left = self.config.max_reclaims_per_pass;
+        let mut free = self.free_total();
+        let preempting = match kind {
+            PolicyKind::Srtf => true,
+            PolicyKind::Perch => quotas && self.config.reclaim,
+            PolicyKind::Fifo | PolicyKind::Backfill => false,
+        };
+        for &id in &order {
+            // Nothing more can start: later jobs keep their last reason.
+            if fifo_blocked
+                || (free == 0
+                    && (reservation.is_some() || kind == PolicyKind::Srtf)
+                    && (!preempting || reclaims_left == 0))
+            {
+                break;
+            }
+            let Some(j) = self.jobs.get(&id) else {
+                continue;
+            };
+            if !matches!(j.state, JobState::Pending(_)) {
+                continue;
+            }
+            let shape = j.spec.shape;
+            let model = j.model;
+            let acct = &self.accounts[j.account];
+            let within = acct.quota.is_none_or(|q| acct.alloc + shape.gpus() <= q);
+            if quotas && !within && !self.config.borrowing {
+                self.set_reason(id, PendingReason::QuotaExceeded);
+                continue;
+            }
+            let may_preempt = reclaims_left > 0
+                && ((kind == PolicyKind::Perch && quotas && within && self.config.reclaim)
+                    || kind == PolicyKind::Srtf);
+            let ends_by = |r: &Reservation| now + j.limit_left() <= r.at;
+            let placed = match &reservation {
+                _ if free < shape.gpus() => None,
+                None => find(&self.cluster, shape, model, |_| u32::MAX),
+                Some(r) if ends_by(r) => find(&self.cluster, shape, model, |_| u32::MAX),
+                Some(r) => find(&self.cluster, shape, model, |i| {
+                    r.spare.get(&i).copied().unwrap_or(u32::MAX)
+                }),
+            };
+            if let Some(p) = placed {
+                if let Some(r) = &mut reservation {
+                    if now + j.limit_left() > r.at {
+                        for a in &p {
+                            if let Some(s) = r.spare.get_mut(&(a.node.0 as usize)) {
+                                *s = s.saturating_sub(a.mask.count_ones());
+                            }
+                        }
+                    }
+                }
+                free -= shape.gpus();
+                out.push(self.start(now, id, p));
+                continue;
+            }
+            if may_preempt && find(&self.cluster, shape, model, |_| u32::MAX).is_none() {
+                reclaims_left -= 1;
+                let preempted = if kind == PolicyKind::Srtf {
+                    self.preempt_longer(now, id)
+                } else {
+                    self.reclaim_quota(now, id)
+                };
+                if !preempted.is_empty() {
+                    out.extend(preempted);
+                    if let Some(p) = find(&self.cluster, shape, model, |_| u32::MAX) {
+                        out.push(self.start(now, id, p));
+                    }
+                    free = self.free_total();
+                    continue;
+                }
+            }
+            if reservation.is_some() || kind == PolicyKind::Srtf {
+                let reason = if reservation.is_some() {
+                    PendingReason::Priority
+                } else {
+                    PendingReason::Resources
+                };
+                self.set_reason(id, reason);
+                continue;
+            }
+            let Some(j) = self.jobs.get(&id) else {
+                continue;
+            };
+            if self.unsatisfiable(j) {
+                self.set_reason(id, PendingReason::Unsatisfiable);
+                continue;
+            }
+            if kind == PolicyKind::Fifo {
+                self.set_reason(id, PendingReason::Resources);
+                fifo_blocked = true;
+                continue;
+            }
+            reservation = self.reserve(now, id);
+            let reason = reservation.as_ref().map_or(PendingReason::Resources, |r| {
+                PendingReason::Reserved { at: r.at }
+            });
+            self.set_reason(id, reason);
+        }
+        self.fifo_blocked = fifo_blocked;
+        let requeued = std::mem::replace(&mut self.queue, order);
+        for id in requeued {
+            self.insert_in_queue(id);
+        }
+        out
+    }
+
+    /// The earliest time `id`'s gang fits if running jobs leave at their deadlines, and the
+    /// nodes it would take then.
+    fn reserve(&self, now: Time, id: JobId) -> Option<Reservation> {
+        let j = self.jobs.get(&id)?;
+        if self.unsatisfiable(j) {
+            return None;
+        }
+        let g = j.spec.shape.gpus_per_node;
+        let k = j.spec.shape.nodes;
+        let model = j.model;
+        let nodes = &self.cluster.nodes;
+        let mut hyp: HashMap<usize, u32> = HashMap::new();
+        let mut count = self.cluster.nodes_with_free(model, g);
+        let mut at = now;
+        if count < k {
+            let mut reached = false;
+            for &(end, victim) in &self.deadlines {
+                let Some(JobState::Running { placement, .. }) =
+                    self.jobs.get(&victim).map(|v| &v.state)
+                else {
+                    continue;
+                };
+                for a in placement {
+                    let i = a.node.0 as usize;
+                    let n = &nodes[i];
+                    if n.state != NodeState::Up || model.is_some_and(|m| m != n.model) {
+                        continue;
+                    }
+                    let f = hyp.entry(i).or_insert_with(|| n.free());
+                    let before = *f;
+                    *f += (a.mask & !n.unhealthy).count_ones();
+                    if before < g && *f >= g {
+                        count += 1;
+                    }
+                }
+                if count >= k {
+                    at = end.max(now);
+                    reached = true;
+                    break;
+                }
+            }
+            if !reached {
+                return None;
+            }
+        }
+        // Reserve on the nodes that are fullest now, so free nodes stay open to backfill.
+        let mut cands: Vec<(u32, usize, u32)> = (0..nodes.len())
+            .filter(|&i| model.is_none_or(|m| m == nodes[i].model))
+            .map(|i| {
+                (
+                    nodes[i].free(),
+                    i,
+                    hyp.get(&i).copied().unwrap_or_else(|| nodes[i].free()),
+                )
+            })
+            .filter(|&(_, _, at_free)| at_free >= g)
+            .collect();
+        cands.sort_unstable();
+        let spare = cands
+            .into_iter()
+            .take(k as usize)
+            .map(|(_, i, at_free)| (i, at_free - g))
+            .collect();
+        Some(Reservation { at, spare })
+    }
+
+    /// Preempts a job for the pass (used by reclaim and SRTF).
+    pub(crate) fn preempt_for(
+        &mut self,
+        now: Time,
+        victims: Vec<JobId>,
+        reason: PreemptReason,
+    ) -> Vec<Action> {
+        victims
+            .into_iter()
+            .map(|v| self.preempt(now, v, reason, true))
+            .collect()
+    }
+}

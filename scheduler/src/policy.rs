@@ -1,0 +1,197 @@
+//! Policy configuration and the multifactor priority.
+//!
+//! One [`Config`] selects the policy; the same scheduling pass runs all of them:
+//!
+//! - [`PolicyKind::Fifo`]: submit order; the first job that does not fit blocks all behind it.
+//! - [`PolicyKind::Backfill`]: submit order with EASY backfill: the first blocked job gets a
+//!   reservation at the earliest time the time limits of running jobs say its gang frees up;
+//!   a later job may start now only if it ends (by its time limit) before that time, or uses
+//!   GPUs the reservation does not need.
+//! - [`PolicyKind::Perch`]: multifactor priority (below) + EASY backfill + per-account quotas
+//!   with borrowing of idle GPUs and gang-aware reclaim + idle detection.
+//! - [`PolicyKind::Srtf`]: shortest remaining (oracle) time first, preemptive, greedy fill; a
+//!   reference point that needs true durations, so only simulators can run it.
+//!
+//! Perch priority (each factor in `[0, 1]`, weighted and summed, higher runs first):
+//! `age = min(wait / age_max, 1)`; `fairshare = 2^(-(usage_a / usage_total) / share_a)` with
+//! usage decayed with a half-life (Slurm's classic formula); `qos` from [`crate::Qos`];
+//! `size = 1 - ln(1 + gpu_seconds_requested) / ln(1 + size_max)`, favouring small and short
+//! requests (declared GPUs x declared time limit, never the true duration).
+
+use crate::ids::{Account, DAY, MINUTE, Millis};
+use serde::{Deserialize, Serialize};
+
+/// Which ordering and rules a pass applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum PolicyKind {
+    /// Strict first-in first-out.
+    Fifo,
+    /// FIFO order with EASY backfill.
+    Backfill,
+    /// Shortest remaining oracle time first, preemptive (reference only).
+    Srtf,
+    /// Multifactor priority, EASY backfill, quotas with borrowing and reclaim, idle detection.
+    Perch,
+}
+
+impl PolicyKind {
+    /// The policy's name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            PolicyKind::Fifo => "fifo",
+            PolicyKind::Backfill => "backfill",
+            PolicyKind::Srtf => "srtf",
+            PolicyKind::Perch => "perch",
+        }
+    }
+}
+
+/// Weights of the multifactor priority.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Weights {
+    /// Weight of waiting time.
+    pub age: f64,
+    /// Weight of fair share.
+    pub fairshare: f64,
+    /// Weight of QOS.
+    pub qos: f64,
+    /// Weight of (small) size.
+    pub size: f64,
+}
+
+/// What to do with a job whose GPUs are measured idle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum IdleAction {
+    /// Nothing.
+    Off,
+    /// Emit [`crate::Action::IdleReport`] once per idle spell.
+    Report,
+    /// Report, and preempt the job when it is preemptible and other jobs wait.
+    Reclaim {
+        /// Put it back in the queue (else it ends as `Preempted`).
+        requeue: bool,
+    },
+}
+
+/// Allocated-but-idle detection.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct IdlePolicy {
+    /// A job is idle while all its GPUs are under this utilization, percent.
+    pub threshold_pct: f32,
+    /// How long it must stay idle before the action.
+    pub window: Millis,
+    /// The action.
+    pub action: IdleAction,
+}
+
+/// Everything a pass needs to know about policy.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Config {
+    /// The policy.
+    pub kind: PolicyKind,
+    /// Priority weights (Perch).
+    pub weights: Weights,
+    /// Waiting time at which the age factor reaches 1.
+    pub age_max: Millis,
+    /// Half-life of past usage in the fair-share factor.
+    pub usage_half_life: Millis,
+    /// Requested GPU-seconds at which the size factor reaches 0.
+    pub size_max_gpu_seconds: f64,
+    /// Priorities are recomputed at most this often (Slurm's PriorityCalcPeriod); jobs
+    /// submitted in between are placed by the priority they had at submission.
+    pub priority_period: Millis,
+    /// GPU quota per account. Empty: no quotas. Non-empty: unlisted accounts have quota 0.
+    pub quotas: Vec<(Account, u32)>,
+    /// Accounts over quota may use idle GPUs (the jobs become reclaimable).
+    pub borrowing: bool,
+    /// Accounts within quota preempt borrowers to get their GPUs back.
+    pub reclaim: bool,
+    /// Idle detection.
+    pub idle: IdlePolicy,
+    /// Jobs whose reclaim a pass may attempt (bounds the pass time).
+    pub max_reclaims_per_pass: usize,
+}
+
+impl Config {
+    /// The defaults shared by every policy.
+    fn base(kind: PolicyKind) -> Self {
+        Config {
+            kind,
+            weights: Weights {
+                age: 1000.0,
+                fairshare: 1000.0,
+                qos: 1000.0,
+                size: 3000.0,
+            },
+            age_max: 7 * DAY,
+            usage_half_life: 7 * DAY,
+            size_max_gpu_seconds: 64.0 * 30.0 * 86_400.0,
+            priority_period: 5 * MINUTE,
+            quotas: Vec::new(),
+            borrowing: true,
+            reclaim: false,
+            idle: IdlePolicy {
+                threshold_pct: 1.0,
+                window: 30 * MINUTE,
+                action: IdleAction::Off,
+            },
+            max_reclaims_per_pass: 8,
+        }
+    }
+
+    /// Strict FIFO.
+    pub fn fifo() -> Self {
+        Self::base(PolicyKind::Fifo)
+    }
+
+    /// FIFO with EASY backfill.
+    pub fn backfill() -> Self {
+        Self::base(PolicyKind::Backfill)
+    }
+
+    /// Preemptive SRTF with oracle durations.
+    pub fn srtf() -> Self {
+        Self::base(PolicyKind::Srtf)
+    }
+
+    /// perch's default: multifactor priority, EASY backfill, quotas with borrowing and reclaim,
+    /// idle GPUs reported.
+    pub fn perch(quotas: Vec<(Account, u32)>) -> Self {
+        let mut c = Self::base(PolicyKind::Perch);
+        c.quotas = quotas;
+        c.reclaim = true;
+        c.idle.action = IdleAction::Report;
+        c
+    }
+}
+
+/// Slurm's classic fair-share factor: 1 with no usage, 0.5 at exactly the fair share.
+pub(crate) fn fairshare_factor(usage: f64, total_usage: f64, share: f64) -> f64 {
+    if total_usage <= 0.0 || share <= 0.0 {
+        return if share <= 0.0 { 0.0 } else { 1.0 };
+    }
+    (-(usage / total_usage) / share).exp2()
+}
+
+/// The size factor: 1 for the smallest request, 0 at `max` GPU-seconds and beyond.
+pub(crate) fn size_factor(gpu_seconds: f64, max: f64) -> f64 {
+    (1.0 - (1.0 + gpu_seconds.max(0.0)).ln() / (1.0 + max).ln()).clamp(0.0, 1.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fairshare_is_half_at_the_share() {
+        assert!((fairshare_factor(25.0, 100.0, 0.25) - 0.5).abs() < 1e-12);
+        assert_eq!(fairshare_factor(0.0, 0.0, 0.25), 1.0);
+        assert!(fairshare_factor(90.0, 100.0, 0.1) < fairshare_factor(10.0, 100.0, 0.1));
+    }
+
+    #[test]
+    fn size_favours_small() {
+        assert!(size_factor(60.0, 1e9) > size_factor(6000.0, 1e9));
+        assert_eq!(size_factor(2e9, 1e9), 0.0);
+    }
+}

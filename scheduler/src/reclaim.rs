@@ -1,0 +1,161 @@
+//! Choosing victims: gang-aware reclaim of borrowed GPUs, SRTF preemption, and idle reclaim.
+//!
+//! Victims are always whole jobs (every GPU of a gang is freed together). Candidates are taken
+//! cheapest first (measured-idle jobs before busy ones, then the fewest GPU-milliseconds of work
+//! at stake) until the waiting gang would fit; then every victim that turns out not to be needed
+//! is dropped again, most expensive first, so the set is small and cheap.
+
+use crate::cluster::NodeState;
+use crate::ids::{JobId, Time};
+use crate::job::PreemptReason;
+use crate::scheduler::{Action, JobState, Scheduler};
+use std::collections::HashMap;
+
+impl Scheduler {
+    /// The smallest prefix-then-pruned set of `candidates` (in preference order) whose release
+    /// lets `id`'s gang fit, or `None`.
+    pub(crate) fn select_victims(&self, id: JobId, candidates: &[JobId]) -> Option<Vec<JobId>> {
+        let j = self.jobs.get(&id)?;
+        let g = j.spec.shape.gpus_per_node;
+        let k = j.spec.shape.nodes;
+        let model = j.model;
+        let nodes = &self.cluster.nodes;
+        // GPUs each candidate would free, per usable node.
+        let gains = |v: JobId| -> Vec<(usize, u32)> {
+            match self.jobs.get(&v).map(|x| &x.state) {
+                Some(JobState::Running { placement, .. }) => placement
+                    .iter()
+                    .map(|a| (a.node.0 as usize, a))
+                    .filter(|(i, _)| {
+                        nodes[*i].state == NodeState::Up
+                            && model.is_none_or(|m| m == nodes[*i].model)
+                    })
+                    .map(|(i, a)| (i, (a.mask & !nodes[i].unhealthy).count_ones()))
+                    .collect(),
+                _ => Vec::new(),
+            }
+        };
+        let mut hyp: HashMap<usize, u32> = HashMap::new();
+        let mut count = self.cluster.nodes_with_free(model, g);
+        let apply = |hyp: &mut HashMap<usize, u32>, count: &mut u32, v: JobId, sign: bool| {
+            for (i, n) in gains(v) {
+                let f = hyp.entry(i).or_insert_with(|| nodes[i].free());
+                let before = *f >= g;
+                if sign {
+                    *f += n
+                } else {
+                    *f -= n
+                }
+                let after = *f >= g;
+                match (before, after) {
+                    (false, true) => *count += 1,
+                    (true, false) => *count -= 1,
+                    _ => {}
+                }
+            }
+        };
+        let mut chosen = Vec::new();
+        for &v in candidates {
+            if count >= k {
+                break;
+            }
+            apply(&mut hyp, &mut count, v, true);
+            chosen.push(v);
+        }
+        if count < k {
+            return None;
+        }
+        for idx in (0..chosen.len()).rev() {
+            let v = chosen[idx];
+            apply(&mut hyp, &mut count, v, false);
+            if count >= k {
+                chosen.remove(idx);
+            } else {
+                apply(&mut hyp, &mut count, v, true);
+            }
+        }
+        Some(chosen)
+    }
+
+    /// Quota reclaim for `id` (within its account's quota): preempt jobs of accounts that are
+    /// over their quota, never below it.
+    pub(crate) fn reclaim_quota(&mut self, now: Time, id: JobId) -> Vec<Action> {
+        let Some(me) = self.jobs.get(&id).map(|j| j.account) else {
+            return Vec::new();
+        };
+        let mut cands: Vec<((bool, i64), JobId)> = Vec::new();
+        for &(_, v) in &self.deadlines {
+            let Some(job) = self.jobs.get(&v) else {
+                continue;
+            };
+            let a = &self.accounts[job.account];
+            let JobState::Running { start, .. } = job.state else {
+                continue;
+            };
+            if job.account == me || !job.spec.preemptible || a.quota.is_none_or(|q| a.alloc <= q) {
+                continue;
+            }
+            let cost = job.spec.shape.gpus() as i64 * (now - start).max(0);
+            cands.push(((job.idle_since.is_none(), cost), v));
+        }
+        cands.sort_unstable();
+        // Take candidates only while their account stays over quota.
+        let mut alloc: HashMap<usize, u32> = HashMap::new();
+        let mut ordered = Vec::with_capacity(cands.len());
+        for (_, v) in cands {
+            let Some(job) = self.jobs.get(&v) else {
+                continue;
+            };
+            let a = &self.accounts[job.account];
+            let cur = alloc.entry(job.account).or_insert(a.alloc);
+            if a.quota.is_some_and(|q| *cur > q) {
+                *cur = cur.saturating_sub(job.spec.shape.gpus());
+                ordered.push(v);
+            }
+        }
+        match self.select_victims(id, &ordered) {
+            Some(victims) => {
+                self.preempt_for(now, victims, PreemptReason::QuotaReclaim { for_job: id })
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// SRTF: preempt running jobs with more remaining time than `id`, longest first.
+    pub(crate) fn preempt_longer(&mut self, now: Time, id: JobId) -> Vec<Action> {
+        let Some(mine) = self.jobs.get(&id).map(|j| self.remaining(j, now)) else {
+            return Vec::new();
+        };
+        let mut cands: Vec<(std::cmp::Reverse<i64>, JobId)> = self
+            .deadlines
+            .iter()
+            .filter_map(|&(_, v)| self.jobs.get(&v).map(|j| (v, j)))
+            .filter(|(_, j)| j.spec.preemptible)
+            .map(|(v, j)| (std::cmp::Reverse(self.remaining(j, now)), v))
+            .filter(|(r, _)| r.0 > mine)
+            .collect();
+        cands.sort_unstable();
+        let ordered: Vec<JobId> = cands.into_iter().map(|(_, v)| v).collect();
+        match self.select_victims(id, &ordered) {
+            Some(victims) => {
+                self.preempt_for(now, victims, PreemptReason::ShorterJob { for_job: id })
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// Preempts preemptible jobs idle for the whole window (called only when jobs wait).
+    pub(crate) fn reclaim_idle(&mut self, now: Time, requeue: bool) -> Vec<Action> {
+        let window = self.config.idle.window;
+        let due: Vec<JobId> = self
+            .idle
+            .iter()
+            .filter_map(|id| self.jobs.get(id).map(|j| (*id, j)))
+            .filter(|(_, j)| j.spec.preemptible && j.idle_since.is_some_and(|s| s + window <= now))
+            .map(|(id, _)| id)
+            .collect();
+        due.into_iter()
+            .map(|v| self.preempt(now, v, PreemptReason::Idle, requeue))
+            .collect()
+    }
+}

@@ -1,0 +1,640 @@
+//! The scheduler's state and its one entry point: feed an [`Event`] at a time, get [`Action`]s.
+//!
+//! `step(now, event)` = `handle(now, event)` (book-keeping: a job exits, a node fails) followed
+//! by `schedule(now)` (a pass: start, reserve, preempt). Nothing here reads a clock, touches a
+//! file or draws a random number, so the live server and the simulator run exactly this code.
+//! Jobs are forgotten once they end; the caller keeps history.
+
+use crate::cluster::{Cluster, GpuHealth, NodeState, Placement};
+use crate::error::{Error, Result};
+use crate::ids::{Account, JobId, Millis, NodeId, Time};
+use crate::job::{EndState, JobSpec, PendingReason, PreemptReason, RequeueReason};
+use crate::policy::{Config, IdleAction};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeSet, HashMap};
+
+/// Something that happened, fed to [`Scheduler::step`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Event {
+    /// A new job.
+    Submit(JobSpec),
+    /// A user cancels a pending or running job.
+    Cancel(JobId),
+    /// A running job's processes exited.
+    JobExited {
+        /// The job.
+        job: JobId,
+        /// Its exit code.
+        code: i32,
+    },
+    /// A node came back (heartbeats resumed).
+    NodeUp(NodeId),
+    /// A node is gone (heartbeats stopped): its jobs end or are requeued.
+    NodeDown(NodeId),
+    /// An operator drains a node: running jobs stay, no new ones.
+    Drain(NodeId),
+    /// An operator resumes a drained node.
+    Resume(NodeId),
+    /// A GPU's health changed.
+    GpuHealth {
+        /// The node.
+        node: NodeId,
+        /// The GPU index.
+        gpu: u32,
+        /// The new health.
+        health: GpuHealth,
+    },
+    /// Measured utilization of one GPU, percent.
+    GpuUtilization {
+        /// The node.
+        node: NodeId,
+        /// The GPU index.
+        gpu: u32,
+        /// Percent busy.
+        percent: f32,
+    },
+    /// Measured utilization of all of a job's GPUs at once, percent.
+    JobUtilization {
+        /// The job.
+        job: JobId,
+        /// Percent busy (the busiest of its GPUs).
+        percent: f32,
+    },
+    /// Time passed; lets time limits and idle windows act.
+    Tick,
+}
+
+/// What the caller must do.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Action {
+    /// Start the job on these GPUs.
+    Start {
+        /// The job.
+        job: JobId,
+        /// Its GPUs, per node.
+        placement: Placement,
+    },
+    /// Stop the job (checkpoint signal, grace, kill). Its GPUs are already free in the core's
+    /// books: the agent must finish the grace period before launching anything on them.
+    Preempt {
+        /// The job.
+        job: JobId,
+        /// Why.
+        reason: PreemptReason,
+        /// It went back to the queue; else it has ended as `Preempted`.
+        requeued: bool,
+    },
+    /// The job went back to the queue for a reason other than preemption.
+    Requeue {
+        /// The job.
+        job: JobId,
+        /// Why.
+        reason: RequeueReason,
+    },
+    /// The job reached a final state (kill it if it still runs: timeout, cancel, node fail).
+    End {
+        /// The job.
+        job: JobId,
+        /// Its final state.
+        state: EndState,
+    },
+    /// The job's GPUs have been idle since `since`.
+    IdleReport {
+        /// The job.
+        job: JobId,
+        /// Start of the idle spell.
+        since: Time,
+    },
+}
+
+/// One line of `perch queue`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct QueueEntry {
+    /// The job.
+    pub job: JobId,
+    /// Why it waits.
+    pub reason: PendingReason,
+    /// Its priority at the last recomputation.
+    pub priority: f64,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) enum JobState {
+    Pending(PendingReason),
+    Running { placement: Placement, start: Time },
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct Job {
+    pub(crate) spec: JobSpec,
+    pub(crate) account: usize,
+    pub(crate) model: Option<usize>,
+    pub(crate) state: JobState,
+    pub(crate) requeues: u32,
+    /// Run time accumulated over earlier runs.
+    pub(crate) progress: Millis,
+    pub(crate) priority: f64,
+    pub(crate) idle_since: Option<Time>,
+    pub(crate) idle_reported: bool,
+    /// Usage charged to the account up to this time.
+    pub(crate) charged_until: Time,
+}
+
+impl Job {
+    /// Time limit left, counting earlier runs.
+    pub(crate) fn limit_left(&self) -> Millis {
+        (self.spec.time_limit - self.progress).max(0)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct AccountState {
+    pub(crate) quota: Option<u32>,
+    pub(crate) alloc: u32,
+    pub(crate) usage: f64,
+}
+
+/// The scheduling core. See the crate docs for how a server drives it.
+#[derive(Clone, Debug)]
+pub struct Scheduler {
+    pub(crate) config: Config,
+    pub(crate) cluster: Cluster,
+    pub(crate) jobs: HashMap<JobId, Job>,
+    /// Pending jobs in priority order (may hold ids of jobs no longer pending; skipped).
+    pub(crate) queue: Vec<JobId>,
+    /// Running jobs by (deadline from time limit, id).
+    pub(crate) deadlines: BTreeSet<(Time, JobId)>,
+    /// Running jobs with an idle spell under way.
+    pub(crate) idle: BTreeSet<JobId>,
+    pub(crate) accounts: Vec<AccountState>,
+    pub(crate) account_names: Vec<Account>,
+    pub(crate) account_index: HashMap<Account, usize>,
+    pub(crate) next_priority_at: Time,
+    /// Strict FIFO stopped at a blocked job in the last pass: jobs not reached wait behind it.
+    pub(crate) fifo_blocked: bool,
+    pub(crate) usage_decayed_at: Option<Time>,
+}
+
+impl Scheduler {
+    /// A scheduler over `cluster` with `config`.
+    pub fn new(cluster: Cluster, config: Config) -> Self {
+        let mut s = Scheduler {
+            config,
+            cluster,
+            jobs: HashMap::new(),
+            queue: Vec::new(),
+            deadlines: BTreeSet::new(),
+            idle: BTreeSet::new(),
+            accounts: Vec::new(),
+            account_names: Vec::new(),
+            account_index: HashMap::new(),
+            next_priority_at: Time::MIN,
+            fifo_blocked: false,
+            usage_decayed_at: None,
+        };
+        let quotas = s.config.quotas.clone();
+        for (a, q) in quotas {
+            let i = s.account(&a);
+            s.accounts[i].quota = Some(q);
+        }
+        s
+    }
+
+    /// The cluster as the core sees it.
+    pub fn cluster(&self) -> &Cluster {
+        &self.cluster
+    }
+
+    /// The policy configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Pending jobs with their reasons, highest priority first.
+    pub fn queue(&self) -> Vec<QueueEntry> {
+        self.queue
+            .iter()
+            .filter_map(|id| self.jobs.get(id).map(|j| (id, j)))
+            .filter_map(|(id, j)| match j.state {
+                JobState::Pending(reason) => Some(QueueEntry {
+                    job: *id,
+                    reason: self.shown_reason(reason),
+                    priority: j.priority,
+                }),
+                JobState::Running { .. } => None,
+            })
+            .collect()
+    }
+
+    /// Number of pending jobs.
+    pub fn pending_len(&self) -> usize {
+        self.jobs.len() - self.deadlines.len()
+    }
+
+    /// Number of running jobs.
+    pub fn running_len(&self) -> usize {
+        self.deadlines.len()
+    }
+
+    /// Why a pending job waits, or `None` when it is not pending.
+    pub fn pending_reason(&self, job: JobId) -> Option<PendingReason> {
+        match self.jobs.get(&job)?.state {
+            JobState::Pending(r) => Some(self.shown_reason(r)),
+            JobState::Running { .. } => None,
+        }
+    }
+
+    fn shown_reason(&self, r: PendingReason) -> PendingReason {
+        if self.fifo_blocked && r == PendingReason::New {
+            PendingReason::FifoBlocked
+        } else {
+            r
+        }
+    }
+
+    /// Where a running job runs.
+    pub fn placement(&self, job: JobId) -> Option<&Placement> {
+        match &self.jobs.get(&job)?.state {
+            JobState::Running { placement, .. } => Some(placement),
+            JobState::Pending(_) => None,
+        }
+    }
+
+    /// GPUs an account holds now.
+    pub fn account_alloc(&self, account: &Account) -> u32 {
+        self.account_index
+            .get(account)
+            .map_or(0, |&i| self.accounts[i].alloc)
+    }
+
+    /// The earliest time at which a [`Event::Tick`] would do something (a time limit or an idle
+    /// window runs out). A simulator jumps there; a server may just tick every few seconds.
+    pub fn next_wakeup(&self) -> Option<Time> {
+        let deadline = self.deadlines.first().map(|&(t, _)| t);
+        let idle = if self.config.idle.action == IdleAction::Off {
+            None
+        } else {
+            self.idle
+                .iter()
+                .filter_map(|id| self.jobs.get(id))
+                .filter(|j| {
+                    !j.idle_reported
+                        || matches!(self.config.idle.action, IdleAction::Reclaim { .. })
+                })
+                .filter_map(|j| j.idle_since.map(|s| s + self.config.idle.window))
+                .min()
+        };
+        match (deadline, idle) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Applies `event` and runs a scheduling pass.
+    pub fn step(&mut self, now: Time, event: Event) -> Result<Vec<Action>> {
+        let mut actions = self.handle(now, event)?;
+        actions.extend(self.schedule(now));
+        Ok(actions)
+    }
+
+    pub(crate) fn account(&mut self, a: &Account) -> usize {
+        if let Some(&i) = self.account_index.get(a) {
+            return i;
+        }
+        let quota = if self.config.quotas.is_empty() {
+            None
+        } else {
+            Some(0)
+        };
+        self.accounts.push(AccountState {
+            quota,
+            alloc: 0,
+            usage: 0.0,
+        });
+        self.account_names.push(a.clone());
+        self.account_index
+            .insert(a.clone(), self.accounts.len() - 1);
+        self.accounts.len() - 1
+    }
+
+    /// Applies `event` without a scheduling pass (a simulator batches same-time events, then
+    /// calls [`Scheduler::schedule`] once).
+    pub fn handle(&mut self, now: Time, event: Event) -> Result<Vec<Action>> {
+        let mut out = Vec::new();
+        match event {
+            Event::Submit(spec) => self.submit(now, spec)?,
+            Event::Cancel(job) => {
+                let j = self.jobs.get(&job).ok_or(Error::UnknownJob(job))?;
+                if matches!(j.state, JobState::Running { .. }) {
+                    self.stop_running(now, job);
+                }
+                self.jobs.remove(&job);
+                out.push(Action::End {
+                    job,
+                    state: EndState::Cancelled,
+                });
+            }
+            Event::JobExited { job, code } => {
+                match self.jobs.get(&job).map(|j| &j.state) {
+                    Some(JobState::Running { .. }) => {}
+                    _ => return Err(Error::UnknownJob(job)),
+                }
+                self.stop_running(now, job);
+                self.jobs.remove(&job);
+                let state = if code == 0 {
+                    EndState::Completed
+                } else {
+                    EndState::Failed { code }
+                };
+                out.push(Action::End { job, state });
+            }
+            Event::NodeDown(node) => {
+                self.set_node_state(node, NodeState::Down)?;
+                let victims = self.jobs_on(node);
+                for job in victims {
+                    self.stop_running(now, job);
+                    let Some(j) = self.jobs.get_mut(&job) else {
+                        continue;
+                    };
+                    if j.requeues < j.spec.max_requeues {
+                        j.requeues += 1;
+                        self.enqueue(job);
+                        out.push(Action::Requeue {
+                            job,
+                            reason: RequeueReason::NodeFail,
+                        });
+                    } else {
+                        self.jobs.remove(&job);
+                        out.push(Action::End {
+                            job,
+                            state: EndState::NodeFail,
+                        });
+                    }
+                }
+            }
+            Event::NodeUp(node) | Event::Resume(node) => {
+                self.set_node_state(node, NodeState::Up)?
+            }
+            Event::Drain(node) => {
+                if self.cluster.state(node) == Some(NodeState::Up) {
+                    self.set_node_state(node, NodeState::Drained)?;
+                } else {
+                    self.cluster.node_mut(node)?;
+                }
+            }
+            Event::GpuHealth { node, gpu, health } => {
+                let n = self.cluster.node_mut(node)?;
+                if gpu >= n.spec.gpus {
+                    return Err(Error::UnknownNode {
+                        node,
+                        gpu: Some(gpu),
+                    });
+                }
+                let bit = 1u64 << gpu;
+                self.cluster.modify(node.0 as usize, |n| {
+                    if health == GpuHealth::Healthy {
+                        n.unhealthy &= !bit
+                    } else {
+                        n.unhealthy |= bit
+                    }
+                });
+            }
+            Event::GpuUtilization { node, gpu, percent } => {
+                let n = self.cluster.node_mut(node)?;
+                let Some(slot) = n.util.get_mut(gpu as usize) else {
+                    return Err(Error::UnknownNode {
+                        node,
+                        gpu: Some(gpu),
+                    });
+                };
+                *slot = percent;
+                if let Some(job) = n.owner[gpu as usize] {
+                    let busiest = self.job_gpu_max_util(job);
+                    self.set_job_util(now, job, busiest);
+                }
+            }
+            Event::JobUtilization { job, percent } => {
+                if !matches!(
+                    self.jobs.get(&job).map(|j| &j.state),
+                    Some(JobState::Running { .. })
+                ) {
+                    return Err(Error::UnknownJob(job));
+                }
+                self.set_job_util(now, job, percent);
+            }
+            Event::Tick => {}
+        }
+        out.extend(self.expire(now));
+        Ok(out)
+    }
+
+    fn submit(&mut self, now: Time, spec: JobSpec) -> Result<()> {
+        spec.validate()?;
+        if self.jobs.contains_key(&spec.id) {
+            return Err(Error::DuplicateJob(spec.id));
+        }
+        let account = self.account(&spec.account);
+        // An unknown model can never be satisfied; usize::MAX matches no node.
+        let model = self
+            .cluster
+            .model_index(spec.gpu_model.as_ref())
+            .unwrap_or(Some(usize::MAX));
+        let id = spec.id;
+        let mut job = Job {
+            spec,
+            account,
+            model,
+            state: JobState::Pending(PendingReason::New),
+            requeues: 0,
+            progress: 0,
+            priority: 0.0,
+            idle_since: None,
+            idle_reported: false,
+            charged_until: now,
+        };
+        job.priority = self.priority_of(&job, now);
+        self.jobs.insert(id, job);
+        self.enqueue(id);
+        Ok(())
+    }
+
+    /// Puts a pending job in the queue at its priority's place.
+    pub(crate) fn enqueue(&mut self, id: JobId) {
+        let Some(j) = self.jobs.get_mut(&id) else {
+            return;
+        };
+        j.state = JobState::Pending(PendingReason::New);
+        j.idle_since = None;
+        j.idle_reported = false;
+        self.idle.remove(&id);
+        self.insert_in_queue(id);
+    }
+
+    /// Inserts a pending job into the queue at its priority's place.
+    pub(crate) fn insert_in_queue(&mut self, id: JobId) {
+        let key = self.order_key(id);
+        let jobs = &self.jobs;
+        let this = &self.config;
+        let pos = self.queue.partition_point(|other| match jobs.get(other) {
+            Some(o) => crate::pass::order_key(this, o) <= key,
+            None => true,
+        });
+        self.queue.insert(pos, id);
+    }
+
+    fn order_key(&self, id: JobId) -> crate::pass::OrderKey {
+        self.jobs
+            .get(&id)
+            .map_or(crate::pass::OrderKey::default(), |j| {
+                crate::pass::order_key(&self.config, j)
+            })
+    }
+
+    fn set_node_state(&mut self, node: NodeId, state: NodeState) -> Result<()> {
+        self.cluster.node_mut(node)?;
+        self.cluster.modify(node.0 as usize, |n| n.state = state);
+        Ok(())
+    }
+
+    fn jobs_on(&self, node: NodeId) -> Vec<JobId> {
+        let Some(n) = self.cluster.nodes.get(node.0 as usize) else {
+            return Vec::new();
+        };
+        let set: BTreeSet<JobId> = n.owner.iter().flatten().copied().collect();
+        set.into_iter().collect()
+    }
+
+    fn job_gpu_max_util(&self, job: JobId) -> f32 {
+        let Some(placement) = self.placement(job) else {
+            return 0.0;
+        };
+        let mut max = 0.0f32;
+        for a in placement {
+            let n = &self.cluster.nodes[a.node.0 as usize];
+            for (i, u) in n.util.iter().enumerate() {
+                if a.mask & (1 << i) != 0 {
+                    max = max.max(*u);
+                }
+            }
+        }
+        max
+    }
+
+    fn set_job_util(&mut self, now: Time, job: JobId, percent: f32) {
+        let threshold = self.config.idle.threshold_pct;
+        let Some(j) = self.jobs.get_mut(&job) else {
+            return;
+        };
+        if percent < threshold {
+            if j.idle_since.is_none() {
+                j.idle_since = Some(now);
+                self.idle.insert(job);
+            }
+        } else {
+            j.idle_since = None;
+            j.idle_reported = false;
+            self.idle.remove(&job);
+        }
+    }
+
+    /// Frees a running job's GPUs and books its usage; it stays in `jobs` (pending state is
+    /// set by the caller, or the caller removes it).
+    pub(crate) fn stop_running(&mut self, now: Time, job: JobId) {
+        let Some(j) = self.jobs.get_mut(&job) else {
+            return;
+        };
+        let JobState::Running { placement, start } =
+            std::mem::replace(&mut j.state, JobState::Pending(PendingReason::New))
+        else {
+            return;
+        };
+        let gpus = j.spec.shape.gpus();
+        let deadline = start + j.limit_left();
+        j.progress += (now - start).max(0);
+        let charged = (now - j.charged_until.max(start)).max(0) as f64 * gpus as f64;
+        j.charged_until = now;
+        j.idle_since = None;
+        let acct = &mut self.accounts[j.account];
+        acct.alloc = acct.alloc.saturating_sub(gpus);
+        acct.usage += charged;
+        self.deadlines.remove(&(deadline, job));
+        self.idle.remove(&job);
+        self.cluster.release(&placement);
+    }
+
+    /// Starts a pending job on `placement`.
+    pub(crate) fn start(&mut self, now: Time, job: JobId, placement: Placement) -> Action {
+        self.cluster.allocate(job, &placement);
+        if let Some(j) = self.jobs.get_mut(&job) {
+            j.state = JobState::Running {
+                placement: placement.clone(),
+                start: now,
+            };
+            j.charged_until = now;
+            self.accounts[j.account].alloc += j.spec.shape.gpus();
+            self.deadlines.insert((now + j.limit_left(), job));
+        }
+        Action::Start { job, placement }
+    }
+
+    /// Ends jobs past their time limit; acts on idle spells past the window.
+    fn expire(&mut self, now: Time) -> Vec<Action> {
+        let mut out = Vec::new();
+        while let Some(&(deadline, job)) = self.deadlines.first() {
+            if deadline > now {
+                break;
+            }
+            self.stop_running(now, job);
+            self.jobs.remove(&job);
+            out.push(Action::End {
+                job,
+                state: EndState::Timeout,
+            });
+        }
+        if self.config.idle.action == IdleAction::Off {
+            return out;
+        }
+        let window = self.config.idle.window;
+        let due: Vec<(JobId, Time)> = self
+            .idle
+            .iter()
+            .filter_map(|id| self.jobs.get(id).map(|j| (id, j)))
+            .filter_map(|(id, j)| {
+                j.idle_since
+                    .filter(|s| s + window <= now && !j.idle_reported)
+                    .map(|s| (*id, s))
+            })
+            .collect();
+        for (job, since) in due {
+            if let Some(j) = self.jobs.get_mut(&job) {
+                j.idle_reported = true;
+            }
+            out.push(Action::IdleReport { job, since });
+        }
+        out
+    }
+
+    /// Preempts a running job: requeued when its policy allows, else ended.
+    pub(crate) fn preempt(
+        &mut self,
+        now: Time,
+        job: JobId,
+        reason: PreemptReason,
+        requeue: bool,
+    ) -> Action {
+        self.stop_running(now, job);
+        // Preemption is the scheduler's doing: it does not use up the job's requeue budget,
+        // which is for failures.
+        let requeued = requeue && self.jobs.contains_key(&job);
+        if requeued {
+            self.enqueue(job);
+        } else {
+            self.jobs.remove(&job);
+        }
+        Action::Preempt {
+            job,
+            reason,
+            requeued,
+        }
+    }
+}
