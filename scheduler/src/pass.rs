@@ -118,13 +118,13 @@ impl Scheduler {
         self.usage_decayed_at = Some(now);
         let running: Vec<JobId> = self.deadlines.iter().map(|&(_, id)| id).collect();
         for id in running {
-            if let Some(j) = self.jobs.get_mut(&id) {
-                if let JobState::Running { start, .. } = j.state {
-                    let from = j.charged_until.max(start);
-                    self.accounts[j.account].usage +=
-                        (now - from).max(0) as f64 * j.spec.shape.gpus() as f64;
-                    j.charged_until = now;
-                }
+            if let Some(j) = self.jobs.get_mut(&id)
+                && let JobState::Running { start, .. } = j.state
+            {
+                let from = j.charged_until.max(start);
+                self.accounts[j.account].usage +=
+                    (now - from).max(0) as f64 * j.spec.shape.gpus() as f64;
+                j.charged_until = now;
             }
         }
         let mut queue = std::mem::take(&mut self.queue);
@@ -145,7 +145,7 @@ impl Scheduler {
                 keyed.push((order_key(&self.config, j), id));
             }
         }
-        keyed.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        keyed.sort_unstable_by_key(|a| a.0);
         self.queue = keyed.into_iter().map(|(_, id)| id).collect();
     }
 
@@ -182,10 +182,10 @@ impl Scheduler {
         let mut out = Vec::new();
         self.refresh_priorities(now);
         self.fifo_blocked = false;
-        if let IdleAction::Reclaim { requeue } = self.config.idle.action {
-            if self.pending_len() > 0 {
-                out.extend(self.reclaim_idle(now, requeue));
-            }
+        if let IdleAction::Reclaim { requeue } = self.config.idle.action
+            && self.pending_len() > 0
+        {
+            out.extend(self.reclaim_idle(now, requeue));
         }
         // Jobs requeued during the pass land in `self.queue` and are merged back after it.
         let order = std::mem::take(&mut self.queue);
@@ -236,12 +236,12 @@ impl Scheduler {
                 }),
             };
             if let Some(p) = placed {
-                if let Some(r) = &mut reservation {
-                    if now + j.limit_left() > r.at {
-                        for a in &p {
-                            if let Some(s) = r.spare.get_mut(&(a.node.0 as usize)) {
-                                *s = s.saturating_sub(a.mask.count_ones());
-                            }
+                if let Some(r) = &mut reservation
+                    && now + j.limit_left() > r.at
+                {
+                    for a in &p {
+                        if let Some(s) = r.spare.get_mut(&(a.node.0 as usize)) {
+                            *s = s.saturating_sub(a.mask.count_ones());
                         }
                     }
                 }

@@ -49,12 +49,12 @@ pub(crate) fn find(
     if shape.nodes == 1 {
         let mut best: Option<(u32, usize)> = None;
         for i in 0..cluster.nodes.len() {
-            if let Some(f) = usable(i) {
-                if best.is_none_or(|(bf, _)| f < bf) {
-                    best = Some((f, i));
-                    if f == g {
-                        break;
-                    }
+            if let Some(f) = usable(i)
+                && best.is_none_or(|(bf, _)| f < bf)
+            {
+                best = Some((f, i));
+                if f == g {
+                    break;
                 }
             }
         }

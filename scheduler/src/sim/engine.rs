@@ -217,11 +217,12 @@ pub fn simulate(jobs: &[TraceJob], policy: SimPolicy, opts: &SimOptions) -> Resu
         for a in actions {
             apply(now, a, jobs, &mut runs, &mut heap, &mut rec);
         }
-        if let Some(w) = sched.next_wakeup() {
-            if w > now && wake_at.is_none_or(|cur| w < cur) {
-                wake_at = Some(w);
-                heap.push(Reverse((w, Ev::Wake)));
-            }
+        if let Some(w) = sched.next_wakeup()
+            && w > now
+            && wake_at.is_none_or(|cur| w < cur)
+        {
+            wake_at = Some(w);
+            heap.push(Reverse((w, Ev::Wake)));
         }
         rec.sample(now, sched.pending_len());
     }

@@ -5,6 +5,9 @@ use super::metrics::Sample;
 use crate::error::{Error, Result};
 use plotters::prelude::*;
 
+/// One plotted point: (hours, pending jobs, allocation %, useful %).
+type Point = (f64, f64, f64, f64);
+
 /// Averages samples into `buckets` equal time slices: (hours, pending, alloc %, busy %).
 fn downsample(
     series: &[Sample],
@@ -64,7 +67,7 @@ pub fn write_svg(path: &str, title: &str, runs: &[(String, u32, Vec<Sample>)]) -
         .filter_map(|(_, _, s)| s.last().map(|x| x.t))
         .max()
         .unwrap_or(1);
-    let data: Vec<(String, Vec<(f64, f64, f64, f64)>)> = runs
+    let data: Vec<(String, Vec<Point>)> = runs
         .iter()
         .map(|(n, g, s)| (n.clone(), downsample(s, *g, end, 600)))
         .collect();

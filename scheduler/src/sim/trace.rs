@@ -216,7 +216,9 @@ pub fn parse(name: &str, text: &str, format: Option<TraceFormat>) -> Result<Vec<
 
 fn seconds(s: &str) -> std::result::Result<Millis, String> {
     match s.parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 0.0 && v < 1e12 => Ok((v * SECOND as f64).round() as Millis),
+        Ok(v) if v.is_finite() && (0.0..1e12).contains(&v) => {
+            Ok((v * SECOND as f64).round() as Millis)
+        }
         _ => Err(format!("`{s}` is not a non-negative number of seconds")),
     }
 }
@@ -399,7 +401,7 @@ mod tests {
         };
         let a = user_time_limit(&j, 1, 1.5, 5.0);
         assert_eq!(a, user_time_limit(&j, 1, 1.5, 5.0));
-        assert!(a >= 5_400_000 && a <= 18_000_000 + MINUTE, "{a}");
+        assert!((5_400_000..=18_000_000 + MINUTE).contains(&a), "{a}");
         assert_eq!(a % MINUTE, 0);
     }
 }

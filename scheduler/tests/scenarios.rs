@@ -1,0 +1,393 @@
+//! Scenario tests on virtual time: each drives the core with events at chosen instants and
+//! checks the actions (priority order, backfill that keeps the head's reservation, quota
+//! reclaim, node failure and requeue, idle reclaim, health, time limits).
+
+mod common;
+
+use common::{one, preempted, spec, started};
+use perch_scheduler::{
+    Account, Action, Cluster, Config, EndState, Event, GpuHealth, IdleAction, JobId, MINUTE,
+    NodeId, PendingReason, PreemptReason, RequeueReason, Scheduler,
+};
+
+fn sched(nodes: u32, config: Config) -> Scheduler {
+    match Cluster::uniform(nodes, 8, "H100", 2) {
+        Ok(c) => Scheduler::new(c, config),
+        Err(e) => panic!("cluster: {e}"),
+    }
+}
+
+fn step(s: &mut Scheduler, now: i64, ev: Event) -> Vec<Action> {
+    match s.step(now, ev) {
+        Ok(a) => a,
+        Err(e) => panic!("step at {now}: {e}"),
+    }
+}
+
+#[test]
+fn priority_order_per_policy() {
+    // On a full 1x8 node, three 8-GPU jobs wait: a long one first, a short one, a medium one.
+    // When the node frees, which one starts?
+    let check = |config: Config, expected: u64| {
+        let mut s = sched(1, config.clone());
+        step(&mut s, 0, Event::Submit(one(1, 8, "a", 60, 0)));
+        step(&mut s, 1, Event::Submit(one(2, 8, "b", 24 * 60, 1)));
+        step(&mut s, 2, Event::Submit(one(3, 8, "c", 10, 2)));
+        step(&mut s, 3, Event::Submit(one(4, 8, "d", 120, 3)));
+        let a = step(
+            &mut s,
+            10 * MINUTE,
+            Event::JobExited {
+                job: JobId(1),
+                code: 0,
+            },
+        );
+        assert_eq!(started(&a), vec![expected], "{:?}", config.kind);
+    };
+    check(Config::fifo(), 2);
+    check(Config::backfill(), 2);
+    check(Config::perch(vec![]), 3); // smallest declared GPU-time first
+}
+
+#[test]
+fn fair_share_lowers_heavy_users() {
+    let mut s = sched(1, Config::perch(vec![]));
+    // Account "heavy" used the node for 10 hours; "light" never ran.
+    step(&mut s, 0, Event::Submit(one(1, 8, "heavy", 11 * 60, 0)));
+    step(
+        &mut s,
+        10 * 60 * MINUTE,
+        Event::Submit(one(2, 8, "heavy", 60, 10 * 60 * MINUTE)),
+    );
+    step(
+        &mut s,
+        10 * 60 * MINUTE + 1,
+        Event::Submit(one(3, 8, "light", 60, 10 * 60 * MINUTE + 1)),
+    );
+    let a = step(
+        &mut s,
+        10 * 60 * MINUTE + 20 * MINUTE,
+        Event::JobExited {
+            job: JobId(1),
+            code: 0,
+        },
+    );
+    assert_eq!(started(&a), vec![3]);
+}
+
+#[test]
+fn backfill_never_delays_the_head_job() {
+    let mut s = sched(1, Config::backfill());
+    step(&mut s, 0, Event::Submit(one(1, 4, "a", 60, 0)));
+    // Head: needs the whole node; reserved for t = 60 min.
+    let a = step(&mut s, 1, Event::Submit(one(2, 8, "a", 60, 1)));
+    assert!(started(&a).is_empty());
+    assert_eq!(
+        s.pending_reason(JobId(2)),
+        Some(PendingReason::Reserved { at: 60 * MINUTE })
+    );
+    // A 4-GPU job of 2 hours would hold GPUs the head needs at 60 min: it must wait.
+    let a = step(&mut s, 2, Event::Submit(one(3, 4, "a", 120, 2)));
+    assert!(started(&a).is_empty());
+    assert_eq!(s.pending_reason(JobId(3)), Some(PendingReason::Priority));
+    // A 4-GPU job of 30 minutes ends before: it backfills.
+    let a = step(&mut s, 3, Event::Submit(one(4, 4, "a", 30, 3)));
+    assert_eq!(started(&a), vec![4]);
+    // When job 1 ends at its limit, the head starts (job 4 has ended by then).
+    step(
+        &mut s,
+        30 * MINUTE,
+        Event::JobExited {
+            job: JobId(4),
+            code: 0,
+        },
+    );
+    let a = step(&mut s, 60 * MINUTE, Event::Tick);
+    assert!(
+        a.contains(&Action::End {
+            job: JobId(1),
+            state: EndState::Timeout
+        }),
+        "{a:?}"
+    );
+    assert_eq!(started(&a), vec![2]);
+}
+
+#[test]
+fn fifo_blocks_behind_the_head() {
+    let mut s = sched(1, Config::fifo());
+    step(&mut s, 0, Event::Submit(one(1, 4, "a", 60, 0)));
+    step(&mut s, 1, Event::Submit(one(2, 8, "a", 60, 1)));
+    let a = step(&mut s, 2, Event::Submit(one(3, 1, "a", 5, 2)));
+    assert!(started(&a).is_empty());
+    assert_eq!(s.pending_reason(JobId(3)), Some(PendingReason::FifoBlocked));
+}
+
+#[test]
+fn reclaim_takes_back_borrowed_gpus_preferring_idle_victims() {
+    let quotas = vec![(Account("a".into()), 8), (Account("b".into()), 8)];
+    let mut s = sched(2, Config::perch(quotas));
+    // b borrows a's idle node: two 8-GPU jobs.
+    let a = step(&mut s, 0, Event::Submit(one(1, 8, "b", 600, 0)));
+    assert_eq!(started(&a), vec![1]);
+    let a = step(&mut s, MINUTE, Event::Submit(one(2, 8, "b", 600, MINUTE)));
+    assert_eq!(started(&a), vec![2]);
+    // Job 1 (the costlier one: it ran longer) is measured idle, so it is the victim.
+    step(
+        &mut s,
+        2 * MINUTE,
+        Event::JobUtilization {
+            job: JobId(1),
+            percent: 0.0,
+        },
+    );
+    step(
+        &mut s,
+        2 * MINUTE,
+        Event::JobUtilization {
+            job: JobId(2),
+            percent: 95.0,
+        },
+    );
+    let a = step(
+        &mut s,
+        3 * MINUTE,
+        Event::Submit(one(3, 8, "a", 60, 3 * MINUTE)),
+    );
+    assert_eq!(preempted(&a), vec![1]);
+    assert!(matches!(
+        a[0],
+        Action::Preempt {
+            reason: PreemptReason::QuotaReclaim { for_job: JobId(3) },
+            requeued: true,
+            ..
+        }
+    ));
+    assert_eq!(started(&a), vec![3]);
+    assert_eq!(s.account_alloc(&Account("b".into())), 8);
+    // b is at its quota now: a's next job may not take more from b.
+    let a = step(
+        &mut s,
+        4 * MINUTE,
+        Event::Submit(one(4, 8, "a", 60, 4 * MINUTE)),
+    );
+    assert!(preempted(&a).is_empty() && started(&a).is_empty());
+}
+
+#[test]
+fn reclaim_preempts_whole_gangs_cheapest_first() {
+    let quotas = vec![(Account("a".into()), 16), (Account("b".into()), 0)];
+    let mut s = sched(2, Config::perch(quotas));
+    // b holds both nodes: a 2-node gang (started first) and nothing else.
+    let a = step(
+        &mut s,
+        0,
+        Event::Submit(spec(1, 2, 4, "b", 600 * MINUTE, 0)),
+    );
+    assert_eq!(started(&a), vec![1]);
+    let a = step(
+        &mut s,
+        MINUTE,
+        Event::Submit(spec(2, 2, 4, "b", 600 * MINUTE, MINUTE)),
+    );
+    assert_eq!(started(&a), vec![2]);
+    // a needs 4 GPUs on one node: one gang must go, the one with less work at stake (job 2).
+    let a = step(
+        &mut s,
+        2 * MINUTE,
+        Event::Submit(one(3, 4, "a", 60, 2 * MINUTE)),
+    );
+    assert_eq!(preempted(&a), vec![2]);
+    assert_eq!(started(&a), vec![3]);
+    assert!(s.placement(JobId(2)).is_none());
+}
+
+#[test]
+fn node_failure_requeues_then_fails() {
+    let mut s = sched(2, Config::backfill());
+    let a = step(&mut s, 0, Event::Submit(one(1, 8, "a", 60, 0)));
+    assert_eq!(started(&a), vec![1]);
+    let node = s.placement(JobId(1)).map(|p| p[0].node);
+    let Some(node) = node else {
+        panic!("job 1 has no placement")
+    };
+    let a = step(&mut s, MINUTE, Event::NodeDown(node));
+    assert_eq!(
+        a[0],
+        Action::Requeue {
+            job: JobId(1),
+            reason: RequeueReason::NodeFail
+        }
+    );
+    assert_eq!(started(&a), vec![1], "restarts on the other node");
+    let other = s.placement(JobId(1)).map(|p| p[0].node);
+    assert_ne!(other, Some(node));
+    let Some(other) = other else {
+        panic!("job 1 has no placement")
+    };
+    // max_requeues = 1: the second failure ends it.
+    let a = step(&mut s, 2 * MINUTE, Event::NodeDown(other));
+    assert_eq!(
+        a,
+        vec![Action::End {
+            job: JobId(1),
+            state: EndState::NodeFail
+        }]
+    );
+}
+
+#[test]
+fn idle_jobs_are_reported_then_reclaimed_when_others_wait() {
+    let mut config = Config::perch(vec![]);
+    config.idle.window = 30 * MINUTE;
+    config.idle.action = IdleAction::Reclaim { requeue: false };
+    let mut s = sched(1, config);
+    step(&mut s, 0, Event::Submit(one(1, 8, "a", 600, 0)));
+    step(
+        &mut s,
+        MINUTE,
+        Event::JobUtilization {
+            job: JobId(1),
+            percent: 0.0,
+        },
+    );
+    assert_eq!(s.next_wakeup(), Some(31 * MINUTE));
+    // Idle past the window but nobody waits: only a report.
+    let a = step(&mut s, 31 * MINUTE, Event::Tick);
+    assert_eq!(
+        a,
+        vec![Action::IdleReport {
+            job: JobId(1),
+            since: MINUTE
+        }]
+    );
+    // Someone waits: the idle job is reclaimed and the waiter starts.
+    let a = step(
+        &mut s,
+        32 * MINUTE,
+        Event::Submit(one(2, 8, "b", 60, 32 * MINUTE)),
+    );
+    assert_eq!(
+        a[0],
+        Action::Preempt {
+            job: JobId(1),
+            reason: PreemptReason::Idle,
+            requeued: false
+        }
+    );
+    assert_eq!(started(&a), vec![2]);
+}
+
+#[test]
+fn busy_again_resets_the_idle_spell() {
+    let mut config = Config::perch(vec![]);
+    config.idle.action = IdleAction::Reclaim { requeue: true };
+    let mut s = sched(1, config);
+    step(&mut s, 0, Event::Submit(one(1, 8, "a", 600, 0)));
+    step(
+        &mut s,
+        MINUTE,
+        Event::GpuUtilization {
+            node: NodeId(0),
+            gpu: 0,
+            percent: 0.0,
+        },
+    );
+    step(
+        &mut s,
+        20 * MINUTE,
+        Event::GpuUtilization {
+            node: NodeId(0),
+            gpu: 0,
+            percent: 80.0,
+        },
+    );
+    let a = step(
+        &mut s,
+        40 * MINUTE,
+        Event::Submit(one(2, 8, "b", 60, 40 * MINUTE)),
+    );
+    assert!(preempted(&a).is_empty(), "{a:?}");
+}
+
+#[test]
+fn unhealthy_gpus_and_drained_nodes_get_no_work() {
+    let mut s = sched(2, Config::backfill());
+    step(&mut s, 0, Event::Drain(NodeId(1)));
+    step(
+        &mut s,
+        0,
+        Event::GpuHealth {
+            node: NodeId(0),
+            gpu: 3,
+            health: GpuHealth::Xid(79),
+        },
+    );
+    let a = step(&mut s, 1, Event::Submit(one(1, 8, "a", 60, 1)));
+    assert!(started(&a).is_empty());
+    let a = step(&mut s, 2, Event::Submit(one(2, 7, "a", 60, 2)));
+    assert_eq!(started(&a), vec![2]);
+    let gpus: Vec<u32> = s
+        .placement(JobId(2))
+        .map(|p| p[0].gpu_indices())
+        .unwrap_or_default();
+    assert_eq!(gpus, vec![0, 1, 2, 4, 5, 6, 7]);
+    let a = step(&mut s, 3, Event::Resume(NodeId(1)));
+    assert_eq!(started(&a), vec![1]);
+}
+
+#[test]
+fn impossible_gangs_do_not_block_fifo() {
+    let mut s = sched(1, Config::fifo());
+    step(&mut s, 0, Event::Submit(spec(1, 4, 8, "a", 60 * MINUTE, 0)));
+    let a = step(&mut s, 1, Event::Submit(one(2, 8, "a", 60, 1)));
+    assert_eq!(started(&a), vec![2]);
+    assert_eq!(
+        s.pending_reason(JobId(1)),
+        Some(PendingReason::Unsatisfiable)
+    );
+}
+
+#[test]
+fn srtf_preempts_longer_jobs() {
+    let mut s = sched(1, Config::srtf());
+    let mut long = one(1, 8, "a", 600, 0);
+    long.oracle_duration = Some(500 * MINUTE);
+    step(&mut s, 0, Event::Submit(long));
+    let mut short = one(2, 8, "a", 60, MINUTE);
+    short.oracle_duration = Some(10 * MINUTE);
+    let a = step(&mut s, MINUTE, Event::Submit(short));
+    assert_eq!(preempted(&a), vec![1]);
+    assert_eq!(started(&a), vec![2]);
+}
+
+#[test]
+fn bad_input_is_an_error() {
+    let mut s = sched(1, Config::fifo());
+    assert!(s.step(0, Event::Submit(one(1, 0, "a", 60, 0))).is_err());
+    assert!(s.step(0, Event::Submit(one(1, 1, "", 60, 0))).is_err());
+    assert!(
+        s.step(
+            0,
+            Event::JobExited {
+                job: JobId(9),
+                code: 0
+            }
+        )
+        .is_err()
+    );
+    assert!(s.step(0, Event::NodeDown(NodeId(5))).is_err());
+    assert!(
+        s.step(
+            0,
+            Event::GpuHealth {
+                node: NodeId(0),
+                gpu: 8,
+                health: GpuHealth::Healthy
+            }
+        )
+        .is_err()
+    );
+    assert!(s.step(0, Event::Submit(one(1, 1, "a", 60, 0))).is_ok());
+    assert!(s.step(0, Event::Submit(one(1, 1, "a", 60, 0))).is_err());
+}
