@@ -1,0 +1,350 @@
+//! The telemetry an agent sends: one [`Batch`] holds every sample a node took in one or more
+//! sampling rounds.
+//!
+//! Every measured value is an `Option`: a metric the hardware does not support is absent (`null`
+//! in SQL), never a made-up zero. Counters (`*_total`, energy, CPU seconds) are cumulative as the
+//! kernel or NVML reports them; rates are computed at query time.
+//!
+//! Every sample carries `simulated`: true when the value came from perch's GPU or cluster
+//! simulator rather than from hardware, so simulated data can never pass for real data.
+
+use crate::{GpuIndex, NodeId};
+use serde::{Deserialize, Serialize};
+
+/// The largest number of samples (of all kinds) one batch may hold.
+pub const MAX_SAMPLES_PER_BATCH: usize = 100_000;
+
+/// How far in the future (by the server's clock) a sample's time may be before the batch is
+/// refused: a node whose clock runs ahead this much would corrupt time-ordered queries.
+pub const MAX_TIME_SKEW_MS: i64 = 5 * 60 * 1000;
+
+/// Earliest sample time accepted: 2000-01-01T00:00:00Z. Anything older is a unit mistake
+/// (seconds sent as milliseconds, say).
+const MIN_TIME_MS: i64 = 946_684_800_000;
+
+/// What an agent sends to `POST /v1/ingest`.
+///
+/// `(node, seq)` identifies a batch: the server acknowledges a batch once it is durable and
+/// ignores any batch whose `seq` is not above the last one it accepted from that node, so an
+/// agent may resend after a timeout without anything being counted twice. Agents start their
+/// sequence at the current Unix time in microseconds, so it keeps rising across agent restarts
+/// without any state on disk.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Batch {
+    pub node: NodeId,
+    pub seq: u64,
+    #[serde(default)]
+    pub hosts: Vec<HostSample>,
+    #[serde(default)]
+    pub gpus: Vec<GpuSample>,
+    #[serde(default)]
+    pub nics: Vec<NicSample>,
+}
+
+/// One GPU at one instant.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuSample {
+    /// Unix time in milliseconds.
+    pub time_ms: i64,
+    pub gpu: GpuIndex,
+    pub uuid: String,
+    pub model: String,
+    pub simulated: bool,
+    /// Percent of time a kernel was running, 0 to 100.
+    #[serde(default)]
+    pub utilization_gpu_pct: Option<f64>,
+    /// Percent of time device memory was read or written, 0 to 100.
+    #[serde(default)]
+    pub utilization_memory_pct: Option<f64>,
+    #[serde(default)]
+    pub memory_used_bytes: Option<u64>,
+    #[serde(default)]
+    pub memory_total_bytes: Option<u64>,
+    #[serde(default)]
+    pub power_watts: Option<f64>,
+    /// Energy since the driver loaded, in joules (Volta and later).
+    #[serde(default)]
+    pub energy_joules: Option<f64>,
+    #[serde(default)]
+    pub temperature_celsius: Option<f64>,
+    #[serde(default)]
+    pub sm_clock_mhz: Option<u32>,
+    #[serde(default)]
+    pub memory_clock_mhz: Option<u32>,
+}
+
+/// The host (CPU, memory, disk) at one instant.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostSample {
+    pub time_ms: i64,
+    pub simulated: bool,
+    /// Cumulative CPU seconds over all cores, by mode, as `/proc/stat` counts them.
+    #[serde(default)]
+    pub cpu_user_seconds: Option<f64>,
+    #[serde(default)]
+    pub cpu_nice_seconds: Option<f64>,
+    #[serde(default)]
+    pub cpu_system_seconds: Option<f64>,
+    #[serde(default)]
+    pub cpu_idle_seconds: Option<f64>,
+    #[serde(default)]
+    pub cpu_iowait_seconds: Option<f64>,
+    #[serde(default)]
+    pub cpu_irq_seconds: Option<f64>,
+    #[serde(default)]
+    pub cpu_softirq_seconds: Option<f64>,
+    #[serde(default)]
+    pub cpu_steal_seconds: Option<f64>,
+    #[serde(default)]
+    pub cpu_count: Option<u32>,
+    #[serde(default)]
+    pub memory_total_bytes: Option<u64>,
+    #[serde(default)]
+    pub memory_available_bytes: Option<u64>,
+    #[serde(default)]
+    pub load1: Option<f64>,
+    #[serde(default)]
+    pub load5: Option<f64>,
+    #[serde(default)]
+    pub load15: Option<f64>,
+    /// Free and total bytes of the filesystem holding the agent's data directory.
+    #[serde(default)]
+    pub disk_free_bytes: Option<u64>,
+    #[serde(default)]
+    pub disk_total_bytes: Option<u64>,
+    #[serde(default)]
+    pub uptime_seconds: Option<f64>,
+}
+
+/// One network interface at one instant. Counters are cumulative since boot.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NicSample {
+    pub time_ms: i64,
+    pub device: String,
+    pub simulated: bool,
+    #[serde(default)]
+    pub rx_bytes: Option<u64>,
+    #[serde(default)]
+    pub rx_packets: Option<u64>,
+    #[serde(default)]
+    pub rx_errors: Option<u64>,
+    #[serde(default)]
+    pub rx_dropped: Option<u64>,
+    #[serde(default)]
+    pub tx_bytes: Option<u64>,
+    #[serde(default)]
+    pub tx_packets: Option<u64>,
+    #[serde(default)]
+    pub tx_errors: Option<u64>,
+    #[serde(default)]
+    pub tx_dropped: Option<u64>,
+    /// Operational state is up (`/sys/class/net/<dev>/operstate`).
+    #[serde(default)]
+    pub link_up: Option<bool>,
+    #[serde(default)]
+    pub speed_mbps: Option<u64>,
+}
+
+/// Why a batch was refused. The message names the field and says what to change.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BatchError {
+    #[error("field `node`: {0}")]
+    Node(String),
+    #[error("batch holds {count} samples; the limit is {MAX_SAMPLES_PER_BATCH}: send smaller batches")]
+    TooLarge { count: usize },
+    #[error("batch holds no samples: send at least one of `hosts`, `gpus`, `nics`")]
+    Empty,
+    #[error("{field}: {message}")]
+    Field { field: String, message: String },
+}
+
+fn field_error(field: impl Into<String>, message: impl Into<String>) -> BatchError {
+    BatchError::Field { field: field.into(), message: message.into() }
+}
+
+fn check_time(field: &str, time_ms: i64, now_ms: i64) -> Result<(), BatchError> {
+    if time_ms < MIN_TIME_MS {
+        return Err(field_error(
+            field,
+            format!("{time_ms} is before 2000-01-01; send Unix time in milliseconds"),
+        ));
+    }
+    if time_ms > now_ms + MAX_TIME_SKEW_MS {
+        return Err(field_error(
+            field,
+            format!(
+                "{time_ms} is {} s ahead of the server's clock; fix the node's clock (NTP)",
+                (time_ms - now_ms) / 1000
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn check_pct(field: &str, value: Option<f64>) -> Result<(), BatchError> {
+    match value {
+        Some(v) if !(0.0..=100.0).contains(&v) => {
+            Err(field_error(field, format!("{v} is outside 0..=100 percent")))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn check_non_negative(field: &str, value: Option<f64>) -> Result<(), BatchError> {
+    match value {
+        Some(v) if !v.is_finite() || v < 0.0 => {
+            Err(field_error(field, format!("{v} must be a finite number >= 0")))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn check_label(field: &str, value: &str) -> Result<(), BatchError> {
+    if value.is_empty() || value.len() > 256 || value.chars().any(char::is_control) {
+        return Err(field_error(
+            field,
+            format!("{value:?} must be 1 to 256 characters without control characters"),
+        ));
+    }
+    Ok(())
+}
+
+impl Batch {
+    /// Number of samples of every kind.
+    pub fn sample_count(&self) -> usize {
+        self.hosts.len() + self.gpus.len() + self.nics.len()
+    }
+
+    /// Checks everything the server relies on. `now_ms` is the server's clock, injected so the
+    /// check is deterministic in tests.
+    pub fn validate(&self, now_ms: i64) -> Result<(), BatchError> {
+        self.node.validate().map_err(BatchError::Node)?;
+        let count = self.sample_count();
+        if count == 0 {
+            return Err(BatchError::Empty);
+        }
+        if count > MAX_SAMPLES_PER_BATCH {
+            return Err(BatchError::TooLarge { count });
+        }
+        for (i, g) in self.gpus.iter().enumerate() {
+            let f = |name: &str| format!("gpus[{i}].{name}");
+            check_time(&f("time_ms"), g.time_ms, now_ms)?;
+            check_label(&f("uuid"), &g.uuid)?;
+            check_label(&f("model"), &g.model)?;
+            check_pct(&f("utilization_gpu_pct"), g.utilization_gpu_pct)?;
+            check_pct(&f("utilization_memory_pct"), g.utilization_memory_pct)?;
+            check_non_negative(&f("power_watts"), g.power_watts)?;
+            check_non_negative(&f("energy_joules"), g.energy_joules)?;
+            if let Some(t) = g.temperature_celsius.filter(|t| !(-50.0..=200.0).contains(t)) {
+                return Err(field_error(f("temperature_celsius"), format!("{t} is outside -50..=200")));
+            }
+            if let (Some(used), Some(total)) = (g.memory_used_bytes, g.memory_total_bytes)
+                && used > total
+            {
+                return Err(field_error(
+                    f("memory_used_bytes"),
+                    format!("{used} exceeds memory_total_bytes {total}"),
+                ));
+            }
+        }
+        for (i, h) in self.hosts.iter().enumerate() {
+            let f = |name: &str| format!("hosts[{i}].{name}");
+            check_time(&f("time_ms"), h.time_ms, now_ms)?;
+            for (name, v) in [
+                ("cpu_user_seconds", h.cpu_user_seconds),
+                ("cpu_nice_seconds", h.cpu_nice_seconds),
+                ("cpu_system_seconds", h.cpu_system_seconds),
+                ("cpu_idle_seconds", h.cpu_idle_seconds),
+                ("cpu_iowait_seconds", h.cpu_iowait_seconds),
+                ("cpu_irq_seconds", h.cpu_irq_seconds),
+                ("cpu_softirq_seconds", h.cpu_softirq_seconds),
+                ("cpu_steal_seconds", h.cpu_steal_seconds),
+                ("load1", h.load1),
+                ("load5", h.load5),
+                ("load15", h.load15),
+                ("uptime_seconds", h.uptime_seconds),
+            ] {
+                check_non_negative(&f(name), v)?;
+            }
+        }
+        for (i, n) in self.nics.iter().enumerate() {
+            check_time(&format!("nics[{i}].time_ms"), n.time_ms, now_ms)?;
+            check_label(&format!("nics[{i}].device"), &n.device)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: i64 = 1_800_000_000_000;
+
+    fn gpu() -> GpuSample {
+        GpuSample {
+            time_ms: NOW,
+            gpu: GpuIndex(0),
+            uuid: "GPU-1".into(),
+            model: "NVIDIA H100".into(),
+            simulated: true,
+            utilization_gpu_pct: Some(50.0),
+            utilization_memory_pct: None,
+            memory_used_bytes: Some(1),
+            memory_total_bytes: Some(2),
+            power_watts: Some(300.0),
+            energy_joules: None,
+            temperature_celsius: Some(60.0),
+            sm_clock_mhz: None,
+            memory_clock_mhz: None,
+        }
+    }
+
+    fn batch(gpus: Vec<GpuSample>) -> Batch {
+        Batch { node: NodeId::new("n1").expect("valid"), seq: 1, hosts: vec![], gpus, nics: vec![] }
+    }
+
+    fn check(g: GpuSample, expected: Option<&str>) {
+        let got = batch(vec![g]).validate(NOW).err().map(|e| e.to_string());
+        match (got, expected) {
+            (None, None) => {}
+            (Some(msg), Some(want)) => assert!(msg.contains(want), "{msg:?} lacks {want:?}"),
+            (got, want) => panic!("got {got:?}, want {want:?}"),
+        }
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        check(gpu(), None);
+        check(GpuSample { utilization_gpu_pct: Some(101.0), ..gpu() }, Some("gpus[0].utilization_gpu_pct"));
+        check(GpuSample { time_ms: 1_700_000_000, ..gpu() }, Some("milliseconds"));
+        check(GpuSample { time_ms: NOW + 3_600_000, ..gpu() }, Some("ahead of the server's clock"));
+        check(GpuSample { power_watts: Some(-1.0), ..gpu() }, Some("gpus[0].power_watts"));
+        check(GpuSample { memory_used_bytes: Some(3), ..gpu() }, Some("exceeds memory_total_bytes"));
+        check(GpuSample { uuid: String::new(), ..gpu() }, Some("gpus[0].uuid"));
+        assert_eq!(batch(vec![]).validate(NOW), Err(BatchError::Empty));
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_names_are_refused() {
+        let err = serde_json::from_str::<Batch>(r#"{"node":"n","seq":1,"gpuz":[]}"#)
+            .expect_err("unknown field");
+        assert!(err.to_string().contains("gpuz"), "{err}");
+        let b: Batch = serde_json::from_str(r#"{"node":"bad name","seq":1,"hosts":[{"time_ms":1800000000000,"simulated":false}]}"#)
+            .expect("parses");
+        assert!(matches!(b.validate(NOW), Err(BatchError::Node(_))));
+    }
+
+    #[test]
+    fn roundtrip_keeps_absent_values_absent() {
+        let b = batch(vec![gpu()]);
+        let json = serde_json::to_string(&b).expect("serializes");
+        let back: Batch = serde_json::from_str(&json).expect("parses");
+        assert_eq!(back, b);
+        assert_eq!(back.gpus[0].energy_joules, None);
+    }
+}

@@ -1,0 +1,44 @@
+//! The store's error type: one enum whose variants tell the HTTP edge which status to answer.
+
+use std::path::PathBuf;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The SQL text or plan is at fault: the message says what to change.
+    #[error("{0}")]
+    BadQuery(String),
+    /// The statement tries to change something; the SQL interface is read-only.
+    #[error("{0}")]
+    ReadOnly(String),
+    #[error("query ran longer than the {limit_s} s limit; narrow the time range or aggregate more")]
+    Timeout { limit_s: f64 },
+    #[error("query needs more memory than the {limit_mb} MiB limit; narrow the time range, select fewer columns, or aggregate")]
+    ResourcesExhausted { limit_mb: usize },
+    /// A failure of the engine itself (not of the query text).
+    #[error("query failed: {0}")]
+    Execution(String),
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("write-ahead log is unavailable: {0}")]
+    WalClosed(String),
+    #[error("corrupt {what}: {message}")]
+    Corrupt { what: &'static str, message: String },
+    #[error("parquet: {0}")]
+    Parquet(#[from] parquet::errors::ParquetError),
+    #[error("arrow: {0}")]
+    Arrow(#[from] arrow::error::ArrowError),
+}
+
+impl Error {
+    pub(crate) fn io(what: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
+        let path = path.into();
+        move |source| Error::Io { what, path, source }
+    }
+}

@@ -1,0 +1,22 @@
+//! perch's telemetry store and its SQL front.
+//!
+//! Data arrives as validated [`perch_model::Batch`]es. [`Store::ingest`] makes each one durable
+//! in the write-ahead log ([`wal`]) before it returns, then appends it to an in-memory buffer of
+//! Arrow record batches that SQL sees at once. A flush moves the buffer to sorted, zstd-compressed
+//! Parquet files partitioned by table and day, records them in the [`manifest`], and only then
+//! drops the write-ahead log segments they cover. [`SqlEngine`] answers read-only SQL through
+//! DataFusion over one table provider per table that unions the Parquet files with the buffer
+//! (see [`provider`]), so fresh and old data are one table and nothing is counted twice.
+
+mod error;
+mod manifest;
+mod provider;
+pub mod schema;
+mod sql;
+mod store;
+pub mod wal;
+
+pub use error::{Error, Result};
+pub use schema::Table;
+pub use sql::{QueryLimits, QueryOutput, SqlEngine};
+pub use store::{FlushStats, IngestOutcome, Store, StoreConfig, StoreStats};

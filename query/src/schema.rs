@@ -1,0 +1,246 @@
+//! The stored tables: their Arrow schemas, their sort keys, and the conversion of an ingested
+//! [`Batch`] into one record batch per table.
+//!
+//! Every table has `time` (UTC timestamp, millisecond precision), `node` and `simulated`.
+//! Measured values are nullable: a metric the hardware does not report is NULL, never 0.
+//! `docs/schema.md` documents every column with its unit; a test keeps the two in step.
+
+use arrow::array::{
+    ArrayRef, BooleanArray, Float64Array, RecordBatch, StringArray, TimestampMillisecondArray,
+    UInt32Array, UInt64Array,
+};
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
+use perch_model::Batch;
+use std::sync::{Arc, LazyLock};
+
+/// A table of the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Table {
+    GpuSamples,
+    HostSamples,
+    NicSamples,
+}
+
+impl Table {
+    pub const ALL: [Table; 3] = [Table::GpuSamples, Table::HostSamples, Table::NicSamples];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Table::GpuSamples => "gpu_samples",
+            Table::HostSamples => "host_samples",
+            Table::NicSamples => "nic_samples",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Table> {
+        Self::ALL.into_iter().find(|t| t.name() == name)
+    }
+
+    pub fn schema(self) -> SchemaRef {
+        static GPU: LazyLock<SchemaRef> = LazyLock::new(|| gpu_schema());
+        static HOST: LazyLock<SchemaRef> = LazyLock::new(|| host_schema());
+        static NIC: LazyLock<SchemaRef> = LazyLock::new(|| nic_schema());
+        match self {
+            Table::GpuSamples => GPU.clone(),
+            Table::HostSamples => HOST.clone(),
+            Table::NicSamples => NIC.clone(),
+        }
+    }
+
+    /// Columns the Parquet files are sorted by, in order; `time` is always last.
+    pub fn sort_key(self) -> &'static [&'static str] {
+        match self {
+            Table::GpuSamples => &["node", "gpu", "time"],
+            Table::HostSamples => &["node", "time"],
+            Table::NicSamples => &["node", "device", "time"],
+        }
+    }
+}
+
+fn time_type() -> DataType {
+    DataType::Timestamp(TimeUnit::Millisecond, Some("UTC".into()))
+}
+
+fn common(fields: Vec<Field>) -> SchemaRef {
+    let mut all = vec![
+        Field::new("time", time_type(), false),
+        Field::new("node", DataType::Utf8, false),
+    ];
+    all.extend(fields);
+    Arc::new(Schema::new(all))
+}
+
+fn f64_col(name: &str) -> Field {
+    Field::new(name, DataType::Float64, true)
+}
+
+fn u64_col(name: &str) -> Field {
+    Field::new(name, DataType::UInt64, true)
+}
+
+fn gpu_schema() -> SchemaRef {
+    common(vec![
+        Field::new("gpu", DataType::UInt32, false),
+        Field::new("uuid", DataType::Utf8, false),
+        Field::new("model", DataType::Utf8, false),
+        Field::new("simulated", DataType::Boolean, false),
+        f64_col("utilization_gpu_pct"),
+        f64_col("utilization_memory_pct"),
+        u64_col("memory_used_bytes"),
+        u64_col("memory_total_bytes"),
+        f64_col("power_watts"),
+        f64_col("energy_joules"),
+        f64_col("temperature_celsius"),
+        Field::new("sm_clock_mhz", DataType::UInt32, true),
+        Field::new("memory_clock_mhz", DataType::UInt32, true),
+    ])
+}
+
+const CPU_MODES: [&str; 8] = ["user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"];
+
+fn host_schema() -> SchemaRef {
+    let mut fields = vec![Field::new("simulated", DataType::Boolean, false)];
+    fields.extend(CPU_MODES.iter().map(|m| f64_col(&format!("cpu_{m}_seconds"))));
+    fields.extend([
+        Field::new("cpu_count", DataType::UInt32, true),
+        u64_col("memory_total_bytes"),
+        u64_col("memory_available_bytes"),
+        f64_col("load1"),
+        f64_col("load5"),
+        f64_col("load15"),
+        u64_col("disk_free_bytes"),
+        u64_col("disk_total_bytes"),
+        f64_col("uptime_seconds"),
+    ]);
+    common(fields)
+}
+
+fn nic_schema() -> SchemaRef {
+    let mut fields = vec![
+        Field::new("device", DataType::Utf8, false),
+        Field::new("simulated", DataType::Boolean, false),
+    ];
+    for dir in ["rx", "tx"] {
+        for what in ["bytes", "packets", "errors", "dropped"] {
+            fields.push(u64_col(&format!("{dir}_{what}")));
+        }
+    }
+    fields.push(Field::new("link_up", DataType::Boolean, true));
+    fields.push(u64_col("speed_mbps"));
+    common(fields)
+}
+
+fn times<T>(rows: &[T], f: impl Fn(&T) -> i64) -> ArrayRef {
+    Arc::new(TimestampMillisecondArray::from_iter_values(rows.iter().map(f)).with_timezone("UTC"))
+}
+
+fn nodes<T>(rows: &[T], node: &str) -> ArrayRef {
+    Arc::new(StringArray::from_iter_values(rows.iter().map(|_| node)))
+}
+
+fn f64s<T>(rows: &[T], f: impl Fn(&T) -> Option<f64>) -> ArrayRef {
+    Arc::new(Float64Array::from_iter(rows.iter().map(f)))
+}
+
+fn u64s<T>(rows: &[T], f: impl Fn(&T) -> Option<u64>) -> ArrayRef {
+    Arc::new(UInt64Array::from_iter(rows.iter().map(f)))
+}
+
+fn bools<T>(rows: &[T], f: impl Fn(&T) -> bool) -> ArrayRef {
+    Arc::new(BooleanArray::from_iter(rows.iter().map(|r| Some(f(r)))))
+}
+
+/// Converts one batch into a record batch per table that has rows.
+pub fn to_record_batches(batch: &Batch) -> crate::Result<Vec<(Table, RecordBatch)>> {
+    let node = batch.node.as_str();
+    let mut out = Vec::with_capacity(3);
+    let g = &batch.gpus;
+    if !g.is_empty() {
+        let columns = vec![
+            times(g, |r| r.time_ms),
+            nodes(g, node),
+            Arc::new(UInt32Array::from_iter_values(g.iter().map(|r| r.gpu.0))) as ArrayRef,
+            Arc::new(StringArray::from_iter_values(g.iter().map(|r| r.uuid.as_str()))),
+            Arc::new(StringArray::from_iter_values(g.iter().map(|r| r.model.as_str()))),
+            bools(g, |r| r.simulated),
+            f64s(g, |r| r.utilization_gpu_pct),
+            f64s(g, |r| r.utilization_memory_pct),
+            u64s(g, |r| r.memory_used_bytes),
+            u64s(g, |r| r.memory_total_bytes),
+            f64s(g, |r| r.power_watts),
+            f64s(g, |r| r.energy_joules),
+            f64s(g, |r| r.temperature_celsius),
+            Arc::new(UInt32Array::from_iter(g.iter().map(|r| r.sm_clock_mhz))),
+            Arc::new(UInt32Array::from_iter(g.iter().map(|r| r.memory_clock_mhz))),
+        ];
+        out.push((Table::GpuSamples, RecordBatch::try_new(Table::GpuSamples.schema(), columns)?));
+    }
+    let h = &batch.hosts;
+    if !h.is_empty() {
+        let columns = vec![
+            times(h, |r| r.time_ms),
+            nodes(h, node),
+            bools(h, |r| r.simulated),
+            f64s(h, |r| r.cpu_user_seconds),
+            f64s(h, |r| r.cpu_nice_seconds),
+            f64s(h, |r| r.cpu_system_seconds),
+            f64s(h, |r| r.cpu_idle_seconds),
+            f64s(h, |r| r.cpu_iowait_seconds),
+            f64s(h, |r| r.cpu_irq_seconds),
+            f64s(h, |r| r.cpu_softirq_seconds),
+            f64s(h, |r| r.cpu_steal_seconds),
+            Arc::new(UInt32Array::from_iter(h.iter().map(|r| r.cpu_count))) as ArrayRef,
+            u64s(h, |r| r.memory_total_bytes),
+            u64s(h, |r| r.memory_available_bytes),
+            f64s(h, |r| r.load1),
+            f64s(h, |r| r.load5),
+            f64s(h, |r| r.load15),
+            u64s(h, |r| r.disk_free_bytes),
+            u64s(h, |r| r.disk_total_bytes),
+            f64s(h, |r| r.uptime_seconds),
+        ];
+        out.push((Table::HostSamples, RecordBatch::try_new(Table::HostSamples.schema(), columns)?));
+    }
+    let n = &batch.nics;
+    if !n.is_empty() {
+        let columns = vec![
+            times(n, |r| r.time_ms),
+            nodes(n, node),
+            Arc::new(StringArray::from_iter_values(n.iter().map(|r| r.device.as_str()))) as ArrayRef,
+            bools(n, |r| r.simulated),
+            u64s(n, |r| r.rx_bytes),
+            u64s(n, |r| r.rx_packets),
+            u64s(n, |r| r.rx_errors),
+            u64s(n, |r| r.rx_dropped),
+            u64s(n, |r| r.tx_bytes),
+            u64s(n, |r| r.tx_packets),
+            u64s(n, |r| r.tx_errors),
+            u64s(n, |r| r.tx_dropped),
+            Arc::new(BooleanArray::from_iter(n.iter().map(|r| r.link_up))),
+            u64s(n, |r| r.speed_mbps),
+        ];
+        out.push((Table::NicSamples, RecordBatch::try_new(Table::NicSamples.schema(), columns)?));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every column of every table is documented in docs/schema.md, under the table's heading.
+    #[test]
+    fn schema_doc_covers_every_column() {
+        let doc = include_str!("../../docs/schema.md");
+        for table in Table::ALL {
+            let heading = format!("## `{}`", table.name());
+            let start = doc.find(&heading).unwrap_or_else(|| panic!("docs/schema.md lacks {heading}"));
+            let section = &doc[start + heading.len()..];
+            let section = &section[..section.find("\n## ").unwrap_or(section.len())];
+            for field in table.schema().fields() {
+                let row = format!("| `{}` |", field.name());
+                assert!(section.contains(&row), "docs/schema.md: {} lacks a row for {}", table.name(), field.name());
+            }
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! Read-only SQL over the store through DataFusion.
+//!
+//! Each query gets its own session with its own memory pool, so one query's limit is not
+//! shared with others. Plans are checked before they run: DDL, DML (COPY and INSERT among
+//! them) and statements such as SET are refused, and no table can be read from a file path.
+//! A timeout covers planning and the whole result stream, and results are capped at a row
+//! limit with a flag saying so.
+
+use crate::provider::StoreTable;
+use crate::{Error, Result, Store, Table};
+use arrow::array::RecordBatch;
+use arrow::datatypes::SchemaRef;
+use datafusion::error::DataFusionError;
+use datafusion::execution::runtime_env::RuntimeEnvBuilder;
+use datafusion::prelude::{SQLOptions, SessionConfig, SessionContext};
+use futures::StreamExt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Bounds applied to every query.
+#[derive(Debug, Clone, Copy)]
+pub struct QueryLimits {
+    pub timeout: Duration,
+    pub max_rows: usize,
+    pub memory_bytes: usize,
+}
+
+impl Default for QueryLimits {
+    fn default() -> Self {
+        QueryLimits { timeout: Duration::from_secs(30), max_rows: 100_000, memory_bytes: 1 << 30 }
+    }
+}
+
+/// A query's result.
+#[derive(Debug)]
+pub struct QueryOutput {
+    pub schema: SchemaRef,
+    pub batches: Vec<RecordBatch>,
+    pub rows: usize,
+    /// The result had more rows than `max_rows`; only the first `max_rows` are here.
+    pub truncated: bool,
+}
+
+pub struct SqlEngine {
+    store: Arc<Store>,
+    limits: QueryLimits,
+}
+
+impl std::fmt::Debug for SqlEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqlEngine").field("limits", &self.limits).finish()
+    }
+}
+
+impl SqlEngine {
+    pub fn new(store: Arc<Store>, limits: QueryLimits) -> Self {
+        SqlEngine { store, limits }
+    }
+
+    pub fn limits(&self) -> QueryLimits {
+        self.limits
+    }
+
+    fn session(&self) -> Result<SessionContext> {
+        let runtime = RuntimeEnvBuilder::new()
+            .with_memory_limit(self.limits.memory_bytes, 1.0)
+            .build_arc()
+            .map_err(|e| Error::Execution(e.to_string()))?;
+        let config = SessionConfig::new().with_information_schema(true);
+        let ctx = SessionContext::new_with_config_rt(config, runtime);
+        for table in Table::ALL {
+            ctx.register_table(table.name(), Arc::new(StoreTable::new(self.store.clone(), table)))
+                .map_err(|e| Error::Execution(e.to_string()))?;
+        }
+        Ok(ctx)
+    }
+
+    /// Runs one read-only statement.
+    pub async fn query(&self, sql: &str) -> Result<QueryOutput> {
+        let limits = self.limits;
+        match tokio::time::timeout(limits.timeout, self.run(sql)).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::Timeout { limit_s: limits.timeout.as_secs_f64() }),
+        }
+    }
+
+    async fn run(&self, sql: &str) -> Result<QueryOutput> {
+        if sql.trim().is_empty() {
+            return Err(Error::BadQuery("the query is empty; send one SQL statement such as SELECT count(*) FROM gpu_samples".into()));
+        }
+        let ctx = self.session()?;
+        let state = ctx.state();
+        let plan = state.create_logical_plan(sql).await.map_err(|e| self.map_error(e))?;
+        SQLOptions::new()
+            .with_allow_ddl(false)
+            .with_allow_dml(false)
+            .with_allow_statements(false)
+            .verify_plan(&plan)
+            .map_err(|e| {
+                Error::ReadOnly(format!(
+                    "perch's SQL is read-only ({}); use SELECT, WITH, SHOW or EXPLAIN",
+                    e.find_root()
+                ))
+            })?;
+        let df = ctx.execute_logical_plan(plan).await.map_err(|e| self.map_error(e))?;
+        let schema: SchemaRef = Arc::new(df.schema().as_arrow().clone());
+        let mut stream = df.execute_stream().await.map_err(|e| self.map_error(e))?;
+        let mut batches = Vec::new();
+        let mut rows = 0usize;
+        let mut truncated = false;
+        while let Some(batch) = stream.next().await {
+            let batch = batch.map_err(|e| self.map_error(e))?;
+            let room = self.limits.max_rows - rows;
+            if batch.num_rows() > room {
+                batches.push(batch.slice(0, room));
+                rows += room;
+                truncated = true;
+                break;
+            }
+            rows += batch.num_rows();
+            batches.push(batch);
+        }
+        Ok(QueryOutput { schema, batches, rows, truncated })
+    }
+
+    fn map_error(&self, e: DataFusionError) -> Error {
+        match e.find_root() {
+            DataFusionError::ResourcesExhausted(_) => {
+                Error::ResourcesExhausted { limit_mb: self.limits.memory_bytes >> 20 }
+            }
+            DataFusionError::SQL(..)
+            | DataFusionError::Plan(_)
+            | DataFusionError::SchemaError(..)
+            | DataFusionError::NotImplemented(_)
+            | DataFusionError::ArrowError(..)
+            | DataFusionError::Execution(_)
+            | DataFusionError::Configuration(_)
+            | DataFusionError::Diagnostic(..) => Error::BadQuery(clean_message(&e)),
+            other => Error::Execution(other.to_string()),
+        }
+    }
+}
+
+/// DataFusion prefixes messages with its error kind and sometimes wraps them in context;
+/// keep the part that tells the user what to change.
+fn clean_message(e: &DataFusionError) -> String {
+    let root = e.find_root().to_string();
+    for prefix in ["Error during planning: ", "SQL error: ", "Schema error: ", "Execution error: ", "This feature is not implemented: "] {
+        if let Some(rest) = root.strip_prefix(prefix) {
+            return rest.to_owned();
+        }
+    }
+    root
+}

@@ -1,0 +1,430 @@
+//! The store: durable ingest, the in-memory buffer SQL reads, and flushes to Parquet.
+//!
+//! Ordering that makes it crash-safe and free of double counting:
+//! 1. `ingest` holds the read side of `gate` while it appends to the write-ahead log and then
+//!    applies the batch to the buffer, so an acknowledged batch is durable and visible at once.
+//! 2. `flush` takes the write side of `gate` for a moment: it rotates the log and moves the
+//!    buffer to `flushing` (still visible to SQL). Every record in the closed segments is now in
+//!    `flushing`, and nothing in `flushing` is in a later segment.
+//! 3. It writes Parquet, saves a manifest listing the new files and the closed segment, and in
+//!    one step under the lock makes the files visible and drops `flushing`; only then are the
+//!    covered log segments deleted.
+//!
+//! Batches are deduplicated by `(node, seq)`: a batch whose `seq` is not above the last one
+//! accepted from its node is acknowledged as a duplicate and stored nowhere.
+
+use crate::manifest::{FileEntry, Manifest};
+use crate::schema::{self, Table};
+use crate::wal::{self, Wal, WalStats};
+use crate::{Error, Result};
+use arrow::array::{AsArray, RecordBatch};
+use arrow::compute::{SortColumn, concat_batches, lexsort_to_indices, take_record_batch};
+use arrow::datatypes::TimestampMillisecondType;
+use bytes::Bytes;
+use parquet::arrow::ArrowWriter;
+use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::properties::WriterProperties;
+use parquet::file::metadata::SortingColumn;
+use perch_model::Batch;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs::{self, File};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// Where and how often the store writes.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub data_dir: PathBuf,
+    /// Buffered rows are written to Parquet at least this often.
+    pub flush_interval: Duration,
+    /// ... or as soon as this many rows are buffered.
+    pub flush_max_rows: usize,
+}
+
+impl StoreConfig {
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        StoreConfig { data_dir: data_dir.into(), flush_interval: Duration::from_secs(60), flush_max_rows: 1_000_000 }
+    }
+}
+
+/// What happened to one ingested batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IngestOutcome {
+    /// Durable and visible; carries the number of samples stored.
+    Stored { samples: usize },
+    /// Already accepted earlier (a retry); nothing stored.
+    Duplicate,
+}
+
+/// Counters for `/metrics`.
+#[derive(Debug, Default)]
+pub struct StoreStats {
+    pub batches_stored: AtomicU64,
+    pub batches_duplicate: AtomicU64,
+    pub samples_stored: AtomicU64,
+    pub batches_replayed: AtomicU64,
+    pub flushes: AtomicU64,
+    pub flush_failures: AtomicU64,
+    pub files_written: AtomicU64,
+    pub rows_flushed: AtomicU64,
+}
+
+/// The result of one flush.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FlushStats {
+    pub rows: u64,
+    pub files: u64,
+}
+
+#[derive(Default)]
+struct TableData {
+    mem: Vec<RecordBatch>,
+    mem_rows: usize,
+    flushing: Vec<RecordBatch>,
+    files: Arc<Vec<FileEntry>>,
+}
+
+struct Inner {
+    tables: BTreeMap<Table, TableData>,
+    node_seq: HashMap<String, u64>,
+    in_flight: HashSet<(String, u64)>,
+    manifest: Manifest,
+}
+
+pub struct Store {
+    dir: PathBuf,
+    config: StoreConfig,
+    wal: Wal,
+    gate: tokio::sync::RwLock<()>,
+    flush_lock: tokio::sync::Mutex<()>,
+    inner: Mutex<Inner>,
+    _lock_file: File,
+    pub stats: StoreStats,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").field("dir", &self.dir).finish()
+    }
+}
+
+/// Merge this many small buffered record batches into one, to keep scans cheap.
+const COALESCE_AT: usize = 256;
+
+impl Store {
+    /// Opens (or creates) the store in `config.data_dir`, replaying the write-ahead log.
+    pub fn open(config: StoreConfig) -> Result<Arc<Store>> {
+        let dir = config.data_dir.clone();
+        fs::create_dir_all(&dir).map_err(Error::io("creating data directory", &dir))?;
+        let lock_path = dir.join("LOCK");
+        let lock_file = File::create(&lock_path).map_err(Error::io("creating", &lock_path))?;
+        lock_file.try_lock().map_err(|_| Error::Io {
+            what: "locking data directory (is another perch server using it?)",
+            path: lock_path.clone(),
+            source: std::io::Error::other("already locked"),
+        })?;
+        let manifest = Manifest::load(&dir)?;
+        remove_orphans(&dir, &manifest)?;
+        let mut tables: BTreeMap<Table, TableData> = Table::ALL.into_iter().map(|t| (t, TableData::default())).collect();
+        for (name, files) in &manifest.files {
+            let table = Table::from_name(name).ok_or_else(|| Error::Corrupt {
+                what: "manifest",
+                message: format!("unknown table {name:?}"),
+            })?;
+            if let Some(t) = tables.get_mut(&table) {
+                t.files = Arc::new(files.clone());
+            }
+        }
+        let wal_dir = dir.join("wal");
+        let records = wal::replay(&wal_dir, manifest.wal_flushed_through)?;
+        let wal = Wal::open(&wal_dir)?;
+        let node_seq = manifest.node_seq.clone().into_iter().collect();
+        let store = Store {
+            dir,
+            config,
+            wal,
+            gate: tokio::sync::RwLock::new(()),
+            flush_lock: tokio::sync::Mutex::new(()),
+            inner: Mutex::new(Inner { tables, node_seq, in_flight: HashSet::new(), manifest }),
+            _lock_file: lock_file,
+            stats: StoreStats::default(),
+        };
+        let mut replayed = 0u64;
+        for record in records {
+            let batch: Batch = match serde_json::from_slice(&record) {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::error!(error = %e, "skipping an unreadable write-ahead log record");
+                    continue;
+                }
+            };
+            let parts = schema::to_record_batches(&batch)?;
+            let mut inner = store.lock();
+            if inner.node_seq.get(batch.node.as_str()).is_some_and(|&s| batch.seq <= s) {
+                continue;
+            }
+            apply(&mut inner, &batch, parts);
+            replayed += 1;
+        }
+        store.stats.batches_replayed.store(replayed, Ordering::Relaxed);
+        if replayed > 0 {
+            tracing::info!(batches = replayed, "replayed write-ahead log");
+        }
+        Ok(Arc::new(store))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave Inner half-updated in a way later code
+        // relies on, so keep serving rather than poisoning every request.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn wal_stats(&self) -> &WalStats {
+        &self.wal.stats
+    }
+
+    /// Stores one validated batch. `raw` is its JSON encoding, written to the log as is.
+    /// Returns once the batch is durable and visible to SQL.
+    pub async fn ingest(&self, raw: Bytes, batch: &Batch) -> Result<IngestOutcome> {
+        let parts = schema::to_record_batches(batch)?;
+        let key = (batch.node.as_str().to_owned(), batch.seq);
+        let _gate = self.gate.read().await;
+        {
+            let mut inner = self.lock();
+            if inner.node_seq.get(&key.0).is_some_and(|&s| batch.seq <= s) || inner.in_flight.contains(&key) {
+                self.stats.batches_duplicate.fetch_add(1, Ordering::Relaxed);
+                return Ok(IngestOutcome::Duplicate);
+            }
+            inner.in_flight.insert(key.clone());
+        }
+        let written = self.wal.append(raw).await;
+        let mut inner = self.lock();
+        inner.in_flight.remove(&key);
+        written?;
+        apply(&mut inner, batch, parts);
+        let samples = batch.sample_count();
+        self.stats.batches_stored.fetch_add(1, Ordering::Relaxed);
+        self.stats.samples_stored.fetch_add(samples as u64, Ordering::Relaxed);
+        Ok(IngestOutcome::Stored { samples })
+    }
+
+    /// Rows waiting in memory for the next flush.
+    pub fn buffered_rows(&self) -> usize {
+        self.lock().tables.values().map(|t| t.mem_rows).sum()
+    }
+
+    /// Parquet files and bytes per table.
+    pub fn file_counts(&self) -> Vec<(Table, usize, u64)> {
+        self.lock().tables.iter().map(|(t, d)| (*t, d.files.len(), d.files.iter().map(|f| f.bytes).sum())).collect()
+    }
+
+    /// What a query sees of `table` right now: its files and its buffered rows, consistent with
+    /// each other (no row in both).
+    pub(crate) fn snapshot(&self, table: Table) -> (Arc<Vec<FileEntry>>, Vec<RecordBatch>) {
+        let inner = self.lock();
+        match inner.tables.get(&table) {
+            Some(t) => (t.files.clone(), t.flushing.iter().chain(&t.mem).cloned().collect()),
+            None => (Arc::default(), Vec::new()),
+        }
+    }
+
+    /// Writes everything buffered to Parquet.
+    pub async fn flush(&self) -> Result<FlushStats> {
+        let _one = self.flush_lock.lock().await;
+        let (segment, node_seq, work, next_file_id) = {
+            let _gate = self.gate.write().await;
+            let segment = self.wal.rotate().await?;
+            let mut inner = self.lock();
+            let mut work = Vec::new();
+            for (table, data) in inner.tables.iter_mut() {
+                data.flushing.append(&mut data.mem);
+                data.mem_rows = 0;
+                if !data.flushing.is_empty() {
+                    work.push((*table, data.flushing.clone()));
+                }
+            }
+            (segment, inner.node_seq.clone(), work, inner.manifest.next_file_id)
+        };
+        let dir = self.dir.clone();
+        let written = tokio::task::spawn_blocking(move || {
+            let mut next = next_file_id;
+            let mut out = Vec::new();
+            for (table, batches) in work {
+                out.push((table, write_table(&dir, table, &batches, &mut next)?));
+            }
+            Ok::<_, Error>((out, next))
+        })
+        .await
+        .map_err(|e| Error::Execution(format!("flush task failed: {e}")))
+        .and_then(|r| r);
+        let (written, next_file_id) = match written {
+            Ok(w) => w,
+            Err(e) => {
+                // Keep the rows visible and buffered; their log segments are still on disk.
+                let mut inner = self.lock();
+                for data in inner.tables.values_mut() {
+                    let mut back = std::mem::take(&mut data.flushing);
+                    data.mem_rows += back.iter().map(RecordBatch::num_rows).sum::<usize>();
+                    back.append(&mut data.mem);
+                    data.mem = back;
+                }
+                self.stats.flush_failures.fetch_add(1, Ordering::Relaxed);
+                return Err(e);
+            }
+        };
+        let mut manifest = self.lock().manifest.clone();
+        let mut stats = FlushStats::default();
+        for (table, entries) in &written {
+            stats.files += entries.len() as u64;
+            stats.rows += entries.iter().map(|e| e.rows).sum::<u64>();
+            manifest.files.entry(table.name().to_owned()).or_default().extend(entries.iter().cloned());
+        }
+        manifest.wal_flushed_through = segment;
+        manifest.node_seq = node_seq.into_iter().collect();
+        manifest.next_file_id = next_file_id;
+        let save_dir = self.dir.clone();
+        let to_save = manifest.clone();
+        tokio::task::spawn_blocking(move || to_save.save(&save_dir))
+            .await
+            .map_err(|e| Error::Execution(format!("manifest task failed: {e}")))??;
+        {
+            let mut inner = self.lock();
+            for (table, data) in inner.tables.iter_mut() {
+                data.flushing.clear();
+                if let Some(files) = manifest.files.get(table.name()) {
+                    data.files = Arc::new(files.clone());
+                }
+            }
+            inner.manifest = manifest;
+        }
+        self.wal.remove_through(segment)?;
+        self.stats.flushes.fetch_add(1, Ordering::Relaxed);
+        self.stats.files_written.fetch_add(stats.files, Ordering::Relaxed);
+        self.stats.rows_flushed.fetch_add(stats.rows, Ordering::Relaxed);
+        if stats.rows > 0 {
+            tracing::debug!(rows = stats.rows, files = stats.files, "flushed buffer to parquet");
+        }
+        Ok(stats)
+    }
+
+    /// Flushes every `flush_interval`, or sooner once `flush_max_rows` rows are buffered, until
+    /// `shutdown` resolves; then flushes once more.
+    pub async fn run_flusher(self: Arc<Self>, shutdown: impl std::future::Future<Output = ()>) {
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last = tokio::time::Instant::now();
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => break,
+                _ = tick.tick() => {}
+            }
+            let rows = self.buffered_rows();
+            if rows >= self.config.flush_max_rows || (rows > 0 && last.elapsed() >= self.config.flush_interval) {
+                last = tokio::time::Instant::now();
+                if let Err(e) = self.flush().await {
+                    tracing::error!(error = %e, "flush to parquet failed; rows stay buffered and logged, will retry");
+                }
+            }
+        }
+        if let Err(e) = self.flush().await {
+            tracing::error!(error = %e, "final flush failed; the write-ahead log still holds the rows");
+        }
+    }
+}
+
+fn apply(inner: &mut Inner, batch: &Batch, parts: Vec<(Table, RecordBatch)>) {
+    for (table, rb) in parts {
+        if let Some(data) = inner.tables.get_mut(&table) {
+            data.mem_rows += rb.num_rows();
+            data.mem.push(rb);
+            if data.mem.len() >= COALESCE_AT
+                && let Ok(merged) = concat_batches(&table.schema(), &data.mem)
+            {
+                data.mem = vec![merged];
+            }
+        }
+    }
+    let seq = inner.node_seq.entry(batch.node.as_str().to_owned()).or_insert(0);
+    *seq = (*seq).max(batch.seq);
+}
+
+fn remove_orphans(dir: &Path, manifest: &Manifest) -> Result<()> {
+    let known: HashSet<&str> = manifest.files.values().flatten().map(|f| f.path.as_str()).collect();
+    let root = dir.join("tables");
+    let mut stack = vec![root];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = fs::read_dir(&d) else { continue };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if let Ok(rel) = path.strip_prefix(dir) {
+                let rel = rel.to_string_lossy();
+                if !known.contains(rel.as_ref()) {
+                    tracing::warn!(file = %rel, "removing a parquet file no manifest lists (left by an interrupted flush; its rows are in the write-ahead log)");
+                    fs::remove_file(&path).map_err(Error::io("removing", &path))?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn day_string(day: i64) -> String {
+    chrono::DateTime::from_timestamp(day * 86_400, 0)
+        .map(|d| d.format("%Y-%m-%d").to_string())
+        .unwrap_or_else(|| format!("day{day}"))
+}
+
+/// Writes `batches` of `table` as one sorted Parquet file per day.
+fn write_table(dir: &Path, table: Table, batches: &[RecordBatch], next_id: &mut u64) -> Result<Vec<FileEntry>> {
+    let schema = table.schema();
+    let all = concat_batches(&schema, batches)?;
+    let times = all.column(0).as_primitive::<TimestampMillisecondType>();
+    let mut by_day: BTreeMap<i64, Vec<u32>> = BTreeMap::new();
+    for (i, t) in times.values().iter().enumerate() {
+        by_day.entry(t.div_euclid(86_400_000)).or_default().push(i as u32);
+    }
+    let key_idx: Vec<usize> = table
+        .sort_key()
+        .iter()
+        .map(|name| schema.index_of(name))
+        .collect::<Result<_, _>>()?;
+    let props = WriterProperties::builder()
+        .set_compression(Compression::ZSTD(ZstdLevel::try_new(3)?))
+        .set_sorting_columns(Some(
+            key_idx.iter().map(|&i| SortingColumn { column_idx: i as i32, descending: false, nulls_first: false }).collect(),
+        ))
+        .build();
+    let mut entries = Vec::new();
+    for (day, rows) in by_day {
+        let part = take_record_batch(&all, &arrow::array::UInt32Array::from(rows))?;
+        let sort: Vec<SortColumn> = key_idx.iter().map(|&i| SortColumn { values: part.column(i).clone(), options: None }).collect();
+        let order = lexsort_to_indices(&sort, None)?;
+        let part = take_record_batch(&part, &order)?;
+        let part_times = part.column(0).as_primitive::<TimestampMillisecondType>();
+        let (min, max) = part_times.values().iter().fold((i64::MAX, i64::MIN), |(lo, hi), &t| (lo.min(t), hi.max(t)));
+        let rel_dir = format!("tables/{}/date={}", table.name(), day_string(day));
+        let abs_dir = dir.join(&rel_dir);
+        fs::create_dir_all(&abs_dir).map_err(Error::io("creating directory", &abs_dir))?;
+        let rel = format!("{rel_dir}/{:010}.parquet", *next_id);
+        *next_id += 1;
+        let path = dir.join(&rel);
+        let file = File::create(&path).map_err(Error::io("creating", &path))?;
+        let mut writer = ArrowWriter::try_new(file, schema.clone(), Some(props.clone()))?;
+        writer.write(&part)?;
+        let file = writer.into_inner()?;
+        file.sync_all().map_err(Error::io("syncing", &path))?;
+        File::open(&abs_dir).and_then(|d| d.sync_all()).map_err(Error::io("syncing directory", &abs_dir))?;
+        let bytes = fs::metadata(&path).map_err(Error::io("reading metadata of", &path))?.len();
+        entries.push(FileEntry { path: rel, rows: part.num_rows() as u64, bytes, min_time_ms: min, max_time_ms: max });
+    }
+    Ok(entries)
+}

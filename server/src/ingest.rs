@@ -1,0 +1,64 @@
+//! `POST /v1/ingest`: where agents deliver telemetry batches.
+//!
+//! The body is a JSON [`Batch`] (optionally `Content-Encoding: zstd` or `gzip`). The answer
+//! is 200 only once the batch is durable: `{"accepted": true, "duplicate": false, "samples": N}`.
+//! A batch already accepted (same node, `seq` not above the last) is answered 200 with
+//! `"duplicate": true` and stored nowhere. A malformed or invalid batch gets 400 with a message
+//! naming the field; the agent must not resend it. 503 means try again later.
+
+use crate::{ApiError, AppState};
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::http::StatusCode;
+use perch_model::Batch;
+use perch_query::IngestOutcome;
+use std::sync::atomic::Ordering;
+
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+pub async fn ingest(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let result = handle(&state, body).await;
+    let outcome = match &result {
+        Ok(v) if v["duplicate"] == true => "duplicate",
+        Ok(_) => "stored",
+        Err(e) if e.status.is_client_error() => "rejected",
+        Err(_) => "error",
+    };
+    state.metrics.ingest_requests(outcome);
+    result.map(Json)
+}
+
+async fn handle(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<serde_json::Value, ApiError> {
+    if !state.ready.load(Ordering::Relaxed) {
+        return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_ready", "the server is shutting down; retry later"));
+    }
+    let body = body.map_err(|e| {
+        ApiError::new(
+            e.status(),
+            "unreadable_body",
+            format!("could not read the request body: {e}; send at most {} bytes (decompressed), encoded as zstd, gzip or not at all", state.config.max_body_bytes),
+        )
+    })?;
+    let batch: Batch = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request("malformed_batch", format!("the body is not a valid telemetry batch: {e}")))?;
+    let now = now_ms();
+    batch
+        .validate(now)
+        .map_err(|e| ApiError::bad_request("invalid_batch", format!("batch {} from node {}: {e}", batch.seq, batch.node)))?;
+    match state.store.ingest(body, &batch).await? {
+        IngestOutcome::Stored { samples } => {
+            state.latest.update(&batch, now);
+            Ok(serde_json::json!({"accepted": true, "duplicate": false, "samples": samples}))
+        }
+        IngestOutcome::Duplicate => Ok(serde_json::json!({"accepted": true, "duplicate": true, "samples": 0})),
+    }
+}

@@ -1,0 +1,139 @@
+//! perch's HTTP server: the ingest endpoint agents push to, read-only SQL, the Prometheus
+//! endpoint, and liveness and readiness.
+//!
+//! [`serve`] takes a listener that is already bound and a shutdown future, so tests bind
+//! `127.0.0.1:0` and never race for a port or sleep for readiness. On shutdown the store's
+//! buffer is flushed to Parquet.
+
+mod error;
+mod ingest;
+mod latest;
+mod metrics;
+mod sql;
+
+pub use error::ApiError;
+pub use latest::Latest;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use perch_query::{QueryLimits, SqlEngine, Store, StoreConfig};
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+/// What the server needs to start.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub store: StoreConfig,
+    pub query: QueryLimits,
+    /// Largest request body accepted, after decompression.
+    pub max_body_bytes: usize,
+    /// Nodes silent for longer than this are reported as not reporting on `/metrics`.
+    pub node_stale_after: Duration,
+}
+
+impl ServerConfig {
+    pub fn new(store: StoreConfig) -> Self {
+        ServerConfig {
+            store,
+            query: QueryLimits::default(),
+            max_body_bytes: 64 << 20,
+            node_stale_after: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Shared by every request handler.
+#[derive(Clone)]
+pub struct AppState {
+    pub store: Arc<Store>,
+    pub sql: Arc<SqlEngine>,
+    pub latest: Arc<Latest>,
+    pub metrics: Arc<metrics::ServerMetrics>,
+    pub ready: Arc<AtomicBool>,
+    pub config: Arc<ServerConfig>,
+}
+
+impl AppState {
+    /// Opens the store (replaying its write-ahead log) and builds the state.
+    pub fn open(config: ServerConfig) -> perch_query::Result<AppState> {
+        let store = Store::open(config.store.clone())?;
+        let sql = Arc::new(SqlEngine::new(store.clone(), config.query));
+        Ok(AppState {
+            store,
+            sql,
+            latest: Arc::new(Latest::default()),
+            metrics: Arc::new(metrics::ServerMetrics::default()),
+            ready: Arc::new(AtomicBool::new(true)),
+            config: Arc::new(config),
+        })
+    }
+}
+
+/// The HTTP routes.
+pub fn router(state: AppState) -> Router {
+    let limit = state.config.max_body_bytes;
+    Router::new()
+        .route("/", get(index))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/v1/ingest", post(ingest::ingest))
+        .route("/v1/sql", post(sql::sql))
+        .route("/metrics", get(metrics::metrics))
+        .fallback(error::not_found)
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(tower_http::decompression::RequestDecompressionLayer::new())
+        .with_state(state)
+}
+
+async fn index() -> axum::Json<serde_json::Value> {
+    axum::Json(serde_json::json!({
+        "service": "perch",
+        "version": env!("CARGO_PKG_VERSION"),
+        "endpoints": {
+            "GET /healthz": "liveness",
+            "GET /readyz": "readiness (the store is open and its log replayed)",
+            "POST /v1/ingest": "agent telemetry batches (JSON, optionally zstd or gzip encoded)",
+            "POST /v1/sql": "read-only SQL: body {\"sql\": \"...\", \"format\": \"json|csv|arrow\"} or text/plain",
+            "GET /metrics": "Prometheus exposition",
+        }
+    }))
+}
+
+async fn readyz(axum::extract::State(state): axum::extract::State<AppState>) -> (axum::http::StatusCode, &'static str) {
+    if state.ready.load(Ordering::Relaxed) {
+        (axum::http::StatusCode::OK, "ready\n")
+    } else {
+        (axum::http::StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}
+
+/// Serves until `shutdown` resolves, then flushes the store.
+pub async fn serve(
+    listener: TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let flusher = tokio::spawn(state.store.clone().run_flusher({
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        }
+    }));
+    let app = router(state.clone());
+    let result = axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+        })
+        .await;
+    state.ready.store(false, Ordering::Relaxed);
+    let _ = stop_tx.send(true);
+    if let Err(e) = flusher.await {
+        tracing::error!(error = %e, "flusher task failed");
+    }
+    result
+}

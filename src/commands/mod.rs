@@ -1,0 +1,197 @@
+//! The subcommands: their flags (each also a `PERCH_*` environment variable) and dispatch.
+
+mod serve;
+pub mod simulate;
+mod sql;
+
+use crate::config::Config;
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Debug, Parser)]
+#[command(name = "perch", version, about = "GPU cluster monitoring, accounting and scheduling in one place")]
+pub struct Cli {
+    /// TOML config file (see perch.example.toml).
+    #[arg(long, global = true, env = "PERCH_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the server: ingest, SQL, /metrics.
+    Server(ServerArgs),
+    /// Run the node agent: sample this node and stream to a server.
+    Agent(AgentArgs),
+    /// Server and a local agent in one process: perch on one machine.
+    Up(UpArgs),
+    /// A simulated cluster in one process, with a synthetic workload (all data labelled simulated).
+    Demo(DemoArgs),
+    /// Run a read-only SQL query against a server.
+    Sql(sql::SqlArgs),
+    /// Replay a job trace through the scheduler in virtual time.
+    Simulate(simulate::SimulateArgs),
+}
+
+#[derive(Debug, Args)]
+struct ServerFlags {
+    /// Address to listen on.
+    #[arg(long, env = "PERCH_LISTEN")]
+    listen: Option<String>,
+    /// Data directory (write-ahead log, Parquet files).
+    #[arg(long, env = "PERCH_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    /// Seconds between flushes of buffered rows to Parquet.
+    #[arg(long, env = "PERCH_FLUSH_INTERVAL_SECS")]
+    flush_interval_secs: Option<u64>,
+}
+
+#[derive(Debug, Args)]
+struct ServerArgs {
+    #[command(flatten)]
+    server: ServerFlags,
+}
+
+#[derive(Debug, Args)]
+struct AgentFlags {
+    /// Node name (default: hostname).
+    #[arg(long, env = "PERCH_NODE")]
+    node: Option<String>,
+    /// Milliseconds between samples.
+    #[arg(long, env = "PERCH_INTERVAL_MS")]
+    interval_ms: Option<u64>,
+    /// NVML: auto, off, or the path of an NVML library.
+    #[arg(long, env = "PERCH_NVML")]
+    nvml: Option<String>,
+    /// Add this many simulated GPUs (labelled simulated in every table, series and message).
+    #[arg(long, env = "PERCH_SIMULATE_GPUS")]
+    simulate_gpus: Option<u32>,
+}
+
+#[derive(Debug, Args)]
+struct AgentArgs {
+    /// Server URL, e.g. http://perch-server:7300.
+    #[arg(long, env = "PERCH_SERVER")]
+    server: Option<String>,
+    /// Agent data directory (spool, free-space reporting).
+    #[arg(long, env = "PERCH_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    #[command(flatten)]
+    agent: AgentFlags,
+}
+
+#[derive(Debug, Args)]
+struct UpArgs {
+    #[command(flatten)]
+    server: ServerFlags,
+    #[command(flatten)]
+    agent: AgentFlags,
+}
+
+#[derive(Debug, Args)]
+struct DemoArgs {
+    /// Simulated nodes.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    nodes: u32,
+    /// Simulated GPUs per node.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=64))]
+    gpus_per_node: u32,
+    /// Seed of the synthetic workload.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Milliseconds between samples of each simulated node.
+    #[arg(long, default_value_t = 1000)]
+    interval_ms: u64,
+    /// Address to listen on.
+    #[arg(long, env = "PERCH_LISTEN")]
+    listen: Option<String>,
+    /// Data directory (default ./perch-demo-data, apart from real data).
+    #[arg(long, env = "PERCH_DATA_DIR", default_value = "./perch-demo-data")]
+    data_dir: PathBuf,
+    /// Seconds between flushes of buffered rows to Parquet.
+    #[arg(long, env = "PERCH_FLUSH_INTERVAL_SECS")]
+    flush_interval_secs: Option<u64>,
+}
+
+impl ServerFlags {
+    fn apply(&self, config: &mut Config) {
+        if let Some(v) = &self.listen {
+            config.server.listen = v.clone();
+        }
+        if let Some(v) = &self.data_dir {
+            config.server.data_dir = v.clone();
+            config.agent.data_dir = v.clone();
+        }
+        if let Some(v) = self.flush_interval_secs {
+            config.server.flush_interval_secs = v;
+        }
+    }
+}
+
+impl AgentFlags {
+    fn apply(&self, config: &mut Config) {
+        if let Some(v) = &self.node {
+            config.agent.node = v.clone();
+        }
+        if let Some(v) = self.interval_ms {
+            config.agent.interval_ms = v;
+        }
+        if let Some(v) = &self.nvml {
+            config.agent.nvml = v.clone();
+        }
+        if let Some(v) = self.simulate_gpus {
+            config.agent.simulate_gpus = v;
+        }
+    }
+}
+
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("PERCH_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
+pub fn run(cli: Cli) -> Result<()> {
+    let mut config = Config::load(cli.config.as_deref())?;
+    match cli.command {
+        Command::Server(args) => {
+            args.server.apply(&mut config);
+            config.check()?;
+            serve::server(config)
+        }
+        Command::Agent(args) => {
+            if let Some(v) = args.server {
+                config.agent.server = v;
+            }
+            if let Some(v) = args.data_dir {
+                config.agent.data_dir = v;
+            }
+            args.agent.apply(&mut config);
+            config.check()?;
+            serve::agent(config)
+        }
+        Command::Up(args) => {
+            args.server.apply(&mut config);
+            args.agent.apply(&mut config);
+            config.check()?;
+            serve::up(config)
+        }
+        Command::Demo(args) => {
+            if let Some(v) = args.listen {
+                config.server.listen = v;
+            }
+            if let Some(v) = args.flush_interval_secs {
+                config.server.flush_interval_secs = v;
+            }
+            config.server.data_dir = args.data_dir.clone();
+            config.agent.data_dir = args.data_dir;
+            config.agent.interval_ms = args.interval_ms;
+            config.check()?;
+            serve::demo(config, args.nodes, args.gpus_per_node, args.seed)
+        }
+        Command::Sql(args) => sql::run(args),
+        Command::Simulate(args) => simulate::run(args),
+    }
+}

@@ -1,0 +1,155 @@
+//! The long-running commands: `server`, `agent`, `up` (both in one process) and `demo` (a
+//! simulated cluster in one process). Each runs until Ctrl-C or SIGTERM, then shuts down in
+//! order: agents deliver what they hold, then the server flushes its buffer to Parquet.
+
+use crate::config::Config;
+use anyhow::{Context, Result};
+use perch_collector::{AgentHandle, NvmlMode, detect_gpus, spawn_agent};
+use perch_server::AppState;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn terminate() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+    tracing::info!("shutting down");
+}
+
+fn stopped(rx: &watch::Receiver<bool>) -> impl std::future::Future<Output = ()> + Send + 'static {
+    let mut rx = rx.clone();
+    async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    }
+}
+
+async fn bind(config: &Config) -> Result<(TcpListener, AppState)> {
+    let listen = &config.server.listen;
+    let listener = TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("listening on {listen} (is another perch running? choose another with --listen)"))?;
+    let state = AppState::open(config.server_config())
+        .with_context(|| format!("opening the data directory {}", config.server.data_dir.display()))?;
+    Ok((listener, state))
+}
+
+pub fn server(config: Config) -> Result<()> {
+    runtime()?.block_on(async {
+        let (listener, state) = bind(&config).await?;
+        tracing::info!(listen = %listener.local_addr()?, data_dir = %config.server.data_dir.display(), "perch server ready");
+        perch_server::serve(listener, state, terminate()).await.context("serving HTTP")
+    })
+}
+
+pub fn agent(config: Config) -> Result<()> {
+    let agent_config = config.agent_config()?;
+    runtime()?.block_on(async {
+        tracing::info!(node = %agent_config.node, server = %agent_config.server, "perch agent starting");
+        let stats = perch_collector::run_agent(agent_config, terminate()).await?;
+        tracing::info!(?stats, "perch agent stopped");
+        Ok(())
+    })
+}
+
+async fn stop_all(agents: Vec<AgentHandle>, stop: watch::Sender<bool>, server: tokio::task::JoinHandle<std::io::Result<()>>) -> Result<()> {
+    let _ = stop.send(true);
+    for agent in agents {
+        if let Err(e) = agent.join().await {
+            tracing::warn!(error = %e, "agent stopped with an error");
+        }
+    }
+    server.await.context("server task")?.context("serving HTTP")
+}
+
+pub fn up(config: Config) -> Result<()> {
+    let mut agent_config = config.agent_config()?;
+    runtime()?.block_on(async {
+        let (listener, state) = bind(&config).await?;
+        let addr = listener.local_addr()?;
+        let (stop, stop_rx) = watch::channel(false);
+        let server = tokio::spawn(perch_server::serve(listener, state, stopped(&stop_rx)));
+        agent_config.server = format!("http://{addr}");
+        let detection = tokio::task::spawn_blocking({
+            let nvml = agent_config.nvml.clone();
+            move || detect_gpus(&nvml)
+        })
+        .await?;
+        let simulated = agent_config.simulate_gpus;
+        let gpu_line = match (detection.count, simulated) {
+            (0, 0) => format!("{}. No GPU samples will be recorded; add --simulate-gpus N to try perch with simulated GPUs.", detection.message),
+            (0, n) => format!("{}. Simulating {n} GPUs: they are labelled simulated in every table, series and message.", detection.message),
+            (_, 0) => detection.message.clone(),
+            (_, n) => format!("{}, plus {n} SIMULATED GPUs (labelled simulated everywhere).", detection.message),
+        };
+        let agent = spawn_agent(agent_config.clone(), stopped(&stop_rx));
+        println!(
+            "perch is up: server and local agent in one process.\n\
+             \x20 node:       {node}\n\
+             \x20 GPUs:       {gpu_line}\n\
+             \x20 server:     http://{addr}  (open, no authentication: it listens on {addr} only)\n\
+             \x20 data:       {data}\n\
+             \x20 query:      perch sql --server http://{addr} \"SELECT node, gpu, simulated, count(*) AS samples, avg(utilization_gpu_pct) AS util FROM gpu_samples GROUP BY 1, 2, 3\"\n\
+             \x20 metrics:    curl -s http://{addr}/metrics\n\
+             \x20 dashboards: dashboards/ (Grafana JSON, point a Prometheus data source at http://{addr}/metrics)\n\
+             \x20 stop:       Ctrl-C",
+            node = agent_config.node,
+            data = config.server.data_dir.display(),
+        );
+        terminate().await;
+        stop_all(vec![agent], stop, server).await
+    })
+}
+
+pub fn demo(config: Config, nodes: u32, gpus_per_node: u32, seed: u64) -> Result<()> {
+    let base = config.agent_config()?;
+    runtime()?.block_on(async {
+        let (listener, state) = bind(&config).await?;
+        let addr = listener.local_addr()?;
+        let (stop, stop_rx) = watch::channel(false);
+        let server = tokio::spawn(perch_server::serve(listener, state, stopped(&stop_rx)));
+        let mut agents = Vec::new();
+        for i in 0..nodes {
+            let mut a = base.clone();
+            a.server = format!("http://{addr}");
+            a.node = perch_model::NodeId::new(format!("sim-node-{i:03}")).map_err(anyhow::Error::msg)?;
+            a.simulate_host = true;
+            a.simulate_gpus = gpus_per_node;
+            a.nvml = NvmlMode::Off;
+            a.seed = seed.wrapping_mul(1_000_003).wrapping_add(u64::from(i));
+            agents.push(spawn_agent(a, stopped(&stop_rx)));
+        }
+        println!(
+            "perch demo: a SIMULATED cluster of {nodes} nodes x {gpus_per_node} GPUs in one process.\n\
+             \x20 Every row, series and message from it is labelled simulated (simulated = true).\n\
+             \x20 server:     http://{addr}  (open, no authentication)\n\
+             \x20 data:       {data}\n\
+             \x20 query:      perch sql --server http://{addr} \"SELECT node, avg(utilization_gpu_pct) AS util FROM gpu_samples GROUP BY node ORDER BY node\"\n\
+             \x20 metrics:    curl -s http://{addr}/metrics\n\
+             \x20 stop:       Ctrl-C",
+            data = config.server.data_dir.display(),
+        );
+        terminate().await;
+        stop_all(agents, stop, server).await
+    })
+}

@@ -1,0 +1,82 @@
+//! `perch sql`: sends one query to a server's `POST /v1/sql` and prints the answer as an
+//! aligned table (decoded from Arrow IPC), CSV or JSON.
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, ValueEnum};
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum OutputFormat {
+    Table,
+    Csv,
+    Json,
+}
+
+#[derive(Debug, Args)]
+pub struct SqlArgs {
+    /// The query, e.g. "SELECT count(*) FROM gpu_samples".
+    query: String,
+    /// Server URL.
+    #[arg(long, env = "PERCH_SERVER", default_value = "http://127.0.0.1:7300")]
+    server: String,
+    #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
+    format: OutputFormat,
+    /// Show the query plan instead of running the query.
+    #[arg(long)]
+    explain: bool,
+}
+
+pub fn run(args: SqlArgs) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(query(args))
+}
+
+async fn query(args: SqlArgs) -> Result<()> {
+    let sql = if args.explain { format!("EXPLAIN {}", args.query) } else { args.query };
+    let wire = match args.format {
+        OutputFormat::Table => "arrow",
+        OutputFormat::Csv => "csv",
+        OutputFormat::Json => "json",
+    };
+    let url = format!("{}/v1/sql", args.server.trim_end_matches('/'));
+    let response = reqwest::Client::new()
+        .post(&url)
+        .json(&serde_json::json!({"sql": sql, "format": wire}))
+        .send()
+        .await
+        .with_context(|| format!("cannot reach the perch server at {} (is it running? start one with `perch up`)", args.server))?;
+    let status = response.status();
+    let truncated = response.headers().get("x-perch-truncated").is_some_and(|v| v == "true");
+    let body = response.bytes().await.context("reading the answer")?;
+    if !status.is_success() {
+        let message = serde_json::from_slice::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
+            .unwrap_or_else(|| String::from_utf8_lossy(&body).into_owned());
+        bail!("{message} (HTTP {status})");
+    }
+    match args.format {
+        OutputFormat::Table => {
+            let reader = arrow::ipc::reader::StreamReader::try_new(std::io::Cursor::new(body), None)?;
+            let batches = reader.collect::<Result<Vec<_>, _>>()?;
+            let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
+            if batches.is_empty() || rows == 0 {
+                println!("(no rows)");
+            } else {
+                println!("{}", arrow::util::pretty::pretty_format_batches(&batches)?);
+                println!("({rows} row{})", if rows == 1 { "" } else { "s" });
+            }
+        }
+        OutputFormat::Csv | OutputFormat::Json => {
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            out.write_all(&body)?;
+            if !body.ends_with(b"\n") {
+                out.write_all(b"\n")?;
+            }
+        }
+    }
+    if truncated {
+        eprintln!("note: the result was cut at the server's row limit; add a LIMIT, aggregate, or narrow the time range");
+    }
+    Ok(())
+}

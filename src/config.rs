@@ -1,0 +1,220 @@
+//! perch's configuration: a TOML file (`--config` or `PERCH_CONFIG`), then `PERCH_*`
+//! environment variables, then command-line flags, each overriding the one before.
+//! `perch.example.toml` at the repository root documents every key; a test keeps it complete.
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub server: ServerSection,
+    pub query: QuerySection,
+    pub agent: AgentSection,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerSection {
+    pub listen: String,
+    pub data_dir: PathBuf,
+    pub flush_interval_secs: u64,
+    pub flush_max_rows: usize,
+    pub max_body_mb: usize,
+    pub node_stale_after_secs: u64,
+}
+
+impl Default for ServerSection {
+    fn default() -> Self {
+        ServerSection {
+            listen: "127.0.0.1:7300".into(),
+            data_dir: "./perch-data".into(),
+            flush_interval_secs: 60,
+            flush_max_rows: 1_000_000,
+            max_body_mb: 64,
+            node_stale_after_secs: 60,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct QuerySection {
+    pub timeout_secs: f64,
+    pub max_rows: usize,
+    pub memory_mb: usize,
+}
+
+impl Default for QuerySection {
+    fn default() -> Self {
+        QuerySection { timeout_secs: 30.0, max_rows: 100_000, memory_mb: 1024 }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AgentSection {
+    pub server: String,
+    /// Empty: the machine's hostname.
+    pub node: String,
+    pub interval_ms: u64,
+    pub data_dir: PathBuf,
+    /// "auto", "off", or the path of an NVML library to load.
+    pub nvml: String,
+    pub simulate_gpus: u32,
+    pub max_queue_batches: usize,
+    pub max_batch_rounds: usize,
+    pub spool_max_mb: u64,
+}
+
+impl Default for AgentSection {
+    fn default() -> Self {
+        AgentSection {
+            server: "http://127.0.0.1:7300".into(),
+            node: String::new(),
+            interval_ms: 1000,
+            data_dir: "./perch-data".into(),
+            nvml: "auto".into(),
+            simulate_gpus: 0,
+            max_queue_batches: 60,
+            max_batch_rounds: 60,
+            spool_max_mb: 256,
+        }
+    }
+}
+
+impl Config {
+    /// Loads `path` if given, else the defaults.
+    pub fn load(path: Option<&Path>) -> Result<Config> {
+        let Some(path) = path else { return Ok(Config::default()) };
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading config file {}", path.display()))?;
+        Config::parse(&text).with_context(|| format!("in config file {}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> Result<Config> {
+        let config: Config = toml::from_str(text)?;
+        config.check()?;
+        Ok(config)
+    }
+
+    /// Checks values serde cannot; the message names the key.
+    pub fn check(&self) -> Result<()> {
+        let bad = |key: &str, why: &str| Err(anyhow::anyhow!("config key {key}: {why}"));
+        if self.server.listen.parse::<std::net::SocketAddr>().is_err() {
+            return bad("server.listen", &format!("{:?} is not an address like 127.0.0.1:7300", self.server.listen));
+        }
+        if self.server.flush_interval_secs == 0 {
+            return bad("server.flush_interval_secs", "must be at least 1");
+        }
+        if !(self.query.timeout_secs > 0.0 && self.query.timeout_secs.is_finite()) {
+            return bad("query.timeout_secs", "must be a positive number of seconds");
+        }
+        if self.query.max_rows == 0 || self.query.memory_mb == 0 {
+            return bad("query.max_rows / query.memory_mb", "must be at least 1");
+        }
+        if self.agent.interval_ms < 10 {
+            return bad("agent.interval_ms", "must be at least 10 (100 samples a second)");
+        }
+        if !(self.agent.server.starts_with("http://") || self.agent.server.starts_with("https://")) {
+            return bad("agent.server", &format!("{:?} must be a URL such as http://perch-server:7300", self.agent.server));
+        }
+        Ok(())
+    }
+
+    pub fn server_config(&self) -> perch_server::ServerConfig {
+        let s = &self.server;
+        let mut store = perch_query::StoreConfig::new(&s.data_dir);
+        store.flush_interval = Duration::from_secs(s.flush_interval_secs);
+        store.flush_max_rows = s.flush_max_rows;
+        let mut config = perch_server::ServerConfig::new(store);
+        config.query = perch_query::QueryLimits {
+            timeout: Duration::from_secs_f64(self.query.timeout_secs),
+            max_rows: self.query.max_rows,
+            memory_bytes: self.query.memory_mb << 20,
+        };
+        config.max_body_bytes = s.max_body_mb << 20;
+        config.node_stale_after = Duration::from_secs(s.node_stale_after_secs);
+        config
+    }
+
+    pub fn agent_config(&self) -> Result<perch_collector::AgentConfig> {
+        let a = &self.agent;
+        let node = if a.node.is_empty() { hostname() } else { a.node.clone() };
+        let node = perch_model::NodeId::new(node).map_err(|e| anyhow::anyhow!("config key agent.node: {e}"))?;
+        let mut config = perch_collector::AgentConfig::new(a.server.trim_end_matches('/').to_owned(), node);
+        config.interval = Duration::from_millis(a.interval_ms);
+        config.data_dir = a.data_dir.clone();
+        config.nvml = match a.nvml.as_str() {
+            "auto" => perch_collector::NvmlMode::Auto,
+            "off" => perch_collector::NvmlMode::Off,
+            path => perch_collector::NvmlMode::Path(path.into()),
+        };
+        config.simulate_gpus = a.simulate_gpus;
+        config.max_queue_batches = a.max_queue_batches.max(1);
+        config.max_batch_rounds = a.max_batch_rounds.max(1);
+        config.spool_max_bytes = a.spool_max_mb << 20;
+        Ok(config)
+    }
+}
+
+/// This machine's hostname as a valid node name (invalid characters become `-`).
+pub fn hostname() -> String {
+    let raw = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .unwrap_or_default();
+    let name: String = raw
+        .trim()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') { c } else { '-' })
+        .take(128)
+        .collect();
+    if name.is_empty() { "localhost".into() } else { name }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(value: &toml::Value, prefix: &str, out: &mut Vec<String>) {
+        if let toml::Value::Table(t) = value {
+            for (k, v) in t {
+                let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                if v.is_table() {
+                    keys(v, &key, out);
+                } else {
+                    out.push(key);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn example_config_is_valid_and_documents_every_key() {
+        let example = include_str!("../perch.example.toml");
+        let parsed = Config::parse(example).expect("the example config parses");
+        assert_eq!(parsed, Config::default(), "the example shows the defaults");
+        let mut documented = Vec::new();
+        keys(&toml::from_str(example).expect("toml"), "", &mut documented);
+        let mut all = Vec::new();
+        keys(&toml::Value::try_from(Config::default()).expect("serializes"), "", &mut all);
+        documented.sort();
+        all.sort();
+        assert_eq!(documented, all);
+    }
+
+    #[test]
+    fn bad_config_names_the_key() {
+        for (text, want) in [
+            ("[server]\nlisten = \"nowhere\"", "server.listen"),
+            ("[server]\nlistne = \"x\"", "listne"),
+            ("[agent]\ninterval_ms = 1", "agent.interval_ms"),
+            ("[agent]\nserver = \"perch:7300\"", "agent.server"),
+            ("[query]\ntimeout_secs = 0", "query.timeout_secs"),
+        ] {
+            let err = format!("{:#}", Config::parse(text).expect_err(text));
+            assert!(err.contains(want), "{text:?}: {err}");
+        }
+    }
+}
