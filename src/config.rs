@@ -49,7 +49,11 @@ pub struct QuerySection {
 
 impl Default for QuerySection {
     fn default() -> Self {
-        QuerySection { timeout_secs: 30.0, max_rows: 100_000, memory_mb: 1024 }
+        QuerySection {
+            timeout_secs: 30.0,
+            max_rows: 100_000,
+            memory_mb: 1024,
+        }
     }
 }
 
@@ -88,8 +92,11 @@ impl Default for AgentSection {
 impl Config {
     /// Loads `path` if given, else the defaults.
     pub fn load(path: Option<&Path>) -> Result<Config> {
-        let Some(path) = path else { return Ok(Config::default()) };
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading config file {}", path.display()))?;
+        let Some(path) = path else {
+            return Ok(Config::default());
+        };
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading config file {}", path.display()))?;
         Config::parse(&text).with_context(|| format!("in config file {}", path.display()))
     }
 
@@ -103,7 +110,13 @@ impl Config {
     pub fn check(&self) -> Result<()> {
         let bad = |key: &str, why: &str| Err(anyhow::anyhow!("config key {key}: {why}"));
         if self.server.listen.parse::<std::net::SocketAddr>().is_err() {
-            return bad("server.listen", &format!("{:?} is not an address like 127.0.0.1:7300", self.server.listen));
+            return bad(
+                "server.listen",
+                &format!(
+                    "{:?} is not an address like 127.0.0.1:7300",
+                    self.server.listen
+                ),
+            );
         }
         if self.server.flush_interval_secs == 0 {
             return bad("server.flush_interval_secs", "must be at least 1");
@@ -115,10 +128,20 @@ impl Config {
             return bad("query.max_rows / query.memory_mb", "must be at least 1");
         }
         if self.agent.interval_ms < 10 {
-            return bad("agent.interval_ms", "must be at least 10 (100 samples a second)");
+            return bad(
+                "agent.interval_ms",
+                "must be at least 10 (100 samples a second)",
+            );
         }
-        if !(self.agent.server.starts_with("http://") || self.agent.server.starts_with("https://")) {
-            return bad("agent.server", &format!("{:?} must be a URL such as http://perch-server:7300", self.agent.server));
+        if !(self.agent.server.starts_with("http://") || self.agent.server.starts_with("https://"))
+        {
+            return bad(
+                "agent.server",
+                &format!(
+                    "{:?} must be a URL such as http://perch-server:7300",
+                    self.agent.server
+                ),
+            );
         }
         Ok(())
     }
@@ -141,9 +164,15 @@ impl Config {
 
     pub fn agent_config(&self) -> Result<perch_collector::AgentConfig> {
         let a = &self.agent;
-        let node = if a.node.is_empty() { hostname() } else { a.node.clone() };
-        let node = perch_model::NodeId::new(node).map_err(|e| anyhow::anyhow!("config key agent.node: {e}"))?;
-        let mut config = perch_collector::AgentConfig::new(a.server.trim_end_matches('/').to_owned(), node);
+        let node = if a.node.is_empty() {
+            hostname()
+        } else {
+            a.node.clone()
+        };
+        let node = perch_model::NodeId::new(node)
+            .map_err(|e| anyhow::anyhow!("config key agent.node: {e}"))?;
+        let mut config =
+            perch_collector::AgentConfig::new(a.server.trim_end_matches('/').to_owned(), node);
         config.interval = Duration::from_millis(a.interval_ms);
         config.data_dir = a.data_dir.clone();
         config.nvml = match a.nvml.as_str() {
@@ -167,10 +196,20 @@ pub fn hostname() -> String {
     let name: String = raw
         .trim()
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') { c } else { '-' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '-'
+            }
+        })
         .take(128)
         .collect();
-    if name.is_empty() { "localhost".into() } else { name }
+    if name.is_empty() {
+        "localhost".into()
+    } else {
+        name
+    }
 }
 
 #[cfg(test)]
@@ -180,7 +219,11 @@ mod tests {
     fn keys(value: &toml::Value, prefix: &str, out: &mut Vec<String>) {
         if let toml::Value::Table(t) = value {
             for (k, v) in t {
-                let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                let key = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
                 if v.is_table() {
                     keys(v, &key, out);
                 } else {
@@ -198,7 +241,11 @@ mod tests {
         let mut documented = Vec::new();
         keys(&toml::from_str(example).expect("toml"), "", &mut documented);
         let mut all = Vec::new();
-        keys(&toml::Value::try_from(Config::default()).expect("serializes"), "", &mut all);
+        keys(
+            &toml::Value::try_from(Config::default()).expect("serializes"),
+            "",
+            &mut all,
+        );
         documented.sort();
         all.sort();
         assert_eq!(documented, all);

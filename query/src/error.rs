@@ -14,7 +14,9 @@ pub enum Error {
     ReadOnly(String),
     #[error("query ran longer than the {limit_s} s limit; narrow the time range or aggregate more")]
     Timeout { limit_s: f64 },
-    #[error("query needs more memory than the {limit_mb} MiB limit; narrow the time range, select fewer columns, or aggregate")]
+    #[error(
+        "query needs more memory than the {limit_mb} MiB limit; narrow the time range, select fewer columns, or aggregate"
+    )]
     ResourcesExhausted { limit_mb: usize },
     /// A failure of the engine itself (not of the query text).
     #[error("query failed: {0}")]
@@ -37,7 +39,10 @@ pub enum Error {
 }
 
 impl Error {
-    pub(crate) fn io(what: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
+    pub(crate) fn io(
+        what: &'static str,
+        path: impl Into<PathBuf>,
+    ) -> impl FnOnce(std::io::Error) -> Self {
         let path = path.into();
         move |source| Error::Io { what, path, source }
     }

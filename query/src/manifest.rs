@@ -47,9 +47,10 @@ impl Manifest {
                 what: "manifest",
                 message: format!("{}: {e}", path.display()),
             }),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                Ok(Manifest { version: 1, ..Manifest::default() })
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Manifest {
+                version: 1,
+                ..Manifest::default()
+            }),
             Err(e) => Err(Error::io("reading", path)(e)),
         }
     }
@@ -62,8 +63,12 @@ impl Manifest {
             message: e.to_string(),
         })?;
         let mut f = File::create(&tmp).map_err(Error::io("creating", &tmp))?;
-        f.write_all(&data).and_then(|()| f.sync_all()).map_err(Error::io("writing", &tmp))?;
+        f.write_all(&data)
+            .and_then(|()| f.sync_all())
+            .map_err(Error::io("writing", &tmp))?;
         fs::rename(&tmp, &path).map_err(Error::io("renaming", &tmp))?;
-        File::open(dir).and_then(|d| d.sync_all()).map_err(Error::io("syncing directory", dir))
+        File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(Error::io("syncing directory", dir))
     }
 }

@@ -12,7 +12,9 @@ use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use datafusion::catalog::Session;
 use datafusion::datasource::file_format::parquet::ParquetFormat;
-use datafusion::datasource::listing::{ListingOptions, ListingTable, ListingTableConfig, ListingTableUrl};
+use datafusion::datasource::listing::{
+    ListingOptions, ListingTable, ListingTableConfig, ListingTableUrl,
+};
 use datafusion::datasource::{MemTable, TableProvider, TableType};
 use datafusion::error::Result;
 use datafusion::logical_expr::{Expr, TableProviderFilterPushDown, col};
@@ -20,22 +22,31 @@ use datafusion::physical_plan::ExecutionPlan;
 use datafusion::physical_plan::union::UnionExec;
 use std::sync::{Arc, Mutex};
 
+/// A file set and the listing table built over it.
+type CachedListing = (Arc<Vec<FileEntry>>, Arc<ListingTable>);
+
 pub(crate) struct StoreTable {
     store: Arc<Store>,
     table: Table,
     /// The listing table for the last file set seen; rebuilt when a flush changes the files.
-    cache: Mutex<Option<(Arc<Vec<FileEntry>>, Arc<ListingTable>)>>,
+    cache: Mutex<Option<CachedListing>>,
 }
 
 impl std::fmt::Debug for StoreTable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StoreTable").field("table", &self.table).finish()
+        f.debug_struct("StoreTable")
+            .field("table", &self.table)
+            .finish()
     }
 }
 
 impl StoreTable {
     pub(crate) fn new(store: Arc<Store>, table: Table) -> Self {
-        StoreTable { store, table, cache: Mutex::new(None) }
+        StoreTable {
+            store,
+            table,
+            cache: Mutex::new(None),
+        }
     }
 
     fn listing(&self, files: &Arc<Vec<FileEntry>>) -> Result<Arc<ListingTable>> {
@@ -50,7 +61,12 @@ impl StoreTable {
             .iter()
             .map(|f| ListingTableUrl::parse(dir.join(&f.path).to_string_lossy()))
             .collect::<Result<Vec<_>>>()?;
-        let sort = self.table.sort_key().iter().map(|c| col(*c).sort(true, false)).collect();
+        let sort = self
+            .table
+            .sort_key()
+            .iter()
+            .map(|c| col(*c).sort(true, false))
+            .collect();
         let options = ListingOptions::new(Arc::new(ParquetFormat::default()))
             .with_file_extension(".parquet")
             .with_file_sort_order(vec![sort]);
@@ -73,7 +89,10 @@ impl TableProvider for StoreTable {
         TableType::Base
     }
 
-    fn supports_filters_pushdown(&self, filters: &[&Expr]) -> Result<Vec<TableProviderFilterPushDown>> {
+    fn supports_filters_pushdown(
+        &self,
+        filters: &[&Expr],
+    ) -> Result<Vec<TableProviderFilterPushDown>> {
         Ok(vec![TableProviderFilterPushDown::Inexact; filters.len()])
     }
 
@@ -87,7 +106,11 @@ impl TableProvider for StoreTable {
         let (files, buffered) = self.store.snapshot(self.table);
         let mut inputs = Vec::with_capacity(2);
         if !files.is_empty() {
-            inputs.push(self.listing(&files)?.scan(state, projection, filters, limit).await?);
+            inputs.push(
+                self.listing(&files)?
+                    .scan(state, projection, filters, limit)
+                    .await?,
+            );
         }
         if !buffered.is_empty() || inputs.is_empty() {
             let mem = MemTable::try_new(self.table.schema(), vec![buffered])?;

@@ -37,9 +37,9 @@ impl Table {
     }
 
     pub fn schema(self) -> SchemaRef {
-        static GPU: LazyLock<SchemaRef> = LazyLock::new(|| gpu_schema());
-        static HOST: LazyLock<SchemaRef> = LazyLock::new(|| host_schema());
-        static NIC: LazyLock<SchemaRef> = LazyLock::new(|| nic_schema());
+        static GPU: LazyLock<SchemaRef> = LazyLock::new(gpu_schema);
+        static HOST: LazyLock<SchemaRef> = LazyLock::new(host_schema);
+        static NIC: LazyLock<SchemaRef> = LazyLock::new(nic_schema);
         match self {
             Table::GpuSamples => GPU.clone(),
             Table::HostSamples => HOST.clone(),
@@ -96,11 +96,17 @@ fn gpu_schema() -> SchemaRef {
     ])
 }
 
-const CPU_MODES: [&str; 8] = ["user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal"];
+const CPU_MODES: [&str; 8] = [
+    "user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal",
+];
 
 fn host_schema() -> SchemaRef {
     let mut fields = vec![Field::new("simulated", DataType::Boolean, false)];
-    fields.extend(CPU_MODES.iter().map(|m| f64_col(&format!("cpu_{m}_seconds"))));
+    fields.extend(
+        CPU_MODES
+            .iter()
+            .map(|m| f64_col(&format!("cpu_{m}_seconds"))),
+    );
     fields.extend([
         Field::new("cpu_count", DataType::UInt32, true),
         u64_col("memory_total_bytes"),
@@ -160,8 +166,12 @@ pub fn to_record_batches(batch: &Batch) -> crate::Result<Vec<(Table, RecordBatch
             times(g, |r| r.time_ms),
             nodes(g, node),
             Arc::new(UInt32Array::from_iter_values(g.iter().map(|r| r.gpu.0))) as ArrayRef,
-            Arc::new(StringArray::from_iter_values(g.iter().map(|r| r.uuid.as_str()))),
-            Arc::new(StringArray::from_iter_values(g.iter().map(|r| r.model.as_str()))),
+            Arc::new(StringArray::from_iter_values(
+                g.iter().map(|r| r.uuid.as_str()),
+            )),
+            Arc::new(StringArray::from_iter_values(
+                g.iter().map(|r| r.model.as_str()),
+            )),
             bools(g, |r| r.simulated),
             f64s(g, |r| r.utilization_gpu_pct),
             f64s(g, |r| r.utilization_memory_pct),
@@ -173,7 +183,10 @@ pub fn to_record_batches(batch: &Batch) -> crate::Result<Vec<(Table, RecordBatch
             Arc::new(UInt32Array::from_iter(g.iter().map(|r| r.sm_clock_mhz))),
             Arc::new(UInt32Array::from_iter(g.iter().map(|r| r.memory_clock_mhz))),
         ];
-        out.push((Table::GpuSamples, RecordBatch::try_new(Table::GpuSamples.schema(), columns)?));
+        out.push((
+            Table::GpuSamples,
+            RecordBatch::try_new(Table::GpuSamples.schema(), columns)?,
+        ));
     }
     let h = &batch.hosts;
     if !h.is_empty() {
@@ -199,14 +212,19 @@ pub fn to_record_batches(batch: &Batch) -> crate::Result<Vec<(Table, RecordBatch
             u64s(h, |r| r.disk_total_bytes),
             f64s(h, |r| r.uptime_seconds),
         ];
-        out.push((Table::HostSamples, RecordBatch::try_new(Table::HostSamples.schema(), columns)?));
+        out.push((
+            Table::HostSamples,
+            RecordBatch::try_new(Table::HostSamples.schema(), columns)?,
+        ));
     }
     let n = &batch.nics;
     if !n.is_empty() {
         let columns = vec![
             times(n, |r| r.time_ms),
             nodes(n, node),
-            Arc::new(StringArray::from_iter_values(n.iter().map(|r| r.device.as_str()))) as ArrayRef,
+            Arc::new(StringArray::from_iter_values(
+                n.iter().map(|r| r.device.as_str()),
+            )) as ArrayRef,
             bools(n, |r| r.simulated),
             u64s(n, |r| r.rx_bytes),
             u64s(n, |r| r.rx_packets),
@@ -219,7 +237,10 @@ pub fn to_record_batches(batch: &Batch) -> crate::Result<Vec<(Table, RecordBatch
             Arc::new(BooleanArray::from_iter(n.iter().map(|r| r.link_up))),
             u64s(n, |r| r.speed_mbps),
         ];
-        out.push((Table::NicSamples, RecordBatch::try_new(Table::NicSamples.schema(), columns)?));
+        out.push((
+            Table::NicSamples,
+            RecordBatch::try_new(Table::NicSamples.schema(), columns)?,
+        ));
     }
     Ok(out)
 }
@@ -234,12 +255,19 @@ mod tests {
         let doc = include_str!("../../docs/schema.md");
         for table in Table::ALL {
             let heading = format!("## `{}`", table.name());
-            let start = doc.find(&heading).unwrap_or_else(|| panic!("docs/schema.md lacks {heading}"));
+            let start = doc
+                .find(&heading)
+                .unwrap_or_else(|| panic!("docs/schema.md lacks {heading}"));
             let section = &doc[start + heading.len()..];
             let section = &section[..section.find("\n## ").unwrap_or(section.len())];
             for field in table.schema().fields() {
                 let row = format!("| `{}` |", field.name());
-                assert!(section.contains(&row), "docs/schema.md: {} lacks a row for {}", table.name(), field.name());
+                assert!(
+                    section.contains(&row),
+                    "docs/schema.md: {} lacks a row for {}",
+                    table.name(),
+                    field.name()
+                );
             }
         }
     }

@@ -27,7 +27,11 @@ pub struct QueryLimits {
 
 impl Default for QueryLimits {
     fn default() -> Self {
-        QueryLimits { timeout: Duration::from_secs(30), max_rows: 100_000, memory_bytes: 1 << 30 }
+        QueryLimits {
+            timeout: Duration::from_secs(30),
+            max_rows: 100_000,
+            memory_bytes: 1 << 30,
+        }
     }
 }
 
@@ -48,7 +52,9 @@ pub struct SqlEngine {
 
 impl std::fmt::Debug for SqlEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SqlEngine").field("limits", &self.limits).finish()
+        f.debug_struct("SqlEngine")
+            .field("limits", &self.limits)
+            .finish()
     }
 }
 
@@ -69,8 +75,11 @@ impl SqlEngine {
         let config = SessionConfig::new().with_information_schema(true);
         let ctx = SessionContext::new_with_config_rt(config, runtime);
         for table in Table::ALL {
-            ctx.register_table(table.name(), Arc::new(StoreTable::new(self.store.clone(), table)))
-                .map_err(|e| Error::Execution(e.to_string()))?;
+            ctx.register_table(
+                table.name(),
+                Arc::new(StoreTable::new(self.store.clone(), table)),
+            )
+            .map_err(|e| Error::Execution(e.to_string()))?;
         }
         Ok(ctx)
     }
@@ -80,7 +89,9 @@ impl SqlEngine {
         let limits = self.limits;
         match tokio::time::timeout(limits.timeout, self.run(sql)).await {
             Ok(result) => result,
-            Err(_) => Err(Error::Timeout { limit_s: limits.timeout.as_secs_f64() }),
+            Err(_) => Err(Error::Timeout {
+                limit_s: limits.timeout.as_secs_f64(),
+            }),
         }
     }
 
@@ -90,7 +101,10 @@ impl SqlEngine {
         }
         let ctx = self.session()?;
         let state = ctx.state();
-        let plan = state.create_logical_plan(sql).await.map_err(|e| self.map_error(e))?;
+        let plan = state
+            .create_logical_plan(sql)
+            .await
+            .map_err(|e| self.map_error(e))?;
         SQLOptions::new()
             .with_allow_ddl(false)
             .with_allow_dml(false)
@@ -102,7 +116,10 @@ impl SqlEngine {
                     e.find_root()
                 ))
             })?;
-        let df = ctx.execute_logical_plan(plan).await.map_err(|e| self.map_error(e))?;
+        let df = ctx
+            .execute_logical_plan(plan)
+            .await
+            .map_err(|e| self.map_error(e))?;
         let schema: SchemaRef = Arc::new(df.schema().as_arrow().clone());
         let mut stream = df.execute_stream().await.map_err(|e| self.map_error(e))?;
         let mut batches = Vec::new();
@@ -120,14 +137,19 @@ impl SqlEngine {
             rows += batch.num_rows();
             batches.push(batch);
         }
-        Ok(QueryOutput { schema, batches, rows, truncated })
+        Ok(QueryOutput {
+            schema,
+            batches,
+            rows,
+            truncated,
+        })
     }
 
     fn map_error(&self, e: DataFusionError) -> Error {
         match e.find_root() {
-            DataFusionError::ResourcesExhausted(_) => {
-                Error::ResourcesExhausted { limit_mb: self.limits.memory_bytes >> 20 }
-            }
+            DataFusionError::ResourcesExhausted(_) => Error::ResourcesExhausted {
+                limit_mb: self.limits.memory_bytes >> 20,
+            },
             DataFusionError::SQL(..)
             | DataFusionError::Plan(_)
             | DataFusionError::SchemaError(..)
@@ -144,8 +166,25 @@ impl SqlEngine {
 /// DataFusion prefixes messages with its error kind and sometimes wraps them in context;
 /// keep the part that tells the user what to change.
 fn clean_message(e: &DataFusionError) -> String {
-    let root = e.find_root().to_string();
-    for prefix in ["Error during planning: ", "SQL error: ", "Schema error: ", "Execution error: ", "This feature is not implemented: "] {
+    let root = match e.find_root() {
+        DataFusionError::SQL(parser, _) => parser.to_string(),
+        other => other.to_string(),
+    };
+    if root.starts_with("Error during planning: table '") && root.ends_with("' not found") {
+        let names: Vec<_> = Table::ALL.iter().map(|t| t.name()).collect();
+        return format!(
+            "{}; the tables are {} (SHOW TABLES lists them, SHOW COLUMNS FROM <table> their columns)",
+            &root["Error during planning: ".len()..],
+            names.join(", ")
+        );
+    }
+    for prefix in [
+        "Error during planning: ",
+        "SQL error: ",
+        "Schema error: ",
+        "Execution error: ",
+        "This feature is not implemented: ",
+    ] {
         if let Some(rest) = root.strip_prefix(prefix) {
             return rest.to_owned();
         }

@@ -23,8 +23,8 @@ use arrow::datatypes::TimestampMillisecondType;
 use bytes::Bytes;
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
-use parquet::file::properties::WriterProperties;
 use parquet::file::metadata::SortingColumn;
+use parquet::file::properties::WriterProperties;
 use perch_model::Batch;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{self, File};
@@ -45,7 +45,11 @@ pub struct StoreConfig {
 
 impl StoreConfig {
     pub fn new(data_dir: impl Into<PathBuf>) -> Self {
-        StoreConfig { data_dir: data_dir.into(), flush_interval: Duration::from_secs(60), flush_max_rows: 1_000_000 }
+        StoreConfig {
+            data_dir: data_dir.into(),
+            flush_interval: Duration::from_secs(60),
+            flush_max_rows: 1_000_000,
+        }
     }
 }
 
@@ -127,7 +131,10 @@ impl Store {
         })?;
         let manifest = Manifest::load(&dir)?;
         remove_orphans(&dir, &manifest)?;
-        let mut tables: BTreeMap<Table, TableData> = Table::ALL.into_iter().map(|t| (t, TableData::default())).collect();
+        let mut tables: BTreeMap<Table, TableData> = Table::ALL
+            .into_iter()
+            .map(|t| (t, TableData::default()))
+            .collect();
         for (name, files) in &manifest.files {
             let table = Table::from_name(name).ok_or_else(|| Error::Corrupt {
                 what: "manifest",
@@ -147,7 +154,12 @@ impl Store {
             wal,
             gate: tokio::sync::RwLock::new(()),
             flush_lock: tokio::sync::Mutex::new(()),
-            inner: Mutex::new(Inner { tables, node_seq, in_flight: HashSet::new(), manifest }),
+            inner: Mutex::new(Inner {
+                tables,
+                node_seq,
+                in_flight: HashSet::new(),
+                manifest,
+            }),
             _lock_file: lock_file,
             stats: StoreStats::default(),
         };
@@ -162,13 +174,20 @@ impl Store {
             };
             let parts = schema::to_record_batches(&batch)?;
             let mut inner = store.lock();
-            if inner.node_seq.get(batch.node.as_str()).is_some_and(|&s| batch.seq <= s) {
+            if inner
+                .node_seq
+                .get(batch.node.as_str())
+                .is_some_and(|&s| batch.seq <= s)
+            {
                 continue;
             }
             apply(&mut inner, &batch, parts);
             replayed += 1;
         }
-        store.stats.batches_replayed.store(replayed, Ordering::Relaxed);
+        store
+            .stats
+            .batches_replayed
+            .store(replayed, Ordering::Relaxed);
         if replayed > 0 {
             tracing::info!(batches = replayed, "replayed write-ahead log");
         }
@@ -197,7 +216,9 @@ impl Store {
         let _gate = self.gate.read().await;
         {
             let mut inner = self.lock();
-            if inner.node_seq.get(&key.0).is_some_and(|&s| batch.seq <= s) || inner.in_flight.contains(&key) {
+            if inner.node_seq.get(&key.0).is_some_and(|&s| batch.seq <= s)
+                || inner.in_flight.contains(&key)
+            {
                 self.stats.batches_duplicate.fetch_add(1, Ordering::Relaxed);
                 return Ok(IngestOutcome::Duplicate);
             }
@@ -210,7 +231,9 @@ impl Store {
         apply(&mut inner, batch, parts);
         let samples = batch.sample_count();
         self.stats.batches_stored.fetch_add(1, Ordering::Relaxed);
-        self.stats.samples_stored.fetch_add(samples as u64, Ordering::Relaxed);
+        self.stats
+            .samples_stored
+            .fetch_add(samples as u64, Ordering::Relaxed);
         Ok(IngestOutcome::Stored { samples })
     }
 
@@ -221,7 +244,11 @@ impl Store {
 
     /// Parquet files and bytes per table.
     pub fn file_counts(&self) -> Vec<(Table, usize, u64)> {
-        self.lock().tables.iter().map(|(t, d)| (*t, d.files.len(), d.files.iter().map(|f| f.bytes).sum())).collect()
+        self.lock()
+            .tables
+            .iter()
+            .map(|(t, d)| (*t, d.files.len(), d.files.iter().map(|f| f.bytes).sum()))
+            .collect()
     }
 
     /// What a query sees of `table` right now: its files and its buffered rows, consistent with
@@ -229,7 +256,10 @@ impl Store {
     pub(crate) fn snapshot(&self, table: Table) -> (Arc<Vec<FileEntry>>, Vec<RecordBatch>) {
         let inner = self.lock();
         match inner.tables.get(&table) {
-            Some(t) => (t.files.clone(), t.flushing.iter().chain(&t.mem).cloned().collect()),
+            Some(t) => (
+                t.files.clone(),
+                t.flushing.iter().chain(&t.mem).cloned().collect(),
+            ),
             None => (Arc::default(), Vec::new()),
         }
     }
@@ -249,7 +279,12 @@ impl Store {
                     work.push((*table, data.flushing.clone()));
                 }
             }
-            (segment, inner.node_seq.clone(), work, inner.manifest.next_file_id)
+            (
+                segment,
+                inner.node_seq.clone(),
+                work,
+                inner.manifest.next_file_id,
+            )
         };
         let dir = self.dir.clone();
         let written = tokio::task::spawn_blocking(move || {
@@ -283,7 +318,11 @@ impl Store {
         for (table, entries) in &written {
             stats.files += entries.len() as u64;
             stats.rows += entries.iter().map(|e| e.rows).sum::<u64>();
-            manifest.files.entry(table.name().to_owned()).or_default().extend(entries.iter().cloned());
+            manifest
+                .files
+                .entry(table.name().to_owned())
+                .or_default()
+                .extend(entries.iter().cloned());
         }
         manifest.wal_flushed_through = segment;
         manifest.node_seq = node_seq.into_iter().collect();
@@ -305,10 +344,18 @@ impl Store {
         }
         self.wal.remove_through(segment)?;
         self.stats.flushes.fetch_add(1, Ordering::Relaxed);
-        self.stats.files_written.fetch_add(stats.files, Ordering::Relaxed);
-        self.stats.rows_flushed.fetch_add(stats.rows, Ordering::Relaxed);
+        self.stats
+            .files_written
+            .fetch_add(stats.files, Ordering::Relaxed);
+        self.stats
+            .rows_flushed
+            .fetch_add(stats.rows, Ordering::Relaxed);
         if stats.rows > 0 {
-            tracing::debug!(rows = stats.rows, files = stats.files, "flushed buffer to parquet");
+            tracing::debug!(
+                rows = stats.rows,
+                files = stats.files,
+                "flushed buffer to parquet"
+            );
         }
         Ok(stats)
     }
@@ -326,7 +373,9 @@ impl Store {
                 _ = tick.tick() => {}
             }
             let rows = self.buffered_rows();
-            if rows >= self.config.flush_max_rows || (rows > 0 && last.elapsed() >= self.config.flush_interval) {
+            if rows >= self.config.flush_max_rows
+                || (rows > 0 && last.elapsed() >= self.config.flush_interval)
+            {
                 last = tokio::time::Instant::now();
                 if let Err(e) = self.flush().await {
                     tracing::error!(error = %e, "flush to parquet failed; rows stay buffered and logged, will retry");
@@ -351,16 +400,26 @@ fn apply(inner: &mut Inner, batch: &Batch, parts: Vec<(Table, RecordBatch)>) {
             }
         }
     }
-    let seq = inner.node_seq.entry(batch.node.as_str().to_owned()).or_insert(0);
+    let seq = inner
+        .node_seq
+        .entry(batch.node.as_str().to_owned())
+        .or_insert(0);
     *seq = (*seq).max(batch.seq);
 }
 
 fn remove_orphans(dir: &Path, manifest: &Manifest) -> Result<()> {
-    let known: HashSet<&str> = manifest.files.values().flatten().map(|f| f.path.as_str()).collect();
+    let known: HashSet<&str> = manifest
+        .files
+        .values()
+        .flatten()
+        .map(|f| f.path.as_str())
+        .collect();
     let root = dir.join("tables");
     let mut stack = vec![root];
     while let Some(d) = stack.pop() {
-        let Ok(entries) = fs::read_dir(&d) else { continue };
+        let Ok(entries) = fs::read_dir(&d) else {
+            continue;
+        };
         for entry in entries.flatten() {
             let path = entry.path();
             if path.is_dir() {
@@ -384,13 +443,21 @@ fn day_string(day: i64) -> String {
 }
 
 /// Writes `batches` of `table` as one sorted Parquet file per day.
-fn write_table(dir: &Path, table: Table, batches: &[RecordBatch], next_id: &mut u64) -> Result<Vec<FileEntry>> {
+fn write_table(
+    dir: &Path,
+    table: Table,
+    batches: &[RecordBatch],
+    next_id: &mut u64,
+) -> Result<Vec<FileEntry>> {
     let schema = table.schema();
     let all = concat_batches(&schema, batches)?;
     let times = all.column(0).as_primitive::<TimestampMillisecondType>();
     let mut by_day: BTreeMap<i64, Vec<u32>> = BTreeMap::new();
     for (i, t) in times.values().iter().enumerate() {
-        by_day.entry(t.div_euclid(86_400_000)).or_default().push(i as u32);
+        by_day
+            .entry(t.div_euclid(86_400_000))
+            .or_default()
+            .push(i as u32);
     }
     let key_idx: Vec<usize> = table
         .sort_key()
@@ -400,17 +467,33 @@ fn write_table(dir: &Path, table: Table, batches: &[RecordBatch], next_id: &mut 
     let props = WriterProperties::builder()
         .set_compression(Compression::ZSTD(ZstdLevel::try_new(3)?))
         .set_sorting_columns(Some(
-            key_idx.iter().map(|&i| SortingColumn { column_idx: i as i32, descending: false, nulls_first: false }).collect(),
+            key_idx
+                .iter()
+                .map(|&i| SortingColumn {
+                    column_idx: i as i32,
+                    descending: false,
+                    nulls_first: false,
+                })
+                .collect(),
         ))
         .build();
     let mut entries = Vec::new();
     for (day, rows) in by_day {
         let part = take_record_batch(&all, &arrow::array::UInt32Array::from(rows))?;
-        let sort: Vec<SortColumn> = key_idx.iter().map(|&i| SortColumn { values: part.column(i).clone(), options: None }).collect();
+        let sort: Vec<SortColumn> = key_idx
+            .iter()
+            .map(|&i| SortColumn {
+                values: part.column(i).clone(),
+                options: None,
+            })
+            .collect();
         let order = lexsort_to_indices(&sort, None)?;
         let part = take_record_batch(&part, &order)?;
         let part_times = part.column(0).as_primitive::<TimestampMillisecondType>();
-        let (min, max) = part_times.values().iter().fold((i64::MAX, i64::MIN), |(lo, hi), &t| (lo.min(t), hi.max(t)));
+        let (min, max) = part_times
+            .values()
+            .iter()
+            .fold((i64::MAX, i64::MIN), |(lo, hi), &t| (lo.min(t), hi.max(t)));
         let rel_dir = format!("tables/{}/date={}", table.name(), day_string(day));
         let abs_dir = dir.join(&rel_dir);
         fs::create_dir_all(&abs_dir).map_err(Error::io("creating directory", &abs_dir))?;
@@ -422,9 +505,19 @@ fn write_table(dir: &Path, table: Table, batches: &[RecordBatch], next_id: &mut 
         writer.write(&part)?;
         let file = writer.into_inner()?;
         file.sync_all().map_err(Error::io("syncing", &path))?;
-        File::open(&abs_dir).and_then(|d| d.sync_all()).map_err(Error::io("syncing directory", &abs_dir))?;
-        let bytes = fs::metadata(&path).map_err(Error::io("reading metadata of", &path))?.len();
-        entries.push(FileEntry { path: rel, rows: part.num_rows() as u64, bytes, min_time_ms: min, max_time_ms: max });
+        File::open(&abs_dir)
+            .and_then(|d| d.sync_all())
+            .map_err(Error::io("syncing directory", &abs_dir))?;
+        let bytes = fs::metadata(&path)
+            .map_err(Error::io("reading metadata of", &path))?
+            .len();
+        entries.push(FileEntry {
+            path: rel,
+            rows: part.num_rows() as u64,
+            bytes,
+            min_time_ms: min,
+            max_time_ms: max,
+        });
     }
     Ok(entries)
 }

@@ -66,7 +66,10 @@ pub fn segments(dir: &Path) -> Result<Vec<u64>> {
         let entry = entry.map_err(Error::io("reading directory", dir))?;
         let name = entry.file_name();
         let name = name.to_string_lossy();
-        if let Some(id) = name.strip_suffix(".wal").and_then(|s| s.parse::<u64>().ok()) {
+        if let Some(id) = name
+            .strip_suffix(".wal")
+            .and_then(|s| s.parse::<u64>().ok())
+        {
             ids.push(id);
         }
     }
@@ -87,20 +90,30 @@ pub fn replay(dir: &Path, after: u64) -> Result<Vec<Bytes>> {
         let mut pos = 0;
         while pos < data.len() {
             let Some(header) = data.get(pos..pos + HEADER) else {
-                tracing::warn!(segment = id, offset = pos, "write-ahead log ends in a torn record header; ignoring the tail (it was never acknowledged)");
+                tracing::warn!(
+                    segment = id,
+                    offset = pos,
+                    "write-ahead log ends in a torn record header; ignoring the tail (it was never acknowledged)"
+                );
                 break;
             };
             let len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
             let crc = u32::from_le_bytes([header[4], header[5], header[6], header[7]]);
             let start = pos + HEADER;
-            let payload = (len <= MAX_RECORD).then(|| data.get(start..start + len)).flatten();
+            let payload = (len <= MAX_RECORD)
+                .then(|| data.get(start..start + len))
+                .flatten();
             match payload {
                 Some(p) if crc32fast::hash(p) == crc => {
                     records.push(data.slice(start..start + len));
                     pos = start + len;
                 }
                 _ => {
-                    tracing::warn!(segment = id, offset = pos, "write-ahead log record is torn or corrupt; ignoring the rest of this segment (it was never acknowledged)");
+                    tracing::warn!(
+                        segment = id,
+                        offset = pos,
+                        "write-ahead log record is torn or corrupt; ignoring the rest of this segment (it was never acknowledged)"
+                    );
                     break;
                 }
             }
@@ -125,7 +138,11 @@ impl Wal {
             .name("perch-wal".into())
             .spawn(move || writer.run(rx))
             .map_err(Error::io("starting write-ahead log thread", dir))?;
-        Ok(Wal { dir: dir.to_path_buf(), tx, stats })
+        Ok(Wal {
+            dir: dir.to_path_buf(),
+            tx,
+            stats,
+        })
     }
 
     /// Appends one record; returns once it is fsynced.
@@ -184,7 +201,14 @@ impl Writer {
             .open(&path)
             .map_err(Error::io("creating write-ahead log segment", &path))?;
         sync_dir(&dir).map_err(Error::io("syncing directory", &dir))?;
-        Ok(Writer { dir, id, file, good_len: 0, poisoned: None, stats: Arc::default() })
+        Ok(Writer {
+            dir,
+            id,
+            file,
+            good_len: 0,
+            poisoned: None,
+            stats: Arc::default(),
+        })
     }
 
     fn run(mut self, rx: mpsc::Receiver<Command>) {
@@ -218,32 +242,49 @@ impl Writer {
         }
     }
 
-    fn write_all(&mut self, pending: &[(Bytes, oneshot::Sender<Result<(), String>>)]) -> Result<(), String> {
+    fn write_all(
+        &mut self,
+        pending: &[(Bytes, oneshot::Sender<Result<(), String>>)],
+    ) -> Result<(), String> {
         if let Some(reason) = &self.poisoned {
             return Err(reason.clone());
         }
         let mut buf = Vec::with_capacity(pending.iter().map(|(p, _)| p.len() + HEADER).sum());
         for (payload, _) in pending {
-            let len = u32::try_from(payload.len()).map_err(|_| "record larger than 4 GiB".to_string())?;
+            let len =
+                u32::try_from(payload.len()).map_err(|_| "record larger than 4 GiB".to_string())?;
             buf.extend_from_slice(&len.to_le_bytes());
             buf.extend_from_slice(&crc32fast::hash(payload).to_le_bytes());
             buf.extend_from_slice(payload);
         }
-        let written = self.file.write_all(&buf).and_then(|()| self.file.sync_data());
+        let written = self
+            .file
+            .write_all(&buf)
+            .and_then(|()| self.file.sync_data());
         match written {
             Ok(()) => {
                 self.good_len += buf.len() as u64;
-                self.stats.appends.fetch_add(pending.len() as u64, Ordering::Relaxed);
+                self.stats
+                    .appends
+                    .fetch_add(pending.len() as u64, Ordering::Relaxed);
                 self.stats.syncs.fetch_add(1, Ordering::Relaxed);
-                self.stats.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
+                self.stats
+                    .bytes
+                    .fetch_add(buf.len() as u64, Ordering::Relaxed);
                 Ok(())
             }
             Err(e) => {
                 let message = format!("writing segment {}: {e}", self.id);
                 tracing::error!(error = %message, "write-ahead log write failed; the batches were not acknowledged");
                 // Cut the partial write off so the next record starts on a record boundary.
-                if let Err(e2) = self.file.set_len(self.good_len).and_then(|()| self.file.sync_data()) {
-                    self.poisoned = Some(format!("{message}; could not truncate the partial write: {e2}"));
+                if let Err(e2) = self
+                    .file
+                    .set_len(self.good_len)
+                    .and_then(|()| self.file.sync_data())
+                {
+                    self.poisoned = Some(format!(
+                        "{message}; could not truncate the partial write: {e2}"
+                    ));
                 }
                 Err(message)
             }
@@ -265,7 +306,9 @@ mod tests {
     use super::*;
 
     fn rt() -> tokio::runtime::Runtime {
-        tokio::runtime::Builder::new_current_thread().build().expect("runtime")
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime")
     }
 
     #[test]
@@ -273,13 +316,26 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         rt().block_on(async {
             let wal = Wal::open(dir.path()).expect("open");
-            wal.append(Bytes::from_static(b"one")).await.expect("append");
+            wal.append(Bytes::from_static(b"one"))
+                .await
+                .expect("append");
             let closed = wal.rotate().await.expect("rotate");
-            wal.append(Bytes::from_static(b"two")).await.expect("append");
-            assert_eq!(replay(dir.path(), 0).expect("replay"), vec![Bytes::from_static(b"one"), Bytes::from_static(b"two")]);
-            assert_eq!(replay(dir.path(), closed).expect("replay"), vec![Bytes::from_static(b"two")]);
+            wal.append(Bytes::from_static(b"two"))
+                .await
+                .expect("append");
+            assert_eq!(
+                replay(dir.path(), 0).expect("replay"),
+                vec![Bytes::from_static(b"one"), Bytes::from_static(b"two")]
+            );
+            assert_eq!(
+                replay(dir.path(), closed).expect("replay"),
+                vec![Bytes::from_static(b"two")]
+            );
             wal.remove_through(closed).expect("remove");
-            assert_eq!(replay(dir.path(), 0).expect("replay"), vec![Bytes::from_static(b"two")]);
+            assert_eq!(
+                replay(dir.path(), 0).expect("replay"),
+                vec![Bytes::from_static(b"two")]
+            );
         });
     }
 
@@ -288,13 +344,22 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         rt().block_on(async {
             let wal = Wal::open(dir.path()).expect("open");
-            wal.append(Bytes::from_static(b"kept")).await.expect("append");
+            wal.append(Bytes::from_static(b"kept"))
+                .await
+                .expect("append");
         });
         let seg = segment_path(dir.path(), 1);
-        let mut f = OpenOptions::new().append(true).open(&seg).expect("open segment");
-        f.write_all(&[200, 0, 0, 0, 1, 2]).expect("write torn header");
+        let mut f = OpenOptions::new()
+            .append(true)
+            .open(&seg)
+            .expect("open segment");
+        f.write_all(&[200, 0, 0, 0, 1, 2])
+            .expect("write torn header");
         drop(f);
-        assert_eq!(replay(dir.path(), 0).expect("replay"), vec![Bytes::from_static(b"kept")]);
+        assert_eq!(
+            replay(dir.path(), 0).expect("replay"),
+            vec![Bytes::from_static(b"kept")]
+        );
         // Flip a payload byte: the crc no longer matches and the record is dropped.
         let mut data = fs::read(&seg).expect("read");
         data[HEADER] ^= 0xff;

@@ -14,7 +14,11 @@ pub struct ApiError {
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        ApiError { status, code, message: message.into() }
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+        }
     }
 
     pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
@@ -39,13 +43,19 @@ impl From<perch_query::Error> for ApiError {
         match e {
             E::BadQuery(_) => ApiError::bad_request("bad_query", message),
             E::ReadOnly(_) => ApiError::new(StatusCode::FORBIDDEN, "read_only", message),
-            E::Timeout { .. } => ApiError::new(StatusCode::REQUEST_TIMEOUT, "query_timeout", message),
-            E::ResourcesExhausted { .. } => {
-                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "query_memory_limit", message)
+            E::Timeout { .. } => {
+                ApiError::new(StatusCode::REQUEST_TIMEOUT, "query_timeout", message)
             }
-            E::WalClosed(_) | E::Io { .. } => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "storage_unavailable", message)
-            }
+            E::ResourcesExhausted { .. } => ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "query_memory_limit",
+                message,
+            ),
+            E::WalClosed(_) | E::Io { .. } => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "storage_unavailable",
+                message,
+            ),
             E::Execution(_) | E::Corrupt { .. } | E::Parquet(_) | E::Arrow(_) => {
                 ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
             }

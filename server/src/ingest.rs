@@ -37,9 +37,16 @@ pub async fn ingest(
     result.map(Json)
 }
 
-async fn handle(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<serde_json::Value, ApiError> {
+async fn handle(
+    state: &AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<serde_json::Value, ApiError> {
     if !state.ready.load(Ordering::Relaxed) {
-        return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_ready", "the server is shutting down; retry later"));
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_ready",
+            "the server is shutting down; retry later",
+        ));
     }
     let body = body.map_err(|e| {
         ApiError::new(
@@ -48,17 +55,26 @@ async fn handle(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result
             format!("could not read the request body: {e}; send at most {} bytes (decompressed), encoded as zstd, gzip or not at all", state.config.max_body_bytes),
         )
     })?;
-    let batch: Batch = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::bad_request("malformed_batch", format!("the body is not a valid telemetry batch: {e}")))?;
+    let batch: Batch = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::bad_request(
+            "malformed_batch",
+            format!("the body is not a valid telemetry batch: {e}"),
+        )
+    })?;
     let now = now_ms();
-    batch
-        .validate(now)
-        .map_err(|e| ApiError::bad_request("invalid_batch", format!("batch {} from node {}: {e}", batch.seq, batch.node)))?;
+    batch.validate(now).map_err(|e| {
+        ApiError::bad_request(
+            "invalid_batch",
+            format!("batch {} from node {}: {e}", batch.seq, batch.node),
+        )
+    })?;
     match state.store.ingest(body, &batch).await? {
         IngestOutcome::Stored { samples } => {
             state.latest.update(&batch, now);
             Ok(serde_json::json!({"accepted": true, "duplicate": false, "samples": samples}))
         }
-        IngestOutcome::Duplicate => Ok(serde_json::json!({"accepted": true, "duplicate": true, "samples": 0})),
+        IngestOutcome::Duplicate => {
+            Ok(serde_json::json!({"accepted": true, "duplicate": true, "samples": 0}))
+        }
     }
 }

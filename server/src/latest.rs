@@ -27,14 +27,20 @@ impl Latest {
         let node = nodes.entry(batch.node.as_str().to_owned()).or_default();
         node.last_seen_ms = now_ms;
         for h in &batch.hosts {
-            if node.host.as_ref().is_none_or(|old| old.time_ms <= h.time_ms) {
+            if node
+                .host
+                .as_ref()
+                .is_none_or(|old| old.time_ms <= h.time_ms)
+            {
                 node.host = Some(h.clone());
             }
         }
         for g in &batch.gpus {
             let slot = node.gpus.entry(g.gpu.0);
             match slot {
-                std::collections::btree_map::Entry::Occupied(mut o) if o.get().time_ms <= g.time_ms => {
+                std::collections::btree_map::Entry::Occupied(mut o)
+                    if o.get().time_ms <= g.time_ms =>
+                {
                     o.insert(g.clone());
                 }
                 std::collections::btree_map::Entry::Vacant(v) => {
@@ -44,7 +50,10 @@ impl Latest {
             }
         }
         for n in &batch.nics {
-            let newer = node.nics.get(&n.device).is_none_or(|old| old.time_ms <= n.time_ms);
+            let newer = node
+                .nics
+                .get(&n.device)
+                .is_none_or(|old| old.time_ms <= n.time_ms);
             if newer {
                 node.nics.insert(n.device.clone(), n.clone());
             }

@@ -103,7 +103,9 @@ async fn index() -> axum::Json<serde_json::Value> {
     }))
 }
 
-async fn readyz(axum::extract::State(state): axum::extract::State<AppState>) -> (axum::http::StatusCode, &'static str) {
+async fn readyz(
+    axum::extract::State(state): axum::extract::State<AppState>,
+) -> (axum::http::StatusCode, &'static str) {
     if state.ready.load(Ordering::Relaxed) {
         (axum::http::StatusCode::OK, "ready\n")
     } else {

@@ -37,26 +37,52 @@ impl Default for ServerMetrics {
     fn default() -> Self {
         let mut registry = Registry::default();
         let ingest = Family::<Labels, Counter>::default();
-        registry.register("perch_ingest_requests", "Ingest requests by outcome (stored, duplicate, rejected, error)", ingest.clone());
+        registry.register(
+            "perch_ingest_requests",
+            "Ingest requests by outcome (stored, duplicate, rejected, error)",
+            ingest.clone(),
+        );
         let sql = Family::<Labels, Counter>::default();
-        registry.register("perch_sql_queries", "SQL queries by outcome (ok, error)", sql.clone());
+        registry.register(
+            "perch_sql_queries",
+            "SQL queries by outcome (ok, error)",
+            sql.clone(),
+        );
         let sql_seconds = Histogram::new([0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0]);
-        registry.register("perch_sql_query_duration_seconds", "SQL query latency, planning to last row", sql_seconds.clone());
+        registry.register(
+            "perch_sql_query_duration_seconds",
+            "SQL query latency, planning to last row",
+            sql_seconds.clone(),
+        );
         let info = Family::<Labels, Gauge>::default();
-        info.get_or_create(&vec![("version", env!("CARGO_PKG_VERSION").to_owned())]).set(1);
-        registry.register("perch_build_info", "perch version (value is always 1)", info);
-        ServerMetrics { registry, ingest, sql, sql_seconds }
+        info.get_or_create(&vec![("version", env!("CARGO_PKG_VERSION").to_owned())])
+            .set(1);
+        registry.register(
+            "perch_build_info",
+            "perch version (value is always 1)",
+            info,
+        );
+        ServerMetrics {
+            registry,
+            ingest,
+            sql,
+            sql_seconds,
+        }
     }
 }
 
 impl ServerMetrics {
     pub fn ingest_requests(&self, outcome: &'static str) {
-        self.ingest.get_or_create(&vec![("outcome", outcome.to_owned())]).inc();
+        self.ingest
+            .get_or_create(&vec![("outcome", outcome.to_owned())])
+            .inc();
     }
 
     pub fn sql_query(&self, ok: bool, took: Duration) {
         let outcome = if ok { "ok" } else { "error" };
-        self.sql.get_or_create(&vec![("outcome", outcome.to_owned())]).inc();
+        self.sql
+            .get_or_create(&vec![("outcome", outcome.to_owned())])
+            .inc();
         self.sql_seconds.observe(took.as_secs_f64());
     }
 }
@@ -69,17 +95,35 @@ struct Scrape {
 }
 
 impl Scrape {
-    fn gauge(&mut self, name: &'static str, help: &'static str, labels: &Labels, value: Option<f64>) {
+    fn gauge(
+        &mut self,
+        name: &'static str,
+        help: &'static str,
+        labels: &Labels,
+        value: Option<f64>,
+    ) {
         if let Some(v) = value {
-            let (_, family) = self.gauges.entry(name).or_insert_with(|| (help, GaugeFamily::default()));
+            let (_, family) = self
+                .gauges
+                .entry(name)
+                .or_insert_with(|| (help, GaugeFamily::default()));
             family.get_or_create(labels).set(v);
         }
     }
 
     /// `name` without `_total`; the encoder appends it.
-    fn counter(&mut self, name: &'static str, help: &'static str, labels: &Labels, value: Option<f64>) {
+    fn counter(
+        &mut self,
+        name: &'static str,
+        help: &'static str,
+        labels: &Labels,
+        value: Option<f64>,
+    ) {
         if let Some(v) = value.filter(|v| *v >= 0.0) {
-            let (_, family) = self.counters.entry(name).or_insert_with(|| (help, CounterFamily::default()));
+            let (_, family) = self
+                .counters
+                .entry(name)
+                .or_insert_with(|| (help, CounterFamily::default()));
             family.get_or_create(labels).inc_by(v);
         }
     }
@@ -102,9 +146,24 @@ fn fleet(s: &mut Scrape, nodes: &BTreeMap<String, NodeLatest>, now_ms: i64, stal
     for (node, latest) in nodes {
         let base: Labels = vec![("node", node.clone())];
         let age_s = (now_ms - latest.last_seen_ms) as f64 / 1000.0;
-        s.gauge("perch_node_last_seen_timestamp_seconds", "When the node's last batch arrived (server clock)", &base, Some(latest.last_seen_ms as f64 / 1000.0));
-        s.gauge("perch_node_up", "1 if the node reported within the staleness window, else 0", &base, Some(f64::from(u8::from(age_s <= stale_after.as_secs_f64()))));
-        s.gauge("perch_node_gpus", "GPUs the node reports", &base, Some(latest.gpus.len() as f64));
+        s.gauge(
+            "perch_node_last_seen_timestamp_seconds",
+            "When the node's last batch arrived (server clock)",
+            &base,
+            Some(latest.last_seen_ms as f64 / 1000.0),
+        );
+        s.gauge(
+            "perch_node_up",
+            "1 if the node reported within the staleness window, else 0",
+            &base,
+            Some(f64::from(u8::from(age_s <= stale_after.as_secs_f64()))),
+        );
+        s.gauge(
+            "perch_node_gpus",
+            "GPUs the node reports",
+            &base,
+            Some(latest.gpus.len() as f64),
+        );
         if let Some(h) = &latest.host {
             let l: Labels = vec![("node", node.clone()), ("simulated", flag(h.simulated))];
             for (mode, v) in [
@@ -119,47 +178,190 @@ fn fleet(s: &mut Scrape, nodes: &BTreeMap<String, NodeLatest>, now_ms: i64, stal
             ] {
                 let mut ml = l.clone();
                 ml.push(("mode", mode.to_owned()));
-                s.counter("perch_node_cpu_seconds", "CPU time by mode, all cores", &ml, v);
+                s.counter(
+                    "perch_node_cpu_seconds",
+                    "CPU time by mode, all cores",
+                    &ml,
+                    v,
+                );
             }
-            s.gauge("perch_node_cpus", "Online CPUs", &l, h.cpu_count.map(f64::from));
-            s.gauge("perch_node_memory_total_bytes", "Physical memory", &l, h.memory_total_bytes.map(|v| v as f64));
-            s.gauge("perch_node_memory_available_bytes", "Memory available to new work", &l, h.memory_available_bytes.map(|v| v as f64));
+            s.gauge(
+                "perch_node_cpus",
+                "Online CPUs",
+                &l,
+                h.cpu_count.map(f64::from),
+            );
+            s.gauge(
+                "perch_node_memory_total_bytes",
+                "Physical memory",
+                &l,
+                h.memory_total_bytes.map(|v| v as f64),
+            );
+            s.gauge(
+                "perch_node_memory_available_bytes",
+                "Memory available to new work",
+                &l,
+                h.memory_available_bytes.map(|v| v as f64),
+            );
             s.gauge("perch_node_load1", "1-minute load average", &l, h.load1);
             s.gauge("perch_node_load5", "5-minute load average", &l, h.load5);
             s.gauge("perch_node_load15", "15-minute load average", &l, h.load15);
-            s.gauge("perch_node_data_disk_free_bytes", "Free space on the agent's data filesystem", &l, h.disk_free_bytes.map(|v| v as f64));
-            s.gauge("perch_node_data_disk_size_bytes", "Size of the agent's data filesystem", &l, h.disk_total_bytes.map(|v| v as f64));
-            s.gauge("perch_node_uptime_seconds", "Time since boot", &l, h.uptime_seconds);
+            s.gauge(
+                "perch_node_data_disk_free_bytes",
+                "Free space on the agent's data filesystem",
+                &l,
+                h.disk_free_bytes.map(|v| v as f64),
+            );
+            s.gauge(
+                "perch_node_data_disk_size_bytes",
+                "Size of the agent's data filesystem",
+                &l,
+                h.disk_total_bytes.map(|v| v as f64),
+            );
+            s.gauge(
+                "perch_node_uptime_seconds",
+                "Time since boot",
+                &l,
+                h.uptime_seconds,
+            );
         }
         for g in latest.gpus.values() {
-            let l: Labels = vec![("node", node.clone()), ("gpu", g.gpu.to_string()), ("simulated", flag(g.simulated))];
+            let l: Labels = vec![
+                ("node", node.clone()),
+                ("gpu", g.gpu.to_string()),
+                ("simulated", flag(g.simulated)),
+            ];
             let mut info = l.clone();
             info.push(("uuid", g.uuid.clone()));
             info.push(("model", g.model.clone()));
-            s.gauge("perch_gpu_info", "One series per GPU joining node and index to UUID and model (value 1)", &info, Some(1.0));
-            s.gauge("perch_gpu_utilization_ratio", "Share of time a kernel ran (dcgm GPU_UTIL / 100)", &l, g.utilization_gpu_pct.map(|v| v / 100.0));
-            s.gauge("perch_gpu_memory_utilization_ratio", "Share of time memory was read or written (dcgm MEM_COPY_UTIL / 100)", &l, g.utilization_memory_pct.map(|v| v / 100.0));
-            s.gauge("perch_gpu_memory_used_bytes", "Device memory in use (dcgm FB_USED, in bytes)", &l, g.memory_used_bytes.map(|v| v as f64));
-            s.gauge("perch_gpu_memory_total_bytes", "Device memory installed", &l, g.memory_total_bytes.map(|v| v as f64));
-            s.gauge("perch_gpu_power_watts", "Board power draw (dcgm POWER_USAGE)", &l, g.power_watts);
-            s.counter("perch_gpu_energy_joules", "Energy since the driver loaded (dcgm TOTAL_ENERGY_CONSUMPTION, in joules)", &l, g.energy_joules);
-            s.gauge("perch_gpu_temperature_celsius", "GPU temperature (dcgm GPU_TEMP)", &l, g.temperature_celsius);
-            s.gauge("perch_gpu_sm_clock_hertz", "SM clock (dcgm SM_CLOCK, in hertz)", &l, g.sm_clock_mhz.map(|v| f64::from(v) * 1e6));
-            s.gauge("perch_gpu_memory_clock_hertz", "Memory clock (dcgm MEM_CLOCK, in hertz)", &l, g.memory_clock_mhz.map(|v| f64::from(v) * 1e6));
+            s.gauge(
+                "perch_gpu_info",
+                "One series per GPU joining node and index to UUID and model (value 1)",
+                &info,
+                Some(1.0),
+            );
+            s.gauge(
+                "perch_gpu_utilization_ratio",
+                "Share of time a kernel ran (dcgm GPU_UTIL / 100)",
+                &l,
+                g.utilization_gpu_pct.map(|v| v / 100.0),
+            );
+            s.gauge(
+                "perch_gpu_memory_utilization_ratio",
+                "Share of time memory was read or written (dcgm MEM_COPY_UTIL / 100)",
+                &l,
+                g.utilization_memory_pct.map(|v| v / 100.0),
+            );
+            s.gauge(
+                "perch_gpu_memory_used_bytes",
+                "Device memory in use (dcgm FB_USED, in bytes)",
+                &l,
+                g.memory_used_bytes.map(|v| v as f64),
+            );
+            s.gauge(
+                "perch_gpu_memory_total_bytes",
+                "Device memory installed",
+                &l,
+                g.memory_total_bytes.map(|v| v as f64),
+            );
+            s.gauge(
+                "perch_gpu_power_watts",
+                "Board power draw (dcgm POWER_USAGE)",
+                &l,
+                g.power_watts,
+            );
+            s.counter(
+                "perch_gpu_energy_joules",
+                "Energy since the driver loaded (dcgm TOTAL_ENERGY_CONSUMPTION, in joules)",
+                &l,
+                g.energy_joules,
+            );
+            s.gauge(
+                "perch_gpu_temperature_celsius",
+                "GPU temperature (dcgm GPU_TEMP)",
+                &l,
+                g.temperature_celsius,
+            );
+            s.gauge(
+                "perch_gpu_sm_clock_hertz",
+                "SM clock (dcgm SM_CLOCK, in hertz)",
+                &l,
+                g.sm_clock_mhz.map(|v| f64::from(v) * 1e6),
+            );
+            s.gauge(
+                "perch_gpu_memory_clock_hertz",
+                "Memory clock (dcgm MEM_CLOCK, in hertz)",
+                &l,
+                g.memory_clock_mhz.map(|v| f64::from(v) * 1e6),
+            );
         }
         for n in latest.nics.values() {
-            let l: Labels = vec![("node", node.clone()), ("device", n.device.clone()), ("simulated", flag(n.simulated))];
+            let l: Labels = vec![
+                ("node", node.clone()),
+                ("device", n.device.clone()),
+                ("simulated", flag(n.simulated)),
+            ];
             let c = |v: Option<u64>| v.map(|v| v as f64);
-            s.counter("perch_network_receive_bytes", "Bytes received", &l, c(n.rx_bytes));
-            s.counter("perch_network_receive_packets", "Packets received", &l, c(n.rx_packets));
-            s.counter("perch_network_receive_errs", "Receive errors", &l, c(n.rx_errors));
-            s.counter("perch_network_receive_drop", "Received packets dropped", &l, c(n.rx_dropped));
-            s.counter("perch_network_transmit_bytes", "Bytes sent", &l, c(n.tx_bytes));
-            s.counter("perch_network_transmit_packets", "Packets sent", &l, c(n.tx_packets));
-            s.counter("perch_network_transmit_errs", "Transmit errors", &l, c(n.tx_errors));
-            s.counter("perch_network_transmit_drop", "Packets dropped on transmit", &l, c(n.tx_dropped));
-            s.gauge("perch_network_up", "1 if the interface is operationally up", &l, n.link_up.map(|u| f64::from(u8::from(u))));
-            s.gauge("perch_network_speed_bytes", "Negotiated link speed in bytes per second", &l, n.speed_mbps.map(|v| v as f64 * 125_000.0));
+            s.counter(
+                "perch_network_receive_bytes",
+                "Bytes received",
+                &l,
+                c(n.rx_bytes),
+            );
+            s.counter(
+                "perch_network_receive_packets",
+                "Packets received",
+                &l,
+                c(n.rx_packets),
+            );
+            s.counter(
+                "perch_network_receive_errs",
+                "Receive errors",
+                &l,
+                c(n.rx_errors),
+            );
+            s.counter(
+                "perch_network_receive_drop",
+                "Received packets dropped",
+                &l,
+                c(n.rx_dropped),
+            );
+            s.counter(
+                "perch_network_transmit_bytes",
+                "Bytes sent",
+                &l,
+                c(n.tx_bytes),
+            );
+            s.counter(
+                "perch_network_transmit_packets",
+                "Packets sent",
+                &l,
+                c(n.tx_packets),
+            );
+            s.counter(
+                "perch_network_transmit_errs",
+                "Transmit errors",
+                &l,
+                c(n.tx_errors),
+            );
+            s.counter(
+                "perch_network_transmit_drop",
+                "Packets dropped on transmit",
+                &l,
+                c(n.tx_dropped),
+            );
+            s.gauge(
+                "perch_network_up",
+                "1 if the interface is operationally up",
+                &l,
+                n.link_up.map(|u| f64::from(u8::from(u))),
+            );
+            s.gauge(
+                "perch_network_speed_bytes",
+                "Negotiated link speed in bytes per second",
+                &l,
+                n.speed_mbps.map(|v| v as f64 * 125_000.0),
+            );
         }
     }
 }
@@ -168,28 +370,123 @@ fn store_series(s: &mut Scrape, state: &AppState) {
     let st = &state.store.stats;
     let none: Labels = Vec::new();
     let load = |a: &AtomicU64| Some(a.load(Ordering::Relaxed) as f64);
-    s.counter("perch_store_batches", "Batches stored (excluding duplicates)", &none, load(&st.batches_stored));
-    s.counter("perch_store_duplicate_batches", "Batches acknowledged as duplicates of earlier ones", &none, load(&st.batches_duplicate));
-    s.counter("perch_store_samples", "Samples stored", &none, load(&st.samples_stored));
-    s.gauge("perch_store_replayed_batches", "Batches replayed from the write-ahead log at start-up", &none, load(&st.batches_replayed));
-    s.counter("perch_store_flushes", "Flushes of the buffer to Parquet", &none, load(&st.flushes));
-    s.counter("perch_store_flush_failures", "Flushes that failed (rows stay buffered)", &none, load(&st.flush_failures));
-    s.counter("perch_store_flushed_rows", "Rows written to Parquet", &none, load(&st.rows_flushed));
-    s.gauge("perch_store_buffered_rows", "Rows in memory waiting for the next flush", &none, Some(state.store.buffered_rows() as f64));
+    s.counter(
+        "perch_store_batches",
+        "Batches stored (excluding duplicates)",
+        &none,
+        load(&st.batches_stored),
+    );
+    s.counter(
+        "perch_store_duplicate_batches",
+        "Batches acknowledged as duplicates of earlier ones",
+        &none,
+        load(&st.batches_duplicate),
+    );
+    s.counter(
+        "perch_store_samples",
+        "Samples stored",
+        &none,
+        load(&st.samples_stored),
+    );
+    s.gauge(
+        "perch_store_replayed_batches",
+        "Batches replayed from the write-ahead log at start-up",
+        &none,
+        load(&st.batches_replayed),
+    );
+    s.counter(
+        "perch_store_flushes",
+        "Flushes of the buffer to Parquet",
+        &none,
+        load(&st.flushes),
+    );
+    s.counter(
+        "perch_store_flush_failures",
+        "Flushes that failed (rows stay buffered)",
+        &none,
+        load(&st.flush_failures),
+    );
+    s.counter(
+        "perch_store_flushed_rows",
+        "Rows written to Parquet",
+        &none,
+        load(&st.rows_flushed),
+    );
+    s.gauge(
+        "perch_store_buffered_rows",
+        "Rows in memory waiting for the next flush",
+        &none,
+        Some(state.store.buffered_rows() as f64),
+    );
     for (table, files, bytes) in state.store.file_counts() {
         let l: Labels = vec![("table", table.name().to_owned())];
-        s.gauge("perch_store_files", "Parquet files per table", &l, Some(files as f64));
-        s.gauge("perch_store_size_bytes", "Parquet bytes per table", &l, Some(bytes as f64));
+        s.gauge(
+            "perch_store_files",
+            "Parquet files per table",
+            &l,
+            Some(files as f64),
+        );
+        s.gauge(
+            "perch_store_size_bytes",
+            "Parquet bytes per table",
+            &l,
+            Some(bytes as f64),
+        );
     }
     let wal = state.store.wal_stats();
-    s.counter("perch_wal_syncs", "fdatasync calls on the write-ahead log (one per group commit)", &none, load(&wal.syncs));
-    s.counter("perch_wal_written_bytes", "Bytes written to the write-ahead log", &none, load(&wal.bytes));
+    s.counter(
+        "perch_wal_syncs",
+        "fdatasync calls on the write-ahead log (one per group commit)",
+        &none,
+        load(&wal.syncs),
+    );
+    s.counter(
+        "perch_wal_written_bytes",
+        "Bytes written to the write-ahead log",
+        &none,
+        load(&wal.bytes),
+    );
 }
 
-pub async fn metrics(State(state): State<AppState>) -> Response {
+/// Rewrites prometheus-client's OpenMetrics text as the classic Prometheus text format
+/// (version 0.0.4), for clients that did not ask for OpenMetrics (curl, promtool, older
+/// scrapers): counter families get their `_total` name in `# HELP` and `# TYPE`, and the
+/// OpenMetrics-only `# UNIT` and `# EOF` lines go.
+fn to_classic_text(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len() + counters.len() * 16);
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let rewritten = ["# HELP ", "# TYPE "].iter().find_map(|prefix| {
+            let rest = line.strip_prefix(prefix)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters
+                .contains(name)
+                .then(|| format!("{prefix}{name}_total {tail}"))
+        });
+        match rewritten {
+            Some(l) => out.push_str(&l),
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
+pub async fn metrics(State(state): State<AppState>, headers: axum::http::HeaderMap) -> Response {
     let mut scrape = Scrape::default();
     let now = crate::ingest::now_ms();
-    fleet(&mut scrape, &state.latest.snapshot(), now, state.config.node_stale_after);
+    fleet(
+        &mut scrape,
+        &state.latest.snapshot(),
+        now,
+        state.config.node_stale_after,
+    );
     store_series(&mut scrape, &state);
     let mut dynamic = Registry::default();
     scrape.register(&mut dynamic);
@@ -198,12 +495,45 @@ pub async fn metrics(State(state): State<AppState>) -> Response {
         .and_then(|()| encode_registry(&mut body, &dynamic))
         .and_then(|()| encode_eof(&mut body));
     if let Err(e) = encoded {
-        return (StatusCode::INTERNAL_SERVER_ERROR, format!("encoding metrics failed: {e}")).into_response();
+        return (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("encoding metrics failed: {e}"),
+        )
+            .into_response();
     }
+    let openmetrics = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("application/openmetrics-text"));
+    let (body, content_type) = if openmetrics {
+        (
+            body,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )
+    } else {
+        (
+            to_classic_text(&body),
+            "text/plain; version=0.0.4; charset=utf-8",
+        )
+    };
     let mut response = body.into_response();
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
-    );
     response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classic_text_names_counters_with_total() {
+        let om = "# HELP a_requests Requests.\n# TYPE a_requests counter\na_requests_total{x=\"1\"} 2\n# HELP b Bytes.\n# TYPE b gauge\n# UNIT b bytes\nb 1.0\n# EOF\n";
+        let text = to_classic_text(om);
+        assert_eq!(
+            text,
+            "# HELP a_requests_total Requests.\n# TYPE a_requests_total counter\na_requests_total{x=\"1\"} 2\n# HELP b Bytes.\n# TYPE b gauge\nb 1.0\n"
+        );
+    }
 }

@@ -41,7 +41,10 @@ fn parse_format(s: &str) -> Result<Format, ApiError> {
         "json" => Ok(Format::Json),
         "csv" => Ok(Format::Csv),
         "arrow" => Ok(Format::Arrow),
-        other => Err(ApiError::bad_request("bad_format", format!("format {other:?} is not known; use json, csv or arrow"))),
+        other => Err(ApiError::bad_request(
+            "bad_format",
+            format!("format {other:?} is not known; use json, csv or arrow"),
+        )),
     }
 }
 
@@ -57,7 +60,12 @@ pub async fn sql(
     result
 }
 
-async fn handle(state: &AppState, params: Params, headers: &HeaderMap, body: &Bytes) -> Result<Response, ApiError> {
+async fn handle(
+    state: &AppState,
+    params: Params,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<Response, ApiError> {
     let is_json = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -65,19 +73,36 @@ async fn handle(state: &AppState, params: Params, headers: &HeaderMap, body: &By
     let mut format = params.format.as_deref().map(parse_format).transpose()?;
     let text = if is_json {
         let req: JsonRequest = serde_json::from_slice(body).map_err(|e| {
-            ApiError::bad_request("malformed_request", format!("expected {{\"sql\": \"SELECT ...\", \"format\": \"json|csv|arrow\"}}: {e}"))
+            ApiError::bad_request(
+                "malformed_request",
+                format!(
+                    "expected {{\"sql\": \"SELECT ...\", \"format\": \"json|csv|arrow\"}}: {e}"
+                ),
+            )
         })?;
         format = format.or(req.format);
         req.sql
     } else {
-        String::from_utf8(body.to_vec()).map_err(|_| ApiError::bad_request("malformed_request", "the SQL text is not valid UTF-8"))?
+        String::from_utf8(body.to_vec()).map_err(|_| {
+            ApiError::bad_request("malformed_request", "the SQL text is not valid UTF-8")
+        })?
     };
     let output = state.sql.query(&text).await?;
-    render(output, format.unwrap_or_default(), state.sql.limits().max_rows)
+    render(
+        output,
+        format.unwrap_or_default(),
+        state.sql.limits().max_rows,
+    )
 }
 
 fn render(output: QueryOutput, format: Format, max_rows: usize) -> Result<Response, ApiError> {
-    let internal = |e: arrow::error::ArrowError| ApiError::new(axum::http::StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("encoding the result: {e}"));
+    let internal = |e: arrow::error::ArrowError| {
+        ApiError::new(
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            format!("encoding the result: {e}"),
+        )
+    };
     let (content_type, body) = match format {
         Format::Json => {
             let mut rows = Vec::new();
@@ -108,7 +133,13 @@ fn render(output: QueryOutput, format: Format, max_rows: usize) -> Result<Respon
                 head["note"] = format!("result cut at {max_rows} rows; add a LIMIT, aggregate, or narrow the time range").into();
             }
             // Splice the rows array, already JSON, into the object without re-parsing it.
-            let mut body = serde_json::to_vec(&head).map_err(|e| ApiError::new(axum::http::StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+            let mut body = serde_json::to_vec(&head).map_err(|e| {
+                ApiError::new(
+                    axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal",
+                    e.to_string(),
+                )
+            })?;
             body.pop();
             body.extend_from_slice(b",\"rows\":");
             body.extend_from_slice(&rows);
@@ -118,14 +149,21 @@ fn render(output: QueryOutput, format: Format, max_rows: usize) -> Result<Respon
         Format::Csv => {
             let mut body = Vec::new();
             {
-                let mut writer = arrow::csv::WriterBuilder::new().with_header(true).build(&mut body);
+                let mut writer = arrow::csv::WriterBuilder::new()
+                    .with_header(true)
+                    .build(&mut body);
                 for batch in &output.batches {
                     writer.write(batch).map_err(internal)?;
                 }
             }
             if output.batches.is_empty() {
                 // The CSV writer only writes a header with the first batch.
-                let header: Vec<_> = output.schema.fields().iter().map(|f| f.name().clone()).collect();
+                let header: Vec<_> = output
+                    .schema
+                    .fields()
+                    .iter()
+                    .map(|f| f.name().clone())
+                    .collect();
                 body = format!("{}\n", header.join(",")).into_bytes();
             }
             ("text/csv; charset=utf-8", body)
@@ -133,7 +171,9 @@ fn render(output: QueryOutput, format: Format, max_rows: usize) -> Result<Respon
         Format::Arrow => {
             let mut body = Vec::new();
             {
-                let mut writer = arrow::ipc::writer::StreamWriter::try_new(&mut body, &output.schema).map_err(internal)?;
+                let mut writer =
+                    arrow::ipc::writer::StreamWriter::try_new(&mut body, &output.schema)
+                        .map_err(internal)?;
                 for batch in &output.batches {
                     writer.write(batch).map_err(internal)?;
                 }
@@ -146,6 +186,9 @@ fn render(output: QueryOutput, format: Format, max_rows: usize) -> Result<Respon
     let h = response.headers_mut();
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     h.insert("x-perch-row-count", HeaderValue::from(output.rows));
-    h.insert("x-perch-truncated", HeaderValue::from_static(if output.truncated { "true" } else { "false" }));
+    h.insert(
+        "x-perch-truncated",
+        HeaderValue::from_static(if output.truncated { "true" } else { "false" }),
+    );
     Ok(response)
 }

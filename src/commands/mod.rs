@@ -10,7 +10,11 @@ use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 
 #[derive(Debug, Parser)]
-#[command(name = "perch", version, about = "GPU cluster monitoring, accounting and scheduling in one place")]
+#[command(
+    name = "perch",
+    version,
+    about = "GPU cluster monitoring, accounting and scheduling in one place"
+)]
 pub struct Cli {
     /// TOML config file (see perch.example.toml).
     #[arg(long, global = true, env = "PERCH_CONFIG")]
@@ -150,7 +154,10 @@ impl AgentFlags {
 pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("PERCH_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
 }
 
 pub fn run(cli: Cli) -> Result<()> {

@@ -10,7 +10,10 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
@@ -46,11 +49,19 @@ fn stopped(rx: &watch::Receiver<bool>) -> impl std::future::Future<Output = ()> 
 
 async fn bind(config: &Config) -> Result<(TcpListener, AppState)> {
     let listen = &config.server.listen;
-    let listener = TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("listening on {listen} (is another perch running? choose another with --listen)"))?;
-    let state = AppState::open(config.server_config())
-        .with_context(|| format!("opening the data directory {}", config.server.data_dir.display()))?;
+    let listener = TcpListener::bind(listen).await.with_context(|| {
+        format!("listening on {listen} (is another perch running? choose another with --listen)")
+    })?;
+    let state = AppState::open(config.server_config()).with_context(|| {
+        format!(
+            "opening the data directory {}",
+            config.server.data_dir.display()
+        )
+    })?;
+    // Scripts and tests that listen on port 0 read the bound address from here.
+    let addr_file = config.server.data_dir.join("server.addr");
+    std::fs::write(&addr_file, format!("{}\n", listener.local_addr()?))
+        .with_context(|| format!("writing {}", addr_file.display()))?;
     Ok((listener, state))
 }
 
@@ -72,7 +83,11 @@ pub fn agent(config: Config) -> Result<()> {
     })
 }
 
-async fn stop_all(agents: Vec<AgentHandle>, stop: watch::Sender<bool>, server: tokio::task::JoinHandle<std::io::Result<()>>) -> Result<()> {
+async fn stop_all(
+    agents: Vec<AgentHandle>,
+    stop: watch::Sender<bool>,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+) -> Result<()> {
     let _ = stop.send(true);
     for agent in agents {
         if let Err(e) = agent.join().await {

@@ -26,12 +26,18 @@ pub struct SqlArgs {
 }
 
 pub fn run(args: SqlArgs) -> Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     runtime.block_on(query(args))
 }
 
 async fn query(args: SqlArgs) -> Result<()> {
-    let sql = if args.explain { format!("EXPLAIN {}", args.query) } else { args.query };
+    let sql = if args.explain {
+        format!("EXPLAIN {}", args.query)
+    } else {
+        args.query
+    };
     let wire = match args.format {
         OutputFormat::Table => "arrow",
         OutputFormat::Csv => "csv",
@@ -43,9 +49,17 @@ async fn query(args: SqlArgs) -> Result<()> {
         .json(&serde_json::json!({"sql": sql, "format": wire}))
         .send()
         .await
-        .with_context(|| format!("cannot reach the perch server at {} (is it running? start one with `perch up`)", args.server))?;
+        .with_context(|| {
+            format!(
+                "cannot reach the perch server at {} (is it running? start one with `perch up`)",
+                args.server
+            )
+        })?;
     let status = response.status();
-    let truncated = response.headers().get("x-perch-truncated").is_some_and(|v| v == "true");
+    let truncated = response
+        .headers()
+        .get("x-perch-truncated")
+        .is_some_and(|v| v == "true");
     let body = response.bytes().await.context("reading the answer")?;
     if !status.is_success() {
         let message = serde_json::from_slice::<serde_json::Value>(&body)
@@ -56,7 +70,8 @@ async fn query(args: SqlArgs) -> Result<()> {
     }
     match args.format {
         OutputFormat::Table => {
-            let reader = arrow::ipc::reader::StreamReader::try_new(std::io::Cursor::new(body), None)?;
+            let reader =
+                arrow::ipc::reader::StreamReader::try_new(std::io::Cursor::new(body), None)?;
             let batches = reader.collect::<Result<Vec<_>, _>>()?;
             let rows: usize = batches.iter().map(|b| b.num_rows()).sum();
             if batches.is_empty() || rows == 0 {
@@ -76,7 +91,9 @@ async fn query(args: SqlArgs) -> Result<()> {
         }
     }
     if truncated {
-        eprintln!("note: the result was cut at the server's row limit; add a LIMIT, aggregate, or narrow the time range");
+        eprintln!(
+            "note: the result was cut at the server's row limit; add a LIMIT, aggregate, or narrow the time range"
+        );
     }
     Ok(())
 }

@@ -1,0 +1,210 @@
+//! The store through its public API: flushes never hide or double a row, restarts keep
+//! everything, leftovers of an interrupted flush are removed, and files split by day.
+
+use bytes::Bytes;
+use perch_model::{Batch, GpuIndex, GpuSample, NodeId};
+use perch_query::{IngestOutcome, QueryLimits, SqlEngine, Store, StoreConfig};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+const DAY_MS: i64 = 86_400_000;
+
+fn batch(node: &str, seq: u64, time_ms: i64, gpus: u32) -> (Bytes, Batch) {
+    let b = Batch {
+        node: NodeId::new(node).expect("node"),
+        seq,
+        hosts: vec![],
+        gpus: (0..gpus)
+            .map(|g| GpuSample {
+                time_ms,
+                gpu: GpuIndex(g),
+                uuid: format!("GPU-{g}"),
+                model: "Test".into(),
+                simulated: true,
+                utilization_gpu_pct: Some(f64::from(g)),
+                utilization_memory_pct: None,
+                memory_used_bytes: None,
+                memory_total_bytes: None,
+                power_watts: None,
+                energy_joules: None,
+                temperature_celsius: None,
+                sm_clock_mhz: Some(seq as u32),
+                memory_clock_mhz: None,
+            })
+            .collect(),
+        nics: vec![],
+    };
+    (Bytes::from(serde_json::to_vec(&b).expect("json")), b)
+}
+
+async fn count(sql: &SqlEngine, query: &str) -> i64 {
+    let out = sql.query(query).await.expect("query");
+    let col = out.batches[0].column(0);
+    arrow::array::AsArray::as_primitive::<arrow::datatypes::Int64Type>(col).value(0)
+}
+
+fn config(dir: &std::path::Path) -> StoreConfig {
+    StoreConfig::new(dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queries_racing_flushes_never_miss_or_double_a_row() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(config(dir.path())).expect("open");
+    let sql = Arc::new(SqlEngine::new(store.clone(), QueryLimits::default()));
+    let acked = Arc::new(AtomicU64::new(0));
+    let t0 = 1_800_000_000_000;
+    let writer = tokio::spawn({
+        let (store, acked) = (store.clone(), acked.clone());
+        async move {
+            for seq in 1..=300u64 {
+                let (raw, b) = batch("n1", seq, t0 + seq as i64, 2);
+                assert_eq!(
+                    store.ingest(raw, &b).await.expect("ingest"),
+                    IngestOutcome::Stored { samples: 2 }
+                );
+                acked.fetch_add(2, Ordering::SeqCst);
+            }
+        }
+    });
+    let flusher = tokio::spawn({
+        let store = store.clone();
+        async move {
+            for _ in 0..30 {
+                store.flush().await.expect("flush");
+                tokio::task::yield_now().await;
+            }
+        }
+    });
+    let mut checks = 0;
+    while !writer.is_finished() || checks < 5 {
+        let before = acked.load(Ordering::SeqCst) as i64;
+        let seen = count(&sql, "SELECT count(*) FROM gpu_samples").await;
+        let after = acked.load(Ordering::SeqCst) as i64;
+        assert!(
+            before <= seen && seen <= after,
+            "saw {seen} rows, acknowledged between {before} and {after}"
+        );
+        checks += 1;
+    }
+    writer.await.expect("writer");
+    flusher.await.expect("flusher");
+    store.flush().await.expect("flush");
+    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 600);
+    assert_eq!(
+        count(&sql, "SELECT count(DISTINCT sm_clock_mhz) FROM gpu_samples").await,
+        300
+    );
+}
+
+#[tokio::test]
+async fn restart_keeps_flushed_and_logged_rows_once_and_remembers_sequences() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let t0 = 1_800_000_000_000;
+    {
+        let store = Store::open(config(dir.path())).expect("open");
+        for seq in 1..=10 {
+            let (raw, b) = batch("n1", seq, t0 + seq as i64, 1);
+            store.ingest(raw, &b).await.expect("ingest");
+        }
+        store.flush().await.expect("flush");
+        for seq in 11..=15 {
+            let (raw, b) = batch("n1", seq, t0 + seq as i64, 1);
+            store.ingest(raw, &b).await.expect("ingest");
+        }
+        // Dropped without a flush: rows 11..=15 live only in the write-ahead log.
+    }
+    let store = Store::open(config(dir.path())).expect("reopen");
+    let sql = SqlEngine::new(store.clone(), QueryLimits::default());
+    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 15);
+    for seq in [3, 12, 15] {
+        let (raw, b) = batch("n1", seq, t0, 1);
+        assert_eq!(
+            store.ingest(raw, &b).await.expect("ingest"),
+            IngestOutcome::Duplicate,
+            "seq {seq}"
+        );
+    }
+    let (raw, b) = batch("n1", 16, t0, 1);
+    assert_eq!(
+        store.ingest(raw, &b).await.expect("ingest"),
+        IngestOutcome::Stored { samples: 1 }
+    );
+}
+
+#[tokio::test]
+async fn files_split_by_day_and_orphans_are_removed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let t0 = 1_800_000_000_000 / DAY_MS * DAY_MS + DAY_MS - 1; // one millisecond before midnight
+    {
+        let store = Store::open(config(dir.path())).expect("open");
+        for (seq, t) in [(1, t0), (2, t0 + 1), (3, t0 + 2)] {
+            let (raw, b) = batch("n1", seq, t, 1);
+            store.ingest(raw, &b).await.expect("ingest");
+        }
+        let stats = store.flush().await.expect("flush");
+        assert_eq!((stats.rows, stats.files), (3, 2));
+    }
+    let days: Vec<_> = std::fs::read_dir(dir.path().join("tables/gpu_samples"))
+        .expect("table dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(days.len(), 2, "{days:?}");
+    let orphan = dir
+        .path()
+        .join("tables/gpu_samples")
+        .join(&days[0])
+        .join("9999999999.parquet");
+    std::fs::write(&orphan, b"half-written").expect("write orphan");
+    let store = Store::open(config(dir.path())).expect("reopen");
+    assert!(
+        !orphan.exists(),
+        "a file no manifest lists is removed at start-up"
+    );
+    let sql = SqlEngine::new(store, QueryLimits::default());
+    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 3);
+    // Time predicates work across files and buffer alike.
+    let q = format!("SELECT count(*) FROM gpu_samples WHERE time > to_timestamp_millis({t0})");
+    assert_eq!(count(&sql, &q).await, 2);
+}
+
+#[tokio::test]
+async fn a_second_store_on_the_same_directory_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let _first = Store::open(config(dir.path())).expect("open");
+    let err = Store::open(config(dir.path())).expect_err("second open");
+    assert!(err.to_string().contains("another perch server"), "{err}");
+}
+
+#[tokio::test]
+async fn limits_stop_runaway_queries_with_a_clear_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(config(dir.path())).expect("open");
+    let limits = QueryLimits {
+        timeout: std::time::Duration::from_millis(200),
+        max_rows: 10,
+        memory_bytes: 1 << 20,
+    };
+    let sql = SqlEngine::new(store, limits);
+    let slow = sql
+        .query("SELECT count(*) FROM generate_series(1, 1000000000) a")
+        .await
+        .expect_err("times out");
+    assert!(
+        slow.to_string().contains("longer than the 0.2 s limit"),
+        "{slow}"
+    );
+    let big = sql
+        .query("SELECT a, count(*) FROM generate_series(1, 5000000) t(a) GROUP BY a")
+        .await
+        .expect_err("memory");
+    assert!(
+        big.to_string().contains("MiB limit") || big.to_string().contains("longer than"),
+        "{big}"
+    );
+    let cut = sql
+        .query("SELECT * FROM generate_series(1, 100)")
+        .await
+        .expect("query");
+    assert_eq!((cut.rows, cut.truncated), (10, true));
+}

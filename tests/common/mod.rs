@@ -1,0 +1,166 @@
+//! Helpers for end-to-end tests: start the real `perch` binary on a temporary data directory
+//! and an OS-chosen port, wait for readiness, and talk to it over HTTP like a user would.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output};
+use std::time::{Duration, Instant};
+
+pub const PERCH: &str = env!("CARGO_BIN_EXE_perch");
+
+/// Upper bound for anything a test waits on; only reached when something is broken.
+pub const PATIENCE: Duration = Duration::from_secs(60);
+
+/// A running perch process, killed when dropped.
+pub struct Perch {
+    pub child: Child,
+    pub data_dir: PathBuf,
+    pub url: String,
+    log: PathBuf,
+}
+
+impl Perch {
+    /// Starts `perch <args> --data-dir <dir>` (plus `--listen 127.0.0.1:0` unless `args` has
+    /// `--listen`) and waits until `/readyz` answers.
+    pub fn start(data_dir: &Path, args: &[&str]) -> Perch {
+        std::fs::create_dir_all(data_dir).expect("create data dir");
+        let addr_file = data_dir.join("server.addr");
+        let _ = std::fs::remove_file(&addr_file);
+        let log = data_dir.join(format!("perch-{}.log", args[0]));
+        let log_file = std::fs::File::create(&log).expect("create log");
+        let mut cmd = Command::new(PERCH);
+        cmd.args(args).arg("--data-dir").arg(data_dir);
+        if !args.contains(&"--listen") {
+            cmd.args(["--listen", "127.0.0.1:0"]);
+        }
+        let child = cmd
+            .env("PERCH_LOG", "info")
+            .stdout(log_file.try_clone().expect("clone log"))
+            .stderr(log_file)
+            .spawn()
+            .expect("spawn perch");
+        let mut perch = Perch {
+            child,
+            data_dir: data_dir.to_path_buf(),
+            url: String::new(),
+            log,
+        };
+        let addr = wait_for(
+            &format!("{} to write {}", args[0], addr_file.display()),
+            || {
+                perch.assert_running();
+                std::fs::read_to_string(&addr_file)
+                    .ok()
+                    .filter(|s| s.ends_with('\n'))
+            },
+        );
+        perch.url = format!("http://{}", addr.trim());
+        let ready = format!("{}/readyz", perch.url);
+        wait_for("readiness", || {
+            perch.assert_running();
+            reqwest::blocking::get(&ready)
+                .ok()
+                .filter(|r| r.status().is_success())
+        });
+        perch
+    }
+
+    pub fn assert_running(&mut self) {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            panic!("perch exited early ({status}); log:\n{}", self.log());
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGKILL: no shutdown code runs.
+    pub fn kill(&mut self) {
+        self.child.kill().expect("kill");
+        self.child.wait().expect("wait");
+    }
+
+    /// SIGTERM, then wait for a clean exit.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let pid = self.child.id().to_string();
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .expect("send SIGTERM");
+        wait_for("perch to exit after SIGTERM", || {
+            self.child.try_wait().ok().flatten()
+        })
+    }
+
+    /// Runs `perch sql --server <url> <extra> <query>`.
+    pub fn sql_cli(&self, query: &str, extra: &[&str]) -> Output {
+        Command::new(PERCH)
+            .args(["sql", "--server", &self.url])
+            .args(extra)
+            .arg(query)
+            .output()
+            .expect("run perch sql")
+    }
+
+    /// Runs a query over HTTP and returns the JSON rows.
+    pub fn sql(&self, query: &str) -> Vec<serde_json::Value> {
+        let response = reqwest::blocking::Client::new()
+            .post(format!("{}/v1/sql", self.url))
+            .json(&serde_json::json!({"sql": query}))
+            .send()
+            .expect("POST /v1/sql");
+        let status = response.status();
+        let body: serde_json::Value = response.json().expect("JSON answer");
+        assert!(status.is_success(), "{query}: {status} {body}");
+        body["rows"].as_array().expect("rows").clone()
+    }
+
+    /// A single integer from a query returning one row and one column.
+    pub fn scalar(&self, query: &str) -> i64 {
+        let rows = self.sql(query);
+        let row = rows.first().and_then(|r| r.as_object()).expect("one row");
+        row.values()
+            .next()
+            .and_then(serde_json::Value::as_i64)
+            .unwrap_or_else(|| panic!("{query}: {row:?}"))
+    }
+}
+
+impl Drop for Perch {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `f` until it returns `Some`, panicking with `what` after [`PATIENCE`].
+pub fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(start.elapsed() < PATIENCE, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis() as i64
+}
+
+/// One batch with one GPU sample whose `sm_clock_mhz` carries `seq`, so tests can find it.
+pub fn marked_batch(node: &str, seq: u64) -> serde_json::Value {
+    serde_json::json!({
+        "node": node,
+        "seq": seq,
+        "gpus": [{
+            "time_ms": now_ms(), "gpu": 0, "uuid": "GPU-TEST-0", "model": "Test GPU (simulated)",
+            "simulated": true, "utilization_gpu_pct": 50.0, "sm_clock_mhz": seq
+        }]
+    })
+}

@@ -1,0 +1,302 @@
+//! End-to-end: `perch up` and `perch demo` as a new user runs them, SQL from the CLI, the
+//! Prometheus endpoint checked by the real promtool, and bad input answered with 4xx.
+
+mod common;
+
+use common::{Perch, marked_batch, wait_for};
+use std::process::Command;
+
+fn stdout(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[test]
+fn up_with_simulated_gpus_counts_gpu_and_host_rows_from_the_cli() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = Perch::start(
+        dir.path(),
+        &["up", "--simulate-gpus", "2", "--interval-ms", "200"],
+    );
+    wait_for("GPU and host rows", || {
+        let gpu = perch.scalar("SELECT count(*) FROM gpu_samples");
+        let host = perch.scalar("SELECT count(*) FROM host_samples");
+        (gpu > 0 && host > 0).then_some(())
+    });
+    let out = perch.sql_cli(
+        "SELECT count(*) AS gpu_rows FROM gpu_samples WHERE simulated",
+        &[],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let table = stdout(&out);
+    assert!(
+        table.contains("gpu_rows") && table.contains("+--"),
+        "aligned table: {table}"
+    );
+    // Simulated GPUs are labelled as such in SQL, on /metrics and in what perch printed.
+    assert_eq!(
+        perch.scalar(
+            "SELECT count(*) FROM gpu_samples WHERE NOT simulated OR model NOT LIKE '%Simulated%'"
+        ),
+        0
+    );
+    let metrics = reqwest::blocking::get(format!("{}/metrics", perch.url))
+        .expect("metrics")
+        .text()
+        .expect("text");
+    assert!(
+        metrics.contains("perch_gpu_info{") && metrics.contains("simulated=\"true\""),
+        "{metrics}"
+    );
+    let banner = perch.log();
+    assert!(
+        banner.contains("Simulating 2 GPUs") || banner.contains("SIMULATED GPUs"),
+        "{banner}"
+    );
+}
+
+#[test]
+fn metrics_endpoint_passes_promtool() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = Perch::start(
+        dir.path(),
+        &[
+            "demo",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "2",
+            "--interval-ms",
+            "200",
+        ],
+    );
+    wait_for("GPU series", || {
+        let text = reqwest::blocking::get(format!("{}/metrics", perch.url))
+            .ok()?
+            .text()
+            .ok()?;
+        text.contains("perch_gpu_power_watts").then_some(())
+    });
+    let _ = perch.sql("SELECT 1"); // so the SQL series exist too
+    let script = format!("curl -s {}/metrics | promtool check metrics", perch.url);
+    let out = Command::new("sh")
+        .args(["-c", &script])
+        .output()
+        .expect("run sh");
+    assert!(
+        out.status.success() && out.stdout.is_empty() && out.stderr.is_empty(),
+        "promtool (install Debian's prometheus package) reported: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Prometheus itself asks for OpenMetrics and gets it.
+    let om = reqwest::blocking::Client::new()
+        .get(format!("{}/metrics", perch.url))
+        .header("accept", "application/openmetrics-text;version=1.0.0")
+        .send()
+        .expect("metrics");
+    assert!(
+        om.headers()["content-type"]
+            .to_str()
+            .expect("ascii")
+            .starts_with("application/openmetrics-text")
+    );
+    assert!(om.text().expect("text").ends_with("# EOF\n"));
+}
+
+#[test]
+fn demo_simulates_a_labelled_cluster() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = Perch::start(
+        dir.path(),
+        &[
+            "demo",
+            "--nodes",
+            "3",
+            "--gpus-per-node",
+            "2",
+            "--interval-ms",
+            "200",
+        ],
+    );
+    wait_for("three nodes of GPUs, hosts and NICs", || {
+        let gpus = perch
+            .scalar("SELECT count(DISTINCT node || '/' || CAST(gpu AS VARCHAR)) FROM gpu_samples");
+        let hosts = perch.scalar("SELECT count(DISTINCT node) FROM host_samples");
+        let nics = perch.scalar("SELECT count(DISTINCT node) FROM nic_samples");
+        (gpus == 6 && hosts == 3 && nics == 3).then_some(())
+    });
+    for table in ["gpu_samples", "host_samples", "nic_samples"] {
+        assert_eq!(
+            perch.scalar(&format!("SELECT count(*) FROM {table} WHERE NOT simulated")),
+            0,
+            "{table}"
+        );
+    }
+    assert!(perch.log().contains("SIMULATED cluster"));
+}
+
+#[test]
+fn bad_input_gets_a_4xx_that_says_what_to_change_and_the_server_keeps_serving() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = Perch::start(dir.path(), &["server"]);
+    let client = reqwest::blocking::Client::new();
+    let ingest = format!("{}/v1/ingest", perch.url);
+    let check_ingest = |body: &str, status: u16, says: &str| {
+        let r = client
+            .post(&ingest)
+            .header("content-type", "application/json")
+            .body(body.to_owned())
+            .send()
+            .expect("send");
+        assert_eq!(r.status().as_u16(), status, "{body}");
+        let json: serde_json::Value = r.json().expect("JSON error body");
+        let message = json["error"]["message"].as_str().expect("error.message");
+        assert!(message.contains(says), "{body}: {message}");
+    };
+    check_ingest("", 400, "EOF");
+    check_ingest("{\"node\": \"n\"", 400, "EOF while parsing");
+    check_ingest("[1, 2]", 400, "not a valid telemetry batch");
+    check_ingest(
+        "{\"node\":\"n\",\"seq\":1,\"gpuz\":[]}",
+        400,
+        "unknown field `gpuz`",
+    );
+    check_ingest(
+        "{\"node\":\"a b\",\"seq\":1,\"hosts\":[{\"time_ms\":1800000000000,\"simulated\":false}]}",
+        400,
+        "node name",
+    );
+    check_ingest("{\"node\":\"n\",\"seq\":1}", 400, "no samples");
+    let mut bad_util = marked_batch("n", 1);
+    bad_util["gpus"][0]["utilization_gpu_pct"] = 250.0.into();
+    check_ingest(&bad_util.to_string(), 400, "gpus[0].utilization_gpu_pct");
+    let mut seconds = marked_batch("n", 1);
+    seconds["gpus"][0]["time_ms"] = 1_700_000_000.into();
+    check_ingest(&seconds.to_string(), 400, "milliseconds");
+    let r = client
+        .post(&ingest)
+        .header("content-encoding", "zstd")
+        .body("not zstd")
+        .send()
+        .expect("send");
+    assert_eq!(r.status().as_u16(), 400);
+    let huge = " ".repeat((64 << 20) + 1);
+    let r = client.post(&ingest).body(huge).send().expect("send");
+    assert_eq!(r.status().as_u16(), 413, "body over the limit");
+
+    let sql = format!("{}/v1/sql", perch.url);
+    let check_sql = |query: &str, status: u16, says: &str| {
+        let r = client
+            .post(&sql)
+            .json(&serde_json::json!({"sql": query}))
+            .send()
+            .expect("send");
+        assert_eq!(r.status().as_u16(), status, "{query}");
+        let json: serde_json::Value = r.json().expect("JSON error body");
+        let message = json["error"]["message"].as_str().expect("error.message");
+        assert!(message.contains(says), "{query}: {message}");
+    };
+    check_sql("SELEC 1", 400, "Expected");
+    check_sql("SELECT nope FROM gpu_samples", 400, "Valid fields are");
+    check_sql(
+        "SELECT * FROM gpus",
+        400,
+        "the tables are gpu_samples, host_samples, nic_samples",
+    );
+    check_sql("", 400, "empty");
+    check_sql("SELECT 1; SELECT 2", 400, "single SQL statement");
+    check_sql("CREATE TABLE t AS SELECT 1", 403, "read-only");
+    check_sql(
+        "INSERT INTO gpu_samples SELECT * FROM gpu_samples",
+        403,
+        "read-only",
+    );
+    check_sql("COPY (SELECT 1) TO '/tmp/perch-copy.csv'", 403, "read-only");
+    check_sql("SET datafusion.execution.batch_size = 1", 403, "read-only");
+    check_sql("SELECT * FROM '/etc/passwd'", 400, "not found");
+    check_sql(
+        "CREATE EXTERNAL TABLE p STORED AS CSV LOCATION '/etc/passwd'",
+        403,
+        "read-only",
+    );
+    let r = client
+        .post(&sql)
+        .header("content-type", "application/json")
+        .body("{\"sql\": 1}")
+        .send()
+        .expect("send");
+    assert_eq!(r.status().as_u16(), 400);
+    let r = client
+        .post(format!("{sql}?format=xml"))
+        .body("SELECT 1")
+        .send()
+        .expect("send");
+    assert_eq!(r.status().as_u16(), 400);
+
+    // Still serving, and a good batch still lands.
+    assert!(
+        reqwest::blocking::get(format!("{}/healthz", perch.url))
+            .expect("healthz")
+            .status()
+            .is_success()
+    );
+    let r = client
+        .post(&ingest)
+        .json(&marked_batch("n", 1))
+        .send()
+        .expect("send");
+    assert!(r.status().is_success());
+    assert_eq!(perch.scalar("SELECT count(*) FROM gpu_samples"), 1);
+}
+
+#[test]
+fn sql_answers_in_every_format_and_cuts_long_results_with_a_note() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("perch.toml");
+    std::fs::write(&config, "[query]\nmax_rows = 5\n").expect("write config");
+    let perch = Perch::start(
+        &dir.path().join("data"),
+        &["server", "--config", config.to_str().expect("utf-8")],
+    );
+    let client = reqwest::blocking::Client::new();
+    for seq in 1..=8 {
+        client
+            .post(format!("{}/v1/ingest", perch.url))
+            .json(&marked_batch("n", seq))
+            .send()
+            .expect("ingest");
+    }
+    let q = "SELECT sm_clock_mhz FROM gpu_samples ORDER BY 1";
+    let json: serde_json::Value = client
+        .post(format!("{}/v1/sql", perch.url))
+        .json(&serde_json::json!({"sql": q}))
+        .send()
+        .expect("sql")
+        .json()
+        .expect("json");
+    assert_eq!(json["row_count"], 5);
+    assert_eq!(json["truncated"], true);
+    assert!(
+        json["note"]
+            .as_str()
+            .expect("note")
+            .contains("cut at 5 rows")
+    );
+    assert_eq!(json["rows"][0]["sm_clock_mhz"], 1);
+    assert_eq!(json["columns"][0]["name"], "sm_clock_mhz");
+
+    let csv = perch.sql_cli(q, &["--format", "csv"]);
+    assert_eq!(stdout(&csv), "sm_clock_mhz\n1\n2\n3\n4\n5\n");
+    assert!(String::from_utf8_lossy(&csv.stderr).contains("cut at the server's row limit"));
+    let table = perch.sql_cli("SELECT count(*) AS n FROM gpu_samples", &[]);
+    assert!(stdout(&table).contains("| 8 |"), "{}", stdout(&table));
+    let explain = perch.sql_cli("SELECT count(*) FROM gpu_samples", &["--explain"]);
+    assert!(
+        stdout(&explain).contains("physical_plan"),
+        "{}",
+        stdout(&explain)
+    );
+    let failed = perch.sql_cli("SELECT nope FROM gpu_samples", &[]);
+    assert!(!failed.status.success());
+    assert!(String::from_utf8_lossy(&failed.stderr).contains("No field named nope"));
+}
