@@ -24,7 +24,10 @@ impl NodeId {
             return Err("node name is empty; give the node a name such as its hostname".into());
         }
         if name.len() > 128 {
-            return Err(format!("node name is {} characters long; the limit is 128", name.len()));
+            return Err(format!(
+                "node name is {} characters long; the limit is 128",
+                name.len()
+            ));
         }
         if let Some(bad) = name
             .chars()

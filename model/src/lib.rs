@@ -9,5 +9,5 @@ mod telemetry;
 
 pub use ids::{GpuIndex, NodeId};
 pub use telemetry::{
-    Batch, BatchError, GpuSample, HostSample, NicSample, MAX_SAMPLES_PER_BATCH, MAX_TIME_SKEW_MS,
+    Batch, BatchError, GpuSample, HostSample, MAX_SAMPLES_PER_BATCH, MAX_TIME_SKEW_MS, NicSample,
 };

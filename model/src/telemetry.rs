@@ -154,7 +154,9 @@ pub struct NicSample {
 pub enum BatchError {
     #[error("field `node`: {0}")]
     Node(String),
-    #[error("batch holds {count} samples; the limit is {MAX_SAMPLES_PER_BATCH}: send smaller batches")]
+    #[error(
+        "batch holds {count} samples; the limit is {MAX_SAMPLES_PER_BATCH}: send smaller batches"
+    )]
     TooLarge { count: usize },
     #[error("batch holds no samples: send at least one of `hosts`, `gpus`, `nics`")]
     Empty,
@@ -163,7 +165,10 @@ pub enum BatchError {
 }
 
 fn field_error(field: impl Into<String>, message: impl Into<String>) -> BatchError {
-    BatchError::Field { field: field.into(), message: message.into() }
+    BatchError::Field {
+        field: field.into(),
+        message: message.into(),
+    }
 }
 
 fn check_time(field: &str, time_ms: i64, now_ms: i64) -> Result<(), BatchError> {
@@ -187,18 +192,20 @@ fn check_time(field: &str, time_ms: i64, now_ms: i64) -> Result<(), BatchError> 
 
 fn check_pct(field: &str, value: Option<f64>) -> Result<(), BatchError> {
     match value {
-        Some(v) if !(0.0..=100.0).contains(&v) => {
-            Err(field_error(field, format!("{v} is outside 0..=100 percent")))
-        }
+        Some(v) if !(0.0..=100.0).contains(&v) => Err(field_error(
+            field,
+            format!("{v} is outside 0..=100 percent"),
+        )),
         _ => Ok(()),
     }
 }
 
 fn check_non_negative(field: &str, value: Option<f64>) -> Result<(), BatchError> {
     match value {
-        Some(v) if !v.is_finite() || v < 0.0 => {
-            Err(field_error(field, format!("{v} must be a finite number >= 0")))
-        }
+        Some(v) if !v.is_finite() || v < 0.0 => Err(field_error(
+            field,
+            format!("{v} must be a finite number >= 0"),
+        )),
         _ => Ok(()),
     }
 }
@@ -239,8 +246,14 @@ impl Batch {
             check_pct(&f("utilization_memory_pct"), g.utilization_memory_pct)?;
             check_non_negative(&f("power_watts"), g.power_watts)?;
             check_non_negative(&f("energy_joules"), g.energy_joules)?;
-            if let Some(t) = g.temperature_celsius.filter(|t| !(-50.0..=200.0).contains(t)) {
-                return Err(field_error(f("temperature_celsius"), format!("{t} is outside -50..=200")));
+            if let Some(t) = g
+                .temperature_celsius
+                .filter(|t| !(-50.0..=200.0).contains(t))
+            {
+                return Err(field_error(
+                    f("temperature_celsius"),
+                    format!("{t} is outside -50..=200"),
+                ));
             }
             if let (Some(used), Some(total)) = (g.memory_used_bytes, g.memory_total_bytes)
                 && used > total
@@ -305,7 +318,13 @@ mod tests {
     }
 
     fn batch(gpus: Vec<GpuSample>) -> Batch {
-        Batch { node: NodeId::new("n1").expect("valid"), seq: 1, hosts: vec![], gpus, nics: vec![] }
+        Batch {
+            node: NodeId::new("n1").expect("valid"),
+            seq: 1,
+            hosts: vec![],
+            gpus,
+            nics: vec![],
+        }
     }
 
     fn check(g: GpuSample, expected: Option<&str>) {
@@ -320,12 +339,48 @@ mod tests {
     #[test]
     fn validation_names_the_field() {
         check(gpu(), None);
-        check(GpuSample { utilization_gpu_pct: Some(101.0), ..gpu() }, Some("gpus[0].utilization_gpu_pct"));
-        check(GpuSample { time_ms: 1_700_000_000, ..gpu() }, Some("milliseconds"));
-        check(GpuSample { time_ms: NOW + 3_600_000, ..gpu() }, Some("ahead of the server's clock"));
-        check(GpuSample { power_watts: Some(-1.0), ..gpu() }, Some("gpus[0].power_watts"));
-        check(GpuSample { memory_used_bytes: Some(3), ..gpu() }, Some("exceeds memory_total_bytes"));
-        check(GpuSample { uuid: String::new(), ..gpu() }, Some("gpus[0].uuid"));
+        check(
+            GpuSample {
+                utilization_gpu_pct: Some(101.0),
+                ..gpu()
+            },
+            Some("gpus[0].utilization_gpu_pct"),
+        );
+        check(
+            GpuSample {
+                time_ms: 1_700_000_000,
+                ..gpu()
+            },
+            Some("milliseconds"),
+        );
+        check(
+            GpuSample {
+                time_ms: NOW + 3_600_000,
+                ..gpu()
+            },
+            Some("ahead of the server's clock"),
+        );
+        check(
+            GpuSample {
+                power_watts: Some(-1.0),
+                ..gpu()
+            },
+            Some("gpus[0].power_watts"),
+        );
+        check(
+            GpuSample {
+                memory_used_bytes: Some(3),
+                ..gpu()
+            },
+            Some("exceeds memory_total_bytes"),
+        );
+        check(
+            GpuSample {
+                uuid: String::new(),
+                ..gpu()
+            },
+            Some("gpus[0].uuid"),
+        );
         assert_eq!(batch(vec![]).validate(NOW), Err(BatchError::Empty));
     }
 
@@ -334,8 +389,10 @@ mod tests {
         let err = serde_json::from_str::<Batch>(r#"{"node":"n","seq":1,"gpuz":[]}"#)
             .expect_err("unknown field");
         assert!(err.to_string().contains("gpuz"), "{err}");
-        let b: Batch = serde_json::from_str(r#"{"node":"bad name","seq":1,"hosts":[{"time_ms":1800000000000,"simulated":false}]}"#)
-            .expect("parses");
+        let b: Batch = serde_json::from_str(
+            r#"{"node":"bad name","seq":1,"hosts":[{"time_ms":1800000000000,"simulated":false}]}"#,
+        )
+        .expect("parses");
         assert!(matches!(b.validate(NOW), Err(BatchError::Node(_))));
     }
 

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Installs what perch's tests need and runs them all: formatting, lints, the dependency
+# direction between crates, and every unit, integration and end-to-end test.
+#
+#   ./scripts/test.sh
+#
+# Builds go to $CARGO_TARGET_DIR (default ~/.cache/perch-target, outside the clone, so a fresh
+# clone reuses earlier builds).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/perch-target}"
+
+# --- what the tests need beyond cargo -------------------------------------------------------
+# promtool (Debian's prometheus package) checks our /metrics and Prometheus config.
+missing=()
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+command -v curl >/dev/null 2>&1 || missing+=(curl)
+if ((${#missing[@]})); then
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  echo "installing: ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# --- hygiene ----------------------------------------------------------------------------------
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+# --- dependencies point downward only ----------------------------------------------------------
+forbid() { # crate, dependency it must not have
+  if cargo tree --locked -p "$1" -e normal --prefix none 2>/dev/null | grep -q "^$2 v"; then
+    echo "dependency rule broken: $1 must not depend on $2 (see ARCHITECTURE.md)" >&2
+    exit 1
+  fi
+}
+forbid perch-model tokio
+forbid perch-collector datafusion
+forbid perch-collector perch-query
+forbid perch-collector perch-server
+forbid perch-scheduler tokio
+forbid perch-scheduler datafusion
+forbid perch-query axum
+forbid perch-query perch-collector
+forbid perch-server perch-collector
+
+# --- tests --------------------------------------------------------------------------------------
+cargo test --workspace --locked
