@@ -28,6 +28,8 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    #[error("batch {seq} from node {node} is being written by an earlier request; retry shortly")]
+    InFlight { node: String, seq: u64 },
     #[error("write-ahead log is unavailable: {0}")]
     WalClosed(String),
     #[error("corrupt {what}: {message}")]

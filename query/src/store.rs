@@ -216,13 +216,19 @@ impl Store {
         let _gate = self.gate.read().await;
         {
             let mut inner = self.lock();
-            if inner.node_seq.get(&key.0).is_some_and(|&s| batch.seq <= s)
-                || inner.in_flight.contains(&key)
-            {
+            if inner.node_seq.get(&key.0).is_some_and(|&s| batch.seq <= s) {
                 self.stats.batches_duplicate.fetch_add(1, Ordering::Relaxed);
                 return Ok(IngestOutcome::Duplicate);
             }
-            inner.in_flight.insert(key.clone());
+            // The same batch is being written by an earlier request (a retry raced it). That
+            // write may still fail, so this one is neither stored nor acknowledged: the sender
+            // retries and then learns the outcome.
+            if !inner.in_flight.insert(key.clone()) {
+                return Err(Error::InFlight {
+                    node: key.0,
+                    seq: key.1,
+                });
+            }
         }
         let written = self.wal.append(raw).await;
         let mut inner = self.lock();

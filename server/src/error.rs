@@ -44,7 +44,10 @@ impl From<perch_query::Error> for ApiError {
             E::BadQuery(_) => ApiError::bad_request("bad_query", message),
             E::ReadOnly(_) => ApiError::new(StatusCode::FORBIDDEN, "read_only", message),
             E::Timeout { .. } => {
-                ApiError::new(StatusCode::REQUEST_TIMEOUT, "query_timeout", message)
+                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "query_timeout", message)
+            }
+            E::InFlight { .. } => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "batch_in_flight", message)
             }
             E::ResourcesExhausted { .. } => ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
