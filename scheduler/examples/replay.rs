@@ -58,7 +58,11 @@ fn main() -> anyhow::Result<()> {
     }
     print!("{}", sim::format_table(&rows));
     if let Some(path) = args.get(5) {
-        sim::write_svg(path, "replay", &runs)?;
+        let title = format!(
+            "{} (idle share {idle_share})",
+            trace.rsplit('/').next().unwrap_or(trace)
+        );
+        sim::write_svg(path, &title, &runs)?;
     }
     Ok(())
 }

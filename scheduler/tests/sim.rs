@@ -122,3 +122,20 @@ fn the_plot_is_an_svg_with_both_panels() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn the_table_has_a_header_cell_per_value() {
+    let s = run(&sample(), SimPolicy::Fifo, 16).summary;
+    let table = sim::format_table(&[s]);
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 2);
+    let header = lines[0]
+        .replace(" JCT s", "_JCT")
+        .replace(" wait s", "_wait")
+        .replace("makespan h", "makespan");
+    assert_eq!(
+        header.split_whitespace().count(),
+        lines[1].split_whitespace().count(),
+        "{table}"
+    );
+}

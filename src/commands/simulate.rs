@@ -63,19 +63,28 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
             .map(|p| {
                 SimPolicy::parse(p.trim()).with_context(|| {
                     let names: Vec<&str> = SimPolicy::ALL.iter().map(|p| p.name()).collect();
-                    format!("--policy `{p}`: expected one of {} or all", names.join(", "))
+                    format!(
+                        "--policy `{p}`: expected one of {} or all",
+                        names.join(", ")
+                    )
                 })
             })
             .collect::<anyhow::Result<_>>()?
     };
     if !(0.0..=0.9).contains(&args.idle_share) {
-        bail!("--idle-share must be between 0 and 0.9, got {}", args.idle_share);
+        bail!(
+            "--idle-share must be between 0 and 0.9, got {}",
+            args.idle_share
+        );
     }
     let mut jobs = sim::trace::load(&args.trace, format)?;
     println!("{}: {} jobs", args.trace, jobs.len());
     if args.idle_share > 0.0 {
         let got = sim::trace::add_idle_tails(&mut jobs, args.idle_share, args.seed);
-        println!("idle tails: {:.1}% of GPU-time at 0% utilization", got * 100.0);
+        println!(
+            "idle tails: {:.1}% of GPU-time at 0% utilization",
+            got * 100.0
+        );
     }
     let opts = SimOptions {
         nodes: args.nodes,
@@ -84,6 +93,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         seed: args.seed,
         limit_factor: (args.limit_factor_low, args.limit_factor_high),
         idle_window: args.idle_window_min * perch_scheduler::MINUTE,
+        ..SimOptions::default()
     };
     let gpus = args.nodes * args.gpus_per_node;
     let mut rows = Vec::new();

@@ -6,7 +6,7 @@ use super::trace::{TraceJob, user_time_limit};
 use crate::error::{Error, Result};
 use crate::ids::{Account, JobId, MINUTE, Millis, Time, User};
 use crate::job::{EndState, JobSpec, Qos, Shape};
-use crate::policy::{Config, IdleAction};
+use crate::policy::{Config, IdleAction, Weights};
 use crate::scheduler::{Action, Event, Scheduler};
 use crate::{Cluster, PolicyKind};
 use std::cmp::Reverse;
@@ -69,10 +69,15 @@ pub struct SimOptions {
     pub limit_factor: (f64, f64),
     /// Idle window before an idle job is acted on.
     pub idle_window: Millis,
+    /// perch's priority weights and the wait at which the age factor tops out.
+    pub perch_weights: Weights,
+    /// See `perch_weights`.
+    pub perch_age_max: Millis,
 }
 
 impl Default for SimOptions {
     fn default() -> Self {
+        let perch = Config::perch(Vec::new());
         SimOptions {
             nodes: 64,
             gpus_per_node: 8,
@@ -80,6 +85,8 @@ impl Default for SimOptions {
             seed: 1,
             limit_factor: (1.5, 5.0),
             idle_window: 30 * MINUTE,
+            perch_weights: perch.weights,
+            perch_age_max: perch.age_max,
         }
     }
 }
@@ -349,7 +356,10 @@ fn config_for(policy: SimPolicy, jobs: &[TraceJob], total_gpus: u32, opts: &SimO
                 })
                 .collect();
             quotas.sort();
-            Config::perch(quotas)
+            let mut c = Config::perch(quotas);
+            c.weights = opts.perch_weights;
+            c.age_max = opts.perch_age_max;
+            c
         }
     };
     c.idle.window = opts.idle_window;

@@ -4,7 +4,8 @@
 //! Definitions: JCT = end - submit; wait = first start - submit; makespan = last end - first
 //! submit; allocation = allocated GPU-time / (GPUs x makespan); allocation while queued = the
 //! same, counted only while at least one job waits (does the policy leave GPUs idle while work
-//! waits?); useful = GPU-time at non-zero utilization / (GPUs x makespan); Jain's index over
+//! waits?); useful = GPU-time at non-zero utilization / (GPUs x makespan); efficiency = useful GPU-time /
+//! allocated GPU-time; Jain's index over
 //! accounts of each account's mean `min(1, run time / JCT)`.
 
 use super::trace::TraceJob;
@@ -51,6 +52,8 @@ pub struct Summary {
     pub alloc_queued_pct: f64,
     /// Useful (busy) GPU-time, percent.
     pub useful_pct: f64,
+    /// Useful GPU-time over allocated GPU-time, percent (GPU efficiency).
+    pub efficiency_pct: f64,
     /// Jain's fairness index across accounts.
     pub jain: f64,
     /// Preemptions of any kind.
@@ -219,6 +222,7 @@ impl Recorder {
             alloc_pct: share(self.alloc_ms, capacity),
             alloc_queued_pct: share(self.queued_alloc_ms, self.total as f64 * self.queued_ms),
             useful_pct: share(self.busy_ms, capacity),
+            efficiency_pct: share(self.busy_ms, self.alloc_ms),
             jain: if sq > 0.0 {
                 sum * sum / (xs.len() as f64 * sq)
             } else {
@@ -233,7 +237,7 @@ impl Recorder {
 /// The summaries as an aligned text table.
 pub fn format_table(rows: &[Summary]) -> String {
     let mut out = format!(
-        "{:<20} {:>5} {:>11} {:>10} {:>11} {:>10} {:>9} {:>7} {:>8} {:>7} {:>6} {:>8} {:>6}\n",
+        "{:<20} {:>5} {:>11} {:>10} {:>11} {:>10} {:>9} {:>7} {:>8} {:>7} {:>5} {:>6} {:>8} {:>6}\n",
         "policy",
         "GPUs",
         "avg JCT s",
@@ -244,13 +248,14 @@ pub fn format_table(rows: &[Summary]) -> String {
         "alloc%",
         "allocQ%",
         "useful%",
+        "eff%",
         "Jain",
         "preempt",
         "unfin"
     );
     for r in rows {
         out += &format!(
-            "{:<20} {:>5} {:>11.0} {:>10.0} {:>11.0} {:>10.0} {:>10.1} {:>7.1} {:>8.1} {:>7.1} {:>6.3} {:>8} {:>6}\n",
+            "{:<20} {:>5} {:>11.0} {:>10.0} {:>11.0} {:>10.0} {:>10.1} {:>7.1} {:>8.1} {:>7.1} {:>5.1} {:>6.3} {:>8} {:>6}\n",
             r.policy,
             r.gpus,
             r.avg_jct_s,
@@ -261,6 +266,7 @@ pub fn format_table(rows: &[Summary]) -> String {
             r.alloc_pct,
             r.alloc_queued_pct,
             r.useful_pct,
+            r.efficiency_pct,
             r.jain,
             r.preemptions,
             r.unfinished
