@@ -89,10 +89,21 @@ fn metrics_endpoint_passes_promtool() {
         String::from_utf8_lossy(&out.stderr)
     );
     // Every exported family is documented.
-    let text = reqwest::blocking::get(format!("{}/metrics", perch.url)).expect("metrics").text().expect("text");
-    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/metrics.md")).expect("docs/metrics.md");
-    for family in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")).filter_map(|l| l.split(' ').next()) {
-        assert!(doc.contains(&format!("| `{family}` |")), "docs/metrics.md does not document {family}");
+    let text = reqwest::blocking::get(format!("{}/metrics", perch.url))
+        .expect("metrics")
+        .text()
+        .expect("text");
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/metrics.md"))
+        .expect("docs/metrics.md");
+    for family in text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split(' ').next())
+    {
+        assert!(
+            doc.contains(&format!("| `{family}` |")),
+            "docs/metrics.md does not document {family}"
+        );
     }
     // Prometheus itself asks for OpenMetrics and gets it.
     let om = reqwest::blocking::Client::new()
