@@ -23,12 +23,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         simulate_gpus,
         simulate_host: false,
         seed: 0,
+        jobs: Default::default(),
     });
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_millis();
     let round = sampler.sample(i64::try_from(now_ms)?);
-    let out = serde_json::json!({ "hosts": round.hosts, "gpus": round.gpus, "nics": round.nics });
+    let out = serde_json::json!({
+        "hosts": round.hosts, "gpus": round.gpus, "nics": round.nics, "ib_ports": round.ib_ports,
+        "gpu_events": round.gpu_events, "gpu_processes": round.gpu_processes,
+    });
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())
 }

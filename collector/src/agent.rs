@@ -10,6 +10,7 @@
 
 use crate::error::{CollectorError, Result};
 pub use crate::gpu::{GpuDetection, NvmlMode, detect_gpus};
+use crate::jobs::{JobRegistry, JobSpec};
 use crate::queue::SendQueue;
 use crate::sampler::{Sampler, SamplerConfig};
 use crate::sender::encode;
@@ -58,6 +59,9 @@ pub struct AgentConfig {
     /// Batches evicted from the memory queue, or still queued at shutdown, go there and are
     /// replayed in order, also after a restart.
     pub spool_max_bytes: u64,
+    /// The jobs on this node; clones share it, so a job launcher can register jobs while the
+    /// agent runs (also through [`AgentHandle::jobs`]).
+    pub jobs: JobRegistry,
 }
 
 impl AgentConfig {
@@ -80,6 +84,7 @@ impl AgentConfig {
             backoff: Backoff::default(),
             root: PathBuf::from("/"),
             spool_max_bytes: 256 * 1024 * 1024,
+            jobs: JobRegistry::default(),
         }
     }
 
@@ -160,6 +165,7 @@ impl AgentCounters {
 #[derive(Debug)]
 pub struct AgentHandle {
     counters: Arc<AgentCounters>,
+    jobs: JobRegistry,
     task: tokio::task::JoinHandle<Result<AgentStats>>,
 }
 
@@ -172,6 +178,21 @@ impl AgentHandle {
     /// The shared counters, e.g. to export them as metrics.
     pub fn counters(&self) -> Arc<AgentCounters> {
         self.counters.clone()
+    }
+
+    /// The registry of jobs on this node, shared with the running agent.
+    pub fn jobs(&self) -> &JobRegistry {
+        &self.jobs
+    }
+
+    /// Starts sampling a job (a job launcher calls this when it starts one).
+    pub fn register_job(&self, spec: JobSpec) {
+        self.jobs.register(spec);
+    }
+
+    /// Stops sampling a job; false when it was not registered.
+    pub fn unregister_job(&self, job: &str) -> bool {
+        self.jobs.unregister(job)
     }
 
     /// Waits for the agent to finish (after its shutdown future completes).
@@ -188,8 +209,13 @@ pub fn spawn_agent(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> AgentHandle {
     let counters = Arc::new(AgentCounters::default());
+    let jobs = config.jobs.clone();
     let task = tokio::spawn(run_agent_with(config, shutdown, counters.clone()));
-    AgentHandle { counters, task }
+    AgentHandle {
+        counters,
+        jobs,
+        task,
+    }
 }
 
 /// Runs the agent until `shutdown` completes, then drains the queue for at most
@@ -288,6 +314,7 @@ pub async fn run_agent_with(
         simulate_gpus: config.simulate_gpus,
         simulate_host: config.simulate_host,
         seed: config.seed,
+        jobs: config.jobs.clone(),
     };
     let mut sampler = tokio::task::spawn_blocking(move || Sampler::new(&sampler_config))
         .await

@@ -14,6 +14,8 @@ pub mod agent;
 mod error;
 pub mod gpu;
 pub mod host;
+pub mod infiniband;
+pub mod jobs;
 pub mod nic;
 pub mod queue;
 pub mod sampler;
@@ -26,3 +28,4 @@ pub use agent::{
     run_agent, spawn_agent,
 };
 pub use error::{CollectorError, Result};
+pub use jobs::{JobRegistry, JobSpec, JobTarget};

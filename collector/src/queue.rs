@@ -84,6 +84,10 @@ impl SendQueue {
             tail.batch.hosts.extend(round.hosts);
             tail.batch.gpus.extend(round.gpus);
             tail.batch.nics.extend(round.nics);
+            tail.batch.gpu_events.extend(round.gpu_events);
+            tail.batch.gpu_processes.extend(round.gpu_processes);
+            tail.batch.ib_ports.extend(round.ib_ports);
+            tail.batch.jobs.extend(round.jobs);
             tail.rounds += 1;
             return PushOutcome {
                 merged: true,
@@ -96,6 +100,10 @@ impl SendQueue {
             hosts: round.hosts,
             gpus: round.gpus,
             nics: round.nics,
+            gpu_events: round.gpu_events,
+            gpu_processes: round.gpu_processes,
+            ib_ports: round.ib_ports,
+            jobs: round.jobs,
         };
         self.next_seq += 1;
         self.items.push_back(Pending {

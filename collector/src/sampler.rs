@@ -6,9 +6,13 @@ use crate::gpu::NvmlMode;
 use crate::gpu::nvml::NvmlGpus;
 use crate::gpu::sim::SimGpus;
 use crate::host::HostReader;
+use crate::infiniband::IbReader;
+use crate::jobs::{JobRegistry, JobSampler};
 use crate::nic::NicReader;
 use crate::sim_node::{SimHost, SimNics};
-use perch_model::{GpuSample, HostSample, NicSample, NodeId};
+use perch_model::{
+    GpuEvent, GpuProcessSample, GpuSample, HostSample, IbPortSample, JobSample, NicSample, NodeId,
+};
 use std::path::PathBuf;
 
 /// The samples of one round.
@@ -17,11 +21,21 @@ pub struct Round {
     pub hosts: Vec<HostSample>,
     pub gpus: Vec<GpuSample>,
     pub nics: Vec<NicSample>,
+    pub gpu_events: Vec<GpuEvent>,
+    pub gpu_processes: Vec<GpuProcessSample>,
+    pub ib_ports: Vec<IbPortSample>,
+    pub jobs: Vec<JobSample>,
 }
 
 impl Round {
     pub fn sample_count(&self) -> usize {
-        self.hosts.len() + self.gpus.len() + self.nics.len()
+        self.hosts.len()
+            + self.gpus.len()
+            + self.nics.len()
+            + self.gpu_events.len()
+            + self.gpu_processes.len()
+            + self.ib_ports.len()
+            + self.jobs.len()
     }
 }
 
@@ -36,10 +50,12 @@ pub struct SamplerConfig {
     pub simulate_gpus: u32,
     pub simulate_host: bool,
     pub seed: u64,
+    /// The jobs on this node (shared with whoever launches them).
+    pub jobs: JobRegistry,
 }
 
 enum HostSource {
-    Real(HostReader, NicReader),
+    Real(HostReader, NicReader, IbReader),
     Simulated(SimHost, SimNics),
 }
 
@@ -48,6 +64,8 @@ pub struct Sampler {
     host: HostSource,
     nvml: Option<NvmlGpus>,
     sim: SimGpus,
+    jobs: JobRegistry,
+    job_sampler: JobSampler,
 }
 
 impl std::fmt::Debug for Sampler {
@@ -101,6 +119,7 @@ impl Sampler {
             HostSource::Real(
                 HostReader::new(&config.root, &config.data_dir),
                 NicReader::new(&config.root),
+                IbReader::new(&config.root),
             )
         };
         let sim = SimGpus::new(&config.node, config.simulate_gpus, real_gpus, config.seed);
@@ -111,7 +130,13 @@ impl Sampler {
                 "adding simulated GPUs, labelled simulated"
             );
         }
-        Self { host, nvml, sim }
+        Self {
+            host,
+            nvml,
+            sim,
+            jobs: config.jobs.clone(),
+            job_sampler: JobSampler::new(&config.root),
+        }
     }
 
     /// The simulated GPUs, e.g. to pin a job's synthetic profile on them.
@@ -121,14 +146,19 @@ impl Sampler {
 
     /// Takes one round at `now_ms`.
     pub fn sample(&mut self, now_ms: i64) -> Round {
-        let mut gpus = self
+        let nvml = self
             .nvml
             .as_mut()
             .map(|n| n.sample(now_ms))
             .unwrap_or_default();
+        let mut gpus = nvml.gpus;
         gpus.extend(self.sim.sample(now_ms));
-        let (hosts, nics) = match &mut self.host {
-            HostSource::Real(host, nics) => (vec![host.sample(now_ms)], nics.sample(now_ms)),
+        let (hosts, nics, ib_ports) = match &mut self.host {
+            HostSource::Real(host, nics, ib) => (
+                vec![host.sample(now_ms)],
+                nics.sample(now_ms),
+                ib.sample(now_ms),
+            ),
             HostSource::Simulated(host, nics) => {
                 let utils: Vec<f64> = gpus.iter().filter_map(|g| g.utilization_gpu_pct).collect();
                 let mean = if utils.is_empty() {
@@ -136,10 +166,27 @@ impl Sampler {
                 } else {
                     utils.iter().sum::<f64>() / utils.len() as f64
                 };
-                (vec![host.sample(now_ms, mean)], nics.sample(now_ms, mean))
+                (
+                    vec![host.sample(now_ms, mean)],
+                    nics.sample(now_ms, mean),
+                    vec![],
+                )
             }
         };
-        Round { hosts, gpus, nics }
+        let mut gpu_processes = nvml.processes;
+        let simulated = matches!(self.host, HostSource::Simulated(..));
+        let jobs =
+            self.job_sampler
+                .sample(&self.jobs.list(), &mut gpu_processes, simulated, now_ms);
+        Round {
+            hosts,
+            gpus,
+            nics,
+            gpu_events: nvml.events,
+            gpu_processes,
+            ib_ports,
+            jobs,
+        }
     }
 }
 
@@ -157,6 +204,7 @@ mod tests {
             simulate_gpus: 3,
             simulate_host,
             seed: 4,
+            jobs: JobRegistry::default(),
         }
     }
 
@@ -167,9 +215,14 @@ mod tests {
             (round.hosts.len(), round.gpus.len(), round.nics.len()),
             (1, 3, 3)
         );
+        assert_eq!(
+            round.ib_ports.len(),
+            2,
+            "the fixture has two InfiniBand ports"
+        );
         assert!(!round.hosts[0].simulated && round.nics.iter().all(|n| !n.simulated));
         assert!(round.gpus.iter().all(|g| g.simulated));
-        assert_eq!(round.sample_count(), 7);
+        assert_eq!(round.sample_count(), 9);
     }
 
     #[test]

@@ -210,6 +210,10 @@ mod tests {
             hosts: vec![prev],
             gpus: vec![],
             nics: vec![],
+            gpu_events: vec![],
+            gpu_processes: vec![],
+            ib_ports: vec![],
+            jobs: vec![],
         };
         assert_eq!(batch.validate(T0 + 200_000), Ok(()));
     }

@@ -159,6 +159,7 @@ fn round(i: i64) -> Round {
         hosts: vec![host],
         gpus: vec![],
         nics: vec![],
+        ..Round::default()
     }
 }
 

@@ -57,7 +57,9 @@ impl fmt::Display for NodeId {
 }
 
 /// A GPU's index on its node, as NVML and `CUDA_VISIBLE_DEVICES` number them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
 #[serde(transparent)]
 pub struct GpuIndex(pub u32);
 

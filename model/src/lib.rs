@@ -4,10 +4,18 @@
 //! [`Batch`]es and the server's store consumes them. It holds data and validation only: no I/O,
 //! no clock, no async.
 
+mod events;
 mod ids;
+mod infiniband;
+mod jobs;
 mod telemetry;
+mod throttle;
 
+pub use events::{GpuEvent, GpuEventKind};
 pub use ids::{GpuIndex, NodeId};
+pub use infiniband::IbPortSample;
+pub use jobs::{GpuProcessSample, JobSample};
 pub use telemetry::{
     Batch, BatchError, GpuSample, HostSample, MAX_SAMPLES_PER_BATCH, MAX_TIME_SKEW_MS, NicSample,
 };
+pub use throttle::{THROTTLE_REASONS, throttle_reason_names};

@@ -8,7 +8,7 @@
 //! Every sample carries `simulated`: true when the value came from perch's GPU or cluster
 //! simulator rather than from hardware, so simulated data can never pass for real data.
 
-use crate::{GpuIndex, NodeId};
+use crate::{GpuEvent, GpuIndex, GpuProcessSample, IbPortSample, JobSample, NodeId};
 use serde::{Deserialize, Serialize};
 
 /// The largest number of samples (of all kinds) one batch may hold.
@@ -40,10 +40,24 @@ pub struct Batch {
     pub gpus: Vec<GpuSample>,
     #[serde(default)]
     pub nics: Vec<NicSample>,
+    /// XID, ECC and lost-GPU events seen since the previous round.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_events: Vec<GpuEvent>,
+    /// Processes on each GPU, with the job they belong to.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpu_processes: Vec<GpuProcessSample>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ib_ports: Vec<IbPortSample>,
+    /// Resource use of each job running on the node.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub jobs: Vec<JobSample>,
 }
 
 /// One GPU at one instant.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// The fields after `memory_clock_mhz` are health and interconnect counters that many GPUs do
+/// not report; they are left out of the JSON when absent.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GpuSample {
     /// Unix time in milliseconds.
@@ -73,6 +87,62 @@ pub struct GpuSample {
     pub sm_clock_mhz: Option<u32>,
     #[serde(default)]
     pub memory_clock_mhz: Option<u32>,
+    /// NVML's clock throttle reasons bitmask (`nvmlClocksThrottleReason*`); see
+    /// [`throttle_reason_names`](crate::throttle_reason_names).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub throttle_reasons: Option<u64>,
+    /// ECC error counts: volatile since the driver loaded, aggregate over the GPU's life.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ecc_corrected_volatile: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ecc_uncorrected_volatile: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ecc_corrected_aggregate: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ecc_uncorrected_aggregate: Option<u64>,
+    /// Pages retired for multiple single-bit / for double-bit ECC errors.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retired_pages_single_bit: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retired_pages_double_bit: Option<u32>,
+    /// Pages waiting for a reboot to be retired.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retired_pages_pending: Option<bool>,
+    /// PCIe throughput over NVML's last 20 ms window, bytes per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pcie_tx_bytes_per_second: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pcie_rx_bytes_per_second: Option<f64>,
+    /// PCIe replays (counter).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pcie_replay_total: Option<u64>,
+    /// NVLinks present and active.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvlink_links: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvlink_links_up: Option<u32>,
+    /// NVLink CRC, replay and recovery errors over all links (counter).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvlink_errors_total: Option<u64>,
+    /// NVLink bytes over all links (counter).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvlink_rx_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nvlink_tx_bytes: Option<u64>,
+    /// Compute processes on the GPU (see `Batch::gpu_processes` for each).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub processes: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_enabled: Option<bool>,
+    /// MIG devices configured, when MIG is on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mig_instances: Option<u32>,
+    /// XID errors the agent has seen on this GPU since it started (counter).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xid_errors_total: Option<u64>,
+    /// ECC error events (single- and double-bit) seen since the agent started (counter).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ecc_error_events_total: Option<u64>,
 }
 
 /// The host (CPU, memory, disk) at one instant.
@@ -158,20 +228,22 @@ pub enum BatchError {
         "batch holds {count} samples; the limit is {MAX_SAMPLES_PER_BATCH}: send smaller batches"
     )]
     TooLarge { count: usize },
-    #[error("batch holds no samples: send at least one of `hosts`, `gpus`, `nics`")]
+    #[error(
+        "batch holds no samples: send at least one of `hosts`, `gpus`, `nics`, `gpu_events`, `gpu_processes`, `ib_ports`, `jobs`"
+    )]
     Empty,
     #[error("{field}: {message}")]
     Field { field: String, message: String },
 }
 
-fn field_error(field: impl Into<String>, message: impl Into<String>) -> BatchError {
+pub(crate) fn field_error(field: impl Into<String>, message: impl Into<String>) -> BatchError {
     BatchError::Field {
         field: field.into(),
         message: message.into(),
     }
 }
 
-fn check_time(field: &str, time_ms: i64, now_ms: i64) -> Result<(), BatchError> {
+pub(crate) fn check_time(field: &str, time_ms: i64, now_ms: i64) -> Result<(), BatchError> {
     if time_ms < MIN_TIME_MS {
         return Err(field_error(
             field,
@@ -190,7 +262,7 @@ fn check_time(field: &str, time_ms: i64, now_ms: i64) -> Result<(), BatchError> 
     Ok(())
 }
 
-fn check_pct(field: &str, value: Option<f64>) -> Result<(), BatchError> {
+pub(crate) fn check_pct(field: &str, value: Option<f64>) -> Result<(), BatchError> {
     match value {
         Some(v) if !(0.0..=100.0).contains(&v) => Err(field_error(
             field,
@@ -200,7 +272,7 @@ fn check_pct(field: &str, value: Option<f64>) -> Result<(), BatchError> {
     }
 }
 
-fn check_non_negative(field: &str, value: Option<f64>) -> Result<(), BatchError> {
+pub(crate) fn check_non_negative(field: &str, value: Option<f64>) -> Result<(), BatchError> {
     match value {
         Some(v) if !v.is_finite() || v < 0.0 => Err(field_error(
             field,
@@ -210,7 +282,7 @@ fn check_non_negative(field: &str, value: Option<f64>) -> Result<(), BatchError>
     }
 }
 
-fn check_label(field: &str, value: &str) -> Result<(), BatchError> {
+pub(crate) fn check_label(field: &str, value: &str) -> Result<(), BatchError> {
     if value.is_empty() || value.len() > 256 || value.chars().any(char::is_control) {
         return Err(field_error(
             field,
@@ -223,7 +295,13 @@ fn check_label(field: &str, value: &str) -> Result<(), BatchError> {
 impl Batch {
     /// Number of samples of every kind.
     pub fn sample_count(&self) -> usize {
-        self.hosts.len() + self.gpus.len() + self.nics.len()
+        self.hosts.len()
+            + self.gpus.len()
+            + self.nics.len()
+            + self.gpu_events.len()
+            + self.gpu_processes.len()
+            + self.ib_ports.len()
+            + self.jobs.len()
     }
 
     /// Checks everything the server relies on. `now_ms` is the server's clock, injected so the
@@ -246,6 +324,8 @@ impl Batch {
             check_pct(&f("utilization_memory_pct"), g.utilization_memory_pct)?;
             check_non_negative(&f("power_watts"), g.power_watts)?;
             check_non_negative(&f("energy_joules"), g.energy_joules)?;
+            check_non_negative(&f("pcie_tx_bytes_per_second"), g.pcie_tx_bytes_per_second)?;
+            check_non_negative(&f("pcie_rx_bytes_per_second"), g.pcie_rx_bytes_per_second)?;
             if let Some(t) = g
                 .temperature_celsius
                 .filter(|t| !(-50.0..=200.0).contains(t))
@@ -288,6 +368,9 @@ impl Batch {
             check_time(&format!("nics[{i}].time_ms"), n.time_ms, now_ms)?;
             check_label(&format!("nics[{i}].device"), &n.device)?;
         }
+        crate::events::validate(&self.gpu_events, now_ms)?;
+        crate::jobs::validate(&self.gpu_processes, &self.jobs, now_ms)?;
+        crate::infiniband::validate(&self.ib_ports, now_ms)?;
         Ok(())
     }
 }
@@ -314,6 +397,7 @@ mod tests {
             temperature_celsius: Some(60.0),
             sm_clock_mhz: None,
             memory_clock_mhz: None,
+            ..GpuSample::default()
         }
     }
 
@@ -324,6 +408,10 @@ mod tests {
             hosts: vec![],
             gpus,
             nics: vec![],
+            gpu_events: vec![],
+            gpu_processes: vec![],
+            ib_ports: vec![],
+            jobs: vec![],
         }
     }
 

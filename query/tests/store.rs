@@ -30,9 +30,14 @@ fn batch(node: &str, seq: u64, time_ms: i64, gpus: u32) -> (Bytes, Batch) {
                 temperature_celsius: None,
                 sm_clock_mhz: Some(seq as u32),
                 memory_clock_mhz: None,
+                ..GpuSample::default()
             })
             .collect(),
         nics: vec![],
+        gpu_events: vec![],
+        gpu_processes: vec![],
+        ib_ports: vec![],
+        jobs: vec![],
     };
     (Bytes::from(serde_json::to_vec(&b).expect("json")), b)
 }

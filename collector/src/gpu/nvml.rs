@@ -1,15 +1,24 @@
 //! Real GPUs through NVML (`nvml-wrapper`). The library is loaded and initialised once, when the
-//! agent starts; every sample then asks each device for its current values.
+//! agent starts, and stays loaded for the life of the process (the XID/ECC event set borrows
+//! it); every sample then asks each device for its current values ([`extended`] reads the
+//! health and interconnect counters and the processes) and drains the event set.
 //!
 //! Any call a device or driver does not support (`NotSupported`, `FunctionNotFound`, ...) leaves
 //! that one field absent: a missing metric is never reported as zero. A device that cannot be
-//! opened at sampling time (fallen off the bus) yields no sample and is logged once.
+//! opened at sampling time (fallen off the bus) yields no sample, one `gpu_lost` event and one
+//! log line, and a `gpu_recovered` event if it comes back; the other GPUs carry on.
+
+mod extended;
 
 use super::NvmlMode;
 use crate::error::{CollectorError, Result};
 use nvml_wrapper::Nvml;
+use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enum_wrappers::device::{Clock, TemperatureSensor};
-use perch_model::{GpuIndex, GpuSample};
+use nvml_wrapper::enums::event::XidError;
+use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::event::EventSet;
+use perch_model::{GpuEvent, GpuEventKind, GpuIndex, GpuProcessSample, GpuSample};
 use std::collections::HashSet;
 
 /// What stays fixed about a device while the agent runs.
@@ -20,19 +29,46 @@ pub struct NvmlDeviceInfo {
     pub model: String,
 }
 
+/// What one NVML round produced.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NvmlRound {
+    pub gpus: Vec<GpuSample>,
+    pub events: Vec<GpuEvent>,
+    pub processes: Vec<GpuProcessSample>,
+}
+
+/// Per-device state kept between rounds.
+#[derive(Debug, Clone, Default)]
+struct DeviceState {
+    xid_total: u64,
+    ecc_events_total: u64,
+    /// NVML's timestamp of the last process utilization sample read (µs).
+    last_process_sample: Option<u64>,
+}
+
 /// An initialised NVML handle and the devices it found.
 pub struct NvmlGpus {
-    nvml: Nvml,
+    nvml: &'static Nvml,
     devices: Vec<NvmlDeviceInfo>,
+    state: Vec<DeviceState>,
     lost: HashSet<u32>,
+    events: Option<EventSet<'static>>,
 }
 
 impl std::fmt::Debug for NvmlGpus {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NvmlGpus")
             .field("devices", &self.devices)
+            .field("events", &self.events.is_some())
             .finish_non_exhaustive()
     }
+}
+
+/// The events perch listens for.
+fn wanted_events() -> EventTypes {
+    EventTypes::CRITICAL_XID_ERROR
+        | EventTypes::SINGLE_BIT_ECC_ERROR
+        | EventTypes::DOUBLE_BIT_ECC_ERROR
 }
 
 impl NvmlGpus {
@@ -45,28 +81,46 @@ impl NvmlGpus {
             NvmlMode::Path(path) => Nvml::builder().lib_path(path.as_os_str()).init(),
         }
         .map_err(|e| CollectorError::Nvml(e.to_string()))?;
+        // The event set borrows the handle for as long as the agent samples: keep NVML loaded
+        // for the life of the process, as a driver client normally does.
+        let nvml: &'static Nvml = Box::leak(Box::new(nvml));
         let count = nvml
             .device_count()
             .map_err(|e| CollectorError::Nvml(format!("cannot count devices: {e}")))?;
         let mut devices = Vec::new();
+        let mut events = nvml.create_event_set().ok();
         for index in 0..count {
             match nvml.device_by_index(index) {
-                Ok(d) => devices.push(NvmlDeviceInfo {
-                    index,
-                    uuid: d
-                        .uuid()
-                        .unwrap_or_else(|_| format!("GPU-UNKNOWN-UUID-{index}")),
-                    model: d
-                        .name()
-                        .unwrap_or_else(|_| "NVIDIA GPU (model unknown)".to_string()),
-                }),
+                Ok(d) => {
+                    devices.push(NvmlDeviceInfo {
+                        index,
+                        uuid: d
+                            .uuid()
+                            .unwrap_or_else(|_| format!("GPU-UNKNOWN-UUID-{index}")),
+                        model: d
+                            .name()
+                            .unwrap_or_else(|_| "NVIDIA GPU (model unknown)".to_string()),
+                    });
+                    let supported = d.supported_event_types().unwrap_or(wanted_events());
+                    let wanted = wanted_events() & supported;
+                    // A failed registration frees the set (NVML's rule); we carry on without.
+                    events = events.and_then(|set| match d.register_events(wanted, set) {
+                        Ok(set) => Some(set),
+                        Err(e) => {
+                            tracing::info!(gpu = index, error = %e.error, "no XID/ECC events from NVML; they will not be recorded");
+                            None
+                        }
+                    });
+                }
                 Err(e) => tracing::warn!(gpu = index, error = %e, "cannot open GPU, skipping it"),
             }
         }
         Ok(Some(Self {
             nvml,
+            state: vec![DeviceState::default(); devices.len()],
             devices,
             lost: HashSet::new(),
+            events,
         }))
     }
 
@@ -80,27 +134,100 @@ impl NvmlGpus {
         self.nvml.sys_driver_version().ok()
     }
 
-    /// One sample per reachable device, stamped `now_ms`.
-    pub fn sample(&mut self, now_ms: i64) -> Vec<GpuSample> {
-        let mut out = Vec::with_capacity(self.devices.len());
-        for info in &self.devices {
+    /// Takes every pending XID/ECC event off the event set, counts it and returns it.
+    fn drain_events(&mut self, now_ms: i64) -> Vec<GpuEvent> {
+        let mut out = Vec::new();
+        let Some(set) = &self.events else {
+            return out;
+        };
+        loop {
+            let data = match set.wait(0) {
+                Ok(d) => d,
+                Err(NvmlError::Timeout) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "reading NVML events failed; stopping event collection");
+                    self.events = None;
+                    break;
+                }
+            };
+            let Some(pos) = data
+                .device
+                .index()
+                .ok()
+                .and_then(|i| self.devices.iter().position(|d| d.index == i))
+            else {
+                continue;
+            };
+            let (kind, xid) = if data.event_type.contains(EventTypes::CRITICAL_XID_ERROR) {
+                let xid = match data.event_data {
+                    Some(XidError::Value(v)) => Some(v),
+                    _ => None,
+                };
+                self.state[pos].xid_total += 1;
+                (GpuEventKind::Xid, xid)
+            } else if data.event_type.contains(EventTypes::DOUBLE_BIT_ECC_ERROR) {
+                self.state[pos].ecc_events_total += 1;
+                (GpuEventKind::EccDoubleBit, None)
+            } else if data.event_type.contains(EventTypes::SINGLE_BIT_ECC_ERROR) {
+                self.state[pos].ecc_events_total += 1;
+                (GpuEventKind::EccSingleBit, None)
+            } else {
+                continue;
+            };
+            let info = &self.devices[pos];
+            tracing::warn!(gpu = info.index, uuid = %info.uuid, kind = kind.as_str(), xid, "GPU event");
+            out.push(GpuEvent {
+                time_ms: now_ms,
+                gpu: GpuIndex(info.index),
+                uuid: info.uuid.clone(),
+                simulated: false,
+                kind,
+                xid,
+                message: None,
+            });
+        }
+        out
+    }
+
+    /// One sample per reachable device, stamped `now_ms`, with the round's events and the
+    /// processes on each GPU (not yet attributed to jobs).
+    pub fn sample(&mut self, now_ms: i64) -> NvmlRound {
+        let mut round = NvmlRound {
+            events: self.drain_events(now_ms),
+            ..NvmlRound::default()
+        };
+        for (pos, info) in self.devices.iter().enumerate() {
+            let event = |kind, message: Option<String>| GpuEvent {
+                time_ms: now_ms,
+                gpu: GpuIndex(info.index),
+                uuid: info.uuid.clone(),
+                simulated: false,
+                kind,
+                xid: None,
+                message,
+            };
             let device = match self.nvml.device_by_index(info.index) {
                 Ok(d) => {
                     if self.lost.remove(&info.index) {
                         tracing::info!(gpu = info.index, uuid = %info.uuid, "GPU is reachable again");
+                        round.events.push(event(GpuEventKind::GpuRecovered, None));
                     }
                     d
                 }
                 Err(e) => {
                     if self.lost.insert(info.index) {
                         tracing::warn!(gpu = info.index, uuid = %info.uuid, error = %e, "GPU unreachable, no samples until it returns");
+                        round
+                            .events
+                            .push(event(GpuEventKind::GpuLost, Some(e.to_string())));
                     }
                     continue;
                 }
             };
             let util = device.utilization_rates().ok();
             let memory = device.memory_info().ok();
-            out.push(GpuSample {
+            let state = &mut self.state[pos];
+            let mut sample = GpuSample {
                 time_ms: now_ms,
                 gpu: GpuIndex(info.index),
                 uuid: info.uuid.clone(),
@@ -121,9 +248,20 @@ impl NvmlGpus {
                     .map(f64::from),
                 sm_clock_mhz: device.clock_info(Clock::SM).ok(),
                 memory_clock_mhz: device.clock_info(Clock::Memory).ok(),
-            });
+                xid_errors_total: self.events.as_ref().map(|_| state.xid_total),
+                ecc_error_events_total: self.events.as_ref().map(|_| state.ecc_events_total),
+                ..GpuSample::default()
+            };
+            extended::fill(&device, &mut sample);
+            if let Some(procs) =
+                extended::processes(&device, &sample, &mut state.last_process_sample)
+            {
+                sample.processes = Some(procs.len() as u32);
+                round.processes.extend(procs);
+            }
+            round.gpus.push(sample);
         }
-        out
+        round
     }
 }
 

@@ -215,6 +215,29 @@ impl SimGpu {
                 345
             }),
             memory_clock_mhz: Some(2619),
+            // Health and interconnect: a healthy GPU whose traffic follows its load. NVLink
+            // bytes grow with the energy integrator, so they are counters like the real ones.
+            throttle_reasons: Some(if busy { 0 } else { 0x1 }),
+            ecc_corrected_volatile: Some(0),
+            ecc_uncorrected_volatile: Some(0),
+            ecc_corrected_aggregate: Some(0),
+            ecc_uncorrected_aggregate: Some(0),
+            retired_pages_single_bit: Some(0),
+            retired_pages_double_bit: Some(0),
+            retired_pages_pending: Some(false),
+            pcie_tx_bytes_per_second: Some((now.util * 2.0e8).round()),
+            pcie_rx_bytes_per_second: Some((now.util * 3.0e8).round()),
+            pcie_replay_total: Some(0),
+            nvlink_links: Some(18),
+            nvlink_links_up: Some(18),
+            nvlink_errors_total: Some(0),
+            nvlink_rx_bytes: Some((self.energy_joules * 1.0e8) as u64),
+            nvlink_tx_bytes: Some((self.energy_joules * 1.0e8) as u64),
+            processes: None,
+            mig_enabled: Some(false),
+            mig_instances: None,
+            xid_errors_total: Some(0),
+            ecc_error_events_total: Some(0),
         }
     }
 }

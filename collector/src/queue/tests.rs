@@ -23,6 +23,7 @@ fn round(tag: i64) -> Round {
         hosts: vec![],
         gpus: vec![],
         nics: vec![nic],
+        ..Round::default()
     }
 }
 

@@ -50,6 +50,10 @@ fn a_batch_of_simulated_samples_passes_server_validation() {
         hosts: vec![],
         gpus: samples,
         nics: vec![],
+        gpu_events: vec![],
+        gpu_processes: vec![],
+        ib_ports: vec![],
+        jobs: vec![],
     };
     assert_eq!(batch.validate(T0 + 10_000), Ok(()));
 }
