@@ -1,5 +1,6 @@
 //! The subcommands: their flags (each also a `PERCH_*` environment variable) and dispatch.
 
+mod bench;
 mod serve;
 pub mod simulate;
 mod sql;
@@ -37,6 +38,8 @@ enum Command {
     Sql(sql::SqlArgs),
     /// Replay a job trace through the scheduler in virtual time.
     Simulate(simulate::SimulateArgs),
+    /// Measure perch (results go in BENCHMARKS.md).
+    Bench(bench::BenchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -200,5 +203,6 @@ pub fn run(cli: Cli) -> Result<()> {
         }
         Command::Sql(args) => sql::run(args),
         Command::Simulate(args) => simulate::run(args),
+        Command::Bench(args) => bench::run(args),
     }
 }
