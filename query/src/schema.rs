@@ -10,8 +10,10 @@ use arrow::array::{
     UInt32Array, UInt64Array,
 };
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
-use perch_model::Batch;
+use perch_model::{Batch, throttle_reason_names};
 use std::sync::{Arc, LazyLock};
+
+mod node_tables;
 
 /// A table of the store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -19,16 +21,32 @@ pub enum Table {
     GpuSamples,
     HostSamples,
     NicSamples,
+    GpuEvents,
+    GpuProcesses,
+    IbPortSamples,
+    JobSamples,
 }
 
 impl Table {
-    pub const ALL: [Table; 3] = [Table::GpuSamples, Table::HostSamples, Table::NicSamples];
+    pub const ALL: [Table; 7] = [
+        Table::GpuSamples,
+        Table::HostSamples,
+        Table::NicSamples,
+        Table::GpuEvents,
+        Table::GpuProcesses,
+        Table::IbPortSamples,
+        Table::JobSamples,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Table::GpuSamples => "gpu_samples",
             Table::HostSamples => "host_samples",
             Table::NicSamples => "nic_samples",
+            Table::GpuEvents => "gpu_events",
+            Table::GpuProcesses => "gpu_processes",
+            Table::IbPortSamples => "ib_port_samples",
+            Table::JobSamples => "job_samples",
         }
     }
 
@@ -40,10 +58,18 @@ impl Table {
         static GPU: LazyLock<SchemaRef> = LazyLock::new(gpu_schema);
         static HOST: LazyLock<SchemaRef> = LazyLock::new(host_schema);
         static NIC: LazyLock<SchemaRef> = LazyLock::new(nic_schema);
+        static EVENTS: LazyLock<SchemaRef> = LazyLock::new(node_tables::gpu_event_schema);
+        static PROCS: LazyLock<SchemaRef> = LazyLock::new(node_tables::gpu_process_schema);
+        static IB: LazyLock<SchemaRef> = LazyLock::new(node_tables::ib_port_schema);
+        static JOBS: LazyLock<SchemaRef> = LazyLock::new(node_tables::job_schema);
         match self {
             Table::GpuSamples => GPU.clone(),
             Table::HostSamples => HOST.clone(),
             Table::NicSamples => NIC.clone(),
+            Table::GpuEvents => EVENTS.clone(),
+            Table::GpuProcesses => PROCS.clone(),
+            Table::IbPortSamples => IB.clone(),
+            Table::JobSamples => JOBS.clone(),
         }
     }
 
@@ -53,6 +79,10 @@ impl Table {
             Table::GpuSamples => &["node", "gpu", "time"],
             Table::HostSamples => &["node", "time"],
             Table::NicSamples => &["node", "device", "time"],
+            Table::GpuEvents => &["node", "gpu", "time"],
+            Table::GpuProcesses => &["node", "gpu", "pid", "time"],
+            Table::IbPortSamples => &["node", "device", "port", "time"],
+            Table::JobSamples => &["node", "job", "time"],
         }
     }
 }
@@ -78,6 +108,10 @@ fn u64_col(name: &str) -> Field {
     Field::new(name, DataType::UInt64, true)
 }
 
+fn u32_col(name: &str) -> Field {
+    Field::new(name, DataType::UInt32, true)
+}
+
 fn gpu_schema() -> SchemaRef {
     common(vec![
         Field::new("gpu", DataType::UInt32, false),
@@ -93,6 +127,28 @@ fn gpu_schema() -> SchemaRef {
         f64_col("temperature_celsius"),
         Field::new("sm_clock_mhz", DataType::UInt32, true),
         Field::new("memory_clock_mhz", DataType::UInt32, true),
+        u64_col("throttle_reasons"),
+        Field::new("throttle_reason_names", DataType::Utf8, true),
+        u64_col("ecc_corrected_volatile"),
+        u64_col("ecc_uncorrected_volatile"),
+        u64_col("ecc_corrected_aggregate"),
+        u64_col("ecc_uncorrected_aggregate"),
+        u32_col("retired_pages_single_bit"),
+        u32_col("retired_pages_double_bit"),
+        Field::new("retired_pages_pending", DataType::Boolean, true),
+        f64_col("pcie_tx_bytes_per_second"),
+        f64_col("pcie_rx_bytes_per_second"),
+        u64_col("pcie_replay_total"),
+        u32_col("nvlink_links"),
+        u32_col("nvlink_links_up"),
+        u64_col("nvlink_errors_total"),
+        u64_col("nvlink_rx_bytes"),
+        u64_col("nvlink_tx_bytes"),
+        u32_col("processes"),
+        Field::new("mig_enabled", DataType::Boolean, true),
+        u32_col("mig_instances"),
+        u64_col("xid_errors_total"),
+        u64_col("ecc_error_events_total"),
     ])
 }
 
@@ -156,10 +212,22 @@ fn bools<T>(rows: &[T], f: impl Fn(&T) -> bool) -> ArrayRef {
     Arc::new(BooleanArray::from_iter(rows.iter().map(|r| Some(f(r)))))
 }
 
+fn opt_bools<T>(rows: &[T], f: impl Fn(&T) -> Option<bool>) -> ArrayRef {
+    Arc::new(BooleanArray::from_iter(rows.iter().map(f)))
+}
+
+fn u32s<T>(rows: &[T], f: impl Fn(&T) -> Option<u32>) -> ArrayRef {
+    Arc::new(UInt32Array::from_iter(rows.iter().map(f)))
+}
+
+fn strs<T>(rows: &[T], f: impl Fn(&T) -> Option<String>) -> ArrayRef {
+    Arc::new(StringArray::from_iter(rows.iter().map(f)))
+}
+
 /// Converts one batch into a record batch per table that has rows.
 pub fn to_record_batches(batch: &Batch) -> crate::Result<Vec<(Table, RecordBatch)>> {
     let node = batch.node.as_str();
-    let mut out = Vec::with_capacity(3);
+    let mut out = Vec::with_capacity(Table::ALL.len());
     let g = &batch.gpus;
     if !g.is_empty() {
         let columns = vec![
@@ -182,6 +250,28 @@ pub fn to_record_batches(batch: &Batch) -> crate::Result<Vec<(Table, RecordBatch
             f64s(g, |r| r.temperature_celsius),
             Arc::new(UInt32Array::from_iter(g.iter().map(|r| r.sm_clock_mhz))),
             Arc::new(UInt32Array::from_iter(g.iter().map(|r| r.memory_clock_mhz))),
+            u64s(g, |r| r.throttle_reasons),
+            strs(g, |r| r.throttle_reasons.map(throttle_reason_names)),
+            u64s(g, |r| r.ecc_corrected_volatile),
+            u64s(g, |r| r.ecc_uncorrected_volatile),
+            u64s(g, |r| r.ecc_corrected_aggregate),
+            u64s(g, |r| r.ecc_uncorrected_aggregate),
+            u32s(g, |r| r.retired_pages_single_bit),
+            u32s(g, |r| r.retired_pages_double_bit),
+            opt_bools(g, |r| r.retired_pages_pending),
+            f64s(g, |r| r.pcie_tx_bytes_per_second),
+            f64s(g, |r| r.pcie_rx_bytes_per_second),
+            u64s(g, |r| r.pcie_replay_total),
+            u32s(g, |r| r.nvlink_links),
+            u32s(g, |r| r.nvlink_links_up),
+            u64s(g, |r| r.nvlink_errors_total),
+            u64s(g, |r| r.nvlink_rx_bytes),
+            u64s(g, |r| r.nvlink_tx_bytes),
+            u32s(g, |r| r.processes),
+            opt_bools(g, |r| r.mig_enabled),
+            u32s(g, |r| r.mig_instances),
+            u64s(g, |r| r.xid_errors_total),
+            u64s(g, |r| r.ecc_error_events_total),
         ];
         out.push((
             Table::GpuSamples,
@@ -242,6 +332,7 @@ pub fn to_record_batches(batch: &Batch) -> crate::Result<Vec<(Table, RecordBatch
             RecordBatch::try_new(Table::NicSamples.schema(), columns)?,
         ));
     }
+    node_tables::to_record_batches(batch, &mut out)?;
     Ok(out)
 }
 

@@ -1,7 +1,11 @@
-//! The last sample of every GPU, host and NIC, kept for the Prometheus endpoint so a scrape
-//! never has to query the store.
+//! The last sample of every GPU, host, NIC and InfiniBand port, and the jobs and GPU processes
+//! of each node's latest round, kept for the Prometheus endpoint so a scrape never has to query
+//! the store. Jobs and processes older than the node's latest host sample are dropped, so a job
+//! that ended stops being exported.
 
-use perch_model::{Batch, GpuSample, HostSample, NicSample};
+use perch_model::{
+    Batch, GpuProcessSample, GpuSample, HostSample, IbPortSample, JobSample, NicSample,
+};
 use std::collections::BTreeMap;
 use std::sync::RwLock;
 
@@ -13,6 +17,10 @@ pub struct NodeLatest {
     pub host: Option<HostSample>,
     pub gpus: BTreeMap<u32, GpuSample>,
     pub nics: BTreeMap<String, NicSample>,
+    pub ib_ports: BTreeMap<(String, u32), IbPortSample>,
+    pub jobs: BTreeMap<String, JobSample>,
+    /// The processes on the node's GPUs in its latest round.
+    pub gpu_processes: Vec<GpuProcessSample>,
 }
 
 #[derive(Debug, Default)]
@@ -58,6 +66,38 @@ impl Latest {
                 node.nics.insert(n.device.clone(), n.clone());
             }
         }
+        for p in &batch.ib_ports {
+            let key = (p.device.clone(), p.port);
+            if node
+                .ib_ports
+                .get(&key)
+                .is_none_or(|old| old.time_ms <= p.time_ms)
+            {
+                node.ib_ports.insert(key, p.clone());
+            }
+        }
+        for j in &batch.jobs {
+            if node
+                .jobs
+                .get(&j.job)
+                .is_none_or(|old| old.time_ms <= j.time_ms)
+            {
+                node.jobs.insert(j.job.clone(), j.clone());
+            }
+        }
+        node.gpu_processes
+            .extend(batch.gpu_processes.iter().cloned());
+        // Keep only the latest round's jobs and processes: a round always has a host sample.
+        let round = node
+            .host
+            .as_ref()
+            .map(|h| h.time_ms)
+            .into_iter()
+            .chain(node.gpu_processes.iter().map(|p| p.time_ms))
+            .max()
+            .unwrap_or(i64::MIN);
+        node.jobs.retain(|_, j| j.time_ms >= round);
+        node.gpu_processes.retain(|p| p.time_ms >= round);
     }
 
     /// A copy of every node's latest values.

@@ -21,6 +21,8 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+mod extended;
+
 type Labels = Vec<(&'static str, String)>;
 type GaugeFamily = Family<Labels, Gauge<f64, AtomicU64>>;
 type CounterFamily = Family<Labels, Counter<f64, AtomicU64>>;
@@ -295,6 +297,8 @@ fn fleet(s: &mut Scrape, nodes: &BTreeMap<String, NodeLatest>, now_ms: i64, stal
                 g.memory_clock_mhz.map(|v| f64::from(v) * 1e6),
             );
         }
+        extended::gpu(s, node, latest);
+        extended::ib_and_jobs(s, node, latest);
         for n in latest.nics.values() {
             let l: Labels = vec![
                 ("node", node.clone()),
