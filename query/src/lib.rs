@@ -9,6 +9,8 @@
 //! (see [`provider`]), so fresh and old data are one table and nothing is counted twice.
 
 mod error;
+mod files;
+mod maintenance;
 mod manifest;
 mod provider;
 pub mod schema;
@@ -17,6 +19,7 @@ mod store;
 pub mod wal;
 
 pub use error::{Error, Result};
+pub use maintenance::MaintenanceStats;
 pub use schema::Table;
 pub use sql::{QueryLimits, QueryOutput, SqlEngine};
 pub use store::{FlushStats, IngestOutcome, Store, StoreConfig, StoreStats};

@@ -13,18 +13,14 @@
 //! Batches are deduplicated by `(node, seq)`: a batch whose `seq` is not above the last one
 //! accepted from its node is acknowledged as a duplicate and stored nowhere.
 
+use crate::files::{remove_orphans, write_table};
 use crate::manifest::{FileEntry, Manifest};
 use crate::schema::{self, Table};
 use crate::wal::{self, Wal, WalStats};
 use crate::{Error, Result};
-use arrow::array::{AsArray, RecordBatch};
-use arrow::compute::{SortColumn, concat_batches, lexsort_to_indices, take_record_batch};
-use arrow::datatypes::TimestampMillisecondType;
+use arrow::array::RecordBatch;
+use arrow::compute::concat_batches;
 use bytes::Bytes;
-use parquet::arrow::ArrowWriter;
-use parquet::basic::{Compression, ZstdLevel};
-use parquet::file::metadata::SortingColumn;
-use parquet::file::properties::WriterProperties;
 use perch_model::Batch;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{self, File};
@@ -41,6 +37,15 @@ pub struct StoreConfig {
     pub flush_interval: Duration,
     /// ... or as soon as this many rows are buffered.
     pub flush_max_rows: usize,
+    /// How often compaction and retention run.
+    pub maintenance_interval: Duration,
+    /// Files smaller than this are merged with the other small files of their day partition...
+    pub compact_below_bytes: u64,
+    /// ... once a partition has at least this many of them.
+    pub compact_min_files: usize,
+    /// Per table: rows older than this are dropped, a whole day partition at a time. Tables
+    /// not listed are kept forever.
+    pub retention: BTreeMap<Table, Duration>,
 }
 
 impl StoreConfig {
@@ -49,6 +54,10 @@ impl StoreConfig {
             data_dir: data_dir.into(),
             flush_interval: Duration::from_secs(60),
             flush_max_rows: 1_000_000,
+            maintenance_interval: Duration::from_secs(300),
+            compact_below_bytes: 64 << 20,
+            compact_min_files: 8,
+            retention: BTreeMap::new(),
         }
     }
 }
@@ -83,26 +92,35 @@ pub struct FlushStats {
 }
 
 #[derive(Default)]
-struct TableData {
+pub(crate) struct TableData {
     mem: Vec<RecordBatch>,
     mem_rows: usize,
     flushing: Vec<RecordBatch>,
-    files: Arc<Vec<FileEntry>>,
+    pub(crate) files: Arc<Vec<FileEntry>>,
 }
 
-struct Inner {
-    tables: BTreeMap<Table, TableData>,
+pub(crate) struct Inner {
+    pub(crate) tables: BTreeMap<Table, TableData>,
     node_seq: HashMap<String, u64>,
     in_flight: HashSet<(String, u64)>,
-    manifest: Manifest,
+    pub(crate) manifest: Manifest,
+    /// Files taken out of the manifest (compacted or past retention) but perhaps still read by
+    /// a query that took its snapshot before; deleted once nothing holds `pinned`.
+    pub(crate) graveyard: Vec<Grave>,
+}
+
+pub(crate) struct Grave {
+    pub(crate) pinned: Arc<Vec<FileEntry>>,
+    pub(crate) paths: Vec<String>,
 }
 
 pub struct Store {
-    dir: PathBuf,
-    config: StoreConfig,
+    pub(crate) dir: PathBuf,
+    pub(crate) config: StoreConfig,
     wal: Wal,
     gate: tokio::sync::RwLock<()>,
-    flush_lock: tokio::sync::Mutex<()>,
+    /// Held by every change of the manifest (flush, compaction, retention): one at a time.
+    pub(crate) manifest_lock: tokio::sync::Mutex<()>,
     inner: Mutex<Inner>,
     _lock_file: File,
     pub stats: StoreStats,
@@ -153,12 +171,13 @@ impl Store {
             config,
             wal,
             gate: tokio::sync::RwLock::new(()),
-            flush_lock: tokio::sync::Mutex::new(()),
+            manifest_lock: tokio::sync::Mutex::new(()),
             inner: Mutex::new(Inner {
                 tables,
                 node_seq,
                 in_flight: HashSet::new(),
                 manifest,
+                graveyard: Vec::new(),
             }),
             _lock_file: lock_file,
             stats: StoreStats::default(),
@@ -194,7 +213,7 @@ impl Store {
         Ok(Arc::new(store))
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Inner> {
         // A panic while holding the lock cannot leave Inner half-updated in a way later code
         // relies on, so keep serving rather than poisoning every request.
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
@@ -272,7 +291,7 @@ impl Store {
 
     /// Writes everything buffered to Parquet.
     pub async fn flush(&self) -> Result<FlushStats> {
-        let _one = self.flush_lock.lock().await;
+        let _one = self.manifest_lock.lock().await;
         let (segment, node_seq, work, next_file_id) = {
             let _gate = self.gate.write().await;
             let segment = self.wal.rotate().await?;
@@ -333,21 +352,12 @@ impl Store {
         manifest.wal_flushed_through = segment;
         manifest.node_seq = node_seq.into_iter().collect();
         manifest.next_file_id = next_file_id;
-        let save_dir = self.dir.clone();
-        let to_save = manifest.clone();
-        tokio::task::spawn_blocking(move || to_save.save(&save_dir))
-            .await
-            .map_err(|e| Error::Execution(format!("manifest task failed: {e}")))??;
-        {
-            let mut inner = self.lock();
-            for (table, data) in inner.tables.iter_mut() {
+        self.commit(manifest, BTreeMap::new(), |inner| {
+            for data in inner.tables.values_mut() {
                 data.flushing.clear();
-                if let Some(files) = manifest.files.get(table.name()) {
-                    data.files = Arc::new(files.clone());
-                }
             }
-            inner.manifest = manifest;
-        }
+        })
+        .await?;
         self.wal.remove_through(segment)?;
         self.stats.flushes.fetch_add(1, Ordering::Relaxed);
         self.stats
@@ -366,12 +376,48 @@ impl Store {
         Ok(stats)
     }
 
+    /// Saves `manifest` and makes it current: each table's file list is replaced, `also`
+    /// runs under the same lock (so a query sees the old state or the new one, never a mix),
+    /// and the `removed` files of each table go to the graveyard. The caller holds
+    /// `manifest_lock`.
+    pub(crate) async fn commit(
+        &self,
+        manifest: Manifest,
+        mut removed: BTreeMap<Table, Vec<String>>,
+        also: impl FnOnce(&mut Inner),
+    ) -> Result<()> {
+        let save_dir = self.dir.clone();
+        let to_save = manifest.clone();
+        tokio::task::spawn_blocking(move || to_save.save(&save_dir))
+            .await
+            .map_err(|e| Error::Execution(format!("manifest task failed: {e}")))??;
+        let mut inner = self.lock();
+        let inner = &mut *inner;
+        for (table, data) in inner.tables.iter_mut() {
+            let files = Arc::new(
+                manifest
+                    .files
+                    .get(table.name())
+                    .cloned()
+                    .unwrap_or_default(),
+            );
+            let old = std::mem::replace(&mut data.files, files);
+            if let Some(paths) = removed.remove(table).filter(|p| !p.is_empty()) {
+                inner.graveyard.push(Grave { pinned: old, paths });
+            }
+        }
+        also(inner);
+        inner.manifest = manifest;
+        Ok(())
+    }
+
     /// Flushes every `flush_interval`, or sooner once `flush_max_rows` rows are buffered, until
     /// `shutdown` resolves; then flushes once more.
     pub async fn run_flusher(self: Arc<Self>, shutdown: impl std::future::Future<Output = ()>) {
         let mut tick = tokio::time::interval(Duration::from_millis(250));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last = tokio::time::Instant::now();
+        let mut last_maintenance = tokio::time::Instant::now();
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
@@ -387,6 +433,13 @@ impl Store {
                     tracing::error!(error = %e, "flush to parquet failed; rows stay buffered and logged, will retry");
                 }
             }
+            if last_maintenance.elapsed() >= self.config.maintenance_interval {
+                last_maintenance = tokio::time::Instant::now();
+                if let Err(e) = self.maintain(crate::maintenance::now_ms()).await {
+                    tracing::error!(error = %e, "compaction or retention failed; will retry");
+                }
+            }
+            self.reap();
         }
         if let Err(e) = self.flush().await {
             tracing::error!(error = %e, "final flush failed; the write-ahead log still holds the rows");
@@ -411,119 +464,4 @@ fn apply(inner: &mut Inner, batch: &Batch, parts: Vec<(Table, RecordBatch)>) {
         .entry(batch.node.as_str().to_owned())
         .or_insert(0);
     *seq = (*seq).max(batch.seq);
-}
-
-fn remove_orphans(dir: &Path, manifest: &Manifest) -> Result<()> {
-    let known: HashSet<&str> = manifest
-        .files
-        .values()
-        .flatten()
-        .map(|f| f.path.as_str())
-        .collect();
-    let root = dir.join("tables");
-    let mut stack = vec![root];
-    while let Some(d) = stack.pop() {
-        let Ok(entries) = fs::read_dir(&d) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            let path = entry.path();
-            if path.is_dir() {
-                stack.push(path);
-            } else if let Ok(rel) = path.strip_prefix(dir) {
-                let rel = rel.to_string_lossy();
-                if !known.contains(rel.as_ref()) {
-                    tracing::warn!(file = %rel, "removing a parquet file no manifest lists (left by an interrupted flush; its rows are in the write-ahead log)");
-                    fs::remove_file(&path).map_err(Error::io("removing", &path))?;
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
-fn day_string(day: i64) -> String {
-    chrono::DateTime::from_timestamp(day * 86_400, 0)
-        .map(|d| d.format("%Y-%m-%d").to_string())
-        .unwrap_or_else(|| format!("day{day}"))
-}
-
-/// Writes `batches` of `table` as one sorted Parquet file per day.
-fn write_table(
-    dir: &Path,
-    table: Table,
-    batches: &[RecordBatch],
-    next_id: &mut u64,
-) -> Result<Vec<FileEntry>> {
-    let schema = table.schema();
-    let all = concat_batches(&schema, batches)?;
-    let times = all.column(0).as_primitive::<TimestampMillisecondType>();
-    let mut by_day: BTreeMap<i64, Vec<u32>> = BTreeMap::new();
-    for (i, t) in times.values().iter().enumerate() {
-        by_day
-            .entry(t.div_euclid(86_400_000))
-            .or_default()
-            .push(i as u32);
-    }
-    let key_idx: Vec<usize> = table
-        .sort_key()
-        .iter()
-        .map(|name| schema.index_of(name))
-        .collect::<Result<_, _>>()?;
-    let props = WriterProperties::builder()
-        .set_compression(Compression::ZSTD(ZstdLevel::try_new(3)?))
-        .set_sorting_columns(Some(
-            key_idx
-                .iter()
-                .map(|&i| SortingColumn {
-                    column_idx: i as i32,
-                    descending: false,
-                    nulls_first: false,
-                })
-                .collect(),
-        ))
-        .build();
-    let mut entries = Vec::new();
-    for (day, rows) in by_day {
-        let part = take_record_batch(&all, &arrow::array::UInt32Array::from(rows))?;
-        let sort: Vec<SortColumn> = key_idx
-            .iter()
-            .map(|&i| SortColumn {
-                values: part.column(i).clone(),
-                options: None,
-            })
-            .collect();
-        let order = lexsort_to_indices(&sort, None)?;
-        let part = take_record_batch(&part, &order)?;
-        let part_times = part.column(0).as_primitive::<TimestampMillisecondType>();
-        let (min, max) = part_times
-            .values()
-            .iter()
-            .fold((i64::MAX, i64::MIN), |(lo, hi), &t| (lo.min(t), hi.max(t)));
-        let rel_dir = format!("tables/{}/date={}", table.name(), day_string(day));
-        let abs_dir = dir.join(&rel_dir);
-        fs::create_dir_all(&abs_dir).map_err(Error::io("creating directory", &abs_dir))?;
-        let rel = format!("{rel_dir}/{:010}.parquet", *next_id);
-        *next_id += 1;
-        let path = dir.join(&rel);
-        let file = File::create(&path).map_err(Error::io("creating", &path))?;
-        let mut writer = ArrowWriter::try_new(file, schema.clone(), Some(props.clone()))?;
-        writer.write(&part)?;
-        let file = writer.into_inner()?;
-        file.sync_all().map_err(Error::io("syncing", &path))?;
-        File::open(&abs_dir)
-            .and_then(|d| d.sync_all())
-            .map_err(Error::io("syncing directory", &abs_dir))?;
-        let bytes = fs::metadata(&path)
-            .map_err(Error::io("reading metadata of", &path))?
-            .len();
-        entries.push(FileEntry {
-            path: rel,
-            rows: part.num_rows() as u64,
-            bytes,
-            min_time_ms: min,
-            max_time_ms: max,
-        });
-    }
-    Ok(entries)
 }

@@ -213,3 +213,110 @@ async fn limits_stop_runaway_queries_with_a_clear_error() {
         .expect("query");
     assert_eq!((cut.rows, cut.truncated), (10, true));
 }
+
+#[tokio::test]
+async fn compaction_merges_small_files_keeps_every_row_and_spares_running_queries() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut cfg = config(dir.path());
+    cfg.compact_min_files = 4;
+    let store = Store::open(cfg).expect("open");
+    let t0 = 1_800_000_000_000 / DAY_MS * DAY_MS + 3_600_000;
+    for seq in 1..=6u64 {
+        let (raw, b) = batch("n1", seq, t0 + seq as i64 * 1000, 2);
+        store.ingest(raw, &b).await.expect("ingest");
+        store.flush().await.expect("flush");
+    }
+    assert_eq!(
+        store.file_counts()[0].1,
+        6,
+        "one gpu_samples file per flush"
+    );
+    let sql = SqlEngine::new(store.clone(), QueryLimits::default());
+    // A query that took its snapshot before compaction keeps its files until it is done.
+    let pinned = store.snapshot_for_test(perch_query::Table::GpuSamples);
+    let stats = store.maintain(t0).await.expect("maintain");
+    assert_eq!((stats.files_compacted, stats.files_written), (6, 1));
+    assert_eq!(store.file_counts()[0].1, 1);
+    assert_eq!(
+        store.graveyard_files(),
+        6,
+        "old files wait while a snapshot holds them"
+    );
+    assert!(dir.path().join(&pinned[0]).exists());
+    drop(pinned);
+    store.reap();
+    assert_eq!(store.graveyard_files(), 0);
+    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 12);
+    assert_eq!(
+        count(&sql, "SELECT count(DISTINCT sm_clock_mhz) FROM gpu_samples").await,
+        6
+    );
+    // Nothing left to merge: a second round changes nothing.
+    assert_eq!(
+        store.maintain(t0).await.expect("maintain"),
+        perch_query::MaintenanceStats::default()
+    );
+    drop(store);
+    drop(sql);
+    let store = Store::open(config(dir.path())).expect("reopen");
+    let sql = SqlEngine::new(store, QueryLimits::default());
+    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 12);
+}
+
+#[tokio::test]
+async fn retention_drops_whole_old_day_partitions_only() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut cfg = config(dir.path());
+    cfg.retention.insert(
+        perch_query::Table::GpuSamples,
+        std::time::Duration::from_secs(2 * 86_400),
+    );
+    let store = Store::open(cfg).expect("open");
+    let day0 = 1_800_000_000_000 / DAY_MS * DAY_MS;
+    for (seq, day) in [(1u64, 0i64), (2, 1), (3, 2), (4, 3)] {
+        let (raw, b) = batch("n1", seq, day0 + day * DAY_MS + 1000, 1);
+        store.ingest(raw, &b).await.expect("ingest");
+    }
+    store.flush().await.expect("flush");
+    // "Now" is the start of day 3: days 0 ends more than two days ago, day 1 ends within.
+    let stats = store.maintain(day0 + 3 * DAY_MS).await.expect("maintain");
+    assert_eq!((stats.files_expired, stats.rows_expired), (1, 1));
+    store.reap();
+    let sql = SqlEngine::new(store, QueryLimits::default());
+    assert_eq!(
+        count(&sql, "SELECT CAST(min(sm_clock_mhz) AS BIGINT) FROM gpu_samples").await,
+        2
+    );
+    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 3);
+}
+
+#[tokio::test]
+async fn time_predicates_skip_files_outside_the_range() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(config(dir.path())).expect("open");
+    let day0 = 1_800_000_000_000 / DAY_MS * DAY_MS;
+    for day in 0..5i64 {
+        let (raw, b) = batch("n1", day as u64 + 1, day0 + day * DAY_MS, 1);
+        store.ingest(raw, &b).await.expect("ingest");
+        store.flush().await.expect("flush");
+    }
+    let sql = SqlEngine::new(store, QueryLimits::default());
+    let q = format!(
+        "EXPLAIN SELECT count(*) FROM gpu_samples WHERE time >= to_timestamp_millis({})",
+        day0 + 3 * DAY_MS
+    );
+    let out = sql.query(&q).await.expect("explain");
+    let plan = arrow::util::pretty::pretty_format_batches(&out.batches)
+        .expect("format")
+        .to_string();
+    let files = plan.matches(".parquet").count();
+    assert_eq!(
+        files, 2,
+        "only the last two days' files are scanned:\n{plan}"
+    );
+    let q = format!(
+        "SELECT count(*) FROM gpu_samples WHERE time >= to_timestamp_millis({})",
+        day0 + 3 * DAY_MS
+    );
+    assert_eq!(count(&sql, &q).await, 2);
+}
