@@ -24,6 +24,11 @@ pub struct ServerSection {
     pub flush_max_rows: usize,
     pub max_body_mb: usize,
     pub node_stale_after_secs: u64,
+    pub maintenance_interval_secs: u64,
+    pub compact_below_mb: u64,
+    pub compact_min_files: usize,
+    /// Days of data kept per table; tables not listed are kept forever.
+    pub retention_days: std::collections::BTreeMap<String, u64>,
 }
 
 impl Default for ServerSection {
@@ -35,6 +40,10 @@ impl Default for ServerSection {
             flush_max_rows: 1_000_000,
             max_body_mb: 64,
             node_stale_after_secs: 60,
+            maintenance_interval_secs: 300,
+            compact_below_mb: 64,
+            compact_min_files: 8,
+            retention_days: Default::default(),
         }
     }
 }
@@ -121,6 +130,27 @@ impl Config {
         if self.server.flush_interval_secs == 0 {
             return bad("server.flush_interval_secs", "must be at least 1");
         }
+        for (table, days) in &self.server.retention_days {
+            if perch_query::Table::from_name(table).is_none() {
+                let names: Vec<_> = perch_query::Table::ALL.iter().map(|t| t.name()).collect();
+                return bad(
+                    &format!("server.retention_days.{table}"),
+                    &format!("no such table; the tables are {}", names.join(", ")),
+                );
+            }
+            if *days == 0 {
+                return bad(
+                    &format!("server.retention_days.{table}"),
+                    "must be at least 1 (leave the table out to keep it forever)",
+                );
+            }
+        }
+        if self.server.compact_min_files < 2 || self.server.maintenance_interval_secs == 0 {
+            return bad(
+                "server.compact_min_files / server.maintenance_interval_secs",
+                "must be at least 2 and 1",
+            );
+        }
         if !(self.query.timeout_secs > 0.0 && self.query.timeout_secs.is_finite()) {
             return bad("query.timeout_secs", "must be a positive number of seconds");
         }
@@ -151,6 +181,16 @@ impl Config {
         let mut store = perch_query::StoreConfig::new(&s.data_dir);
         store.flush_interval = Duration::from_secs(s.flush_interval_secs);
         store.flush_max_rows = s.flush_max_rows;
+        store.maintenance_interval = Duration::from_secs(s.maintenance_interval_secs);
+        store.compact_below_bytes = s.compact_below_mb << 20;
+        store.compact_min_files = s.compact_min_files;
+        store.retention = s
+            .retention_days
+            .iter()
+            .filter_map(|(name, days)| {
+                perch_query::Table::from_name(name).map(|t| (t, Duration::from_secs(days * 86_400)))
+            })
+            .collect();
         let mut config = perch_server::ServerConfig::new(store);
         config.query = perch_query::QueryLimits {
             timeout: Duration::from_secs_f64(self.query.timeout_secs),
@@ -259,6 +299,10 @@ mod tests {
             ("[agent]\ninterval_ms = 1", "agent.interval_ms"),
             ("[agent]\nserver = \"perch:7300\"", "agent.server"),
             ("[query]\ntimeout_secs = 0", "query.timeout_secs"),
+            (
+                "[server.retention_days]\ngpu_sample = 30",
+                "no such table; the tables are gpu_samples",
+            ),
         ] {
             let err = format!("{:#}", Config::parse(text).expect_err(text));
             assert!(err.contains(want), "{text:?}: {err}");
