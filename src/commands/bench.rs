@@ -25,6 +25,24 @@ pub struct BenchArgs {
 enum What {
     /// Ingest throughput over HTTP into durable storage.
     Ingest(IngestArgs),
+    /// Time to render /metrics for a large fleet.
+    Metrics(MetricsArgs),
+}
+
+#[derive(Debug, Args)]
+struct MetricsArgs {
+    /// Nodes in the fleet.
+    #[arg(long, default_value_t = 1000)]
+    nodes: u32,
+    /// GPUs per node.
+    #[arg(long, default_value_t = 8)]
+    gpus: u32,
+    /// Scrapes to time.
+    #[arg(long, default_value_t = 20)]
+    scrapes: u32,
+    /// Directory to put the temporary data directory in.
+    #[arg(long, default_value = ".")]
+    dir: std::path::PathBuf,
 }
 
 #[derive(Debug, Args)]
@@ -53,6 +71,7 @@ const VALUES_PER_GPU_SAMPLE: u64 = 9;
 pub fn run(args: BenchArgs) -> Result<()> {
     match args.what {
         What::Ingest(a) => ingest(a),
+        What::Metrics(a) => metrics(a),
     }
 }
 
@@ -87,29 +106,138 @@ fn sample_batch(node: &str, seq: u64, rounds: u32, gpus: u32, now_ms: i64) -> Re
     Ok(batch)
 }
 
+/// A full node: host, GPUs and two NICs, everything reported, as a real agent's round would be.
+fn full_node_batch(node: &str, gpus: u32, now_ms: i64) -> Result<Batch> {
+    let mut batch = sample_batch(node, 1, 1, gpus, now_ms)?;
+    let host = serde_json::json!({
+        "time_ms": now_ms, "simulated": true, "cpu_user_seconds": 1e5, "cpu_nice_seconds": 1.0,
+        "cpu_system_seconds": 1e4, "cpu_idle_seconds": 1e6, "cpu_iowait_seconds": 10.0,
+        "cpu_irq_seconds": 1.0, "cpu_softirq_seconds": 1.0, "cpu_steal_seconds": 0.0,
+        "cpu_count": 128, "memory_total_bytes": 2u64 << 40, "memory_available_bytes": 1u64 << 40,
+        "load1": 30.0, "load5": 29.0, "load15": 28.0, "disk_free_bytes": 1u64 << 40,
+        "disk_total_bytes": 2u64 << 40, "uptime_seconds": 1e6
+    });
+    batch.hosts = vec![serde_json::from_value(host)?];
+    for device in ["eth0", "ib0"] {
+        let nic = serde_json::json!({
+            "time_ms": now_ms, "device": device, "simulated": true, "rx_bytes": 1u64 << 40,
+            "rx_packets": 1u64 << 30, "rx_errors": 0, "rx_dropped": 0, "tx_bytes": 1u64 << 40,
+            "tx_packets": 1u64 << 30, "tx_errors": 0, "tx_dropped": 0, "link_up": true, "speed_mbps": 400000
+        });
+        batch.nics.push(serde_json::from_value(nic)?);
+    }
+    Ok(batch)
+}
+
+fn metrics(args: MetricsArgs) -> Result<()> {
+    let dir = tempfile::Builder::new()
+        .prefix("perch-bench-")
+        .tempdir_in(&args.dir)
+        .context("creating the data directory")?;
+    let state = perch_server::AppState::open(perch_server::ServerConfig::new(
+        perch_query::StoreConfig::new(dir.path()),
+    ))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(perch_server::serve(listener, state, async move {
+            let _ = stop_rx.await;
+        }));
+        let client = reqwest::Client::new();
+        let now_ms = i64::try_from(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)?
+                .as_millis(),
+        )?;
+        for n in 0..args.nodes {
+            let batch = full_node_batch(&format!("node-{n:04}"), args.gpus, now_ms)?;
+            let r = client
+                .post(format!("http://{addr}/v1/ingest"))
+                .json(&batch)
+                .send()
+                .await?;
+            anyhow::ensure!(r.status().is_success(), "ingest answered {}", r.status());
+        }
+        let mut times = Vec::new();
+        let mut size = 0;
+        let mut series = 0;
+        for _ in 0..args.scrapes {
+            let started = Instant::now();
+            let body = client
+                .get(format!("http://{addr}/metrics"))
+                .send()
+                .await?
+                .bytes()
+                .await?;
+            times.push(started.elapsed());
+            size = body.len();
+            series = body
+                .split(|b| *b == b'\n')
+                .filter(|l| !l.is_empty() && l[0] != b'#')
+                .count();
+        }
+        times.sort();
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        println!(
+            "/metrics for {} nodes x {} GPUs ({series} series, {} KiB), {} scrapes over HTTP",
+            args.nodes,
+            args.gpus,
+            size / 1024,
+            args.scrapes
+        );
+        println!(
+            "  median {:.1} ms, slowest {:.1} ms",
+            ms(times[times.len() / 2]),
+            ms(times[times.len() - 1])
+        );
+        let _ = stop_tx.send(());
+        server.await??;
+        Ok(())
+    })
+}
+
 /// CPU seconds used so far by this process's threads whose name starts with `prefix`.
 fn thread_cpu_seconds(prefixes: &[&str]) -> f64 {
     let ticks_per_s = 100.0; // USER_HZ on Linux
     let mut total = 0u64;
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return 0.0 };
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
     for task in tasks.flatten() {
-        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else { continue };
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
+            continue;
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
         let name = &stat[open + 1..close];
         if !prefixes.iter().any(|p| name.starts_with(p)) {
             continue;
         }
         let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
         // After the name: state is field 3, utime field 14, stime field 15 (1-based).
-        let utime = fields.get(11).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-        let stime = fields.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        let utime = fields
+            .get(11)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+        let stime = fields
+            .get(12)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
         total += utime + stime;
     }
     total as f64 / ticks_per_s
 }
 
 fn ingest(args: IngestArgs) -> Result<()> {
-    let dir = tempfile::Builder::new().prefix("perch-bench-").tempdir_in(&args.dir).context("creating the data directory")?;
+    let dir = tempfile::Builder::new()
+        .prefix("perch-bench-")
+        .tempdir_in(&args.dir)
+        .context("creating the data directory")?;
     let mut config = perch_server::ServerConfig::new(perch_query::StoreConfig::new(dir.path()));
     config.store.flush_interval = Duration::from_secs(10);
     let state = perch_server::AppState::open(config)?;
@@ -117,19 +245,29 @@ fn ingest(args: IngestArgs) -> Result<()> {
     std_listener.set_nonblocking(true)?;
     let addr = std_listener.local_addr()?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = std::thread::Builder::new().name("perch-srv".into()).spawn(move || -> Result<()> {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().thread_name("perch-srv").build()?;
-        rt.block_on(async move {
-            let listener = tokio::net::TcpListener::from_std(std_listener)?;
-            perch_server::serve(listener, state, async move {
-                let _ = stop_rx.await;
-            })
-            .await?;
-            Ok(())
-        })
-    })?;
+    let server =
+        std::thread::Builder::new()
+            .name("perch-srv".into())
+            .spawn(move || -> Result<()> {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .thread_name("perch-srv")
+                    .build()?;
+                rt.block_on(async move {
+                    let listener = tokio::net::TcpListener::from_std(std_listener)?;
+                    perch_server::serve(listener, state, async move {
+                        let _ = stop_rx.await;
+                    })
+                    .await?;
+                    Ok(())
+                })
+            })?;
 
-    let now_ms = i64::try_from(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis())?;
+    let now_ms = i64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_millis(),
+    )?;
     let per_batch_values = u64::from(args.rounds * args.gpus) * VALUES_PER_GPU_SAMPLE;
     // Every client sends the same samples under its own node name and a rising seq; the body
     // is split around the seq so sending costs the client one small format per request.
@@ -144,7 +282,11 @@ fn ingest(args: IngestArgs) -> Result<()> {
     let body_bytes = templates.first().map_or(0, |(a, b)| a.len() + b.len() + 8);
 
     let acked = Arc::new(AtomicU64::new(0));
-    let client_rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().thread_name("bench-client").build()?;
+    let client_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .thread_name("bench-client")
+        .build()?;
     let url = format!("http://{addr}/v1/ingest");
     let deadline = Instant::now() + Duration::from_secs(args.seconds + 1);
     let mut handles = Vec::new();
@@ -155,8 +297,17 @@ fn ingest(args: IngestArgs) -> Result<()> {
             let mut seq = 1u64;
             while Instant::now() < deadline {
                 let body = format!("{head}{seq}{tail}");
-                let response = client.post(&url).header("content-type", "application/json").body(body).send().await?;
-                anyhow::ensure!(response.status().is_success(), "ingest answered {}", response.status());
+                let response = client
+                    .post(&url)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await?;
+                anyhow::ensure!(
+                    response.status().is_success(),
+                    "ingest answered {}",
+                    response.status()
+                );
                 acked.fetch_add(1, Ordering::Relaxed);
                 seq += 1;
             }
@@ -165,24 +316,49 @@ fn ingest(args: IngestArgs) -> Result<()> {
     }
     let server_threads = ["perch-srv", "perch-wal"];
     std::thread::sleep(Duration::from_secs(1));
-    let (b0, c0, t0) = (acked.load(Ordering::Relaxed), thread_cpu_seconds(&server_threads), Instant::now());
+    let (b0, c0, t0) = (
+        acked.load(Ordering::Relaxed),
+        thread_cpu_seconds(&server_threads),
+        Instant::now(),
+    );
     std::thread::sleep(Duration::from_secs(args.seconds));
-    let (b1, c1, elapsed) = (acked.load(Ordering::Relaxed), thread_cpu_seconds(&server_threads), t0.elapsed());
+    let (b1, c1, elapsed) = (
+        acked.load(Ordering::Relaxed),
+        thread_cpu_seconds(&server_threads),
+        t0.elapsed(),
+    );
     for h in handles {
         client_rt.block_on(h)??;
     }
     let _ = stop_tx.send(());
-    server.join().map_err(|_| anyhow::anyhow!("server thread panicked"))??;
+    server
+        .join()
+        .map_err(|_| anyhow::anyhow!("server thread panicked"))??;
 
     let batches = b1 - b0;
     let values = batches * per_batch_values;
     let wall = elapsed.as_secs_f64();
     let cpu = (c1 - c0).max(0.01);
-    println!("ingest over HTTP into durable storage ({} clients, {} samples x {} values per batch, {} KiB JSON per batch)", args.clients, args.rounds * args.gpus, VALUES_PER_GPU_SAMPLE, body_bytes / 1024);
-    println!("  batches acknowledged     {batches} in {wall:.1} s ({:.0}/s)", batches as f64 / wall);
+    println!(
+        "ingest over HTTP into durable storage ({} clients, {} samples x {} values per batch, {} KiB JSON per batch)",
+        args.clients,
+        args.rounds * args.gpus,
+        VALUES_PER_GPU_SAMPLE,
+        body_bytes / 1024
+    );
+    println!(
+        "  batches acknowledged     {batches} in {wall:.1} s ({:.0}/s)",
+        batches as f64 / wall
+    );
     println!("  values per second (wall) {:.0}", values as f64 / wall);
-    println!("  server CPU               {cpu:.2} s of {wall:.1} s ({:.0}% of one core)", 100.0 * cpu / wall);
-    println!("  values per server CPU-s  {:.0}   <- throughput per core", values as f64 / cpu);
+    println!(
+        "  server CPU               {cpu:.2} s of {wall:.1} s ({:.0}% of one core)",
+        100.0 * cpu / wall
+    );
+    println!(
+        "  values per server CPU-s  {:.0}   <- throughput per core",
+        values as f64 / cpu
+    );
 
     // arrow-rs straight to Parquet, same batches, one thread.
     let batch = sample_batch("bench-000", 1, args.rounds, args.gpus, now_ms)?;
@@ -194,9 +370,12 @@ fn ingest(args: IngestArgs) -> Result<()> {
         for (table, rb) in parts {
             let mut out = Vec::new();
             let props = parquet::file::properties::WriterProperties::builder()
-                .set_compression(parquet::basic::Compression::ZSTD(parquet::basic::ZstdLevel::try_new(3)?))
+                .set_compression(parquet::basic::Compression::ZSTD(
+                    parquet::basic::ZstdLevel::try_new(3)?,
+                ))
                 .build();
-            let mut writer = parquet::arrow::ArrowWriter::try_new(&mut out, table.schema(), Some(props))?;
+            let mut writer =
+                parquet::arrow::ArrowWriter::try_new(&mut out, table.schema(), Some(props))?;
             writer.write(&rb)?;
             writer.close()?;
             bytes += out.len();
@@ -204,8 +383,16 @@ fn ingest(args: IngestArgs) -> Result<()> {
     }
     let secs = started.elapsed().as_secs_f64();
     let direct = (rounds * per_batch_values) as f64 / secs;
-    println!("arrow-rs encoding the same batches straight to Parquet (zstd, one thread, in memory)");
-    println!("  values per second        {direct:.0} ({} KiB of Parquet per batch)", bytes / rounds as usize / 1024);
-    println!("  perch per core / arrow-rs direct = {:.2}", values as f64 / cpu / direct);
+    println!(
+        "arrow-rs encoding the same batches straight to Parquet (zstd, one thread, in memory)"
+    );
+    println!(
+        "  values per second        {direct:.0} ({} KiB of Parquet per batch)",
+        bytes / rounds as usize / 1024
+    );
+    println!(
+        "  perch per core / arrow-rs direct = {:.2}",
+        values as f64 / cpu / direct
+    );
     Ok(())
 }
