@@ -262,7 +262,8 @@ impl Cluster {
     pub(crate) fn nodes_with_free(&self, model: Option<usize>, g: u32) -> u32 {
         let count = |h: &Vec<u32>| h[(g as usize).min(h.len() - 1)..].iter().sum::<u32>();
         match model {
-            Some(m) => count(&self.hist[m]),
+            // A model no node has (usize::MAX) matches nothing.
+            Some(m) => self.hist.get(m).map_or(0, count),
             None => self.hist.iter().map(count).sum(),
         }
     }

@@ -5,7 +5,7 @@
 //! file or draws a random number, so the live server and the simulator run exactly this code.
 //! Jobs are forgotten once they end; the caller keeps history.
 
-use crate::cluster::{Cluster, GpuHealth, NodeState, Placement};
+use crate::cluster::{Cluster, GpuHealth, NodeSpec, NodeState, Placement};
 use crate::error::{Error, Result};
 use crate::ids::{Account, JobId, Millis, NodeId, Time};
 use crate::job::{EndState, JobSpec, PendingReason, PreemptReason, RequeueReason};
@@ -62,6 +62,20 @@ pub enum Event {
     },
     /// Time passed; lets time limits and idle windows act.
     Tick,
+    /// A node joined the cluster (a live server learns nodes as their agents appear).
+    AddNode(NodeSpec),
+    /// A job that was already running when the server restarted, put back as it was. No
+    /// `Start` action follows: its processes never stopped.
+    Restore {
+        /// The job.
+        spec: JobSpec,
+        /// Its GPUs.
+        placement: Placement,
+        /// When this run started.
+        start: Time,
+        /// Requeues so far.
+        requeues: u32,
+    },
 }
 
 /// What the caller must do.
@@ -423,6 +437,43 @@ impl Scheduler {
                 self.set_job_util(now, job, percent);
             }
             Event::Tick => {}
+            Event::AddNode(spec) => {
+                self.cluster.add_node(spec)?;
+                // Jobs asking for a model no node had are satisfiable now if this node has it.
+                for job in self.jobs.values_mut() {
+                    if job.model == Some(usize::MAX) {
+                        job.model = self
+                            .cluster
+                            .model_index(job.spec.gpu_model.as_ref())
+                            .unwrap_or(Some(usize::MAX));
+                    }
+                }
+            }
+            Event::Restore {
+                spec,
+                placement,
+                start,
+                requeues,
+            } => {
+                let id = spec.id;
+                for a in &placement {
+                    let n = self.cluster.node_mut(a.node)?;
+                    if n.alloc & a.mask != 0 || a.mask & !n.all != 0 {
+                        return Err(Error::InvalidNode {
+                            name: n.spec.name.0.clone(),
+                            message: format!(
+                                "cannot restore job {id}: its GPUs are taken or missing"
+                            ),
+                        });
+                    }
+                }
+                self.submit(start, spec)?;
+                self.queue.retain(|j| *j != id);
+                if let Some(j) = self.jobs.get_mut(&id) {
+                    j.requeues = requeues;
+                }
+                self.start(start, id, placement);
+            }
         }
         out.extend(self.expire(now));
         Ok(out)

@@ -391,3 +391,69 @@ fn bad_input_is_an_error() {
     assert!(s.step(0, Event::Submit(one(1, 1, "a", 60, 0))).is_ok());
     assert!(s.step(0, Event::Submit(one(1, 1, "a", 60, 0))).is_err());
 }
+
+#[test]
+fn nodes_join_a_live_cluster_and_running_jobs_are_restored_after_a_restart() {
+    use perch_scheduler::{GpuModel, NodeAlloc, NodeName, NodeSpec};
+    let node = |name: &str, model: &str| NodeSpec {
+        name: NodeName(name.into()),
+        gpus: 8,
+        model: GpuModel(model.into()),
+        rack: "r1".into(),
+    };
+    let mut s = Scheduler::new(Cluster::new(), Config::perch(vec![]));
+    // A job for a model no node has yet waits; it starts once such a node joins.
+    let mut h200 = one(1, 4, "a", 60, 0);
+    h200.gpu_model = Some(GpuModel("H200".into()));
+    assert!(started(&step(&mut s, 0, Event::Submit(h200))).is_empty());
+    assert!(started(&step(&mut s, 1, Event::AddNode(node("n1", "H100")))).is_empty());
+    assert_eq!(
+        started(&step(&mut s, 2, Event::AddNode(node("n2", "H200")))),
+        vec![1]
+    );
+
+    // After a restart: the same nodes, the running job put back on its GPUs without a Start,
+    // and those GPUs not given to anyone else.
+    let mut r = Scheduler::new(Cluster::new(), Config::perch(vec![]));
+    step(&mut r, 10, Event::AddNode(node("n1", "H100")));
+    let placement = vec![NodeAlloc {
+        node: NodeId(0),
+        mask: 0b1111_1111,
+    }];
+    let restored = step(
+        &mut r,
+        10,
+        Event::Restore {
+            spec: one(7, 8, "a", 60, 0),
+            placement: placement.clone(),
+            start: 5,
+            requeues: 0,
+        },
+    );
+    assert!(started(&restored).is_empty(), "{restored:?}");
+    assert_eq!(r.placement(JobId(7)), Some(&placement));
+    assert!(started(&step(&mut r, 11, Event::Submit(one(8, 1, "b", 60, 11)))).is_empty());
+    // Restoring onto GPUs already taken is refused.
+    let clash = r.step(
+        12,
+        Event::Restore {
+            spec: one(9, 1, "a", 60, 0),
+            placement,
+            start: 5,
+            requeues: 0,
+        },
+    );
+    assert!(clash.is_err());
+    // Its exit frees the node for the waiting job.
+    assert_eq!(
+        started(&step(
+            &mut r,
+            20,
+            Event::JobExited {
+                job: JobId(7),
+                code: 0
+            }
+        )),
+        vec![8]
+    );
+}
