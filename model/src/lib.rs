@@ -4,6 +4,7 @@
 //! [`Batch`]es and the server's store consumes them. It holds data and validation only: no I/O,
 //! no clock, no async.
 
+pub mod control;
 mod events;
 mod ids;
 mod infiniband;

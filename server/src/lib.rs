@@ -7,6 +7,7 @@
 
 mod error;
 mod ingest;
+pub mod jobs;
 mod latest;
 mod metrics;
 mod sql;
@@ -33,6 +34,7 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Nodes silent for longer than this are reported as not reporting on `/metrics`.
     pub node_stale_after: Duration,
+    pub jobs: jobs::JobsConfig,
 }
 
 impl ServerConfig {
@@ -42,6 +44,7 @@ impl ServerConfig {
             query: QueryLimits::default(),
             max_body_bytes: 64 << 20,
             node_stale_after: Duration::from_secs(60),
+            jobs: jobs::JobsConfig::default(),
         }
     }
 }
@@ -55,12 +58,16 @@ pub struct AppState {
     pub metrics: Arc<metrics::ServerMetrics>,
     pub ready: Arc<AtomicBool>,
     pub config: Arc<ServerConfig>,
+    pub jobs: jobs::JobService,
 }
 
 impl AppState {
-    /// Opens the store (replaying its write-ahead log) and builds the state.
-    pub fn open(config: ServerConfig) -> perch_query::Result<AppState> {
+    /// Opens the store (replaying its write-ahead log) and the job database, and builds the
+    /// state.
+    pub fn open(config: ServerConfig) -> Result<AppState, OpenError> {
         let store = Store::open(config.store.clone())?;
+        let jobs =
+            jobs::JobService::open(&config.store.data_dir.join("control"), config.jobs.clone())?;
         let sql = Arc::new(SqlEngine::new(store.clone(), config.query));
         Ok(AppState {
             store,
@@ -69,8 +76,18 @@ impl AppState {
             metrics: Arc::new(metrics::ServerMetrics::default()),
             ready: Arc::new(AtomicBool::new(true)),
             config: Arc::new(config),
+            jobs,
         })
     }
+}
+
+/// Why the server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("{0}")]
+    Store(#[from] perch_query::Error),
+    #[error("{0}")]
+    Jobs(#[from] jobs::ControlError),
 }
 
 /// The HTTP routes.
@@ -83,6 +100,18 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/ingest", post(ingest::ingest))
         .route("/v1/sql", post(sql::sql))
         .route("/metrics", get(metrics::metrics))
+        .route(
+            "/v1/jobs",
+            post(jobs::routes::submit).get(jobs::routes::list),
+        )
+        .route("/v1/jobs/{id}", get(jobs::routes::show))
+        .route("/v1/jobs/{id}/cancel", post(jobs::routes::cancel))
+        .route("/v1/jobs/{id}/logs", get(jobs::routes::logs))
+        .route("/v1/queue", get(jobs::routes::queue))
+        .route("/v1/nodes", get(jobs::routes::nodes))
+        .route("/v1/nodes/{name}/drain", post(jobs::routes::drain))
+        .route("/v1/nodes/{name}/resume", post(jobs::routes::resume))
+        .route("/v1/agent/sync", post(jobs::routes::sync))
         .fallback(error::not_found)
         .layer(DefaultBodyLimit::max(limit))
         .layer(tower_http::decompression::RequestDecompressionLayer::new())
@@ -99,6 +128,16 @@ async fn index() -> axum::Json<serde_json::Value> {
             "POST /v1/ingest": "agent telemetry batches (JSON, optionally zstd or gzip encoded)",
             "POST /v1/sql": "read-only SQL: body {\"sql\": \"...\", \"format\": \"json|csv|arrow\"} or text/plain",
             "GET /metrics": "Prometheus exposition",
+            "POST /v1/jobs": "submit a job (JSON job request)",
+            "GET /v1/jobs": "list jobs (?state=&user=&account=&limit=)",
+            "GET /v1/jobs/{id}": "one job: state, reason, placement, timeline, live GPU use",
+            "POST /v1/jobs/{id}/cancel": "cancel a job",
+            "GET /v1/jobs/{id}/logs": "a job's output (?stream=stdout|stderr&offset=N)",
+            "GET /v1/queue": "pending jobs in scheduling order, with the reason each waits",
+            "GET /v1/nodes": "nodes, their GPUs and jobs",
+            "POST /v1/nodes/{name}/drain": "stop placing jobs on a node",
+            "POST /v1/nodes/{name}/resume": "place jobs on a drained node again",
+            "POST /v1/agent/sync": "agents report their jobs and receive launch and stop orders",
         }
     }))
 }
@@ -126,6 +165,12 @@ pub async fn serve(
             let _ = rx.wait_for(|stop| *stop).await;
         }
     }));
+    let ticker = tokio::spawn(state.jobs.clone().run_ticker({
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        }
+    }));
     let app = router(state.clone());
     let result = axum::serve(listener, app)
         .with_graceful_shutdown(async move {
@@ -136,6 +181,9 @@ pub async fn serve(
     let _ = stop_tx.send(true);
     if let Err(e) = flusher.await {
         tracing::error!(error = %e, "flusher task failed");
+    }
+    if let Err(e) = ticker.await {
+        tracing::error!(error = %e, "job ticker task failed");
     }
     result
 }

@@ -1,0 +1,759 @@
+//! The control plane: the one place where job records, nodes and the pure scheduling core
+//! meet. Every operation (submit, cancel, an agent's sync, a tick) takes the lock, feeds the
+//! core an event with the current time, carries out the actions it returns (launch and stop
+//! orders queued for agents, record changes), and commits the changed records to the job
+//! database before it returns. The core itself stays pure; this module is its I/O.
+
+use super::db::{JobDb, NodeRecord};
+use super::record::{JobRecord, JobState, NodeGpus};
+use super::spec::{FieldError, JobRequest};
+use perch_model::control::{
+    JobExit, JobLaunch, JobStop, LogChunk, LogStream, SyncRequest, SyncResponse,
+};
+use perch_scheduler::{
+    Account, Action, Cluster, Config, EndState, Event, GpuModel, JobId, JobSpec, NodeAlloc, NodeId,
+    NodeName, NodeSpec, PendingReason, Qos, Scheduler, Shape, User,
+};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Why an operation was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("{0}")]
+    Invalid(#[from] FieldError),
+    #[error("no job {0}; `perch jobs` lists them")]
+    NoSuchJob(u64),
+    #[error("job {id} already ended ({state})")]
+    AlreadyEnded { id: u64, state: &'static str },
+    #[error("no node {0:?}; `perch nodes` lists them")]
+    NoSuchNode(String),
+    #[error("scheduler: {0}")]
+    Scheduler(#[from] perch_scheduler::Error),
+    #[error("{0}")]
+    Db(#[from] super::db::DbError),
+    #[error("job logs: {0}")]
+    Logs(std::io::Error),
+}
+
+/// Settings of the control plane.
+#[derive(Debug, Clone)]
+pub struct JobsConfig {
+    /// A node whose agent has not synced for this long is down; its jobs are requeued or end
+    /// as node_fail.
+    pub heartbeat_timeout: Duration,
+    pub policy: Config,
+}
+
+impl Default for JobsConfig {
+    fn default() -> Self {
+        JobsConfig {
+            heartbeat_timeout: Duration::from_secs(30),
+            policy: Config::perch(vec![]),
+        }
+    }
+}
+
+struct Node {
+    record: NodeRecord,
+    last_sync_ms: i64,
+    down: bool,
+}
+
+#[derive(Default)]
+struct Outbox {
+    start: Vec<JobLaunch>,
+    stop: Vec<JobStop>,
+}
+
+pub(crate) struct Control {
+    scheduler: Scheduler,
+    jobs: BTreeMap<u64, JobRecord>,
+    nodes: Vec<Node>,
+    node_index: HashMap<String, usize>,
+    next_id: u64,
+    outbox: HashMap<usize, Outbox>,
+    /// (job, node) launches handed to an agent; a running job is only missed once delivered.
+    delivered: HashSet<(u64, usize)>,
+    dirty_jobs: BTreeSet<u64>,
+    dirty_nodes: BTreeSet<usize>,
+    db: JobDb,
+    logs_dir: PathBuf,
+    config: JobsConfig,
+}
+
+fn qos(req: &JobRequest) -> Qos {
+    match req.qos.as_deref() {
+        Some("low") => Qos::Low,
+        Some("high") => Qos::High,
+        _ => Qos::Normal,
+    }
+}
+
+fn spec_of(id: u64, req: &JobRequest, submit_ms: i64) -> JobSpec {
+    JobSpec {
+        id: JobId(id),
+        user: User(req.user().to_owned()),
+        account: Account(req.account().to_owned()),
+        shape: Shape {
+            nodes: req.nodes,
+            gpus_per_node: req.gpus_per_node,
+        },
+        gpu_model: req.gpu_model.clone().map(GpuModel),
+        time_limit: i64::try_from(req.time_limit_secs).unwrap_or(i64::MAX / 2) * 1000,
+        qos: qos(req),
+        preemptible: req.preemptible,
+        max_requeues: req.max_requeues,
+        submit: submit_ms,
+        oracle_duration: None,
+    }
+}
+
+fn signal_of(req: &JobRequest) -> String {
+    req.checkpoint_signal
+        .clone()
+        .unwrap_or_else(|| "SIGTERM".into())
+}
+
+pub(crate) fn reason_text(reason: &PendingReason) -> String {
+    match reason {
+        PendingReason::New => "submitted, waiting for the next scheduling pass".into(),
+        PendingReason::Priority => "waiting behind higher-priority jobs".into(),
+        PendingReason::Reserved { at } => {
+            format!("next in line: GPUs reserved for it from {at} (ms since epoch)")
+        }
+        PendingReason::Resources => "waiting for free GPUs of the requested shape and model".into(),
+        PendingReason::QuotaExceeded => "the account is at its GPU quota".into(),
+        PendingReason::FifoBlocked => "a job ahead of it is blocked (FIFO)".into(),
+        PendingReason::Unsatisfiable => {
+            "no node in the cluster can ever run this shape or GPU model; cancel it or add nodes"
+                .into()
+        }
+    }
+}
+
+impl Control {
+    /// Opens the job database under `dir` and rebuilds the scheduler from it.
+    pub(crate) fn open(
+        dir: &std::path::Path,
+        config: JobsConfig,
+        now_ms: i64,
+    ) -> Result<Control, ControlError> {
+        std::fs::create_dir_all(dir).map_err(ControlError::Logs)?;
+        let db = JobDb::open(&dir.join("jobs.redb"))?;
+        let (jobs, nodes) = db.load()?;
+        let mut c = Control {
+            scheduler: Scheduler::new(Cluster::new(), config.policy.clone()),
+            jobs: BTreeMap::new(),
+            nodes: Vec::new(),
+            node_index: HashMap::new(),
+            next_id: 1,
+            outbox: HashMap::new(),
+            delivered: HashSet::new(),
+            dirty_jobs: BTreeSet::new(),
+            dirty_nodes: BTreeSet::new(),
+            db,
+            logs_dir: dir.join("logs"),
+            config,
+        };
+        for record in nodes {
+            // Agents get one heartbeat timeout from now to come back.
+            c.add_node(record, now_ms)?;
+        }
+        for mut job in jobs {
+            c.next_id = c.next_id.max(job.id + 1);
+            let spec = spec_of(job.id, &job.request, job.submit_ms);
+            let result = match job.state {
+                JobState::Pending => c.scheduler.handle(now_ms, Event::Submit(spec)).map(|_| ()),
+                JobState::Running => {
+                    let placement = c.placement_of(&job);
+                    let start = job.start_ms.unwrap_or(now_ms);
+                    let restored = c.scheduler.handle(
+                        now_ms,
+                        Event::Restore {
+                            spec,
+                            placement,
+                            start,
+                            requeues: job.requeues,
+                        },
+                    );
+                    for (i, _) in job.placement.iter().enumerate() {
+                        if let Some(&n) = c.node_index.get(&job.placement[i].node) {
+                            c.delivered.insert((job.id, n));
+                        }
+                    }
+                    restored.map(|_| ())
+                }
+                _ => Ok(()),
+            };
+            if let Err(e) = result {
+                job.state = JobState::Failed;
+                job.reason = Some(format!("could not be restored after a server restart: {e}"));
+                job.end_ms = Some(now_ms);
+                c.dirty_jobs.insert(job.id);
+            }
+            c.jobs.insert(job.id, job);
+        }
+        c.save()?;
+        Ok(c)
+    }
+
+    fn add_node(&mut self, record: NodeRecord, now_ms: i64) -> Result<usize, ControlError> {
+        let spec = NodeSpec {
+            name: NodeName(record.name.clone()),
+            gpus: record.gpus,
+            model: GpuModel(record.model.clone()),
+            rack: record.rack.clone(),
+        };
+        self.scheduler.handle(now_ms, Event::AddNode(spec))?;
+        let idx = self.nodes.len();
+        if record.drained {
+            self.scheduler
+                .handle(now_ms, Event::Drain(NodeId(idx as u32)))?;
+        }
+        self.node_index.insert(record.name.clone(), idx);
+        self.nodes.push(Node {
+            record,
+            last_sync_ms: now_ms,
+            down: false,
+        });
+        Ok(idx)
+    }
+
+    fn placement_of(&self, job: &JobRecord) -> Vec<NodeAlloc> {
+        job.placement
+            .iter()
+            .filter_map(|p| {
+                let &n = self.node_index.get(&p.node)?;
+                let mask = p.gpus.iter().fold(0u64, |m, g| m | (1u64 << g));
+                Some(NodeAlloc {
+                    node: NodeId(n as u32),
+                    mask,
+                })
+            })
+            .collect()
+    }
+
+    fn save(&mut self) -> Result<(), ControlError> {
+        let jobs: Vec<&JobRecord> = self
+            .dirty_jobs
+            .iter()
+            .filter_map(|id| self.jobs.get(id))
+            .collect();
+        let nodes: Vec<(u64, &NodeRecord)> = self
+            .dirty_nodes
+            .iter()
+            .filter_map(|&i| self.nodes.get(i).map(|n| (i as u64, &n.record)))
+            .collect();
+        self.db.save(&jobs, &nodes)?;
+        self.dirty_jobs.clear();
+        self.dirty_nodes.clear();
+        Ok(())
+    }
+
+    fn stop_everywhere(&mut self, id: u64) {
+        let Some(job) = self.jobs.get(&id) else {
+            return;
+        };
+        let stop = JobStop {
+            job: id,
+            signal: signal_of(&job.request),
+            grace_secs: job.request.grace_secs,
+        };
+        let nodes: Vec<usize> = job
+            .placement
+            .iter()
+            .filter_map(|p| self.node_index.get(&p.node).copied())
+            .collect();
+        for n in nodes {
+            let out = self.outbox.entry(n).or_default();
+            out.start.retain(|l| l.job != id);
+            out.stop.push(stop.clone());
+            self.delivered.remove(&(id, n));
+        }
+    }
+
+    fn apply(&mut self, now: i64, actions: Vec<Action>) {
+        for action in actions {
+            match action {
+                Action::Start { job, placement } => self.start(now, job.0, &placement),
+                Action::Preempt {
+                    job,
+                    reason,
+                    requeued,
+                } => {
+                    self.stop_everywhere(job.0);
+                    if let Some(j) = self.jobs.get_mut(&job.0) {
+                        j.preemptions += 1;
+                        j.note(
+                            now,
+                            format!(
+                                "preempted ({reason:?}){}",
+                                if requeued { ", requeued" } else { "" }
+                            ),
+                        );
+                        if requeued {
+                            j.state = JobState::Pending;
+                        } else {
+                            j.state = JobState::Preempted;
+                            j.end_ms = Some(now);
+                            j.reason = Some(format!("preempted: {reason:?}"));
+                        }
+                    }
+                    self.dirty_jobs.insert(job.0);
+                }
+                Action::Requeue { job, reason } => {
+                    self.stop_everywhere(job.0);
+                    if let Some(j) = self.jobs.get_mut(&job.0) {
+                        j.requeues += 1;
+                        j.state = JobState::Pending;
+                        j.note(now, format!("requeued ({reason:?})"));
+                    }
+                    self.dirty_jobs.insert(job.0);
+                }
+                Action::End { job, state } => {
+                    let was_running = self
+                        .jobs
+                        .get(&job.0)
+                        .is_some_and(|j| j.state == JobState::Running);
+                    if was_running {
+                        self.stop_everywhere(job.0);
+                    }
+                    if let Some(j) = self.jobs.get_mut(&job.0) {
+                        let (s, reason, code) = match state {
+                            EndState::Completed => (JobState::Completed, None, Some(0)),
+                            EndState::Failed { code } => (
+                                JobState::Failed,
+                                Some(format!("exited with code {code}")),
+                                Some(code),
+                            ),
+                            EndState::Cancelled => {
+                                (JobState::Cancelled, Some("cancelled".to_owned()), None)
+                            }
+                            EndState::Timeout => (
+                                JobState::Timeout,
+                                Some(format!(
+                                    "ran past its time limit of {} s",
+                                    j.request.time_limit_secs
+                                )),
+                                None,
+                            ),
+                            EndState::NodeFail => (
+                                JobState::NodeFail,
+                                Some(
+                                    "its node stopped reporting and no requeues were left"
+                                        .to_owned(),
+                                ),
+                                None,
+                            ),
+                            EndState::Preempted => {
+                                (JobState::Preempted, Some("preempted".to_owned()), None)
+                            }
+                        };
+                        j.state = s;
+                        j.reason = reason;
+                        if j.exit_code.is_none() {
+                            j.exit_code = code;
+                        }
+                        j.end_ms = Some(now);
+                        j.note(now, s.as_str());
+                    }
+                    self.dirty_jobs.insert(job.0);
+                }
+                Action::IdleReport { job, since } => {
+                    if let Some(j) = self.jobs.get_mut(&job.0) {
+                        j.note(now, format!("GPUs idle since {since}"));
+                    }
+                    self.dirty_jobs.insert(job.0);
+                }
+            }
+        }
+    }
+
+    fn start(&mut self, now: i64, id: u64, placement: &[NodeAlloc]) {
+        let Some(job) = self.jobs.get_mut(&id) else {
+            return;
+        };
+        job.state = JobState::Running;
+        job.start_ms = Some(now);
+        job.end_ms = None;
+        job.attempts += 1;
+        job.reason = None;
+        job.placement = placement
+            .iter()
+            .filter_map(|a| {
+                self.nodes.get(a.node.0 as usize).map(|n| NodeGpus {
+                    node: n.record.name.clone(),
+                    gpus: a.gpu_indices(),
+                })
+            })
+            .collect();
+        let where_ = job
+            .placement
+            .iter()
+            .map(|p| format!("{}{:?}", p.node, p.gpus))
+            .collect::<Vec<_>>()
+            .join(" ");
+        job.note(
+            now,
+            format!("started on {where_} (attempt {})", job.attempts),
+        );
+        let nodes = job.request.nodes;
+        for (rank, a) in placement.iter().enumerate() {
+            let mut env = job.request.env.clone();
+            env.insert("PERCH_JOB_ID".into(), id.to_string());
+            env.insert("PERCH_JOB_ATTEMPT".into(), job.attempts.to_string());
+            let launch = JobLaunch {
+                job: id,
+                command: job.request.command.clone(),
+                env,
+                workdir: job.request.workdir.clone(),
+                gpus: a.gpu_indices(),
+                user: job.request.user().to_owned(),
+                node_rank: rank as u32,
+                nodes,
+                time_limit_secs: job.request.time_limit_secs,
+                checkpoint_signal: signal_of(&job.request),
+                grace_secs: job.request.grace_secs,
+            };
+            self.outbox
+                .entry(a.node.0 as usize)
+                .or_default()
+                .start
+                .push(launch);
+        }
+        self.dirty_jobs.insert(id);
+    }
+
+    pub(crate) fn submit(
+        &mut self,
+        request: JobRequest,
+        now: i64,
+    ) -> Result<JobRecord, ControlError> {
+        request.validate()?;
+        let id = self.next_id;
+        let spec = spec_of(id, &request, now);
+        spec.validate()?;
+        self.next_id += 1;
+        let mut record = JobRecord {
+            id,
+            request,
+            state: JobState::Pending,
+            reason: None,
+            submit_ms: now,
+            start_ms: None,
+            end_ms: None,
+            placement: Vec::new(),
+            attempts: 0,
+            requeues: 0,
+            preemptions: 0,
+            exit_code: None,
+            timeline: Vec::new(),
+        };
+        record.note(now, "submitted");
+        self.jobs.insert(id, record);
+        self.dirty_jobs.insert(id);
+        let actions = self.scheduler.step(now, Event::Submit(spec))?;
+        self.apply(now, actions);
+        self.save()?;
+        self.view(id).ok_or(ControlError::NoSuchJob(id))
+    }
+
+    pub(crate) fn cancel(&mut self, id: u64, now: i64) -> Result<JobRecord, ControlError> {
+        let job = self.jobs.get(&id).ok_or(ControlError::NoSuchJob(id))?;
+        if job.state.is_final() {
+            return Err(ControlError::AlreadyEnded {
+                id,
+                state: job.state.as_str(),
+            });
+        }
+        let actions = self.scheduler.step(now, Event::Cancel(JobId(id)))?;
+        self.apply(now, actions);
+        self.save()?;
+        self.view(id).ok_or(ControlError::NoSuchJob(id))
+    }
+
+    /// A record with its live pending reason filled in.
+    pub(crate) fn view(&self, id: u64) -> Option<JobRecord> {
+        let mut job = self.jobs.get(&id)?.clone();
+        if job.state == JobState::Pending {
+            job.reason = self
+                .scheduler
+                .pending_reason(JobId(id))
+                .as_ref()
+                .map(reason_text);
+        }
+        Some(job)
+    }
+
+    pub(crate) fn list(&self, filter: impl Fn(&JobRecord) -> bool, limit: usize) -> Vec<JobRecord> {
+        self.jobs
+            .values()
+            .rev()
+            .filter(|j| filter(j))
+            .take(limit)
+            .filter_map(|j| self.view(j.id))
+            .collect()
+    }
+
+    pub(crate) fn queue(&self) -> Vec<(JobRecord, f64)> {
+        self.scheduler
+            .queue()
+            .into_iter()
+            .filter_map(|q| self.view(q.job.0).map(|j| (j, q.priority)))
+            .collect()
+    }
+
+    /// (name, state, gpus, model, rack, allocated GPUs, running job ids, seconds since last sync).
+    pub(crate) fn nodes(&self, now: i64) -> Vec<serde_json::Value> {
+        self.nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                let id = NodeId(i as u32);
+                let cluster = self.scheduler.cluster();
+                let allocated = (0..n.record.gpus).filter(|g| cluster.owner(id, *g).is_some()).count();
+                let jobs: BTreeSet<u64> = (0..n.record.gpus).filter_map(|g| cluster.owner(id, g)).map(|j| j.0).collect();
+                let state = if n.down { "down" } else if n.record.drained { "drained" } else { "up" };
+                serde_json::json!({
+                    "name": n.record.name, "state": state, "gpus": n.record.gpus, "gpu_model": n.record.model,
+                    "rack": n.record.rack, "allocated_gpus": allocated, "jobs": jobs,
+                    "last_sync_secs_ago": (now - n.last_sync_ms) as f64 / 1000.0,
+                })
+            })
+            .collect()
+    }
+
+    pub(crate) fn set_drained(
+        &mut self,
+        name: &str,
+        drained: bool,
+        now: i64,
+    ) -> Result<(), ControlError> {
+        let &idx = self
+            .node_index
+            .get(name)
+            .ok_or_else(|| ControlError::NoSuchNode(name.to_owned()))?;
+        let event = if drained {
+            Event::Drain(NodeId(idx as u32))
+        } else {
+            Event::Resume(NodeId(idx as u32))
+        };
+        let actions = self.scheduler.step(now, event)?;
+        self.apply(now, actions);
+        self.nodes[idx].record.drained = drained;
+        self.dirty_nodes.insert(idx);
+        self.save()
+    }
+
+    pub(crate) fn sync(
+        &mut self,
+        req: SyncRequest,
+        now: i64,
+    ) -> Result<SyncResponse, ControlError> {
+        let name = req.node.as_str().to_owned();
+        let mut response = SyncResponse::default();
+        self.store_logs(&req.logs, &mut response)?;
+        if req.gpus == 0 {
+            // A node without GPUs is monitored but runs no jobs; anything it runs is stray.
+            response.stop = req
+                .running
+                .iter()
+                .map(|&job| JobStop {
+                    job,
+                    signal: "SIGTERM".into(),
+                    grace_secs: 10,
+                })
+                .collect();
+            response.acknowledged = req.exited.iter().map(|e| e.job).collect();
+            return Ok(response);
+        }
+        let idx = match self.node_index.get(&name) {
+            Some(&i) => i,
+            None => {
+                let record = NodeRecord {
+                    name: name.clone(),
+                    gpus: req.gpus,
+                    model: req.gpu_model.clone(),
+                    rack: req.rack.clone().unwrap_or_else(|| "default".into()),
+                    drained: false,
+                };
+                let i = self.add_node(record, now)?;
+                self.dirty_nodes.insert(i);
+                i
+            }
+        };
+        self.nodes[idx].last_sync_ms = now;
+        if self.nodes[idx].down {
+            self.nodes[idx].down = false;
+            let actions = self
+                .scheduler
+                .step(now, Event::NodeUp(NodeId(idx as u32)))?;
+            self.apply(now, actions);
+        }
+        for JobExit { job, code, stopped } in &req.exited {
+            response.acknowledged.push(*job);
+            let running_here = self.jobs.get(job).is_some_and(|j| {
+                j.state == JobState::Running && j.placement.iter().any(|p| p.node == name)
+            });
+            if running_here && self.delivered.contains(&(*job, idx)) {
+                if let Some(j) = self.jobs.get_mut(job) {
+                    j.exit_code = Some(*code);
+                    j.note(
+                        now,
+                        format!(
+                            "exited with code {code} on {name}{}",
+                            if *stopped { " (stopped by perch)" } else { "" }
+                        ),
+                    );
+                }
+                let actions = self.scheduler.step(
+                    now,
+                    Event::JobExited {
+                        job: JobId(*job),
+                        code: *code,
+                    },
+                )?;
+                self.apply(now, actions);
+            }
+        }
+        let exited: HashSet<u64> = req.exited.iter().map(|e| e.job).collect();
+        let reported: HashSet<u64> = req.running.iter().copied().collect();
+        // Processes the server does not expect here are stopped: no job runs twice.
+        for &job in &req.running {
+            let expected = self.jobs.get(&job).is_some_and(|j| {
+                j.state == JobState::Running && j.placement.iter().any(|p| p.node == name)
+            });
+            if !expected {
+                let grace = self.jobs.get(&job).map_or(10, |j| j.request.grace_secs);
+                response.stop.push(JobStop {
+                    job,
+                    signal: "SIGTERM".into(),
+                    grace_secs: grace,
+                });
+            }
+        }
+        // Jobs the agent was given but no longer has: it restarted and lost them.
+        let lost: Vec<u64> = self
+            .jobs
+            .values()
+            .filter(|j| j.state == JobState::Running && j.placement.iter().any(|p| p.node == name))
+            .map(|j| j.id)
+            .filter(|id| {
+                self.delivered.contains(&(*id, idx))
+                    && !reported.contains(id)
+                    && !exited.contains(id)
+            })
+            .collect();
+        for job in lost {
+            if let Some(j) = self.jobs.get_mut(&job) {
+                j.note(
+                    now,
+                    format!("processes lost on {name} (the agent restarted without them)"),
+                );
+                j.exit_code = Some(-1);
+            }
+            let actions = self.scheduler.step(
+                now,
+                Event::JobExited {
+                    job: JobId(job),
+                    code: -1,
+                },
+            )?;
+            self.apply(now, actions);
+        }
+        if let Some(out) = self.outbox.remove(&idx) {
+            for launch in &out.start {
+                self.delivered.insert((launch.job, idx));
+            }
+            response.start = out.start;
+            response.stop.extend(out.stop);
+        }
+        self.save()?;
+        Ok(response)
+    }
+
+    /// Marks nodes whose agents went silent as down, then lets time limits act.
+    pub(crate) fn tick(&mut self, now: i64) -> Result<(), ControlError> {
+        let timeout = i64::try_from(self.config.heartbeat_timeout.as_millis()).unwrap_or(i64::MAX);
+        for idx in 0..self.nodes.len() {
+            let n = &mut self.nodes[idx];
+            if !n.down && now - n.last_sync_ms > timeout {
+                n.down = true;
+                tracing::warn!(node = %n.record.name, "node stopped reporting; marking it down");
+                let actions = self
+                    .scheduler
+                    .step(now, Event::NodeDown(NodeId(idx as u32)))?;
+                self.apply(now, actions);
+            }
+        }
+        let actions = self.scheduler.step(now, Event::Tick)?;
+        self.apply(now, actions);
+        self.save()
+    }
+
+    fn log_path(&self, job: u64, stream: LogStream) -> PathBuf {
+        self.logs_dir.join(job.to_string()).join(stream.as_str())
+    }
+
+    fn store_logs(
+        &self,
+        chunks: &[LogChunk],
+        response: &mut SyncResponse,
+    ) -> Result<(), ControlError> {
+        let mut offsets: BTreeMap<(u64, LogStream), u64> = BTreeMap::new();
+        for c in chunks {
+            if !self.jobs.contains_key(&c.job) {
+                continue;
+            }
+            let path = self.log_path(c.job, c.stream);
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir).map_err(ControlError::Logs)?;
+            }
+            let have = std::fs::metadata(&path).map_or(0, |m| m.len());
+            let data = c.data.as_bytes();
+            let end = c.offset + data.len() as u64;
+            if c.offset <= have && end > have {
+                let skip = usize::try_from(have - c.offset).unwrap_or(0);
+                let mut f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&path)
+                    .map_err(ControlError::Logs)?;
+                f.write_all(&data[skip.min(data.len())..])
+                    .map_err(ControlError::Logs)?;
+            }
+            let len = std::fs::metadata(&path).map_or(0, |m| m.len());
+            offsets.insert((c.job, c.stream), len);
+        }
+        response.log_offsets = offsets.into_iter().map(|((j, s), o)| (j, s, o)).collect();
+        Ok(())
+    }
+
+    /// `offset..` of a job's stream as stored on the server.
+    pub(crate) fn read_log(
+        &self,
+        job: u64,
+        stream: LogStream,
+        offset: u64,
+    ) -> Result<Vec<u8>, ControlError> {
+        if !self.jobs.contains_key(&job) {
+            return Err(ControlError::NoSuchJob(job));
+        }
+        let data = match std::fs::read(self.log_path(job, stream)) {
+            Ok(d) => d,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(ControlError::Logs(e)),
+        };
+        let start = usize::try_from(offset)
+            .unwrap_or(usize::MAX)
+            .min(data.len());
+        Ok(data[start..].to_vec())
+    }
+
+    pub(crate) fn job(&self, id: u64) -> Option<&JobRecord> {
+        self.jobs.get(&id)
+    }
+}

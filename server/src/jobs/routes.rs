@@ -1,0 +1,212 @@
+//! HTTP routes for jobs, the queue, nodes, and agents' sync. See `GET /` for the list.
+
+use super::record::JobState;
+use super::spec::JobRequest;
+use crate::{ApiError, AppState};
+use axum::Json;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use perch_model::control::{LogStream, SyncRequest, SyncResponse};
+use serde::Deserialize;
+
+fn body<T>(payload: Result<Json<T>, JsonRejection>, what: &str) -> Result<T, ApiError> {
+    payload.map(|Json(v)| v).map_err(|e| {
+        ApiError::bad_request(
+            "malformed_request",
+            format!("the body is not a valid {what}: {}", e.body_text()),
+        )
+    })
+}
+
+pub async fn submit(
+    State(state): State<AppState>,
+    payload: Result<Json<JobRequest>, JsonRejection>,
+) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
+    let request = body(payload, "job request")?;
+    let record = state.jobs.run(move |c, now| c.submit(request, now)).await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(serde_json::to_value(record).unwrap_or_default()),
+    ))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListParams {
+    state: Option<String>,
+    user: Option<String>,
+    account: Option<String>,
+    limit: Option<usize>,
+}
+
+pub async fn list(
+    State(state): State<AppState>,
+    params: Result<Query<ListParams>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let Query(p) = params.map_err(|e| {
+        ApiError::bad_request(
+            "bad_parameters",
+            format!("{}; use state, user, account, limit", e.body_text()),
+        )
+    })?;
+    let wanted = match p.state.as_deref() {
+        None => None,
+        Some(s) => Some(JobState::parse(s).ok_or_else(|| {
+            ApiError::bad_request(
+                "bad_parameters",
+                format!("state {s:?} is not one of pending, running, completed, failed, cancelled, timeout, preempted, node_fail"),
+            )
+        })?),
+    };
+    let limit = p.limit.unwrap_or(1000).min(100_000);
+    let jobs = state
+        .jobs
+        .run(move |c, _| {
+            Ok(c.list(
+                |j| {
+                    wanted.is_none_or(|w| j.state == w)
+                        && p.user.as_deref().is_none_or(|u| j.request.user() == u)
+                        && p.account
+                            .as_deref()
+                            .is_none_or(|a| j.request.account() == a)
+                },
+                limit,
+            ))
+        })
+        .await?;
+    Ok(Json(serde_json::json!({ "jobs": jobs })))
+}
+
+fn live_utilization(state: &AppState, job: &super::record::JobRecord) -> serde_json::Value {
+    let latest = state.latest.snapshot();
+    let mut gpus = Vec::new();
+    for p in &job.placement {
+        for g in &p.gpus {
+            let sample = latest.get(&p.node).and_then(|n| n.gpus.get(g));
+            gpus.push(serde_json::json!({
+                "node": p.node, "gpu": g,
+                "utilization_gpu_pct": sample.and_then(|s| s.utilization_gpu_pct),
+                "memory_used_bytes": sample.and_then(|s| s.memory_used_bytes),
+                "power_watts": sample.and_then(|s| s.power_watts),
+                "simulated": sample.map(|s| s.simulated),
+            }));
+        }
+    }
+    serde_json::Value::Array(gpus)
+}
+
+pub async fn show(
+    State(state): State<AppState>,
+    Path(id): Path<u64>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let job = state
+        .jobs
+        .run(move |c, _| c.view(id).ok_or(super::ControlError::NoSuchJob(id)))
+        .await?;
+    let mut value = serde_json::to_value(&job).unwrap_or_default();
+    if job.state == JobState::Running {
+        value["gpus_now"] = live_utilization(&state, &job);
+    }
+    Ok(Json(value))
+}
+
+pub async fn cancel(
+    State(state): State<AppState>,
+    Path(id): Path<u64>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let job = state.jobs.run(move |c, now| c.cancel(id, now)).await?;
+    Ok(Json(serde_json::to_value(job).unwrap_or_default()))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogParams {
+    stream: Option<LogStream>,
+    offset: Option<u64>,
+}
+
+pub async fn logs(
+    State(state): State<AppState>,
+    Path(id): Path<u64>,
+    params: Result<Query<LogParams>, axum::extract::rejection::QueryRejection>,
+) -> Result<(axum::http::HeaderMap, Vec<u8>), ApiError> {
+    let Query(p) = params.map_err(|e| {
+        ApiError::bad_request(
+            "bad_parameters",
+            format!("{}; use stream=stdout|stderr and offset", e.body_text()),
+        )
+    })?;
+    let stream = p.stream.unwrap_or(LogStream::Stdout);
+    let offset = p.offset.unwrap_or(0);
+    let (data, finished) = state
+        .jobs
+        .run(move |c, _| {
+            let data = c.read_log(id, stream, offset)?;
+            Ok((data, c.job(id).is_some_and(|j| j.state.is_final())))
+        })
+        .await?;
+    let mut headers = axum::http::HeaderMap::new();
+    headers.insert(
+        axum::http::header::CONTENT_TYPE,
+        axum::http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    headers.insert(
+        "x-perch-job-finished",
+        axum::http::HeaderValue::from_static(if finished { "true" } else { "false" }),
+    );
+    Ok((headers, data))
+}
+
+pub async fn queue(State(state): State<AppState>) -> Result<Json<serde_json::Value>, ApiError> {
+    let entries = state.jobs.run(|c, _| Ok(c.queue())).await?;
+    let entries: Vec<_> = entries
+        .into_iter()
+        .enumerate()
+        .map(|(i, (job, priority))| serde_json::json!({"position": i + 1, "priority": priority, "job": job}))
+        .collect();
+    Ok(Json(serde_json::json!({ "queue": entries })))
+}
+
+pub async fn nodes(State(state): State<AppState>) -> Result<Json<serde_json::Value>, ApiError> {
+    let nodes = state.jobs.run(|c, now| Ok(c.nodes(now))).await?;
+    Ok(Json(serde_json::json!({ "nodes": nodes })))
+}
+
+pub async fn drain(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let n = name.clone();
+    state
+        .jobs
+        .run(move |c, now| c.set_drained(&n, true, now))
+        .await?;
+    Ok(Json(serde_json::json!({"node": name, "state": "drained"})))
+}
+
+pub async fn resume(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let n = name.clone();
+    state
+        .jobs
+        .run(move |c, now| c.set_drained(&n, false, now))
+        .await?;
+    Ok(Json(serde_json::json!({"node": name, "state": "up"})))
+}
+
+pub async fn sync(
+    State(state): State<AppState>,
+    payload: Result<Json<SyncRequest>, JsonRejection>,
+) -> Result<Json<SyncResponse>, ApiError> {
+    let request = body(payload, "agent sync request")?;
+    request
+        .node
+        .validate()
+        .map_err(|e| ApiError::bad_request("invalid_sync", format!("field `node`: {e}")))?;
+    Ok(Json(
+        state.jobs.run(move |c, now| c.sync(request, now)).await?,
+    ))
+}
