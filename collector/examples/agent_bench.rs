@@ -25,10 +25,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .worker_threads(1)
         .enable_all()
         .build()?;
-    let stats = runtime.block_on(run_agent(
-        config,
-        tokio::time::sleep(Duration::from_secs(seconds)),
-    ))?;
+    let stats = runtime.block_on(async {
+        run_agent(config, tokio::time::sleep(Duration::from_secs(seconds))).await
+    })?;
     println!("{stats:?}");
     Ok(())
 }

@@ -19,7 +19,8 @@ ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
 command -v prometheus-node-exporter >/dev/null || apt-get install -y prometheus-node-exporter >/dev/null
 
-cargo build --release --quiet -p nvml-standin -p perch-collector --example agent_bench --manifest-path "$ROOT/Cargo.toml"
+cargo build --release --quiet -p nvml-standin --manifest-path "$ROOT/Cargo.toml"
+cargo build --release --quiet -p perch-collector --example agent_bench --manifest-path "$ROOT/Cargo.toml"
 AGENT=$TARGET/release/examples/agent_bench
 LIB=$TARGET/release/libnvml_standin.so
 WORK=$(mktemp -d)

@@ -12,7 +12,7 @@ use crate::error::{CollectorError, Result};
 pub use crate::gpu::{GpuDetection, NvmlMode, detect_gpus};
 use crate::jobs::{JobRegistry, JobSpec};
 use crate::queue::SendQueue;
-use crate::sampler::{Sampler, SamplerConfig};
+use crate::sampler::{Round, Sampler, SamplerConfig};
 use crate::sender::encode;
 use crate::sender::{Backoff, Sender, SenderShared, lock, run_sender};
 use crate::spool::Spool;
@@ -125,6 +125,8 @@ pub struct AgentCounters {
     pub batches_spooled: AtomicU64,
     /// Bytes in the disk spool right now.
     pub spool_bytes: AtomicU64,
+    /// The latest round, for the node-local `/metrics` ([`crate::serve_metrics`]).
+    latest_round: Mutex<Option<Round>>,
 }
 
 /// A snapshot of [`AgentCounters`].
@@ -144,6 +146,16 @@ pub struct AgentStats {
 }
 
 impl AgentCounters {
+    /// A copy of the latest round the agent took, if any.
+    pub fn latest_round(&self) -> Option<Round> {
+        lock(&self.latest_round).clone()
+    }
+
+    /// Records the latest round (the sampling loop calls this).
+    pub fn set_latest_round(&self, round: Round) {
+        *lock(&self.latest_round) = Some(round);
+    }
+
     pub fn snapshot(&self) -> AgentStats {
         AgentStats {
             rounds_sampled: self.rounds_sampled.load(Relaxed),
@@ -354,6 +366,7 @@ pub async fn run_agent_with(
             () = &mut shutdown => break,
             _ = ticker.tick() => {
                 let round = sampler.sample(now_ms());
+                counters.set_latest_round(round.clone());
                 let (outcome, queued) = {
                     let mut q = lock(&shared.queue);
                     (q.push(round), q.len())

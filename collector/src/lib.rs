@@ -16,6 +16,7 @@ pub mod gpu;
 pub mod host;
 pub mod infiniband;
 pub mod jobs;
+pub mod local_metrics;
 pub mod nic;
 pub mod queue;
 pub mod sampler;
@@ -29,3 +30,4 @@ pub use agent::{
 };
 pub use error::{CollectorError, Result};
 pub use jobs::{JobRegistry, JobSpec, JobTarget};
+pub use local_metrics::serve_metrics;

@@ -1,0 +1,328 @@
+//! The agent's optional node-local `/metrics`, for sites that scrape nodes directly: the latest
+//! round (GPUs, host, NICs, InfiniBand ports, jobs) and the agent's own counters in the
+//! Prometheus text format 0.0.4, under the same names the server uses (docs/metrics.md), so
+//! dashboards work against either.
+//!
+//! A deliberately small HTTP/1.1 responder on a caller-bound tokio listener: one request per
+//! connection, `GET /metrics` or 404. It pulls in no web framework, keeping the agent small.
+
+use crate::agent::AgentCounters;
+use crate::sampler::Round;
+use std::fmt::Write as _;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// Accumulates families in order; each family's `# HELP`/`# TYPE` is written once.
+#[derive(Default)]
+struct Text {
+    out: String,
+    seen: std::collections::HashSet<&'static str>,
+}
+
+impl Text {
+    fn add(
+        &mut self,
+        name: &'static str,
+        kind: &str,
+        help: &str,
+        labels: &[(&str, &str)],
+        v: Option<f64>,
+    ) {
+        let Some(v) = v else {
+            return;
+        };
+        if self.seen.insert(name) {
+            let _ = writeln!(self.out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        }
+        let l: Vec<String> = labels
+            .iter()
+            .map(|(k, v)| format!("{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\"")))
+            .collect();
+        let _ = writeln!(self.out, "{name}{{{}}} {v}", l.join(","));
+    }
+}
+
+fn flag(b: bool) -> &'static str {
+    if b { "true" } else { "false" }
+}
+
+fn n(v: Option<u64>) -> Option<f64> {
+    v.map(|v| v as f64)
+}
+
+/// Renders the latest round of `node` and the agent counters.
+pub fn render(node: &str, round: Option<&Round>, counters: &AgentCounters) -> String {
+    let mut t = Text::default();
+    let c = |a: &std::sync::atomic::AtomicU64| Some(a.load(Relaxed) as f64);
+    let nl = [("node", node)];
+    t.add(
+        "perch_agent_rounds_total",
+        "counter",
+        "Sampling rounds taken",
+        &nl,
+        c(&counters.rounds_sampled),
+    );
+    t.add(
+        "perch_agent_batches_sent_total",
+        "counter",
+        "Batches the server acknowledged",
+        &nl,
+        c(&counters.batches_sent),
+    );
+    t.add(
+        "perch_agent_batches_dropped_total",
+        "counter",
+        "Batches dropped (queue or spool bound, or shutdown)",
+        &nl,
+        c(&counters.batches_dropped),
+    );
+    t.add(
+        "perch_agent_send_errors_total",
+        "counter",
+        "Failed delivery attempts",
+        &nl,
+        c(&counters.send_errors),
+    );
+    t.add(
+        "perch_agent_spool_bytes",
+        "gauge",
+        "Bytes in the disk spool",
+        &nl,
+        c(&counters.spool_bytes),
+    );
+    let Some(r) = round else {
+        return t.out;
+    };
+    for g in &r.gpus {
+        let gpu = g.gpu.to_string();
+        let l = [
+            ("node", node),
+            ("gpu", gpu.as_str()),
+            ("simulated", flag(g.simulated)),
+        ];
+        t.add(
+            "perch_gpu_utilization_ratio",
+            "gauge",
+            "Share of time a kernel ran",
+            &l,
+            g.utilization_gpu_pct.map(|v| v / 100.0),
+        );
+        t.add(
+            "perch_gpu_memory_used_bytes",
+            "gauge",
+            "Device memory in use",
+            &l,
+            n(g.memory_used_bytes),
+        );
+        t.add(
+            "perch_gpu_power_watts",
+            "gauge",
+            "Board power draw",
+            &l,
+            g.power_watts,
+        );
+        t.add(
+            "perch_gpu_temperature_celsius",
+            "gauge",
+            "GPU temperature",
+            &l,
+            g.temperature_celsius,
+        );
+        t.add(
+            "perch_gpu_xid_errors_total",
+            "counter",
+            "XID errors seen since the agent started",
+            &l,
+            n(g.xid_errors_total),
+        );
+        t.add(
+            "perch_gpu_ecc_error_events_total",
+            "counter",
+            "ECC error events seen since the agent started",
+            &l,
+            n(g.ecc_error_events_total),
+        );
+    }
+    for h in &r.hosts {
+        let l = [("node", node), ("simulated", flag(h.simulated))];
+        t.add(
+            "perch_node_memory_available_bytes",
+            "gauge",
+            "Memory available to new work",
+            &l,
+            n(h.memory_available_bytes),
+        );
+        t.add(
+            "perch_node_load1",
+            "gauge",
+            "1-minute load average",
+            &l,
+            h.load1,
+        );
+    }
+    for x in &r.nics {
+        let l = [
+            ("node", node),
+            ("device", x.device.as_str()),
+            ("simulated", flag(x.simulated)),
+        ];
+        t.add(
+            "perch_network_receive_bytes_total",
+            "counter",
+            "Bytes received",
+            &l,
+            n(x.rx_bytes),
+        );
+        t.add(
+            "perch_network_transmit_bytes_total",
+            "counter",
+            "Bytes sent",
+            &l,
+            n(x.tx_bytes),
+        );
+    }
+    for p in &r.ib_ports {
+        let port = p.port.to_string();
+        let l = [
+            ("node", node),
+            ("device", p.device.as_str()),
+            ("port", port.as_str()),
+            ("simulated", flag(p.simulated)),
+        ];
+        t.add(
+            "perch_infiniband_receive_bytes_total",
+            "counter",
+            "Bytes received (port_rcv_data x 4)",
+            &l,
+            n(p.rx_bytes),
+        );
+        t.add(
+            "perch_infiniband_transmit_bytes_total",
+            "counter",
+            "Bytes sent (port_xmit_data x 4)",
+            &l,
+            n(p.tx_bytes),
+        );
+    }
+    for j in &r.jobs {
+        let l = [
+            ("node", node),
+            ("job", j.job.as_str()),
+            ("simulated", flag(j.simulated)),
+        ];
+        t.add(
+            "perch_job_cpu_seconds_total",
+            "counter",
+            "CPU time of the job",
+            &l,
+            j.cpu_seconds,
+        );
+        t.add(
+            "perch_job_memory_bytes",
+            "gauge",
+            "Memory of the job now",
+            &l,
+            n(j.memory_bytes),
+        );
+    }
+    t.out
+}
+
+/// Serves `GET /metrics` on `listener` until `shutdown` completes. `node` labels the series;
+/// `counters` are the running agent's ([`crate::AgentHandle::counters`]), whose latest round
+/// the agent keeps up to date.
+pub async fn serve_metrics(
+    listener: TcpListener,
+    node: String,
+    counters: Arc<AgentCounters>,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    tokio::pin!(shutdown);
+    loop {
+        let (mut stream, _) = tokio::select! {
+            () = &mut shutdown => return Ok(()),
+            accepted = listener.accept() => accepted?,
+        };
+        let node = node.clone();
+        let counters = counters.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            let Ok(len) = stream.read(&mut buf).await else {
+                return;
+            };
+            let request = String::from_utf8_lossy(&buf[..len]);
+            let path = request.split_ascii_whitespace().nth(1).unwrap_or("");
+            let (status, body) = if request.starts_with("GET ") && path == "/metrics" {
+                let round = counters.latest_round();
+                ("200 OK", render(&node, round.as_ref(), &counters))
+            } else {
+                (
+                    "404 Not Found",
+                    "only GET /metrics is served here\n".to_string(),
+                )
+            };
+            let head = format!(
+                "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4; charset=utf-8\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = stream.write_all(head.as_bytes()).await;
+            let _ = stream.write_all(body.as_bytes()).await;
+            let _ = stream.shutdown().await;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use perch_model::{GpuIndex, GpuSample};
+
+    #[tokio::test]
+    async fn serves_the_latest_round_and_counters() {
+        let counters = Arc::new(AgentCounters::default());
+        counters.rounds_sampled.store(7, Relaxed);
+        counters.set_latest_round(Round {
+            gpus: vec![GpuSample {
+                gpu: GpuIndex(2),
+                utilization_gpu_pct: Some(50.0),
+                xid_errors_total: Some(3),
+                ..GpuSample::default()
+            }],
+            ..Round::default()
+        });
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve_metrics(listener, "n1".into(), counters, async {
+            let _ = stopped.await;
+        }));
+        let body = reqwest::get(format!("{url}/metrics"))
+            .await
+            .expect("GET")
+            .text()
+            .await
+            .expect("body");
+        for line in [
+            "perch_agent_rounds_total{node=\"n1\"} 7",
+            "perch_gpu_utilization_ratio{node=\"n1\",gpu=\"2\",simulated=\"false\"} 0.5",
+            "perch_gpu_xid_errors_total{node=\"n1\",gpu=\"2\",simulated=\"false\"} 3",
+            "# TYPE perch_gpu_xid_errors_total counter",
+        ] {
+            assert!(
+                body.lines().any(|l| l == line),
+                "{line:?} missing from\n{body}"
+            );
+        }
+        assert!(
+            !body.contains("perch_gpu_power_watts"),
+            "absent values are not exported"
+        );
+        let missing = reqwest::get(format!("{url}/nope")).await.expect("GET");
+        assert_eq!(missing.status().as_u16(), 404);
+        let _ = stop.send(());
+        server.await.expect("join").expect("served");
+    }
+}
