@@ -25,7 +25,11 @@ AGENT=$TARGET/release/examples/agent_bench
 LIB=$TARGET/release/libnvml_standin.so
 WORK=$(mktemp -d)
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
+cleanup() {
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$WORK" || true
+}
 trap cleanup EXIT
 
 "$PERCH" server --listen 127.0.0.1:0 --data-dir "$WORK/server" >"$WORK/server.log" 2>&1 &
