@@ -44,7 +44,7 @@ pub struct GpuEvent {
     pub uuid: String,
     pub simulated: bool,
     pub kind: GpuEventKind,
-    /// The XID code, for `kind: xid`.
+    /// The XID code, for `kind: xid` (absent when NVML does not know it).
     #[serde(default)]
     pub xid: Option<u64>,
     /// Detail for people (the NVML error, say).
@@ -57,10 +57,14 @@ pub(crate) fn validate(events: &[GpuEvent], now_ms: i64) -> Result<(), BatchErro
         let f = |name: &str| format!("gpu_events[{i}].{name}");
         check_time(&f("time_ms"), e.time_ms, now_ms)?;
         check_label(&f("uuid"), &e.uuid)?;
-        if e.kind == GpuEventKind::Xid && e.xid.is_none() {
+        // NVML may not know an XID's code (`xid` absent); a code on another kind is a mistake.
+        if e.kind != GpuEventKind::Xid && e.xid.is_some() {
             return Err(field_error(
                 f("xid"),
-                "an xid event needs its code in `xid`",
+                format!(
+                    "only `kind: xid` events carry a code, this one is {}",
+                    e.kind.as_str()
+                ),
             ));
         }
         if e.message.as_ref().is_some_and(|m| m.len() > 4096) {
@@ -127,7 +131,11 @@ mod tests {
     #[test]
     fn new_rows_are_validated_by_field() {
         check(|_| {}, None);
-        check(|b| b.gpu_events[0].xid = None, Some("gpu_events[0].xid"));
+        check(|b| b.gpu_events[0].xid = None, None);
+        check(
+            |b| b.gpu_events[0].kind = GpuEventKind::GpuLost,
+            Some("gpu_events[0].xid"),
+        );
         check(
             |b| b.gpu_events[0].time_ms = 5,
             Some("gpu_events[0].time_ms"),

@@ -1,7 +1,7 @@
 //! The scenario a stand-in NVML plays: GPUs, their values over time, events at given times, and
 //! GPUs that fall off the bus. Pure data and lookups; no unsafe code and no C types here.
 //!
-//! A scenario is JSON (see the crate docs for an example). Time is the scenario's clock: with
+//! A scenario is JSON; `collector/tests/fixtures/nvml/*.json` are examples. Time is the scenario's clock: with
 //! `"clock": "rounds"` (the default) it is the number of times the caller has asked for GPU 0's
 //! handle since `nvmlInit` minus one, so an agent that opens NVML (time 0) and then samples
 //! every round sees time 1, 2, 3, ... whatever its interval; with `"clock": "seconds"` it is
