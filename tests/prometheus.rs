@@ -21,7 +21,11 @@ impl Drop for Prometheus {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
 }
 
 fn start_prometheus(dir: &Path, target: &str) -> Prometheus {
@@ -34,13 +38,19 @@ fn start_prometheus(dir: &Path, target: &str) -> Prometheus {
     let port = free_port();
     let child = Command::new("prometheus")
         .arg(format!("--config.file={}", config.display()))
-        .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.join("tsdb").display()
+        ))
         .arg(format!("--web.listen-address=127.0.0.1:{port}"))
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(dir.join("prometheus.log")).expect("log"))
         .spawn()
         .expect("start prometheus (install Debian's prometheus package; scripts/test.sh does)");
-    Prometheus { child, url: format!("http://127.0.0.1:{port}") }
+    Prometheus {
+        child,
+        url: format!("http://127.0.0.1:{port}"),
+    }
 }
 
 fn query(prom: &Prometheus, expr: &str) -> serde_json::Value {
@@ -62,12 +72,27 @@ fn fill(expr: &str, node: &str) -> String {
 #[test]
 fn every_dashboard_query_returns_data_from_a_real_prometheus() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let perch = Perch::start(&dir.path().join("perch"), &["demo", "--nodes", "2", "--gpus-per-node", "2", "--interval-ms", "200"]);
+    let perch = Perch::start(
+        &dir.path().join("perch"),
+        &[
+            "demo",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "2",
+            "--interval-ms",
+            "200",
+        ],
+    );
     let target = perch.url.trim_start_matches("http://").to_owned();
     let prom = start_prometheus(dir.path(), &target);
     // Enough scrapes for rate() over any window: three, a second apart.
     wait_for("three successful scrapes", || {
-        let r = reqwest::blocking::get(format!("{}/api/v1/query?query=count_over_time(up[1m])", prom.url)).ok()?;
+        let r = reqwest::blocking::get(format!(
+            "{}/api/v1/query?query=count_over_time(up[1m])",
+            prom.url
+        ))
+        .ok()?;
         let v: serde_json::Value = r.json().ok()?;
         let n: f64 = v["data"]["result"][0]["value"][1].as_str()?.parse().ok()?;
         let up = query(&prom, "up")["data"]["result"][0]["value"][1] == "1";
@@ -81,23 +106,61 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
         if path.extension().is_none_or(|e| e != "json") {
             continue;
         }
-        let d: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+        let d: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
         for var in d["templating"]["list"].as_array().expect("templating") {
-            let Some(q) = var["query"]["query"].as_str() else { continue };
-            let Some(inner) = q.strip_prefix("label_values(").and_then(|r| r.strip_suffix(')')) else { continue };
+            let Some(q) = var["query"]["query"].as_str() else {
+                continue;
+            };
+            let Some(inner) = q
+                .strip_prefix("label_values(")
+                .and_then(|r| r.strip_suffix(')'))
+            else {
+                continue;
+            };
             let (metric, label) = inner.rsplit_once(',').expect("label_values(metric, label)");
-            let result = query(&prom, &format!("count by ({}) ({})", label.trim(), fill(metric.trim(), node)));
-            assert_eq!(result["status"], "success", "{}: variable {q}: {result}", path.display());
-            assert!(!result["data"]["result"].as_array().expect("result").is_empty(), "{}: variable {q} has no values", path.display());
+            let result = query(
+                &prom,
+                &format!(
+                    "count by ({}) ({})",
+                    label.trim(),
+                    fill(metric.trim(), node)
+                ),
+            );
+            assert_eq!(
+                result["status"],
+                "success",
+                "{}: variable {q}: {result}",
+                path.display()
+            );
+            assert!(
+                !result["data"]["result"]
+                    .as_array()
+                    .expect("result")
+                    .is_empty(),
+                "{}: variable {q} has no values",
+                path.display()
+            );
             checked += 1;
         }
         for panel in d["panels"].as_array().expect("panels") {
             for target in panel["targets"].as_array().expect("targets") {
                 let expr = fill(target["expr"].as_str().expect("expr"), node);
                 let result = query(&prom, &expr);
-                assert_eq!(result["status"], "success", "{}: panel {:?}: {expr}: {result}", path.display(), panel["title"]);
+                assert_eq!(
+                    result["status"],
+                    "success",
+                    "{}: panel {:?}: {expr}: {result}",
+                    path.display(),
+                    panel["title"]
+                );
                 let series = result["data"]["result"].as_array().expect("result");
-                assert!(!series.is_empty(), "{}: panel {:?}: {expr} returned nothing", path.display(), panel["title"]);
+                assert!(
+                    !series.is_empty(),
+                    "{}: panel {:?}: {expr} returned nothing",
+                    path.display(),
+                    panel["title"]
+                );
                 checked += 1;
             }
         }

@@ -62,6 +62,8 @@ pub struct AgentConfig {
     /// The jobs on this node; clones share it, so a job launcher can register jobs while the
     /// agent runs (also through [`AgentHandle::jobs`]).
     pub jobs: JobRegistry,
+    /// Run the jobs the server places on this node (see [`crate::control_loop`]).
+    pub run_jobs: bool,
 }
 
 impl AgentConfig {
@@ -84,6 +86,7 @@ impl AgentConfig {
             backoff: Backoff::default(),
             root: PathBuf::from("/"),
             spool_max_bytes: 256 * 1024 * 1024,
+            run_jobs: true,
             jobs: JobRegistry::default(),
         }
     }
@@ -355,6 +358,26 @@ pub async fn run_agent_with(
         counters: counters.clone(),
     };
     tracing::info!(node = %config.node, url = %sender.url(), interval = ?config.interval, first_seq, "agent started");
+    let (control_stop, control_stopped) = tokio::sync::watch::channel(false);
+    let control_task = config.run_jobs.then(|| {
+        let (gpus, gpu_model) = sampler.gpu_inventory();
+        let control = crate::control_loop::ControlConfig {
+            server: config.server.clone(),
+            node: config.node.clone(),
+            gpus,
+            gpu_model,
+            rack: None,
+            jobs_dir: config.data_dir.join("jobs").join(config.node.as_str()),
+            interval: Duration::from_millis(500),
+            request_timeout: config.request_timeout,
+            shutdown_grace: config.drain_timeout,
+            registry: config.jobs.clone(),
+        };
+        let mut stopped = control_stopped.clone();
+        tokio::spawn(crate::control_loop::run_control(control, async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }))
+    });
     let mut sender_task = tokio::spawn(run_sender(sender, shared.clone(), config.backoff));
 
     let mut ticker = tokio::time::interval(config.interval);
@@ -381,6 +404,14 @@ pub async fn run_agent_with(
         }
     }
 
+    let _ = control_stop.send(true);
+    if let Some(task) = control_task {
+        match task.await {
+            Ok(Err(e)) => tracing::warn!(error = %e, "job control stopped with an error"),
+            Err(e) => tracing::warn!(error = %e, "job control task failed"),
+            Ok(Ok(())) => {}
+        }
+    }
     shared.draining.store(true, Relaxed);
     shared.wake.notify_one();
     let pending = lock(&shared.queue).len();

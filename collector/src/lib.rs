@@ -11,11 +11,13 @@
 //! types of `perch-model`.
 
 pub mod agent;
+pub mod control_loop;
 mod error;
 pub mod gpu;
 pub mod host;
 pub mod infiniband;
 pub mod jobs;
+pub mod launcher;
 pub mod local_metrics;
 pub mod nic;
 pub mod queue;

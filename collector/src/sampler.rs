@@ -145,6 +145,18 @@ impl Sampler {
     }
 
     /// Takes one round at `now_ms`.
+    /// GPUs jobs can be placed on here: how many, and the model of the first (real GPUs come
+    /// first; simulated ones carry "Simulated" in their model name).
+    pub fn gpu_inventory(&self) -> (u32, String) {
+        let real = self.nvml.as_ref().map_or(&[][..], |n| n.devices());
+        let count = real.len() as u32 + self.sim.len() as u32;
+        let model = real
+            .first()
+            .map(|d| d.model.clone())
+            .unwrap_or_else(|| crate::gpu::sim::SIM_MODEL.to_owned());
+        (count, model)
+    }
+
     pub fn sample(&mut self, now_ms: i64) -> Round {
         let nvml = self
             .nvml

@@ -284,7 +284,11 @@ async fn retention_drops_whole_old_day_partitions_only() {
     store.reap();
     let sql = SqlEngine::new(store, QueryLimits::default());
     assert_eq!(
-        count(&sql, "SELECT CAST(min(sm_clock_mhz) AS BIGINT) FROM gpu_samples").await,
+        count(
+            &sql,
+            "SELECT CAST(min(sm_clock_mhz) AS BIGINT) FROM gpu_samples"
+        )
+        .await,
         2
     );
     assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 3);

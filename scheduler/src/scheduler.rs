@@ -64,6 +64,9 @@ pub enum Event {
     Tick,
     /// A node joined the cluster (a live server learns nodes as their agents appear).
     AddNode(NodeSpec),
+    /// A running job's processes vanished without an exit status (its agent restarted): like
+    /// a node failure for that one job, it is requeued while requeues are left.
+    JobLost(JobId),
     /// A job that was already running when the server restarted, put back as it was. No
     /// `Start` action follows: its processes never stopped.
     Restore {
@@ -437,6 +440,33 @@ impl Scheduler {
                 self.set_job_util(now, job, percent);
             }
             Event::Tick => {}
+            Event::JobLost(job) => {
+                match self.jobs.get(&job).map(|j| &j.state) {
+                    Some(JobState::Running { .. }) => {}
+                    _ => return Err(Error::UnknownJob(job)),
+                }
+                self.stop_running(now, job);
+                let requeue = self
+                    .jobs
+                    .get(&job)
+                    .is_some_and(|j| j.requeues < j.spec.max_requeues);
+                if requeue {
+                    if let Some(j) = self.jobs.get_mut(&job) {
+                        j.requeues += 1;
+                    }
+                    self.enqueue(job);
+                    out.push(Action::Requeue {
+                        job,
+                        reason: RequeueReason::NodeFail,
+                    });
+                } else {
+                    self.jobs.remove(&job);
+                    out.push(Action::End {
+                        job,
+                        state: EndState::NodeFail,
+                    });
+                }
+            }
             Event::AddNode(spec) => {
                 self.cluster.add_node(spec)?;
                 // Jobs asking for a model no node had are satisfiable now if this node has it.

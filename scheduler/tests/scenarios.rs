@@ -457,3 +457,32 @@ fn nodes_join_a_live_cluster_and_running_jobs_are_restored_after_a_restart() {
         vec![8]
     );
 }
+
+#[test]
+fn a_lost_job_is_requeued_while_requeues_last() {
+    let mut s = sched(1, Config::perch(vec![]));
+    let mut spec = one(1, 8, "a", 60, 0);
+    spec.max_requeues = 1;
+    assert_eq!(started(&step(&mut s, 0, Event::Submit(spec))), vec![1]);
+    let a = step(&mut s, 10, Event::JobLost(JobId(1)));
+    assert!(
+        a.contains(&Action::Requeue {
+            job: JobId(1),
+            reason: RequeueReason::NodeFail
+        }),
+        "{a:?}"
+    );
+    assert_eq!(started(&a), vec![1], "restarted at once on the freed GPUs");
+    let a = step(&mut s, 20, Event::JobLost(JobId(1)));
+    assert!(
+        a.contains(&Action::End {
+            job: JobId(1),
+            state: EndState::NodeFail
+        }),
+        "{a:?}"
+    );
+    assert!(
+        s.step(30, Event::JobLost(JobId(1))).is_err(),
+        "no longer running"
+    );
+}

@@ -1,6 +1,7 @@
 //! The subcommands: their flags (each also a `PERCH_*` environment variable) and dispatch.
 
 mod bench;
+mod jobs;
 mod serve;
 pub mod simulate;
 mod sql;
@@ -40,6 +41,24 @@ enum Command {
     Simulate(simulate::SimulateArgs),
     /// Measure perch (results go in BENCHMARKS.md).
     Bench(bench::BenchArgs),
+    /// Submit a job (like sbatch): perch submit --gpus 2 --time 2h -- python train.py
+    Submit(jobs::SubmitArgs),
+    /// List jobs (like squeue; --all for ended ones too).
+    Jobs(jobs::JobsArgs),
+    /// Show one job: state, reason, GPUs, live utilization, timeline.
+    Show(jobs::JobIdArgs),
+    /// Cancel jobs (like scancel).
+    Cancel(jobs::CancelArgs),
+    /// Print a job's output (-f to follow).
+    Logs(jobs::LogsArgs),
+    /// Pending jobs in scheduling order, with the reason each waits.
+    Queue(jobs::ListArgs),
+    /// Nodes, their GPUs and jobs (like sinfo).
+    Nodes(jobs::ListArgs),
+    /// Stop placing jobs on a node (running ones finish).
+    Drain(jobs::NodeArgs),
+    /// Place jobs on a drained node again.
+    Resume(jobs::NodeArgs),
 }
 
 #[derive(Debug, Args)]
@@ -204,5 +223,14 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Sql(args) => sql::run(args),
         Command::Simulate(args) => simulate::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Submit(args) => jobs::submit(args),
+        Command::Jobs(args) => jobs::jobs(args),
+        Command::Show(args) => jobs::show(args),
+        Command::Cancel(args) => jobs::cancel(args),
+        Command::Logs(args) => jobs::logs(args),
+        Command::Queue(args) => jobs::queue(args),
+        Command::Nodes(args) => jobs::nodes(args),
+        Command::Drain(args) => jobs::set_drained(args, true),
+        Command::Resume(args) => jobs::set_drained(args, false),
     }
 }

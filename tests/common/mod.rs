@@ -27,14 +27,21 @@ impl Perch {
         let addr_file = data_dir.join("server.addr");
         let _ = std::fs::remove_file(&addr_file);
         let log = data_dir.join(format!("perch-{}.log", args[0]));
-        let log_file = std::fs::File::create(&log).expect("create log");
+        let log_file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("create log");
         let mut cmd = Command::new(PERCH);
         cmd.args(args).arg("--data-dir").arg(data_dir);
         if !args.contains(&"--listen") {
             cmd.args(["--listen", "127.0.0.1:0"]);
         }
         let child = cmd
-            .env("PERCH_LOG", "info")
+            .env(
+                "PERCH_LOG",
+                std::env::var("PERCH_TEST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .stdout(log_file.try_clone().expect("clone log"))
             .stderr(log_file)
             .spawn()

@@ -79,6 +79,8 @@ pub(crate) struct Control {
     delivered: HashSet<(u64, usize)>,
     dirty_jobs: BTreeSet<u64>,
     dirty_nodes: BTreeSet<usize>,
+    /// The time of the latest operation, for texts relative to now.
+    now: i64,
     db: JobDb,
     logs_dir: PathBuf,
     config: JobsConfig,
@@ -117,12 +119,15 @@ fn signal_of(req: &JobRequest) -> String {
         .unwrap_or_else(|| "SIGTERM".into())
 }
 
-pub(crate) fn reason_text(reason: &PendingReason) -> String {
+pub(crate) fn reason_text(reason: &PendingReason, now: i64) -> String {
     match reason {
         PendingReason::New => "submitted, waiting for the next scheduling pass".into(),
         PendingReason::Priority => "waiting behind higher-priority jobs".into(),
         PendingReason::Reserved { at } => {
-            format!("next in line: GPUs reserved for it from {at} (ms since epoch)")
+            let mins = ((at - now).max(0) + 59_999) / 60_000;
+            format!(
+                "next in line: its GPUs are reserved, at the latest in {mins} min (when running jobs reach their time limits)"
+            )
         }
         PendingReason::Resources => "waiting for free GPUs of the requested shape and model".into(),
         PendingReason::QuotaExceeded => "the account is at its GPU quota".into(),
@@ -154,6 +159,7 @@ impl Control {
             delivered: HashSet::new(),
             dirty_jobs: BTreeSet::new(),
             dirty_nodes: BTreeSet::new(),
+            now: now_ms,
             db,
             logs_dir: dir.join("logs"),
             config,
@@ -179,8 +185,8 @@ impl Control {
                             requeues: job.requeues,
                         },
                     );
-                    for (i, _) in job.placement.iter().enumerate() {
-                        if let Some(&n) = c.node_index.get(&job.placement[i].node) {
+                    for p in job.placement.iter().filter(|p| p.delivered) {
+                        if let Some(&n) = c.node_index.get(&p.node) {
                             c.delivered.insert((job.id, n));
                         }
                     }
@@ -194,7 +200,13 @@ impl Control {
                 job.end_ms = Some(now_ms);
                 c.dirty_jobs.insert(job.id);
             }
-            c.jobs.insert(job.id, job);
+            let resend = job.state == JobState::Running;
+            let id = job.id;
+            c.jobs.insert(id, job);
+            if resend {
+                // Launch orders the old process queued but never handed over go out again.
+                c.queue_launches(id);
+            }
         }
         c.save()?;
         Ok(c)
@@ -277,6 +289,7 @@ impl Control {
 
     fn apply(&mut self, now: i64, actions: Vec<Action>) {
         for action in actions {
+            tracing::debug!(?action, "scheduler action");
             match action {
                 Action::Start { job, placement } => self.start(now, job.0, &placement),
                 Action::Preempt {
@@ -387,6 +400,7 @@ impl Control {
                 self.nodes.get(a.node.0 as usize).map(|n| NodeGpus {
                     node: n.record.name.clone(),
                     gpus: a.gpu_indices(),
+                    delivered: false,
                 })
             })
             .collect();
@@ -400,8 +414,23 @@ impl Control {
             now,
             format!("started on {where_} (attempt {})", job.attempts),
         );
-        let nodes = job.request.nodes;
-        for (rank, a) in placement.iter().enumerate() {
+        self.dirty_jobs.insert(id);
+        self.queue_launches(id);
+    }
+
+    /// Queues the launch orders of a running job for every node of its placement whose
+    /// agent has not been handed one yet.
+    fn queue_launches(&mut self, id: u64) {
+        let Some(job) = self.jobs.get(&id) else {
+            return;
+        };
+        for (rank, p) in job.placement.iter().enumerate() {
+            let Some(&node) = self.node_index.get(&p.node) else {
+                continue;
+            };
+            if p.delivered {
+                continue;
+            }
             let mut env = job.request.env.clone();
             env.insert("PERCH_JOB_ID".into(), id.to_string());
             env.insert("PERCH_JOB_ATTEMPT".into(), job.attempts.to_string());
@@ -410,29 +439,30 @@ impl Control {
                 command: job.request.command.clone(),
                 env,
                 workdir: job.request.workdir.clone(),
-                gpus: a.gpu_indices(),
+                gpus: p.gpus.clone(),
                 user: job.request.user().to_owned(),
                 node_rank: rank as u32,
-                nodes,
+                nodes: job.request.nodes,
                 time_limit_secs: job.request.time_limit_secs,
                 checkpoint_signal: signal_of(&job.request),
                 grace_secs: job.request.grace_secs,
             };
-            self.outbox
-                .entry(a.node.0 as usize)
-                .or_default()
-                .start
-                .push(launch);
+            self.outbox.entry(node).or_default().start.push(launch);
         }
-        self.dirty_jobs.insert(id);
     }
 
     pub(crate) fn submit(
         &mut self,
-        request: JobRequest,
+        mut request: JobRequest,
         now: i64,
     ) -> Result<JobRecord, ControlError> {
         request.validate()?;
+        self.now = now;
+        // Record who runs it and who pays explicitly, so listings and accounting never guess.
+        let user = request.user().to_owned();
+        let account = request.account().to_owned();
+        request.user = Some(user);
+        request.account = Some(account);
         let id = self.next_id;
         let spec = spec_of(id, &request, now);
         spec.validate()?;
@@ -462,6 +492,7 @@ impl Control {
     }
 
     pub(crate) fn cancel(&mut self, id: u64, now: i64) -> Result<JobRecord, ControlError> {
+        self.now = now;
         let job = self.jobs.get(&id).ok_or(ControlError::NoSuchJob(id))?;
         if job.state.is_final() {
             return Err(ControlError::AlreadyEnded {
@@ -483,7 +514,7 @@ impl Control {
                 .scheduler
                 .pending_reason(JobId(id))
                 .as_ref()
-                .map(reason_text);
+                .map(|r| reason_text(r, self.now));
         }
         Some(job)
     }
@@ -553,6 +584,7 @@ impl Control {
         req: SyncRequest,
         now: i64,
     ) -> Result<SyncResponse, ControlError> {
+        self.now = now;
         let name = req.node.as_str().to_owned();
         let mut response = SyncResponse::default();
         self.store_logs(&req.logs, &mut response)?;
@@ -651,22 +683,21 @@ impl Control {
             if let Some(j) = self.jobs.get_mut(&job) {
                 j.note(
                     now,
-                    format!("processes lost on {name} (the agent restarted without them)"),
+                    format!("processes lost on {name} (its agent restarted without them)"),
                 );
-                j.exit_code = Some(-1);
             }
-            let actions = self.scheduler.step(
-                now,
-                Event::JobExited {
-                    job: JobId(job),
-                    code: -1,
-                },
-            )?;
+            let actions = self.scheduler.step(now, Event::JobLost(JobId(job)))?;
             self.apply(now, actions);
         }
         if let Some(out) = self.outbox.remove(&idx) {
             for launch in &out.start {
                 self.delivered.insert((launch.job, idx));
+                if let Some(j) = self.jobs.get_mut(&launch.job) {
+                    for p in j.placement.iter_mut().filter(|p| p.node == name) {
+                        p.delivered = true;
+                    }
+                    self.dirty_jobs.insert(launch.job);
+                }
             }
             response.start = out.start;
             response.stop.extend(out.stop);
@@ -677,6 +708,7 @@ impl Control {
 
     /// Marks nodes whose agents went silent as down, then lets time limits act.
     pub(crate) fn tick(&mut self, now: i64) -> Result<(), ControlError> {
+        self.now = now;
         let timeout = i64::try_from(self.config.heartbeat_timeout.as_millis()).unwrap_or(i64::MAX);
         for idx in 0..self.nodes.len() {
             let n = &mut self.nodes[idx];

@@ -46,6 +46,10 @@ impl JobState {
 pub struct NodeGpus {
     pub node: String,
     pub gpus: Vec<u32>,
+    /// The node's agent has been handed the launch order (persisted, so a restarted server
+    /// knows whether a job missing from an agent's report was lost or never received).
+    #[serde(default)]
+    pub delivered: bool,
 }
 
 /// One moment of a job's life.

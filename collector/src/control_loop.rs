@@ -1,0 +1,116 @@
+//! The agent's side of job control: every `interval` it reaps and polices its jobs
+//! ([`Launcher`]), reports to the server's `POST /v1/agent/sync` what runs and what ended,
+//! ships new job output, and carries out the server's start and stop orders. While the server
+//! is unreachable, jobs keep running and exits wait to be reported.
+
+use crate::jobs::JobRegistry;
+use crate::launcher::Launcher;
+use perch_model::NodeId;
+use perch_model::control::{SyncRequest, SyncResponse};
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct ControlConfig {
+    pub server: String,
+    pub node: NodeId,
+    /// GPUs jobs may use here, and their model.
+    pub gpus: u32,
+    pub gpu_model: String,
+    pub rack: Option<String>,
+    /// Where jobs' directories and output go.
+    pub jobs_dir: PathBuf,
+    pub interval: Duration,
+    pub request_timeout: Duration,
+    /// Grace given to running jobs when the agent shuts down.
+    pub shutdown_grace: Duration,
+    pub registry: JobRegistry,
+}
+
+fn lock(l: &Mutex<Launcher>) -> std::sync::MutexGuard<'_, Launcher> {
+    l.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Runs job control until `shutdown`, then stops the node's jobs.
+pub async fn run_control(
+    config: ControlConfig,
+    shutdown: impl Future<Output = ()> + Send,
+) -> crate::Result<()> {
+    let launcher =
+        Launcher::with_registry(&config.jobs_dir, config.registry.clone()).map_err(|e| {
+            crate::CollectorError::Io {
+                path: config.jobs_dir.clone(),
+                source: e,
+            }
+        })?;
+    let launcher = Arc::new(Mutex::new(launcher));
+    let client = reqwest::Client::builder()
+        .timeout(config.request_timeout)
+        .build()
+        .map_err(|e| crate::CollectorError::Config(format!("HTTP client: {e}")))?;
+    let url = format!("{}/v1/agent/sync", config.server.trim_end_matches('/'));
+    let mut tick = tokio::time::interval(config.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut unreachable = false;
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            biased;
+            () = &mut shutdown => break,
+            _ = tick.tick() => {}
+        }
+        let request = {
+            let mut l = lock(&launcher);
+            l.poll();
+            SyncRequest {
+                node: config.node.clone(),
+                gpus: config.gpus,
+                gpu_model: config.gpu_model.clone(),
+                rack: config.rack.clone(),
+                running: l.running(),
+                exited: l.exited(),
+                logs: l.logs(),
+            }
+        };
+        let answer = async {
+            let r = client
+                .post(&url)
+                .json(&request)
+                .send()
+                .await
+                .map_err(|e| e.to_string())?;
+            let status = r.status();
+            if !status.is_success() {
+                return Err(format!("{status}: {}", r.text().await.unwrap_or_default()));
+            }
+            r.json::<SyncResponse>().await.map_err(|e| e.to_string())
+        }
+        .await;
+        match answer {
+            Ok(response) => {
+                if unreachable {
+                    tracing::info!("job control reaches the server again");
+                    unreachable = false;
+                }
+                if !response.start.is_empty() || !response.stop.is_empty() {
+                    tracing::debug!(start = ?response.start.iter().map(|l| l.job).collect::<Vec<_>>(), stop = ?response.stop.iter().map(|s| s.job).collect::<Vec<_>>(), "orders from the server");
+                }
+                lock(&launcher).apply(&response);
+            }
+            Err(e) => {
+                if !unreachable {
+                    tracing::warn!(error = %e, "job control cannot reach the server; jobs keep running, exits wait to be reported");
+                    unreachable = true;
+                }
+            }
+        }
+    }
+    let grace = config.shutdown_grace;
+    let l = launcher.clone();
+    tokio::task::spawn_blocking(move || lock(&l).stop_all(grace))
+        .await
+        .map_err(|e| crate::CollectorError::Task(format!("stopping jobs: {e}")))?;
+    Ok(())
+}

@@ -1,0 +1,599 @@
+//! The job commands: `perch submit`, `jobs`, `show`, `cancel`, `logs`, `queue`, `nodes`,
+//! `drain`, `resume`. Thin clients of the server's HTTP API, with output shaped like Slurm's
+//! (sbatch, squeue, scontrol show job, scancel, sinfo) so its users feel at home.
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+#[derive(Debug, Args)]
+pub struct ServerArg {
+    /// Server URL.
+    #[arg(
+        long,
+        env = "PERCH_SERVER",
+        default_value = "http://127.0.0.1:7300",
+        global = true
+    )]
+    server: String,
+}
+
+#[derive(Debug, Args)]
+pub struct SubmitArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// A TOML file with the job request (fields as in POST /v1/jobs); flags override it.
+    #[arg(long)]
+    file: Option<PathBuf>,
+    /// GPUs per node.
+    #[arg(long, short = 'g')]
+    gpus: Option<u32>,
+    /// Nodes (the job gets gpus x nodes GPUs, all at once).
+    #[arg(long, short = 'N')]
+    nodes: Option<u32>,
+    /// Time limit: seconds, 90s, 30m, 2h, 1d, or HH:MM:SS.
+    #[arg(long, short = 't')]
+    time: Option<String>,
+    #[arg(long, short = 'J')]
+    name: Option<String>,
+    /// Default: $USER.
+    #[arg(long)]
+    user: Option<String>,
+    #[arg(long, short = 'A')]
+    account: Option<String>,
+    /// low, normal or high.
+    #[arg(long)]
+    qos: Option<String>,
+    #[arg(long)]
+    gpu_model: Option<String>,
+    #[arg(long)]
+    preemptible: bool,
+    #[arg(long)]
+    max_requeues: Option<u32>,
+    /// Signal sent first when the job must stop: SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP.
+    #[arg(long)]
+    signal: Option<String>,
+    /// Seconds between that signal and SIGKILL.
+    #[arg(long)]
+    grace: Option<u64>,
+    /// KEY=VALUE, repeatable.
+    #[arg(long = "env", short = 'e')]
+    env: Vec<String>,
+    #[arg(long, short = 'D')]
+    workdir: Option<String>,
+    /// Program and arguments (after --).
+    #[arg(last = true)]
+    command: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct JobsArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// pending, running, completed, failed, cancelled, timeout, preempted, node_fail.
+    #[arg(long)]
+    state: Option<String>,
+    #[arg(long, short = 'u')]
+    user: Option<String>,
+    #[arg(long, short = 'A')]
+    account: Option<String>,
+    /// Include ended jobs (by default only pending and running ones are listed).
+    #[arg(long, short = 'a')]
+    all: bool,
+    #[arg(long, default_value_t = 100)]
+    limit: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct JobIdArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// Job id.
+    id: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct CancelArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// Job ids.
+    #[arg(required = true)]
+    ids: Vec<u64>,
+}
+
+#[derive(Debug, Args)]
+pub struct LogsArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    id: u64,
+    /// Show standard error instead of standard output.
+    #[arg(long)]
+    stderr: bool,
+    /// Keep printing new output until the job ends.
+    #[arg(long, short = 'f')]
+    follow: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    #[command(flatten)]
+    server: ServerArg,
+}
+
+#[derive(Debug, Args)]
+pub struct NodeArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// Node name.
+    node: String,
+}
+
+struct Api {
+    base: String,
+    client: reqwest::blocking::Client,
+}
+
+impl Api {
+    fn new(server: &ServerArg) -> Result<Api> {
+        let client = reqwest::blocking::Client::builder()
+            .timeout(std::time::Duration::from_secs(30))
+            .build()?;
+        Ok(Api {
+            base: server.server.trim_end_matches('/').to_owned(),
+            client,
+        })
+    }
+
+    fn send(
+        &self,
+        request: reqwest::blocking::RequestBuilder,
+    ) -> Result<reqwest::blocking::Response> {
+        let response = request.send().with_context(|| {
+            format!(
+                "cannot reach the perch server at {} (is it running? start one with `perch up`)",
+                self.base
+            )
+        })?;
+        if response.status().is_success() {
+            return Ok(response);
+        }
+        let status = response.status();
+        let body = response.text().unwrap_or_default();
+        let message = serde_json::from_str::<Value>(&body)
+            .ok()
+            .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
+            .unwrap_or(body);
+        bail!("{message} (HTTP {status})")
+    }
+
+    fn get(&self, path: &str) -> Result<Value> {
+        Ok(self
+            .send(self.client.get(format!("{}{path}", self.base)))?
+            .json()?)
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Result<Value> {
+        Ok(self
+            .send(self.client.post(format!("{}{path}", self.base)).json(body))?
+            .json()?)
+    }
+}
+
+/// Seconds from `90`, `90s`, `30m`, `2h`, `1d` or `HH:MM:SS` / `MM:SS`.
+pub fn parse_duration(text: &str) -> Result<u64> {
+    let bad = || anyhow::anyhow!("time limit {text:?}: use seconds, 90s, 30m, 2h, 1d or HH:MM:SS");
+    if text.contains(':') {
+        let parts: Vec<u64> = text
+            .split(':')
+            .map(|p| p.parse().map_err(|_| bad()))
+            .collect::<Result<_>>()?;
+        return match parts.as_slice() {
+            [m, s] => Ok(m * 60 + s),
+            [h, m, s] => Ok(h * 3600 + m * 60 + s),
+            _ => Err(bad()),
+        };
+    }
+    let (number, unit) = text.split_at(
+        text.find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(text.len()),
+    );
+    let n: u64 = number.parse().map_err(|_| bad())?;
+    let factor = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(factor).ok_or_else(bad)
+}
+
+pub fn submit(args: SubmitArgs) -> Result<()> {
+    let mut request: serde_json::Map<String, Value> = match &args.file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let table: toml::Table =
+                toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+            serde_json::to_value(table)?
+                .as_object()
+                .cloned()
+                .unwrap_or_default()
+        }
+        None => serde_json::Map::new(),
+    };
+    let mut set = |key: &str, value: Value| {
+        request.insert(key.to_owned(), value);
+    };
+    if !args.command.is_empty() {
+        set("command", args.command.clone().into());
+    }
+    if let Some(v) = args.gpus {
+        set("gpus_per_node", v.into());
+    }
+    if let Some(v) = args.nodes {
+        set("nodes", v.into());
+    }
+    if let Some(v) = &args.time {
+        set("time_limit_secs", parse_duration(v)?.into());
+    }
+    if let Some(v) = &args.name {
+        set("name", v.clone().into());
+    }
+    if let Some(v) = args.user.clone().or_else(|| std::env::var("USER").ok()) {
+        set("user", v.into());
+    }
+    if let Some(v) = &args.account {
+        set("account", v.clone().into());
+    }
+    if let Some(v) = &args.qos {
+        set("qos", v.clone().into());
+    }
+    if let Some(v) = &args.gpu_model {
+        set("gpu_model", v.clone().into());
+    }
+    if args.preemptible {
+        set("preemptible", true.into());
+    }
+    if let Some(v) = args.max_requeues {
+        set("max_requeues", v.into());
+    }
+    if let Some(v) = &args.signal {
+        set("checkpoint_signal", v.clone().into());
+    }
+    if let Some(v) = args.grace {
+        set("grace_secs", v.into());
+    }
+    if let Some(v) = &args.workdir {
+        set("workdir", v.clone().into());
+    }
+    if !args.env.is_empty() {
+        let mut env = BTreeMap::new();
+        for kv in &args.env {
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| anyhow::anyhow!("--env {kv:?}: use KEY=VALUE"))?;
+            env.insert(k.to_owned(), Value::from(v));
+        }
+        set("env", serde_json::to_value(env)?);
+    }
+    if !request.contains_key("command") {
+        bail!("give the command after --, e.g. perch submit --gpus 1 -- python train.py");
+    }
+    let job = Api::new(&args.server)?.post("/v1/jobs", &Value::Object(request))?;
+    println!("Submitted job {}", job["id"]);
+    Ok(())
+}
+
+fn gpus_of(job: &Value) -> String {
+    let placement = job["placement"].as_array().cloned().unwrap_or_default();
+    if placement.is_empty() {
+        return "-".into();
+    }
+    placement
+        .iter()
+        .map(|p| {
+            let gpus: Vec<String> = p["gpus"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|g| g.to_string())
+                .collect();
+            format!("{}[{}]", p["node"].as_str().unwrap_or("?"), gpus.join(","))
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn elapsed(job: &Value) -> String {
+    let Some(start) = job["start_ms"].as_i64() else {
+        return "-".into();
+    };
+    let end = job["end_ms"].as_i64().unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(start, |d| d.as_millis() as i64)
+    });
+    let s = (end - start).max(0) / 1000;
+    format!("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+}
+
+fn print_table(header: &[&str], rows: Vec<Vec<String>>) {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let padded: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        println!("{}", padded.join("  ").trim_end());
+    };
+    line(header.iter().map(|h| (*h).to_owned()).collect());
+    for row in rows {
+        line(row);
+    }
+}
+
+fn s(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".into(),
+        other => other.to_string(),
+    }
+}
+
+pub fn jobs(args: JobsArgs) -> Result<()> {
+    let mut query = vec![format!("limit={}", args.limit)];
+    for (k, v) in [
+        ("state", &args.state),
+        ("user", &args.user),
+        ("account", &args.account),
+    ] {
+        if let Some(v) = v {
+            query.push(format!("{k}={v}"));
+        }
+    }
+    let listed = Api::new(&args.server)?.get(&format!("/v1/jobs?{}", query.join("&")))?;
+    let rows = listed["jobs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|j| {
+            args.all
+                || args.state.is_some()
+                || matches!(j["state"].as_str(), Some("pending" | "running"))
+        })
+        .map(|j| {
+            let r = &j["request"];
+            let gpus = r["nodes"].as_u64().unwrap_or(1) * r["gpus_per_node"].as_u64().unwrap_or(1);
+            vec![
+                s(&j["id"]),
+                s(&r["name"]),
+                s(&r["user"]),
+                s(&r["account"]),
+                s(&j["state"]),
+                gpus.to_string(),
+                elapsed(j),
+                gpus_of(j),
+                s(&j["reason"]),
+            ]
+        })
+        .collect();
+    print_table(
+        &[
+            "JOBID",
+            "NAME",
+            "USER",
+            "ACCOUNT",
+            "STATE",
+            "GPUS",
+            "TIME",
+            "NODES[GPUS]",
+            "REASON",
+        ],
+        rows,
+    );
+    Ok(())
+}
+
+pub fn show(args: JobIdArgs) -> Result<()> {
+    let j = Api::new(&args.server)?.get(&format!("/v1/jobs/{}", args.id))?;
+    let r = &j["request"];
+    println!(
+        "JobId={} Name={} User={} Account={}",
+        j["id"],
+        s(&r["name"]),
+        s(&r["user"]),
+        s(&r["account"])
+    );
+    println!(
+        "   State={} Reason={} ExitCode={}",
+        s(&j["state"]),
+        s(&j["reason"]),
+        s(&j["exit_code"])
+    );
+    println!("   Command={}", r["command"]);
+    println!(
+        "   Nodes={} GPUsPerNode={} TimeLimit={}s QOS={} Preemptible={} MaxRequeues={}",
+        r["nodes"],
+        r["gpus_per_node"],
+        r["time_limit_secs"],
+        s(&r["qos"]),
+        r["preemptible"],
+        r["max_requeues"]
+    );
+    println!(
+        "   Attempts={} Requeues={} Preemptions={} Elapsed={}",
+        j["attempts"],
+        j["requeues"],
+        j["preemptions"],
+        elapsed(&j)
+    );
+    println!("   Placement={}", gpus_of(&j));
+    if let Some(gpus) = j["gpus_now"].as_array() {
+        println!("   GPUs now:");
+        for g in gpus {
+            let util = g["utilization_gpu_pct"]
+                .as_f64()
+                .map_or("-".into(), |u| format!("{u:.0}%"));
+            let mem = g["memory_used_bytes"].as_f64().map_or("-".into(), |m| {
+                format!("{:.1} GiB", m / f64::from(1u32 << 30))
+            });
+            let sim = if g["simulated"] == true {
+                " (simulated)"
+            } else {
+                ""
+            };
+            println!(
+                "     {}[{}] util {util} mem {mem}{sim}",
+                s(&g["node"]),
+                g["gpu"]
+            );
+        }
+    }
+    println!("   Timeline:");
+    let submit = j["submit_ms"].as_i64().unwrap_or(0);
+    for t in j["timeline"].as_array().into_iter().flatten() {
+        let at = (t["time_ms"].as_i64().unwrap_or(submit) - submit) as f64 / 1000.0;
+        println!("     +{at:>8.1}s  {}", s(&t["event"]));
+    }
+    Ok(())
+}
+
+pub fn cancel(args: CancelArgs) -> Result<()> {
+    let api = Api::new(&args.server)?;
+    for id in args.ids {
+        let j = api.post(&format!("/v1/jobs/{id}/cancel"), &Value::Null)?;
+        println!("job {id}: {}", s(&j["state"]));
+    }
+    Ok(())
+}
+
+pub fn logs(args: LogsArgs) -> Result<()> {
+    use std::io::Write;
+    let api = Api::new(&args.server)?;
+    let stream = if args.stderr { "stderr" } else { "stdout" };
+    let mut offset = 0usize;
+    loop {
+        let response = api.send(api.client.get(format!(
+            "{}/v1/jobs/{}/logs?stream={stream}&offset={offset}",
+            api.base, args.id
+        )))?;
+        let finished = response
+            .headers()
+            .get("x-perch-job-finished")
+            .is_some_and(|v| v == "true");
+        let data = response.bytes()?;
+        offset += data.len();
+        std::io::stdout().write_all(&data)?;
+        std::io::stdout().flush()?;
+        if !args.follow || (finished && data.is_empty()) {
+            return Ok(());
+        }
+        if data.is_empty() {
+            std::thread::sleep(std::time::Duration::from_millis(500));
+        }
+    }
+}
+
+pub fn queue(args: ListArgs) -> Result<()> {
+    let q = Api::new(&args.server)?.get("/v1/queue")?;
+    let rows = q["queue"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| {
+            let j = &e["job"];
+            let r = &j["request"];
+            let gpus = r["nodes"].as_u64().unwrap_or(1) * r["gpus_per_node"].as_u64().unwrap_or(1);
+            vec![
+                s(&e["position"]),
+                s(&j["id"]),
+                s(&r["user"]),
+                s(&r["account"]),
+                gpus.to_string(),
+                format!("{:.3}", e["priority"].as_f64().unwrap_or(0.0)),
+                s(&j["reason"]),
+            ]
+        })
+        .collect();
+    print_table(
+        &[
+            "POS", "JOBID", "USER", "ACCOUNT", "GPUS", "PRIORITY", "REASON",
+        ],
+        rows,
+    );
+    Ok(())
+}
+
+pub fn nodes(args: ListArgs) -> Result<()> {
+    let n = Api::new(&args.server)?.get("/v1/nodes")?;
+    let rows = n["nodes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|n| {
+            let jobs: Vec<String> = n["jobs"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|j| j.to_string())
+                .collect();
+            vec![
+                s(&n["name"]),
+                s(&n["state"]),
+                format!("{}/{}", n["allocated_gpus"], n["gpus"]),
+                s(&n["gpu_model"]),
+                s(&n["rack"]),
+                if jobs.is_empty() {
+                    "-".into()
+                } else {
+                    jobs.join(",")
+                },
+            ]
+        })
+        .collect();
+    print_table(
+        &["NODE", "STATE", "ALLOC/GPUS", "MODEL", "RACK", "JOBS"],
+        rows,
+    );
+    Ok(())
+}
+
+pub fn set_drained(args: NodeArgs, drain: bool) -> Result<()> {
+    let verb = if drain { "drain" } else { "resume" };
+    let r =
+        Api::new(&args.server)?.post(&format!("/v1/nodes/{}/{verb}", args.node), &Value::Null)?;
+    println!("node {}: {}", args.node, s(&r["state"]));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_duration;
+
+    #[test]
+    fn durations() {
+        for (text, secs) in [
+            ("90", 90),
+            ("90s", 90),
+            ("30m", 1800),
+            ("2h", 7200),
+            ("1d", 86_400),
+            ("1:30", 90),
+            ("1:00:00", 3600),
+        ] {
+            assert_eq!(parse_duration(text).expect(text), secs, "{text}");
+        }
+        for bad in ["", "h", "1w", "1:2:3:4", "-5", "1.5h"] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+    }
+}

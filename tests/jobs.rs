@@ -1,0 +1,204 @@
+//! Jobs end to end: submitted through the CLI, placed by the server's scheduler, run by the
+//! agent with the right `CUDA_VISIBLE_DEVICES`, their output and final state visible; and
+//! jobs and running processes surviving a `kill -9` of the server.
+
+mod common;
+
+use common::{PERCH, Perch, wait_for};
+use serde_json::Value;
+use std::process::Command;
+
+fn cli(perch: &Perch, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(PERCH)
+        .args(args)
+        .env("PERCH_SERVER", &perch.url)
+        .env("USER", "alice")
+        .output()
+        .expect("run perch");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn job(perch: &Perch, id: u64) -> Value {
+    reqwest::blocking::get(format!("{}/v1/jobs/{id}", perch.url))
+        .expect("GET job")
+        .json()
+        .expect("json")
+}
+
+fn wait_state(perch: &Perch, id: u64, state: &str) -> Value {
+    wait_for(&format!("job {id} to be {state}"), || {
+        let j = job(perch, id);
+        (j["state"] == state).then_some(j)
+    })
+}
+
+#[test]
+fn a_submitted_job_runs_on_its_gpus_and_its_output_and_state_are_visible() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = Perch::start(
+        dir.path(),
+        &["up", "--simulate-gpus", "4", "--interval-ms", "200"],
+    );
+    let (ok, out, err) = cli(
+        &perch,
+        &[
+            "submit",
+            "--gpus",
+            "2",
+            "-J",
+            "hello",
+            "--",
+            "sh",
+            "-c",
+            "echo gpus=$CUDA_VISIBLE_DEVICES job=$PERCH_JOB_ID; echo warn >&2; exit 3",
+        ],
+    );
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), "Submitted job 1");
+    let j = wait_state(&perch, 1, "failed");
+    assert_eq!(j["exit_code"], 3);
+    assert_eq!(j["request"]["user"], "alice");
+    assert_eq!(j["placement"][0]["gpus"], serde_json::json!([0, 1]));
+    let logs = wait_for("stdout to arrive", || {
+        let (_, out, _) = cli(&perch, &["logs", "1"]);
+        (!out.is_empty()).then_some(out)
+    });
+    assert_eq!(logs, "gpus=0,1 job=1\n");
+    let (_, err_log, _) = cli(&perch, &["logs", "1", "--stderr"]);
+    assert_eq!(err_log, "warn\n");
+    let (_, listing, _) = cli(&perch, &["jobs", "--all"]);
+    assert!(
+        listing.contains("hello") && listing.contains("failed"),
+        "{listing}"
+    );
+}
+
+#[test]
+fn a_waiting_job_says_why_and_starts_when_a_cancel_frees_its_gpus() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = Perch::start(
+        dir.path(),
+        &["up", "--simulate-gpus", "2", "--interval-ms", "200"],
+    );
+    // A job that ignores SIGTERM: the cancel must escalate to SIGKILL after the grace period.
+    let script = "trap 'echo got TERM' TERM; echo ready; while true; do sleep 0.1; done";
+    let (ok, _, err) = cli(
+        &perch,
+        &[
+            "submit", "--gpus", "2", "--grace", "2", "--", "sh", "-c", script,
+        ],
+    );
+    assert!(ok, "{err}");
+    wait_for("job 1 to run on the agent", || {
+        let (_, out, _) = cli(&perch, &["logs", "1"]);
+        out.contains("ready").then_some(())
+    });
+    cli(&perch, &["submit", "--gpus", "2", "--", "true"]);
+    let waiting = wait_for("job 2 pending with a reason", || {
+        let j = job(&perch, 2);
+        (j["state"] == "pending" && j["reason"].is_string()).then_some(j)
+    });
+    assert!(
+        waiting["reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("reserved"),
+        "{waiting}"
+    );
+    let (_, queue, _) = cli(&perch, &["queue"]);
+    assert!(queue.contains("reserved"), "{queue}");
+    let (ok, out, err) = cli(&perch, &["cancel", "1"]);
+    assert!(ok && out.contains("cancelled"), "{out}{err}");
+    wait_state(&perch, 2, "completed");
+    let j = job(&perch, 1);
+    assert_eq!(j["state"], "cancelled");
+    let (_, out, _) = cli(&perch, &["logs", "1"]);
+    assert!(
+        out.contains("got TERM"),
+        "the checkpoint signal reached the job: {out:?}"
+    );
+    // Bad requests name the field.
+    let r = reqwest::blocking::Client::new()
+        .post(format!("{}/v1/jobs", perch.url))
+        .json(&serde_json::json!({"command": ["x"], "gpus_per_node": 100}))
+        .send()
+        .expect("post");
+    assert_eq!(r.status().as_u16(), 400);
+    let body: Value = r.json().expect("json");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("gpus_per_node"),
+        "{body}"
+    );
+    let (ok, _, err) = cli(&perch, &["cancel", "99"]);
+    assert!(!ok && err.contains("no job 99"), "{err}");
+}
+
+#[test]
+fn jobs_survive_a_server_kill_9_and_keep_running_through_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut server = Perch::start(&dir.path().join("server"), &["server", "--listen", &listen]);
+    let agent_dir = dir.path().join("agent");
+    let mut agent = Command::new(PERCH)
+        .args([
+            "agent",
+            "--server",
+            &server.url,
+            "--node",
+            "gpu-a",
+            "--nvml",
+            "off",
+            "--simulate-gpus",
+            "2",
+        ])
+        .arg("--data-dir")
+        .arg(&agent_dir)
+        .env("PERCH_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("agent.log")).expect("agent log"))
+        .spawn()
+        .expect("agent");
+    let marker = dir.path().join("marker");
+    let script = format!(
+        "echo started; while [ ! -e {} ]; do sleep 0.1; done; echo finished",
+        marker.display()
+    );
+    let (ok, _, err) = cli(
+        &server,
+        &["submit", "--gpus", "1", "--", "sh", "-c", &script],
+    );
+    assert!(ok, "{err}");
+    cli(&server, &["submit", "--gpus", "2", "--", "true"]);
+    wait_state(&server, 1, "running");
+    server.kill();
+    server = Perch::start(&dir.path().join("server"), &["server", "--listen", &listen]);
+    // Both jobs are known exactly as before; the first still runs (its process never stopped).
+    assert_eq!(job(&server, 1)["state"], "running");
+    assert_eq!(job(&server, 1)["attempts"], 1);
+    assert_eq!(job(&server, 2)["state"], "pending");
+    std::fs::write(&marker, b"").expect("marker");
+    let j = wait_state(&server, 1, "completed");
+    assert_eq!(j["attempts"], 1, "it ran once, through the restart");
+    wait_state(&server, 2, "completed");
+    let out = wait_for("the output of the whole run", || {
+        let (_, out, _) = cli(&server, &["logs", "1"]);
+        out.contains("finished").then_some(out)
+    });
+    assert_eq!(out, "started\nfinished\n");
+    let (_, nodes, _) = cli(&server, &["nodes"]);
+    assert!(nodes.contains("gpu-a") && nodes.contains("0/2"), "{nodes}");
+    agent.kill().expect("kill agent");
+    let _ = agent.wait();
+}
