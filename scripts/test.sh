@@ -15,6 +15,8 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/perch-target}"
 missing=()
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v curl >/dev/null 2>&1 || missing+=(curl)
+# ip (iproute2) builds the network namespaces and veth pair the NIC test sends real traffic over.
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 if ((${#missing[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
