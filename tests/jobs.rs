@@ -202,3 +202,74 @@ fn jobs_survive_a_server_kill_9_and_keep_running_through_it() {
     agent.kill().expect("kill agent");
     let _ = agent.wait();
 }
+
+#[test]
+fn simulated_gpus_follow_the_jobs_placed_on_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = Perch::start(
+        dir.path(),
+        &["up", "--simulate-gpus", "2", "--interval-ms", "200"],
+    );
+    let (ok, _, err) = cli(
+        &perch,
+        &[
+            "submit",
+            "--gpus",
+            "1",
+            "--sim-profile",
+            "steady",
+            "--",
+            "sleep",
+            "30",
+        ],
+    );
+    assert!(ok, "{err}");
+    cli(
+        &perch,
+        &[
+            "submit",
+            "--gpus",
+            "1",
+            "--sim-profile",
+            "idle",
+            "--",
+            "sleep",
+            "30",
+        ],
+    );
+    let (_, _, err) = cli(
+        &perch,
+        &[
+            "submit",
+            "--gpus",
+            "1",
+            "--sim-profile",
+            "flat",
+            "--",
+            "true",
+        ],
+    );
+    assert!(
+        err.contains("sim_profile") && err.contains("idle, steady, bursty"),
+        "{err}"
+    );
+    // Poll the live view until both jobs' GPUs show their profile.
+    let util = |id: u64| -> Option<f64> {
+        let j = job(&perch, id);
+        let g = j["gpus_now"].as_array()?.first()?.clone();
+        assert_eq!(g["simulated"], true);
+        g["utilization_gpu_pct"].as_f64()
+    };
+    wait_for(
+        "a steady job's GPU busy and an idle job's GPU at 0%",
+        || {
+            let (busy, idle) = (util(1)?, util(2)?);
+            (busy >= 90.0 && idle == 0.0).then_some(())
+        },
+    );
+    let idle = job(&perch, 2);
+    let mem = idle["gpus_now"][0]["memory_used_bytes"]
+        .as_f64()
+        .unwrap_or(0.0);
+    assert!(mem > 0.0, "an allocated-but-idle job holds memory: {idle}");
+}

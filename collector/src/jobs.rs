@@ -31,6 +31,8 @@ pub struct JobSpec {
     /// GPU indices allocated to the job on this node.
     pub gpus: Vec<u32>,
     pub target: JobTarget,
+    /// On simulated GPUs: the synthetic load the job declares (default: training).
+    pub sim_profile: Option<crate::gpu::sim::Workload>,
 }
 
 /// The jobs on this node, shared between whoever launches jobs and the sampler.

@@ -172,6 +172,12 @@ impl Launcher {
                     user: Some(l.user.clone()),
                     gpus: l.gpus.clone(),
                     target: JobTarget::Pid(r.child.id()),
+                    sim_profile: match l.sim_profile.as_deref() {
+                        Some("idle") => Some(crate::gpu::sim::Workload::AllocatedIdle),
+                        Some("bursty") => Some(crate::gpu::sim::Workload::Bursty),
+                        Some(_) => Some(crate::gpu::sim::Workload::Training),
+                        None => None,
+                    },
                 });
                 self.running.insert(l.job, r);
             }
@@ -433,6 +439,7 @@ mod tests {
             time_limit_secs: 3600,
             checkpoint_signal: "SIGTERM".into(),
             grace_secs: 1,
+            sim_profile: None,
         }
     }
 
@@ -564,6 +571,7 @@ mod gpu_handover_tests {
             time_limit_secs: 3600,
             checkpoint_signal: "SIGTERM".into(),
             grace_secs: 30,
+            sim_profile: None,
         };
         l.launch(&old);
         std::thread::sleep(Duration::from_millis(100));

@@ -164,6 +164,15 @@ impl Sampler {
             .map(|n| n.sample(now_ms))
             .unwrap_or_default();
         let mut gpus = nvml.gpus;
+        // Simulated GPUs follow the jobs placed on them; free ones keep their own phase model.
+        let jobs = self.jobs.list();
+        for index in self.sim.indices() {
+            let profile = jobs
+                .iter()
+                .find(|j| j.gpus.contains(&index))
+                .map(|j| j.sim_profile.unwrap_or(crate::gpu::sim::Workload::Training));
+            self.sim.set_profile(index, profile);
+        }
         gpus.extend(self.sim.sample(now_ms));
         let (hosts, nics, ib_ports) = match &mut self.host {
             HostSource::Real(host, nics, ib) => (

@@ -98,6 +98,9 @@ pub struct JobLaunch {
     pub time_limit_secs: u64,
     pub checkpoint_signal: String,
     pub grace_secs: u64,
+    /// On simulated GPUs, the load they show while this job runs: idle, steady or bursty.
+    #[serde(default)]
+    pub sim_profile: Option<String>,
 }
 
 /// Stop this job: the checkpoint signal, `grace_secs`, then SIGKILL to its process group.

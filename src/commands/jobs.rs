@@ -58,6 +58,9 @@ pub struct SubmitArgs {
     /// Seconds between that signal and SIGKILL.
     #[arg(long)]
     grace: Option<u64>,
+    /// On simulated GPUs, the load the job shows: idle, steady or bursty.
+    #[arg(long)]
+    sim_profile: Option<String>,
     /// KEY=VALUE, repeatable.
     #[arg(long = "env", short = 'e')]
     env: Vec<String>,
@@ -265,6 +268,9 @@ pub fn submit(args: SubmitArgs) -> Result<()> {
     }
     if let Some(v) = args.grace {
         set("grace_secs", v.into());
+    }
+    if let Some(v) = &args.sim_profile {
+        set("sim_profile", v.clone().into());
     }
     if let Some(v) = &args.workdir {
         set("workdir", v.clone().into());

@@ -164,6 +164,11 @@ impl SimGpus {
         }
     }
 
+    /// Indices of the simulated GPUs.
+    pub fn indices(&self) -> Vec<u32> {
+        self.gpus.iter().map(|g| g.index).collect()
+    }
+
     /// The workload each GPU is running at `now_ms`.
     pub fn workloads(&self, now_ms: i64) -> Vec<Workload> {
         self.gpus

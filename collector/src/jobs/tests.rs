@@ -49,6 +49,7 @@ fn process_tree_job_and_attribution() {
         user: Some("alice".into()),
         gpus: vec![0],
         target: JobTarget::Pid(root_pid),
+        sim_profile: None,
     };
     let registry = JobRegistry::default();
     registry.register(spec.clone());
@@ -116,6 +117,7 @@ fn cgroup_job_from_the_fixture_tree() {
         user: None,
         gpus: vec![2],
         target: JobTarget::Cgroup("/perch/job-7".into()),
+        sim_profile: None,
     };
     let gone = JobSpec {
         job: "gone".into(),

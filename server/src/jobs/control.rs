@@ -446,6 +446,7 @@ impl Control {
                 time_limit_secs: job.request.time_limit_secs,
                 checkpoint_signal: signal_of(&job.request),
                 grace_secs: job.request.grace_secs,
+                sim_profile: job.request.sim_profile.clone(),
             };
             self.outbox.entry(node).or_default().start.push(launch);
         }

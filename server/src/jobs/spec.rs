@@ -70,6 +70,10 @@ pub struct JobRequest {
     pub checkpoint_signal: Option<String>,
     #[serde(default = "thirty")]
     pub grace_secs: u64,
+    /// On simulated GPUs (labelled simulated), the load the job shows: idle (allocated but
+    /// idle), steady or bursty. Real GPUs show what the job really does.
+    #[serde(default)]
+    pub sim_profile: Option<String>,
 }
 
 /// A field that is wrong and what would be right.
@@ -175,6 +179,14 @@ impl JobRequest {
             return Err(err(
                 "checkpoint_signal",
                 format!("{s:?} is not one of {}", SIGNALS.join(", ")),
+            ));
+        }
+        if let Some(p) = &self.sim_profile
+            && !matches!(p.as_str(), "idle" | "steady" | "bursty")
+        {
+            return Err(err(
+                "sim_profile",
+                format!("{p:?} is not one of idle, steady, bursty"),
             ));
         }
         if self.grace_secs > 3600 {
