@@ -42,7 +42,7 @@ enum Command {
     /// Measure perch (results go in BENCHMARKS.md).
     Bench(bench::BenchArgs),
     /// Submit a job (like sbatch): perch submit --gpus 2 --time 2h -- python train.py
-    Submit(jobs::SubmitArgs),
+    Submit(Box<jobs::SubmitArgs>),
     /// List jobs (like squeue; --all for ended ones too).
     Jobs(jobs::JobsArgs),
     /// Show one job: state, reason, GPUs, live utilization, timeline.
@@ -223,7 +223,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Sql(args) => sql::run(args),
         Command::Simulate(args) => simulate::run(args),
         Command::Bench(args) => bench::run(args),
-        Command::Submit(args) => jobs::submit(args),
+        Command::Submit(args) => jobs::submit(*args),
         Command::Jobs(args) => jobs::jobs(args),
         Command::Show(args) => jobs::show(args),
         Command::Cancel(args) => jobs::cancel(args),
