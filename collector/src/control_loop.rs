@@ -38,13 +38,17 @@ pub async fn run_control(
     config: ControlConfig,
     shutdown: impl Future<Output = ()> + Send,
 ) -> crate::Result<()> {
-    let launcher =
+    let mut launcher =
         Launcher::with_registry(&config.jobs_dir, config.registry.clone()).map_err(|e| {
             crate::CollectorError::Io {
                 path: config.jobs_dir.clone(),
                 source: e,
             }
         })?;
+    launcher.set_otel(crate::launcher::OtelTarget {
+        endpoint: config.server.clone(),
+        node: config.node.as_str().to_owned(),
+    });
     let launcher = Arc::new(Mutex::new(launcher));
     let client = reqwest::Client::builder()
         .timeout(config.request_timeout)

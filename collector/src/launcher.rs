@@ -8,6 +8,10 @@
 //! groups it finds there (it cannot wait on them), and the server, seeing the job missing from
 //! the agent's report, requeues it: no job runs twice and none is orphaned.
 
+mod otel;
+
+pub use otel::OtelTarget;
+
 use crate::jobs::{JobRegistry, JobSpec, JobTarget};
 use perch_model::control::{JobExit, JobLaunch, JobStop, LogChunk, LogStream, SyncResponse};
 use rustix::process::{Pid, Signal, kill_process_group};
@@ -63,6 +67,8 @@ pub struct Launcher {
     /// Launches waiting for a stopping job to release their GPUs (the server frees a job's
     /// GPUs when it decides to stop it; the processes may need their grace period first).
     waiting: Vec<JobLaunch>,
+    /// Where jobs' OpenTelemetry SDKs export to; `None` sets no `OTEL_*` variables.
+    otel: Option<OtelTarget>,
 }
 
 impl std::fmt::Debug for Launcher {
@@ -136,7 +142,13 @@ impl Launcher {
             sent: HashMap::new(),
             registry,
             waiting: Vec::new(),
+            otel: None,
         })
+    }
+
+    /// Sets the `OTEL_*` variables of every job launched from now on (see [`OtelTarget`]).
+    pub fn set_otel(&mut self, target: OtelTarget) {
+        self.otel = Some(target);
     }
 
     fn job_dir(&self, job: u64) -> PathBuf {
@@ -225,6 +237,10 @@ impl Launcher {
             .stdout(stdout)
             .stderr(stderr)
             .process_group(0);
+        if let Some(target) = &self.otel {
+            // After the job's own env: `variables` leaves out what the job sets itself.
+            cmd.envs(otel::variables(target, l));
+        }
         let child = cmd.spawn()?;
         let raw = i32::try_from(child.id()).map_err(std::io::Error::other)?;
         let pgid = Pid::from_raw(raw).ok_or_else(|| std::io::Error::other("process id 0"))?;

@@ -104,6 +104,7 @@ impl SendQueue {
             gpu_processes: round.gpu_processes,
             ib_ports: round.ib_ports,
             jobs: round.jobs,
+            job_metrics: Vec::new(),
         };
         self.next_seq += 1;
         self.items.push_back(Pending {

@@ -214,6 +214,7 @@ mod tests {
             gpu_processes: vec![],
             ib_ports: vec![],
             jobs: vec![],
+            job_metrics: vec![],
         };
         assert_eq!(batch.validate(T0 + 200_000), Ok(()));
     }

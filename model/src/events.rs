@@ -118,6 +118,7 @@ mod tests {
                 source: "proc".into(),
                 ..JobSample::default()
             }],
+            job_metrics: vec![],
         };
         mutate(&mut b);
         let got = b.validate(NOW).err().map(|e| e.to_string());
@@ -178,6 +179,7 @@ mod tests {
             gpu_processes: vec![],
             ib_ports: vec![],
             jobs: vec![],
+            job_metrics: vec![],
         };
         let json = serde_json::to_string(&b).expect("serializes");
         assert!(

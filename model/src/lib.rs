@@ -8,6 +8,7 @@ pub mod control;
 mod events;
 mod ids;
 mod infiniband;
+mod job_metrics;
 mod jobs;
 mod telemetry;
 mod throttle;
@@ -15,6 +16,7 @@ mod throttle;
 pub use events::{GpuEvent, GpuEventKind};
 pub use ids::{GpuIndex, NodeId};
 pub use infiniband::IbPortSample;
+pub use job_metrics::{JOB_METRIC_KINDS, JobMetricSample};
 pub use jobs::{GpuProcessSample, JobSample};
 pub use telemetry::{
     Batch, BatchError, GpuSample, HostSample, MAX_SAMPLES_PER_BATCH, MAX_TIME_SKEW_MS, NicSample,

@@ -8,7 +8,9 @@
 //! Every sample carries `simulated`: true when the value came from perch's GPU or cluster
 //! simulator rather than from hardware, so simulated data can never pass for real data.
 
-use crate::{GpuEvent, GpuIndex, GpuProcessSample, IbPortSample, JobSample, NodeId};
+use crate::{
+    GpuEvent, GpuIndex, GpuProcessSample, IbPortSample, JobMetricSample, JobSample, NodeId,
+};
 use serde::{Deserialize, Serialize};
 
 /// The largest number of samples (of all kinds) one batch may hold.
@@ -51,6 +53,10 @@ pub struct Batch {
     /// Resource use of each job running on the node.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub jobs: Vec<JobSample>,
+    /// Metrics jobs pushed over OpenTelemetry (the server's OTLP receiver fills this; agents
+    /// leave it empty).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub job_metrics: Vec<JobMetricSample>,
 }
 
 /// One GPU at one instant.
@@ -229,7 +235,7 @@ pub enum BatchError {
     )]
     TooLarge { count: usize },
     #[error(
-        "batch holds no samples: send at least one of `hosts`, `gpus`, `nics`, `gpu_events`, `gpu_processes`, `ib_ports`, `jobs`"
+        "batch holds no samples: send at least one of `hosts`, `gpus`, `nics`, `gpu_events`, `gpu_processes`, `ib_ports`, `jobs`, `job_metrics`"
     )]
     Empty,
     #[error("{field}: {message}")]
@@ -302,6 +308,7 @@ impl Batch {
             + self.gpu_processes.len()
             + self.ib_ports.len()
             + self.jobs.len()
+            + self.job_metrics.len()
     }
 
     /// Checks everything the server relies on. `now_ms` is the server's clock, injected so the
@@ -371,6 +378,7 @@ impl Batch {
         crate::events::validate(&self.gpu_events, now_ms)?;
         crate::jobs::validate(&self.gpu_processes, &self.jobs, now_ms)?;
         crate::infiniband::validate(&self.ib_ports, now_ms)?;
+        crate::job_metrics::validate(&self.job_metrics, now_ms)?;
         Ok(())
     }
 }
@@ -412,6 +420,7 @@ mod tests {
             gpu_processes: vec![],
             ib_ports: vec![],
             jobs: vec![],
+            job_metrics: vec![],
         }
     }
 

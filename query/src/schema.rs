@@ -13,6 +13,7 @@ use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
 use perch_model::{Batch, throttle_reason_names};
 use std::sync::{Arc, LazyLock};
 
+mod job_metrics;
 mod node_tables;
 
 /// A table of the store.
@@ -25,10 +26,11 @@ pub enum Table {
     GpuProcesses,
     IbPortSamples,
     JobSamples,
+    JobMetrics,
 }
 
 impl Table {
-    pub const ALL: [Table; 7] = [
+    pub const ALL: [Table; 8] = [
         Table::GpuSamples,
         Table::HostSamples,
         Table::NicSamples,
@@ -36,6 +38,7 @@ impl Table {
         Table::GpuProcesses,
         Table::IbPortSamples,
         Table::JobSamples,
+        Table::JobMetrics,
     ];
 
     pub fn name(self) -> &'static str {
@@ -47,6 +50,7 @@ impl Table {
             Table::GpuProcesses => "gpu_processes",
             Table::IbPortSamples => "ib_port_samples",
             Table::JobSamples => "job_samples",
+            Table::JobMetrics => "job_metrics",
         }
     }
 
@@ -62,6 +66,7 @@ impl Table {
         static PROCS: LazyLock<SchemaRef> = LazyLock::new(node_tables::gpu_process_schema);
         static IB: LazyLock<SchemaRef> = LazyLock::new(node_tables::ib_port_schema);
         static JOBS: LazyLock<SchemaRef> = LazyLock::new(node_tables::job_schema);
+        static JOB_METRICS: LazyLock<SchemaRef> = LazyLock::new(job_metrics::job_metric_schema);
         match self {
             Table::GpuSamples => GPU.clone(),
             Table::HostSamples => HOST.clone(),
@@ -70,6 +75,7 @@ impl Table {
             Table::GpuProcesses => PROCS.clone(),
             Table::IbPortSamples => IB.clone(),
             Table::JobSamples => JOBS.clone(),
+            Table::JobMetrics => JOB_METRICS.clone(),
         }
     }
 
@@ -83,6 +89,7 @@ impl Table {
             Table::GpuProcesses => &["node", "gpu", "pid", "time"],
             Table::IbPortSamples => &["node", "device", "port", "time"],
             Table::JobSamples => &["node", "job", "time"],
+            Table::JobMetrics => &["job", "metric", "time"],
         }
     }
 }
@@ -333,6 +340,7 @@ pub fn to_record_batches(batch: &Batch) -> crate::Result<Vec<(Table, RecordBatch
         ));
     }
     node_tables::to_record_batches(batch, &mut out)?;
+    job_metrics::to_record_batches(batch, &mut out)?;
     Ok(out)
 }
 

@@ -38,6 +38,7 @@ fn batch(node: &str, seq: u64, time_ms: i64, gpus: u32) -> (Bytes, Batch) {
         gpu_processes: vec![],
         ib_ports: vec![],
         jobs: vec![],
+        job_metrics: vec![],
     };
     (Bytes::from(serde_json::to_vec(&b).expect("json")), b)
 }

@@ -227,6 +227,7 @@ mod tests {
                 gpus: vec![GpuIndex(0), GpuIndex(2)],
                 ..JobSample::default()
             }],
+            job_metrics: vec![],
         };
         let out = convert(&batch).expect("converts");
         let tables: Vec<Table> = out.iter().map(|(t, _)| *t).collect();

@@ -54,6 +54,7 @@ fn a_batch_of_simulated_samples_passes_server_validation() {
         gpu_processes: vec![],
         ib_ports: vec![],
         jobs: vec![],
+        job_metrics: vec![],
     };
     assert_eq!(batch.validate(T0 + 10_000), Ok(()));
 }
