@@ -17,12 +17,21 @@ command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v curl >/dev/null 2>&1 || missing+=(curl)
 # ip (iproute2) builds the network namespaces and veth pair the NIC test sends real traffic over.
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+# psql (Debian's postgresql-client) is the real client the PostgreSQL-protocol test connects with.
+command -v psql >/dev/null 2>&1 || missing+=(postgresql-client)
+# pip installs the Python OpenTelemetry SDK below.
+python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
 if ((${#missing[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
   echo "installing: ${missing[*]}"
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+# The Python OpenTelemetry SDK: the OTLP test runs a job (`python3` from PATH) that exports its
+# metrics with it. PIP_BREAK_SYSTEM_PACKAGES lets pip install into a Debian-managed python3.
+if ! python3 -c "import opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http" 2>/dev/null; then
+  PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet opentelemetry-sdk opentelemetry-exporter-otlp-proto-http
 fi
 
 # --- hygiene ----------------------------------------------------------------------------------

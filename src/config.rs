@@ -29,6 +29,8 @@ pub struct ServerSection {
     pub compact_min_files: usize,
     /// Days of data kept per table; tables not listed are kept forever.
     pub retention_days: std::collections::BTreeMap<String, u64>,
+    /// Address of the PostgreSQL-protocol SQL listener; empty turns it off.
+    pub pg_listen: String,
 }
 
 impl Default for ServerSection {
@@ -44,6 +46,7 @@ impl Default for ServerSection {
             compact_below_mb: 64,
             compact_min_files: 8,
             retention_days: Default::default(),
+            pg_listen: "127.0.0.1:7432".into(),
         }
     }
 }
@@ -127,6 +130,21 @@ impl Config {
                 ),
             );
         }
+        if !self.server.pg_listen.is_empty()
+            && self
+                .server
+                .pg_listen
+                .parse::<std::net::SocketAddr>()
+                .is_err()
+        {
+            return bad(
+                "server.pg_listen",
+                &format!(
+                    "{:?} is not an address like 127.0.0.1:7432 (empty turns the listener off)",
+                    self.server.pg_listen
+                ),
+            );
+        }
         if self.server.flush_interval_secs == 0 {
             return bad("server.flush_interval_secs", "must be at least 1");
         }
@@ -199,6 +217,7 @@ impl Config {
         };
         config.max_body_bytes = s.max_body_mb << 20;
         config.node_stale_after = Duration::from_secs(s.node_stale_after_secs);
+        config.pg_listen = Some(s.pg_listen.clone()).filter(|a| !a.is_empty());
         config
     }
 

@@ -21,5 +21,5 @@ pub mod wal;
 pub use error::{Error, Result};
 pub use maintenance::MaintenanceStats;
 pub use schema::Table;
-pub use sql::{QueryLimits, QueryOutput, SqlEngine};
+pub use sql::{QueryLimits, QueryOutput, SqlEngine, check_read_only};
 pub use store::{FlushStats, IngestOutcome, Store, StoreConfig, StoreStats};

@@ -12,6 +12,7 @@ use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use datafusion::error::DataFusionError;
 use datafusion::execution::runtime_env::RuntimeEnvBuilder;
+use datafusion::logical_expr::LogicalPlan;
 use datafusion::prelude::{SQLOptions, SessionConfig, SessionContext};
 use futures::StreamExt;
 use std::sync::Arc;
@@ -100,22 +101,7 @@ impl SqlEngine {
             return Err(Error::BadQuery("the query is empty; send one SQL statement such as SELECT count(*) FROM gpu_samples".into()));
         }
         let ctx = self.session()?;
-        let state = ctx.state();
-        let plan = state
-            .create_logical_plan(sql)
-            .await
-            .map_err(|e| self.map_error(e))?;
-        SQLOptions::new()
-            .with_allow_ddl(false)
-            .with_allow_dml(false)
-            .with_allow_statements(false)
-            .verify_plan(&plan)
-            .map_err(|e| {
-                Error::ReadOnly(format!(
-                    "perch's SQL is read-only ({}); use SELECT, WITH, SHOW or EXPLAIN",
-                    e.find_root()
-                ))
-            })?;
+        let plan = self.plan(&ctx, sql).await?;
         let df = ctx
             .execute_logical_plan(plan)
             .await
@@ -145,6 +131,34 @@ impl SqlEngine {
         })
     }
 
+    /// The columns `sql` would return, without running it: planned in a fresh session and
+    /// checked read-only exactly like [`SqlEngine::query`], under the same timeout. Clients of
+    /// the PostgreSQL protocol ask for this before they execute (Parse, Describe).
+    pub async fn describe(&self, sql: &str) -> Result<SchemaRef> {
+        let limits = self.limits;
+        let describe = async {
+            let ctx = self.session()?;
+            let plan = self.plan(&ctx, sql).await?;
+            Ok(Arc::new(plan.schema().as_arrow().clone()))
+        };
+        match tokio::time::timeout(limits.timeout, describe).await {
+            Ok(result) => result,
+            Err(_) => Err(Error::Timeout {
+                limit_s: limits.timeout.as_secs_f64(),
+            }),
+        }
+    }
+
+    async fn plan(&self, ctx: &SessionContext, sql: &str) -> Result<LogicalPlan> {
+        let plan = ctx
+            .state()
+            .create_logical_plan(sql)
+            .await
+            .map_err(|e| self.map_error(e))?;
+        check_read_only(&plan)?;
+        Ok(plan)
+    }
+
     fn map_error(&self, e: DataFusionError) -> Error {
         match e.find_root() {
             DataFusionError::ResourcesExhausted(_) => Error::ResourcesExhausted {
@@ -161,6 +175,22 @@ impl SqlEngine {
             other => Error::Execution(other.to_string()),
         }
     }
+}
+
+/// Refuses DDL, DML (INSERT, COPY...) and statements such as SET: perch's SQL is read-only
+/// on every protocol.
+pub fn check_read_only(plan: &LogicalPlan) -> Result<()> {
+    SQLOptions::new()
+        .with_allow_ddl(false)
+        .with_allow_dml(false)
+        .with_allow_statements(false)
+        .verify_plan(plan)
+        .map_err(|e| {
+            Error::ReadOnly(format!(
+                "perch's SQL is read-only ({}); use SELECT, WITH, SHOW or EXPLAIN",
+                e.find_root()
+            ))
+        })
 }
 
 /// DataFusion prefixes messages with its error kind and sometimes wraps them in context;

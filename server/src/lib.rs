@@ -10,6 +10,8 @@ mod ingest;
 pub mod jobs;
 mod latest;
 mod metrics;
+mod otlp;
+pub mod pg;
 mod sql;
 
 pub use error::ApiError;
@@ -35,6 +37,8 @@ pub struct ServerConfig {
     /// Nodes silent for longer than this are reported as not reporting on `/metrics`.
     pub node_stale_after: Duration,
     pub jobs: jobs::JobsConfig,
+    /// Address of the PostgreSQL-protocol SQL listener, if any.
+    pub pg_listen: Option<String>,
 }
 
 impl ServerConfig {
@@ -45,6 +49,7 @@ impl ServerConfig {
             max_body_bytes: 64 << 20,
             node_stale_after: Duration::from_secs(60),
             jobs: jobs::JobsConfig::default(),
+            pg_listen: None,
         }
     }
 }
@@ -99,6 +104,7 @@ pub fn router(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/v1/ingest", post(ingest::ingest))
         .route("/v1/sql", post(sql::sql))
+        .route("/v1/metrics", post(otlp::metrics))
         .route("/metrics", get(metrics::metrics))
         .route(
             "/v1/jobs",
@@ -128,6 +134,7 @@ async fn index() -> axum::Json<serde_json::Value> {
             "POST /v1/ingest": "agent telemetry batches (JSON, optionally zstd or gzip encoded)",
             "POST /v1/sql": "read-only SQL: body {\"sql\": \"...\", \"format\": \"json|csv|arrow\"} or text/plain",
             "GET /metrics": "Prometheus exposition",
+            "POST /v1/metrics": "OpenTelemetry metrics (OTLP/HTTP, protobuf or JSON) into the job_metrics table",
             "POST /v1/jobs": "submit a job (JSON job request)",
             "GET /v1/jobs": "list jobs (?state=&user=&account=&limit=)",
             "GET /v1/jobs/{id}": "one job: state, reason, placement, timeline, live GPU use",
@@ -171,6 +178,21 @@ pub async fn serve(
             let _ = rx.wait_for(|stop| *stop).await;
         }
     }));
+    let pg = match &state.config.pg_listen {
+        Some(addr) => {
+            let mut rx = stop_rx.clone();
+            pg::start(
+                addr,
+                &state.config.store.data_dir,
+                state.sql.clone(),
+                async move {
+                    let _ = rx.wait_for(|stop| *stop).await;
+                },
+            )
+            .await
+        }
+        None => None,
+    };
     let app = router(state.clone());
     let result = axum::serve(listener, app)
         .with_graceful_shutdown(async move {
@@ -181,6 +203,12 @@ pub async fn serve(
     let _ = stop_tx.send(true);
     if let Err(e) = flusher.await {
         tracing::error!(error = %e, "flusher task failed");
+    }
+    if let Some(Err(e)) = match pg {
+        Some(task) => Some(task.await),
+        None => None,
+    } {
+        tracing::error!(error = %e, "PostgreSQL listener task failed");
     }
     if let Err(e) = ticker.await {
         tracing::error!(error = %e, "job ticker task failed");

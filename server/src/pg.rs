@@ -1,0 +1,368 @@
+//! SQL over the PostgreSQL wire protocol (pgwire), for `psql`, Grafana's PostgreSQL data
+//! source and any other Postgres client.
+//!
+//! Every statement, simple or extended protocol, goes through the same [`SqlEngine`] as
+//! `POST /v1/sql`: a fresh DataFusion session per statement (so the store snapshot a query
+//! pins is released when it ends and compaction can delete replaced files), the same
+//! read-only check, timeout, memory limit and row cap. A connection holds no session state.
+//!
+//! Authentication is trust mode: any user name, no password. The listener binds to loopback
+//! by default (`[server] pg_listen`); like `POST /v1/sql`, it is read-only. Parameters (`$1`)
+//! are not supported; results past `max_rows` are cut, as on HTTP.
+
+use arrow::array::{Array, AsArray, RecordBatch};
+use arrow::compute::cast;
+use arrow::datatypes::{DataType, Float64Type, Int64Type, Schema, TimeUnit};
+use async_trait::async_trait;
+use futures::stream;
+use perch_query::SqlEngine;
+use pgwire::api::auth::noop::NoopStartupHandler;
+use pgwire::api::portal::{Format, Portal};
+use pgwire::api::query::{ExtendedQueryHandler, SimpleQueryHandler};
+use pgwire::api::results::{DataRowEncoder, FieldInfo, QueryResponse, Response};
+use pgwire::api::stmt::QueryParser;
+use pgwire::api::{ClientInfo, PgWireServerHandlers, Type};
+use pgwire::error::{ErrorInfo, PgWireError, PgWireResult};
+use pgwire::messages::data::DataRow;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+use tokio::net::TcpListener;
+
+/// Answers every connection; cheap to clone.
+#[derive(Clone)]
+pub struct PgHandler {
+    sql: Arc<SqlEngine>,
+}
+
+impl std::fmt::Debug for PgHandler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgHandler").finish()
+    }
+}
+
+/// Binds `addr`, writes the bound address to `<data_dir>/pg.addr` (tests bind port 0) and
+/// serves until `shutdown` resolves. A listener that cannot start is logged and left off:
+/// HTTP (SQL included) keeps working, so a taken port does not take the server down.
+pub async fn start(
+    addr: &str,
+    data_dir: &Path,
+    sql: Arc<SqlEngine>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let bound = async {
+        let listener = TcpListener::bind(addr).await?;
+        let bound = listener.local_addr()?;
+        std::fs::write(data_dir.join("pg.addr"), format!("{bound}\n"))?;
+        std::io::Result::Ok((listener, bound))
+    };
+    match bound.await {
+        Ok((listener, bound)) => {
+            tracing::info!(listen = %bound, "PostgreSQL protocol (read-only SQL) listening");
+            Some(tokio::spawn(serve_pg(listener, sql, shutdown)))
+        }
+        Err(e) => {
+            tracing::error!(listen = addr, error = %e, "the PostgreSQL listener could not start; SQL over HTTP still works (set [server] pg_listen to another address, or \"\" for none)");
+            None
+        }
+    }
+}
+
+/// Serves the PostgreSQL protocol on `listener` until `shutdown` resolves.
+pub async fn serve_pg(
+    listener: TcpListener,
+    sql: Arc<SqlEngine>,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let handler = Arc::new(PgHandler { sql });
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => return,
+            accepted = listener.accept() => match accepted {
+                Ok((socket, _)) => {
+                    let handler = handler.clone();
+                    tokio::spawn(async move {
+                        if let Err(e) = pgwire::tokio::process_socket(socket, None, handler).await {
+                            tracing::debug!(error = %e, "PostgreSQL connection ended with an error");
+                        }
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "PostgreSQL listener could not accept; retrying");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+        }
+    }
+}
+
+impl PgWireServerHandlers for PgHandler {
+    fn simple_query_handler(&self) -> Arc<impl SimpleQueryHandler> {
+        Arc::new(self.clone())
+    }
+
+    fn extended_query_handler(&self) -> Arc<impl ExtendedQueryHandler> {
+        Arc::new(self.clone())
+    }
+
+    fn startup_handler(&self) -> Arc<impl pgwire::api::auth::StartupHandler> {
+        Arc::new(self.clone())
+    }
+}
+
+impl NoopStartupHandler for PgHandler {}
+
+fn user_error(e: perch_query::Error) -> PgWireError {
+    use perch_query::Error as E;
+    let code = match &e {
+        E::ReadOnly(_) => "25006",
+        E::BadQuery(_) => "42000",
+        E::Timeout { .. } => "57014",
+        E::ResourcesExhausted { .. } => "53200",
+        _ => "XX000",
+    };
+    PgWireError::UserError(Box::new(ErrorInfo::new(
+        "ERROR".to_owned(),
+        code.to_owned(),
+        e.to_string(),
+    )))
+}
+
+/// The Postgres type a column is sent as, and how its values are converted first.
+fn pg_type(data_type: &DataType) -> Type {
+    match data_type {
+        DataType::Boolean => Type::BOOL,
+        DataType::Int8 | DataType::Int16 | DataType::Int32 | DataType::Int64 => Type::INT8,
+        DataType::UInt8 | DataType::UInt16 | DataType::UInt32 | DataType::UInt64 => Type::INT8,
+        DataType::Float16 | DataType::Float32 | DataType::Float64 => Type::FLOAT8,
+        DataType::Timestamp(_, Some(_)) => Type::TIMESTAMPTZ,
+        DataType::Timestamp(_, None) => Type::TIMESTAMP,
+        _ => Type::TEXT,
+    }
+}
+
+fn fields(schema: &Schema, format: &Format) -> Vec<FieldInfo> {
+    schema
+        .fields()
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            FieldInfo::new(
+                f.name().clone(),
+                None,
+                None,
+                pg_type(f.data_type()),
+                format.format_for(i),
+            )
+        })
+        .collect()
+}
+
+fn arrow_error(e: arrow::error::ArrowError) -> PgWireError {
+    PgWireError::ApiError(Box::new(e))
+}
+
+/// Encodes every row of `batch` for the client.
+fn encode(batch: &RecordBatch, fields: &Arc<Vec<FieldInfo>>) -> PgWireResult<Vec<DataRow>> {
+    let mut columns = Vec::with_capacity(batch.num_columns());
+    for (column, field) in batch.columns().iter().zip(fields.iter()) {
+        let target = match *field.datatype() {
+            Type::BOOL => DataType::Boolean,
+            Type::INT8 => DataType::Int64,
+            Type::FLOAT8 => DataType::Float64,
+            Type::TIMESTAMPTZ => DataType::Timestamp(TimeUnit::Microsecond, Some("UTC".into())),
+            Type::TIMESTAMP => DataType::Timestamp(TimeUnit::Microsecond, None),
+            _ => DataType::Utf8,
+        };
+        columns.push(cast(column, &target).map_err(arrow_error)?);
+    }
+    let mut encoder = DataRowEncoder::new(fields.clone());
+    let mut rows = Vec::with_capacity(batch.num_rows());
+    for row in 0..batch.num_rows() {
+        for column in &columns {
+            let null = column.is_null(row);
+            match column.data_type() {
+                DataType::Boolean => {
+                    let v = column.as_boolean().value(row);
+                    encoder.encode_field(&(!null).then_some(v))?;
+                }
+                DataType::Int64 => {
+                    let v = column.as_primitive::<Int64Type>().value(row);
+                    encoder.encode_field(&(!null).then_some(v))?;
+                }
+                DataType::Float64 => {
+                    let v = column.as_primitive::<Float64Type>().value(row);
+                    encoder.encode_field(&(!null).then_some(v))?;
+                }
+                DataType::Timestamp(..) => {
+                    let micros = column
+                        .as_primitive::<arrow::datatypes::TimestampMicrosecondType>()
+                        .value(row);
+                    let time = (!null).then(|| system_time(micros));
+                    encoder.encode_field(&time)?;
+                }
+                _ => {
+                    let v = column.as_string::<i32>().value(row);
+                    encoder.encode_field(&(!null).then_some(v))?;
+                }
+            }
+        }
+        rows.push(encoder.take_row());
+    }
+    Ok(rows)
+}
+
+fn system_time(micros: i64) -> SystemTime {
+    let magnitude = Duration::from_micros(micros.unsigned_abs());
+    if micros >= 0 {
+        SystemTime::UNIX_EPOCH + magnitude
+    } else {
+        SystemTime::UNIX_EPOCH - magnitude
+    }
+}
+
+impl PgHandler {
+    async fn run(&self, sql: &str, format: &Format) -> PgWireResult<Response> {
+        let out = self.sql.query(sql).await.map_err(user_error)?;
+        let fields = Arc::new(fields(&out.schema, format));
+        let mut rows = Vec::with_capacity(out.rows);
+        for batch in &out.batches {
+            rows.extend(encode(batch, &fields)?);
+        }
+        Ok(Response::Query(QueryResponse::new(
+            fields,
+            stream::iter(rows.into_iter().map(Ok)),
+        )))
+    }
+}
+
+#[async_trait]
+impl SimpleQueryHandler for PgHandler {
+    async fn do_query<C>(&self, _client: &mut C, query: &str) -> PgWireResult<Vec<Response>>
+    where
+        C: ClientInfo + pgwire::api::ClientPortalStore + Unpin + Send + Sync,
+        C::PortalStore: pgwire::api::store::PortalStore,
+    {
+        Ok(vec![self.run(query, &Format::UnifiedText).await?])
+    }
+}
+
+/// A parsed statement: its text and the columns it returns.
+#[derive(Debug, Clone)]
+pub struct PgStatement {
+    sql: String,
+    schema: Arc<Schema>,
+}
+
+#[async_trait]
+impl QueryParser for PgHandler {
+    type Statement = PgStatement;
+
+    async fn parse_sql<C>(
+        &self,
+        _client: &C,
+        sql: &str,
+        _types: &[Option<Type>],
+    ) -> PgWireResult<Option<PgStatement>>
+    where
+        C: ClientInfo + Unpin + Send + Sync,
+    {
+        let schema = self.sql.describe(sql).await.map_err(user_error)?;
+        Ok(Some(PgStatement {
+            sql: sql.to_owned(),
+            schema,
+        }))
+    }
+
+    fn get_parameter_types(&self, _stmt: &PgStatement) -> PgWireResult<Vec<Type>> {
+        Ok(vec![])
+    }
+
+    fn get_result_schema(
+        &self,
+        stmt: &PgStatement,
+        column_format: Option<&Format>,
+    ) -> PgWireResult<Vec<FieldInfo>> {
+        Ok(fields(
+            &stmt.schema,
+            column_format.unwrap_or(&Format::UnifiedText),
+        ))
+    }
+}
+
+#[async_trait]
+impl ExtendedQueryHandler for PgHandler {
+    type Statement = PgStatement;
+    type QueryParser = PgHandler;
+
+    fn query_parser(&self) -> Arc<PgHandler> {
+        Arc::new(self.clone())
+    }
+
+    async fn do_query<C>(
+        &self,
+        _client: &mut C,
+        portal: &Portal<PgStatement>,
+        _max_rows: usize,
+    ) -> PgWireResult<Response>
+    where
+        C: ClientInfo
+            + pgwire::api::ClientPortalStore
+            + futures::Sink<pgwire::messages::PgWireBackendMessage>
+            + Unpin
+            + Send
+            + Sync,
+        C::PortalStore: pgwire::api::store::PortalStore<Statement = PgStatement>,
+        C::Error: std::fmt::Debug,
+        PgWireError: From<<C as futures::Sink<pgwire::messages::PgWireBackendMessage>>::Error>,
+    {
+        self.run(
+            &portal.statement.statement.sql,
+            &portal.result_column_format,
+        )
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{ArrayRef, Float64Array, StringArray, TimestampMillisecondArray};
+    use arrow::datatypes::Field;
+
+    #[test]
+    fn encodes_nulls_numbers_text_and_times() {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new(
+                "time",
+                DataType::Timestamp(TimeUnit::Millisecond, Some("UTC".into())),
+                false,
+            ),
+            Field::new("v", DataType::Float64, true),
+            Field::new("s", DataType::Utf8, true),
+        ]));
+        let batch = RecordBatch::try_new(
+            schema.clone(),
+            vec![
+                Arc::new(
+                    TimestampMillisecondArray::from(vec![1_800_000_000_000]).with_timezone("UTC"),
+                ) as ArrayRef,
+                Arc::new(Float64Array::from(vec![None])),
+                Arc::new(StringArray::from(vec![Some("x")])),
+            ],
+        )
+        .expect("batch");
+        let fields = Arc::new(fields(&schema, &Format::UnifiedText));
+        assert_eq!(
+            fields
+                .iter()
+                .map(|f| f.datatype().clone())
+                .collect::<Vec<_>>(),
+            vec![Type::TIMESTAMPTZ, Type::FLOAT8, Type::TEXT]
+        );
+        let rows = encode(&batch, &fields).expect("encodes");
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].field_count, 3);
+    }
+}

@@ -1,0 +1,192 @@
+//! OpenTelemetry end to end: a job using the real Python OpenTelemetry SDK, with no endpoint
+//! in its code, exports its metrics to perch because the agent set `OTEL_*` in its
+//! environment; they land in `job_metrics` keyed by job and user. Also the OTLP/JSON encoding
+//! and the answer to a malformed body.
+
+mod common;
+
+use common::{PERCH, Perch, wait_for};
+use serde_json::{Value, json};
+use std::process::Command;
+
+const SCRIPT: &str = r#"
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+# No endpoint here: OTEL_EXPORTER_OTLP_ENDPOINT and OTEL_RESOURCE_ATTRIBUTES come from perch.
+reader = PeriodicExportingMetricReader(OTLPMetricExporter(), export_interval_millis=60000)
+# One export only (the force_flush below), so the test knows exactly what was sent.
+provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
+metrics.set_meter_provider(provider)
+meter = metrics.get_meter("train")
+loss = meter.create_gauge("loss", unit="1")
+step_time = meter.create_histogram("step_seconds", unit="s")
+samples = meter.create_counter("samples", unit="{sample}")
+for step in range(4):
+    loss.set(1.0 / (step + 1), {"phase": "train"})
+    step_time.record(0.5 + step)
+    samples.add(32)
+provider.force_flush()
+print("exported")
+"#;
+
+fn cli(perch: &Perch, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(PERCH)
+        .args(args)
+        .env("PERCH_SERVER", &perch.url)
+        .env("USER", "ada")
+        .output()
+        .expect("run perch");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn job_state(perch: &Perch, id: u64) -> Value {
+    reqwest::blocking::get(format!("{}/v1/jobs/{id}", perch.url))
+        .expect("GET job")
+        .json::<Value>()
+        .expect("json")["state"]
+        .clone()
+}
+
+#[test]
+fn a_job_using_the_python_sdk_lands_in_job_metrics() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("train.py");
+    std::fs::write(&script, SCRIPT).expect("write script");
+    let perch = Perch::start(
+        &dir.path().join("data"),
+        &["up", "--simulate-gpus", "1", "--interval-ms", "200"],
+    );
+    let script = script.to_string_lossy().into_owned();
+    let (ok, out, err) = cli(&perch, &["submit", "--gpus", "1", "--", "python3", &script]);
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), "Submitted job 1");
+    let state = wait_for("job 1 to end", || {
+        let s = job_state(&perch, 1);
+        (s == "completed" || s == "failed").then_some(s)
+    });
+    let (_, stdout, _) = cli(&perch, &["logs", "1"]);
+    let (_, stderr, _) = cli(&perch, &["logs", "1", "--stderr"]);
+    assert_eq!(state, "completed", "stdout: {stdout}\nstderr: {stderr}");
+
+    let rows = perch.sql(
+        "SELECT metric, kind, unit, value, count, sum, user, node, service_name, attributes \
+         FROM job_metrics WHERE job = '1' ORDER BY metric",
+    );
+    let by_name = |name: &str| -> &Value {
+        rows.iter()
+            .find(|r| r["metric"] == name)
+            .unwrap_or_else(|| panic!("no {name} in {rows:?}"))
+    };
+    assert_eq!(rows.len(), 3, "{rows:?}");
+    let loss = by_name("loss");
+    assert_eq!(loss["kind"], "gauge");
+    assert_eq!(loss["value"].as_f64(), Some(0.25));
+    assert_eq!(loss["attributes"], r#"{"phase":"train"}"#);
+    let samples = by_name("samples");
+    assert_eq!(samples["kind"], "sum");
+    assert_eq!(samples["value"].as_f64(), Some(128.0));
+    let steps = by_name("step_seconds");
+    assert_eq!(steps["kind"], "histogram");
+    assert_eq!(steps["count"].as_u64(), Some(4));
+    assert_eq!(steps["sum"].as_f64(), Some(8.0));
+    assert_eq!(steps["value"].as_f64(), Some(2.0));
+    assert_eq!(steps["unit"], "s");
+    for row in &rows {
+        assert_eq!(row["user"], "ada");
+        assert_eq!(row["service_name"], "perch-job-1");
+        assert_ne!(
+            row["node"], "otlp",
+            "host.name should name the agent's node"
+        );
+    }
+}
+
+#[test]
+fn otlp_json_is_stored_and_malformed_bodies_get_400() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = Perch::start(dir.path(), &["server"]);
+    let client = reqwest::blocking::Client::new();
+    let now_ns = (common::now_ms() as u64 * 1_000_000).to_string();
+    let body = json!({
+        "resourceMetrics": [{
+            "resource": {"attributes": [
+                {"key": "perch.job.id", "value": {"stringValue": "77"}},
+                {"key": "perch.user", "value": {"stringValue": "bob"}},
+                {"key": "service.name", "value": {"stringValue": "trainer"}}
+            ]},
+            "scopeMetrics": [{
+                "scope": {"name": "hand"},
+                "metrics": [{
+                    "name": "tokens_per_second",
+                    "unit": "1/s",
+                    "gauge": {"dataPoints": [{
+                        "timeUnixNano": now_ns,
+                        "asDouble": 1500.5,
+                        "attributes": [{"key": "rank", "value": {"intValue": "3"}}]
+                    }]}
+                }]
+            }]
+        }]
+    });
+    let response = client
+        .post(format!("{}/v1/metrics", perch.url))
+        .json(&body)
+        .send()
+        .expect("POST /v1/metrics");
+    assert_eq!(response.status(), 200);
+    assert!(
+        response
+            .headers()
+            .get("content-type")
+            .is_some_and(|v| v == "application/json")
+    );
+    let answer: Value = response.json().expect("JSON answer");
+    assert!(answer.get("partialSuccess").is_none(), "{answer}");
+
+    let rows = perch.sql(
+        "SELECT node, user, service_name, metric, kind, value, attributes FROM job_metrics WHERE job = '77'",
+    );
+    assert_eq!(
+        rows,
+        vec![json!({
+            "node": "otlp", "user": "bob", "service_name": "trainer",
+            "metric": "tokens_per_second", "kind": "gauge", "value": 1500.5,
+            "attributes": "{\"rank\":3}"
+        })]
+    );
+
+    for (content_type, body) in [
+        ("application/x-protobuf", &b"\xff\xff\xff not protobuf"[..]),
+        ("application/json", &b"{\"resourceMetrics\": 5}"[..]),
+    ] {
+        let response = client
+            .post(format!("{}/v1/metrics", perch.url))
+            .header("content-type", content_type)
+            .body(body.to_vec())
+            .send()
+            .expect("POST /v1/metrics");
+        assert_eq!(response.status(), 400, "{content_type}");
+        let answer: Value = response.json().expect("JSON error");
+        assert_eq!(answer["error"]["code"], "malformed_otlp", "{answer}");
+        assert!(
+            answer["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("ExportMetricsServiceRequest")),
+            "{answer}"
+        );
+    }
+    let response = client
+        .post(format!("{}/v1/metrics", perch.url))
+        .header("content-type", "text/plain")
+        .body("loss 1")
+        .send()
+        .expect("POST /v1/metrics");
+    assert_eq!(response.status(), 415);
+}
