@@ -31,6 +31,8 @@ pub struct ServerSection {
     pub retention_days: std::collections::BTreeMap<String, u64>,
     /// Address of the PostgreSQL-protocol SQL listener; empty turns it off.
     pub pg_listen: String,
+    /// TOML file of accepted bearer tokens; empty runs open (loopback only).
+    pub tokens_file: PathBuf,
 }
 
 impl Default for ServerSection {
@@ -47,6 +49,7 @@ impl Default for ServerSection {
             compact_min_files: 8,
             retention_days: Default::default(),
             pg_listen: "127.0.0.1:7432".into(),
+            tokens_file: PathBuf::new(),
         }
     }
 }
@@ -83,6 +86,8 @@ pub struct AgentSection {
     pub max_queue_batches: usize,
     pub max_batch_rounds: usize,
     pub spool_max_mb: u64,
+    /// Bearer token (role agent) for a server that requires authentication.
+    pub token: String,
 }
 
 impl Default for AgentSection {
@@ -97,6 +102,7 @@ impl Default for AgentSection {
             max_queue_batches: 60,
             max_batch_rounds: 60,
             spool_max_mb: 256,
+            token: String::new(),
         }
     }
 }
@@ -121,6 +127,23 @@ impl Config {
     /// Checks values serde cannot; the message names the key.
     pub fn check(&self) -> Result<()> {
         let bad = |key: &str, why: &str| Err(anyhow::anyhow!("config key {key}: {why}"));
+        if self.server.tokens_file.as_os_str().is_empty() {
+            for (key, addr) in [
+                ("server.listen", &self.server.listen),
+                ("server.pg_listen", &self.server.pg_listen),
+            ] {
+                if let Ok(a) = addr.parse::<std::net::SocketAddr>()
+                    && !a.ip().is_loopback()
+                {
+                    return bad(
+                        key,
+                        &format!(
+                            "{a} is not a loopback address; without server.tokens_file perch runs open (no authentication) and listens on loopback only: set tokens_file"
+                        ),
+                    );
+                }
+            }
+        }
         if self.server.listen.parse::<std::net::SocketAddr>().is_err() {
             return bad(
                 "server.listen",
@@ -194,7 +217,7 @@ impl Config {
         Ok(())
     }
 
-    pub fn server_config(&self) -> perch_server::ServerConfig {
+    pub fn server_config(&self) -> Result<perch_server::ServerConfig> {
         let s = &self.server;
         let mut store = perch_query::StoreConfig::new(&s.data_dir);
         store.flush_interval = Duration::from_secs(s.flush_interval_secs);
@@ -218,7 +241,11 @@ impl Config {
         config.max_body_bytes = s.max_body_mb << 20;
         config.node_stale_after = Duration::from_secs(s.node_stale_after_secs);
         config.pg_listen = Some(s.pg_listen.clone()).filter(|a| !a.is_empty());
-        config
+        if !s.tokens_file.as_os_str().is_empty() {
+            config.tokens =
+                perch_server::auth::Tokens::load(&s.tokens_file).map_err(anyhow::Error::msg)?;
+        }
+        Ok(config)
     }
 
     pub fn agent_config(&self) -> Result<perch_collector::AgentConfig> {
@@ -243,6 +270,7 @@ impl Config {
         config.max_queue_batches = a.max_queue_batches.max(1);
         config.max_batch_rounds = a.max_batch_rounds.max(1);
         config.spool_max_bytes = a.spool_max_mb << 20;
+        config.token = Some(a.token.clone()).filter(|t| !t.is_empty());
         Ok(config)
     }
 }

@@ -273,3 +273,144 @@ fn simulated_gpus_follow_the_jobs_placed_on_them() {
         .unwrap_or(0.0);
     assert!(mem > 0.0, "an allocated-but-idle job holds memory: {idle}");
 }
+
+#[test]
+fn dependencies_and_arrays() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = Perch::start(
+        dir.path(),
+        &["up", "--simulate-gpus", "2", "--interval-ms", "200"],
+    );
+    let marker = dir.path().join("go");
+    let wait = format!("while [ ! -e {} ]; do sleep 0.1; done", marker.display());
+    cli(&perch, &["submit", "--gpus", "1", "--", "sh", "-c", &wait]); // 1
+    cli(&perch, &["submit", "--gpus", "1", "--", "false"]); // 2: fails
+    let (ok, _, err) = cli(
+        &perch,
+        &["submit", "--gpus", "1", "--after-ok", "1", "--", "true"],
+    ); // 3
+    assert!(ok, "{err}");
+    cli(
+        &perch,
+        &["submit", "--gpus", "1", "--after-ok", "2", "--", "true"],
+    ); // 4: never
+    cli(
+        &perch,
+        &["submit", "--gpus", "1", "--after-any", "2", "--", "true"],
+    ); // 5
+    let (ok, _, err) = cli(&perch, &["submit", "--after-ok", "99", "--", "true"]);
+    assert!(
+        !ok && err.contains("after_ok") && err.contains("no job 99"),
+        "{err}"
+    );
+    let held = job(&perch, 3);
+    assert_eq!(held["state"], "pending");
+    assert!(
+        held["reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("waiting for dependencies"),
+        "{held}"
+    );
+    wait_state(&perch, 5, "completed"); // job 2 failed: after_any is satisfied
+    let never = wait_state(&perch, 4, "cancelled");
+    assert!(
+        never["reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("can never be met"),
+        "{never}"
+    );
+    assert_eq!(job(&perch, 3)["state"], "pending", "job 1 still runs");
+    std::fs::write(&marker, b"").expect("marker");
+    wait_state(&perch, 3, "completed");
+
+    let (ok, out, err) = cli(
+        &perch,
+        &[
+            "submit",
+            "--gpus",
+            "1",
+            "--array",
+            "3",
+            "-J",
+            "sweep",
+            "--",
+            "sh",
+            "-c",
+            "echo task=$PERCH_ARRAY_TASK_ID of $PERCH_ARRAY_JOB_ID",
+        ],
+    );
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), "Submitted array job 6 (tasks 6..=8)");
+    for (id, task) in [(6, 0), (7, 1), (8, 2)] {
+        wait_state(&perch, id, "completed");
+        let out = wait_for("array output", || {
+            let (_, out, _) = cli(&perch, &["logs", &id.to_string()]);
+            (!out.is_empty()).then_some(out)
+        });
+        assert_eq!(out, format!("task={task} of 6\n"));
+        assert_eq!(job(&perch, id)["request"]["name"], format!("sweep[{task}]"));
+    }
+}
+
+#[test]
+fn the_scheduler_avoids_a_gpu_whose_telemetry_reports_an_xid() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = Perch::start(
+        dir.path(),
+        &["up", "--simulate-gpus", "2", "--interval-ms", "200"],
+    );
+    let node = wait_for("the local node to join", || {
+        let nodes: Value = reqwest::blocking::get(format!("{}/v1/nodes", perch.url))
+            .ok()?
+            .json()
+            .ok()?;
+        nodes["nodes"][0]["name"].as_str().map(str::to_owned)
+    });
+    // The agent's telemetry reports XID 79 (fallen off the bus) on GPU 0.
+    let event = |kind: &str, seq: u64| {
+        serde_json::json!({"node": node, "seq": seq, "gpu_events": [{
+            "time_ms": common::now_ms(), "gpu": 0, "uuid": "GPU-SIM-0", "simulated": true,
+            "kind": kind, "xid": if kind == "xid" { Value::from(79) } else { Value::Null }
+        }]})
+    };
+    let client = reqwest::blocking::Client::new();
+    let r = client
+        .post(format!("{}/v1/ingest", perch.url))
+        .json(&event("xid", u64::MAX / 2))
+        .send()
+        .expect("ingest");
+    assert!(r.status().is_success(), "{:?}", r.text());
+    // A two-GPU job cannot start; a one-GPU job goes to the healthy GPU 1.
+    wait_for("the XID to reach the scheduler", || {
+        cli(&perch, &["submit", "--gpus", "2", "--", "true"]);
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let last: Value = reqwest::blocking::get(format!("{}/v1/jobs?limit=1", perch.url))
+            .ok()?
+            .json()
+            .ok()?;
+        (last["jobs"][0]["state"] == "pending").then_some(())
+    });
+    let (_, out, _) = cli(&perch, &["submit", "--gpus", "1", "--", "true"]);
+    let id: u64 = out
+        .trim()
+        .trim_start_matches("Submitted job ")
+        .parse()
+        .expect("job id");
+    let j = wait_state(&perch, id, "completed");
+    assert_eq!(j["placement"][0]["gpus"], serde_json::json!([1]));
+    // Once the GPU recovers, the waiting two-GPU job runs.
+    client
+        .post(format!("{}/v1/ingest", perch.url))
+        .json(&event("gpu_recovered", u64::MAX / 2 + 1))
+        .send()
+        .expect("ingest");
+    wait_for("no job left pending", || {
+        let pending: Value = reqwest::blocking::get(format!("{}/v1/jobs?state=pending", perch.url))
+            .ok()?
+            .json()
+            .ok()?;
+        pending["jobs"].as_array()?.is_empty().then_some(())
+    });
+}

@@ -64,6 +64,8 @@ pub struct AgentConfig {
     pub jobs: JobRegistry,
     /// Run the jobs the server places on this node (see [`crate::control_loop`]).
     pub run_jobs: bool,
+    /// Bearer token (role `agent`) for servers that require authentication.
+    pub token: Option<String>,
 }
 
 impl AgentConfig {
@@ -87,6 +89,7 @@ impl AgentConfig {
             root: PathBuf::from("/"),
             spool_max_bytes: 256 * 1024 * 1024,
             run_jobs: true,
+            token: None,
             jobs: JobRegistry::default(),
         }
     }
@@ -317,7 +320,8 @@ pub async fn run_agent_with(
     counters: Arc<AgentCounters>,
 ) -> Result<AgentStats> {
     config.check()?;
-    let sender = Sender::new(&config.server, config.request_timeout)?;
+    let sender =
+        Sender::new(&config.server, config.request_timeout)?.with_token(config.token.clone());
     // Loading NVML can take a second on a big node: keep it off the async threads. Later NVML
     // calls and /proc reads block well under a millisecond per source, so each round runs
     // inline on this task rather than paying a thread hop.
@@ -372,6 +376,7 @@ pub async fn run_agent_with(
             request_timeout: config.request_timeout,
             shutdown_grace: config.drain_timeout,
             registry: config.jobs.clone(),
+            token: config.token.clone(),
         };
         let mut stopped = control_stopped.clone();
         tokio::spawn(crate::control_loop::run_control(control, async move {

@@ -27,6 +27,8 @@ pub struct ControlConfig {
     /// Grace given to running jobs when the agent shuts down.
     pub shutdown_grace: Duration,
     pub registry: JobRegistry,
+    /// Bearer token (role `agent`) for servers that require authentication.
+    pub token: Option<String>,
 }
 
 fn lock(l: &Mutex<Launcher>) -> std::sync::MutexGuard<'_, Launcher> {
@@ -79,12 +81,11 @@ pub async fn run_control(
             }
         };
         let answer = async {
-            let r = client
-                .post(&url)
-                .json(&request)
-                .send()
-                .await
-                .map_err(|e| e.to_string())?;
+            let mut post = client.post(&url).json(&request);
+            if let Some(token) = config.token.as_deref().filter(|t| !t.is_empty()) {
+                post = post.bearer_auth(token);
+            }
+            let r = post.send().await.map_err(|e| e.to_string())?;
             let status = r.status();
             if !status.is_success() {
                 return Err(format!("{status}: {}", r.text().await.unwrap_or_default()));

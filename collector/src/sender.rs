@@ -63,6 +63,8 @@ impl Backoff {
 pub struct Sender {
     client: reqwest::Client,
     url: String,
+    /// Bearer token for servers that require one (the `agent` role).
+    token: Option<String>,
 }
 
 /// Serializes and compresses a batch the way the server expects it.
@@ -88,7 +90,14 @@ impl Sender {
         Ok(Self {
             client,
             url: format!("{base}/v1/ingest"),
+            token: None,
         })
+    }
+
+    /// Sends `Authorization: Bearer <token>` with every batch.
+    pub fn with_token(mut self, token: Option<String>) -> Self {
+        self.token = token.filter(|t| !t.is_empty());
+        self
     }
 
     /// The ingest URL batches go to.
@@ -109,14 +118,15 @@ impl Sender {
 
     /// Sends an already encoded batch (zstd JSON) once and classifies the reply.
     pub async fn post_body(&self, body: Vec<u8>) -> SendOutcome {
-        let response = self
+        let mut request = self
             .client
             .post(&self.url)
             .header(CONTENT_TYPE, "application/json")
-            .header(CONTENT_ENCODING, "zstd")
-            .body(body)
-            .send()
-            .await;
+            .header(CONTENT_ENCODING, "zstd");
+        if let Some(token) = &self.token {
+            request = request.bearer_auth(token);
+        }
+        let response = request.body(body).send().await;
         let response = match response {
             Ok(r) => r,
             Err(e) => {

@@ -71,6 +71,19 @@ async fn handle(
     match state.store.ingest(body, &batch).await? {
         IngestOutcome::Stored { samples } => {
             state.latest.update(&batch, now);
+            if !batch.gpus.is_empty()
+                || !batch.gpu_events.is_empty()
+                || !batch.gpu_processes.is_empty()
+            {
+                // Telemetry feeds scheduling decisions; a failure here must not fail ingest.
+                let jobs = state.jobs.clone();
+                let observed = batch.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = jobs.run(move |c, now| c.observe(&observed, now)).await {
+                        tracing::warn!(error = %e.message, "could not pass telemetry to the scheduler");
+                    }
+                });
+            }
             Ok(serde_json::json!({"accepted": true, "duplicate": false, "samples": samples}))
         }
         IngestOutcome::Duplicate => {

@@ -5,6 +5,7 @@
 //! `127.0.0.1:0` and never race for a port or sleep for readiness. On shutdown the store's
 //! buffer is flushed to Parquet.
 
+pub mod auth;
 mod error;
 mod ingest;
 pub mod jobs;
@@ -37,6 +38,8 @@ pub struct ServerConfig {
     /// Nodes silent for longer than this are reported as not reporting on `/metrics`.
     pub node_stale_after: Duration,
     pub jobs: jobs::JobsConfig,
+    /// Accepted bearer tokens; open (no authentication) by default.
+    pub tokens: auth::Tokens,
     /// Address of the PostgreSQL-protocol SQL listener, if any.
     pub pg_listen: Option<String>,
 }
@@ -49,6 +52,7 @@ impl ServerConfig {
             max_body_bytes: 64 << 20,
             node_stale_after: Duration::from_secs(60),
             jobs: jobs::JobsConfig::default(),
+            tokens: auth::Tokens::open(),
             pg_listen: None,
         }
     }
@@ -64,6 +68,7 @@ pub struct AppState {
     pub ready: Arc<AtomicBool>,
     pub config: Arc<ServerConfig>,
     pub jobs: jobs::JobService,
+    pub tokens: Arc<auth::Tokens>,
 }
 
 impl AppState {
@@ -80,6 +85,7 @@ impl AppState {
             latest: Arc::new(Latest::default()),
             metrics: Arc::new(metrics::ServerMetrics::default()),
             ready: Arc::new(AtomicBool::new(true)),
+            tokens: Arc::new(config.tokens.clone()),
             config: Arc::new(config),
             jobs,
         })
@@ -102,6 +108,7 @@ pub fn router(state: AppState) -> Router {
         .route("/", get(index))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
+        .route("/v1/openapi.json", get(openapi))
         .route("/v1/ingest", post(ingest::ingest))
         .route("/v1/sql", post(sql::sql))
         .route("/v1/metrics", post(otlp::metrics))
@@ -119,6 +126,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/nodes/{name}/resume", post(jobs::routes::resume))
         .route("/v1/agent/sync", post(jobs::routes::sync))
         .fallback(error::not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::middleware,
+        ))
         .layer(DefaultBodyLimit::max(limit))
         .layer(tower_http::decompression::RequestDecompressionLayer::new())
         .with_state(state)
@@ -147,6 +158,16 @@ async fn index() -> axum::Json<serde_json::Value> {
             "POST /v1/agent/sync": "agents report their jobs and receive launch and stop orders",
         }
     }))
+}
+
+/// The OpenAPI 3 description of this server's HTTP API.
+pub const OPENAPI: &str = include_str!("../openapi.json");
+
+async fn openapi() -> ([(axum::http::HeaderName, &'static str); 1], &'static str) {
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        OPENAPI,
+    )
 }
 
 async fn readyz(

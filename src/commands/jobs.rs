@@ -18,6 +18,9 @@ pub struct ServerArg {
         global = true
     )]
     server: String,
+    /// Bearer token, when the server requires one.
+    #[arg(long, env = "PERCH_TOKEN", hide_env_values = true, global = true)]
+    token: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -61,6 +64,15 @@ pub struct SubmitArgs {
     /// On simulated GPUs, the load the job shows: idle, steady or bursty.
     #[arg(long)]
     sim_profile: Option<String>,
+    /// Submit N copies (a job array; PERCH_ARRAY_TASK_ID tells them apart).
+    #[arg(long)]
+    array: Option<u32>,
+    /// Start after these jobs completed successfully (comma-separated ids).
+    #[arg(long, value_delimiter = ',')]
+    after_ok: Vec<u64>,
+    /// Start after these jobs ended, however (comma-separated ids).
+    #[arg(long, value_delimiter = ',')]
+    after_any: Vec<u64>,
     /// KEY=VALUE, repeatable.
     #[arg(long = "env", short = 'e')]
     env: Vec<String>,
@@ -136,6 +148,7 @@ pub struct NodeArgs {
 struct Api {
     base: String,
     client: reqwest::blocking::Client,
+    token: Option<String>,
 }
 
 impl Api {
@@ -146,6 +159,7 @@ impl Api {
         Ok(Api {
             base: server.server.trim_end_matches('/').to_owned(),
             client,
+            token: server.token.clone(),
         })
     }
 
@@ -153,6 +167,10 @@ impl Api {
         &self,
         request: reqwest::blocking::RequestBuilder,
     ) -> Result<reqwest::blocking::Response> {
+        let request = match &self.token {
+            Some(t) => request.bearer_auth(t),
+            None => request,
+        };
         let response = request.send().with_context(|| {
             format!(
                 "cannot reach the perch server at {} (is it running? start one with `perch up`)",
@@ -272,6 +290,15 @@ pub fn submit(args: SubmitArgs) -> Result<()> {
     if let Some(v) = &args.sim_profile {
         set("sim_profile", v.clone().into());
     }
+    if let Some(v) = args.array {
+        set("array", v.into());
+    }
+    if !args.after_ok.is_empty() {
+        set("after_ok", args.after_ok.clone().into());
+    }
+    if !args.after_any.is_empty() {
+        set("after_any", args.after_any.clone().into());
+    }
     if let Some(v) = &args.workdir {
         set("workdir", v.clone().into());
     }
@@ -289,7 +316,15 @@ pub fn submit(args: SubmitArgs) -> Result<()> {
         bail!("give the command after --, e.g. perch submit --gpus 1 -- python train.py");
     }
     let job = Api::new(&args.server)?.post("/v1/jobs", &Value::Object(request))?;
-    println!("Submitted job {}", job["id"]);
+    match job["array_jobs"].as_array() {
+        Some(ids) => println!(
+            "Submitted array job {} (tasks {}..={})",
+            job["id"],
+            ids.first().unwrap_or(&Value::Null),
+            ids.last().unwrap_or(&Value::Null)
+        ),
+        None => println!("Submitted job {}", job["id"]),
+    }
     Ok(())
 }
 

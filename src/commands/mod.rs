@@ -104,6 +104,9 @@ struct AgentArgs {
     /// Agent data directory (spool, free-space reporting).
     #[arg(long, env = "PERCH_DATA_DIR")]
     data_dir: Option<PathBuf>,
+    /// Bearer token (role agent) when the server requires one.
+    #[arg(long, env = "PERCH_TOKEN", hide_env_values = true)]
+    token: Option<String>,
     #[command(flatten)]
     agent: AgentFlags,
 }
@@ -196,6 +199,9 @@ pub fn run(cli: Cli) -> Result<()> {
             }
             if let Some(v) = args.data_dir {
                 config.agent.data_dir = v;
+            }
+            if let Some(v) = args.token {
+                config.agent.token = v;
             }
             args.agent.apply(&mut config);
             config.check()?;

@@ -52,7 +52,7 @@ async fn bind(config: &Config) -> Result<(TcpListener, AppState)> {
     let listener = TcpListener::bind(listen).await.with_context(|| {
         format!("listening on {listen} (is another perch running? choose another with --listen)")
     })?;
-    let state = AppState::open(config.server_config()).with_context(|| {
+    let state = AppState::open(config.server_config()?).with_context(|| {
         format!(
             "opening the data directory {}",
             config.server.data_dir.display()

@@ -18,6 +18,9 @@ pub struct SqlArgs {
     /// Server URL.
     #[arg(long, env = "PERCH_SERVER", default_value = "http://127.0.0.1:7300")]
     server: String,
+    /// Bearer token, when the server requires one.
+    #[arg(long, env = "PERCH_TOKEN", hide_env_values = true)]
+    token: Option<String>,
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
     format: OutputFormat,
     /// Show the query plan instead of running the query.
@@ -44,17 +47,18 @@ async fn query(args: SqlArgs) -> Result<()> {
         OutputFormat::Json => "json",
     };
     let url = format!("{}/v1/sql", args.server.trim_end_matches('/'));
-    let response = reqwest::Client::new()
+    let mut request = reqwest::Client::new()
         .post(&url)
-        .json(&serde_json::json!({"sql": sql, "format": wire}))
-        .send()
-        .await
-        .with_context(|| {
-            format!(
-                "cannot reach the perch server at {} (is it running? start one with `perch up`)",
-                args.server
-            )
-        })?;
+        .json(&serde_json::json!({"sql": sql, "format": wire}));
+    if let Some(t) = &args.token {
+        request = request.bearer_auth(t);
+    }
+    let response = request.send().await.with_context(|| {
+        format!(
+            "cannot reach the perch server at {} (is it running? start one with `perch up`)",
+            args.server
+        )
+    })?;
     let status = response.status();
     let truncated = response
         .headers()

@@ -4,7 +4,7 @@
 //! orders queued for agents, record changes), and commits the changed records to the job
 //! database before it returns. The core itself stays pure; this module is its I/O.
 
-use super::db::{JobDb, NodeRecord};
+use super::db::{Dirty, NodeRecord};
 use super::record::{JobRecord, JobState, NodeGpus};
 use super::spec::{FieldError, JobRequest};
 use perch_model::control::{
@@ -30,12 +30,22 @@ pub enum ControlError {
     AlreadyEnded { id: u64, state: &'static str },
     #[error("no node {0:?}; `perch nodes` lists them")]
     NoSuchNode(String),
+    #[error("{0}")]
+    Forbidden(String),
     #[error("scheduler: {0}")]
     Scheduler(#[from] perch_scheduler::Error),
     #[error("{0}")]
     Db(#[from] super::db::DbError),
     #[error("job logs: {0}")]
     Logs(std::io::Error),
+}
+
+/// Whether a job's dependencies let it be scheduled.
+#[derive(Debug, PartialEq, Eq)]
+enum Deps {
+    Met,
+    Waiting,
+    Never(String),
 }
 
 /// Settings of the control plane.
@@ -79,9 +89,10 @@ pub(crate) struct Control {
     delivered: HashSet<(u64, usize)>,
     dirty_jobs: BTreeSet<u64>,
     dirty_nodes: BTreeSet<usize>,
+    /// Pending jobs whose dependencies are not met yet; the scheduler does not see them.
+    held: BTreeSet<u64>,
     /// The time of the latest operation, for texts relative to now.
     now: i64,
-    db: JobDb,
     logs_dir: PathBuf,
     config: JobsConfig,
 }
@@ -140,15 +151,14 @@ pub(crate) fn reason_text(reason: &PendingReason, now: i64) -> String {
 }
 
 impl Control {
-    /// Opens the job database under `dir` and rebuilds the scheduler from it.
+    /// Rebuilds the control plane from the records of the job database; `dir` holds job logs.
     pub(crate) fn open(
         dir: &std::path::Path,
         config: JobsConfig,
         now_ms: i64,
+        jobs: Vec<JobRecord>,
+        nodes: Vec<NodeRecord>,
     ) -> Result<Control, ControlError> {
-        std::fs::create_dir_all(dir).map_err(ControlError::Logs)?;
-        let db = JobDb::open(&dir.join("jobs.redb"))?;
-        let (jobs, nodes) = db.load()?;
         let mut c = Control {
             scheduler: Scheduler::new(Cluster::new(), config.policy.clone()),
             jobs: BTreeMap::new(),
@@ -159,8 +169,8 @@ impl Control {
             delivered: HashSet::new(),
             dirty_jobs: BTreeSet::new(),
             dirty_nodes: BTreeSet::new(),
+            held: BTreeSet::new(),
             now: now_ms,
-            db,
             logs_dir: dir.join("logs"),
             config,
         };
@@ -172,6 +182,10 @@ impl Control {
             c.next_id = c.next_id.max(job.id + 1);
             let spec = spec_of(job.id, &job.request, job.submit_ms);
             let result = match job.state {
+                JobState::Pending if c.dependencies(&job.request) != Deps::Met => {
+                    c.held.insert(job.id);
+                    Ok(())
+                }
                 JobState::Pending => c.scheduler.handle(now_ms, Event::Submit(spec)).map(|_| ()),
                 JobState::Running => {
                     let placement = c.placement_of(&job);
@@ -208,7 +222,6 @@ impl Control {
                 c.queue_launches(id);
             }
         }
-        c.save()?;
         Ok(c)
     }
 
@@ -248,21 +261,17 @@ impl Control {
             .collect()
     }
 
-    fn save(&mut self) -> Result<(), ControlError> {
-        let jobs: Vec<&JobRecord> = self
-            .dirty_jobs
-            .iter()
-            .filter_map(|id| self.jobs.get(id))
+    /// The records changed since the last call, for the job service to commit.
+    pub(crate) fn take_dirty(&mut self) -> Dirty {
+        let jobs = std::mem::take(&mut self.dirty_jobs)
+            .into_iter()
+            .filter_map(|id| self.jobs.get(&id).cloned())
             .collect();
-        let nodes: Vec<(u64, &NodeRecord)> = self
-            .dirty_nodes
-            .iter()
-            .filter_map(|&i| self.nodes.get(i).map(|n| (i as u64, &n.record)))
+        let nodes = std::mem::take(&mut self.dirty_nodes)
+            .into_iter()
+            .filter_map(|i| self.nodes.get(i).map(|n| (i as u64, n.record.clone())))
             .collect();
-        self.db.save(&jobs, &nodes)?;
-        self.dirty_jobs.clear();
-        self.dirty_nodes.clear();
-        Ok(())
+        Dirty { jobs, nodes }
     }
 
     fn stop_everywhere(&mut self, id: u64) {
@@ -452,13 +461,104 @@ impl Control {
         }
     }
 
+    /// Submits a job, or `array` copies of it; returns the records in id order.
     pub(crate) fn submit(
         &mut self,
-        mut request: JobRequest,
+        request: JobRequest,
         now: i64,
-    ) -> Result<JobRecord, ControlError> {
+    ) -> Result<Vec<JobRecord>, ControlError> {
         request.validate()?;
         self.now = now;
+        for (field, deps) in [
+            ("after_ok", &request.after_ok),
+            ("after_any", &request.after_any),
+        ] {
+            if let Some(missing) = deps.iter().find(|d| !self.jobs.contains_key(d)) {
+                return Err(ControlError::Invalid(FieldError {
+                    field,
+                    message: format!("no job {missing}; `perch jobs --all` lists them"),
+                }));
+            }
+        }
+        let Some(count) = request.array else {
+            let id = self.submit_one(request, now)?;
+            self.release_held(now)?;
+            return Ok(self.view(id).into_iter().collect());
+        };
+        let first = self.next_id;
+        let mut ids = Vec::new();
+        for task in 0..count {
+            let mut r = request.clone();
+            r.array = None;
+            r.env.insert("PERCH_ARRAY_JOB_ID".into(), first.to_string());
+            r.env.insert("PERCH_ARRAY_TASK_ID".into(), task.to_string());
+            r.name = Some(format!(
+                "{}[{task}]",
+                request.name.as_deref().unwrap_or("array")
+            ));
+            ids.push(self.submit_one(r, now)?);
+        }
+        self.release_held(now)?;
+        Ok(ids.into_iter().filter_map(|id| self.view(id)).collect())
+    }
+
+    /// Whether a job's dependencies allow it to be scheduled.
+    fn dependencies(&self, request: &JobRequest) -> Deps {
+        let state = |id: &u64| self.jobs.get(id).map(|j| j.state);
+        for id in &request.after_ok {
+            match state(id) {
+                Some(JobState::Completed) => {}
+                Some(s) if s.is_final() => {
+                    return Deps::Never(format!("job {id} ended {} (after_ok)", s.as_str()));
+                }
+                _ => return Deps::Waiting,
+            }
+        }
+        if request
+            .after_any
+            .iter()
+            .any(|id| !state(id).is_some_and(JobState::is_final))
+        {
+            return Deps::Waiting;
+        }
+        Deps::Met
+    }
+
+    /// Hands held jobs whose dependencies are now met to the scheduler, and cancels those
+    /// whose dependencies can never be met.
+    fn release_held(&mut self, now: i64) -> Result<(), ControlError> {
+        let held: Vec<u64> = self.held.iter().copied().collect();
+        for id in held {
+            let Some(job) = self.jobs.get(&id) else {
+                continue;
+            };
+            match self.dependencies(&job.request) {
+                Deps::Waiting => {}
+                Deps::Met => {
+                    self.held.remove(&id);
+                    let spec = spec_of(id, &job.request, job.submit_ms);
+                    if let Some(j) = self.jobs.get_mut(&id) {
+                        j.note(now, "dependencies met");
+                    }
+                    let actions = self.scheduler.step(now, Event::Submit(spec))?;
+                    self.apply(now, actions);
+                }
+                Deps::Never(why) => {
+                    self.held.remove(&id);
+                    if let Some(j) = self.jobs.get_mut(&id) {
+                        j.state = JobState::Cancelled;
+                        j.reason = Some(format!("dependency can never be met: {why}"));
+                        j.end_ms = Some(now);
+                        j.note(now, "cancelled: dependency can never be met");
+                    }
+                    self.dirty_jobs.insert(id);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn submit_one(&mut self, mut request: JobRequest, now: i64) -> Result<u64, ControlError> {
         // Record who runs it and who pays explicitly, so listings and accounting never guess.
         let user = request.user().to_owned();
         let account = request.account().to_owned();
@@ -484,12 +584,16 @@ impl Control {
             timeline: Vec::new(),
         };
         record.note(now, "submitted");
+        let waits = self.dependencies(&record.request) != Deps::Met;
         self.jobs.insert(id, record);
         self.dirty_jobs.insert(id);
-        let actions = self.scheduler.step(now, Event::Submit(spec))?;
-        self.apply(now, actions);
-        self.save()?;
-        self.view(id).ok_or(ControlError::NoSuchJob(id))
+        if waits {
+            self.held.insert(id);
+        } else {
+            let actions = self.scheduler.step(now, Event::Submit(spec))?;
+            self.apply(now, actions);
+        }
+        Ok(id)
     }
 
     pub(crate) fn cancel(&mut self, id: u64, now: i64) -> Result<JobRecord, ControlError> {
@@ -501,16 +605,32 @@ impl Control {
                 state: job.state.as_str(),
             });
         }
-        let actions = self.scheduler.step(now, Event::Cancel(JobId(id)))?;
-        self.apply(now, actions);
-        self.save()?;
+        if self.held.remove(&id) {
+            if let Some(j) = self.jobs.get_mut(&id) {
+                j.state = JobState::Cancelled;
+                j.reason = Some("cancelled".into());
+                j.end_ms = Some(now);
+                j.note(now, "cancelled");
+            }
+            self.dirty_jobs.insert(id);
+        } else {
+            let actions = self.scheduler.step(now, Event::Cancel(JobId(id)))?;
+            self.apply(now, actions);
+        }
+        self.release_held(now)?;
         self.view(id).ok_or(ControlError::NoSuchJob(id))
     }
 
     /// A record with its live pending reason filled in.
     pub(crate) fn view(&self, id: u64) -> Option<JobRecord> {
         let mut job = self.jobs.get(&id)?.clone();
-        if job.state == JobState::Pending {
+        if self.held.contains(&id) {
+            let r = &job.request;
+            job.reason = Some(format!(
+                "waiting for dependencies: after_ok {:?}, after_any {:?}",
+                r.after_ok, r.after_any
+            ));
+        } else if job.state == JobState::Pending {
             job.reason = self
                 .scheduler
                 .pending_reason(JobId(id))
@@ -577,7 +697,7 @@ impl Control {
         self.apply(now, actions);
         self.nodes[idx].record.drained = drained;
         self.dirty_nodes.insert(idx);
-        self.save()
+        Ok(())
     }
 
     pub(crate) fn sync(
@@ -703,8 +823,68 @@ impl Control {
             response.start = out.start;
             response.stop.extend(out.stop);
         }
-        self.save()?;
+        self.release_held(now)?;
         Ok(response)
+    }
+
+    /// Feeds what a node's telemetry says to the scheduler, without a scheduling pass (the
+    /// next tick or operation runs one): measured GPU utilization (for idle detection and
+    /// victim choice), XIDs that need a GPU reset or a reboot, uncorrectable ECC errors and
+    /// lost GPUs (never placed on until healthy again), and rogue processes.
+    pub(crate) fn observe(
+        &mut self,
+        batch: &perch_model::Batch,
+        now: i64,
+    ) -> Result<(), ControlError> {
+        use perch_model::GpuEventKind as Kind;
+        use perch_scheduler::GpuHealth;
+        self.now = now;
+        let Some(&idx) = self.node_index.get(batch.node.as_str()) else {
+            return Ok(());
+        };
+        let node = NodeId(idx as u32);
+        let gpus = self.nodes[idx].record.gpus;
+        let mut events = Vec::new();
+        for g in batch.gpus.iter().filter(|g| g.gpu.0 < gpus) {
+            if let Some(pct) = g.utilization_gpu_pct {
+                events.push(Event::GpuUtilization {
+                    node,
+                    gpu: g.gpu.0,
+                    percent: pct as f32,
+                });
+            }
+        }
+        for e in batch.gpu_events.iter().filter(|e| e.gpu.0 < gpus) {
+            let health = match (e.kind, e.xid) {
+                (Kind::Xid, Some(code)) if xid_needs_reset(code) => GpuHealth::Xid(code as u32),
+                (Kind::EccDoubleBit, _) => GpuHealth::UncorrectableEcc,
+                (Kind::GpuLost, _) => GpuHealth::Xid(79),
+                (Kind::GpuRecovered, _) => GpuHealth::Healthy,
+                _ => continue,
+            };
+            tracing::warn!(node = %batch.node, gpu = e.gpu.0, ?health, "GPU health changed; the scheduler will not place jobs on it until it is healthy");
+            events.push(Event::GpuHealth {
+                node,
+                gpu: e.gpu.0,
+                health,
+            });
+        }
+        for p in batch
+            .gpu_processes
+            .iter()
+            .filter(|p| p.rogue && p.gpu.0 < gpus)
+        {
+            events.push(Event::GpuHealth {
+                node,
+                gpu: p.gpu.0,
+                health: GpuHealth::RogueProcess,
+            });
+        }
+        for event in events {
+            let actions = self.scheduler.handle(now, event)?;
+            self.apply(now, actions);
+        }
+        Ok(())
     }
 
     /// Marks nodes whose agents went silent as down, then lets time limits act.
@@ -724,7 +904,8 @@ impl Control {
         }
         let actions = self.scheduler.step(now, Event::Tick)?;
         self.apply(now, actions);
-        self.save()
+        self.release_held(now)?;
+        Ok(())
     }
 
     fn log_path(&self, job: u64, stream: LogStream) -> PathBuf {
@@ -786,7 +967,33 @@ impl Control {
         Ok(data[start..].to_vec())
     }
 
+    /// Refuses unless `who` owns job `id` or is an operator.
+    pub(crate) fn check_owner(
+        &self,
+        id: u64,
+        who: &crate::auth::Identity,
+    ) -> Result<(), ControlError> {
+        let job = self.jobs.get(&id).ok_or(ControlError::NoSuchJob(id))?;
+        let owner = job.request.user();
+        if who.may_act_on(owner) {
+            Ok(())
+        } else {
+            Err(ControlError::Forbidden(format!(
+                "job {id} belongs to {owner}; only its owner or an operator may do that"
+            )))
+        }
+    }
+
     pub(crate) fn job(&self, id: u64) -> Option<&JobRecord> {
         self.jobs.get(&id)
     }
+}
+
+/// XIDs after which a GPU must not take new work until it is reset or the node rebooted
+/// (NVIDIA's resolution classes; application-level XIDs such as 13, 31, 43 and 45 are not here).
+fn xid_needs_reset(code: u64) -> bool {
+    matches!(
+        code,
+        48 | 61 | 62 | 63 | 64 | 69 | 74 | 79 | 92 | 94 | 95 | 119 | 120 | 136 | 140 | 143 | 150
+    )
 }

@@ -23,6 +23,31 @@ pub struct NodeRecord {
 #[error("job database: {0}")]
 pub struct DbError(String);
 
+/// Records changed by one or more operations, to be committed together.
+#[derive(Debug, Default)]
+pub struct Dirty {
+    pub jobs: Vec<JobRecord>,
+    pub nodes: Vec<(u64, NodeRecord)>,
+}
+
+impl Dirty {
+    pub fn is_empty(&self) -> bool {
+        self.jobs.is_empty() && self.nodes.is_empty()
+    }
+
+    /// Adds a later change set: later records replace earlier ones when written in order.
+    pub fn extend(&mut self, later: Dirty) {
+        self.jobs.extend(later.jobs);
+        self.nodes.extend(later.nodes);
+    }
+}
+
+impl DbError {
+    pub fn new(message: String) -> DbError {
+        DbError(message)
+    }
+}
+
 fn e(x: impl std::fmt::Display) -> DbError {
     DbError(x.to_string())
 }
@@ -41,8 +66,9 @@ impl JobDb {
         Ok(JobDb { db })
     }
 
-    /// Writes the given records and nodes in one durable transaction.
-    pub fn save(&self, jobs: &[&JobRecord], nodes: &[(u64, &NodeRecord)]) -> Result<(), DbError> {
+    /// Writes the given records and nodes, in order, in one durable transaction.
+    pub fn save(&self, dirty: &Dirty) -> Result<(), DbError> {
+        let (jobs, nodes) = (&dirty.jobs, &dirty.nodes);
         if jobs.is_empty() && nodes.is_empty() {
             return Ok(());
         }

@@ -9,43 +9,129 @@ pub mod spec;
 
 use control::Control;
 pub use control::{ControlError, JobsConfig};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-/// The control plane behind a lock. Operations run on the blocking pool: each commits to the
-/// job database (an fsync) before it returns.
+/// The control plane behind a lock, with group commit: an operation changes the in-memory
+/// state under the lock and queues the records it changed; before it answers, the changes are
+/// committed to the job database, many operations' changes in one transaction (one fsync),
+/// the first waiter committing for everyone queued. Operations run on the blocking pool.
 #[derive(Clone)]
 pub struct JobService {
     control: Arc<Mutex<Control>>,
+    commits: Arc<Commits>,
+}
+
+struct Commits {
+    db: db::JobDb,
+    state: Mutex<CommitState>,
+    done: Condvar,
+}
+
+#[derive(Default)]
+struct CommitState {
+    /// Changes queued and not yet committed, with the sequence number of the last one.
+    queued: db::Dirty,
+    queued_seq: u64,
+    committed_seq: u64,
+    committing: bool,
+    failed: Option<String>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Commits {
+    /// Queues a change set; returns its sequence number. Called under the control lock, so
+    /// sequence order is the order of the changes.
+    fn queue(&self, dirty: db::Dirty) -> u64 {
+        let mut s = lock(&self.state);
+        s.queued.extend(dirty);
+        s.queued_seq += 1;
+        s.queued_seq
+    }
+
+    /// Returns once change set `seq` is durable (committing it, and everything queued with
+    /// it, if no one else is).
+    fn wait(&self, seq: u64) -> Result<(), ControlError> {
+        let mut s = lock(&self.state);
+        loop {
+            if let Some(e) = &s.failed {
+                return Err(ControlError::Db(db::DbError::new(e.clone())));
+            }
+            if s.committed_seq >= seq {
+                return Ok(());
+            }
+            if !s.committing {
+                s.committing = true;
+                let batch = std::mem::take(&mut s.queued);
+                let upto = s.queued_seq;
+                drop(s);
+                let result = self.db.save(&batch);
+                s = lock(&self.state);
+                s.committing = false;
+                match result {
+                    Ok(()) => s.committed_seq = upto,
+                    // The job database is unusable: refuse everything from now on rather than
+                    // answer as if changes were durable.
+                    Err(e) => s.failed = Some(e.to_string()),
+                }
+                self.done.notify_all();
+                continue;
+            }
+            s = self.done.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+    }
 }
 
 impl JobService {
     pub fn open(dir: &std::path::Path, config: JobsConfig) -> Result<JobService, ControlError> {
-        let control = Control::open(dir, config, crate::ingest::now_ms())?;
+        std::fs::create_dir_all(dir).map_err(ControlError::Logs)?;
+        let db = db::JobDb::open(&dir.join("jobs.redb"))?;
+        let (jobs, nodes) = db.load()?;
+        let mut control = Control::open(dir, config, crate::ingest::now_ms(), jobs, nodes)?;
+        db.save(&control.take_dirty())?;
+        let commits = Commits {
+            db,
+            state: Mutex::new(CommitState::default()),
+            done: Condvar::new(),
+        };
         Ok(JobService {
             control: Arc::new(Mutex::new(control)),
+            commits: Arc::new(commits),
         })
     }
 
-    fn lock(control: &Mutex<Control>) -> MutexGuard<'_, Control> {
-        control.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Runs `f` on the control plane off the async threads.
+    /// Runs `f` on the control plane off the async threads and returns once its changes are
+    /// durable.
     pub(crate) async fn run<T: Send + 'static>(
         &self,
         f: impl FnOnce(&mut Control, i64) -> Result<T, ControlError> + Send + 'static,
     ) -> Result<T, crate::ApiError> {
         let control = self.control.clone();
-        tokio::task::spawn_blocking(move || f(&mut Self::lock(&control), crate::ingest::now_ms()))
-            .await
-            .map_err(|e| {
-                crate::ApiError::new(
-                    axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal",
-                    e.to_string(),
-                )
-            })?
-            .map_err(crate::ApiError::from)
+        let commits = self.commits.clone();
+        tokio::task::spawn_blocking(move || {
+            let (result, seq) = {
+                let mut c = lock(&control);
+                let result = f(&mut c, crate::ingest::now_ms());
+                let dirty = c.take_dirty();
+                let seq = (!dirty.is_empty()).then(|| commits.queue(dirty));
+                (result, seq)
+            };
+            if let Some(seq) = seq {
+                commits.wait(seq)?;
+            }
+            result
+        })
+        .await
+        .map_err(|e| {
+            crate::ApiError::new(
+                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                e.to_string(),
+            )
+        })?
+        .map_err(crate::ApiError::from)
     }
 
     /// Ticks the control plane every second until `shutdown`.
@@ -75,6 +161,9 @@ impl From<ControlError> for crate::ApiError {
             }
             ControlError::NoSuchJob(_) | ControlError::NoSuchNode(_) => {
                 crate::ApiError::new(StatusCode::NOT_FOUND, "not_found", message)
+            }
+            ControlError::Forbidden(_) => {
+                crate::ApiError::new(StatusCode::FORBIDDEN, "forbidden", message)
             }
             ControlError::AlreadyEnded { .. } => {
                 crate::ApiError::new(StatusCode::CONFLICT, "already_ended", message)

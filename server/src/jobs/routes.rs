@@ -2,7 +2,9 @@
 
 use super::record::JobState;
 use super::spec::JobRequest;
+use crate::auth::{Identity, Role};
 use crate::{ApiError, AppState};
+use axum::Extension;
 use axum::Json;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, Query, State};
@@ -21,14 +23,31 @@ fn body<T>(payload: Result<Json<T>, JsonRejection>, what: &str) -> Result<T, Api
 
 pub async fn submit(
     State(state): State<AppState>,
+    Extension(who): Extension<Identity>,
     payload: Result<Json<JobRequest>, JsonRejection>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
-    let request = body(payload, "job request")?;
-    let record = state.jobs.run(move |c, now| c.submit(request, now)).await?;
-    Ok((
-        StatusCode::CREATED,
-        Json(serde_json::to_value(record).unwrap_or_default()),
-    ))
+    let mut request = body(payload, "job request")?;
+    if who.role != Role::Operator {
+        match &request.user {
+            Some(u) if *u != who.user => {
+                return Err(ApiError::new(
+                    StatusCode::FORBIDDEN,
+                    "forbidden",
+                    format!(
+                        "you are {}; only operators submit jobs as another user ({u})",
+                        who.user
+                    ),
+                ));
+            }
+            _ => request.user = Some(who.user.clone()),
+        }
+    }
+    let records = state.jobs.run(move |c, now| c.submit(request, now)).await?;
+    let mut value = serde_json::to_value(records.first()).unwrap_or_default();
+    if records.len() > 1 {
+        value["array_jobs"] = records.iter().map(|r| r.id).collect::<Vec<_>>().into();
+    }
+    Ok((StatusCode::CREATED, Json(value)))
 }
 
 #[derive(Debug, Deserialize)]
@@ -113,9 +132,16 @@ pub async fn show(
 
 pub async fn cancel(
     State(state): State<AppState>,
+    Extension(who): Extension<Identity>,
     Path(id): Path<u64>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let job = state.jobs.run(move |c, now| c.cancel(id, now)).await?;
+    let job = state
+        .jobs
+        .run(move |c, now| {
+            c.check_owner(id, &who)?;
+            c.cancel(id, now)
+        })
+        .await?;
     Ok(Json(serde_json::to_value(job).unwrap_or_default()))
 }
 
@@ -128,6 +154,7 @@ pub struct LogParams {
 
 pub async fn logs(
     State(state): State<AppState>,
+    Extension(who): Extension<Identity>,
     Path(id): Path<u64>,
     params: Result<Query<LogParams>, axum::extract::rejection::QueryRejection>,
 ) -> Result<(axum::http::HeaderMap, Vec<u8>), ApiError> {
@@ -142,6 +169,7 @@ pub async fn logs(
     let (data, finished) = state
         .jobs
         .run(move |c, _| {
+            c.check_owner(id, &who)?;
             let data = c.read_log(id, stream, offset)?;
             Ok((data, c.job(id).is_some_and(|j| j.state.is_final())))
         })

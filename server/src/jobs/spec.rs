@@ -74,6 +74,17 @@ pub struct JobRequest {
     /// idle), steady or bursty. Real GPUs show what the job really does.
     #[serde(default)]
     pub sim_profile: Option<String>,
+    /// Start only after these jobs completed successfully (Slurm's afterok); if one of them
+    /// ends otherwise, this job is cancelled.
+    #[serde(default)]
+    pub after_ok: Vec<u64>,
+    /// Start only after these jobs ended, however they ended (Slurm's afterany).
+    #[serde(default)]
+    pub after_any: Vec<u64>,
+    /// Submit this many copies (a job array); each gets `PERCH_ARRAY_JOB_ID` (the first
+    /// copy's id) and `PERCH_ARRAY_TASK_ID` (0, 1, ...).
+    #[serde(default)]
+    pub array: Option<u32>,
 }
 
 /// A field that is wrong and what would be right.
@@ -188,6 +199,14 @@ impl JobRequest {
                 "sim_profile",
                 format!("{p:?} is not one of idle, steady, bursty"),
             ));
+        }
+        if let Some(n) = self.array
+            && !(1..=10_000).contains(&n)
+        {
+            return Err(err("array", "must be between 1 and 10000"));
+        }
+        if self.after_ok.len() + self.after_any.len() > 100 {
+            return Err(err("after_ok", "at most 100 dependencies in all"));
         }
         if self.grace_secs > 3600 {
             return Err(err("grace_secs", "must be at most 3600"));

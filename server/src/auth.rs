@@ -1,0 +1,280 @@
+//! Identity and access: every request under `/v1` carries `Authorization: Bearer <token>`, and
+//! the token maps to a user and a role from the tokens file (`server.tokens_file`).
+//!
+//! - `user`: submits jobs as itself, lists and shows jobs, runs SQL, and cancels or reads the
+//!   logs of its own jobs only.
+//! - `operator`: everything, including draining and resuming nodes and acting on any job.
+//! - `agent`: only what node agents do (`/v1/ingest`, `/v1/agent/sync`).
+//!
+//! Liveness, readiness, `/metrics` (for Prometheus) and the OTLP receiver (jobs push with no
+//! token) need none. With no tokens file the server runs open, as operator for everyone, and
+//! refuses to listen on anything but a loopback address in that mode.
+
+use crate::{ApiError, AppState};
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use std::collections::HashMap;
+use std::path::Path;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    User,
+    Operator,
+    Agent,
+}
+
+/// Who is calling.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    pub user: String,
+    pub role: Role,
+}
+
+impl Identity {
+    /// May act on a job that belongs to `owner`.
+    pub fn may_act_on(&self, owner: &str) -> bool {
+        self.role == Role::Operator || self.user == owner
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokensFile {
+    tokens: Vec<TokenEntry>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenEntry {
+    token: String,
+    user: String,
+    role: Role,
+}
+
+/// The tokens the server accepts; `None` means open mode.
+#[derive(Debug, Clone, Default)]
+pub struct Tokens {
+    map: Option<HashMap<String, Identity>>,
+}
+
+impl Tokens {
+    /// No authentication: everyone is an operator. Only for loopback listeners.
+    pub fn open() -> Tokens {
+        Tokens { map: None }
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.map.is_none()
+    }
+
+    /// Reads a TOML file of `[[tokens]]` entries with `token`, `user` and `role`.
+    pub fn load(path: &Path) -> Result<Tokens, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("reading tokens file {}: {e}", path.display()))?;
+        Self::parse(&text).map_err(|e| format!("tokens file {}: {e}", path.display()))
+    }
+
+    pub fn parse(text: &str) -> Result<Tokens, String> {
+        let file: TokensFile = toml::from_str(text).map_err(|e| e.to_string())?;
+        let mut map = HashMap::new();
+        for (i, t) in file.tokens.into_iter().enumerate() {
+            if t.token.len() < 16 {
+                return Err(format!(
+                    "tokens[{i}].token is shorter than 16 characters; use a long random string"
+                ));
+            }
+            if perch_model::NodeId::new(t.user.clone()).is_err() {
+                return Err(format!(
+                    "tokens[{i}].user {:?} must be letters, digits, '.', '_', '-'",
+                    t.user
+                ));
+            }
+            if map
+                .insert(
+                    t.token,
+                    Identity {
+                        user: t.user,
+                        role: t.role,
+                    },
+                )
+                .is_some()
+            {
+                return Err(format!("tokens[{i}].token appears twice"));
+            }
+        }
+        Ok(Tokens { map: Some(map) })
+    }
+
+    fn lookup(&self, header: Option<&str>) -> Result<Identity, ApiError> {
+        let Some(map) = &self.map else {
+            return Ok(Identity {
+                user: "local".into(),
+                role: Role::Operator,
+            });
+        };
+        let token = header
+            .and_then(|h| h.strip_prefix("Bearer "))
+            .map(str::trim)
+            .ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "unauthenticated",
+                    "send Authorization: Bearer <token> (the CLI reads PERCH_TOKEN or --token)",
+                )
+            })?;
+        map.get(token).cloned().ok_or_else(|| {
+            ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthenticated",
+                "the token is not known to this server",
+            )
+        })
+    }
+}
+
+/// Paths anyone may call.
+fn public(path: &str) -> bool {
+    matches!(
+        path,
+        "/" | "/healthz" | "/readyz" | "/metrics" | "/v1/metrics" | "/v1/openapi.json"
+    )
+}
+
+/// Which roles may call `path` (before per-job ownership checks in the handlers).
+fn allowed(role: Role, method: &axum::http::Method, path: &str) -> bool {
+    let agent_path = path == "/v1/ingest" || path.starts_with("/v1/agent/");
+    let operator_path = method == axum::http::Method::POST
+        && path.starts_with("/v1/nodes/")
+        && (path.ends_with("/drain") || path.ends_with("/resume"));
+    match role {
+        Role::Operator => true,
+        Role::Agent => agent_path,
+        Role::User => !agent_path && !operator_path,
+    }
+}
+
+pub async fn middleware(
+    State(state): State<AppState>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let path = request.uri().path().to_owned();
+    if public(&path) {
+        return next.run(request).await;
+    }
+    let header = request
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    let identity = match state.tokens.lookup(header) {
+        Ok(i) => i,
+        Err(e) => return e.into_response(),
+    };
+    if !allowed(identity.role, request.method(), &path) {
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            format!(
+                "{} ({:?}) may not call {} {path}",
+                identity.user,
+                identity.role,
+                request.method()
+            ),
+        )
+        .into_response();
+    }
+    request.extensions_mut().insert(identity);
+    next.run(request).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::Method;
+
+    #[test]
+    fn roles_reach_what_they_should() {
+        let cases = [
+            (Role::User, Method::POST, "/v1/jobs", true),
+            (Role::User, Method::POST, "/v1/sql", true),
+            (Role::User, Method::POST, "/v1/nodes/n1/drain", false),
+            (Role::User, Method::POST, "/v1/ingest", false),
+            (Role::User, Method::POST, "/v1/agent/sync", false),
+            (Role::Agent, Method::POST, "/v1/ingest", true),
+            (Role::Agent, Method::POST, "/v1/agent/sync", true),
+            (Role::Agent, Method::POST, "/v1/jobs", false),
+            (Role::Agent, Method::POST, "/v1/sql", false),
+            (Role::Operator, Method::POST, "/v1/nodes/n1/drain", true),
+            (Role::Operator, Method::POST, "/v1/ingest", true),
+        ];
+        for (role, method, path, want) in cases {
+            assert_eq!(
+                allowed(role, &method, path),
+                want,
+                "{role:?} {method} {path}"
+            );
+        }
+    }
+
+    #[test]
+    fn tokens_file_is_checked() {
+        let ok = Tokens::parse(
+            "[[tokens]]\ntoken = \"0123456789abcdef0\"\nuser = \"alice\"\nrole = \"user\"\n",
+        )
+        .expect("valid");
+        assert_eq!(
+            ok.lookup(Some("Bearer 0123456789abcdef0"))
+                .expect("known")
+                .user,
+            "alice"
+        );
+        assert!(ok.lookup(Some("Bearer nope")).is_err());
+        assert!(ok.lookup(None).is_err());
+        for (text, want) in [
+            (
+                "[[tokens]]\ntoken = \"short\"\nuser = \"a\"\nrole = \"user\"\n",
+                "shorter than 16",
+            ),
+            (
+                "[[tokens]]\ntoken = \"0123456789abcdef0\"\nuser = \"a b\"\nrole = \"user\"\n",
+                "user",
+            ),
+            (
+                "[[tokens]]\ntoken = \"0123456789abcdef0\"\nuser = \"a\"\nrole = \"root\"\n",
+                "unknown variant",
+            ),
+        ] {
+            let err = Tokens::parse(text).expect_err(text);
+            assert!(err.contains(want), "{err}");
+        }
+        assert!(Tokens::open().lookup(None).is_ok());
+    }
+}
+
+#[cfg(test)]
+mod openapi_tests {
+    /// Every route the router serves is described in the OpenAPI document, and nothing else.
+    #[test]
+    fn openapi_describes_every_route() {
+        let doc: serde_json::Value =
+            serde_json::from_str(crate::OPENAPI).expect("openapi.json is JSON");
+        let documented: std::collections::BTreeSet<String> = doc["paths"]
+            .as_object()
+            .expect("paths")
+            .keys()
+            .cloned()
+            .collect();
+        let source = include_str!("lib.rs");
+        let mut routed = std::collections::BTreeSet::new();
+        for piece in source.split(".route(").skip(1) {
+            let path = piece.trim_start().trim_start_matches('"');
+            routed.insert(path.split('"').next().unwrap_or_default().to_owned());
+        }
+        assert!(routed.len() > 10, "found the routes: {routed:?}");
+        assert_eq!(documented, routed);
+    }
+}

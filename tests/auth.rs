@@ -1,0 +1,180 @@
+//! Identity end to end: bearer tokens map to users and roles; users act on their own jobs only,
+//! operators on everything, agents only deliver telemetry and sync; open mode stays on loopback.
+
+mod common;
+
+use common::{PERCH, Perch, wait_for};
+use std::process::Command;
+
+const ALICE: &str = "alice-token-0123456789";
+const BOB: &str = "bob-token-0123456789ab";
+const OPERATOR: &str = "operator-token-01234567";
+const AGENT: &str = "agent-token-0123456789a";
+
+fn cli(url: &str, token: Option<&str>, args: &[&str]) -> (bool, String, String) {
+    let mut cmd = Command::new(PERCH);
+    cmd.args(args)
+        .env("PERCH_SERVER", url)
+        .env_remove("PERCH_TOKEN");
+    if let Some(t) = token {
+        cmd.env("PERCH_TOKEN", t);
+    }
+    let out = cmd.output().expect("run perch");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn tokens_decide_who_may_do_what() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tokens = dir.path().join("tokens.toml");
+    std::fs::write(
+        &tokens,
+        format!(
+            "[[tokens]]\ntoken = \"{ALICE}\"\nuser = \"alice\"\nrole = \"user\"\n\
+             [[tokens]]\ntoken = \"{BOB}\"\nuser = \"bob\"\nrole = \"user\"\n\
+             [[tokens]]\ntoken = \"{OPERATOR}\"\nuser = \"ops\"\nrole = \"operator\"\n\
+             [[tokens]]\ntoken = \"{AGENT}\"\nuser = \"node-agent\"\nrole = \"agent\"\n"
+        ),
+    )
+    .expect("tokens file");
+    let config = dir.path().join("perch.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\ntokens_file = \"{}\"\npg_listen = \"\"\n",
+            tokens.display()
+        ),
+    )
+    .expect("config");
+    let server = Perch::start(
+        &dir.path().join("server"),
+        &["server", "--config", config.to_str().expect("utf-8")],
+    );
+    let url = server.url.clone();
+    let mut agent = Command::new(PERCH)
+        .args([
+            "agent",
+            "--server",
+            &url,
+            "--node",
+            "gpu-a",
+            "--nvml",
+            "off",
+            "--simulate-gpus",
+            "2",
+        ])
+        .arg("--data-dir")
+        .arg(dir.path().join("agent"))
+        .env("PERCH_TOKEN", AGENT)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("agent");
+
+    // No token: refused, with what to do; health and metrics stay open.
+    let r = reqwest::blocking::get(format!("{url}/v1/jobs")).expect("get");
+    assert_eq!(r.status().as_u16(), 401);
+    assert!(r.text().expect("text").contains("Authorization: Bearer"));
+    assert!(
+        reqwest::blocking::get(format!("{url}/metrics"))
+            .expect("metrics")
+            .status()
+            .is_success()
+    );
+    let (ok, _, err) = cli(&url, Some("wrong-token-0123456789"), &["jobs"]);
+    assert!(!ok && err.contains("not known"), "{err}");
+
+    // Alice submits as herself; she cannot submit as Bob.
+    let (ok, out, err) = cli(
+        &url,
+        Some(ALICE),
+        &["submit", "--gpus", "1", "--", "sleep", "30"],
+    );
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), "Submitted job 1");
+    let (ok, _, err) = cli(
+        &url,
+        Some(ALICE),
+        &["submit", "--user", "bob", "--", "true"],
+    );
+    assert!(
+        !ok && err.contains("only operators submit jobs as another user"),
+        "{err}"
+    );
+
+    // The agent, with its own token, runs it.
+    wait_for("job 1 running on the agent", || {
+        let (_, out, _) = cli(&url, Some(ALICE), &["show", "1"]);
+        out.contains("State=running").then_some(())
+    });
+
+    // Bob may list and show, but not cancel or read Alice's job.
+    let (ok, out, _) = cli(&url, Some(BOB), &["jobs"]);
+    assert!(ok && out.contains("alice"), "{out}");
+    let (ok, _, err) = cli(&url, Some(BOB), &["cancel", "1"]);
+    assert!(!ok && err.contains("belongs to alice"), "{err}");
+    let (ok, _, err) = cli(&url, Some(BOB), &["logs", "1"]);
+    assert!(!ok && err.contains("403"), "{err}");
+
+    // Only operators drain; agents cannot act as users.
+    let (ok, _, err) = cli(&url, Some(ALICE), &["drain", "gpu-a"]);
+    assert!(!ok && err.contains("may not call"), "{err}");
+    let (ok, _, err) = cli(&url, Some(AGENT), &["submit", "--", "true"]);
+    assert!(!ok && err.contains("may not call"), "{err}");
+    let (ok, out, err) = cli(&url, Some(OPERATOR), &["drain", "gpu-a"]);
+    assert!(ok && out.contains("drained"), "{out}{err}");
+    cli(&url, Some(OPERATOR), &["resume", "gpu-a"]);
+
+    // Alice cancels her own job; the agent's telemetry arrived through its token too.
+    let (ok, out, err) = cli(&url, Some(ALICE), &["cancel", "1"]);
+    assert!(ok && out.contains("cancelled"), "{out}{err}");
+    let (ok, out, err) = cli(
+        &url,
+        Some(ALICE),
+        &[
+            "sql",
+            "--format",
+            "csv",
+            "SELECT count(*) > 0 AS seen FROM host_samples WHERE node = 'gpu-a'",
+        ],
+    );
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("true")
+            || wait_for("agent telemetry", || {
+                let (_, out, _) = cli(
+                    &url,
+                    Some(ALICE),
+                    &[
+                        "sql",
+                        "--format",
+                        "csv",
+                        "SELECT count(*) > 0 AS seen FROM host_samples WHERE node = 'gpu-a'",
+                    ],
+                );
+                out.contains("true").then_some(true)
+            })
+    );
+    agent.kill().expect("kill agent");
+    let _ = agent.wait();
+}
+
+#[test]
+fn open_mode_refuses_to_listen_beyond_loopback() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(PERCH)
+        .args(["server", "--listen", "0.0.0.0:0", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .expect("run perch");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("not a loopback address") && err.contains("tokens_file"),
+        "{err}"
+    );
+}
