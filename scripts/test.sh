@@ -29,9 +29,10 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 # The Python OpenTelemetry SDK: the OTLP test runs a job (`python3` from PATH) that exports its
-# metrics with it. PIP_BREAK_SYSTEM_PACKAGES lets pip install into a Debian-managed python3.
-if ! python3 -c "import opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http" 2>/dev/null; then
-  PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet opentelemetry-sdk opentelemetry-exporter-otlp-proto-http
+# metrics with it. psycopg: the PostgreSQL-protocol test's extended-protocol client.
+# PIP_BREAK_SYSTEM_PACKAGES lets pip install into a Debian-managed python3.
+if ! python3 -c "import opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http, psycopg" 2>/dev/null; then
+  PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet opentelemetry-sdk opentelemetry-exporter-otlp-proto-http "psycopg[binary]"
 fi
 
 # --- hygiene ----------------------------------------------------------------------------------

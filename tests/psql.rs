@@ -1,6 +1,8 @@
 //! SQL over the PostgreSQL protocol with the real `psql`: perch up with simulated GPUs, a
 //! count over `gpu_samples` that matches HTTP SQL, typed columns, and DDL and DML refused
-//! with the same read-only message as `POST /v1/sql`.
+//! with the same read-only message as `POST /v1/sql`. Then psycopg (Python), which uses the
+//! extended protocol (Parse, Describe, Bind, Execute), binary results and `BEGIN` like many
+//! drivers and Grafana's pgx-based data source do.
 
 mod common;
 
@@ -18,6 +20,26 @@ fn psql(addr: &str, sql: &str) -> Output {
         .output()
         .expect("run psql (Debian package postgresql-client)")
 }
+
+/// Extended protocol, binary and text results, an implicit transaction, a prepared statement
+/// and a refused write, through psycopg 3. Prints one line per check.
+const PSYCOPG: &str = r#"
+import sys, psycopg
+host, port = sys.argv[1].rsplit(":", 1)
+with psycopg.connect(host=host, port=int(port), user="grafana", dbname="perch", sslmode="disable") as conn:
+    row = conn.execute("SELECT count(*) AS n, max(time) AS t FROM gpu_samples").fetchone()
+    print("count", row[0] > 0, row[1].tzinfo is not None)
+    cur = conn.cursor(binary=True)
+    row = cur.execute("SELECT gpu, simulated, utilization_gpu_pct FROM gpu_samples LIMIT 1").fetchone()
+    print("binary", row[0], row[1], isinstance(row[2], float))
+    print("prepared", conn.execute("SELECT 40 + 2", prepare=True).fetchone()[0])
+    conn.commit()
+    try:
+        conn.execute("CREATE TABLE x (a INT)")
+        print("write accepted")
+    except psycopg.Error as e:
+        print("refused", "read-only" in str(e))
+"#;
 
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).trim().to_owned()
@@ -80,6 +102,35 @@ fn psql_queries_and_cannot_write() {
         let err = text(&out.stderr);
         assert!(err.contains("perch's SQL is read-only"), "{sql}: {err}");
     }
+
+    // Each -c is its own query: a transaction around a query, as drivers send it.
+    let (host, port) = addr.rsplit_once(':').expect("host:port");
+    let out = Command::new("psql")
+        .args(["-h", host, "-p", port, "-U", "perch", "-X", "-A", "-t"])
+        .args([
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-c",
+            "BEGIN",
+            "-c",
+            "SELECT 1 + 1",
+            "-c",
+            "COMMIT",
+        ])
+        .output()
+        .expect("run psql");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "BEGIN\n2\nCOMMIT");
+
+    let out = Command::new("python3")
+        .args(["-c", PSYCOPG, addr])
+        .output()
+        .expect("run python3");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        "count True True\nbinary 0 True True\nprepared 42\nrefused True"
+    );
 
     let out = psql(addr, "SELECT * FROM no_such_table");
     assert!(!out.status.success());

@@ -6,6 +6,11 @@
 //! pins is released when it ends and compaction can delete replaced files), the same
 //! read-only check, timeout, memory limit and row cap. A connection holds no session state.
 //!
+//! Clients wrap queries in transactions and set session options (psycopg, JDBC and DBeaver do
+//! `BEGIN`, `SET extra_float_digits = 3`...): transaction control, `SET` and `RESET` are
+//! answered as done and change nothing, since there is nothing to commit and every statement
+//! gets a fresh session anyway. Everything else must pass the read-only check.
+//!
 //! Authentication is trust mode: any user name, no password. The listener binds to loopback
 //! by default (`[server] pg_listen`); like `POST /v1/sql`, it is read-only. Parameters (`$1`)
 //! are not supported; results past `max_rows` are cut, as on HTTP.
@@ -19,7 +24,7 @@ use perch_query::SqlEngine;
 use pgwire::api::auth::noop::NoopStartupHandler;
 use pgwire::api::portal::{Format, Portal};
 use pgwire::api::query::{ExtendedQueryHandler, SimpleQueryHandler};
-use pgwire::api::results::{DataRowEncoder, FieldInfo, QueryResponse, Response};
+use pgwire::api::results::{DataRowEncoder, FieldInfo, QueryResponse, Response, Tag};
 use pgwire::api::stmt::QueryParser;
 use pgwire::api::{ClientInfo, PgWireServerHandlers, Type};
 use pgwire::error::{ErrorInfo, PgWireError, PgWireResult};
@@ -222,8 +227,34 @@ fn system_time(micros: i64) -> SystemTime {
     }
 }
 
+/// The answer to a statement that only steers the client's session (see the module docs).
+fn client_command(sql: &str) -> Option<Response> {
+    let words: Vec<String> = sql
+        .trim()
+        .trim_end_matches(';')
+        .split_whitespace()
+        .take(2)
+        .map(str::to_ascii_uppercase)
+        .collect();
+    let first = words.first()?.as_str();
+    let second = words.get(1).map(String::as_str);
+    match (first, second) {
+        ("BEGIN", _) | ("START", Some("TRANSACTION")) => {
+            Some(Response::TransactionStart(Tag::new("BEGIN")))
+        }
+        ("COMMIT" | "END", _) => Some(Response::TransactionEnd(Tag::new("COMMIT"))),
+        ("ROLLBACK" | "ABORT", _) => Some(Response::TransactionEnd(Tag::new("ROLLBACK"))),
+        ("SET", _) => Some(Response::Execution(Tag::new("SET"))),
+        ("RESET", _) => Some(Response::Execution(Tag::new("RESET"))),
+        _ => None,
+    }
+}
+
 impl PgHandler {
     async fn run(&self, sql: &str, format: &Format) -> PgWireResult<Response> {
+        if let Some(response) = client_command(sql) {
+            return Ok(response);
+        }
         let out = self.sql.query(sql).await.map_err(user_error)?;
         let fields = Arc::new(fields(&out.schema, format));
         let mut rows = Vec::with_capacity(out.rows);
@@ -268,7 +299,11 @@ impl QueryParser for PgHandler {
     where
         C: ClientInfo + Unpin + Send + Sync,
     {
-        let schema = self.sql.describe(sql).await.map_err(user_error)?;
+        let schema = if client_command(sql).is_some() {
+            Arc::new(Schema::empty())
+        } else {
+            self.sql.describe(sql).await.map_err(user_error)?
+        };
         Ok(Some(PgStatement {
             sql: sql.to_owned(),
             schema,
@@ -330,6 +365,25 @@ mod tests {
     use super::*;
     use arrow::array::{ArrayRef, Float64Array, StringArray, TimestampMillisecondArray};
     use arrow::datatypes::Field;
+
+    #[test]
+    fn session_commands_are_acknowledged_and_nothing_else() {
+        let tag = |sql: &str| match client_command(sql) {
+            Some(Response::TransactionStart(_)) => "begin",
+            Some(Response::TransactionEnd(_)) => "end",
+            Some(Response::Execution(_)) => "set",
+            Some(_) => "other",
+            None => "query",
+        };
+        assert_eq!(tag("begin;"), "begin");
+        assert_eq!(tag("START TRANSACTION READ ONLY"), "begin");
+        assert_eq!(tag(" commit "), "end");
+        assert_eq!(tag("ROLLBACK"), "end");
+        assert_eq!(tag("SET extra_float_digits = 3"), "set");
+        assert_eq!(tag("SELECT 1"), "query");
+        assert_eq!(tag("INSERT INTO t VALUES (1)"), "query");
+        assert_eq!(tag(""), "query");
+    }
 
     #[test]
     fn encodes_nulls_numbers_text_and_times() {
