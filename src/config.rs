@@ -240,6 +240,7 @@ impl Config {
         };
         config.max_body_bytes = s.max_body_mb << 20;
         config.node_stale_after = Duration::from_secs(s.node_stale_after_secs);
+        config.jobs.heartbeat_timeout = Duration::from_secs(s.node_stale_after_secs);
         config.pg_listen = Some(s.pg_listen.clone()).filter(|a| !a.is_empty());
         if !s.tokens_file.as_os_str().is_empty() {
             config.tokens =

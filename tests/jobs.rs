@@ -414,3 +414,92 @@ fn the_scheduler_avoids_a_gpu_whose_telemetry_reports_an_xid() {
         pending["jobs"].as_array()?.is_empty().then_some(())
     });
 }
+
+#[test]
+fn a_silent_node_is_marked_down_its_job_requeued_and_the_orphan_killed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("perch.toml");
+    std::fs::write(
+        &config,
+        "[server]\nnode_stale_after_secs = 2\npg_listen = \"\"\n",
+    )
+    .expect("config");
+    let server = Perch::start(
+        &dir.path().join("server"),
+        &["server", "--config", config.to_str().expect("utf-8")],
+    );
+    let agent_dir = dir.path().join("agent");
+    let start_agent = || {
+        Command::new(PERCH)
+            .args([
+                "agent",
+                "--server",
+                &server.url,
+                "--node",
+                "gpu-a",
+                "--nvml",
+                "off",
+                "--simulate-gpus",
+                "1",
+            ])
+            .arg("--data-dir")
+            .arg(&agent_dir)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("agent")
+    };
+    let mut agent = start_agent();
+    let pid_file = dir.path().join("pids");
+    let script = format!("echo $$ >> {}; sleep 60", pid_file.display());
+    let (ok, _, err) = cli(
+        &server,
+        &[
+            "submit",
+            "--gpus",
+            "1",
+            "--max-requeues",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    );
+    assert!(ok, "{err}");
+    wait_for("the job's process", || {
+        std::fs::read_to_string(&pid_file)
+            .ok()
+            .filter(|s| !s.is_empty())
+    });
+    agent.kill().expect("kill agent"); // its job's process group lives on, orphaned
+    let _ = agent.wait();
+    let requeued = wait_state(&server, 1, "pending");
+    assert_eq!(requeued["requeues"], 1, "{requeued}");
+    let (_, nodes, _) = cli(&server, &["nodes"]);
+    assert!(nodes.contains("down"), "{nodes}");
+    // The agent comes back: it kills the orphan, the node is up, the job runs again, once.
+    let mut agent = start_agent();
+    let j = wait_for("the job's second attempt", || {
+        let j = job(&server, 1);
+        (j["state"] == "running" && j["attempts"] == 2).then_some(j)
+    });
+    assert_eq!(j["placement"][0]["node"], "gpu-a");
+    let pids = wait_for("the second process", || {
+        let text = std::fs::read_to_string(&pid_file).ok()?;
+        let pids: Vec<u32> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
+        (pids.len() == 2).then_some(pids)
+    });
+    let alive = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| s.split(' ').nth(2) != Some("Z"))
+    };
+    wait_for("the orphaned first run to be killed", || {
+        (!alive(pids[0])).then_some(())
+    });
+    assert!(alive(pids[1]), "the second run is the one running");
+    let (ok, _, _) = cli(&server, &["cancel", "1"]);
+    assert!(ok);
+    agent.kill().expect("kill agent");
+    let _ = agent.wait();
+}
