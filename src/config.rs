@@ -127,22 +127,27 @@ impl Config {
     /// Checks values serde cannot; the message names the key.
     pub fn check(&self) -> Result<()> {
         let bad = |key: &str, why: &str| Err(anyhow::anyhow!("config key {key}: {why}"));
-        if self.server.tokens_file.as_os_str().is_empty() {
-            for (key, addr) in [
-                ("server.listen", &self.server.listen),
-                ("server.pg_listen", &self.server.pg_listen),
-            ] {
-                if let Ok(a) = addr.parse::<std::net::SocketAddr>()
-                    && !a.ip().is_loopback()
-                {
-                    return bad(
-                        key,
-                        &format!(
-                            "{a} is not a loopback address; without server.tokens_file perch runs open (no authentication) and listens on loopback only: set tokens_file"
-                        ),
-                    );
-                }
-            }
+        // The PostgreSQL listener has no authentication of its own (trust mode): loopback only.
+        if let Ok(a) = self.server.pg_listen.parse::<std::net::SocketAddr>()
+            && !a.ip().is_loopback()
+        {
+            return bad(
+                "server.pg_listen",
+                &format!(
+                    "{a} is not a loopback address; the PostgreSQL listener has no authentication yet, so it only listens on loopback (use an SSH tunnel or POST /v1/sql with a token)"
+                ),
+            );
+        }
+        if self.server.tokens_file.as_os_str().is_empty()
+            && let Ok(a) = self.server.listen.parse::<std::net::SocketAddr>()
+            && !a.ip().is_loopback()
+        {
+            return bad(
+                "server.listen",
+                &format!(
+                    "{a} is not a loopback address; without server.tokens_file perch runs open (no authentication) and listens on loopback only: set tokens_file"
+                ),
+            );
         }
         if self.server.listen.parse::<std::net::SocketAddr>().is_err() {
             return bad(
