@@ -33,6 +33,7 @@ with psycopg.connect(host=host, port=int(port), user="grafana", dbname="perch", 
     row = cur.execute("SELECT gpu, simulated, utilization_gpu_pct FROM gpu_samples LIMIT 1").fetchone()
     print("binary", row[0], row[1], isinstance(row[2], float))
     print("prepared", conn.execute("SELECT 40 + 2", prepare=True).fetchone()[0])
+    conn.execute("-- ping")
     conn.commit()
     try:
         conn.execute("CREATE TABLE x (a INT)")

@@ -227,8 +227,27 @@ fn system_time(micros: i64) -> SystemTime {
     }
 }
 
-/// The answer to a statement that only steers the client's session (see the module docs).
+/// `sql` after any leading whitespace, semicolons and comments.
+fn skip_comments(mut sql: &str) -> &str {
+    loop {
+        sql = sql.trim_start_matches(|c: char| c.is_whitespace() || c == ';');
+        if let Some(rest) = sql.strip_prefix("--") {
+            sql = rest.split_once('\n').map_or("", |(_, after)| after);
+        } else if let Some(rest) = sql.strip_prefix("/*") {
+            sql = rest.split_once("*/").map_or("", |(_, after)| after);
+        } else {
+            return sql;
+        }
+    }
+}
+
+/// The answer to a statement that only steers the client's session (see the module docs),
+/// or to one with nothing but comments (drivers ping with `-- ping`).
 fn client_command(sql: &str) -> Option<Response> {
+    let sql = skip_comments(sql);
+    if sql.is_empty() {
+        return Some(Response::EmptyQuery);
+    }
     let words: Vec<String> = sql
         .trim()
         .trim_end_matches(';')
@@ -372,6 +391,7 @@ mod tests {
             Some(Response::TransactionStart(_)) => "begin",
             Some(Response::TransactionEnd(_)) => "end",
             Some(Response::Execution(_)) => "set",
+            Some(Response::EmptyQuery) => "empty",
             Some(_) => "other",
             None => "query",
         };
@@ -382,7 +402,10 @@ mod tests {
         assert_eq!(tag("SET extra_float_digits = 3"), "set");
         assert_eq!(tag("SELECT 1"), "query");
         assert_eq!(tag("INSERT INTO t VALUES (1)"), "query");
-        assert_eq!(tag(""), "query");
+        assert_eq!(tag("-- ping"), "empty");
+        assert_eq!(tag(" /* a */ ;"), "empty");
+        assert_eq!(tag("-- why\nBEGIN"), "begin");
+        assert_eq!(tag("/* x */ SELECT 1"), "query");
     }
 
     #[test]
