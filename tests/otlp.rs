@@ -108,6 +108,42 @@ fn a_job_using_the_python_sdk_lands_in_job_metrics() {
     }
 }
 
+/// A minimal OTLP/JSON export: one gauge point for job `job`.
+fn gauge(job: &str, value: f64) -> Value {
+    json!({"resourceMetrics": [{
+        "resource": {"attributes": [{"key": "perch.job.id", "value": {"stringValue": job}}]},
+        "scopeMetrics": [{"metrics": [{"name": "loss", "gauge": {"dataPoints": [{
+            "timeUnixNano": (common::now_ms() as u64 * 1_000_000).to_string(),
+            "asDouble": value
+        }]}}]}]
+    }]})
+}
+
+fn post(perch: &Perch, body: &Value) {
+    let response = reqwest::blocking::Client::new()
+        .post(format!("{}/v1/metrics", perch.url))
+        .json(body)
+        .send()
+        .expect("POST /v1/metrics");
+    assert_eq!(response.status(), 200);
+}
+
+/// An answered export is in the write-ahead log, and the receiver's batch numbers keep rising
+/// across a restart, so exports after it are not taken for duplicates.
+#[test]
+fn exports_survive_kill_9_and_later_ones_are_not_deduplicated() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut perch = Perch::start(dir.path(), &["server"]);
+    post(&perch, &gauge("5", 1.0));
+    post(&perch, &gauge("5", 2.0));
+    perch.kill();
+    let perch = Perch::start(dir.path(), &["server"]);
+    post(&perch, &gauge("5", 3.0));
+    let rows = perch.sql("SELECT value FROM job_metrics WHERE job = '5' ORDER BY value");
+    let values: Vec<f64> = rows.iter().filter_map(|r| r["value"].as_f64()).collect();
+    assert_eq!(values, vec![1.0, 2.0, 3.0]);
+}
+
 #[test]
 fn otlp_json_is_stored_and_malformed_bodies_get_400() {
     let dir = tempfile::tempdir().expect("tempdir");
