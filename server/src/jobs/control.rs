@@ -443,6 +443,9 @@ impl Control {
             let mut env = job.request.env.clone();
             env.insert("PERCH_JOB_ID".into(), id.to_string());
             env.insert("PERCH_JOB_ATTEMPT".into(), job.attempts.to_string());
+            if let Some(name) = &job.request.name {
+                env.insert("PERCH_JOB_NAME".into(), name.clone());
+            }
             let launch = JobLaunch {
                 job: id,
                 command: job.request.command.clone(),
