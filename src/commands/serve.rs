@@ -118,11 +118,24 @@ pub fn up(config: Config) -> Result<()> {
             (_, n) => format!("{}, plus {n} SIMULATED GPUs (labelled simulated everywhere).", detection.message),
         };
         let agent = spawn_agent(agent_config.clone(), stopped(&stop_rx));
+        let access = if config.server.tokens_file.as_os_str().is_empty() {
+            format!("open, no authentication: it listens on {addr} only")
+        } else {
+            "bearer tokens required (PERCH_TOKEN)".to_owned()
+        };
+        let psql = match config.server.pg_listen.rsplit_once(':') {
+            Some((host, port)) if !config.server.pg_listen.is_empty() => {
+                format!("psql -h {host} -p {port} -U perch -c \"SELECT count(*) FROM gpu_samples\"")
+            }
+            _ => "off (server.pg_listen is empty)".to_owned(),
+        };
         println!(
             "perch is up: server and local agent in one process.\n\
              \x20 node:       {node}\n\
              \x20 GPUs:       {gpu_line}\n\
-             \x20 server:     http://{addr}  (open, no authentication: it listens on {addr} only)\n\
+             \x20 server:     http://{addr}  ({access})\n\
+             \x20 jobs:       perch submit --server http://{addr} --gpus 1 -- sh -c 'echo $CUDA_VISIBLE_DEVICES'; perch jobs --all\n\
+             \x20 psql:       {psql}\n\
              \x20 data:       {data}\n\
              \x20 query:      perch sql --server http://{addr} \"SELECT node, gpu, simulated, count(*) AS samples, avg(utilization_gpu_pct) AS util FROM gpu_samples GROUP BY 1, 2, 3\"\n\
              \x20 metrics:    curl -s http://{addr}/metrics\n\
