@@ -71,10 +71,10 @@ async fn handle(
     match state.store.ingest(body, &batch).await? {
         IngestOutcome::Stored { samples } => {
             state.latest.update(&batch, now);
-            if !batch.gpus.is_empty()
+            let telemetry = !batch.gpus.is_empty()
                 || !batch.gpu_events.is_empty()
-                || !batch.gpu_processes.is_empty()
-            {
+                || !batch.gpu_processes.is_empty();
+            if telemetry && state.jobs.knows_node(batch.node.as_str()) {
                 // Telemetry feeds scheduling decisions; a failure here must not fail ingest.
                 let jobs = state.jobs.clone();
                 let observed = batch.clone();

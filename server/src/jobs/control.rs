@@ -17,6 +17,7 @@ use perch_scheduler::{
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Why an operation was refused.
@@ -91,6 +92,9 @@ pub(crate) struct Control {
     dirty_nodes: BTreeSet<usize>,
     /// Pending jobs whose dependencies are not met yet; the scheduler does not see them.
     held: BTreeSet<u64>,
+    /// Names of the nodes the scheduler knows, readable without the control lock (ingest
+    /// checks it before handing telemetry over).
+    pub(crate) known_nodes: Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
     /// The time of the latest operation, for texts relative to now.
     now: i64,
     logs_dir: PathBuf,
@@ -170,6 +174,7 @@ impl Control {
             dirty_jobs: BTreeSet::new(),
             dirty_nodes: BTreeSet::new(),
             held: BTreeSet::new(),
+            known_nodes: Arc::default(),
             now: now_ms,
             logs_dir: dir.join("logs"),
             config,
@@ -239,6 +244,10 @@ impl Control {
                 .handle(now_ms, Event::Drain(NodeId(idx as u32)))?;
         }
         self.node_index.insert(record.name.clone(), idx);
+        self.known_nodes
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(record.name.clone());
         self.nodes.push(Node {
             record,
             last_sync_ms: now_ms,

@@ -19,6 +19,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 pub struct JobService {
     control: Arc<Mutex<Control>>,
     commits: Arc<Commits>,
+    known_nodes: Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
 }
 
 struct Commits {
@@ -96,10 +97,20 @@ impl JobService {
             state: Mutex::new(CommitState::default()),
             done: Condvar::new(),
         };
+        let known_nodes = control.known_nodes.clone();
         Ok(JobService {
+            known_nodes,
             control: Arc::new(Mutex::new(control)),
             commits: Arc::new(commits),
         })
+    }
+
+    /// Whether the scheduler knows node `name` (cheap: no control lock).
+    pub fn knows_node(&self, name: &str) -> bool {
+        self.known_nodes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(name)
     }
 
     /// Runs `f` on the control plane off the async threads and returns once its changes are
