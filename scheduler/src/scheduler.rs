@@ -367,26 +367,8 @@ impl Scheduler {
             }
             Event::NodeDown(node) => {
                 self.set_node_state(node, NodeState::Down)?;
-                let victims = self.jobs_on(node);
-                for job in victims {
-                    self.stop_running(now, job);
-                    let Some(j) = self.jobs.get_mut(&job) else {
-                        continue;
-                    };
-                    if j.requeues < j.spec.max_requeues {
-                        j.requeues += 1;
-                        self.enqueue(job);
-                        out.push(Action::Requeue {
-                            job,
-                            reason: RequeueReason::NodeFail,
-                        });
-                    } else {
-                        self.jobs.remove(&job);
-                        out.push(Action::End {
-                            job,
-                            state: EndState::NodeFail,
-                        });
-                    }
+                for job in self.jobs_on(node) {
+                    out.extend(self.fail_running(now, job));
                 }
             }
             Event::NodeUp(node) | Event::Resume(node) => {
@@ -445,27 +427,7 @@ impl Scheduler {
                     Some(JobState::Running { .. }) => {}
                     _ => return Err(Error::UnknownJob(job)),
                 }
-                self.stop_running(now, job);
-                let requeue = self
-                    .jobs
-                    .get(&job)
-                    .is_some_and(|j| j.requeues < j.spec.max_requeues);
-                if requeue {
-                    if let Some(j) = self.jobs.get_mut(&job) {
-                        j.requeues += 1;
-                    }
-                    self.enqueue(job);
-                    out.push(Action::Requeue {
-                        job,
-                        reason: RequeueReason::NodeFail,
-                    });
-                } else {
-                    self.jobs.remove(&job);
-                    out.push(Action::End {
-                        job,
-                        state: EndState::NodeFail,
-                    });
-                }
+                out.extend(self.fail_running(now, job));
             }
             Event::AddNode(spec) => {
                 self.cluster.add_node(spec)?;
@@ -507,6 +469,27 @@ impl Scheduler {
         }
         out.extend(self.expire(now));
         Ok(out)
+    }
+
+    /// A running job lost its node or its processes: back to the queue while requeues are
+    /// left, else it ends as `NodeFail`.
+    fn fail_running(&mut self, now: Time, job: JobId) -> Option<Action> {
+        self.stop_running(now, job);
+        let j = self.jobs.get_mut(&job)?;
+        if j.requeues < j.spec.max_requeues {
+            j.requeues += 1;
+            self.enqueue(job);
+            Some(Action::Requeue {
+                job,
+                reason: RequeueReason::NodeFail,
+            })
+        } else {
+            self.jobs.remove(&job);
+            Some(Action::End {
+                job,
+                state: EndState::NodeFail,
+            })
+        }
     }
 
     fn submit(&mut self, now: Time, spec: JobSpec) -> Result<()> {
