@@ -55,25 +55,14 @@ fn tokens_decide_who_may_do_what() {
         &["server", "--config", config.to_str().expect("utf-8")],
     );
     let url = server.url.clone();
-    let mut agent = Command::new(PERCH)
-        .args([
-            "agent",
-            "--server",
-            &url,
-            "--node",
-            "gpu-a",
-            "--nvml",
-            "off",
-            "--simulate-gpus",
-            "2",
-        ])
-        .arg("--data-dir")
-        .arg(dir.path().join("agent"))
-        .env("PERCH_TOKEN", AGENT)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("agent");
+    let _agent = common::Agent::start(
+        &url,
+        "gpu-a",
+        &dir.path().join("agent"),
+        2,
+        Some(AGENT),
+        &[],
+    );
 
     // No token: refused, with what to do; health and metrics stay open.
     let r = reqwest::blocking::get(format!("{url}/v1/jobs")).expect("get");
@@ -159,8 +148,6 @@ fn tokens_decide_who_may_do_what() {
                 out.contains("true").then_some(true)
             })
     );
-    agent.kill().expect("kill agent");
-    let _ = agent.wait();
 }
 
 #[test]

@@ -42,36 +42,20 @@ fn sender(url: Arc<Mutex<String>>, stop: Arc<AtomicBool>, acked: Arc<Mutex<BTree
 fn sigkill_loses_no_acknowledged_sample() {
     let dir = tempfile::tempdir().expect("tempdir");
     // A fixed port, so the agent finds the restarted server at the same address.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port();
+    let port = common::free_port();
     let listen = format!("127.0.0.1:{port}");
     let server_args = ["server", "--listen", &listen, "--flush-interval-secs", "1"];
     let mut server = Perch::start(dir.path(), &server_args);
 
     let agent_dir = tempfile::tempdir().expect("tempdir");
-    let mut agent = std::process::Command::new(common::PERCH)
-        .args([
-            "agent",
-            "--server",
-            &server.url,
-            "--node",
-            "real-agent",
-            "--interval-ms",
-            "100",
-            "--nvml",
-            "off",
-            "--simulate-gpus",
-            "1",
-        ])
-        .arg("--data-dir")
-        .arg(agent_dir.path())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("spawn agent");
+    let mut agent = common::Agent::start(
+        &server.url,
+        "real-agent",
+        agent_dir.path(),
+        1,
+        None,
+        &["--interval-ms", "100"],
+    );
 
     let url = Arc::new(Mutex::new(server.url.clone()));
     let stop = Arc::new(AtomicBool::new(false));
@@ -123,17 +107,12 @@ fn sigkill_loses_no_acknowledged_sample() {
     );
 
     // The real agent kept running through the outage and delivers to the new process.
-    assert!(
-        agent.try_wait().expect("agent status").is_none(),
-        "the agent exited when the server died"
-    );
+    assert!(agent.is_running(), "the agent exited when the server died");
     wait_for("the agent to deliver to the restarted server", || {
         (server.scalar("SELECT count(*) FROM host_samples WHERE node = 'real-agent'")
             > agent_rows_before)
             .then_some(())
     });
-    agent.kill().expect("kill agent");
-    let _ = agent.wait();
 }
 
 #[test]

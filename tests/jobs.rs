@@ -143,33 +143,11 @@ fn a_waiting_job_says_why_and_starts_when_a_cancel_frees_its_gpus() {
 #[test]
 fn jobs_survive_a_server_kill_9_and_keep_running_through_it() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port();
+    let port = common::free_port();
     let listen = format!("127.0.0.1:{port}");
     let mut server = Perch::start(&dir.path().join("server"), &["server", "--listen", &listen]);
     let agent_dir = dir.path().join("agent");
-    let mut agent = Command::new(PERCH)
-        .args([
-            "agent",
-            "--server",
-            &server.url,
-            "--node",
-            "gpu-a",
-            "--nvml",
-            "off",
-            "--simulate-gpus",
-            "2",
-        ])
-        .arg("--data-dir")
-        .arg(&agent_dir)
-        .env("PERCH_LOG", "info")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(dir.path().join("agent.log")).expect("agent log"))
-        .spawn()
-        .expect("agent");
+    let _agent = common::Agent::start(&server.url, "gpu-a", &agent_dir, 2, None, &[]);
     let marker = dir.path().join("marker");
     let script = format!(
         "echo started; while [ ! -e {} ]; do sleep 0.1; done; echo finished",
@@ -199,8 +177,6 @@ fn jobs_survive_a_server_kill_9_and_keep_running_through_it() {
     assert_eq!(out, "started\nfinished\n");
     let (_, nodes, _) = cli(&server, &["nodes"]);
     assert!(nodes.contains("gpu-a") && nodes.contains("0/2"), "{nodes}");
-    agent.kill().expect("kill agent");
-    let _ = agent.wait();
 }
 
 #[test]
@@ -429,26 +405,7 @@ fn a_silent_node_is_marked_down_its_job_requeued_and_the_orphan_killed() {
         &["server", "--config", config.to_str().expect("utf-8")],
     );
     let agent_dir = dir.path().join("agent");
-    let start_agent = || {
-        Command::new(PERCH)
-            .args([
-                "agent",
-                "--server",
-                &server.url,
-                "--node",
-                "gpu-a",
-                "--nvml",
-                "off",
-                "--simulate-gpus",
-                "1",
-            ])
-            .arg("--data-dir")
-            .arg(&agent_dir)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("agent")
-    };
+    let start_agent = || common::Agent::start(&server.url, "gpu-a", &agent_dir, 1, None, &[]);
     let mut agent = start_agent();
     let pid_file = dir.path().join("pids");
     let script = format!("echo $$ >> {}; sleep 60", pid_file.display());
@@ -472,14 +429,13 @@ fn a_silent_node_is_marked_down_its_job_requeued_and_the_orphan_killed() {
             .ok()
             .filter(|s| !s.is_empty())
     });
-    agent.kill().expect("kill agent"); // its job's process group lives on, orphaned
-    let _ = agent.wait();
+    agent.kill(); // its job's process group lives on, orphaned
     let requeued = wait_state(&server, 1, "pending");
     assert_eq!(requeued["requeues"], 1, "{requeued}");
     let (_, nodes, _) = cli(&server, &["nodes"]);
     assert!(nodes.contains("down"), "{nodes}");
     // The agent comes back: it kills the orphan, the node is up, the job runs again, once.
-    let mut agent = start_agent();
+    let _agent = start_agent();
     let j = wait_for("the job's second attempt", || {
         let j = job(&server, 1);
         (j["state"] == "running" && j["attempts"] == 2).then_some(j)
@@ -500,6 +456,4 @@ fn a_silent_node_is_marked_down_its_job_requeued_and_the_orphan_killed() {
     assert!(alive(pids[1]), "the second run is the one running");
     let (ok, _, _) = cli(&server, &["cancel", "1"]);
     assert!(ok);
-    agent.kill().expect("kill agent");
-    let _ = agent.wait();
 }

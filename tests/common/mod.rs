@@ -171,3 +171,60 @@ pub fn marked_batch(node: &str, seq: u64) -> serde_json::Value {
         }]
     })
 }
+
+/// A port that is free now, for a server that must come back on the same address after a
+/// restart (agents keep its URL).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+/// A `perch agent` with NVML off and `gpus` simulated GPUs; killed when dropped.
+pub struct Agent(pub Child);
+
+impl Agent {
+    /// `extra` are more flags (e.g. `--interval-ms 100`); `token` goes in `PERCH_TOKEN`.
+    pub fn start(
+        server_url: &str,
+        node: &str,
+        data_dir: &Path,
+        gpus: u32,
+        token: Option<&str>,
+        extra: &[&str],
+    ) -> Agent {
+        let mut cmd = Command::new(PERCH);
+        cmd.args([
+            "agent", "--server", server_url, "--node", node, "--nvml", "off",
+        ])
+        .args(["--simulate-gpus", &gpus.to_string()])
+        .args(extra)
+        .arg("--data-dir")
+        .arg(data_dir)
+        .env_remove("PERCH_TOKEN")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+        if let Some(t) = token {
+            cmd.env("PERCH_TOKEN", t);
+        }
+        Agent(cmd.spawn().expect("spawn perch agent"))
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.0.try_wait().expect("agent status").is_none()
+    }
+
+    /// SIGKILL: the agent's jobs, in their own process groups, live on as orphans.
+    pub fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
