@@ -201,28 +201,32 @@ pub async fn nodes(State(state): State<AppState>) -> Result<Json<serde_json::Val
     Ok(Json(serde_json::json!({ "nodes": nodes })))
 }
 
-pub async fn drain(
-    State(state): State<AppState>,
-    Path(name): Path<String>,
+async fn set_drained(
+    state: AppState,
+    name: String,
+    drained: bool,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let n = name.clone();
     state
         .jobs
-        .run(move |c, now| c.set_drained(&n, true, now))
+        .run(move |c, now| c.set_drained(&n, drained, now))
         .await?;
-    Ok(Json(serde_json::json!({"node": name, "state": "drained"})))
+    let shown = if drained { "drained" } else { "up" };
+    Ok(Json(serde_json::json!({"node": name, "state": shown})))
+}
+
+pub async fn drain(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    set_drained(state, name, true).await
 }
 
 pub async fn resume(
     State(state): State<AppState>,
     Path(name): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let n = name.clone();
-    state
-        .jobs
-        .run(move |c, now| c.set_drained(&n, false, now))
-        .await?;
-    Ok(Json(serde_json::json!({"node": name, "state": "up"})))
+    set_drained(state, name, false).await
 }
 
 pub async fn sync(
