@@ -4,6 +4,7 @@
 //! [`Batch`]es and the server's store consumes them. It holds data and validation only: no I/O,
 //! no clock, no async.
 
+mod audit;
 pub mod control;
 mod events;
 mod ids;
@@ -13,6 +14,7 @@ mod jobs;
 mod telemetry;
 mod throttle;
 
+pub use audit::ClusterEvent;
 pub use events::{GpuEvent, GpuEventKind};
 pub use ids::{GpuIndex, NodeId};
 pub use infiniband::IbPortSample;

@@ -10,6 +10,7 @@
 
 mod error;
 mod files;
+mod live;
 mod maintenance;
 mod manifest;
 mod provider;
@@ -19,6 +20,7 @@ mod store;
 pub mod wal;
 
 pub use error::{Error, Result};
+pub use live::LiveTable;
 pub use maintenance::MaintenanceStats;
 pub use schema::Table;
 pub use sql::{QueryLimits, QueryOutput, SqlEngine, check_read_only};

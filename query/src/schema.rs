@@ -1,7 +1,8 @@
 //! The stored tables: their Arrow schemas, their sort keys, and the conversion of an ingested
 //! [`Batch`] into one record batch per table.
 //!
-//! Every table has `time` (UTC timestamp, millisecond precision), `node` and `simulated`.
+//! Every table has `time` (UTC timestamp, millisecond precision); the tables of node telemetry
+//! also have `node` and `simulated`.
 //! Measured values are nullable: a metric the hardware does not report is NULL, never 0.
 //! `docs/schema.md` documents every column with its unit; a test keeps the two in step.
 
@@ -13,6 +14,7 @@ use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
 use perch_model::{Batch, throttle_reason_names};
 use std::sync::{Arc, LazyLock};
 
+pub mod events;
 mod job_metrics;
 mod node_tables;
 
@@ -27,10 +29,11 @@ pub enum Table {
     IbPortSamples,
     JobSamples,
     JobMetrics,
+    Events,
 }
 
 impl Table {
-    pub const ALL: [Table; 8] = [
+    pub const ALL: [Table; 9] = [
         Table::GpuSamples,
         Table::HostSamples,
         Table::NicSamples,
@@ -39,6 +42,7 @@ impl Table {
         Table::IbPortSamples,
         Table::JobSamples,
         Table::JobMetrics,
+        Table::Events,
     ];
 
     pub fn name(self) -> &'static str {
@@ -51,6 +55,7 @@ impl Table {
             Table::IbPortSamples => "ib_port_samples",
             Table::JobSamples => "job_samples",
             Table::JobMetrics => "job_metrics",
+            Table::Events => "events",
         }
     }
 
@@ -67,6 +72,7 @@ impl Table {
         static IB: LazyLock<SchemaRef> = LazyLock::new(node_tables::ib_port_schema);
         static JOBS: LazyLock<SchemaRef> = LazyLock::new(node_tables::job_schema);
         static JOB_METRICS: LazyLock<SchemaRef> = LazyLock::new(job_metrics::job_metric_schema);
+        static CLUSTER_EVENTS: LazyLock<SchemaRef> = LazyLock::new(events::event_schema);
         match self {
             Table::GpuSamples => GPU.clone(),
             Table::HostSamples => HOST.clone(),
@@ -76,6 +82,7 @@ impl Table {
             Table::IbPortSamples => IB.clone(),
             Table::JobSamples => JOBS.clone(),
             Table::JobMetrics => JOB_METRICS.clone(),
+            Table::Events => CLUSTER_EVENTS.clone(),
         }
     }
 
@@ -90,6 +97,7 @@ impl Table {
             Table::IbPortSamples => &["node", "device", "port", "time"],
             Table::JobSamples => &["node", "job", "time"],
             Table::JobMetrics => &["job", "metric", "time"],
+            Table::Events => &["kind", "time"],
         }
     }
 }

@@ -6,10 +6,12 @@
 //! A timeout covers planning and the whole result stream, and results are capped at a row
 //! limit with a flag saying so.
 
+use crate::live::{LiveProvider, LiveTable};
 use crate::provider::StoreTable;
 use crate::{Error, Result, Store, Table};
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
+use datafusion::datasource::ViewTable;
 use datafusion::error::DataFusionError;
 use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::logical_expr::LogicalPlan;
@@ -49,6 +51,10 @@ pub struct QueryOutput {
 pub struct SqlEngine {
     store: Arc<Store>,
     limits: QueryLimits,
+    /// Tables owned outside the store (jobs, nodes), by name.
+    live: Vec<(String, Arc<dyn LiveTable>)>,
+    /// Views by name, in the order they were added (a view may use the ones before it).
+    views: Vec<(String, String)>,
 }
 
 impl std::fmt::Debug for SqlEngine {
@@ -61,14 +67,47 @@ impl std::fmt::Debug for SqlEngine {
 
 impl SqlEngine {
     pub fn new(store: Arc<Store>, limits: QueryLimits) -> Self {
-        SqlEngine { store, limits }
+        SqlEngine {
+            store,
+            limits,
+            live: Vec::new(),
+            views: Vec::new(),
+        }
+    }
+
+    /// Adds a table whose rows live outside the store; each query reads a fresh snapshot.
+    pub fn with_table(mut self, name: &str, table: Arc<dyn LiveTable>) -> Self {
+        self.live.push((name.to_owned(), table));
+        self
+    }
+
+    /// Adds a view: `select` is planned in every query's session, after the tables and the
+    /// views added before it. [`SqlEngine::check_views`] reports a view that does not plan.
+    pub fn with_view(mut self, name: &str, select: &str) -> Self {
+        self.views.push((name.to_owned(), select.to_owned()));
+        self
+    }
+
+    /// Plans every view once, so a broken definition is found at startup, not by a user.
+    pub async fn check_views(&self) -> Result<()> {
+        self.session().await.map(|_| ())
+    }
+
+    /// The names of the tables and views SQL can read, stored tables first.
+    pub fn table_names(&self) -> Vec<String> {
+        Table::ALL
+            .iter()
+            .map(|t| t.name().to_owned())
+            .chain(self.live.iter().map(|(n, _)| n.clone()))
+            .chain(self.views.iter().map(|(n, _)| n.clone()))
+            .collect()
     }
 
     pub fn limits(&self) -> QueryLimits {
         self.limits
     }
 
-    fn session(&self) -> Result<SessionContext> {
+    async fn session(&self) -> Result<SessionContext> {
         let runtime = RuntimeEnvBuilder::new()
             .with_memory_limit(self.limits.memory_bytes, 1.0)
             .build_arc()
@@ -79,6 +118,22 @@ impl SqlEngine {
             ctx.register_table(
                 table.name(),
                 Arc::new(StoreTable::new(self.store.clone(), table)),
+            )
+            .map_err(|e| Error::Execution(e.to_string()))?;
+        }
+        for (name, table) in &self.live {
+            ctx.register_table(name.as_str(), Arc::new(LiveProvider(table.clone())))
+                .map_err(|e| Error::Execution(e.to_string()))?;
+        }
+        for (name, select) in &self.views {
+            let plan = ctx
+                .state()
+                .create_logical_plan(select)
+                .await
+                .map_err(|e| Error::Execution(format!("view {name} does not plan: {e}")))?;
+            ctx.register_table(
+                name.as_str(),
+                Arc::new(ViewTable::new(plan, Some(select.clone()))),
             )
             .map_err(|e| Error::Execution(e.to_string()))?;
         }
@@ -100,7 +155,7 @@ impl SqlEngine {
         if sql.trim().is_empty() {
             return Err(Error::BadQuery("the query is empty; send one SQL statement such as SELECT count(*) FROM gpu_samples".into()));
         }
-        let ctx = self.session()?;
+        let ctx = self.session().await?;
         let plan = self.plan(&ctx, sql).await?;
         let df = ctx
             .execute_logical_plan(plan)
@@ -137,7 +192,7 @@ impl SqlEngine {
     pub async fn describe(&self, sql: &str) -> Result<SchemaRef> {
         let limits = self.limits;
         let describe = async {
-            let ctx = self.session()?;
+            let ctx = self.session().await?;
             let plan = self.plan(&ctx, sql).await?;
             Ok(Arc::new(plan.schema().as_arrow().clone()))
         };

@@ -21,7 +21,7 @@ use crate::{Error, Result};
 use arrow::array::RecordBatch;
 use arrow::compute::concat_batches;
 use bytes::Bytes;
-use perch_model::Batch;
+use perch_model::{Batch, ClusterEvent};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
@@ -184,6 +184,19 @@ impl Store {
         };
         let mut replayed = 0u64;
         for record in records {
+            if let Some(json) = record.strip_prefix(&[EVENTS_RECORD]) {
+                match serde_json::from_slice::<Vec<ClusterEvent>>(json) {
+                    Ok(events) => {
+                        let rb = schema::events::to_record_batch(&events)?;
+                        push(&mut store.lock(), Table::Events, rb);
+                        replayed += 1;
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "skipping an unreadable write-ahead log record of events");
+                    }
+                }
+                continue;
+            }
             let batch: Batch = match serde_json::from_slice(&record) {
                 Ok(b) => b,
                 Err(e) => {
@@ -260,6 +273,22 @@ impl Store {
             .samples_stored
             .fetch_add(samples as u64, Ordering::Relaxed);
         Ok(IngestOutcome::Stored { samples })
+    }
+
+    /// Appends cluster events (the audit trail the server writes) to the `events` table.
+    /// Returns once they are durable in the log and visible to SQL, like an ingested batch.
+    pub async fn append_events(&self, events: &[ClusterEvent]) -> Result<()> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let rb = schema::events::to_record_batch(events)?;
+        let mut raw = vec![EVENTS_RECORD];
+        serde_json::to_writer(&mut raw, events)
+            .map_err(|e| Error::Execution(format!("encoding events: {e}")))?;
+        let _gate = self.gate.read().await;
+        self.wal.append(Bytes::from(raw)).await?;
+        push(&mut self.lock(), Table::Events, rb);
+        Ok(())
     }
 
     /// Rows waiting in memory for the next flush.
@@ -447,17 +476,25 @@ impl Store {
     }
 }
 
+/// Write-ahead log records are either an agent's `Batch` as JSON (so they start with `{`) or
+/// this tag byte followed by a JSON array of the server's [`ClusterEvent`]s.
+const EVENTS_RECORD: u8 = b'E';
+
+fn push(inner: &mut Inner, table: Table, rb: RecordBatch) {
+    if let Some(data) = inner.tables.get_mut(&table) {
+        data.mem_rows += rb.num_rows();
+        data.mem.push(rb);
+        if data.mem.len() >= COALESCE_AT
+            && let Ok(merged) = concat_batches(&table.schema(), &data.mem)
+        {
+            data.mem = vec![merged];
+        }
+    }
+}
+
 fn apply(inner: &mut Inner, batch: &Batch, parts: Vec<(Table, RecordBatch)>) {
     for (table, rb) in parts {
-        if let Some(data) = inner.tables.get_mut(&table) {
-            data.mem_rows += rb.num_rows();
-            data.mem.push(rb);
-            if data.mem.len() >= COALESCE_AT
-                && let Ok(merged) = concat_batches(&table.schema(), &data.mem)
-            {
-                data.mem = vec![merged];
-            }
-        }
+        push(inner, table, rb);
     }
     let seq = inner
         .node_seq

@@ -1,0 +1,51 @@
+//! Tables and views that are not stored telemetry.
+//!
+//! A [`LiveTable`] is data another part of perch owns and keeps current (the job database, the
+//! control plane's view of the nodes); SQL reads a fresh snapshot of it each time a query
+//! scans it, so `jobs` joined with `gpu_samples` sees the jobs as they are now. A view is a
+//! named SELECT over any of the tables, planned in each query's session like a table.
+
+use arrow::array::RecordBatch;
+use arrow::datatypes::SchemaRef;
+use async_trait::async_trait;
+use datafusion::catalog::Session;
+use datafusion::datasource::{MemTable, TableProvider, TableType};
+use datafusion::error::{DataFusionError, Result};
+use datafusion::logical_expr::Expr;
+use datafusion::physical_plan::ExecutionPlan;
+use std::sync::Arc;
+
+/// Rows owned outside the store, exposed to SQL as a table.
+pub trait LiveTable: Send + Sync + std::fmt::Debug {
+    /// The table's columns; every snapshot has exactly this schema.
+    fn schema(&self) -> SchemaRef;
+    /// The rows as of now. Called once for each query that reads the table.
+    fn snapshot(&self) -> std::result::Result<Vec<RecordBatch>, String>;
+}
+
+/// The DataFusion face of a [`LiveTable`].
+#[derive(Debug)]
+pub(crate) struct LiveProvider(pub(crate) Arc<dyn LiveTable>);
+
+#[async_trait]
+impl TableProvider for LiveProvider {
+    fn schema(&self) -> SchemaRef {
+        self.0.schema()
+    }
+
+    fn table_type(&self) -> TableType {
+        TableType::Base
+    }
+
+    async fn scan(
+        &self,
+        state: &dyn Session,
+        projection: Option<&Vec<usize>>,
+        filters: &[Expr],
+        limit: Option<usize>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let batches = self.0.snapshot().map_err(DataFusionError::Execution)?;
+        let table = MemTable::try_new(self.0.schema(), vec![batches])?;
+        table.scan(state, projection, filters, limit).await
+    }
+}
