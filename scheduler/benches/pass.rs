@@ -36,6 +36,7 @@ fn job(id: u64, shape: Shape, account: u64, limit_min: i64, submit: i64) -> JobS
         max_requeues: 1,
         submit,
         oracle_duration: Some(limit_min * MINUTE / 2),
+        share: None,
     }
 }
 

@@ -4,9 +4,15 @@
 //! GPU sets are bit masks (a node has at most 64 GPUs), and a histogram of free GPUs per node
 //! is kept per GPU model, so "can any placement exist?" is answered without scanning nodes:
 //! that is what keeps a pass over 20,000 pending jobs on 4,000 nodes fast.
+//!
+//! A GPU is in one of three conditions: free, held whole by one job (`alloc`, `owner`), or
+//! shared by jobs that each hold a part of it (`shared`, `sharers`). "Free" for whole-GPU
+//! placement means neither, so a whole-GPU job never lands on a GPU with shares and a share
+//! never lands on a GPU held whole.
 
 use crate::error::{Error, Result};
 use crate::ids::{GpuModel, JobId, NodeId, NodeName};
+use crate::job::GpuShare;
 use serde::{Deserialize, Serialize};
 
 /// The most GPUs one node may have.
@@ -23,6 +29,75 @@ pub struct NodeSpec {
     pub model: GpuModel,
     /// Rack or switch label; gangs are packed within one label when they can be.
     pub rack: String,
+    /// Groups of GPU indices fully connected by NVLink (an NVSwitch system is one group). A
+    /// job's GPUs on this node are taken inside one group when they can be. Empty means
+    /// unknown, treated as one group of all GPUs; a GPU in no group has no NVLink peer.
+    #[serde(default)]
+    pub nvlink_islands: Vec<Vec<u32>>,
+    /// Whether jobs asking for a part of a GPU may be placed here. Off unless the node says
+    /// so: shared GPUs need MPS (or trust between the jobs) to keep one job from starving
+    /// the others.
+    #[serde(default)]
+    pub sharing: bool,
+}
+
+impl NodeSpec {
+    /// A node of `gpus` GPUs of `model` in `rack`, NVLink topology unknown, no sharing.
+    pub fn new(name: &str, gpus: u32, model: &str, rack: &str) -> NodeSpec {
+        NodeSpec {
+            name: NodeName(name.to_string()),
+            gpus,
+            model: GpuModel(model.to_string()),
+            rack: rack.to_string(),
+            nvlink_islands: Vec::new(),
+            sharing: false,
+        }
+    }
+}
+
+/// The NVLink islands of `spec` as bit masks covering every GPU: the declared groups, then
+/// each GPU in no group alone; one mask of all GPUs when nothing is declared.
+fn island_masks(spec: &NodeSpec, all: u64) -> Result<Vec<u64>> {
+    if spec.nvlink_islands.is_empty() {
+        return Ok(vec![all]);
+    }
+    let bad = |message: String| Error::InvalidNode {
+        name: spec.name.0.clone(),
+        message,
+    };
+    let mut seen = 0u64;
+    let mut masks = Vec::with_capacity(spec.nvlink_islands.len());
+    for island in &spec.nvlink_islands {
+        if island.is_empty() {
+            return Err(bad(
+                "nvlink_islands: an island must list at least one GPU".into()
+            ));
+        }
+        let mut mask = 0u64;
+        for &g in island {
+            if g >= spec.gpus {
+                return Err(bad(format!(
+                    "nvlink_islands: GPU {g} does not exist (the node has GPUs 0 to {})",
+                    spec.gpus - 1
+                )));
+            }
+            if seen & (1 << g) != 0 {
+                return Err(bad(format!(
+                    "nvlink_islands: GPU {g} is in two islands; each GPU belongs to one"
+                )));
+            }
+            seen |= 1 << g;
+            mask |= 1 << g;
+        }
+        masks.push(mask);
+    }
+    let mut rest = all & !seen;
+    while rest != 0 {
+        let bit = rest & rest.wrapping_neg();
+        masks.push(bit);
+        rest &= !bit;
+    }
+    Ok(masks)
 }
 
 /// Whether a node takes work.
@@ -75,24 +150,50 @@ pub(crate) struct Node {
     pub(crate) rack: usize,
     pub(crate) state: NodeState,
     pub(crate) all: u64,
+    /// GPUs held whole.
     pub(crate) alloc: u64,
+    /// GPUs holding at least one share.
+    pub(crate) shared: u64,
     pub(crate) unhealthy: u64,
+    /// NVLink islands as masks covering every GPU (see [`NodeSpec::nvlink_islands`]).
+    pub(crate) islands: Vec<u64>,
     /// Last measured utilization per GPU, percent.
     pub(crate) util: Vec<f32>,
-    /// The job holding each GPU.
+    /// Last measured GPU memory per GPU, MiB (absent until telemetry says).
+    pub(crate) mem_used: Vec<Option<u64>>,
+    pub(crate) mem_total: Vec<Option<u64>>,
+    /// The job holding each GPU whole.
     pub(crate) owner: Vec<Option<JobId>>,
+    /// The jobs sharing each GPU, with the percent and memory they were granted.
+    pub(crate) sharers: Vec<Vec<(JobId, GpuShare)>>,
 }
 
 impl Node {
     pub(crate) fn free_mask(&self) -> u64 {
         if self.state == NodeState::Up {
-            self.all & !self.alloc & !self.unhealthy
+            self.all & !self.alloc & !self.shared & !self.unhealthy
         } else {
             0
         }
     }
     pub(crate) fn free(&self) -> u32 {
         self.free_mask().count_ones()
+    }
+    /// Percent of GPU `i` granted to shares.
+    pub(crate) fn share_percent(&self, i: usize) -> u32 {
+        self.sharers[i].iter().map(|(_, s)| s.percent).sum()
+    }
+    /// GPU memory of GPU `i` granted to shares, MiB.
+    pub(crate) fn share_memory(&self, i: usize) -> u64 {
+        self.sharers[i].iter().map(|(_, s)| s.memory_mb).sum()
+    }
+    /// A GPU nobody holds any more: its measured load is forgotten until the next sample
+    /// (the agent starts nothing on it before the last job's processes are gone).
+    fn forget_load(&mut self, i: usize) {
+        self.util[i] = 0.0;
+        if self.mem_total[i].is_some() {
+            self.mem_used[i] = Some(0);
+        }
     }
 }
 
@@ -105,6 +206,8 @@ pub struct Cluster {
     /// `hist[model][k]`: nodes of that model with exactly `k` usable free GPUs.
     pub(crate) hist: Vec<Vec<u32>>,
     pub(crate) max_gpus: u32,
+    /// Nodes that take shared jobs (a pass looks for room on shared GPUs only when some do).
+    pub(crate) sharing_nodes: u32,
 }
 
 impl Cluster {
@@ -117,12 +220,12 @@ impl Cluster {
     pub fn uniform(count: u32, gpus: u32, model: &str, per_rack: u32) -> Result<Self> {
         let mut c = Cluster::new();
         for i in 0..count {
-            c.add_node(NodeSpec {
-                name: NodeName(format!("node{:04}", i + 1)),
+            c.add_node(NodeSpec::new(
+                &format!("node{:04}", i + 1),
                 gpus,
-                model: GpuModel(model.to_string()),
-                rack: format!("rack{:02}", i / per_rack.max(1) + 1),
-            })?;
+                model,
+                &format!("rack{:02}", i / per_rack.max(1) + 1),
+            ))?;
         }
         Ok(c)
     }
@@ -138,6 +241,8 @@ impl Cluster {
                 ),
             });
         }
+        // Checked before anything is registered, so a refused node leaves no trace.
+        island_masks(&spec, u64::MAX)?;
         if self.nodes.iter().any(|n| n.spec.name == spec.name) {
             return Err(Error::InvalidNode {
                 name: spec.name.0.clone(),
@@ -164,8 +269,10 @@ impl Cluster {
         } else {
             (1u64 << spec.gpus) - 1
         };
+        let islands = island_masks(&spec, all)?;
         let n = spec.gpus as usize;
         self.max_gpus = self.max_gpus.max(spec.gpus);
+        self.sharing_nodes += u32::from(spec.sharing);
         self.nodes.push(Node {
             spec,
             model,
@@ -173,9 +280,14 @@ impl Cluster {
             state: NodeState::Up,
             all,
             alloc: 0,
+            shared: 0,
             unhealthy: 0,
+            islands,
             util: vec![0.0; n],
+            mem_used: vec![None; n],
+            mem_total: vec![None; n],
             owner: vec![None; n],
+            sharers: vec![Vec::new(); n],
         });
         let id = self.nodes.len() - 1;
         self.hist[model][self.nodes[id].free() as usize] += 1;
@@ -210,11 +322,57 @@ impl Cluster {
         self.nodes.get(node.0 as usize).map(|n| n.state)
     }
 
-    /// The job holding a GPU, if any.
+    /// The job holding a GPU whole, if any.
     pub fn owner(&self, node: NodeId, gpu: u32) -> Option<JobId> {
         self.nodes
             .get(node.0 as usize)
             .and_then(|n| n.owner.get(gpu as usize).copied().flatten())
+    }
+
+    /// The jobs sharing a GPU, with what each was granted (empty for a free or whole GPU).
+    pub fn sharers(&self, node: NodeId, gpu: u32) -> &[(JobId, GpuShare)] {
+        self.nodes
+            .get(node.0 as usize)
+            .and_then(|n| n.sharers.get(gpu as usize))
+            .map_or(&[], Vec::as_slice)
+    }
+
+    /// Every job on a GPU: its whole owner, or its sharers.
+    pub fn holders(&self, node: NodeId, gpu: u32) -> Vec<JobId> {
+        match self.owner(node, gpu) {
+            Some(j) => vec![j],
+            None => self.sharers(node, gpu).iter().map(|(j, _)| *j).collect(),
+        }
+    }
+
+    /// The node's NVLink islands as GPU index lists, GPUs in no declared island alone.
+    pub fn nvlink_islands(&self, node: NodeId) -> Vec<Vec<u32>> {
+        self.nodes.get(node.0 as usize).map_or(Vec::new(), |n| {
+            n.islands
+                .iter()
+                .map(|m| (0..64).filter(|i| m & (1u64 << i) != 0).collect())
+                .collect()
+        })
+    }
+
+    /// Changes a node's NVLink islands and whether it takes shared jobs. Running jobs stay
+    /// where they are; only later placements follow the new topology.
+    pub fn set_features(
+        &mut self,
+        node: NodeId,
+        nvlink_islands: Vec<Vec<u32>>,
+        sharing: bool,
+    ) -> Result<()> {
+        let n = self.node_mut(node)?;
+        let mut spec = n.spec.clone();
+        spec.nvlink_islands = nvlink_islands;
+        spec.sharing = sharing;
+        let islands = island_masks(&spec, n.all)?;
+        let was_sharing = n.spec.sharing;
+        n.islands = islands;
+        n.spec = spec;
+        self.sharing_nodes = self.sharing_nodes + u32::from(sharing) - u32::from(was_sharing);
+        Ok(())
     }
 
     /// GPUs on Up nodes that are healthy and unallocated.
@@ -222,9 +380,12 @@ impl Cluster {
         self.nodes.iter().map(Node::free).sum()
     }
 
-    /// GPUs allocated to jobs, on any node.
+    /// GPUs allocated to jobs, whole or in part, on any node.
     pub fn allocated_gpus(&self) -> u32 {
-        self.nodes.iter().map(|n| n.alloc.count_ones()).sum()
+        self.nodes
+            .iter()
+            .map(|n| (n.alloc | n.shared).count_ones())
+            .sum()
     }
 
     /// All GPUs of all nodes.
@@ -268,28 +429,54 @@ impl Cluster {
         }
     }
 
-    pub(crate) fn allocate(&mut self, job: JobId, placement: &[NodeAlloc]) {
+    /// Books `placement` for `job`: whole GPUs, or its share of each GPU.
+    pub(crate) fn allocate(
+        &mut self,
+        job: JobId,
+        placement: &[NodeAlloc],
+        share: Option<GpuShare>,
+    ) {
         for a in placement {
             self.modify(a.node.0 as usize, |n| {
                 debug_assert_eq!(n.alloc & a.mask, 0, "GPU double-booked");
-                n.alloc |= a.mask;
+                match share {
+                    None => {
+                        debug_assert_eq!(n.shared & a.mask, 0, "whole GPU job on a shared GPU");
+                        n.alloc |= a.mask;
+                    }
+                    Some(_) => n.shared |= a.mask,
+                }
                 for i in 0..n.owner.len() {
                     if a.mask & (1 << i) != 0 {
-                        n.owner[i] = Some(job);
+                        match share {
+                            None => n.owner[i] = Some(job),
+                            Some(s) => n.sharers[i].push((job, s)),
+                        }
                     }
                 }
             });
         }
     }
 
-    pub(crate) fn release(&mut self, placement: &[NodeAlloc]) {
+    /// Frees what [`Cluster::allocate`] booked for `job`.
+    pub(crate) fn release(&mut self, job: JobId, placement: &[NodeAlloc]) {
         for a in placement {
             self.modify(a.node.0 as usize, |n| {
-                n.alloc &= !a.mask;
                 for i in 0..n.owner.len() {
-                    if a.mask & (1 << i) != 0 {
+                    let bit = 1u64 << i;
+                    if a.mask & bit == 0 {
+                        continue;
+                    }
+                    if n.owner[i] == Some(job) {
                         n.owner[i] = None;
-                        n.util[i] = 0.0;
+                        n.alloc &= !bit;
+                        n.forget_load(i);
+                    } else {
+                        n.sharers[i].retain(|(j, _)| *j != job);
+                        if n.sharers[i].is_empty() && n.shared & bit != 0 {
+                            n.shared &= !bit;
+                            n.forget_load(i);
+                        }
                     }
                 }
             });

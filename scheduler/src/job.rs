@@ -66,6 +66,20 @@ impl Qos {
     }
 }
 
+/// A part of one GPU, for a job that shares its GPU with others (NVIDIA MPS style): the job
+/// gets `percent` of the GPU's compute and needs `memory_mb` of its memory.
+///
+/// Fractions are whole percents because that is the unit MPS enforces
+/// (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`), and integers keep "the shares of a GPU never add up
+/// to more than 100" exact.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct GpuShare {
+    /// Percent of the GPU's compute, 1 to 99 (a whole GPU is an ordinary job).
+    pub percent: u32,
+    /// GPU memory the job needs, in MiB; placed only where that much is free.
+    pub memory_mb: u64,
+}
+
 /// The part of a job spec the scheduling core decides on.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct JobSpec {
@@ -92,6 +106,9 @@ pub struct JobSpec {
     pub submit: Time,
     /// The true run time, known only to simulators; only the SRTF reference policy reads it.
     pub oracle_duration: Option<Millis>,
+    /// A part of one GPU instead of whole GPUs; then `shape` is one node with one GPU.
+    #[serde(default)]
+    pub share: Option<GpuShare>,
 }
 
 impl JobSpec {
@@ -117,7 +134,33 @@ impl JobSpec {
         if matches!(self.oracle_duration, Some(d) if d < 0) {
             return Err(bad("oracle_duration", "must not be negative"));
         }
+        if let Some(share) = self.share {
+            if !(1..=99).contains(&share.percent) {
+                return Err(bad(
+                    "share.percent",
+                    "must be between 1 and 99 (a whole GPU is a job without a share)",
+                ));
+            }
+            if share.memory_mb == 0 {
+                return Err(bad("share.memory_mb", "must be at least 1"));
+            }
+            if self.shape.nodes != 1 || self.shape.gpus_per_node != 1 {
+                return Err(bad(
+                    "share",
+                    "a shared job runs on part of one GPU: nodes and gpus_per_node must be 1",
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// What the job holds, in hundredths of a GPU: its share's percent, or 100 per GPU. Quotas
+    /// and fair-share usage count this, so a quarter-GPU job is charged a quarter.
+    pub fn gpu_hundredths(&self) -> u32 {
+        match self.share {
+            Some(s) => s.percent,
+            None => self.shape.gpus().saturating_mul(100),
+        }
     }
 }
 

@@ -28,6 +28,7 @@ mod placement;
 mod policy;
 mod reclaim;
 mod scheduler;
+mod share;
 pub mod sim;
 
 pub use cluster::{
@@ -37,6 +38,8 @@ pub use error::{Error, Result};
 pub use ids::{
     Account, DAY, GpuModel, HOUR, JobId, MINUTE, Millis, NodeId, NodeName, SECOND, Time, User,
 };
-pub use job::{EndState, JobSpec, PendingReason, PreemptReason, Qos, RequeueReason, Shape};
+pub use job::{
+    EndState, GpuShare, JobSpec, PendingReason, PreemptReason, Qos, RequeueReason, Shape,
+};
 pub use policy::{Config, IdleAction, IdlePolicy, PolicyKind, Weights};
 pub use scheduler::{Action, Event, QueueEntry, Scheduler};

@@ -14,6 +14,7 @@ use crate::job::{PendingReason, PreemptReason};
 use crate::placement::find;
 use crate::policy::{Config, IdleAction, PolicyKind, fairshare_factor, size_factor};
 use crate::scheduler::{Action, Job, JobState, Scheduler};
+use crate::share::find_share;
 use std::cmp::Ordering;
 use std::collections::HashMap;
 
@@ -76,7 +77,8 @@ impl Scheduler {
                 let total: f64 = self.accounts.iter().map(|a| a.usage).sum();
                 let share = self.share(j.account);
                 let fs = fairshare_factor(self.accounts[j.account].usage, total, share);
-                let req = j.spec.shape.gpus() as f64 * j.limit_left() as f64 / 1000.0;
+                let req =
+                    f64::from(j.spec.gpu_hundredths()) / 100.0 * j.limit_left() as f64 / 1000.0;
                 let size = size_factor(req, c.size_max_gpu_seconds);
                 w.age * age + w.fairshare * fs + w.qos * j.spec.qos.factor() + w.size * size
             }
@@ -123,7 +125,7 @@ impl Scheduler {
             {
                 let from = j.charged_until.max(start);
                 self.accounts[j.account].usage +=
-                    (now - from).max(0) as f64 * j.spec.shape.gpus() as f64;
+                    (now - from).max(0) as f64 * f64::from(j.spec.gpu_hundredths()) / 100.0;
                 j.charged_until = now;
             }
         }
@@ -155,8 +157,19 @@ impl Scheduler {
         }
     }
 
-    /// Whether no node, even empty and healthy, could ever hold the gang.
+    /// Whether no node, even empty and healthy, could ever hold the gang (or the share: no
+    /// node that allows sharing, or none whose GPUs have that much memory).
     fn unsatisfiable(&self, j: &Job) -> bool {
+        if let Some(share) = j.spec.share {
+            return !self.cluster.nodes.iter().any(|n| {
+                n.state != NodeState::Down
+                    && n.spec.sharing
+                    && j.model.is_none_or(|m| m == n.model)
+                    && n.mem_total
+                        .iter()
+                        .any(|t| t.is_none_or(|t| t >= share.memory_mb))
+            });
+        }
         let fit = self
             .cluster
             .nodes
@@ -167,6 +180,24 @@ impl Scheduler {
             })
             .count();
         fit < j.spec.shape.nodes as usize
+    }
+
+    /// Whether some shared GPU on an Up node could take more (a pass goes on looking while it
+    /// could, even with no free GPU left).
+    fn share_room(&self) -> bool {
+        self.cluster.sharing_nodes > 0
+            && self.cluster.nodes.iter().any(|n| {
+                n.spec.sharing && n.state == NodeState::Up && {
+                    let mut m = n.shared & !n.unhealthy;
+                    let mut room = false;
+                    while m != 0 && !room {
+                        let i = m.trailing_zeros() as usize;
+                        m &= m - 1;
+                        room = n.share_percent(i) < 100;
+                    }
+                    room
+                }
+            })
     }
 
     fn free_total(&self) -> u32 {
@@ -195,6 +226,7 @@ impl Scheduler {
         let mut fifo_blocked = false;
         let mut reclaims_left = self.config.max_reclaims_per_pass;
         let mut free = self.free_total();
+        let share_room = self.share_room();
         let preempting = match kind {
             PolicyKind::Srtf => true,
             PolicyKind::Perch => quotas && self.config.reclaim,
@@ -204,6 +236,7 @@ impl Scheduler {
             // Nothing more can start: later jobs keep their last reason.
             if fifo_blocked
                 || (free == 0
+                    && !share_room
                     && (reservation.is_some() || kind == PolicyKind::Srtf)
                     && (!preempting || reclaims_left == 0))
             {
@@ -217,10 +250,41 @@ impl Scheduler {
             }
             let shape = j.spec.shape;
             let model = j.model;
-            let acct = &self.accounts[j.account];
-            let within = acct.quota.is_none_or(|q| acct.alloc + shape.gpus() <= q);
+            let within = self.accounts[j.account].within(j.spec.gpu_hundredths());
             if quotas && !within && !self.config.borrowing {
                 self.set_reason(id, PendingReason::QuotaExceeded);
+                continue;
+            }
+            if let Some(share) = j.spec.share {
+                // A shared job fits on part of one GPU: it neither preempts nor reserves (a
+                // fraction of a GPU frees up far more often than a whole gang).
+                let ends_by = |r: &Reservation| now + j.limit_left() <= r.at;
+                let placed = match &reservation {
+                    Some(r) if !ends_by(r) => find_share(&self.cluster, share, model, |i| {
+                        r.spare.get(&i).copied().unwrap_or(u32::MAX)
+                    }),
+                    _ => find_share(&self.cluster, share, model, |_| u32::MAX),
+                };
+                if let Some((alloc, fresh)) = placed {
+                    if fresh {
+                        free = free.saturating_sub(1);
+                        if let Some(r) = &mut reservation
+                            && now + j.limit_left() > r.at
+                            && let Some(s) = r.spare.get_mut(&(alloc.node.0 as usize))
+                        {
+                            *s = s.saturating_sub(1);
+                        }
+                    }
+                    out.push(self.start(now, id, vec![alloc]));
+                    continue;
+                }
+                let reason = if self.unsatisfiable(j) {
+                    PendingReason::Unsatisfiable
+                } else {
+                    PendingReason::Resources
+                };
+                fifo_blocked = kind == PolicyKind::Fifo && reason == PendingReason::Resources;
+                self.set_reason(id, reason);
                 continue;
             }
             let may_preempt = reclaims_left > 0
@@ -312,25 +376,20 @@ impl Scheduler {
         let model = j.model;
         let nodes = &self.cluster.nodes;
         let mut hyp: HashMap<usize, u32> = HashMap::new();
+        let mut sharers_left = HashMap::new();
         let mut count = self.cluster.nodes_with_free(model, g);
         let mut at = now;
         if count < k {
             let mut reached = false;
             for &(end, victim) in &self.deadlines {
-                let Some(JobState::Running { placement, .. }) =
-                    self.jobs.get(&victim).map(|v| &v.state)
-                else {
-                    continue;
-                };
-                for a in placement {
-                    let i = a.node.0 as usize;
+                for (i, mask) in self.freed_by(victim, &mut sharers_left, true) {
                     let n = &nodes[i];
                     if n.state != NodeState::Up || model.is_some_and(|m| m != n.model) {
                         continue;
                     }
                     let f = hyp.entry(i).or_insert_with(|| n.free());
                     let before = *f;
-                    *f += (a.mask & !n.unhealthy).count_ones();
+                    *f += (mask & !n.unhealthy).count_ones();
                     if before < g && *f >= g {
                         count += 1;
                     }

@@ -20,40 +20,33 @@ impl Scheduler {
         let k = j.spec.shape.nodes;
         let model = j.model;
         let nodes = &self.cluster.nodes;
-        // GPUs each candidate would free, per usable node.
-        let gains = |v: JobId| -> Vec<(usize, u32)> {
-            match self.jobs.get(&v).map(|x| &x.state) {
-                Some(JobState::Running { placement, .. }) => placement
-                    .iter()
-                    .map(|a| (a.node.0 as usize, a))
-                    .filter(|(i, _)| {
-                        nodes[*i].state == NodeState::Up
-                            && model.is_none_or(|m| m == nodes[*i].model)
-                    })
-                    .map(|(i, a)| (i, (a.mask & !nodes[i].unhealthy).count_ones()))
-                    .collect(),
-                _ => Vec::new(),
-            }
-        };
         let mut hyp: HashMap<usize, u32> = HashMap::new();
+        let mut sharers_left = HashMap::new();
         let mut count = self.cluster.nodes_with_free(model, g);
-        let apply = |hyp: &mut HashMap<usize, u32>, count: &mut u32, v: JobId, sign: bool| {
-            for (i, n) in gains(v) {
-                let f = hyp.entry(i).or_insert_with(|| nodes[i].free());
-                let before = *f >= g;
-                if sign {
-                    *f += n
-                } else {
-                    *f -= n
+        // Applies (or, with `release == false`, undoes) the release of `v` to the what-if.
+        let mut apply =
+            |hyp: &mut HashMap<usize, u32>, count: &mut u32, v: JobId, release: bool| {
+                for (i, mask) in self.freed_by(v, &mut sharers_left, release) {
+                    let n = &nodes[i];
+                    if n.state != NodeState::Up || model.is_some_and(|m| m != n.model) {
+                        continue;
+                    }
+                    let gain = (mask & !n.unhealthy).count_ones();
+                    let f = hyp.entry(i).or_insert_with(|| n.free());
+                    let before = *f >= g;
+                    if release {
+                        *f += gain
+                    } else {
+                        *f -= gain
+                    }
+                    let after = *f >= g;
+                    match (before, after) {
+                        (false, true) => *count += 1,
+                        (true, false) => *count -= 1,
+                        _ => {}
+                    }
                 }
-                let after = *f >= g;
-                match (before, after) {
-                    (false, true) => *count += 1,
-                    (true, false) => *count -= 1,
-                    _ => {}
-                }
-            }
-        };
+            };
         let mut chosen = Vec::new();
         for &v in candidates {
             if count >= k {
@@ -92,10 +85,10 @@ impl Scheduler {
             let JobState::Running { start, .. } = job.state else {
                 continue;
             };
-            if job.account == me || !job.spec.preemptible || a.quota.is_none_or(|q| a.alloc <= q) {
+            if job.account == me || !job.spec.preemptible || a.within(0) {
                 continue;
             }
-            let cost = job.spec.shape.gpus() as i64 * (now - start).max(0);
+            let cost = i64::from(job.spec.gpu_hundredths()) * (now - start).max(0);
             cands.push(((job.idle_since.is_none(), cost), v));
         }
         cands.sort_unstable();
@@ -108,8 +101,10 @@ impl Scheduler {
             };
             let a = &self.accounts[job.account];
             let cur = alloc.entry(job.account).or_insert(a.alloc);
-            if a.quota.is_some_and(|q| *cur > q) {
-                *cur = cur.saturating_sub(job.spec.shape.gpus());
+            if a.quota
+                .is_some_and(|q| u64::from(*cur) > u64::from(q) * 100)
+            {
+                *cur = cur.saturating_sub(job.spec.gpu_hundredths());
                 ordered.push(v);
             }
         }

@@ -44,7 +44,8 @@ pub enum Event {
         /// The new health.
         health: GpuHealth,
     },
-    /// Measured utilization of one GPU, percent.
+    /// Measured utilization and memory of one GPU (idle detection, victim choice, and
+    /// whether a shared job fits there).
     GpuUtilization {
         /// The node.
         node: NodeId,
@@ -52,6 +53,12 @@ pub enum Event {
         gpu: u32,
         /// Percent busy.
         percent: f32,
+        /// GPU memory in use, MiB, when measured (absent keeps the last value).
+        #[serde(default)]
+        memory_used_mb: Option<u64>,
+        /// GPU memory in all, MiB, when measured (absent keeps the last value).
+        #[serde(default)]
+        memory_total_mb: Option<u64>,
     },
     /// Measured utilization of all of a job's GPUs at once, percent.
     JobUtilization {
@@ -64,6 +71,16 @@ pub enum Event {
     Tick,
     /// A node joined the cluster (a live server learns nodes as their agents appear).
     AddNode(NodeSpec),
+    /// A node's NVLink islands or its sharing setting changed (its agent says so); running
+    /// jobs stay, later placements follow.
+    UpdateNode {
+        /// The node.
+        node: NodeId,
+        /// See [`NodeSpec::nvlink_islands`].
+        nvlink_islands: Vec<Vec<u32>>,
+        /// See [`NodeSpec::sharing`].
+        sharing: bool,
+    },
     /// A running job's processes vanished without an exit status (its agent restarted): like
     /// a node failure for that one job, it is requeued while requeues are left.
     JobLost(JobId),
@@ -166,9 +183,21 @@ impl Job {
 
 #[derive(Clone, Debug)]
 pub(crate) struct AccountState {
+    /// GPUs.
     pub(crate) quota: Option<u32>,
+    /// Held now, in hundredths of a GPU (a shared job holds its percent).
     pub(crate) alloc: u32,
+    /// GPU-milliseconds, decayed.
     pub(crate) usage: f64,
+}
+
+impl AccountState {
+    /// Whether holding `more` hundredths of a GPU on top of what it holds keeps the account
+    /// within its quota (always, without one).
+    pub(crate) fn within(&self, more: u32) -> bool {
+        self.quota
+            .is_none_or(|q| u64::from(self.alloc) + u64::from(more) <= u64::from(q) * 100)
+    }
 }
 
 /// The scheduling core. See the crate docs for how a server drives it.
@@ -277,11 +306,11 @@ impl Scheduler {
         }
     }
 
-    /// GPUs an account holds now.
+    /// GPUs an account holds now (a part of a GPU counts as a whole one here).
     pub fn account_alloc(&self, account: &Account) -> u32 {
         self.account_index
             .get(account)
-            .map_or(0, |&i| self.accounts[i].alloc)
+            .map_or(0, |&i| self.accounts[i].alloc.div_ceil(100))
     }
 
     /// The earliest time at which a [`Event::Tick`] would do something (a time limit or an idle
@@ -398,16 +427,30 @@ impl Scheduler {
                     }
                 });
             }
-            Event::GpuUtilization { node, gpu, percent } => {
+            Event::GpuUtilization {
+                node,
+                gpu,
+                percent,
+                memory_used_mb,
+                memory_total_mb,
+            } => {
                 let n = self.cluster.node_mut(node)?;
-                let Some(slot) = n.util.get_mut(gpu as usize) else {
+                let i = gpu as usize;
+                let Some(slot) = n.util.get_mut(i) else {
                     return Err(Error::UnknownNode {
                         node,
                         gpu: Some(gpu),
                     });
                 };
                 *slot = percent;
-                if let Some(job) = n.owner[gpu as usize] {
+                if memory_used_mb.is_some() {
+                    n.mem_used[i] = memory_used_mb;
+                }
+                if memory_total_mb.is_some() {
+                    n.mem_total[i] = memory_total_mb;
+                }
+                // A shared GPU's load is every sharer's: each is busy or idle with it.
+                for job in self.cluster.holders(node, gpu) {
                     let busiest = self.job_gpu_max_util(job);
                     self.set_job_util(now, job, busiest);
                 }
@@ -429,6 +472,11 @@ impl Scheduler {
                 }
                 out.extend(self.fail_running(now, job));
             }
+            Event::UpdateNode {
+                node,
+                nvlink_islands,
+                sharing,
+            } => self.cluster.set_features(node, nvlink_islands, sharing)?,
             Event::AddNode(spec) => {
                 self.cluster.add_node(spec)?;
                 // Jobs asking for a model no node had are satisfiable now if this node has it.
@@ -450,7 +498,18 @@ impl Scheduler {
                 let id = spec.id;
                 for a in &placement {
                     let n = self.cluster.node_mut(a.node)?;
-                    if n.alloc & a.mask != 0 || a.mask & !n.all != 0 {
+                    let taken = match spec.share {
+                        None => n.alloc & a.mask != 0 || n.shared & a.mask != 0,
+                        Some(s) => {
+                            a.mask.count_ones() != 1
+                                || n.alloc & a.mask != 0
+                                || (a.mask & n.all != 0
+                                    && n.share_percent(a.mask.trailing_zeros() as usize)
+                                        + s.percent
+                                        > 100)
+                        }
+                    };
+                    if taken || a.mask & !n.all != 0 {
                         return Err(Error::InvalidNode {
                             name: n.spec.name.0.clone(),
                             message: format!(
@@ -564,7 +623,13 @@ impl Scheduler {
         let Some(n) = self.cluster.nodes.get(node.0 as usize) else {
             return Vec::new();
         };
-        let set: BTreeSet<JobId> = n.owner.iter().flatten().copied().collect();
+        let set: BTreeSet<JobId> = n
+            .owner
+            .iter()
+            .flatten()
+            .copied()
+            .chain(n.sharers.iter().flatten().map(|(j, _)| *j))
+            .collect();
         set.into_iter().collect()
     }
 
@@ -612,30 +677,31 @@ impl Scheduler {
         else {
             return;
         };
-        let gpus = j.spec.shape.gpus();
+        let held = j.spec.gpu_hundredths();
         let deadline = start + j.limit_left();
         j.progress += (now - start).max(0);
-        let charged = (now - j.charged_until.max(start)).max(0) as f64 * gpus as f64;
+        let charged = (now - j.charged_until.max(start)).max(0) as f64 * f64::from(held) / 100.0;
         j.charged_until = now;
         j.idle_since = None;
         let acct = &mut self.accounts[j.account];
-        acct.alloc = acct.alloc.saturating_sub(gpus);
+        acct.alloc = acct.alloc.saturating_sub(held);
         acct.usage += charged;
         self.deadlines.remove(&(deadline, job));
         self.idle.remove(&job);
-        self.cluster.release(&placement);
+        self.cluster.release(job, &placement);
     }
 
     /// Starts a pending job on `placement`.
     pub(crate) fn start(&mut self, now: Time, job: JobId, placement: Placement) -> Action {
-        self.cluster.allocate(job, &placement);
+        let share = self.jobs.get(&job).and_then(|j| j.spec.share);
+        self.cluster.allocate(job, &placement, share);
         if let Some(j) = self.jobs.get_mut(&job) {
             j.state = JobState::Running {
                 placement: placement.clone(),
                 start: now,
             };
             j.charged_until = now;
-            self.accounts[j.account].alloc += j.spec.shape.gpus();
+            self.accounts[j.account].alloc += j.spec.gpu_hundredths();
             self.deadlines.insert((now + j.limit_left(), job));
         }
         Action::Start { job, placement }
@@ -674,6 +740,54 @@ impl Scheduler {
                 j.idle_reported = true;
             }
             out.push(Action::IdleReport { job, since });
+        }
+        out
+    }
+
+    /// Whole GPUs that releasing running job `v` would free, as (node index, mask): all of a
+    /// whole-GPU job's; a shared GPU only once its last sharer goes. `left` counts, per
+    /// (node, GPU), the sharers not yet released in this what-if (filled on first use);
+    /// `release == false` undoes an earlier release of `v` and returns what it gives back.
+    pub(crate) fn freed_by(
+        &self,
+        v: JobId,
+        left: &mut HashMap<(usize, usize), usize>,
+        release: bool,
+    ) -> Vec<(usize, u64)> {
+        let Some(j) = self.jobs.get(&v) else {
+            return Vec::new();
+        };
+        let JobState::Running { placement, .. } = &j.state else {
+            return Vec::new();
+        };
+        if j.spec.share.is_none() {
+            return placement
+                .iter()
+                .map(|a| (a.node.0 as usize, a.mask))
+                .collect();
+        }
+        let mut out = Vec::new();
+        for a in placement {
+            let ni = a.node.0 as usize;
+            let Some(n) = self.cluster.nodes.get(ni) else {
+                continue;
+            };
+            let gi = a.mask.trailing_zeros() as usize;
+            let Some(sharers) = n.sharers.get(gi) else {
+                continue;
+            };
+            let count = left.entry((ni, gi)).or_insert(sharers.len());
+            if release {
+                *count = count.saturating_sub(1);
+                if *count == 0 {
+                    out.push((ni, a.mask));
+                }
+            } else {
+                if *count == 0 {
+                    out.push((ni, a.mask));
+                }
+                *count += 1;
+            }
         }
         out
     }

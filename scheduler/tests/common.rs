@@ -26,6 +26,7 @@ pub fn spec(
         max_requeues: 1,
         submit,
         oracle_duration: None,
+        share: None,
     }
 }
 

@@ -291,6 +291,8 @@ fn busy_again_resets_the_idle_spell() {
             node: NodeId(0),
             gpu: 0,
             percent: 0.0,
+            memory_used_mb: None,
+            memory_total_mb: None,
         },
     );
     step(
@@ -300,6 +302,8 @@ fn busy_again_resets_the_idle_spell() {
             node: NodeId(0),
             gpu: 0,
             percent: 80.0,
+            memory_used_mb: None,
+            memory_total_mb: None,
         },
     );
     let a = step(
@@ -394,13 +398,8 @@ fn bad_input_is_an_error() {
 
 #[test]
 fn nodes_join_a_live_cluster_and_running_jobs_are_restored_after_a_restart() {
-    use perch_scheduler::{GpuModel, NodeAlloc, NodeName, NodeSpec};
-    let node = |name: &str, model: &str| NodeSpec {
-        name: NodeName(name.into()),
-        gpus: 8,
-        model: GpuModel(model.into()),
-        rack: "r1".into(),
-    };
+    use perch_scheduler::{GpuModel, NodeAlloc, NodeSpec};
+    let node = |name: &str, model: &str| NodeSpec::new(name, 8, model, "r1");
     let mut s = Scheduler::new(Cluster::new(), Config::perch(vec![]));
     // A job for a model no node has yet waits; it starts once such a node joins.
     let mut h200 = one(1, 4, "a", 60, 0);

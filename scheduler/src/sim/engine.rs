@@ -326,6 +326,7 @@ fn spec(t: &TraceJob, policy: SimPolicy, opts: &SimOptions) -> JobSpec {
         max_requeues: 3,
         submit: t.submit,
         oracle_duration: (policy == SimPolicy::Srtf).then_some(t.duration),
+        share: None,
     }
 }
 
