@@ -14,8 +14,10 @@ mod live;
 mod maintenance;
 mod manifest;
 mod provider;
+mod rollup;
 pub mod schema;
 mod sql;
+mod storage;
 mod store;
 pub mod wal;
 
@@ -24,4 +26,5 @@ pub use live::LiveTable;
 pub use maintenance::MaintenanceStats;
 pub use schema::Table;
 pub use sql::{QueryLimits, QueryOutput, SqlEngine, check_read_only};
+pub use storage::{S3Config, StorageConfig};
 pub use store::{FlushStats, IngestOutcome, Store, StoreConfig, StoreStats};

@@ -1,9 +1,10 @@
-//! Keeping the files few and bounded in age: compaction merges the small files of a day
-//! partition into one sorted file, and retention drops whole day partitions older than a
+//! Keeping the files few and bounded in age: compaction merges the small files of a partition
+//! into one sorted file (for a rollup, merging the partial rows of each key and bucket into
+//! one), and retention drops whole partitions (days; months for hourly rollups) older than a
 //! table's retention. Both change the manifest in one atomic step; the files they take out
 //! go to the graveyard and are deleted only once no query's snapshot holds them.
 
-use crate::files::{read_file, write_table};
+use crate::files::{compact_rows, decode, encode_table, samples_in};
 use crate::manifest::FileEntry;
 use crate::schema::Table;
 use crate::store::Store;
@@ -93,34 +94,39 @@ impl Store {
                 .filter(|g| g.len() >= self.config.compact_min_files.max(2))
                 .collect();
             for group in groups {
-                let dir = self.dir.clone();
-                let inputs = group.clone();
+                let mut inputs = Vec::with_capacity(group.len());
+                for f in &group {
+                    inputs.push(self.storage.get(&f.path).await?);
+                }
                 let mut next = next_file_id;
                 let (written, next_after) = tokio::task::spawn_blocking(move || {
                     let schema = table.schema();
                     let mut batches = Vec::new();
-                    for f in &inputs {
-                        batches.extend(read_file(&dir, f, &schema)?);
+                    for data in inputs {
+                        batches.extend(decode(data, &schema)?);
                     }
-                    let written = write_table(&dir, table, &batches, &mut next)?;
+                    let samples_before = samples_in(table, &batches)?;
+                    let merged = compact_rows(table, batches)?;
+                    let samples_after = samples_in(table, &merged)?;
+                    if samples_before != samples_after {
+                        return Err(Error::Corrupt {
+                            what: "compaction",
+                            message: format!(
+                                "{}: read {samples_before} samples but would write {samples_after}; kept the original files",
+                                table.name()
+                            ),
+                        });
+                    }
+                    let written = encode_table(table, &merged, &mut next)?;
                     Ok::<_, Error>((written, next))
                 })
                 .await
                 .map_err(|e| Error::Execution(format!("compaction task failed: {e}")))??;
                 next_file_id = next_after;
-                let in_rows: u64 = group.iter().map(|f| f.rows).sum();
-                let out_rows: u64 = written.iter().map(|f| f.rows).sum();
-                if in_rows != out_rows {
-                    return Err(Error::Corrupt {
-                        what: "compaction",
-                        message: format!(
-                            "read {in_rows} rows but wrote {out_rows}; kept the original files"
-                        ),
-                    });
-                }
+                let written = self.put_files(written).await?;
                 let entries = manifest.files.entry(table.name().to_owned()).or_default();
                 entries.retain(|f| !group.iter().any(|g| g.path == f.path));
-                entries.extend(written.iter().cloned());
+                entries.extend(written.iter().map(|(_, e)| e.clone()));
                 stats.files_compacted += group.len() as u64;
                 stats.files_written += written.len() as u64;
                 removed
@@ -145,34 +151,40 @@ impl Store {
                 "store maintenance"
             );
         }
-        self.reap();
+        self.reap().await;
         Ok(stats)
     }
 
     /// Deletes graveyard files no query can still be reading.
-    pub fn reap(&self) {
-        let mut inner = self.lock();
-        let dir = self.dir.clone();
-        inner.graveyard.retain(|grave| {
-            if Arc::strong_count(&grave.pinned) > 1 {
-                return true;
-            }
-            for path in &grave.paths {
-                let full = dir.join(path);
-                if let Err(e) = std::fs::remove_file(&full)
-                    && e.kind() != std::io::ErrorKind::NotFound
-                {
-                    tracing::warn!(file = %full.display(), error = %e, "could not delete a replaced parquet file; it is removed at the next start");
+    pub async fn reap(&self) {
+        let ready: Vec<String> = {
+            let mut inner = self.lock();
+            let mut ready = Vec::new();
+            inner.graveyard.retain(|grave| {
+                if Arc::strong_count(&grave.pinned) > 1 {
+                    return true;
                 }
+                ready.extend(grave.paths.iter().cloned());
+                false
+            });
+            ready
+        };
+        for path in ready {
+            if let Err(e) = self.storage.delete(&path).await {
+                tracing::warn!(file = %path, error = %e, "could not delete a replaced parquet file; it is removed at the next start");
             }
-            false
-        });
+        }
     }
 
     /// Pins the current file list of `table` as a query would, returning its paths; the files
     /// are kept until the returned value is dropped. For tests of the graveyard.
     pub fn snapshot_for_test(&self, table: Table) -> PinnedFiles {
-        let (files, _) = self.snapshot(table);
+        let files = self
+            .lock()
+            .tables
+            .get(&table)
+            .map(|t| t.files.clone())
+            .unwrap_or_default();
         PinnedFiles(files)
     }
 

@@ -1,17 +1,16 @@
 //! The manifest: the one file that says which Parquet files make up each table, how far the
 //! write-ahead log is covered by them, and the last batch sequence accepted from each node.
 //!
-//! It is replaced atomically (write a temporary file, fsync, rename, fsync the directory), so
-//! after a crash it describes either the state before a flush or the state after it, never a
-//! mix. Parquet files not listed are leftovers of a flush that did not finish and are removed
-//! at start-up; their rows are still in the write-ahead log.
+//! It is replaced atomically (see [`crate::storage::Storage::write_manifest`]: a synced rename
+//! locally, one PUT in object storage), so after a crash it describes either the state before
+//! a flush or the state after it, never a mix. Parquet files not listed are leftovers of a
+//! flush that did not finish and are removed at start-up; their rows are still in the
+//! write-ahead log.
 
 use crate::{Error, Result};
+use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::fs::{self, File};
-use std::io::Write;
-use std::path::Path;
 
 pub const FILE_NAME: &str = "manifest.json";
 
@@ -31,7 +30,7 @@ pub struct Manifest {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileEntry {
-    /// Path relative to the data directory.
+    /// Path relative to the storage root (the data directory, or the bucket prefix).
     pub path: String,
     pub rows: u64,
     pub bytes: u64,
@@ -40,35 +39,28 @@ pub struct FileEntry {
 }
 
 impl Manifest {
-    pub fn load(dir: &Path) -> Result<Manifest> {
-        let path = dir.join(FILE_NAME);
-        match fs::read(&path) {
-            Ok(data) => serde_json::from_slice(&data).map_err(|e| Error::Corrupt {
-                what: "manifest",
-                message: format!("{}: {e}", path.display()),
-            }),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Manifest {
-                version: 1,
-                ..Manifest::default()
-            }),
-            Err(e) => Err(Error::io("reading", path)(e)),
+    /// A new store's manifest.
+    pub fn empty() -> Manifest {
+        Manifest {
+            version: 1,
+            ..Manifest::default()
         }
     }
 
-    pub fn save(&self, dir: &Path) -> Result<()> {
-        let tmp = dir.join(format!("{FILE_NAME}.tmp"));
-        let path = dir.join(FILE_NAME);
-        let data = serde_json::to_vec_pretty(self).map_err(|e| Error::Corrupt {
+    /// Parses a stored manifest; `location` names it in the error.
+    pub fn parse(data: &[u8], location: &str) -> Result<Manifest> {
+        serde_json::from_slice(data).map_err(|e| Error::Corrupt {
             what: "manifest",
-            message: e.to_string(),
-        })?;
-        let mut f = File::create(&tmp).map_err(Error::io("creating", &tmp))?;
-        f.write_all(&data)
-            .and_then(|()| f.sync_all())
-            .map_err(Error::io("writing", &tmp))?;
-        fs::rename(&tmp, &path).map_err(Error::io("renaming", &tmp))?;
-        File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(Error::io("syncing directory", dir))
+            message: format!("{location}: {e}"),
+        })
+    }
+
+    pub fn to_bytes(&self) -> Result<Bytes> {
+        serde_json::to_vec_pretty(self)
+            .map(Bytes::from)
+            .map_err(|e| Error::Corrupt {
+                what: "manifest",
+                message: e.to_string(),
+            })
     }
 }

@@ -20,7 +20,7 @@ use datafusion::datasource::listing::{
     ListingOptions, ListingTable, ListingTableConfig, ListingTableUrl,
 };
 use datafusion::datasource::{MemTable, TableProvider, TableType};
-use datafusion::error::Result;
+use datafusion::error::{DataFusionError, Result};
 use datafusion::logical_expr::{
     Between, BinaryExpr, Expr, Operator, TableProviderFilterPushDown, col,
 };
@@ -65,10 +65,9 @@ impl StoreTable {
         {
             return Ok(table.clone());
         }
-        let dir = self.store.data_dir();
         let urls = files
             .iter()
-            .map(|f| ListingTableUrl::parse(dir.join(&f.path).to_string_lossy()))
+            .map(|f| ListingTableUrl::parse(self.store.storage.file_url(&f.path)))
             .collect::<Result<Vec<_>>>()?;
         let sort = self
             .table
@@ -112,7 +111,10 @@ impl TableProvider for StoreTable {
         filters: &[Expr],
         limit: Option<usize>,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        let (files, buffered) = self.store.snapshot(self.table);
+        let (files, buffered) = self
+            .store
+            .snapshot(self.table)
+            .map_err(|e| DataFusionError::External(Box::new(e)))?;
         self.pins
             .lock()
             .unwrap_or_else(|p| p.into_inner())

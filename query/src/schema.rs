@@ -6,6 +6,7 @@
 //! Measured values are nullable: a metric the hardware does not report is NULL, never 0.
 //! `docs/schema.md` documents every column with its unit; a test keeps the two in step.
 
+use crate::rollup::{self, RollupSpec};
 use arrow::array::{
     ArrayRef, BooleanArray, Float64Array, RecordBatch, StringArray, TimestampMillisecondArray,
     UInt32Array, UInt64Array,
@@ -30,10 +31,26 @@ pub enum Table {
     JobSamples,
     JobMetrics,
     Events,
+    /// Partial 1-minute summaries of `gpu_samples` (see [`crate::rollup`]).
+    GpuSamples1m,
+    /// Partial 1-hour summaries of `gpu_samples`.
+    GpuSamples1h,
+    HostSamples1m,
+    HostSamples1h,
+}
+
+/// How a table's files are split into partitions, the unit of retention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Partitioning {
+    /// `date=YYYY-MM-DD` (UTC).
+    Day,
+    /// `month=YYYY-MM` (UTC): for the hourly rollups, which are small and kept for years, so
+    /// a query over years opens dozens of files rather than a thousand.
+    Month,
 }
 
 impl Table {
-    pub const ALL: [Table; 9] = [
+    pub const ALL: [Table; 13] = [
         Table::GpuSamples,
         Table::HostSamples,
         Table::NicSamples,
@@ -43,6 +60,10 @@ impl Table {
         Table::JobSamples,
         Table::JobMetrics,
         Table::Events,
+        Table::GpuSamples1m,
+        Table::GpuSamples1h,
+        Table::HostSamples1m,
+        Table::HostSamples1h,
     ];
 
     pub fn name(self) -> &'static str {
@@ -56,6 +77,49 @@ impl Table {
             Table::JobSamples => "job_samples",
             Table::JobMetrics => "job_metrics",
             Table::Events => "events",
+            Table::GpuSamples1m => "gpu_samples_1m",
+            Table::GpuSamples1h => "gpu_samples_1h",
+            Table::HostSamples1m => "host_samples_1m",
+            Table::HostSamples1h => "host_samples_1h",
+        }
+    }
+
+    /// For a rollup: what it summarises and its bucket width in milliseconds. SQL sees a
+    /// rollup as a view of this name that merges the stored partial rows, which are
+    /// themselves readable as `<name>_partial`.
+    pub(crate) fn rollup(self) -> Option<(&'static RollupSpec, i64)> {
+        match self {
+            Table::GpuSamples1m => Some((&rollup::GPU, rollup::MINUTE_MS)),
+            Table::GpuSamples1h => Some((&rollup::GPU, rollup::HOUR_MS)),
+            Table::HostSamples1m => Some((&rollup::HOST, rollup::MINUTE_MS)),
+            Table::HostSamples1h => Some((&rollup::HOST, rollup::HOUR_MS)),
+            _ => None,
+        }
+    }
+
+    /// The 1-minute and 1-hour rollups a flush of this table writes, finest first.
+    pub(crate) fn rollups(self) -> &'static [Table] {
+        match self {
+            Table::GpuSamples => &[Table::GpuSamples1m, Table::GpuSamples1h],
+            Table::HostSamples => &[Table::HostSamples1m, Table::HostSamples1h],
+            _ => &[],
+        }
+    }
+
+    /// The name SQL reads this table's stored rows by: the table's own name, except for a
+    /// rollup, whose stored rows are partial (its name is the merging view).
+    pub fn stored_sql_name(self) -> String {
+        if self.rollup().is_some() {
+            format!("{}_partial", self.name())
+        } else {
+            self.name().to_owned()
+        }
+    }
+
+    pub fn partitioning(self) -> Partitioning {
+        match self {
+            Table::GpuSamples1h | Table::HostSamples1h => Partitioning::Month,
+            _ => Partitioning::Day,
         }
     }
 
@@ -73,6 +137,8 @@ impl Table {
         static JOBS: LazyLock<SchemaRef> = LazyLock::new(node_tables::job_schema);
         static JOB_METRICS: LazyLock<SchemaRef> = LazyLock::new(job_metrics::job_metric_schema);
         static CLUSTER_EVENTS: LazyLock<SchemaRef> = LazyLock::new(events::event_schema);
+        static GPU_ROLLUP: LazyLock<SchemaRef> = LazyLock::new(|| rollup::GPU.partial_schema());
+        static HOST_ROLLUP: LazyLock<SchemaRef> = LazyLock::new(|| rollup::HOST.partial_schema());
         match self {
             Table::GpuSamples => GPU.clone(),
             Table::HostSamples => HOST.clone(),
@@ -83,6 +149,8 @@ impl Table {
             Table::JobSamples => JOBS.clone(),
             Table::JobMetrics => JOB_METRICS.clone(),
             Table::Events => CLUSTER_EVENTS.clone(),
+            Table::GpuSamples1m | Table::GpuSamples1h => GPU_ROLLUP.clone(),
+            Table::HostSamples1m | Table::HostSamples1h => HOST_ROLLUP.clone(),
         }
     }
 
@@ -98,11 +166,13 @@ impl Table {
             Table::JobSamples => &["node", "job", "time"],
             Table::JobMetrics => &["job", "metric", "time"],
             Table::Events => &["kind", "time"],
+            Table::GpuSamples1m | Table::GpuSamples1h => &["node", "gpu", "time"],
+            Table::HostSamples1m | Table::HostSamples1h => &["node", "time"],
         }
     }
 }
 
-fn time_type() -> DataType {
+pub(crate) fn time_type() -> DataType {
     DataType::Timestamp(TimeUnit::Millisecond, Some("UTC".into()))
 }
 
@@ -356,25 +426,58 @@ pub fn to_record_batches(batch: &Batch) -> crate::Result<Vec<(Table, RecordBatch
 mod tests {
     use super::*;
 
-    /// Every column of every table is documented in docs/schema.md, under the table's heading.
+    /// The section of docs/schema.md whose `## ` heading names `table`.
+    fn doc_section<'a>(doc: &'a str, table: &str) -> &'a str {
+        let name = format!("`{table}`");
+        let start = doc
+            .match_indices("\n## ")
+            .map(|(i, _)| i + 1)
+            .find(|&i| doc[i..].lines().next().is_some_and(|h| h.contains(&name)))
+            .unwrap_or_else(|| panic!("docs/schema.md has no heading naming {name}"));
+        let section = &doc[start..];
+        &section[..section[1..].find("\n## ").map_or(section.len(), |e| e + 1)]
+    }
+
+    /// Every column of every table is documented in docs/schema.md, under a heading naming the
+    /// table. A rollup documents its keys and each summarised column once (the suffixes are
+    /// explained in the text), and every column of its view follows from them.
     #[test]
     fn schema_doc_covers_every_column() {
         let doc = include_str!("../../docs/schema.md");
         for table in Table::ALL {
-            let heading = format!("## `{}`", table.name());
-            let start = doc
-                .find(&heading)
-                .unwrap_or_else(|| panic!("docs/schema.md lacks {heading}"));
-            let section = &doc[start + heading.len()..];
-            let section = &section[..section.find("\n## ").unwrap_or(section.len())];
-            for field in table.schema().fields() {
-                let row = format!("| `{}` |", field.name());
-                assert!(
-                    section.contains(&row),
-                    "docs/schema.md: {} lacks a row for {}",
-                    table.name(),
-                    field.name()
-                );
+            let section = doc_section(doc, table.name());
+            let documented = |column: &str| section.contains(&format!("| `{column}` |"));
+            match table.rollup() {
+                None => {
+                    for field in table.schema().fields() {
+                        assert!(
+                            documented(field.name()),
+                            "docs/schema.md: {} lacks a row for {}",
+                            table.name(),
+                            field.name()
+                        );
+                    }
+                }
+                Some((spec, _)) => {
+                    for column in spec.view_columns() {
+                        let base = ["_avg", "_min", "_max", "_sum", "_count"]
+                            .iter()
+                            .find_map(|s| column.strip_suffix(s))
+                            .filter(|b| spec.gauges.contains(b) || spec.ranges.contains(b))
+                            .unwrap_or(&column);
+                        assert!(
+                            documented(base),
+                            "docs/schema.md: {} lacks a row for {base}",
+                            table.name()
+                        );
+                    }
+                    for suffix in ["_avg", "_min", "_max", "_sum", "_count", "_partial"] {
+                        assert!(
+                            section.contains(suffix),
+                            "rollup docs never explain {suffix}"
+                        );
+                    }
+                }
             }
         }
     }

@@ -93,11 +93,18 @@ impl SqlEngine {
         self.session().await.map(|_| ())
     }
 
-    /// The names of the tables and views SQL can read, stored tables first.
+    /// The names of the tables and views SQL can read, stored tables first (each rollup
+    /// twice: its merged view and its `_partial` rows).
     pub fn table_names(&self) -> Vec<String> {
         Table::ALL
             .iter()
             .map(|t| t.name().to_owned())
+            .chain(
+                Table::ALL
+                    .iter()
+                    .filter(|t| t.rollup().is_some())
+                    .map(|t| t.stored_sql_name()),
+            )
             .chain(self.live.iter().map(|(n, _)| n.clone()))
             .chain(self.views.iter().map(|(n, _)| n.clone()))
             .collect()
@@ -112,14 +119,30 @@ impl SqlEngine {
             .with_memory_limit(self.limits.memory_bytes, 1.0)
             .build_arc()
             .map_err(|e| Error::Execution(e.to_string()))?;
+        if let Some((url, store)) = self.store.storage.object_store() {
+            runtime.register_object_store(url.as_ref(), store.clone());
+        }
         let config = SessionConfig::new().with_information_schema(true);
         let ctx = SessionContext::new_with_config_rt(config, runtime);
         for table in Table::ALL {
             ctx.register_table(
-                table.name(),
+                table.stored_sql_name(),
                 Arc::new(StoreTable::new(self.store.clone(), table)),
             )
             .map_err(|e| Error::Execution(e.to_string()))?;
+        }
+        // Each rollup is a view merging its partial rows into one exact row per bucket.
+        for table in Table::ALL {
+            if let Some((spec, _)) = table.rollup() {
+                let select = spec.view_sql(&table.stored_sql_name());
+                let plan = ctx
+                    .state()
+                    .create_logical_plan(&select)
+                    .await
+                    .map_err(|e| Error::Execution(format!("rollup view {}: {e}", table.name())))?;
+                ctx.register_table(table.name(), Arc::new(ViewTable::new(plan, Some(select))))
+                    .map_err(|e| Error::Execution(e.to_string()))?;
+            }
         }
         for (name, table) in &self.live {
             ctx.register_table(name.as_str(), Arc::new(LiveProvider(table.clone())))

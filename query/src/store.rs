@@ -13,14 +13,16 @@
 //! Batches are deduplicated by `(node, seq)`: a batch whose `seq` is not above the last one
 //! accepted from its node is acknowledged as a duplicate and stored nowhere.
 
-use crate::files::{remove_orphans, write_table};
+use crate::files::{NewFile, flush_files};
 use crate::manifest::{FileEntry, Manifest};
 use crate::schema::{self, Table};
+use crate::storage::{self, Storage, StorageConfig};
 use crate::wal::{self, Wal, WalStats};
-use crate::{Error, Result};
+use crate::{Error, Result, rollup};
 use arrow::array::RecordBatch;
 use arrow::compute::concat_batches;
 use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
 use perch_model::{Batch, ClusterEvent};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{self, File};
@@ -32,7 +34,11 @@ use std::time::Duration;
 /// Where and how often the store writes.
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
+    /// The write-ahead log and the lock file always live here; the Parquet files and the
+    /// manifest too, unless `storage` puts them in a bucket.
     pub data_dir: PathBuf,
+    /// Where the Parquet files and the manifest live.
+    pub storage: StorageConfig,
     /// Buffered rows are written to Parquet at least this often.
     pub flush_interval: Duration,
     /// ... or as soon as this many rows are buffered.
@@ -43,8 +49,10 @@ pub struct StoreConfig {
     pub compact_below_bytes: u64,
     /// ... once a partition has at least this many of them.
     pub compact_min_files: usize,
-    /// Per table: rows older than this are dropped, a whole day partition at a time. Tables
-    /// not listed are kept forever.
+    /// Per table: rows older than this are dropped, a whole partition at a time. Tables not
+    /// listed are kept forever. The defaults ([`StoreConfig::default_retention`]) keep raw GPU
+    /// and host samples 30 days, their 1-minute rollups 180 days and their 1-hour rollups
+    /// three years.
     pub retention: BTreeMap<Table, Duration>,
 }
 
@@ -52,13 +60,28 @@ impl StoreConfig {
     pub fn new(data_dir: impl Into<PathBuf>) -> Self {
         StoreConfig {
             data_dir: data_dir.into(),
+            storage: StorageConfig::Local,
             flush_interval: Duration::from_secs(60),
             flush_max_rows: 1_000_000,
             maintenance_interval: Duration::from_secs(300),
             compact_below_bytes: 64 << 20,
             compact_min_files: 8,
-            retention: BTreeMap::new(),
+            retention: Self::default_retention(),
         }
+    }
+
+    /// Raw samples that have rollups: 30 days; 1-minute rollups: 180 days; 1-hour rollups:
+    /// three years. Every other table is kept until configured otherwise.
+    pub fn default_retention() -> BTreeMap<Table, Duration> {
+        const DAY: u64 = 86_400;
+        BTreeMap::from([
+            (Table::GpuSamples, Duration::from_secs(30 * DAY)),
+            (Table::HostSamples, Duration::from_secs(30 * DAY)),
+            (Table::GpuSamples1m, Duration::from_secs(180 * DAY)),
+            (Table::HostSamples1m, Duration::from_secs(180 * DAY)),
+            (Table::GpuSamples1h, Duration::from_secs(3 * 365 * DAY)),
+            (Table::HostSamples1h, Duration::from_secs(3 * 365 * DAY)),
+        ])
     }
 }
 
@@ -87,8 +110,12 @@ pub struct StoreStats {
 /// The result of one flush.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FlushStats {
+    /// Buffered rows written.
     pub rows: u64,
+    /// Files written, rollup files included.
     pub files: u64,
+    /// Partial rollup rows written for them.
+    pub rollup_rows: u64,
 }
 
 #[derive(Default)]
@@ -116,6 +143,8 @@ pub(crate) struct Grave {
 
 pub struct Store {
     pub(crate) dir: PathBuf,
+    /// Where the files and the manifest are.
+    pub(crate) storage: Storage,
     pub(crate) config: StoreConfig,
     wal: Wal,
     gate: tokio::sync::RwLock<()>,
@@ -147,8 +176,17 @@ impl Store {
             path: lock_path.clone(),
             source: std::io::Error::other("already locked"),
         })?;
-        let manifest = Manifest::load(&dir)?;
-        remove_orphans(&dir, &manifest)?;
+        let manifest = storage::at_startup(&config.storage, &dir, async |storage| {
+            let manifest = match storage.read_manifest().await? {
+                Some(data) => {
+                    Manifest::parse(&data, &storage.file_url(crate::manifest::FILE_NAME))?
+                }
+                None => Manifest::empty(),
+            };
+            remove_orphans(&storage, &manifest).await?;
+            Ok(manifest)
+        })?;
+        let storage = Storage::new(&config.storage, &dir)?;
         let mut tables: BTreeMap<Table, TableData> = Table::ALL
             .into_iter()
             .map(|t| (t, TableData::default()))
@@ -168,6 +206,7 @@ impl Store {
         let node_seq = manifest.node_seq.clone().into_iter().collect();
         let store = Store {
             dir,
+            storage,
             config,
             wal,
             gate: tokio::sync::RwLock::new(()),
@@ -306,19 +345,44 @@ impl Store {
     }
 
     /// What a query sees of `table` right now: its files and its buffered rows, consistent with
-    /// each other (no row in both).
-    pub(crate) fn snapshot(&self, table: Table) -> (Arc<Vec<FileEntry>>, Vec<RecordBatch>) {
-        let inner = self.lock();
-        match inner.tables.get(&table) {
-            Some(t) => (
-                t.files.clone(),
-                t.flushing.iter().chain(&t.mem).cloned().collect(),
-            ),
-            None => (Arc::default(), Vec::new()),
+    /// each other (no row in both). For a rollup, the buffered rows are the partial rows of the
+    /// source table's buffer, taken under the same lock as the rollup's files: a flush lists
+    /// the rollup files and drops the raw rows from the buffer in one step.
+    pub(crate) fn snapshot(&self, table: Table) -> Result<(Arc<Vec<FileEntry>>, Vec<RecordBatch>)> {
+        let rollup = table.rollup();
+        let buffer_of = rollup.map_or(table, |(spec, _)| spec.source);
+        let (files, buffered) = {
+            let inner = self.lock();
+            let files = inner
+                .tables
+                .get(&table)
+                .map(|t| t.files.clone())
+                .unwrap_or_default();
+            let buffered: Vec<RecordBatch> = inner
+                .tables
+                .get(&buffer_of)
+                .map(|t| t.flushing.iter().chain(&t.mem).cloned().collect())
+                .unwrap_or_default();
+            (files, buffered)
+        };
+        match rollup {
+            None => Ok((files, buffered)),
+            Some((spec, width)) => Ok((
+                files,
+                rollup::of_rows(spec, width, &buffered)?
+                    .into_iter()
+                    .collect(),
+            )),
         }
     }
 
-    /// Writes everything buffered to Parquet.
+    /// Where the files and the manifest live (`s3://bucket/prefix/` or the data directory).
+    pub fn storage_location(&self) -> String {
+        self.storage.describe()
+    }
+
+    /// Writes everything buffered to Parquet, with the rollups of those rows, in one manifest
+    /// commit.
     pub async fn flush(&self) -> Result<FlushStats> {
         let _one = self.manifest_lock.lock().await;
         let (segment, node_seq, work, next_file_id) = {
@@ -340,22 +404,12 @@ impl Store {
                 inner.manifest.next_file_id,
             )
         };
-        let dir = self.dir.clone();
-        let written = tokio::task::spawn_blocking(move || {
-            let mut next = next_file_id;
-            let mut out = Vec::new();
-            for (table, batches) in work {
-                out.push((table, write_table(&dir, table, &batches, &mut next)?));
-            }
-            Ok::<_, Error>((out, next))
-        })
-        .await
-        .map_err(|e| Error::Execution(format!("flush task failed: {e}")))
-        .and_then(|r| r);
+        let written = self.write_flush(work, next_file_id).await;
         let (written, next_file_id) = match written {
             Ok(w) => w,
             Err(e) => {
                 // Keep the rows visible and buffered; their log segments are still on disk.
+                // Files already written are listed by no manifest: removed at the next start.
                 let mut inner = self.lock();
                 for data in inner.tables.values_mut() {
                     let mut back = std::mem::take(&mut data.flushing);
@@ -369,14 +423,18 @@ impl Store {
         };
         let mut manifest = self.lock().manifest.clone();
         let mut stats = FlushStats::default();
-        for (table, entries) in &written {
-            stats.files += entries.len() as u64;
-            stats.rows += entries.iter().map(|e| e.rows).sum::<u64>();
+        for (table, entry) in written {
+            stats.files += 1;
+            if table.rollup().is_some() {
+                stats.rollup_rows += entry.rows;
+            } else {
+                stats.rows += entry.rows;
+            }
             manifest
                 .files
                 .entry(table.name().to_owned())
                 .or_default()
-                .extend(entries.iter().cloned());
+                .push(entry);
         }
         manifest.wal_flushed_through = segment;
         manifest.node_seq = node_seq.into_iter().collect();
@@ -398,11 +456,43 @@ impl Store {
         if stats.rows > 0 {
             tracing::debug!(
                 rows = stats.rows,
+                rollup_rows = stats.rollup_rows,
                 files = stats.files,
                 "flushed buffer to parquet"
             );
         }
         Ok(stats)
+    }
+
+    /// Encodes the flushed rows (and their rollups) off the runtime, then stores the files.
+    async fn write_flush(
+        &self,
+        work: Vec<(Table, Vec<RecordBatch>)>,
+        next_file_id: u64,
+    ) -> Result<(Vec<(Table, FileEntry)>, u64)> {
+        let (files, next) = tokio::task::spawn_blocking(move || {
+            let mut next = next_file_id;
+            let mut out = Vec::new();
+            for (table, batches) in work {
+                out.extend(flush_files(table, &batches, &mut next)?);
+            }
+            Ok::<_, Error>((out, next))
+        })
+        .await
+        .map_err(|e| Error::Execution(format!("flush task failed: {e}")))??;
+        Ok((self.put_files(files).await?, next))
+    }
+
+    /// Stores encoded files, a few at a time (object stores reward concurrency).
+    pub(crate) async fn put_files(&self, files: Vec<NewFile>) -> Result<Vec<(Table, FileEntry)>> {
+        futures::stream::iter(files)
+            .map(|f| async move {
+                self.storage.put(&f.entry.path, f.data).await?;
+                Ok::<_, Error>((f.table, f.entry))
+            })
+            .buffered(8)
+            .try_collect()
+            .await
     }
 
     /// Saves `manifest` and makes it current: each table's file list is replaced, `also`
@@ -415,11 +505,7 @@ impl Store {
         mut removed: BTreeMap<Table, Vec<String>>,
         also: impl FnOnce(&mut Inner),
     ) -> Result<()> {
-        let save_dir = self.dir.clone();
-        let to_save = manifest.clone();
-        tokio::task::spawn_blocking(move || to_save.save(&save_dir))
-            .await
-            .map_err(|e| Error::Execution(format!("manifest task failed: {e}")))??;
+        self.storage.write_manifest(manifest.to_bytes()?).await?;
         let mut inner = self.lock();
         let inner = &mut *inner;
         for (table, data) in inner.tables.iter_mut() {
@@ -468,12 +554,31 @@ impl Store {
                     tracing::error!(error = %e, "compaction or retention failed; will retry");
                 }
             }
-            self.reap();
+            self.reap().await;
         }
         if let Err(e) = self.flush().await {
             tracing::error!(error = %e, "final flush failed; the write-ahead log still holds the rows");
         }
     }
+}
+
+/// Removes files under `tables/` that the manifest does not list: left by a flush or a
+/// compaction that did not commit (their rows are in the log or in the files they were to
+/// replace), or replaced files a crash kept from being deleted.
+async fn remove_orphans(storage: &Storage, manifest: &Manifest) -> Result<()> {
+    let known: HashSet<&str> = manifest
+        .files
+        .values()
+        .flatten()
+        .map(|f| f.path.as_str())
+        .collect();
+    for rel in storage.list("tables").await? {
+        if !known.contains(rel.as_str()) {
+            tracing::warn!(file = %rel, "removing a parquet file no manifest lists (left by an interrupted flush or compaction; its rows are in the write-ahead log or in the files it was to replace)");
+            storage.delete(&rel).await?;
+        }
+    }
+    Ok(())
 }
 
 /// Write-ahead log records are either an agent's `Batch` as JSON (so they start with `{`) or

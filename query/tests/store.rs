@@ -149,7 +149,8 @@ async fn files_split_by_day_and_orphans_are_removed() {
             store.ingest(raw, &b).await.expect("ingest");
         }
         let stats = store.flush().await.expect("flush");
-        assert_eq!((stats.rows, stats.files), (3, 2));
+        // Two days of raw rows, a 1-minute rollup file per day and one 1-hour file for the month.
+        assert_eq!((stats.rows, stats.files), (3, 5));
     }
     let days: Vec<_> = std::fs::read_dir(dir.path().join("tables/gpu_samples"))
         .expect("table dir")
@@ -236,7 +237,8 @@ async fn compaction_merges_small_files_keeps_every_row_and_spares_running_querie
     // A query that took its snapshot before compaction keeps its files until it is done.
     let pinned = store.snapshot_for_test(perch_query::Table::GpuSamples);
     let stats = store.maintain(t0).await.expect("maintain");
-    assert_eq!((stats.files_compacted, stats.files_written), (6, 1));
+    // gpu_samples and its two rollups: six files each become one.
+    assert_eq!((stats.files_compacted, stats.files_written), (18, 3));
     assert_eq!(store.file_counts()[0].1, 1);
     assert_eq!(
         store.graveyard_files(),
@@ -245,9 +247,22 @@ async fn compaction_merges_small_files_keeps_every_row_and_spares_running_querie
     );
     assert!(dir.path().join(&pinned[0]).exists());
     drop(pinned);
-    store.reap();
+    store.reap().await;
     assert_eq!(store.graveyard_files(), 0);
     assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 12);
+    // Compaction merged the six partial rows of each GPU's minute into one.
+    assert_eq!(
+        count(&sql, "SELECT count(*) FROM gpu_samples_1m_partial").await,
+        2
+    );
+    assert_eq!(
+        count(
+            &sql,
+            "SELECT CAST(sum(samples) AS BIGINT) FROM gpu_samples_1m WHERE samples = 6"
+        )
+        .await,
+        12
+    );
     assert_eq!(
         count(&sql, "SELECT count(DISTINCT sm_clock_mhz) FROM gpu_samples").await,
         6
@@ -282,7 +297,7 @@ async fn retention_drops_whole_old_day_partitions_only() {
     // "Now" is the start of day 3: days 0 ends more than two days ago, day 1 ends within.
     let stats = store.maintain(day0 + 3 * DAY_MS).await.expect("maintain");
     assert_eq!((stats.files_expired, stats.rows_expired), (1, 1));
-    store.reap();
+    store.reap().await;
     let sql = SqlEngine::new(store, QueryLimits::default());
     assert_eq!(
         count(
