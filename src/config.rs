@@ -27,8 +27,11 @@ pub struct ServerSection {
     pub maintenance_interval_secs: u64,
     pub compact_below_mb: u64,
     pub compact_min_files: usize,
-    /// Days of data kept per table; tables not listed are kept forever.
+    /// Days of data kept per table, over the store's defaults (raw GPU and host samples 30,
+    /// their 1-minute rollups 180, their 1-hour rollups 1095); 0 keeps a table forever.
     pub retention_days: std::collections::BTreeMap<String, u64>,
+    /// Where the Parquet files and the manifest live.
+    pub storage: StorageSection,
     /// Address of the PostgreSQL-protocol SQL listener; empty turns it off.
     pub pg_listen: String,
     /// TOML file of accepted bearer tokens; empty runs open (loopback only).
@@ -48,9 +51,59 @@ impl Default for ServerSection {
             compact_below_mb: 64,
             compact_min_files: 8,
             retention_days: Default::default(),
+            storage: StorageSection::default(),
             pg_listen: "127.0.0.1:7432".into(),
             tokens_file: PathBuf::new(),
         }
+    }
+}
+
+/// `[server.storage]`: local disk, or an S3-compatible bucket. Empty values in the S3 settings
+/// come from the usual `AWS_*` environment variables.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StorageSection {
+    /// "local" or "s3".
+    pub kind: String,
+    pub bucket: String,
+    pub prefix: String,
+    pub endpoint: String,
+    pub region: String,
+    pub access_key_id: String,
+    pub secret_access_key: String,
+    pub allow_http: bool,
+}
+
+impl Default for StorageSection {
+    fn default() -> Self {
+        StorageSection {
+            kind: "local".into(),
+            bucket: String::new(),
+            prefix: String::new(),
+            endpoint: String::new(),
+            region: String::new(),
+            access_key_id: String::new(),
+            secret_access_key: String::new(),
+            allow_http: false,
+        }
+    }
+}
+
+impl StorageSection {
+    fn store_config(&self) -> perch_query::StorageConfig {
+        if self.kind != "s3" {
+            return perch_query::StorageConfig::Local;
+        }
+        let set = |v: &String| Some(v.clone()).filter(|v| !v.is_empty());
+        perch_query::StorageConfig::S3(perch_query::S3Config {
+            bucket: self.bucket.clone(),
+            prefix: self.prefix.clone(),
+            endpoint: set(&self.endpoint),
+            region: set(&self.region),
+            access_key_id: set(&self.access_key_id),
+            secret_access_key: set(&self.secret_access_key),
+            allow_http: self.allow_http,
+        })
     }
 }
 
@@ -184,10 +237,27 @@ impl Config {
                     &format!("no such table; the tables are {}", names.join(", ")),
                 );
             }
-            if *days == 0 {
+        }
+        let storage = &self.server.storage;
+        match storage.kind.as_str() {
+            "local" if !storage.bucket.is_empty() => {
                 return bad(
-                    &format!("server.retention_days.{table}"),
-                    "must be at least 1 (leave the table out to keep it forever)",
+                    "server.storage.bucket",
+                    "is set but server.storage.kind is \"local\"; set kind = \"s3\" to use the bucket",
+                );
+            }
+            "local" => {}
+            "s3" if storage.bucket.is_empty() => {
+                return bad(
+                    "server.storage.bucket",
+                    "kind = \"s3\" needs the bucket's name",
+                );
+            }
+            "s3" => {}
+            other => {
+                return bad(
+                    "server.storage.kind",
+                    &format!("{other:?} is not a storage kind; use \"local\" or \"s3\""),
                 );
             }
         }
@@ -230,13 +300,18 @@ impl Config {
         store.maintenance_interval = Duration::from_secs(s.maintenance_interval_secs);
         store.compact_below_bytes = s.compact_below_mb << 20;
         store.compact_min_files = s.compact_min_files;
-        store.retention = s
-            .retention_days
-            .iter()
-            .filter_map(|(name, days)| {
-                perch_query::Table::from_name(name).map(|t| (t, Duration::from_secs(days * 86_400)))
-            })
-            .collect();
+        store.storage = s.storage.store_config();
+        for (name, days) in &s.retention_days {
+            if let Some(table) = perch_query::Table::from_name(name) {
+                if *days == 0 {
+                    store.retention.remove(&table);
+                } else {
+                    store
+                        .retention
+                        .insert(table, Duration::from_secs(days * 86_400));
+                }
+            }
+        }
         let mut config = perch_server::ServerConfig::new(store);
         config.query = perch_query::QueryLimits {
             timeout: Duration::from_secs_f64(self.query.timeout_secs),
@@ -356,6 +431,9 @@ mod tests {
                 "[server.retention_days]\ngpu_sample = 30",
                 "no such table; the tables are gpu_samples",
             ),
+            ("[server.storage]\nkind = \"gcs\"", "server.storage.kind"),
+            ("[server.storage]\nkind = \"s3\"", "server.storage.bucket"),
+            ("[server.storage]\nbucket = \"b\"", "set kind = \"s3\""),
         ] {
             let err = format!("{:#}", Config::parse(text).expect_err(text));
             assert!(err.contains(want), "{text:?}: {err}");
