@@ -229,7 +229,7 @@ impl Config {
         if self.server.flush_interval_secs == 0 {
             return bad("server.flush_interval_secs", "must be at least 1");
         }
-        for (table, days) in &self.server.retention_days {
+        for table in self.server.retention_days.keys() {
             if perch_query::Table::from_name(table).is_none() {
                 let names: Vec<_> = perch_query::Table::ALL.iter().map(|t| t.name()).collect();
                 return bad(
