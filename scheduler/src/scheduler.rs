@@ -96,6 +96,11 @@ pub enum Event {
         /// Requeues so far.
         requeues: u32,
     },
+    /// Every account's fair-share usage as the caller's accounting knows it: GPU-milliseconds
+    /// (a shared GPU counts its fraction), decayed to `now` with the policy's half-life,
+    /// running jobs included up to `now`. Replaces the core's own tally (accounts not listed
+    /// have none), so fair share survives a restart and follows the real history.
+    AccountUsage(Vec<(Account, f64)>),
 }
 
 /// What the caller must do.
@@ -524,6 +529,26 @@ impl Scheduler {
                     j.requeues = requeues;
                 }
                 self.start(start, id, placement);
+            }
+            Event::AccountUsage(usage) => {
+                for a in &mut self.accounts {
+                    a.usage = 0.0;
+                }
+                for (account, gpu_ms) in usage {
+                    let i = self.account(&account);
+                    self.accounts[i].usage = if gpu_ms.is_finite() {
+                        gpu_ms.max(0.0)
+                    } else {
+                        0.0
+                    };
+                }
+                // The tally includes running jobs up to now and is decayed to now.
+                self.usage_decayed_at = Some(now);
+                for j in self.jobs.values_mut() {
+                    if matches!(j.state, JobState::Running { .. }) {
+                        j.charged_until = now;
+                    }
+                }
             }
         }
         out.extend(self.expire(now));
