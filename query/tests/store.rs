@@ -340,3 +340,89 @@ async fn time_predicates_skip_files_outside_the_range() {
     );
     assert_eq!(count(&sql, &q).await, 2);
 }
+
+/// `name=T total → M matched` from an EXPLAIN ANALYZE plan.
+fn pruning_metric(plan: &str, name: &str) -> (String, String) {
+    let start = plan
+        .find(&format!("{name}="))
+        .unwrap_or_else(|| panic!("no {name} in\n{plan}"));
+    let rest = &plan[start + name.len() + 1..];
+    let rest = &rest[..rest.find(',').unwrap_or(rest.len())];
+    let (total, matched) = rest
+        .split_once(" total → ")
+        .unwrap_or_else(|| panic!("{name}: unexpected format {rest:?}"));
+    (
+        total.to_owned(),
+        matched.trim_end_matches(" matched").to_owned(),
+    )
+}
+
+#[tokio::test]
+async fn time_predicates_prune_pages_inside_files_and_files_keep_their_sort_order() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(config(dir.path())).expect("open");
+    let day0 = 1_800_000_000_000 / DAY_MS * DAY_MS;
+    // One GPU, 50,000 samples a second apart in one day file.
+    for chunk in 0..50i64 {
+        let (_, mut b) = batch("n1", chunk as u64 + 1, day0, 1);
+        let proto = b.gpus[0].clone();
+        b.gpus = (0..1000)
+            .map(|i| GpuSample {
+                time_ms: day0 + (chunk * 1000 + i) * 1000,
+                ..proto.clone()
+            })
+            .collect();
+        let raw = Bytes::from(serde_json::to_vec(&b).expect("json"));
+        store.ingest(raw, &b).await.expect("ingest");
+    }
+    store.flush().await.expect("flush");
+    let sql = SqlEngine::new(store, QueryLimits::default());
+    let last = format!("time >= to_timestamp_millis({})", day0 + 45_000_000);
+    let out = sql
+        .query(&format!(
+            "EXPLAIN ANALYZE SELECT count(*) FROM gpu_samples WHERE {last}"
+        ))
+        .await
+        .expect("explain analyze");
+    let plan = arrow::util::pretty::pretty_format_batches(&out.batches)
+        .expect("format")
+        .to_string();
+    // The filter reaches the Parquet scan as a pruning predicate on the time statistics...
+    assert!(plan.contains("pruning_predicate="), "{plan}");
+    assert!(plan.contains("time_max@"), "{plan}");
+    // ... which row-group statistics and the page index evaluate: most pages are skipped.
+    let (groups, _) = pruning_metric(&plan, "row_groups_pruned_statistics");
+    assert_eq!(groups, "1", "one row group: {plan}");
+    let (total, matched) = pruning_metric(&plan, "page_index_pages_pruned");
+    let (total, matched): (u32, u32) = (
+        total.parse().expect("pages"),
+        matched.parse().expect("pages"),
+    );
+    assert!(
+        total >= 3 && matched < total,
+        "pages {matched} of {total}:\n{plan}"
+    );
+    assert_eq!(
+        count(
+            &sql,
+            &format!("SELECT count(*) FROM gpu_samples WHERE {last}")
+        )
+        .await,
+        5000
+    );
+    // The scan declares the files' sort order, so ordering by the sort key needs no sort.
+    let out = sql
+        .query("EXPLAIN SELECT node, gpu, time FROM gpu_samples ORDER BY node, gpu, time")
+        .await
+        .expect("explain");
+    let plan = arrow::util::pretty::pretty_format_batches(&out.batches)
+        .expect("format")
+        .to_string();
+    assert!(
+        plan.contains(
+            "output_ordering=[node@0 ASC NULLS LAST, gpu@1 ASC NULLS LAST, time@2 ASC NULLS LAST]"
+        ),
+        "{plan}"
+    );
+    assert!(!plan.contains("SortExec"), "{plan}");
+}
