@@ -29,10 +29,11 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 # The Python OpenTelemetry SDK: the OTLP test runs a job (`python3` from PATH) that exports its
-# metrics with it. psycopg: the PostgreSQL-protocol test's extended-protocol client.
+# metrics with it. psycopg: the PostgreSQL-protocol test's extended-protocol client. moto[server]:
+# the S3-compatible server the store's object-storage test runs against.
 # PIP_BREAK_SYSTEM_PACKAGES lets pip install into a Debian-managed python3.
-if ! python3 -c "import opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http, psycopg" 2>/dev/null; then
-  PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet opentelemetry-sdk opentelemetry-exporter-otlp-proto-http "psycopg[binary]"
+if ! python3 -c "import opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http, psycopg, moto.server, flask" 2>/dev/null; then
+  PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet opentelemetry-sdk opentelemetry-exporter-otlp-proto-http "psycopg[binary]" "moto[server]"
 fi
 
 # --- hygiene ----------------------------------------------------------------------------------
