@@ -1,1 +1,37 @@
-//! placeholder
+//! perch's alerting: rules over the store, the Prometheus alert state machine, the
+//! Alertmanager notification pipeline, senders (email, webhooks) and guarded automatic
+//! remediation. Issue 7.
+//!
+//! The decision logic is pure and reads no clock: every time-dependent call takes `now_ms`,
+//! so tests run it in virtual time. The crate runs no SQL (the server does and hands over the
+//! rows) and touches no cluster state (the server carries out the decisions and reports back).
+//! `alerts/README.md` documents the built-in rules, the config and the semantics.
+
+mod alert;
+pub mod builtin;
+pub mod config;
+mod dispatch;
+mod duration;
+mod error;
+mod matcher;
+pub mod remediate;
+mod rules;
+mod silence;
+mod state;
+pub mod template;
+mod timefmt;
+pub mod xid;
+
+pub use alert::{Alert, AlertKey, AlertState};
+pub use config::AlertsConfig;
+pub use dispatch::{DispatchState, Dispatcher, Notification};
+pub use duration::HumanDuration;
+pub use error::{Error, Result};
+pub use matcher::{MatchOp, Matcher};
+pub use rules::{
+    ActionSpec, BuiltinKind, DEFAULT_LABEL_COLUMNS, Instance, Rule, RuleSource, Severity,
+    instances_from_rows,
+};
+pub use silence::{Silence, SilenceRequest, SilenceState, Silences};
+pub use state::{AlertTable, RESOLVED_RETENTION_MS, Transition};
+pub use timefmt::{rfc3339, utc};
