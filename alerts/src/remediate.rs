@@ -147,11 +147,14 @@ impl Planner {
     }
 
     /// Closes the breaker (an operator's decision) and forgets the drains of the breaker
-    /// window, so the next drain is judged on the nodes out now. Returns the audit record,
+    /// window, so the next drain is judged on the nodes out now; actions it held are judged
+    /// again at the next [`Planner::plan`]. Returns the audit record,
     /// or `None` when the breaker was not open.
     pub fn reset_breaker(&mut self, by: &str, now_ms: i64) -> Option<ClusterEvent> {
         let trip = self.state.breaker.take()?;
         self.state.drain_times.clear();
+        // Held actions are judged (and audited) afresh.
+        self.state.decided.retain(|_, (_, fin)| *fin);
         let mut event = ClusterEvent::new(
             now_ms,
             "circuit_breaker_reset",
