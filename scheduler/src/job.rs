@@ -221,6 +221,9 @@ pub enum PreemptReason {
         /// The job the GPUs go to.
         for_job: JobId,
     },
+    /// Moved off its node by an operator or the automatic remediation (a GPU went bad, the
+    /// node is drained for repair): see [`crate::Event::Evict`].
+    Evicted,
 }
 
 /// Why a job was put back in the queue without the user asking.

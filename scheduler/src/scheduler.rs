@@ -81,6 +81,11 @@ pub enum Event {
         /// See [`NodeSpec::sharing`].
         sharing: bool,
     },
+    /// An operator or the automatic remediation moves a running job off its node (a GPU
+    /// went bad, the node is drained for repair): it is stopped with its checkpoint signal and
+    /// grace period and goes back to the queue, without using up its requeue budget (which is
+    /// for the job's own failures). A pending or unknown job is an error.
+    Evict(JobId),
     /// A running job's processes vanished without an exit status (its agent restarted): like
     /// a node failure for that one job, it is requeued while requeues are left.
     JobLost(JobId),
@@ -470,6 +475,13 @@ impl Scheduler {
                 self.set_job_util(now, job, percent);
             }
             Event::Tick => {}
+            Event::Evict(job) => {
+                match self.jobs.get(&job).map(|j| &j.state) {
+                    Some(JobState::Running { .. }) => {}
+                    _ => return Err(Error::UnknownJob(job)),
+                }
+                out.push(self.preempt(now, job, PreemptReason::Evicted, true));
+            }
             Event::JobLost(job) => {
                 match self.jobs.get(&job).map(|j| &j.state) {
                     Some(JobState::Running { .. }) => {}

@@ -485,3 +485,31 @@ fn a_lost_job_is_requeued_while_requeues_last() {
         "no longer running"
     );
 }
+
+#[test]
+fn an_evicted_job_moves_to_another_node_without_using_its_requeue_budget() {
+    let mut s = sched(2, Config::perch(vec![]));
+    let spec = one(1, 8, "a", 600, 0); // max_requeues 0: a failure would end it
+    assert_eq!(started(&step(&mut s, 0, Event::Submit(spec))), vec![1]);
+    let holds =
+        |s: &Scheduler, n: u32| (0..8).any(|g| s.cluster().owner(NodeId(n), g) == Some(JobId(1)));
+    // The node it runs on is drained for repair; then the job is evicted.
+    let bad = NodeId(if holds(&s, 0) { 0 } else { 1 });
+    step(&mut s, 5, Event::Drain(bad));
+    let a = step(&mut s, 10, Event::Evict(JobId(1)));
+    assert!(
+        a.contains(&Action::Preempt {
+            job: JobId(1),
+            reason: PreemptReason::Evicted,
+            requeued: true
+        }),
+        "{a:?}"
+    );
+    assert_eq!(started(&a), vec![1], "restarted at once on the other node");
+    assert!(!holds(&s, bad.0), "not back on the drained node");
+    assert!(holds(&s, 1 - bad.0));
+    assert!(
+        s.step(20, Event::Evict(JobId(99))).is_err(),
+        "an unknown job is an error"
+    );
+}
