@@ -235,7 +235,7 @@ async fn run_case(samples: Vec<Sample>, steps: Vec<Step>, per_batch: usize) {
     let mut store = Store::open(config(dir.path())).expect("open");
     let mut seq = [0u64; 2];
     for (i, chunk) in samples.chunks(per_batch.max(1)).enumerate() {
-        for node in 0..2 {
+        for (node, seq) in seq.iter_mut().enumerate() {
             let gpus: Vec<GpuSample> = chunk
                 .iter()
                 .filter(|s| s.node == node)
@@ -244,8 +244,8 @@ async fn run_case(samples: Vec<Sample>, steps: Vec<Step>, per_batch: usize) {
             if gpus.is_empty() {
                 continue;
             }
-            seq[node] += 1;
-            let (raw, b) = batch(node, seq[node], gpus, vec![]);
+            *seq += 1;
+            let (raw, b) = batch(node, *seq, gpus, vec![]);
             store.ingest(raw, &b).await.expect("ingest");
         }
         match steps.get(i).copied().unwrap_or(Step::Nothing) {
