@@ -260,8 +260,7 @@ impl Dispatcher {
             .filter(|a| a.state == AlertState::Firing)
             .collect();
         // Members of each group this step, keyed like the persisted groups.
-        let mut members: BTreeMap<String, (Route, BTreeMap<String, String>, Vec<&Alert>)> =
-            BTreeMap::new();
+        let mut members: BTreeMap<String, Members<'_>> = BTreeMap::new();
         for alert in alerts {
             if !matches!(alert.state, AlertState::Firing | AlertState::Resolved)
                 || silences.muting(&alert.labels, now_ms).is_some()
@@ -404,6 +403,9 @@ impl Dispatcher {
         out
     }
 }
+
+/// One group's route, grouping labels and alerts in this step.
+type Members<'a> = (Route, BTreeMap<String, String>, Vec<&'a Alert>);
 
 fn group_key(route: &Route, labels: &BTreeMap<String, String>) -> String {
     let pairs: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v:?}")).collect();

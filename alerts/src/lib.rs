@@ -12,8 +12,11 @@ pub mod builtin;
 pub mod config;
 mod dispatch;
 mod duration;
+mod engine;
 mod error;
 mod matcher;
+pub mod notify;
+mod persist;
 pub mod remediate;
 mod rules;
 mod silence;
@@ -26,6 +29,9 @@ pub use alert::{Alert, AlertKey, AlertState};
 pub use config::AlertsConfig;
 pub use dispatch::{DispatchState, Dispatcher, Notification};
 pub use duration::HumanDuration;
+pub use engine::{
+    AlertCount, AlertStatus, BREAKER_ALERT, Engine, EngineMetrics, RuleStatus, Snapshot,
+};
 pub use error::{Error, Result};
 pub use matcher::{MatchOp, Matcher};
 pub use rules::{

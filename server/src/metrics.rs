@@ -87,6 +87,36 @@ impl ServerMetrics {
             .inc();
         self.sql_seconds.observe(took.as_secs_f64());
     }
+
+    /// Ingest requests so far by outcome, leaving out outcomes not seen yet (as `/metrics`
+    /// does): what the OTLP export of perch's own metrics reads, so it never counts apart.
+    pub fn ingest_requests_by_outcome(&self) -> Vec<(&'static str, u64)> {
+        totals(&self.ingest, &["stored", "duplicate", "rejected", "error"])
+    }
+
+    /// SQL queries so far by outcome (`ok`, `error`), leaving out outcomes not seen yet.
+    pub fn sql_queries_by_outcome(&self) -> Vec<(&'static str, u64)> {
+        totals(&self.sql, &["ok", "error"])
+    }
+
+    /// Seconds all SQL queries took together (the latency histogram's sum).
+    pub fn sql_seconds_total(&self) -> f64 {
+        self.sql_seconds.sum()
+    }
+}
+
+/// The value of each `outcome` series of `family` that exists.
+fn totals(
+    family: &Family<Labels, Counter>,
+    outcomes: &[&'static str],
+) -> Vec<(&'static str, u64)> {
+    outcomes
+        .iter()
+        .filter_map(|o| {
+            let counter = family.get(&vec![("outcome", (*o).to_owned())])?;
+            Some((*o, counter.get()))
+        })
+        .collect()
 }
 
 /// Families built during one scrape, registered at the end in name order.

@@ -7,6 +7,7 @@ pub mod simulate;
 mod sql;
 
 use crate::config::Config;
+use crate::telemetry::{Target, Telemetry};
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -78,6 +79,31 @@ struct ServerFlags {
 struct ServerArgs {
     #[command(flatten)]
     server: ServerFlags,
+    #[command(flatten)]
+    telemetry: TelemetryFlags,
+}
+
+/// Export of perch's own traces and metrics (`[telemetry]` in perch.example.toml).
+#[derive(Debug, Args)]
+struct TelemetryFlags {
+    /// Export perch's own traces and metrics over OTLP/HTTP to this base URL, e.g.
+    /// http://collector:4318 (default: OTEL_EXPORTER_OTLP_ENDPOINT, else off).
+    #[arg(long, env = "PERCH_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
+    /// service.name of perch's own telemetry (default perch-server, or perch-agent for agents).
+    #[arg(long, env = "PERCH_SERVICE_NAME")]
+    service_name: Option<String>,
+}
+
+impl TelemetryFlags {
+    fn apply(&self, config: &mut Config) {
+        if let Some(v) = &self.otlp_endpoint {
+            config.telemetry.otlp_endpoint = v.clone();
+        }
+        if let Some(v) = &self.service_name {
+            config.telemetry.service_name = v.clone();
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -109,6 +135,8 @@ struct AgentArgs {
     token: Option<String>,
     #[command(flatten)]
     agent: AgentFlags,
+    #[command(flatten)]
+    telemetry: TelemetryFlags,
 }
 
 #[derive(Debug, Args)]
@@ -117,6 +145,8 @@ struct UpArgs {
     server: ServerFlags,
     #[command(flatten)]
     agent: AgentFlags,
+    #[command(flatten)]
+    telemetry: TelemetryFlags,
 }
 
 #[derive(Debug, Args)]
@@ -142,6 +172,8 @@ struct DemoArgs {
     /// Seconds between flushes of buffered rows to Parquet.
     #[arg(long, env = "PERCH_FLUSH_INTERVAL_SECS")]
     flush_interval_secs: Option<u64>,
+    #[command(flatten)]
+    telemetry: TelemetryFlags,
 }
 
 impl ServerFlags {
@@ -176,21 +208,51 @@ impl AgentFlags {
     }
 }
 
-pub fn init_logging() {
+/// Logs to stderr, filtered by `PERCH_LOG` (default `info`). With `tracer`, the same spans
+/// (and the events inside them) also go to perch's OTLP trace exporter: one filter decides
+/// for both, so what a backend receives is what the log would show.
+fn init_logging(tracer: Option<opentelemetry_sdk::trace::SdkTracer>) {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
     let filter = tracing_subscriber::EnvFilter::try_from_env("PERCH_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with(tracer.map(|t| tracing_opentelemetry::layer().with_tracer(t)))
         .init();
+}
+
+/// Starts the export of perch's own telemetry when one is configured, then logging (whose
+/// spans the exporter receives). The returned guard flushes the exporters when dropped, so
+/// the long-running commands hold it until they have stopped.
+fn start_telemetry(config: &Config, default_service: &str) -> Result<Telemetry> {
+    let target = Target::resolve(&config.telemetry, default_service, |k| {
+        std::env::var(k).ok()
+    })?;
+    let telemetry = Telemetry::start(target)?;
+    init_logging(telemetry.tracer());
+    if let Some(t) = telemetry.target() {
+        tracing::info!(endpoint = %t.base, service = %t.service, interval_s = t.interval.as_secs(), "exporting perch's own traces and metrics over OTLP/HTTP");
+    }
+    Ok(telemetry)
 }
 
 pub fn run(cli: Cli) -> Result<()> {
     let mut config = Config::load(cli.config.as_deref())?;
+    let long_running = matches!(
+        cli.command,
+        Command::Server(_) | Command::Agent(_) | Command::Up(_) | Command::Demo(_)
+    );
+    if !long_running {
+        init_logging(None);
+    }
     match cli.command {
         Command::Server(args) => {
             args.server.apply(&mut config);
+            args.telemetry.apply(&mut config);
             config.check()?;
+            let _telemetry = start_telemetry(&config, "perch-server")?;
             serve::server(config)
         }
         Command::Agent(args) => {
@@ -204,13 +266,17 @@ pub fn run(cli: Cli) -> Result<()> {
                 config.agent.token = v;
             }
             args.agent.apply(&mut config);
+            args.telemetry.apply(&mut config);
             config.check()?;
+            let _telemetry = start_telemetry(&config, "perch-agent")?;
             serve::agent(config)
         }
         Command::Up(args) => {
             args.server.apply(&mut config);
             args.agent.apply(&mut config);
+            args.telemetry.apply(&mut config);
             config.check()?;
+            let _telemetry = start_telemetry(&config, "perch-server")?;
             serve::up(config)
         }
         Command::Demo(args) => {
@@ -223,7 +289,9 @@ pub fn run(cli: Cli) -> Result<()> {
             config.server.data_dir = args.data_dir.clone();
             config.agent.data_dir = args.data_dir;
             config.agent.interval_ms = args.interval_ms;
+            args.telemetry.apply(&mut config);
             config.check()?;
+            let _telemetry = start_telemetry(&config, "perch-server")?;
             serve::demo(config, args.nodes, args.gpus_per_node, args.seed)
         }
         Command::Sql(args) => sql::run(args),

@@ -58,6 +58,7 @@ async fn bind(config: &Config) -> Result<(TcpListener, AppState)> {
             config.server.data_dir.display()
         )
     })?;
+    crate::telemetry::observe_server(&state);
     // Scripts and tests that listen on port 0 read the bound address from here.
     let addr_file = config.server.data_dir.join("server.addr");
     std::fs::write(&addr_file, format!("{}\n", listener.local_addr()?))
@@ -77,7 +78,10 @@ pub fn agent(config: Config) -> Result<()> {
     let agent_config = config.agent_config()?;
     runtime()?.block_on(async {
         tracing::info!(node = %agent_config.node, server = %agent_config.server, "perch agent starting");
-        let stats = perch_collector::run_agent(agent_config, terminate()).await?;
+        let counters = std::sync::Arc::new(perch_collector::AgentCounters::default());
+        crate::telemetry::observe_agent(&agent_config.node, counters.clone());
+        let stats =
+            perch_collector::agent::run_agent_with(agent_config, terminate(), counters).await?;
         tracing::info!(?stats, "perch agent stopped");
         Ok(())
     })
@@ -118,6 +122,7 @@ pub fn up(config: Config) -> Result<()> {
             (_, n) => format!("{}, plus {n} SIMULATED GPUs (labelled simulated everywhere).", detection.message),
         };
         let agent = spawn_agent(agent_config.clone(), stopped(&stop_rx));
+        crate::telemetry::observe_agent(&agent_config.node, agent.counters());
         let access = if config.server.tokens_file.as_os_str().is_empty() {
             format!("open, no authentication: it listens on {addr} only")
         } else {

@@ -97,6 +97,15 @@ fn validate_rules(c: &AlertsConfig) -> Result<()> {
                 ),
             ));
         }
+        if r.name == crate::engine::BREAKER_ALERT {
+            return Err(Error::config(
+                field("name"),
+                format!(
+                    "{:?} is the alert perch raises itself; pick another name",
+                    r.name
+                ),
+            ));
+        }
         let builtin_active = c.builtin.enabled && !c.builtin.disable.iter().any(|d| d == &r.name);
         if builtin_active && BUILTIN_RULE_NAMES.contains(&r.name.as_str()) {
             return Err(Error::config(

@@ -120,13 +120,21 @@ fn resolved_notice_once_everything_resolves() {
     let mut d = Dispatcher::new(&route("ops"), Vec::new());
     let none = Silences::default();
     let a = xid("n1", 0, 0);
-    assert_eq!(first_message(&mut d, &[a.clone()], &none).len(), 1);
+    assert_eq!(
+        first_message(&mut d, std::slice::from_ref(&a), &none).len(),
+        1
+    );
     let resolved = resolve(a, M);
     assert!(
-        step(&mut d, &[resolved.clone()], &none, 2 * M).is_empty(),
+        step(&mut d, std::slice::from_ref(&resolved), &none, 2 * M).is_empty(),
         "waits for group_interval"
     );
-    let sent = step(&mut d, &[resolved.clone()], &none, 30 * S + 5 * M);
+    let sent = step(
+        &mut d,
+        std::slice::from_ref(&resolved),
+        &none,
+        30 * S + 5 * M,
+    );
     assert_eq!(sent.len(), 1);
     assert_eq!(sent[0].status(), "resolved");
     assert_eq!(sent[0].resolved.len(), 1);
@@ -147,7 +155,10 @@ fn route_send_resolved_false_sends_no_resolved_notice() {
     let mut d = Dispatcher::new(&r, Vec::new());
     let none = Silences::default();
     let a = xid("n1", 0, 0);
-    assert_eq!(first_message(&mut d, &[a.clone()], &none).len(), 1);
+    assert_eq!(
+        first_message(&mut d, std::slice::from_ref(&a), &none).len(),
+        1
+    );
     assert!(step(&mut d, &[resolve(a, M)], &none, 30 * S + 5 * M).is_empty());
 }
 
@@ -156,7 +167,7 @@ fn an_alert_that_came_and_went_inside_group_wait_is_not_sent() {
     let mut d = Dispatcher::new(&route("ops"), Vec::new());
     let none = Silences::default();
     let a = xid("n1", 0, 0);
-    assert!(step(&mut d, &[a.clone()], &none, 0).is_empty());
+    assert!(step(&mut d, std::slice::from_ref(&a), &none, 0).is_empty());
     assert!(step(&mut d, &[resolve(a, 10 * S)], &none, 30 * S).is_empty());
 }
 
@@ -312,9 +323,9 @@ fn a_new_remediation_line_is_reported_at_the_next_interval() {
     let none = Silences::default();
     let mut a = xid("n1", 0, 0);
     a.actions_taken.push("Drained n1.".into());
-    let sent = first_message(&mut d, &[a.clone()], &none);
+    let sent = first_message(&mut d, std::slice::from_ref(&a), &none);
     assert_eq!(sent[0].actions_taken, ["Drained n1."]);
-    assert!(step(&mut d, &[a.clone()], &none, 30 * S + 5 * M).is_empty());
+    assert!(step(&mut d, std::slice::from_ref(&a), &none, 30 * S + 5 * M).is_empty());
     a.actions_taken.push("Ran gpu_reset on n1: exit 0.".into());
     let sent = step(&mut d, &[a], &none, 30 * S + 10 * M);
     assert_eq!(sent.len(), 1);
@@ -333,7 +344,10 @@ fn state_survives_a_round_trip() {
     let mut d = Dispatcher::new(&route("ops"), Vec::new());
     let none = Silences::default();
     let a = xid("n1", 0, 0);
-    assert_eq!(first_message(&mut d, &[a.clone()], &none).len(), 1);
+    assert_eq!(
+        first_message(&mut d, std::slice::from_ref(&a), &none).len(),
+        1
+    );
     let json = serde_json::to_string(d.state()).expect("serialize");
     let state: DispatchState = serde_json::from_str(&json).expect("deserialize");
     let mut restored = Dispatcher::new(&route("ops"), Vec::new()).with_state(state);

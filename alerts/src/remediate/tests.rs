@@ -312,7 +312,7 @@ fn cooldown_holds_a_second_drain_of_a_resumed_node() {
     // An operator resumes n1; five minutes later another XID.
     set(&mut v, "n1", NodeState::Up, 0);
     let second = xid("n1", 1, 5 * M);
-    let got = plan(&mut p, &[second.clone()], &v, 5 * M);
+    let got = plan(&mut p, std::slice::from_ref(&second), &v, 5 * M);
     let until = crate::timefmt::utc(30 * M);
     assert_eq!(
         outcomes(&got),
@@ -330,7 +330,7 @@ fn cooldown_holds_a_second_drain_of_a_resumed_node() {
         ]
     );
     assert!(
-        plan(&mut p, &[second.clone()], &v, 10 * M)
+        plan(&mut p, std::slice::from_ref(&second), &v, 10 * M)
             .decisions
             .is_empty()
     );
@@ -382,7 +382,7 @@ fn alert_without_needed_labels_is_refused_once() {
     let mut alert = xid("n1", 0, 0);
     alert.labels.remove("node");
     alert.actions = vec![ActionSpec::DrainNode];
-    let got = plan(&mut p, &[alert.clone()], &view(3), 0);
+    let got = plan(&mut p, std::slice::from_ref(&alert), &view(3), 0);
     assert_eq!(
         outcomes(&got),
         [row(
@@ -443,7 +443,7 @@ fn resumes_only_its_own_drains_after_a_passing_health_check() {
     let mut p = Planner::new(config(), false);
     let mut v = view(10);
     let alert = xid("n1", 0, 0);
-    let got = plan(&mut p, &[alert.clone()], &v, 0);
+    let got = plan(&mut p, std::slice::from_ref(&alert), &v, 0);
     apply(&mut v, &got, 0);
     set(&mut v, "n2", NodeState::Drained, 0); // an operator's drain: never resumed by perch
     for d in &got.decisions {
