@@ -45,6 +45,7 @@ fn partition(path: &str) -> &str {
 
 impl Store {
     /// Runs retention (as of `now_ms`) and compaction once.
+    #[tracing::instrument(name = "store.maintain", skip_all)]
     pub async fn maintain(&self, now_ms: i64) -> Result<MaintenanceStats> {
         let _one = self.manifest_lock.lock().await;
         let mut manifest = self.lock().manifest.clone();

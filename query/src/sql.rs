@@ -164,6 +164,7 @@ impl SqlEngine {
     }
 
     /// Runs one read-only statement.
+    #[tracing::instrument(name = "sql.query", skip_all, fields(db.query.text = &sql[..sql.floor_char_boundary(2048)]))]
     pub async fn query(&self, sql: &str) -> Result<QueryOutput> {
         let limits = self.limits;
         match tokio::time::timeout(limits.timeout, self.run(sql)).await {

@@ -281,6 +281,7 @@ impl Store {
 
     /// Stores one validated batch. `raw` is its JSON encoding, written to the log as is.
     /// Returns once the batch is durable and visible to SQL.
+    #[tracing::instrument(name = "store.ingest", skip_all, fields(node = %batch.node, seq = batch.seq))]
     pub async fn ingest(&self, raw: Bytes, batch: &Batch) -> Result<IngestOutcome> {
         let parts = schema::to_record_batches(batch)?;
         let key = (batch.node.as_str().to_owned(), batch.seq);
@@ -383,6 +384,7 @@ impl Store {
 
     /// Writes everything buffered to Parquet, with the rollups of those rows, in one manifest
     /// commit.
+    #[tracing::instrument(name = "store.flush", skip_all)]
     pub async fn flush(&self) -> Result<FlushStats> {
         let _one = self.manifest_lock.lock().await;
         let (segment, node_seq, work, next_file_id) = {
