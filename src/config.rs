@@ -13,6 +13,7 @@ pub struct Config {
     pub server: ServerSection,
     pub query: QuerySection,
     pub agent: AgentSection,
+    pub telemetry: TelemetrySection,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -32,7 +33,8 @@ pub struct ServerSection {
     pub retention_days: std::collections::BTreeMap<String, u64>,
     /// Where the Parquet files and the manifest live.
     pub storage: StorageSection,
-    /// Address of the PostgreSQL-protocol SQL listener; empty turns it off.
+    /// Address of the PostgreSQL-protocol SQL listener; empty turns it off. With a tokens file
+    /// clients log in with a token as their password; without one it is trust mode, loopback only.
     pub pg_listen: String,
     /// TOML file of accepted bearer tokens; empty runs open (loopback only).
     pub tokens_file: PathBuf,
@@ -160,6 +162,67 @@ impl Default for AgentSection {
     }
 }
 
+/// `[telemetry]`: perch's own traces and metrics, pushed over OTLP/HTTP (protobuf) to a
+/// backend the site already runs (an OpenTelemetry Collector, Tempo, Jaeger, another perch's
+/// `/v1/metrics`). Off unless an endpoint is set here, by `--otlp-endpoint` /
+/// `PERCH_OTLP_ENDPOINT`, or by the standard `OTEL_EXPORTER_OTLP_ENDPOINT`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetrySection {
+    /// Base URL of the OTLP/HTTP receiver, e.g. `http://collector:4318`; spans go to
+    /// `<base>/v1/traces` and metrics to `<base>/v1/metrics`. Empty: off, unless
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT` is set.
+    pub otlp_endpoint: String,
+    /// The `service.name` resource attribute. Empty: `OTEL_SERVICE_NAME` if set, else
+    /// `perch-server` (server, up, demo) or `perch-agent` (agent).
+    pub service_name: String,
+    /// Seconds between two exports of perch's metrics.
+    pub export_interval_secs: u64,
+    /// Extra HTTP headers on every export, e.g. `Authorization = "Bearer ..."`.
+    /// `OTEL_EXPORTER_OTLP_HEADERS` adds more.
+    pub headers: std::collections::BTreeMap<String, String>,
+}
+
+impl Default for TelemetrySection {
+    fn default() -> Self {
+        TelemetrySection {
+            otlp_endpoint: String::new(),
+            service_name: String::new(),
+            export_interval_secs: 60,
+            headers: Default::default(),
+        }
+    }
+}
+
+impl TelemetrySection {
+    /// Checks the keys of `[telemetry]`; the message names the key and what to write instead.
+    fn check(&self) -> Result<()> {
+        let e = &self.otlp_endpoint;
+        if !e.is_empty() && !(e.starts_with("http://") || e.starts_with("https://")) {
+            anyhow::bail!(
+                "config key telemetry.otlp_endpoint: {e:?} must be an http:// or https:// URL such as http://collector:4318 (\"\" turns export off)"
+            );
+        }
+        if self.export_interval_secs == 0 {
+            anyhow::bail!("config key telemetry.export_interval_secs: must be at least 1");
+        }
+        for (name, value) in &self.headers {
+            let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+            if name.is_empty() || !name.chars().all(token) {
+                anyhow::bail!(
+                    "config key telemetry.headers: {name:?} is not an HTTP header name (letters, digits and - only, e.g. Authorization)"
+                );
+            }
+            if value.chars().any(|c| c.is_control()) {
+                anyhow::bail!(
+                    "config key telemetry.headers.{name}: the value has a control character (a line break?); give it on one line"
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Config {
     /// Loads `path` if given, else the defaults.
     pub fn load(path: Option<&Path>) -> Result<Config> {
@@ -180,14 +243,16 @@ impl Config {
     /// Checks values serde cannot; the message names the key.
     pub fn check(&self) -> Result<()> {
         let bad = |key: &str, why: &str| Err(anyhow::anyhow!("config key {key}: {why}"));
-        // The PostgreSQL listener has no authentication of its own (trust mode): loopback only.
-        if let Ok(a) = self.server.pg_listen.parse::<std::net::SocketAddr>()
+        // Without tokens the PostgreSQL listener runs in trust mode (no password): loopback only.
+        // With tokens, clients log in with a token as their password, as on HTTP.
+        if self.server.tokens_file.as_os_str().is_empty()
+            && let Ok(a) = self.server.pg_listen.parse::<std::net::SocketAddr>()
             && !a.ip().is_loopback()
         {
             return bad(
                 "server.pg_listen",
                 &format!(
-                    "{a} is not a loopback address; the PostgreSQL listener has no authentication yet, so it only listens on loopback (use an SSH tunnel or POST /v1/sql with a token)"
+                    "{a} is not a loopback address; without server.tokens_file the PostgreSQL listener runs in trust mode (no password) and listens on loopback only: set tokens_file, and clients log in with a token as their password"
                 ),
             );
         }
@@ -279,6 +344,7 @@ impl Config {
                 "must be at least 10 (100 samples a second)",
             );
         }
+        self.telemetry.check()?;
         if !(self.agent.server.starts_with("http://") || self.agent.server.starts_with("https://"))
         {
             return bad(
@@ -420,6 +486,15 @@ mod tests {
     }
 
     #[test]
+    fn pg_listen_leaves_loopback_only_with_tokens() {
+        let open = "[server]\npg_listen = \"0.0.0.0:7432\"\n";
+        assert!(Config::parse(open).is_err());
+        let with_tokens = format!("{open}tokens_file = \"tokens.toml\"\n");
+        let config = Config::parse(&with_tokens).expect("a token-protected listener may be public");
+        assert_eq!(config.server.pg_listen, "0.0.0.0:7432");
+    }
+
+    #[test]
     fn bad_config_names_the_key() {
         for (text, want) in [
             ("[server]\nlisten = \"nowhere\"", "server.listen"),
@@ -434,6 +509,22 @@ mod tests {
             ("[server.storage]\nkind = \"gcs\"", "server.storage.kind"),
             ("[server.storage]\nkind = \"s3\"", "server.storage.bucket"),
             ("[server.storage]\nbucket = \"b\"", "set kind = \"s3\""),
+            (
+                "[server]\npg_listen = \"0.0.0.0:7432\"",
+                "without server.tokens_file the PostgreSQL listener runs in trust mode",
+            ),
+            (
+                "[telemetry]\notlp_endpoint = \"collector:4318\"",
+                "telemetry.otlp_endpoint",
+            ),
+            (
+                "[telemetry]\nexport_interval_secs = 0",
+                "telemetry.export_interval_secs",
+            ),
+            (
+                "[telemetry.headers]\n\"bad header\" = \"x\"",
+                "not an HTTP header name",
+            ),
         ] {
             let err = format!("{:#}", Config::parse(text).expect_err(text));
             assert!(err.contains(want), "{text:?}: {err}");

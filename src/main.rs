@@ -2,12 +2,14 @@
 
 mod commands;
 mod config;
+mod telemetry;
 
 use clap::Parser;
 
 fn main() -> std::process::ExitCode {
     let cli = commands::Cli::parse();
-    commands::init_logging();
+    // `run` starts logging once it knows the config: the long-running commands may also
+    // export their spans over OTLP (see telemetry.rs), and flush them before returning.
     match commands::run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
