@@ -109,6 +109,12 @@ impl Tokens {
         Ok(Tokens { map: Some(map) })
     }
 
+    /// Who `token` belongs to: `None` when the server does not know it, or runs open. The
+    /// PostgreSQL listener takes the token as the connection's password.
+    pub fn identify(&self, token: &str) -> Option<&Identity> {
+        self.map.as_ref()?.get(token)
+    }
+
     fn lookup(&self, header: Option<&str>) -> Result<Identity, ApiError> {
         let Some(map) = &self.map else {
             return Ok(Identity {
