@@ -8,6 +8,8 @@
 //! reference with an example.
 
 mod notify;
+#[cfg(test)]
+mod tests;
 mod validate;
 
 pub use notify::{
