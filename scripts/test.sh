@@ -35,6 +35,7 @@ fi
 if ! python3 -c "import opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http, psycopg, moto.server, flask" 2>/dev/null; then
   PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet opentelemetry-sdk opentelemetry-exporter-otlp-proto-http "psycopg[binary]" "moto[server]"
 fi
+python3 -c "import aiosmtpd" 2>/dev/null || PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet aiosmtpd # the SMTP server alerts/tests/smtp.rs mails
 
 # --- hygiene ----------------------------------------------------------------------------------
 cargo fmt --all -- --check
