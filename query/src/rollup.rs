@@ -262,9 +262,7 @@ pub(crate) fn aggregate(
         match from {
             Level::Raw => {
                 let values = column(input, g)?;
-                columns.push(Arc::new(UInt64Array::from_iter_values(ranges.iter().map(
-                    |r| (r.len() - values.slice(r.start, r.len()).null_count()) as u64,
-                ))));
+                columns.push(Arc::new(count_valid(values.as_ref(), &ranges)));
                 columns.push(fold(values, &ranges, Op::Sum)?);
                 columns.push(fold(values, &ranges, Op::Min)?);
                 columns.push(fold(values, &ranges, Op::Max)?);
@@ -336,6 +334,18 @@ fn column<'a>(batch: &'a RecordBatch, name: &str) -> Result<&'a ArrayRef> {
         what: "rollup input",
         message: format!("no column {name}"),
     })
+}
+
+/// The number of non-null values in each range.
+fn count_valid(values: &dyn Array, ranges: &[Range<usize>]) -> UInt64Array {
+    match values.nulls() {
+        None => UInt64Array::from_iter_values(ranges.iter().map(|r| r.len() as u64)),
+        Some(nulls) => UInt64Array::from_iter_values(
+            ranges
+                .iter()
+                .map(|r| r.clone().filter(|&i| nulls.is_valid(i)).count() as u64),
+        ),
+    }
 }
 
 /// Sums a non-null count column per range.
