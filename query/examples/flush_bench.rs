@@ -5,7 +5,7 @@
 //!
 //!     cargo run --release -p perch-query --example flush_bench [ROWS]
 //!
-//! The result goes in BENCHMARKS.md next to the command; it is a measurement, not a test.
+//! A measurement, not a test: quote it with the command and the machine it ran on.
 
 use bytes::Bytes;
 use perch_model::{Batch, GpuIndex, GpuSample, NodeId};
