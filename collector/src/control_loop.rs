@@ -75,9 +75,12 @@ pub async fn run_control(
                 gpus: config.gpus,
                 gpu_model: config.gpu_model.clone(),
                 rack: config.rack.clone(),
+                nvlink_islands: None,
+                gpu_sharing: false,
                 running: l.running(),
                 exited: l.exited(),
                 logs: l.logs(),
+                notes: Vec::new(),
             }
         };
         let answer = async {

@@ -207,6 +207,7 @@ impl Launcher {
                         job: l.job,
                         code: 127,
                         stopped: false,
+                        error: None,
                     },
                 );
             }
@@ -269,6 +270,7 @@ impl Launcher {
                     job: s.job,
                     code: 128 + 15,
                     stopped: true,
+                    error: None,
                 },
             );
             return;
@@ -301,6 +303,7 @@ impl Launcher {
                         job,
                         code,
                         stopped: r.stopped_by_perch,
+                        error: None,
                     });
                 }
                 Ok(None) => {
@@ -456,6 +459,9 @@ mod tests {
             checkpoint_signal: "SIGTERM".into(),
             grace_secs: 1,
             sim_profile: None,
+            gpu_share: None,
+            cpus: None,
+            memory_mb: None,
         }
     }
 
@@ -588,6 +594,9 @@ mod gpu_handover_tests {
             checkpoint_signal: "SIGTERM".into(),
             grace_secs: 30,
             sim_profile: None,
+            gpu_share: None,
+            cpus: None,
+            memory_mb: None,
         };
         l.launch(&old);
         std::thread::sleep(Duration::from_millis(100));

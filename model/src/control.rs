@@ -18,6 +18,13 @@ pub struct SyncRequest {
     /// Topology label (rack or switch) for packing gangs close together.
     #[serde(default)]
     pub rack: Option<String>,
+    /// Groups of GPU indices fully connected by NVLink (an NVSwitch system is one group);
+    /// `None` when unknown, which the scheduler treats as one group of all GPUs.
+    #[serde(default)]
+    pub nvlink_islands: Option<Vec<Vec<u32>>>,
+    /// Whether this node takes jobs asking for a part of a GPU (`agent.gpu_sharing`).
+    #[serde(default)]
+    pub gpu_sharing: bool,
     /// Jobs whose processes are running now.
     #[serde(default)]
     pub running: Vec<u64>,
@@ -27,6 +34,18 @@ pub struct SyncRequest {
     /// New output of running or exited jobs.
     #[serde(default)]
     pub logs: Vec<LogChunk>,
+    /// One-line facts about how jobs were started here (limits not enforced, the user they
+    /// run as), for the jobs' timelines. Sent once each.
+    #[serde(default)]
+    pub notes: Vec<JobNote>,
+}
+
+/// A fact about one job on this node, for its record's timeline.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobNote {
+    pub job: u64,
+    pub text: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -38,6 +57,10 @@ pub struct JobExit {
     /// Set when perch stopped it (cancel, preemption, time limit) rather than it exiting.
     #[serde(default)]
     pub stopped: bool,
+    /// Why it never started, when the agent could not start it (its user does not exist on
+    /// the node, its program cannot be run); the server makes this the job's reason.
+    #[serde(default)]
+    pub error: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -101,6 +124,27 @@ pub struct JobLaunch {
     /// On simulated GPUs, the load they show while this job runs: idle, steady or bursty.
     #[serde(default)]
     pub sim_profile: Option<String>,
+    /// Set for a job that gets a part of its one GPU rather than the whole of it.
+    #[serde(default)]
+    pub gpu_share: Option<LaunchShare>,
+    /// CPUs the job asked for: its cgroup's `cpu.max`, where the agent can set one.
+    #[serde(default)]
+    pub cpus: Option<u32>,
+    /// Host memory the job asked for, MiB: its cgroup's `memory.max`.
+    #[serde(default)]
+    pub memory_mb: Option<u64>,
+}
+
+/// The part of a GPU a shared job gets: the agent sets `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`
+/// to `percent` and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` to `memory_mb`, which MPS enforces
+/// when it runs on the node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LaunchShare {
+    /// Percent of the GPU's compute, 1 to 99.
+    pub percent: u32,
+    /// GPU memory, MiB.
+    pub memory_mb: u64,
 }
 
 /// Stop this job: the checkpoint signal, `grace_secs`, then SIGKILL to its process group.

@@ -96,6 +96,9 @@ mod tests {
             checkpoint_signal: "SIGTERM".into(),
             grace_secs: 1,
             sim_profile: None,
+            gpu_share: None,
+            cpus: None,
+            memory_mb: None,
         }
     }
 

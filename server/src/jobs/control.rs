@@ -8,11 +8,11 @@ use super::db::{Dirty, NodeRecord};
 use super::record::{JobRecord, JobState, NodeGpus};
 use super::spec::{FieldError, JobRequest};
 use perch_model::control::{
-    JobExit, JobLaunch, JobStop, LogChunk, LogStream, SyncRequest, SyncResponse,
+    JobExit, JobLaunch, JobStop, LaunchShare, LogChunk, LogStream, SyncRequest, SyncResponse,
 };
 use perch_scheduler::{
-    Account, Action, Cluster, Config, EndState, Event, GpuModel, JobId, JobSpec, NodeAlloc, NodeId,
-    NodeName, NodeSpec, PendingReason, Qos, Scheduler, Shape, User,
+    Account, Action, Cluster, Config, EndState, Event, GpuModel, GpuShare, JobId, JobSpec,
+    NodeAlloc, NodeId, NodeName, NodeSpec, PendingReason, Qos, Scheduler, Shape, User,
 };
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::Write;
@@ -125,6 +125,10 @@ fn spec_of(id: u64, req: &JobRequest, submit_ms: i64) -> JobSpec {
         max_requeues: req.max_requeues,
         submit: submit_ms,
         oracle_duration: None,
+        share: req.gpu_share.as_ref().map(|s| GpuShare {
+            percent: s.percent(),
+            memory_mb: s.memory_mb(),
+        }),
     }
 }
 
@@ -236,6 +240,8 @@ impl Control {
             gpus: record.gpus,
             model: GpuModel(record.model.clone()),
             rack: record.rack.clone(),
+            nvlink_islands: record.nvlink_islands.clone(),
+            sharing: record.gpu_sharing,
         };
         self.scheduler.handle(now_ms, Event::AddNode(spec))?;
         let idx = self.nodes.len();
@@ -468,6 +474,12 @@ impl Control {
                 checkpoint_signal: signal_of(&job.request),
                 grace_secs: job.request.grace_secs,
                 sim_profile: job.request.sim_profile.clone(),
+                gpu_share: job.request.gpu_share.as_ref().map(|s| LaunchShare {
+                    percent: s.percent(),
+                    memory_mb: s.memory_mb(),
+                }),
+                cpus: job.request.cpus,
+                memory_mb: job.request.memory_mb,
             };
             self.outbox.entry(node).or_default().start.push(launch);
         }
@@ -678,8 +690,8 @@ impl Control {
             .map(|(i, n)| {
                 let id = NodeId(i as u32);
                 let cluster = self.scheduler.cluster();
-                let allocated = (0..n.record.gpus).filter(|g| cluster.owner(id, *g).is_some()).count();
-                let jobs: BTreeSet<u64> = (0..n.record.gpus).filter_map(|g| cluster.owner(id, g)).map(|j| j.0).collect();
+                let allocated = (0..n.record.gpus).filter(|g| !cluster.holders(id, *g).is_empty()).count();
+                let jobs: BTreeSet<u64> = (0..n.record.gpus).flat_map(|g| cluster.holders(id, g)).map(|j| j.0).collect();
                 let state = if n.down { "down" } else if n.record.drained { "drained" } else { "up" };
                 serde_json::json!({
                     "name": n.record.name, "state": state, "gpus": n.record.gpus, "gpu_model": n.record.model,
@@ -744,6 +756,8 @@ impl Control {
                     model: req.gpu_model.clone(),
                     rack: req.rack.clone().unwrap_or_else(|| "default".into()),
                     drained: false,
+                    nvlink_islands: reported_islands(&req),
+                    gpu_sharing: req.gpu_sharing,
                 };
                 let i = self.add_node(record, now)?;
                 self.dirty_nodes.insert(i);
@@ -751,6 +765,7 @@ impl Control {
             }
         };
         self.nodes[idx].last_sync_ms = now;
+        self.update_node_features(idx, &req, now)?;
         if self.nodes[idx].down {
             self.nodes[idx].down = false;
             let actions = self
@@ -758,7 +773,19 @@ impl Control {
                 .step(now, Event::NodeUp(NodeId(idx as u32)))?;
             self.apply(now, actions);
         }
-        for JobExit { job, code, stopped } in &req.exited {
+        for note in &req.notes {
+            if let Some(j) = self.jobs.get_mut(&note.job) {
+                j.note(now, format!("{name}: {}", note.text));
+                self.dirty_jobs.insert(note.job);
+            }
+        }
+        for JobExit {
+            job,
+            code,
+            stopped,
+            error,
+        } in &req.exited
+        {
             response.acknowledged.push(*job);
             let running_here = self.jobs.get(job).is_some_and(|j| {
                 j.state == JobState::Running && j.placement.iter().any(|p| p.node == name)
@@ -782,6 +809,9 @@ impl Control {
                     },
                 )?;
                 self.apply(now, actions);
+                if let (Some(why), Some(j)) = (error, self.jobs.get_mut(job)) {
+                    j.reason = Some(format!("could not start on {name}: {why}"));
+                }
             }
         }
         let exited: HashSet<u64> = req.exited.iter().map(|e| e.job).collect();
@@ -839,6 +869,34 @@ impl Control {
         Ok(response)
     }
 
+    /// Follows an agent's report of its node's NVLink islands and sharing setting (they may
+    /// change when the agent restarts with new settings, or become known later).
+    fn update_node_features(
+        &mut self,
+        idx: usize,
+        req: &SyncRequest,
+        now: i64,
+    ) -> Result<(), ControlError> {
+        let islands = reported_islands(req);
+        let record = &self.nodes[idx].record;
+        if record.nvlink_islands == islands && record.gpu_sharing == req.gpu_sharing {
+            return Ok(());
+        }
+        self.scheduler.handle(
+            now,
+            Event::UpdateNode {
+                node: NodeId(idx as u32),
+                nvlink_islands: islands.clone(),
+                sharing: req.gpu_sharing,
+            },
+        )?;
+        let record = &mut self.nodes[idx].record;
+        record.nvlink_islands = islands;
+        record.gpu_sharing = req.gpu_sharing;
+        self.dirty_nodes.insert(idx);
+        Ok(())
+    }
+
     /// Feeds what a node's telemetry says to the scheduler, without a scheduling pass (the
     /// next tick or operation runs one): measured GPU utilization (for idle detection and
     /// victim choice), XIDs that need a GPU reset or a reboot, uncorrectable ECC errors and
@@ -863,6 +921,8 @@ impl Control {
                     node,
                     gpu: g.gpu.0,
                     percent: pct as f32,
+                    memory_used_mb: g.memory_used_bytes.map(|b| b >> 20),
+                    memory_total_mb: g.memory_total_bytes.map(|b| b >> 20),
                 });
             }
         }
@@ -998,6 +1058,22 @@ impl Control {
 
     pub(crate) fn job(&self, id: u64) -> Option<&JobRecord> {
         self.jobs.get(&id)
+    }
+}
+
+/// The NVLink islands an agent reported, or none (one island) when they name a GPU the node
+/// does not have or a GPU twice: a bad report must not keep the node out of the cluster.
+fn reported_islands(req: &SyncRequest) -> Vec<Vec<u32>> {
+    let islands = req.nvlink_islands.clone().unwrap_or_default();
+    let mut seen = BTreeSet::new();
+    let valid = islands
+        .iter()
+        .all(|i| !i.is_empty() && i.iter().all(|&g| g < req.gpus && seen.insert(g)));
+    if valid {
+        islands
+    } else {
+        tracing::warn!(node = %req.node, ?islands, gpus = req.gpus, "agent reported invalid NVLink islands; treating the node as one island");
+        Vec::new()
     }
 }
 

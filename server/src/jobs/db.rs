@@ -17,6 +17,12 @@ pub struct NodeRecord {
     pub model: String,
     pub rack: String,
     pub drained: bool,
+    /// NVLink islands the agent reported (empty: unknown, one island).
+    #[serde(default)]
+    pub nvlink_islands: Vec<Vec<u32>>,
+    /// The node takes jobs asking for a part of a GPU.
+    #[serde(default)]
+    pub gpu_sharing: bool,
 }
 
 #[derive(Debug, thiserror::Error)]

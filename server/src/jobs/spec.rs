@@ -41,8 +41,13 @@ pub struct JobRequest {
     /// GPUs on each node.
     #[serde(default = "one")]
     pub gpus_per_node: u32,
+    /// A part of one GPU instead of whole GPUs (on nodes that allow sharing).
+    #[serde(default)]
+    pub gpu_share: Option<GpuShareRequest>,
+    /// CPUs; enforced as the job's cgroup `cpu.max` where the agent can create cgroups.
     #[serde(default)]
     pub cpus: Option<u32>,
+    /// Host memory, MiB; enforced as the job's cgroup `memory.max` likewise.
     #[serde(default)]
     pub memory_mb: Option<u64>,
     /// Only GPUs of this model (as NVML names it).
@@ -85,6 +90,70 @@ pub struct JobRequest {
     /// copy's id) and `PERCH_ARRAY_TASK_ID` (0, 1, ...).
     #[serde(default)]
     pub array: Option<u32>,
+}
+
+/// `gpu_share = { fraction = 0.25, memory_gb = 10 }`: the job gets a quarter of one GPU's
+/// compute and needs 10 GiB of its memory. The scheduler packs it onto a GPU whose shares,
+/// measured load and free memory leave room; the agent tells MPS the same numbers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuShareRequest {
+    /// Part of the GPU's compute: 0.01 to 0.99 in steps of 0.01 (MPS takes whole percents).
+    pub fraction: f64,
+    /// GPU memory the job needs, GiB (as nvidia-smi counts them).
+    pub memory_gb: f64,
+}
+
+impl GpuShareRequest {
+    /// The fraction in whole percents (validated to be one).
+    pub fn percent(&self) -> u32 {
+        (self.fraction * 100.0).round().clamp(1.0, 99.0) as u32
+    }
+
+    /// The memory in MiB, rounded up.
+    pub fn memory_mb(&self) -> u64 {
+        (self.memory_gb * 1024.0).ceil().max(1.0) as u64
+    }
+
+    fn validate(&self, nodes: u32, gpus_per_node: u32) -> Result<(), FieldError> {
+        let f = self.fraction;
+        let pct = f * 100.0;
+        if !f.is_finite()
+            || !(0.01 - 1e-9..=0.99 + 1e-9).contains(&f)
+            || (pct - pct.round()).abs() > 1e-6
+        {
+            return Err(err(
+                "gpu_share.fraction",
+                format!(
+                    "{f} must be a multiple of 0.01 between 0.01 and 0.99 (for whole GPUs leave gpu_share out and set gpus_per_node)"
+                ),
+            ));
+        }
+        if !self.memory_gb.is_finite() || self.memory_gb <= 0.0 || self.memory_gb > 1024.0 {
+            return Err(err(
+                "gpu_share.memory_gb",
+                format!(
+                    "{} must be above 0 and at most 1024 (GiB of GPU memory the job needs)",
+                    self.memory_gb
+                ),
+            ));
+        }
+        if gpus_per_node != 1 {
+            return Err(err(
+                "gpu_share",
+                format!(
+                    "a shared job runs on part of one GPU: leave gpus_per_node at 1 (got {gpus_per_node}), or drop gpu_share for whole GPUs"
+                ),
+            ));
+        }
+        if nodes != 1 {
+            return Err(err(
+                "gpu_share",
+                format!("a shared job runs on one node: leave nodes at 1 (got {nodes})"),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// A field that is wrong and what would be right.
@@ -154,6 +223,9 @@ impl JobRequest {
         }
         if !(1..=64).contains(&self.gpus_per_node) {
             return Err(err("gpus_per_node", "must be between 1 and 64"));
+        }
+        if let Some(share) = &self.gpu_share {
+            share.validate(self.nodes, self.gpus_per_node)?;
         }
         if self.cpus == Some(0) {
             return Err(err("cpus", "must be at least 1 when given"));
@@ -272,5 +344,46 @@ mod tests {
             r#"{"command": ["x"], "gpus_per_node": -1}"#,
             Some("invalid value"),
         );
+    }
+
+    #[test]
+    fn gpu_shares_are_checked() {
+        let share = |rest: &str| format!(r#"{{"command": ["x"], {rest}}}"#);
+        check(
+            &share(r#""gpu_share": {"fraction": 0.25, "memory_gb": 10}"#),
+            None,
+        );
+        check(
+            &share(r#""gpu_share": {"fraction": 0.25, "memory_gb": 10}, "gpus_per_node": 2"#),
+            Some(
+                "field `gpu_share`: a shared job runs on part of one GPU: leave gpus_per_node at 1 (got 2)",
+            ),
+        );
+        check(
+            &share(r#""gpu_share": {"fraction": 0.25, "memory_gb": 10}, "nodes": 2"#),
+            Some("field `gpu_share`: a shared job runs on one node"),
+        );
+        for bad in ["0", "1", "1.5", "0.255", "-0.5"] {
+            check(
+                &share(&format!(
+                    r#""gpu_share": {{"fraction": {bad}, "memory_gb": 1}}"#
+                )),
+                Some("field `gpu_share.fraction`: "),
+            );
+        }
+        check(
+            &share(r#""gpu_share": {"fraction": 0.5, "memory_gb": 0}"#),
+            Some("field `gpu_share.memory_gb`"),
+        );
+        check(
+            &share(r#""gpu_share": {"fraction": 0.5}"#),
+            Some("missing field `memory_gb`"),
+        );
+        let r: JobRequest = serde_json::from_str(&share(
+            r#""gpu_share": {"fraction": 0.07, "memory_gb": 1.5}"#,
+        ))
+        .expect("parses");
+        let s = r.gpu_share.expect("share");
+        assert_eq!((s.percent(), s.memory_mb()), (7, 1536));
     }
 }
