@@ -206,6 +206,7 @@ pub async fn serve(
                 addr,
                 &state.config.store.data_dir,
                 state.sql.clone(),
+                state.tokens.clone(),
                 async move {
                     let _ = rx.wait_for(|stop| *stop).await;
                 },

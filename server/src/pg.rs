@@ -11,24 +11,45 @@
 //! answered as done and change nothing, since there is nothing to commit and every statement
 //! gets a fresh session anyway. Everything else must pass the read-only check.
 //!
-//! Authentication is trust mode: any user name, no password. The listener binds to loopback
-//! by default (`[server] pg_listen`); like `POST /v1/sql`, it is read-only. Parameters (`$1`)
-//! are not supported; results past `max_rows` are cut, as on HTTP.
+//! Authentication follows the HTTP server's. With a tokens file, a client logs in with
+//! cleartext password authentication whose password is a perch bearer token (`PGPASSWORD`,
+//! Grafana's password field); the token, not the user name the client sends, says who it is,
+//! so any user name works. User and operator tokens may run SQL; agent tokens may not, as on
+//! `POST /v1/sql`. A wrong token is refused with SQLSTATE 28P01. Cleartext passwords are
+//! what every client supports; keep the listener on a trusted network or tunnel it, as with
+//! HTTP. Without a tokens file the listener is in trust mode (any user name, no password) and
+//! config refuses to bind it anywhere but loopback.
+//!
+//! Catalog questions (`information_schema`, `pg_catalog`, `version()`, `SHOW ...`) are
+//! rewritten into SQL DataFusion can answer; see [`catalog`]. Parameters (`$1`) are not
+//! supported; results past `max_rows` are cut, as on HTTP.
+
+mod catalog;
 
 use arrow::array::{Array, AsArray, RecordBatch};
 use arrow::compute::cast;
+use crate::auth::{Role, Tokens};
 use arrow::datatypes::{DataType, Float64Type, Int64Type, Schema, TimeUnit};
 use async_trait::async_trait;
+use futures::sink::{Sink, SinkExt};
 use futures::stream;
 use perch_query::SqlEngine;
-use pgwire::api::auth::noop::NoopStartupHandler;
+use pgwire::api::auth::{
+    DefaultServerParameterProvider, StartupHandler, finish_authentication, protocol_negotiation,
+    save_startup_parameters_to_metadata,
+};
 use pgwire::api::portal::{Format, Portal};
 use pgwire::api::query::{ExtendedQueryHandler, SimpleQueryHandler};
 use pgwire::api::results::{DataRowEncoder, FieldInfo, QueryResponse, Response, Tag};
 use pgwire::api::stmt::QueryParser;
-use pgwire::api::{ClientInfo, PgWireServerHandlers, Type};
+use pgwire::api::{
+    ClientInfo, METADATA_DATABASE, METADATA_USER, PgWireConnectionState, PgWireServerHandlers,
+    PidSecretKeyGenerator, RandomPidSecretKeyGenerator, Type,
+};
 use pgwire::error::{ErrorInfo, PgWireError, PgWireResult};
 use pgwire::messages::data::DataRow;
+use pgwire::messages::startup::Authentication;
+use pgwire::messages::{PgWireBackendMessage, PgWireFrontendMessage};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -38,7 +59,12 @@ use tokio::net::TcpListener;
 #[derive(Clone)]
 pub struct PgHandler {
     sql: Arc<SqlEngine>,
+    tokens: Arc<Tokens>,
+    pids: Arc<RandomPidSecretKeyGenerator>,
 }
+
+/// Where a connection's perch identity is kept (client metadata), once its token is checked.
+const METADATA_PERCH_USER: &str = "perch.user";
 
 impl std::fmt::Debug for PgHandler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -53,6 +79,7 @@ pub async fn start(
     addr: &str,
     data_dir: &Path,
     sql: Arc<SqlEngine>,
+    tokens: Arc<Tokens>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Option<tokio::task::JoinHandle<()>> {
     let bound = async {
@@ -63,8 +90,12 @@ pub async fn start(
     };
     match bound.await {
         Ok((listener, bound)) => {
-            tracing::info!(listen = %bound, "PostgreSQL protocol (read-only SQL) listening");
-            Some(tokio::spawn(serve_pg(listener, sql, shutdown)))
+            if tokens.is_open() {
+                tracing::info!(listen = %bound, "PostgreSQL protocol (read-only SQL) listening in trust mode: any user name, no password (set server.tokens_file to require a token as password)");
+            } else {
+                tracing::info!(listen = %bound, "PostgreSQL protocol (read-only SQL) listening: clients log in with a perch token as password");
+            }
+            Some(tokio::spawn(serve_pg(listener, sql, tokens, shutdown)))
         }
         Err(e) => {
             tracing::error!(listen = addr, error = %e, "the PostgreSQL listener could not start; SQL over HTTP still works (set [server] pg_listen to another address, or \"\" for none)");
@@ -77,9 +108,14 @@ pub async fn start(
 pub async fn serve_pg(
     listener: TcpListener,
     sql: Arc<SqlEngine>,
+    tokens: Arc<Tokens>,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
-    let handler = Arc::new(PgHandler { sql });
+    let handler = Arc::new(PgHandler {
+        sql,
+        tokens,
+        pids: Arc::new(RandomPidSecretKeyGenerator::default()),
+    });
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -116,7 +152,124 @@ impl PgWireServerHandlers for PgHandler {
     }
 }
 
-impl NoopStartupHandler for PgHandler {}
+/// A FATAL error during login; the client shows `message`.
+fn login_error(code: &str, message: String) -> PgWireError {
+    PgWireError::UserError(Box::new(ErrorInfo::new(
+        "FATAL".to_owned(),
+        code.to_owned(),
+        message,
+    )))
+}
+
+/// What perch tells clients about itself once they are in.
+fn server_parameters() -> DefaultServerParameterProvider {
+    let mut p = DefaultServerParameterProvider::default();
+    p.server_version = catalog::SERVER_VERSION.to_owned();
+    p.is_superuser = false;
+    p.default_transaction_read_only = true;
+    p
+}
+
+impl PgHandler {
+    /// Checks the password a client sent: a token the server knows, of a role that may run SQL.
+    /// Returns the perch user it belongs to.
+    fn check_token(&self, token: &str, claimed: &str) -> PgWireResult<String> {
+        let Some(identity) = self.tokens.identify(token) else {
+            return Err(login_error(
+                "28P01",
+                format!(
+                    "password authentication failed for user \"{claimed}\": perch expects a token from the server's tokens file as the password (PGPASSWORD=<token>, or the data source's password field); any user name works"
+                ),
+            ));
+        };
+        if identity.role == Role::Agent {
+            return Err(login_error(
+                "28000",
+                format!(
+                    "the token of {} has role agent, which may not run SQL (as on POST /v1/sql); log in with a user or operator token",
+                    identity.user
+                ),
+            ));
+        }
+        Ok(identity.user.clone())
+    }
+
+    /// Lets the client in: the identity to remember, then the server's parameters.
+    async fn admit<C>(&self, client: &mut C, user: String) -> PgWireResult<()>
+    where
+        C: ClientInfo + Sink<PgWireBackendMessage> + Unpin + Send,
+        C::Error: std::fmt::Debug,
+        PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
+    {
+        client
+            .metadata_mut()
+            .insert(METADATA_PERCH_USER.to_owned(), user);
+        let (pid, secret) = self.pids.generate(client);
+        client.set_pid_and_secret_key(pid, secret);
+        finish_authentication(client, &server_parameters()).await
+    }
+}
+
+#[async_trait]
+impl StartupHandler for PgHandler {
+    async fn on_startup<C>(
+        &self,
+        client: &mut C,
+        message: PgWireFrontendMessage,
+    ) -> PgWireResult<()>
+    where
+        C: ClientInfo + Sink<PgWireBackendMessage> + Unpin + Send + Sync,
+        C::Error: std::fmt::Debug,
+        PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
+    {
+        match message {
+            PgWireFrontendMessage::Startup(ref startup) => {
+                protocol_negotiation(client, startup).await?;
+                save_startup_parameters_to_metadata(client, startup);
+                let claimed = client.metadata().get(METADATA_USER).cloned();
+                if self.tokens.is_open() {
+                    return self
+                        .admit(client, claimed.unwrap_or_else(|| "local".to_owned()))
+                        .await;
+                }
+                client.set_state(PgWireConnectionState::AuthenticationInProgress);
+                client
+                    .send(PgWireBackendMessage::Authentication(
+                        Authentication::CleartextPassword,
+                    ))
+                    .await?;
+            }
+            PgWireFrontendMessage::PasswordMessageFamily(password) => {
+                let password = password.into_password()?;
+                let claimed = client
+                    .metadata()
+                    .get(METADATA_USER)
+                    .cloned()
+                    .unwrap_or_default();
+                let user = self.check_token(&password.password, &claimed)?;
+                tracing::debug!(user, claimed, client = %client.socket_addr(), "PostgreSQL client logged in");
+                self.admit(client, user).await?;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// The catalog's view of the connection: who it is and which database it named.
+fn session<C: ClientInfo>(client: &C) -> catalog::Session {
+    let meta = client.metadata();
+    catalog::Session {
+        user: meta
+            .get(METADATA_PERCH_USER)
+            .cloned()
+            .unwrap_or_else(|| "perch".to_owned()),
+        database: meta
+            .get(METADATA_DATABASE)
+            .cloned()
+            .unwrap_or_else(|| "perch".to_owned()),
+    }
+}
 
 fn user_error(e: perch_query::Error) -> PgWireError {
     use perch_query::Error as E;
@@ -270,10 +423,17 @@ fn client_command(sql: &str) -> Option<Response> {
 }
 
 impl PgHandler {
-    async fn run(&self, sql: &str, format: &Format) -> PgWireResult<Response> {
+    async fn run(
+        &self,
+        sql: &str,
+        session: &catalog::Session,
+        format: &Format,
+    ) -> PgWireResult<Response> {
         if let Some(response) = client_command(sql) {
             return Ok(response);
         }
+        let rewritten = catalog::rewrite(sql, session);
+        let sql = rewritten.as_deref().unwrap_or(sql);
         let out = self.sql.query(sql).await.map_err(user_error)?;
         let fields = Arc::new(fields(&out.schema, format));
         let mut rows = Vec::with_capacity(out.rows);
@@ -289,12 +449,13 @@ impl PgHandler {
 
 #[async_trait]
 impl SimpleQueryHandler for PgHandler {
-    async fn do_query<C>(&self, _client: &mut C, query: &str) -> PgWireResult<Vec<Response>>
+    async fn do_query<C>(&self, client: &mut C, query: &str) -> PgWireResult<Vec<Response>>
     where
         C: ClientInfo + pgwire::api::ClientPortalStore + Unpin + Send + Sync,
         C::PortalStore: pgwire::api::store::PortalStore,
     {
-        Ok(vec![self.run(query, &Format::UnifiedText).await?])
+        let session = session(client);
+        Ok(vec![self.run(query, &session, &Format::UnifiedText).await?])
     }
 }
 
@@ -305,24 +466,32 @@ pub struct PgStatement {
     schema: Arc<Schema>,
 }
 
+impl PgHandler {
+    /// The columns `sql` returns, planned like [`PgHandler::run`] would run it.
+    async fn describe(&self, sql: &str, session: &catalog::Session) -> PgWireResult<Arc<Schema>> {
+        if client_command(sql).is_some() {
+            return Ok(Arc::new(Schema::empty()));
+        }
+        let rewritten = catalog::rewrite(sql, session);
+        let sql = rewritten.as_deref().unwrap_or(sql);
+        self.sql.describe(sql).await.map_err(user_error)
+    }
+}
+
 #[async_trait]
 impl QueryParser for PgHandler {
     type Statement = PgStatement;
 
     async fn parse_sql<C>(
         &self,
-        _client: &C,
+        client: &C,
         sql: &str,
         _types: &[Option<Type>],
     ) -> PgWireResult<Option<PgStatement>>
     where
         C: ClientInfo + Unpin + Send + Sync,
     {
-        let schema = if client_command(sql).is_some() {
-            Arc::new(Schema::empty())
-        } else {
-            self.sql.describe(sql).await.map_err(user_error)?
-        };
+        let schema = self.describe(sql, &session(client)).await?;
         Ok(Some(PgStatement {
             sql: sql.to_owned(),
             schema,
@@ -356,7 +525,7 @@ impl ExtendedQueryHandler for PgHandler {
 
     async fn do_query<C>(
         &self,
-        _client: &mut C,
+        client: &mut C,
         portal: &Portal<PgStatement>,
         _max_rows: usize,
     ) -> PgWireResult<Response>
@@ -371,8 +540,10 @@ impl ExtendedQueryHandler for PgHandler {
         C::Error: std::fmt::Debug,
         PgWireError: From<<C as futures::Sink<pgwire::messages::PgWireBackendMessage>>::Error>,
     {
+        let session = session(client);
         self.run(
             &portal.statement.statement.sql,
+            &session,
             &portal.result_column_format,
         )
         .await
