@@ -62,11 +62,16 @@ fn query(prom: &Prometheus, expr: &str) -> serde_json::Value {
     r.json().expect("json")
 }
 
-/// Dashboard variables as Grafana would fill them: all nodes and GPUs, or the first node.
+/// Dashboard variables as Grafana would fill them: "All" for multi-value variables, the first
+/// node for single-node dashboards, and a 10-minute dashboard range.
 fn fill(expr: &str, node: &str) -> String {
-    expr.replace("=~\"$node\"", "=~\".*\"")
+    let mut expr = expr
         .replace("=\"$node\"", &format!("=\"{node}\""))
-        .replace("=~\"$gpu\"", "=~\".*\"")
+        .replace("$__range", "10m");
+    for var in ["node", "gpu", "job", "user", "account", "alertname"] {
+        expr = expr.replace(&format!("=~\"${var}\""), "=~\".*\"");
+    }
+    expr
 }
 
 #[test]

@@ -45,6 +45,10 @@ pub struct JobMetricSample {
     /// The data point's attributes as a JSON object.
     #[serde(default)]
     pub attributes: String,
+    /// The exporter said it is a simulation (resource attribute `perch.simulated = true`, as
+    /// `perch demo`'s simulated trainers send), not a measurement of a real job.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub simulated: bool,
 }
 
 /// The kinds of metric stored.

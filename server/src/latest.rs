@@ -4,7 +4,8 @@
 //! that ended stops being exported.
 
 use perch_model::{
-    Batch, GpuProcessSample, GpuSample, HostSample, IbPortSample, JobSample, NicSample,
+    Batch, GpuProcessSample, GpuSample, HostSample, IbPortSample, JobMetricSample, JobSample,
+    NicSample,
 };
 use std::collections::BTreeMap;
 use std::sync::RwLock;
@@ -23,9 +24,18 @@ pub struct NodeLatest {
     pub gpu_processes: Vec<GpuProcessSample>,
 }
 
+/// A metric a job pushed over OpenTelemetry, identified by job, metric and attributes.
+pub type JobMetricKey = (String, String, String);
+
+/// How long a pushed metric stays exported without a new data point: a job that ended (or
+/// stopped exporting) drops out instead of leaving a stale value behind.
+pub const JOB_METRIC_STALE_MS: i64 = 5 * 60_000;
+
 #[derive(Debug, Default)]
 pub struct Latest {
     nodes: RwLock<BTreeMap<String, NodeLatest>>,
+    /// The newest data point of every metric jobs push, with the server time it arrived.
+    job_metrics: RwLock<BTreeMap<JobMetricKey, (JobMetricSample, i64)>>,
 }
 
 impl Latest {
@@ -98,6 +108,32 @@ impl Latest {
             .unwrap_or(i64::MIN);
         node.jobs.retain(|_, j| j.time_ms >= round);
         node.gpu_processes.retain(|p| p.time_ms >= round);
+    }
+
+    /// Records the newest data point of each pushed job metric in `samples`.
+    pub fn update_job_metrics(&self, samples: &[JobMetricSample], now_ms: i64) {
+        let mut metrics = self.job_metrics.write().unwrap_or_else(|p| p.into_inner());
+        for m in samples {
+            let key = (m.job.clone(), m.metric.clone(), m.attributes.clone());
+            if metrics
+                .get(&key)
+                .is_none_or(|(old, _)| old.time_ms <= m.time_ms)
+            {
+                metrics.insert(key, (m.clone(), now_ms));
+            }
+        }
+        metrics.retain(|_, (_, seen)| now_ms - *seen <= JOB_METRIC_STALE_MS);
+    }
+
+    /// The pushed job metrics that are not stale as of `now_ms`.
+    pub fn job_metrics(&self, now_ms: i64) -> Vec<JobMetricSample> {
+        self.job_metrics
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter(|(_, seen)| now_ms - *seen <= JOB_METRIC_STALE_MS)
+            .map(|(m, _)| m.clone())
+            .collect()
     }
 
     /// A copy of every node's latest values.

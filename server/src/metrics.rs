@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 mod extended;
+mod scheduler;
 
 type Labels = Vec<(&'static str, String)>;
 type GaugeFamily = Family<Labels, Gauge<f64, AtomicU64>>;
@@ -114,10 +115,7 @@ impl ServerMetrics {
 }
 
 /// The value of each `outcome` series of `family` that exists.
-fn totals(
-    family: &Family<Labels, Counter>,
-    outcomes: &[&'static str],
-) -> Vec<(&'static str, u64)> {
+fn totals(family: &Family<Labels, Counter>, outcomes: &[&'static str]) -> Vec<(&'static str, u64)> {
     outcomes
         .iter()
         .filter_map(|o| {
@@ -530,6 +528,8 @@ pub async fn metrics(State(state): State<AppState>, headers: axum::http::HeaderM
         state.config.node_stale_after,
     );
     store_series(&mut scrape, &state);
+    scheduler::scheduler(&mut scrape, &state.jobs.snapshot());
+    extended::pushed(&mut scrape, &state.latest.job_metrics(now));
     let mut dynamic = Registry::default();
     scrape.register(&mut dynamic);
     let mut body = String::new();

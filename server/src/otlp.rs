@@ -249,6 +249,7 @@ fn convert(request: &ExportMetricsServiceRequest) -> Converted {
             job: string_attr(attrs, "perch.job.id"),
             user: string_attr(attrs, "perch.user"),
             service_name: string_attr(attrs, "service.name"),
+            simulated: string_attr(attrs, "perch.simulated").eq_ignore_ascii_case("true"),
             ..JobMetricSample::default()
         };
         let mut samples = Vec::new();
@@ -308,6 +309,7 @@ async fn store(
             })?;
             *last = seq;
             state.store.ingest(Bytes::from(raw), &batch).await?;
+            state.latest.update_job_metrics(&batch.job_metrics, now);
         }
     }
     Ok(())

@@ -1,6 +1,7 @@
 //! The subcommands: their flags (each also a `PERCH_*` environment variable) and dispatch.
 
 mod bench;
+mod demo_workload;
 mod jobs;
 mod serve;
 pub mod simulate;
@@ -120,6 +121,15 @@ struct AgentFlags {
     /// Add this many simulated GPUs (labelled simulated in every table, series and message).
     #[arg(long, env = "PERCH_SIMULATE_GPUS")]
     simulate_gpus: Option<u32>,
+    /// Take jobs that ask for a part of a GPU (run the NVIDIA MPS daemon to enforce shares).
+    #[arg(long, env = "PERCH_GPU_SHARING", num_args = 0..=1, default_missing_value = "true")]
+    gpu_sharing: Option<bool>,
+    /// Run jobs as their submitting user: required, if_possible or never.
+    #[arg(long, env = "PERCH_RUN_AS_USER")]
+    run_as_user: Option<String>,
+    /// Job cgroups: auto, off, or the path of a delegated cgroup v2 directory.
+    #[arg(long, env = "PERCH_CGROUPS")]
+    cgroups: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -204,6 +214,15 @@ impl AgentFlags {
         }
         if let Some(v) = self.simulate_gpus {
             config.agent.simulate_gpus = v;
+        }
+        if let Some(v) = self.gpu_sharing {
+            config.agent.gpu_sharing = v;
+        }
+        if let Some(v) = &self.run_as_user {
+            config.agent.run_as_user = v.clone();
+        }
+        if let Some(v) = &self.cgroups {
+            config.agent.cgroups = v.clone();
         }
     }
 }

@@ -169,12 +169,22 @@ pub fn demo(config: Config, nodes: u32, gpus_per_node: u32, seed: u64) -> Result
             a.simulate_host = true;
             a.simulate_gpus = gpus_per_node;
             a.nvml = NvmlMode::Off;
+            // The demo's users (alice, bob, ...) are made up: jobs run as the agent's user.
+            a.run_as_user = perch_collector::launcher::RunAsUser::Never;
             a.seed = seed.wrapping_mul(1_000_003).wrapping_add(u64::from(i));
             agents.push(spawn_agent(a, stopped(&stop_rx)));
         }
+        let workload = tokio::spawn(super::demo_workload::run(
+            format!("http://{addr}"),
+            nodes,
+            gpus_per_node,
+        ));
         println!(
             "perch demo: a SIMULATED cluster of {nodes} nodes x {gpus_per_node} GPUs in one process.\n\
              \x20 Every row, series and message from it is labelled simulated (simulated = true).\n\
+             \x20 workload:   demo jobs from alice, bob, chen and dana (accounts vision, nlp, speech) fill\n\
+             \x20             about 3/4 of the GPUs, a few wait in the queue; busy ones push simulated\n\
+             \x20             loss and throughput over OpenTelemetry (perch jobs --all, perch queue)\n\
              \x20 server:     http://{addr}  (open, no authentication)\n\
              \x20 data:       {data}\n\
              \x20 query:      perch sql --server http://{addr} \"SELECT node, avg(utilization_gpu_pct) AS util FROM gpu_samples GROUP BY node ORDER BY node\"\n\
@@ -183,6 +193,7 @@ pub fn demo(config: Config, nodes: u32, gpus_per_node: u32, seed: u64) -> Result
             data = config.server.data_dir.display(),
         );
         terminate().await;
+        workload.abort();
         stop_all(agents, stop, server).await
     })
 }

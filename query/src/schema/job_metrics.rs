@@ -1,6 +1,7 @@
 //! The `job_metrics` table: metrics jobs push over OpenTelemetry (OTLP), one row per data
-//! point. Same conventions as the parent module; `simulated` is always false because the job
-//! itself measured these values, whether or not its GPUs were simulated.
+//! point. Same conventions as the parent module; `simulated` is true only when the exporter
+//! says so (resource attribute `perch.simulated`): a job measures these values itself, whether
+//! or not its GPUs are simulated.
 
 use super::{Table, bools, common, f64_col, f64s, nodes, times, u64_col, u64s};
 use arrow::array::{ArrayRef, RecordBatch, StringArray};
@@ -43,7 +44,7 @@ pub(super) fn to_record_batches(
         nodes(m, batch.node.as_str()),
         text(m, |r| &r.job),
         text(m, |r| &r.user),
-        bools(m, |_| false),
+        bools(m, |r| r.simulated),
         text(m, |r| &r.service_name),
         text(m, |r| &r.metric),
         text(m, |r| &r.kind),

@@ -274,6 +274,28 @@ pub(super) fn ib_and_jobs(s: &mut Scrape, node: &str, latest: &NodeLatest) {
     }
 }
 
+/// The metrics jobs push over OpenTelemetry, latest data point each (the full history is in
+/// the `job_metrics` table). Histograms export their mean.
+pub(super) fn pushed(s: &mut Scrape, metrics: &[perch_model::JobMetricSample]) {
+    for m in metrics {
+        let l: Labels = vec![
+            ("job", m.job.clone()),
+            ("user", m.user.clone()),
+            ("metric", m.metric.clone()),
+            ("kind", m.kind.clone()),
+            ("unit", m.unit.clone()),
+            ("attributes", m.attributes.clone()),
+            ("simulated", flag(m.simulated)),
+        ];
+        s.gauge(
+            "perch_job_metric",
+            "Latest value of a metric a job pushed over OpenTelemetry (histograms: the mean)",
+            &l,
+            m.value,
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

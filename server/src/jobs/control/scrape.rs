@@ -1,0 +1,158 @@
+//! What `/metrics` shows of the control plane: node states, GPU allocation, the queue and
+//! which job holds which GPU. Taken in one pass under the control lock, so the numbers of one
+//! scrape agree with each other.
+
+use super::Control;
+use crate::jobs::record::JobState;
+use perch_scheduler::{NodeId, PendingReason};
+use std::collections::BTreeMap;
+
+/// One node as the scheduler sees it.
+#[derive(Debug, Clone)]
+pub struct NodeView {
+    pub name: String,
+    /// `up`, `drained` or `down`.
+    pub state: &'static str,
+    pub gpus: u32,
+    /// GPUs held by a job, whole or shared.
+    pub allocated: u32,
+}
+
+/// A job waiting in the queue.
+#[derive(Debug, Clone)]
+pub struct PendingView {
+    pub account: String,
+    pub reason: &'static str,
+    pub gpus: u32,
+    pub wait_secs: f64,
+}
+
+/// One GPU held by a running job.
+#[derive(Debug, Clone)]
+pub struct AllocationView {
+    pub job: u64,
+    pub name: String,
+    pub user: String,
+    pub account: String,
+    pub node: String,
+    pub gpu: u32,
+}
+
+/// The control plane at one instant, for a scrape.
+#[derive(Debug, Clone, Default)]
+pub struct ControlSnapshot {
+    pub nodes: Vec<NodeView>,
+    /// Jobs per state (every state present, zero included).
+    pub jobs_by_state: BTreeMap<&'static str, u64>,
+    pub pending: Vec<PendingView>,
+    pub allocations: Vec<AllocationView>,
+}
+
+/// A label value for a pending reason: short, stable, low cardinality.
+pub fn reason_label(reason: &PendingReason) -> &'static str {
+    match reason {
+        PendingReason::New => "new",
+        PendingReason::Priority => "priority",
+        PendingReason::Reserved { .. } => "reserved",
+        PendingReason::Resources => "resources",
+        PendingReason::QuotaExceeded => "quota",
+        PendingReason::FifoBlocked => "fifo_blocked",
+        PendingReason::Unsatisfiable => "unsatisfiable",
+    }
+}
+
+const STATES: [JobState; 8] = [
+    JobState::Pending,
+    JobState::Running,
+    JobState::Completed,
+    JobState::Failed,
+    JobState::Cancelled,
+    JobState::Timeout,
+    JobState::Preempted,
+    JobState::NodeFail,
+];
+
+impl crate::jobs::JobService {
+    /// The control plane as it is now, for `/metrics`.
+    pub fn snapshot(&self) -> ControlSnapshot {
+        crate::jobs::lock(&self.control).snapshot(crate::ingest::now_ms())
+    }
+}
+
+impl Control {
+    pub(crate) fn snapshot(&self, now: i64) -> ControlSnapshot {
+        let cluster = self.scheduler.cluster();
+        let nodes = self
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                let id = NodeId(i as u32);
+                let gpus = n.record.gpus;
+                NodeView {
+                    name: n.record.name.clone(),
+                    state: if n.down {
+                        "down"
+                    } else if n.record.drained {
+                        "drained"
+                    } else {
+                        "up"
+                    },
+                    gpus,
+                    allocated: (0..gpus)
+                        .filter(|g| !cluster.holders(id, *g).is_empty())
+                        .count() as u32,
+                }
+            })
+            .collect();
+        let mut jobs_by_state: BTreeMap<&'static str, u64> =
+            STATES.iter().map(|s| (s.as_str(), 0)).collect();
+        let mut allocations = Vec::new();
+        for job in self.jobs.values() {
+            *jobs_by_state.entry(job.state.as_str()).or_default() += 1;
+            if job.state == JobState::Running {
+                for place in &job.placement {
+                    for &gpu in &place.gpus {
+                        allocations.push(AllocationView {
+                            job: job.id,
+                            name: job.request.name.clone().unwrap_or_default(),
+                            user: job.request.user().to_owned(),
+                            account: job.request.account().to_owned(),
+                            node: place.node.clone(),
+                            gpu,
+                        });
+                    }
+                }
+            }
+        }
+        let pending = self
+            .scheduler
+            .queue()
+            .into_iter()
+            .filter_map(|q| {
+                let job = self.jobs.get(&q.job.0)?;
+                Some(PendingView {
+                    account: job.request.account().to_owned(),
+                    reason: reason_label(&q.reason),
+                    gpus: job.request.nodes * job.request.gpus_per_node,
+                    wait_secs: (now - job.submit_ms).max(0) as f64 / 1000.0,
+                })
+            })
+            .chain(self.held.iter().filter_map(|id| {
+                let job = self.jobs.get(id)?;
+                Some(PendingView {
+                    account: job.request.account().to_owned(),
+                    reason: "dependency",
+                    gpus: job.request.nodes * job.request.gpus_per_node,
+                    wait_secs: (now - job.submit_ms).max(0) as f64 / 1000.0,
+                })
+            }))
+            .collect();
+        ControlSnapshot {
+            nodes,
+            jobs_by_state,
+            pending,
+            allocations,
+        }
+    }
+}
