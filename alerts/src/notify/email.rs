@@ -18,6 +18,7 @@ pub struct EmailSender {
     from: Mailbox,
     to: Vec<Mailbox>,
     send_resolved: bool,
+    timeout: Duration,
     describe: String,
 }
 
@@ -58,11 +59,10 @@ impl EmailSender {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let timeout = Duration::from_millis(u64::try_from(cfg.timeout.as_ms()).unwrap_or(30_000));
         let mut builder = AsyncSmtpTransport::<Tokio1Executor>::builder_dangerous(&cfg.smtp_host)
             .port(cfg.port())
-            .timeout(Some(Duration::from_millis(
-                u64::try_from(cfg.timeout.as_ms()).unwrap_or(30_000),
-            )));
+            .timeout(Some(timeout));
         if cfg.tls != TlsMode::None {
             let mut params = TlsParameters::builder(cfg.smtp_host.clone());
             if let Some(path) = &cfg.ca_file {
@@ -112,6 +112,7 @@ impl EmailSender {
             describe: format!("email to {}", cfg.to.join(", ")),
             to,
             send_resolved: cfg.send_resolved,
+            timeout,
         })
     }
 
@@ -160,12 +161,18 @@ impl EmailSender {
                 });
             }
         };
-        match self.transport.send(message).await {
-            Ok(_) => Ok(true),
-            Err(e) => Err(AttemptError {
+        // lettre's timeout bounds connecting, not a server that stops answering mid-session;
+        // this bounds the whole attempt.
+        match tokio::time::timeout(self.timeout, self.transport.send(message)).await {
+            Ok(Ok(_)) => Ok(true),
+            Ok(Err(e)) => Err(AttemptError {
                 // A 5xx reply (bad recipient, auth refused) does not heal by retrying.
                 retry: !e.is_permanent(),
                 message: format!("SMTP: {e}"),
+            }),
+            Err(_) => Err(AttemptError {
+                retry: true,
+                message: format!("SMTP: no answer within {} s", self.timeout.as_secs_f64()),
             }),
         }
     }
