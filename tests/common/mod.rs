@@ -23,6 +23,11 @@ impl Perch {
     /// Starts `perch <args> --data-dir <dir>` (plus `--listen 127.0.0.1:0` unless `args` has
     /// `--listen`) and waits until `/readyz` answers.
     pub fn start(data_dir: &Path, args: &[&str]) -> Perch {
+        Self::start_with_env(data_dir, args, &[])
+    }
+
+    /// [`Perch::start`] with more environment variables.
+    pub fn start_with_env(data_dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Perch {
         std::fs::create_dir_all(data_dir).expect("create data dir");
         let addr_file = data_dir.join("server.addr");
         let _ = std::fs::remove_file(&addr_file);
@@ -37,6 +42,7 @@ impl Perch {
         if !args.contains(&"--listen") {
             cmd.args(["--listen", "127.0.0.1:0"]);
         }
+        cmd.envs(env.iter().copied());
         let child = cmd
             .env(
                 "PERCH_LOG",
