@@ -132,7 +132,34 @@ pub fn router(state: AppState) -> Router {
         ))
         .layer(DefaultBodyLimit::max(limit))
         .layer(tower_http::decompression::RequestDecompressionLayer::new())
+        .layer(
+            tower_http::trace::TraceLayer::new_for_http()
+                .make_span_with(http_span)
+                .on_response(
+                    |response: &axum::response::Response, _: Duration, span: &tracing::Span| {
+                        span.record("http.response.status_code", response.status().as_u16());
+                    },
+                ),
+        )
         .with_state(state)
+}
+
+/// One span per request, named as OpenTelemetry names HTTP server spans: method and route
+/// (`POST /v1/jobs/{id}/cancel`), never the raw path, so span names stay few. Handlers' own
+/// spans (SQL, ingest) nest under it, and perch's OTLP export sends them all.
+fn http_span(request: &axum::extract::Request) -> tracing::Span {
+    let route = request
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or("unmatched", |m| m.as_str());
+    tracing::info_span!(
+        "http.request",
+        otel.name = %format!("{} {route}", request.method()),
+        otel.kind = "server",
+        http.request.method = %request.method(),
+        http.route = route,
+        http.response.status_code = tracing::field::Empty,
+    )
 }
 
 async fn index() -> axum::Json<serde_json::Value> {
