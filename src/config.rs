@@ -14,6 +14,7 @@ pub struct Config {
     pub query: QuerySection,
     pub agent: AgentSection,
     pub telemetry: TelemetrySection,
+    pub accounting: AccountingSection,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -223,6 +224,70 @@ impl TelemetrySection {
     }
 }
 
+/// `[accounting]`: prices, and how often job accounting folds telemetry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AccountingSection {
+    /// Seconds between folds of running jobs' telemetry into their accounting.
+    pub fold_interval_secs: u64,
+    /// Samples are folded once this many seconds old; later arrivals are not counted.
+    pub settle_secs: u64,
+    /// Price of a GPU-hour of models not in `gpu_prices`.
+    pub gpu_price_per_hour: f64,
+    /// Price of a kWh of GPU energy, added to allocated and used cost.
+    pub energy_price_per_kwh: f64,
+    /// Price of a GPU-hour by GPU model (as `gpu_samples.model` names it).
+    pub gpu_prices: std::collections::BTreeMap<String, f64>,
+}
+
+impl Default for AccountingSection {
+    fn default() -> Self {
+        AccountingSection {
+            fold_interval_secs: 300,
+            settle_secs: 120,
+            gpu_price_per_hour: 0.95,
+            energy_price_per_kwh: 0.0,
+            gpu_prices: Default::default(),
+        }
+    }
+}
+
+impl AccountingSection {
+    /// Checks the keys of `[accounting]`; the message names the key.
+    fn check(&self) -> Result<()> {
+        if self.fold_interval_secs == 0 {
+            anyhow::bail!("config key accounting.fold_interval_secs: must be at least 1");
+        }
+        let price = |key: &str, v: f64| {
+            if v.is_finite() && v >= 0.0 {
+                Ok(())
+            } else {
+                Err(anyhow::anyhow!(
+                    "config key {key}: {v} is not a price; give a number of at least 0"
+                ))
+            }
+        };
+        price("accounting.gpu_price_per_hour", self.gpu_price_per_hour)?;
+        price("accounting.energy_price_per_kwh", self.energy_price_per_kwh)?;
+        for (model, v) in &self.gpu_prices {
+            price(&format!("accounting.gpu_prices.{model:?}"), *v)?;
+        }
+        Ok(())
+    }
+
+    fn server_config(&self) -> perch_server::accounting::AccountingConfig {
+        perch_server::accounting::AccountingConfig {
+            fold_interval: Duration::from_secs(self.fold_interval_secs),
+            settle: Duration::from_secs(self.settle_secs),
+            prices: perch_server::accounting::Prices {
+                default_gpu_per_hour: self.gpu_price_per_hour,
+                gpu_per_hour: self.gpu_prices.clone(),
+                energy_per_kwh: self.energy_price_per_kwh,
+            },
+        }
+    }
+}
+
 impl Config {
     /// Loads `path` if given, else the defaults.
     pub fn load(path: Option<&Path>) -> Result<Config> {
@@ -345,6 +410,7 @@ impl Config {
             );
         }
         self.telemetry.check()?;
+        self.accounting.check()?;
         if !(self.agent.server.starts_with("http://") || self.agent.server.starts_with("https://"))
         {
             return bad(
@@ -388,6 +454,7 @@ impl Config {
         config.node_stale_after = Duration::from_secs(s.node_stale_after_secs);
         config.jobs.heartbeat_timeout = Duration::from_secs(s.node_stale_after_secs);
         config.pg_listen = Some(s.pg_listen.clone()).filter(|a| !a.is_empty());
+        config.accounting = self.accounting.server_config();
         if !s.tokens_file.as_os_str().is_empty() {
             config.tokens =
                 perch_server::auth::Tokens::load(&s.tokens_file).map_err(anyhow::Error::msg)?;
@@ -520,6 +587,14 @@ mod tests {
             (
                 "[telemetry]\nexport_interval_secs = 0",
                 "telemetry.export_interval_secs",
+            ),
+            (
+                "[accounting]\ngpu_price_per_hour = -1",
+                "accounting.gpu_price_per_hour",
+            ),
+            (
+                "[accounting.gpu_prices]\n\"H100 80GB HBM3\" = nan",
+                "accounting.gpu_prices.\"H100 80GB HBM3\"",
             ),
             (
                 "[telemetry.headers]\n\"bad header\" = \"x\"",

@@ -5,6 +5,7 @@
 //! `127.0.0.1:0` and never race for a port or sleep for readiness. On shutdown the store's
 //! buffer is flushed to Parquet.
 
+pub mod accounting;
 pub mod auth;
 mod error;
 mod ingest;
@@ -42,6 +43,8 @@ pub struct ServerConfig {
     pub tokens: auth::Tokens,
     /// Address of the PostgreSQL-protocol SQL listener, if any.
     pub pg_listen: Option<String>,
+    /// Prices and the folding of telemetry into job accounting.
+    pub accounting: accounting::AccountingConfig,
 }
 
 impl ServerConfig {
@@ -54,6 +57,7 @@ impl ServerConfig {
             jobs: jobs::JobsConfig::default(),
             tokens: auth::Tokens::open(),
             pg_listen: None,
+            accounting: accounting::AccountingConfig::default(),
         }
     }
 }
@@ -69,16 +73,29 @@ pub struct AppState {
     pub config: Arc<ServerConfig>,
     pub jobs: jobs::JobService,
     pub tokens: Arc<auth::Tokens>,
+    /// The control plane's audit events on their way to the `events` table; [`serve`] takes
+    /// it and appends them.
+    events: Arc<std::sync::Mutex<Option<EventReceiver>>>,
 }
+
+type EventReceiver = tokio::sync::mpsc::UnboundedReceiver<Vec<perch_model::ClusterEvent>>;
 
 impl AppState {
     /// Opens the store (replaying its write-ahead log) and the job database, and builds the
     /// state.
     pub fn open(config: ServerConfig) -> Result<AppState, OpenError> {
         let store = Store::open(config.store.clone())?;
-        let jobs =
-            jobs::JobService::open(&config.store.data_dir.join("control"), config.jobs.clone())?;
-        let sql = Arc::new(SqlEngine::new(store.clone(), config.query));
+        let (events_tx, events_rx) = jobs::JobService::event_channel();
+        let jobs = jobs::JobService::open(
+            &config.store.data_dir.join("control"),
+            config.jobs.clone(),
+            events_tx,
+        )?;
+        let sql = Arc::new(accounting::tables::register(
+            SqlEngine::new(store.clone(), config.query),
+            &jobs,
+            config.accounting.clone(),
+        ));
         Ok(AppState {
             store,
             sql,
@@ -88,6 +105,7 @@ impl AppState {
             tokens: Arc::new(config.tokens.clone()),
             config: Arc::new(config),
             jobs,
+            events: Arc::new(std::sync::Mutex::new(Some(events_rx))),
         })
     }
 }
@@ -226,6 +244,29 @@ pub async fn serve(
             let _ = rx.wait_for(|stop| *stop).await;
         }
     }));
+    if let Err(e) = state.sql.check_views().await {
+        tracing::error!(error = %e, "an accounting view does not plan");
+    }
+    let accounting = tokio::spawn(accounting::run(
+        state.jobs.clone(),
+        state.sql.clone(),
+        state.config.accounting.clone(),
+        {
+            let mut rx = stop_rx.clone();
+            async move {
+                let _ = rx.wait_for(|stop| *stop).await;
+            }
+        },
+    ));
+    let events = state
+        .events
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
+    if let Some(events) = events {
+        // Ends with the job service; not awaited, so shutdown never waits on it.
+        tokio::spawn(accounting::append_events(state.store.clone(), events));
+    }
     let pg = match &state.config.pg_listen {
         Some(addr) => {
             let mut rx = stop_rx.clone();
@@ -261,6 +302,9 @@ pub async fn serve(
     }
     if let Err(e) = ticker.await {
         tracing::error!(error = %e, "job ticker task failed");
+    }
+    if let Err(e) = accounting.await {
+        tracing::error!(error = %e, "accounting task failed");
     }
     result
 }

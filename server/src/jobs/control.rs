@@ -4,7 +4,9 @@
 //! orders queued for agents, record changes), and commits the changed records to the job
 //! database before it returns. The core itself stays pure; this module is its I/O.
 
-use super::db::{Dirty, NodeRecord};
+mod ledger;
+
+use super::db::{Dirty, Loaded, NodeRecord};
 use super::record::{JobRecord, JobState, NodeGpus};
 use super::spec::{FieldError, JobRequest};
 use perch_model::control::{
@@ -99,6 +101,10 @@ pub(crate) struct Control {
     now: i64,
     logs_dir: PathBuf,
     config: JobsConfig,
+    /// Node state history, allocations' bookkeeping and audit events ([`ledger`]).
+    ledger: ledger::Ledger,
+    /// Who the current operation acts for, when a person asked for it (a cancel).
+    acting: Option<String>,
 }
 
 fn qos(req: &JobRequest) -> Qos {
@@ -164,9 +170,13 @@ impl Control {
         dir: &std::path::Path,
         config: JobsConfig,
         now_ms: i64,
-        jobs: Vec<JobRecord>,
-        nodes: Vec<NodeRecord>,
+        loaded: Loaded,
     ) -> Result<Control, ControlError> {
+        let Loaded {
+            jobs,
+            nodes,
+            node_spans,
+        } = loaded;
         let mut c = Control {
             scheduler: Scheduler::new(Cluster::new(), config.policy.clone()),
             jobs: BTreeMap::new(),
@@ -182,10 +192,17 @@ impl Control {
             now: now_ms,
             logs_dir: dir.join("logs"),
             config,
+            ledger: ledger::Ledger::default(),
+            acting: None,
         };
         for record in nodes {
             // Agents get one heartbeat timeout from now to come back.
             c.add_node(record, now_ms)?;
+        }
+        c.restore_spans(node_spans);
+        for idx in 0..c.nodes.len() {
+            // Up from now (the state the control plane starts them in), unless already so.
+            c.track_node_state(idx, now_ms);
         }
         for mut job in jobs {
             c.next_id = c.next_id.max(job.id + 1);
@@ -217,7 +234,8 @@ impl Control {
                 }
                 _ => Ok(()),
             };
-            if let Err(e) = result {
+            let failed = result.err().map(|e| e.to_string());
+            if let Some(e) = &failed {
                 job.state = JobState::Failed;
                 job.reason = Some(format!("could not be restored after a server restart: {e}"));
                 job.end_ms = Some(now_ms);
@@ -226,11 +244,24 @@ impl Control {
             let resend = job.state == JobState::Running;
             let id = job.id;
             c.jobs.insert(id, job);
+            if let Some(e) = failed {
+                c.close_allocations(id, now_ms);
+                c.job_event(
+                    now_ms,
+                    id,
+                    "job_ended",
+                    "perch",
+                    Some("failed"),
+                    format!("job {id} could not be restored after a server restart: {e}"),
+                );
+            }
             if resend {
+                c.ensure_allocations(id);
                 // Launch orders the old process queued but never handed over go out again.
                 c.queue_launches(id);
             }
         }
+        c.refresh_fair_share(now_ms)?;
         Ok(c)
     }
 
@@ -286,7 +317,12 @@ impl Control {
             .into_iter()
             .filter_map(|i| self.nodes.get(i).map(|n| (i as u64, n.record.clone())))
             .collect();
-        Dirty { jobs, nodes }
+        Dirty {
+            jobs,
+            nodes,
+            node_spans: self.ledger.take_spans(),
+            events: std::mem::take(&mut self.ledger.events),
+        }
     }
 
     fn stop_everywhere(&mut self, id: u64) {
@@ -340,6 +376,26 @@ impl Control {
                         }
                     }
                     self.dirty_jobs.insert(job.0);
+                    self.close_allocations(job.0, now);
+                    let outcome = if requeued { "requeued" } else { "ended" };
+                    self.job_event(
+                        now,
+                        job.0,
+                        "job_preempted",
+                        "perch",
+                        Some(outcome),
+                        format!("job {} preempted ({reason:?}), {outcome}", job.0),
+                    );
+                    if !requeued {
+                        self.job_event(
+                            now,
+                            job.0,
+                            "job_ended",
+                            "perch",
+                            Some(JobState::Preempted.as_str()),
+                            format!("job {} ended: preempted ({reason:?})", job.0),
+                        );
+                    }
                 }
                 Action::Requeue { job, reason } => {
                     self.stop_everywhere(job.0);
@@ -349,6 +405,15 @@ impl Control {
                         j.note(now, format!("requeued ({reason:?})"));
                     }
                     self.dirty_jobs.insert(job.0);
+                    self.close_allocations(job.0, now);
+                    self.job_event(
+                        now,
+                        job.0,
+                        "job_requeued",
+                        "perch",
+                        None,
+                        format!("job {} requeued ({reason:?})", job.0),
+                    );
                 }
                 Action::End { job, state } => {
                     let was_running = self
@@ -398,6 +463,10 @@ impl Control {
                         j.note(now, s.as_str());
                     }
                     self.dirty_jobs.insert(job.0);
+                    if was_running {
+                        self.close_allocations(job.0, now);
+                    }
+                    self.job_ended_event(now, job.0, state == EndState::Cancelled);
                 }
                 Action::IdleReport { job, since } => {
                     if let Some(j) = self.jobs.get_mut(&job.0) {
@@ -434,11 +503,18 @@ impl Control {
             .map(|p| format!("{}{:?}", p.node, p.gpus))
             .collect::<Vec<_>>()
             .join(" ");
-        job.note(
-            now,
-            format!("started on {where_} (attempt {})", job.attempts),
-        );
+        let attempt = job.attempts;
+        job.note(now, format!("started on {where_} (attempt {attempt})"));
         self.dirty_jobs.insert(id);
+        self.open_allocations(id, now);
+        self.job_event(
+            now,
+            id,
+            "job_started",
+            "perch",
+            None,
+            format!("job {id} started on {where_} (attempt {attempt})"),
+        );
         self.queue_launches(id);
     }
 
@@ -576,6 +652,7 @@ impl Control {
                         j.note(now, "cancelled: dependency can never be met");
                     }
                     self.dirty_jobs.insert(id);
+                    self.job_ended_event(now, id, false);
                 }
             }
         }
@@ -606,11 +683,18 @@ impl Control {
             preemptions: 0,
             exit_code: None,
             timeline: Vec::new(),
+            allocations: Vec::new(),
         };
         record.note(now, "submitted");
         let waits = self.dependencies(&record.request) != Deps::Met;
+        let user = record.request.user().to_owned();
+        let what = match &record.request.name {
+            Some(name) => format!("job {id} ({name}) submitted by {user}"),
+            None => format!("job {id} submitted by {user}"),
+        };
         self.jobs.insert(id, record);
         self.dirty_jobs.insert(id);
+        self.job_event(now, id, "job_submitted", &user, None, what);
         if waits {
             self.held.insert(id);
         } else {
@@ -620,7 +704,20 @@ impl Control {
         Ok(id)
     }
 
-    pub(crate) fn cancel(&mut self, id: u64, now: i64) -> Result<JobRecord, ControlError> {
+    /// Cancels job `id` at the request of user `by` (who is named in the audit trail).
+    pub(crate) fn cancel(
+        &mut self,
+        id: u64,
+        by: &str,
+        now: i64,
+    ) -> Result<JobRecord, ControlError> {
+        self.acting = Some(by.to_owned());
+        let result = self.cancel_as_acting(id, now);
+        self.acting = None;
+        result
+    }
+
+    fn cancel_as_acting(&mut self, id: u64, now: i64) -> Result<JobRecord, ControlError> {
         self.now = now;
         let job = self.jobs.get(&id).ok_or(ControlError::NoSuchJob(id))?;
         if job.state.is_final() {
@@ -637,6 +734,7 @@ impl Control {
                 j.note(now, "cancelled");
             }
             self.dirty_jobs.insert(id);
+            self.job_ended_event(now, id, true);
         } else {
             let actions = self.scheduler.step(now, Event::Cancel(JobId(id)))?;
             self.apply(now, actions);
@@ -702,10 +800,14 @@ impl Control {
             .collect()
     }
 
+    /// Drains node `name` (no new jobs; running ones stay) or resumes it, on behalf of `by`
+    /// (a user, or `perch` for automatic remediation), for `reason` when one was given.
     pub(crate) fn set_drained(
         &mut self,
         name: &str,
         drained: bool,
+        by: &str,
+        reason: Option<String>,
         now: i64,
     ) -> Result<(), ControlError> {
         let &idx = self
@@ -719,8 +821,27 @@ impl Control {
         };
         let actions = self.scheduler.step(now, event)?;
         self.apply(now, actions);
-        self.nodes[idx].record.drained = drained;
+        let record = &mut self.nodes[idx].record;
+        let changed = record.drained != drained;
+        record.drained = drained;
+        if drained {
+            record.drained_by = Some(by.to_owned());
+            record.drain_reason = reason.clone();
+        } else {
+            record.drained_by = None;
+            record.drain_reason = None;
+        }
         self.dirty_nodes.insert(idx);
+        if changed {
+            self.track_node_state(idx, now);
+            let (kind, verb) = if drained {
+                ("node_drained", "drained")
+            } else {
+                ("node_resumed", "resumed")
+            };
+            let why = reason.map(|r| format!(": {r}")).unwrap_or_default();
+            self.node_event(now, idx, kind, by, format!("{name} {verb} by {by}{why}"));
+        }
         Ok(())
     }
 
@@ -758,9 +879,15 @@ impl Control {
                     drained: false,
                     nvlink_islands: reported_islands(&req),
                     gpu_sharing: req.gpu_sharing,
+                    drained_by: None,
+                    drain_reason: None,
+                    simulated: false,
                 };
                 let i = self.add_node(record, now)?;
                 self.dirty_nodes.insert(i);
+                self.track_node_state(i, now);
+                let what = format!("{name} joined with {} {} GPUs", req.gpus, req.gpu_model);
+                self.node_event(now, i, "node_joined", "perch", what);
                 i
             }
         };
@@ -772,6 +899,14 @@ impl Control {
                 .scheduler
                 .step(now, Event::NodeUp(NodeId(idx as u32)))?;
             self.apply(now, actions);
+            self.track_node_state(idx, now);
+            self.node_event(
+                now,
+                idx,
+                "node_up",
+                "perch",
+                format!("{name}'s agent reports again"),
+            );
         }
         for note in &req.notes {
             if let Some(j) = self.jobs.get_mut(&note.job) {
@@ -914,6 +1049,9 @@ impl Control {
         };
         let node = NodeId(idx as u32);
         let gpus = self.nodes[idx].record.gpus;
+        if !batch.gpus.is_empty() {
+            self.note_simulated(idx, batch.gpus.iter().any(|g| g.simulated));
+        }
         let mut events = Vec::new();
         for g in batch.gpus.iter().filter(|g| g.gpu.0 < gpus) {
             if let Some(pct) = g.utilization_gpu_pct {
@@ -972,6 +1110,16 @@ impl Control {
                     .scheduler
                     .step(now, Event::NodeDown(NodeId(idx as u32)))?;
                 self.apply(now, actions);
+                self.track_node_state(idx, now);
+                let silent = (now - self.nodes[idx].last_sync_ms) / 1000;
+                let name = self.nodes[idx].record.name.clone();
+                self.node_event(
+                    now,
+                    idx,
+                    "node_down",
+                    "perch",
+                    format!("{name}'s agent has not synced for {silent} s"),
+                );
             }
         }
         let actions = self.scheduler.step(now, Event::Tick)?;

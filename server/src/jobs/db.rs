@@ -1,13 +1,15 @@
 //! Durable job and node records in redb: every change is committed before the HTTP answer,
-//! so a `kill -9` of the server loses nothing it acknowledged.
+//! so a `kill -9` of the server loses nothing it acknowledged. Node state history lives here
+//! too, for the down and drained GPU-hours of accounting.
 
-use super::record::JobRecord;
+use super::record::{JobRecord, NodeSpan};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 const JOBS: TableDefinition<u64, &[u8]> = TableDefinition::new("jobs");
 const NODES: TableDefinition<u64, &[u8]> = TableDefinition::new("nodes");
+const NODE_SPANS: TableDefinition<u64, &[u8]> = TableDefinition::new("node_spans");
 
 /// A node as the scheduler knows it, in the order nodes joined (their scheduler ids).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -23,29 +25,55 @@ pub struct NodeRecord {
     /// The node takes jobs asking for a part of a GPU.
     #[serde(default)]
     pub gpu_sharing: bool,
+    /// Who drained it: a user, or `perch` for automatic remediation.
+    #[serde(default)]
+    pub drained_by: Option<String>,
+    /// Why it was drained, when the one who drained it said.
+    #[serde(default)]
+    pub drain_reason: Option<String>,
+    /// Its GPUs are simulated (learnt from its telemetry).
+    #[serde(default)]
+    pub simulated: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
 #[error("job database: {0}")]
 pub struct DbError(String);
 
-/// Records changed by one or more operations, to be committed together.
+/// Records changed by one or more operations, to be committed together, and the audit
+/// events they caused (appended to the store's `events` table once the commit is durable).
 #[derive(Debug, Default)]
 pub struct Dirty {
     pub jobs: Vec<JobRecord>,
     pub nodes: Vec<(u64, NodeRecord)>,
+    pub node_spans: Vec<(u64, NodeSpan)>,
+    pub events: Vec<perch_model::ClusterEvent>,
 }
 
 impl Dirty {
     pub fn is_empty(&self) -> bool {
-        self.jobs.is_empty() && self.nodes.is_empty()
+        self.jobs.is_empty()
+            && self.nodes.is_empty()
+            && self.node_spans.is_empty()
+            && self.events.is_empty()
     }
 
     /// Adds a later change set: later records replace earlier ones when written in order.
     pub fn extend(&mut self, later: Dirty) {
         self.jobs.extend(later.jobs);
         self.nodes.extend(later.nodes);
+        self.node_spans.extend(later.node_spans);
+        self.events.extend(later.events);
     }
+}
+
+/// Everything the job database holds, as loaded at startup.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    pub jobs: Vec<JobRecord>,
+    pub nodes: Vec<NodeRecord>,
+    /// Node state history by id (ids give the order spans were opened in).
+    pub node_spans: Vec<(u64, NodeSpan)>,
 }
 
 impl DbError {
@@ -68,14 +96,15 @@ impl JobDb {
         let tx = db.begin_write().map_err(e)?;
         tx.open_table(JOBS).map_err(e)?;
         tx.open_table(NODES).map_err(e)?;
+        tx.open_table(NODE_SPANS).map_err(e)?;
         tx.commit().map_err(e)?;
         Ok(JobDb { db })
     }
 
     /// Writes the given records and nodes, in order, in one durable transaction.
     pub fn save(&self, dirty: &Dirty) -> Result<(), DbError> {
-        let (jobs, nodes) = (&dirty.jobs, &dirty.nodes);
-        if jobs.is_empty() && nodes.is_empty() {
+        let (jobs, nodes, spans) = (&dirty.jobs, &dirty.nodes, &dirty.node_spans);
+        if jobs.is_empty() && nodes.is_empty() && spans.is_empty() {
             return Ok(());
         }
         let tx = self.db.begin_write().map_err(e)?;
@@ -90,11 +119,16 @@ impl JobDb {
                 let bytes = serde_json::to_vec(node).map_err(e)?;
                 table.insert(*id, bytes.as_slice()).map_err(e)?;
             }
+            let mut table = tx.open_table(NODE_SPANS).map_err(e)?;
+            for (id, span) in spans {
+                let bytes = serde_json::to_vec(span).map_err(e)?;
+                table.insert(*id, bytes.as_slice()).map_err(e)?;
+            }
         }
         tx.commit().map_err(e)
     }
 
-    pub fn load(&self) -> Result<(Vec<JobRecord>, Vec<NodeRecord>), DbError> {
+    pub fn load(&self) -> Result<Loaded, DbError> {
         let tx = self.db.begin_read().map_err(e)?;
         let mut jobs = Vec::new();
         for row in tx.open_table(JOBS).map_err(e)?.iter().map_err(e)? {
@@ -106,6 +140,15 @@ impl JobDb {
             let (_, v) = row.map_err(e)?;
             nodes.push(serde_json::from_slice(v.value()).map_err(e)?);
         }
-        Ok((jobs, nodes))
+        let mut node_spans = Vec::new();
+        for row in tx.open_table(NODE_SPANS).map_err(e)?.iter().map_err(e)? {
+            let (k, v) = row.map_err(e)?;
+            node_spans.push((k.value(), serde_json::from_slice(v.value()).map_err(e)?));
+        }
+        Ok(Loaded {
+            jobs,
+            nodes,
+            node_spans,
+        })
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod control;
 pub mod db;
+pub mod node_commands;
 pub mod record;
 pub mod routes;
 pub mod spec;
@@ -22,8 +23,15 @@ pub struct JobService {
     known_nodes: Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
 }
 
+impl std::fmt::Debug for JobService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobService").finish_non_exhaustive()
+    }
+}
+
 struct Commits {
     db: db::JobDb,
+    events: tokio::sync::mpsc::UnboundedSender<Vec<perch_model::ClusterEvent>>,
     state: Mutex<CommitState>,
     done: Condvar,
 }
@@ -65,10 +73,15 @@ impl Commits {
             }
             if !s.committing {
                 s.committing = true;
-                let batch = std::mem::take(&mut s.queued);
+                let mut batch = std::mem::take(&mut s.queued);
                 let upto = s.queued_seq;
                 drop(s);
                 let result = self.db.save(&batch);
+                if result.is_ok() && !batch.events.is_empty() {
+                    // Only what is durable is announced; a closed receiver (no server
+                    // running) just drops them.
+                    let _ = self.events.send(std::mem::take(&mut batch.events));
+                }
                 s = lock(&self.state);
                 s.committing = false;
                 match result {
@@ -86,14 +99,25 @@ impl Commits {
 }
 
 impl JobService {
-    pub fn open(dir: &std::path::Path, config: JobsConfig) -> Result<JobService, ControlError> {
+    /// Opens the job database under `dir` and rebuilds the control plane from it. Audit
+    /// events go to `events` once durable (see [`JobService::event_channel`]).
+    pub fn open(
+        dir: &std::path::Path,
+        config: JobsConfig,
+        events: tokio::sync::mpsc::UnboundedSender<Vec<perch_model::ClusterEvent>>,
+    ) -> Result<JobService, ControlError> {
         std::fs::create_dir_all(dir).map_err(ControlError::Logs)?;
         let db = db::JobDb::open(&dir.join("jobs.redb"))?;
-        let (jobs, nodes) = db.load()?;
-        let mut control = Control::open(dir, config, crate::ingest::now_ms(), jobs, nodes)?;
-        db.save(&control.take_dirty())?;
+        let loaded = db.load()?;
+        let mut control = Control::open(dir, config, crate::ingest::now_ms(), loaded)?;
+        let mut dirty = control.take_dirty();
+        db.save(&dirty)?;
+        if !dirty.events.is_empty() {
+            let _ = events.send(std::mem::take(&mut dirty.events));
+        }
         let commits = Commits {
             db,
+            events,
             state: Mutex::new(CommitState::default()),
             done: Condvar::new(),
         };
@@ -103,6 +127,20 @@ impl JobService {
             control: Arc::new(Mutex::new(control)),
             commits: Arc::new(commits),
         })
+    }
+
+    /// A channel for [`JobService::open`]: the receiver is drained into the store's `events`
+    /// table by the server (see [`crate::accounting::append_events`]).
+    pub fn event_channel() -> (
+        tokio::sync::mpsc::UnboundedSender<Vec<perch_model::ClusterEvent>>,
+        tokio::sync::mpsc::UnboundedReceiver<Vec<perch_model::ClusterEvent>>,
+    ) {
+        tokio::sync::mpsc::unbounded_channel()
+    }
+
+    /// Reads the control plane under its lock (for SQL's live tables: keep `f` short).
+    pub(crate) fn read<T>(&self, f: impl FnOnce(&Control) -> T) -> T {
+        f(&lock(&self.control))
     }
 
     /// Whether the scheduler knows node `name` (cheap: no control lock).

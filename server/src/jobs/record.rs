@@ -1,8 +1,10 @@
 //! What the server remembers about a job, from submission to its final state: the request,
 //! where it runs, its timeline, attempts and exit. This is what `perch show` prints and what
-//! survives a restart.
+//! survives a restart. Each run of a job on a node is an [`Allocation`]: the GPUs it held,
+//! from when to when, and what they did (folded from telemetry by [`crate::accounting`]).
 
 use super::spec::JobRequest;
+use crate::accounting::GpuUsage;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -77,6 +79,113 @@ pub struct JobRecord {
     pub preemptions: u32,
     pub exit_code: Option<i32>,
     pub timeline: Vec<TimelineEntry>,
+    /// Every run on every node, oldest first: what accounting and fair share are made of.
+    #[serde(default)]
+    pub allocations: Vec<Allocation>,
+}
+
+/// The GPUs one attempt of a job held on one node, and what they did with them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Allocation {
+    /// The job's attempt (1 for its first run).
+    pub attempt: u32,
+    pub node: String,
+    pub gpus: Vec<u32>,
+    pub gpu_model: String,
+    pub start_ms: i64,
+    /// `None` while the job runs there.
+    pub end_ms: Option<i64>,
+    /// The node's GPUs are simulated.
+    #[serde(default)]
+    pub simulated: bool,
+    /// Telemetry of these GPUs before this time (and after `start_ms`) is folded into
+    /// `usage`; later samples are not yet.
+    pub folded_until_ms: i64,
+    /// One entry per GPU of `gpus`, in the same order.
+    pub usage: Vec<GpuUsage>,
+}
+
+impl Allocation {
+    pub fn new(
+        attempt: u32,
+        node: String,
+        gpus: Vec<u32>,
+        gpu_model: String,
+        start_ms: i64,
+        simulated: bool,
+    ) -> Allocation {
+        let usage = vec![GpuUsage::default(); gpus.len()];
+        Allocation {
+            attempt,
+            node,
+            gpus,
+            gpu_model,
+            start_ms,
+            end_ms: None,
+            simulated,
+            folded_until_ms: start_ms,
+            usage,
+        }
+    }
+
+    /// The end, or `now_ms` while it runs.
+    pub fn end_or(&self, now_ms: i64) -> i64 {
+        self.end_ms.unwrap_or(now_ms).max(self.start_ms)
+    }
+
+    /// Milliseconds each GPU was held, up to `now_ms` while it runs.
+    pub fn held_ms(&self, now_ms: i64) -> i64 {
+        self.end_or(now_ms) - self.start_ms
+    }
+
+    /// The end of the time whose telemetry is folded into `usage`.
+    pub fn folded_end_ms(&self) -> i64 {
+        self.folded_until_ms
+            .min(self.end_ms.unwrap_or(i64::MAX))
+            .max(self.start_ms)
+    }
+
+    /// Milliseconds each GPU's `usage` covers.
+    pub fn folded_ms(&self) -> i64 {
+        self.folded_end_ms() - self.start_ms
+    }
+
+    /// Ended, and everything up to the end folded: its accounting is final.
+    pub fn is_final(&self) -> bool {
+        self.end_ms.is_some_and(|e| self.folded_until_ms >= e)
+    }
+}
+
+/// A node's state: `up`, `drained` (no new jobs) or `down` (its agent went silent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeState {
+    Up,
+    Drained,
+    Down,
+}
+
+impl NodeState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeState::Up => "up",
+            NodeState::Drained => "drained",
+            NodeState::Down => "down",
+        }
+    }
+}
+
+/// A stretch of time a node spent in one state: the history behind idle, drained and down
+/// GPU-hours.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeSpan {
+    pub node: String,
+    /// GPUs the node had then.
+    pub gpus: u32,
+    pub state: NodeState,
+    pub start_ms: i64,
+    /// `None` for the state the node is in now.
+    pub end_ms: Option<i64>,
 }
 
 impl JobRecord {

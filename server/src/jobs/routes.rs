@@ -139,7 +139,7 @@ pub async fn cancel(
         .jobs
         .run(move |c, now| {
             c.check_owner(id, &who)?;
-            c.cancel(id, now)
+            c.cancel(id, &who.user, now)
         })
         .await?;
     Ok(Json(serde_json::to_value(job).unwrap_or_default()))
@@ -203,13 +203,14 @@ pub async fn nodes(State(state): State<AppState>) -> Result<Json<serde_json::Val
 
 async fn set_drained(
     state: AppState,
+    who: Identity,
     name: String,
     drained: bool,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let n = name.clone();
     state
         .jobs
-        .run(move |c, now| c.set_drained(&n, drained, now))
+        .run(move |c, now| c.set_drained(&n, drained, &who.user, None, now))
         .await?;
     let shown = if drained { "drained" } else { "up" };
     Ok(Json(serde_json::json!({"node": name, "state": shown})))
@@ -217,16 +218,18 @@ async fn set_drained(
 
 pub async fn drain(
     State(state): State<AppState>,
+    Extension(who): Extension<Identity>,
     Path(name): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    set_drained(state, name, true).await
+    set_drained(state, who, name, true).await
 }
 
 pub async fn resume(
     State(state): State<AppState>,
+    Extension(who): Extension<Identity>,
     Path(name): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    set_drained(state, name, false).await
+    set_drained(state, who, name, false).await
 }
 
 pub async fn sync(

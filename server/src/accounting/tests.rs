@@ -1,0 +1,437 @@
+//! Accounting through the real control plane, store and SQL engine, on virtual time: a job
+//! runs on a node whose telemetry is ingested with chosen timestamps, folds run at chosen
+//! instants, and the answers are compared with the definition computed by hand from the
+//! samples. One job crosses midnight and has its first day's raw samples dropped by retention
+//! between two folds.
+
+use super::*;
+use crate::jobs::{JobService, JobsConfig};
+use perch_model::Batch;
+use perch_model::control::SyncRequest;
+use perch_query::{QueryLimits, StoreConfig, Table};
+use serde_json::json;
+
+/// Every column of every accounting table and view is documented in docs/schema.md under its
+/// heading (the stored tables are checked by the query crate).
+#[tokio::test]
+async fn schema_doc_covers_every_accounting_column() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = crate::AppState::open(crate::ServerConfig::new(StoreConfig::new(dir.path())))
+        .expect("open");
+    state.sql.check_views().await.expect("every view plans");
+    let doc = include_str!("../../../docs/schema.md");
+    let names = state.sql.table_names();
+    for name in [
+        "jobs",
+        "job_allocations",
+        "nodes",
+        "node_states",
+        "cluster_utilization_daily",
+        "job_costs",
+        "user_usage",
+        "top_users",
+        "account_usage",
+    ] {
+        assert!(names.iter().any(|n| n == name), "{name} is registered");
+        let heading = format!("## `{name}`");
+        let start = doc
+            .find(&heading)
+            .unwrap_or_else(|| panic!("docs/schema.md lacks {heading}"));
+        let section = &doc[start + heading.len()..];
+        let section = &section[..section.find("\n## ").unwrap_or(section.len())];
+        let schema = state
+            .sql
+            .describe(&format!("SELECT * FROM {name}"))
+            .await
+            .expect("describe");
+        for field in schema.fields() {
+            let row = format!("| `{}` |", field.name());
+            assert!(
+                section.contains(&row),
+                "docs/schema.md: {name} lacks a row for {}",
+                field.name()
+            );
+        }
+    }
+}
+
+const HOUR: i64 = 3_600_000;
+/// 2025-06-01 22:00 UTC: the job runs three hours, across midnight.
+const T0: i64 = 1_748_815_200_000;
+const NODE: &str = "gpu-a";
+
+struct Harness {
+    _dir: tempfile::TempDir,
+    store: Arc<Store>,
+    jobs: JobService,
+    sql: SqlEngine,
+    events: tokio::sync::mpsc::UnboundedReceiver<Vec<ClusterEvent>>,
+    seq: u64,
+}
+
+impl Harness {
+    fn open(dir: tempfile::TempDir) -> Harness {
+        let mut config = StoreConfig::new(dir.path());
+        config
+            .retention
+            .insert(Table::GpuSamples, Duration::from_secs(3600));
+        let store = Store::open(config).expect("store");
+        let (tx, events) = JobService::event_channel();
+        let jobs =
+            JobService::open(&dir.path().join("control"), JobsConfig::default(), tx).expect("jobs");
+        let sql = tables::register(
+            SqlEngine::new(store.clone(), QueryLimits::default()),
+            &jobs,
+            AccountingConfig::default(),
+        );
+        Harness {
+            _dir: dir,
+            store,
+            jobs,
+            sql,
+            events,
+            seq: 0,
+        }
+    }
+
+    async fn sync(&self, at: i64, running: &[u64], exited: &[u64]) {
+        let req: SyncRequest = serde_json::from_value(json!({
+            "node": NODE, "gpus": 2, "gpu_model": "Test H100", "running": running,
+            "exited": exited.iter().map(|j| json!({"job": j, "code": 0})).collect::<Vec<_>>(),
+        }))
+        .expect("sync request");
+        self.jobs
+            .run(move |c, _| c.sync(req, at))
+            .await
+            .expect("sync");
+    }
+
+    async fn ingest(&mut self, samples: &[Sample]) {
+        self.seq += 1;
+        let gpus: Vec<_> = samples
+            .iter()
+            .map(|s| {
+                json!({"time_ms": s.time, "gpu": s.gpu, "uuid": format!("GPU-T-{}", s.gpu),
+                    "model": "Test H100", "simulated": false, "utilization_gpu_pct": s.util,
+                    "memory_used_bytes": s.memory, "energy_joules": s.energy,
+                    "power_watts": s.power})
+            })
+            .collect();
+        let body = serde_json::to_vec(&json!({"node": NODE, "seq": self.seq, "gpus": gpus}))
+            .expect("json");
+        let batch: Batch = serde_json::from_slice(&body).expect("batch");
+        self.store
+            .ingest(bytes::Bytes::from(body), &batch)
+            .await
+            .expect("ingest");
+    }
+
+    async fn fold(&self, until: i64) -> usize {
+        fold_once(&self.jobs, &self.sql, until, until)
+            .await
+            .expect("fold")
+    }
+
+    async fn row(&self, query: &str) -> serde_json::Value {
+        let out = self.sql.query(query).await.expect("query");
+        let mut w = arrow::json::ArrayWriter::new(Vec::new());
+        for b in &out.batches {
+            w.write(b).expect("write");
+        }
+        w.finish().expect("finish");
+        let rows: serde_json::Value = serde_json::from_slice(&w.into_inner()).unwrap_or(json!([]));
+        rows[0].clone()
+    }
+
+    /// Drops everything but the data directory (the store and the job database close).
+    fn close(self) -> tempfile::TempDir {
+        self._dir
+    }
+
+    fn events(&mut self) -> Vec<ClusterEvent> {
+        let mut out = Vec::new();
+        while let Ok(batch) = self.events.try_recv() {
+            out.extend(batch);
+        }
+        out
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    time: i64,
+    gpu: u32,
+    util: Option<f64>,
+    memory: u64,
+    energy: f64,
+    power: f64,
+}
+
+/// A sample every 10 s on both GPUs from a minute before `T0` to 3.5 h after it; GPU 0
+/// (the job's) busy in a varying way, GPU 1 idle. The energy counter of GPU 0 rises with
+/// its power; some samples miss utilization.
+fn samples() -> Vec<Sample> {
+    let mut out = Vec::new();
+    let mut energy = 5.0e6;
+    let mut t = T0 - 60_000;
+    let mut i = 0u64;
+    while t < T0 + 3 * HOUR + HOUR / 2 {
+        let util = (!i.is_multiple_of(13)).then(|| ((i * 37) % 101) as f64);
+        let power = 100.0 + util.unwrap_or(0.0) * 3.0;
+        energy += power * 10.0;
+        out.push(Sample {
+            time: t,
+            gpu: 0,
+            util,
+            memory: 1_000_000_000 + (i * 7919) % 50_000_000_000,
+            energy,
+            power,
+        });
+        out.push(Sample {
+            time: t,
+            gpu: 1,
+            util: Some(0.0),
+            memory: 0,
+            energy: 1.0e6,
+            power: 60.0,
+        });
+        t += 10_000;
+        i += 1;
+    }
+    out
+}
+
+/// The definition, computed from the samples of GPU 0 in [from, to).
+fn expected(all: &[Sample], from: i64, to: i64) -> (f64, f64, f64, u64, f64) {
+    let s: Vec<&Sample> = all
+        .iter()
+        .filter(|s| s.gpu == 0 && s.time >= from && s.time < to)
+        .collect();
+    let utils: Vec<f64> = s.iter().filter_map(|s| s.util).collect();
+    let mean = utils.iter().sum::<f64>() / utils.len() as f64;
+    let seconds = (to - from) as f64 / 1000.0;
+    let peak = utils.iter().copied().fold(f64::MIN, f64::max);
+    let memory = s.iter().map(|s| s.memory).max().unwrap_or(0);
+    let energy = s.iter().map(|s| s.energy).fold(f64::MIN, f64::max)
+        - s.iter().map(|s| s.energy).fold(f64::MAX, f64::min);
+    (seconds * mean / 100.0, mean, peak, memory, energy)
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * b.abs().max(1.0)
+}
+
+#[tokio::test]
+async fn a_job_across_midnight_and_retention_accounts_exactly() {
+    let mut h = Harness::open(tempfile::tempdir().expect("tempdir"));
+    let all = samples();
+    h.sync(T0 - 1000, &[], &[]).await;
+    let request: crate::jobs::spec::JobRequest = serde_json::from_value(json!({
+        "command": ["train"], "user": "alice", "account": "vision", "name": "train",
+        "time_limit_secs": 36_000
+    }))
+    .expect("request");
+    let records = h
+        .jobs
+        .run(move |c, _| c.submit(request, T0))
+        .await
+        .expect("submit");
+    let id = records[0].id;
+    assert_eq!(
+        records[0].allocations.len(),
+        1,
+        "started at once: {records:?}"
+    );
+    h.sync(T0 + 1000, &[], &[]).await; // the launch is delivered
+    for chunk in all.chunks(100) {
+        h.ingest(chunk).await;
+    }
+    // First fold: the first hour only.
+    assert_eq!(h.fold(T0 + HOUR).await, 1);
+    // Second fold to 00:30 the next day, then day one's raw samples are flushed and dropped.
+    h.sync(T0 + 2 * HOUR, &[id], &[]).await;
+    assert_eq!(h.fold(T0 + 2 * HOUR + HOUR / 2).await, 1);
+    h.store.flush().await.expect("flush");
+    let stats = h
+        .store
+        .maintain(T0 + 3 * HOUR + HOUR / 2)
+        .await
+        .expect("maintain");
+    assert!(stats.files_expired > 0, "{stats:?}");
+    let day_one = format!(
+        "SELECT count(*) AS n FROM gpu_samples WHERE time < to_timestamp_millis({})",
+        T0 + 2 * HOUR
+    );
+    assert_eq!(
+        h.row(&day_one).await["n"],
+        0,
+        "day one's raw samples are gone"
+    );
+    // The job ends at 01:00; the last fold covers 00:30 to 01:00.
+    let end = T0 + 3 * HOUR;
+    h.sync(end, &[], &[id]).await;
+    assert_eq!(h.fold(end + 120_000).await, 1);
+    assert_eq!(h.fold(end + 999_000).await, 0, "nothing left to fold");
+
+    let (used, mean, peak, memory, energy) = expected(&all, T0, end);
+    let j = h
+        .row(&format!(
+            "SELECT state, gpu_seconds_allocated, gpu_seconds_accounted, gpu_seconds_used, utilization_mean_pct, utilization_peak_pct, memory_peak_bytes, energy_joules, cost_allocated, cost_used, accounted_until, end_time, simulated FROM jobs WHERE job = {id}"
+        ))
+        .await;
+    assert_eq!(j["state"], "completed", "{j}");
+    assert_eq!(j["gpu_seconds_allocated"], 10_800.0);
+    assert_eq!(j["gpu_seconds_accounted"], 10_800.0);
+    let f = |k: &str| j[k].as_f64().unwrap_or(f64::NAN);
+    assert!(close(f("gpu_seconds_used"), used), "{j} vs {used}");
+    assert!(close(f("utilization_mean_pct"), mean), "{j} vs {mean}");
+    assert_eq!(f("utilization_peak_pct"), peak);
+    assert_eq!(j["memory_peak_bytes"], memory);
+    assert!(close(f("energy_joules"), energy), "{j} vs {energy}");
+    assert!(close(f("cost_allocated"), 3.0 * 0.95), "{j}");
+    assert!(close(f("cost_used"), used / 3600.0 * 0.95), "{j}");
+    assert_eq!(j["accounted_until"], j["end_time"]);
+    assert_eq!(j["simulated"], false);
+
+    // Cluster utilization: the node joined at 21:59:59, so day one has 2 GPUs x 2 h + 1 s.
+    let d = h
+        .row("SELECT * FROM cluster_utilization_daily ORDER BY day LIMIT 1")
+        .await;
+    let g = |k: &str| d[k].as_f64().unwrap_or(f64::NAN);
+    assert!(
+        close(g("capacity_gpu_hours"), 2.0 * (2.0 + 1.0 / 3600.0)),
+        "{d}"
+    );
+    assert!(close(g("allocated_gpu_hours"), 2.0), "{d}");
+    assert!(close(
+        g("allocated_gpu_hours")
+            + g("idle_gpu_hours")
+            + g("drained_gpu_hours")
+            + g("down_gpu_hours"),
+        g("capacity_gpu_hours")
+    ));
+    let (used_day_one, ..) = expected(&all, T0, T0 + 2 * HOUR);
+    // Used GPU-hours are spread over the folded time in proportion, so a day gets its share
+    // of the job's mean, not its own samples' mean.
+    assert!(
+        close(g("used_gpu_hours"), used / 3.0 * 2.0 / 3600.0),
+        "{d} vs {used_day_one}"
+    );
+
+    let a = h.row("SELECT account, user, jobs, gpu_hours_allocated, efficiency, idle_cost FROM account_usage").await;
+    assert_eq!(a["account"], "vision");
+    assert_eq!(a["user"], "alice");
+    assert_eq!(a["jobs"], 1);
+    assert!(
+        close(
+            a["efficiency"].as_f64().unwrap_or(f64::NAN),
+            used / 10_800.0
+        ),
+        "{a}"
+    );
+    assert!(
+        close(
+            a["idle_cost"].as_f64().unwrap_or(f64::NAN),
+            (10_800.0 - used) / 3600.0 * 0.95
+        ),
+        "{a}"
+    );
+
+    let kinds: Vec<(String, Option<String>)> = h
+        .events()
+        .into_iter()
+        .map(|e| (e.kind, e.outcome))
+        .collect();
+    for want in [
+        ("node_joined", None),
+        ("job_submitted", None),
+        ("job_started", None),
+        ("job_ended", Some("completed")),
+    ] {
+        assert!(
+            kinds
+                .iter()
+                .any(|(k, o)| k == want.0 && o.as_deref() == want.1),
+            "{want:?} in {kinds:?}"
+        );
+    }
+
+    // A restarted server has the same books.
+    let before = h.row(&format!("SELECT * FROM jobs WHERE job = {id}")).await;
+    let h = Harness::open(h.close());
+    let after = h.row(&format!("SELECT * FROM jobs WHERE job = {id}")).await;
+    assert_eq!(before, after);
+}
+
+#[tokio::test]
+async fn node_states_and_events_follow_drain_down_and_requeue() {
+    let mut h = Harness::open(tempfile::tempdir().expect("tempdir"));
+    h.sync(T0, &[], &[]).await;
+    let request: crate::jobs::spec::JobRequest = serde_json::from_value(json!({
+        "command": ["train"], "user": "bob", "max_requeues": 1, "gpus_per_node": 2
+    }))
+    .expect("request");
+    let id = h
+        .jobs
+        .run(move |c, _| c.submit(request, T0 + 1000))
+        .await
+        .expect("submit")[0]
+        .id;
+    h.sync(T0 + 2000, &[], &[]).await;
+    h.jobs
+        .run(|c, _| c.set_drained(NODE, true, "carol", Some("fan noise".into()), T0 + 60_000))
+        .await
+        .expect("drain");
+    let n = h.row("SELECT state, reason, drained_by FROM nodes").await;
+    assert_eq!(
+        n,
+        json!({"state": "drained", "reason": "fan noise", "drained_by": "carol"})
+    );
+    // The agent goes silent: after the heartbeat timeout the node is down, the job requeued.
+    h.sync(T0 + 70_000, &[id], &[]).await;
+    h.jobs
+        .run(|c, _| c.tick(T0 + 70_000 + 31_000))
+        .await
+        .expect("tick");
+    let j = h
+        .row(&format!(
+            "SELECT state, requeues, gpu_seconds_allocated FROM jobs WHERE job = {id}"
+        ))
+        .await;
+    assert_eq!(j["state"], "pending");
+    assert_eq!(j["requeues"], 1);
+    assert_eq!(
+        j["gpu_seconds_allocated"],
+        2.0 * 100.0,
+        "two GPUs from +1 s to +101 s"
+    );
+    h.sync(T0 + 200_000, &[], &[]).await;
+    let states = h
+        .row("SELECT string_agg(state, ',' ORDER BY start_time) AS s, count(*) FILTER (WHERE end_time IS NULL) AS open FROM node_states")
+        .await;
+    assert_eq!(states, json!({"s": "up,drained,down,drained", "open": 1}));
+    let events: Vec<String> = h
+        .events()
+        .into_iter()
+        .map(|e| format!("{}:{}", e.kind, e.actor))
+        .collect();
+    for want in [
+        "node_drained:carol",
+        "node_down:perch",
+        "job_requeued:perch",
+        "node_up:perch",
+    ] {
+        assert!(events.iter().any(|e| e == want), "{want} in {events:?}");
+    }
+    h.jobs
+        .run(move |c, _| c.cancel(id, "bob", T0 + 300_000))
+        .await
+        .expect("cancel");
+    let ended = h.events();
+    assert!(
+        ended.iter().any(|e| e.kind == "job_ended"
+            && e.actor == "bob"
+            && e.outcome.as_deref() == Some("cancelled")),
+        "{ended:?}"
+    );
+}
