@@ -5,6 +5,9 @@
 //! database before it returns. The core itself stays pure; this module is its I/O.
 
 mod ledger;
+mod scrape;
+
+pub use scrape::{AllocationView, ControlSnapshot, NodeView, PendingView};
 
 use super::db::{Dirty, Loaded, NodeRecord};
 use super::record::{JobRecord, JobState, NodeGpus};

@@ -3,13 +3,14 @@
 
 pub mod control;
 pub mod db;
-pub mod node_commands;
 pub mod record;
 pub mod routes;
 pub mod spec;
 
 use control::Control;
-pub use control::{ControlError, JobsConfig};
+pub use control::{
+    AllocationView, ControlError, ControlSnapshot, JobsConfig, NodeView, PendingView,
+};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// The control plane behind a lock, with group commit: an operation changes the in-memory
