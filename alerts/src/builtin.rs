@@ -249,13 +249,12 @@ fn specs(cfg: &BuiltinConfig) -> Vec<Spec> {
         Spec {
             name: "GpuAllocatedIdle",
             source: RuleSource::Sql(format!(
-                "SELECT a.node, a.gpu, a.job, j.\"user\" AS \"user\", j.account AS account, \
+                "SELECT a.node, a.gpu, a.job, a.\"user\" AS \"user\", a.account AS account, \
                    avg(s.utilization_gpu_pct) AS utilization_percent, bool_or(s.simulated) AS simulated \
                  FROM job_allocations a \
-                 JOIN jobs j ON j.job = a.job \
                  JOIN gpu_samples s ON s.node = a.node AND s.gpu = a.gpu \
                  WHERE a.end_time IS NULL AND a.start_time < now() - {recent} AND s.time > now() - {recent} \
-                 GROUP BY a.node, a.gpu, a.job, j.\"user\", j.account \
+                 GROUP BY a.node, a.gpu, a.job, a.\"user\", a.account \
                  HAVING avg(s.utilization_gpu_pct) < {idle}",
                 idle = cfg.idle_utilization_percent,
             )),

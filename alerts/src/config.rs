@@ -98,7 +98,7 @@ pub struct RuleConfig {
     #[serde(default)]
     pub actions: Vec<ActionSpec>,
     /// Numeric columns that identify rather than measure, so become labels too
-    /// (default `["gpu", "port", "xid", "pid"]`).
+    /// (default `["gpu", "port", "xid", "pid", "job"]`).
     #[serde(default)]
     pub label_columns: Option<Vec<String>>,
 }

@@ -158,7 +158,7 @@ pub struct Rule {
 }
 
 /// The numeric columns that are labels unless a rule says otherwise.
-pub const DEFAULT_LABEL_COLUMNS: &[&str] = &["gpu", "port", "xid", "pid"];
+pub const DEFAULT_LABEL_COLUMNS: &[&str] = &["gpu", "port", "xid", "pid", "job"];
 
 /// Labels perch sets itself; a row or rule label of the same name is overwritten.
 pub const RESERVED_LABELS: &[&str] = &["alertname", "severity"];
