@@ -9,11 +9,13 @@
 //! says so.
 
 use crate::config::BuiltinConfig;
-use crate::rules::{
-    ActionSpec, BuiltinKind, DEFAULT_LABEL_COLUMNS, Instance, Rule, RuleSource, Severity,
-};
+use crate::rules::{ActionSpec, BuiltinKind, DEFAULT_LABEL_COLUMNS, Rule, RuleSource, Severity};
 use crate::xid::{XidClass, xid_class_sql};
 use std::collections::BTreeMap;
+
+mod typed;
+
+pub use typed::{NodeHeartbeat, disk_instances, heartbeat_instances};
 
 /// Every built-in rule's name, in the order [`builtin_rules`] returns them.
 pub const BUILTIN_RULE_NAMES: &[&str] = &[
@@ -396,67 +398,6 @@ fn specs(cfg: &BuiltinConfig) -> Vec<Spec> {
                           Shorten retention or add space.",
             actions: Vec::new(),
         },
-    ]
-}
-
-/// What the server knows about one node's heartbeat.
-#[derive(Debug, Clone, Copy)]
-pub struct NodeHeartbeat<'a> {
-    /// The node's name.
-    pub node: &'a str,
-    /// When its agent last synced (Unix ms), if ever.
-    pub last_seen_ms: Option<i64>,
-}
-
-/// NodeHeartbeatLost's instances: nodes silent for more than `timeout_ms` (or never heard
-/// from). Labels `node`; value `seconds_since_heartbeat` (absent for a node never seen).
-pub fn heartbeat_instances(
-    kind: &BuiltinKind,
-    nodes: &[NodeHeartbeat<'_>],
-    now_ms: i64,
-) -> Vec<Instance> {
-    let BuiltinKind::NodeHeartbeatLost { timeout_ms } = *kind else {
-        return Vec::new();
-    };
-    nodes
-        .iter()
-        .filter_map(|n| {
-            let silent_ms = n.last_seen_ms.map(|seen| now_ms.saturating_sub(seen));
-            if silent_ms.is_some_and(|s| s <= timeout_ms) {
-                return None;
-            }
-            let mut i = Instance::with_labels([("node", n.node)]);
-            if let Some(ms) = silent_ms {
-                i = i.value("seconds_since_heartbeat", (ms / 1000) as f64);
-            }
-            Some(i)
-        })
-        .collect()
-}
-
-/// StoreDiskFull's instances: the store's filesystem when less than the threshold is free.
-/// Labels `path`; values `free_percent`, `free_bytes`, `total_bytes`.
-pub fn disk_instances(
-    kind: &BuiltinKind,
-    path: &str,
-    free_bytes: u64,
-    total_bytes: u64,
-) -> Vec<Instance> {
-    let BuiltinKind::StoreDiskFull { free_percent } = *kind else {
-        return Vec::new();
-    };
-    if total_bytes == 0 {
-        return Vec::new();
-    }
-    let percent = free_bytes as f64 * 100.0 / total_bytes as f64;
-    if percent >= free_percent {
-        return Vec::new();
-    }
-    vec![
-        Instance::with_labels([("path", path)])
-            .value("free_percent", (percent * 10.0).round() / 10.0)
-            .value("free_bytes", free_bytes as f64)
-            .value("total_bytes", total_bytes as f64),
     ]
 }
 

@@ -19,8 +19,11 @@
 //! comes with its result, through [`Planner::complete`]).
 
 mod action;
+mod resume;
+mod view;
 
 pub use action::{Action, Decision, Outcome, RefuseReason};
+pub use view::{ClusterView, NodeState, NodeView, allowed_out};
 
 use crate::alert::Alert;
 use crate::config::RemediationConfig;
@@ -29,36 +32,6 @@ use crate::template::{TemplateContext, render};
 use perch_model::ClusterEvent;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
-
-/// A node's state as the server's control plane sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum NodeState {
-    /// In service.
-    Up,
-    /// Takes no new jobs (by perch or an operator).
-    Drained,
-    /// Not heard from.
-    Down,
-}
-
-/// One node of the [`ClusterView`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct NodeView {
-    /// Its name.
-    pub node: String,
-    /// Its state.
-    pub state: NodeState,
-    /// Jobs still running on it (a drain is in progress while this is above 0).
-    pub running_jobs: usize,
-}
-
-/// The cluster as the server sees it now: every node it knows.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ClusterView {
-    /// All nodes.
-    pub nodes: Vec<NodeView>,
-}
 
 /// Why and when the circuit breaker opened.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -502,82 +475,6 @@ impl Planner {
         event
     }
 
-    /// Health checks and resumes of nodes perch drained.
-    fn plan_resumes(&mut self, nodes: &BTreeMap<&str, &NodeView>, now_ms: i64, plan: &mut Plan) {
-        if self.state.breaker.is_some() || self.config.health_check.is_empty() {
-            return;
-        }
-        let timeout_ms = self.config.action_timeout.as_ms();
-        let candidates: Vec<String> = self
-            .state
-            .drained
-            .iter()
-            .filter(|(node, r)| {
-                !r.dry_run
-                    && nodes
-                        .get(node.as_str())
-                        .is_some_and(|n| n.state == NodeState::Drained)
-                    && {
-                        let quiet_since = self
-                            .state
-                            .last_alert_ms
-                            .get(node.as_str())
-                            .copied()
-                            .unwrap_or(r.at_ms)
-                            .max(r.at_ms);
-                        now_ms.saturating_sub(quiet_since) >= self.config.resume_after.as_ms()
-                    }
-            })
-            .map(|(node, _)| node.clone())
-            .collect();
-        for node in candidates {
-            let action = match self.state.health.get(&node) {
-                None => Some(Action::HealthCheck {
-                    node: node.clone(),
-                    argv: self.config.health_check.clone(),
-                    timeout_ms,
-                }),
-                Some(Health::Failed { at_ms })
-                    if now_ms.saturating_sub(*at_ms) >= self.config.cooldown.as_ms() =>
-                {
-                    Some(Action::HealthCheck {
-                        node: node.clone(),
-                        argv: self.config.health_check.clone(),
-                        timeout_ms,
-                    })
-                }
-                Some(Health::Running { at_ms })
-                    if now_ms.saturating_sub(*at_ms) > timeout_ms.saturating_mul(2) =>
-                {
-                    // The result never came (server restart, lost agent): try again.
-                    Some(Action::HealthCheck {
-                        node: node.clone(),
-                        argv: self.config.health_check.clone(),
-                        timeout_ms,
-                    })
-                }
-                Some(Health::Passed) => Some(Action::ResumeNode { node: node.clone() }),
-                Some(_) => None,
-            };
-            let Some(action) = action else { continue };
-            if let Action::HealthCheck { .. } = action {
-                self.state
-                    .health
-                    .insert(node.clone(), Health::Running { at_ms: now_ms });
-            }
-            let rule = self.state.drained.get(&node).and_then(|r| r.rule.clone());
-            plan.decisions.push(Decision {
-                action,
-                outcome: Outcome::Execute,
-                alert: None,
-                episode: None,
-                rule,
-                at_ms: now_ms,
-                event: None,
-            });
-        }
-    }
-
     /// Fills in the audit record of a decision that is not executed.
     fn with_audit(&self, mut decision: Decision) -> Decision {
         let dry = matches!(decision.outcome, Outcome::DryRun);
@@ -674,12 +571,6 @@ struct Round {
     in_progress: usize,
     /// Nodes in the cluster.
     total: usize,
-}
-
-/// How many nodes may be out: the floor of `fraction` of `total`.
-pub fn allowed_out(fraction: f64, total: usize) -> usize {
-    // The epsilon keeps 0.2 * 10 at 2 despite binary floating point.
-    ((fraction * total as f64) + 1e-9).floor().max(0.0) as usize
 }
 
 /// The action a spec names, for the record of a refusal when the alert cannot fill it in.

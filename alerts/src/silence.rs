@@ -63,8 +63,12 @@ pub struct SilenceRequest {
     /// Start (Unix ms); now when absent.
     #[serde(default)]
     pub starts_at_ms: Option<i64>,
-    /// End (Unix ms).
-    pub ends_at_ms: i64,
+    /// End (Unix ms); give this or `duration`.
+    #[serde(default)]
+    pub ends_at_ms: Option<i64>,
+    /// How long from the start (`"2h"`); give this or `ends_at_ms`.
+    #[serde(default)]
+    pub duration: Option<crate::duration::HumanDuration>,
     /// Who asks (the API fills it from the caller's identity).
     pub created_by: String,
     /// Why: shown next to the silence, so the next operator knows.
@@ -92,12 +96,21 @@ impl Silences {
             ));
         }
         let starts_at_ms = req.starts_at_ms.unwrap_or(now_ms);
-        if req.ends_at_ms <= starts_at_ms {
+        let ends_at_ms = match (req.ends_at_ms, req.duration) {
+            (Some(end), None) => end,
+            (None, Some(d)) => starts_at_ms.saturating_add(d.as_ms()),
+            _ => {
+                return Err(Error::Silence(
+                    "give either ends_at_ms or duration (like \"2h\"), not both or neither".into(),
+                ));
+            }
+        };
+        if ends_at_ms <= starts_at_ms {
             return Err(Error::Silence(
                 "ends_at_ms must be after starts_at_ms".into(),
             ));
         }
-        if req.ends_at_ms <= now_ms {
+        if ends_at_ms <= now_ms {
             return Err(Error::Silence("ends_at_ms is in the past".into()));
         }
         if req.created_by.trim().is_empty() {
@@ -115,7 +128,7 @@ impl Silences {
             id: format!("s-{}", self.next_id),
             matchers: req.matchers,
             starts_at_ms,
-            ends_at_ms: req.ends_at_ms,
+            ends_at_ms,
             created_by: req.created_by,
             comment: req.comment,
             created_at_ms: now_ms,
@@ -192,7 +205,8 @@ mod tests {
                 .map(|m| Matcher::parse(m).expect("matcher"))
                 .collect(),
             starts_at_ms: None,
-            ends_at_ms: ends,
+            ends_at_ms: Some(ends),
+            duration: None,
             created_by: "ana".into(),
             comment: "replacing the PSU".into(),
         }
@@ -228,6 +242,23 @@ mod tests {
     }
 
     #[test]
+    fn duration_counts_from_the_start() {
+        let mut s = Silences::default();
+        let req: SilenceRequest = serde_json::from_value(serde_json::json!({
+            "matchers": ["node=\"n1\""],
+            "duration": "2h",
+            "created_by": "ana",
+            "comment": "reseating GPUs"
+        }))
+        .expect("API body");
+        let sil = s.add(req, 1_000).expect("valid");
+        assert_eq!(
+            (sil.starts_at_ms, sil.ends_at_ms),
+            (1_000, 1_000 + 7_200_000)
+        );
+    }
+
+    #[test]
     fn pending_silence_mutes_from_its_start() {
         let mut s = Silences::default();
         let mut req = request(&[r#"node="n1""#], 2_000);
@@ -246,6 +277,13 @@ mod tests {
             (request(&[r#"team="""#], 1_000), "mute everything"),
             (request(&[r#"node!="x""#], 1_000), "mute everything"),
             (request(&[r#"node="n1""#], 0), "after starts_at_ms"),
+            (
+                SilenceRequest {
+                    duration: Some(crate::duration::HumanDuration::from_mins(5)),
+                    ..request(&[r#"node="n1""#], 1_000)
+                },
+                "not both",
+            ),
             (
                 SilenceRequest {
                     comment: " ".into(),

@@ -180,7 +180,8 @@ fn silence_suppresses_and_its_expiry_lets_the_alert_through() {
             SilenceRequest {
                 matchers: vec![Matcher::parse(r#"node="n1""#).expect("matcher")],
                 starts_at_ms: None,
-                ends_at_ms: 10 * M,
+                ends_at_ms: Some(10 * M),
+                duration: None,
                 created_by: "ana".into(),
                 comment: "maintenance".into(),
             },
