@@ -98,6 +98,21 @@ pub struct EngineMetrics {
     pub nodes_drained_by_perch: usize,
 }
 
+/// How long resolved alerts are kept: twice the longest group interval (at least 15
+/// minutes), so every group flushes its resolved notice before the alert is dropped.
+fn resolved_retention(config: &AlertsConfig) -> i64 {
+    let route = &config.route;
+    route
+        .routes
+        .iter()
+        .filter_map(|c| c.group_interval)
+        .chain([route.group_interval])
+        .map(|d| d.as_ms())
+        .max()
+        .unwrap_or(0)
+        .saturating_mul(2)
+}
+
 /// The alerting engine.
 #[derive(Debug)]
 pub struct Engine {
@@ -124,8 +139,8 @@ impl Engine {
             dispatcher: Dispatcher::new(&config.route, inhibit),
             planner: Planner::new(config.remediation.clone(), config.dry_run),
             rules,
+            alerts: AlertTable::default().with_retention(resolved_retention(&config)),
             config,
-            alerts: AlertTable::default(),
             silences: Silences::default(),
             last_evaluation_ms: BTreeMap::new(),
             last_error: BTreeMap::new(),
@@ -149,7 +164,9 @@ impl Engine {
             });
         }
         let mut engine = Self::new(config)?;
-        engine.alerts = snapshot.alerts;
+        engine.alerts = snapshot
+            .alerts
+            .with_retention(resolved_retention(&engine.config));
         engine.silences = snapshot.silences;
         engine.dispatcher = engine.dispatcher.clone().with_state(snapshot.dispatch);
         engine.planner = engine.planner.clone().with_state(snapshot.remediation);

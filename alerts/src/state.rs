@@ -2,9 +2,10 @@
 //! -> firing, held by `keep_firing_for` against flaps, then resolved.
 //!
 //! [`AlertTable::evaluate`] takes one rule's instances at `now_ms` and returns the
-//! transitions; it reads no clock. Resolved alerts stay in the table for
-//! [`RESOLVED_RETENTION_MS`] so the dispatcher can send their resolved notice and the API can
-//! show them, then they are dropped.
+//! transitions; it reads no clock. Resolved alerts stay in the table for at least
+//! [`RESOLVED_RETENTION_MS`] (longer when a route's group interval is longer, see
+//! [`AlertTable::with_retention`]) so the dispatcher can send their resolved notice and the
+//! API can show them, then they are dropped.
 
 use crate::alert::{Alert, AlertKey, AlertState};
 use crate::rules::{Instance, Rule};
@@ -13,8 +14,13 @@ use perch_model::ClusterEvent;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
-/// How long a resolved alert is kept (Prometheus keeps them 15 minutes for Alertmanager).
+/// How long a resolved alert is kept at least (Prometheus keeps them 15 minutes for
+/// Alertmanager).
 pub const RESOLVED_RETENTION_MS: i64 = 15 * 60_000;
+
+fn default_retention() -> i64 {
+    RESOLVED_RETENTION_MS
+}
 
 /// A change of an alert's state, for logs, the `events` table and `/metrics`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -57,12 +63,31 @@ impl Transition {
 }
 
 /// Every live alert (pending, firing, recently resolved), by key.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AlertTable {
     alerts: BTreeMap<AlertKey, Alert>,
+    /// How long resolved alerts are kept (config, not state: not persisted).
+    #[serde(skip, default = "default_retention")]
+    retention_ms: i64,
+}
+
+impl Default for AlertTable {
+    fn default() -> Self {
+        Self {
+            alerts: BTreeMap::new(),
+            retention_ms: RESOLVED_RETENTION_MS,
+        }
+    }
 }
 
 impl AlertTable {
+    /// Keeps resolved alerts `ms` (at least [`RESOLVED_RETENTION_MS`]): they must outlive the
+    /// longest group interval, or a group would lose its resolved notice.
+    pub fn with_retention(mut self, ms: i64) -> Self {
+        self.retention_ms = ms.max(RESOLVED_RETENTION_MS);
+        self
+    }
+
     /// The full label set of an instance of `rule`: the row's labels, then the rule's labels,
     /// then `alertname` and `severity`, each overriding what came before.
     pub fn labels_of(rule: &Rule, instance: &Instance) -> BTreeMap<String, String> {
@@ -196,12 +221,13 @@ impl AlertTable {
         transitions
     }
 
-    /// Drops resolved alerts older than [`RESOLVED_RETENTION_MS`].
+    /// Drops resolved alerts older than the retention.
     pub fn expire(&mut self, now_ms: i64) {
+        let retention = self.retention_ms;
         self.alerts.retain(|_, a| {
             a.state != AlertState::Resolved
                 || a.resolved_at_ms
-                    .is_none_or(|at| now_ms.saturating_sub(at) < RESOLVED_RETENTION_MS)
+                    .is_none_or(|at| now_ms.saturating_sub(at) < retention)
         });
     }
 
@@ -379,6 +405,22 @@ mod tests {
         assert_eq!(table.len(), 1);
         table.evaluate(&r, &[], 1_000 + RESOLVED_RETENTION_MS);
         assert!(table.is_empty());
+    }
+
+    #[test]
+    fn retention_follows_the_longest_group_interval() {
+        let r = rule(0, 0);
+        let mut table = AlertTable::default().with_retention(60 * 60_000);
+        table.evaluate(&r, &[hot("n1", 90.0)], 0);
+        table.evaluate(&r, &[], 1_000);
+        table.expire(1_000 + 59 * 60_000);
+        assert_eq!(table.len(), 1);
+        table.expire(1_000 + 60 * 60_000);
+        assert!(table.is_empty());
+        assert_eq!(
+            AlertTable::default().with_retention(1).retention_ms,
+            RESOLVED_RETENTION_MS
+        );
     }
 
     #[test]

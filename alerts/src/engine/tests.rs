@@ -299,3 +299,23 @@ fn metrics_count_pending_and_firing_per_rule_with_zeros() {
     assert_eq!(m.silences_active, 0);
     serde_json::to_string(&m).expect("serializable");
 }
+
+#[test]
+fn a_long_group_interval_still_gets_its_resolved_notice() {
+    let mut cfg = config();
+    cfg.route.group_interval = crate::HumanDuration::from_mins(30);
+    let mut engine = Engine::new(cfg).expect("engine");
+    engine
+        .evaluate("XidReboot", &xid_instances("n1", 1), 0)
+        .expect("eval");
+    let mut view = cluster(10);
+    view.nodes[1].state = NodeState::Drained;
+    tick(&mut engine, &view, 0);
+    assert_eq!(tick(&mut engine, &view, 30 * S).1.len(), 1);
+    engine.evaluate("XidReboot", &[], M).expect("eval");
+    // The next flush is at 30 s + 30 m, past the 15 minutes Prometheus keeps resolved alerts.
+    assert!(tick(&mut engine, &view, 20 * M).1.is_empty());
+    let sent = tick(&mut engine, &view, 30 * S + 30 * M).1;
+    assert_eq!(sent.len(), 1);
+    assert_eq!(sent[0].status(), "resolved");
+}
