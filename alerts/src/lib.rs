@@ -6,6 +6,17 @@
 //! so tests run it in virtual time. The crate runs no SQL (the server does and hands over the
 //! rows) and touches no cluster state (the server carries out the decisions and reports back).
 //! `alerts/README.md` documents the built-in rules, the config and the semantics.
+//!
+//! The server holds one [`Engine`] (built from [`AlertsConfig`], loaded from and saved to a
+//! state file) and one [`notify::Notifier`]. Every tick it:
+//! 1. evaluates [`Engine::due_rules`]: runs a rule's SQL and passes the rows to
+//!    [`Engine::evaluate_rows`] (or computes a typed built-in with [`builtin`]'s helpers and
+//!    calls [`Engine::evaluate`]); writes each [`Transition::to_event`] to the `events` table;
+//! 2. plans with [`Engine::plan_remediation`] against its [`remediate::ClusterView`], carries
+//!    out the `Execute` decisions in order and reports each with [`Engine::complete`]; writes
+//!    every audit record;
+//! 3. sends [`Engine::notifications`] through the notifier (in a task: it retries);
+//! 4. saves with [`Engine::save`].
 
 mod alert;
 pub mod builtin;

@@ -187,7 +187,7 @@ impl Silences {
             .count()
     }
 
-    /// Forgets silences expired longer than [`EXPIRED_RETENTION_MS`] ago.
+    /// Forgets silences expired longer than five days ago (as Alertmanager does).
     pub fn gc(&mut self, now_ms: i64) {
         self.silences
             .retain(|_, s| now_ms.saturating_sub(s.ends_at_ms) < EXPIRED_RETENTION_MS);
