@@ -122,6 +122,8 @@ pub enum GpuHealth {
     UncorrectableEcc,
     /// A process no job owns is using it.
     RogueProcess,
+    /// Taken out of scheduling by an operator or perch's remediation until put back.
+    TakenOut,
 }
 
 /// The GPUs a gang got on one node.
