@@ -13,7 +13,7 @@
 //! notices are on), when perch took an action not yet reported, or when `repeat_interval` has
 //! passed since the last message.
 
-use crate::alert::{Alert, AlertState};
+use crate::alert::{Alert, AlertKey, AlertState};
 use crate::config::{InhibitRuleConfig, RouteConfig};
 use crate::matcher::{Matcher, matches_all};
 use crate::silence::Silences;
@@ -206,40 +206,60 @@ impl Dispatcher {
         out
     }
 
+    /// Indexes the firing alerts that can inhibit: per inhibit rule, the sources by their
+    /// `equal` label values. Built once per step, so muting n alerts costs n lookups, not n².
+    fn inhibit_index<'a>(
+        &self,
+        alerts: &[&'a Alert],
+    ) -> Vec<BTreeMap<Vec<&'a str>, Vec<&'a AlertKey>>> {
+        self.inhibit
+            .iter()
+            .map(|rule| {
+                let mut sources: BTreeMap<Vec<&str>, Vec<&AlertKey>> = BTreeMap::new();
+                for a in alerts.iter().copied() {
+                    if a.state == AlertState::Firing
+                        && matches_all(&rule.source_matchers, &a.labels)
+                    {
+                        sources
+                            .entry(equal_values(&rule.equal, a))
+                            .or_default()
+                            .push(&a.key);
+                    }
+                }
+                sources
+            })
+            .collect()
+    }
+
     /// True when a firing alert other than `target` inhibits it.
-    pub fn inhibited(&self, target: &Alert, firing: &[&Alert]) -> bool {
-        self.inhibit.iter().any(|rule| {
+    fn inhibited(&self, target: &Alert, index: &[BTreeMap<Vec<&str>, Vec<&AlertKey>>]) -> bool {
+        self.inhibit.iter().zip(index).any(|(rule, sources)| {
             matches_all(&rule.target_matchers, &target.labels)
-                && firing.iter().any(|source| {
-                    source.key != target.key
-                        && matches_all(&rule.source_matchers, &source.labels)
-                        && rule.equal.iter().all(|l| {
-                            source.labels.get(l).map_or("", String::as_str)
-                                == target.labels.get(l).map_or("", String::as_str)
-                        })
-                })
+                && sources
+                    .get(&equal_values(&rule.equal, target))
+                    .is_some_and(|keys| keys.iter().any(|k| **k != target.key))
         })
     }
 
-    /// Why an alert is not notified right now: `silenced by s-3` or `inhibited`; `None`
-    /// when it is notified. For the API.
+    /// Why each alert is not notified right now (`silenced by s-3`, `inhibited`), or `None`
+    /// when it is, in the order given. For the API.
     pub fn muted_by(
         &self,
-        alert: &Alert,
-        all: &[&Alert],
+        alerts: &[&Alert],
         silences: &Silences,
         now_ms: i64,
-    ) -> Option<String> {
-        if let Some(id) = silences.muting(&alert.labels, now_ms) {
-            return Some(format!("silenced by {id}"));
-        }
-        let firing: Vec<&Alert> = all
+    ) -> Vec<Option<String>> {
+        let index = self.inhibit_index(alerts);
+        alerts
             .iter()
-            .copied()
-            .filter(|a| a.state == AlertState::Firing)
-            .collect();
-        self.inhibited(alert, &firing)
-            .then(|| "inhibited".to_owned())
+            .map(|a| {
+                if let Some(id) = silences.muting(&a.labels, now_ms) {
+                    Some(format!("silenced by {id}"))
+                } else {
+                    self.inhibited(a, &index).then(|| "inhibited".to_owned())
+                }
+            })
+            .collect()
     }
 
     /// The earliest time a group has something to do, for the caller's timer.
@@ -254,17 +274,13 @@ impl Dispatcher {
         silences: &Silences,
         now_ms: i64,
     ) -> Vec<Notification> {
-        let firing: Vec<&Alert> = alerts
-            .iter()
-            .copied()
-            .filter(|a| a.state == AlertState::Firing)
-            .collect();
+        let index = self.inhibit_index(alerts);
         // Members of each group this step, keyed like the persisted groups.
         let mut members: BTreeMap<String, Members<'_>> = BTreeMap::new();
         for alert in alerts {
             if !matches!(alert.state, AlertState::Firing | AlertState::Resolved)
                 || silences.muting(&alert.labels, now_ms).is_some()
-                || self.inhibited(alert, &firing)
+                || self.inhibited(alert, &index)
             {
                 continue;
             }
@@ -410,6 +426,14 @@ type Members<'a> = (Route, BTreeMap<String, String>, Vec<&'a Alert>);
 fn group_key(route: &Route, labels: &BTreeMap<String, String>) -> String {
     let pairs: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v:?}")).collect();
     format!("{}:{}:{{{}}}", route.index, route.receiver, pairs.join(","))
+}
+
+/// The values of the `equal` labels (absent as ""), which must agree for an inhibition.
+fn equal_values<'a>(equal: &[String], alert: &'a Alert) -> Vec<&'a str> {
+    equal
+        .iter()
+        .map(|l| alert.labels.get(l).map_or("", String::as_str))
+        .collect()
 }
 
 fn common_labels<'a>(mut alerts: impl Iterator<Item = &'a Alert>) -> BTreeMap<String, String> {

@@ -313,10 +313,12 @@ impl Engine {
     /// Every alert (pending, firing, recently resolved) and whether it is muted.
     pub fn alerts(&self, now_ms: i64) -> Vec<AlertStatus> {
         let all: Vec<&Alert> = self.alerts.iter().collect();
-        all.iter()
-            .map(|a| AlertStatus {
-                alert: (*a).clone(),
-                muted_by: self.dispatcher.muted_by(a, &all, &self.silences, now_ms),
+        let muted = self.dispatcher.muted_by(&all, &self.silences, now_ms);
+        all.into_iter()
+            .zip(muted)
+            .map(|(alert, muted_by)| AlertStatus {
+                alert: alert.clone(),
+                muted_by,
             })
             .collect()
     }
@@ -336,8 +338,7 @@ impl Engine {
     /// Annotates the alerts with what was decided (dry runs, refusals) and raises
     /// [`BREAKER_ALERT`] when the circuit breaker opens.
     pub fn plan_remediation(&mut self, view: &ClusterView, now_ms: i64) -> Plan {
-        let alerts: Vec<Alert> = self.alerts.iter().cloned().collect();
-        let refs: Vec<&Alert> = alerts.iter().collect();
+        let refs: Vec<&Alert> = self.alerts.iter().collect();
         let plan = self.planner.plan(&refs, view, now_ms);
         for decision in &plan.decisions {
             if let (Some(key), Some(line)) = (&decision.alert, decision.annotation()) {

@@ -1,5 +1,4 @@
 use super::*;
-use crate::alert::AlertKey;
 use crate::duration::HumanDuration;
 use crate::rules::Severity;
 use crate::silence::SilenceRequest;
@@ -194,8 +193,8 @@ fn silence_suppresses_and_its_expiry_lets_the_alert_through() {
     assert_eq!(sent[0].group_labels["node"], "n2");
     let refs: Vec<&Alert> = alerts.iter().collect();
     assert_eq!(
-        d.muted_by(&alerts[0], &refs, &silences, 30 * S).as_deref(),
-        Some("silenced by s-1")
+        d.muted_by(&refs, &silences, 30 * S),
+        [Some("silenced by s-1".to_string()), None]
     );
     assert!(step(&mut d, &alerts, &silences, 5 * M).is_empty());
     assert!(
@@ -238,6 +237,16 @@ fn node_down_inhibits_its_gpu_alerts_but_not_other_nodes() {
         [
             ("NodeHeartbeatLost".to_string(), "n1".to_string()),
             ("XidResetGpu".to_string(), "n2".to_string())
+        ]
+    );
+    let refs: Vec<&Alert> = alerts.iter().collect();
+    assert_eq!(
+        d.muted_by(&refs, &none, 30 * S),
+        [
+            None,
+            Some("inhibited".to_string()),
+            Some("inhibited".to_string()),
+            None
         ]
     );
     // A resolved source no longer inhibits.
