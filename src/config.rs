@@ -144,6 +144,14 @@ pub struct AgentSection {
     pub spool_max_mb: u64,
     /// Bearer token (role agent) for a server that requires authentication.
     pub token: String,
+    /// Take jobs asking for a part of a GPU.
+    pub gpu_sharing: bool,
+    /// NVLink islands of this node's GPUs; empty: what NVML says (one island if it cannot).
+    pub nvlink_islands: Vec<Vec<u32>>,
+    /// "required", "if_possible" or "never".
+    pub run_as_user: String,
+    /// "auto", "off", or the path of a cgroup v2 directory delegated to the agent.
+    pub cgroups: String,
 }
 
 impl Default for AgentSection {
@@ -159,6 +167,10 @@ impl Default for AgentSection {
             max_batch_rounds: 60,
             spool_max_mb: 256,
             token: String::new(),
+            gpu_sharing: false,
+            nvlink_islands: Vec::new(),
+            run_as_user: "if_possible".into(),
+            cgroups: "auto".into(),
         }
     }
 }
@@ -411,6 +423,12 @@ impl Config {
         }
         self.telemetry.check()?;
         self.accounting.check()?;
+        if let Err(e) = perch_collector::launcher::RunAsUser::parse(&self.agent.run_as_user) {
+            return bad("agent.run_as_user", &e);
+        }
+        if let Err(e) = perch_collector::launcher::CgroupMode::parse(&self.agent.cgroups) {
+            return bad("agent.cgroups", &e);
+        }
         if !(self.agent.server.starts_with("http://") || self.agent.server.starts_with("https://"))
         {
             return bad(
@@ -485,6 +503,12 @@ impl Config {
         config.max_batch_rounds = a.max_batch_rounds.max(1);
         config.spool_max_bytes = a.spool_max_mb << 20;
         config.token = Some(a.token.clone()).filter(|t| !t.is_empty());
+        config.gpu_sharing = a.gpu_sharing;
+        config.nvlink_islands = Some(a.nvlink_islands.clone()).filter(|i| !i.is_empty());
+        config.run_as_user = perch_collector::launcher::RunAsUser::parse(&a.run_as_user)
+            .map_err(|e| anyhow::anyhow!("config key agent.run_as_user: {e}"))?;
+        config.cgroups = perch_collector::launcher::CgroupMode::parse(&a.cgroups)
+            .map_err(|e| anyhow::anyhow!("config key agent.cgroups: {e}"))?;
         Ok(config)
     }
 }
@@ -568,6 +592,11 @@ mod tests {
             ("[server]\nlistne = \"x\"", "listne"),
             ("[agent]\ninterval_ms = 1", "agent.interval_ms"),
             ("[agent]\nserver = \"perch:7300\"", "agent.server"),
+            (
+                "[agent]\nrun_as_user = \"sometimes\"",
+                "agent.run_as_user: \"sometimes\" is not one of required, if_possible, never",
+            ),
+            ("[agent]\ncgroups = \"on\"", "agent.cgroups"),
             ("[query]\ntimeout_secs = 0", "query.timeout_secs"),
             (
                 "[server.retention_days]\ngpu_sample = 30",

@@ -66,6 +66,15 @@ pub struct AgentConfig {
     pub run_jobs: bool,
     /// Bearer token (role `agent`) for servers that require authentication.
     pub token: Option<String>,
+    /// Take jobs asking for a part of a GPU (off by default: shared GPUs need MPS, or trust
+    /// between the jobs, to keep one from starving the others).
+    pub gpu_sharing: bool,
+    /// NVLink islands to report instead of what NVML says (`agent.nvlink_islands`).
+    pub nvlink_islands: Option<Vec<Vec<u32>>>,
+    /// Whether jobs run as their submitting user (`agent.run_as_user`).
+    pub run_as_user: crate::launcher::RunAsUser,
+    /// Where job cgroups go (`agent.cgroups`).
+    pub cgroups: crate::launcher::CgroupMode,
 }
 
 impl AgentConfig {
@@ -90,6 +99,10 @@ impl AgentConfig {
             spool_max_bytes: 256 * 1024 * 1024,
             run_jobs: true,
             token: None,
+            gpu_sharing: false,
+            nvlink_islands: None,
+            run_as_user: crate::launcher::RunAsUser::IfPossible,
+            cgroups: crate::launcher::CgroupMode::Auto,
             jobs: JobRegistry::default(),
         }
     }
@@ -105,8 +118,31 @@ impl AgentConfig {
                 "max_batch_rounds and max_queue_batches must be at least 1".into(),
             ));
         }
+        if let Some(islands) = &self.nvlink_islands {
+            check_islands(islands)?;
+        }
         Ok(())
     }
+}
+
+/// Checks `agent.nvlink_islands`: every island non-empty, no GPU in two of them.
+fn check_islands(islands: &[Vec<u32>]) -> Result<()> {
+    let mut seen = std::collections::BTreeSet::new();
+    for island in islands {
+        if island.is_empty() {
+            return Err(CollectorError::Config(
+                "nvlink_islands: an island must list at least one GPU index, e.g. [[0, 1, 2, 3], [4, 5, 6, 7]]".into(),
+            ));
+        }
+        for &g in island {
+            if !seen.insert(g) {
+                return Err(CollectorError::Config(format!(
+                    "nvlink_islands: GPU {g} is in two islands; each GPU belongs to one"
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Live counters, readable while the agent runs (see [`AgentHandle::stats`]).
@@ -365,12 +401,26 @@ pub async fn run_agent_with(
     let (control_stop, control_stopped) = tokio::sync::watch::channel(false);
     let control_task = config.run_jobs.then(|| {
         let (gpus, gpu_model) = sampler.gpu_inventory();
+        let nvlink_islands = config
+            .nvlink_islands
+            .clone()
+            .or_else(|| sampler.nvlink_islands());
+        if let Some(bad) = nvlink_islands.iter().flatten().flatten().find(|&&g| g >= gpus) {
+            tracing::warn!(gpu = bad, gpus, "agent.nvlink_islands names a GPU this node does not have; the server will treat the node as one island");
+        }
         let control = crate::control_loop::ControlConfig {
             server: config.server.clone(),
             node: config.node.clone(),
             gpus,
             gpu_model,
             rack: None,
+            nvlink_islands,
+            gpu_sharing: config.gpu_sharing,
+            isolation: crate::launcher::Isolation {
+                run_as_user: config.run_as_user,
+                cgroups: config.cgroups.clone(),
+                root: config.root.clone(),
+            },
             jobs_dir: config.data_dir.join("jobs").join(config.node.as_str()),
             interval: Duration::from_millis(500),
             request_timeout: config.request_timeout,
@@ -455,5 +505,12 @@ mod tests {
         let c = AgentConfig::new("localhost:7300".into(), node);
         let err = run_agent(c, async {}).await.expect_err("not a URL");
         assert!(err.to_string().contains("must be a URL"), "{err}");
+        let mut c = AgentConfig::new(
+            "http://127.0.0.1:1".into(),
+            NodeId::new("n").expect("valid"),
+        );
+        c.nvlink_islands = Some(vec![vec![0, 1], vec![1, 2]]);
+        let err = run_agent(c, async {}).await.expect_err("GPU 1 twice");
+        assert!(err.to_string().contains("GPU 1 is in two islands"), "{err}");
     }
 }

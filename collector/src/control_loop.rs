@@ -4,7 +4,7 @@
 //! is unreachable, jobs keep running and exits wait to be reported.
 
 use crate::jobs::JobRegistry;
-use crate::launcher::Launcher;
+use crate::launcher::{Isolation, Launcher};
 use perch_model::NodeId;
 use perch_model::control::{SyncRequest, SyncResponse};
 use std::future::Future;
@@ -20,6 +20,12 @@ pub struct ControlConfig {
     pub gpus: u32,
     pub gpu_model: String,
     pub rack: Option<String>,
+    /// NVLink islands of the node's GPUs, reported to the scheduler (`None`: unknown).
+    pub nvlink_islands: Option<Vec<Vec<u32>>>,
+    /// The node takes jobs asking for a part of a GPU.
+    pub gpu_sharing: bool,
+    /// Whose identity jobs run under, and their cgroups.
+    pub isolation: Isolation,
     /// Where jobs' directories and output go.
     pub jobs_dir: PathBuf,
     pub interval: Duration,
@@ -51,6 +57,7 @@ pub async fn run_control(
         endpoint: config.server.clone(),
         node: config.node.as_str().to_owned(),
     });
+    launcher.set_isolation(&config.isolation);
     let launcher = Arc::new(Mutex::new(launcher));
     let client = reqwest::Client::builder()
         .timeout(config.request_timeout)
@@ -75,12 +82,12 @@ pub async fn run_control(
                 gpus: config.gpus,
                 gpu_model: config.gpu_model.clone(),
                 rack: config.rack.clone(),
-                nvlink_islands: None,
-                gpu_sharing: false,
+                nvlink_islands: config.nvlink_islands.clone(),
+                gpu_sharing: config.gpu_sharing,
                 running: l.running(),
                 exited: l.exited(),
                 logs: l.logs(),
-                notes: Vec::new(),
+                notes: l.take_notes(),
             }
         };
         let answer = async {
@@ -108,6 +115,8 @@ pub async fn run_control(
                 lock(&launcher).apply(&response);
             }
             Err(e) => {
+                // The notes were not delivered: send them with the next sync.
+                lock(&launcher).restore_notes(request.notes);
                 if !unreachable {
                     tracing::warn!(error = %e, "job control cannot reach the server; jobs keep running, exits wait to be reported");
                     unreachable = true;

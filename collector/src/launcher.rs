@@ -7,20 +7,36 @@
 //! server is away. Every job's process group is written to `<id>/pgid`; a restarted agent kills
 //! groups it finds there (it cannot wait on them), and the server, seeing the job missing from
 //! the agent's report, requeues it: no job runs twice and none is orphaned.
+//!
+//! Isolation ([`Isolation`]): a job runs as its submitting user when the agent can switch to
+//! it ([`identity`]) and in its own cgroup with its memory and CPU request as limits when the
+//! agent can create cgroups ([`cgroup`]); a job whose request holds a part of a GPU shares it
+//! with other shared jobs, and gets the MPS limits in its environment ([`command`]). Facts
+//! about a start (the identity it runs under when not its user's, limits not enforced) go to
+//! the job's log and, through [`Launcher::take_notes`], to its record on the server.
 
+pub mod cgroup;
+mod command;
+pub mod identity;
 mod otel;
 
+pub use cgroup::CgroupMode;
+pub use identity::RunAsUser;
 pub use otel::OtelTarget;
 
 use crate::jobs::{JobRegistry, JobSpec, JobTarget};
-use perch_model::control::{JobExit, JobLaunch, JobStop, LogChunk, LogStream, SyncResponse};
+use cgroup::{JobCgroup, JobCgroups};
+use identity::{Decision, Identity};
+use perch_model::control::{
+    JobExit, JobLaunch, JobNote, JobStop, LogChunk, LogStream, SyncResponse,
+};
 use rustix::process::{Pid, Signal, kill_process_group};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
-use std::io::{Read, Seek, SeekFrom};
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 /// Most bytes of one stream of one job sent per sync.
@@ -42,9 +58,28 @@ struct Stopping {
     kill_at: Instant,
 }
 
+/// How jobs are confined on this node (`agent.run_as_user`, `agent.cgroups`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Isolation {
+    pub run_as_user: RunAsUser,
+    pub cgroups: CgroupMode,
+    /// Root of `/proc` for finding the agent's own cgroup (`/`; tests use fixture trees).
+    pub root: PathBuf,
+}
+
+/// Why a job did not start: the text becomes its reason on the server.
+struct NotStarted {
+    /// 126 when perch refused it, 127 when its program could not be run (as a shell says).
+    code: i32,
+    why: String,
+}
+
 struct Running {
     child: Child,
     gpus: Vec<u32>,
+    /// Holds a part of its GPU (shares it with other shared jobs).
+    shared: bool,
+    cgroup: Option<JobCgroup>,
     pgid: Pid,
     started: Instant,
     limit: Duration,
@@ -69,6 +104,16 @@ pub struct Launcher {
     waiting: Vec<JobLaunch>,
     /// Where jobs' OpenTelemetry SDKs export to; `None` sets no `OTEL_*` variables.
     otel: Option<OtelTarget>,
+    run_as_user: RunAsUser,
+    /// The agent's own (uid, name).
+    agent_user: (u32, String),
+    setpriv: Option<PathBuf>,
+    /// Where job cgroups go, or why there are none.
+    cgroups: Result<JobCgroups, String>,
+    /// Facts for the jobs' records, not yet handed to the server.
+    notes: Vec<JobNote>,
+    /// Cgroups of ended jobs that still held processes when last tried.
+    leftover_cgroups: Vec<JobCgroup>,
 }
 
 impl std::fmt::Debug for Launcher {
@@ -86,6 +131,15 @@ fn signal_group(pgid: Pid, signal: Signal) {
     {
         tracing::warn!(pgid = pgid.as_raw_nonzero().get(), error = %e, "could not signal a job's process group");
     }
+}
+
+/// The job's cgroup as the usage sampler reads it (`/sys/fs/cgroup`-relative, memory
+/// accounted), or `None` to sample its process tree instead.
+fn sampled_cgroup(cg: &JobCgroup) -> Option<JobTarget> {
+    let rel = cg.path.strip_prefix("/sys/fs/cgroup").ok()?;
+    let unified = Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+    (unified && cg.path.join("memory.current").exists())
+        .then(|| JobTarget::Cgroup(Path::new("/").join(rel)))
 }
 
 /// Text that keeps every byte's place: invalid UTF-8 becomes one '?' per byte, so the server's
@@ -143,7 +197,70 @@ impl Launcher {
             registry,
             waiting: Vec::new(),
             otel: None,
+            run_as_user: RunAsUser::Never,
+            agent_user: identity::agent_user(),
+            setpriv: None,
+            cgroups: Err("cgroups are off (agent.cgroups = off)".into()),
+            notes: Vec::new(),
+            leftover_cgroups: Vec::new(),
         })
+    }
+
+    /// Sets how jobs launched from now on are confined. Until called, jobs run as the agent's
+    /// user without cgroups. Job cgroups a previous agent left are killed and removed.
+    pub fn set_isolation(&mut self, isolation: &Isolation) {
+        self.run_as_user = isolation.run_as_user;
+        self.setpriv = identity::find_setpriv();
+        let root = if isolation.root.as_os_str().is_empty() {
+            Path::new("/")
+        } else {
+            isolation.root.as_path()
+        };
+        let scope =
+            cgroup::scope_of(&fs::canonicalize(&self.dir).unwrap_or_else(|_| self.dir.clone()));
+        self.cgroups = match JobCgroups::from_mode(&isolation.cgroups, root, &scope) {
+            Ok(Some(c)) => {
+                tracing::info!(parent = %c.parent().display(), "jobs get their own cgroups");
+                Ok(c)
+            }
+            Ok(None) => Err("cgroups are off (agent.cgroups = off)".into()),
+            Err(why) => {
+                tracing::warn!(%why, "jobs run without cgroup limits");
+                Err(why)
+            }
+        };
+        if let Ok(c) = &self.cgroups {
+            for entry in fs::read_dir(c.parent()).into_iter().flatten().flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if name.starts_with("job-") && entry.path().is_dir() {
+                    tracing::warn!(cgroup = %entry.path().display(), "killing a job cgroup left by a previous agent");
+                    let left = JobCgroup {
+                        path: entry.path(),
+                        note: String::new(),
+                        enforced: false,
+                    };
+                    left.kill();
+                    self.leftover_cgroups.push(left);
+                }
+            }
+        }
+    }
+
+    /// Notes for the jobs' records gathered since the last call (the control loop sends them
+    /// and gives them back with [`Launcher::restore_notes`] when the server is unreachable).
+    pub fn take_notes(&mut self) -> Vec<JobNote> {
+        std::mem::take(&mut self.notes)
+    }
+
+    /// Puts back notes that could not be delivered.
+    pub fn restore_notes(&mut self, mut notes: Vec<JobNote>) {
+        notes.append(&mut self.notes);
+        self.notes = notes;
+    }
+
+    fn note(&mut self, job: u64, text: String) {
+        tracing::info!(job, "{text}");
+        self.notes.push(JobNote { job, text });
     }
 
     /// Sets the `OTEL_*` variables of every job launched from now on (see [`OtelTarget`]).
@@ -169,21 +286,30 @@ impl Launcher {
         self.start(l);
     }
 
+    /// Whether a job on one of `l`'s GPUs must end first: any job there, except that shared
+    /// jobs run beside running shared jobs (not beside stopping ones, whose memory is still
+    /// held).
     fn gpus_busy(&self, l: &JobLaunch) -> bool {
-        self.running
-            .values()
-            .any(|r| r.gpus.iter().any(|g| l.gpus.contains(g)))
+        self.running.values().any(|r| {
+            r.gpus.iter().any(|g| l.gpus.contains(g))
+                && !(r.shared && l.gpu_share.is_some() && r.stopping.is_none())
+        })
     }
 
     fn start(&mut self, l: &JobLaunch) {
         match self.spawn(l) {
             Ok(r) => {
                 tracing::info!(job = l.job, gpus = ?l.gpus, "job started");
+                let target = r
+                    .cgroup
+                    .as_ref()
+                    .and_then(sampled_cgroup)
+                    .unwrap_or(JobTarget::Pid(r.child.id()));
                 self.registry.register(JobSpec {
                     job: l.job.to_string(),
                     user: Some(l.user.clone()),
                     gpus: l.gpus.clone(),
-                    target: JobTarget::Pid(r.child.id()),
+                    target,
                     sim_profile: match l.sim_profile.as_deref() {
                         Some("idle") => Some(crate::gpu::sim::Workload::AllocatedIdle),
                         Some("bursty") => Some(crate::gpu::sim::Workload::Bursty),
@@ -193,48 +319,132 @@ impl Launcher {
                 });
                 self.running.insert(l.job, r);
             }
-            Err(e) => {
-                tracing::warn!(job = l.job, error = %e, "job could not start");
+            Err(NotStarted { code, why }) => {
+                tracing::warn!(job = l.job, %why, "job could not start");
                 let dir = self.job_dir(l.job);
+                let _ = fs::create_dir_all(&dir);
                 let _ = fs::write(
                     dir.join("stderr"),
-                    format!("perch: could not start {:?}: {e}\n", l.command),
+                    format!("perch: job not started: {why}\n"),
                 );
-                // 127 is what a shell reports for a command it cannot run.
                 self.exited.insert(
                     l.job,
                     JobExit {
                         job: l.job,
-                        code: 127,
+                        code,
                         stopped: false,
-                        error: None,
+                        error: Some(why),
                     },
                 );
             }
         }
     }
 
-    fn spawn(&mut self, l: &JobLaunch) -> std::io::Result<Running> {
+    /// Whose identity the job runs under, noted in its record unless it is its user's.
+    fn identity(&mut self, l: &JobLaunch) -> Result<Option<Identity>, NotStarted> {
+        let (uid, name) = (self.agent_user.0, self.agent_user.1.clone());
+        match identity::decide(self.run_as_user, &l.user, (uid, &name)) {
+            Decision::Switch(id) => {
+                if self.setpriv.is_none() && id.groups.iter().any(|&g| g != id.gid) {
+                    self.note(
+                        l.job,
+                        format!(
+                            "runs as {} without its supplementary groups (setpriv, from util-linux, is not installed)",
+                            id.name
+                        ),
+                    );
+                }
+                Ok(Some(id))
+            }
+            Decision::AsAgent(note) => {
+                self.note(l.job, note);
+                Ok(None)
+            }
+            Decision::Refuse(why) => Err(NotStarted { code: 126, why }),
+        }
+    }
+
+    /// The job's cgroup, when it gets one; notes limits not enforced, in its log too.
+    fn cgroup(&mut self, l: &JobLaunch, log: &mut File) -> Option<JobCgroup> {
+        let asked = l.memory_mb.is_some() || l.cpus.is_some();
+        let requested = || {
+            let mut parts = Vec::new();
+            if let Some(m) = l.memory_mb {
+                parts.push(format!("memory {m} MiB"));
+            }
+            if let Some(c) = l.cpus {
+                parts.push(format!("{c} CPUs"));
+            }
+            parts.join(", ")
+        };
+        let (cgroup, line) = match &self.cgroups {
+            Ok(c) => match c.create(l.job, l.memory_mb, l.cpus) {
+                Ok(cg) => {
+                    let line = (asked && !cg.enforced).then(|| cg.note.clone());
+                    if asked && cg.enforced {
+                        self.note(l.job, cg.note.clone());
+                    }
+                    (Some(cg), line)
+                }
+                Err(why) => (
+                    None,
+                    asked.then(|| format!("limits not enforced ({}): {why}", requested())),
+                ),
+            },
+            Err(why) => (
+                None,
+                asked.then(|| format!("limits not enforced ({}): {why}", requested())),
+            ),
+        };
+        if let Some(line) = line {
+            let _ = writeln!(log, "perch: {line}");
+            self.note(l.job, line);
+        }
+        cgroup
+    }
+
+    fn spawn(&mut self, l: &JobLaunch) -> Result<Running, NotStarted> {
+        let io = |what: &str, e: std::io::Error| NotStarted {
+            code: 127,
+            why: format!("{what}: {e}"),
+        };
         let dir = self.job_dir(l.job);
-        fs::create_dir_all(&dir)?;
+        fs::create_dir_all(&dir).map_err(|e| io(&format!("creating {}", dir.display()), e))?;
         // A new attempt starts new output; the server's copy is kept per job.
-        let stdout = File::create(dir.join("stdout"))?;
-        let stderr = File::create(dir.join("stderr"))?;
+        let stdout = File::create(dir.join("stdout")).map_err(|e| io("creating its stdout", e))?;
+        let mut stderr =
+            File::create(dir.join("stderr")).map_err(|e| io("creating its stderr", e))?;
         self.sent.insert((l.job, LogStream::Stdout), 0);
         self.sent.insert((l.job, LogStream::Stderr), 0);
-        let program = l
-            .command
-            .first()
-            .ok_or_else(|| std::io::Error::other("empty command"))?;
-        let gpus: Vec<String> = l.gpus.iter().map(u32::to_string).collect();
-        let mut cmd = Command::new(program);
-        cmd.args(&l.command[1..])
-            .envs(&l.env)
-            .env("CUDA_VISIBLE_DEVICES", gpus.join(","))
-            .env("PERCH_NODE_RANK", l.node_rank.to_string())
-            .env("PERCH_NUM_NODES", l.nodes.to_string())
-            .current_dir(l.workdir.as_deref().map_or(dir.clone(), PathBuf::from))
-            .stdin(Stdio::null())
+        let user = self.identity(l)?;
+        if let Some(id) = &user {
+            // The job's directory (its default working directory) and logs are its user's.
+            for path in [dir.join("stdout"), dir.join("stderr"), dir.clone()] {
+                rustix::fs::chown(
+                    &path,
+                    Some(rustix::fs::Uid::from_raw(id.uid)),
+                    Some(rustix::fs::Gid::from_raw(id.gid)),
+                )
+                .map_err(|e| {
+                    io(
+                        &format!("giving {} to {}", path.display(), id.name),
+                        e.into(),
+                    )
+                })?;
+            }
+        }
+        let cgroup = self.cgroup(l, &mut stderr);
+        let shape = command::Shape {
+            user: user.as_ref().map(|id| (id, self.setpriv.as_deref())),
+            wait_for_go: cgroup.is_some(),
+        };
+        let mut cmd = command::build(l, &shape).map_err(|e| io("building its command", e))?;
+        cmd.current_dir(l.workdir.as_deref().map_or(dir.clone(), PathBuf::from))
+            .stdin(if cgroup.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .stdout(stdout)
             .stderr(stderr)
             .process_group(0);
@@ -242,13 +452,38 @@ impl Launcher {
             // After the job's own env: `variables` leaves out what the job sets itself.
             cmd.envs(otel::variables(target, l));
         }
-        let child = cmd.spawn()?;
-        let raw = i32::try_from(child.id()).map_err(std::io::Error::other)?;
-        let pgid = Pid::from_raw(raw).ok_or_else(|| std::io::Error::other("process id 0"))?;
-        fs::write(dir.join("pgid"), raw.to_string())?;
+        let program = l.command.first().map_or("", String::as_str);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| io(&format!("cannot run {program:?}"), e))?;
+        let mut cgroup = cgroup;
+        if let Some(cg) = &cgroup {
+            // The child waits for this line: it is in its cgroup before the job runs.
+            if let Err(e) = cg.add(child.id()) {
+                let line = format!(
+                    "limits not enforced: cannot move the job into {}: {e}",
+                    cg.path.display()
+                );
+                self.note(l.job, line);
+                cg.remove();
+                cgroup = None;
+            }
+            if let Some(mut go) = child.stdin.take() {
+                let _ = go.write_all(b"go\n");
+            }
+        }
+        let raw =
+            i32::try_from(child.id()).map_err(|e| io("process id", std::io::Error::other(e)))?;
+        let pgid =
+            Pid::from_raw(raw).ok_or_else(|| io("process id", std::io::Error::other("0")))?;
+        if let Err(e) = fs::write(dir.join("pgid"), raw.to_string()) {
+            tracing::warn!(job = l.job, error = %e, "cannot record the job's process group; a restarted agent will not find it");
+        }
         Ok(Running {
             child,
             gpus: l.gpus.clone(),
+            shared: l.gpu_share.is_some(),
+            cgroup,
             pgid,
             started: Instant::now(),
             limit: Duration::from_secs(l.time_limit_secs),
@@ -294,8 +529,11 @@ impl Launcher {
         for (&job, r) in self.running.iter_mut() {
             match r.child.try_wait() {
                 Ok(Some(status)) => {
-                    // Whatever is left of the group goes too.
+                    // Whatever is left of the group (and of the cgroup) goes too.
                     signal_group(r.pgid, Signal::KILL);
+                    if let Some(cg) = &r.cgroup {
+                        cg.kill();
+                    }
                     let code = status
                         .code()
                         .unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
@@ -319,13 +557,25 @@ impl Launcher {
                     }
                     if r.stopping.as_ref().is_some_and(|s| now >= s.kill_at) {
                         signal_group(r.pgid, Signal::KILL);
+                        if let Some(cg) = &r.cgroup {
+                            cg.kill();
+                        }
                     }
                 }
                 Err(e) => tracing::warn!(job, error = %e, "could not check a job's process"),
             }
         }
+        self.leftover_cgroups.retain(|cg| {
+            cg.remove();
+            cg.path.exists()
+        });
         for exit in done {
-            self.running.remove(&exit.job);
+            if let Some(cg) = self.running.remove(&exit.job).and_then(|r| r.cgroup) {
+                cg.remove();
+                if cg.path.exists() {
+                    self.leftover_cgroups.push(cg);
+                }
+            }
             self.registry.unregister(&exit.job.to_string());
             let _ = fs::remove_file(self.job_dir(exit.job).join("pgid"));
             tracing::info!(job = exit.job, code = exit.code, "job exited");
@@ -436,8 +686,14 @@ impl Launcher {
         }
         for r in self.running.values() {
             signal_group(r.pgid, Signal::KILL);
+            if let Some(cg) = &r.cgroup {
+                cg.kill();
+            }
         }
         self.poll();
+        if let Ok(c) = &self.cgroups {
+            c.close();
+        }
     }
 }
 
@@ -568,6 +824,9 @@ mod tests {
         assert_eq!(text_of(&"é".as_bytes()[..1], true), ("?".into(), 1));
     }
 }
+
+#[cfg(test)]
+mod isolation_tests;
 
 #[cfg(test)]
 mod gpu_handover_tests {

@@ -157,6 +157,21 @@ impl Sampler {
         (count, model)
     }
 
+    /// NVLink islands of this node's GPUs: NVML's answer for real GPUs (`None` when it cannot
+    /// tell); simulated GPUs imitate NVSwitch H100 systems, so they form one island of their
+    /// own.
+    pub fn nvlink_islands(&self) -> Option<Vec<Vec<u32>>> {
+        let mut islands = match &self.nvml {
+            Some(n) if !n.devices().is_empty() => n.nvlink_islands()?,
+            _ => Vec::new(),
+        };
+        let sim = self.sim.indices();
+        if !sim.is_empty() {
+            islands.push(sim);
+        }
+        (!islands.is_empty()).then_some(islands)
+    }
+
     pub fn sample(&mut self, now_ms: i64) -> Round {
         let nvml = self
             .nvml

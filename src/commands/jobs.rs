@@ -36,6 +36,19 @@ pub struct SubmitArgs {
     /// Nodes (the job gets gpus x nodes GPUs, all at once).
     #[arg(long, short = 'N')]
     nodes: Option<u32>,
+    /// Part of one GPU instead of whole GPUs, 0.01 to 0.99 (on nodes with agent.gpu_sharing);
+    /// needs --gpu-memory-gb.
+    #[arg(long, requires = "gpu_memory_gb", conflicts_with = "gpus")]
+    gpu_fraction: Option<f64>,
+    /// GPU memory a shared job needs, GiB.
+    #[arg(long, requires = "gpu_fraction")]
+    gpu_memory_gb: Option<f64>,
+    /// CPUs (the job's cgroup cpu.max, where the node can set one).
+    #[arg(long, short = 'c')]
+    cpus: Option<u32>,
+    /// Host memory in MiB (the job's cgroup memory.max).
+    #[arg(long)]
+    mem: Option<u64>,
     /// Time limit: seconds, 90s, 30m, 2h, 1d, or HH:MM:SS.
     #[arg(long, short = 't')]
     time: Option<String>,
@@ -145,14 +158,14 @@ pub struct NodeArgs {
     node: String,
 }
 
-struct Api {
+pub(crate) struct Api {
     base: String,
     client: reqwest::blocking::Client,
     token: Option<String>,
 }
 
 impl Api {
-    fn new(server: &ServerArg) -> Result<Api> {
+    pub(crate) fn new(server: &ServerArg) -> Result<Api> {
         let client = reqwest::blocking::Client::builder()
             .timeout(std::time::Duration::from_secs(30))
             .build()?;
@@ -189,13 +202,19 @@ impl Api {
         bail!("{message} (HTTP {status})")
     }
 
-    fn get(&self, path: &str) -> Result<Value> {
+    pub(crate) fn get(&self, path: &str) -> Result<Value> {
         Ok(self
             .send(self.client.get(format!("{}{path}", self.base)))?
             .json()?)
     }
 
-    fn post(&self, path: &str, body: &Value) -> Result<Value> {
+    pub(crate) fn delete(&self, path: &str) -> Result<Value> {
+        Ok(self
+            .send(self.client.delete(format!("{}{path}", self.base)))?
+            .json()?)
+    }
+
+    pub(crate) fn post(&self, path: &str, body: &Value) -> Result<Value> {
         Ok(self
             .send(self.client.post(format!("{}{path}", self.base)).json(body))?
             .json()?)
@@ -256,6 +275,18 @@ pub fn submit(args: SubmitArgs) -> Result<()> {
     }
     if let Some(v) = args.nodes {
         set("nodes", v.into());
+    }
+    if let (Some(fraction), Some(memory_gb)) = (args.gpu_fraction, args.gpu_memory_gb) {
+        set(
+            "gpu_share",
+            serde_json::json!({"fraction": fraction, "memory_gb": memory_gb}),
+        );
+    }
+    if let Some(v) = args.cpus {
+        set("cpus", v.into());
+    }
+    if let Some(v) = args.mem {
+        set("memory_mb", v.into());
     }
     if let Some(v) = &args.time {
         set("time_limit_secs", parse_duration(v)?.into());
@@ -328,6 +359,16 @@ pub fn submit(args: SubmitArgs) -> Result<()> {
     Ok(())
 }
 
+/// The GPUs a request holds: `nodes x gpus_per_node`, or its fraction of one GPU.
+fn gpu_count(request: &Value) -> String {
+    match request["gpu_share"]["fraction"].as_f64() {
+        Some(f) => format!("{f:.2}"),
+        None => (request["nodes"].as_u64().unwrap_or(1)
+            * request["gpus_per_node"].as_u64().unwrap_or(1))
+        .to_string(),
+    }
+}
+
 fn gpus_of(job: &Value) -> String {
     let placement = job["placement"].as_array().cloned().unwrap_or_default();
     if placement.is_empty() {
@@ -361,7 +402,7 @@ fn elapsed(job: &Value) -> String {
     format!("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
 }
 
-fn print_table(header: &[&str], rows: Vec<Vec<String>>) {
+pub(crate) fn print_table(header: &[&str], rows: Vec<Vec<String>>) {
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for row in &rows {
         for (w, cell) in widths.iter_mut().zip(row) {
@@ -382,7 +423,7 @@ fn print_table(header: &[&str], rows: Vec<Vec<String>>) {
     }
 }
 
-fn s(v: &Value) -> String {
+pub(crate) fn s(v: &Value) -> String {
     match v {
         Value::String(s) => s.clone(),
         Value::Null => "-".into(),
@@ -413,14 +454,13 @@ pub fn jobs(args: JobsArgs) -> Result<()> {
         })
         .map(|j| {
             let r = &j["request"];
-            let gpus = r["nodes"].as_u64().unwrap_or(1) * r["gpus_per_node"].as_u64().unwrap_or(1);
             vec![
                 s(&j["id"]),
                 s(&r["name"]),
                 s(&r["user"]),
                 s(&r["account"]),
                 s(&j["state"]),
-                gpus.to_string(),
+                gpu_count(r),
                 elapsed(j),
                 gpus_of(j),
                 s(&j["reason"]),
@@ -477,6 +517,16 @@ pub fn show(args: JobIdArgs) -> Result<()> {
         j["preemptions"],
         elapsed(&j)
     );
+    if r["gpu_share"].is_object() {
+        println!(
+            "   GpuShare={} of a GPU, {} GiB of its memory",
+            s(&r["gpu_share"]["fraction"]),
+            s(&r["gpu_share"]["memory_gb"])
+        );
+    }
+    if !r["cpus"].is_null() || !r["memory_mb"].is_null() {
+        println!("   CPUs={} MemoryMiB={}", s(&r["cpus"]), s(&r["memory_mb"]));
+    }
     println!("   Placement={}", gpus_of(&j));
     if let Some(gpus) = j["gpus_now"].as_array() {
         println!("   GPUs now:");
@@ -553,13 +603,12 @@ pub fn queue(args: ListArgs) -> Result<()> {
         .map(|e| {
             let j = &e["job"];
             let r = &j["request"];
-            let gpus = r["nodes"].as_u64().unwrap_or(1) * r["gpus_per_node"].as_u64().unwrap_or(1);
             vec![
                 s(&e["position"]),
                 s(&j["id"]),
                 s(&r["user"]),
                 s(&r["account"]),
-                gpus.to_string(),
+                gpu_count(r),
                 format!("{:.3}", e["priority"].as_f64().unwrap_or(0.0)),
                 s(&j["reason"]),
             ]

@@ -42,6 +42,8 @@ impl Perch {
         if !args.contains(&"--listen") {
             cmd.args(["--listen", "127.0.0.1:0"]);
         }
+        // The tests' users (alice, bob) do not exist on the machine: jobs run as the agent's.
+        cmd.env("PERCH_RUN_AS_USER", "never");
         cmd.envs(env.iter().copied());
         let child = cmd
             .env(
@@ -210,6 +212,7 @@ impl Agent {
         .arg("--data-dir")
         .arg(data_dir)
         .env_remove("PERCH_TOKEN")
+        .env("PERCH_RUN_AS_USER", "never")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
         if let Some(t) = token {

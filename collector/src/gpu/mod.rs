@@ -3,6 +3,7 @@
 //! Both produce [`perch_model::GpuSample`]s for a given `now_ms`; the agent uses NVML when it
 //! can and adds simulated GPUs only when asked to, always labelled `simulated: true`.
 
+pub mod nvlink;
 pub mod nvml;
 pub mod sim;
 

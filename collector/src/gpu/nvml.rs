@@ -129,6 +129,44 @@ impl NvmlGpus {
         &self.devices
     }
 
+    /// The NVLink islands of the devices (see [`super::nvlink`]), by their indices; `None`
+    /// when NVML cannot tell (an old driver, a device that cannot be opened), which the
+    /// scheduler treats as one island.
+    pub fn nvlink_islands(&self) -> Option<Vec<Vec<u32>>> {
+        use nvml_wrapper::enum_wrappers::device::{P2pCapabilitiesIndex, P2pStatus};
+        let devices: Vec<_> = self
+            .devices
+            .iter()
+            .map(|d| self.nvml.device_by_index(d.index))
+            .collect::<std::result::Result<_, _>>()
+            .ok()?;
+        let n = devices.len();
+        let mut linked = vec![false; n * n];
+        for a in 0..n {
+            for b in a + 1..n {
+                let status = devices[a]
+                    .p2p_status(&devices[b], P2pCapabilitiesIndex::NvLink)
+                    .ok()?;
+                linked[a * n + b] = status == P2pStatus::Ok;
+            }
+        }
+        let islands = super::nvlink::islands(n as u32, |a, b| {
+            let (a, b) = (a.min(b) as usize, a.max(b) as usize);
+            linked[a * n + b]
+        });
+        // Positions to NVML indices (the same unless a device could not be opened at start).
+        Some(
+            islands
+                .into_iter()
+                .map(|i| {
+                    i.into_iter()
+                        .map(|p| self.devices[p as usize].index)
+                        .collect()
+                })
+                .collect(),
+        )
+    }
+
     /// The driver version, when NVML reports one.
     pub fn driver_version(&self) -> Option<String> {
         self.nvml.sys_driver_version().ok()

@@ -1,0 +1,310 @@
+//! Jobs as their users, in their cgroups, and sharing a GPU, on this machine for real.
+//!
+//! Which path a test takes depends on the machine (root or not, cgroup v2 with the memory and
+//! cpu controllers or not); each test asserts what perch must do on the path it finds and
+//! says which one it took, so none passes without checking something.
+
+use super::*;
+use perch_model::control::LaunchShare;
+
+fn launch(job: u64, user: &str, script: &str) -> JobLaunch {
+    JobLaunch {
+        job,
+        command: vec!["sh".into(), "-c".into(), script.into()],
+        env: Default::default(),
+        workdir: None,
+        gpus: vec![0],
+        user: user.into(),
+        node_rank: 0,
+        nodes: 1,
+        time_limit_secs: 3600,
+        checkpoint_signal: "SIGTERM".into(),
+        grace_secs: 1,
+        sim_profile: None,
+        gpu_share: None,
+        cpus: None,
+        memory_mb: None,
+    }
+}
+
+fn wait_exit(l: &mut Launcher, job: u64) -> JobExit {
+    for _ in 0..600 {
+        l.poll();
+        if let Some(e) = l.exited().into_iter().find(|e| e.job == job) {
+            return e;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    panic!("job {job} did not exit");
+}
+
+fn output(dir: &Path, job: u64, stream: &str) -> String {
+    fs::read_to_string(dir.join(job.to_string()).join(stream)).unwrap_or_default()
+}
+
+fn is_root() -> bool {
+    rustix::process::getuid().is_root()
+}
+
+/// A user (with a supplementary group) created for one test and deleted after it.
+struct TestUser {
+    name: String,
+    group: String,
+}
+
+impl TestUser {
+    fn create(tag: &str) -> TestUser {
+        let name = format!("perch{tag}{}", std::process::id() % 100_000);
+        let group = format!("{name}g");
+        let run = |program: &str, args: &[&str]| {
+            let status = std::process::Command::new(program)
+                .args(args)
+                .status()
+                .unwrap_or_else(|e| panic!("root, but {program} cannot run: {e}"));
+            assert!(status.success(), "{program} {args:?}: {status}");
+        };
+        run("groupadd", &[&group]);
+        run("useradd", &["-m", "-G", &group, &name]);
+        TestUser { name, group }
+    }
+}
+
+impl Drop for TestUser {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("userdel")
+            .args(["-f", "-r", &self.name])
+            .output();
+        let _ = std::process::Command::new("groupdel")
+            .arg(&self.group)
+            .output();
+    }
+}
+
+#[test]
+fn a_job_runs_as_its_user_when_the_agent_is_root() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // The job directory's parents must be traversable by the user, as a data dir is.
+    fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .expect("chmod");
+    let mut l = Launcher::new(dir.path()).expect("launcher");
+    l.set_isolation(&Isolation {
+        run_as_user: RunAsUser::IfPossible,
+        cgroups: CgroupMode::Off,
+        root: PathBuf::new(),
+    });
+    let script = "id -u; id -G; echo $HOME $USER; touch here; sleep 0.3";
+    if !is_root() {
+        // Documented fallback: the agent's user, and the record says so.
+        l.launch(&launch(1, "somebody", script));
+        let exit = wait_exit(&mut l, 1);
+        assert_eq!(exit.code, 0, "{}", output(dir.path(), 1, "stderr"));
+        let uid = rustix::process::getuid().as_raw();
+        assert!(output(dir.path(), 1, "stdout").starts_with(&format!("{uid}\n")));
+        let notes = l.take_notes();
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.job == 1 && n.text.contains("not root")),
+            "{notes:?}"
+        );
+        return;
+    }
+    let user = TestUser::create("u");
+    let id = identity::lookup(&user.name)
+        .expect("lookup")
+        .expect("created user exists");
+    let group = nix::unistd::Group::from_name(&user.group)
+        .expect("lookup")
+        .expect("created group exists");
+    l.launch(&launch(1, &user.name, script));
+    // While it runs, its process has the user's uid (once the switch is done: with setpriv
+    // the same process starts as root and switches before the job's program runs).
+    let pid = l.running.get(&1).map(|r| r.child.id()).expect("started");
+    let uid_of = || {
+        let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        status
+            .lines()
+            .find(|l| l.starts_with("Uid:"))
+            .and_then(|l| l.split_whitespace().nth(1).map(str::to_owned))
+    };
+    let mut seen = uid_of();
+    for _ in 0..100 {
+        if seen.as_deref() == Some(id.uid.to_string().as_str()) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+        seen = uid_of();
+    }
+    assert_eq!(seen, Some(id.uid.to_string()), "the running job's uid");
+    let exit = wait_exit(&mut l, 1);
+    assert_eq!(exit.code, 0, "{}", output(dir.path(), 1, "stderr"));
+    let out = output(dir.path(), 1, "stdout");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.first(), Some(&id.uid.to_string().as_str()), "{out}");
+    let groups: Vec<u32> = lines
+        .get(1)
+        .map(|g| {
+            g.split_whitespace()
+                .filter_map(|x| x.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(groups.contains(&id.gid), "primary group in {groups:?}");
+    if l.setpriv.is_some() {
+        assert!(
+            groups.contains(&group.gid.as_raw()),
+            "supplementary group {} in {groups:?}",
+            group.gid
+        );
+    }
+    assert_eq!(
+        lines.get(2).copied(),
+        Some(format!("{} {}", id.home.display(), user.name).as_str())
+    );
+    // Its directory and logs are its own: it could write its working directory.
+    let meta = fs::metadata(dir.path().join("1/stdout")).expect("stdout");
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), id.uid);
+    assert!(dir.path().join("1/here").exists());
+}
+
+#[test]
+fn a_user_the_node_does_not_know_fails_the_job_with_the_reason() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut l = Launcher::new(dir.path()).expect("launcher");
+    l.set_isolation(&Isolation {
+        run_as_user: RunAsUser::Required,
+        cgroups: CgroupMode::Off,
+        root: PathBuf::new(),
+    });
+    l.launch(&launch(2, "no-such-user-perch", "echo ran"));
+    let exit = wait_exit(&mut l, 2);
+    assert_eq!(exit.code, 126);
+    let why = exit.error.expect("a reason");
+    if is_root() {
+        assert!(why.contains("does not exist on this node"), "{why}");
+    } else {
+        assert!(why.contains("not root"), "{why}");
+    }
+    assert!(output(dir.path(), 2, "stderr").starts_with("perch: job not started: "));
+    assert_eq!(output(dir.path(), 2, "stdout"), "");
+}
+
+#[test]
+fn a_job_gets_a_cgroup_with_its_limits_or_says_why_not() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut l = Launcher::new(dir.path()).expect("launcher");
+    l.set_isolation(&Isolation {
+        run_as_user: RunAsUser::Never,
+        cgroups: CgroupMode::Auto,
+        root: PathBuf::new(),
+    });
+    let mut job = launch(3, "any", "cat /proc/self/cgroup; sleep 0.5");
+    job.memory_mb = Some(256);
+    job.cpus = Some(1);
+    l.launch(&job);
+    let cgroup = l.running.get(&3).and_then(|r| r.cgroup.clone());
+    let limits = cgroup.as_ref().map(|cg| {
+        (
+            fs::read_to_string(cg.path.join("memory.max")).ok(),
+            fs::read_to_string(cg.path.join("cpu.max")).ok(),
+        )
+    });
+    let exit = wait_exit(&mut l, 3);
+    assert_eq!(exit.code, 0, "{}", output(dir.path(), 3, "stderr"));
+    let notes: Vec<String> = l
+        .take_notes()
+        .into_iter()
+        .filter(|n| n.job == 3)
+        .map(|n| n.text)
+        .collect();
+    let stdout = output(dir.path(), 3, "stdout");
+    let stderr = output(dir.path(), 3, "stderr");
+    match (&l.cgroups, cgroup) {
+        (Ok(_), Some(cg)) => {
+            // The job's first process ran inside its cgroup from the start.
+            let rel = format!(
+                "/perch-jobs/{}/job-3",
+                cgroup::scope_of(&fs::canonicalize(dir.path()).expect("canonical"))
+            );
+            assert!(
+                stdout
+                    .lines()
+                    .any(|line| line.starts_with("0::") && line.ends_with(&rel)),
+                "job not in {}: {stdout}",
+                cg.path.display()
+            );
+            if cg.enforced {
+                eprintln!("path taken: cgroup with limits at {}", cg.path.display());
+                assert_eq!(
+                    limits,
+                    Some((
+                        Some("268435456\n".to_owned()),
+                        Some("100000 100000\n".to_owned())
+                    ))
+                );
+                assert!(
+                    notes.iter().any(|n| n.contains("memory.max 268435456")),
+                    "{notes:?}"
+                );
+            } else {
+                eprintln!("path taken: cgroup without limits: {}", cg.note);
+                assert!(stderr.starts_with("perch: cgroup "), "{stderr}");
+                assert!(stderr.contains("limits not enforced"), "{stderr}");
+                assert!(
+                    notes.iter().any(|n| n.contains("limits not enforced")),
+                    "{notes:?}"
+                );
+            }
+            // Removed once the job ended, and the agent's directory at shutdown.
+            assert!(!cg.path.exists(), "{} left behind", cg.path.display());
+            l.stop_all(Duration::from_secs(1));
+            let parent = cg.path.parent().expect("parent");
+            assert!(!parent.exists(), "{} left behind", parent.display());
+        }
+        (Ok(_), None) | (Err(_), _) => {
+            eprintln!("path taken: no cgroup: {notes:?}");
+            assert!(
+                stderr.starts_with("perch: limits not enforced (memory 256 MiB, 1 CPUs): "),
+                "{stderr}"
+            );
+            assert_eq!(notes.len(), 1, "{notes:?}");
+            assert!(notes[0].contains("limits not enforced"), "{notes:?}");
+        }
+    }
+}
+
+#[test]
+fn shared_jobs_run_side_by_side_and_a_whole_gpu_job_waits_for_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut l = Launcher::new(dir.path()).expect("launcher");
+    let share = |job: u64| {
+        let mut s = launch(
+            job,
+            "any",
+            "echo $CUDA_VISIBLE_DEVICES $PERCH_GPU_FRACTION $CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; sleep 0.4",
+        );
+        s.gpu_share = Some(LaunchShare {
+            percent: 25,
+            memory_mb: 1024,
+        });
+        s
+    };
+    l.launch(&share(4));
+    l.launch(&share(5));
+    assert!(
+        l.running.contains_key(&4) && l.running.contains_key(&5),
+        "two shares of GPU 0 run together"
+    );
+    l.launch(&launch(6, "any", "true"));
+    assert!(
+        !l.running.contains_key(&6),
+        "a whole-GPU job waits for them"
+    );
+    assert_eq!(wait_exit(&mut l, 6).code, 0);
+    for job in [4, 5] {
+        assert_eq!(output(dir.path(), job, "stdout"), "0 0.25 25\n");
+    }
+}
