@@ -407,3 +407,39 @@ async fn rollups_outlive_the_raw_rows_and_each_other() {
             .all(|(t, files, _)| *files == 0 || *t == Table::Events)
     );
 }
+
+#[tokio::test]
+async fn time_predicates_on_a_rollup_view_reach_its_files() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(StoreConfig::new(dir.path())).expect("open");
+    let day0 = 1_800_000_000_000 / DAY_MS * DAY_MS;
+    for day in 0..5i64 {
+        let gpus = vec![GpuSample {
+            time_ms: day0 + day * DAY_MS,
+            uuid: "GPU-0".into(),
+            model: "Test".into(),
+            ..GpuSample::default()
+        }];
+        let (raw, b) = batch(0, day as u64 + 1, gpus, vec![]);
+        store.ingest(raw, &b).await.expect("ingest");
+        store.flush().await.expect("flush");
+    }
+    let sql = SqlEngine::new(store, QueryLimits::default());
+    let since = format!("time >= to_timestamp_millis({})", day0 + 3 * DAY_MS);
+    let out = sql
+        .query(&format!(
+            "EXPLAIN SELECT * FROM gpu_samples_1m WHERE {since}"
+        ))
+        .await
+        .expect("explain");
+    let plan = arrow::util::pretty::pretty_format_batches(&out.batches)
+        .expect("format")
+        .to_string();
+    assert_eq!(
+        plan.matches(".parquet").count(),
+        2,
+        "only the last two days' rollup files are scanned:\n{plan}"
+    );
+    let q = format!("SELECT count(*) FROM gpu_samples_1m WHERE {since}");
+    assert_eq!(scalar(&sql, &q).await, 2);
+}
