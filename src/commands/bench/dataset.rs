@@ -12,10 +12,11 @@
 //! `store/` (a perch data directory), `jobs.parquet`, `job_allocations.parquet`, and
 //! `spec.json`, written last: a directory without it is an interrupted run and is rebuilt.
 
-use super::workload::{GPU_MODEL, Shape, Workload};
+use super::workload::{GPU_MODEL, Job, Shape, Workload};
 use anyhow::{Context, Result};
 use arrow::array::{
-    ArrayRef, Float64Array, RecordBatch, StringArray, TimestampMillisecondArray, UInt32Array,
+    ArrayRef, BooleanArray, Float64Array, RecordBatch, StringArray, TimestampMillisecondArray,
+    UInt32Array, UInt64Array,
 };
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
 use bytes::Bytes;
@@ -206,7 +207,7 @@ async fn fill_store(dir: &Path, workload: Arc<Workload>) -> Result<String> {
         for node in 0..shape.nodes {
             let (store, workload) = (store.clone(), workload.clone());
             tasks.spawn(async move {
-                let name = NodeId::new(format!("node-{node:03}")).map_err(anyhow::Error::msg)?;
+                let name = NodeId::new(node_name(node)).map_err(anyhow::Error::msg)?;
                 // Built from JSON so that fields added to `Batch` later default to empty here.
                 let mut batch: Batch =
                     serde_json::from_value(serde_json::json!({"node": name, "seq": seq}))?;
@@ -252,11 +253,7 @@ async fn fill_store(dir: &Path, workload: Arc<Workload>) -> Result<String> {
     ))
 }
 
-fn ts(values: Vec<i64>) -> ArrayRef {
-    Arc::new(TimestampMillisecondArray::from(values).with_timezone("UTC"))
-}
-
-fn ts_opt(values: Vec<Option<i64>>) -> ArrayRef {
+fn ts(values: Vec<Option<i64>>) -> ArrayRef {
     Arc::new(TimestampMillisecondArray::from(values).with_timezone("UTC"))
 }
 
@@ -270,47 +267,58 @@ fn ts_field(name: &str, nullable: bool) -> Field {
 
 pub(super) fn jobs_schema() -> SchemaRef {
     Arc::new(Schema::new(vec![
-        Field::new("job", DataType::Utf8, false),
+        Field::new("job", DataType::UInt64, false),
+        Field::new("name", DataType::Utf8, true),
         Field::new("user", DataType::Utf8, false),
         Field::new("account", DataType::Utf8, false),
         Field::new("state", DataType::Utf8, false),
-        Field::new("profile", DataType::Utf8, false),
         ts_field("submit_time", false),
-        ts_field("start_time", false),
+        ts_field("start_time", true),
         ts_field("end_time", true),
+        Field::new("node_count", DataType::UInt32, false),
         Field::new("gpus", DataType::UInt32, false),
-        Field::new("nodes", DataType::UInt32, false),
         Field::new("gpu_seconds_allocated", DataType::Float64, false),
+        Field::new("simulated", DataType::Boolean, false),
     ]))
 }
 
 pub(super) fn allocations_schema() -> SchemaRef {
     Arc::new(Schema::new(vec![
-        Field::new("job", DataType::Utf8, false),
+        Field::new("job", DataType::UInt64, false),
         Field::new("attempt", DataType::UInt32, false),
+        Field::new("user", DataType::Utf8, false),
+        Field::new("account", DataType::Utf8, false),
         Field::new("node", DataType::Utf8, false),
         Field::new("gpu", DataType::UInt32, false),
         Field::new("gpu_model", DataType::Utf8, false),
         ts_field("start_time", false),
-        ts_field("end_time", false),
+        ts_field("end_time", true),
+        Field::new("gpu_seconds_allocated", DataType::Float64, false),
+        Field::new("simulated", DataType::Boolean, false),
     ]))
 }
 
-/// The `jobs` and `job_allocations` rows. A job still running when the window closes has no
-/// `end_time` (state `running`); its allocations end at the window's end, the moment the
-/// dataset describes.
+/// The `jobs` and `job_allocations` rows, with the server's column names and types (a subset
+/// of its columns). A job still running when the window closes is `running` with no
+/// `end_time`, in both tables, as the server reports it; GPU-seconds run to the window's end.
+/// A job's name is its generated profile (`idle`, `stalled`, ...), so results show why a job
+/// wasted its GPUs.
 fn job_tables(w: &Workload) -> Result<(RecordBatch, RecordBatch)> {
     let window_end = w.shape.window_ms;
     let jobs = &w.jobs;
-    let state = |j: &super::workload::Job| match (j.end_ms > window_end, j.profile.name()) {
+    let state = |j: &Job| match (j.end_ms > window_end, j.profile.name()) {
         (true, _) => "running",
         (false, "stalled") => "timeout",
         (false, "idle") => "cancelled",
         (false, _) => "completed",
     };
+    let end = |j: &Job| (j.end_ms <= window_end).then_some(EPOCH_MS + j.end_ms);
+    let held_s = |j: &Job| (j.end_ms.min(window_end) - j.start_ms) as f64 / 1000.0;
+    let bools = |n: usize| Arc::new(BooleanArray::from(vec![true; n])) as ArrayRef;
     let job_columns: Vec<ArrayRef> = vec![
+        Arc::new(UInt64Array::from_iter_values(jobs.iter().map(|j| j.id))),
         Arc::new(StringArray::from_iter_values(
-            jobs.iter().map(|j| j.id.as_str()),
+            jobs.iter().map(|j| j.profile.name()),
         )),
         Arc::new(StringArray::from_iter_values(
             jobs.iter().map(|j| j.user.as_str()),
@@ -319,48 +327,58 @@ fn job_tables(w: &Workload) -> Result<(RecordBatch, RecordBatch)> {
             jobs.iter().map(|j| j.account),
         )),
         Arc::new(StringArray::from_iter_values(jobs.iter().map(state))),
-        Arc::new(StringArray::from_iter_values(
-            jobs.iter().map(|j| j.profile.name()),
-        )),
-        ts(jobs.iter().map(|j| EPOCH_MS + j.submit_ms).collect()),
-        ts(jobs.iter().map(|j| EPOCH_MS + j.start_ms).collect()),
-        ts_opt(
-            jobs.iter()
-                .map(|j| (j.end_ms <= window_end).then_some(EPOCH_MS + j.end_ms))
-                .collect(),
-        ),
-        Arc::new(UInt32Array::from_iter_values(
-            jobs.iter().map(|j| j.gpus.len() as u32),
-        )),
+        ts(jobs.iter().map(|j| Some(EPOCH_MS + j.submit_ms)).collect()),
+        ts(jobs.iter().map(|j| Some(EPOCH_MS + j.start_ms)).collect()),
+        ts(jobs.iter().map(end).collect()),
         Arc::new(UInt32Array::from_iter_values(jobs.iter().map(|j| {
             let mut nodes: Vec<u32> = j.gpus.iter().map(|g| g.0).collect();
             nodes.dedup();
             nodes.len() as u32
         }))),
-        Arc::new(Float64Array::from_iter_values(jobs.iter().map(|j| {
-            j.gpus.len() as f64 * (j.end_ms.min(window_end) - j.start_ms) as f64 / 1000.0
-        }))),
+        Arc::new(UInt32Array::from_iter_values(
+            jobs.iter().map(|j| j.gpus.len() as u32),
+        )),
+        Arc::new(Float64Array::from_iter_values(
+            jobs.iter().map(|j| j.gpus.len() as f64 * held_s(j)),
+        )),
+        bools(jobs.len()),
     ];
     let jobs_batch = RecordBatch::try_new(jobs_schema(), job_columns)?;
 
-    let rows: Vec<_> = w.allocations().collect();
+    let rows: Vec<(&Job, u32, u32)> = jobs
+        .iter()
+        .flat_map(|j| j.gpus.iter().map(move |&(n, g)| (j, n, g)))
+        .collect();
     let alloc_columns: Vec<ArrayRef> = vec![
-        Arc::new(StringArray::from_iter_values(
-            rows.iter().map(|r| r.0.id.as_str()),
-        )),
+        Arc::new(UInt64Array::from_iter_values(rows.iter().map(|r| r.0.id))),
         Arc::new(UInt32Array::from_iter_values(rows.iter().map(|_| 1))),
         Arc::new(StringArray::from_iter_values(
-            rows.iter().map(|r| format!("node-{:03}", r.1)),
+            rows.iter().map(|r| r.0.user.as_str()),
+        )),
+        Arc::new(StringArray::from_iter_values(
+            rows.iter().map(|r| r.0.account),
+        )),
+        Arc::new(StringArray::from_iter_values(
+            rows.iter().map(|r| node_name(r.1)),
         )),
         Arc::new(UInt32Array::from_iter_values(rows.iter().map(|r| r.2))),
         Arc::new(StringArray::from_iter_values(
             rows.iter().map(|_| GPU_MODEL),
         )),
-        ts(rows.iter().map(|r| EPOCH_MS + r.3).collect()),
-        ts(rows.iter().map(|r| EPOCH_MS + r.4).collect()),
+        ts(rows.iter().map(|r| Some(EPOCH_MS + r.0.start_ms)).collect()),
+        ts(rows.iter().map(|r| end(r.0)).collect()),
+        Arc::new(Float64Array::from_iter_values(
+            rows.iter().map(|r| held_s(r.0)),
+        )),
+        bools(rows.len()),
     ];
     let allocations = RecordBatch::try_new(allocations_schema(), alloc_columns)?;
     Ok((jobs_batch, allocations))
+}
+
+/// The name of node `n`, as its agent would send it.
+pub(super) fn node_name(n: u32) -> String {
+    format!("node-{n:03}")
 }
 
 fn write_parquet(path: &Path, batch: &RecordBatch) -> Result<()> {

@@ -68,24 +68,25 @@ struct Query {
 }
 
 /// The four queries of issue 4. `iv` is the sampling interval in seconds, so one sample of
-/// one GPU stands for `iv / 3600` GPU-hours. A sample belongs to an allocation when its time
-/// is in `[start_time, end_time)` on the allocation's node and GPU.
+/// one GPU stands for `iv / 3600` GPU-hours. A sample belongs to an allocation when it is on
+/// the allocation's node and GPU and its time is in `[start_time, end_time)`, `end_time` being
+/// NULL while the job runs (as in the server's `job_allocations`).
 fn queries(iv: u32) -> Vec<Query> {
     let hours = format!("{iv}.0 / 3600.0");
+    let held = "s.node = a.node AND s.gpu = a.gpu
+ AND s.time >= a.start_time AND (a.end_time IS NULL OR s.time < a.end_time)";
     vec![
         Query {
             name: "a",
             title: "GPU-hours and mean utilization per account per day",
             sql: format!(
-                "SELECT j.account, CAST(date_trunc('day', s.time) AS DATE) AS day,
+                "SELECT a.account, CAST(date_trunc('day', s.time) AS DATE) AS day,
        count(*) * {hours} AS gpu_hours,
        avg(s.utilization_gpu_pct) AS mean_utilization_pct
 FROM job_allocations a
-JOIN jobs j ON j.job = a.job
-JOIN gpu_samples s ON s.node = a.node AND s.gpu = a.gpu
- AND s.time >= a.start_time AND s.time < a.end_time
-GROUP BY j.account, CAST(date_trunc('day', s.time) AS DATE)
-ORDER BY j.account, day"
+JOIN gpu_samples s ON {held}
+GROUP BY a.account, CAST(date_trunc('day', s.time) AS DATE)
+ORDER BY a.account, day"
             ),
         },
         Query {
@@ -96,8 +97,7 @@ ORDER BY j.account, day"
        count(*) * {hours} AS idle_gpu_hours,
        count(a.job) * {hours} AS idle_allocated_gpu_hours
 FROM gpu_samples s
-LEFT JOIN job_allocations a ON a.node = s.node AND a.gpu = s.gpu
- AND s.time >= a.start_time AND s.time < a.end_time
+LEFT JOIN job_allocations a ON {held}
 WHERE s.utilization_gpu_pct < 5
 GROUP BY s.node
 ORDER BY s.node"
@@ -107,16 +107,18 @@ ORDER BY s.node"
             name: "c",
             title: "the 10 jobs that wasted the most GPU-hours (allocated - used)",
             sql: format!(
-                "SELECT a.job, j.\"user\", j.account, j.profile,
-       count(*) * {hours} AS allocated_gpu_hours,
-       sum(s.utilization_gpu_pct) / 100.0 * {hours} AS used_gpu_hours,
-       (count(*) - sum(s.utilization_gpu_pct) / 100.0) * {hours} AS wasted_gpu_hours
-FROM job_allocations a
-JOIN jobs j ON j.job = a.job
-JOIN gpu_samples s ON s.node = a.node AND s.gpu = a.gpu
- AND s.time >= a.start_time AND s.time < a.end_time
-GROUP BY a.job, j.\"user\", j.account, j.profile
-ORDER BY wasted_gpu_hours DESC, a.job
+                "WITH per_job AS (
+  SELECT a.job, count(*) AS samples, sum(s.utilization_gpu_pct) / 100.0 AS busy_samples
+  FROM job_allocations a
+  JOIN gpu_samples s ON {held}
+  GROUP BY a.job)
+SELECT j.job, j.name, j.\"user\", j.account,
+       p.samples * {hours} AS allocated_gpu_hours,
+       p.busy_samples * {hours} AS used_gpu_hours,
+       (p.samples - p.busy_samples) * {hours} AS wasted_gpu_hours
+FROM per_job p
+JOIN jobs j ON j.job = p.job
+ORDER BY wasted_gpu_hours DESC, j.job
 LIMIT 10"
             ),
         },

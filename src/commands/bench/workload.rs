@@ -143,7 +143,7 @@ impl Profile {
 /// One job of the workload.
 #[derive(Debug, Clone)]
 pub(super) struct Job {
-    pub(super) id: String,
+    pub(super) id: u64,
     pub(super) user: String,
     pub(super) account: &'static str,
     pub(super) profile: Profile,
@@ -253,7 +253,7 @@ impl Workload {
             }
             let (account, user) = pick_owner(&mut rng);
             jobs.push(Job {
-                id: format!("job-{:06}", job + 1),
+                id: job as u64 + 1,
                 user,
                 account,
                 profile: pick_profile(gpus.len(), &mut rng),
@@ -295,22 +295,6 @@ impl Workload {
     /// Samples per GPU in the window.
     pub(super) fn samples_per_gpu(&self) -> i64 {
         self.shape.window_ms / self.shape.interval_ms
-    }
-
-    /// Each GPU a job held inside the window, with the time range it held it (clipped to the
-    /// window): the rows of `job_allocations`.
-    pub(super) fn allocations(&self) -> impl Iterator<Item = (&Job, u32, u32, i64, i64)> {
-        self.jobs.iter().flat_map(move |job| {
-            job.gpus.iter().map(move |&(n, g)| {
-                (
-                    job,
-                    n,
-                    g,
-                    job.start_ms,
-                    job.end_ms.min(self.shape.window_ms),
-                )
-            })
-        })
     }
 
     /// Samples `k0..k1` (sample k at `offset + k * interval`) of every GPU of `node`, round by
