@@ -2,7 +2,10 @@
 //! count over `gpu_samples` that matches HTTP SQL, typed columns, and DDL and DML refused
 //! with the same read-only message as `POST /v1/sql`. Then psycopg (Python), which uses the
 //! extended protocol (Parse, Describe, Bind, Execute), binary results and `BEGIN` like many
-//! drivers and Grafana's pgx-based data source do.
+//! drivers and Grafana's pgx-based data source do. Then the catalog: the exact queries
+//! Grafana's PostgreSQL data source sends to fill its query builder, psql's `\dt`, and what
+//! drivers ask on connecting. Last, a server with tokens: a token is the password, a wrong
+//! one is refused with 28P01.
 
 mod common;
 
@@ -11,15 +14,89 @@ use std::process::{Command, Output};
 
 /// Runs `psql -c <sql>` against perch's PostgreSQL listener, unaligned and tuples only.
 fn psql(addr: &str, sql: &str) -> Output {
+    psql_as(addr, "perch", None, sql)
+}
+
+/// `psql -c <sql>` as `user`, with `password` in PGPASSWORD (never prompting).
+fn psql_as(addr: &str, user: &str, password: Option<&str>, sql: &str) -> Output {
     let (host, port) = addr.rsplit_once(':').expect("host:port");
-    Command::new("psql")
-        .args(["-h", host, "-p", port, "-U", "perch", "-d", "perch"])
+    let mut cmd = Command::new("psql");
+    cmd.args(["-h", host, "-p", port, "-U", user, "-d", "perch", "-w"])
         .args(["-X", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-c", sql])
         .env("PGCONNECT_TIMEOUT", "10")
-        .env_remove("PGPASSWORD")
-        .output()
+        .env_remove("PGPASSWORD");
+    if let Some(p) = password {
+        cmd.env("PGPASSWORD", p);
+    }
+    cmd.output()
         .expect("run psql (Debian package postgresql-client)")
 }
+
+/// Grafana's "schemas on the search path" condition, as its PostgreSQL data source writes it
+/// (public/app/plugins/datasource/grafana-postgresql-datasource/postgresMetaQuery.ts).
+const GRAFANA_SCHEMA_CONSTRAINT: &str = r#"
+          quote_ident(table_schema) IN (
+          SELECT
+            CASE WHEN trim(s[i]) = '"$user"' THEN user ELSE trim(s[i]) END
+          FROM
+            generate_series(
+              array_lower(string_to_array(current_setting('search_path'),','),1),
+              array_upper(string_to_array(current_setting('search_path'),','),1)
+            ) as i,
+            string_to_array(current_setting('search_path'),',') s
+          )"#;
+
+/// Grafana's table list (no schema chosen).
+fn grafana_tables() -> String {
+    format!(
+        r#"SELECT
+    CASE WHEN {c}
+      THEN quote_ident(table_name)
+      ELSE quote_ident(table_schema) || '.' || quote_ident(table_name)
+    END AS "table"
+    FROM information_schema.tables
+    WHERE quote_ident(table_schema) NOT IN ('information_schema',
+                             'pg_catalog',
+                             '_timescaledb_cache',
+                             '_timescaledb_catalog',
+                             '_timescaledb_internal',
+                             '_timescaledb_config',
+                             'timescaledb_information',
+                             'timescaledb_experimental')
+    ORDER BY CASE WHEN {c} THEN 0 ELSE 1 END, 1"#,
+        c = GRAFANA_SCHEMA_CONSTRAINT
+    )
+}
+
+/// Grafana's column list for `table` (plain or schema-qualified).
+fn grafana_columns(table: &str) -> String {
+    format!(
+        r#"SELECT quote_ident(column_name) AS "column", data_type AS "type"
+    FROM information_schema.columns
+    WHERE
+      CASE WHEN array_length(parse_ident('{table}'),1) = 2
+        THEN quote_ident(table_schema) = (parse_ident('{table}'))[1]
+          AND quote_ident(table_name) = (parse_ident('{table}'))[2]
+        ELSE quote_ident(table_name) = '{table}'
+          AND {c}
+      END"#,
+        c = GRAFANA_SCHEMA_CONSTRAINT
+    )
+}
+
+/// Grafana's schema list.
+const GRAFANA_SCHEMAS: &str = r#"SELECT schema_name AS "name"
+    FROM information_schema.schemata
+    WHERE schema_name NOT IN ('information_schema',
+                              'pg_catalog',
+                              'pg_toast',
+                              '_timescaledb_cache',
+                              '_timescaledb_catalog',
+                              '_timescaledb_internal',
+                              '_timescaledb_config',
+                              'timescaledb_information',
+                              'timescaledb_experimental')
+    ORDER BY schema_name"#;
 
 /// Extended protocol, binary and text results, an implicit transaction, a prepared statement
 /// and a refused write, through psycopg 3. Prints one line per check.
@@ -140,4 +217,224 @@ fn psql_queries_and_cannot_write() {
         "the error lists the tables: {}",
         text(&out.stderr)
     );
+
+    catalog(addr);
+}
+
+/// The catalog as Grafana, psql and drivers ask it, each answer checked.
+fn catalog(addr: &str) {
+    let ok = |sql: &str| {
+        let out = psql(addr, sql);
+        assert!(out.status.success(), "{sql}: {}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    // Grafana's version detection and TimescaleDB probe (data source settings).
+    assert_eq!(
+        ok("SELECT current_setting('server_version_num')::int/100 as version"),
+        "1600"
+    );
+    assert_eq!(
+        ok("SELECT extversion FROM pg_extension WHERE extname = 'timescaledb'"),
+        ""
+    );
+    // The query builder: schemas, then tables, then a table's columns with Postgres types.
+    assert_eq!(ok(GRAFANA_SCHEMAS), "public");
+    let tables = ok(&grafana_tables());
+    let tables: Vec<&str> = tables.lines().collect();
+    for t in [
+        "gpu_samples",
+        "host_samples",
+        "job_metrics",
+        "gpu_samples_1m",
+    ] {
+        assert!(tables.contains(&t), "{t} missing from {tables:?}");
+    }
+    assert!(
+        !tables.iter().any(|t| t.contains("information_schema")),
+        "{tables:?}"
+    );
+    let columns = ok(&grafana_columns("gpu_samples"));
+    for want in [
+        "time|timestamp with time zone",
+        "node|text",
+        "gpu|bigint",
+        "simulated|boolean",
+        "utilization_gpu_pct|double precision",
+    ] {
+        assert!(columns.lines().any(|l| l == want), "{want} in {columns}");
+    }
+    assert_eq!(
+        ok(&grafana_columns("public.gpu_samples")),
+        columns,
+        "a schema-qualified name finds the same columns"
+    );
+    assert_eq!(ok(&grafana_columns("no_such_table")), "");
+    // Grafana 9 and older match on udt_name.
+    assert_eq!(
+        ok("SELECT udt_name FROM information_schema.columns \
+            WHERE table_name = 'gpu_samples' AND column_name IN ('time', 'power_watts') \
+            ORDER BY column_name"),
+        "float8\ntimestamptz"
+    );
+    // What drivers and DBeaver ask on connecting.
+    let version = ok("SELECT version()");
+    assert!(version.starts_with("PostgreSQL 16"), "{version}");
+    assert_eq!(
+        ok("SELECT current_database(), current_schema(), current_user"),
+        "perch|public|perch"
+    );
+    assert_eq!(ok("SHOW search_path"), "public");
+    assert_eq!(ok("SHOW TRANSACTION ISOLATION LEVEL"), "read committed");
+    // The plain information_schema works as DataFusion has it.
+    let names = ok(
+        "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public' ORDER BY 1",
+    );
+    assert!(names.lines().any(|l| l == "gpu_samples"), "{names}");
+    // psql's \dt lists the stored tables through pg_class and pg_namespace.
+    let listing = ok("\\dt");
+    assert!(
+        listing
+            .lines()
+            .any(|l| l == "public|gpu_samples|table|perch"),
+        "{listing}"
+    );
+    let out = psql(
+        addr,
+        "SELECT count(*) FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'public' AND c.relname = 'gpu_samples'",
+    );
+    assert_eq!(text(&out.stdout), "1", "{}", text(&out.stderr));
+}
+
+/// Logs in over the raw protocol (startup, cleartext password) with `password` and returns
+/// the SQLSTATE of the error the server answers with.
+fn login_error_code(addr: &str, password: &str) -> String {
+    use std::io::{Read, Write};
+    let mut socket = std::net::TcpStream::connect(addr).expect("connect");
+    socket
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .expect("timeout");
+    let mut body = 196608u32.to_be_bytes().to_vec(); // protocol 3.0
+    for kv in ["user", "grafana", "database", "perch", ""] {
+        body.extend_from_slice(kv.as_bytes());
+        body.push(0);
+    }
+    let mut startup = ((body.len() + 4) as u32).to_be_bytes().to_vec();
+    startup.extend_from_slice(&body);
+    socket.write_all(&startup).expect("send startup");
+    let read_message = |socket: &mut std::net::TcpStream| {
+        let mut head = [0u8; 5];
+        socket.read_exact(&mut head).expect("message header");
+        let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+        let mut rest = vec![0u8; len - 4];
+        socket.read_exact(&mut rest).expect("message body");
+        (head[0], rest)
+    };
+    let (kind, rest) = read_message(&mut socket);
+    assert_eq!(
+        (kind, rest.as_slice()),
+        (b'R', &3u32.to_be_bytes()[..]),
+        "asks for a cleartext password"
+    );
+    let mut message = vec![b'p'];
+    message.extend_from_slice(&((password.len() + 5) as u32).to_be_bytes());
+    message.extend_from_slice(password.as_bytes());
+    message.push(0);
+    socket.write_all(&message).expect("send password");
+    let (kind, fields) = read_message(&mut socket);
+    assert_eq!(kind, b'E', "an ErrorResponse");
+    fields
+        .split(|b| *b == 0)
+        .find_map(|f| f.strip_prefix(b"C"))
+        .map(|code| String::from_utf8_lossy(code).into_owned())
+        .expect("the error has a SQLSTATE")
+}
+
+/// Grafana's column query through the extended protocol (Parse and Describe plan the
+/// rewritten statement), logged in with a token as password.
+const PSYCOPG_TOKEN: &str = r#"
+import sys, psycopg
+host, port = sys.argv[1].rsplit(":", 1)
+with psycopg.connect(host=host, port=int(port), user="grafana", password=sys.argv[2], dbname="perch", sslmode="disable") as conn:
+    rows = conn.execute(sys.argv[3]).fetchall()
+    print(dict(rows)["time"])
+    print(conn.execute("SELECT current_user").fetchone()[0])
+"#;
+
+#[test]
+fn psql_logs_in_with_a_token() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tokens = dir.path().join("tokens.toml");
+    std::fs::write(
+        &tokens,
+        "[[tokens]]\ntoken = \"alice-0123456789abcdef\"\nuser = \"alice\"\nrole = \"user\"\n\
+         [[tokens]]\ntoken = \"agent-0123456789abcdef\"\nuser = \"node-1\"\nrole = \"agent\"\n",
+    )
+    .expect("write tokens");
+    let config = dir.path().join("perch.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\npg_listen = \"127.0.0.1:0\"\ntokens_file = {:?}\n",
+            tokens.to_string_lossy()
+        ),
+    )
+    .expect("write config");
+    let data = dir.path().join("data");
+    let config = config.to_string_lossy().into_owned();
+    let perch = Perch::start(&data, &["server", "--config", &config]);
+    let addr = wait_for("pg.addr", || {
+        std::fs::read_to_string(data.join("pg.addr"))
+            .ok()
+            .filter(|s| s.ends_with('\n'))
+    });
+    let addr = addr.trim();
+    assert!(
+        perch
+            .log()
+            .contains("clients log in with a perch token as password"),
+        "the startup log says how to log in: {}",
+        perch.log()
+    );
+
+    // Any user name; the token says who it is.
+    let out = psql_as(
+        addr,
+        "grafana",
+        Some("alice-0123456789abcdef"),
+        "SELECT current_user, count(*) FROM gpu_samples",
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "alice|0");
+
+    for (password, want) in [
+        (
+            Some("wrong-0123456789abcdef"),
+            "password authentication failed for user \"grafana\": perch expects a token from the server's tokens file",
+        ),
+        (
+            Some("agent-0123456789abcdef"),
+            "role agent, which may not run SQL",
+        ),
+        (None, "no password supplied"),
+    ] {
+        let out = psql_as(addr, "grafana", password, "SELECT 1");
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{password:?}: psql exits 2 when it cannot connect"
+        );
+        let err = text(&out.stderr);
+        assert!(err.contains(want), "{password:?}: {err}");
+    }
+    // psql does not print a login error's SQLSTATE; read it off the wire.
+    assert_eq!(login_error_code(addr, "wrong-0123456789abcdef"), "28P01");
+    assert_eq!(login_error_code(addr, "agent-0123456789abcdef"), "28000");
+
+    let out = Command::new("python3")
+        .args(["-c", PSYCOPG_TOKEN, addr, "alice-0123456789abcdef"])
+        .arg(grafana_columns("gpu_samples"))
+        .output()
+        .expect("run python3");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "timestamp with time zone\nalice");
 }

@@ -14,8 +14,8 @@
 //! exactly as the client wrote it.
 
 use datafusion::sql::sqlparser::ast::{
-    Expr, FunctionArg, FunctionArgExpr, FunctionArguments, Ident, ObjectName, Query, Statement,
-    TableAlias, TableFactor, Value, VisitMut, VisitorMut,
+    Expr, FunctionArg, FunctionArgExpr, FunctionArguments, Ident, ObjectName, Query, Select,
+    SelectItem, Statement, TableAlias, TableFactor, Value, VisitMut, VisitorMut,
 };
 use datafusion::sql::sqlparser::dialect::PostgreSqlDialect;
 use datafusion::sql::sqlparser::parser::Parser;
@@ -67,6 +67,15 @@ const PG_DATA_TYPE: &str = "CASE \
      WHEN data_type LIKE 'Float%' THEN 'double precision' \
      WHEN data_type LIKE 'Int%' OR data_type LIKE 'UInt%' THEN 'bigint' \
      WHEN data_type = 'Boolean' THEN 'boolean' \
+     ELSE 'text' END";
+
+/// Postgres's internal type name (`udt_name`) for the same: what Grafana 9 and older match on.
+const PG_UDT_NAME: &str = "CASE \
+     WHEN data_type LIKE 'Timestamp(%' AND data_type LIKE '%UTC%' THEN 'timestamptz' \
+     WHEN data_type LIKE 'Timestamp(%' THEN 'timestamp' \
+     WHEN data_type LIKE 'Float%' THEN 'float8' \
+     WHEN data_type LIKE 'Int%' OR data_type LIKE 'UInt%' THEN 'int8' \
+     WHEN data_type = 'Boolean' THEN 'bool' \
      ELSE 'text' END";
 
 /// Namespace OIDs as Postgres numbers them (`public` is 2200 everywhere).
@@ -211,6 +220,16 @@ fn parse_ident(s: &str) -> Vec<String> {
     out
 }
 
+/// `current_schema`, `current_user` and `session_user` written without parentheses.
+fn bare_function(i: &Ident) -> Option<String> {
+    let name = i.value.to_ascii_lowercase();
+    let known = matches!(
+        name.as_str(),
+        "current_schema" | "current_user" | "session_user"
+    );
+    (i.quote_style.is_none() && known).then_some(name)
+}
+
 struct Rewriter<'a> {
     session: &'a Session,
     changed: bool,
@@ -237,6 +256,9 @@ impl Rewriter<'_> {
             }
             ("current_setting", [arg, ..]) => text(setting(string_literal(arg)?)?),
             ("quote_ident", [arg]) => (*arg).clone(),
+            ("quote_literal", [arg]) => parse_expr(&format!(
+                "'''' || replace(CAST(({arg}) AS VARCHAR), '''', '''''') || ''''"
+            ))?,
             ("pg_get_userbyid", [_]) => text("perch"),
             ("pg_table_is_visible" | "pg_type_is_visible" | "has_table_privilege", _) => {
                 Expr::value(Value::Boolean(true))
@@ -256,8 +278,40 @@ impl Rewriter<'_> {
     }
 }
 
+impl Rewriter<'_> {
+    /// The name Postgres gives the column of an unaliased select item that perch answers
+    /// itself (`SELECT version()` has a column `version`), so the constant keeps it.
+    fn column_name(&self, expr: &Expr) -> Option<String> {
+        let name = match expr {
+            Expr::Function(f) => {
+                let name = parts(&f.name);
+                let a = args(&f.args)?;
+                self.function(&name, &a)?;
+                name.last()?.clone()
+            }
+            Expr::Identifier(i) => bare_function(i)?,
+            _ => return None,
+        };
+        Some(name)
+    }
+}
+
 impl VisitorMut for Rewriter<'_> {
     type Break = ();
+
+    fn pre_visit_select(&mut self, select: &mut Select) -> ControlFlow<()> {
+        for item in &mut select.projection {
+            if let SelectItem::UnnamedExpr(expr) = item
+                && let Some(name) = self.column_name(expr)
+            {
+                *item = SelectItem::ExprWithAlias {
+                    expr: expr.clone(),
+                    alias: Ident::with_quote('"', name),
+                };
+            }
+        }
+        ControlFlow::Continue(())
+    }
 
     fn pre_visit_expr(&mut self, expr: &mut Expr) -> ControlFlow<()> {
         // Grafana's "schemas on the search path" subquery: the search path is `public`.
@@ -280,16 +334,8 @@ impl VisitorMut for Rewriter<'_> {
 
     fn post_visit_expr(&mut self, expr: &mut Expr) -> ControlFlow<()> {
         let replacement = match expr {
-            Expr::Function(f) => {
-                args(&f.args).and_then(|a| self.function(&parts(&f.name), &a))
-            }
-            // `current_schema`, `current_user` and `user` without parentheses.
-            Expr::Identifier(i) if i.quote_style.is_none() => {
-                let name = i.value.to_ascii_lowercase();
-                matches!(name.as_str(), "current_schema" | "current_user" | "session_user")
-                    .then(|| self.function(&[name], &[]))
-                    .flatten()
-            }
+            Expr::Function(f) => args(&f.args).and_then(|a| self.function(&parts(&f.name), &a)),
+            Expr::Identifier(i) => bare_function(i).and_then(|n| self.function(&[n], &[])),
             _ => None,
         };
         if let Some(r) = replacement {
@@ -318,7 +364,7 @@ impl VisitorMut for Rewriter<'_> {
                 Some(format!(
                     "SELECT table_catalog, table_schema, table_name, column_name, ordinal_position, \
                      column_default, is_nullable, {PG_DATA_TYPE} AS data_type, \
-                     {PG_DATA_TYPE} AS udt_name FROM information_schema.columns"
+                     {PG_UDT_NAME} AS udt_name FROM information_schema.columns"
                 )),
             ),
             _ => return ControlFlow::Continue(()),
@@ -411,8 +457,11 @@ mod tests {
             assert!(got.contains(want), "{sql} -> {got}");
         };
         check("SELECT version()", "PostgreSQL 16.6 (perch");
-        check("SELECT current_database(), current_schema()", "'perch', 'public'");
-        check("SELECT current_user", "'alice'");
+        check(
+            "SELECT current_database(), current_schema()",
+            "'perch' AS \"current_database\", 'public' AS \"current_schema\"",
+        );
+        check("SELECT current_user", "'alice' AS \"current_user\"");
         check(
             "SELECT current_setting('server_version_num')::int/100 as version",
             "'160006'",
@@ -432,6 +481,14 @@ mod tests {
             "make_array('public', 'GPU')",
         );
         check("SELECT * FROM pg_catalog.pg_namespace n", ") AS n");
+        check(
+            "SELECT DISTINCT quote_literal(node) FROM gpu_samples",
+            "'''' || replace(CAST((node) AS VARCHAR)",
+        );
+        check(
+            "SELECT udt_name FROM information_schema.columns",
+            "THEN 'timestamptz'",
+        );
         check("SELECT extversion FROM pg_extension", ") AS pg_extension");
     }
 
