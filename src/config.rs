@@ -15,6 +15,8 @@ pub struct Config {
     pub agent: AgentSection,
     pub telemetry: TelemetrySection,
     pub accounting: AccountingSection,
+    /// Alert rules, receivers, routing and remediation guardrails (see alerts/README.md).
+    pub alerts: perch_alerts::AlertsConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -423,6 +425,9 @@ impl Config {
         }
         self.telemetry.check()?;
         self.accounting.check()?;
+        self.alerts
+            .validate()
+            .map_err(|e| anyhow::anyhow!("config section [alerts]: {e}"))?;
         if let Err(e) = perch_collector::launcher::RunAsUser::parse(&self.agent.run_as_user) {
             return bad("agent.run_as_user", &e);
         }
@@ -473,6 +478,7 @@ impl Config {
         config.jobs.heartbeat_timeout = Duration::from_secs(s.node_stale_after_secs);
         config.pg_listen = Some(s.pg_listen.clone()).filter(|a| !a.is_empty());
         config.accounting = self.accounting.server_config();
+        config.alerts = self.alerts.clone();
         if !s.tokens_file.as_os_str().is_empty() {
             config.tokens =
                 perch_server::auth::Tokens::load(&s.tokens_file).map_err(anyhow::Error::msg)?;

@@ -153,9 +153,11 @@ fn public(path: &str) -> bool {
 /// Which roles may call `path` (before per-job ownership checks in the handlers).
 fn allowed(role: Role, method: &axum::http::Method, path: &str) -> bool {
     let agent_path = path == "/v1/ingest" || path.starts_with("/v1/agent/");
-    let operator_path = method == axum::http::Method::POST
+    let operator_path = (method == axum::http::Method::POST
         && path.starts_with("/v1/nodes/")
-        && (path.ends_with("/drain") || path.ends_with("/resume"));
+        && (path.ends_with("/drain") || path.ends_with("/resume")))
+        || (method != axum::http::Method::GET && path.starts_with("/v1/silences"))
+        || path == "/v1/alerts/breaker/reset";
     match role {
         Role::Operator => true,
         Role::Agent => agent_path,

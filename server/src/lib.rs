@@ -6,6 +6,7 @@
 //! buffer is flushed to Parquet.
 
 pub mod accounting;
+pub mod alerting;
 pub mod auth;
 mod error;
 mod ingest;
@@ -45,6 +46,8 @@ pub struct ServerConfig {
     pub pg_listen: Option<String>,
     /// Prices and the folding of telemetry into job accounting.
     pub accounting: accounting::AccountingConfig,
+    /// Alert rules, notifications and remediation guardrails.
+    pub alerts: perch_alerts::AlertsConfig,
 }
 
 impl ServerConfig {
@@ -58,6 +61,7 @@ impl ServerConfig {
             tokens: auth::Tokens::open(),
             pg_listen: None,
             accounting: accounting::AccountingConfig::default(),
+            alerts: perch_alerts::AlertsConfig::default(),
         }
     }
 }
@@ -73,6 +77,8 @@ pub struct AppState {
     pub config: Arc<ServerConfig>,
     pub jobs: jobs::JobService,
     pub tokens: Arc<auth::Tokens>,
+    /// The alert engine, its senders and its persisted state.
+    pub alerts: Arc<alerting::AlertService>,
     /// The control plane's audit events on their way to the `events` table; [`serve`] takes
     /// it and appends them.
     events: Arc<std::sync::Mutex<Option<EventReceiver>>>,
@@ -96,7 +102,20 @@ impl AppState {
             &jobs,
             config.accounting.clone(),
         ));
+        let (alerts, restored) = alerting::AlertService::open(
+            config.alerts.clone(),
+            &config.store.data_dir,
+            ingest::now_ms(),
+        )
+        .map_err(OpenError::Alerts)?;
+        if !restored.is_empty() {
+            tracing::info!(
+                transitions = restored.len(),
+                "alert states restored; alerts that resolved while perch was down are resolved"
+            );
+        }
         Ok(AppState {
+            alerts: Arc::new(alerts),
             store,
             sql,
             latest: Arc::new(Latest::default()),
@@ -117,6 +136,8 @@ pub enum OpenError {
     Store(#[from] perch_query::Error),
     #[error("{0}")]
     Jobs(#[from] jobs::ControlError),
+    #[error("alerts: {0}")]
+    Alerts(String),
 }
 
 /// The HTTP routes.
@@ -143,6 +164,19 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/nodes/{name}/drain", post(jobs::routes::drain))
         .route("/v1/nodes/{name}/resume", post(jobs::routes::resume))
         .route("/v1/agent/sync", post(jobs::routes::sync))
+        .route("/v1/alerts", get(alerting::routes::alerts))
+        .route(
+            "/v1/alerts/breaker/reset",
+            post(alerting::routes::reset_breaker),
+        )
+        .route(
+            "/v1/silences",
+            get(alerting::routes::silences).post(alerting::routes::add_silence),
+        )
+        .route(
+            "/v1/silences/{id}",
+            axum::routing::delete(alerting::routes::expire_silence),
+        )
         .fallback(error::not_found)
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
@@ -201,6 +235,11 @@ async fn index() -> axum::Json<serde_json::Value> {
             "POST /v1/nodes/{name}/drain": "stop placing jobs on a node",
             "POST /v1/nodes/{name}/resume": "place jobs on a drained node again",
             "POST /v1/agent/sync": "agents report their jobs and receive launch and stop orders",
+            "GET /v1/alerts": "alerts (pending, firing, recently resolved), rule health, remediation and its circuit breaker",
+            "POST /v1/alerts/breaker/reset": "close the remediation circuit breaker (operators)",
+            "GET /v1/silences": "silences and their state",
+            "POST /v1/silences": "mute alerts matching label matchers until a time (operators)",
+            "DELETE /v1/silences/{id}": "expire a silence now (operators)",
         }
     }))
 }
@@ -258,6 +297,12 @@ pub async fn serve(
             }
         },
     ));
+    let alerting = tokio::spawn(alerting::run(state.clone(), {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        }
+    }));
     let events = state
         .events
         .lock()
@@ -305,6 +350,9 @@ pub async fn serve(
     }
     if let Err(e) = accounting.await {
         tracing::error!(error = %e, "accounting task failed");
+    }
+    if let Err(e) = alerting.await {
+        tracing::error!(error = %e, "alerting task failed");
     }
     result
 }

@@ -21,6 +21,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+mod alerts;
 mod extended;
 mod scheduler;
 
@@ -529,6 +530,7 @@ pub async fn metrics(State(state): State<AppState>, headers: axum::http::HeaderM
     );
     store_series(&mut scrape, &state);
     scheduler::scheduler(&mut scrape, &state.jobs.snapshot());
+    alerts::alerts(&mut scrape, &state.alerts);
     extended::pushed(&mut scrape, &state.latest.job_metrics(now));
     let mut dynamic = Registry::default();
     scrape.register(&mut dynamic);

@@ -1,5 +1,6 @@
 //! The subcommands: their flags (each also a `PERCH_*` environment variable) and dispatch.
 
+mod alerts;
 mod bench;
 mod demo_workload;
 mod jobs;
@@ -61,6 +62,9 @@ enum Command {
     Drain(jobs::NodeArgs),
     /// Place jobs on a drained node again.
     Resume(jobs::NodeArgs),
+    /// Alerts (pending, firing), what perch did about them, silences and the remediation
+    /// circuit breaker.
+    Alerts(alerts::AlertsArgs),
 }
 
 #[derive(Debug, Args)]
@@ -325,5 +329,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Nodes(args) => jobs::nodes(args),
         Command::Drain(args) => jobs::set_drained(args, true),
         Command::Resume(args) => jobs::set_drained(args, false),
+        Command::Alerts(args) => alerts::run(args),
     }
 }

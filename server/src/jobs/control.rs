@@ -5,6 +5,7 @@
 //! database before it returns. The core itself stays pure; this module is its I/O.
 
 mod ledger;
+mod remediation;
 mod scrape;
 
 pub use scrape::{AllocationView, ControlSnapshot, NodeView, PendingView};
@@ -756,11 +757,16 @@ impl Control {
                 r.after_ok, r.after_any
             ));
         } else if job.state == JobState::Pending {
+            let shared = job.request.gpu_share.is_some();
             job.reason = self
                 .scheduler
                 .pending_reason(JobId(id))
                 .as_ref()
-                .map(|r| reason_text(r, self.now));
+                .map(|r| match r {
+                    PendingReason::Unsatisfiable if shared => "no node in the cluster takes shared GPU jobs (agent.gpu_sharing) with that much GPU memory; cancel it or enable sharing on a node".into(),
+                    PendingReason::Resources if shared => "waiting for a GPU whose shares, measured utilization and free memory leave room".into(),
+                    r => reason_text(r, self.now),
+                });
         }
         Some(job)
     }
@@ -797,6 +803,7 @@ impl Control {
                 serde_json::json!({
                     "name": n.record.name, "state": state, "gpus": n.record.gpus, "gpu_model": n.record.model,
                     "rack": n.record.rack, "allocated_gpus": allocated, "jobs": jobs,
+                    "gpu_sharing": n.record.gpu_sharing, "nvlink_islands": cluster.nvlink_islands(id),
                     "last_sync_secs_ago": (now - n.last_sync_ms) as f64 / 1000.0,
                 })
             })

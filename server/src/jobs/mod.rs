@@ -3,6 +3,7 @@
 
 pub mod control;
 pub mod db;
+pub mod node_commands;
 pub mod record;
 pub mod routes;
 pub mod spec;

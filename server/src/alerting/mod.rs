@@ -1,0 +1,344 @@
+//! The alert engine at work: evaluates the rules (SQL through the same read-only engine as
+//! `POST /v1/sql`, typed built-ins from the control plane and the store's disk), records
+//! alert transitions and every remediation decision in the `events` table, carries out the
+//! decisions the guardrails allow through the job control plane, sends notifications, and
+//! persists the engine's state after each round so a restart neither pages again nor forgets
+//! a silence or an open circuit breaker.
+//!
+//! The decisions themselves are `perch-alerts`' ([`Engine`]); this module is their I/O.
+
+pub mod routes;
+
+use crate::AppState;
+use perch_alerts::builtin::{NodeHeartbeat, disk_instances, heartbeat_instances};
+use perch_alerts::notify::{Delivery, Notifier};
+use perch_alerts::remediate::{Action, ClusterView, Decision, NodeState, NodeView, Outcome};
+use perch_alerts::{AlertsConfig, BuiltinKind, Engine, Notification, RuleSource};
+use perch_model::ClusterEvent;
+use serde_json::{Map, Value};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+/// Counters for `/metrics`, keyed by their label values.
+#[derive(Debug, Default)]
+pub struct AlertCounters {
+    /// (action, outcome) -> decisions.
+    pub actions: Mutex<BTreeMap<(String, String), u64>>,
+    /// (receiver, outcome) -> deliveries.
+    pub notifications: Mutex<BTreeMap<(String, String), u64>>,
+    /// Rule evaluations that failed.
+    pub evaluation_failures: AtomicU64,
+}
+
+/// The engine, its senders and where its state lives.
+#[derive(Debug)]
+pub struct AlertService {
+    engine: Mutex<Engine>,
+    notifier: Notifier,
+    state_path: PathBuf,
+    pub counters: AlertCounters,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The `events` outcome label of a decision.
+fn outcome_label(outcome: &Outcome) -> &'static str {
+    match outcome {
+        Outcome::Execute => "done",
+        Outcome::DryRun => "dry_run",
+        Outcome::Refused(_) => "refused",
+        Outcome::Skipped { .. } => "skipped",
+    }
+}
+
+impl AlertService {
+    /// Builds the engine from `config`, restoring its state from `<data_dir>/alerts.json`.
+    /// Transitions that happened while the server was down are returned for the audit trail.
+    pub fn open(
+        config: AlertsConfig,
+        data_dir: &std::path::Path,
+        now_ms: i64,
+    ) -> Result<(AlertService, Vec<ClusterEvent>), String> {
+        let notifier = Notifier::new(&config).map_err(|e| e.to_string())?;
+        let state_path = data_dir.join("alerts.json");
+        let (engine, transitions) =
+            Engine::load(config, &state_path, now_ms).map_err(|e| e.to_string())?;
+        let events = transitions.iter().filter_map(|t| t.to_event()).collect();
+        Ok((
+            AlertService {
+                engine: Mutex::new(engine),
+                notifier,
+                state_path,
+                counters: AlertCounters::default(),
+            },
+            events,
+        ))
+    }
+
+    /// Runs `f` on the engine.
+    pub fn with<T>(&self, f: impl FnOnce(&mut Engine) -> T) -> T {
+        f(&mut lock(&self.engine))
+    }
+
+    /// Saves the engine's state (atomically replaced).
+    pub fn save(&self, now_ms: i64) {
+        if let Err(e) = lock(&self.engine).save(&self.state_path, now_ms) {
+            tracing::error!(error = %e, path = %self.state_path.display(), "could not save the alert state; a restart may notify again");
+        }
+    }
+
+    fn count_action(&self, action: &str, outcome: &str) {
+        *lock(&self.counters.actions)
+            .entry((action.to_owned(), outcome.to_owned()))
+            .or_default() += 1;
+    }
+
+    fn count_delivery(&self, d: &Delivery) {
+        let outcome = if d.error.is_none() { "sent" } else { "failed" };
+        *lock(&self.counters.notifications)
+            .entry((d.receiver.clone(), outcome.to_owned()))
+            .or_default() += 1;
+    }
+}
+
+/// Evaluates, remediates and notifies until `shutdown`, waking every second (rules keep
+/// their own intervals; the dispatcher its group timers).
+pub async fn run(state: AppState, shutdown: impl std::future::Future<Output = ()>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            _ = tick.tick() => {}
+        }
+        round(&state).await;
+    }
+    state.alerts.save(crate::ingest::now_ms());
+}
+
+/// One round: due rules, remediation, notifications, save.
+pub async fn round(state: &AppState) {
+    let service = &state.alerts;
+    let now = crate::ingest::now_ms();
+    let mut events = Vec::new();
+    for rule in service.with(|e| e.due_rules(now)) {
+        let result = match &rule.source {
+            RuleSource::Sql(sql) => match sql_rows(state, sql).await {
+                Ok(rows) => service.with(|e| e.evaluate_rows(&rule.name, &rows, now)),
+                Err(error) => {
+                    service.with(|e| e.record_failure(&rule.name, &error, now));
+                    Err(perch_alerts::Error::Rule {
+                        rule: rule.name.clone(),
+                        message: error,
+                    })
+                }
+            },
+            RuleSource::Builtin(kind) => {
+                let instances = builtin(state, kind, now);
+                service.with(|e| e.evaluate(&rule.name, &instances, now))
+            }
+        };
+        match result {
+            Ok(transitions) => events.extend(transitions.iter().filter_map(|t| t.to_event())),
+            Err(e) => {
+                service
+                    .counters
+                    .evaluation_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(rule = %rule.name, error = %e, "alert rule evaluation failed; its alerts keep their state");
+            }
+        }
+    }
+    events.extend(remediate(state, now).await);
+    if let Err(e) = state.store.append_events(&events).await {
+        tracing::error!(error = %e, "could not record alert and remediation events");
+    }
+    let notifications = service.with(|e| e.notifications(now));
+    service.save(now);
+    for n in notifications {
+        let state = state.clone();
+        tokio::spawn(async move { deliver(&state, n).await });
+    }
+}
+
+async fn deliver(state: &AppState, n: Notification) {
+    for d in state.alerts.notifier.send(&n).await {
+        state.alerts.count_delivery(&d);
+        match &d.error {
+            None => {
+                tracing::info!(receiver = %d.receiver, integration = %d.integration, "notification sent")
+            }
+            Some(e) => {
+                tracing::error!(receiver = %d.receiver, integration = %d.integration, attempts = d.attempts, error = %e, "notification could not be delivered")
+            }
+        }
+    }
+}
+
+/// The rows of a rule's query as JSON objects (column name -> value).
+async fn sql_rows(state: &AppState, sql: &str) -> Result<Vec<Map<String, Value>>, String> {
+    let output = state.sql.query(sql).await.map_err(|e| e.to_string())?;
+    let mut buf = Vec::new();
+    {
+        let mut writer = arrow::json::WriterBuilder::new()
+            .with_explicit_nulls(true)
+            .build::<_, arrow::json::writer::JsonArray>(&mut buf);
+        for batch in &output.batches {
+            writer.write(batch).map_err(|e| e.to_string())?;
+        }
+        writer.finish().map_err(|e| e.to_string())?;
+    }
+    if buf.is_empty() {
+        return Ok(Vec::new());
+    }
+    serde_json::from_slice(&buf).map_err(|e| e.to_string())
+}
+
+fn builtin(state: &AppState, kind: &BuiltinKind, now: i64) -> Vec<perch_alerts::Instance> {
+    match kind {
+        BuiltinKind::NodeHeartbeatLost { .. } => {
+            let snapshot = state.jobs.snapshot();
+            let nodes: Vec<NodeHeartbeat<'_>> = snapshot
+                .nodes
+                .iter()
+                .map(|n| NodeHeartbeat {
+                    node: &n.name,
+                    last_seen_ms: Some(n.last_sync_ms),
+                })
+                .collect();
+            heartbeat_instances(kind, &nodes, now)
+        }
+        BuiltinKind::StoreDiskFull { .. } => {
+            let dir = state.store.data_dir();
+            match rustix::fs::statvfs(dir) {
+                Ok(st) => disk_instances(
+                    kind,
+                    &dir.display().to_string(),
+                    st.f_bavail.saturating_mul(st.f_frsize),
+                    st.f_blocks.saturating_mul(st.f_frsize),
+                ),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not read the store's free space");
+                    Vec::new()
+                }
+            }
+        }
+    }
+}
+
+fn cluster_view(state: &AppState) -> ClusterView {
+    ClusterView {
+        nodes: state
+            .jobs
+            .snapshot()
+            .nodes
+            .into_iter()
+            .map(|n| NodeView {
+                state: match n.state {
+                    "down" => NodeState::Down,
+                    "drained" => NodeState::Drained,
+                    _ => NodeState::Up,
+                },
+                node: n.name,
+                running_jobs: n.running_jobs,
+            })
+            .collect(),
+    }
+}
+
+/// Plans remediation and carries out what the guardrails allow; returns the audit records.
+async fn remediate(state: &AppState, now: i64) -> Vec<ClusterEvent> {
+    let view = cluster_view(state);
+    let plan = state.alerts.with(|e| e.plan_remediation(&view, now));
+    let mut events = Vec::new();
+    if let Some(e) = plan.breaker_opened {
+        tracing::error!(message = %e.message, "remediation circuit breaker opened: no automatic action runs until an operator resets it");
+        events.push(e);
+    }
+    for decision in plan.decisions {
+        state
+            .alerts
+            .count_action(decision.action.name(), outcome_label(&decision.outcome));
+        if let Some(event) = &decision.event {
+            events.push(event.clone());
+        }
+        if decision.outcome != Outcome::Execute {
+            continue;
+        }
+        let result = execute(state, &decision).await;
+        if let Err(e) = &result {
+            tracing::error!(action = decision.action.name(), node = decision.action.node(), error = %e, "remediation action failed");
+        }
+        events.push(state.alerts.with(|e| e.complete(&decision, &result, now)));
+    }
+    events
+}
+
+async fn execute(state: &AppState, decision: &Decision) -> Result<String, String> {
+    let reason = decision
+        .rule
+        .as_deref()
+        .map(|r| format!("alert {r}"))
+        .unwrap_or_else(|| "perch remediation".into());
+    match decision.action.clone() {
+        Action::DrainNode { node } => state
+            .jobs
+            .run(move |c, now| c.set_drained(&node, true, "perch", Some(reason), now))
+            .await
+            .map(|()| "drained".to_owned())
+            .map_err(|e| e.message),
+        Action::RequeueJobs { node } => state
+            .jobs
+            .run(move |c, now| c.evict_node_jobs(&node, now))
+            .await
+            .map(|jobs| match jobs.len() {
+                0 => "no job was running there".to_owned(),
+                _ => format!(
+                    "requeued job{} {}",
+                    if jobs.len() == 1 { "" } else { "s" },
+                    jobs.iter()
+                        .map(u64::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            })
+            .map_err(|e| e.message),
+        Action::GpuOut { node, gpu } => state
+            .jobs
+            .run(move |c, now| c.set_gpu_out(&node, gpu, true, now))
+            .await
+            .map(|()| format!("GPU {gpu} taken out of scheduling"))
+            .map_err(|e| e.message),
+        Action::ResumeNode { node } => state
+            .jobs
+            .run(move |c, now| c.set_drained(&node, false, "perch", None, now))
+            .await
+            .map(|()| "resumed".to_owned())
+            .map_err(|e| e.message),
+        Action::RunCommand {
+            node,
+            argv,
+            timeout_ms,
+            ..
+        }
+        | Action::HealthCheck {
+            node,
+            argv,
+            timeout_ms,
+        } => {
+            crate::jobs::node_commands::run_on_node(
+                &state.jobs,
+                &node,
+                argv,
+                Duration::from_millis(u64::try_from(timeout_ms).unwrap_or(0)),
+            )
+            .await
+        }
+    }
+}

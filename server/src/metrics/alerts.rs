@@ -1,0 +1,77 @@
+//! Series of the alert engine: alerts by rule, state and severity (every rule present, at 0
+//! when quiet, so a dashboard sees a rule before it first fires), silences, the remediation
+//! circuit breaker, actions by outcome and notifications by receiver.
+
+use super::{Labels, Scrape};
+use crate::alerting::AlertService;
+use std::sync::atomic::Ordering;
+
+pub(super) fn alerts(s: &mut Scrape, service: &AlertService) {
+    let now = crate::ingest::now_ms();
+    let m = service.with(|e| e.metrics(now));
+    for a in &m.alerts {
+        s.gauge(
+            "perch_alerts",
+            "Alerts by rule, state (pending, firing) and severity",
+            &vec![
+                ("alertname", a.alertname.clone()),
+                ("state", a.state.clone()),
+                ("severity", a.severity.clone()),
+            ],
+            Some(a.count as f64),
+        );
+    }
+    let none: Labels = Vec::new();
+    s.gauge(
+        "perch_alert_silences",
+        "Silences muting alerts now",
+        &none,
+        Some(m.silences_active as f64),
+    );
+    s.gauge(
+        "perch_remediation_circuit_breaker_open",
+        "1 while automatic remediation is stopped because too many nodes are out",
+        &none,
+        Some(f64::from(u8::from(m.breaker_open))),
+    );
+    s.gauge(
+        "perch_remediation_nodes_drained",
+        "Nodes perch's remediation drained and has not resumed",
+        &none,
+        Some(m.nodes_drained_by_perch as f64),
+    );
+    s.counter(
+        "perch_alert_evaluation_failures",
+        "Rule evaluations that failed (the rule's alerts keep their state)",
+        &none,
+        Some(service.counters.evaluation_failures.load(Ordering::Relaxed) as f64),
+    );
+    let actions = service
+        .counters
+        .actions
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    for ((action, outcome), n) in actions {
+        s.counter(
+            "perch_remediation_actions",
+            "Remediation decisions by action and outcome (done, dry_run, refused, skipped)",
+            &vec![("action", action), ("outcome", outcome)],
+            Some(n as f64),
+        );
+    }
+    let sent = service
+        .counters
+        .notifications
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    for ((receiver, outcome), n) in sent {
+        s.counter(
+            "perch_notifications",
+            "Notifications delivered (sent) or given up on (failed), by receiver",
+            &vec![("receiver", receiver), ("outcome", outcome)],
+            Some(n as f64),
+        );
+    }
+}
