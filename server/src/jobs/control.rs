@@ -5,6 +5,7 @@
 //! database before it returns. The core itself stays pure; this module is its I/O.
 
 mod ledger;
+mod remediation;
 mod scrape;
 
 pub use scrape::{AllocationView, ControlSnapshot, NodeView, PendingView};
