@@ -178,7 +178,13 @@ fn load(a: &AtomicU64) -> u64 {
 type Read = Box<dyn Fn() -> u64 + Send + Sync>;
 
 /// A monotonic counter with `attributes`, read from `read` at every export.
-fn counter(meter: &Meter, name: &'static str, help: &'static str, attributes: &[KeyValue], read: Read) {
+fn counter(
+    meter: &Meter,
+    name: &'static str,
+    help: &'static str,
+    attributes: &[KeyValue],
+    read: Read,
+) {
     let attributes = attributes.to_vec();
     meter
         .u64_observable_counter(name)
@@ -188,7 +194,13 @@ fn counter(meter: &Meter, name: &'static str, help: &'static str, attributes: &[
 }
 
 /// A gauge with `attributes`, read from `read` at every export.
-fn gauge(meter: &Meter, name: &'static str, help: &'static str, attributes: &[KeyValue], read: Read) {
+fn gauge(
+    meter: &Meter,
+    name: &'static str,
+    help: &'static str,
+    attributes: &[KeyValue],
+    read: Read,
+) {
     let attributes = attributes.to_vec();
     meter
         .u64_observable_gauge(name)
@@ -198,7 +210,8 @@ fn gauge(meter: &Meter, name: &'static str, help: &'static str, attributes: &[Ke
 }
 
 /// Registers the server's health counters on the global meter provider: ingest and SQL from
-/// the `/metrics` registry, the store's and the write-ahead log's counters, and jobs by state.
+/// the `/metrics` registry, the store's and the write-ahead log's counters, and jobs by state
+/// (from the control plane's snapshot, as `/metrics` reads it).
 /// Without export on, the global provider is a no-op and this costs nothing.
 pub fn observe_server(state: &perch_server::AppState) {
     let meter = meter();
@@ -215,7 +228,9 @@ pub fn observe_server(state: &perch_server::AppState) {
     let metrics = state.metrics.clone();
     meter
         .u64_observable_counter("perch_sql_queries")
-        .with_description("SQL queries by outcome (ok, error), over HTTP and the PostgreSQL protocol")
+        .with_description(
+            "SQL queries by outcome (ok, error), over HTTP and the PostgreSQL protocol",
+        )
         .with_callback(move |o| {
             for (outcome, n) in metrics.sql_queries_by_outcome() {
                 o.observe(n, &[KeyValue::new("outcome", outcome)]);
@@ -235,18 +250,82 @@ pub fn observe_server(state: &perch_server::AppState) {
         Box::new(move || load(f(&store.stats)))
     };
     let none = &[];
-    counter(&meter, "perch_store_batches", "Batches stored (excluding duplicates)", none, stats(|s| &s.batches_stored));
-    counter(&meter, "perch_store_duplicate_batches", "Batches acknowledged as duplicates of earlier ones", none, stats(|s| &s.batches_duplicate));
-    counter(&meter, "perch_store_samples", "Samples stored", none, stats(|s| &s.samples_stored));
-    counter(&meter, "perch_store_flushes", "Flushes of the buffer to Parquet", none, stats(|s| &s.flushes));
-    counter(&meter, "perch_store_flush_failures", "Flushes that failed (rows stay buffered)", none, stats(|s| &s.flush_failures));
-    counter(&meter, "perch_store_flushed_rows", "Rows written to Parquet", none, stats(|s| &s.rows_flushed));
+    counter(
+        &meter,
+        "perch_store_batches",
+        "Batches stored (excluding duplicates)",
+        none,
+        stats(|s| &s.batches_stored),
+    );
+    counter(
+        &meter,
+        "perch_store_duplicate_batches",
+        "Batches acknowledged as duplicates of earlier ones",
+        none,
+        stats(|s| &s.batches_duplicate),
+    );
+    counter(
+        &meter,
+        "perch_store_samples",
+        "Samples stored",
+        none,
+        stats(|s| &s.samples_stored),
+    );
+    counter(
+        &meter,
+        "perch_store_flushes",
+        "Flushes of the buffer to Parquet",
+        none,
+        stats(|s| &s.flushes),
+    );
+    counter(
+        &meter,
+        "perch_store_flush_failures",
+        "Flushes that failed (rows stay buffered)",
+        none,
+        stats(|s| &s.flush_failures),
+    );
+    counter(
+        &meter,
+        "perch_store_flushed_rows",
+        "Rows written to Parquet",
+        none,
+        stats(|s| &s.rows_flushed),
+    );
     let store = state.store.clone();
-    gauge(&meter, "perch_store_buffered_rows", "Rows in memory waiting for the next flush", none, Box::new(move || store.buffered_rows() as u64));
+    gauge(
+        &meter,
+        "perch_store_buffered_rows",
+        "Rows in memory waiting for the next flush",
+        none,
+        Box::new(move || store.buffered_rows() as u64),
+    );
     let store = state.store.clone();
-    counter(&meter, "perch_wal_syncs", "fdatasync calls on the write-ahead log (one per group commit)", none, Box::new(move || load(&store.wal_stats().syncs)));
+    counter(
+        &meter,
+        "perch_wal_syncs",
+        "fdatasync calls on the write-ahead log (one per group commit)",
+        none,
+        Box::new(move || load(&store.wal_stats().syncs)),
+    );
     let store = state.store.clone();
-    counter(&meter, "perch_wal_written_bytes", "Bytes written to the write-ahead log", none, Box::new(move || load(&store.wal_stats().bytes)));
+    counter(
+        &meter,
+        "perch_wal_written_bytes",
+        "Bytes written to the write-ahead log",
+        none,
+        Box::new(move || load(&store.wal_stats().bytes)),
+    );
+    let jobs = state.jobs.clone();
+    meter
+        .u64_observable_gauge("perch_jobs")
+        .with_description("Jobs the server knows, by state")
+        .with_callback(move |o| {
+            for (state, n) in jobs.snapshot().jobs_by_state {
+                o.observe(n, &[KeyValue::new("state", state)]);
+            }
+        })
+        .build();
 }
 
 /// Registers a node agent's counters (the ones its node-local `/metrics` shows), labelled
@@ -258,11 +337,41 @@ pub fn observe_agent(node: &perch_model::NodeId, counters: Arc<perch_collector::
         Box::new(move || load(f(&counters)))
     };
     let node = &[KeyValue::new("node", node.as_str().to_owned())];
-    counter(&meter, "perch_agent_rounds", "Sampling rounds taken", node, read(|c| &c.rounds_sampled));
-    counter(&meter, "perch_agent_batches_sent", "Batches the server acknowledged", node, read(|c| &c.batches_sent));
-    counter(&meter, "perch_agent_batches_dropped", "Batches dropped (queue or spool bound, or shutdown)", node, read(|c| &c.batches_dropped));
-    counter(&meter, "perch_agent_send_errors", "Failed delivery attempts", node, read(|c| &c.send_errors));
-    gauge(&meter, "perch_agent_spool_bytes", "Bytes in the disk spool", node, read(|c| &c.spool_bytes));
+    counter(
+        &meter,
+        "perch_agent_rounds",
+        "Sampling rounds taken",
+        node,
+        read(|c| &c.rounds_sampled),
+    );
+    counter(
+        &meter,
+        "perch_agent_batches_sent",
+        "Batches the server acknowledged",
+        node,
+        read(|c| &c.batches_sent),
+    );
+    counter(
+        &meter,
+        "perch_agent_batches_dropped",
+        "Batches dropped (queue or spool bound, or shutdown)",
+        node,
+        read(|c| &c.batches_dropped),
+    );
+    counter(
+        &meter,
+        "perch_agent_send_errors",
+        "Failed delivery attempts",
+        node,
+        read(|c| &c.send_errors),
+    );
+    gauge(
+        &meter,
+        "perch_agent_spool_bytes",
+        "Bytes in the disk spool",
+        node,
+        read(|c| &c.spool_bytes),
+    );
 }
 
 #[cfg(test)]
@@ -270,8 +379,10 @@ mod tests {
     use super::*;
 
     fn resolve(section: &TelemetrySection, env: &[(&str, &str)]) -> Option<Target> {
-        let env: HashMap<String, String> =
-            env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+        let env: HashMap<String, String> = env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
         Target::resolve(section, "perch-server", |k| env.get(k).cloned()).expect("resolves")
     }
 
@@ -296,7 +407,9 @@ mod tests {
             export_interval_secs: 5,
             ..Default::default()
         };
-        section.headers.insert("Authorization".into(), "Bearer x".into());
+        section
+            .headers
+            .insert("Authorization".into(), "Bearer x".into());
         let env = [
             ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://elsewhere:4318"),
             ("OTEL_SERVICE_NAME", "other"),
@@ -317,6 +430,9 @@ mod tests {
             (k == "OTEL_EXPORTER_OTLP_ENDPOINT").then(|| "collector:4318".to_owned())
         })
         .expect_err("not a URL");
-        assert!(err.to_string().contains("OTEL_EXPORTER_OTLP_ENDPOINT"), "{err}");
+        assert!(
+            err.to_string().contains("OTEL_EXPORTER_OTLP_ENDPOINT"),
+            "{err}"
+        );
     }
 }

@@ -86,6 +86,15 @@ fn own_metrics_arrive_in_another_perch() {
         latest("perch_store_buffered_rows", "{}")
     });
     assert_eq!(buffered["kind"], "gauge", "{buffered}");
+    let running = wait_for("perch_jobs{state=running}", || {
+        latest("perch_jobs", r#"{"state":"running"}"#)
+    });
+    assert_eq!(running["kind"], "gauge", "{running}");
+    assert_eq!(
+        running["value"].as_f64(),
+        Some(0.0),
+        "no job runs: {running}"
+    );
     let node = exporter.sql("SELECT DISTINCT node FROM gpu_samples");
     let node = node[0]["node"].as_str().expect("node name");
     let rounds = wait_for("perch_agent_rounds of the local agent", || {
@@ -274,7 +283,11 @@ fn own_spans_arrive_over_otlp_and_are_flushed_at_exit() {
             "{} under {}",
             child.name, parent.name
         );
-        assert_eq!(child.trace_id, parent.trace_id, "{} in {}'s trace", child.name, parent.name);
+        assert_eq!(
+            child.trace_id, parent.trace_id,
+            "{} in {}'s trace",
+            child.name, parent.name
+        );
     }
     assert!(
         received.lock().expect("lock").metric_posts >= 1,

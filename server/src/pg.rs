@@ -26,9 +26,9 @@
 
 mod catalog;
 
+use crate::auth::{Role, Tokens};
 use arrow::array::{Array, AsArray, RecordBatch};
 use arrow::compute::cast;
-use crate::auth::{Role, Tokens};
 use arrow::datatypes::{DataType, Float64Type, Int64Type, Schema, TimeUnit};
 use async_trait::async_trait;
 use futures::sink::{Sink, SinkExt};
