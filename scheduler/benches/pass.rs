@@ -1,11 +1,14 @@
 //! One full scheduling pass on 4,000 nodes x 8 GPUs with 20,000 pending jobs: priorities
 //! recomputed and sorted, EASY reservation, and backfill over the whole queue. The cluster is
 //! ~97% allocated with fragmented free GPUs, so many candidates are tried and some start.
+//! `perch+topology` is the same on nodes with two NVLink islands of 4 GPUs that take shared
+//! jobs, with one pending job in 20 asking for part of a GPU.
 //!
 //! `cargo bench -p perch-scheduler --bench pass`
 
 use perch_scheduler::{
-    Account, Cluster, Config, Event, JobId, JobSpec, MINUTE, Qos, Scheduler, Shape, User,
+    Account, Cluster, Config, Event, GpuShare, JobId, JobSpec, MINUTE, NodeId, NodeSpec, Qos,
+    Scheduler, Shape, User,
 };
 
 fn main() {
@@ -40,10 +43,41 @@ fn job(id: u64, shape: Shape, account: u64, limit_min: i64, submit: i64) -> JobS
     }
 }
 
-/// A loaded 4,000 x 8 cluster with 20,000 jobs pending, and the time of the pass.
-fn loaded(config: Config) -> (Scheduler, i64) {
-    let cluster = Cluster::uniform(4_000, 8, "H100", 32).unwrap_or_default();
+/// A loaded 4,000 x 8 cluster with 20,000 jobs pending, and the time of the pass. With
+/// `topology`, nodes have NVLink islands {0-3},{4-7}, take shared jobs, and report memory, and
+/// 5% of the pending jobs are shares.
+fn loaded(config: Config, topology: bool) -> (Scheduler, i64) {
+    let mut cluster = Cluster::new();
+    for i in 0..4_000u32 {
+        let mut spec = NodeSpec::new(
+            &format!("node{:04}", i + 1),
+            8,
+            "H100",
+            &format!("rack{:03}", i / 32),
+        );
+        if topology {
+            spec.nvlink_islands = vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]];
+            spec.sharing = true;
+        }
+        let _ = cluster.add_node(spec);
+    }
     let mut s = Scheduler::new(cluster, config);
+    if topology {
+        for n in 0..4_000 {
+            for gpu in 0..8 {
+                let _ = s.handle(
+                    0,
+                    Event::GpuUtilization {
+                        node: NodeId(n),
+                        gpu,
+                        percent: 0.0,
+                        memory_used_mb: Some(0),
+                        memory_total_mb: Some(81_559),
+                    },
+                );
+            }
+        }
+    }
     let mut rng = Lcg(42);
     let mut id = 0;
     // Running work: about 97% of 32,000 GPUs, in 1-, 2-, 4- and 8-GPU jobs.
@@ -92,24 +126,32 @@ fn loaded(config: Config) -> (Scheduler, i64) {
             },
         };
         id += 1;
-        let _ = s.handle(
+        let mut j = job(
+            id,
+            shape,
+            rng.next(40),
+            10 + rng.next(3000) as i64,
             MINUTE + i as i64,
-            Event::Submit(job(
-                id,
-                shape,
-                rng.next(40),
-                10 + rng.next(3000) as i64,
-                MINUTE + i as i64,
-            )),
         );
+        if topology && rng.next(20) == 0 {
+            j.shape = Shape {
+                nodes: 1,
+                gpus_per_node: 1,
+            };
+            j.share = Some(GpuShare {
+                percent: 10 + rng.next(41) as u32,
+                memory_mb: 4_096 + rng.next(16_384),
+            });
+        }
+        let _ = s.handle(MINUTE + i as i64, Event::Submit(j));
     }
     (s, 60 * MINUTE)
 }
 
-#[divan::bench(args = ["backfill", "perch"], sample_count = 20)]
+#[divan::bench(args = ["backfill", "perch", "perch+topology"], sample_count = 20)]
 fn full_pass(bencher: divan::Bencher, policy: &str) {
     let config = match policy {
-        "perch" => {
+        "perch" | "perch+topology" => {
             let quotas = (0..40)
                 .map(|a| (Account(format!("team{a}")), 800))
                 .collect();
@@ -117,7 +159,7 @@ fn full_pass(bencher: divan::Bencher, policy: &str) {
         }
         _ => Config::backfill(),
     };
-    let (s, now) = loaded(config);
+    let (s, now) = loaded(config, policy == "perch+topology");
     assert!(s.pending_len() >= 20_000, "pending {}", s.pending_len());
     let mut probe = s.clone();
     let started = probe
