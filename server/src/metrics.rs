@@ -530,6 +530,10 @@ pub async fn metrics(State(state): State<AppState>, headers: axum::http::HeaderM
     );
     store_series(&mut scrape, &state);
     scheduler::scheduler(&mut scrape, &state.jobs.snapshot());
+    scheduler::usage(
+        &mut scrape,
+        &state.jobs.usage(&state.config.accounting.prices),
+    );
     alerts::alerts(&mut scrape, &state.alerts);
     extended::pushed(&mut scrape, &state.latest.job_metrics(now));
     let mut dynamic = Registry::default();

@@ -8,7 +8,7 @@ mod ledger;
 mod remediation;
 mod scrape;
 
-pub use scrape::{AllocationView, ControlSnapshot, NodeView, PendingView};
+pub use scrape::{AllocationView, ControlSnapshot, NodeView, PendingView, UsageView};
 
 use super::db::{Dirty, Loaded, NodeRecord};
 use super::record::{JobRecord, JobState, NodeGpus};

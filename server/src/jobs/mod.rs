@@ -10,7 +10,7 @@ pub mod spec;
 
 use control::Control;
 pub use control::{
-    AllocationView, ControlError, ControlSnapshot, JobsConfig, NodeView, PendingView,
+    AllocationView, ControlError, ControlSnapshot, JobsConfig, NodeView, PendingView, UsageView,
 };
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 

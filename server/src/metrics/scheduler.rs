@@ -103,6 +103,44 @@ pub(super) fn scheduler(s: &mut Scrape, snap: &ControlSnapshot) {
     }
 }
 
+/// GPU-seconds and cost per account and user: counters over every job so far (running jobs
+/// add as they run), the same accounting as the `jobs` and `account_usage` tables.
+pub(super) fn usage(s: &mut Scrape, usage: &[crate::jobs::UsageView]) {
+    for u in usage {
+        let l = |basis: &str| -> Labels {
+            vec![
+                ("account", u.account.clone()),
+                ("user", u.user.clone()),
+                ("basis", basis.to_owned()),
+            ]
+        };
+        s.counter(
+            "perch_account_gpu_seconds",
+            "GPU-seconds by account and user: allocated, or used (allocated x measured utilization)",
+            &l("allocated"),
+            Some(u.gpu_seconds_allocated),
+        );
+        s.counter(
+            "perch_account_gpu_seconds",
+            "GPU-seconds by account and user: allocated, or used (allocated x measured utilization)",
+            &l("used"),
+            Some(u.gpu_seconds_used),
+        );
+        for (basis, cost) in [
+            ("allocation", u.cost_allocated),
+            ("use", u.cost_used),
+            ("idle", u.cost_idle()),
+        ] {
+            s.counter(
+                "perch_account_cost",
+                "Cost by account and user, in the configured currency: by allocation, by use, and idle (allocated minus used)",
+                &l(basis),
+                Some(cost),
+            );
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -118,18 +156,24 @@ mod tests {
                     state: "up",
                     gpus: 8,
                     allocated: 3,
+                    running_jobs: 1,
+                    last_sync_ms: 0,
                 },
                 NodeView {
                     name: "b".into(),
                     state: "drained",
                     gpus: 8,
                     allocated: 2,
+                    running_jobs: 1,
+                    last_sync_ms: 0,
                 },
                 NodeView {
                     name: "c".into(),
                     state: "down",
                     gpus: 4,
                     allocated: 0,
+                    running_jobs: 1,
+                    last_sync_ms: 0,
                 },
             ],
             jobs_by_state: [("pending", 2), ("running", 1)].into_iter().collect(),

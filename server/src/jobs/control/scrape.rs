@@ -16,6 +16,10 @@ pub struct NodeView {
     pub gpus: u32,
     /// GPUs held by a job, whole or shared.
     pub allocated: u32,
+    /// Jobs running on the node.
+    pub running_jobs: usize,
+    /// When its agent last synced (server clock, Unix ms).
+    pub last_sync_ms: i64,
 }
 
 /// A job waiting in the queue.
@@ -102,6 +106,11 @@ impl Control {
                     allocated: (0..gpus)
                         .filter(|g| !cluster.holders(id, *g).is_empty())
                         .count() as u32,
+                    running_jobs: (0..gpus)
+                        .flat_map(|g| cluster.holders(id, g))
+                        .collect::<std::collections::BTreeSet<_>>()
+                        .len(),
+                    last_sync_ms: n.last_sync_ms,
                 }
             })
             .collect();
@@ -154,5 +163,55 @@ impl Control {
             pending,
             allocations,
         }
+    }
+}
+
+/// GPU-seconds and cost of one (account, user), every job and attempt so far.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct UsageView {
+    pub account: String,
+    pub user: String,
+    pub gpu_seconds_allocated: f64,
+    /// Utilization-weighted, over the telemetry folded so far.
+    pub gpu_seconds_used: f64,
+    pub cost_allocated: f64,
+    pub cost_used: f64,
+}
+
+impl UsageView {
+    /// Allocated but unused GPU time at the used price: what idle allocations cost.
+    pub fn cost_idle(&self) -> f64 {
+        (self.cost_allocated - self.cost_used).max(0.0)
+    }
+}
+
+impl crate::jobs::JobService {
+    /// Usage and cost per (account, user), for `/metrics`: the same figures as the `jobs`
+    /// and `account_usage` tables.
+    pub fn usage(&self, prices: &crate::accounting::Prices) -> Vec<UsageView> {
+        let now = crate::ingest::now_ms();
+        let control = crate::jobs::lock(&self.control);
+        let mut by: BTreeMap<(String, String), UsageView> = BTreeMap::new();
+        for job in control.jobs.values() {
+            let account = job.request.account().to_owned();
+            let user = job.request.user().to_owned();
+            let u = by
+                .entry((account.clone(), user.clone()))
+                .or_insert_with(|| UsageView {
+                    account,
+                    user,
+                    ..UsageView::default()
+                });
+            for a in &job.allocations {
+                for g in 0..a.gpus.len() {
+                    let f = crate::accounting::gpu_figures(a, g, now, prices);
+                    u.gpu_seconds_allocated += f.allocated_seconds;
+                    u.gpu_seconds_used += f.used_seconds.unwrap_or(0.0);
+                    u.cost_allocated += f.cost_allocated;
+                    u.cost_used += f.cost_used.unwrap_or(0.0);
+                }
+            }
+        }
+        by.into_values().collect()
     }
 }
