@@ -213,7 +213,7 @@ impl TelemetrySection {
     /// Checks the keys of `[telemetry]`; the message names the key and what to write instead.
     fn check(&self) -> Result<()> {
         let e = &self.otlp_endpoint;
-        if !e.is_empty() && !(e.starts_with("http://") || e.starts_with("https://")) {
+        if !(e.is_empty() || e.starts_with("http://") || e.starts_with("https://")) {
             anyhow::bail!(
                 "config key telemetry.otlp_endpoint: {e:?} must be an http:// or https:// URL such as http://collector:4318 (\"\" turns export off)"
             );
