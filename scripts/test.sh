@@ -36,6 +36,9 @@ if ! python3 -c "import opentelemetry.sdk, opentelemetry.exporter.otlp.proto.htt
   PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet opentelemetry-sdk opentelemetry-exporter-otlp-proto-http "psycopg[binary]" "moto[server]"
 fi
 python3 -c "import aiosmtpd" 2>/dev/null || PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet aiosmtpd # the SMTP server alerts/tests/smtp.rs mails
+# DuckDB recomputes job accounting from the raw Parquet files (tests/accounting.rs; that test
+# fails, never skips, without it).
+python3 -c "import duckdb" 2>/dev/null || PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet duckdb
 
 # --- hygiene ----------------------------------------------------------------------------------
 cargo fmt --all -- --check

@@ -1,0 +1,96 @@
+"""Job accounting recomputed independently with DuckDB, from the store's raw Parquet files.
+
+    python3 tests/accounting_duckdb.py <data-dir> <job_allocations.csv>
+
+Reads every gpu_samples Parquet file under <data-dir>/tables/gpu_samples/ and the allocations
+exported with `perch sql --format csv 'SELECT * FROM job_allocations'`, applies the definition
+of docs/schema.md ("Accounting and cost") and prints one JSON object: {"jobs": {"<job>": {...}}, "gpus": {"<job>/<node>/<gpu>": {...}}},
+each with gpu_seconds_used, utilization_mean_pct, utilization_peak_pct, memory_peak_bytes,
+energy_joules and samples. tests/accounting.rs compares it with perch's
+own answer. Exits non-zero (never skips) when duckdb is not installed.
+"""
+
+import csv
+import datetime
+import json
+import sys
+
+import duckdb
+
+
+def ms(text):
+    """Unix milliseconds of an RFC 3339 timestamp as arrow's CSV writer prints it."""
+    if not text:
+        return None
+    return round(datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
+
+
+def main():
+    data_dir, allocations_csv = sys.argv[1], sys.argv[2]
+    con = duckdb.connect()
+    con.execute(
+        "CREATE TABLE allocs (job UBIGINT, node VARCHAR, gpu UINTEGER, start_ms BIGINT, end_ms BIGINT)"
+    )
+    with open(allocations_csv, newline="") as f:
+        rows = [
+            (int(r["job"]), r["node"], int(r["gpu"]), ms(r["start_time"]), ms(r["end_time"]))
+            for r in csv.DictReader(f)
+        ]
+    if any(r[4] is None for r in rows):
+        sys.exit("an allocation has not ended; export only ended jobs")
+    con.executemany("INSERT INTO allocs VALUES (?, ?, ?, ?, ?)", rows)
+    files = f"{data_dir}/tables/gpu_samples/**/*.parquet"
+    # One row per allocated GPU: the aggregates of its samples in [start, end).
+    per_gpu = f"""
+        SELECT a.job, a.node, a.gpu, (a.end_ms - a.start_ms) / 1000.0 AS seconds,
+               count(s.time) AS samples,
+               avg(s.utilization_gpu_pct) AS util_mean,
+               max(s.utilization_gpu_pct) AS util_peak,
+               max(s.memory_used_bytes) AS memory_peak,
+               max(s.energy_joules) - min(s.energy_joules) AS energy_counter,
+               avg(s.power_watts) AS power_mean
+        FROM allocs a
+        LEFT JOIN read_parquet('{files}') s
+          ON s.node = a.node AND s.gpu = a.gpu
+         AND epoch_ms(s.time) >= a.start_ms AND epoch_ms(s.time) < a.end_ms
+        GROUP BY ALL
+    """
+    con.execute(f"CREATE TABLE per_gpu AS {per_gpu}")
+    gpus = {}
+    for job, node, gpu, seconds, samples, mean, peak, memory, counter, power in con.execute(
+        "SELECT * FROM per_gpu"
+    ).fetchall():
+        gpus[f"{job}/{node}/{gpu}"] = {
+            "gpu_seconds_used": None if mean is None else seconds * mean / 100,
+            "utilization_mean_pct": mean,
+            "utilization_peak_pct": peak,
+            "memory_peak_bytes": memory,
+            "energy_joules": counter if counter is not None else (None if power is None else power * seconds),
+            "samples": samples,
+        }
+    jobs = {}
+    for job, used, accounted, peak, memory, energy, samples in con.execute(
+        """
+        SELECT job,
+               sum(seconds * util_mean / 100) AS used,
+               sum(CASE WHEN util_mean IS NOT NULL THEN seconds END) AS accounted,
+               max(util_peak) AS peak,
+               max(memory_peak) AS memory,
+               sum(coalesce(energy_counter, power_mean * seconds)) AS energy,
+               sum(samples) AS samples
+        FROM per_gpu GROUP BY job ORDER BY job
+        """
+    ).fetchall():
+        jobs[str(job)] = {
+            "gpu_seconds_used": used,
+            "utilization_mean_pct": None if not accounted else 100.0 * used / accounted,
+            "utilization_peak_pct": peak,
+            "memory_peak_bytes": memory,
+            "energy_joules": energy,
+            "samples": samples,
+        }
+    print(json.dumps({"jobs": jobs, "gpus": gpus}))
+
+
+if __name__ == "__main__":
+    main()
