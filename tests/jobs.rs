@@ -75,6 +75,25 @@ fn a_submitted_job_runs_on_its_gpus_and_its_output_and_state_are_visible() {
         listing.contains("hello") && listing.contains("failed"),
         "{listing}"
     );
+    // Its accounting: two GPUs held from start to end, one allocation row per GPU, and its
+    // lifecycle in the audit trail.
+    let acct = perch.sql(
+        "SELECT j.gpu_seconds_allocated, j.elapsed_seconds, j.exit_code, count(a.gpu) AS gpus
+         FROM jobs j JOIN job_allocations a ON a.job = j.job WHERE j.job = 1
+         GROUP BY j.gpu_seconds_allocated, j.elapsed_seconds, j.exit_code",
+    );
+    let a = &acct[0];
+    assert_eq!(a["gpus"], 2, "{a}");
+    assert_eq!(a["exit_code"], 3, "{a}");
+    let held = a["gpu_seconds_allocated"].as_f64().unwrap_or(-1.0);
+    let elapsed = a["elapsed_seconds"].as_f64().unwrap_or(-1.0);
+    assert!(held > 0.0 && (held - 2.0 * elapsed).abs() < 1e-9, "{a}");
+    assert_eq!(
+        perch.scalar(
+            "SELECT count(*) FROM events WHERE job = 1 AND kind IN ('job_submitted', 'job_started', 'job_ended')"
+        ),
+        3
+    );
 }
 
 #[test]
