@@ -130,7 +130,13 @@ pub fn up(config: Config) -> Result<()> {
         };
         let psql = match config.server.pg_listen.rsplit_once(':') {
             Some((host, port)) if !config.server.pg_listen.is_empty() => {
-                format!("psql -h {host} -p {port} -U perch -c \"SELECT count(*) FROM gpu_samples\"")
+                // With tokens, the PostgreSQL listener takes one as the password.
+                let password = if config.server.tokens_file.as_os_str().is_empty() {
+                    ""
+                } else {
+                    "PGPASSWORD=<your token> "
+                };
+                format!("{password}psql -h {host} -p {port} -U perch -c \"SELECT count(*) FROM gpu_samples\"")
             }
             _ => "off (server.pg_listen is empty)".to_owned(),
         };
