@@ -6,7 +6,7 @@
 use crate::jobs::JobRegistry;
 use crate::launcher::{Isolation, Launcher};
 use perch_model::NodeId;
-use perch_model::control::{SyncRequest, SyncResponse};
+use perch_model::control::{CommandResult, SyncRequest, SyncResponse};
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -67,6 +67,8 @@ pub async fn run_control(
     let mut tick = tokio::time::interval(config.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut unreachable = false;
+    // Results of the server's node commands, waiting for the next sync.
+    let results: Arc<Mutex<Vec<CommandResult>>> = Arc::default();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -88,6 +90,9 @@ pub async fn run_control(
                 exited: l.exited(),
                 logs: l.logs(),
                 notes: l.take_notes(),
+                command_results: std::mem::take(
+                    &mut *results.lock().unwrap_or_else(|p| p.into_inner()),
+                ),
             }
         };
         let answer = async {
@@ -113,10 +118,25 @@ pub async fn run_control(
                     tracing::debug!(start = ?response.start.iter().map(|l| l.job).collect::<Vec<_>>(), stop = ?response.stop.iter().map(|s| s.job).collect::<Vec<_>>(), "orders from the server");
                 }
                 lock(&launcher).apply(&response);
+                for cmd in response.commands {
+                    tracing::info!(id = cmd.id, argv = ?cmd.argv, "running a command the server asked for");
+                    let results = results.clone();
+                    tokio::spawn(async move {
+                        let result = crate::node_command::run(cmd).await;
+                        results
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .push(result);
+                    });
+                }
             }
             Err(e) => {
                 // The notes were not delivered: send them with the next sync.
                 lock(&launcher).restore_notes(request.notes);
+                results
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .extend(request.command_results);
                 if !unreachable {
                     tracing::warn!(error = %e, "job control cannot reach the server; jobs keep running, exits wait to be reported");
                     unreachable = true;

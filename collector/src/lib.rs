@@ -20,6 +20,7 @@ pub mod jobs;
 pub mod launcher;
 pub mod local_metrics;
 pub mod nic;
+pub mod node_command;
 pub mod queue;
 pub mod sampler;
 pub mod sender;

@@ -38,6 +38,40 @@ pub struct SyncRequest {
     /// run as), for the jobs' timelines. Sent once each.
     #[serde(default)]
     pub notes: Vec<JobNote>,
+    /// Results of the commands the server asked for ([`SyncResponse::commands`]).
+    #[serde(default)]
+    pub command_results: Vec<CommandResult>,
+}
+
+/// A command the server asks an agent to run on its node: a remediation step such as a GPU
+/// reset script, or the health check before a drained node is resumed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeCommand {
+    /// Chosen by the server; the result carries it back.
+    pub id: u64,
+    /// Program and arguments, run without a shell.
+    pub argv: Vec<String>,
+    /// The agent kills the command (its process group) after this long.
+    pub timeout_ms: u64,
+}
+
+/// How a [`NodeCommand`] ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CommandResult {
+    pub id: u64,
+    /// The exit code; absent when it was killed by a signal, timed out or did not start.
+    #[serde(default)]
+    pub exit_code: Option<i32>,
+    #[serde(default)]
+    pub timed_out: bool,
+    /// The last few KiB of its stdout and stderr, for the audit trail.
+    #[serde(default)]
+    pub output: String,
+    /// Why it could not be run (no such program...).
+    #[serde(default)]
+    pub error: Option<String>,
 }
 
 /// A fact about one job on this node, for its record's timeline.
@@ -101,6 +135,9 @@ pub struct SyncResponse {
     /// restarted agent or server resumes log shipping without gaps or repeats.
     #[serde(default)]
     pub log_offsets: Vec<(u64, LogStream, u64)>,
+    /// Commands to run on the node; results come back in the next syncs.
+    #[serde(default)]
+    pub commands: Vec<NodeCommand>,
 }
 
 /// Start this job's processes on this node.

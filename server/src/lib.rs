@@ -79,6 +79,8 @@ pub struct AppState {
     pub tokens: Arc<auth::Tokens>,
     /// The alert engine, its senders and its persisted state.
     pub alerts: Arc<alerting::AlertService>,
+    /// Commands for agents to run on their nodes (remediation), and their results.
+    pub node_commands: Arc<jobs::node_commands::NodeCommands>,
     /// The control plane's audit events on their way to the `events` table; [`serve`] takes
     /// it and appends them.
     events: Arc<std::sync::Mutex<Option<EventReceiver>>>,
@@ -116,6 +118,7 @@ impl AppState {
         }
         Ok(AppState {
             alerts: Arc::new(alerts),
+            node_commands: Arc::default(),
             store,
             sql,
             latest: Arc::new(Latest::default()),

@@ -332,13 +332,14 @@ async fn execute(state: &AppState, decision: &Decision) -> Result<String, String
             argv,
             timeout_ms,
         } => {
-            crate::jobs::node_commands::run_on_node(
-                &state.jobs,
-                &node,
-                argv,
-                Duration::from_millis(u64::try_from(timeout_ms).unwrap_or(0)),
-            )
-            .await
+            state
+                .node_commands
+                .run(
+                    &node,
+                    argv,
+                    Duration::from_millis(u64::try_from(timeout_ms).unwrap_or(0)),
+                )
+                .await
         }
     }
 }

@@ -236,12 +236,16 @@ pub async fn sync(
     State(state): State<AppState>,
     payload: Result<Json<SyncRequest>, JsonRejection>,
 ) -> Result<Json<SyncResponse>, ApiError> {
-    let request = body(payload, "agent sync request")?;
+    let mut request = body(payload, "agent sync request")?;
     request
         .node
         .validate()
         .map_err(|e| ApiError::bad_request("invalid_sync", format!("field `node`: {e}")))?;
-    Ok(Json(
-        state.jobs.run(move |c, now| c.sync(request, now)).await?,
-    ))
+    let node = request.node.as_str().to_owned();
+    state
+        .node_commands
+        .deliver(std::mem::take(&mut request.command_results));
+    let mut response = state.jobs.run(move |c, now| c.sync(request, now)).await?;
+    response.commands = state.node_commands.take(&node);
+    Ok(Json(response))
 }
