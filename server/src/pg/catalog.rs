@@ -474,7 +474,7 @@ mod tests {
         check("SHOW ALL", "VALUES");
         check(
             "SELECT quote_ident(table_name) FROM information_schema.tables",
-            "SELECT table_name FROM information_schema.tables",
+            "SELECT table_name AS \"quote_ident\" FROM information_schema.tables",
         );
         check(
             "SELECT array_length(parse_ident('public.\"GPU\"'), 1)",
