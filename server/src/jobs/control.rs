@@ -1108,6 +1108,7 @@ impl Control {
     }
 
     /// Marks nodes whose agents went silent as down, then lets time limits act.
+    #[tracing::instrument(name = "scheduler.tick", skip_all)]
     pub(crate) fn tick(&mut self, now: i64) -> Result<(), ControlError> {
         self.now = now;
         let timeout = i64::try_from(self.config.heartbeat_timeout.as_millis()).unwrap_or(i64::MAX);
