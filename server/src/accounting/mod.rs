@@ -97,13 +97,25 @@ pub struct GpuFigures {
 }
 
 /// The figures of GPU `g` (position in `a.gpus`) of allocation `a` at `now_ms`.
+///
+/// A job on a share of a GPU is allocated its fraction of the time; what it used, its peaks
+/// and its energy are unknown (NULL): the GPU's telemetry covers every job sharing it and
+/// cannot be split among them.
 pub fn gpu_figures(a: &Allocation, g: usize, now_ms: i64, prices: &Prices) -> GpuFigures {
+    let allocated_seconds = a.held_ms(now_ms) as f64 / 1000.0 * a.gpu_fraction();
+    let price = prices.gpu_hour(&a.gpu_model);
+    if a.share_percent.is_some() {
+        return GpuFigures {
+            allocated_seconds,
+            samples: a.usage.get(g).map_or(0, |u| u.samples),
+            cost_allocated: allocated_seconds / 3600.0 * price,
+            ..GpuFigures::default()
+        };
+    }
     let u = a.usage.get(g).cloned().unwrap_or_default();
-    let allocated_seconds = a.held_ms(now_ms) as f64 / 1000.0;
     let folded = a.folded_ms() as f64 / 1000.0;
     let used_seconds = u.used_seconds(folded);
     let energy_joules = u.energy_joules(folded);
-    let price = prices.gpu_hour(&a.gpu_model);
     let energy_cost = energy_joules.unwrap_or(0.0) / 3.6e6 * prices.energy_per_kwh;
     GpuFigures {
         allocated_seconds,

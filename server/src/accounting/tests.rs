@@ -55,6 +55,34 @@ async fn schema_doc_covers_every_accounting_column() {
     }
 }
 
+#[test]
+fn a_shared_gpu_is_allocated_its_fraction_and_its_use_is_unknown() {
+    let mut a =
+        crate::jobs::record::Allocation::new(1, "n".into(), vec![0], "H100".into(), 0, false);
+    a.end_ms = Some(3_600_000);
+    a.folded_until_ms = 3_600_000;
+    a.usage[0].merge(&GpuUsage {
+        samples: 10,
+        util_samples: 10,
+        util_sum: 800.0,
+        util_max: Some(90.0),
+        ..GpuUsage::default()
+    });
+    let prices = Prices::default();
+    let whole = gpu_figures(&a, 0, 0, &prices);
+    assert_eq!(whole.allocated_seconds, 3600.0);
+    assert_eq!(whole.used_seconds, Some(2880.0));
+    a.share_percent = Some(25);
+    let shared = gpu_figures(&a, 0, 0, &prices);
+    assert_eq!(shared.allocated_seconds, 900.0);
+    assert_eq!(
+        shared.used_seconds, None,
+        "the GPU's use cannot be split among its jobs"
+    );
+    assert_eq!(shared.util_peak_pct, None);
+    assert!((shared.cost_allocated - 0.25 * 0.95).abs() < 1e-12);
+}
+
 const HOUR: i64 = 3_600_000;
 /// 2025-06-01 22:00 UTC: the job runs three hours, across midnight.
 const T0: i64 = 1_748_815_200_000;

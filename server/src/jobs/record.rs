@@ -98,6 +98,9 @@ pub struct Allocation {
     /// The node's GPUs are simulated.
     #[serde(default)]
     pub simulated: bool,
+    /// The job held this percent of its one GPU (GPU sharing), not the whole GPU.
+    #[serde(default)]
+    pub share_percent: Option<u32>,
     /// Telemetry of these GPUs before this time (and after `start_ms`) is folded into
     /// `usage`; later samples are not yet.
     pub folded_until_ms: i64,
@@ -123,6 +126,7 @@ impl Allocation {
             start_ms,
             end_ms: None,
             simulated,
+            share_percent: None,
             folded_until_ms: start_ms,
             usage,
         }
@@ -148,6 +152,12 @@ impl Allocation {
     /// Milliseconds each GPU's `usage` covers.
     pub fn folded_ms(&self) -> i64 {
         self.folded_end_ms() - self.start_ms
+    }
+
+    /// The part of each GPU held: 1, or the share's fraction.
+    pub fn gpu_fraction(&self) -> f64 {
+        self.share_percent
+            .map_or(1.0, |p| f64::from(p.min(100)) / 100.0)
     }
 
     /// Ended, and everything up to the end folded: its accounting is final.

@@ -143,6 +143,7 @@ impl Control {
         let Some(job) = self.jobs.get_mut(&id) else {
             return;
         };
+        let share = job.request.gpu_share.as_ref().map(|s| s.percent());
         for p in &job.placement {
             let node = self
                 .node_index
@@ -151,14 +152,16 @@ impl Control {
             let (model, simulated) = node.map_or((String::new(), false), |n| {
                 (n.record.model.clone(), n.record.simulated)
             });
-            job.allocations.push(Allocation::new(
+            let mut a = Allocation::new(
                 job.attempts,
                 p.node.clone(),
                 p.gpus.clone(),
                 model,
                 now,
                 simulated,
-            ));
+            );
+            a.share_percent = share;
+            job.allocations.push(a);
         }
     }
 
@@ -281,7 +284,7 @@ impl Control {
             let mut total = 0.0;
             for a in &job.allocations {
                 total += decayed_gpu_ms(
-                    a.gpus.len() as f64,
+                    a.gpus.len() as f64 * a.gpu_fraction(),
                     a.start_ms,
                     a.end_or(now),
                     now,
