@@ -17,12 +17,19 @@ use std::sync::{Arc, Mutex};
 #[test]
 fn own_metrics_arrive_in_another_perch() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let receiver = Perch::start(&dir.path().join("receiver"), &["server"]);
+    // No PostgreSQL listener: the default port may be another test's.
+    let no_pg = dir.path().join("no-pg.toml");
+    std::fs::write(&no_pg, "[server]\npg_listen = \"\"\n").expect("write config");
+    let no_pg = no_pg.to_string_lossy().into_owned();
+    let receiver = Perch::start(
+        &dir.path().join("receiver"),
+        &["server", "--config", &no_pg],
+    );
     let config = dir.path().join("perch.toml");
     std::fs::write(
         &config,
         format!(
-            "[telemetry]\notlp_endpoint = \"{}\"\nexport_interval_secs = 1\n",
+            "[server]\npg_listen = \"\"\n[telemetry]\notlp_endpoint = \"{}\"\nexport_interval_secs = 1\n",
             receiver.url
         ),
     )
@@ -225,9 +232,12 @@ fn own_spans_arrive_over_otlp_and_are_flushed_at_exit() {
     let received = Arc::new(Mutex::new(Received::default()));
     let endpoint = otlp_receiver(received.clone());
     let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("perch.toml");
+    std::fs::write(&config, "[server]\npg_listen = \"\"\n").expect("write config");
+    let config = config.to_string_lossy().into_owned();
     let mut perch = Perch::start_with_env(
         &dir.path().join("data"),
-        &["server"],
+        &["server", "--config", &config],
         &[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)],
     );
     let client = reqwest::blocking::Client::new();
