@@ -70,7 +70,11 @@ print(json.dumps(out))
             .arg(&self.maildir)
             .output()
             .expect("python3 reads the Maildir");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         serde_json::from_slice(&out.stdout).expect("json")
     }
 }
@@ -124,7 +128,13 @@ impl StandinAgent {
         let file = data.join("scenario.json");
         std::fs::write(&file, scenario(node, xid_at).to_string()).expect("scenario");
         let child = Command::new(PERCH)
-            .args(["agent", "--server", server, "--node", &format!("gpu-{node}")])
+            .args([
+                "agent",
+                "--server",
+                server,
+                "--node",
+                &format!("gpu-{node}"),
+            ])
             .arg("--nvml")
             .arg(lib)
             .args(["--interval-ms", "500", "--data-dir"])
@@ -232,8 +242,10 @@ cooldown = "30m"
     });
     let submitted: Value = reqwest::blocking::Client::new()
         .post(format!("{}/v1/jobs", perch.url))
-        .json(&json!({"name": "train", "command": ["sleep", "600"], "gpus_per_node": 2,
-                      "user": "alice", "time_limit_secs": 3600}))
+        .json(
+            &json!({"name": "train", "command": ["sleep", "600"], "gpus_per_node": 2,
+                      "user": "alice", "time_limit_secs": 3600}),
+        )
         .send()
         .expect("submit")
         .json()
@@ -286,7 +298,13 @@ cooldown = "30m"
     );
     let actions: Vec<String> = audit
         .iter()
-        .map(|r| format!("{}:{}", r["action"].as_str().unwrap_or(""), r["outcome"].as_str().unwrap_or("")))
+        .map(|r| {
+            format!(
+                "{}:{}",
+                r["action"].as_str().unwrap_or(""),
+                r["outcome"].as_str().unwrap_or("")
+            )
+        })
         .collect();
     assert!(
         actions.iter().any(|a| a.starts_with("drain_node:done"))
@@ -300,7 +318,12 @@ cooldown = "30m"
     );
     // Nothing more is sent for it: group_interval is 5 minutes and the XID is one event.
     std::thread::sleep(Duration::from_secs(4));
-    assert_eq!(smtp.messages().len(), 1, "exactly one email: {:?}", smtp.messages());
+    assert_eq!(
+        smtp.messages().len(),
+        1,
+        "exactly one email: {:?}",
+        smtp.messages()
+    );
 
     // 2. The storm: 5 more nodes report XID 79; 0.5 of 6 nodes may be out, so perch drains
     //    two more and then stops everything.
@@ -310,13 +333,20 @@ cooldown = "30m"
         (!trip.is_null()).then_some(trip)
     });
     assert!(
-        breaker["reason"].as_str().is_some_and(|r| r.contains("max_fraction_out")),
+        breaker["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("max_fraction_out")),
         "{breaker}"
     );
     assert_eq!(drained(&perch).len(), 3, "{:?}", node_states(&perch));
     // It stays that way while the alerts keep firing.
     std::thread::sleep(Duration::from_secs(5));
-    assert_eq!(drained(&perch).len(), 3, "no further node drained: {:?}", node_states(&perch));
+    assert_eq!(
+        drained(&perch).len(),
+        3,
+        "no further node drained: {:?}",
+        node_states(&perch)
+    );
     assert_eq!(
         perch.scalar("SELECT count(*) FROM events WHERE kind = 'circuit_breaker_open'"),
         1
@@ -337,7 +367,9 @@ cooldown = "30m"
         "breaker state on /metrics"
     );
     assert!(
-        metrics.contains("perch_alerts{alertname=\"XidReboot\",state=\"firing\",severity=\"critical\"}"),
+        metrics.contains(
+            "perch_alerts{alertname=\"XidReboot\",state=\"firing\",severity=\"critical\"}"
+        ),
         "alert counts on /metrics"
     );
     // The breaker's own alert is mailed to the operators.
