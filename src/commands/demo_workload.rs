@@ -79,7 +79,7 @@ async fn submit(
             "account": account,
             "time_limit_secs": 86400,
             "sim_profile": profile,
-            "preemptible": i % 2 == 0,
+            "preemptible": i.is_multiple_of(2),
         });
         client
             .post(format!("{base}/v1/jobs"))
