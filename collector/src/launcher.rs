@@ -357,7 +357,9 @@ impl Launcher {
                 Ok(Some(id))
             }
             Decision::AsAgent(note) => {
-                self.note(l.job, note);
+                if let Some(note) = note {
+                    self.note(l.job, note);
+                }
                 Ok(None)
             }
             Decision::Refuse(why) => Err(NotStarted { code: 126, why }),

@@ -642,6 +642,7 @@ pub fn nodes(args: ListArgs) -> Result<()> {
                 format!("{}/{}", n["allocated_gpus"], n["gpus"]),
                 s(&n["gpu_model"]),
                 s(&n["rack"]),
+                nvlink_of(&n["nvlink_islands"], n["gpu_sharing"] == true),
                 if jobs.is_empty() {
                     "-".into()
                 } else {
@@ -651,10 +652,50 @@ pub fn nodes(args: ListArgs) -> Result<()> {
         })
         .collect();
     print_table(
-        &["NODE", "STATE", "ALLOC/GPUS", "MODEL", "RACK", "JOBS"],
+        &[
+            "NODE",
+            "STATE",
+            "ALLOC/GPUS",
+            "MODEL",
+            "RACK",
+            "NVLINK",
+            "JOBS",
+        ],
         rows,
     );
     Ok(())
+}
+
+/// NVLink islands as `0-3|4-7`, then `shared` when the node takes shared jobs.
+fn nvlink_of(islands: &Value, sharing: bool) -> String {
+    let groups: Vec<String> = islands
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|i| {
+            let ids: Vec<u64> = i
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_u64)
+                .collect();
+            match (ids.first(), ids.last()) {
+                (Some(a), Some(b)) if ids.len() > 1 && b - a + 1 == ids.len() as u64 => {
+                    format!("{a}-{b}")
+                }
+                _ => ids.iter().map(u64::to_string).collect::<Vec<_>>().join(","),
+            }
+        })
+        .collect();
+    let mut text = if groups.is_empty() {
+        "-".to_owned()
+    } else {
+        groups.join("|")
+    };
+    if sharing {
+        text.push_str(" shared");
+    }
+    text
 }
 
 pub fn set_drained(args: NodeArgs, drain: bool) -> Result<()> {
@@ -667,7 +708,18 @@ pub fn set_drained(args: NodeArgs, drain: bool) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_duration;
+    use super::{nvlink_of, parse_duration};
+
+    #[test]
+    fn nvlink_islands_read_compactly() {
+        let islands = serde_json::json!([[0, 1, 2, 3], [4, 5, 6, 7]]);
+        assert_eq!(nvlink_of(&islands, false), "0-3|4-7");
+        assert_eq!(
+            nvlink_of(&serde_json::json!([[0, 2], [1]]), true),
+            "0,2|1 shared"
+        );
+        assert_eq!(nvlink_of(&serde_json::Value::Null, false), "-");
+    }
 
     #[test]
     fn durations() {

@@ -59,8 +59,9 @@ pub struct Identity {
 pub enum Decision {
     /// Switch to this user.
     Switch(Identity),
-    /// Run as the agent's own user; the text is the note for the job's record.
-    AsAgent(String),
+    /// Run as the agent's own user; the text is the note for the job's record (none when the
+    /// agent's user is the job's).
+    AsAgent(Option<String>),
     /// Do not start the job; the text is the reason.
     Refuse(String),
 }
@@ -102,10 +103,14 @@ pub fn lookup(name: &str) -> Result<Option<Identity>, String> {
 /// Decides whose identity job of `user` runs under, the agent being `agent` (uid, name).
 pub fn decide(mode: RunAsUser, user: &str, agent: (u32, &str)) -> Decision {
     let (agent_uid, agent_name) = agent;
+    if user == agent_name && (agent_uid != 0 || mode == RunAsUser::Never) {
+        // Already the job's user (`perch up` run by the user who submits).
+        return Decision::AsAgent(None);
+    }
     if mode == RunAsUser::Never {
-        return Decision::AsAgent(format!(
+        return Decision::AsAgent(Some(format!(
             "runs as {agent_name}, the agent's user (agent.run_as_user = never), not as {user}"
-        ));
+        )));
     }
     if agent_uid != 0 {
         let why =
@@ -114,7 +119,7 @@ pub fn decide(mode: RunAsUser, user: &str, agent: (u32, &str)) -> Decision {
             RunAsUser::Required => Decision::Refuse(format!(
                 "{why} (agent.run_as_user = required; run the agent as root or set it to if_possible)"
             )),
-            _ => Decision::AsAgent(format!("runs as {agent_name}: {why}")),
+            _ => Decision::AsAgent(Some(format!("runs as {agent_name}: {why}"))),
         };
     }
     match lookup(user) {
@@ -176,18 +181,25 @@ mod tests {
     fn a_non_root_agent_runs_jobs_as_itself_or_refuses_when_required() {
         let agent = (1000, "perch");
         match decide(RunAsUser::IfPossible, "alice", agent) {
-            Decision::AsAgent(note) => assert!(
+            Decision::AsAgent(Some(note)) => assert!(
                 note.contains("runs as perch") && note.contains("not root"),
                 "{note}"
             ),
             other => panic!("{other:?}"),
         }
+        // The agent's user submitting: it runs as itself, nothing to note.
+        assert_eq!(
+            decide(RunAsUser::Required, "perch", agent),
+            Decision::AsAgent(None)
+        );
         match decide(RunAsUser::Required, "alice", agent) {
             Decision::Refuse(why) => assert!(why.contains("run_as_user = required"), "{why}"),
             other => panic!("{other:?}"),
         }
         match decide(RunAsUser::Never, "alice", (0, "root")) {
-            Decision::AsAgent(note) => assert!(note.contains("run_as_user = never"), "{note}"),
+            Decision::AsAgent(Some(note)) => {
+                assert!(note.contains("run_as_user = never"), "{note}")
+            }
             other => panic!("{other:?}"),
         }
     }
