@@ -298,6 +298,9 @@ fn catalog(addr: &str) {
             .any(|l| l == "public|gpu_samples|table|perch"),
         "{listing}"
     );
+    // \dn and \l: the one schema and the one database.
+    assert!(ok("\\dn").lines().any(|l| l == "public|perch"), "\\dn");
+    assert!(ok("\\l").starts_with("perch|perch|UTF8|"), "\\l");
     let out = psql(
         addr,
         "SELECT count(*) FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'public' AND c.relname = 'gpu_samples'",

@@ -14,8 +14,8 @@
 //! exactly as the client wrote it.
 
 use datafusion::sql::sqlparser::ast::{
-    Expr, FunctionArg, FunctionArgExpr, FunctionArguments, Ident, ObjectName, Query, Select,
-    SelectItem, Statement, TableAlias, TableFactor, Value, VisitMut, VisitorMut,
+    BinaryOperator, Expr, FunctionArg, FunctionArgExpr, FunctionArguments, Ident, ObjectName,
+    Query, Select, SelectItem, Statement, TableAlias, TableFactor, Value, VisitMut, VisitorMut,
 };
 use datafusion::sql::sqlparser::dialect::PostgreSqlDialect;
 use datafusion::sql::sqlparser::parser::Parser;
@@ -118,7 +118,9 @@ fn catalog_table(name: &str) -> Option<String> {
              (1114, 'timestamp'), (1184, 'timestamptz')) AS t(oid, typname)"
             .to_owned(),
         "pg_database" => "SELECT CAST(16383 AS BIGINT) AS oid, 'perch' AS datname, \
-             CAST(10 AS BIGINT) AS datdba, 'UTF8' AS encoding, false AS datistemplate, true AS datallowconn"
+             CAST(10 AS BIGINT) AS datdba, CAST(6 AS BIGINT) AS encoding, 'C' AS datcollate, \
+             'C' AS datctype, CAST(NULL AS VARCHAR) AS daticulocale, 'c' AS datlocprovider, \
+             make_array('=Tc/perch') AS datacl, false AS datistemplate, true AS datallowconn"
             .to_owned(),
         "pg_am" => "SELECT CAST(2 AS BIGINT) AS oid, 'heap' AS amname, 't' AS amtype".to_owned(),
         "pg_extension" => "SELECT CAST(NULL AS BIGINT) AS oid, CAST(NULL AS VARCHAR) AS extname, \
@@ -260,6 +262,7 @@ impl Rewriter<'_> {
                 "'''' || replace(CAST(({arg}) AS VARCHAR), '''', '''''') || ''''"
             ))?,
             ("pg_get_userbyid", [_]) => text("perch"),
+            ("pg_encoding_to_char", [_]) => text("UTF8"),
             ("pg_table_is_visible" | "pg_type_is_visible" | "has_table_privilege", _) => {
                 Expr::value(Value::Boolean(true))
             }
@@ -334,8 +337,38 @@ impl VisitorMut for Rewriter<'_> {
 
     fn post_visit_expr(&mut self, expr: &mut Expr) -> ControlFlow<()> {
         let replacement = match expr {
-            Expr::Function(f) => args(&f.args).and_then(|a| self.function(&parts(&f.name), &a)),
+            Expr::Function(f) => {
+                let name = parts(&f.name);
+                let answer = args(&f.args).and_then(|a| self.function(&name, &a));
+                // Any other `pg_catalog.f(...)` may be DataFusion's `f` (array_to_string...).
+                if answer.is_none() && name.len() == 2 && name[0] == "pg_catalog" {
+                    f.name.0.remove(0);
+                    self.changed = true;
+                }
+                answer
+            }
             Expr::Identifier(i) => bare_function(i).and_then(|n| self.function(&[n], &[])),
+            // psql pins its patterns to the default collation, the only one perch has.
+            Expr::Collate { expr: inner, .. } => Some((**inner).clone()),
+            // `OPERATOR(pg_catalog.~)` (psql's pattern match) is the plain operator.
+            Expr::BinaryOp {
+                op: BinaryOperator::PGCustomBinaryOperator(path),
+                ..
+            } if matches!(path.first().map(String::as_str), Some("pg_catalog")) => {
+                let op = match path.get(1).map(String::as_str) {
+                    Some("~") => BinaryOperator::PGRegexMatch,
+                    Some("~*") => BinaryOperator::PGRegexIMatch,
+                    Some("!~") => BinaryOperator::PGRegexNotMatch,
+                    Some("!~*") => BinaryOperator::PGRegexNotIMatch,
+                    Some("=") => BinaryOperator::Eq,
+                    _ => return ControlFlow::Continue(()),
+                };
+                if let Expr::BinaryOp { op: old, .. } = expr {
+                    *old = op;
+                }
+                self.changed = true;
+                None
+            }
             _ => None,
         };
         if let Some(r) = replacement {
@@ -481,6 +514,14 @@ mod tests {
             "make_array('public', 'GPU')",
         );
         check("SELECT * FROM pg_catalog.pg_namespace n", ") AS n");
+        check(
+            "SELECT relname FROM pg_class c WHERE c.relname OPERATOR(pg_catalog.~) '^(gpu_samples)$' COLLATE pg_catalog.default",
+            "c.relname ~ '^(gpu_samples)$'",
+        );
+        check(
+            "SELECT pg_catalog.array_to_string(ARRAY['a'], ',')",
+            "SELECT array_to_string(",
+        );
         check(
             "SELECT DISTINCT quote_literal(node) FROM gpu_samples",
             "'''' || replace(CAST((node) AS VARCHAR)",
