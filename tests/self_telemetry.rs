@@ -1,6 +1,6 @@
 //! perch's own telemetry over OTLP/HTTP. Metrics: one perch (`up`, so a server and an agent)
-//! exports its health counters to a second perch's OTLP receiver, where they arrive as
-//! `job_metrics` rows. Traces: a perch server exports to a small OTLP receiver in this test,
+//! and a `perch agent` export their health counters to a second perch's OTLP receiver, where
+//! they arrive as `job_metrics` rows. Traces: a perch server exports to a small OTLP receiver in this test,
 //! which decodes the protobuf requests; the spans of an SQL query and an ingest arrive under
 //! their HTTP request's span, with `service.name`, and the ones still buffered at SIGTERM are
 //! flushed on the way out. The first uses `[telemetry]` in the config file, the second the
@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{Perch, marked_batch, wait_for};
+use common::{Agent, Perch, marked_batch, wait_for};
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
 use prost::Message;
@@ -111,6 +111,27 @@ fn own_metrics_arrive_in_another_perch() {
         rounds["value"].as_f64().is_some_and(|v| v >= 1.0),
         "{rounds}"
     );
+
+    // A separate `perch agent` exports as perch-agent.
+    let _agent = Agent::start(
+        &receiver.url,
+        "otel-agent",
+        &dir.path().join("agent"),
+        1,
+        None,
+        &["--interval-ms", "100", "--config", &config],
+    );
+    let sent = wait_for("perch_agent_batches_sent from perch agent", || {
+        receiver
+            .sql(
+                "SELECT value FROM job_metrics WHERE service_name = 'perch-agent' \
+                 AND metric = 'perch_agent_batches_sent' \
+                 AND attributes = '{\"node\":\"otel-agent\"}' AND value >= 1 LIMIT 1",
+            )
+            .into_iter()
+            .next()
+    });
+    assert!(sent["value"].as_f64().is_some_and(|v| v >= 1.0), "{sent}");
 
     // The receiver's copy agrees with the exporter's own /metrics, within the counting since.
     let scrape = reqwest::blocking::get(format!("{}/metrics", exporter.url))
