@@ -29,13 +29,25 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// Where and how to export, once the config and the `OTEL_*` environment are merged.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub struct Target {
     /// Base URL without a trailing slash; the signal paths go after it.
     pub base: String,
     pub service: String,
     pub interval: Duration,
     pub headers: HashMap<String, String>,
+}
+
+/// Header values are credentials: only their names are shown.
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Target")
+            .field("base", &self.base)
+            .field("service", &self.service)
+            .field("interval", &self.interval)
+            .field("headers", &self.headers.keys().collect::<Vec<_>>())
+            .finish()
+    }
 }
 
 impl Target {
@@ -419,6 +431,10 @@ mod tests {
         assert_eq!(t.service, "perch-eu");
         assert_eq!(t.interval, Duration::from_secs(5));
         assert_eq!(t.headers["Authorization"], "Bearer x");
+        assert!(
+            !format!("{t:?}").contains("Bearer x"),
+            "credentials stay out of logs"
+        );
         section.service_name.clear();
         assert_eq!(resolve(&section, &env).expect("on").service, "other");
         assert_eq!(resolve(&section, &[("OTEL_SDK_DISABLED", "true")]), None);
