@@ -134,6 +134,10 @@ fn own_metrics_arrive_in_another_perch() {
     assert!(sent["value"].as_f64().is_some_and(|v| v >= 1.0), "{sent}");
 
     // The receiver's copy agrees with the exporter's own /metrics, within the counting since.
+    // Read the export first: the counter only grows, so a later scrape is at least as high.
+    let exported = latest("perch_ingest_requests", r#"{"outcome":"stored"}"#)
+        .and_then(|row| row["value"].as_f64())
+        .expect("exported");
     let scrape = reqwest::blocking::get(format!("{}/metrics", exporter.url))
         .and_then(|r| r.text())
         .expect("GET /metrics");
@@ -142,9 +146,6 @@ fn own_metrics_arrive_in_another_perch() {
         .find_map(|l| l.strip_prefix(r#"perch_ingest_requests_total{outcome="stored"} "#))
         .and_then(|v| v.parse().ok())
         .expect("perch_ingest_requests_total on /metrics");
-    let exported = latest("perch_ingest_requests", r#"{"outcome":"stored"}"#)
-        .and_then(|row| row["value"].as_f64())
-        .expect("exported");
     assert!(
         exported <= scraped,
         "exported {exported} is a count the scrape ({scraped}) has passed"
