@@ -72,6 +72,8 @@ def main():
         con.execute(f"SET threads = {int(setup['threads'])}")
         con.execute(f"SET memory_limit = '{int(setup['memory_mb'])}MB'")
         con.execute("SET TimeZone = 'UTC'")
+        # The progress bar would write to stdout, which carries the answers.
+        con.execute("SET enable_progress_bar = false")
         for name, source in setup["views"].items():
             con.execute(f"CREATE VIEW {quote(name)} AS SELECT * FROM {source}")
     except Exception as e:  # noqa: BLE001 - every failure goes back to perch as a message
