@@ -7,6 +7,9 @@
 //! drops the write-ahead log segments they cover. [`SqlEngine`] answers read-only SQL through
 //! DataFusion over one table provider per table that unions the Parquet files with the buffer
 //! (see [`provider`]), so fresh and old data are one table and nothing is counted twice.
+//! Each flush also writes 1-minute and 1-hour rollups of GPU and host samples ([`rollup`]),
+//! kept longer than the raw rows. The files and the manifest live in the data directory or in
+//! an S3-compatible bucket ([`storage`]); the write-ahead log is always local.
 
 mod error;
 mod files;
