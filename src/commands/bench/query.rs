@@ -386,6 +386,20 @@ fn plan_text(batches: &[RecordBatch]) -> Result<String> {
 mod tests {
     use super::*;
 
+    /// BENCHMARKS.md shows the exact SQL that was timed.
+    #[test]
+    fn benchmarks_md_shows_every_query() {
+        let doc = include_str!("../../../BENCHMARKS.md");
+        for q in queries(10) {
+            assert!(
+                doc.contains(&format!("```sql\n{}\n```", q.sql)),
+                "BENCHMARKS.md lacks the SQL of query {}:\n{}",
+                q.name,
+                q.sql
+            );
+        }
+    }
+
     /// Every query plans in perch against the dataset's tables (an empty store and empty job
     /// tables of the real schemas), so a typo fails here, not in a 10-minute benchmark.
     #[tokio::test]
