@@ -64,15 +64,27 @@ fn bools(v: impl Iterator<Item = Option<bool>>) -> ArrayRef {
 
 /// Sums of per-GPU figures; `None` stays `None` only when every GPU's is.
 #[derive(Debug, Default)]
-struct Totals {
-    allocated: f64,
-    accounted: Option<f64>,
-    used: Option<f64>,
-    peak: Option<f64>,
-    memory: Option<u64>,
-    energy: Option<f64>,
-    cost_allocated: f64,
-    cost_used: Option<f64>,
+pub(crate) struct Totals {
+    pub(crate) allocated: f64,
+    pub(crate) accounted: Option<f64>,
+    pub(crate) used: Option<f64>,
+    pub(crate) peak: Option<f64>,
+    pub(crate) memory: Option<u64>,
+    pub(crate) energy: Option<f64>,
+    pub(crate) cost_allocated: f64,
+    pub(crate) cost_used: Option<f64>,
+}
+
+/// One job's figures over all its allocations and GPUs at `now`: what the `jobs` table
+/// shows and what `/metrics` sums per account.
+pub(crate) fn job_totals(j: &JobRecord, now: i64, prices: &crate::accounting::Prices) -> Totals {
+    let mut totals = Totals::default();
+    for a in &j.allocations {
+        for g in 0..a.gpus.len() {
+            totals.add(&gpu_figures(a, g, now, prices));
+        }
+    }
+    totals
 }
 
 fn add(a: Option<f64>, b: Option<f64>) -> Option<f64> {
@@ -167,18 +179,10 @@ struct JobRow {
 
 fn job_rows(c: &Control, config: &AccountingConfig, now: i64) -> Vec<JobRow> {
     c.records()
-        .map(|j| {
-            let mut totals = Totals::default();
-            for a in &j.allocations {
-                for g in 0..a.gpus.len() {
-                    totals.add(&gpu_figures(a, g, now, &config.prices));
-                }
-            }
-            JobRow {
-                record: j.clone(),
-                totals,
-                now,
-            }
+        .map(|j| JobRow {
+            record: j.clone(),
+            totals: job_totals(j, now, &config.prices),
+            now,
         })
         .collect()
 }

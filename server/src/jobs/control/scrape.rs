@@ -79,15 +79,20 @@ const STATES: [JobState; 8] = [
 impl crate::jobs::JobService {
     /// The control plane as it is now, for `/metrics`.
     pub fn snapshot(&self) -> ControlSnapshot {
-        crate::jobs::lock(&self.control).snapshot(crate::ingest::now_ms())
+        self.read(|c| c.snapshot(crate::ingest::now_ms()))
+    }
+
+    /// The nodes only, for the alert engine's every-second round.
+    pub fn node_views(&self) -> Vec<NodeView> {
+        self.read(Control::node_views)
     }
 }
 
 impl Control {
-    pub(crate) fn snapshot(&self, now: i64) -> ControlSnapshot {
+    /// Every node as the scheduler sees it (cheap: no job is visited).
+    pub(crate) fn node_views(&self) -> Vec<NodeView> {
         let cluster = self.scheduler.cluster();
-        let nodes = self
-            .nodes
+        self.nodes
             .iter()
             .enumerate()
             .map(|(i, n)| {
@@ -113,7 +118,11 @@ impl Control {
                     last_sync_ms: n.last_sync_ms,
                 }
             })
-            .collect();
+            .collect()
+    }
+
+    pub(crate) fn snapshot(&self, now: i64) -> ControlSnapshot {
+        let nodes = self.node_views();
         let mut jobs_by_state: BTreeMap<&'static str, u64> =
             STATES.iter().map(|s| (s.as_str(), 0)).collect();
         let mut allocations = Vec::new();
@@ -190,28 +199,22 @@ impl crate::jobs::JobService {
     /// and `account_usage` tables.
     pub fn usage(&self, prices: &crate::accounting::Prices) -> Vec<UsageView> {
         let now = crate::ingest::now_ms();
-        let control = crate::jobs::lock(&self.control);
-        let mut by: BTreeMap<(String, String), UsageView> = BTreeMap::new();
-        for job in control.jobs.values() {
-            let account = job.request.account().to_owned();
-            let user = job.request.user().to_owned();
-            let u = by
-                .entry((account.clone(), user.clone()))
-                .or_insert_with(|| UsageView {
-                    account,
-                    user,
+        self.read(|control| {
+            let mut by: BTreeMap<(&str, &str), UsageView> = BTreeMap::new();
+            for job in control.records() {
+                let (account, user) = (job.request.account(), job.request.user());
+                let t = crate::accounting::tables::job_totals(job, now, prices);
+                let u = by.entry((account, user)).or_insert_with(|| UsageView {
+                    account: account.to_owned(),
+                    user: user.to_owned(),
                     ..UsageView::default()
                 });
-            for a in &job.allocations {
-                for g in 0..a.gpus.len() {
-                    let f = crate::accounting::gpu_figures(a, g, now, prices);
-                    u.gpu_seconds_allocated += f.allocated_seconds;
-                    u.gpu_seconds_used += f.used_seconds.unwrap_or(0.0);
-                    u.cost_allocated += f.cost_allocated;
-                    u.cost_used += f.cost_used.unwrap_or(0.0);
-                }
+                u.gpu_seconds_allocated += t.allocated;
+                u.gpu_seconds_used += t.used.unwrap_or(0.0);
+                u.cost_allocated += t.cost_allocated;
+                u.cost_used += t.cost_used.unwrap_or(0.0);
             }
-        }
-        by.into_values().collect()
+            by.into_values().collect()
+        })
     }
 }
