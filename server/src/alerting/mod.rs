@@ -39,8 +39,14 @@ pub struct AlertService {
     engine: Mutex<Engine>,
     notifier: Notifier,
     state_path: PathBuf,
+    /// When the state was last saved (Unix ms), for the periodic save of quiet rounds.
+    saved_at_ms: std::sync::atomic::AtomicI64,
     pub counters: AlertCounters,
 }
+
+/// A round that changed nothing anyone would miss after a restart (no transition, decision or
+/// notification) saves at most this often: the state file can be megabytes at scale.
+const QUIET_SAVE_MS: i64 = 60_000;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -74,6 +80,7 @@ impl AlertService {
                 engine: Mutex::new(engine),
                 notifier,
                 state_path,
+                saved_at_ms: std::sync::atomic::AtomicI64::new(now_ms),
                 counters: AlertCounters::default(),
             },
             events,
@@ -87,6 +94,7 @@ impl AlertService {
 
     /// Saves the engine's state (atomically replaced).
     pub fn save(&self, now_ms: i64) {
+        self.saved_at_ms.store(now_ms, Ordering::Relaxed);
         if let Err(e) = lock(&self.engine).save(&self.state_path, now_ms) {
             tracing::error!(error = %e, path = %self.state_path.display(), "could not save the alert state; a restart may notify again");
         }
@@ -160,7 +168,12 @@ pub async fn round(state: &AppState) {
         tracing::error!(error = %e, "could not record alert and remediation events");
     }
     let notifications = service.with(|e| e.notifications(now));
-    service.save(now);
+    // Transitions, decisions and notifications are saved at once (a restart must not page or
+    // act again); a quiet round only moves timestamps, saved once a minute.
+    let quiet = events.is_empty() && notifications.is_empty();
+    if !quiet || now - service.saved_at_ms.load(Ordering::Relaxed) >= QUIET_SAVE_MS {
+        service.save(now);
+    }
     for n in notifications {
         let state = state.clone();
         tokio::spawn(async move { deliver(&state, n).await });
@@ -203,9 +216,8 @@ async fn sql_rows(state: &AppState, sql: &str) -> Result<Vec<Map<String, Value>>
 fn builtin(state: &AppState, kind: &BuiltinKind, now: i64) -> Vec<perch_alerts::Instance> {
     match kind {
         BuiltinKind::NodeHeartbeatLost { .. } => {
-            let snapshot = state.jobs.snapshot();
-            let nodes: Vec<NodeHeartbeat<'_>> = snapshot
-                .nodes
+            let views = state.jobs.node_views();
+            let nodes: Vec<NodeHeartbeat<'_>> = views
                 .iter()
                 .map(|n| NodeHeartbeat {
                     node: &n.name,
@@ -236,8 +248,7 @@ fn cluster_view(state: &AppState) -> ClusterView {
     ClusterView {
         nodes: state
             .jobs
-            .snapshot()
-            .nodes
+            .node_views()
             .into_iter()
             .map(|n| NodeView {
                 state: match n.state {
