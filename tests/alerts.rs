@@ -158,10 +158,7 @@ impl Drop for StandinAgent {
 }
 
 fn get(perch: &Perch, path: &str) -> Value {
-    reqwest::blocking::get(format!("{}{path}", perch.url))
-        .expect("GET")
-        .json()
-        .expect("json")
+    perch.get(path)
 }
 
 fn node_states(perch: &Perch) -> Vec<(String, String)> {

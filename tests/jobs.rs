@@ -4,29 +4,15 @@
 
 mod common;
 
-use common::{PERCH, Perch, wait_for};
+use common::{Perch, wait_for};
 use serde_json::Value;
-use std::process::Command;
 
 fn cli(perch: &Perch, args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(PERCH)
-        .args(args)
-        .env("PERCH_SERVER", &perch.url)
-        .env("USER", "alice")
-        .output()
-        .expect("run perch");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    perch.cli_as("alice", args)
 }
 
 fn job(perch: &Perch, id: u64) -> Value {
-    reqwest::blocking::get(format!("{}/v1/jobs/{id}", perch.url))
-        .expect("GET job")
-        .json()
-        .expect("json")
+    perch.job(id)
 }
 
 fn wait_state(perch: &Perch, id: u64, state: &str) -> Value {

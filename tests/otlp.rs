@@ -5,9 +5,8 @@
 
 mod common;
 
-use common::{PERCH, Perch, wait_for};
+use common::{Perch, wait_for};
 use serde_json::{Value, json};
-use std::process::Command;
 
 const SCRIPT: &str = r#"
 from opentelemetry import metrics
@@ -33,17 +32,7 @@ print("exported")
 "#;
 
 fn cli(perch: &Perch, args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(PERCH)
-        .args(args)
-        .env("PERCH_SERVER", &perch.url)
-        .env("USER", "ada")
-        .output()
-        .expect("run perch");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    perch.cli_as("ada", args)
 }
 
 fn job_state(perch: &Perch, id: u64) -> Value {

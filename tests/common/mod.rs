@@ -131,6 +131,34 @@ impl Perch {
         body["rows"].as_array().expect("rows").clone()
     }
 
+    /// Runs the `perch` CLI against this server as `user`: (success, stdout, stderr).
+    pub fn cli_as(&self, user: &str, args: &[&str]) -> (bool, String, String) {
+        let out = Command::new(PERCH)
+            .args(args)
+            .env("PERCH_SERVER", &self.url)
+            .env("USER", user)
+            .output()
+            .expect("run perch");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// `GET <path>` as JSON.
+    pub fn get(&self, path: &str) -> serde_json::Value {
+        reqwest::blocking::get(format!("{}{path}", self.url))
+            .unwrap_or_else(|e| panic!("GET {path}: {e}"))
+            .json()
+            .unwrap_or_else(|e| panic!("GET {path}: not JSON: {e}"))
+    }
+
+    /// One job as `GET /v1/jobs/{id}` shows it.
+    pub fn job(&self, id: u64) -> serde_json::Value {
+        self.get(&format!("/v1/jobs/{id}"))
+    }
+
     /// A single integer from a query returning one row and one column.
     pub fn scalar(&self, query: &str) -> i64 {
         let rows = self.sql(query);
