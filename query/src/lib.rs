@@ -12,7 +12,9 @@
 //! an S3-compatible bucket ([`storage`]); the write-ahead log is always local.
 
 mod error;
+mod functions;
 mod files;
+pub mod optimizer;
 mod live;
 mod maintenance;
 mod manifest;

@@ -6,6 +6,7 @@
 //! A timeout covers planning and the whole result stream, and results are capped at a row
 //! limit with a flag saying so.
 
+use crate::{functions, optimizer};
 use crate::live::{LiveProvider, LiveTable};
 use crate::provider::StoreTable;
 use crate::{Error, Result, Store, Table};
@@ -15,6 +16,7 @@ use datafusion::datasource::ViewTable;
 use datafusion::error::DataFusionError;
 use datafusion::execution::cache::cache_manager::{CacheManager, CacheManagerConfig};
 use datafusion::execution::runtime_env::RuntimeEnvBuilder;
+use datafusion::execution::session_state::SessionStateBuilder;
 use datafusion::logical_expr::LogicalPlan;
 use datafusion::prelude::{SQLOptions, SessionConfig, SessionContext};
 use futures::StreamExt;
@@ -137,7 +139,15 @@ impl SqlEngine {
             runtime.register_object_store(url.as_ref(), store.clone());
         }
         let config = SessionConfig::new().with_information_schema(true);
-        let ctx = SessionContext::new_with_config_rt(config, runtime);
+        let ctx = SessionContext::new_with_state(
+            SessionStateBuilder::new()
+                .with_config(config)
+                .with_runtime_env(runtime)
+                .with_default_features()
+                .with_physical_optimizer_rules(optimizer::physical_optimizer_rules())
+                .build(),
+        );
+        ctx.register_udf(functions::date_trunc());
         for table in Table::ALL {
             ctx.register_table(
                 table.stored_sql_name(),

@@ -1,0 +1,31 @@
+//! perch's physical optimizer rules, run with DataFusion's own in every SQL session.
+//!
+//! Both run right after DataFusion's join selection, which picks each hash join's build side
+//! and mode from statistics, and before the rules that add repartitioning and push dynamic
+//! filters into scans, so those rules see the joins as perch leaves them:
+//!
+//! - [`AggregateBuildSide`] builds a join on the side that is a grouped aggregate when the
+//!   statistics cannot tell the two sides apart (the "latest sample of every GPU" join);
+//! - [`interval_join::IntervalJoinRule`] runs joins on equal keys and a time interval (a
+//!   sample inside an allocation) as an interval join.
+
+mod aggregate_build;
+pub mod interval_join;
+
+pub use aggregate_build::AggregateBuildSide;
+
+use datafusion::physical_optimizer::PhysicalOptimizerRule;
+use datafusion::physical_optimizer::optimizer::PhysicalOptimizer;
+use std::sync::Arc;
+
+/// DataFusion's physical optimizer rules with perch's inserted after join selection.
+pub fn physical_optimizer_rules() -> Vec<Arc<dyn PhysicalOptimizerRule + Send + Sync>> {
+    let mut rules = PhysicalOptimizer::new().rules;
+    let at = rules
+        .iter()
+        .position(|r| r.name() == "join_selection")
+        .map_or(rules.len(), |i| i + 1);
+    rules.insert(at, Arc::new(interval_join::IntervalJoinRule));
+    rules.insert(at, Arc::new(AggregateBuildSide));
+    rules
+}
