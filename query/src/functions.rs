@@ -14,8 +14,8 @@ use datafusion::error::Result;
 use datafusion::functions::datetime::date_trunc::DateTruncFunc;
 use datafusion::logical_expr::sort_properties::{ExprProperties, SortProperties};
 use datafusion::logical_expr::{
-    ColumnarValue, Documentation, ReturnFieldArgs, ScalarFunctionArgs, ScalarUDF,
-    ScalarUDFImpl, Signature,
+    ColumnarValue, Documentation, ReturnFieldArgs, ScalarFunctionArgs, ScalarUDF, ScalarUDFImpl,
+    Signature,
 };
 use std::sync::Arc;
 
@@ -80,9 +80,9 @@ impl ScalarUDFImpl for UtcDateTrunc {
         }
         let naive = |f: &FieldRef| -> FieldRef {
             match f.data_type() {
-                DataType::Timestamp(unit, Some(_)) => Arc::new(
-                    Field::clone(f).with_data_type(DataType::Timestamp(*unit, None)),
-                ),
+                DataType::Timestamp(unit, Some(_)) => {
+                    Arc::new(Field::clone(f).with_data_type(DataType::Timestamp(*unit, None)))
+                }
                 _ => f.clone(),
             }
         };
@@ -133,8 +133,16 @@ mod tests {
     #[tokio::test]
     async fn agrees_with_datafusion() {
         let granularities = [
-            "microsecond", "millisecond", "second", "minute", "hour", "day", "week", "month",
-            "quarter", "year",
+            "microsecond",
+            "millisecond",
+            "second",
+            "minute",
+            "hour",
+            "day",
+            "week",
+            "month",
+            "quarter",
+            "year",
         ];
         let stock = SessionContext::new();
         let perch = SessionContext::new();

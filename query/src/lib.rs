@@ -12,12 +12,12 @@
 //! an S3-compatible bucket ([`storage`]); the write-ahead log is always local.
 
 mod error;
-mod functions;
 mod files;
-pub mod optimizer;
+mod functions;
 mod live;
 mod maintenance;
 mod manifest;
+pub mod optimizer;
 mod provider;
 mod rollup;
 pub mod schema;

@@ -6,10 +6,10 @@
 //! A timeout covers planning and the whole result stream, and results are capped at a row
 //! limit with a flag saying so.
 
-use crate::{functions, optimizer};
 use crate::live::{LiveProvider, LiveTable};
 use crate::provider::StoreTable;
 use crate::{Error, Result, Store, Table};
+use crate::{functions, optimizer};
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use datafusion::datasource::ViewTable;

@@ -102,13 +102,13 @@ fn is_grouped_aggregate(plan: &Arc<dyn ExecutionPlan>) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use super::AggregateBuildSide;
     use arrow::array::{Int64Array, RecordBatch, StringArray};
     use arrow::datatypes::{DataType, Field, Schema};
     use arrow::util::pretty::pretty_format_batches;
+    use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
     use datafusion::datasource::MemTable;
     use datafusion::execution::session_state::SessionStateBuilder;
-    use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
-    use super::AggregateBuildSide;
     use datafusion::physical_optimizer::PhysicalOptimizerRule;
     use datafusion::physical_plan::ExecutionPlan;
     use datafusion::physical_plan::joins::HashJoinExec;
@@ -133,15 +133,22 @@ mod tests {
         let batch = RecordBatch::try_new(
             schema.clone(),
             vec![
-                Arc::new(StringArray::from_iter_values((0..rows).map(|i| format!("n{}", i % 7)))),
+                Arc::new(StringArray::from_iter_values(
+                    (0..rows).map(|i| format!("n{}", i % 7)),
+                )),
                 Arc::new(Int64Array::from_iter_values((0..rows).map(|i| i % 3))),
-                Arc::new(Int64Array::from_iter_values((0..rows).map(|i| (i * 37) % 1000))),
+                Arc::new(Int64Array::from_iter_values(
+                    (0..rows).map(|i| (i * 37) % 1000),
+                )),
                 Arc::new(Int64Array::from_iter_values((0..rows).map(|i| i % 101))),
             ],
         )
         .unwrap();
-        ctx.register_table("s", Arc::new(MemTable::try_new(schema, vec![vec![batch]]).unwrap()))
-            .unwrap();
+        ctx.register_table(
+            "s",
+            Arc::new(MemTable::try_new(schema, vec![vec![batch]]).unwrap()),
+        )
+        .unwrap();
         ctx
     }
 
@@ -203,12 +210,16 @@ mod tests {
             join_plan.clone()
         };
         let wrong_join = find_join(&wrong);
-        assert!(!super::is_grouped_aggregate(&wrong_join.downcast_ref::<HashJoinExec>().unwrap().left));
+        assert!(!super::is_grouped_aggregate(
+            &wrong_join.downcast_ref::<HashJoinExec>().unwrap().left
+        ));
         let fixed = AggregateBuildSide
             .optimize(wrong, ctx.state().config_options())
             .unwrap();
         let fixed_join = find_join(&fixed);
-        assert!(super::is_grouped_aggregate(&fixed_join.downcast_ref::<HashJoinExec>().unwrap().left));
+        assert!(super::is_grouped_aggregate(
+            &fixed_join.downcast_ref::<HashJoinExec>().unwrap().left
+        ));
     }
 
     fn find_join(plan: &Arc<dyn ExecutionPlan>) -> Arc<dyn ExecutionPlan> {

@@ -160,7 +160,11 @@ impl IntervalJoinExec {
             Some(p) => Arc::new(join.join_schema().project(p)?),
             None => join.join_schema().clone(),
         };
-        let partitions = join.right.properties().output_partitioning().partition_count();
+        let partitions = join
+            .right
+            .properties()
+            .output_partitioning()
+            .partition_count();
         let properties = PlanProperties::new(
             EquivalenceProperties::new(schema),
             Partitioning::UnknownPartitioning(partitions),
@@ -290,7 +294,11 @@ impl ExecutionPlan for IntervalJoinExec {
         let left = children.pop().expect("two children");
         // The output partition count follows the probe side.
         let join = self.with_children(left, right);
-        let partitions = join.right.properties().output_partitioning().partition_count();
+        let partitions = join
+            .right
+            .properties()
+            .output_partitioning()
+            .partition_count();
         let mut properties = (*join.properties).clone();
         properties.partitioning = Partitioning::UnknownPartitioning(partitions);
         Ok(Arc::new(IntervalJoinExec {
@@ -358,7 +366,10 @@ impl ExecutionPlan for IntervalJoinExec {
                 )
             };
             match shared {
-                Some(cell) => cell.get_or_try_init(|| async { make().await.map(Arc::new) }).await.cloned(),
+                Some(cell) => cell
+                    .get_or_try_init(|| async { make().await.map(Arc::new) })
+                    .await
+                    .cloned(),
                 None => make().await.map(Arc::new),
             }
         };
@@ -374,8 +385,8 @@ impl ExecutionPlan for IntervalJoinExec {
                 futures::future::ready(joined)
             }))
         })
-            .try_flatten()
-            .try_filter(|b| futures::future::ready(b.num_rows() > 0));
+        .try_flatten()
+        .try_filter(|b| futures::future::ready(b.num_rows() > 0));
         Ok(Box::pin(RecordBatchStreamAdapter::new(
             self.schema(),
             stream,
@@ -428,13 +439,25 @@ impl BuildSide {
                 .collect(),
         )?;
         let key_rows = converter.convert_columns(&keys)?;
-        let starts = as_i64(&interval.start.evaluate(&batch)?.into_array(batch.num_rows())?)?;
-        let ends = as_i64(&interval.end.evaluate(&batch)?.into_array(batch.num_rows())?)?;
+        let starts = as_i64(
+            &interval
+                .start
+                .evaluate(&batch)?
+                .into_array(batch.num_rows())?,
+        )?;
+        let ends = as_i64(
+            &interval
+                .end
+                .evaluate(&batch)?
+                .into_array(batch.num_rows())?,
+        )?;
 
         let mut group_of: HashMap<Box<[u8]>, u32> = HashMap::new();
         let mut entries: Vec<(u32, i64, i64, u32)> = Vec::with_capacity(batch.num_rows());
         for row in 0..batch.num_rows() {
-            if null_equality == NullEquality::NullEqualsNothing && keys.iter().any(|k| k.is_null(row)) {
+            if null_equality == NullEquality::NullEqualsNothing
+                && keys.iter().any(|k| k.is_null(row))
+            {
                 continue;
             }
             if starts.is_null(row) {
@@ -529,7 +552,12 @@ impl ProbePlan {
     fn join(&self, build: &BuildSide, probe: &RecordBatch) -> Result<RecordBatch> {
         let keys = evaluate(&self.on_right, probe)?;
         let key_rows = build.converter.convert_columns(&keys)?;
-        let values = as_i64(&self.probe_value.evaluate(probe)?.into_array(probe.num_rows())?)?;
+        let values = as_i64(
+            &self
+                .probe_value
+                .evaluate(probe)?
+                .into_array(probe.num_rows())?,
+        )?;
 
         let mut build_rows: Vec<u32> = Vec::new();
         let mut probe_rows: Vec<u32> = Vec::new();
@@ -597,7 +625,8 @@ impl ProbePlan {
             columns.push(take(column, &probe_idx, None)?);
         }
         let options = arrow::array::RecordBatchOptions::new().with_row_count(Some(probe_idx.len()));
-        let joined = RecordBatch::try_new_with_options(self.join_schema.clone(), columns, &options)?;
+        let joined =
+            RecordBatch::try_new_with_options(self.join_schema.clone(), columns, &options)?;
         Ok(match &self.projection {
             Some(p) => joined.project(p)?,
             None => joined,
@@ -623,7 +652,10 @@ fn evaluate_filter(
         .collect::<std::result::Result<Vec<_>, _>>()?;
     let options = arrow::array::RecordBatchOptions::new().with_row_count(Some(build_idx.len()));
     let batch = RecordBatch::try_new_with_options(filter.schema().clone(), columns, &options)?;
-    let result = filter.expression().evaluate(&batch)?.into_array(batch.num_rows())?;
+    let result = filter
+        .expression()
+        .evaluate(&batch)?
+        .into_array(batch.num_rows())?;
     let keep = result
         .as_any()
         .downcast_ref::<BooleanArray>()
@@ -788,9 +820,10 @@ fn one_side(filter: &JoinFilter, expr: &PhysicalExprRef) -> Option<(JoinSide, Ph
         .clone()
         .transform(|e| {
             Ok(match e.downcast_ref::<Column>() {
-                Some(c) => Transformed::yes(
-                    Arc::new(Column::new(c.name(), indices[c.index()].index)) as PhysicalExprRef,
-                ),
+                Some(c) => {
+                    Transformed::yes(Arc::new(Column::new(c.name(), indices[c.index()].index))
+                        as PhysicalExprRef)
+                }
                 None => Transformed::no(e),
             })
         })
@@ -832,10 +865,18 @@ mod tests {
             schema.clone(),
             vec![
                 Arc::new(StringArray::from_iter(allocs.iter().map(|a| node(a.0)))),
-                Arc::new(Int64Array::from_iter_values(allocs.iter().map(|a| i64::from(a.1)))),
+                Arc::new(Int64Array::from_iter_values(
+                    allocs.iter().map(|a| i64::from(a.1)),
+                )),
                 Arc::new(Int64Array::from_iter_values(allocs.iter().map(|a| a.2))),
-                Arc::new(TimestampMillisecondArray::from_iter_values(allocs.iter().map(|a| a.3)).with_timezone("UTC")),
-                Arc::new(TimestampMillisecondArray::from_iter(allocs.iter().map(|a| a.4)).with_timezone("UTC")),
+                Arc::new(
+                    TimestampMillisecondArray::from_iter_values(allocs.iter().map(|a| a.3))
+                        .with_timezone("UTC"),
+                ),
+                Arc::new(
+                    TimestampMillisecondArray::from_iter(allocs.iter().map(|a| a.4))
+                        .with_timezone("UTC"),
+                ),
             ],
         )
         .unwrap();
@@ -852,8 +893,13 @@ mod tests {
                 schema.clone(),
                 vec![
                     Arc::new(StringArray::from_iter(rows.iter().map(|s| node(s.0)))),
-                    Arc::new(Int64Array::from_iter_values(rows.iter().map(|s| i64::from(s.1)))),
-                    Arc::new(TimestampMillisecondArray::from_iter(rows.iter().map(|s| s.2)).with_timezone("UTC")),
+                    Arc::new(Int64Array::from_iter_values(
+                        rows.iter().map(|s| i64::from(s.1)),
+                    )),
+                    Arc::new(
+                        TimestampMillisecondArray::from_iter(rows.iter().map(|s| s.2))
+                            .with_timezone("UTC"),
+                    ),
                     Arc::new(Float64Array::from_iter_values(rows.iter().map(|s| s.3))),
                 ],
             )
@@ -944,7 +990,9 @@ mod tests {
             0i64..80,
             prop::option::weighted(0.8, Just(())),
         )
-            .prop_map(|(n, g, job, start, len, ended)| (n, g, job, start, ended.map(|_| start + len)))
+            .prop_map(|(n, g, job, start, len, ended)| {
+                (n, g, job, start, ended.map(|_| start + len))
+            })
     }
 
     fn sample() -> impl Strategy<Value = Sample> {
@@ -978,7 +1026,10 @@ mod tests {
     #[tokio::test]
     async fn leaves_other_joins_to_the_hash_join() {
         let ctx = session(true, false);
-        let (a, s) = tables(&[(Some(0), 0, 1, 0, Some(10))], &[(Some(0), 0, Some(5), 1.0)]);
+        let (a, s) = tables(
+            &[(Some(0), 0, 1, 0, Some(10))],
+            &[(Some(0), 0, Some(5), 1.0)],
+        );
         ctx.register_table("a", Arc::new(a)).unwrap();
         ctx.register_table("s", Arc::new(s)).unwrap();
         for sql in [
