@@ -163,8 +163,16 @@ mod tests {
                 let run = |ctx: SessionContext| {
                     let sql = sql.clone();
                     async move {
-                        let batches = ctx.sql(&sql).await.unwrap().collect().await.unwrap();
-                        pretty_format_batches(&batches).unwrap().to_string()
+                        let batches = ctx
+                            .sql(&sql)
+                            .await
+                            .expect("test query")
+                            .collect()
+                            .await
+                            .expect("test query");
+                        pretty_format_batches(&batches)
+                            .expect("test query")
+                            .to_string()
                     }
                 };
                 let want = run(stock.clone()).await;

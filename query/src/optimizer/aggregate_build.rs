@@ -143,12 +143,12 @@ mod tests {
                 Arc::new(Int64Array::from_iter_values((0..rows).map(|i| i % 101))),
             ],
         )
-        .unwrap();
+        .expect("test query");
         ctx.register_table(
             "s",
-            Arc::new(MemTable::try_new(schema, vec![vec![batch]]).unwrap()),
+            Arc::new(MemTable::try_new(schema, vec![vec![batch]]).expect("test query")),
         )
-        .unwrap();
+        .expect("test query");
         ctx
     }
 
@@ -159,8 +159,8 @@ mod tests {
 
     /// The answer, and whether the hash join builds on the aggregate.
     async fn run(ctx: &SessionContext) -> (String, bool) {
-        let df = ctx.sql(LATEST).await.unwrap();
-        let plan = df.clone().create_physical_plan().await.unwrap();
+        let df = ctx.sql(LATEST).await.expect("test query");
+        let plan = df.clone().create_physical_plan().await.expect("test query");
         let mut builds_on_aggregate = None;
         plan.apply(|node| {
             if let Some(join) = node.downcast_ref::<HashJoinExec>() {
@@ -168,9 +168,11 @@ mod tests {
             }
             Ok(TreeNodeRecursion::Continue)
         })
-        .unwrap();
-        let batches = df.collect().await.unwrap();
-        let text = pretty_format_batches(&batches).unwrap().to_string();
+        .expect("test query");
+        let batches = df.collect().await.expect("test query");
+        let text = pretty_format_batches(&batches)
+            .expect("test query")
+            .to_string();
         (text, builds_on_aggregate.expect("a hash join"))
     }
 
@@ -190,35 +192,47 @@ mod tests {
     #[tokio::test]
     async fn turns_a_join_building_on_the_samples_around() {
         let ctx = session(false);
-        let df = ctx.sql(LATEST).await.unwrap();
+        let df = ctx.sql(LATEST).await.expect("test query");
         let state = ctx.state();
         let mut options = state.config_options().as_ref().clone();
         options.optimizer.enable_dynamic_filter_pushdown = false;
         options.optimizer.enable_join_dynamic_filter_pushdown = false;
-        let logical = df.into_optimized_plan().unwrap();
+        let logical = df.into_optimized_plan().expect("test query");
         let ctx = SessionContext::new_with_state(
             SessionStateBuilder::new_from_existing(state)
                 .with_config(options.into())
                 .build(),
         );
-        let plan = ctx.state().create_physical_plan(&logical).await.unwrap();
+        let plan = ctx
+            .state()
+            .create_physical_plan(&logical)
+            .await
+            .expect("test query");
         let join_plan = find_join(&plan);
-        let join = join_plan.downcast_ref::<HashJoinExec>().unwrap();
+        let join = join_plan
+            .downcast_ref::<HashJoinExec>()
+            .expect("test query");
         let wrong = if super::is_grouped_aggregate(&join.left) {
-            join.swap_inputs(join.mode).unwrap()
+            join.swap_inputs(join.mode).expect("test query")
         } else {
             join_plan.clone()
         };
         let wrong_join = find_join(&wrong);
         assert!(!super::is_grouped_aggregate(
-            &wrong_join.downcast_ref::<HashJoinExec>().unwrap().left
+            &wrong_join
+                .downcast_ref::<HashJoinExec>()
+                .expect("test query")
+                .left
         ));
         let fixed = AggregateBuildSide
             .optimize(wrong, ctx.state().config_options())
-            .unwrap();
+            .expect("test query");
         let fixed_join = find_join(&fixed);
         assert!(super::is_grouped_aggregate(
-            &fixed_join.downcast_ref::<HashJoinExec>().unwrap().left
+            &fixed_join
+                .downcast_ref::<HashJoinExec>()
+                .expect("test query")
+                .left
         ));
     }
 
@@ -230,7 +244,7 @@ mod tests {
             }
             Ok(TreeNodeRecursion::Continue)
         })
-        .unwrap();
+        .expect("test query");
         found.expect("a hash join")
     }
 }

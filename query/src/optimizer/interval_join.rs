@@ -879,8 +879,8 @@ mod tests {
                 ),
             ],
         )
-        .unwrap();
-        let alloc = MemTable::try_new(schema, vec![vec![a]]).unwrap();
+        .expect("test query");
+        let alloc = MemTable::try_new(schema, vec![vec![a]]).expect("test query");
         let schema = Arc::new(Schema::new(vec![
             Field::new("node", DataType::Utf8, true),
             Field::new("gpu", DataType::Int64, false),
@@ -903,12 +903,13 @@ mod tests {
                     Arc::new(Float64Array::from_iter_values(rows.iter().map(|s| s.3))),
                 ],
             )
-            .unwrap()
+            .expect("test query")
         };
         let quarter = samples.len().div_ceil(4).max(1);
         let chunks: Vec<RecordBatch> = samples.chunks(quarter).map(batch).collect();
         let (p0, p1) = chunks.split_at(chunks.len() / 2);
-        let samples = MemTable::try_new(schema.clone(), vec![p0.to_vec(), p1.to_vec()]).unwrap();
+        let samples =
+            MemTable::try_new(schema.clone(), vec![p0.to_vec(), p1.to_vec()]).expect("test query");
         (alloc, samples)
     }
 
@@ -953,13 +954,18 @@ mod tests {
     ];
 
     async fn run(ctx: &SessionContext, sql: &str) -> (String, String) {
-        let df = ctx.sql(sql).await.unwrap();
-        let plan = df.clone().create_physical_plan().await.unwrap();
+        let df = ctx.sql(sql).await.expect("test query");
+        let plan = df.clone().create_physical_plan().await.expect("test query");
         let plan = datafusion::physical_plan::displayable(plan.as_ref())
             .indent(false)
             .to_string();
-        let batches = df.collect().await.unwrap();
-        (pretty_format_batches(&batches).unwrap().to_string(), plan)
+        let batches = df.collect().await.expect("test query");
+        (
+            pretty_format_batches(&batches)
+                .expect("test query")
+                .to_string(),
+            plan,
+        )
     }
 
     async fn check(allocs: Vec<Alloc>, samples: Vec<Sample>) {
@@ -968,8 +974,8 @@ mod tests {
             let without = session(false, partitioned);
             for ctx in [&with, &without] {
                 let (a, s) = tables(&allocs, &samples);
-                ctx.register_table("a", Arc::new(a)).unwrap();
-                ctx.register_table("s", Arc::new(s)).unwrap();
+                ctx.register_table("a", Arc::new(a)).expect("test query");
+                ctx.register_table("s", Arc::new(s)).expect("test query");
             }
             for sql in QUERIES {
                 let (got, plan) = run(&with, sql).await;
@@ -1018,7 +1024,7 @@ mod tests {
         ) {
             tokio::runtime::Builder::new_current_thread()
                 .build()
-                .unwrap()
+                .expect("test query")
                 .block_on(check(allocs, samples));
         }
     }
@@ -1030,8 +1036,8 @@ mod tests {
             &[(Some(0), 0, 1, 0, Some(10))],
             &[(Some(0), 0, Some(5), 1.0)],
         );
-        ctx.register_table("a", Arc::new(a)).unwrap();
-        ctx.register_table("s", Arc::new(s)).unwrap();
+        ctx.register_table("a", Arc::new(a)).expect("test query");
+        ctx.register_table("s", Arc::new(s)).expect("test query");
         for sql in [
             // Only a lower bound.
             "SELECT * FROM a JOIN s ON s.node = a.node AND s.time >= a.start_time",
