@@ -40,6 +40,17 @@ python3 -c "import aiosmtpd" 2>/dev/null || PIP_BREAK_SYSTEM_PACKAGES=1 python3 
 # fails, never skips, without it).
 python3 -c "import duckdb" 2>/dev/null || PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet duckdb
 
+# --- a build cache shared with clones at other paths -------------------------------------------
+# Cargo names a workspace crate's artifacts and records its sources independently of where the
+# clone is, so a test binary built in another clone of this repository (CI's, say) counts as
+# fresh here while it carries that clone's paths (env!("CARGO_MANIFEST_DIR") for fixtures).
+# When the cache was last used from another path, touch our sources so cargo rebuilds them.
+stamp="$CARGO_TARGET_DIR/.perch-clone-path"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$PWD" ]; then
+  git ls-files -z '*.rs' 'Cargo.toml' '*/Cargo.toml' | xargs -0 touch
+  mkdir -p "$CARGO_TARGET_DIR" && echo "$PWD" >"$stamp"
+fi
+
 # --- hygiene ----------------------------------------------------------------------------------
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
