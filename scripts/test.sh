@@ -47,7 +47,7 @@ python3 -c "import duckdb" 2>/dev/null || PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m
 # When the cache was last used from another path, touch our sources so cargo rebuilds them.
 stamp="$CARGO_TARGET_DIR/.perch-clone-path"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$PWD" ]; then
-  git ls-files -z '*.rs' 'Cargo.toml' '*/Cargo.toml' | xargs -0 touch
+  find . -path ./target -prune -o \( -name '*.rs' -o -name Cargo.toml \) -print0 | xargs -0 -r touch
   mkdir -p "$CARGO_TARGET_DIR" && echo "$PWD" >"$stamp"
 fi
 
