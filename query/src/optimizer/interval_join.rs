@@ -19,6 +19,7 @@
 //! `CollectLeft` or `Partitioned` mode, with no row limit pushed into the join.
 
 use arrow::array::{Array, ArrayRef, BooleanArray, Int64Array, RecordBatch, UInt32Array};
+use arrow::compute::kernels::filter::prep_null_mask_filter;
 use arrow::compute::{cast, concat_batches, filter as filter_array, take};
 use arrow::datatypes::{DataType, SchemaRef};
 use arrow::row::{RowConverter, SortField};
@@ -401,11 +402,13 @@ struct BuildSide {
     converter: RowConverter,
     /// Key (in the row format) -> the range of its intervals in the arrays below.
     groups: HashMap<Box<[u8]>, (u32, u32)>,
-    starts: Vec<i64>,
-    /// Exclusive ends (`i64::MAX` for an open interval).
-    ends: Vec<i64>,
+    /// Inclusive starts and exclusive ends, wider than the values so that an exclusive start
+    /// or an inclusive end at the type's limit, and an open end, need no special case.
+    starts: Vec<i128>,
+    /// Exclusive ends (`i128::MAX` for an open interval).
+    ends: Vec<i128>,
     /// The largest end among the key's intervals up to and including this one.
-    max_ends: Vec<i64>,
+    max_ends: Vec<i128>,
     rows: Vec<u32>,
     _reservation: MemoryReservation,
 }
@@ -453,7 +456,7 @@ impl BuildSide {
         )?;
 
         let mut group_of: HashMap<Box<[u8]>, u32> = HashMap::new();
-        let mut entries: Vec<(u32, i64, i64, u32)> = Vec::with_capacity(batch.num_rows());
+        let mut entries: Vec<(u32, i128, i128, u32)> = Vec::with_capacity(batch.num_rows());
         for row in 0..batch.num_rows() {
             if null_equality == NullEquality::NullEqualsNothing
                 && keys.iter().any(|k| k.is_null(row))
@@ -463,23 +466,14 @@ impl BuildSide {
             if starts.is_null(row) {
                 continue;
             }
-            let start = if interval.start_inclusive {
-                starts.value(row)
-            } else {
-                match starts.value(row).checked_add(1) {
-                    Some(s) => s,
-                    None => continue,
-                }
-            };
+            let start = i128::from(starts.value(row)) + i128::from(!interval.start_inclusive);
             let end = if ends.is_null(row) {
                 if !interval.open_if_null {
                     continue;
                 }
-                i64::MAX
-            } else if interval.end_inclusive {
-                ends.value(row).saturating_add(1)
+                i128::MAX
             } else {
-                ends.value(row)
+                i128::from(ends.value(row)) + i128::from(interval.end_inclusive)
             };
             if end <= start {
                 continue;
@@ -492,8 +486,8 @@ impl BuildSide {
         }
         entries.sort_unstable();
 
-        let mut groups = HashMap::with_capacity(group_of.len());
-        let index_of: HashMap<u32, Box<[u8]>> = group_of.into_iter().map(|(k, g)| (g, k)).collect();
+        // Each group's range in the arrays below, by group id.
+        let mut ranges = vec![(0u32, 0u32); group_of.len()];
         let (mut starts, mut ends, mut max_ends, mut rows) = (
             Vec::with_capacity(entries.len()),
             Vec::with_capacity(entries.len()),
@@ -504,7 +498,7 @@ impl BuildSide {
         while i < entries.len() {
             let group = entries[i].0;
             let first = i;
-            let mut running = i64::MIN;
+            let mut running = i128::MIN;
             while i < entries.len() && entries[i].0 == group {
                 let (_, start, end, row) = entries[i];
                 running = running.max(end);
@@ -514,11 +508,14 @@ impl BuildSide {
                 rows.push(row);
                 i += 1;
             }
-            let key = index_of[&group].clone();
-            groups.insert(key, (first as u32, (i - first) as u32));
+            ranges[group as usize] = (first as u32, (i - first) as u32);
         }
+        let groups: HashMap<Box<[u8]>, (u32, u32)> = group_of
+            .into_iter()
+            .map(|(key, group)| (key, ranges[group as usize]))
+            .collect();
         reservation.try_grow(
-            entries.len() * (3 * size_of::<i64>() + size_of::<u32>())
+            entries.len() * (3 * size_of::<i128>() + size_of::<u32>())
                 + groups.keys().map(|k| k.len() + 48).sum::<usize>(),
         )?;
         Ok(BuildSide {
@@ -575,7 +572,7 @@ impl ProbePlan {
             last = Some((row, group));
             let Some((first, len)) = group else { continue };
             let (first, len) = (first as usize, len as usize);
-            let value = values.value(row);
+            let value = i128::from(values.value(row));
             let starts = &build.starts[first..first + len];
             let mut i = starts.partition_point(|&s| s <= value);
             while i > 0 {
@@ -662,7 +659,7 @@ fn evaluate_filter(
         .ok_or_else(|| DataFusionError::Internal("a join filter that is not boolean".into()))?;
     // A null is not a match.
     Ok(match keep.nulls() {
-        Some(_) => keep.iter().map(|v| Some(v == Some(true))).collect(),
+        Some(_) => prep_null_mask_filter(keep),
         None => keep.clone(),
     })
 }
@@ -711,31 +708,30 @@ fn as_i64(array: &ArrayRef) -> Result<Int64Array> {
 /// build-side values, each a conjunct of the filter.
 fn find_interval(filter: &JoinFilter) -> Option<IntervalSpec> {
     let conjuncts = split_conjunction(filter.expression());
-    let mut lower: Option<(usize, PhysicalExprRef, PhysicalExprRef, bool)> = None;
-    let mut upper: Option<(usize, PhysicalExprRef, PhysicalExprRef, bool, bool)> = None;
-    for (i, conjunct) in conjuncts.iter().enumerate() {
+    let mut lower: Option<(PhysicalExprRef, PhysicalExprRef, bool)> = None;
+    let mut upper: Option<(PhysicalExprRef, PhysicalExprRef, bool, bool)> = None;
+    for conjunct in &conjuncts {
         if let Some((value, op, bound)) = comparison(filter, conjunct) {
             match op {
                 Operator::GtEq | Operator::Gt if lower.is_none() => {
-                    lower = Some((i, value, bound, op == Operator::GtEq));
+                    lower = Some((value, bound, op == Operator::GtEq));
                 }
                 Operator::LtEq | Operator::Lt if upper.is_none() => {
-                    upper = Some((i, value, bound, op == Operator::LtEq, false));
+                    upper = Some((value, bound, op == Operator::LtEq, false));
                 }
                 _ => {}
             }
         } else if upper.is_none()
             && let Some((value, op, bound)) = open_upper(filter, conjunct)
         {
-            upper = Some((i, value, bound, op == Operator::LtEq, true));
+            upper = Some((value, bound, op == Operator::LtEq, true));
         }
     }
-    let (lower_at, value, start, start_inclusive) = lower?;
-    let (upper_at, upper_value, end, end_inclusive, open_if_null) = upper?;
+    let (value, start, start_inclusive) = lower?;
+    let (upper_value, end, end_inclusive, open_if_null) = upper?;
     if *value != *upper_value {
         return None;
     }
-    let _ = (lower_at, upper_at);
     Some(IntervalSpec {
         probe_value: value,
         start,
@@ -1027,6 +1023,31 @@ mod tests {
                 .expect("test query")
                 .block_on(check(allocs, samples));
         }
+    }
+
+    /// Bounds at the limits of the value's type: an open interval and an inclusive end at
+    /// the largest value still contain it, an exclusive start at it contains nothing.
+    #[tokio::test]
+    async fn bounds_at_the_limits_of_the_type() {
+        let max = i64::MAX;
+        check(
+            vec![
+                (Some(0), 0, 1, 0, None),
+                (Some(0), 0, 2, max - 5, Some(max)),
+                (Some(1), 0, 3, max, Some(max)),
+            ],
+            (0..60)
+                .map(|i| {
+                    (
+                        Some(i % 2),
+                        0,
+                        Some(if i < 30 { max } else { max - i64::from(i) }),
+                        1.0,
+                    )
+                })
+                .collect(),
+        )
+        .await;
     }
 
     #[tokio::test]
