@@ -24,6 +24,7 @@ pub mod schema;
 mod sql;
 mod storage;
 mod store;
+mod strings;
 pub mod wal;
 
 pub use error::{Error, Result};

@@ -8,9 +8,9 @@
 //! re-applied above the union. The file list a scan uses stays pinned until the query ends,
 //! so compaction and retention never delete a file under a running query.
 
-use crate::Store;
 use crate::manifest::FileEntry;
 use crate::schema::Table;
+use crate::{Store, strings};
 use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use datafusion::catalog::Session;
@@ -34,6 +34,8 @@ type CachedListing = (Arc<Vec<FileEntry>>, Arc<ListingTable>);
 pub(crate) struct StoreTable {
     store: Arc<Store>,
     table: Table,
+    /// The table's schema as scans produce it, strings as views (see [`crate::strings`]).
+    schema: SchemaRef,
     /// The listing table for the last file set seen; rebuilt when a flush changes the files.
     cache: Mutex<Option<CachedListing>>,
     /// File lists handed to scans of this query; held until the query's session is dropped.
@@ -53,6 +55,7 @@ impl StoreTable {
         StoreTable {
             store,
             table,
+            schema: strings::as_views(&table.schema()),
             cache: Mutex::new(None),
             pins: Mutex::new(Vec::new()),
         }
@@ -80,7 +83,7 @@ impl StoreTable {
             .with_file_sort_order(vec![sort]);
         let config = ListingTableConfig::new_with_multi_paths(urls)
             .with_listing_options(options)
-            .with_schema(self.table.schema());
+            .with_schema(self.schema.clone());
         let table = Arc::new(ListingTable::try_new(config)?);
         *cache = Some((files.clone(), table.clone()));
         Ok(table)
@@ -90,7 +93,7 @@ impl StoreTable {
 #[async_trait]
 impl TableProvider for StoreTable {
     fn schema(&self) -> SchemaRef {
-        self.table.schema()
+        self.schema.clone()
     }
 
     fn table_type(&self) -> TableType {
@@ -146,7 +149,11 @@ impl TableProvider for StoreTable {
             );
         }
         if !buffered.is_empty() || inputs.is_empty() {
-            let mem = MemTable::try_new(self.table.schema(), vec![buffered])?;
+            let buffered = buffered
+                .iter()
+                .map(|b| strings::cast_batch(b, &self.schema))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            let mem = MemTable::try_new(self.schema.clone(), vec![buffered])?;
             inputs.push(mem.scan(state, projection, &[], limit).await?);
         }
         UnionExec::try_new(inputs)

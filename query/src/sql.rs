@@ -9,7 +9,7 @@
 use crate::live::{LiveProvider, LiveTable};
 use crate::provider::StoreTable;
 use crate::{Error, Result, Store, Table};
-use crate::{functions, optimizer};
+use crate::{functions, optimizer, strings};
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use datafusion::datasource::ViewTable;
@@ -209,13 +209,15 @@ impl SqlEngine {
             .execute_logical_plan(plan)
             .await
             .map_err(|e| self.map_error(e))?;
-        let schema: SchemaRef = Arc::new(df.schema().as_arrow().clone());
+        let schema = strings::plain_schema(df.schema().as_arrow());
         let mut stream = df.execute_stream().await.map_err(|e| self.map_error(e))?;
         let mut batches = Vec::new();
         let mut rows = 0usize;
         let mut truncated = false;
         while let Some(batch) = stream.next().await {
             let batch = batch.map_err(|e| self.map_error(e))?;
+            let batch = strings::cast_batch(&batch, &schema)
+                .map_err(|e| Error::Execution(format!("converting the result's strings: {e}")))?;
             let room = self.limits.max_rows - rows;
             if batch.num_rows() > room {
                 batches.push(batch.slice(0, room));
@@ -242,7 +244,7 @@ impl SqlEngine {
         let describe = async {
             let ctx = self.session().await?;
             let plan = self.plan(&ctx, sql).await?;
-            Ok(Arc::new(plan.schema().as_arrow().clone()))
+            Ok(strings::plain_schema(plan.schema().as_arrow()))
         };
         match tokio::time::timeout(limits.timeout, describe).await {
             Ok(result) => result,
