@@ -11,6 +11,7 @@
 
 mod aggregate_build;
 pub mod interval_join;
+pub mod run_aggregate;
 
 pub use aggregate_build::AggregateBuildSide;
 
@@ -27,5 +28,11 @@ pub fn physical_optimizer_rules() -> Vec<Arc<dyn PhysicalOptimizerRule + Send + 
         .map_or(rules.len(), |i| i + 1);
     rules.insert(at, Arc::new(interval_join::IntervalJoinRule));
     rules.insert(at, Arc::new(AggregateBuildSide));
+    // Last but the plan's sanity check: every other rule has seen DataFusion's aggregates.
+    let at = rules
+        .iter()
+        .position(|r| r.name() == "SanityCheckPlan")
+        .unwrap_or(rules.len());
+    rules.insert(at, Arc::new(run_aggregate::RunAggregateRule));
     rules
 }

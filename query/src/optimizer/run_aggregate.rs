@@ -1,0 +1,882 @@
+//! Partial aggregation that looks up each run of equal group keys once.
+//!
+//! Telemetry arrives in runs: a Parquet file of `gpu_samples` is sorted by node, GPU and time,
+//! so a batch of 8,192 samples holds one or two GPUs, and the rows an interval join makes
+//! come out in the same order, one allocation after another. DataFusion's hash aggregation
+//! still hashes and compares the keys of every row (the "latest sample of every GPU" query
+//! spends most of its time there). [`RunAggregateExec`] does the partial stage of such an
+//! aggregation: it finds where the keys change between neighbouring rows (a comparison of
+//! each row with the next, column by column), looks up only the first row of each run in
+//! DataFusion's own group table, gives every row of the run that group, and updates
+//! DataFusion's own accumulators with all the rows. The answer is the same by construction;
+//! only the lookups go. When the keys of a partition do not come in runs it stops looking for
+//! them and looks up every row, as DataFusion does.
+//!
+//! The rest of DataFusion's partial stage is kept: a group table that outgrows its memory
+//! is emitted early (the final stage merges partial states, so that is always correct), and
+//! when nearly every row is a new group the partial stage is skipped and each row is passed
+//! on as a state of its own, with DataFusion's thresholds.
+//!
+//! [`RunAggregateRule`] replaces partial `AggregateExec`s whose input is not declared sorted
+//! (DataFusion streams those itself) that group by plain columns or expressions, without
+//! grouping sets, a row limit, DISTINCT or ORDER BY inside an aggregate, and whose aggregates
+//! all have group accumulators. It runs after all of DataFusion's rules, so none of them
+//! needs to know this plan node.
+
+use arrow::array::{
+    Array, ArrayRef, AsArray, BooleanArray, GenericByteViewArray, RecordBatch, UInt32Array,
+};
+use arrow::buffer::{BooleanBuffer, Buffer};
+use arrow::compute::{partition, take};
+use arrow::datatypes::{ArrowNativeType, ByteViewType, DataType};
+use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode, TreeNodeRecursion};
+use datafusion::config::ConfigOptions;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_optimizer::PhysicalOptimizerRule;
+use datafusion::physical_plan::aggregates::group_values::{GroupValues, new_group_values};
+use datafusion::physical_plan::aggregates::order::GroupOrdering;
+use datafusion::physical_plan::aggregates::{
+    AggregateExec, AggregateMode, aggregate_expressions, evaluate_many,
+};
+use datafusion::physical_plan::distribution_requirements::InputDistributionRequirements;
+use datafusion::physical_plan::execution_plan::CardinalityEffect;
+use datafusion::physical_plan::metrics::{
+    BaselineMetrics, Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet,
+};
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{
+    ChildStats, ChildrenPropertiesMode, DisplayAs, DisplayFormatType, ExecutionPlan,
+    InputOrderMode, PlanProperties, ReplaceChildrenOptions, Statistics, StatisticsArgs,
+};
+use futures::StreamExt;
+use std::collections::VecDeque;
+use std::fmt;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// Replaces eligible partial aggregations with [`RunAggregateExec`] (see the module's
+/// documentation). Runs last among the physical optimizer rules.
+#[derive(Debug, Default)]
+pub struct RunAggregateRule;
+
+impl PhysicalOptimizerRule for RunAggregateRule {
+    fn optimize(
+        &self,
+        plan: Arc<dyn ExecutionPlan>,
+        _config: &ConfigOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        plan.transform_up(|node| {
+            let Some(agg) = node.downcast_ref::<AggregateExec>() else {
+                return Ok(Transformed::no(node));
+            };
+            if !eligible(agg) {
+                return Ok(Transformed::no(node));
+            }
+            let agg = Arc::new(agg.clone());
+            Ok(Transformed::yes(
+                Arc::new(RunAggregateExec::new(agg)) as Arc<dyn ExecutionPlan>
+            ))
+        })
+        .data()
+    }
+
+    fn name(&self) -> &str {
+        "perch_run_aggregate"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
+fn eligible(agg: &AggregateExec) -> bool {
+    let group_by = agg.group_expr();
+    *agg.mode() == AggregateMode::Partial
+        && *agg.input_order_mode() == InputOrderMode::Linear
+        && group_by.is_single()
+        && !group_by.is_empty()
+        && agg.limit_options().is_none()
+        && agg.aggr_expr().iter().all(|a| {
+            a.groups_accumulator_supported() && a.order_bys().is_empty() && !a.is_distinct()
+        })
+}
+
+/// The partial stage of an aggregation, looking up runs of equal keys once. Plans, schema,
+/// partitioning and statistics are those of the `AggregateExec` it replaces.
+#[derive(Debug)]
+pub struct RunAggregateExec {
+    agg: Arc<AggregateExec>,
+    metrics: ExecutionPlanMetricsSet,
+}
+
+impl RunAggregateExec {
+    fn new(agg: Arc<AggregateExec>) -> Self {
+        RunAggregateExec {
+            agg,
+            metrics: ExecutionPlanMetricsSet::new(),
+        }
+    }
+}
+
+impl DisplayAs for RunAggregateExec {
+    fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        struct Inner<'a>(&'a AggregateExec, DisplayFormatType);
+        impl fmt::Display for Inner<'_> {
+            fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                self.0.fmt_as(self.1, f)
+            }
+        }
+        let inner = Inner(&self.agg, t).to_string();
+        let rest = inner
+            .strip_prefix("AggregateExec: mode=Partial")
+            .unwrap_or(&inner);
+        write!(f, "RunAggregateExec: mode=Partial{rest}")
+    }
+}
+
+impl ExecutionPlan for RunAggregateExec {
+    fn name(&self) -> &str {
+        "RunAggregateExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        self.agg.properties()
+    }
+
+    fn input_distribution_requirements(&self) -> InputDistributionRequirements {
+        self.agg.input_distribution_requirements()
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![self.agg.input()]
+    }
+
+    fn apply_expressions(
+        &self,
+        f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        self.agg.apply_expressions(f)
+    }
+
+    fn replace_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+        options: ReplaceChildrenOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let plan = Arc::new(self.agg.as_ref().clone()).replace_children(children, options)?;
+        let agg = plan.downcast_ref::<AggregateExec>().ok_or_else(|| {
+            DataFusionError::Internal("an AggregateExec with new children is not one".into())
+        })?;
+        Ok(Arc::new(RunAggregateExec::new(Arc::new(agg.clone()))))
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        self.replace_children(
+            children,
+            ReplaceChildrenOptions::new(ChildrenPropertiesMode::Recompute),
+        )
+    }
+
+    fn reset_state(self: Arc<Self>) -> Result<Arc<dyn ExecutionPlan>> {
+        Ok(Arc::new(RunAggregateExec::new(self.agg.clone())))
+    }
+
+    fn maintains_input_order(&self) -> Vec<bool> {
+        vec![false]
+    }
+
+    fn child_stats_requests(&self, partition: Option<usize>) -> Vec<ChildStats> {
+        self.agg.child_stats_requests(partition)
+    }
+
+    fn statistics_from_inputs(
+        &self,
+        input_stats: &[Arc<Statistics>],
+        args: &StatisticsArgs,
+    ) -> Result<Arc<Statistics>> {
+        self.agg.statistics_from_inputs(input_stats, args)
+    }
+
+    fn cardinality_effect(&self) -> CardinalityEffect {
+        self.agg.cardinality_effect()
+    }
+
+    fn metrics(&self) -> Option<MetricsSet> {
+        Some(self.metrics.clone_inner())
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let input = self.agg.input().execute(partition, context.clone())?;
+        let options = &context.session_config().options().execution;
+        let group_by = self.agg.group_expr();
+        let table = Table {
+            group_exprs: group_by.input_exprs(),
+            arg_exprs: aggregate_expressions(self.agg.aggr_expr(), &AggregateMode::Partial, 0)?,
+            filter_exprs: self.agg.filter_expr().to_vec(),
+            values: new_group_values(
+                group_by.group_schema(&self.agg.input().schema())?,
+                &GroupOrdering::None,
+            )?,
+            accumulators: self
+                .agg
+                .aggr_expr()
+                .iter()
+                .map(|a| a.create_groups_accumulator())
+                .collect::<Result<_>>()?,
+            head_groups: Vec::new(),
+            groups: Vec::new(),
+            find_runs: true,
+            rows: 0,
+            runs: 0,
+        };
+        let state = State {
+            input,
+            table,
+            schema: self.agg.schema(),
+            batch_size: context.session_config().batch_size(),
+            pending: VecDeque::new(),
+            reservation: MemoryConsumer::new(format!("RunAggregateExec[{partition}]"))
+                .with_can_spill(true)
+                .register(context.memory_pool()),
+            skip: Skip {
+                probe_rows: options.skip_partial_aggregation_probe_rows_threshold,
+                ratio: options.skip_partial_aggregation_probe_ratio_threshold,
+                input_rows: 0,
+                decided: false,
+                skipping: false,
+            },
+            done: false,
+            baseline: BaselineMetrics::new(&self.metrics, partition),
+            looked_up: MetricBuilder::new(&self.metrics).counter("looked_up_rows", partition),
+            early_emits: MetricBuilder::new(&self.metrics).counter("early_emits", partition),
+            skipped_rows: MetricBuilder::new(&self.metrics)
+                .counter("skipped_aggregation_rows", partition),
+        };
+        let stream = futures::stream::try_unfold(state, |mut state| async move {
+            let next = state.next_batch().await?;
+            Ok(next.map(|batch| (batch, state)))
+        });
+        Ok(Box::pin(RecordBatchStreamAdapter::new(
+            self.agg.schema(),
+            stream,
+        )))
+    }
+}
+
+/// When to stop aggregating and pass rows on as states: DataFusion's thresholds.
+struct Skip {
+    probe_rows: usize,
+    ratio: f64,
+    /// Input rows aggregated while deciding.
+    input_rows: usize,
+    decided: bool,
+    skipping: bool,
+}
+
+/// One partition's groups: DataFusion's group table and accumulators, and how rows are
+/// assigned to them.
+struct Table {
+    group_exprs: Vec<Arc<dyn PhysicalExpr>>,
+    arg_exprs: Vec<Vec<Arc<dyn PhysicalExpr>>>,
+    filter_exprs: Vec<Option<Arc<dyn PhysicalExpr>>>,
+    values: Box<dyn GroupValues>,
+    accumulators: Vec<Box<dyn GroupsAccumulator>>,
+    /// The group of each run's first row (scratch).
+    head_groups: Vec<usize>,
+    /// The group of each row (scratch).
+    groups: Vec<usize>,
+    /// Whether to look for runs; turned off when they are short.
+    find_runs: bool,
+    rows: usize,
+    runs: usize,
+}
+
+/// Below this many rows per run on average, runs are not worth finding.
+const MIN_MEAN_RUN: usize = 4;
+/// Rows seen before deciding whether runs are worth finding.
+const RUN_PROBE_ROWS: usize = 65_536;
+
+impl Table {
+    fn evaluate(&self, batch: &RecordBatch) -> Result<Evaluated> {
+        let keys = self
+            .group_exprs
+            .iter()
+            .map(|e| e.evaluate(batch)?.into_array(batch.num_rows()))
+            .collect::<Result<Vec<_>>>()?;
+        let args = evaluate_many(&self.arg_exprs, batch)?;
+        let filters = self
+            .filter_exprs
+            .iter()
+            .map(|e| {
+                e.as_ref()
+                    .map(|e| {
+                        let array = e.evaluate(batch)?.into_array(batch.num_rows())?;
+                        array.as_boolean_opt().cloned().ok_or_else(|| {
+                            DataFusionError::Internal(format!(
+                                "an aggregate's FILTER is {}, not boolean",
+                                array.data_type()
+                            ))
+                        })
+                    })
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Evaluated {
+            keys,
+            args,
+            filters,
+        })
+    }
+
+    /// Assigns each row of `keys` its group in `self.groups`; returns the rows looked up.
+    fn assign_groups(&mut self, keys: &[ArrayRef]) -> Result<usize> {
+        let rows = keys.first().map_or(0, |k| k.len());
+        if self.find_runs && self.rows >= RUN_PROBE_ROWS && self.runs * MIN_MEAN_RUN > self.rows {
+            self.find_runs = false;
+        }
+        if !self.find_runs {
+            self.values.intern(keys, &mut self.groups)?;
+            return Ok(rows);
+        }
+        let ranges = runs(keys)?;
+        self.rows += rows;
+        self.runs += ranges.len();
+        let starts = UInt32Array::from_iter_values(ranges.iter().map(|r| r.start as u32));
+        let heads = keys
+            .iter()
+            .map(|k| take(k.as_ref(), &starts, None))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        self.values.intern(&heads, &mut self.head_groups)?;
+        self.groups.clear();
+        self.groups.reserve(rows);
+        for (range, &group) in ranges.iter().zip(&self.head_groups) {
+            self.groups
+                .extend(std::iter::repeat_n(group, range.end - range.start));
+        }
+        Ok(ranges.len())
+    }
+
+    fn aggregate(&mut self, batch: &RecordBatch) -> Result<usize> {
+        let Evaluated {
+            keys,
+            args,
+            filters,
+        } = self.evaluate(batch)?;
+        let looked_up = self.assign_groups(&keys)?;
+        let total = self.values.len();
+        for ((acc, args), filter) in self.accumulators.iter_mut().zip(&args).zip(&filters) {
+            acc.update_batch(args, &self.groups, filter.as_ref(), total)?;
+        }
+        Ok(looked_up)
+    }
+
+    /// Every group so far, as keys and partial states; the table is empty afterwards.
+    fn emit(&mut self, schema: &arrow::datatypes::SchemaRef) -> Result<Option<RecordBatch>> {
+        if self.values.is_empty() {
+            return Ok(None);
+        }
+        let mut columns = self.values.emit(EmitTo::All)?;
+        for acc in &mut self.accumulators {
+            columns.extend(acc.state(EmitTo::All)?);
+        }
+        self.values.clear_shrink(0);
+        Ok(Some(RecordBatch::try_new(schema.clone(), columns)?))
+    }
+
+    fn memory(&self) -> usize {
+        self.values.size()
+            + self.accumulators.iter().map(|a| a.size()).sum::<usize>()
+            + (self.groups.capacity() + self.head_groups.capacity()) * size_of::<usize>()
+    }
+
+    /// `batch` as one state per row, keys first (the partial stage skipped).
+    fn to_states(
+        &self,
+        batch: &RecordBatch,
+        schema: &arrow::datatypes::SchemaRef,
+    ) -> Result<RecordBatch> {
+        let Evaluated {
+            mut keys,
+            args,
+            filters,
+        } = self.evaluate(batch)?;
+        for ((acc, args), filter) in self.accumulators.iter().zip(&args).zip(&filters) {
+            keys.extend(acc.convert_to_state(args, filter.as_ref())?);
+        }
+        Ok(RecordBatch::try_new(schema.clone(), keys)?)
+    }
+}
+
+/// The runs of rows with equal keys, as row ranges in order. Fixed-width keys (numbers,
+/// timestamps, and string views, which parquet and DataFusion produce for strings) are
+/// compared by their bits: rows whose slots are bitwise equal and both valid have equal
+/// keys. The converse need not hold (0.0 and -0.0, a long string stored twice, two NULLs),
+/// which only splits a run and costs one more lookup. Other key types go through arrow's
+/// comparison of values.
+fn runs(keys: &[ArrayRef]) -> Result<Vec<Range<usize>>> {
+    let rows = keys.first().map_or(0, |k| k.len());
+    if rows == 0 {
+        return Ok(Vec::new());
+    }
+    let mut edges: Option<BooleanBuffer> = None;
+    for key in keys {
+        let Some(differ) = slots_differ(key.as_ref()) else {
+            return Ok(partition(keys)?.ranges());
+        };
+        edges = Some(match edges {
+            Some(e) => &e | &differ,
+            None => differ,
+        });
+    }
+    let mut ranges = Vec::new();
+    let mut start = 0;
+    for edge in edges.iter().flat_map(|e| e.set_indices()) {
+        ranges.push(start..edge + 1);
+        start = edge + 1;
+    }
+    ranges.push(start..rows);
+    Ok(ranges)
+}
+
+/// Bit `i` set where row `i + 1` may hold another key than row `i`; `None` for a type
+/// without fixed-width slots (or a buffer that cannot be read as such).
+fn slots_differ(key: &dyn Array) -> Option<BooleanBuffer> {
+    let mut differ = match key.data_type() {
+        DataType::Utf8View => views_differ(key.as_string_view()),
+        DataType::BinaryView => views_differ(key.as_binary_view()),
+        t => {
+            let data = key.to_data();
+            let buffer = data.buffers().first()?;
+            let (offset, len) = (data.offset(), data.len());
+            match t.primitive_width()? {
+                1 => adjacent_differ::<u8>(buffer, offset, len),
+                2 => adjacent_differ::<u16>(buffer, offset, len),
+                4 => adjacent_differ::<u32>(buffer, offset, len),
+                8 => adjacent_differ::<u64>(buffer, offset, len),
+                16 => adjacent_differ::<u128>(buffer, offset, len),
+                _ => None,
+            }?
+        }
+    };
+    if let Some(nulls) = key.logical_nulls() {
+        let valid = nulls.inner();
+        let n = key.len() - 1;
+        differ = &differ | &(&valid.slice(0, n) ^ &valid.slice(1, n));
+    }
+    Some(differ)
+}
+
+/// Equal views are equal values. Different views are different values when inline (up to
+/// 12 bytes, zero-padded) or of another length or prefix; otherwise (a long value stored
+/// twice, as when strings are converted to views row by row) the bytes are compared.
+fn views_differ<T: ByteViewType + ?Sized>(array: &GenericByteViewArray<T>) -> BooleanBuffer {
+    let views = array.views();
+    BooleanBuffer::collect_bool(views.len() - 1, |i| {
+        let (a, b) = (views[i], views[i + 1]);
+        if a == b {
+            return false;
+        }
+        // Length in the low 32 bits, then a 4-byte prefix.
+        let long = (a as u32) > 12;
+        if !long || a as u64 != b as u64 || array.is_null(i) || array.is_null(i + 1) {
+            return true;
+        }
+        let (x, y): (&[u8], &[u8]) = (array.value(i).as_ref(), array.value(i + 1).as_ref());
+        x != y
+    })
+}
+
+fn adjacent_differ<T: ArrowNativeType>(
+    buffer: &Buffer,
+    offset: usize,
+    len: usize,
+) -> Option<BooleanBuffer> {
+    let bytes = buffer.as_slice();
+    if bytes.as_ptr().align_offset(align_of::<T>()) != 0
+        || !bytes.len().is_multiple_of(size_of::<T>())
+    {
+        return None;
+    }
+    let slots = buffer.typed_data::<T>().get(offset..offset + len)?;
+    Some(BooleanBuffer::collect_bool(len - 1, |i| {
+        slots[i] != slots[i + 1]
+    }))
+}
+
+struct Evaluated {
+    keys: Vec<ArrayRef>,
+    args: Vec<Vec<ArrayRef>>,
+    filters: Vec<Option<BooleanArray>>,
+}
+
+struct State {
+    input: SendableRecordBatchStream,
+    table: Table,
+    schema: arrow::datatypes::SchemaRef,
+    batch_size: usize,
+    /// Output ready to be returned, at most `batch_size` rows each.
+    pending: VecDeque<RecordBatch>,
+    reservation: MemoryReservation,
+    skip: Skip,
+    done: bool,
+    baseline: BaselineMetrics,
+    looked_up: Count,
+    early_emits: Count,
+    skipped_rows: Count,
+}
+
+impl State {
+    async fn next_batch(&mut self) -> Result<Option<RecordBatch>> {
+        loop {
+            if let Some(batch) = self.pending.pop_front() {
+                self.baseline.record_output(batch.num_rows());
+                return Ok(Some(batch));
+            }
+            if self.done {
+                self.reservation.free();
+                return Ok(None);
+            }
+            match self.input.next().await {
+                Some(batch) => {
+                    let batch = batch?;
+                    let elapsed = self.baseline.elapsed_compute().clone();
+                    let _timer = elapsed.timer();
+                    self.consume(&batch)?;
+                }
+                None => {
+                    let elapsed = self.baseline.elapsed_compute().clone();
+                    let _timer = elapsed.timer();
+                    self.emit()?;
+                    self.done = true;
+                }
+            }
+        }
+    }
+
+    fn consume(&mut self, batch: &RecordBatch) -> Result<()> {
+        if batch.num_rows() == 0 {
+            return Ok(());
+        }
+        if self.skip.skipping {
+            self.skipped_rows.add(batch.num_rows());
+            let states = self.table.to_states(batch, &self.schema)?;
+            self.pending.push_back(states);
+            return Ok(());
+        }
+        let looked_up = self.table.aggregate(batch)?;
+        self.looked_up.add(looked_up);
+        self.decide_skip(batch.num_rows());
+        if self.skip.skipping {
+            return self.emit();
+        }
+        if self.reservation.try_resize(self.table.memory()).is_err() {
+            // The final stage merges partial states, so emitting what is here is correct
+            // and frees the table.
+            self.early_emits.add(1);
+            self.emit()?;
+        }
+        Ok(())
+    }
+
+    /// Once `probe_rows` input rows are in, skip the partial stage for the rest of the input
+    /// if the groups number at least `ratio` of them (the stage would barely reduce).
+    fn decide_skip(&mut self, rows: usize) {
+        if self.skip.decided {
+            return;
+        }
+        self.skip.input_rows += rows;
+        if self.skip.input_rows < self.skip.probe_rows {
+            return;
+        }
+        self.skip.decided = true;
+        self.skip.skipping =
+            self.table.values.len() as f64 >= self.skip.ratio * self.skip.input_rows as f64;
+    }
+
+    fn emit(&mut self) -> Result<()> {
+        if let Some(batch) = self.table.emit(&self.schema)? {
+            let mut offset = 0;
+            while offset < batch.num_rows() {
+                let len = self.batch_size.min(batch.num_rows() - offset);
+                self.pending.push_back(batch.slice(offset, len));
+                offset += len;
+            }
+        }
+        let _ = self.reservation.try_resize(self.table.memory());
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{Float64Array, Int64Array, StringViewArray};
+    use arrow::datatypes::{Field, Schema};
+    use arrow::util::pretty::pretty_format_batches;
+    use datafusion::datasource::MemTable;
+    use datafusion::execution::runtime_env::RuntimeEnvBuilder;
+    use datafusion::execution::session_state::SessionStateBuilder;
+    use datafusion::physical_plan::{collect, displayable};
+    use datafusion::prelude::{SessionConfig, SessionContext};
+    use proptest::prelude::*;
+
+    /// A run of rows with the same keys: (length, node, gpu, value seed).
+    type Run = (usize, Option<u8>, Option<i64>, i64);
+
+    fn table(runs: &[Run], batch_rows: usize) -> MemTable {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("node", DataType::Utf8View, true),
+            Field::new("gpu", DataType::Int64, true),
+            Field::new("f", DataType::Float64, true),
+            Field::new("v", DataType::Int64, true),
+        ]));
+        let mut node = Vec::new();
+        let mut gpu = Vec::new();
+        let mut f = Vec::new();
+        let mut v = Vec::new();
+        for &(len, n, g, seed) in runs {
+            for i in 0..len {
+                // Long names are stored out of line in the views, short ones inline.
+                node.push(n.map(|n| {
+                    if n % 2 == 0 {
+                        format!("n{n}")
+                    } else {
+                        format!("node-with-a-long-name-{n}")
+                    }
+                }));
+                gpu.push(g);
+                let x = seed.wrapping_mul(31).wrapping_add(i as i64) % 7;
+                f.push(match x {
+                    0 => None,
+                    1 => Some(-0.0),
+                    2 => Some(0.0),
+                    3 => Some(f64::NAN),
+                    _ => Some(x as f64 / 2.0),
+                });
+                v.push((x != 4).then_some(seed % 100 + i as i64));
+            }
+        }
+        let batch = RecordBatch::try_new(
+            schema.clone(),
+            vec![
+                Arc::new(StringViewArray::from_iter(node)),
+                Arc::new(Int64Array::from(gpu)),
+                Arc::new(Float64Array::from(f)),
+                Arc::new(Int64Array::from(v)),
+            ],
+        )
+        .expect("test batch");
+        let batches: Vec<RecordBatch> = (0..batch.num_rows())
+            .step_by(batch_rows.max(1))
+            .map(|at| batch.slice(at, batch_rows.min(batch.num_rows() - at)))
+            .collect();
+        let (p0, p1) = batches.split_at(batches.len() / 2);
+        MemTable::try_new(schema, vec![p0.to_vec(), p1.to_vec()]).expect("test table")
+    }
+
+    fn session(runs: bool, skip_probe_rows: usize, memory: Option<usize>) -> SessionContext {
+        let mut config = SessionConfig::new()
+            .with_target_partitions(2)
+            .with_batch_size(64);
+        config
+            .options_mut()
+            .execution
+            .skip_partial_aggregation_probe_rows_threshold = skip_probe_rows;
+        let mut runtime = RuntimeEnvBuilder::new();
+        if let Some(bytes) = memory {
+            runtime = runtime.with_memory_limit(bytes, 1.0);
+        }
+        let mut state = SessionStateBuilder::new()
+            .with_config(config)
+            .with_runtime_env(runtime.build_arc().expect("runtime"))
+            .with_default_features();
+        if runs {
+            state = state.with_physical_optimizer_rules(super::super::physical_optimizer_rules());
+        }
+        SessionContext::new_with_state(state.build())
+    }
+
+    const QUERIES: &[&str] = &[
+        "SELECT node, gpu, count(*) AS n, count(v) AS nv, sum(v) AS s, avg(v) AS a,
+                min(v) AS lo, max(f) AS hi, min(f) AS flo, max(node) AS mx
+         FROM t GROUP BY node, gpu ORDER BY node, gpu",
+        "SELECT gpu % 3 AS m, sum(v) FILTER (WHERE v > 10) AS big, count(*) AS n
+         FROM t GROUP BY gpu % 3 ORDER BY m",
+        "SELECT f, count(*) AS n, sum(v) AS s FROM t GROUP BY f ORDER BY f",
+        "SELECT node, max(gpu) AS g FROM t GROUP BY node ORDER BY node",
+    ];
+
+    /// Runs `sql`; returns its rows as text, its plan, and the sum of a metric over the
+    /// plan's `RunAggregateExec`s.
+    async fn run(ctx: &SessionContext, sql: &str, metric: &str) -> (String, String, usize) {
+        let df = ctx.sql(sql).await.expect("test query");
+        let plan = df.create_physical_plan().await.expect("test query");
+        let batches = collect(plan.clone(), ctx.task_ctx())
+            .await
+            .expect("test query");
+        let mut total = 0;
+        let mut stack = vec![plan.clone()];
+        while let Some(node) = stack.pop() {
+            if node.name() == "RunAggregateExec"
+                && let Some(value) = node.metrics().and_then(|m| m.sum_by_name(metric))
+            {
+                total += value.as_usize();
+            }
+            stack.extend(node.children().into_iter().cloned());
+        }
+        (
+            pretty_format_batches(&batches)
+                .expect("test query")
+                .to_string(),
+            displayable(plan.as_ref()).indent(false).to_string(),
+            total,
+        )
+    }
+
+    async fn check(runs: Vec<Run>, batch_rows: usize, skip_probe_rows: usize) {
+        let with = session(true, skip_probe_rows, None);
+        let without = session(false, skip_probe_rows, None);
+        for ctx in [&with, &without] {
+            ctx.register_table("t", Arc::new(table(&runs, batch_rows)))
+                .expect("test table");
+        }
+        for sql in QUERIES {
+            let (got, plan, _) = run(&with, sql, "looked_up_rows").await;
+            let (want, stock, _) = run(&without, sql, "looked_up_rows").await;
+            assert!(plan.contains("RunAggregateExec"), "{sql}\n{plan}");
+            assert!(!stock.contains("RunAggregateExec"));
+            assert_eq!(got, want, "{sql}\n{plan}");
+        }
+    }
+
+    fn run_strategy() -> impl Strategy<Value = Run> {
+        (
+            prop_oneof![Just(1usize), 1usize..5, 1usize..200],
+            prop::option::weighted(0.9, 0u8..5),
+            prop::option::weighted(0.9, -2i64..4),
+            any::<i64>().prop_map(|s| s.rem_euclid(1000)),
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+        /// Long runs, runs of one row, null keys, -0.0 next to 0.0 and NaN as keys, FILTER
+        /// and expressions as keys, batches cutting runs, the partial stage skipped or
+        /// not: the answers are DataFusion's own.
+        #[test]
+        fn answers_what_datafusion_answers(
+            runs in prop::collection::vec(run_strategy(), 0..60),
+            batch_rows in prop_oneof![Just(7usize), Just(64), Just(1000)],
+            skip_probe_rows in prop_oneof![Just(0usize), Just(100_000)],
+        ) {
+            tokio::runtime::Builder::new_current_thread()
+                .build()
+                .expect("runtime")
+                .block_on(check(runs, batch_rows, skip_probe_rows));
+        }
+    }
+
+    /// On sorted telemetry only the first row of each run is looked up.
+    #[tokio::test]
+    async fn looks_up_runs_not_rows() {
+        let runs: Vec<Run> = (0..40)
+            .map(|i| (500, Some(i % 5), Some(i64::from(i)), 1))
+            .collect();
+        let ctx = session(true, 100_000, None);
+        ctx.register_table("t", Arc::new(table(&runs, 1000)))
+            .expect("test table");
+        let (_, _, looked_up) = run(&ctx, QUERIES[0], "looked_up_rows").await;
+        // 20,000 rows in 40 runs, read in batches of 64 rows: a lookup per run and at most
+        // one more per batch (a run a batch starts in the middle of).
+        let batches = 20_000usize.div_ceil(64) + 2;
+        assert!((40..=40 + batches).contains(&looked_up), "{looked_up}");
+    }
+
+    /// Keys that change on every row: runs are given up on, every row is looked up, and the
+    /// answer is still DataFusion's.
+    #[tokio::test]
+    async fn gives_up_on_short_runs() {
+        let runs: Vec<Run> = (0..100_000)
+            .map(|i| (1, Some((i % 3) as u8), Some(i64::from(i % 2)), 5))
+            .collect();
+        let ctx = session(true, usize::MAX, None);
+        ctx.register_table("t", Arc::new(table(&runs, 4096)))
+            .expect("test table");
+        let (got, _, looked_up) = run(&ctx, QUERIES[0], "looked_up_rows").await;
+        assert_eq!(looked_up, 100_000);
+        let stock = session(false, usize::MAX, None);
+        stock
+            .register_table("t", Arc::new(table(&runs, 4096)))
+            .expect("test table");
+        assert_eq!(got, run(&stock, QUERIES[0], "looked_up_rows").await.0);
+    }
+
+    /// When nearly every row is a group of its own the partial stage is skipped, as
+    /// DataFusion skips it, and rows go on as states.
+    #[tokio::test]
+    async fn skips_the_partial_stage_when_it_does_not_reduce() {
+        let runs: Vec<Run> = (0..10_000).map(|i| (1, Some(2), Some(i), 7)).collect();
+        let sql =
+            "SELECT gpu, count(*) AS n, sum(v) AS s, max(f) AS f FROM t GROUP BY gpu ORDER BY gpu";
+        let ctx = session(true, 1_000, None);
+        ctx.register_table("t", Arc::new(table(&runs, 512)))
+            .expect("test table");
+        let (got, _, skipped) = run(&ctx, sql, "skipped_aggregation_rows").await;
+        assert!(skipped > 5_000, "{skipped}");
+        let stock = session(false, 1_000, None);
+        stock
+            .register_table("t", Arc::new(table(&runs, 512)))
+            .expect("test table");
+        assert_eq!(got, run(&stock, sql, "skipped_aggregation_rows").await.0);
+    }
+
+    /// A table bigger than the memory it may use is emitted early and merged by the final
+    /// stage: the answer does not change.
+    #[tokio::test]
+    async fn emits_early_under_memory_pressure() {
+        let runs: Vec<Run> = (0..30_000).map(|i| (2, Some(1), Some(i), 3)).collect();
+        // No ORDER BY: a sort under this little memory is not what is tested.
+        let sql = "SELECT gpu, count(*) AS n, sum(v) AS s FROM t GROUP BY gpu";
+        let sorted = |text: String| {
+            let mut lines: Vec<String> = text.lines().map(str::to_owned).collect();
+            lines.sort();
+            lines
+        };
+        let ctx = session(true, usize::MAX, Some(256 << 10));
+        ctx.register_table("t", Arc::new(table(&runs, 4096)))
+            .expect("test table");
+        let (got, _, early) = run(&ctx, sql, "early_emits").await;
+        assert!(early > 0, "the partial stage never ran out of memory");
+        let stock = session(false, usize::MAX, None);
+        stock
+            .register_table("t", Arc::new(table(&runs, 4096)))
+            .expect("test table");
+        assert_eq!(sorted(got), sorted(run(&stock, sql, "early_emits").await.0));
+    }
+
+    #[tokio::test]
+    async fn leaves_what_it_cannot_do_to_datafusion() {
+        let ctx = session(true, 100_000, None);
+        ctx.register_table("t", Arc::new(table(&[(10, Some(1), Some(2), 3)], 64)))
+            .expect("test table");
+        for sql in [
+            "SELECT node, array_agg(v ORDER BY v) FROM t GROUP BY node",
+            "SELECT node, gpu, count(*) FROM t GROUP BY GROUPING SETS ((node), (gpu))",
+            "SELECT count(*), max(v) FROM t",
+        ] {
+            let (_, plan, _) = run(&ctx, sql, "looked_up_rows").await;
+            assert!(!plan.contains("RunAggregateExec"), "{sql}\n{plan}");
+        }
+    }
+}
