@@ -339,15 +339,15 @@ impl Table {
         })
     }
 
-    /// Assigns each row of `keys` its group in `self.groups`; returns the rows looked up.
-    fn assign_groups(&mut self, keys: &[ArrayRef]) -> Result<usize> {
+    /// The runs of `keys`, with the group of each run's first row in `self.head_groups`;
+    /// `None` when runs are not being looked for (they were too short).
+    fn intern_runs(&mut self, keys: &[ArrayRef]) -> Result<Option<Vec<Range<usize>>>> {
         let rows = keys.first().map_or(0, |k| k.len());
         if self.find_runs && self.rows >= RUN_PROBE_ROWS && self.runs * MIN_MEAN_RUN > self.rows {
             self.find_runs = false;
         }
         if !self.find_runs {
-            self.values.intern(keys, &mut self.groups)?;
-            return Ok(rows);
+            return Ok(None);
         }
         let ranges = runs(keys)?;
         self.rows += rows;
@@ -358,27 +358,39 @@ impl Table {
             .map(|k| take(k.as_ref(), &starts, None))
             .collect::<std::result::Result<Vec<_>, _>>()?;
         self.values.intern(&heads, &mut self.head_groups)?;
-        self.groups.clear();
-        self.groups.reserve(rows);
-        for (range, &group) in ranges.iter().zip(&self.head_groups) {
-            self.groups
-                .extend(std::iter::repeat_n(group, range.end - range.start));
-        }
-        Ok(ranges.len())
+        Ok(Some(ranges))
     }
 
+    /// Aggregates `batch`; returns how many rows were looked up in the group table.
     fn aggregate(&mut self, batch: &RecordBatch) -> Result<usize> {
         let Evaluated {
             keys,
             args,
             filters,
         } = self.evaluate(batch)?;
-        let looked_up = self.assign_groups(&keys)?;
+        let rows = batch.num_rows();
+        let Some(ranges) = self.intern_runs(&keys)? else {
+            self.values.intern(&keys, &mut self.groups)?;
+            self.update(&args, &filters)?;
+            return Ok(rows);
+        };
+        self.groups.clear();
+        self.groups.reserve(rows);
+        for (range, &group) in ranges.iter().zip(&self.head_groups) {
+            self.groups
+                .extend(std::iter::repeat_n(group, range.end - range.start));
+        }
+        self.update(&args, &filters)?;
+        Ok(ranges.len())
+    }
+
+    /// Updates every accumulator with the rows whose groups are in `self.groups`.
+    fn update(&mut self, args: &[Vec<ArrayRef>], filters: &[Option<BooleanArray>]) -> Result<()> {
         let total = self.values.len();
-        for ((acc, args), filter) in self.accumulators.iter_mut().zip(&args).zip(&filters) {
+        for ((acc, args), filter) in self.accumulators.iter_mut().zip(args).zip(filters) {
             acc.update_batch(args, &self.groups, filter.as_ref(), total)?;
         }
-        Ok(looked_up)
+        Ok(())
     }
 
     /// Every group so far, as keys and partial states; the table is empty afterwards.
@@ -419,82 +431,98 @@ impl Table {
 }
 
 /// The runs of rows with equal keys, as row ranges in order. Fixed-width keys (numbers,
-/// timestamps, and string views, which parquet and DataFusion produce for strings) are
-/// compared by their bits: rows whose slots are bitwise equal and both valid have equal
-/// keys. The converse need not hold (0.0 and -0.0, a long string stored twice, two NULLs),
-/// which only splits a run and costs one more lookup. Other key types go through arrow's
-/// comparison of values.
+/// timestamps) are compared by their bits: rows whose slots are bitwise equal and both valid
+/// have equal keys. The converse need not hold (0.0 and -0.0, two NULLs), which only splits a
+/// run and costs one more lookup. String views (how parquet and DataFusion hand over
+/// strings) are compared by their 16-byte views first; where two views differ only the
+/// values can tell (a long string stored twice), and those few places are checked by value.
+/// Other key types go through arrow's comparison of values.
 fn runs(keys: &[ArrayRef]) -> Result<Vec<Range<usize>>> {
     let rows = keys.first().map_or(0, |k| k.len());
     if rows == 0 {
         return Ok(Vec::new());
     }
-    let mut edges: Option<BooleanBuffer> = None;
+    // Places where some key surely changes, and where a string view changes.
+    let mut sure = BooleanBuffer::new_unset(rows - 1);
+    let mut maybe = BooleanBuffer::new_unset(rows - 1);
+    let mut views: Vec<&dyn Array> = Vec::new();
     for key in keys {
+        let is_view = matches!(key.data_type(), DataType::Utf8View | DataType::BinaryView);
         let Some(differ) = slots_differ(key.as_ref()) else {
             return Ok(partition(keys)?.ranges());
         };
-        edges = Some(match edges {
-            Some(e) => &e | &differ,
-            None => differ,
-        });
+        if is_view {
+            maybe = &maybe | &differ;
+            views.push(key.as_ref());
+        } else {
+            sure = &sure | &differ;
+        }
     }
     let mut ranges = Vec::new();
     let mut start = 0;
-    for edge in edges.iter().flat_map(|e| e.set_indices()) {
-        ranges.push(start..edge + 1);
-        start = edge + 1;
+    for edge in (&sure | &maybe).set_indices() {
+        if sure.value(edge) || views.iter().any(|v| view_changes(*v, edge)) {
+            ranges.push(start..edge + 1);
+            start = edge + 1;
+        }
     }
     ranges.push(start..rows);
     Ok(ranges)
 }
 
-/// Bit `i` set where row `i + 1` may hold another key than row `i`; `None` for a type
-/// without fixed-width slots (or a buffer that cannot be read as such).
+/// Bit `i` set where row `i + 1`'s slot or validity differs from row `i`'s; `None` for a
+/// type without fixed-width slots (or a buffer that cannot be read as such).
 fn slots_differ(key: &dyn Array) -> Option<BooleanBuffer> {
-    let mut differ = match key.data_type() {
-        DataType::Utf8View => views_differ(key.as_string_view()),
-        DataType::BinaryView => views_differ(key.as_binary_view()),
-        t => {
-            let data = key.to_data();
-            let buffer = data.buffers().first()?;
-            let (offset, len) = (data.offset(), data.len());
-            match t.primitive_width()? {
-                1 => adjacent_differ::<u8>(buffer, offset, len),
-                2 => adjacent_differ::<u16>(buffer, offset, len),
-                4 => adjacent_differ::<u32>(buffer, offset, len),
-                8 => adjacent_differ::<u64>(buffer, offset, len),
-                16 => adjacent_differ::<u128>(buffer, offset, len),
-                _ => None,
-            }?
-        }
+    let data = key.to_data();
+    let buffer = data.buffers().first()?;
+    let (offset, len) = (data.offset(), data.len());
+    let width = match key.data_type() {
+        DataType::Utf8View | DataType::BinaryView => 16,
+        t => t.primitive_width()?,
     };
+    let mut differ = match width {
+        1 => adjacent_differ::<u8>(buffer, offset, len),
+        2 => adjacent_differ::<u16>(buffer, offset, len),
+        4 => adjacent_differ::<u32>(buffer, offset, len),
+        8 => adjacent_differ::<u64>(buffer, offset, len),
+        16 => adjacent_differ::<u128>(buffer, offset, len),
+        _ => None,
+    }?;
     if let Some(nulls) = key.logical_nulls() {
         let valid = nulls.inner();
-        let n = key.len() - 1;
+        let n = len - 1;
         differ = &differ | &(&valid.slice(0, n) ^ &valid.slice(1, n));
     }
     Some(differ)
 }
 
+/// Whether the string (or binary) view column `key` holds another value in row `i + 1` than
+/// in row `i`.
+fn view_changes(key: &dyn Array, i: usize) -> bool {
+    match (key.is_valid(i), key.is_valid(i + 1)) {
+        (false, false) => false,
+        (true, true) => match key.data_type() {
+            DataType::Utf8View => view_value_changes(key.as_string_view(), i),
+            _ => view_value_changes(key.as_binary_view(), i),
+        },
+        _ => true,
+    }
+}
+
 /// Equal views are equal values. Different views are different values when inline (up to
-/// 12 bytes, zero-padded) or of another length or prefix; otherwise (a long value stored
-/// twice, as when strings are converted to views row by row) the bytes are compared.
-fn views_differ<T: ByteViewType + ?Sized>(array: &GenericByteViewArray<T>) -> BooleanBuffer {
+/// 12 bytes, zero-padded) or of another length or prefix; otherwise the bytes decide.
+fn view_value_changes<T: ByteViewType + ?Sized>(array: &GenericByteViewArray<T>, i: usize) -> bool {
     let views = array.views();
-    BooleanBuffer::collect_bool(views.len() - 1, |i| {
-        let (a, b) = (views[i], views[i + 1]);
-        if a == b {
-            return false;
-        }
-        // Length in the low 32 bits, then a 4-byte prefix.
-        let long = (a as u32) > 12;
-        if !long || a as u64 != b as u64 || array.is_null(i) || array.is_null(i + 1) {
-            return true;
-        }
-        let (x, y): (&[u8], &[u8]) = (array.value(i).as_ref(), array.value(i + 1).as_ref());
-        x != y
-    })
+    let (a, b) = (views[i], views[i + 1]);
+    if a == b {
+        return false;
+    }
+    // The length is in the low 32 bits, then a 4-byte prefix.
+    if (a as u32) <= 12 || a as u64 != b as u64 {
+        return true;
+    }
+    let (x, y): (&[u8], &[u8]) = (array.value(i).as_ref(), array.value(i + 1).as_ref());
+    x != y
 }
 
 fn adjacent_differ<T: ArrowNativeType>(
@@ -715,6 +743,7 @@ mod tests {
          FROM t GROUP BY gpu % 3 ORDER BY m",
         "SELECT f, count(*) AS n, sum(v) AS s FROM t GROUP BY f ORDER BY f",
         "SELECT node, max(gpu) AS g FROM t GROUP BY node ORDER BY node",
+        "SELECT node, gpu, min(v) AS lo, max(v) AS hi FROM t GROUP BY node, gpu ORDER BY node, gpu",
     ];
 
     /// Runs `sql`; returns its rows as text, its plan, and the sum of a metric over the
