@@ -8,6 +8,10 @@
 //!   statistics cannot tell the two sides apart (the "latest sample of every GPU" join);
 //! - [`interval_join::IntervalJoinRule`] runs joins on equal keys and a time interval (a
 //!   sample inside an allocation) as an interval join.
+//!
+//! [`run_aggregate::RunAggregateRule`] runs after all of DataFusion's rules (before the final
+//! sanity check): it replaces partial hash aggregations with one that looks up each run of
+//! equal group keys once, which sorted telemetry is full of.
 
 mod aggregate_build;
 pub mod interval_join;
