@@ -44,9 +44,11 @@ pub(super) struct Spec {
 }
 
 impl Spec {
+    /// The cache directory's name; `v2` since `time` is delta-encoded in the files, so a
+    /// dataset cached by an older perch is generated again rather than measured as it was.
     fn name(&self) -> String {
         format!(
-            "dataset-{}x{}-{}d-{}s-seed{}",
+            "dataset-{}x{}-{}d-{}s-seed{}-v2",
             self.nodes, self.gpus_per_node, self.days, self.interval_secs, self.seed
         )
     }
