@@ -149,12 +149,23 @@ impl TableProvider for StoreTable {
             );
         }
         if !buffered.is_empty() || inputs.is_empty() {
+            // Only the projected columns are cast to views: the buffer may hold a million rows.
+            let schema = match projection {
+                Some(p) => Arc::new(self.schema.project(p)?),
+                None => self.schema.clone(),
+            };
             let buffered = buffered
                 .iter()
-                .map(|b| strings::cast_batch(b, &self.schema))
+                .map(|b| {
+                    let b = match projection {
+                        Some(p) => b.project(p)?,
+                        None => b.clone(),
+                    };
+                    strings::cast_batch(&b, &schema)
+                })
                 .collect::<std::result::Result<Vec<_>, _>>()?;
-            let mem = MemTable::try_new(self.schema.clone(), vec![buffered])?;
-            inputs.push(mem.scan(state, projection, &[], limit).await?);
+            let mem = MemTable::try_new(schema, vec![buffered])?;
+            inputs.push(mem.scan(state, None, &[], limit).await?);
         }
         UnionExec::try_new(inputs)
     }

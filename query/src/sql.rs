@@ -216,7 +216,7 @@ impl SqlEngine {
         let mut truncated = false;
         while let Some(batch) = stream.next().await {
             let batch = batch.map_err(|e| self.map_error(e))?;
-            let batch = strings::cast_batch(&batch, &schema)
+            let batch = strings::plain_batch(batch)
                 .map_err(|e| Error::Execution(format!("converting the result's strings: {e}")))?;
             let room = self.limits.max_rows - rows;
             if batch.num_rows() > room {

@@ -9,7 +9,7 @@
 //! plain types at the edge ([`crate::SqlEngine`]), so the switch is invisible to clients, the
 //! PostgreSQL protocol's type mapping, and perch's own readers of query results.
 
-use arrow::array::{ArrayRef, RecordBatch};
+use arrow::array::{ArrayRef, RecordBatch, RecordBatchOptions};
 use arrow::compute::cast;
 use arrow::datatypes::{DataType, Field, FieldRef, Fields, Schema, SchemaRef};
 use arrow::error::ArrowError;
@@ -57,9 +57,20 @@ pub(crate) fn plain_schema(schema: &Schema) -> SchemaRef {
     Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()))
 }
 
-/// `batch` with every column cast to the type of the same column in `schema`: to the plain
-/// types of [`plain_schema`] on the way out, to the views of [`as_views`] for rows buffered in
-/// memory. Columns already of the right type are shared, not copied.
+/// `batch` as clients receive it: its own schema (nullability as the batch has it, which
+/// can differ from the plan's) with views as their plain types. Returned as is when it has
+/// no views.
+pub(crate) fn plain_batch(batch: RecordBatch) -> Result<RecordBatch, ArrowError> {
+    let schema = plain_schema(batch.schema_ref());
+    if schema.fields() == batch.schema_ref().fields() {
+        return Ok(batch);
+    }
+    cast_batch(&batch, &schema)
+}
+
+/// `batch` with every column cast to the type of the same column in `schema` (which must
+/// otherwise match the batch's fields). Columns already of the right type are shared, not
+/// copied.
 pub(crate) fn cast_batch(
     batch: &RecordBatch,
     schema: &SchemaRef,
@@ -79,7 +90,8 @@ pub(crate) fn cast_batch(
             }
         })
         .collect::<Result<Vec<ArrayRef>, ArrowError>>()?;
-    RecordBatch::try_new(schema.clone(), columns)
+    let rows = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
+    RecordBatch::try_new_with_options(schema.clone(), columns, &rows)
 }
 
 #[cfg(test)]
@@ -115,7 +127,7 @@ mod tests {
 
         let back_schema = plain_schema(&views);
         assert_eq!(back_schema.as_ref(), &schema);
-        let back = cast_batch(&viewed, &back_schema).expect("to plain");
+        let back = plain_batch(viewed).expect("to plain");
         assert_eq!(back, batch);
     }
 
@@ -135,7 +147,7 @@ mod tests {
             panic!("a list stays a list: {out_schema:?}");
         };
         assert_eq!(item.data_type(), &DataType::Utf8);
-        let out = cast_batch(&batch, &out_schema).expect("cast");
+        let out = plain_batch(batch).expect("cast");
         let lists = out.column(0).as_list::<i32>();
         assert!(lists.is_null(1));
         let first = lists.value(0);

@@ -10,7 +10,6 @@
 //! keys, all from the last seconds) reach the samples' scan, which then skips the files and
 //! row groups that cannot match.
 
-use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
 use datafusion::config::ConfigOptions;
 use datafusion::error::Result;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
@@ -32,22 +31,16 @@ impl PhysicalOptimizerRule for AggregateBuildSide {
         plan: Arc<dyn ExecutionPlan>,
         _config: &ConfigOptions,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        plan.transform_up(|node| {
-            let Some(join) = node.downcast_ref::<HashJoinExec>() else {
-                return Ok(Transformed::no(node));
-            };
+        super::replace_nodes(plan, |join: &HashJoinExec| {
             if !should_swap(join)? {
-                return Ok(Transformed::no(node));
+                return Ok(None);
             }
             // Collected whole: the aggregate is no larger than the other side, so this costs
             // no more memory than partitioning it, spares repartitioning the larger side, and
             // gives the larger side's scan one dynamic filter (the keys' bounds and set) that
             // prunes files and row groups, not one per hash partition.
-            Ok(Transformed::yes(
-                join.swap_inputs(PartitionMode::CollectLeft)?,
-            ))
+            join.swap_inputs(PartitionMode::CollectLeft).map(Some)
         })
-        .data()
     }
 
     fn name(&self) -> &str {

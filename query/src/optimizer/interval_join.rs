@@ -65,16 +65,10 @@ impl PhysicalOptimizerRule for IntervalJoinRule {
         plan: Arc<dyn ExecutionPlan>,
         _config: &ConfigOptions,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        plan.transform_up(|node| {
-            let Some(join) = node.downcast_ref::<HashJoinExec>() else {
-                return Ok(Transformed::no(node));
-            };
-            Ok(match IntervalJoinExec::try_from_hash_join(join)? {
-                Some(exec) => Transformed::yes(Arc::new(exec) as Arc<dyn ExecutionPlan>),
-                None => Transformed::no(node),
-            })
+        super::replace_nodes(plan, |join: &HashJoinExec| {
+            Ok(IntervalJoinExec::try_from_hash_join(join)?
+                .map(|exec| Arc::new(exec) as Arc<dyn ExecutionPlan>))
         })
-        .data()
     }
 
     fn name(&self) -> &str {

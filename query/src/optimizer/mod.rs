@@ -19,8 +19,11 @@ pub mod run_aggregate;
 
 pub use aggregate_build::AggregateBuildSide;
 
+use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
+use datafusion::error::Result;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_optimizer::optimizer::PhysicalOptimizer;
+use datafusion::physical_plan::ExecutionPlan;
 use std::sync::Arc;
 
 /// DataFusion's physical optimizer rules with perch's inserted after join selection.
@@ -39,4 +42,22 @@ pub fn physical_optimizer_rules() -> Vec<Arc<dyn PhysicalOptimizerRule + Send + 
         .unwrap_or(rules.len());
     rules.insert(at, Arc::new(run_aggregate::RunAggregateRule));
     rules
+}
+
+/// Rewrites `plan` bottom up: each node of type `T` for which `replace` gives a plan is
+/// replaced by it. The skeleton of each of perch's rules.
+fn replace_nodes<T: ExecutionPlan + 'static>(
+    plan: Arc<dyn ExecutionPlan>,
+    replace: impl Fn(&T) -> Result<Option<Arc<dyn ExecutionPlan>>>,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    plan.transform_up(|node| {
+        let Some(found) = node.downcast_ref::<T>() else {
+            return Ok(Transformed::no(node));
+        };
+        Ok(match replace(found)? {
+            Some(new) => Transformed::yes(new),
+            None => Transformed::no(node),
+        })
+    })
+    .data()
 }

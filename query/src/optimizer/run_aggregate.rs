@@ -29,7 +29,7 @@ use arrow::array::{
 use arrow::buffer::{BooleanBuffer, Buffer};
 use arrow::compute::{partition, take};
 use arrow::datatypes::{ArrowNativeType, ByteViewType, DataType};
-use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode, TreeNodeRecursion};
+use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
@@ -69,19 +69,11 @@ impl PhysicalOptimizerRule for RunAggregateRule {
         plan: Arc<dyn ExecutionPlan>,
         _config: &ConfigOptions,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        plan.transform_up(|node| {
-            let Some(agg) = node.downcast_ref::<AggregateExec>() else {
-                return Ok(Transformed::no(node));
-            };
-            if !eligible(agg) {
-                return Ok(Transformed::no(node));
-            }
-            let agg = Arc::new(agg.clone());
-            Ok(Transformed::yes(
-                Arc::new(RunAggregateExec::new(agg)) as Arc<dyn ExecutionPlan>
-            ))
+        super::replace_nodes(plan, |agg: &AggregateExec| {
+            Ok(eligible(agg).then(|| {
+                Arc::new(RunAggregateExec::new(Arc::new(agg.clone()))) as Arc<dyn ExecutionPlan>
+            }))
         })
-        .data()
     }
 
     fn name(&self) -> &str {
@@ -892,6 +884,46 @@ mod tests {
             .register_table("t", Arc::new(table(&runs, 4096)))
             .expect("test table");
         assert_eq!(sorted(got), sorted(run(&stock, sql, "early_emits").await.0));
+    }
+
+    /// Keys without fixed-width slots (booleans, dictionaries, plain strings) take arrow's
+    /// comparison of values; a constant key, a NULL key. Answers are DataFusion's.
+    #[tokio::test]
+    async fn other_key_types_answer_like_datafusion() {
+        let runs: Vec<Run> = (0u8..30)
+            .map(|i| {
+                (
+                    1 + usize::from(i % 7),
+                    Some(i % 4),
+                    Some(i64::from(i % 3)),
+                    11,
+                )
+            })
+            .collect();
+        let with = session(true, 100_000, None);
+        let without = session(false, 100_000, None);
+        for ctx in [&with, &without] {
+            ctx.register_table("t", Arc::new(table(&runs, 16)))
+                .expect("test table");
+        }
+        for sql in [
+            "SELECT v > 50 AS big, count(*) AS n FROM t GROUP BY v > 50 ORDER BY big",
+            "SELECT arrow_cast(node, 'Dictionary(Int32, Utf8)') AS d, count(*) AS n FROM t
+             GROUP BY arrow_cast(node, 'Dictionary(Int32, Utf8)') ORDER BY d",
+            "SELECT arrow_cast(node, 'Utf8') AS s, gpu, sum(v) AS s2 FROM t
+             GROUP BY arrow_cast(node, 'Utf8'), gpu ORDER BY s, gpu",
+            "SELECT 'x' AS c, NULL AS z, count(*) AS n FROM t GROUP BY 1, 2",
+        ] {
+            let (got, plan, _) = run(&with, sql, "looked_up_rows").await;
+            let (want, _, _) = run(&without, sql, "looked_up_rows").await;
+            assert_eq!(got, want, "{sql}\n{plan}");
+            // DataFusion plans the constant keys away; the others run here.
+            assert_eq!(
+                plan.contains("RunAggregateExec"),
+                !sql.contains("'x'"),
+                "{plan}"
+            );
+        }
     }
 
     #[tokio::test]
