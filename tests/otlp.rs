@@ -97,6 +97,102 @@ fn a_job_using_the_python_sdk_lands_in_job_metrics() {
     }
 }
 
+/// A job that exports every second for a minute, as a training loop with the SDK's periodic
+/// reader does.
+const EVERY_SECOND: &str = r#"
+import time
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+reader = PeriodicExportingMetricReader(OTLPMetricExporter(), export_interval_millis=1000)
+provider = MeterProvider(metric_readers=[reader])
+metrics.set_meter_provider(provider)
+loss = metrics.get_meter("train").create_gauge("loss")
+start = time.time()
+step = 0
+while time.time() - start < 60:
+    step += 1
+    loss.set(1.0 / step)
+    time.sleep(0.1)
+provider.shutdown()
+"#;
+
+/// Issue 14: one OTLP export from a job stopped its node's telemetry for good (the receiver's
+/// clock-sized batch numbers shadowed the agent's). While a job exports every second for a
+/// minute, the node's GPU samples must keep growing, every 5 s, and the node must stay up in
+/// `perch nodes` and on `/metrics`, with no batch answered as a duplicate.
+#[test]
+fn a_job_exporting_every_second_never_stops_its_nodes_telemetry() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("train.py");
+    std::fs::write(&script, EVERY_SECOND).expect("write script");
+    let perch = Perch::start(
+        &dir.path().join("data"),
+        &["up", "--simulate-gpus", "1", "--interval-ms", "250"],
+    );
+    let script = script.to_string_lossy().into_owned();
+    let (ok, _, err) = cli(&perch, &["submit", "--gpus", "1", "--", "python3", &script]);
+    assert!(ok, "{err}");
+    let exported = |perch: &Perch| perch.scalar("SELECT count(*) FROM job_metrics WHERE job = '1'");
+    wait_for("the job's first export", || {
+        (exported(&perch) > 0).then_some(())
+    });
+    let node = perch.sql("SELECT node FROM job_metrics WHERE job = '1' LIMIT 1")[0]["node"]
+        .as_str()
+        .expect("node")
+        .to_owned();
+    let samples = |perch: &Perch| {
+        perch.scalar(&format!(
+            "SELECT count(*) FROM gpu_samples WHERE node = '{node}'"
+        ))
+    };
+    let mut last = (samples(&perch), exported(&perch));
+    for round in 0..11 {
+        std::thread::sleep(std::time::Duration::from_secs(5));
+        let now = (samples(&perch), exported(&perch));
+        assert!(
+            now.0 > last.0,
+            "round {round}: gpu_samples of {node} stuck at {} while the job exported ({} -> {} points)\n{}",
+            now.0,
+            last.1,
+            now.1,
+            perch.log()
+        );
+        assert!(
+            now.1 > last.1,
+            "round {round}: the job's exports stopped arriving"
+        );
+        last = now;
+    }
+    let nodes = perch.get("/v1/nodes");
+    let shown = nodes["nodes"]
+        .as_array()
+        .and_then(|n| n.iter().find(|n| n["name"] == node.as_str()))
+        .unwrap_or_else(|| panic!("{node} missing from {nodes}"));
+    assert_eq!(shown["state"], "up", "{shown}");
+    let metrics = reqwest::blocking::get(format!("{}/metrics", perch.url))
+        .expect("GET /metrics")
+        .text()
+        .expect("text");
+    assert!(
+        metrics.contains(&format!("perch_node_up{{node=\"{node}\"}} 1")),
+        "perch_node_up is not 1 for {node}"
+    );
+    assert!(
+        !metrics.lines().any(|l| l
+            .starts_with("perch_ingest_requests_total{outcome=\"duplicate\"}")
+            && !l.ends_with(" 0")),
+        "agent batches were answered as duplicates:\n{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("perch_ingest"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
 /// A minimal OTLP/JSON export: one gauge point for job `job`.
 fn gauge(job: &str, value: f64) -> Value {
     json!({"resourceMetrics": [{

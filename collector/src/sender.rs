@@ -243,6 +243,9 @@ pub async fn run_sender(sender: Sender, shared: SenderShared, backoff: Backoff) 
             shared.wake.notified().await;
             continue;
         };
+        // A batch from memory was never sent by an earlier run of the agent; with no failure
+        // since the last answer, this is its first try.
+        let first_try = matches!(next, Next::Memory(_)) && failures == 0;
         let (seq, samples, outcome) = match next {
             Next::Memory(batch) => (
                 batch.seq,
@@ -286,6 +289,16 @@ pub async fn run_sender(sender: Sender, shared: SenderShared, backoff: Backoff) 
                 counters.samples_sent.fetch_add(samples, Relaxed);
                 if duplicate {
                     counters.batches_duplicate.fetch_add(1, Relaxed);
+                    // A batch answered as a duplicate on its first try was never stored: the
+                    // server has already accepted a higher seq for this node.
+                    if first_try {
+                        tracing::warn!(
+                            seq,
+                            "the server answered a new batch as a duplicate and dropped it: it \
+                             has accepted a higher seq for this node. Is another agent running \
+                             under this node's name?"
+                        );
+                    }
                 }
             }
             SendOutcome::Rejected { status, message } => {

@@ -33,4 +33,4 @@ pub use maintenance::MaintenanceStats;
 pub use schema::Table;
 pub use sql::{QueryLimits, QueryOutput, SqlEngine, check_read_only};
 pub use storage::{S3Config, StorageConfig};
-pub use store::{FlushStats, IngestOutcome, Store, StoreConfig, StoreStats};
+pub use store::{FlushStats, IngestOutcome, Source, Store, StoreConfig, StoreStats};

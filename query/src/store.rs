@@ -10,8 +10,11 @@
 //!    one step under the lock makes the files visible and drops `flushing`; only then are the
 //!    covered log segments deleted.
 //!
-//! Batches are deduplicated by `(node, seq)`: a batch whose `seq` is not above the last one
-//! accepted from its node is acknowledged as a duplicate and stored nowhere.
+//! Batches are deduplicated by sequence stream and `seq`: a batch whose `seq` is not above the
+//! last one accepted on its stream is acknowledged as a duplicate and stored nowhere. Each
+//! [`Source`] numbers its batches itself, so each has its own streams: an agent's stream is its
+//! node, and the server's OTLP receiver has one stream of its own whatever node its batches name.
+//! Two sources never share a sequence space, so one cannot make the other's batches look old.
 
 use crate::files::{NewFile, flush_files};
 use crate::manifest::{FileEntry, Manifest};
@@ -85,6 +88,35 @@ impl StoreConfig {
     }
 }
 
+/// Who numbered a batch, and so which sequence stream deduplicates it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// A node's agent: one stream per node, numbered by that node's agent.
+    Agent,
+    /// The server's OpenTelemetry receiver: one stream for all its batches, whichever node
+    /// (`host.name`) they carry, numbered by the receiver.
+    Otlp,
+}
+
+impl Source {
+    /// The stream's key, as kept in the manifest. Agents' keys are node names; the OTLP
+    /// receiver's holds a `/`, which no node name may, so the two can never meet.
+    fn stream(self, node: &str) -> String {
+        match self {
+            Source::Agent => node.to_owned(),
+            Source::Otlp => OTLP_STREAM.to_owned(),
+        }
+    }
+}
+
+/// The OTLP receiver's sequence stream (see [`Source::stream`]).
+const OTLP_STREAM: &str = "/otlp";
+
+/// After this many duplicates in a row on one stream, with no new batch between them, the
+/// store warns: a sender retrying a lost answer sends one or two, so a longer run means new
+/// data is being dropped (a second sender under the same node name, or numbering gone wrong).
+const DUPLICATE_RUN_WARN: u64 = 3;
+
 /// What happened to one ingested batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IngestOutcome {
@@ -128,7 +160,11 @@ pub(crate) struct TableData {
 
 pub(crate) struct Inner {
     pub(crate) tables: BTreeMap<Table, TableData>,
+    /// The last `seq` accepted per stream ([`Source::stream`]).
     node_seq: HashMap<String, u64>,
+    /// Duplicates in a row per stream since its last accepted batch, and when the store last
+    /// warned about that stream.
+    duplicate_runs: HashMap<String, DuplicateRun>,
     in_flight: HashSet<(String, u64)>,
     pub(crate) manifest: Manifest,
     /// Files taken out of the manifest (compacted or past retention) but perhaps still read by
@@ -214,6 +250,7 @@ impl Store {
             inner: Mutex::new(Inner {
                 tables,
                 node_seq,
+                duplicate_runs: HashMap::new(),
                 in_flight: HashSet::new(),
                 manifest,
                 graveyard: Vec::new(),
@@ -236,7 +273,11 @@ impl Store {
                 }
                 continue;
             }
-            let batch: Batch = match serde_json::from_slice(&record) {
+            let (source, json) = match record.strip_prefix(&[OTLP_RECORD]) {
+                Some(json) => (Source::Otlp, json),
+                None => (Source::Agent, &record[..]),
+            };
+            let batch: Batch = match serde_json::from_slice(json) {
                 Ok(b) => b,
                 Err(e) => {
                     tracing::error!(error = %e, "skipping an unreadable write-ahead log record");
@@ -244,15 +285,12 @@ impl Store {
                 }
             };
             let parts = schema::to_record_batches(&batch)?;
+            let stream = source.stream(batch.node.as_str());
             let mut inner = store.lock();
-            if inner
-                .node_seq
-                .get(batch.node.as_str())
-                .is_some_and(|&s| batch.seq <= s)
-            {
+            if inner.node_seq.get(&stream).is_some_and(|&s| batch.seq <= s) {
                 continue;
             }
-            apply(&mut inner, &batch, parts);
+            apply(&mut inner, stream, &batch, parts);
             replayed += 1;
         }
         store
@@ -279,34 +317,65 @@ impl Store {
         &self.wal.stats
     }
 
-    /// Stores one validated batch. `raw` is its JSON encoding, written to the log as is.
-    /// Returns once the batch is durable and visible to SQL.
-    #[tracing::instrument(name = "store.ingest", skip_all, fields(node = %batch.node, seq = batch.seq))]
+    /// Stores one validated batch an agent sent. `raw` is its JSON encoding, written to the log
+    /// as is. Returns once the batch is durable and visible to SQL.
     pub async fn ingest(&self, raw: Bytes, batch: &Batch) -> Result<IngestOutcome> {
+        self.ingest_from(Source::Agent, raw, batch).await
+    }
+
+    /// Stores one validated batch numbered by `source`, deduplicated on that source's own
+    /// sequence stream. `raw` is its JSON encoding. Returns once the batch is durable and
+    /// visible to SQL.
+    ///
+    /// Cancel-safe: a caller dropped while the log write is pending (a client that hung up)
+    /// leaves no trace of the attempt, so the sender's retry is written, not refused.
+    #[tracing::instrument(name = "store.ingest", skip_all, fields(node = %batch.node, seq = batch.seq))]
+    pub async fn ingest_from(
+        &self,
+        source: Source,
+        raw: Bytes,
+        batch: &Batch,
+    ) -> Result<IngestOutcome> {
         let parts = schema::to_record_batches(batch)?;
-        let key = (batch.node.as_str().to_owned(), batch.seq);
+        let stream = source.stream(batch.node.as_str());
         let _gate = self.gate.read().await;
-        {
+        let claim = {
             let mut inner = self.lock();
-            if inner.node_seq.get(&key.0).is_some_and(|&s| batch.seq <= s) {
+            let last = inner.node_seq.get(&stream).copied();
+            if let Some(last) = last.filter(|&last| batch.seq <= last) {
                 self.stats.batches_duplicate.fetch_add(1, Ordering::Relaxed);
+                note_duplicate(&mut inner, &stream, batch, last);
                 return Ok(IngestOutcome::Duplicate);
             }
             // The same batch is being written by an earlier request (a retry raced it). That
             // write may still fail, so this one is neither stored nor acknowledged: the sender
             // retries and then learns the outcome.
+            let key = (stream.clone(), batch.seq);
             if !inner.in_flight.insert(key.clone()) {
                 return Err(Error::InFlight {
-                    node: key.0,
-                    seq: key.1,
+                    node: batch.node.as_str().to_owned(),
+                    seq: batch.seq,
                 });
             }
-        }
+            InFlightClaim {
+                store: self,
+                key: Some(key),
+            }
+        };
+        let raw = match source {
+            Source::Agent => raw,
+            Source::Otlp => {
+                let mut tagged = Vec::with_capacity(raw.len() + 1);
+                tagged.push(OTLP_RECORD);
+                tagged.extend_from_slice(&raw);
+                Bytes::from(tagged)
+            }
+        };
         let written = self.wal.append(raw).await;
         let mut inner = self.lock();
-        inner.in_flight.remove(&key);
+        claim.release(&mut inner);
         written?;
-        apply(&mut inner, batch, parts);
+        apply(&mut inner, stream, batch, parts);
         let samples = batch.sample_count();
         self.stats.batches_stored.fetch_add(1, Ordering::Relaxed);
         self.stats
@@ -583,9 +652,12 @@ async fn remove_orphans(storage: &Storage, manifest: &Manifest) -> Result<()> {
     Ok(())
 }
 
-/// Write-ahead log records are either an agent's `Batch` as JSON (so they start with `{`) or
-/// this tag byte followed by a JSON array of the server's [`ClusterEvent`]s.
+/// Write-ahead log records are an agent's `Batch` as JSON (so they start with `{`), or this tag
+/// byte followed by a JSON array of the server's [`ClusterEvent`]s...
 const EVENTS_RECORD: u8 = b'E';
+
+/// Or this tag byte followed by a `Batch` the OTLP receiver numbered ([`Source::Otlp`]).
+const OTLP_RECORD: u8 = b'O';
 
 fn push(inner: &mut Inner, table: Table, rb: RecordBatch) {
     if let Some(data) = inner.tables.get_mut(&table) {
@@ -599,13 +671,63 @@ fn push(inner: &mut Inner, table: Table, rb: RecordBatch) {
     }
 }
 
-fn apply(inner: &mut Inner, batch: &Batch, parts: Vec<(Table, RecordBatch)>) {
+fn apply(inner: &mut Inner, stream: String, batch: &Batch, parts: Vec<(Table, RecordBatch)>) {
     for (table, rb) in parts {
         push(inner, table, rb);
     }
-    let seq = inner
-        .node_seq
-        .entry(batch.node.as_str().to_owned())
-        .or_insert(0);
+    inner.duplicate_runs.remove(&stream);
+    let seq = inner.node_seq.entry(stream).or_insert(0);
     *seq = (*seq).max(batch.seq);
+}
+
+/// A stream's run of duplicates since its last accepted batch.
+#[derive(Debug, Default)]
+pub(crate) struct DuplicateRun {
+    count: u64,
+    warned_at: Option<std::time::Instant>,
+}
+
+/// Counts a duplicate on `stream` and warns, at most once a minute per stream, once a run is
+/// long enough to mean that new data is being dropped rather than a lost answer retried.
+fn note_duplicate(inner: &mut Inner, stream: &str, batch: &Batch, last: u64) {
+    let run = inner.duplicate_runs.entry(stream.to_owned()).or_default();
+    run.count += 1;
+    let quiet = run
+        .warned_at
+        .is_some_and(|at| at.elapsed() < Duration::from_secs(60));
+    if run.count >= DUPLICATE_RUN_WARN && !quiet {
+        run.warned_at = Some(std::time::Instant::now());
+        tracing::warn!(
+            node = %batch.node,
+            seq = batch.seq,
+            last_accepted_seq = last,
+            duplicates_in_a_row = run.count,
+            "batches from a live sender are answered as duplicates and dropped: their seq is not \
+             above the last one accepted for this node. Another agent may be running under the \
+             same node name; if not, restart this node's agent so it numbers its batches afresh"
+        );
+    }
+}
+
+/// A batch's place in `in_flight`, given back when its log write ends or its caller is dropped.
+struct InFlightClaim<'a> {
+    store: &'a Store,
+    key: Option<(String, u64)>,
+}
+
+impl InFlightClaim<'_> {
+    /// Gives the place back under the caller's lock.
+    fn release(mut self, inner: &mut Inner) {
+        if let Some(key) = self.key.take() {
+            inner.in_flight.remove(&key);
+        }
+    }
+}
+
+impl Drop for InFlightClaim<'_> {
+    fn drop(&mut self) {
+        if let Some(key) = self.key.take() {
+            self.store.lock().in_flight.remove(&key);
+        }
+    }
 }

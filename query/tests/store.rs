@@ -2,10 +2,12 @@
 //! everything, leftovers of an interrupted flush are removed, and files split by day.
 
 use bytes::Bytes;
+use perch_model::JobMetricSample;
 use perch_model::{Batch, GpuIndex, GpuSample, NodeId};
-use perch_query::{IngestOutcome, QueryLimits, SqlEngine, Store, StoreConfig};
+use perch_query::{IngestOutcome, QueryLimits, Source, SqlEngine, Store, StoreConfig};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 const DAY_MS: i64 = 86_400_000;
 
@@ -136,6 +138,133 @@ async fn restart_keeps_flushed_and_logged_rows_once_and_remembers_sequences() {
         store.ingest(raw, &b).await.expect("ingest"),
         IngestOutcome::Stored { samples: 1 }
     );
+}
+
+/// A batch of job metrics as the OTLP receiver files it: under the job's node, numbered by the
+/// receiver's own clock-based counter.
+fn otlp_batch(node: &str, seq: u64, time_ms: i64) -> (Bytes, Batch) {
+    let (_, mut b) = batch(node, seq, time_ms, 0);
+    b.job_metrics = vec![JobMetricSample {
+        time_ms,
+        job: "7".into(),
+        user: "alice".into(),
+        service_name: "train".into(),
+        metric: "loss".into(),
+        kind: "gauge".into(),
+        unit: String::new(),
+        value: Some(0.5),
+        count: None,
+        sum: None,
+        attributes: "{}".into(),
+        simulated: true,
+    }];
+    (Bytes::from(serde_json::to_vec(&b).expect("json")), b)
+}
+
+async fn ingest_as(store: &Store, source: Source, (raw, b): (Bytes, Batch)) -> IngestOutcome {
+    store.ingest_from(source, raw, &b).await.expect("ingest")
+}
+
+/// Issue 14: a job's OTLP export, filed under its node with a clock-sized `seq`, made every
+/// later agent batch of that node a "duplicate" until the agent restarted. The two sources
+/// number their batches independently, so neither may shadow the other, live, after a replay
+/// of the log, or after a flush (the manifest's sequences).
+#[tokio::test]
+async fn otlp_exports_never_make_the_nodes_agent_batches_look_old() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let t0 = 1_800_000_000_000;
+    let otlp_seq = 1_800_000_000_000_000; // microseconds, far above the agent's numbers
+    let stored = IngestOutcome::Stored { samples: 1 };
+    {
+        let store = Store::open(config(dir.path())).expect("open");
+        assert_eq!(
+            ingest_as(&store, Source::Agent, batch("n1", 100, t0, 1)).await,
+            stored
+        );
+        assert_eq!(
+            ingest_as(&store, Source::Otlp, otlp_batch("n1", otlp_seq, t0)).await,
+            stored
+        );
+        assert_eq!(
+            ingest_as(&store, Source::Agent, batch("n1", 101, t0 + 1, 1)).await,
+            stored
+        );
+        // Each stream still refuses its own old numbers.
+        let dup = IngestOutcome::Duplicate;
+        assert_eq!(
+            ingest_as(&store, Source::Agent, batch("n1", 101, t0 + 1, 1)).await,
+            dup
+        );
+        assert_eq!(
+            ingest_as(&store, Source::Otlp, otlp_batch("n2", otlp_seq, t0)).await,
+            dup
+        );
+        // Left in the write-ahead log only.
+        assert_eq!(
+            ingest_as(&store, Source::Otlp, otlp_batch("n1", otlp_seq + 1, t0 + 2)).await,
+            stored
+        );
+        assert_eq!(
+            ingest_as(&store, Source::Agent, batch("n1", 102, t0 + 2, 1)).await,
+            stored
+        );
+    }
+    let store = Store::open(config(dir.path())).expect("reopen after a replay");
+    let sql = SqlEngine::new(store.clone(), QueryLimits::default());
+    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 3);
+    assert_eq!(count(&sql, "SELECT count(*) FROM job_metrics").await, 2);
+    assert_eq!(
+        ingest_as(&store, Source::Agent, batch("n1", 103, t0 + 3, 1)).await,
+        stored
+    );
+    assert_eq!(
+        ingest_as(&store, Source::Otlp, otlp_batch("n1", otlp_seq + 1, t0)).await,
+        IngestOutcome::Duplicate
+    );
+    store.flush().await.expect("flush");
+    drop((sql, store));
+    let store = Store::open(config(dir.path())).expect("reopen after a flush");
+    assert_eq!(
+        ingest_as(&store, Source::Agent, batch("n1", 104, t0 + 4, 1)).await,
+        stored
+    );
+    assert_eq!(
+        ingest_as(&store, Source::Otlp, otlp_batch("n1", otlp_seq + 2, t0 + 4)).await,
+        stored
+    );
+    let sql = SqlEngine::new(store.clone(), QueryLimits::default());
+    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 5);
+    assert_eq!(count(&sql, "SELECT count(*) FROM job_metrics").await, 3);
+}
+
+/// Issue 16: a request dropped while its batch was being written to the log (the client timed
+/// out) left its claim behind, and every retry of that batch was refused as in flight, so the
+/// node's telemetry never resumed. The retry must be stored, once.
+#[tokio::test]
+async fn a_request_dropped_mid_write_does_not_block_its_retry() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let t0 = 1_800_000_000_000;
+    let store = Store::open(config(dir.path())).expect("open");
+    let (raw, b) = batch("n1", 1, t0, 1);
+    let dropped = tokio::time::timeout(Duration::ZERO, store.ingest(raw.clone(), &b)).await;
+    assert!(
+        dropped.is_err(),
+        "the first attempt should still be writing when dropped"
+    );
+    assert_eq!(
+        store
+            .ingest(raw, &b)
+            .await
+            .expect("the retry is not refused"),
+        IngestOutcome::Stored { samples: 1 }
+    );
+    let sql = SqlEngine::new(store.clone(), QueryLimits::default());
+    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 1);
+    drop((sql, store));
+    // The abandoned attempt's record may have reached the log too: a replay still counts once.
+    let store = Store::open(config(dir.path())).expect("reopen");
+    let sql = SqlEngine::new(store.clone(), QueryLimits::default());
+    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 1);
 }
 
 #[tokio::test]

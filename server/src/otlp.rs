@@ -8,10 +8,12 @@
 //! `ExportMetricsServiceResponse` in the request's encoding; exponential histograms and
 //! summaries are counted as rejected in its partial success.
 //!
-//! The store drops a batch whose `seq` is not above the last one of its node, so the receiver
-//! numbers its batches itself: one counter for all pseudo-nodes, starting at the current Unix
-//! time in microseconds (as agents do, so it keeps rising across restarts), and each ingest
-//! happens under the same lock as its numbering, so a later number can never be stored first.
+//! The store drops a batch whose `seq` is not above the last one of its sequence stream, so the
+//! receiver numbers its batches itself, on a stream of its own ([`Source::Otlp`]) that no
+//! agent's batches share: a job's export filed under its node's name never makes that node's
+//! agent batches look old. One counter for all nodes, starting at the current Unix time in
+//! microseconds (so it keeps rising across restarts), and each ingest happens under the same
+//! lock as its numbering, so a later number can never be stored first.
 
 use crate::{ApiError, AppState};
 use axum::body::Bytes;
@@ -25,6 +27,7 @@ use opentelemetry_proto::tonic::collector::metrics::v1::{
 use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
 use opentelemetry_proto::tonic::metrics::v1::{Metric, metric::Data, number_data_point};
 use perch_model::{Batch, JobMetricSample, MAX_SAMPLES_PER_BATCH, NodeId};
+use perch_query::Source;
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 
@@ -308,7 +311,10 @@ async fn store(
                 )
             })?;
             *last = seq;
-            state.store.ingest(Bytes::from(raw), &batch).await?;
+            state
+                .store
+                .ingest_from(Source::Otlp, Bytes::from(raw), &batch)
+                .await?;
             state.latest.update_job_metrics(&batch.job_metrics, now);
         }
     }
