@@ -5,6 +5,7 @@
 mod common;
 
 use common::{Perch, wait_for};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
@@ -28,11 +29,21 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// Starts Prometheus with the shipped `dashboards/prometheus.yml` (its scrape job is named
+/// `perch`, so a perch label called `job` would come out as `exported_job`), pointed at
+/// `target` and scraping every second.
 fn start_prometheus(dir: &Path, target: &str) -> Prometheus {
+    let shipped = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("dashboards/prometheus.yml"),
+    )
+    .expect("read dashboards/prometheus.yml");
+    assert!(shipped.contains("127.0.0.1:7300") && shipped.contains("scrape_interval: 15s"));
     let config = dir.join("prometheus.yml");
     std::fs::write(
         &config,
-        format!("global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: perch\n    static_configs:\n      - targets: [\"{target}\"]\n"),
+        shipped
+            .replace("127.0.0.1:7300", target)
+            .replace("scrape_interval: 15s", "scrape_interval: 1s"),
     )
     .expect("write config");
     let port = free_port();
@@ -62,14 +73,16 @@ fn query(prom: &Prometheus, expr: &str) -> serde_json::Value {
     r.json().expect("json")
 }
 
-/// Dashboard variables as Grafana would fill them: "All" for multi-value variables, the first
-/// node for single-node dashboards, and a 10-minute dashboard range.
-fn fill(expr: &str, node: &str) -> String {
+/// Dashboard variables as Grafana would fill them: the value picked in `chosen`, else "All"
+/// for multi-value variables; the first node for single-node dashboards, and a 10-minute
+/// dashboard range.
+fn fill(expr: &str, node: &str, chosen: &BTreeMap<String, String>) -> String {
     let mut expr = expr
         .replace("=\"$node\"", &format!("=\"{node}\""))
         .replace("$__range", "10m");
     for var in ["node", "gpu", "job", "user", "account", "alertname"] {
-        expr = expr.replace(&format!("=~\"${var}\""), "=~\".*\"");
+        let value = chosen.get(var).map_or(".*", String::as_str);
+        expr = expr.replace(&format!("=~\"${var}\""), &format!("=~\"{value}\""));
     }
     expr
 }
@@ -104,6 +117,15 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
         (n >= 3.0 && up).then_some(())
     });
     let node = "sim-node-000";
+    // Every job perch knows: one Prometheus still shows may have ended since.
+    let jobs = || -> Vec<String> {
+        perch.get("/v1/jobs?limit=100000")["jobs"]
+            .as_array()
+            .expect("jobs")
+            .iter()
+            .map(|j| j["id"].to_string())
+            .collect()
+    };
     let mut checked = 0;
     let dashboards = Path::new(env!("CARGO_MANIFEST_DIR")).join("dashboards");
     for entry in std::fs::read_dir(&dashboards).expect("dashboards/") {
@@ -113,6 +135,8 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
         }
         let d: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+        // Variables picked on this dashboard, as a user selecting one job would.
+        let mut chosen = BTreeMap::new();
         for var in d["templating"]["list"].as_array().expect("templating") {
             let Some(q) = var["query"]["query"].as_str() else {
                 continue;
@@ -129,7 +153,7 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
                 &format!(
                     "count by ({}) ({})",
                     label.trim(),
-                    fill(metric.trim(), node)
+                    fill(metric.trim(), node, &BTreeMap::new())
                 ),
             );
             assert_eq!(
@@ -146,11 +170,42 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
                 "{}: variable {q} has no values",
                 path.display()
             );
+            let values: Vec<String> = result["data"]["result"]
+                .as_array()
+                .expect("result")
+                .iter()
+                .filter_map(|r| r["metric"][label.trim()].as_str().map(str::to_owned))
+                .collect();
+            let name = var["name"].as_str().expect("variable name");
+            if name == "job" {
+                // Issue 14: with a `job` label, Prometheus offered its scrape job, `perch`.
+                let known = jobs();
+                for v in &values {
+                    assert!(
+                        known.contains(v),
+                        "{}: variable {q} offers {v:?}, not one of perch's jobs {known:?}",
+                        path.display()
+                    );
+                }
+                // Pick one that pushed its own metrics, as a user looking at a training run
+                // would: then every panel of the dashboard has something to show.
+                let pushed = query(&prom, "count by (job_id) (perch_job_metric)");
+                let pick = pushed["data"]["result"]
+                    .as_array()
+                    .expect("result")
+                    .iter()
+                    .filter_map(|r| r["metric"]["job_id"].as_str())
+                    .find(|j| values.iter().any(|v| v == j))
+                    .unwrap_or_else(|| {
+                        panic!("no job offered by {q} ({values:?}) pushed metrics: {pushed}")
+                    });
+                chosen.insert(name.to_owned(), pick.to_owned());
+            }
             checked += 1;
         }
         for panel in d["panels"].as_array().expect("panels") {
             for target in panel["targets"].as_array().expect("targets") {
-                let expr = fill(target["expr"].as_str().expect("expr"), node);
+                let expr = fill(target["expr"].as_str().expect("expr"), node, &chosen);
                 let result = query(&prom, &expr);
                 assert_eq!(
                     result["status"],

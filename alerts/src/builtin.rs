@@ -2,8 +2,8 @@
 //! (a test keeps the two in step).
 //!
 //! Most built-ins are SQL over perch's tables, written here so they are reviewed like code and
-//! thresholds come from `[alerts.builtin]`. Two are typed ([`BuiltinKind`]): a lost node
-//! heartbeat and the store's own disk, which the server knows first-hand (control plane,
+//! thresholds come from `[alerts.builtin]`. Three are typed ([`BuiltinKind`]): a lost node
+//! heartbeat, a node whose telemetry stopped while its agent syncs, and the store's own disk, which the server knows first-hand (control plane,
 //! filesystem) and must be able to report even when the store cannot answer SQL. Every SQL
 //! rule carries the rows' `simulated` flag as a label, so an alert built on simulated data
 //! says so.
@@ -15,11 +15,14 @@ use std::collections::BTreeMap;
 
 mod typed;
 
-pub use typed::{NodeHeartbeat, disk_instances, heartbeat_instances};
+pub use typed::{
+    NodeHeartbeat, NodeTelemetry, disk_instances, heartbeat_instances, telemetry_instances,
+};
 
 /// Every built-in rule's name, in the order [`builtin_rules`] returns them.
 pub const BUILTIN_RULE_NAMES: &[&str] = &[
     "NodeHeartbeatLost",
+    "NodeTelemetryStopped",
     "XidRestartApp",
     "XidResetGpu",
     "XidReboot",
@@ -114,6 +117,20 @@ fn specs(cfg: &BuiltinConfig) -> Vec<Spec> {
             description: "The agent on {{ labels.node }} stopped syncing with the server. The node may be down, \
                           partitioned or its agent stopped; its jobs are requeued by the scheduler. \
                           Other alerts of this node are muted while this one fires.",
+            actions: Vec::new(),
+        },
+        Spec {
+            name: "NodeTelemetryStopped",
+            source: RuleSource::Builtin(BuiltinKind::NodeTelemetryStopped),
+            for_ms: 0,
+            severity: Severity::Critical,
+            labels: &[],
+            summary: "{{ labels.node }} syncs but has sent no telemetry for {{ values.seconds_since_sample }} s",
+            description: "The agent on {{ labels.node }} keeps syncing with the server, yet no GPU, host or NIC \
+                          sample from it has been stored for longer than server.node_stale_after_secs: its \
+                          monitoring and accounting are blind while its jobs run. Look for warnings about \
+                          duplicate batches in the server's and the agent's logs (a second agent under the \
+                          same node name) and for send errors in the agent's log.",
             actions: Vec::new(),
         },
         Spec {

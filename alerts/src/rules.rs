@@ -109,6 +109,9 @@ pub enum BuiltinKind {
         /// Silence after which a node counts as lost.
         timeout_ms: i64,
     },
+    /// A node's agent still syncs but no telemetry from it has been stored within the
+    /// server's staleness window (the node's state is `no_telemetry`).
+    NodeTelemetryStopped,
     /// The filesystem holding perch's store has less than `free_percent` free.
     StoreDiskFull {
         /// Threshold in percent of the filesystem's size.

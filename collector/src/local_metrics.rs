@@ -210,7 +210,7 @@ pub fn render(node: &str, round: Option<&Round>, counters: &AgentCounters) -> St
     for j in &r.jobs {
         let l = [
             ("node", node),
-            ("job", j.job.as_str()),
+            ("job_id", j.job.as_str()),
             ("simulated", flag(j.simulated)),
         ];
         t.add(

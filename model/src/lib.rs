@@ -11,6 +11,7 @@ mod ids;
 mod infiniband;
 mod job_metrics;
 mod jobs;
+mod node_state;
 mod telemetry;
 mod throttle;
 
@@ -20,6 +21,7 @@ pub use ids::{GpuIndex, NodeId};
 pub use infiniband::IbPortSample;
 pub use job_metrics::{JOB_METRIC_KINDS, JobMetricSample};
 pub use jobs::{GpuProcessSample, JobSample};
+pub use node_state::{AgentLiveness, NodeState, node_state};
 pub use telemetry::{
     Batch, BatchError, GpuSample, HostSample, MAX_SAMPLES_PER_BATCH, MAX_TIME_SKEW_MS, NicSample,
 };

@@ -137,6 +137,15 @@ impl Latest {
     }
 
     /// A copy of every node's latest values.
+    /// When each node's last telemetry batch arrived (server clock, Unix ms).
+    pub fn last_seen(&self) -> BTreeMap<String, i64> {
+        let nodes = self.nodes.read().unwrap_or_else(|p| p.into_inner());
+        nodes
+            .iter()
+            .map(|(k, v)| (k.clone(), v.last_seen_ms))
+            .collect()
+    }
+
     pub fn snapshot(&self) -> BTreeMap<String, NodeLatest> {
         self.nodes.read().unwrap_or_else(|p| p.into_inner()).clone()
     }

@@ -13,6 +13,7 @@ mod ingest;
 pub mod jobs;
 mod latest;
 mod metrics;
+pub mod node_status;
 mod otlp;
 pub mod pg;
 mod sql;

@@ -8,9 +8,11 @@
 
 use crate::AppState;
 use crate::latest::NodeLatest;
+use crate::node_status::{self, NodeStatus};
 use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use perch_model::NodeState;
 use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -181,21 +183,38 @@ fn flag(b: bool) -> String {
     if b { "true" } else { "false" }.to_owned()
 }
 
-fn fleet(s: &mut Scrape, nodes: &BTreeMap<String, NodeLatest>, now_ms: i64, stale_after: Duration) {
+/// Each node's state (the one definition, [`crate::node_status`]): `perch_node_up` and
+/// `perch_node_state` for every node either the control plane or the telemetry knows.
+fn node_states(s: &mut Scrape, statuses: &BTreeMap<String, NodeStatus>) {
+    for (node, status) in statuses {
+        let base: Labels = vec![("node", node.clone())];
+        s.gauge(
+            "perch_node_up",
+            "1 if the node is up or drained and its telemetry arrives; 0 if it is down or its agent syncs but sends no samples (the state `perch nodes` shows)",
+            &base,
+            Some(f64::from(u8::from(status.state.is_up()))),
+        );
+        for state in NodeState::ALL {
+            let mut l = base.clone();
+            l.push(("state", state.as_str().to_owned()));
+            s.gauge(
+                "perch_node_state",
+                "1 for the node's state (up, drained, no_telemetry or down, as `perch nodes` shows it), 0 for the others",
+                &l,
+                Some(f64::from(u8::from(status.state == state))),
+            );
+        }
+    }
+}
+
+fn fleet(s: &mut Scrape, nodes: &BTreeMap<String, NodeLatest>) {
     for (node, latest) in nodes {
         let base: Labels = vec![("node", node.clone())];
-        let age_s = (now_ms - latest.last_seen_ms) as f64 / 1000.0;
         s.gauge(
             "perch_node_last_seen_timestamp_seconds",
             "When the node's last batch arrived (server clock)",
             &base,
             Some(latest.last_seen_ms as f64 / 1000.0),
-        );
-        s.gauge(
-            "perch_node_up",
-            "1 if the node reported within the staleness window, else 0",
-            &base,
-            Some(f64::from(u8::from(age_s <= stale_after.as_secs_f64()))),
         );
         s.gauge(
             "perch_node_gpus",
@@ -522,14 +541,22 @@ fn to_classic_text(openmetrics: &str) -> String {
 pub async fn metrics(State(state): State<AppState>, headers: axum::http::HeaderMap) -> Response {
     let mut scrape = Scrape::default();
     let now = crate::ingest::now_ms();
-    fleet(
-        &mut scrape,
-        &state.latest.snapshot(),
+    let latest = state.latest.snapshot();
+    let control = state.jobs.snapshot();
+    let last_samples = latest
+        .iter()
+        .map(|(node, l)| (node.clone(), l.last_seen_ms))
+        .collect();
+    let statuses = node_status::statuses(
+        control.nodes.clone(),
+        &last_samples,
         now,
-        state.config.node_stale_after,
+        node_status::stale_after_ms(&state),
     );
+    node_states(&mut scrape, &statuses);
+    fleet(&mut scrape, &latest);
     store_series(&mut scrape, &state);
-    scheduler::scheduler(&mut scrape, &state.jobs.snapshot());
+    scheduler::scheduler(&mut scrape, &control);
     scheduler::usage(
         &mut scrape,
         &state.jobs.usage(&state.config.accounting.prices),

@@ -2,6 +2,7 @@
 //! first-hand rather than from SQL: its control plane's heartbeats and its own disk.
 
 use crate::rules::{BuiltinKind, Instance};
+use perch_model::NodeState;
 
 /// What the server knows about one node's heartbeat.
 #[derive(Debug, Clone, Copy)]
@@ -34,6 +35,43 @@ pub fn heartbeat_instances(
                 i = i.value("seconds_since_heartbeat", (ms / 1000) as f64);
             }
             Some(i)
+        })
+        .collect()
+}
+
+/// What the server knows about one node's telemetry.
+#[derive(Debug, Clone, Copy)]
+pub struct NodeTelemetry<'a> {
+    pub node: &'a str,
+    /// Its state, by the one definition ([`perch_model::node_state`]).
+    pub state: NodeState,
+    /// When its last telemetry batch arrived (Unix ms), if one did since the server started.
+    pub last_sample_ms: Option<i64>,
+}
+
+/// NodeTelemetryStopped's instances: nodes whose agent syncs but whose telemetry stopped
+/// (state `no_telemetry`). Labels `node`; value `seconds_since_sample` (absent when no sample
+/// arrived since the server started).
+pub fn telemetry_instances(
+    kind: &BuiltinKind,
+    nodes: &[NodeTelemetry<'_>],
+    now_ms: i64,
+) -> Vec<Instance> {
+    if *kind != BuiltinKind::NodeTelemetryStopped {
+        return Vec::new();
+    }
+    nodes
+        .iter()
+        .filter(|n| n.state == NodeState::NoTelemetry)
+        .map(|n| {
+            let i = Instance::with_labels([("node", n.node)]);
+            match n.last_sample_ms {
+                Some(t) => i.value(
+                    "seconds_since_sample",
+                    (now_ms.saturating_sub(t) / 1000) as f64,
+                ),
+                None => i,
+            }
         })
         .collect()
 }

@@ -10,7 +10,9 @@
 pub mod routes;
 
 use crate::AppState;
-use perch_alerts::builtin::{NodeHeartbeat, disk_instances, heartbeat_instances};
+use perch_alerts::builtin::{
+    NodeHeartbeat, NodeTelemetry, disk_instances, heartbeat_instances, telemetry_instances,
+};
 use perch_alerts::notify::{Delivery, Notifier};
 use perch_alerts::remediate::{Action, ClusterView, Decision, NodeState, NodeView, Outcome};
 use perch_alerts::{AlertsConfig, BuiltinKind, Engine, Notification, RuleSource};
@@ -226,6 +228,18 @@ fn builtin(state: &AppState, kind: &BuiltinKind, now: i64) -> Vec<perch_alerts::
                 .collect();
             heartbeat_instances(kind, &nodes, now)
         }
+        BuiltinKind::NodeTelemetryStopped => {
+            let statuses = crate::node_status::current(state, now);
+            let nodes: Vec<NodeTelemetry<'_>> = statuses
+                .iter()
+                .map(|(name, s)| NodeTelemetry {
+                    node: name,
+                    state: s.state,
+                    last_sample_ms: s.last_sample_ms,
+                })
+                .collect();
+            telemetry_instances(kind, &nodes, now)
+        }
         BuiltinKind::StoreDiskFull { .. } => {
             let dir = state.store.data_dir();
             match rustix::fs::statvfs(dir) {
@@ -251,10 +265,12 @@ fn cluster_view(state: &AppState) -> ClusterView {
             .node_views()
             .into_iter()
             .map(|n| NodeView {
-                state: match n.state {
-                    "down" => NodeState::Down,
-                    "drained" => NodeState::Drained,
-                    _ => NodeState::Up,
+                state: if n.liveness.down {
+                    NodeState::Down
+                } else if n.liveness.drained {
+                    NodeState::Drained
+                } else {
+                    NodeState::Up
                 },
                 node: n.name,
                 running_jobs: n.running_jobs,

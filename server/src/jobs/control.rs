@@ -13,6 +13,7 @@ pub use scrape::{AllocationView, ControlSnapshot, NodeView, PendingView, UsageVi
 use super::db::{Dirty, Loaded, NodeRecord};
 use super::record::{JobRecord, JobState, NodeGpus};
 use super::spec::{FieldError, JobRequest};
+use perch_model::AgentLiveness;
 use perch_model::control::{
     JobExit, JobLaunch, JobStop, LaunchShare, LogChunk, LogStream, SyncRequest, SyncResponse,
 };
@@ -77,6 +78,18 @@ struct Node {
     record: NodeRecord,
     last_sync_ms: i64,
     down: bool,
+    /// Since when it has synced without a break (joined, came back, or this server started).
+    reporting_since_ms: i64,
+}
+
+impl Node {
+    fn liveness(&self) -> AgentLiveness {
+        AgentLiveness {
+            down: self.down,
+            drained: self.record.drained,
+            reporting_since_ms: self.reporting_since_ms,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -293,6 +306,7 @@ impl Control {
             record,
             last_sync_ms: now_ms,
             down: false,
+            reporting_since_ms: now_ms,
         });
         Ok(idx)
     }
@@ -781,16 +795,68 @@ impl Control {
             .collect()
     }
 
-    pub(crate) fn queue(&self) -> Vec<(JobRecord, f64)> {
-        self.scheduler
-            .queue()
-            .into_iter()
-            .filter_map(|q| self.view(q.job.0).map(|j| (j, q.priority)))
-            .collect()
+    /// Why no set of today's nodes could ever run `req`, naming the largest shape that fits,
+    /// or `None` when one could (or no node has joined yet: the cluster is still forming).
+    /// Such a job is still accepted (nodes may join), but its submitter is told at once.
+    pub(crate) fn shape_warning(&self, req: &JobRequest) -> Option<String> {
+        if self.nodes.is_empty() || req.gpu_share.is_some() {
+            return None;
+        }
+        let model_ok = |n: &Node| req.gpu_model.as_ref().is_none_or(|m| *m == n.record.model);
+        let fitting = self
+            .nodes
+            .iter()
+            .filter(|n| model_ok(n) && n.record.gpus >= req.gpus_per_node)
+            .count();
+        if fitting >= req.nodes as usize {
+            return None;
+        }
+        let model = req
+            .gpu_model
+            .as_ref()
+            .map_or(String::new(), |m| format!(" {m}"));
+        let widest = self
+            .nodes
+            .iter()
+            .filter(|n| model_ok(n))
+            .map(|n| n.record.gpus)
+            .max()
+            .unwrap_or(0);
+        Some(format!(
+            "no set of this cluster's {} nodes can run {} node(s) x {}{model} GPUs: {fitting} node(s) have {} or more{model} GPUs, and the largest has {widest}; the job waits until enough nodes join (cancel it, or ask for at most {fitting} node(s) x {} GPUs, or {} GPUs on one node)",
+            self.nodes.len(),
+            req.nodes,
+            req.gpus_per_node,
+            req.gpus_per_node,
+            req.gpus_per_node,
+            widest,
+        ))
     }
 
-    /// (name, state, gpus, model, rack, allocated GPUs, running job ids, seconds since last sync).
-    pub(crate) fn nodes(&self, now: i64) -> Vec<serde_json::Value> {
+    /// The queue in the scheduler's order with each job's priority, then the jobs held back
+    /// for their dependencies (not in line yet, so no priority), oldest first: every pending
+    /// job `perch jobs` shows.
+    pub(crate) fn queue(&self) -> Vec<(JobRecord, Option<f64>)> {
+        let in_line = self
+            .scheduler
+            .queue()
+            .into_iter()
+            .filter_map(|q| self.view(q.job.0).map(|j| (j, Some(q.priority))));
+        let held = self
+            .held
+            .iter()
+            .filter_map(|&id| self.view(id).map(|j| (j, None)));
+        in_line.chain(held).collect()
+    }
+
+    /// (name, state, gpus, model, rack, allocated GPUs, running job ids, seconds since last sync),
+    /// the state decided by `state_of` from the node's liveness (the one definition,
+    /// [`crate::node_status`], which also needs its telemetry).
+    pub(crate) fn nodes(
+        &self,
+        now: i64,
+        state_of: impl Fn(&str, AgentLiveness) -> perch_model::NodeState,
+    ) -> Vec<serde_json::Value> {
         self.nodes
             .iter()
             .enumerate()
@@ -799,7 +865,7 @@ impl Control {
                 let cluster = self.scheduler.cluster();
                 let allocated = (0..n.record.gpus).filter(|g| !cluster.holders(id, *g).is_empty()).count();
                 let jobs: BTreeSet<u64> = (0..n.record.gpus).flat_map(|g| cluster.holders(id, g)).map(|j| j.0).collect();
-                let state = if n.down { "down" } else if n.record.drained { "drained" } else { "up" };
+                let state = state_of(&n.record.name, n.liveness()).as_str();
                 serde_json::json!({
                     "name": n.record.name, "state": state, "gpus": n.record.gpus, "gpu_model": n.record.model,
                     "rack": n.record.rack, "allocated_gpus": allocated, "jobs": jobs,
@@ -905,6 +971,7 @@ impl Control {
         self.update_node_features(idx, &req, now)?;
         if self.nodes[idx].down {
             self.nodes[idx].down = false;
+            self.nodes[idx].reporting_since_ms = now;
             let actions = self
                 .scheduler
                 .step(now, Event::NodeUp(NodeId(idx as u32)))?;

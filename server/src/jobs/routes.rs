@@ -42,8 +42,17 @@ pub async fn submit(
             _ => request.user = Some(who.user.clone()),
         }
     }
-    let records = state.jobs.run(move |c, now| c.submit(request, now)).await?;
+    let (records, warning) = state
+        .jobs
+        .run(move |c, now| {
+            let warning = c.shape_warning(&request);
+            Ok((c.submit(request, now)?, warning))
+        })
+        .await?;
     let mut value = serde_json::to_value(records.first()).unwrap_or_default();
+    if let Some(w) = warning {
+        value["warning"] = w.into();
+    }
     if records.len() > 1 {
         value["array_jobs"] = records.iter().map(|r| r.id).collect::<Vec<_>>().into();
     }
@@ -188,16 +197,57 @@ pub async fn logs(
 
 pub async fn queue(State(state): State<AppState>) -> Result<Json<serde_json::Value>, ApiError> {
     let entries = state.jobs.run(|c, _| Ok(c.queue())).await?;
+    // Held jobs (waiting for dependencies) have no place in line yet: position and priority
+    // are null.
     let entries: Vec<_> = entries
         .into_iter()
         .enumerate()
-        .map(|(i, (job, priority))| serde_json::json!({"position": i + 1, "priority": priority, "job": job}))
+        .map(|(i, (job, priority))| {
+            let position = priority.map(|_| i + 1);
+            serde_json::json!({"position": position, "priority": priority, "job": job})
+        })
         .collect();
     Ok(Json(serde_json::json!({ "queue": entries })))
 }
 
+/// Every node, sorted by name: those whose agents sync (nodes with GPUs) and those that only
+/// send telemetry, each with its one state ([`crate::node_status`]).
 pub async fn nodes(State(state): State<AppState>) -> Result<Json<serde_json::Value>, ApiError> {
-    let nodes = state.jobs.run(|c, now| Ok(c.nodes(now))).await?;
+    let last_samples = state.latest.last_seen();
+    let stale_after = crate::node_status::stale_after_ms(&state);
+    let (now, mut nodes) = {
+        let last_samples = last_samples.clone();
+        state
+            .jobs
+            .run(move |c, now| {
+                let nodes = c.nodes(now, |name, liveness| {
+                    let last = last_samples.get(name).copied();
+                    perch_model::node_state(Some(liveness), last, now, stale_after)
+                });
+                Ok((now, nodes))
+            })
+            .await?
+    };
+    for (name, &last) in &last_samples {
+        if nodes.iter().any(|n| n["name"] == name.as_str()) {
+            continue;
+        }
+        let state = perch_model::node_state(None, Some(last), now, stale_after);
+        nodes.push(serde_json::json!({
+            "name": name, "state": state.as_str(), "gpus": 0, "gpu_model": "", "rack": "",
+            "allocated_gpus": 0, "jobs": [], "gpu_sharing": false, "nvlink_islands": [],
+            "last_sync_secs_ago": null,
+        }));
+    }
+    for n in &mut nodes {
+        let name = n["name"].as_str().unwrap_or_default();
+        n["last_sample_secs_ago"] = last_samples
+            .get(name)
+            .map_or(serde_json::Value::Null, |&t| {
+                ((now - t) as f64 / 1000.0).into()
+            });
+    }
+    nodes.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
     Ok(Json(serde_json::json!({ "nodes": nodes })))
 }
 

@@ -223,7 +223,7 @@ pub(super) fn ib_and_jobs(s: &mut Scrape, node: &str, latest: &NodeLatest) {
     for j in latest.jobs.values() {
         let l: Labels = vec![
             ("node", node.to_owned()),
-            ("job", j.job.clone()),
+            ("job_id", j.job.clone()),
             ("simulated", flag(j.simulated)),
         ];
         let gpus: Vec<String> = j.gpus.iter().map(|g| g.0.to_string()).collect();
@@ -279,7 +279,7 @@ pub(super) fn ib_and_jobs(s: &mut Scrape, node: &str, latest: &NodeLatest) {
 pub(super) fn pushed(s: &mut Scrape, metrics: &[perch_model::JobMetricSample]) {
     for m in metrics {
         let l: Labels = vec![
-            ("job", m.job.clone()),
+            ("job_id", m.job.clone()),
             ("user", m.user.clone()),
             ("metric", m.metric.clone()),
             ("kind", m.kind.clone()),

@@ -13,16 +13,6 @@ pub(super) fn scheduler(s: &mut Scrape, snap: &ControlSnapshot) {
         .collect();
     for n in &snap.nodes {
         let node: Labels = vec![("node", n.name.clone())];
-        for state in ["up", "drained", "down"] {
-            let mut l = node.clone();
-            l.push(("state", state.to_owned()));
-            s.gauge(
-                "perch_node_state",
-                "1 for the node's scheduling state (up, drained or down), 0 for the others",
-                &l,
-                Some(f64::from(u8::from(n.state == state))),
-            );
-        }
         s.gauge(
             "perch_node_gpus_allocated",
             "GPUs of the node held by running jobs",
@@ -31,10 +21,12 @@ pub(super) fn scheduler(s: &mut Scrape, snap: &ControlSnapshot) {
         );
         *capacity.entry("allocated").or_default() += n.allocated;
         let free = n.gpus.saturating_sub(n.allocated);
-        let bucket = match n.state {
-            "down" => "down",
-            "drained" => "drained",
-            _ => "idle",
+        let bucket = if n.liveness.down {
+            "down"
+        } else if n.liveness.drained {
+            "drained"
+        } else {
+            "idle"
         };
         *capacity.entry(bucket).or_default() += free;
     }
@@ -93,7 +85,7 @@ pub(super) fn scheduler(s: &mut Scrape, snap: &ControlSnapshot) {
             &vec![
                 ("node", a.node.clone()),
                 ("gpu", a.gpu.to_string()),
-                ("job", a.job.to_string()),
+                ("job_id", a.job.to_string()),
                 ("job_name", a.name.clone()),
                 ("user", a.user.clone()),
                 ("account", a.account.clone()),
@@ -153,7 +145,11 @@ mod tests {
             nodes: vec![
                 NodeView {
                     name: "a".into(),
-                    state: "up",
+                    liveness: perch_model::AgentLiveness {
+                        down: false,
+                        drained: false,
+                        reporting_since_ms: 0,
+                    },
                     gpus: 8,
                     allocated: 3,
                     running_jobs: 1,
@@ -161,7 +157,11 @@ mod tests {
                 },
                 NodeView {
                     name: "b".into(),
-                    state: "drained",
+                    liveness: perch_model::AgentLiveness {
+                        down: false,
+                        drained: true,
+                        reporting_since_ms: 0,
+                    },
                     gpus: 8,
                     allocated: 2,
                     running_jobs: 1,
@@ -169,7 +169,11 @@ mod tests {
                 },
                 NodeView {
                     name: "c".into(),
-                    state: "down",
+                    liveness: perch_model::AgentLiveness {
+                        down: true,
+                        drained: false,
+                        reporting_since_ms: 0,
+                    },
                     gpus: 4,
                     allocated: 0,
                     running_jobs: 1,
@@ -215,8 +219,7 @@ mod tests {
             "perch_queue_jobs{account=\"nlp\",reason=\"resources\"} 2",
             "perch_queue_gpus{account=\"nlp\",reason=\"resources\"} 12",
             "perch_queue_wait_seconds_max{account=\"nlp\",reason=\"resources\"} 90",
-            "perch_node_state{node=\"b\",state=\"drained\"} 1",
-            "perch_job_gpu_info{node=\"a\",gpu=\"0\",job=\"7\",job_name=\"train\",user=\"ana\",account=\"nlp\"} 1",
+            "perch_job_gpu_info{node=\"a\",gpu=\"0\",job_id=\"7\",job_name=\"train\",user=\"ana\",account=\"nlp\"} 1",
         ] {
             assert!(text.contains(line), "missing {line} in\n{text}");
         }

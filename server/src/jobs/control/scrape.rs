@@ -4,6 +4,7 @@
 
 use super::Control;
 use crate::jobs::record::JobState;
+use perch_model::AgentLiveness;
 use perch_scheduler::{NodeId, PendingReason};
 use std::collections::BTreeMap;
 
@@ -11,8 +12,9 @@ use std::collections::BTreeMap;
 #[derive(Debug, Clone)]
 pub struct NodeView {
     pub name: String,
-    /// `up`, `drained` or `down`.
-    pub state: &'static str,
+    /// Down, drained, and since when it reports. Its state also needs its telemetry:
+    /// [`crate::node_status`] is the one place that puts the two together.
+    pub liveness: AgentLiveness,
     pub gpus: u32,
     /// GPUs held by a job, whole or shared.
     pub allocated: u32,
@@ -100,13 +102,7 @@ impl Control {
                 let gpus = n.record.gpus;
                 NodeView {
                     name: n.record.name.clone(),
-                    state: if n.down {
-                        "down"
-                    } else if n.record.drained {
-                        "drained"
-                    } else {
-                        "up"
-                    },
+                    liveness: n.liveness(),
                     gpus,
                     allocated: (0..gpus)
                         .filter(|g| !cluster.holders(id, *g).is_empty())
