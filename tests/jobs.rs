@@ -143,6 +143,27 @@ fn a_waiting_job_says_why_and_starts_when_a_cancel_frees_its_gpus() {
     );
     let (ok, _, err) = cli(&perch, &["cancel", "99"]);
     assert!(!ok && err.contains("no job 99"), "{err}");
+    // Issue 14: a gang wider than the cluster was accepted in silence and waited forever.
+    let r = reqwest::blocking::Client::new()
+        .post(format!("{}/v1/jobs", perch.url))
+        .json(&serde_json::json!({"command": ["true"], "nodes": 3, "gpus_per_node": 2}))
+        .send()
+        .expect("post");
+    assert_eq!(r.status().as_u16(), 201);
+    let body: Value = r.json().expect("json");
+    let warning = body["warning"].as_str().unwrap_or_default();
+    assert!(
+        warning.contains("3 node(s) x 2") && warning.contains("1 node(s) have 2 or more"),
+        "{body}"
+    );
+    let fits = reqwest::blocking::Client::new()
+        .post(format!("{}/v1/jobs", perch.url))
+        .json(&serde_json::json!({"command": ["true"], "nodes": 1, "gpus_per_node": 2}))
+        .send()
+        .expect("post")
+        .json::<Value>()
+        .expect("json");
+    assert!(fits.get("warning").is_none(), "{fits}");
 }
 
 #[test]
@@ -293,6 +314,22 @@ fn dependencies_and_arrays() {
             .unwrap_or("")
             .contains("waiting for dependencies"),
         "{held}"
+    );
+    // Issue 14: `perch queue` left out jobs held for a dependency that `perch jobs` shows.
+    let queue = perch.get("/v1/queue");
+    let entry = queue["queue"]
+        .as_array()
+        .and_then(|q| q.iter().find(|e| e["job"]["id"] == 3))
+        .unwrap_or_else(|| panic!("job 3 missing from the queue: {queue}"));
+    assert_eq!(entry["position"], serde_json::Value::Null, "{entry}");
+    let (ok, listed, err) = cli(&perch, &["queue"]);
+    assert!(ok, "{err}");
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.split_whitespace().nth(1) == Some("3")
+                && l.contains("waiting for dependencies")),
+        "{listed}"
     );
     wait_state(&perch, 5, "completed"); // job 2 failed: after_any is satisfied
     let never = wait_state(&perch, 4, "cancelled");
@@ -462,4 +499,180 @@ fn a_silent_node_is_marked_down_its_job_requeued_and_the_orphan_killed() {
     assert!(alive(pids[1]), "the second run is the one running");
     let (ok, _, _) = cli(&server, &["cancel", "1"]);
     assert!(ok);
+}
+
+/// Issue 14: a job whose processes died while perch (server and agent) was down showed
+/// `running` for minutes and then ended `timeout`, a limit it never reached. When the agent
+/// comes back without it, the job ends `node_fail` at once (no requeues left).
+#[test]
+fn a_job_that_died_while_perch_was_down_ends_node_fail_when_its_agent_returns() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = common::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let start_server =
+        || Perch::start(&dir.path().join("server"), &["server", "--listen", &listen]);
+    let mut server = start_server();
+    let agent_dir = dir.path().join("agent");
+    let mut agent = common::Agent::start(&server.url, "gpu-a", &agent_dir, 1, None, &[]);
+    let pid_file = dir.path().join("pid");
+    let script = format!("echo $$ > {}; sleep 600", pid_file.display());
+    let (ok, _, err) = cli(
+        &server,
+        &[
+            "submit",
+            "--gpus",
+            "1",
+            "--time",
+            "1h",
+            "--max-requeues",
+            "0",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    );
+    assert!(ok, "{err}");
+    wait_state(&server, 1, "running");
+    let pid: u32 = wait_for("the job's process", || {
+        std::fs::read_to_string(&pid_file).ok()?.trim().parse().ok()
+    });
+    agent.kill();
+    server.kill();
+    // While perch is down, the job's process dies (an OOM kill, a user's kill -9).
+    let killed = std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .expect("run kill");
+    assert!(killed.success(), "could not kill the job's process {pid}");
+    let server = start_server();
+    assert_eq!(
+        job(&server, 1)["state"],
+        "running",
+        "the server cannot know yet"
+    );
+    let _agent = common::Agent::start(&server.url, "gpu-a", &agent_dir, 1, None, &[]);
+    let started = std::time::Instant::now();
+    let j = wait_for("the job to end", || {
+        let j = job(&server, 1);
+        (j["state"] != "running").then_some(j)
+    });
+    assert_eq!(j["state"], "node_fail", "{j}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "it took {:?} after the agent came back",
+        started.elapsed()
+    );
+}
+
+/// The same with `perch up` (server and agent in one process), as the README starts it.
+#[test]
+fn a_job_that_died_while_perch_up_was_down_ends_node_fail_when_it_restarts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let up = ["up", "--simulate-gpus", "1"];
+    let mut perch = Perch::start(&data, &up);
+    let pid_file = dir.path().join("pid");
+    let script = format!("echo $$ > {}; sleep 600", pid_file.display());
+    let (ok, _, err) = cli(
+        &perch,
+        &[
+            "submit",
+            "--gpus",
+            "1",
+            "--time",
+            "1h",
+            "--max-requeues",
+            "0",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    );
+    assert!(ok, "{err}");
+    wait_state(&perch, 1, "running");
+    let pid: u32 = wait_for("the job's process", || {
+        std::fs::read_to_string(&pid_file).ok()?.trim().parse().ok()
+    });
+    perch.kill();
+    let killed = std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .expect("run kill");
+    assert!(killed.success(), "could not kill the job's process {pid}");
+    let perch = Perch::start(&data, &up);
+    let started = std::time::Instant::now();
+    let j = wait_for("the job to end", || {
+        let j = job(&perch, 1);
+        (j["state"] != "running").then_some(j)
+    });
+    assert_eq!(j["state"], "node_fail", "{j}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "it took {:?} after perch came back",
+        started.elapsed()
+    );
+}
+
+/// The server alone was down: the agent saw the job die and reports its exit once the server
+/// is back, so the job ends at once with the code it died with.
+#[test]
+fn a_job_that_died_while_the_server_was_down_ends_at_once_when_it_returns() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = common::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let start_server =
+        || Perch::start(&dir.path().join("server"), &["server", "--listen", &listen]);
+    let mut server = start_server();
+    let _agent = common::Agent::start(
+        &server.url,
+        "gpu-a",
+        &dir.path().join("agent"),
+        1,
+        None,
+        &[],
+    );
+    let pid_file = dir.path().join("pid");
+    let script = format!("echo $$ > {}; sleep 600", pid_file.display());
+    let (ok, _, err) = cli(
+        &server,
+        &[
+            "submit",
+            "--gpus",
+            "1",
+            "--time",
+            "1h",
+            "--max-requeues",
+            "0",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+    );
+    assert!(ok, "{err}");
+    wait_state(&server, 1, "running");
+    let pid: u32 = wait_for("the job's process", || {
+        std::fs::read_to_string(&pid_file).ok()?.trim().parse().ok()
+    });
+    server.kill();
+    let killed = std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .expect("run kill");
+    assert!(killed.success(), "could not kill the job's process {pid}");
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let server = start_server();
+    let started = std::time::Instant::now();
+    let j = wait_for("the job to end", || {
+        let j = job(&server, 1);
+        (j["state"] != "running").then_some(j)
+    });
+    assert_eq!(j["state"], "failed", "{j}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "it took {:?} after the server came back",
+        started.elapsed()
+    );
 }

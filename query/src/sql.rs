@@ -118,6 +118,18 @@ impl SqlEngine {
             .collect()
     }
 
+    /// The tables and views a user reads, sorted: [`SqlEngine::table_names`] without the
+    /// rollups' stored `_partial` rows, which only their merged views should be read through.
+    pub fn public_table_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .table_names()
+            .into_iter()
+            .filter(|n| !n.ends_with(PARTIAL_SUFFIX))
+            .collect();
+        names.sort();
+        names
+    }
+
     pub fn limits(&self) -> QueryLimits {
         self.limits
     }
@@ -255,6 +267,13 @@ impl SqlEngine {
     }
 
     async fn plan(&self, ctx: &SessionContext, sql: &str) -> Result<LogicalPlan> {
+        let shown;
+        let sql = if is_show_tables(sql) {
+            shown = SHOW_TABLES.to_owned();
+            shown.as_str()
+        } else {
+            sql
+        };
         let plan = ctx
             .state()
             .create_logical_plan(sql)
@@ -276,10 +295,33 @@ impl SqlEngine {
             | DataFusionError::ArrowError(..)
             | DataFusionError::Execution(_)
             | DataFusionError::Configuration(_)
-            | DataFusionError::Diagnostic(..) => Error::BadQuery(clean_message(&e)),
+            | DataFusionError::Diagnostic(..) => {
+                Error::BadQuery(clean_message(&e, &self.public_table_names()))
+            }
             other => Error::Execution(other.to_string()),
         }
     }
+}
+
+/// How the stored rows of a rollup are named beside its merged view.
+const PARTIAL_SUFFIX: &str = "_partial";
+
+/// What `SHOW TABLES` runs: DataFusion's own listing lists the rollups' stored `_partial` rows
+/// and comes in no particular order; this one leaves them out and sorts.
+const SHOW_TABLES: &str = "SELECT table_catalog, table_schema, table_name, table_type \
+     FROM information_schema.tables \
+     WHERE NOT (table_schema = 'public' AND ends_with(table_name, '_partial')) \
+     ORDER BY table_schema, table_name";
+
+/// `SHOW TABLES`, in any case and spacing, with or without a semicolon.
+fn is_show_tables(sql: &str) -> bool {
+    let words: Vec<String> = sql
+        .trim()
+        .trim_end_matches(';')
+        .split_whitespace()
+        .map(str::to_ascii_lowercase)
+        .collect();
+    words == ["show", "tables"]
 }
 
 /// Refuses DDL, DML (INSERT, COPY...) and statements such as SET: perch's SQL is read-only
@@ -300,13 +342,12 @@ pub fn check_read_only(plan: &LogicalPlan) -> Result<()> {
 
 /// DataFusion prefixes messages with its error kind and sometimes wraps them in context;
 /// keep the part that tells the user what to change.
-fn clean_message(e: &DataFusionError) -> String {
+fn clean_message(e: &DataFusionError, names: &[String]) -> String {
     let root = match e.find_root() {
         DataFusionError::SQL(parser, _) => parser.to_string(),
         other => other.to_string(),
     };
     if root.starts_with("Error during planning: table '") && root.ends_with("' not found") {
-        let names: Vec<_> = Table::ALL.iter().map(|t| t.name()).collect();
         return format!(
             "{}; the tables are {} (SHOW TABLES lists them, SHOW COLUMNS FROM <table> their columns)",
             &root["Error during planning: ".len()..],

@@ -115,6 +115,48 @@ async fn live_tables_are_read_fresh_and_views_build_on_them() {
     assert_eq!(scalar(&sql, "SELECT jobs FROM busiest_account").await, 2);
     assert!(sql.table_names().contains(&"busiest_account".to_string()));
 
+    // Issue 14: SHOW TABLES listed the rollups' stored `_partial` rows in no particular order,
+    // and the unknown-table hint named only the stored tables, not live tables and views.
+    let out = sql.query("show  TABLES;").await.expect("SHOW TABLES");
+    let mut listed = Vec::new();
+    for batch in &out.batches {
+        let schemas = batch.column(1).as_string::<i32>();
+        let names = batch.column(2).as_string::<i32>();
+        for i in 0..batch.num_rows() {
+            listed.push((schemas.value(i).to_owned(), names.value(i).to_owned()));
+        }
+    }
+    let mut sorted = listed.clone();
+    sorted.sort();
+    assert_eq!(listed, sorted, "SHOW TABLES is sorted");
+    let public: Vec<&str> = listed
+        .iter()
+        .filter(|(schema, _)| schema == "public")
+        .map(|(_, name)| name.as_str())
+        .collect();
+    for name in ["gpu_samples", "gpu_samples_1m", "jobs", "busiest_account"] {
+        assert!(public.contains(&name), "{name} missing from {public:?}");
+    }
+    assert!(
+        !public.iter().any(|n| n.ends_with("_partial")),
+        "{public:?}"
+    );
+    let err = sql
+        .query("SELECT * FROM gpus")
+        .await
+        .expect_err("no such table");
+    let message = err.to_string();
+    for name in [
+        "gpu_samples",
+        "gpu_samples_1m",
+        "jobs",
+        "busiest_account",
+        "events",
+    ] {
+        assert!(message.contains(name), "{name} missing from {message}");
+    }
+    assert!(!message.contains("_partial"), "{message}");
+
     let broken = SqlEngine::new(
         Store::open(StoreConfig::new(dir.path().join("other"))).expect("open"),
         QueryLimits::default(),

@@ -241,9 +241,19 @@ fn init_logging(tracer: Option<opentelemetry_sdk::trace::SdkTracer>) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::registry()
         .with(filter)
-        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(colour_logs()),
+        )
         .with(tracer.map(|t| tracing_opentelemetry::layer().with_tracer(t)))
         .init();
+}
+
+/// Colours only for a person at a terminal: never in a redirected log or under `NO_COLOR`.
+fn colour_logs() -> bool {
+    use std::io::IsTerminal as _;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
 /// Starts the export of perch's own telemetry when one is configured, then logging (whose

@@ -101,6 +101,9 @@ async fn stop_all(
     server.await.context("server task")?.context("serving HTTP")
 }
 
+/// GPUs `perch up` simulates when it finds none and none were asked for.
+const UP_SIMULATED_GPUS: u32 = 4;
+
 pub fn up(config: Config) -> Result<()> {
     let mut agent_config = config.agent_config()?;
     runtime()?.block_on(async {
@@ -114,9 +117,15 @@ pub fn up(config: Config) -> Result<()> {
             move || detect_gpus(&nvml)
         })
         .await?;
+        // With no GPU found and none asked for, `up` simulates some, so a first try shows
+        // what perch does (README); a GPU node's agent (`perch agent`) never simulates unasked.
+        let defaulted = detection.count == 0 && agent_config.simulate_gpus == 0;
+        if defaulted {
+            agent_config.simulate_gpus = UP_SIMULATED_GPUS;
+        }
         let simulated = agent_config.simulate_gpus;
         let gpu_line = match (detection.count, simulated) {
-            (0, 0) => format!("{}. No GPU samples will be recorded; add --simulate-gpus N to try perch with simulated GPUs.", detection.message),
+            (0, n) if defaulted => format!("{}. Simulating {n} GPUs instead (--simulate-gpus N for another number): they are labelled simulated in every table, series and message.", detection.message),
             (0, n) => format!("{}. Simulating {n} GPUs: they are labelled simulated in every table, series and message.", detection.message),
             (_, 0) => detection.message.clone(),
             (_, n) => format!("{}, plus {n} SIMULATED GPUs (labelled simulated everywhere).", detection.message),
