@@ -335,3 +335,79 @@ fn sql_answers_in_every_format_and_cuts_long_results_with_a_note() {
     assert!(!failed.status.success());
     assert!(String::from_utf8_lossy(&failed.stderr).contains("No field named nope"));
 }
+
+/// Issue 14: when a node's telemetry stopped while its agent kept syncing, `perch nodes` said
+/// `up`, `perch_node_up` said 0, nothing alerted and nothing was logged. Here a second writer
+/// under the node's name takes its sequence far ahead, so the real agent's batches are
+/// answered as duplicates: the server warns, the node is `no_telemetry` in both views, and
+/// `NodeTelemetryStopped` fires.
+#[test]
+fn a_node_whose_samples_stop_while_its_agent_syncs_is_flagged_everywhere() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("perch.toml");
+    std::fs::write(
+        &config,
+        "[server]\nnode_stale_after_secs = 2\npg_listen = \"\"\n[alerts]\nevaluation_interval = \"1s\"\n",
+    )
+    .expect("config");
+    let perch = Perch::start(
+        &dir.path().join("server"),
+        &["server", "--config", config.to_str().expect("utf-8")],
+    );
+    let _agent = common::Agent::start(
+        &perch.url,
+        "gpu-a",
+        &dir.path().join("agent"),
+        1,
+        None,
+        &["--interval-ms", "200"],
+    );
+    let state = |perch: &Perch| -> Option<String> {
+        let nodes = perch.get("/v1/nodes");
+        let n = nodes["nodes"]
+            .as_array()?
+            .iter()
+            .find(|n| n["name"] == "gpu-a")?;
+        n["state"].as_str().map(str::to_owned)
+    };
+    wait_for("gpu-a up", || {
+        (state(&perch).as_deref() == Some("up")).then_some(())
+    });
+    let client = reqwest::blocking::Client::new();
+    let mut ahead = marked_batch("gpu-a", 1);
+    ahead["seq"] = (u64::MAX / 2).into();
+    let r = client
+        .post(format!("{}/v1/ingest", perch.url))
+        .json(&ahead)
+        .send()
+        .expect("ingest");
+    assert_eq!(r.status(), 200);
+    wait_for("gpu-a no_telemetry", || {
+        (state(&perch).as_deref() == Some("no_telemetry")).then_some(())
+    });
+    let metrics = client
+        .get(format!("{}/metrics", perch.url))
+        .send()
+        .expect("metrics")
+        .text()
+        .expect("text");
+    for line in [
+        "perch_node_up{node=\"gpu-a\"} 0",
+        "perch_node_state{node=\"gpu-a\",state=\"no_telemetry\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} missing");
+    }
+    let alert = wait_for("NodeTelemetryStopped to fire", || {
+        let a = perch.get("/v1/alerts");
+        a["alerts"]
+            .as_array()?
+            .iter()
+            .find(|a| {
+                a["labels"]["alertname"] == "NodeTelemetryStopped" && a["labels"]["node"] == "gpu-a"
+            })
+            .cloned()
+    });
+    assert_eq!(alert["state"], "firing", "{alert}");
+    let log = perch.log();
+    assert!(log.contains("answered as duplicates"), "{log}");
+}

@@ -101,3 +101,42 @@ pub fn disk_instances(
             .value("total_bytes", total_bytes as f64),
     ]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn telemetry_stopped_fires_for_no_telemetry_nodes_only() {
+        let kind = BuiltinKind::NodeTelemetryStopped;
+        let nodes = [
+            NodeTelemetry {
+                node: "a",
+                state: NodeState::NoTelemetry,
+                last_sample_ms: Some(1_000),
+            },
+            NodeTelemetry {
+                node: "b",
+                state: NodeState::Down,
+                last_sample_ms: Some(1_000),
+            },
+            NodeTelemetry {
+                node: "c",
+                state: NodeState::Up,
+                last_sample_ms: Some(241_000),
+            },
+            NodeTelemetry {
+                node: "d",
+                state: NodeState::NoTelemetry,
+                last_sample_ms: None,
+            },
+        ];
+        let fired = telemetry_instances(&kind, &nodes, 241_000);
+        let labels: Vec<_> = fired.iter().map(|i| i.labels["node"].as_str()).collect();
+        assert_eq!(labels, ["a", "d"], "a down node is NodeHeartbeatLost's");
+        assert_eq!(fired[0].values["seconds_since_sample"], 240.0);
+        assert!(!fired[1].values.contains_key("seconds_since_sample"));
+        let other = BuiltinKind::StoreDiskFull { free_percent: 5.0 };
+        assert!(telemetry_instances(&other, &nodes, 241_000).is_empty());
+    }
+}
