@@ -1,6 +1,7 @@
 //! perch's configuration: a TOML file (`--config` or `PERCH_CONFIG`), then `PERCH_*`
 //! environment variables, then command-line flags, each overriding the one before.
 //! `perch.example.toml` at the repository root documents every key; a test keeps it complete.
+//! The client commands read the same file for their server and token (see client.rs).
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -17,6 +18,56 @@ pub struct Config {
     pub accounting: AccountingSection,
     /// Alert rules, receivers, routing and remediation guardrails (see alerts/README.md).
     pub alerts: perch_alerts::AlertsConfig,
+    /// Where the client commands (`sql`, `submit`, `jobs`, ...) send requests, with which token.
+    pub client: ClientSection,
+}
+
+/// `[client]`: the server and token of the client commands. Also the only section of the
+/// per-user file `~/.config/perch/config.toml` (see client.rs for the order of precedence).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClientSection {
+    /// Server URL, e.g. `http://perch-server:7300`. Empty: derived from `[server] listen`
+    /// when this file sets it.
+    pub server: String,
+    /// Bearer token (role user or operator). Empty: none.
+    pub token: String,
+}
+
+/// A config file as read: its path, its values (defaults filled in), and which keys the file
+/// sets itself, since a client takes the server's address only from a file that names one.
+#[derive(Debug, Clone)]
+pub struct ConfigFile {
+    pub path: PathBuf,
+    pub config: Config,
+    table: toml::Table,
+}
+
+impl ConfigFile {
+    pub fn read(path: &Path) -> Result<ConfigFile> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading config file {}", path.display()))?;
+        ConfigFile::parse(path, &text)
+    }
+
+    pub fn parse(path: &Path, text: &str) -> Result<ConfigFile> {
+        let in_file = || format!("in config file {}", path.display());
+        let config = Config::parse(text).with_context(in_file)?;
+        let table = toml::from_str(text).with_context(in_file)?;
+        Ok(ConfigFile {
+            path: path.to_owned(),
+            config,
+            table,
+        })
+    }
+
+    /// Whether the file itself sets `[section] key` (rather than leaving the default).
+    pub fn sets(&self, section: &str, key: &str) -> bool {
+        self.table
+            .get(section)
+            .and_then(toml::Value::as_table)
+            .is_some_and(|t| t.contains_key(key))
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -303,16 +354,6 @@ impl AccountingSection {
 }
 
 impl Config {
-    /// Loads `path` if given, else the defaults.
-    pub fn load(path: Option<&Path>) -> Result<Config> {
-        let Some(path) = path else {
-            return Ok(Config::default());
-        };
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading config file {}", path.display()))?;
-        Config::parse(&text).with_context(|| format!("in config file {}", path.display()))
-    }
-
     pub fn parse(text: &str) -> Result<Config> {
         let config: Config = toml::from_str(text)?;
         config.check()?;
@@ -441,6 +482,15 @@ impl Config {
                 &format!(
                     "{:?} must be a URL such as http://perch-server:7300",
                     self.agent.server
+                ),
+            );
+        }
+        let client = &self.client.server;
+        if !(client.is_empty() || client.starts_with("http://") || client.starts_with("https://")) {
+            return bad(
+                "client.server",
+                &format!(
+                    "{client:?} must be a URL such as http://perch-server:7300 (\"\" derives it from server.listen)"
                 ),
             );
         }
@@ -603,6 +653,8 @@ mod tests {
                 "agent.run_as_user: \"sometimes\" is not one of required, if_possible, never",
             ),
             ("[agent]\ncgroups = \"on\"", "agent.cgroups"),
+            ("[client]\nserver = \"perch:7300\"", "client.server"),
+            ("[client]\nsever = \"http://perch:7300\"", "sever"),
             ("[query]\ntimeout_secs = 0", "query.timeout_secs"),
             (
                 "[server.retention_days]\ngpu_sample = 30",

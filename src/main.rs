@@ -1,5 +1,6 @@
 //! The `perch` command: parses arguments and hands over to the libraries. See ARCHITECTURE.md.
 
+mod client;
 mod commands;
 mod config;
 mod telemetry;

@@ -6,12 +6,12 @@
 
 mod common;
 
-use common::{PERCH, Perch, wait_for};
+use common::{Perch, wait_for};
 use serde_json::Value;
 use std::process::Command;
 
 fn submit(perch: &Perch, args: &[&str]) -> u64 {
-    let out = Command::new(PERCH)
+    let out = common::client()
         .arg("submit")
         .args(args)
         .env("PERCH_SERVER", &perch.url)

@@ -12,10 +12,8 @@ const OPERATOR: &str = "operator-token-01234567";
 const AGENT: &str = "agent-token-0123456789a";
 
 fn cli(url: &str, token: Option<&str>, args: &[&str]) -> (bool, String, String) {
-    let mut cmd = Command::new(PERCH);
-    cmd.args(args)
-        .env("PERCH_SERVER", url)
-        .env_remove("PERCH_TOKEN");
+    let mut cmd = common::client();
+    cmd.args(args).env("PERCH_SERVER", url);
     if let Some(t) = token {
         cmd.env("PERCH_TOKEN", t);
     }

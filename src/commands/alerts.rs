@@ -2,6 +2,7 @@
 //! breaker. A client of `GET /v1/alerts`, `/v1/silences` and `/v1/alerts/breaker/reset`.
 
 use super::jobs::{Api, ServerArg, parse_duration, print_table, s};
+use crate::config::ConfigFile;
 use anyhow::Result;
 use clap::{Args, Subcommand};
 use serde_json::{Value, json};
@@ -74,8 +75,8 @@ fn ago(ms: Option<i64>) -> String {
     }
 }
 
-pub fn run(args: AlertsArgs) -> Result<()> {
-    let api = Api::new(&args.server)?;
+pub fn run(args: AlertsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
+    let api = Api::new(&args.server, config_file)?;
     match args.what {
         None => list(&api, args.all),
         Some(What::Rules) => rules(&api, args.all),

@@ -2,25 +2,33 @@
 //! `drain`, `resume`. Thin clients of the server's HTTP API, with output shaped like Slurm's
 //! (sbatch, squeue, scontrol show job, scancel, sinfo) so its users feel at home.
 
+use crate::client::ClientConfig;
+use crate::config::ConfigFile;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+/// `--server` and `--token` of every client command; the rest of the resolution (environment,
+/// config file, per-user file, default) is in client.rs.
 #[derive(Debug, Args)]
 pub struct ServerArg {
-    /// Server URL.
-    #[arg(
-        long,
-        env = "PERCH_SERVER",
-        default_value = "http://127.0.0.1:7300",
-        global = true
-    )]
-    server: String,
-    /// Bearer token, when the server requires one.
-    #[arg(long, env = "PERCH_TOKEN", hide_env_values = true, global = true)]
+    /// Server URL. Else PERCH_SERVER, else the --config file's [client] server or
+    /// server.listen, else ~/.config/perch/config.toml, else http://127.0.0.1:7300.
+    #[arg(long, global = true)]
+    server: Option<String>,
+    /// Bearer token, when the server requires one. Else PERCH_TOKEN, else [client] token of the
+    /// --config file or ~/.config/perch/config.toml.
+    #[arg(long, global = true)]
     token: Option<String>,
+}
+
+impl ServerArg {
+    /// The server and token to use, from these flags, the environment and `config_file`.
+    pub(crate) fn resolve(&self, config_file: Option<&ConfigFile>) -> Result<ClientConfig> {
+        crate::client::load(self.server.as_deref(), self.token.as_deref(), config_file)
+    }
 }
 
 #[derive(Debug, Args)]
@@ -159,37 +167,29 @@ pub struct NodeArgs {
 }
 
 pub(crate) struct Api {
-    base: String,
     client: reqwest::blocking::Client,
-    token: Option<String>,
+    config: ClientConfig,
 }
 
 impl Api {
-    pub(crate) fn new(server: &ServerArg) -> Result<Api> {
+    /// A client of the server that `server` and the config resolve to.
+    pub(crate) fn new(server: &ServerArg, config_file: Option<&ConfigFile>) -> Result<Api> {
+        let config = server.resolve(config_file)?;
         let client = reqwest::blocking::Client::builder()
             .timeout(std::time::Duration::from_secs(30))
             .build()?;
-        Ok(Api {
-            base: server.server.trim_end_matches('/').to_owned(),
-            client,
-            token: server.token.clone(),
-        })
+        Ok(Api { client, config })
     }
 
     fn send(
         &self,
         request: reqwest::blocking::RequestBuilder,
     ) -> Result<reqwest::blocking::Response> {
-        let request = match &self.token {
+        let request = match &self.config.token {
             Some(t) => request.bearer_auth(t),
             None => request,
         };
-        let response = request.send().with_context(|| {
-            format!(
-                "cannot reach the perch server at {} (is it running? start one with `perch up`)",
-                self.base
-            )
-        })?;
+        let response = request.send().with_context(|| self.config.unreachable())?;
         if response.status().is_success() {
             return Ok(response);
         }
@@ -199,24 +199,31 @@ impl Api {
             .ok()
             .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
             .unwrap_or(body);
+        if matches!(status.as_u16(), 401 | 403) {
+            bail!("{message} (HTTP {status}; {})", self.config.refused())
+        }
         bail!("{message} (HTTP {status})")
     }
 
     pub(crate) fn get(&self, path: &str) -> Result<Value> {
         Ok(self
-            .send(self.client.get(format!("{}{path}", self.base)))?
+            .send(self.client.get(format!("{}{path}", self.config.server)))?
             .json()?)
     }
 
     pub(crate) fn delete(&self, path: &str) -> Result<Value> {
         Ok(self
-            .send(self.client.delete(format!("{}{path}", self.base)))?
+            .send(self.client.delete(format!("{}{path}", self.config.server)))?
             .json()?)
     }
 
     pub(crate) fn post(&self, path: &str, body: &Value) -> Result<Value> {
         Ok(self
-            .send(self.client.post(format!("{}{path}", self.base)).json(body))?
+            .send(
+                self.client
+                    .post(format!("{}{path}", self.config.server))
+                    .json(body),
+            )?
             .json()?)
     }
 }
@@ -250,7 +257,7 @@ pub fn parse_duration(text: &str) -> Result<u64> {
     n.checked_mul(factor).ok_or_else(bad)
 }
 
-pub fn submit(args: SubmitArgs) -> Result<()> {
+pub fn submit(args: SubmitArgs, config_file: Option<&ConfigFile>) -> Result<()> {
     let mut request: serde_json::Map<String, Value> = match &args.file {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -346,7 +353,7 @@ pub fn submit(args: SubmitArgs) -> Result<()> {
     if !request.contains_key("command") {
         bail!("give the command after --, e.g. perch submit --gpus 1 -- python train.py");
     }
-    let job = Api::new(&args.server)?.post("/v1/jobs", &Value::Object(request))?;
+    let job = Api::new(&args.server, config_file)?.post("/v1/jobs", &Value::Object(request))?;
     match job["array_jobs"].as_array() {
         Some(ids) => println!(
             "Submitted array job {} (tasks {}..={})",
@@ -431,7 +438,7 @@ pub(crate) fn s(v: &Value) -> String {
     }
 }
 
-pub fn jobs(args: JobsArgs) -> Result<()> {
+pub fn jobs(args: JobsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
     let mut query = vec![format!("limit={}", args.limit)];
     for (k, v) in [
         ("state", &args.state),
@@ -442,7 +449,8 @@ pub fn jobs(args: JobsArgs) -> Result<()> {
             query.push(format!("{k}={v}"));
         }
     }
-    let listed = Api::new(&args.server)?.get(&format!("/v1/jobs?{}", query.join("&")))?;
+    let listed =
+        Api::new(&args.server, config_file)?.get(&format!("/v1/jobs?{}", query.join("&")))?;
     let rows = listed["jobs"]
         .as_array()
         .into_iter()
@@ -484,8 +492,8 @@ pub fn jobs(args: JobsArgs) -> Result<()> {
     Ok(())
 }
 
-pub fn show(args: JobIdArgs) -> Result<()> {
-    let j = Api::new(&args.server)?.get(&format!("/v1/jobs/{}", args.id))?;
+pub fn show(args: JobIdArgs, config_file: Option<&ConfigFile>) -> Result<()> {
+    let j = Api::new(&args.server, config_file)?.get(&format!("/v1/jobs/{}", args.id))?;
     let r = &j["request"];
     println!(
         "JobId={} Name={} User={} Account={}",
@@ -558,8 +566,8 @@ pub fn show(args: JobIdArgs) -> Result<()> {
     Ok(())
 }
 
-pub fn cancel(args: CancelArgs) -> Result<()> {
-    let api = Api::new(&args.server)?;
+pub fn cancel(args: CancelArgs, config_file: Option<&ConfigFile>) -> Result<()> {
+    let api = Api::new(&args.server, config_file)?;
     for id in args.ids {
         let j = api.post(&format!("/v1/jobs/{id}/cancel"), &Value::Null)?;
         println!("job {id}: {}", s(&j["state"]));
@@ -567,15 +575,15 @@ pub fn cancel(args: CancelArgs) -> Result<()> {
     Ok(())
 }
 
-pub fn logs(args: LogsArgs) -> Result<()> {
+pub fn logs(args: LogsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
     use std::io::Write;
-    let api = Api::new(&args.server)?;
+    let api = Api::new(&args.server, config_file)?;
     let stream = if args.stderr { "stderr" } else { "stdout" };
     let mut offset = 0usize;
     loop {
         let response = api.send(api.client.get(format!(
             "{}/v1/jobs/{}/logs?stream={stream}&offset={offset}",
-            api.base, args.id
+            api.config.server, args.id
         )))?;
         let finished = response
             .headers()
@@ -594,8 +602,8 @@ pub fn logs(args: LogsArgs) -> Result<()> {
     }
 }
 
-pub fn queue(args: ListArgs) -> Result<()> {
-    let q = Api::new(&args.server)?.get("/v1/queue")?;
+pub fn queue(args: ListArgs, config_file: Option<&ConfigFile>) -> Result<()> {
+    let q = Api::new(&args.server, config_file)?.get("/v1/queue")?;
     let rows = q["queue"]
         .as_array()
         .into_iter()
@@ -623,8 +631,8 @@ pub fn queue(args: ListArgs) -> Result<()> {
     Ok(())
 }
 
-pub fn nodes(args: ListArgs) -> Result<()> {
-    let n = Api::new(&args.server)?.get("/v1/nodes")?;
+pub fn nodes(args: ListArgs, config_file: Option<&ConfigFile>) -> Result<()> {
+    let n = Api::new(&args.server, config_file)?.get("/v1/nodes")?;
     let rows = n["nodes"]
         .as_array()
         .into_iter()
@@ -698,10 +706,10 @@ fn nvlink_of(islands: &Value, sharing: bool) -> String {
     text
 }
 
-pub fn set_drained(args: NodeArgs, drain: bool) -> Result<()> {
+pub fn set_drained(args: NodeArgs, drain: bool, config_file: Option<&ConfigFile>) -> Result<()> {
     let verb = if drain { "drain" } else { "resume" };
-    let r =
-        Api::new(&args.server)?.post(&format!("/v1/nodes/{}/{verb}", args.node), &Value::Null)?;
+    let r = Api::new(&args.server, config_file)?
+        .post(&format!("/v1/nodes/{}/{verb}", args.node), &Value::Null)?;
     println!("node {}: {}", args.node, s(&r["state"]));
     Ok(())
 }

@@ -8,7 +8,7 @@ mod serve;
 pub mod simulate;
 mod sql;
 
-use crate::config::Config;
+use crate::config::{Config, ConfigFile};
 use crate::telemetry::{Target, Telemetry};
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
@@ -21,7 +21,8 @@ use std::path::PathBuf;
     about = "GPU cluster monitoring, accounting and scheduling in one place"
 )]
 pub struct Cli {
-    /// TOML config file (see perch.example.toml).
+    /// TOML config file (see perch.example.toml). The client commands take their server from
+    /// it too: [client] server, else server.listen.
     #[arg(long, global = true, env = "PERCH_CONFIG")]
     config: Option<PathBuf>,
     #[command(subcommand)]
@@ -272,7 +273,9 @@ fn start_telemetry(config: &Config, default_service: &str) -> Result<Telemetry> 
 }
 
 pub fn run(cli: Cli) -> Result<()> {
-    let mut config = Config::load(cli.config.as_deref())?;
+    let file = cli.config.as_deref().map(ConfigFile::read).transpose()?;
+    let mut config = file.as_ref().map(|f| f.config.clone()).unwrap_or_default();
+    let file = file.as_ref();
     let long_running = matches!(
         cli.command,
         Command::Server(_) | Command::Agent(_) | Command::Up(_) | Command::Demo(_)
@@ -327,18 +330,18 @@ pub fn run(cli: Cli) -> Result<()> {
             let _telemetry = start_telemetry(&config, "perch-server")?;
             serve::demo(config, args.nodes, args.gpus_per_node, args.seed)
         }
-        Command::Sql(args) => sql::run(args),
+        Command::Sql(args) => sql::run(args, file),
         Command::Simulate(args) => simulate::run(args),
         Command::Bench(args) => bench::run(args),
-        Command::Submit(args) => jobs::submit(*args),
-        Command::Jobs(args) => jobs::jobs(args),
-        Command::Show(args) => jobs::show(args),
-        Command::Cancel(args) => jobs::cancel(args),
-        Command::Logs(args) => jobs::logs(args),
-        Command::Queue(args) => jobs::queue(args),
-        Command::Nodes(args) => jobs::nodes(args),
-        Command::Drain(args) => jobs::set_drained(args, true),
-        Command::Resume(args) => jobs::set_drained(args, false),
-        Command::Alerts(args) => alerts::run(args),
+        Command::Submit(args) => jobs::submit(*args, file),
+        Command::Jobs(args) => jobs::jobs(args, file),
+        Command::Show(args) => jobs::show(args, file),
+        Command::Cancel(args) => jobs::cancel(args, file),
+        Command::Logs(args) => jobs::logs(args, file),
+        Command::Queue(args) => jobs::queue(args, file),
+        Command::Nodes(args) => jobs::nodes(args, file),
+        Command::Drain(args) => jobs::set_drained(args, true, file),
+        Command::Resume(args) => jobs::set_drained(args, false, file),
+        Command::Alerts(args) => alerts::run(args, file),
     }
 }

@@ -1,6 +1,9 @@
 //! `perch sql`: sends one query to a server's `POST /v1/sql` and prints the answer as an
 //! aligned table (decoded from Arrow IPC), CSV or JSON.
 
+use super::jobs::ServerArg;
+use crate::client::ClientConfig;
+use crate::config::ConfigFile;
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 
@@ -15,12 +18,8 @@ pub enum OutputFormat {
 pub struct SqlArgs {
     /// The query, e.g. "SELECT count(*) FROM gpu_samples".
     query: String,
-    /// Server URL.
-    #[arg(long, env = "PERCH_SERVER", default_value = "http://127.0.0.1:7300")]
-    server: String,
-    /// Bearer token, when the server requires one.
-    #[arg(long, env = "PERCH_TOKEN", hide_env_values = true)]
-    token: Option<String>,
+    #[command(flatten)]
+    server: ServerArg,
     #[arg(long, value_enum, default_value_t = OutputFormat::Table)]
     format: OutputFormat,
     /// Show the query plan instead of running the query.
@@ -28,14 +27,15 @@ pub struct SqlArgs {
     explain: bool,
 }
 
-pub fn run(args: SqlArgs) -> Result<()> {
+pub fn run(args: SqlArgs, config_file: Option<&ConfigFile>) -> Result<()> {
+    let client = args.server.resolve(config_file)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(query(args))
+    runtime.block_on(query(args, client))
 }
 
-async fn query(args: SqlArgs) -> Result<()> {
+async fn query(args: SqlArgs, client: ClientConfig) -> Result<()> {
     let sql = if args.explain {
         format!("EXPLAIN {}", args.query)
     } else {
@@ -46,19 +46,14 @@ async fn query(args: SqlArgs) -> Result<()> {
         OutputFormat::Csv => "csv",
         OutputFormat::Json => "json",
     };
-    let url = format!("{}/v1/sql", args.server.trim_end_matches('/'));
+    let url = format!("{}/v1/sql", client.server);
     let mut request = reqwest::Client::new()
         .post(&url)
         .json(&serde_json::json!({"sql": sql, "format": wire}));
-    if let Some(t) = &args.token {
+    if let Some(t) = &client.token {
         request = request.bearer_auth(t);
     }
-    let response = request.send().await.with_context(|| {
-        format!(
-            "cannot reach the perch server at {} (is it running? start one with `perch up`)",
-            args.server
-        )
-    })?;
+    let response = request.send().await.with_context(|| client.unreachable())?;
     let status = response.status();
     let truncated = response
         .headers()
@@ -70,6 +65,9 @@ async fn query(args: SqlArgs) -> Result<()> {
             .ok()
             .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
             .unwrap_or_else(|| String::from_utf8_lossy(&body).into_owned());
+        if matches!(status.as_u16(), 401 | 403) {
+            bail!("{message} (HTTP {status}; {})", client.refused());
+        }
         bail!("{message} (HTTP {status})");
     }
     match args.format {

@@ -11,6 +11,19 @@ pub const PERCH: &str = env!("CARGO_BIN_EXE_perch");
 /// Upper bound for anything a test waits on; only reached when something is broken.
 pub const PATIENCE: Duration = Duration::from_secs(60);
 
+/// `perch` for a client command (sql, submit, jobs, ...), apart from the developer's own
+/// settings: no `PERCH_SERVER`, `PERCH_TOKEN` or `PERCH_CONFIG`, and `XDG_CONFIG_HOME` pointing
+/// at an empty directory, so no `~/.config/perch/config.toml` is read. Callers add their own.
+pub fn client() -> Command {
+    let no_user_config = Path::new(env!("CARGO_TARGET_TMPDIR")).join("no-user-config");
+    let mut cmd = Command::new(PERCH);
+    cmd.env_remove("PERCH_SERVER")
+        .env_remove("PERCH_TOKEN")
+        .env_remove("PERCH_CONFIG")
+        .env("XDG_CONFIG_HOME", no_user_config);
+    cmd
+}
+
 /// A running perch process, killed when dropped.
 pub struct Perch {
     pub child: Child,
@@ -110,7 +123,7 @@ impl Perch {
 
     /// Runs `perch sql --server <url> <extra> <query>`.
     pub fn sql_cli(&self, query: &str, extra: &[&str]) -> Output {
-        Command::new(PERCH)
+        client()
             .args(["sql", "--server", &self.url])
             .args(extra)
             .arg(query)
@@ -133,7 +146,7 @@ impl Perch {
 
     /// Runs the `perch` CLI against this server as `user`: (success, stdout, stderr).
     pub fn cli_as(&self, user: &str, args: &[&str]) -> (bool, String, String) {
-        let out = Command::new(PERCH)
+        let out = client()
             .args(args)
             .env("PERCH_SERVER", &self.url)
             .env("USER", user)
