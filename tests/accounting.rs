@@ -99,10 +99,14 @@ fn jobs_are_accounted_and_duckdb_agrees_from_the_raw_files() {
         (rows.len() == 2).then_some(rows)
     });
     let (b, i) = (&jobs[0], &jobs[1]);
+    // Fully accounted: `perch show`'s usage has no note about figures still to come.
+    let shown = perch.job(b["job"].as_u64().expect("id"));
+    assert!(shown["usage"]["gpu_seconds_used"].is_number(), "{shown}");
+    assert!(shown["usage"].get("note").is_none(), "{shown}");
     assert_eq!(b["job"], busy);
     assert_eq!(i["job"], idle);
     for j in [b, i] {
-        assert_eq!(j["user"], "alice");
+        assert_eq!(j["user_name"], "alice");
         assert_eq!(j["simulated"], true, "{j}");
         assert!(f(j, "gpu_seconds_allocated") >= 3.0, "{j}");
         assert_eq!(
@@ -155,7 +159,7 @@ fn jobs_are_accounted_and_duckdb_agrees_from_the_raw_files() {
     assert_eq!(
         (
             u["account"].as_str(),
-            u["user"].as_str(),
+            u["user_name"].as_str(),
             u["jobs"].as_i64()
         ),
         (Some("alice"), Some("alice"), Some(2))
@@ -188,8 +192,8 @@ fn jobs_are_accounted_and_duckdb_agrees_from_the_raw_files() {
             + total("down_gpu_hours"),
         total("capacity_gpu_hours")
     ));
-    let top = perch.sql("SELECT user FROM top_users");
-    assert_eq!(top[0]["user"], "alice");
+    let top = perch.sql("SELECT user_name FROM top_users");
+    assert_eq!(top[0]["user_name"], "alice");
 
     // DuckDB on the raw files, from the allocations as users export them.
     let csv = perch.sql_cli(

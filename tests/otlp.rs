@@ -65,7 +65,7 @@ fn a_job_using_the_python_sdk_lands_in_job_metrics() {
     assert_eq!(state, "completed", "stdout: {stdout}\nstderr: {stderr}");
 
     let rows = perch.sql(
-        "SELECT metric, kind, unit, value, count, sum, user, node, service_name, attributes \
+        "SELECT metric, kind, unit, value, count, sum, user_name, node, service_name, attributes \
          FROM job_metrics WHERE job = '1' ORDER BY metric",
     );
     let by_name = |name: &str| -> &Value {
@@ -88,7 +88,7 @@ fn a_job_using_the_python_sdk_lands_in_job_metrics() {
     assert_eq!(steps["value"].as_f64(), Some(2.0));
     assert_eq!(steps["unit"], "s");
     for row in &rows {
-        assert_eq!(row["user"], "ada");
+        assert_eq!(row["user_name"], "ada");
         assert_eq!(row["service_name"], "perch-job-1");
         assert_ne!(
             row["node"], "otlp",
@@ -272,12 +272,12 @@ fn otlp_json_is_stored_and_malformed_bodies_get_400() {
     assert!(answer.get("partialSuccess").is_none(), "{answer}");
 
     let rows = perch.sql(
-        "SELECT node, user, service_name, metric, kind, value, attributes FROM job_metrics WHERE job = '77'",
+        "SELECT node, user_name, service_name, metric, kind, value, attributes FROM job_metrics WHERE job = '77'",
     );
     assert_eq!(
         rows,
         vec![json!({
-            "node": "otlp", "user": "bob", "service_name": "trainer",
+            "node": "otlp", "user_name": "bob", "service_name": "trainer",
             "metric": "tokens_per_second", "kind": "gauge", "value": 1500.5,
             "attributes": "{\"rank\":3}"
         })]

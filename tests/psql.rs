@@ -441,3 +441,91 @@ fn psql_logs_in_with_a_token() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "timestamp with time zone\nalice");
 }
+
+/// The SQL a newcomer copies from the docs: every `perch sql "..."` of the README and every
+/// ```sql block of `docs/`.
+fn documented_queries() -> Vec<(String, String)> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut out = Vec::new();
+    let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
+    for (i, part) in readme.split(" sql \"").enumerate().skip(1) {
+        let query = part.split('"').next().unwrap_or_default();
+        out.push((format!("README.md query {i}"), query.to_owned()));
+    }
+    for entry in std::fs::read_dir(root.join("docs")).expect("docs/") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_none_or(|e| e != "md") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).expect("read doc");
+        for (i, block) in text.split("```sql\n").enumerate().skip(1) {
+            let query = block.split("```").next().unwrap_or_default();
+            out.push((
+                format!("{} block {i}", path.display()),
+                query.trim().to_owned(),
+            ));
+        }
+    }
+    out
+}
+
+/// Issue 14: in psql and Grafana's PostgreSQL source, the README's cost query returned the
+/// login name on every row (an unquoted `user` is PostgreSQL's `current_user`), and
+/// `SELECT job, user, "user"` failed as ambiguous. The columns are `user_name` now, and every
+/// query of the README and the docs runs through the real psql.
+#[test]
+fn every_documented_query_runs_through_psql() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("perch.toml");
+    std::fs::write(&config, "[server]\npg_listen = \"127.0.0.1:0\"\n").expect("write config");
+    let data = dir.path().join("data");
+    let config = config.to_string_lossy().into_owned();
+    let perch = Perch::start(
+        &data,
+        &[
+            "up",
+            "--config",
+            &config,
+            "--simulate-gpus",
+            "1",
+            "--interval-ms",
+            "100",
+        ],
+    );
+    let addr = wait_for("pg.addr", || {
+        std::fs::read_to_string(data.join("pg.addr"))
+            .ok()
+            .filter(|s| s.ends_with('\n'))
+    });
+    let addr = addr.trim();
+    let (ok, _, err) = perch.cli_as("alice", &["submit", "--gpus", "1", "--", "true"]);
+    assert!(ok, "{err}");
+    wait_for("alice's job to end", || {
+        (perch.job(1)["state"] == "completed").then_some(())
+    });
+    let queries = documented_queries();
+    assert!(queries.len() >= 4, "found only {queries:?}");
+    for (whence, sql) in &queries {
+        let out = psql(addr, sql);
+        assert!(
+            out.status.success(),
+            "{whence}: {sql}\n{}",
+            text(&out.stderr)
+        );
+    }
+    let (_, cost) = queries
+        .iter()
+        .find(|(_, q)| q.contains("FROM account_usage"))
+        .expect("the README's cost query");
+    let out = psql(addr, cost);
+    let rows = text(&out.stdout);
+    let users: Vec<&str> = rows.lines().filter_map(|l| l.split('|').nth(1)).collect();
+    assert_eq!(users, ["alice"], "{rows}");
+    // The column and PostgreSQL's `user` (the login) side by side, neither shadowing the other.
+    let out = psql(
+        addr,
+        "SELECT job, user_name, \"user_name\" AS quoted, user FROM jobs",
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "1|alice|alice|perch");
+}

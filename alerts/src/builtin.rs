@@ -268,12 +268,12 @@ fn specs(cfg: &BuiltinConfig) -> Vec<Spec> {
         Spec {
             name: "GpuAllocatedIdle",
             source: RuleSource::Sql(format!(
-                "SELECT a.node, a.gpu, a.job, a.\"user\" AS \"user\", a.account AS account, \
+                "SELECT a.node, a.gpu, a.job, a.user_name AS \"user\", a.account AS account, \
                    avg(s.utilization_gpu_pct) AS utilization_percent, bool_or(s.simulated) AS simulated \
                  FROM job_allocations a \
                  JOIN gpu_samples s ON s.node = a.node AND s.gpu = a.gpu \
                  WHERE a.end_time IS NULL AND a.start_time < now() - {recent} AND s.time > now() - {recent} \
-                 GROUP BY a.node, a.gpu, a.job, a.\"user\", a.account \
+                 GROUP BY a.node, a.gpu, a.job, a.user_name, a.account \
                  HAVING avg(s.utilization_gpu_pct) < {idle}",
                 idle = cfg.idle_utilization_percent,
             )),
@@ -289,14 +289,14 @@ fn specs(cfg: &BuiltinConfig) -> Vec<Spec> {
         Spec {
             name: "JobNoProgress",
             source: RuleSource::Sql(format!(
-                "SELECT node, job, reason, max(\"user\") AS \"user\", bool_or(simulated) AS simulated FROM ( \
-                   SELECT node, job, 'cpu_idle' AS reason, max(\"user\") AS \"user\", bool_or(simulated) AS simulated \
+                "SELECT node, job, reason, max(user_name) AS \"user\", bool_or(simulated) AS simulated FROM ( \
+                   SELECT node, job, 'cpu_idle' AS reason, max(user_name) AS user_name, bool_or(simulated) AS simulated \
                    FROM job_samples WHERE time > now() - {window} \
                    GROUP BY node, job \
                    HAVING min(time) < now() - {covered} AND max(time) > now() - INTERVAL '120 seconds' \
                      AND max(cpu_seconds) - min(cpu_seconds) < 1 \
                    UNION ALL \
-                   SELECT s.node, s.job, 'metrics_stalled' AS reason, max(s.\"user\") AS \"user\", bool_or(s.simulated) AS simulated \
+                   SELECT s.node, s.job, 'metrics_stalled' AS reason, max(s.user_name) AS user_name, bool_or(s.simulated) AS simulated \
                    FROM job_samples s JOIN ( \
                      SELECT job, max(time) AS last_metric FROM job_metrics \
                      WHERE time > now() - INTERVAL '21600 seconds' GROUP BY job \

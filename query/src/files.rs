@@ -5,7 +5,7 @@
 
 use crate::manifest::FileEntry;
 use crate::rollup::{self, Level};
-use crate::schema::{Partitioning, Table};
+use crate::schema::{self, Partitioning, Table};
 use crate::{Error, Result};
 use arrow::array::{AsArray, RecordBatch, new_null_array};
 use arrow::compute::{SortColumn, concat_batches, lexsort_to_indices, take_record_batch};
@@ -29,8 +29,9 @@ pub(crate) struct NewFile {
     pub(crate) data: Bytes,
 }
 
-/// Decodes a stored file as record batches of `schema`: columns the file lacks (it was written
-/// before they existed) come back as nulls.
+/// Decodes a stored file as record batches of `schema`: a column renamed since the file was
+/// written is read under its old name ([`schema::RENAMED_COLUMNS`]), and columns the file
+/// lacks (it was written before they existed) come back as nulls.
 pub(crate) fn decode(data: Bytes, schema: &SchemaRef) -> Result<Vec<RecordBatch>> {
     let reader = ParquetRecordBatchReaderBuilder::try_new(data)?.build()?;
     let mut out = Vec::new();
@@ -39,7 +40,14 @@ pub(crate) fn decode(data: Bytes, schema: &SchemaRef) -> Result<Vec<RecordBatch>
         let columns = schema
             .fields()
             .iter()
-            .map(|f| match batch.column_by_name(f.name()) {
+            .map(|f| {
+                let old = schema::RENAMED_COLUMNS
+                    .iter()
+                    .find(|(now, _)| now == f.name())
+                    .and_then(|(_, old)| batch.column_by_name(old));
+                (f, batch.column_by_name(f.name()).or(old))
+            })
+            .map(|(f, column)| match column {
                 Some(c) if c.data_type() == f.data_type() => Ok(c.clone()),
                 Some(c) => arrow::compute::cast(c, f.data_type()),
                 None => Ok(new_null_array(f.data_type(), batch.num_rows())),

@@ -38,21 +38,35 @@ pub struct FileEntry {
     pub max_time_ms: i64,
 }
 
+/// The manifest's format, and the files': 2 since `user` columns became `user_name` (files of
+/// version 1 are rewritten once at startup, see `Store::open`).
+pub const CURRENT_VERSION: u32 = 2;
+
 impl Manifest {
     /// A new store's manifest.
     pub fn empty() -> Manifest {
         Manifest {
-            version: 1,
+            version: CURRENT_VERSION,
             ..Manifest::default()
         }
     }
 
     /// Parses a stored manifest; `location` names it in the error.
     pub fn parse(data: &[u8], location: &str) -> Result<Manifest> {
-        serde_json::from_slice(data).map_err(|e| Error::Corrupt {
+        let manifest: Manifest = serde_json::from_slice(data).map_err(|e| Error::Corrupt {
             what: "manifest",
             message: format!("{location}: {e}"),
-        })
+        })?;
+        if manifest.version > CURRENT_VERSION {
+            return Err(Error::Corrupt {
+                what: "manifest",
+                message: format!(
+                    "{location} is of version {}, written by a newer perch; this one reads up to version {CURRENT_VERSION}: run the newer perch",
+                    manifest.version
+                ),
+            });
+        }
+        Ok(manifest)
     }
 
     pub fn to_bytes(&self) -> Result<Bytes> {

@@ -172,6 +172,12 @@ impl Table {
     }
 }
 
+/// Columns renamed since files were first written, as (name now, name in older files). A file
+/// is read through the old name when it lacks the new one, and the store rewrites such files
+/// once at startup ([`crate::manifest::CURRENT_VERSION`]). `user` became `user_name`: in
+/// PostgreSQL clients an unquoted `user` is the login name, not the column.
+pub(crate) const RENAMED_COLUMNS: &[(&str, &str)] = &[("user_name", "user")];
+
 pub(crate) fn time_type() -> DataType {
     DataType::Timestamp(TimeUnit::Millisecond, Some("UTC".into()))
 }

@@ -219,6 +219,7 @@ impl Store {
                 }
                 None => Manifest::empty(),
             };
+            let manifest = upgrade(&storage, manifest).await?;
             remove_orphans(&storage, &manifest).await?;
             Ok(manifest)
         })?;
@@ -636,6 +637,59 @@ impl Store {
 /// Removes files under `tables/` that the manifest does not list: left by a flush or a
 /// compaction that did not commit (their rows are in the log or in the files they were to
 /// replace), or replaced files a crash kept from being deleted.
+/// Rewrites the files of a store written by an older perch in today's format, once, before
+/// anything reads them: columns renamed since ([`schema::RENAMED_COLUMNS`]) get their new
+/// names. The new files are written first and the manifest last, so a crash in between leaves
+/// the old manifest and files (the new ones are orphans `remove_orphans` deletes) and the
+/// next start tries again; the old files become orphans once the new manifest is saved.
+async fn upgrade(storage: &Storage, mut manifest: Manifest) -> Result<Manifest> {
+    if manifest.version >= crate::manifest::CURRENT_VERSION {
+        return Ok(manifest);
+    }
+    let renamed = |t: &Table| {
+        t.schema().fields().iter().any(|f| {
+            schema::RENAMED_COLUMNS
+                .iter()
+                .any(|(now, _)| now == f.name())
+        })
+    };
+    let mut rewritten = 0usize;
+    for table in Table::ALL.into_iter().filter(renamed) {
+        let Some(old) = manifest.files.get(table.name()).cloned() else {
+            continue;
+        };
+        let mut entries = Vec::with_capacity(old.len());
+        for f in &old {
+            let data = storage.get(&f.path).await?;
+            let mut next = manifest.next_file_id;
+            let written = tokio::task::spawn_blocking(move || {
+                let batches = crate::files::decode(data, &table.schema())?;
+                let written = crate::files::encode_table(table, &batches, &mut next)?;
+                Ok::<_, Error>((written, next))
+            })
+            .await
+            .map_err(|e| Error::Execution(format!("upgrade task failed: {e}")))??;
+            let (files, next) = written;
+            manifest.next_file_id = next;
+            for file in files {
+                storage.put(&file.entry.path, file.data).await?;
+                entries.push(file.entry);
+            }
+            rewritten += 1;
+        }
+        manifest.files.insert(table.name().to_owned(), entries);
+    }
+    manifest.version = crate::manifest::CURRENT_VERSION;
+    storage.write_manifest(manifest.to_bytes()?).await?;
+    if rewritten > 0 {
+        tracing::info!(
+            files = rewritten,
+            "rewrote files written by an older perch in today's format (user columns are now user_name)"
+        );
+    }
+    Ok(manifest)
+}
+
 async fn remove_orphans(storage: &Storage, manifest: &Manifest) -> Result<()> {
     let known: HashSet<&str> = manifest
         .files

@@ -555,3 +555,108 @@ async fn time_predicates_prune_pages_inside_files_and_files_keep_their_sort_orde
     );
     assert!(!plan.contains("SortExec"), "{plan}");
 }
+
+/// Issue 14: `user` columns became `user_name` (an unquoted `user` is the login name in
+/// PostgreSQL clients). A store written before keeps its users: its files are rewritten at the
+/// next start, and the manifest records the new version.
+#[tokio::test]
+async fn files_of_an_older_perch_keep_their_users_under_the_new_column_name() {
+    use perch_model::JobSample;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let t0 = 1_800_000_000_000;
+    {
+        let store = Store::open(config(dir.path())).expect("open");
+        let (_, mut b) = batch("n1", 1, t0, 0);
+        b.jobs = vec![JobSample {
+            time_ms: t0,
+            job: "7".into(),
+            user: Some("alice".into()),
+            simulated: true,
+            source: "proc".into(),
+            gpus: vec![GpuIndex(0)],
+            cpu_seconds: Some(1.0),
+            memory_bytes: None,
+            memory_peak_bytes: None,
+            processes: Some(1),
+            gpu_memory_bytes: None,
+        }];
+        let raw = Bytes::from(serde_json::to_vec(&b).expect("json"));
+        store.ingest(raw, &b).await.expect("ingest");
+        let (raw, b) = otlp_batch("n1", 5, t0);
+        store
+            .ingest_from(Source::Otlp, raw, &b)
+            .await
+            .expect("ingest");
+        store.flush().await.expect("flush");
+    }
+    // Turn the store into one an older perch wrote: `user` columns, manifest version 1.
+    let manifest_path = dir.path().join("manifest.json");
+    let mut manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&manifest_path).expect("manifest")).expect("json");
+    let mut olds = 0;
+    for table in ["job_samples", "job_metrics"] {
+        for entry in manifest["files"][table].as_array_mut().expect("files") {
+            let path = dir.path().join(entry["path"].as_str().expect("path"));
+            let file = std::fs::File::open(&path).expect("open file");
+            let reader =
+                parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file)
+                    .expect("reader")
+                    .build()
+                    .expect("build");
+            let batches: Vec<_> = reader.map(|b| b.expect("batch")).collect();
+            let schema = batches[0].schema();
+            let fields: Vec<_> = schema
+                .fields()
+                .iter()
+                .map(|f| {
+                    let name = if f.name() == "user_name" {
+                        "user"
+                    } else {
+                        f.name()
+                    };
+                    f.as_ref().clone().with_name(name)
+                })
+                .collect();
+            let old_schema = Arc::new(arrow::datatypes::Schema::new(fields));
+            let out = std::fs::File::create(&path).expect("rewrite");
+            let mut writer = parquet::arrow::ArrowWriter::try_new(out, old_schema.clone(), None)
+                .expect("writer");
+            for b in &batches {
+                let renamed =
+                    arrow::array::RecordBatch::try_new(old_schema.clone(), b.columns().to_vec())
+                        .expect("renamed batch");
+                writer.write(&renamed).expect("write");
+            }
+            writer.close().expect("close");
+            entry["bytes"] = std::fs::metadata(&path).expect("size").len().into();
+            olds += 1;
+        }
+    }
+    assert_eq!(olds, 2, "one file per table");
+    manifest["version"] = 1.into();
+    std::fs::write(&manifest_path, serde_json::to_vec(&manifest).expect("json")).expect("write");
+
+    let store = Store::open(config(dir.path())).expect("reopen and upgrade");
+    let sql = SqlEngine::new(store.clone(), QueryLimits::default());
+    for table in ["job_samples", "job_metrics"] {
+        assert_eq!(
+            count(
+                &sql,
+                &format!("SELECT count(*) FROM {table} WHERE user_name = 'alice'")
+            )
+            .await,
+            1,
+            "{table}"
+        );
+    }
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&manifest_path).expect("manifest")).expect("json");
+    assert_eq!(manifest["version"], 2);
+    // A manifest from a newer perch is refused with a message that says so.
+    let mut newer = manifest.clone();
+    newer["version"] = 99.into();
+    drop((sql, store));
+    std::fs::write(&manifest_path, serde_json::to_vec(&newer).expect("json")).expect("write");
+    let err = Store::open(config(dir.path())).expect_err("a newer manifest");
+    assert!(err.to_string().contains("newer perch"), "{err}");
+}

@@ -13,7 +13,7 @@ pub(super) fn job_metric_schema() -> SchemaRef {
     let text = |name: &str| Field::new(name, DataType::Utf8, false);
     common(vec![
         text("job"),
-        text("user"),
+        text("user_name"),
         Field::new("simulated", DataType::Boolean, false),
         text("service_name"),
         text("metric"),

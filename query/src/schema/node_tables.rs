@@ -60,7 +60,7 @@ pub(super) fn ib_port_schema() -> SchemaRef {
 pub(super) fn job_schema() -> SchemaRef {
     common(vec![
         str_col("job", false),
-        str_col("user", true),
+        str_col("user_name", true),
         Field::new("simulated", DataType::Boolean, false),
         str_col("source", false),
         str_col("gpus", false),

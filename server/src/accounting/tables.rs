@@ -137,7 +137,7 @@ impl JobsTable {
         Arc::new(Schema::new(vec![
             col("job", UInt64, false),
             col("name", Utf8, true),
-            col("user", Utf8, false),
+            col("user_name", Utf8, false),
             col("account", Utf8, false),
             col("queue", Utf8, true),
             col("qos", Utf8, false),
@@ -274,7 +274,7 @@ impl AllocationsTable {
         Arc::new(Schema::new(vec![
             col("job", UInt64, false),
             col("attempt", UInt32, false),
-            col("user", Utf8, false),
+            col("user_name", Utf8, false),
             col("account", Utf8, false),
             col("node", Utf8, false),
             col("gpu", UInt32, false),
@@ -580,7 +580,8 @@ impl LiveTable for DailyTable {
 }
 
 /// Per-job cost, OpenCost's split: by allocation, by use, and the idle difference.
-const JOB_COSTS: &str = "SELECT job, name, user, account, state, gpu_model, start_time, end_time,
+const JOB_COSTS: &str =
+    "SELECT job, name, user_name, account, state, gpu_model, start_time, end_time,
   gpu_seconds_allocated / 3600 AS gpu_hours_allocated,
   gpu_seconds_used / 3600 AS gpu_hours_used,
   gpu_seconds_used / nullif(gpu_seconds_accounted, 0) AS efficiency,
@@ -600,9 +601,11 @@ const SUMS: &str = "count(*) AS jobs,
 /// Registers the accounting tables and views on `sql`.
 pub fn register(sql: SqlEngine, jobs: &JobService, config: AccountingConfig) -> SqlEngine {
     let config = Arc::new(config);
-    let user_usage = format!("SELECT user, {SUMS} FROM jobs WHERE attempts > 0 GROUP BY user");
-    let account_usage =
-        format!("SELECT account, user, {SUMS} FROM jobs WHERE attempts > 0 GROUP BY account, user");
+    let user_usage =
+        format!("SELECT user_name, {SUMS} FROM jobs WHERE attempts > 0 GROUP BY user_name");
+    let account_usage = format!(
+        "SELECT account, user_name, {SUMS} FROM jobs WHERE attempts > 0 GROUP BY account, user_name"
+    );
     sql.with_table(
         "jobs",
         Arc::new(JobsTable {
@@ -633,7 +636,7 @@ pub fn register(sql: SqlEngine, jobs: &JobService, config: AccountingConfig) -> 
     .with_view("user_usage", &user_usage)
     .with_view(
         "top_users",
-        "SELECT * FROM user_usage ORDER BY gpu_hours_allocated DESC, user LIMIT 10",
+        "SELECT * FROM user_usage ORDER BY gpu_hours_allocated DESC, user_name LIMIT 10",
     )
     .with_view("account_usage", &account_usage)
 }

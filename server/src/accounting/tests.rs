@@ -346,9 +346,9 @@ async fn a_job_across_midnight_and_retention_accounts_exactly() {
         "{d} vs {used_day_one}"
     );
 
-    let a = h.row("SELECT account, user, jobs, gpu_hours_allocated, efficiency, idle_cost FROM account_usage").await;
+    let a = h.row("SELECT account, user_name, jobs, gpu_hours_allocated, efficiency, idle_cost FROM account_usage").await;
     assert_eq!(a["account"], "vision");
-    assert_eq!(a["user"], "alice");
+    assert_eq!(a["user_name"], "alice");
     assert_eq!(a["jobs"], 1);
     assert!(
         close(

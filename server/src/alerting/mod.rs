@@ -197,7 +197,10 @@ async fn deliver(state: &AppState, n: Notification) {
 }
 
 /// The rows of a rule's query as JSON objects (column name -> value).
-async fn sql_rows(state: &AppState, sql: &str) -> Result<Vec<Map<String, Value>>, String> {
+pub(crate) async fn sql_rows(
+    state: &AppState,
+    sql: &str,
+) -> Result<Vec<Map<String, Value>>, String> {
     let output = state.sql.query(sql).await.map_err(|e| e.to_string())?;
     let mut buf = Vec::new();
     {

@@ -44,11 +44,12 @@ pub(super) struct Spec {
 }
 
 impl Spec {
-    /// The cache directory's name; `v2` since `time` is delta-encoded in the files, so a
-    /// dataset cached by an older perch is generated again rather than measured as it was.
+    /// The cache directory's name; `v2` since `time` is delta-encoded in the files, `v3` since
+    /// the jobs' `user` column is `user_name`, so a dataset cached by an older perch is
+    /// generated again rather than measured as it was.
     fn name(&self) -> String {
         format!(
-            "dataset-{}x{}-{}d-{}s-seed{}-v2",
+            "dataset-{}x{}-{}d-{}s-seed{}-v3",
             self.nodes, self.gpus_per_node, self.days, self.interval_secs, self.seed
         )
     }
@@ -271,7 +272,7 @@ pub(super) fn jobs_schema() -> SchemaRef {
     Arc::new(Schema::new(vec![
         Field::new("job", DataType::UInt64, false),
         Field::new("name", DataType::Utf8, true),
-        Field::new("user", DataType::Utf8, false),
+        Field::new("user_name", DataType::Utf8, false),
         Field::new("account", DataType::Utf8, false),
         Field::new("state", DataType::Utf8, false),
         ts_field("submit_time", false),
@@ -288,7 +289,7 @@ pub(super) fn allocations_schema() -> SchemaRef {
     Arc::new(Schema::new(vec![
         Field::new("job", DataType::UInt64, false),
         Field::new("attempt", DataType::UInt32, false),
-        Field::new("user", DataType::Utf8, false),
+        Field::new("user_name", DataType::Utf8, false),
         Field::new("account", DataType::Utf8, false),
         Field::new("node", DataType::Utf8, false),
         Field::new("gpu", DataType::UInt32, false),

@@ -112,7 +112,7 @@ ORDER BY s.node"
   FROM job_allocations a
   JOIN gpu_samples s ON {held}
   GROUP BY a.job)
-SELECT j.job, j.name, j.\"user\", j.account,
+SELECT j.job, j.name, j.user_name, j.account,
        p.samples * {hours} AS allocated_gpu_hours,
        p.busy_samples * {hours} AS used_gpu_hours,
        (p.samples - p.busy_samples) * {hours} AS wasted_gpu_hours
