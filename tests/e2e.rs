@@ -172,6 +172,22 @@ fn demo_simulates_a_labelled_cluster() {
         );
     }
     assert!(perch.log().contains("SIMULATED cluster"));
+    // Issue 14: the banner promised a queue that never formed.
+    // Issue 14: `perch nodes` came in no particular order.
+    let nodes = perch.get("/v1/nodes");
+    let names: Vec<&str> = nodes["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .filter_map(|n| n["name"].as_str())
+        .collect();
+    let mut sorted = names.clone();
+    sorted.sort_unstable();
+    assert!(names.len() == 3 && names == sorted, "{names:?}");
+    wait_for("two jobs in the demo's queue", || {
+        let q = perch.get("/v1/queue");
+        (q["queue"].as_array().map_or(0, Vec::len) >= 2).then_some(())
+    });
 }
 
 #[test]
@@ -410,4 +426,34 @@ fn a_node_whose_samples_stop_while_its_agent_syncs_is_flagged_everywhere() {
     assert_eq!(alert["state"], "firing", "{alert}");
     let log = perch.log();
     assert!(log.contains("answered as duplicates"), "{log}");
+}
+
+/// Issue 14: `perch simulate` ran for a minute without a word. Each policy's replay is
+/// announced and timed on stderr; the table stays alone on stdout.
+#[test]
+fn simulate_reports_progress_on_stderr_and_the_table_on_stdout() {
+    let trace = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("scheduler/tests/data/philly-300.csv");
+    let out = Command::new(common::PERCH)
+        .args(["simulate", "--trace", trace.to_str().expect("utf-8")])
+        .args([
+            "--nodes",
+            "4",
+            "--gpus-per-node",
+            "8",
+            "--policy",
+            "fifo,perch",
+        ])
+        .output()
+        .expect("run perch simulate");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("[1/2] replaying") && err.contains("[2/2] perch done in"),
+        "{err}"
+    );
+    assert!(
+        !stdout(&out).contains("replaying"),
+        "progress stays off stdout"
+    );
 }

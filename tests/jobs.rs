@@ -164,6 +164,21 @@ fn a_waiting_job_says_why_and_starts_when_a_cancel_frees_its_gpus() {
         .json::<Value>()
         .expect("json");
     assert!(fits.get("warning").is_none(), "{fits}");
+    let (ok, _, err) = cli(&perch, &["submit", "-N", "3", "--gpus", "2", "--", "true"]);
+    assert!(ok, "accepted: nodes may still join");
+    assert!(
+        err.starts_with("warning: ") && err.contains("largest has 2"),
+        "{err}"
+    );
+    // Issue 14: errors in a --file request spoke of a "JSON body" the user never wrote.
+    let file = perch.data_dir.join("job.toml");
+    std::fs::write(&file, "command = [\"true\"]\ngpus_per_node = \"two\"\n").expect("write");
+    let (ok, _, err) = cli(&perch, &["submit", "--file", file.to_str().expect("utf-8")]);
+    assert!(!ok);
+    assert!(
+        err.contains("job.toml: gpus_per_node: invalid type") && !err.contains("JSON"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -331,6 +346,16 @@ fn dependencies_and_arrays() {
                 && l.contains("waiting for dependencies")),
         "{listed}"
     );
+    // Issue 14: a running job's accounting columns were empty for minutes with no word why.
+    wait_state(&perch, 1, "running");
+    let (ok, shown, err) = cli(&perch, &["show", "1"]);
+    assert!(ok, "{err}");
+    assert!(
+        shown.contains("Usage: GPUHoursAllocated=")
+            && shown.contains("Note: telemetry figures")
+            && shown.contains("within 420 s"),
+        "{shown}"
+    );
     wait_state(&perch, 5, "completed"); // job 2 failed: after_any is satisfied
     let never = wait_state(&perch, 4, "cancelled");
     assert!(
@@ -361,7 +386,7 @@ fn dependencies_and_arrays() {
         ],
     );
     assert!(ok, "{err}");
-    assert_eq!(out.trim(), "Submitted array job 6 (tasks 6..=8)");
+    assert_eq!(out.trim(), "Submitted array job 6 (tasks 6-8)");
     for (id, task) in [(6, 0), (7, 1), (8, 2)] {
         wait_state(&perch, id, "completed");
         let out = wait_for("array output", || {

@@ -1,6 +1,6 @@
 //! The workload `perch demo` runs on its simulated cluster, so every view has something to
-//! show: jobs from a few users and accounts filling about three quarters of the GPUs, a few
-//! more waiting in the queue, one allocated-but-idle job per account, and simulated trainers
+//! show: jobs from a few users and accounts filling about three quarters of the GPUs, two
+//! gangs of whole nodes waiting in the queue (no quarter of the nodes can hold them), one allocated-but-idle job per account, and simulated trainers
 //! that push loss and throughput over OpenTelemetry the way a real training script would.
 //!
 //! The jobs are real processes (`sleep`) started by the agents; their GPUs are simulated and
@@ -66,8 +66,8 @@ async fn submit(
     let total = nodes * gpus_per_node;
     let mut planned = 0;
     let mut i = 0usize;
-    // Fill about three quarters, then queue a few more than fit.
-    while planned < total * 3 / 4 + 2 * gpus_per_node.min(2) {
+    // Fill about three quarters...
+    while planned < total * 3 / 4 {
         let (user, account) = USERS[i % USERS.len()];
         let profile = PROFILES[i % PROFILES.len()];
         let gpus = if i % 4 == 3 { gpus_per_node.min(2) } else { 1 };
@@ -89,6 +89,29 @@ async fn submit(
             .and_then(reqwest::Response::error_for_status)
             .map_err(|e| format!("submitting {request}: {e}"))?;
         planned += gpus;
+        i += 1;
+    }
+    // ... then queue two gangs of whole nodes that cannot start while those run: with at
+    // most a quarter of the GPUs free, at most a quarter of the nodes are free.
+    let gang_nodes = nodes / 4 + 1;
+    for (k, (user, account)) in USERS.iter().take(2).enumerate() {
+        let request = json!({
+            "name": format!("demo-gang-{k}"),
+            "command": ["sleep", "86400"],
+            "nodes": gang_nodes,
+            "gpus_per_node": gpus_per_node,
+            "user": user,
+            "account": account,
+            "time_limit_secs": 86400,
+            "sim_profile": "steady",
+        });
+        client
+            .post(format!("{base}/v1/jobs"))
+            .json(&request)
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+            .map_err(|e| format!("submitting {request}: {e}"))?;
         i += 1;
     }
     tracing::info!(

@@ -257,6 +257,20 @@ pub fn parse_duration(text: &str) -> Result<u64> {
     n.checked_mul(factor).ok_or_else(bad)
 }
 
+/// The server's answer to a request made from a `--file`, in the file's terms: it speaks of a
+/// "JSON body" and of positions in the JSON perch sent, neither of which the user wrote.
+fn in_file_terms(message: &str, file: &std::path::Path) -> String {
+    const PREFIX: &str = "Failed to deserialize the JSON body into the target type: ";
+    let Some((_, rest)) = message.split_once(PREFIX) else {
+        return format!("{}: {message}", file.display());
+    };
+    let rest = match rest.find(" at line ") {
+        Some(at) => &rest[..at],
+        None => rest,
+    };
+    format!("{}: {rest}; fix that key in the file", file.display())
+}
+
 pub fn submit(args: SubmitArgs, config_file: Option<&ConfigFile>) -> Result<()> {
     let mut request: serde_json::Map<String, Value> = match &args.file {
         Some(path) => {
@@ -353,15 +367,22 @@ pub fn submit(args: SubmitArgs, config_file: Option<&ConfigFile>) -> Result<()> 
     if !request.contains_key("command") {
         bail!("give the command after --, e.g. perch submit --gpus 1 -- python train.py");
     }
-    let job = Api::new(&args.server, config_file)?.post("/v1/jobs", &Value::Object(request))?;
+    let api = Api::new(&args.server, config_file)?;
+    let job = match (api.post("/v1/jobs", &Value::Object(request)), &args.file) {
+        (Err(e), Some(file)) => bail!("{}", in_file_terms(&e.to_string(), file)),
+        (result, _) => result?,
+    };
     match job["array_jobs"].as_array() {
         Some(ids) => println!(
-            "Submitted array job {} (tasks {}..={})",
+            "Submitted array job {} (tasks {}-{})",
             job["id"],
             ids.first().unwrap_or(&Value::Null),
             ids.last().unwrap_or(&Value::Null)
         ),
         None => println!("Submitted job {}", job["id"]),
+    }
+    if let Some(warning) = job["warning"].as_str() {
+        eprintln!("warning: {warning}");
     }
     Ok(())
 }
@@ -557,6 +578,30 @@ pub fn show(args: JobIdArgs, config_file: Option<&ConfigFile>) -> Result<()> {
             );
         }
     }
+    let u = &j["usage"];
+    if u.is_object() {
+        let hours = |v: &Value| {
+            v.as_f64()
+                .map_or("-".into(), |s| format!("{:.2}", s / 3600.0))
+        };
+        let num =
+            |v: &Value, unit: &str| v.as_f64().map_or("-".into(), |x| format!("{x:.1}{unit}"));
+        println!(
+            "   Usage: GPUHoursAllocated={} GPUHoursUsed={} MeanUtil={} EnergyKWh={} CostAllocated={} CostUsed={} AccountedUntil={}",
+            hours(&u["gpu_seconds_allocated"]),
+            hours(&u["gpu_seconds_used"]),
+            num(&u["utilization_mean_pct"], "%"),
+            u["energy_joules"]
+                .as_f64()
+                .map_or("-".into(), |e| format!("{:.3}", e / 3.6e6)),
+            num(&u["cost_allocated"], ""),
+            num(&u["cost_used"], ""),
+            s(&u["accounted_until"]),
+        );
+        if let Some(note) = u["note"].as_str() {
+            println!("   Note: {note}");
+        }
+    }
     println!("   Timeline:");
     let submit = j["submit_ms"].as_i64().unwrap_or(0);
     for t in j["timeline"].as_array().into_iter().flatten() {
@@ -617,7 +662,9 @@ pub fn queue(args: ListArgs, config_file: Option<&ConfigFile>) -> Result<()> {
                 s(&r["user"]),
                 s(&r["account"]),
                 gpu_count(r),
-                format!("{:.3}", e["priority"].as_f64().unwrap_or(0.0)),
+                e["priority"]
+                    .as_f64()
+                    .map_or_else(|| "-".to_owned(), |p| format!("{p:.3}")),
                 s(&j["reason"]),
             ]
         })

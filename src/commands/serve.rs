@@ -198,7 +198,7 @@ pub fn demo(config: Config, nodes: u32, gpus_per_node: u32, seed: u64) -> Result
             "perch demo: a SIMULATED cluster of {nodes} nodes x {gpus_per_node} GPUs in one process.\n\
              \x20 Every row, series and message from it is labelled simulated (simulated = true).\n\
              \x20 workload:   demo jobs from alice, bob, chen and dana (accounts vision, nlp, speech) fill\n\
-             \x20             about 3/4 of the GPUs, a few wait in the queue; busy ones push simulated\n\
+             \x20             about 3/4 of the GPUs, two gangs of whole nodes wait in the queue; busy ones push simulated\n\
              \x20             loss and throughput over OpenTelemetry (perch jobs --all, perch queue)\n\
              \x20 server:     http://{addr}  (open, no authentication)\n\
              \x20 data:       {data}\n\

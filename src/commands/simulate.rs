@@ -98,8 +98,23 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     let gpus = args.nodes * args.gpus_per_node;
     let mut rows = Vec::new();
     let mut series = Vec::new();
-    for p in policies {
+    let count = policies.len();
+    for (i, p) in policies.into_iter().enumerate() {
+        // Progress on stderr (the table on stdout stays clean): a large trace takes minutes.
+        eprintln!(
+            "[{}/{count}] replaying {} jobs under {} on {gpus} GPUs...",
+            i + 1,
+            jobs.len(),
+            p.name()
+        );
+        let started = std::time::Instant::now();
         let report = sim::simulate(&jobs, p, &opts)?;
+        eprintln!(
+            "[{}/{count}] {} done in {:.1} s",
+            i + 1,
+            p.name(),
+            started.elapsed().as_secs_f64()
+        );
         rows.push(report.summary);
         series.push((p.name().to_string(), gpus, report.series));
     }

@@ -136,7 +136,59 @@ pub async fn show(
     if job.state == JobState::Running {
         value["gpus_now"] = live_utilization(&state, &job);
     }
+    if job.attempts > 0 {
+        value["usage"] = usage(&state, id, job.state == JobState::Running).await;
+    }
     Ok(Json(value))
+}
+
+/// The job's accounting as the `jobs` table has it (the one definition), with a note while
+/// its telemetry figures lag behind: they are folded every `fold_interval` from samples at
+/// least `settle` old, so a job's first figures come minutes after it starts.
+async fn usage(state: &AppState, id: u64, running: bool) -> serde_json::Value {
+    let sql = format!(
+        "SELECT gpu_seconds_allocated, gpu_seconds_accounted, gpu_seconds_used, \
+         utilization_mean_pct, energy_joules, cost_allocated, cost_used, accounted_until, \
+         end_time, elapsed_seconds FROM jobs WHERE job = {id}"
+    );
+    let mut usage = match crate::alerting::sql_rows(state, &sql).await {
+        Ok(rows) => rows
+            .into_iter()
+            .next()
+            .map_or(serde_json::Value::Null, serde_json::Value::Object),
+        Err(e) => {
+            tracing::warn!(job = id, error = %e, "could not read the job's accounting");
+            return serde_json::Value::Null;
+        }
+    };
+    let config = &state.config.accounting;
+    let (fold, settle) = (config.fold_interval.as_secs(), config.settle.as_secs());
+    let folded = usage["gpu_seconds_accounted"].as_f64().unwrap_or(0.0) > 0.0;
+    let elapsed = usage["elapsed_seconds"].as_f64().unwrap_or(0.0);
+    let complete = !running && usage["accounted_until"] == usage["end_time"];
+    let note = if running && !folded && elapsed <= (fold + settle) as f64 {
+        Some(format!(
+            "telemetry figures (GPU-seconds used, utilization, energy, cost by use) are folded every {fold} s from samples at least {settle} s old: the first ones appear within {} s of the job's start",
+            fold + settle
+        ))
+    } else if running && !folded {
+        Some("no utilization folded yet: its GPUs have not reported any (see gpu_samples)".into())
+    } else if running {
+        Some(format!(
+            "telemetry figures cover the job up to accounted_until and lag it by {settle} to {} s; GPU-seconds allocated run to now",
+            fold + settle
+        ))
+    } else if !complete {
+        Some(format!(
+            "the rest of its telemetry is folded once its last samples are {settle} s old"
+        ))
+    } else {
+        None
+    };
+    if let (Some(note), Some(map)) = (note, usage.as_object_mut()) {
+        map.insert("note".into(), note.into());
+    }
+    usage
 }
 
 pub async fn cancel(
