@@ -14,7 +14,8 @@
 //!
 //! The token is the first of `--token`, `PERCH_TOKEN`, the config file's `[client] token` and
 //! the per-user file's. Like ssh with its keys, a file that gives the token used must not be
-//! readable by group or others.
+//! readable by group or others, and a token from a file is never sent to the default address,
+//! which nothing named and which may be someone else's server.
 //!
 //! Every answer says where it came from: on a shared host the default address may well be
 //! someone else's server, so "cannot reach" and "refused" name the address and its source.
@@ -277,6 +278,15 @@ pub fn resolve(
     let (token, token_source) = token
         .filter(|(t, _)| !t.is_empty())
         .map_or((None, None), |(t, s)| (Some(t), Some(s)));
+    // A token kept in a file goes only to a server something named: the default address may
+    // be someone else's server on a shared host, and would receive the token in clear.
+    if server_source == Source::Default
+        && let Some(source @ (Source::ConfigFile { .. } | Source::UserFile { .. })) = &token_source
+    {
+        bail!(
+            "the token from {source} is not sent to {DEFAULT_SERVER}, which nothing named (on a shared host it may be someone else's server): set [client] server beside the token, or give --server or PERCH_SERVER"
+        );
+    }
 
     Ok(ClientConfig {
         server: server.trim_end_matches('/').to_owned(),

@@ -218,6 +218,30 @@ fn the_config_file_server_comes_from_client_then_listen_then_agent() {
     );
 }
 
+/// A token kept in a file is not sent to the default address nothing named: on a shared host
+/// 127.0.0.1:7300 may be another user's server. A flag or variable's token is the user's
+/// explicit choice and goes where the rest of the command goes.
+#[test]
+fn a_token_from_a_file_never_goes_to_the_default_server() {
+    let user = user_layer("[client]\ntoken = \"t\"\n", 0o100600);
+    let err = resolve(None, None, &no_env, None, Some(&user)).expect_err("refused");
+    let text = format!("{err:#}");
+    assert!(text.contains("not sent to http://127.0.0.1:7300"), "{text}");
+    assert!(text.contains("[client] server"), "{text}");
+    let config = config_layer("[client]\ntoken = \"t\"\n", 0o100600);
+    resolve(None, None, &no_env, Some(&config), None).expect_err("refused too");
+    // Named anywhere, it goes.
+    let got = resolve(Some("http://mine:1"), None, &no_env, None, Some(&user)).expect("named");
+    assert_eq!(got.token.as_deref(), Some("t"));
+    let both = user_layer(
+        "[client]\nserver = \"http://s:1\"\ntoken = \"t\"\n",
+        0o100600,
+    );
+    resolve(None, None, &no_env, None, Some(&both)).expect("same file");
+    let got = resolve(None, Some("mine"), &no_env, None, None).expect("a flag's token");
+    assert_eq!(got.server, DEFAULT_SERVER);
+}
+
 #[test]
 fn a_token_in_a_file_others_can_read_is_refused() {
     for (config, user, mode) in [
