@@ -526,23 +526,13 @@ fn a_silent_node_is_marked_down_its_job_requeued_and_the_orphan_killed() {
     assert!(ok);
 }
 
-/// Issue 14: a job whose processes died while perch (server and agent) was down showed
-/// `running` for minutes and then ended `timeout`, a limit it never reached. When the agent
-/// comes back without it, the job ends `node_fail` at once (no requeues left).
-#[test]
-fn a_job_that_died_while_perch_was_down_ends_node_fail_when_its_agent_returns() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let port = common::free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let start_server =
-        || Perch::start(&dir.path().join("server"), &["server", "--listen", &listen]);
-    let mut server = start_server();
-    let agent_dir = dir.path().join("agent");
-    let mut agent = common::Agent::start(&server.url, "gpu-a", &agent_dir, 1, None, &[]);
-    let pid_file = dir.path().join("pid");
+/// Submits a job that records its shell's pid in `dir/pid` and sleeps, no requeues; waits
+/// until it runs and returns the pid.
+fn start_sleeper(perch: &Perch, dir: &std::path::Path) -> u32 {
+    let pid_file = dir.join("pid");
     let script = format!("echo $$ > {}; sleep 600", pid_file.display());
     let (ok, _, err) = cli(
-        &server,
+        perch,
         &[
             "submit",
             "--gpus",
@@ -558,18 +548,52 @@ fn a_job_that_died_while_perch_was_down_ends_node_fail_when_its_agent_returns() 
         ],
     );
     assert!(ok, "{err}");
-    wait_state(&server, 1, "running");
-    let pid: u32 = wait_for("the job's process", || {
+    wait_state(perch, 1, "running");
+    wait_for("the job's process", || {
         std::fs::read_to_string(&pid_file).ok()?.trim().parse().ok()
-    });
-    agent.kill();
-    server.kill();
-    // While perch is down, the job's process dies (an OOM kill, a user's kill -9).
+    })
+}
+
+/// `kill -9 pid`: the job dies as an OOM kill or a user would end it.
+fn kill_9(pid: u32) {
     let killed = std::process::Command::new("kill")
         .args(["-9", &pid.to_string()])
         .status()
         .expect("run kill");
     assert!(killed.success(), "could not kill the job's process {pid}");
+}
+
+/// Waits for job 1 to leave `running` and checks it ended `state` within 10 s.
+fn ends_at_once(perch: &Perch, state: &str) {
+    let started = std::time::Instant::now();
+    let j = wait_for("the job to end", || {
+        let j = job(perch, 1);
+        (j["state"] != "running").then_some(j)
+    });
+    assert_eq!(j["state"], state, "{j}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "it took {:?} after perch came back",
+        started.elapsed()
+    );
+}
+
+/// Issue 14: a job whose processes died while perch (server and agent) was down showed
+/// `running` for minutes and then ended `timeout`, a limit it never reached. When the agent
+/// comes back without it, the job ends `node_fail` at once (no requeues left).
+#[test]
+fn a_job_that_died_while_perch_was_down_ends_node_fail_when_its_agent_returns() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let listen = format!("127.0.0.1:{}", common::free_port());
+    let start_server =
+        || Perch::start(&dir.path().join("server"), &["server", "--listen", &listen]);
+    let mut server = start_server();
+    let agent_dir = dir.path().join("agent");
+    let mut agent = common::Agent::start(&server.url, "gpu-a", &agent_dir, 1, None, &[]);
+    let pid = start_sleeper(&server, dir.path());
+    agent.kill();
+    server.kill();
+    kill_9(pid);
     let server = start_server();
     assert_eq!(
         job(&server, 1)["state"],
@@ -577,17 +601,7 @@ fn a_job_that_died_while_perch_was_down_ends_node_fail_when_its_agent_returns() 
         "the server cannot know yet"
     );
     let _agent = common::Agent::start(&server.url, "gpu-a", &agent_dir, 1, None, &[]);
-    let started = std::time::Instant::now();
-    let j = wait_for("the job to end", || {
-        let j = job(&server, 1);
-        (j["state"] != "running").then_some(j)
-    });
-    assert_eq!(j["state"], "node_fail", "{j}");
-    assert!(
-        started.elapsed() < std::time::Duration::from_secs(10),
-        "it took {:?} after the agent came back",
-        started.elapsed()
-    );
+    ends_at_once(&server, "node_fail");
 }
 
 /// The same with `perch up` (server and agent in one process), as the README starts it.
@@ -597,47 +611,11 @@ fn a_job_that_died_while_perch_up_was_down_ends_node_fail_when_it_restarts() {
     let data = dir.path().join("data");
     let up = ["up", "--simulate-gpus", "1"];
     let mut perch = Perch::start(&data, &up);
-    let pid_file = dir.path().join("pid");
-    let script = format!("echo $$ > {}; sleep 600", pid_file.display());
-    let (ok, _, err) = cli(
-        &perch,
-        &[
-            "submit",
-            "--gpus",
-            "1",
-            "--time",
-            "1h",
-            "--max-requeues",
-            "0",
-            "--",
-            "sh",
-            "-c",
-            &script,
-        ],
-    );
-    assert!(ok, "{err}");
-    wait_state(&perch, 1, "running");
-    let pid: u32 = wait_for("the job's process", || {
-        std::fs::read_to_string(&pid_file).ok()?.trim().parse().ok()
-    });
+    let pid = start_sleeper(&perch, dir.path());
     perch.kill();
-    let killed = std::process::Command::new("kill")
-        .args(["-9", &pid.to_string()])
-        .status()
-        .expect("run kill");
-    assert!(killed.success(), "could not kill the job's process {pid}");
+    kill_9(pid);
     let perch = Perch::start(&data, &up);
-    let started = std::time::Instant::now();
-    let j = wait_for("the job to end", || {
-        let j = job(&perch, 1);
-        (j["state"] != "running").then_some(j)
-    });
-    assert_eq!(j["state"], "node_fail", "{j}");
-    assert!(
-        started.elapsed() < std::time::Duration::from_secs(10),
-        "it took {:?} after perch came back",
-        started.elapsed()
-    );
+    ends_at_once(&perch, "node_fail");
 }
 
 /// The server alone was down: the agent saw the job die and reports its exit once the server
@@ -645,8 +623,7 @@ fn a_job_that_died_while_perch_up_was_down_ends_node_fail_when_it_restarts() {
 #[test]
 fn a_job_that_died_while_the_server_was_down_ends_at_once_when_it_returns() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let port = common::free_port();
-    let listen = format!("127.0.0.1:{port}");
+    let listen = format!("127.0.0.1:{}", common::free_port());
     let start_server =
         || Perch::start(&dir.path().join("server"), &["server", "--listen", &listen]);
     let mut server = start_server();
@@ -658,46 +635,10 @@ fn a_job_that_died_while_the_server_was_down_ends_at_once_when_it_returns() {
         None,
         &[],
     );
-    let pid_file = dir.path().join("pid");
-    let script = format!("echo $$ > {}; sleep 600", pid_file.display());
-    let (ok, _, err) = cli(
-        &server,
-        &[
-            "submit",
-            "--gpus",
-            "1",
-            "--time",
-            "1h",
-            "--max-requeues",
-            "0",
-            "--",
-            "sh",
-            "-c",
-            &script,
-        ],
-    );
-    assert!(ok, "{err}");
-    wait_state(&server, 1, "running");
-    let pid: u32 = wait_for("the job's process", || {
-        std::fs::read_to_string(&pid_file).ok()?.trim().parse().ok()
-    });
+    let pid = start_sleeper(&server, dir.path());
     server.kill();
-    let killed = std::process::Command::new("kill")
-        .args(["-9", &pid.to_string()])
-        .status()
-        .expect("run kill");
-    assert!(killed.success(), "could not kill the job's process {pid}");
+    kill_9(pid);
     std::thread::sleep(std::time::Duration::from_secs(2));
     let server = start_server();
-    let started = std::time::Instant::now();
-    let j = wait_for("the job to end", || {
-        let j = job(&server, 1);
-        (j["state"] != "running").then_some(j)
-    });
-    assert_eq!(j["state"], "failed", "{j}");
-    assert!(
-        started.elapsed() < std::time::Duration::from_secs(10),
-        "it took {:?} after the server came back",
-        started.elapsed()
-    );
+    ends_at_once(&server, "failed");
 }

@@ -123,12 +123,12 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).trim().to_owned()
 }
 
-#[test]
-fn psql_queries_and_cannot_write() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let config = dir.path().join("perch.toml");
+/// `perch up` with one simulated GPU and its PostgreSQL listener on a free port, in `dir`;
+/// returns it and the listener's address.
+fn up_with_psql(dir: &std::path::Path) -> (Perch, String) {
+    let config = dir.join("perch.toml");
     std::fs::write(&config, "[server]\npg_listen = \"127.0.0.1:0\"\n").expect("write config");
-    let data = dir.path().join("data");
+    let data = dir.join("data");
     let config = config.to_string_lossy().into_owned();
     let perch = Perch::start(
         &data,
@@ -147,7 +147,14 @@ fn psql_queries_and_cannot_write() {
             .ok()
             .filter(|s| s.ends_with('\n'))
     });
-    let addr = addr.trim();
+    (perch, addr.trim().to_owned())
+}
+
+#[test]
+fn psql_queries_and_cannot_write() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (perch, addr) = up_with_psql(dir.path());
+    let addr = addr.as_str();
     wait_for("a few GPU samples", || {
         (perch.scalar("SELECT count(*) FROM gpu_samples") >= 3).then_some(())
     });
@@ -476,28 +483,8 @@ fn documented_queries() -> Vec<(String, String)> {
 #[test]
 fn every_documented_query_runs_through_psql() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = dir.path().join("perch.toml");
-    std::fs::write(&config, "[server]\npg_listen = \"127.0.0.1:0\"\n").expect("write config");
-    let data = dir.path().join("data");
-    let config = config.to_string_lossy().into_owned();
-    let perch = Perch::start(
-        &data,
-        &[
-            "up",
-            "--config",
-            &config,
-            "--simulate-gpus",
-            "1",
-            "--interval-ms",
-            "100",
-        ],
-    );
-    let addr = wait_for("pg.addr", || {
-        std::fs::read_to_string(data.join("pg.addr"))
-            .ok()
-            .filter(|s| s.ends_with('\n'))
-    });
-    let addr = addr.trim();
+    let (perch, addr) = up_with_psql(dir.path());
+    let addr = addr.as_str();
     let (ok, _, err) = perch.cli_as("alice", &["submit", "--gpus", "1", "--", "true"]);
     assert!(ok, "{err}");
     wait_for("alice's job to end", || {

@@ -81,13 +81,7 @@ async fn submit(
             "sim_profile": profile,
             "preemptible": i.is_multiple_of(2),
         });
-        client
-            .post(format!("{base}/v1/jobs"))
-            .json(&request)
-            .send()
-            .await
-            .and_then(reqwest::Response::error_for_status)
-            .map_err(|e| format!("submitting {request}: {e}"))?;
+        post_job(client, base, &request).await?;
         planned += gpus;
         i += 1;
     }
@@ -105,13 +99,7 @@ async fn submit(
             "time_limit_secs": 86400,
             "sim_profile": "steady",
         });
-        client
-            .post(format!("{base}/v1/jobs"))
-            .json(&request)
-            .send()
-            .await
-            .and_then(reqwest::Response::error_for_status)
-            .map_err(|e| format!("submitting {request}: {e}"))?;
+        post_job(client, base, &request).await?;
         i += 1;
     }
     tracing::info!(
@@ -119,6 +107,17 @@ async fn submit(
         "demo workload submitted (simulated GPUs follow each job's profile)"
     );
     Ok(())
+}
+
+async fn post_job(client: &reqwest::Client, base: &str, request: &Value) -> Result<(), String> {
+    client
+        .post(format!("{base}/v1/jobs"))
+        .json(request)
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status)
+        .map(|_| ())
+        .map_err(|e| format!("submitting {request}: {e}"))
 }
 
 /// One OTLP/JSON export per running, busy job: a falling loss and a throughput.
