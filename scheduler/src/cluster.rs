@@ -151,6 +151,9 @@ pub(crate) struct Node {
     pub(crate) model: usize,
     pub(crate) rack: usize,
     pub(crate) state: NodeState,
+    /// Drained by an operator or remediation, whether it is up or down now: a drained node
+    /// that goes down comes back drained.
+    pub(crate) drained: bool,
     pub(crate) all: u64,
     /// GPUs held whole.
     pub(crate) alloc: u64,
@@ -280,6 +283,7 @@ impl Cluster {
             model,
             rack,
             state: NodeState::Up,
+            drained: false,
             all,
             alloc: 0,
             shared: 0,

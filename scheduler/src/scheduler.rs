@@ -410,14 +410,28 @@ impl Scheduler {
                     out.extend(self.fail_running(now, job));
                 }
             }
-            Event::NodeUp(node) | Event::Resume(node) => {
-                self.set_node_state(node, NodeState::Up)?
+            // A drain is the operator's (or remediation's) and outlives a node's absence: a
+            // drained node that goes down comes back drained, and resuming a node that is down
+            // leaves it down until its agent reports again.
+            Event::NodeUp(node) => {
+                let drained = self.cluster.node_mut(node)?.drained;
+                let state = if drained {
+                    NodeState::Drained
+                } else {
+                    NodeState::Up
+                };
+                self.set_node_state(node, state)?
+            }
+            Event::Resume(node) => {
+                self.cluster.node_mut(node)?.drained = false;
+                if self.cluster.state(node) == Some(NodeState::Drained) {
+                    self.set_node_state(node, NodeState::Up)?;
+                }
             }
             Event::Drain(node) => {
+                self.cluster.node_mut(node)?.drained = true;
                 if self.cluster.state(node) == Some(NodeState::Up) {
                     self.set_node_state(node, NodeState::Drained)?;
-                } else {
-                    self.cluster.node_mut(node)?;
                 }
             }
             Event::GpuHealth { node, gpu, health } => {

@@ -340,6 +340,35 @@ fn unhealthy_gpus_and_drained_nodes_get_no_work() {
     assert_eq!(started(&a), vec![1]);
 }
 
+/// Issue 16: a drained node that went down and came back took jobs again (the drain was
+/// lost), and resuming a node that was down marked it up while its agent was silent.
+#[test]
+fn a_drain_outlives_the_node_going_down_and_resume_does_not_revive_a_down_node() {
+    let mut s = sched(1, Config::backfill());
+    step(&mut s, 0, Event::Drain(NodeId(0)));
+    step(&mut s, 1, Event::NodeDown(NodeId(0)));
+    step(&mut s, 2, Event::NodeUp(NodeId(0)));
+    let a = step(&mut s, 3, Event::Submit(one(1, 1, "a", 60, 3)));
+    assert!(started(&a).is_empty(), "the node is still drained: {a:?}");
+    let a = step(&mut s, 4, Event::Resume(NodeId(0)));
+    assert_eq!(started(&a), vec![1]);
+    // Drained while down: it comes back drained too.
+    step(&mut s, 6, Event::NodeDown(NodeId(0)));
+    step(&mut s, 7, Event::Drain(NodeId(0)));
+    step(&mut s, 8, Event::NodeUp(NodeId(0)));
+    let a = step(&mut s, 9, Event::Submit(one(2, 1, "a", 60, 9)));
+    assert!(started(&a).is_empty(), "drained while down: {a:?}");
+    // Resuming a down node leaves it down until its agent reports.
+    step(&mut s, 10, Event::NodeDown(NodeId(0)));
+    step(&mut s, 11, Event::Resume(NodeId(0)));
+    let a = step(&mut s, 12, Event::Tick);
+    assert!(started(&a).is_empty(), "resumed but still down: {a:?}");
+    let a = step(&mut s, 13, Event::NodeUp(NodeId(0)));
+    let mut both = started(&a);
+    both.sort_unstable();
+    assert!(both.contains(&2), "{a:?}");
+}
+
 #[test]
 fn impossible_gangs_do_not_block_fifo() {
     let mut s = sched(1, Config::fifo());
