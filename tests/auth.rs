@@ -79,7 +79,18 @@ fn tokens_decide_who_may_do_what() {
     let (ok, out, err) = cli(
         &url,
         Some(ALICE),
-        &["submit", "--gpus", "1", "--", "sleep", "30"],
+        &[
+            "submit",
+            "--gpus",
+            "1",
+            "--env",
+            "WANDB_API_KEY=s3cret-key",
+            "--",
+            "sh",
+            "-c",
+            "sleep 30",
+            "--password=hunter2",
+        ],
     );
     assert!(ok, "{err}");
     assert_eq!(out.trim(), "Submitted job 1");
@@ -102,6 +113,37 @@ fn tokens_decide_who_may_do_what() {
     // Bob may list and show, but not cancel or read Alice's job.
     let (ok, out, _) = cli(&url, Some(BOB), &["jobs"]);
     assert!(ok && out.contains("alice"), "{out}");
+    // Issue 16: nor see her environment or command line (an API key, a password argument),
+    // through any listing; she and the operators still do.
+    let body = |token: &str, path: &str| {
+        reqwest::blocking::Client::new()
+            .get(format!("{url}{path}"))
+            .bearer_auth(token)
+            .send()
+            .expect("get")
+            .text()
+            .expect("text")
+    };
+    for path in [
+        "/v1/jobs",
+        "/v1/jobs/1",
+        "/v1/queue",
+        "/v1/jobs?state=running",
+    ] {
+        let seen = body(BOB, path);
+        assert!(
+            !seen.contains("s3cret-key") && !seen.contains("hunter2"),
+            "{path} shows bob alice's secrets: {seen}"
+        );
+    }
+    assert!(body(BOB, "/v1/jobs/1").contains("hidden: not your job"));
+    for token in [ALICE, OPERATOR] {
+        let seen = body(token, "/v1/jobs/1");
+        assert!(
+            seen.contains("s3cret-key") && seen.contains("hunter2"),
+            "{seen}"
+        );
+    }
     let (ok, _, err) = cli(&url, Some(BOB), &["cancel", "1"]);
     assert!(!ok && err.contains("belongs to alice"), "{err}");
     let (ok, _, err) = cli(&url, Some(BOB), &["logs", "1"]);

@@ -68,8 +68,28 @@ pub struct ListParams {
     limit: Option<usize>,
 }
 
+/// A job as `who` may see it: everything for its owner and operators; for other users the
+/// scheduling facts (state, placement, timing, user, account) but not what it runs with, since
+/// its command line and environment carry other people's secrets (an API key in `env`, a
+/// `--password=` argument). Its logs are the owner's already.
+fn as_seen_by(job: &super::record::JobRecord, who: &Identity) -> serde_json::Value {
+    let mut value = serde_json::to_value(job).unwrap_or_default();
+    if !who.may_act_on(job.request.user()) {
+        let request = &mut value["request"];
+        request["command"] = serde_json::json!([HIDDEN]);
+        request["env"] = serde_json::json!({});
+        request["workdir"] = serde_json::Value::Null;
+        value["private"] = true.into();
+    }
+    value
+}
+
+/// What stands for another user's command line.
+const HIDDEN: &str = "(hidden: not your job)";
+
 pub async fn list(
     State(state): State<AppState>,
+    Extension(who): Extension<Identity>,
     params: Result<Query<ListParams>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let Query(p) = params.map_err(|e| {
@@ -103,6 +123,7 @@ pub async fn list(
             ))
         })
         .await?;
+    let jobs: Vec<_> = jobs.iter().map(|j| as_seen_by(j, &who)).collect();
     Ok(Json(serde_json::json!({ "jobs": jobs })))
 }
 
@@ -126,13 +147,14 @@ fn live_utilization(state: &AppState, job: &super::record::JobRecord) -> serde_j
 
 pub async fn show(
     State(state): State<AppState>,
+    Extension(who): Extension<Identity>,
     Path(id): Path<u64>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let job = state
         .jobs
         .run(move |c, _| c.view(id).ok_or(super::ControlError::NoSuchJob(id)))
         .await?;
-    let mut value = serde_json::to_value(&job).unwrap_or_default();
+    let mut value = as_seen_by(&job, &who);
     if job.state == JobState::Running {
         value["gpus_now"] = live_utilization(&state, &job);
     }
@@ -247,7 +269,10 @@ pub async fn logs(
     Ok((headers, data))
 }
 
-pub async fn queue(State(state): State<AppState>) -> Result<Json<serde_json::Value>, ApiError> {
+pub async fn queue(
+    State(state): State<AppState>,
+    Extension(who): Extension<Identity>,
+) -> Result<Json<serde_json::Value>, ApiError> {
     let entries = state.jobs.run(|c, _| Ok(c.queue())).await?;
     // Held jobs (waiting for dependencies) have no place in line yet: position and priority
     // are null.
@@ -256,6 +281,7 @@ pub async fn queue(State(state): State<AppState>) -> Result<Json<serde_json::Val
         .enumerate()
         .map(|(i, (job, priority))| {
             let position = priority.map(|_| i + 1);
+            let job = as_seen_by(&job, &who);
             serde_json::json!({"position": position, "priority": priority, "job": job})
         })
         .collect();
