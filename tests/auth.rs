@@ -35,7 +35,7 @@ fn tokens_decide_who_may_do_what() {
             "[[tokens]]\ntoken = \"{ALICE}\"\nuser = \"alice\"\nrole = \"user\"\n\
              [[tokens]]\ntoken = \"{BOB}\"\nuser = \"bob\"\nrole = \"user\"\n\
              [[tokens]]\ntoken = \"{OPERATOR}\"\nuser = \"ops\"\nrole = \"operator\"\n\
-             [[tokens]]\ntoken = \"{AGENT}\"\nuser = \"node-agent\"\nrole = \"agent\"\n"
+             [[tokens]]\ntoken = \"{AGENT}\"\nuser = \"node-agent\"\nrole = \"agent\"\nnodes = [\"gpu-a\"]\n"
         ),
     )
     .expect("tokens file");
@@ -148,6 +148,31 @@ fn tokens_decide_who_may_do_what() {
     assert!(!ok && err.contains("belongs to alice"), "{err}");
     let (ok, _, err) = cli(&url, Some(BOB), &["logs", "1"]);
     assert!(!ok && err.contains("403"), "{err}");
+
+    // Issue 16: gpu-a's token cannot report or sync as another node.
+    let client = reqwest::blocking::Client::new();
+    let forged = client
+        .post(format!("{url}/v1/ingest"))
+        .bearer_auth(AGENT)
+        .json(&common::marked_batch("gpu-b", 1))
+        .send()
+        .expect("ingest");
+    assert_eq!(forged.status().as_u16(), 403);
+    assert!(
+        forged
+            .text()
+            .expect("text")
+            .contains("bound to node(s) gpu-a")
+    );
+    let sync = client
+        .post(format!("{url}/v1/agent/sync"))
+        .bearer_auth(AGENT)
+        .json(&serde_json::json!({"node": "gpu-b", "gpus": 8, "gpu_model": "forged"}))
+        .send()
+        .expect("sync");
+    assert_eq!(sync.status().as_u16(), 403);
+    let (_, nodes, _) = cli(&url, Some(OPERATOR), &["nodes"]);
+    assert!(!nodes.contains("gpu-b"), "{nodes}");
 
     // Only operators drain; agents cannot act as users.
     let (ok, _, err) = cli(&url, Some(ALICE), &["drain", "gpu-a"]);

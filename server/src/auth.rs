@@ -32,9 +32,29 @@ pub enum Role {
 pub struct Identity {
     pub user: String,
     pub role: Role,
+    /// For an agent token: the nodes it may report for and sync as (`nodes` in the tokens
+    /// file); `None` lets it speak for any node.
+    pub nodes: Option<Vec<String>>,
 }
 
 impl Identity {
+    /// May send telemetry for, and sync as, node `node`: an agent bound to other nodes may
+    /// not (one stolen node's token cannot forge another node's data or take its jobs).
+    pub fn may_speak_for(&self, node: &str) -> Result<(), ApiError> {
+        match &self.nodes {
+            Some(nodes) if !nodes.iter().any(|n| n == node) => Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                format!(
+                    "this token ({}) is bound to node(s) {}; it may not report as {node}: give this node its own token, or add it to the token's `nodes` in the tokens file",
+                    self.user,
+                    nodes.join(", ")
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// May act on a job that belongs to `owner`.
     pub fn may_act_on(&self, owner: &str) -> bool {
         self.role == Role::Operator || self.user == owner
@@ -53,6 +73,9 @@ struct TokenEntry {
     token: String,
     user: String,
     role: Role,
+    /// Agent tokens: the nodes it may speak for.
+    #[serde(default)]
+    nodes: Option<Vec<String>>,
 }
 
 /// The tokens the server accepts; `None` means open mode.
@@ -93,12 +116,28 @@ impl Tokens {
                     t.user
                 ));
             }
+            if t.nodes.is_some() && t.role != Role::Agent {
+                return Err(format!(
+                    "tokens[{i}].nodes is set but its role is not agent; only agent tokens are bound to nodes"
+                ));
+            }
+            for node in t.nodes.iter().flatten() {
+                perch_model::NodeId::new(node.clone())
+                    .map_err(|e| format!("tokens[{i}].nodes: {e}"))?;
+            }
+            if t.role == Role::Agent && t.nodes.is_none() {
+                tracing::warn!(
+                    user = %t.user,
+                    "agent token tokens[{i}] is bound to no node: it may report as any node; give each node its own token with nodes = [\"<node>\"]"
+                );
+            }
             if map
                 .insert(
                     t.token,
                     Identity {
                         user: t.user,
                         role: t.role,
+                        nodes: t.nodes,
                     },
                 )
                 .is_some()
@@ -120,6 +159,7 @@ impl Tokens {
             return Ok(Identity {
                 user: "local".into(),
                 role: Role::Operator,
+                nodes: None,
             });
         };
         let token = header

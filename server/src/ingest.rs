@@ -6,12 +6,13 @@
 //! `"duplicate": true` and stored nowhere. A malformed or invalid batch gets 400 with a message
 //! naming the field; the agent must not resend it. 503 means try again later.
 
+use crate::auth::Identity;
 use crate::{ApiError, AppState};
-use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::StatusCode;
+use axum::{Extension, Json};
 use perch_model::Batch;
 use perch_query::IngestOutcome;
 use std::sync::atomic::Ordering;
@@ -24,9 +25,10 @@ pub fn now_ms() -> i64 {
 
 pub async fn ingest(
     State(state): State<AppState>,
+    Extension(who): Extension<Identity>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let result = handle(&state, body).await;
+    let result = handle(&state, &who, body).await;
     let outcome = match &result {
         Ok(v) if v["duplicate"] == true => "duplicate",
         Ok(_) => "stored",
@@ -39,6 +41,7 @@ pub async fn ingest(
 
 async fn handle(
     state: &AppState,
+    who: &Identity,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<serde_json::Value, ApiError> {
     if !state.ready.load(Ordering::Relaxed) {
@@ -61,6 +64,7 @@ async fn handle(
             format!("the body is not a valid telemetry batch: {e}"),
         )
     })?;
+    who.may_speak_for(batch.node.as_str())?;
     let now = now_ms();
     batch.validate(now).map_err(|e| {
         ApiError::bad_request(

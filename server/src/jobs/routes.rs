@@ -362,6 +362,7 @@ pub async fn resume(
 
 pub async fn sync(
     State(state): State<AppState>,
+    Extension(who): Extension<Identity>,
     payload: Result<Json<SyncRequest>, JsonRejection>,
 ) -> Result<Json<SyncResponse>, ApiError> {
     let mut request = body(payload, "agent sync request")?;
@@ -369,6 +370,7 @@ pub async fn sync(
         .node
         .validate()
         .map_err(|e| ApiError::bad_request("invalid_sync", format!("field `node`: {e}")))?;
+    who.may_speak_for(request.node.as_str())?;
     let node = request.node.as_str().to_owned();
     state
         .node_commands
