@@ -1,25 +1,39 @@
 //! The Postgres catalog, as far as Postgres clients ask it: Grafana's PostgreSQL data source
 //! (its query builder lists schemas, tables and columns, and reads the server version),
-//! psql's `\dt`, and what drivers and DBeaver ask on connecting (`version()`,
-//! `current_database()`, `SHOW ...`).
+//! psql's `\dt`, `\d`, `\d+ NAME`, `\dv`, `\dn` and `\l`, and what drivers and DBeaver ask
+//! on connecting (`version()`, `current_database()`, `SHOW ...`).
 //!
 //! DataFusion has none of Postgres's catalog functions or `pg_catalog` tables, but it has
 //! `information_schema`. So a statement is parsed (Postgres dialect) and rewritten before it
 //! reaches [`perch_query::SqlEngine`]: catalog functions become constants or plain
-//! expressions, `pg_catalog` tables become subqueries over `information_schema`, the column
-//! types in `information_schema.columns` become the Postgres types perch sends them as, and
-//! Grafana's search-path subquery (which needs `generate_series` over an array, `s[i]` and
-//! `user`) becomes the one schema perch has, `public`. The rewritten statement still goes
-//! through the engine's read-only check. A statement that needs none of this is sent on
+//! expressions, `pg_catalog` tables become subqueries over `information_schema` (see
+//! [`tables`]), the column types in `information_schema.columns` become the Postgres types
+//! perch sends them as, and Grafana's search-path subquery (which needs `generate_series`
+//! over an array, `s[i]` and `user`) becomes the one schema perch has, `public`. Postgres's
+//! own syntax becomes DataFusion's: `OPERATOR(pg_catalog.~)`, `COLLATE`, casts to `oid`,
+//! `regclass` or `pg_catalog.text`, `ARRAY(SELECT ...)`, `pg_catalog.unnest(a) x`.
+//!
+//! A `SELECT` that needs a row of a catalog table perch has none in (indexes, constraints,
+//! policies, publications...; see [`tables::is_empty`]) has no rows, so it is answered as its
+//! column names over no rows, whatever Postgres-only expressions it computes: psql's
+//! describe commands ask a dozen such questions of every table. The rewritten statement still
+//! goes through the engine's read-only check. A statement that needs none of this is sent on
 //! exactly as the client wrote it.
 
+mod dialect;
+mod no_rows;
+mod tables;
+
 use datafusion::sql::sqlparser::ast::{
-    BinaryOperator, Expr, FunctionArg, FunctionArgExpr, FunctionArguments, Ident, ObjectName,
-    Query, Select, SelectItem, Statement, TableAlias, TableFactor, Value, VisitMut, VisitorMut,
+    BinaryOperator, Expr, FunctionArg, FunctionArgExpr, FunctionArguments, GroupByExpr, Ident,
+    ObjectName, Query, Select, SelectItem, Statement, TableAlias, TableAliasColumnDef, TableFactor,
+    Value, Visit, VisitMut, Visitor, VisitorMut,
 };
 use datafusion::sql::sqlparser::dialect::PostgreSqlDialect;
 use datafusion::sql::sqlparser::parser::Parser;
+use std::collections::HashMap;
 use std::ops::ControlFlow;
+use tables::{ORDINAL_POSITION, PG_DATA_TYPE, catalog_table};
 
 /// The version perch reports to Postgres clients: the protocol and catalog it imitates.
 pub const SERVER_VERSION: &str = "16.6";
@@ -57,87 +71,6 @@ const SETTINGS: &[(&str, &str)] = &[
 fn setting(name: &str) -> Option<&'static str> {
     let name = name.to_ascii_lowercase();
     SETTINGS.iter().find(|(n, _)| *n == name).map(|(_, v)| *v)
-}
-
-/// Postgres's type name for an Arrow type as `information_schema.columns` spells it, matching
-/// the wire types in `pg::pg_type`.
-const PG_DATA_TYPE: &str = "CASE \
-     WHEN data_type LIKE 'Timestamp(%' AND data_type LIKE '%UTC%' THEN 'timestamp with time zone' \
-     WHEN data_type LIKE 'Timestamp(%' THEN 'timestamp without time zone' \
-     WHEN data_type LIKE 'Float%' THEN 'double precision' \
-     WHEN data_type LIKE 'Int%' OR data_type LIKE 'UInt%' THEN 'bigint' \
-     WHEN data_type = 'Boolean' THEN 'boolean' \
-     ELSE 'text' END";
-
-/// Postgres's internal type name (`udt_name`) for the same: what Grafana 9 and older match on.
-const PG_UDT_NAME: &str = "CASE \
-     WHEN data_type LIKE 'Timestamp(%' AND data_type LIKE '%UTC%' THEN 'timestamptz' \
-     WHEN data_type LIKE 'Timestamp(%' THEN 'timestamp' \
-     WHEN data_type LIKE 'Float%' THEN 'float8' \
-     WHEN data_type LIKE 'Int%' OR data_type LIKE 'UInt%' THEN 'int8' \
-     WHEN data_type = 'Boolean' THEN 'bool' \
-     ELSE 'text' END";
-
-/// Namespace OIDs as Postgres numbers them (`public` is 2200 everywhere).
-const NAMESPACE_OID: &str = "CASE table_schema WHEN 'public' THEN 2200 \
-     WHEN 'information_schema' THEN 13000 ELSE 11 END";
-
-/// `pg_catalog` tables as subqueries over `information_schema`. OIDs are numbered within one
-/// statement (tables in name order), which is all a join between them needs.
-fn catalog_table(name: &str) -> Option<String> {
-    let pg_class = format!(
-        "SELECT CAST(16384 + row_number() OVER (ORDER BY table_schema, table_name) AS BIGINT) AS oid, \
-         table_name AS relname, CAST({NAMESPACE_OID} AS BIGINT) AS relnamespace, \
-         CASE table_type WHEN 'VIEW' THEN 'v' ELSE 'r' END AS relkind, \
-         CAST(10 AS BIGINT) AS relowner, CAST(2 AS BIGINT) AS relam, \
-         CAST(0 AS BIGINT) AS reltuples, false AS relhasindex, false AS relispartition, \
-         table_schema AS nspname \
-         FROM information_schema.tables"
-    );
-    Some(match name {
-        "pg_namespace" => "SELECT CAST(2200 AS BIGINT) AS oid, 'public' AS nspname, CAST(10 AS BIGINT) AS nspowner \
-             UNION ALL SELECT CAST(11 AS BIGINT), 'pg_catalog', CAST(10 AS BIGINT) \
-             UNION ALL SELECT CAST(13000 AS BIGINT), 'information_schema', CAST(10 AS BIGINT)"
-            .to_owned(),
-        "pg_class" => pg_class,
-        "pg_tables" => "SELECT table_schema AS schemaname, table_name AS tablename, 'perch' AS tableowner, \
-             false AS hasindexes FROM information_schema.tables WHERE table_type = 'BASE TABLE'"
-            .to_owned(),
-        "pg_attribute" => format!(
-            "SELECT c.oid AS attrelid, col.column_name AS attname, \
-             CAST(CASE {PG_DATA_TYPE} WHEN 'boolean' THEN 16 WHEN 'bigint' THEN 20 \
-                  WHEN 'double precision' THEN 701 WHEN 'timestamp without time zone' THEN 1114 \
-                  WHEN 'timestamp with time zone' THEN 1184 ELSE 25 END AS BIGINT) AS atttypid, \
-             CAST(col.ordinal_position AS BIGINT) AS attnum, col.is_nullable = 'NO' AS attnotnull, \
-             false AS attisdropped, CAST(-1 AS BIGINT) AS atttypmod \
-             FROM information_schema.columns col \
-             JOIN ({pg_class}) c ON c.relname = col.table_name AND c.nspname = col.table_schema"
-        ),
-        "pg_type" => "SELECT CAST(oid AS BIGINT) AS oid, typname, CAST(11 AS BIGINT) AS typnamespace \
-             FROM (VALUES (16, 'bool'), (20, 'int8'), (25, 'text'), (701, 'float8'), \
-             (1114, 'timestamp'), (1184, 'timestamptz')) AS t(oid, typname)"
-            .to_owned(),
-        "pg_database" => "SELECT CAST(16383 AS BIGINT) AS oid, 'perch' AS datname, \
-             CAST(10 AS BIGINT) AS datdba, CAST(6 AS BIGINT) AS encoding, 'C' AS datcollate, \
-             'C' AS datctype, CAST(NULL AS VARCHAR) AS daticulocale, 'c' AS datlocprovider, \
-             make_array('=Tc/perch') AS datacl, false AS datistemplate, true AS datallowconn"
-            .to_owned(),
-        "pg_am" => "SELECT CAST(2 AS BIGINT) AS oid, 'heap' AS amname, 't' AS amtype".to_owned(),
-        "pg_extension" => "SELECT CAST(NULL AS BIGINT) AS oid, CAST(NULL AS VARCHAR) AS extname, \
-             CAST(NULL AS VARCHAR) AS extversion WHERE false"
-            .to_owned(),
-        "pg_settings" => {
-            let rows: Vec<String> = SETTINGS
-                .iter()
-                .map(|(n, v)| format!("('{n}', '{v}')"))
-                .collect();
-            format!(
-                "SELECT name, setting FROM (VALUES {}) AS s(name, setting)",
-                rows.join(", ")
-            )
-        }
-        _ => return None,
-    })
 }
 
 fn parse_query(sql: &str) -> Option<Box<Query>> {
@@ -232,8 +165,75 @@ fn bare_function(i: &Ident) -> Option<String> {
     (i.quote_style.is_none() && known).then_some(name)
 }
 
+/// Whether `select` has a `GROUP BY`.
+fn grouped(select: &Select) -> bool {
+    !matches!(&select.group_by, GroupByExpr::Expressions(g, _) if g.is_empty())
+}
+
+/// The catalog table a name in a `FROM` stands for: `pg_catalog.t`, or `pg_t` unqualified.
+fn catalog_name(parts: &[String]) -> Option<&str> {
+    match parts {
+        [schema, t] if schema == "pg_catalog" => Some(t),
+        [t] if t.starts_with("pg_") => Some(t),
+        _ => None,
+    }
+}
+
+fn ident_name(i: &Ident) -> String {
+    if i.quote_style.is_some() {
+        i.value.clone()
+    } else {
+        i.value.to_ascii_lowercase()
+    }
+}
+
+/// What each table alias (or unaliased table name) in a statement stands for: a catalog
+/// table's name, or `None` for anything else and for a name given to different tables.
+#[derive(Default)]
+struct Aliases(HashMap<String, Option<String>>);
+
+impl Visitor for Aliases {
+    type Break = ();
+
+    fn pre_visit_table_factor(&mut self, factor: &TableFactor) -> ControlFlow<()> {
+        let (alias, table) = match factor {
+            TableFactor::Table {
+                name,
+                alias,
+                args: None,
+                ..
+            } => {
+                let parts = parts(name);
+                let alias = alias
+                    .as_ref()
+                    .map(|a| ident_name(&a.name))
+                    .or_else(|| parts.last().cloned());
+                (alias, catalog_name(&parts).map(str::to_owned))
+            }
+            TableFactor::Table { alias, .. }
+            | TableFactor::Derived { alias, .. }
+            | TableFactor::UNNEST { alias, .. } => {
+                (alias.as_ref().map(|a| ident_name(&a.name)), None)
+            }
+            _ => (None, None),
+        };
+        if let Some(alias) = alias {
+            self.0
+                .entry(alias)
+                .and_modify(|seen| {
+                    if *seen != table {
+                        *seen = None;
+                    }
+                })
+                .or_insert(table);
+        }
+        ControlFlow::Continue(())
+    }
+}
+
 struct Rewriter<'a> {
     session: &'a Session,
+    aliases: Aliases,
     changed: bool,
 }
 
@@ -262,6 +262,18 @@ impl Rewriter<'_> {
                 "'''' || replace(CAST(({arg}) AS VARCHAR), '''', '''''') || ''''"
             ))?,
             ("pg_get_userbyid", [_]) => text("perch"),
+            ("format_type", [oid, _]) => parse_expr(&tables::format_type(&oid.to_string()))?,
+            ("pg_get_viewdef", [oid] | [oid, _]) => {
+                parse_expr(&tables::view_definition(&oid.to_string()))?
+            }
+            // perch keeps no expressions: no defaults, partition bounds or policies.
+            ("pg_get_expr", [_, _] | [_, _, _]) => Expr::value(Value::Null),
+            // Nor sizes: a table is Parquet files in the store, not pages.
+            (
+                "pg_table_size" | "pg_relation_size" | "pg_total_relation_size" | "pg_indexes_size",
+                [_] | [_, _],
+            ) => parse_expr("CAST(NULL AS BIGINT)")?,
+            ("pg_size_pretty", [bytes]) => parse_expr(&dialect::size_pretty(bytes))?,
             ("pg_encoding_to_char", [_]) => text("UTF8"),
             ("pg_table_is_visible" | "pg_type_is_visible" | "has_table_privilege", _) => {
                 Expr::value(Value::Boolean(true))
@@ -302,6 +314,14 @@ impl Rewriter<'_> {
 impl VisitorMut for Rewriter<'_> {
     type Break = ();
 
+    fn pre_visit_query(&mut self, query: &mut Query) -> ControlFlow<()> {
+        if no_rows::empty_body(&mut query.body, &mut self.changed) {
+            // Nothing to order, and the order may name columns that are gone.
+            query.order_by = None;
+        }
+        ControlFlow::Continue(())
+    }
+
     fn pre_visit_select(&mut self, select: &mut Select) -> ControlFlow<()> {
         for item in &mut select.projection {
             if let SelectItem::UnnamedExpr(expr) = item
@@ -337,6 +357,10 @@ impl VisitorMut for Rewriter<'_> {
 
     fn post_visit_expr(&mut self, expr: &mut Expr) -> ControlFlow<()> {
         let replacement = match expr {
+            Expr::Function(f) if parts(&f.name) == ["array"] => match &f.args {
+                FunctionArguments::Subquery(query) => dialect::array_of(query),
+                _ => None,
+            },
             Expr::Function(f) => {
                 let name = parts(&f.name);
                 let answer = args(&f.args).and_then(|a| self.function(&name, &a));
@@ -348,6 +372,23 @@ impl VisitorMut for Rewriter<'_> {
                 answer
             }
             Expr::Identifier(i) => bare_function(i).and_then(|n| self.function(&[n], &[])),
+            Expr::CompoundIdentifier(ids) => match ids.as_slice() {
+                [table, column] => self
+                    .aliases
+                    .0
+                    .get(&ident_name(table))
+                    .and_then(|t| t.as_deref())
+                    .and_then(|t| tables::constant_column(t, &ident_name(column)))
+                    .and_then(parse_expr),
+                _ => None,
+            },
+            Expr::Cast { data_type, .. } => {
+                if let Some(t) = dialect::datafusion_type(data_type) {
+                    *data_type = t;
+                    self.changed = true;
+                }
+                None
+            }
             // psql pins its patterns to the default collation, the only one perch has.
             Expr::Collate { expr: inner, .. } => Some((**inner).clone()),
             // `OPERATOR(pg_catalog.~)` (psql's pattern match) is the plain operator.
@@ -385,22 +426,41 @@ impl VisitorMut for Rewriter<'_> {
         else {
             return ControlFlow::Continue(());
         };
+        let parts = parts(name);
         if args.is_some() {
+            // `pg_catalog.unnest(a) x`: DataFusion's `unnest`, and, as in Postgres, `x` names
+            // its column as well as the table.
+            if parts.len() == 2 && parts[0] == "pg_catalog" {
+                name.0.remove(0);
+                self.changed = true;
+            }
+            if parts.last().is_some_and(|n| n == "unnest")
+                && let Some(alias) = alias
+                && alias.columns.is_empty()
+            {
+                alias.columns.push(TableAliasColumnDef {
+                    name: alias.name.clone(),
+                    data_type: None,
+                });
+                self.changed = true;
+            }
             return ControlFlow::Continue(());
         }
-        let parts = parts(name);
         let (table, sql) = match parts.as_slice() {
-            [schema, t] if schema == "pg_catalog" => (t.clone(), catalog_table(t)),
-            [t] if t.starts_with("pg_") => (t.clone(), catalog_table(t)),
             [schema, t] if schema == "information_schema" && t == "columns" => (
                 t.clone(),
                 Some(format!(
-                    "SELECT table_catalog, table_schema, table_name, column_name, ordinal_position, \
+                    "SELECT table_catalog, table_schema, table_name, column_name, \
+                     {ORDINAL_POSITION} AS ordinal_position, \
                      column_default, is_nullable, {PG_DATA_TYPE} AS data_type, \
-                     {PG_UDT_NAME} AS udt_name FROM information_schema.columns"
+                     {} AS udt_name FROM information_schema.columns",
+                    tables::udt_name()
                 )),
             ),
-            _ => return ControlFlow::Continue(()),
+            _ => match catalog_name(&parts) {
+                Some(t) => (t.to_owned(), catalog_table(t)),
+                None => return ControlFlow::Continue(()),
+            },
         };
         if let Some(subquery) = sql.as_deref().and_then(parse_query) {
             let alias = alias.clone().unwrap_or(TableAlias {
@@ -452,8 +512,11 @@ pub fn rewrite(sql: &str, session: &Session) -> Option<String> {
     if let Statement::ShowVariable { variable } = statement {
         return show(variable);
     }
+    let mut aliases = Aliases::default();
+    let _ = Visit::visit(&*statement, &mut aliases);
     let mut rewriter = Rewriter {
         session,
+        aliases,
         changed: false,
     };
     let _ = statement.visit(&mut rewriter);
@@ -531,6 +594,74 @@ mod tests {
             "THEN 'timestamptz'",
         );
         check("SELECT extversion FROM pg_extension", ") AS pg_extension");
+    }
+
+    #[test]
+    fn answers_psql_describe() {
+        let check = |sql: &str, want: &str| {
+            let got = rewrite(sql, &session()).unwrap_or_else(|| panic!("{sql} not rewritten"));
+            assert!(got.contains(want), "{sql} -> {got}");
+        };
+        // \d's table question: toast and storage options that perch's tables do not have.
+        check(
+            "SELECT c.relchecks, pg_catalog.array_to_string(c.reloptions || array(select 'toast.' || x from pg_catalog.unnest(tc.reloptions) x), ', '), \
+             CASE WHEN c.reloftype = 0 THEN '' ELSE c.reloftype::pg_catalog.regtype::pg_catalog.text END \
+             FROM pg_catalog.pg_class c LEFT JOIN pg_catalog.pg_class tc ON (c.reltoastrelid = tc.oid) WHERE c.oid = '16385'",
+            "array_to_string(CAST(NULL AS VARCHAR[]) || coalesce((SELECT array_agg('toast.' || x) \
+             FROM UNNEST(CAST(NULL AS VARCHAR[])) x (x)), make_array()), ', '), \
+             CASE WHEN c.reloftype = 0 THEN '' ELSE c.reloftype::BIGINT::TEXT END",
+        );
+        check(
+            "SELECT pg_catalog.format_type(a.atttypid, a.atttypmod) FROM pg_catalog.pg_attribute a",
+            "WHEN 1184 THEN 'timestamp with time zone'",
+        );
+        check(
+            "SELECT pg_catalog.pg_get_viewdef('16395'::pg_catalog.oid, true)",
+            "WHERE c.oid = ('16395'::BIGINT)) AS \"pg_get_viewdef\"",
+        );
+        // Questions about rows perch has none of are no rows, whatever they compute.
+        check(
+            "SELECT pol.polname, CASE WHEN pol.polroles = '{0}' THEN NULL ELSE pg_catalog.array_to_string(array(select rolname from pg_catalog.pg_roles where oid = any (pol.polroles) order by 1),',') END \
+             FROM pg_catalog.pg_policy pol WHERE pol.polrelid = '16385' ORDER BY 1",
+            "SELECT NULL AS \"polname\", NULL AS \"?column?\" WHERE false",
+        );
+        check(
+            "SELECT pubname, NULL, NULL FROM pg_catalog.pg_publication p WHERE p.puballtables \
+             UNION SELECT pubname, NULL, NULL FROM pg_catalog.pg_publication p JOIN pg_catalog.pg_publication_rel pr ON p.oid = pr.prpubid \
+             ORDER BY 1",
+            "SELECT NULL AS \"pubname\", NULL AS \"?column?\", NULL AS \"?column?_3\" WHERE false UNION SELECT",
+        );
+        check(
+            "SELECT a.attname, (SELECT pg_catalog.pg_get_expr(d.adbin, d.adrelid, true) FROM pg_catalog.pg_attrdef d WHERE d.adrelid = a.attrelid AND a.atthasdef) \
+             FROM pg_catalog.pg_attribute a",
+            "SELECT a.attname, (SELECT NULL AS \"pg_get_expr\" WHERE false) FROM (SELECT",
+        );
+        check(
+            "SELECT c.oid::pg_catalog.regclass FROM pg_catalog.pg_class c, pg_catalog.pg_inherits i WHERE c.oid = i.inhparent ORDER BY inhseqno",
+            "SELECT NULL AS \"oid\" WHERE false",
+        );
+        check(
+            "SELECT c.oid::regclass, c.relname::name FROM pg_class c",
+            "SELECT c.oid::BIGINT, c.relname::TEXT FROM (SELECT",
+        );
+        // An outer join keeps its rows; an aggregate has one row even over none.
+        check(
+            "SELECT c.relname FROM pg_class c LEFT JOIN pg_inherits i ON i.inhrelid = c.oid",
+            "LEFT JOIN pg_inherits i ON i.inhrelid = c.oid",
+        );
+        assert_eq!(
+            rewrite("SELECT count(*) FROM pg_catalog.pg_policy", &session()),
+            None
+        );
+        // Only pg_class's reloptions is a constant, not a column of the same name elsewhere.
+        check(
+            "SELECT c.reloptions FROM pg_class c UNION ALL SELECT c.reloptions FROM jobs c",
+            "SELECT c.reloptions FROM jobs c",
+        );
+        check(
+            "SELECT pg_size_pretty(pg_table_size(c.oid)) FROM pg_class c",
+            "CAST((CAST(NULL AS BIGINT)) AS BIGINT) AS VARCHAR) || ' bytes'",
+        );
     }
 
     #[test]
