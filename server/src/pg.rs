@@ -433,6 +433,9 @@ impl PgHandler {
             return Ok(response);
         }
         let rewritten = catalog::rewrite(sql, session);
+        if let Some(rewritten) = &rewritten {
+            tracing::debug!(sql, rewritten, "PostgreSQL catalog query rewritten");
+        }
         let sql = rewritten.as_deref().unwrap_or(sql);
         let out = self.sql.query(sql).await.map_err(user_error)?;
         let fields = Arc::new(fields(&out.schema, format));
