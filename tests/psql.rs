@@ -4,8 +4,9 @@
 //! extended protocol (Parse, Describe, Bind, Execute), binary results and `BEGIN` like many
 //! drivers and Grafana's pgx-based data source do. Then the catalog: the exact queries
 //! Grafana's PostgreSQL data source sends to fill its query builder, psql's `\dt`, and what
-//! drivers ask on connecting. Last, a server with tokens: a token is the password, a wrong
-//! one is refused with 28P01.
+//! drivers ask on connecting; psql's describe commands (`\d`, `\d+ NAME`, `\dv`, patterns)
+//! print what PostgreSQL prints for a table and a view of the same shape. Last, a server with
+//! tokens: a token is the password, a wrong one is refused with 28P01.
 
 mod common;
 
@@ -15,6 +16,19 @@ use std::process::{Command, Output};
 /// Runs `psql -c <sql>` against perch's PostgreSQL listener, unaligned and tuples only.
 fn psql(addr: &str, sql: &str) -> Output {
     psql_as(addr, "perch", None, sql)
+}
+
+/// Runs `psql -c <command>` unaligned with titles, headers and footers, as psql prints
+/// describe commands (`Table "public.jobs"`, `Column|Type|...`).
+fn psql_titled(addr: &str, command: &str) -> Output {
+    let (host, port) = addr.rsplit_once(':').expect("host:port");
+    Command::new("psql")
+        .args(["-h", host, "-p", port, "-U", "perch", "-d", "perch", "-w"])
+        .args(["-X", "-A", "-v", "ON_ERROR_STOP=1", "-c", command])
+        .env("PGCONNECT_TIMEOUT", "10")
+        .env_remove("PGPASSWORD")
+        .output()
+        .expect("run psql (Debian package postgresql-client)")
 }
 
 /// `psql -c <sql>` as `user`, with `password` in PGPASSWORD (never prompting).
@@ -226,6 +240,7 @@ fn psql_queries_and_cannot_write() {
     );
 
     catalog(addr);
+    describe(addr);
 }
 
 /// The catalog as Grafana, psql and drivers ask it, each answer checked.
@@ -313,6 +328,137 @@ fn catalog(addr: &str) {
         "SELECT count(*) FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'public' AND c.relname = 'gpu_samples'",
     );
     assert_eq!(text(&out.stdout), "1", "{}", text(&out.stderr));
+}
+
+/// psql's describe commands, each followed through all its hidden catalog queries. The
+/// expected lines are what PostgreSQL 15 prints for tables and a view of the same columns.
+fn describe(addr: &str) {
+    let ok = |command: &str| {
+        let out = psql_titled(addr, command);
+        assert!(out.status.success(), "{command}: {}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    let has = |output: &str, lines: &[&str]| {
+        for line in lines {
+            assert!(output.lines().any(|l| l == *line), "{line:?} in {output}");
+        }
+    };
+
+    let table = ok("\\d gpu_samples");
+    assert!(
+        table.starts_with(
+            "Table \"public.gpu_samples\"\nColumn|Type|Collation|Nullable|Default\n\
+             time|timestamp with time zone||not null|\nnode|text||not null|\n"
+        ),
+        "{table}"
+    );
+    has(
+        &table,
+        &[
+            "gpu|bigint||not null|",
+            "simulated|boolean||not null|",
+            "utilization_gpu_pct|double precision|||",
+            "throttle_reason_names|text|||",
+        ],
+    );
+    // \d+ adds storage, and the access method of a table.
+    let verbose = ok("\\d+ gpu_samples");
+    has(
+        &verbose,
+        &[
+            "Column|Type|Collation|Nullable|Default|Storage|Compression|Stats target|Description",
+            "time|timestamp with time zone||not null||plain|||",
+            "node|text||not null||extended|||",
+            "utilization_gpu_pct|double precision||||plain|||",
+        ],
+    );
+    assert!(verbose.ends_with("\nAccess method: heap"), "{verbose}");
+
+    // A table that jobs are written to while the server runs.
+    let jobs = ok("\\d jobs");
+    assert!(jobs.starts_with("Table \"public.jobs\"\n"), "{jobs}");
+    has(
+        &jobs,
+        &[
+            "job|bigint||not null|",
+            "user_name|text||not null|",
+            "submit_time|timestamp with time zone||not null|",
+            "end_time|timestamp with time zone|||",
+            "gpu_seconds_used|double precision|||",
+        ],
+    );
+    // The same table, schema-qualified.
+    assert_eq!(ok("\\d public.jobs"), jobs);
+
+    // A view, and its definition under \d+.
+    let view = ok("\\d account_usage");
+    assert!(
+        view.starts_with("View \"public.account_usage\"\nColumn|Type|Collation|Nullable|Default\n"),
+        "{view}"
+    );
+    has(
+        &view,
+        &[
+            "account|text||not null|",
+            "gpu_hours_used|double precision|||",
+        ],
+    );
+    let view = ok("\\d+ account_usage");
+    assert!(
+        view.contains("\nView definition:\nSELECT account, "),
+        "{view}"
+    );
+    assert!(!view.contains("Access method"), "{view}");
+
+    let out = psql_titled(addr, "\\d no_such_table");
+    assert!(!out.status.success(), "a missing relation is an error");
+    assert_eq!(
+        text(&out.stderr),
+        "Did not find any relation named \"no_such_table\"."
+    );
+
+    // Lists of relations: all of them, the views, and a pattern.
+    let all = ok("\\d");
+    assert!(
+        all.starts_with("List of relations\nSchema|Name|Type|Owner\n"),
+        "{all}"
+    );
+    has(
+        &all,
+        &[
+            "public|gpu_samples|table|perch",
+            "public|jobs|table|perch",
+            "public|account_usage|view|perch",
+        ],
+    );
+    let views = ok("\\dv");
+    has(&views, &["public|account_usage|view|perch"]);
+    assert!(!views.contains("|table|"), "{views}");
+    has(
+        &ok("\\d+"),
+        &[
+            "Schema|Name|Type|Owner|Persistence|Access method|Size|Description",
+            "public|gpu_samples|table|perch|permanent|heap||",
+        ],
+    );
+    let titles: Vec<String> = ok("\\d gpu_samples_1*")
+        .lines()
+        .filter(|l| l.starts_with("Table ") || l.starts_with("View "))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(
+        titles,
+        [
+            "View \"public.gpu_samples_1h\"",
+            "Table \"public.gpu_samples_1h_partial\"",
+            "View \"public.gpu_samples_1m\"",
+            "Table \"public.gpu_samples_1m_partial\"",
+        ]
+    );
+    // No indexes: psql says so on stderr, as PostgreSQL's does, and succeeds.
+    let out = psql_titled(addr, "\\di");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stderr), "Did not find any relations.");
 }
 
 /// Logs in over the raw protocol (startup, cleartext password) with `password` and returns
