@@ -311,3 +311,141 @@ fn otlp_json_is_stored_and_malformed_bodies_get_400() {
         .expect("POST /v1/metrics");
     assert_eq!(response.status(), 415);
 }
+
+/// Issue 16: with tokens configured, `POST /v1/metrics` took anyone's points (an anonymous
+/// caller stored a forged `job_metrics` row). Now a job pushes with the token perch hands it in
+/// `OTEL_EXPORTER_OTLP_HEADERS` (the SDK sends it unasked), its points are filed under its job
+/// and user whatever its attributes claim, the token opens nothing else, and a user's token
+/// pushes as that user only.
+#[test]
+fn with_tokens_a_job_pushes_with_its_own_token_and_nobody_pushes_for_others() {
+    const ALICE: &str = "alice-token-0123456789";
+    const BOB: &str = "bob-token-0123456789ab";
+    const AGENT: &str = "agent-token-0123456789";
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tokens = dir.path().join("tokens.toml");
+    std::fs::write(
+        &tokens,
+        format!(
+            "[[tokens]]\ntoken = \"{ALICE}\"\nuser = \"alice\"\nrole = \"user\"\n\
+             [[tokens]]\ntoken = \"{BOB}\"\nuser = \"bob\"\nrole = \"user\"\n\
+             [[tokens]]\ntoken = \"{AGENT}\"\nuser = \"agent\"\nrole = \"agent\"\nnodes = [\"gpu-a\"]\n"
+        ),
+    )
+    .expect("tokens");
+    let config = dir.path().join("perch.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\ntokens_file = \"{}\"\npg_listen = \"\"\n",
+            tokens.display()
+        ),
+    )
+    .expect("config");
+    let perch = Perch::start(
+        &dir.path().join("server"),
+        &["server", "--config", config.to_str().expect("utf-8")],
+    );
+    let _agent = common::Agent::start(
+        &perch.url,
+        "gpu-a",
+        &dir.path().join("agent"),
+        1,
+        Some(AGENT),
+        &["--interval-ms", "200"],
+    );
+    let script = dir.path().join("train.py");
+    std::fs::write(
+        &script,
+        format!("import os\nprint(os.environ['OTEL_EXPORTER_OTLP_HEADERS'], flush=True)\n{SCRIPT}"),
+    )
+    .expect("script");
+    let client = reqwest::blocking::Client::new();
+    let submitted = client
+        .post(format!("{}/v1/jobs", perch.url))
+        .bearer_auth(ALICE)
+        .json(&json!({"command": ["python3", script.to_str().expect("utf-8")], "gpus_per_node": 1}))
+        .send()
+        .expect("submit");
+    assert_eq!(submitted.status().as_u16(), 201);
+    let get = |path: &str, token: &str| -> Value {
+        client
+            .get(format!("{}{path}", perch.url))
+            .bearer_auth(token)
+            .send()
+            .expect("get")
+            .json()
+            .expect("json")
+    };
+    let state = wait_for("the job to end", || {
+        let s = get("/v1/jobs/1", ALICE)["state"].clone();
+        (s == "completed" || s == "failed").then_some(s)
+    });
+    let printed = client
+        .get(format!("{}/v1/jobs/1/logs", perch.url))
+        .bearer_auth(ALICE)
+        .send()
+        .expect("logs")
+        .text()
+        .expect("text");
+    assert_eq!(state, "completed", "{printed}");
+    let sql = |query: &str| -> Vec<Value> {
+        let r: Value = client
+            .post(format!("{}/v1/sql", perch.url))
+            .bearer_auth(ALICE)
+            .json(&json!({"sql": query}))
+            .send()
+            .expect("sql")
+            .json()
+            .expect("json");
+        r["rows"].as_array().cloned().unwrap_or_default()
+    };
+    let rows = sql("SELECT DISTINCT job, user_name FROM job_metrics");
+    assert_eq!(
+        rows,
+        vec![json!({"job": "1", "user_name": "alice"})],
+        "the SDK's export"
+    );
+
+    // The token the job was given, as it printed it.
+    let token = printed
+        .split("Bearer%20")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no token in the job's output: {printed}"))
+        .to_owned();
+    let push = |token: Option<&str>, job: &str, user: &str| {
+        let mut body = gauge(job, 9.0);
+        body["resourceMetrics"][0]["resource"]["attributes"]
+            .as_array_mut()
+            .expect("attributes")
+            .push(json!({"key": "perch.user", "value": {"stringValue": user}}));
+        let mut request = client.post(format!("{}/v1/metrics", perch.url)).json(&body);
+        if let Some(t) = token {
+            request = request.bearer_auth(t);
+        }
+        request.send().expect("push").status().as_u16()
+    };
+    assert_eq!(push(None, "1", "alice"), 401, "anonymous");
+    // The job's token (within its grace after the end) files a forged claim under its own job.
+    assert_eq!(push(Some(&token), "99", "bob"), 200);
+    // Bob's token cannot push as alice.
+    assert_eq!(push(Some(BOB), "1", "alice"), 200);
+    let rows = sql("SELECT job, user_name FROM job_metrics WHERE value = 9.0 ORDER BY user_name");
+    assert_eq!(
+        rows,
+        vec![
+            json!({"job": "1", "user_name": "alice"}),
+            json!({"job": "1", "user_name": "bob"})
+        ]
+    );
+    // The job's token opens nothing else; a made-up one nothing at all.
+    let r = client
+        .get(format!("{}/v1/jobs", perch.url))
+        .bearer_auth(&token)
+        .send()
+        .expect("get");
+    assert_eq!(r.status().as_u16(), 403);
+    let forged = format!("perch-job.1.1.{}", "0".repeat(64));
+    assert_eq!(push(Some(&forged), "1", "alice"), 401);
+}

@@ -10,6 +10,7 @@
 //! token) need none. With no tokens file the server runs open, as operator for everyone, and
 //! refuses to listen on anything but a loopback address in that mode.
 
+use crate::jobs::job_token::JobTokens;
 use crate::{ApiError, AppState};
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
@@ -35,6 +36,8 @@ pub struct Identity {
     /// For an agent token: the nodes it may report for and sync as (`nodes` in the tokens
     /// file); `None` lets it speak for any node.
     pub nodes: Option<Vec<String>>,
+    /// For a job's metrics token: the job. It may only push that job's metrics.
+    pub job: Option<u64>,
 }
 
 impl Identity {
@@ -138,6 +141,7 @@ impl Tokens {
                         user: t.user,
                         role: t.role,
                         nodes: t.nodes,
+                        job: None,
                     },
                 )
                 .is_some()
@@ -154,12 +158,19 @@ impl Tokens {
         self.map.as_ref()?.get(token)
     }
 
-    fn lookup(&self, header: Option<&str>) -> Result<Identity, ApiError> {
+    /// Who sends `header`; `job_of` checks a job's metrics token (the control plane knows
+    /// which attempts run).
+    fn lookup(
+        &self,
+        header: Option<&str>,
+        job_of: &dyn Fn(&str) -> Option<(u64, String)>,
+    ) -> Result<Identity, ApiError> {
         let Some(map) = &self.map else {
             return Ok(Identity {
                 user: "local".into(),
                 role: Role::Operator,
                 nodes: None,
+                job: None,
             });
         };
         let token = header
@@ -172,6 +183,22 @@ impl Tokens {
                     "send Authorization: Bearer <token> (the CLI reads PERCH_TOKEN or --token)",
                 )
             })?;
+        if JobTokens::is_job_token(token) {
+            return job_of(token)
+                .map(|(job, user)| Identity {
+                    user,
+                    role: Role::User,
+                    nodes: None,
+                    job: Some(job),
+                })
+                .ok_or_else(|| {
+                    ApiError::new(
+                        StatusCode::UNAUTHORIZED,
+                        "unauthenticated",
+                        "this job token is not valid: its job attempt is not running (or is not from this server)",
+                    )
+                });
+        }
         map.get(token).cloned().ok_or_else(|| {
             ApiError::new(
                 StatusCode::UNAUTHORIZED,
@@ -186,7 +213,7 @@ impl Tokens {
 fn public(path: &str) -> bool {
     matches!(
         path,
-        "/" | "/healthz" | "/readyz" | "/metrics" | "/v1/metrics" | "/v1/openapi.json"
+        "/" | "/healthz" | "/readyz" | "/metrics" | "/v1/openapi.json"
     )
 }
 
@@ -218,10 +245,22 @@ pub async fn middleware(
         .headers()
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    let identity = match state.tokens.lookup(header) {
+    let identity = match state
+        .tokens
+        .lookup(header, &|token| state.jobs.job_of_token(token))
+    {
         Ok(i) => i,
         Err(e) => return e.into_response(),
     };
+    // A job's token pushes that job's metrics and does nothing else.
+    if identity.job.is_some() && path != "/v1/metrics" {
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            format!("a job's metrics token may only call POST /v1/metrics, not {path}"),
+        )
+        .into_response();
+    }
     if !allowed(identity.role, request.method(), &path) {
         return ApiError::new(
             StatusCode::FORBIDDEN,
@@ -275,13 +314,13 @@ mod tests {
         )
         .expect("valid");
         assert_eq!(
-            ok.lookup(Some("Bearer 0123456789abcdef0"))
+            ok.lookup(Some("Bearer 0123456789abcdef0"), &|_| None)
                 .expect("known")
                 .user,
             "alice"
         );
-        assert!(ok.lookup(Some("Bearer nope")).is_err());
-        assert!(ok.lookup(None).is_err());
+        assert!(ok.lookup(Some("Bearer nope"), &|_| None).is_err());
+        assert!(ok.lookup(None, &|_| None).is_err());
         for (text, want) in [
             (
                 "[[tokens]]\ntoken = \"short\"\nuser = \"a\"\nrole = \"user\"\n",
@@ -299,7 +338,7 @@ mod tests {
             let err = Tokens::parse(text).expect_err(text);
             assert!(err.contains(want), "{err}");
         }
-        assert!(Tokens::open().lookup(None).is_ok());
+        assert!(Tokens::open().lookup(None, &|_| None).is_ok());
     }
 }
 

@@ -15,7 +15,9 @@
 //! microseconds (so it keeps rising across restarts), and each ingest happens under the same
 //! lock as its numbering, so a later number can never be stored first.
 
+use crate::auth::{Identity, Role};
 use crate::{ApiError, AppState};
+use axum::Extension;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
@@ -54,6 +56,7 @@ impl Encoding {
 
 pub async fn metrics(
     State(state): State<AppState>,
+    Extension(who): Extension<Identity>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
@@ -73,7 +76,8 @@ pub async fn metrics(
         )
     })?;
     let request = decode(encoding, &body)?;
-    let converted = convert(&request);
+    let mut converted = convert(&request);
+    attribute_to(&who, &mut converted.samples);
     store(&state, converted.samples).await?;
     let response = ExportMetricsServiceResponse {
         partial_success: (converted.rejected > 0).then(|| ExportMetricsPartialSuccess {
@@ -267,6 +271,21 @@ fn convert(request: &ExportMetricsServiceRequest) -> Converted {
         }
     }
     out
+}
+
+/// Files the points under who sent them, whatever their resource attributes claim: a job's
+/// token speaks for its job and user only, a user's token for that user; operators (and open
+/// mode) push as the attributes say.
+fn attribute_to(who: &Identity, samples: &mut BTreeMap<NodeId, Vec<JobMetricSample>>) {
+    if who.role == Role::Operator && who.job.is_none() {
+        return;
+    }
+    for sample in samples.values_mut().flatten() {
+        if let Some(job) = who.job {
+            sample.job = job.to_string();
+        }
+        sample.user.clone_from(&who.user);
+    }
 }
 
 fn now_micros() -> u64 {

@@ -11,6 +11,7 @@ mod scrape;
 pub use scrape::{AllocationView, ControlSnapshot, NodeView, PendingView, UsageView};
 
 use super::db::{Dirty, Loaded, NodeRecord};
+use super::job_token::JobTokens;
 use super::record::{JobRecord, JobState, NodeGpus};
 use super::spec::{FieldError, JobRequest};
 use perch_model::AgentLiveness;
@@ -122,6 +123,8 @@ pub(crate) struct Control {
     ledger: ledger::Ledger,
     /// Who the current operation acts for, when a person asked for it (a cancel).
     acting: Option<String>,
+    /// Makes and checks the tokens jobs push their metrics with.
+    job_tokens: JobTokens,
 }
 
 fn qos(req: &JobRequest) -> Qos {
@@ -211,6 +214,7 @@ impl Control {
             config,
             ledger: ledger::Ledger::default(),
             acting: None,
+            job_tokens: JobTokens::load_or_create(dir).map_err(ControlError::Logs)?,
         };
         for record in nodes {
             // Agents get one heartbeat timeout from now to come back.
@@ -552,6 +556,12 @@ impl Control {
             let mut env = job.request.env.clone();
             env.insert("PERCH_JOB_ID".into(), id.to_string());
             env.insert("PERCH_JOB_ATTEMPT".into(), job.attempts.to_string());
+            // The SDK's header syntax percent-encodes values: "Bearer%20<token>".
+            let token = self.job_tokens.token(id, job.attempts);
+            env.insert(
+                "OTEL_EXPORTER_OTLP_HEADERS".into(),
+                format!("authorization=Bearer%20{token}"),
+            );
             if let Some(name) = &job.request.name {
                 env.insert("PERCH_JOB_NAME".into(), name.clone());
             }
@@ -793,6 +803,18 @@ impl Control {
             .take(limit)
             .filter_map(|j| self.view(j.id))
             .collect()
+    }
+
+    /// The job and user a job metrics token speaks for: the token must be this server's, for
+    /// the job's current attempt, and the job running or ended less than a minute ago.
+    pub(crate) fn job_of_token(&self, token: &str, now: i64) -> Option<(u64, String)> {
+        let (id, attempt) = self.job_tokens.verify(token)?;
+        let job = self.jobs.get(&id)?;
+        let live = job.state == JobState::Running
+            || job
+                .end_ms
+                .is_some_and(|end| now - end <= super::job_token::GRACE_MS);
+        (job.attempts == attempt && live).then(|| (id, job.request.user().to_owned()))
     }
 
     /// Why no set of today's nodes could ever run `req`, naming the largest shape that fits,

@@ -3,6 +3,7 @@
 
 pub mod control;
 pub mod db;
+pub mod job_token;
 pub mod node_commands;
 pub mod record;
 pub mod routes;
@@ -143,6 +144,12 @@ impl JobService {
     /// Reads the control plane under its lock (for SQL's live tables: keep `f` short).
     pub(crate) fn read<T>(&self, f: impl FnOnce(&Control) -> T) -> T {
         f(&lock(&self.control))
+    }
+
+    /// The job and user a job metrics token speaks for, if it is valid now.
+    pub fn job_of_token(&self, token: &str) -> Option<(u64, String)> {
+        let now = crate::ingest::now_ms();
+        self.read(|c| c.job_of_token(token, now))
     }
 
     /// Whether the scheduler knows node `name` (cheap: no control lock).
