@@ -457,3 +457,77 @@ fn simulate_reports_progress_on_stderr_and_the_table_on_stdout() {
         "progress stays off stdout"
     );
 }
+
+/// Issue 16: a CPU-heavy query (a cross join of two generate_series) left health probes and
+/// agent syncs unanswered for 36 s, and nodes were marked down. Queries execute on their own
+/// runtime now: while two such queries run, the server keeps answering, and each query ends at
+/// its timeout with a clear error.
+#[test]
+fn a_cpu_heavy_query_neither_starves_the_server_nor_outlives_its_timeout() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("perch.toml");
+    std::fs::write(
+        &config,
+        "[server]\npg_listen = \"\"\n[query]\ntimeout_secs = 4.0\n",
+    )
+    .expect("config");
+    let perch = Perch::start(
+        &dir.path().join("server"),
+        &["server", "--config", config.to_str().expect("utf-8")],
+    );
+    let heavy = "SELECT count(*) FROM generate_series(1, 200000) a, generate_series(1, 200000) b \
+                 WHERE (a.value * b.value) % 7 = 3";
+    let queries: Vec<_> = (0..2)
+        .map(|_| {
+            let url = perch.url.clone();
+            std::thread::spawn(move || {
+                let started = std::time::Instant::now();
+                let r = reqwest::blocking::Client::builder()
+                    .timeout(std::time::Duration::from_secs(60))
+                    .build()
+                    .expect("client")
+                    .post(format!("{url}/v1/sql"))
+                    .json(&serde_json::json!({"sql": heavy}))
+                    .send()
+                    .expect("send");
+                (
+                    r.status().as_u16(),
+                    r.text().unwrap_or_default(),
+                    started.elapsed(),
+                )
+            })
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let mut slowest = std::time::Duration::ZERO;
+    for _ in 0..10 {
+        let started = std::time::Instant::now();
+        let r = reqwest::blocking::Client::builder()
+            .timeout(std::time::Duration::from_secs(30))
+            .build()
+            .expect("client")
+            .get(format!("{}/healthz", perch.url))
+            .send()
+            .expect("healthz answered");
+        assert!(r.status().is_success());
+        slowest = slowest.max(started.elapsed());
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    // Generous for a loaded 2-core machine; it was 36 s.
+    assert!(
+        slowest < std::time::Duration::from_secs(3),
+        "a health probe took {slowest:?}"
+    );
+    for q in queries {
+        let (status, body, took) = q.join().expect("query thread");
+        assert_eq!(status, 422, "{body}");
+        assert!(
+            body.contains("query_timeout") && body.contains("4 s limit"),
+            "{body}"
+        );
+        assert!(
+            took < std::time::Duration::from_secs(10),
+            "answered after {took:?}"
+        );
+    }
+}

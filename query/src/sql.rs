@@ -200,52 +200,50 @@ impl SqlEngine {
     }
 
     /// Runs one read-only statement.
+    ///
+    /// It is planned on the caller's runtime and executed on the SQL runtime ([`sql_runtime`]),
+    /// so a CPU-heavy query cannot starve the caller's (the server's health probes and agent
+    /// syncs share its workers); at the timeout its execution is aborted and the caller
+    /// answered.
     #[tracing::instrument(name = "sql.query", skip_all, fields(db.query.text = &sql[..sql.floor_char_boundary(2048)]))]
     pub async fn query(&self, sql: &str) -> Result<QueryOutput> {
         let limits = self.limits;
-        match tokio::time::timeout(limits.timeout, self.run(sql)).await {
-            Ok(result) => result,
-            Err(_) => Err(Error::Timeout {
-                limit_s: limits.timeout.as_secs_f64(),
-            }),
+        let deadline = tokio::time::Instant::now() + limits.timeout;
+        let timeout = || Error::Timeout {
+            limit_s: limits.timeout.as_secs_f64(),
+        };
+        let df = match tokio::time::timeout_at(deadline, self.prepare(sql)).await {
+            Ok(df) => df?,
+            Err(_) => return Err(timeout()),
+        };
+        let engine = ErrorMap {
+            memory_bytes: limits.memory_bytes,
+            names: self.public_table_names(),
+        };
+        let execution = sql_runtime().spawn(execute(df, limits, engine));
+        let abort = execution.abort_handle();
+        match tokio::time::timeout_at(deadline, execution).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(e)) => Err(Error::Execution(format!(
+                "the query's execution failed: {e}"
+            ))),
+            Err(_) => {
+                abort.abort();
+                Err(timeout())
+            }
         }
     }
 
-    async fn run(&self, sql: &str) -> Result<QueryOutput> {
+    /// Plans `sql` into a DataFrame ready to execute.
+    async fn prepare(&self, sql: &str) -> Result<datafusion::dataframe::DataFrame> {
         if sql.trim().is_empty() {
             return Err(Error::BadQuery("the query is empty; send one SQL statement such as SELECT count(*) FROM gpu_samples".into()));
         }
         let ctx = self.session().await?;
         let plan = self.plan(&ctx, sql).await?;
-        let df = ctx
-            .execute_logical_plan(plan)
+        ctx.execute_logical_plan(plan)
             .await
-            .map_err(|e| self.map_error(e))?;
-        let schema = strings::plain_schema(df.schema().as_arrow());
-        let mut stream = df.execute_stream().await.map_err(|e| self.map_error(e))?;
-        let mut batches = Vec::new();
-        let mut rows = 0usize;
-        let mut truncated = false;
-        while let Some(batch) = stream.next().await {
-            let batch = batch.map_err(|e| self.map_error(e))?;
-            let batch = strings::plain_batch(batch)
-                .map_err(|e| Error::Execution(format!("converting the result's strings: {e}")))?;
-            let room = self.limits.max_rows - rows;
-            if batch.num_rows() > room {
-                batches.push(batch.slice(0, room));
-                rows += room;
-                truncated = true;
-                break;
-            }
-            rows += batch.num_rows();
-            batches.push(batch);
-        }
-        Ok(QueryOutput {
-            schema,
-            batches,
-            rows,
-            truncated,
-        })
+            .map_err(|e| self.map_error(e))
     }
 
     /// The columns `sql` would return, without running it: planned in a fresh session and
@@ -284,23 +282,89 @@ impl SqlEngine {
     }
 
     fn map_error(&self, e: DataFusionError) -> Error {
-        match e.find_root() {
-            DataFusionError::ResourcesExhausted(_) => Error::ResourcesExhausted {
-                limit_mb: self.limits.memory_bytes >> 20,
-            },
-            DataFusionError::SQL(..)
-            | DataFusionError::Plan(_)
-            | DataFusionError::SchemaError(..)
-            | DataFusionError::NotImplemented(_)
-            | DataFusionError::ArrowError(..)
-            | DataFusionError::Execution(_)
-            | DataFusionError::Configuration(_)
-            | DataFusionError::Diagnostic(..) => {
-                Error::BadQuery(clean_message(&e, &self.public_table_names()))
-            }
-            other => Error::Execution(other.to_string()),
-        }
+        map_error(e, self.limits.memory_bytes, &self.public_table_names())
     }
+}
+
+/// DataFusion's error as perch's: a user's mistake (with a message that says what to change,
+/// naming the tables when one is unknown), the memory limit, or a failure.
+fn map_error(e: DataFusionError, memory_bytes: usize, names: &[String]) -> Error {
+    match e.find_root() {
+        DataFusionError::ResourcesExhausted(_) => Error::ResourcesExhausted {
+            limit_mb: memory_bytes >> 20,
+        },
+        DataFusionError::SQL(..)
+        | DataFusionError::Plan(_)
+        | DataFusionError::SchemaError(..)
+        | DataFusionError::NotImplemented(_)
+        | DataFusionError::ArrowError(..)
+        | DataFusionError::Execution(_)
+        | DataFusionError::Configuration(_)
+        | DataFusionError::Diagnostic(..) => Error::BadQuery(clean_message(&e, names)),
+        other => Error::Execution(other.to_string()),
+    }
+}
+
+/// What turns DataFusion's errors into perch's, carried into the SQL runtime.
+struct ErrorMap {
+    memory_bytes: usize,
+    names: Vec<String>,
+}
+
+impl ErrorMap {
+    fn map_error(&self, e: DataFusionError) -> Error {
+        map_error(e, self.memory_bytes, &self.names)
+    }
+}
+
+/// The runtime queries execute on: its own worker threads (`perch-sql`), as many as the
+/// machine has cores, so SQL gets the CPU it can use without taking the server's workers.
+pub fn sql_runtime() -> &'static tokio::runtime::Handle {
+    static RUNTIME: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    RUNTIME
+        .get_or_init(|| {
+            let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(threads)
+                .thread_name("perch-sql")
+                .enable_all()
+                .build()
+                .unwrap_or_else(|e| panic!("cannot start the SQL runtime: {e}"))
+        })
+        .handle()
+}
+
+/// Executes a planned query and collects its result, up to the row cap.
+async fn execute(
+    df: datafusion::dataframe::DataFrame,
+    limits: QueryLimits,
+    engine: ErrorMap,
+) -> Result<QueryOutput> {
+    let schema = strings::plain_schema(df.schema().as_arrow());
+    let mut stream = df.execute_stream().await.map_err(|e| engine.map_error(e))?;
+    let mut batches = Vec::new();
+    let mut rows = 0usize;
+    let mut truncated = false;
+    while let Some(batch) = stream.next().await {
+        let batch = batch.map_err(|e| engine.map_error(e))?;
+        let batch = strings::plain_batch(batch)
+            .map_err(|e| Error::Execution(format!("converting the result's strings: {e}")))?;
+        let room = limits.max_rows - rows;
+        if batch.num_rows() > room {
+            batches.push(batch.slice(0, room));
+            rows += room;
+            truncated = true;
+            break;
+        }
+        rows += batch.num_rows();
+        batches.push(batch);
+    }
+    Ok(QueryOutput {
+        schema,
+        batches,
+        rows,
+        truncated,
+    })
 }
 
 /// How the stored rows of a rollup are named beside its merged view.
