@@ -121,6 +121,124 @@ impl ScalarUDFImpl for UtcDateTrunc {
     }
 }
 
+/// DataFusion's `repeat`, `lpad` and `rpad`, refusing a call whose result would be larger
+/// than `limit_bytes` (the query's memory limit) before building it: the memory pool does not
+/// see a function's output, so `repeat('x', 1000000000)` ran for most of a minute and took
+/// gigabytes past the limit.
+pub(crate) fn size_capped(limit_bytes: usize) -> Vec<ScalarUDF> {
+    let string = datafusion::functions::string::functions();
+    let unicode = datafusion::functions::unicode::functions();
+    string
+        .into_iter()
+        .chain(unicode)
+        .filter(|f| matches!(f.name(), "repeat" | "lpad" | "rpad"))
+        .map(|f| {
+            ScalarUDF::new_from_impl(SizeCapped {
+                inner: Arc::unwrap_or_clone(f),
+                limit_bytes,
+            })
+        })
+        .collect()
+}
+
+#[derive(Debug, PartialEq, Eq, Hash)]
+struct SizeCapped {
+    inner: ScalarUDF,
+    limit_bytes: usize,
+}
+
+/// Per row, the values of argument `i` as i64 (absent or null: 0).
+fn lengths_arg(args: &ScalarFunctionArgs, i: usize) -> Result<Vec<i64>> {
+    let rows = args.number_rows;
+    let Some(arg) = args.args.get(i) else {
+        return Ok(vec![0; rows]);
+    };
+    let array = arg.to_array(rows)?;
+    let array = arrow::compute::cast(&array, &DataType::Int64)?;
+    let ints = array
+        .as_any()
+        .downcast_ref::<arrow::array::Int64Array>()
+        .map(|a| {
+            (0..a.len())
+                .map(|r| if a.is_null(r) { 0 } else { a.value(r) })
+                .collect()
+        });
+    Ok(ints.unwrap_or_else(|| vec![0; rows]))
+}
+
+impl SizeCapped {
+    /// The most bytes the call could produce.
+    fn output_bound(&self, args: &ScalarFunctionArgs) -> Result<u128> {
+        let counts = lengths_arg(args, 1)?;
+        let bound = match self.inner.name() {
+            "repeat" => {
+                let rows = args.number_rows;
+                let strings = args.args[0].to_array(rows)?;
+                let strings = arrow::compute::cast(&strings, &DataType::Utf8)?;
+                let lengths = arrow::compute::kernels::length::length(&strings)?;
+                let lengths = arrow::compute::cast(&lengths, &DataType::Int64)?;
+                let lengths = lengths
+                    .as_any()
+                    .downcast_ref::<arrow::array::Int64Array>()
+                    .map(|a| a.values().to_vec())
+                    .unwrap_or_default();
+                lengths
+                    .iter()
+                    .zip(&counts)
+                    .map(|(l, n)| {
+                        u128::from(l.unsigned_abs()) * u128::from(n.max(&0).unsigned_abs())
+                    })
+                    .sum()
+            }
+            // A padded string of n characters, each up to 4 bytes.
+            _ => counts
+                .iter()
+                .map(|n| 4 * u128::from(n.max(&0).unsigned_abs()))
+                .sum(),
+        };
+        Ok(bound)
+    }
+}
+
+impl ScalarUDFImpl for SizeCapped {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn signature(&self) -> &Signature {
+        self.inner.signature()
+    }
+
+    fn return_type(&self, arg_types: &[DataType]) -> Result<DataType> {
+        self.inner.return_type(arg_types)
+    }
+
+    fn return_field_from_args(&self, args: ReturnFieldArgs) -> Result<FieldRef> {
+        self.inner.return_field_from_args(args)
+    }
+
+    fn invoke_with_args(&self, args: ScalarFunctionArgs) -> Result<ColumnarValue> {
+        let bound = self.output_bound(&args)?;
+        if bound > self.limit_bytes as u128 {
+            return Err(datafusion::error::DataFusionError::ResourcesExhausted(
+                format!(
+                    "{}() would build {bound} bytes of strings, more than the query may use",
+                    self.name()
+                ),
+            ));
+        }
+        self.inner.invoke_with_args(args)
+    }
+
+    fn aliases(&self) -> &[String] {
+        self.inner.aliases()
+    }
+
+    fn documentation(&self) -> Option<&Documentation> {
+        self.inner.documentation()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -160,6 +160,9 @@ impl SqlEngine {
                 .build(),
         );
         ctx.register_udf(functions::date_trunc());
+        for f in functions::size_capped(self.limits.memory_bytes) {
+            ctx.register_udf(f);
+        }
         for table in Table::ALL {
             ctx.register_table(
                 table.stored_sql_name(),

@@ -343,6 +343,36 @@ async fn limits_stop_runaway_queries_with_a_clear_error() {
         .await
         .expect("query");
     assert_eq!((cut.rows, cut.truncated), (10, true));
+    // Issue 16: a function's output is invisible to the memory pool; repeat('x', 1e9) ran
+    // 50 s and took 6 GB past a 1 GiB limit. Now it is refused before it is built.
+    for query in [
+        "SELECT repeat('x', 1000000000)",
+        "SELECT length(repeat(CAST(a AS VARCHAR), 300000)) FROM generate_series(1, 10) t(a)",
+        "SELECT lpad('x', 2000000000)",
+        "SELECT rpad('x', 2000000000, 'ab')",
+    ] {
+        let started = std::time::Instant::now();
+        let err = sql.query(query).await.expect_err(query);
+        assert!(err.to_string().contains("MiB limit"), "{query}: {err}");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "{query}"
+        );
+    }
+    let ok = sql
+        .query("SELECT repeat('ab', 3) AS r, lpad('7', 3, '0') AS l, rpad('7', 3) AS p")
+        .await
+        .expect("small strings are fine");
+    let batch = &ok.batches[0];
+    let text = |i: usize| {
+        arrow::array::AsArray::as_string::<i32>(batch.column(i))
+            .value(0)
+            .to_owned()
+    };
+    assert_eq!(
+        (text(0), text(1), text(2)),
+        ("ababab".into(), "007".into(), "7  ".into())
+    );
 }
 
 #[tokio::test]
