@@ -439,6 +439,13 @@ impl Launcher {
         let shape = command::Shape {
             user: user.as_ref().map(|id| (id, self.setpriv.as_deref())),
             wait_for_go: cgroup.is_some(),
+            inherited: command::inherited(std::env::vars_os()),
+            // After the job's own env: `variables` leaves out what the job sets itself.
+            extra: self
+                .otel
+                .as_ref()
+                .map(|target| otel::variables(target, l).into_iter().collect())
+                .unwrap_or_default(),
         };
         let mut cmd = command::build(l, &shape).map_err(|e| io("building its command", e))?;
         cmd.current_dir(l.workdir.as_deref().map_or(dir.clone(), PathBuf::from))
@@ -450,10 +457,6 @@ impl Launcher {
             .stdout(stdout)
             .stderr(stderr)
             .process_group(0);
-        if let Some(target) = &self.otel {
-            // After the job's own env: `variables` leaves out what the job sets itself.
-            cmd.envs(otel::variables(target, l));
-        }
         let program = l.command.first().map_or("", String::as_str);
         let mut child = cmd
             .spawn()
