@@ -6,9 +6,10 @@
 
 mod common;
 
-use common::Perch;
+use common::{Agent, Perch, wait_for};
 use serde_json::Value;
 use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
 
 /// The unprivileged user jobs run as (uid at least 1000), created once and kept.
 const USER: &str = "perch-test-user";
@@ -20,11 +21,77 @@ fn require_root() {
     );
 }
 
+/// Creates [`USER`] unless it exists; returns its uid.
+fn test_user() -> u32 {
+    require_root();
+    let out = std::process::Command::new("useradd")
+        .args(["-m", "-s", "/bin/sh", USER])
+        .output()
+        .expect("useradd");
+    // 9: the user exists already (another test, or an earlier run).
+    assert!(
+        out.status.success() || out.status.code() == Some(9),
+        "useradd {USER}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = std::process::Command::new("id")
+        .args(["-u", USER])
+        .output()
+        .expect("id");
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .expect("a uid")
+}
+
 /// A temporary directory the job's user can traverse (its job directory lies below).
 fn open_tempdir() -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("tempdir");
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
     dir
+}
+
+/// A server, and an agent on node `gpu-a` running jobs as their users, with `env` added to
+/// the agent's environment.
+fn cluster(dir: &Path, env: &[(&str, &str)]) -> (Perch, Agent) {
+    let server = Perch::start(&dir.join("server"), &["server"]);
+    let mut agent_env = vec![("PERCH_RUN_AS_USER", "required")];
+    agent_env.extend_from_slice(env);
+    let agent = Agent::start_with_env(
+        &server.url,
+        "gpu-a",
+        &dir.join("agent"),
+        1,
+        None,
+        &["--interval-ms", "200"],
+        &agent_env,
+    );
+    (server, agent)
+}
+
+fn submit(perch: &Perch, args: &[&str]) -> u64 {
+    let mut all = vec!["submit", "--gpus", "1", "--time", "5m"];
+    all.extend_from_slice(args);
+    let (ok, out, err) = perch.cli_as(USER, &all);
+    assert!(ok, "{err}");
+    out.trim()
+        .strip_prefix("Submitted job ")
+        .and_then(|id| id.parse().ok())
+        .unwrap_or_else(|| panic!("{out}"))
+}
+
+fn wait_ended(perch: &Perch, id: u64) -> Value {
+    wait_for(&format!("job {id} to end"), || {
+        let j = perch.job(id);
+        let state = j["state"].as_str().unwrap_or("").to_owned();
+        (!["pending", "running", "stopping"].contains(&state.as_str())).then_some(j)
+    })
+}
+
+fn logs(perch: &Perch, id: u64) -> String {
+    let (ok, out, err) = perch.cli_as(USER, &["logs", &id.to_string()]);
+    assert!(ok, "{err}");
+    out
 }
 
 #[test]
@@ -54,4 +121,85 @@ fn loader_variables_are_refused_at_submission_with_the_reason() {
         serde_json::json!([]),
         "nothing queued"
     );
+}
+
+#[test]
+fn a_job_sees_nothing_of_the_agents_environment() {
+    let uid = test_user();
+    let dir = open_tempdir();
+    let (server, _agent) = cluster(
+        dir.path(),
+        &[
+            ("PERCH_TOKEN", "secret-agent-token"),
+            ("SOME_AGENT_VAR", "agent-only"),
+            ("LANG", "C.UTF-8"),
+        ],
+    );
+    let id = submit(
+        &server,
+        &[
+            "--env",
+            "MINE=mine",
+            "--",
+            "sh",
+            "-c",
+            "echo uid=$(id -u); env",
+        ],
+    );
+    let j = wait_ended(&server, id);
+    assert_eq!(j["state"], "completed", "{j}");
+    let env = wait_for("the job's output", || {
+        let out = logs(&server, id);
+        out.contains("MINE=").then_some(out)
+    });
+    assert!(
+        env.starts_with(&format!("uid={uid}\n")),
+        "runs as {USER}:\n{env}"
+    );
+    let vars: Vec<&str> = env
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split('=').next())
+        .collect();
+    for leaked in [
+        "PERCH_TOKEN",
+        "SOME_AGENT_VAR",
+        "PERCH_RUN_AS_USER",
+        "PERCH_LOG",
+    ] {
+        assert!(!vars.contains(&leaked), "{leaked} reached the job:\n{env}");
+    }
+    assert!(!env.contains("secret-agent-token"), "{env}");
+    for (k, v) in [
+        ("MINE", "mine".to_owned()),
+        ("PERCH_JOB_ID", id.to_string()),
+        ("CUDA_VISIBLE_DEVICES", "0".to_owned()),
+        ("USER", USER.to_owned()),
+        ("LANG", "C.UTF-8".to_owned()),
+    ] {
+        assert!(
+            env.lines().any(|l| l == format!("{k}={v}")),
+            "{k}={v} missing:\n{env}"
+        );
+    }
+    assert!(vars.contains(&"PATH"), "{env}");
+    // Every variable is one the job set, perch's, or an allowed one.
+    let allowed = |k: &str| {
+        [
+            "MINE",
+            "PATH",
+            "LANG",
+            "HOME",
+            "USER",
+            "LOGNAME",
+            "PWD",
+            "CUDA_VISIBLE_DEVICES",
+        ]
+        .contains(&k)
+            || k.starts_with("PERCH_")
+            || k.starts_with("OTEL_")
+            || k.starts_with("LC_")
+    };
+    let unexpected: Vec<&&str> = vars.iter().filter(|k| !allowed(k)).collect();
+    assert!(unexpected.is_empty(), "{unexpected:?} in\n{env}");
 }

@@ -2,6 +2,8 @@
 //!
 //! On top of the job's own program, arguments and environment:
 //!
+//! - from the agent's environment only [`INHERITED`] (`PATH`, `LANG`, `LANGUAGE`, `TZ`) and
+//!   `LC_*`: never the agent's token, proxies or anything else it was started with;
 //! - `CUDA_VISIBLE_DEVICES` (its GPUs), `PERCH_NODE_RANK`, `PERCH_NUM_NODES`;
 //! - for a job holding part of a GPU: `PERCH_GPU_FRACTION` (e.g. `0.25`),
 //!   `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` (25) and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` (`0=10240M`),
@@ -104,14 +106,24 @@ pub fn perch_env(l: &JobLaunch) -> Vec<(String, String)> {
     env
 }
 
-/// What a job takes from the agent's own environment.
+/// The variables a job takes from the agent's environment; nothing else of it (the agent's
+/// `PERCH_TOKEN`, its proxies, its credentials) reaches a job. `LC_*` too.
+pub const INHERITED: [&str; 4] = ["PATH", "LANG", "LANGUAGE", "TZ"];
+
+/// What a job takes from the agent's own environment: [`INHERITED`] and `LC_*`, and
+/// [`PREFIX_PATH`] as `PATH` when the agent has none.
 pub fn inherited(
     agent: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
 ) -> Vec<(String, String)> {
-    agent
+    let mut vars: Vec<(String, String)> = agent
         .into_iter()
         .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
-        .collect()
+        .filter(|(k, _)| INHERITED.contains(&k.as_str()) || k.starts_with("LC_"))
+        .collect();
+    if !vars.iter().any(|(k, _)| k == "PATH") {
+        vars.push(("PATH".into(), PREFIX_PATH.into()));
+    }
+    vars
 }
 
 /// The job's complete environment: inherited, then its own `env`, perch's variables, its
@@ -340,6 +352,27 @@ mod tests {
         };
         let err = build(&l, &shape).expect_err("not an identifier");
         assert!(err.to_string().contains("\"A-B\""), "{err}");
+    }
+
+    #[test]
+    fn jobs_inherit_only_the_allowed_variables_of_the_agent() {
+        let agent = [
+            ("PATH", "/opt/bin:/usr/bin"),
+            ("LANG", "C.UTF-8"),
+            ("LC_TIME", "en_GB.UTF-8"),
+            ("PERCH_TOKEN", "secret"),
+            ("HTTPS_PROXY", "http://proxy"),
+            ("LD_PRELOAD", "/x.so"),
+        ]
+        .map(|(k, v)| (k.into(), v.into()));
+        let got = inherited(agent);
+        let names: Vec<&str> = got.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(names, ["PATH", "LANG", "LC_TIME"]);
+        assert_eq!(
+            inherited([("HOME".into(), "/root".into())]),
+            vec![("PATH".to_owned(), PREFIX_PATH.to_owned())],
+            "a default PATH"
+        );
     }
 
     #[test]
