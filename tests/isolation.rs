@@ -203,3 +203,37 @@ fn a_job_sees_nothing_of_the_agents_environment() {
     let unexpected: Vec<&&str> = vars.iter().filter(|k| !allowed(k)).collect();
     assert!(unexpected.is_empty(), "{unexpected:?} in\n{env}");
 }
+
+#[test]
+fn root_and_system_users_cannot_run_jobs() {
+    test_user();
+    let dir = open_tempdir();
+    let (server, _agent) = cluster(dir.path(), &[]);
+    // root by name: refused at submission, naming the setting.
+    let (ok, _, err) = server.cli_as("root", &["submit", "--", "id", "-u"]);
+    assert!(!ok, "submitted as root");
+    assert!(err.contains("agent.min_uid"), "{err}");
+    // A system account (daemon, uid 1): the server cannot know its uid; the agent refuses it.
+    let (ok, out, err) = server.cli_as("daemon", &["submit", "--gpus", "1", "--", "id", "-u"]);
+    assert!(ok, "{err}");
+    let id: u64 = out
+        .trim()
+        .strip_prefix("Submitted job ")
+        .and_then(|id| id.parse().ok())
+        .unwrap_or_else(|| panic!("{out}"));
+    let j = wait_ended(&server, id);
+    assert_eq!(j["state"], "failed", "{j}");
+    let record = j.to_string();
+    assert!(
+        record.contains("below agent.min_uid = 1000"),
+        "the record says why: {record}"
+    );
+    let out = {
+        let (_, out, _) = server.cli_as("daemon", &["logs", &id.to_string()]);
+        out
+    };
+    assert_eq!(out, "", "the job's command never ran");
+    // The same agent still runs an ordinary user's job.
+    let ok_id = submit(&server, &["--", "id", "-u"]);
+    assert_eq!(wait_ended(&server, ok_id)["state"], "completed");
+}

@@ -21,7 +21,7 @@ pub mod identity;
 mod otel;
 
 pub use cgroup::CgroupMode;
-pub use identity::RunAsUser;
+pub use identity::{RunAsUser, UidPolicy};
 pub use otel::OtelTarget;
 
 use crate::jobs::{JobRegistry, JobSpec, JobTarget};
@@ -65,6 +65,8 @@ pub struct Isolation {
     pub cgroups: CgroupMode,
     /// Root of `/proc` for finding the agent's own cgroup (`/`; tests use fixture trees).
     pub root: PathBuf,
+    /// Which users jobs may be switched to (`agent.min_uid`, `agent.allowed_system_users`).
+    pub uids: UidPolicy,
 }
 
 /// Why a job did not start: the text becomes its reason on the server.
@@ -105,6 +107,7 @@ pub struct Launcher {
     /// Where jobs' OpenTelemetry SDKs export to; `None` sets no `OTEL_*` variables.
     otel: Option<OtelTarget>,
     run_as_user: RunAsUser,
+    uids: UidPolicy,
     /// The agent's own (uid, name).
     agent_user: (u32, String),
     setpriv: Option<PathBuf>,
@@ -198,6 +201,7 @@ impl Launcher {
             waiting: Vec::new(),
             otel: None,
             run_as_user: RunAsUser::Never,
+            uids: UidPolicy::default(),
             agent_user: identity::agent_user(),
             setpriv: None,
             cgroups: Err("cgroups are off (agent.cgroups = off)".into()),
@@ -210,6 +214,7 @@ impl Launcher {
     /// user without cgroups. Job cgroups a previous agent left are killed and removed.
     pub fn set_isolation(&mut self, isolation: &Isolation) {
         self.run_as_user = isolation.run_as_user;
+        self.uids = isolation.uids.clone();
         self.setpriv = identity::find_setpriv();
         let root = if isolation.root.as_os_str().is_empty() {
             Path::new("/")
@@ -343,7 +348,7 @@ impl Launcher {
     /// Whose identity the job runs under, noted in its record unless it is its user's.
     fn identity(&mut self, l: &JobLaunch) -> Result<Option<Identity>, NotStarted> {
         let (uid, name) = (self.agent_user.0, self.agent_user.1.clone());
-        match identity::decide(self.run_as_user, &l.user, (uid, &name)) {
+        match identity::decide(self.run_as_user, &l.user, (uid, &name), &self.uids) {
             Decision::Switch(id) => {
                 if self.setpriv.is_none() && id.groups.iter().any(|&g| g != id.gid) {
                     self.note(

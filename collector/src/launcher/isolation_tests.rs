@@ -94,6 +94,7 @@ fn a_job_runs_as_its_user_when_the_agent_is_root() {
         run_as_user: RunAsUser::IfPossible,
         cgroups: CgroupMode::Off,
         root: PathBuf::new(),
+        uids: UidPolicy::default(),
     });
     let script = "id -u; id -G; echo $HOME $USER; touch here; sleep 0.3";
     if !is_root() {
@@ -178,6 +179,7 @@ fn a_user_the_node_does_not_know_fails_the_job_with_the_reason() {
         run_as_user: RunAsUser::Required,
         cgroups: CgroupMode::Off,
         root: PathBuf::new(),
+        uids: UidPolicy::default(),
     });
     l.launch(&launch(2, "no-such-user-perch", "echo ran"));
     let exit = wait_exit(&mut l, 2);
@@ -200,6 +202,7 @@ fn a_job_gets_a_cgroup_with_its_limits_or_says_why_not() {
         run_as_user: RunAsUser::Never,
         cgroups: CgroupMode::Auto,
         root: PathBuf::new(),
+        uids: UidPolicy::default(),
     });
     let mut job = launch(3, "any", "cat /proc/self/cgroup; sleep 0.5");
     job.memory_mb = Some(256);
@@ -376,6 +379,7 @@ fn the_jobs_env_reaches_no_program_that_runs_as_root() {
         run_as_user: RunAsUser::Required,
         cgroups: CgroupMode::Auto,
         root: PathBuf::new(),
+        uids: UidPolicy::default(),
     });
     assert!(
         l.setpriv.is_some(),

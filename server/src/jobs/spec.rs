@@ -293,6 +293,12 @@ impl JobRequest {
         }
         if let Some(u) = &self.user {
             check_name("user", u)?;
+            if u == "root" {
+                return Err(err(
+                    "user",
+                    "jobs never run as root: every agent refuses users below agent.min_uid (1000 by default), and root cannot be allowed in agent.allowed_system_users; submit as your own user",
+                ));
+            }
         }
         if let Some(a) = &self.account {
             check_name("account", a)?;
@@ -388,6 +394,12 @@ mod tests {
             Some("field `time_limit_secs`"),
         );
         check(r#"{"command": ["x"], "user": "a b"}"#, Some("field `user`"));
+        check(
+            r#"{"command": ["x"], "user": "root"}"#,
+            Some(
+                "field `user`: jobs never run as root: every agent refuses users below agent.min_uid",
+            ),
+        );
         check(
             r#"{"command": ["x"], "env": {"CUDA_VISIBLE_DEVICES": "0"}}"#,
             Some("set by perch"),
