@@ -9,6 +9,7 @@ mod common;
 use common::{Agent, Perch, wait_for};
 use serde_json::Value;
 use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 
 /// The unprivileged user jobs run as (uid at least 1000), created once and kept.
@@ -236,4 +237,76 @@ fn root_and_system_users_cannot_run_jobs() {
     // The same agent still runs an ordinary user's job.
     let ok_id = submit(&server, &["--", "id", "-u"]);
     assert_eq!(wait_ended(&server, ok_id)["state"], "completed");
+}
+
+/// Whether process `pid` is alive (a zombie is dead: killed, not yet reaped).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| !rest.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
+}
+
+#[test]
+fn a_forged_pgid_file_does_not_make_a_restarted_agent_kill_another_group() {
+    test_user();
+    let dir = open_tempdir();
+    // Someone else's process, in a group of its own.
+    let mut victim = std::process::Command::new("sleep")
+        .arg("600")
+        .process_group(0)
+        .spawn()
+        .expect("sleep");
+    let victim_pid = victim.id();
+    let server = Perch::start(&dir.path().join("server"), &["server"]);
+    let start_agent = || {
+        Agent::start_with_env(
+            &server.url,
+            "gpu-a",
+            &dir.path().join("agent"),
+            1,
+            None,
+            &["--interval-ms", "200"],
+            &[("PERCH_RUN_AS_USER", "required")],
+        )
+    };
+    let mut agent = start_agent();
+    // The job keeps writing the victim's group into its `pgid` file, as a user could.
+    let script = "echo $$ > mypid; while :; do echo $VICTIM > pgid; sleep 0.1; done";
+    let victim_env = format!("VICTIM={victim_pid}");
+    let id = submit(&server, &["--env", &victim_env, "--", "sh", "-c", script]);
+    let job_dir = dir.path().join(format!("agent/jobs/gpu-a/{id}"));
+    let job_pid: u32 = wait_for("the job to write its pid and the forged pgid", || {
+        let forged = std::fs::read_to_string(job_dir.join("pgid")).ok()?;
+        (forged.trim() == victim_pid.to_string()).then_some(())?;
+        std::fs::read_to_string(job_dir.join("mypid"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    });
+    agent.kill();
+    assert!(alive(job_pid), "the job outlives its agent");
+    let _agent = start_agent();
+    // The new agent kills the job it can prove its predecessor started...
+    wait_for("the restarted agent to kill the job", || {
+        (!alive(job_pid)).then_some(())
+    });
+    // ...and only that: the group the job named is untouched.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(
+        alive(victim_pid),
+        "the agent killed the group named in a job's pgid file"
+    );
+    let state = dir.path().join("agent/jobs/gpu-a/.state");
+    let mode = std::fs::metadata(&state)
+        .expect("state dir")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o700, "the state directory is root's only");
+    let _ = victim.kill();
+    let _ = victim.wait();
 }

@@ -4,9 +4,11 @@
 //! output in `<data-dir>/jobs/<id>/{stdout,stderr}`. Stopping a job (cancel, preemption, time
 //! limit) sends its checkpoint signal to the whole group, waits its grace period, then sends
 //! SIGKILL. The agent enforces the time limit itself too, so a job cannot outrun it while the
-//! server is away. Every job's process group is written to `<id>/pgid`; a restarted agent kills
-//! groups it finds there (it cannot wait on them), and the server, seeing the job missing from
-//! the agent's report, requeues it: no job runs twice and none is orphaned.
+//! server is away. Every job's process group is recorded, with the boot id and its leader's
+//! start time, in a root-only state directory ([`groups`]); a restarted agent kills the groups
+//! it can prove its predecessor started in this boot (it cannot wait on them), and the server,
+//! seeing the job missing from the agent's report, requeues it. Nothing in a job's own
+//! directory, which its user owns, decides what the agent kills.
 //!
 //! Isolation ([`Isolation`]): a job runs as its submitting user when the agent can switch to
 //! it ([`identity`]) and in its own cgroup with its memory and CPU request as limits when the
@@ -17,6 +19,7 @@
 
 pub mod cgroup;
 mod command;
+pub mod groups;
 pub mod identity;
 mod otel;
 
@@ -26,6 +29,7 @@ pub use otel::OtelTarget;
 
 use crate::jobs::{JobRegistry, JobSpec, JobTarget};
 use cgroup::{JobCgroup, JobCgroups};
+use groups::GroupState;
 use identity::{Decision, Identity};
 use perch_model::control::{
     JobExit, JobLaunch, JobNote, JobStop, LogChunk, LogStream, SyncResponse,
@@ -91,9 +95,14 @@ struct Running {
     stopped_by_perch: bool,
 }
 
+/// The state directory inside the jobs directory (root-only; see [`groups`]).
+const STATE_DIR: &str = ".state";
+
 /// The jobs of this node.
 pub struct Launcher {
     dir: PathBuf,
+    /// Where each running job's process group is recorded for a restarted agent.
+    groups: GroupState,
     running: HashMap<u64, Running>,
     /// Exits not yet acknowledged by the server.
     exited: BTreeMap<u64, JobExit>,
@@ -181,18 +190,19 @@ impl Launcher {
     /// sampling and GPU attribution.
     pub fn with_registry(dir: &Path, registry: JobRegistry) -> std::io::Result<Launcher> {
         fs::create_dir_all(dir)?;
-        for entry in fs::read_dir(dir)?.flatten() {
-            let pgid_file = entry.path().join("pgid");
-            let Ok(text) = fs::read_to_string(&pgid_file) else {
-                continue;
-            };
-            if let Some(pgid) = text.trim().parse::<i32>().ok().and_then(Pid::from_raw) {
-                tracing::warn!(job = %entry.file_name().to_string_lossy(), "killing a job left running by a previous agent; the server requeues it");
+        let groups = GroupState::open(&dir.join(STATE_DIR), Path::new("/proc"))?;
+        for (job, pgid) in groups.take_provable() {
+            if let Some(pgid) = Pid::from_raw(pgid) {
+                tracing::warn!(%job, "killing a job left running by a previous agent; the server requeues it");
                 signal_group(pgid, Signal::KILL);
             }
-            let _ = fs::remove_file(&pgid_file);
+        }
+        for entry in fs::read_dir(dir)?.flatten() {
+            // Where older agents kept the group: in the job's (user-owned) directory. Never read.
+            let _ = fs::remove_file(entry.path().join("pgid"));
         }
         Ok(Launcher {
+            groups,
             dir: dir.to_path_buf(),
             running: HashMap::new(),
             exited: BTreeMap::new(),
@@ -486,8 +496,8 @@ impl Launcher {
             i32::try_from(child.id()).map_err(|e| io("process id", std::io::Error::other(e)))?;
         let pgid =
             Pid::from_raw(raw).ok_or_else(|| io("process id", std::io::Error::other("0")))?;
-        if let Err(e) = fs::write(dir.join("pgid"), raw.to_string()) {
-            tracing::warn!(job = l.job, error = %e, "cannot record the job's process group; a restarted agent will not find it");
+        if let Err(e) = self.groups.record(l.job, raw) {
+            tracing::warn!(job = l.job, error = %e, "cannot record the job's process group; a restarted agent will not kill it");
         }
         Ok(Running {
             child,
@@ -587,7 +597,7 @@ impl Launcher {
                 }
             }
             self.registry.unregister(&exit.job.to_string());
-            let _ = fs::remove_file(self.job_dir(exit.job).join("pgid"));
+            self.groups.forget(exit.job);
             tracing::info!(job = exit.job, code = exit.code, "job exited");
             self.exited.insert(exit.job, exit);
         }
