@@ -310,3 +310,56 @@ fn a_forged_pgid_file_does_not_make_a_restarted_agent_kill_another_group() {
     let _ = victim.kill();
     let _ = victim.wait();
 }
+
+#[test]
+fn a_job_cannot_read_a_root_only_file_through_its_logs() {
+    test_user();
+    let dir = open_tempdir();
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, "TOP-SECRET-root-only\n").expect("secret");
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let (server, _agent) = cluster(dir.path(), &[]);
+    // The job swaps both its logs for links to the secret, then keeps writing to the files it
+    // was given.
+    let script = format!(
+        "echo before; cat {0} || echo cannot-read >&2; rm -f stdout stderr; \
+         ln -s {0} stdout; ln -s {0} stderr; sleep 1; echo after",
+        secret.display()
+    );
+    let id = submit(&server, &["--", "sh", "-c", &script]);
+    let j = wait_ended(&server, id);
+    assert_eq!(j["state"], "completed", "{j}");
+    let out = wait_for("the job's output", || {
+        let out = logs(&server, id);
+        (out.contains("after") || out.contains("TOP-SECRET")).then_some(out)
+    });
+    assert!(
+        !out.contains("TOP-SECRET"),
+        "the logs showed a root-only file: {out}"
+    );
+    assert_eq!(out, "before\nafter\n");
+    let (ok, err_log, err) = server.cli_as(USER, &["logs", &id.to_string(), "--stderr"]);
+    assert!(ok, "{err}");
+    assert!(
+        err_log.contains("Permission denied"),
+        "the job itself cannot read it: {err_log}"
+    );
+    let mut everything = format!("{out}{err_log}");
+    for stream in ["stdout", "stderr"] {
+        let url = format!("{}/v1/jobs/{id}/logs?stream={stream}", server.url);
+        everything.push_str(
+            &reqwest::blocking::get(&url)
+                .and_then(|r| r.text())
+                .unwrap_or_else(|e| panic!("GET {url}: {e}")),
+        );
+    }
+    assert!(!everything.contains("TOP-SECRET"), "{everything}");
+    // The secret is untouched: still root's, still private.
+    let meta = std::fs::metadata(&secret).expect("secret");
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), 0);
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    assert_eq!(
+        std::fs::read_to_string(&secret).expect("secret"),
+        "TOP-SECRET-root-only\n"
+    );
+}

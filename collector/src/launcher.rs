@@ -37,7 +37,7 @@ use perch_model::control::{
 use rustix::process::{Pid, Signal, kill_process_group};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::Write;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
@@ -106,6 +106,9 @@ pub struct Launcher {
     running: HashMap<u64, Running>,
     /// Exits not yet acknowledged by the server.
     exited: BTreeMap<u64, JobExit>,
+    /// Each job's stdout and stderr as the agent created them, read until its exit is
+    /// acknowledged (never reopened by path: the job's user owns the directory).
+    outputs: HashMap<u64, [File; 2]>,
     /// Where each job's streams continue from, as the server last said.
     sent: HashMap<(u64, LogStream), u64>,
     /// Where the agent's sampler learns which processes and GPUs belong to which job.
@@ -143,6 +146,42 @@ fn signal_group(pgid: Pid, signal: Signal) {
     {
         tracing::warn!(pgid = pgid.as_raw_nonzero().get(), error = %e, "could not signal a job's process group");
     }
+}
+
+/// Creates a job's log afresh, as root, in a directory the job's user owns: whatever the entry
+/// is now (a link the job left, say) is removed, never followed, and the new file is created
+/// exclusively without following links, readable and writable through the one descriptor.
+fn create_log(path: &Path) -> std::io::Result<File> {
+    match fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    use rustix::fs::{Mode, OFlags};
+    let fd = rustix::fs::open(
+        path,
+        OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o644),
+    )?;
+    Ok(File::from(fd))
+}
+
+/// Up to `max` bytes of `f` from `offset`, without moving the offset the job writes at.
+fn read_from(f: &File, offset: u64, max: u64) -> std::io::Result<Vec<u8>> {
+    use std::os::unix::fs::FileExt;
+    let len = f.metadata()?.len();
+    let want = usize::try_from(len.saturating_sub(offset).min(max)).unwrap_or(0);
+    let mut buf = vec![0; want];
+    let mut got = 0;
+    while got < want {
+        let n = f.read_at(&mut buf[got..], offset + got as u64)?;
+        if n == 0 {
+            break;
+        }
+        got += n;
+    }
+    buf.truncate(got);
+    Ok(buf)
 }
 
 /// The job's cgroup as the usage sampler reads it (`/sys/fs/cgroup`-relative, memory
@@ -206,6 +245,7 @@ impl Launcher {
             dir: dir.to_path_buf(),
             running: HashMap::new(),
             exited: BTreeMap::new(),
+            outputs: HashMap::new(),
             sent: HashMap::new(),
             registry,
             waiting: Vec::new(),
@@ -338,10 +378,20 @@ impl Launcher {
                 tracing::warn!(job = l.job, %why, "job could not start");
                 let dir = self.job_dir(l.job);
                 let _ = fs::create_dir_all(&dir);
-                let _ = fs::write(
-                    dir.join("stderr"),
-                    format!("perch: job not started: {why}\n"),
-                );
+                match (
+                    create_log(&dir.join("stdout")),
+                    create_log(&dir.join("stderr")),
+                ) {
+                    (Ok(out), Ok(mut err)) => {
+                        let _ = writeln!(err, "perch: job not started: {why}");
+                        self.sent.insert((l.job, LogStream::Stdout), 0);
+                        self.sent.insert((l.job, LogStream::Stderr), 0);
+                        self.outputs.insert(l.job, [out, err]);
+                    }
+                    (Err(e), _) | (_, Err(e)) => {
+                        tracing::warn!(job = l.job, error = %e, "cannot write why the job did not start to its log");
+                    }
+                }
                 self.exited.insert(
                     l.job,
                     JobExit {
@@ -427,28 +477,36 @@ impl Launcher {
         };
         let dir = self.job_dir(l.job);
         fs::create_dir_all(&dir).map_err(|e| io(&format!("creating {}", dir.display()), e))?;
-        // A new attempt starts new output; the server's copy is kept per job.
-        let stdout = File::create(dir.join("stdout")).map_err(|e| io("creating its stdout", e))?;
+        // A new attempt starts new output; the server's copy is kept per job. The agent reads
+        // the output through the descriptors it creates here, never by path again.
+        let stdout = create_log(&dir.join("stdout")).map_err(|e| io("creating its stdout", e))?;
         let mut stderr =
-            File::create(dir.join("stderr")).map_err(|e| io("creating its stderr", e))?;
+            create_log(&dir.join("stderr")).map_err(|e| io("creating its stderr", e))?;
+        let readers = [
+            stdout
+                .try_clone()
+                .map_err(|e| io("keeping its stdout", e))?,
+            stderr
+                .try_clone()
+                .map_err(|e| io("keeping its stderr", e))?,
+        ];
+        self.outputs.insert(l.job, readers);
         self.sent.insert((l.job, LogStream::Stdout), 0);
         self.sent.insert((l.job, LogStream::Stderr), 0);
         let user = self.identity(l)?;
         if let Some(id) = &user {
-            // The job's directory (its default working directory) and logs are its user's.
-            for path in [dir.join("stdout"), dir.join("stderr"), dir.clone()] {
-                rustix::fs::chown(
-                    &path,
-                    Some(rustix::fs::Uid::from_raw(id.uid)),
-                    Some(rustix::fs::Gid::from_raw(id.gid)),
-                )
-                .map_err(|e| {
-                    io(
-                        &format!("giving {} to {}", path.display(), id.name),
-                        e.into(),
-                    )
-                })?;
-            }
+            // The job's directory (its default working directory) and logs are its user's: the
+            // logs through their descriptors, the directory by path (its parent is root's).
+            let (uid, gid) = (
+                Some(rustix::fs::Uid::from_raw(id.uid)),
+                Some(rustix::fs::Gid::from_raw(id.gid)),
+            );
+            let give = |what: &str, r: rustix::io::Result<()>| {
+                r.map_err(|e| io(&format!("giving its {what} to {}", id.name), e.into()))
+            };
+            give("stdout", rustix::fs::fchown(&stdout, uid, gid))?;
+            give("stderr", rustix::fs::fchown(&stderr, uid, gid))?;
+            give("directory", rustix::fs::chown(&dir, uid, gid))?;
         }
         let cgroup = self.cgroup(l, &mut stderr);
         let shape = command::Shape {
@@ -636,16 +694,15 @@ impl Launcher {
             let final_ = !self.running.contains_key(&job);
             for stream in [LogStream::Stdout, LogStream::Stderr] {
                 let offset = self.sent.get(&(job, stream)).copied().unwrap_or(0);
-                let path = self.job_dir(job).join(stream.as_str());
-                let Ok(mut f) = File::open(&path) else {
+                let Some(f) = self.outputs.get(&job).map(|o| match stream {
+                    LogStream::Stdout => &o[0],
+                    LogStream::Stderr => &o[1],
+                }) else {
                     continue;
                 };
-                let mut buf = Vec::new();
-                if f.seek(SeekFrom::Start(offset)).is_err()
-                    || f.take(LOG_CHUNK).read_to_end(&mut buf).is_err()
-                {
+                let Ok(buf) = read_from(f, offset, LOG_CHUNK) else {
                     continue;
-                }
+                };
                 if buf.is_empty() {
                     continue;
                 }
@@ -670,6 +727,7 @@ impl Launcher {
         }
         for job in &response.acknowledged {
             self.exited.remove(job);
+            self.outputs.remove(job);
         }
         for s in &response.stop {
             self.stop(s);
