@@ -205,6 +205,10 @@ pub struct AgentSection {
     pub run_as_user: String,
     /// "auto", "off", or the path of a cgroup v2 directory delegated to the agent.
     pub cgroups: String,
+    /// Jobs never switch to a user below this uid (root never), except those listed below.
+    pub min_uid: u32,
+    /// System users (uid below `min_uid`) that jobs may run as; root is never allowed.
+    pub allowed_system_users: Vec<String>,
 }
 
 impl Default for AgentSection {
@@ -224,6 +228,8 @@ impl Default for AgentSection {
             nvlink_islands: Vec::new(),
             run_as_user: "if_possible".into(),
             cgroups: "auto".into(),
+            min_uid: perch_collector::launcher::identity::DEFAULT_MIN_UID,
+            allowed_system_users: Vec::new(),
         }
     }
 }
@@ -475,6 +481,23 @@ impl Config {
         if let Err(e) = perch_collector::launcher::CgroupMode::parse(&self.agent.cgroups) {
             return bad("agent.cgroups", &e);
         }
+        if self.agent.min_uid == 0 {
+            return bad(
+                "agent.min_uid",
+                "must be at least 1: jobs never run as root (uid 0)",
+            );
+        }
+        if let Some(u) = self
+            .agent
+            .allowed_system_users
+            .iter()
+            .find(|u| u.is_empty() || u.as_str() == "root")
+        {
+            return bad(
+                "agent.allowed_system_users",
+                &format!("{u:?} cannot be allowed: jobs never run as root, and a name is needed"),
+            );
+        }
         if !(self.agent.server.starts_with("http://") || self.agent.server.starts_with("https://"))
         {
             return bad(
@@ -565,6 +588,10 @@ impl Config {
             .map_err(|e| anyhow::anyhow!("config key agent.run_as_user: {e}"))?;
         config.cgroups = perch_collector::launcher::CgroupMode::parse(&a.cgroups)
             .map_err(|e| anyhow::anyhow!("config key agent.cgroups: {e}"))?;
+        config.uids = perch_collector::launcher::UidPolicy {
+            min_uid: a.min_uid,
+            allowed_system_users: a.allowed_system_users.clone(),
+        };
         Ok(config)
     }
 }
@@ -653,6 +680,11 @@ mod tests {
                 "agent.run_as_user: \"sometimes\" is not one of required, if_possible, never",
             ),
             ("[agent]\ncgroups = \"on\"", "agent.cgroups"),
+            ("[agent]\nmin_uid = 0", "agent.min_uid: must be at least 1"),
+            (
+                "[agent]\nallowed_system_users = [\"daemon\", \"root\"]",
+                "agent.allowed_system_users: \"root\" cannot be allowed",
+            ),
             ("[client]\nserver = \"perch:7300\"", "client.server"),
             ("[client]\nsever = \"http://perch:7300\"", "sever"),
             ("[query]\ntimeout_secs = 0", "query.timeout_secs"),

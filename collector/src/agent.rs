@@ -75,6 +75,8 @@ pub struct AgentConfig {
     pub run_as_user: crate::launcher::RunAsUser,
     /// Where job cgroups go (`agent.cgroups`).
     pub cgroups: crate::launcher::CgroupMode,
+    /// Which users jobs may run as (`agent.min_uid`, `agent.allowed_system_users`).
+    pub uids: crate::launcher::UidPolicy,
 }
 
 impl AgentConfig {
@@ -103,6 +105,7 @@ impl AgentConfig {
             nvlink_islands: None,
             run_as_user: crate::launcher::RunAsUser::IfPossible,
             cgroups: crate::launcher::CgroupMode::Auto,
+            uids: crate::launcher::UidPolicy::default(),
             jobs: JobRegistry::default(),
         }
     }
@@ -420,6 +423,7 @@ pub async fn run_agent_with(
                 run_as_user: config.run_as_user,
                 cgroups: config.cgroups.clone(),
                 root: config.root.clone(),
+                uids: config.uids.clone(),
             },
             jobs_dir: config.data_dir.join("jobs").join(config.node.as_str()),
             interval: Duration::from_millis(500),

@@ -4,9 +4,11 @@
 //! output in `<data-dir>/jobs/<id>/{stdout,stderr}`. Stopping a job (cancel, preemption, time
 //! limit) sends its checkpoint signal to the whole group, waits its grace period, then sends
 //! SIGKILL. The agent enforces the time limit itself too, so a job cannot outrun it while the
-//! server is away. Every job's process group is written to `<id>/pgid`; a restarted agent kills
-//! groups it finds there (it cannot wait on them), and the server, seeing the job missing from
-//! the agent's report, requeues it: no job runs twice and none is orphaned.
+//! server is away. Every job's process group is recorded, with the boot id and its leader's
+//! start time, in a root-only state directory ([`groups`]); a restarted agent kills the groups
+//! it can prove its predecessor started in this boot (it cannot wait on them), and the server,
+//! seeing the job missing from the agent's report, requeues it. Nothing in a job's own
+//! directory, which its user owns, decides what the agent kills.
 //!
 //! Isolation ([`Isolation`]): a job runs as its submitting user when the agent can switch to
 //! it ([`identity`]) and in its own cgroup with its memory and CPU request as limits when the
@@ -17,15 +19,17 @@
 
 pub mod cgroup;
 mod command;
+pub mod groups;
 pub mod identity;
 mod otel;
 
 pub use cgroup::CgroupMode;
-pub use identity::RunAsUser;
+pub use identity::{RunAsUser, UidPolicy};
 pub use otel::OtelTarget;
 
 use crate::jobs::{JobRegistry, JobSpec, JobTarget};
 use cgroup::{JobCgroup, JobCgroups};
+use groups::GroupState;
 use identity::{Decision, Identity};
 use perch_model::control::{
     JobExit, JobLaunch, JobNote, JobStop, LogChunk, LogStream, SyncResponse,
@@ -33,7 +37,7 @@ use perch_model::control::{
 use rustix::process::{Pid, Signal, kill_process_group};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::Write;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
@@ -65,6 +69,8 @@ pub struct Isolation {
     pub cgroups: CgroupMode,
     /// Root of `/proc` for finding the agent's own cgroup (`/`; tests use fixture trees).
     pub root: PathBuf,
+    /// Which users jobs may be switched to (`agent.min_uid`, `agent.allowed_system_users`).
+    pub uids: UidPolicy,
 }
 
 /// Why a job did not start: the text becomes its reason on the server.
@@ -89,12 +95,20 @@ struct Running {
     stopped_by_perch: bool,
 }
 
+/// The state directory inside the jobs directory (root-only; see [`groups`]).
+const STATE_DIR: &str = ".state";
+
 /// The jobs of this node.
 pub struct Launcher {
     dir: PathBuf,
+    /// Where each running job's process group is recorded for a restarted agent.
+    groups: GroupState,
     running: HashMap<u64, Running>,
     /// Exits not yet acknowledged by the server.
     exited: BTreeMap<u64, JobExit>,
+    /// Each job's stdout and stderr as the agent created them, read until its exit is
+    /// acknowledged (never reopened by path: the job's user owns the directory).
+    outputs: HashMap<u64, [File; 2]>,
     /// Where each job's streams continue from, as the server last said.
     sent: HashMap<(u64, LogStream), u64>,
     /// Where the agent's sampler learns which processes and GPUs belong to which job.
@@ -105,6 +119,7 @@ pub struct Launcher {
     /// Where jobs' OpenTelemetry SDKs export to; `None` sets no `OTEL_*` variables.
     otel: Option<OtelTarget>,
     run_as_user: RunAsUser,
+    uids: UidPolicy,
     /// The agent's own (uid, name).
     agent_user: (u32, String),
     setpriv: Option<PathBuf>,
@@ -131,6 +146,42 @@ fn signal_group(pgid: Pid, signal: Signal) {
     {
         tracing::warn!(pgid = pgid.as_raw_nonzero().get(), error = %e, "could not signal a job's process group");
     }
+}
+
+/// Creates a job's log afresh, as root, in a directory the job's user owns: whatever the entry
+/// is now (a link the job left, say) is removed, never followed, and the new file is created
+/// exclusively without following links, readable and writable through the one descriptor.
+fn create_log(path: &Path) -> std::io::Result<File> {
+    match fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    use rustix::fs::{Mode, OFlags};
+    let fd = rustix::fs::open(
+        path,
+        OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o644),
+    )?;
+    Ok(File::from(fd))
+}
+
+/// Up to `max` bytes of `f` from `offset`, without moving the offset the job writes at.
+fn read_from(f: &File, offset: u64, max: u64) -> std::io::Result<Vec<u8>> {
+    use std::os::unix::fs::FileExt;
+    let len = f.metadata()?.len();
+    let want = usize::try_from(len.saturating_sub(offset).min(max)).unwrap_or(0);
+    let mut buf = vec![0; want];
+    let mut got = 0;
+    while got < want {
+        let n = f.read_at(&mut buf[got..], offset + got as u64)?;
+        if n == 0 {
+            break;
+        }
+        got += n;
+    }
+    buf.truncate(got);
+    Ok(buf)
 }
 
 /// The job's cgroup as the usage sampler reads it (`/sys/fs/cgroup`-relative, memory
@@ -178,26 +229,29 @@ impl Launcher {
     /// sampling and GPU attribution.
     pub fn with_registry(dir: &Path, registry: JobRegistry) -> std::io::Result<Launcher> {
         fs::create_dir_all(dir)?;
-        for entry in fs::read_dir(dir)?.flatten() {
-            let pgid_file = entry.path().join("pgid");
-            let Ok(text) = fs::read_to_string(&pgid_file) else {
-                continue;
-            };
-            if let Some(pgid) = text.trim().parse::<i32>().ok().and_then(Pid::from_raw) {
-                tracing::warn!(job = %entry.file_name().to_string_lossy(), "killing a job left running by a previous agent; the server requeues it");
+        let groups = GroupState::open(&dir.join(STATE_DIR), Path::new("/proc"))?;
+        for (job, pgid) in groups.take_provable() {
+            if let Some(pgid) = Pid::from_raw(pgid) {
+                tracing::warn!(%job, "killing a job left running by a previous agent; the server requeues it");
                 signal_group(pgid, Signal::KILL);
             }
-            let _ = fs::remove_file(&pgid_file);
+        }
+        for entry in fs::read_dir(dir)?.flatten() {
+            // Where older agents kept the group: in the job's (user-owned) directory. Never read.
+            let _ = fs::remove_file(entry.path().join("pgid"));
         }
         Ok(Launcher {
+            groups,
             dir: dir.to_path_buf(),
             running: HashMap::new(),
             exited: BTreeMap::new(),
+            outputs: HashMap::new(),
             sent: HashMap::new(),
             registry,
             waiting: Vec::new(),
             otel: None,
             run_as_user: RunAsUser::Never,
+            uids: UidPolicy::default(),
             agent_user: identity::agent_user(),
             setpriv: None,
             cgroups: Err("cgroups are off (agent.cgroups = off)".into()),
@@ -210,6 +264,7 @@ impl Launcher {
     /// user without cgroups. Job cgroups a previous agent left are killed and removed.
     pub fn set_isolation(&mut self, isolation: &Isolation) {
         self.run_as_user = isolation.run_as_user;
+        self.uids = isolation.uids.clone();
         self.setpriv = identity::find_setpriv();
         let root = if isolation.root.as_os_str().is_empty() {
             Path::new("/")
@@ -323,10 +378,20 @@ impl Launcher {
                 tracing::warn!(job = l.job, %why, "job could not start");
                 let dir = self.job_dir(l.job);
                 let _ = fs::create_dir_all(&dir);
-                let _ = fs::write(
-                    dir.join("stderr"),
-                    format!("perch: job not started: {why}\n"),
-                );
+                match (
+                    create_log(&dir.join("stdout")),
+                    create_log(&dir.join("stderr")),
+                ) {
+                    (Ok(out), Ok(mut err)) => {
+                        let _ = writeln!(err, "perch: job not started: {why}");
+                        self.sent.insert((l.job, LogStream::Stdout), 0);
+                        self.sent.insert((l.job, LogStream::Stderr), 0);
+                        self.outputs.insert(l.job, [out, err]);
+                    }
+                    (Err(e), _) | (_, Err(e)) => {
+                        tracing::warn!(job = l.job, error = %e, "cannot write why the job did not start to its log");
+                    }
+                }
                 self.exited.insert(
                     l.job,
                     JobExit {
@@ -343,7 +408,7 @@ impl Launcher {
     /// Whose identity the job runs under, noted in its record unless it is its user's.
     fn identity(&mut self, l: &JobLaunch) -> Result<Option<Identity>, NotStarted> {
         let (uid, name) = (self.agent_user.0, self.agent_user.1.clone());
-        match identity::decide(self.run_as_user, &l.user, (uid, &name)) {
+        match identity::decide(self.run_as_user, &l.user, (uid, &name), &self.uids) {
             Decision::Switch(id) => {
                 if self.setpriv.is_none() && id.groups.iter().any(|&g| g != id.gid) {
                     self.note(
@@ -412,33 +477,48 @@ impl Launcher {
         };
         let dir = self.job_dir(l.job);
         fs::create_dir_all(&dir).map_err(|e| io(&format!("creating {}", dir.display()), e))?;
-        // A new attempt starts new output; the server's copy is kept per job.
-        let stdout = File::create(dir.join("stdout")).map_err(|e| io("creating its stdout", e))?;
+        // A new attempt starts new output; the server's copy is kept per job. The agent reads
+        // the output through the descriptors it creates here, never by path again.
+        let stdout = create_log(&dir.join("stdout")).map_err(|e| io("creating its stdout", e))?;
         let mut stderr =
-            File::create(dir.join("stderr")).map_err(|e| io("creating its stderr", e))?;
+            create_log(&dir.join("stderr")).map_err(|e| io("creating its stderr", e))?;
+        let readers = [
+            stdout
+                .try_clone()
+                .map_err(|e| io("keeping its stdout", e))?,
+            stderr
+                .try_clone()
+                .map_err(|e| io("keeping its stderr", e))?,
+        ];
+        self.outputs.insert(l.job, readers);
         self.sent.insert((l.job, LogStream::Stdout), 0);
         self.sent.insert((l.job, LogStream::Stderr), 0);
         let user = self.identity(l)?;
         if let Some(id) = &user {
-            // The job's directory (its default working directory) and logs are its user's.
-            for path in [dir.join("stdout"), dir.join("stderr"), dir.clone()] {
-                rustix::fs::chown(
-                    &path,
-                    Some(rustix::fs::Uid::from_raw(id.uid)),
-                    Some(rustix::fs::Gid::from_raw(id.gid)),
-                )
-                .map_err(|e| {
-                    io(
-                        &format!("giving {} to {}", path.display(), id.name),
-                        e.into(),
-                    )
-                })?;
-            }
+            // The job's directory (its default working directory) and logs are its user's: the
+            // logs through their descriptors, the directory by path (its parent is root's).
+            let (uid, gid) = (
+                Some(rustix::fs::Uid::from_raw(id.uid)),
+                Some(rustix::fs::Gid::from_raw(id.gid)),
+            );
+            let give = |what: &str, r: rustix::io::Result<()>| {
+                r.map_err(|e| io(&format!("giving its {what} to {}", id.name), e.into()))
+            };
+            give("stdout", rustix::fs::fchown(&stdout, uid, gid))?;
+            give("stderr", rustix::fs::fchown(&stderr, uid, gid))?;
+            give("directory", rustix::fs::chown(&dir, uid, gid))?;
         }
         let cgroup = self.cgroup(l, &mut stderr);
         let shape = command::Shape {
             user: user.as_ref().map(|id| (id, self.setpriv.as_deref())),
             wait_for_go: cgroup.is_some(),
+            inherited: command::inherited(std::env::vars_os()),
+            // After the job's own env: `variables` leaves out what the job sets itself.
+            extra: self
+                .otel
+                .as_ref()
+                .map(|target| otel::variables(target, l).into_iter().collect())
+                .unwrap_or_default(),
         };
         let mut cmd = command::build(l, &shape).map_err(|e| io("building its command", e))?;
         cmd.current_dir(l.workdir.as_deref().map_or(dir.clone(), PathBuf::from))
@@ -450,10 +530,6 @@ impl Launcher {
             .stdout(stdout)
             .stderr(stderr)
             .process_group(0);
-        if let Some(target) = &self.otel {
-            // After the job's own env: `variables` leaves out what the job sets itself.
-            cmd.envs(otel::variables(target, l));
-        }
         let program = l.command.first().map_or("", String::as_str);
         let mut child = cmd
             .spawn()
@@ -478,8 +554,8 @@ impl Launcher {
             i32::try_from(child.id()).map_err(|e| io("process id", std::io::Error::other(e)))?;
         let pgid =
             Pid::from_raw(raw).ok_or_else(|| io("process id", std::io::Error::other("0")))?;
-        if let Err(e) = fs::write(dir.join("pgid"), raw.to_string()) {
-            tracing::warn!(job = l.job, error = %e, "cannot record the job's process group; a restarted agent will not find it");
+        if let Err(e) = self.groups.record(l.job, raw) {
+            tracing::warn!(job = l.job, error = %e, "cannot record the job's process group; a restarted agent will not kill it");
         }
         Ok(Running {
             child,
@@ -579,7 +655,7 @@ impl Launcher {
                 }
             }
             self.registry.unregister(&exit.job.to_string());
-            let _ = fs::remove_file(self.job_dir(exit.job).join("pgid"));
+            self.groups.forget(exit.job);
             tracing::info!(job = exit.job, code = exit.code, "job exited");
             self.exited.insert(exit.job, exit);
         }
@@ -618,16 +694,15 @@ impl Launcher {
             let final_ = !self.running.contains_key(&job);
             for stream in [LogStream::Stdout, LogStream::Stderr] {
                 let offset = self.sent.get(&(job, stream)).copied().unwrap_or(0);
-                let path = self.job_dir(job).join(stream.as_str());
-                let Ok(mut f) = File::open(&path) else {
+                let Some(f) = self.outputs.get(&job).map(|o| match stream {
+                    LogStream::Stdout => &o[0],
+                    LogStream::Stderr => &o[1],
+                }) else {
                     continue;
                 };
-                let mut buf = Vec::new();
-                if f.seek(SeekFrom::Start(offset)).is_err()
-                    || f.take(LOG_CHUNK).read_to_end(&mut buf).is_err()
-                {
+                let Ok(buf) = read_from(f, offset, LOG_CHUNK) else {
                     continue;
-                }
+                };
                 if buf.is_empty() {
                     continue;
                 }
@@ -652,6 +727,7 @@ impl Launcher {
         }
         for job in &response.acknowledged {
             self.exited.remove(job);
+            self.outputs.remove(job);
         }
         for s in &response.stop {
             self.stop(s);

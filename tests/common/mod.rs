@@ -244,6 +244,20 @@ impl Agent {
         token: Option<&str>,
         extra: &[&str],
     ) -> Agent {
+        Self::start_with_env(server_url, node, data_dir, gpus, token, extra, &[])
+    }
+
+    /// [`Agent::start`] with more environment variables, set last (so they may replace
+    /// `PERCH_RUN_AS_USER=never`).
+    pub fn start_with_env(
+        server_url: &str,
+        node: &str,
+        data_dir: &Path,
+        gpus: u32,
+        token: Option<&str>,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Agent {
         let mut cmd = Command::new(PERCH);
         cmd.args([
             "agent", "--server", server_url, "--node", node, "--nvml", "off",
@@ -259,6 +273,7 @@ impl Agent {
         if let Some(t) = token {
             cmd.env("PERCH_TOKEN", t);
         }
+        cmd.envs(env.iter().copied());
         Agent(cmd.spawn().expect("spawn perch agent"))
     }
 

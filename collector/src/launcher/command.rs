@@ -2,6 +2,8 @@
 //!
 //! On top of the job's own program, arguments and environment:
 //!
+//! - from the agent's environment only [`INHERITED`] (`PATH`, `LANG`, `LANGUAGE`, `TZ`) and
+//!   `LC_*`: never the agent's token, proxies or anything else it was started with;
 //! - `CUDA_VISIBLE_DEVICES` (its GPUs), `PERCH_NODE_RANK`, `PERCH_NUM_NODES`;
 //! - for a job holding part of a GPU: `PERCH_GPU_FRACTION` (e.g. `0.25`),
 //!   `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` (25) and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` (`0=10240M`),
@@ -12,15 +14,42 @@
 //!   then `exec`s the job. The launcher writes the child's pid into the cgroup before sending
 //!   that line, so every process of the job starts inside its cgroup; the line sent, the pipe
 //!   closes and the job sees an empty standard input, as without a cgroup.
+//!
+//! **Nothing of the job's environment reaches a program that runs before the switch to its
+//! user.** The cgroup prefix and `setpriv` run as root when the agent is root; a variable such
+//! as `LD_PRELOAD` in their environment would run the user's code as root. So whenever such a
+//! prefix runs, the spawned process gets [`PREFIX_PATH`] and nothing else the loader or a shell
+//! acts on: the job's final environment travels as `PERCH_ENV_<name>` variables (names the
+//! loader ignores), and a last `sh` step, run as the job's user after the switch, turns them
+//! back into `<name>` and `exec`s the job with exactly that environment ([`APPLY_ENV`]). The
+//! values never appear on a command line (`/proc/<pid>/cmdline` is readable by every user of
+//! the node; `/proc/<pid>/environ` only by the process's owner). Without a prefix the job is
+//! spawned directly with its environment (std switches the uid before `exec`, so the loader
+//! already runs as the user).
 
 use super::identity::{Identity, setpriv_args};
 use perch_model::control::JobLaunch;
+use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::Command;
 
 /// The script of the waiting prefix; `$0` is a label, `$@` the job's command line.
 const WAIT_THEN_EXEC: &str = "read -r perch_go || exit 125; exec \"$@\"";
+
+/// The only environment of the programs that run before the switch to the job's user (besides
+/// the `PERCH_ENV_*` values they pass on untouched).
+pub const PREFIX_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Run by `/bin/sh` as the job's user: `$@` is the names of the job's variables, `--`, and the
+/// job's command line. Each `PERCH_ENV_<name>` becomes `<name>` (names are checked to be shell
+/// identifiers, so the `eval` only ever reads a variable), then the job runs.
+pub const APPLY_ENV: &str = "while [ \"$#\" -gt 0 ] && [ \"$1\" != -- ]; do \
+eval \"export $1=\\\"\\${PERCH_ENV_$1}\\\"\"; unset \"PERCH_ENV_$1\"; shift; done; \
+shift; exec \"$@\"";
+
+/// The prefix of the carried variables ([`APPLY_ENV`]).
+const CARRIED: &str = "PERCH_ENV_";
 
 /// How the first process is started.
 #[derive(Debug, Default)]
@@ -29,6 +58,19 @@ pub struct Shape<'a> {
     pub user: Option<(&'a Identity, Option<&'a Path>)>,
     /// Wait for the launcher's go on standard input (the cgroup hand-over).
     pub wait_for_go: bool,
+    /// Variables the agent passes on from its own environment (the job's own `env` wins).
+    pub inherited: Vec<(String, String)>,
+    /// Variables set last (the `OTEL_*` ones, already merged with the job's own).
+    pub extra: Vec<(String, String)>,
+}
+
+/// Whether `name` can be carried through [`APPLY_ENV`]: a shell identifier.
+pub fn is_identifier(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
 /// The environment perch adds for job `l` (the job's own `env` is applied before these, so
@@ -64,9 +106,48 @@ pub fn perch_env(l: &JobLaunch) -> Vec<(String, String)> {
     env
 }
 
+/// The variables a job takes from the agent's environment; nothing else of it (the agent's
+/// `PERCH_TOKEN`, its proxies, its credentials) reaches a job. `LC_*` too.
+pub const INHERITED: [&str; 4] = ["PATH", "LANG", "LANGUAGE", "TZ"];
+
+/// What a job takes from the agent's own environment: [`INHERITED`] and `LC_*`, and
+/// [`PREFIX_PATH`] as `PATH` when the agent has none.
+pub fn inherited(
+    agent: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>,
+) -> Vec<(String, String)> {
+    let mut vars: Vec<(String, String)> = agent
+        .into_iter()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .filter(|(k, _)| INHERITED.contains(&k.as_str()) || k.starts_with("LC_"))
+        .collect();
+    if !vars.iter().any(|(k, _)| k == "PATH") {
+        vars.push(("PATH".into(), PREFIX_PATH.into()));
+    }
+    vars
+}
+
+/// The job's complete environment: inherited, then its own `env`, perch's variables, its
+/// user's `HOME`, `USER` and `LOGNAME`, and the extra ones (later ones win).
+pub fn environment(l: &JobLaunch, shape: &Shape<'_>) -> BTreeMap<String, String> {
+    let mut env: BTreeMap<String, String> = shape.inherited.iter().cloned().collect();
+    env.extend(l.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+    env.extend(perch_env(l));
+    if let Some((id, _)) = shape.user {
+        env.insert("HOME".into(), id.home.display().to_string());
+        env.insert("USER".into(), id.name.clone());
+        env.insert("LOGNAME".into(), id.name.clone());
+    }
+    env.extend(shape.extra.iter().cloned());
+    env
+}
+
 /// The job's command, ready to spawn but for stdio, working directory and process group.
 pub fn build(l: &JobLaunch, shape: &Shape<'_>) -> std::io::Result<Command> {
-    let mut argv: Vec<String> = Vec::with_capacity(l.command.len() + 8);
+    let env = environment(l, shape);
+    let switch_by_setpriv = matches!(shape.user, Some((_, Some(_))));
+    // Programs of perch's run before the job: they get perch's environment only.
+    let prefixed = shape.wait_for_go || switch_by_setpriv;
+    let mut argv: Vec<String> = Vec::with_capacity(l.command.len() + env.len() + 12);
     if shape.wait_for_go {
         argv.extend([
             "/bin/sh".to_owned(),
@@ -78,19 +159,35 @@ pub fn build(l: &JobLaunch, shape: &Shape<'_>) -> std::io::Result<Command> {
     if let Some((id, Some(setpriv))) = shape.user {
         argv.extend(setpriv_args(setpriv, id));
     }
+    if prefixed {
+        if let Some(bad) = env.keys().find(|k| !is_identifier(k)) {
+            return Err(std::io::Error::other(format!(
+                "the variable name {bad:?} cannot be passed to the job (letters, digits and '_' only)"
+            )));
+        }
+        argv.extend([
+            "/bin/sh".to_owned(),
+            "-c".to_owned(),
+            APPLY_ENV.to_owned(),
+            "perch-env".to_owned(),
+        ]);
+        argv.extend(env.keys().cloned());
+        argv.push("--".to_owned());
+    }
     argv.extend(l.command.iter().cloned());
     let (program, args) = argv
         .split_first()
         .ok_or_else(|| std::io::Error::other("empty command"))?;
     let mut cmd = Command::new(program);
-    cmd.args(args).envs(&l.env).envs(perch_env(l));
-    if let Some((id, setpriv)) = shape.user {
-        cmd.env("HOME", &id.home)
-            .env("USER", &id.name)
-            .env("LOGNAME", &id.name);
-        if setpriv.is_none() {
-            cmd.uid(id.uid).gid(id.gid);
-        }
+    cmd.args(args).env_clear();
+    if prefixed {
+        cmd.env("PATH", PREFIX_PATH);
+        cmd.envs(env.iter().map(|(k, v)| (format!("{CARRIED}{k}"), v)));
+    } else {
+        cmd.envs(&env);
+    }
+    if let Some((id, None)) = shape.user {
+        cmd.uid(id.uid).gid(id.gid);
     }
     Ok(cmd)
 }
@@ -163,6 +260,7 @@ mod tests {
             &Shape {
                 user: Some((&id, Some(setpriv))),
                 wait_for_go: true,
+                ..Shape::default()
             },
         )
         .expect("command");
@@ -182,12 +280,111 @@ mod tests {
                 "--regid=1002",
                 "--groups=1002,27",
                 "--",
+                "/bin/sh",
+                "-c",
+                APPLY_ENV,
+                "perch-env",
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+                "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+                "CUDA_VISIBLE_DEVICES",
+                "HOME",
+                "LOGNAME",
+                "PERCH_GPU_FRACTION",
+                "PERCH_GPU_MEMORY_MB",
+                "PERCH_NODE_RANK",
+                "PERCH_NUM_NODES",
+                "USER",
+                "--",
                 "python",
                 "train.py"
             ]
         );
         let env = env_of(&cmd);
-        assert!(env.contains(&("HOME".into(), "/home/alice".into())));
-        assert!(env.contains(&("USER".into(), "alice".into())));
+        assert!(env.contains(&("PERCH_ENV_HOME".into(), "/home/alice".into())));
+        assert!(env.contains(&("PERCH_ENV_USER".into(), "alice".into())));
+    }
+
+    #[test]
+    fn programs_before_the_switch_get_perchs_environment_only() {
+        let id = Identity {
+            name: "alice".into(),
+            uid: 1001,
+            gid: 1001,
+            groups: vec![],
+            home: "/home/alice".into(),
+        };
+        let mut l = launch();
+        l.env = [
+            ("LD_PRELOAD".to_owned(), "/tmp/evil.so".to_owned()),
+            ("GREETING".to_owned(), "hi".to_owned()),
+        ]
+        .into();
+        let cmd = build(
+            &l,
+            &Shape {
+                user: Some((&id, Some(Path::new("/usr/bin/setpriv")))),
+                inherited: vec![("LANG".into(), "C.UTF-8".into())],
+                ..Shape::default()
+            },
+        )
+        .expect("command");
+        let env = env_of(&cmd);
+        let names: Vec<&str> = env.iter().map(|(k, _)| k.as_str()).collect();
+        assert!(
+            names
+                .iter()
+                .all(|k| *k == "PATH" || k.starts_with("PERCH_ENV_")),
+            "{names:?}"
+        );
+        assert!(env.contains(&("PATH".into(), PREFIX_PATH.into())));
+        assert!(env.contains(&("PERCH_ENV_LD_PRELOAD".into(), "/tmp/evil.so".into())));
+        assert!(env.contains(&("PERCH_ENV_LANG".into(), "C.UTF-8".into())));
+        // Without a prefix the job gets its environment directly, and nothing else.
+        let cmd = build(&l, &Shape::default()).expect("command");
+        let env = env_of(&cmd);
+        assert!(env.contains(&("GREETING".into(), "hi".into())));
+        assert!(env.iter().all(|(k, _)| !k.starts_with("PERCH_ENV_")));
+        // A name the carrying shell could not take is refused, not mangled.
+        l.env = [("A-B".to_owned(), "x".to_owned())].into();
+        let shape = Shape {
+            wait_for_go: true,
+            ..Shape::default()
+        };
+        let err = build(&l, &shape).expect_err("not an identifier");
+        assert!(err.to_string().contains("\"A-B\""), "{err}");
+    }
+
+    #[test]
+    fn jobs_inherit_only_the_allowed_variables_of_the_agent() {
+        let agent = [
+            ("PATH", "/opt/bin:/usr/bin"),
+            ("LANG", "C.UTF-8"),
+            ("LC_TIME", "en_GB.UTF-8"),
+            ("PERCH_TOKEN", "secret"),
+            ("HTTPS_PROXY", "http://proxy"),
+            ("LD_PRELOAD", "/x.so"),
+        ]
+        .map(|(k, v)| (k.into(), v.into()));
+        let got = inherited(agent);
+        let names: Vec<&str> = got.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(names, ["PATH", "LANG", "LC_TIME"]);
+        assert_eq!(
+            inherited([("HOME".into(), "/root".into())]),
+            vec![("PATH".to_owned(), PREFIX_PATH.to_owned())],
+            "a default PATH"
+        );
+    }
+
+    #[test]
+    fn identifiers() {
+        for (name, ok) in [
+            ("A", true),
+            ("_a1", true),
+            ("1A", false),
+            ("A-B", false),
+            ("", false),
+        ] {
+            assert_eq!(is_identifier(name), ok, "{name}");
+        }
     }
 }

@@ -43,6 +43,45 @@ impl RunAsUser {
     }
 }
 
+/// Which users jobs may be switched to (`agent.min_uid`, `agent.allowed_system_users`): root
+/// never; system accounts (a uid below `min_uid`: daemons, services with keys and sockets of
+/// their own) only when the operator lists them by name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UidPolicy {
+    pub min_uid: u32,
+    pub allowed_system_users: Vec<String>,
+}
+
+/// `agent.min_uid`'s default: where ordinary accounts start on most distributions.
+pub const DEFAULT_MIN_UID: u32 = 1000;
+
+impl Default for UidPolicy {
+    fn default() -> Self {
+        UidPolicy {
+            min_uid: DEFAULT_MIN_UID,
+            allowed_system_users: Vec::new(),
+        }
+    }
+}
+
+impl UidPolicy {
+    /// Why a job may not run as `id`, or `None` when it may.
+    pub fn refuses(&self, id: &Identity) -> Option<String> {
+        if id.uid == 0 {
+            return Some(format!(
+                "jobs never run as root: {:?} has uid 0 (agent.min_uid)",
+                id.name
+            ));
+        }
+        (id.uid < self.min_uid && !self.allowed_system_users.contains(&id.name)).then(|| {
+            format!(
+                "user {:?} has uid {}, below agent.min_uid = {}: system accounts do not run jobs unless an operator lists them in agent.allowed_system_users",
+                id.name, id.uid, self.min_uid
+            )
+        })
+    }
+}
+
 /// A user of this node, as the job will run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Identity {
@@ -101,7 +140,7 @@ pub fn lookup(name: &str) -> Result<Option<Identity>, String> {
 }
 
 /// Decides whose identity job of `user` runs under, the agent being `agent` (uid, name).
-pub fn decide(mode: RunAsUser, user: &str, agent: (u32, &str)) -> Decision {
+pub fn decide(mode: RunAsUser, user: &str, agent: (u32, &str), uids: &UidPolicy) -> Decision {
     let (agent_uid, agent_name) = agent;
     if user == agent_name && (agent_uid != 0 || mode == RunAsUser::Never) {
         // Already the job's user (`perch up` run by the user who submits).
@@ -123,7 +162,10 @@ pub fn decide(mode: RunAsUser, user: &str, agent: (u32, &str)) -> Decision {
         };
     }
     match lookup(user) {
-        Ok(Some(identity)) => Decision::Switch(identity),
+        Ok(Some(identity)) => match uids.refuses(&identity) {
+            Some(why) => Decision::Refuse(why),
+            None => Decision::Switch(identity),
+        },
         Ok(None) => Decision::Refuse(format!(
             "user {user:?} does not exist on this node (create it, e.g. from the cluster's directory service, or set agent.run_as_user = never to run jobs as the agent's user)"
         )),
@@ -180,7 +222,7 @@ mod tests {
     #[test]
     fn a_non_root_agent_runs_jobs_as_itself_or_refuses_when_required() {
         let agent = (1000, "perch");
-        match decide(RunAsUser::IfPossible, "alice", agent) {
+        match decide(RunAsUser::IfPossible, "alice", agent, &UidPolicy::default()) {
             Decision::AsAgent(Some(note)) => assert!(
                 note.contains("runs as perch") && note.contains("not root"),
                 "{note}"
@@ -189,14 +231,19 @@ mod tests {
         }
         // The agent's user submitting: it runs as itself, nothing to note.
         assert_eq!(
-            decide(RunAsUser::Required, "perch", agent),
+            decide(RunAsUser::Required, "perch", agent, &UidPolicy::default()),
             Decision::AsAgent(None)
         );
-        match decide(RunAsUser::Required, "alice", agent) {
+        match decide(RunAsUser::Required, "alice", agent, &UidPolicy::default()) {
             Decision::Refuse(why) => assert!(why.contains("run_as_user = required"), "{why}"),
             other => panic!("{other:?}"),
         }
-        match decide(RunAsUser::Never, "alice", (0, "root")) {
+        match decide(
+            RunAsUser::Never,
+            "alice",
+            (0, "root"),
+            &UidPolicy::default(),
+        ) {
             Decision::AsAgent(Some(note)) => {
                 assert!(note.contains("run_as_user = never"), "{note}")
             }
@@ -206,7 +253,12 @@ mod tests {
 
     #[test]
     fn a_root_agent_refuses_users_the_node_does_not_know() {
-        match decide(RunAsUser::IfPossible, "no-such-user-perch", (0, "root")) {
+        match decide(
+            RunAsUser::IfPossible,
+            "no-such-user-perch",
+            (0, "root"),
+            &UidPolicy::default(),
+        ) {
             Decision::Refuse(why) => assert!(why.contains("does not exist on this node"), "{why}"),
             other => panic!("{other:?}"),
         }
@@ -214,6 +266,42 @@ mod tests {
         let root = lookup("root").expect("lookup").expect("root exists");
         assert_eq!((root.uid, root.gid), (0, 0));
         assert!(root.groups.contains(&0));
+    }
+
+    #[test]
+    fn root_and_system_users_are_refused_unless_listed() {
+        let id = |name: &str, uid: u32| Identity {
+            name: name.into(),
+            uid,
+            gid: uid,
+            groups: vec![],
+            home: "/".into(),
+        };
+        let policy = UidPolicy {
+            min_uid: 1000,
+            allowed_system_users: vec!["backup".into(), "root".into()],
+        };
+        for (who, refused) in [
+            (id("alice", 1000), None),
+            (id("daemon", 1), Some("below agent.min_uid = 1000")),
+            (id("backup", 34), None),
+            (id("root", 0), Some("jobs never run as root")),
+        ] {
+            match (policy.refuses(&who), refused) {
+                (None, None) => {}
+                (Some(why), Some(want)) => assert!(why.contains(want), "{why}"),
+                (got, want) => panic!("{}: {got:?}, want {want:?}", who.name),
+            }
+        }
+        match decide(
+            RunAsUser::Required,
+            "root",
+            (0, "root"),
+            &UidPolicy::default(),
+        ) {
+            Decision::Refuse(why) => assert!(why.contains("agent.min_uid"), "{why}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

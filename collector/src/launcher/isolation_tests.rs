@@ -94,6 +94,7 @@ fn a_job_runs_as_its_user_when_the_agent_is_root() {
         run_as_user: RunAsUser::IfPossible,
         cgroups: CgroupMode::Off,
         root: PathBuf::new(),
+        uids: UidPolicy::default(),
     });
     let script = "id -u; id -G; echo $HOME $USER; touch here; sleep 0.3";
     if !is_root() {
@@ -178,6 +179,7 @@ fn a_user_the_node_does_not_know_fails_the_job_with_the_reason() {
         run_as_user: RunAsUser::Required,
         cgroups: CgroupMode::Off,
         root: PathBuf::new(),
+        uids: UidPolicy::default(),
     });
     l.launch(&launch(2, "no-such-user-perch", "echo ran"));
     let exit = wait_exit(&mut l, 2);
@@ -200,6 +202,7 @@ fn a_job_gets_a_cgroup_with_its_limits_or_says_why_not() {
         run_as_user: RunAsUser::Never,
         cgroups: CgroupMode::Auto,
         root: PathBuf::new(),
+        uids: UidPolicy::default(),
     });
     let mut job = launch(3, "any", "cat /proc/self/cgroup; sleep 0.5");
     job.memory_mb = Some(256);
@@ -306,5 +309,108 @@ fn shared_jobs_run_side_by_side_and_a_whole_gpu_job_waits_for_them() {
     assert_eq!(wait_exit(&mut l, 6).code, 0);
     for job in [4, 5] {
         assert_eq!(output(dir.path(), job, "stdout"), "0 0.25 25\n");
+    }
+}
+
+/// Builds a harmless preload library that appends "<euid> <program>" to `log` whenever a
+/// program loads it.
+fn euid_recorder(dir: &Path, log: &Path) -> PathBuf {
+    let src = dir.join("euid.c");
+    fs::write(
+        &src,
+        format!(
+            r#"#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+__attribute__((constructor)) static void record(void) {{
+    char exe[256] = {{0}}, line[320];
+    if (readlink("/proc/self/exe", exe, sizeof exe - 1) < 0) strcpy(exe, "?");
+    int fd = open("{}", O_WRONLY | O_APPEND | O_CREAT, 0666);
+    if (fd < 0) return;
+    int n = snprintf(line, sizeof line, "%u %s\n", (unsigned)geteuid(), exe);
+    if (n > 0) (void)!write(fd, line, (size_t)n);
+    close(fd);
+}}
+"#,
+            log.display()
+        ),
+    )
+    .expect("write euid.c");
+    let lib = dir.join("libeuid.so");
+    let status = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .status()
+        .expect("cc (the preload library needs a C compiler, as CI has)");
+    assert!(status.success(), "cc: {status}");
+    lib
+}
+
+#[test]
+fn the_jobs_env_reaches_no_program_that_runs_as_root() {
+    assert!(
+        is_root(),
+        "this test needs root, as CI has: it switches users"
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .expect("chmod");
+    let log = dir.path().join("euids");
+    fs::write(&log, "").expect("log");
+    fs::set_permissions(&log, std::os::unix::fs::PermissionsExt::from_mode(0o666)).expect("chmod");
+    let lib = euid_recorder(dir.path(), &log);
+    let user = TestUser::create("p");
+    let id = identity::lookup(&user.name)
+        .expect("lookup")
+        .expect("created user exists");
+    let mut l = Launcher::new(&dir.path().join("jobs")).expect("launcher");
+    fs::set_permissions(
+        dir.path().join("jobs"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .expect("chmod");
+    // A cgroup when the machine allows one: the root `sh` that waits for it runs first then.
+    l.set_isolation(&Isolation {
+        run_as_user: RunAsUser::Required,
+        cgroups: CgroupMode::Auto,
+        root: PathBuf::new(),
+        uids: UidPolicy::default(),
+    });
+    assert!(
+        l.setpriv.is_some(),
+        "setpriv (util-linux) is installed here"
+    );
+    let mut job = launch(1, &user.name, "echo $GREETING");
+    // What the server refuses, sent straight to the launcher: the mechanism must hold anyway.
+    job.env = [
+        ("LD_PRELOAD".to_owned(), lib.display().to_string()),
+        ("GREETING".to_owned(), "hi".to_owned()),
+    ]
+    .into();
+    l.launch(&job);
+    let exit = wait_exit(&mut l, 1);
+    assert_eq!(
+        exit.code,
+        0,
+        "{}",
+        output(&dir.path().join("jobs"), 1, "stderr")
+    );
+    assert_eq!(output(&dir.path().join("jobs"), 1, "stdout"), "hi\n");
+    let seen = fs::read_to_string(&log).expect("log");
+    let lines: Vec<&str> = seen.lines().collect();
+    assert!(
+        !lines.is_empty(),
+        "the job itself loads the library, as its user"
+    );
+    for line in &lines {
+        assert!(
+            line.starts_with(&format!("{} ", id.uid)),
+            "a program ran with the job's LD_PRELOAD as another user: {seen}"
+        );
     }
 }

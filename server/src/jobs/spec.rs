@@ -186,6 +186,63 @@ fn check_name(field: &'static str, value: &str) -> Result<(), FieldError> {
     Ok(())
 }
 
+/// Variables a job's `env` may never set, with why. perch applies a job's environment only
+/// after the switch to its user (the agent's `launcher/command.rs`), so none of these could
+/// reach a program running as root; they are refused anyway, so that no future wrapper, helper
+/// or misconfigured node can turn them into root's, and so the user learns at once.
+/// `LD_LIBRARY_PATH` and the `MALLOC_*` tuning variables are allowed: they apply to the job's
+/// own programs, as its user, and CUDA and conda setups rely on the former.
+pub const REFUSED_ENV: [(&str, &str); 5] = [
+    (
+        "LD_PRELOAD",
+        "it loads a library into every program the job starts; load it from the job's own command instead",
+    ),
+    (
+        "LD_AUDIT",
+        "it loads an auditing library into every program the job starts",
+    ),
+    (
+        "GCONV_PATH",
+        "it makes the C library load code from a directory of the user's choosing",
+    ),
+    (
+        "LD_DEBUG_OUTPUT",
+        "it makes the dynamic loader write to a file of the user's choosing",
+    ),
+    (
+        "GLIBC_TUNABLES",
+        "it tunes the dynamic loader itself (CVE-2023-4911); set it inside the job's command if needed",
+    ),
+];
+
+/// A variable name a job may set: a shell identifier (the agent passes the environment through
+/// a shell after the switch to the job's user), not perch's, not a refused loader variable.
+fn check_env_name(key: &str) -> Result<(), FieldError> {
+    let mut chars = key.chars();
+    let identifier = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if !identifier {
+        return Err(err(
+            "env",
+            format!(
+                "{key:?} is not a valid variable name (letters, digits and '_', not starting with a digit)"
+            ),
+        ));
+    }
+    if key == "CUDA_VISIBLE_DEVICES" || key.starts_with("PERCH_") {
+        return Err(err("env", format!("{key} is set by perch; leave it out")));
+    }
+    if let Some((_, why)) = REFUSED_ENV.iter().find(|(name, _)| *name == key) {
+        return Err(err(
+            "env",
+            format!("{key} is refused on every node: {why} (docs/security.md)"),
+        ));
+    }
+    Ok(())
+}
+
 impl JobRequest {
     /// Checks every field; the first wrong one is named.
     pub fn validate(&self) -> Result<(), FieldError> {
@@ -211,12 +268,7 @@ impl JobRequest {
             ));
         }
         for key in self.env.keys() {
-            if key.is_empty() || key.contains('=') || key.contains('\0') {
-                return Err(err("env", format!("{key:?} is not a valid variable name")));
-            }
-            if key == "CUDA_VISIBLE_DEVICES" || key.starts_with("PERCH_") {
-                return Err(err("env", format!("{key} is set by perch; leave it out")));
-            }
+            check_env_name(key)?;
         }
         if !(1..=1024).contains(&self.nodes) {
             return Err(err("nodes", "must be between 1 and 1024"));
@@ -241,6 +293,12 @@ impl JobRequest {
         }
         if let Some(u) = &self.user {
             check_name("user", u)?;
+            if u == "root" {
+                return Err(err(
+                    "user",
+                    "jobs never run as root: every agent refuses users below agent.min_uid (1000 by default), and root cannot be allowed in agent.allowed_system_users; submit as your own user",
+                ));
+            }
         }
         if let Some(a) = &self.account {
             check_name("account", a)?;
@@ -337,8 +395,32 @@ mod tests {
         );
         check(r#"{"command": ["x"], "user": "a b"}"#, Some("field `user`"));
         check(
+            r#"{"command": ["x"], "user": "root"}"#,
+            Some(
+                "field `user`: jobs never run as root: every agent refuses users below agent.min_uid",
+            ),
+        );
+        check(
             r#"{"command": ["x"], "env": {"CUDA_VISIBLE_DEVICES": "0"}}"#,
             Some("set by perch"),
+        );
+        check(
+            r#"{"command": ["x"], "env": {"LD_PRELOAD": "/tmp/x.so"}}"#,
+            Some("field `env`: LD_PRELOAD is refused on every node: it loads a library"),
+        );
+        for (name, _) in REFUSED_ENV {
+            check(
+                &format!(r#"{{"command": ["x"], "env": {{"{name}": "x"}}}}"#),
+                Some(&format!("{name} is refused on every node")),
+            );
+        }
+        check(
+            r#"{"command": ["x"], "env": {"LD_LIBRARY_PATH": "/opt/cuda/lib64", "MALLOC_ARENA_MAX": "2"}}"#,
+            None,
+        );
+        check(
+            r#"{"command": ["x"], "env": {"A-B": "x"}}"#,
+            Some("\"A-B\" is not a valid variable name"),
         );
         check(
             r#"{"command": ["x"], "gpus_per_node": -1}"#,
