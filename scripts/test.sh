@@ -21,6 +21,11 @@ command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 command -v psql >/dev/null 2>&1 || missing+=(postgresql-client)
 # pip installs the Python OpenTelemetry SDK below.
 python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
+# The isolation tests (tests/isolation.rs, launcher::isolation_tests) create a user, switch to it
+# with setpriv, and build a small preload library with cc.
+command -v useradd >/dev/null 2>&1 || missing+=(passwd)
+command -v setpriv >/dev/null 2>&1 || missing+=(util-linux)
+command -v cc >/dev/null 2>&1 || missing+=(gcc)
 if ((${#missing[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"

@@ -58,6 +58,22 @@ fn shared_jobs_pack_onto_one_gpu_with_their_mps_limits() {
     let script = "echo $CUDA_VISIBLE_DEVICES $PERCH_GPU_FRACTION $CUDA_MPS_ACTIVE_THREAD_PERCENTAGE $CUDA_MPS_PINNED_DEVICE_MEM_LIMIT; \
                   for i in $(seq 100); do [ -e ../2/stdout ] && break; sleep 0.1; done";
     submit_share(&perch, "0.25", script);
+    // The second share is placed by the GPU's measured load: wait until the telemetry of job
+    // 1's GPU shows job 1 (its `idle` profile: 0%), not the load phase the free GPU played
+    // before, whose bursts could leave no room for a second quarter.
+    let first = wait_for("job 1 to run", || {
+        let j = job(&perch, 1);
+        (j["state"] == "running").then_some(j)
+    });
+    let gpu = first["placement"][0]["gpus"][0].as_u64().expect("its GPU");
+    let since = first["start_ms"].as_i64().expect("started");
+    wait_for("job 1's GPU to show job 1", || {
+        let idle = perch.scalar(&format!(
+            "SELECT count(*) FROM gpu_samples WHERE gpu = {gpu} AND utilization_gpu_pct = 0 \
+             AND time > to_timestamp_millis({since}) + INTERVAL '500 milliseconds'"
+        ));
+        (idle >= 2).then_some(())
+    });
     submit_share(&perch, "0.25", script);
     let mut ended = Vec::new();
     for id in [1, 2] {
