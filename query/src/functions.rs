@@ -122,10 +122,12 @@ impl ScalarUDFImpl for UtcDateTrunc {
 }
 
 /// DataFusion's `repeat`, `lpad` and `rpad`, refusing a call whose result would be larger
-/// than `limit_bytes` (the query's memory limit) before building it: the memory pool does not
-/// see a function's output, so `repeat('x', 1000000000)` ran for most of a minute and took
-/// gigabytes past the limit.
-pub(crate) fn size_capped(limit_bytes: usize) -> Vec<ScalarUDF> {
+/// than an eighth of `memory_bytes` (the query's memory limit) before building it: the memory
+/// pool does not see a function's output, which is copied several times on its way out, so
+/// `repeat('x', 1000000000)` ran for most of a minute and took gigabytes past a 1 GiB limit.
+/// Constant calls are folded while planning, so the refusal comes before anything runs.
+pub(crate) fn size_capped(memory_bytes: usize) -> Vec<ScalarUDF> {
+    let limit_bytes = memory_bytes / 8;
     let string = datafusion::functions::string::functions();
     let unicode = datafusion::functions::unicode::functions();
     string
