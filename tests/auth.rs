@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{PERCH, Perch, wait_for};
+use common::{PERCH, wait_for};
 use std::process::Command;
 
 const ALICE: &str = "alice-token-0123456789";
@@ -28,29 +28,14 @@ fn cli(url: &str, token: Option<&str>, args: &[&str]) -> (bool, String, String) 
 #[test]
 fn tokens_decide_who_may_do_what() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let tokens = dir.path().join("tokens.toml");
-    std::fs::write(
-        &tokens,
-        format!(
+    let server = common::server_with_tokens(
+        dir.path(),
+        &format!(
             "[[tokens]]\ntoken = \"{ALICE}\"\nuser = \"alice\"\nrole = \"user\"\n\
              [[tokens]]\ntoken = \"{BOB}\"\nuser = \"bob\"\nrole = \"user\"\n\
              [[tokens]]\ntoken = \"{OPERATOR}\"\nuser = \"ops\"\nrole = \"operator\"\n\
              [[tokens]]\ntoken = \"{AGENT}\"\nuser = \"node-agent\"\nrole = \"agent\"\nnodes = [\"gpu-a\"]\n"
         ),
-    )
-    .expect("tokens file");
-    let config = dir.path().join("perch.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[server]\ntokens_file = \"{}\"\npg_listen = \"\"\n",
-            tokens.display()
-        ),
-    )
-    .expect("config");
-    let server = Perch::start(
-        &dir.path().join("server"),
-        &["server", "--config", config.to_str().expect("utf-8")],
     );
     let url = server.url.clone();
     let _agent = common::Agent::start(

@@ -323,28 +323,13 @@ fn with_tokens_a_job_pushes_with_its_own_token_and_nobody_pushes_for_others() {
     const BOB: &str = "bob-token-0123456789ab";
     const AGENT: &str = "agent-token-0123456789";
     let dir = tempfile::tempdir().expect("tempdir");
-    let tokens = dir.path().join("tokens.toml");
-    std::fs::write(
-        &tokens,
-        format!(
+    let perch = common::server_with_tokens(
+        dir.path(),
+        &format!(
             "[[tokens]]\ntoken = \"{ALICE}\"\nuser = \"alice\"\nrole = \"user\"\n\
              [[tokens]]\ntoken = \"{BOB}\"\nuser = \"bob\"\nrole = \"user\"\n\
              [[tokens]]\ntoken = \"{AGENT}\"\nuser = \"agent\"\nrole = \"agent\"\nnodes = [\"gpu-a\"]\n"
         ),
-    )
-    .expect("tokens");
-    let config = dir.path().join("perch.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[server]\ntokens_file = \"{}\"\npg_listen = \"\"\n",
-            tokens.display()
-        ),
-    )
-    .expect("config");
-    let perch = Perch::start(
-        &dir.path().join("server"),
-        &["server", "--config", config.to_str().expect("utf-8")],
     );
     let _agent = common::Agent::start(
         &perch.url,

@@ -231,6 +231,26 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// `perch server` in `dir/server` with a tokens file holding `tokens` (TOML `[[tokens]]`
+/// entries) and no PostgreSQL listener.
+pub fn server_with_tokens(dir: &Path, tokens: &str) -> Perch {
+    let file = dir.join("tokens.toml");
+    std::fs::write(&file, tokens).expect("tokens file");
+    let config = dir.join("perch.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\ntokens_file = \"{}\"\npg_listen = \"\"\n",
+            file.display()
+        ),
+    )
+    .expect("config");
+    Perch::start(
+        &dir.join("server"),
+        &["server", "--config", config.to_str().expect("utf-8")],
+    )
+}
+
 /// A `perch agent` with NVML off and `gpus` simulated GPUs; killed when dropped.
 pub struct Agent(pub Child);
 

@@ -871,14 +871,9 @@ impl Control {
         in_line.chain(held).collect()
     }
 
-    /// (name, state, gpus, model, rack, allocated GPUs, running job ids, seconds since last sync),
-    /// the state decided by `state_of` from the node's liveness (the one definition,
-    /// [`crate::node_status`], which also needs its telemetry).
-    pub(crate) fn nodes(
-        &self,
-        now: i64,
-        state_of: impl Fn(&str, AgentLiveness) -> perch_model::NodeState,
-    ) -> Vec<serde_json::Value> {
+    /// (name, gpus, model, rack, allocated GPUs, running job ids, seconds since last sync) per
+    /// node; its state needs its telemetry too and is [`crate::node_status`]'s to say.
+    pub(crate) fn nodes(&self, now: i64) -> Vec<serde_json::Value> {
         self.nodes
             .iter()
             .enumerate()
@@ -887,9 +882,8 @@ impl Control {
                 let cluster = self.scheduler.cluster();
                 let allocated = (0..n.record.gpus).filter(|g| !cluster.holders(id, *g).is_empty()).count();
                 let jobs: BTreeSet<u64> = (0..n.record.gpus).flat_map(|g| cluster.holders(id, g)).map(|j| j.0).collect();
-                let state = state_of(&n.record.name, n.liveness()).as_str();
                 serde_json::json!({
-                    "name": n.record.name, "state": state, "gpus": n.record.gpus, "gpu_model": n.record.model,
+                    "name": n.record.name, "gpus": n.record.gpus, "gpu_model": n.record.model,
                     "rack": n.record.rack, "allocated_gpus": allocated, "jobs": jobs,
                     "gpu_sharing": n.record.gpu_sharing, "nvlink_islands": cluster.nvlink_islands(id),
                     "last_sync_secs_ago": (now - n.last_sync_ms) as f64 / 1000.0,

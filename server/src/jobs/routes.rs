@@ -291,41 +291,33 @@ pub async fn queue(
 /// Every node, sorted by name: those whose agents sync (nodes with GPUs) and those that only
 /// send telemetry, each with its one state ([`crate::node_status`]).
 pub async fn nodes(State(state): State<AppState>) -> Result<Json<serde_json::Value>, ApiError> {
-    let last_samples = state.latest.last_seen();
-    let stale_after = crate::node_status::stale_after_ms(&state);
-    let (now, mut nodes) = {
-        let last_samples = last_samples.clone();
-        state
-            .jobs
-            .run(move |c, now| {
-                let nodes = c.nodes(now, |name, liveness| {
-                    let last = last_samples.get(name).copied();
-                    perch_model::node_state(Some(liveness), last, now, stale_after)
-                });
-                Ok((now, nodes))
-            })
-            .await?
-    };
-    for (name, &last) in &last_samples {
-        if nodes.iter().any(|n| n["name"] == name.as_str()) {
-            continue;
-        }
-        let state = perch_model::node_state(None, Some(last), now, stale_after);
-        nodes.push(serde_json::json!({
-            "name": name, "state": state.as_str(), "gpus": 0, "gpu_model": "", "rack": "",
-            "allocated_gpus": 0, "jobs": [], "gpu_sharing": false, "nvlink_islands": [],
-            "last_sync_secs_ago": null,
-        }));
-    }
-    for n in &mut nodes {
-        let name = n["name"].as_str().unwrap_or_default();
-        n["last_sample_secs_ago"] = last_samples
-            .get(name)
-            .map_or(serde_json::Value::Null, |&t| {
-                ((now - t) as f64 / 1000.0).into()
+    let mut details: std::collections::HashMap<String, serde_json::Value> = state
+        .jobs
+        .run(|c, now| Ok(c.nodes(now)))
+        .await?
+        .into_iter()
+        .map(|n| (n["name"].as_str().unwrap_or_default().to_owned(), n))
+        .collect();
+    let now = crate::ingest::now_ms();
+    let nodes: Vec<serde_json::Value> = crate::node_status::current(&state, now)
+        .into_iter()
+        .map(|(name, status)| {
+            // A node that only sends telemetry (no GPUs) has no control-plane details.
+            let mut n = details.remove(&name).unwrap_or_else(|| {
+                serde_json::json!({
+                    "name": name, "gpus": 0, "gpu_model": "", "rack": "", "allocated_gpus": 0,
+                    "jobs": [], "gpu_sharing": false, "nvlink_islands": [],
+                    "last_sync_secs_ago": null,
+                })
             });
-    }
-    nodes.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
+            n["state"] = status.state.as_str().into();
+            n["last_sample_secs_ago"] =
+                status.last_sample_ms.map_or(serde_json::Value::Null, |t| {
+                    ((now - t) as f64 / 1000.0).into()
+                });
+            n
+        })
+        .collect();
     Ok(Json(serde_json::json!({ "nodes": nodes })))
 }
 
