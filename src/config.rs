@@ -79,6 +79,8 @@ pub struct ServerSection {
     pub flush_max_rows: usize,
     pub max_body_mb: usize,
     pub node_stale_after_secs: u64,
+    /// How long a silent node's jobs count as running (its lease) before they are requeued.
+    pub node_lease_secs: u64,
     pub maintenance_interval_secs: u64,
     pub compact_below_mb: u64,
     pub compact_min_files: usize,
@@ -103,6 +105,7 @@ impl Default for ServerSection {
             flush_max_rows: 1_000_000,
             max_body_mb: 64,
             node_stale_after_secs: 60,
+            node_lease_secs: perch_server::jobs::DEFAULT_LEASE.as_secs(),
             maintenance_interval_secs: 300,
             compact_below_mb: 64,
             compact_min_files: 8,
@@ -417,6 +420,15 @@ impl Config {
                 ),
             );
         }
+        if self.server.node_lease_secs <= self.server.node_stale_after_secs {
+            return bad(
+                "server.node_lease_secs",
+                &format!(
+                    "must be longer than server.node_stale_after_secs ({} s): a node is marked down first, and its jobs are requeued only when its lease runs out",
+                    self.server.node_stale_after_secs
+                ),
+            );
+        }
         if self.server.flush_interval_secs == 0 {
             return bad("server.flush_interval_secs", "must be at least 1");
         }
@@ -549,6 +561,7 @@ impl Config {
         config.max_body_bytes = s.max_body_mb << 20;
         config.node_stale_after = Duration::from_secs(s.node_stale_after_secs);
         config.jobs.heartbeat_timeout = Duration::from_secs(s.node_stale_after_secs);
+        config.jobs.lease = Duration::from_secs(s.node_lease_secs);
         config.pg_listen = Some(s.pg_listen.clone()).filter(|a| !a.is_empty());
         config.accounting = self.accounting.server_config();
         config.alerts = self.alerts.clone();
@@ -578,6 +591,10 @@ impl Config {
             path => perch_collector::NvmlMode::Path(path.into()),
         };
         config.simulate_gpus = a.simulate_gpus;
+        // Each job runs under this binary as its supervisor (`perch __job-shim`).
+        config.supervisor = Some(std::env::current_exe().map_err(|e| {
+            anyhow::anyhow!("cannot find the perch binary to supervise jobs with: {e}")
+        })?);
         config.max_queue_batches = a.max_queue_batches.max(1);
         config.max_batch_rounds = a.max_batch_rounds.max(1);
         config.spool_max_bytes = a.spool_max_mb << 20;
@@ -681,6 +698,10 @@ mod tests {
             ),
             ("[agent]\ncgroups = \"on\"", "agent.cgroups"),
             ("[agent]\nmin_uid = 0", "agent.min_uid: must be at least 1"),
+            (
+                "[server]\nnode_stale_after_secs = 60\nnode_lease_secs = 30",
+                "server.node_lease_secs: must be longer than server.node_stale_after_secs (60 s)",
+            ),
             (
                 "[agent]\nallowed_system_users = [\"daemon\", \"root\"]",
                 "agent.allowed_system_users: \"root\" cannot be allowed",

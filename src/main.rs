@@ -8,6 +8,16 @@ mod telemetry;
 use clap::Parser;
 
 fn main() -> std::process::ExitCode {
+    // A job's supervisor, started by the agent (not a command for people): it must not parse
+    // a config or start a runtime, only watch its job.
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if args
+        .get(1)
+        .is_some_and(|a| a == perch_collector::launcher::shim::SUBCOMMAND)
+    {
+        let code = perch_collector::launcher::shim::main(&args[2..]);
+        return std::process::ExitCode::from(u8::try_from(code).unwrap_or(1));
+    }
     let cli = commands::Cli::parse();
     // `run` starts logging once it knows the config: the long-running commands may also
     // export their spans over OTLP (see telemetry.rs), and flush them before returning.

@@ -289,10 +289,24 @@ fn a_forged_pgid_file_does_not_make_a_restarted_agent_kill_another_group() {
             .ok()
     });
     agent.kill();
-    assert!(alive(job_pid), "the job outlives its agent");
+    assert!(
+        alive(job_pid),
+        "the job outlives its agent (its supervisor watches it)"
+    );
     let _agent = start_agent();
-    // The new agent kills the job it can prove its predecessor started...
-    wait_for("the restarted agent to kill the job", || {
+    // The new agent takes the job over (it runs on, the same attempt); cancelling it kills
+    // the job's own group...
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let j = server.job(id);
+    assert_eq!(
+        (j["state"].as_str(), j["attempts"].as_u64()),
+        (Some("running"), Some(1)),
+        "{j}"
+    );
+    assert!(alive(job_pid), "taken over, not killed");
+    let (ok, _, err) = server.cli_as(USER, &["cancel", &id.to_string()]);
+    assert!(ok, "{err}");
+    wait_for("the cancelled job to die", || {
         (!alive(job_pid)).then_some(())
     });
     // ...and only that: the group the job named is untouched.

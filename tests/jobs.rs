@@ -465,7 +465,7 @@ fn a_silent_node_is_marked_down_its_job_requeued_and_the_orphan_killed() {
     let config = dir.path().join("perch.toml");
     std::fs::write(
         &config,
-        "[server]\nnode_stale_after_secs = 2\npg_listen = \"\"\n",
+        "[server]\nnode_stale_after_secs = 2\nnode_lease_secs = 5\npg_listen = \"\"\n",
     )
     .expect("config");
     let server = Perch::start(
@@ -497,12 +497,13 @@ fn a_silent_node_is_marked_down_its_job_requeued_and_the_orphan_killed() {
             .ok()
             .filter(|s| !s.is_empty())
     });
-    agent.kill(); // its job's process group lives on, orphaned
+    agent.kill(); // its job lives on under its supervisor, until the lease runs out
     let requeued = wait_state(&server, 1, "pending");
     assert_eq!(requeued["requeues"], 1, "{requeued}");
     let (_, nodes, _) = cli(&server, &["nodes"]);
     assert!(nodes.contains("down"), "{nodes}");
-    // The agent comes back: it kills the orphan, the node is up, the job runs again, once.
+    // The agent comes back: the node is up, the job runs again, once (the first run was
+    // stopped by its supervisor as the lease ran out).
     let _agent = start_agent();
     let j = wait_for("the job's second attempt", || {
         let j = job(&server, 1);
@@ -579,10 +580,11 @@ fn ends_at_once(perch: &Perch, state: &str) {
 }
 
 /// Issue 14: a job whose processes died while perch (server and agent) was down showed
-/// `running` for minutes and then ended `timeout`, a limit it never reached. When the agent
-/// comes back without it, the job ends `node_fail` at once (no requeues left).
+/// `running` for minutes and then ended `timeout`, a limit it never reached. Its supervisor saw
+/// it die: when the agent comes back it reports the exit, and the job ends at once, `failed`
+/// with the code it died with (SIGKILL: 137).
 #[test]
-fn a_job_that_died_while_perch_was_down_ends_node_fail_when_its_agent_returns() {
+fn a_job_that_died_while_perch_was_down_ends_at_once_when_its_agent_returns() {
     let dir = tempfile::tempdir().expect("tempdir");
     let listen = format!("127.0.0.1:{}", common::free_port());
     let start_server =
@@ -601,12 +603,13 @@ fn a_job_that_died_while_perch_was_down_ends_node_fail_when_its_agent_returns() 
         "the server cannot know yet"
     );
     let _agent = common::Agent::start(&server.url, "gpu-a", &agent_dir, 1, None, &[]);
-    ends_at_once(&server, "node_fail");
+    ends_at_once(&server, "failed");
+    assert_eq!(job(&server, 1)["exit_code"], 137);
 }
 
 /// The same with `perch up` (server and agent in one process), as the README starts it.
 #[test]
-fn a_job_that_died_while_perch_up_was_down_ends_node_fail_when_it_restarts() {
+fn a_job_that_died_while_perch_up_was_down_ends_at_once_when_it_restarts() {
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("data");
     let up = ["up", "--simulate-gpus", "1"];
@@ -615,7 +618,8 @@ fn a_job_that_died_while_perch_up_was_down_ends_node_fail_when_it_restarts() {
     perch.kill();
     kill_9(pid);
     let perch = Perch::start(&data, &up);
-    ends_at_once(&perch, "node_fail");
+    ends_at_once(&perch, "failed");
+    assert_eq!(job(&perch, 1)["exit_code"], 137);
 }
 
 /// The server alone was down: the agent saw the job die and reports its exit once the server

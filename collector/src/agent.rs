@@ -77,6 +77,9 @@ pub struct AgentConfig {
     pub cgroups: crate::launcher::CgroupMode,
     /// Which users jobs may run as (`agent.min_uid`, `agent.allowed_system_users`).
     pub uids: crate::launcher::UidPolicy,
+    /// The program that supervises each job: the `perch` binary, which runs it as
+    /// `perch __job-shim` (see [`crate::launcher::shim`]).
+    pub supervisor: Option<PathBuf>,
 }
 
 impl AgentConfig {
@@ -106,6 +109,7 @@ impl AgentConfig {
             run_as_user: crate::launcher::RunAsUser::IfPossible,
             cgroups: crate::launcher::CgroupMode::Auto,
             uids: crate::launcher::UidPolicy::default(),
+            supervisor: None,
             jobs: JobRegistry::default(),
         }
     }
@@ -431,6 +435,7 @@ pub async fn run_agent_with(
             shutdown_grace: config.drain_timeout,
             registry: config.jobs.clone(),
             token: config.token.clone(),
+            supervisor: config.supervisor.clone(),
         };
         let mut stopped = control_stopped.clone();
         tokio::spawn(crate::control_loop::run_control(control, async move {

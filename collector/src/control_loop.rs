@@ -35,6 +35,10 @@ pub struct ControlConfig {
     pub registry: JobRegistry,
     /// Bearer token (role `agent`) for servers that require authentication.
     pub token: Option<String>,
+    /// The program that supervises each job (the `perch` binary, run as `perch __job-shim`);
+    /// `None` runs jobs as the agent's own children, with no supervisor to stop them when the
+    /// agent dies (see [`crate::launcher`]).
+    pub supervisor: Option<PathBuf>,
 }
 
 fn lock(l: &Mutex<Launcher>) -> std::sync::MutexGuard<'_, Launcher> {
@@ -58,6 +62,9 @@ pub async fn run_control(
         node: config.node.as_str().to_owned(),
     });
     launcher.set_isolation(&config.isolation);
+    if let Some(program) = &config.supervisor {
+        launcher.set_supervisor(program.clone());
+    }
     let launcher = Arc::new(Mutex::new(launcher));
     let client = reqwest::Client::builder()
         .timeout(config.request_timeout)
@@ -95,6 +102,7 @@ pub async fn run_control(
                 ),
             }
         };
+        let sent_boot_ms = crate::launcher::lease::boot_ms();
         let answer = async {
             let mut post = client.post(&url).json(&request);
             if let Some(token) = config.token.as_deref().filter(|t| !t.is_empty()) {
@@ -117,7 +125,11 @@ pub async fn run_control(
                 if !response.start.is_empty() || !response.stop.is_empty() {
                     tracing::debug!(start = ?response.start.iter().map(|l| l.job).collect::<Vec<_>>(), stop = ?response.stop.iter().map(|s| s.job).collect::<Vec<_>>(), "orders from the server");
                 }
-                lock(&launcher).apply(&response);
+                let mut l = lock(&launcher);
+                // The lease first: the supervisors of the jobs started now must see it.
+                l.renew_lease(sent_boot_ms, response.lease_ms);
+                l.apply(&response);
+                drop(l);
                 for cmd in response.commands {
                     tracing::info!(id = cmd.id, argv = ?cmd.argv, "running a command the server asked for");
                     let results = results.clone();

@@ -4,11 +4,19 @@
 //! output in `<data-dir>/jobs/<id>/{stdout,stderr}`. Stopping a job (cancel, preemption, time
 //! limit) sends its checkpoint signal to the whole group, waits its grace period, then sends
 //! SIGKILL. The agent enforces the time limit itself too, so a job cannot outrun it while the
-//! server is away. Every job's process group is recorded, with the boot id and its leader's
-//! start time, in a root-only state directory ([`groups`]); a restarted agent kills the groups
-//! it can prove its predecessor started in this boot (it cannot wait on them), and the server,
-//! seeing the job missing from the agent's report, requeues it. Nothing in a job's own
-//! directory, which its user owns, decides what the agent kills.
+//! server is away. Every order and exit names the job's attempt, so a stop meant for an old
+//! attempt never touches a new one.
+//!
+//! **Supervised jobs** (the agent binary given as [`Launcher::set_supervisor`], as `perch agent`
+//! does): each job runs under its own small supervisor ([`shim`]) that outlives the agent. It
+//! stops the job when the node's lease ([`lease`]) is not renewed in time, whether the agent is
+//! cut off from the server or dead, and kills whatever the job left behind, `setsid` daemons
+//! included ([`tree`]). A restarted agent takes over the jobs whose supervisors still run (from
+//! the records in the root-only state directory, [`groups`]) and reports those that ended while
+//! it was away. Without a supervisor (library tests) the agent is the job's parent, and a
+//! restarted agent kills the process groups it can prove its predecessor started in this boot
+//! (it cannot wait on them); the server, seeing the job missing, requeues it. Nothing in a job's
+//! own directory, which its user owns, decides what the agent kills or reads.
 //!
 //! Isolation ([`Isolation`]): a job runs as its submitting user when the agent can switch to
 //! it ([`identity`]) and in its own cgroup with its memory and CPU request as limits when the
@@ -21,7 +29,10 @@ pub mod cgroup;
 mod command;
 pub mod groups;
 pub mod identity;
+pub mod lease;
 mod otel;
+pub mod shim;
+mod tree;
 
 pub use cgroup::CgroupMode;
 pub use identity::{RunAsUser, UidPolicy};
@@ -29,15 +40,17 @@ pub use otel::OtelTarget;
 
 use crate::jobs::{JobRegistry, JobSpec, JobTarget};
 use cgroup::{JobCgroup, JobCgroups};
-use groups::GroupState;
+use groups::{GroupState, RunRecord};
 use identity::{Decision, Identity};
 use perch_model::control::{
-    JobExit, JobLaunch, JobNote, JobStop, LogChunk, LogStream, SyncResponse,
+    JobAttempt, JobExit, JobLaunch, JobNote, JobStop, LogChunk, LogStream, SyncResponse,
 };
 use rustix::process::{Pid, Signal, kill_process_group};
+use shim::{ExitRecord, ShimArgs};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
 use std::io::Write;
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
@@ -81,7 +94,12 @@ struct NotStarted {
 }
 
 struct Running {
-    child: Child,
+    attempt: u32,
+    /// The process the agent spawned (the supervisor, or the job's first process without
+    /// one); `None` for a job taken over from a previous agent.
+    child: Option<Child>,
+    /// The supervisor's (pid, start time), when the job has one.
+    supervisor: Option<(i32, u64)>,
     gpus: Vec<u32>,
     /// Holds a part of its GPU (shares it with other shared jobs).
     shared: bool,
@@ -105,7 +123,9 @@ pub struct Launcher {
     groups: GroupState,
     running: HashMap<u64, Running>,
     /// Exits not yet acknowledged by the server.
-    exited: BTreeMap<u64, JobExit>,
+    exited: BTreeMap<JobAttempt, JobExit>,
+    /// The program that supervises each job (`perch`, run as `perch __job-shim`).
+    supervisor: Option<PathBuf>,
     /// Each job's stdout and stderr as the agent created them, read until its exit is
     /// acknowledged (never reopened by path: the job's user owns the directory).
     outputs: HashMap<u64, [File; 2]>,
@@ -140,6 +160,19 @@ impl std::fmt::Debug for Launcher {
     }
 }
 
+/// The load simulated GPUs show for a job's `sim_profile`.
+fn sim_workload(profile: Option<&str>) -> Option<crate::gpu::sim::Workload> {
+    match profile {
+        Some("idle") => Some(crate::gpu::sim::Workload::AllocatedIdle),
+        Some("bursty") => Some(crate::gpu::sim::Workload::Bursty),
+        Some(_) => Some(crate::gpu::sim::Workload::Training),
+        None => None,
+    }
+}
+
+/// How long a launch waits for its supervisor to start the job.
+const SUPERVISOR_START: Duration = Duration::from_secs(10);
+
 fn signal_group(pgid: Pid, signal: Signal) {
     if let Err(e) = kill_process_group(pgid, signal)
         && e != rustix::io::Errno::SRCH
@@ -164,6 +197,11 @@ fn create_log(path: &Path) -> std::io::Result<File> {
         Mode::from_raw_mode(0o644),
     )?;
     Ok(File::from(fd))
+}
+
+/// (device, inode) of an open file.
+fn file_id(f: &File) -> (u64, u64) {
+    f.metadata().map_or((0, 0), |m| (m.dev(), m.ino()))
 }
 
 /// Up to `max` bytes of `f` from `offset`, without moving the offset the job writes at.
@@ -230,21 +268,16 @@ impl Launcher {
     pub fn with_registry(dir: &Path, registry: JobRegistry) -> std::io::Result<Launcher> {
         fs::create_dir_all(dir)?;
         let groups = GroupState::open(&dir.join(STATE_DIR), Path::new("/proc"))?;
-        for (job, pgid) in groups.take_provable() {
-            if let Some(pgid) = Pid::from_raw(pgid) {
-                tracing::warn!(%job, "killing a job left running by a previous agent; the server requeues it");
-                signal_group(pgid, Signal::KILL);
-            }
-        }
         for entry in fs::read_dir(dir)?.flatten() {
             // Where older agents kept the group: in the job's (user-owned) directory. Never read.
             let _ = fs::remove_file(entry.path().join("pgid"));
         }
-        Ok(Launcher {
+        let mut l = Launcher {
             groups,
             dir: dir.to_path_buf(),
             running: HashMap::new(),
             exited: BTreeMap::new(),
+            supervisor: None,
             outputs: HashMap::new(),
             sent: HashMap::new(),
             registry,
@@ -257,7 +290,169 @@ impl Launcher {
             cgroups: Err("cgroups are off (agent.cgroups = off)".into()),
             notes: Vec::new(),
             leftover_cgroups: Vec::new(),
-        })
+        };
+        let keep = l.take_over();
+        for (job, pgid) in l.groups.take_provable(&keep) {
+            if let Some(pgid) = Pid::from_raw(pgid) {
+                tracing::warn!(%job, "killing a job left running by a previous agent; the server requeues it");
+                signal_group(pgid, Signal::KILL);
+            }
+        }
+        Ok(l)
+    }
+
+    fn state_dir(&self) -> &Path {
+        self.groups.dir()
+    }
+
+    /// Takes over the supervised jobs a previous agent left: those still running are adopted,
+    /// those that ended are reported. Returns their ids. A job whose supervisor died without
+    /// recording an exit is killed (provably its group) and left for the server to requeue.
+    fn take_over(&mut self) -> std::collections::HashSet<u64> {
+        let proc_root = Path::new("/proc");
+        let boot = groups::boot_id(proc_root);
+        let state = self.state_dir().to_path_buf();
+        let mut kept = std::collections::HashSet::new();
+        for (job, rec) in RunRecord::all(&state) {
+            let run = JobAttempt {
+                job,
+                attempt: rec.attempt,
+            };
+            if boot.as_deref() != Some(rec.boot_id.as_str()) {
+                RunRecord::remove(&state, job);
+                ExitRecord::remove(&state, job);
+                continue;
+            }
+            let logs = self.reopen_logs(job, rec.logs);
+            if let Some(exit) = ExitRecord::read(&state, job).filter(|e| e.attempt == rec.attempt) {
+                tracing::info!(
+                    job,
+                    attempt = rec.attempt,
+                    code = exit.code,
+                    "a job ended while the agent was away"
+                );
+                self.exited.insert(
+                    run,
+                    JobExit {
+                        job,
+                        attempt: rec.attempt,
+                        code: exit.code,
+                        stopped: exit.fenced,
+                        error: None,
+                    },
+                );
+                if let Some(logs) = logs {
+                    self.outputs.insert(job, logs);
+                }
+                kept.insert(job);
+                continue;
+            }
+            if !groups::alive(proc_root, rec.supervisor) {
+                tracing::warn!(
+                    job,
+                    "a job's supervisor died with the previous agent; killing what is left of the job, the server requeues it"
+                );
+                if let Some(pgid) = self.groups.provable(job).and_then(Pid::from_raw) {
+                    signal_group(pgid, Signal::KILL);
+                }
+                RunRecord::remove(&state, job);
+                continue;
+            }
+            let Some(pgid) = Pid::from_raw(rec.pgid) else {
+                continue;
+            };
+            tracing::info!(
+                job,
+                attempt = rec.attempt,
+                "taking over a job that runs on from the previous agent"
+            );
+            if logs.is_none() {
+                self.note(job, "its output before the agent restarted is all the server has: its log files were replaced".into());
+            }
+            if let Some(logs) = logs {
+                self.outputs.insert(job, logs);
+            }
+            let cgroup = rec.cgroup.clone().map(|path| JobCgroup {
+                path,
+                note: String::new(),
+                enforced: true,
+            });
+            let target = cgroup
+                .as_ref()
+                .and_then(sampled_cgroup)
+                .unwrap_or(JobTarget::Pid(pgid.as_raw_nonzero().get() as u32));
+            self.registry.register(JobSpec {
+                job: job.to_string(),
+                user: Some(rec.user.clone()),
+                gpus: rec.gpus.clone(),
+                target,
+                sim_profile: sim_workload(rec.sim_profile.as_deref()),
+            });
+            let ran = Duration::from_millis(
+                u64::try_from(lease::boot_ms() - rec.started_boot_ms).unwrap_or(0),
+            );
+            self.running.insert(
+                job,
+                Running {
+                    attempt: rec.attempt,
+                    child: None,
+                    supervisor: Some(rec.supervisor),
+                    gpus: rec.gpus,
+                    shared: rec.shared,
+                    cgroup,
+                    pgid,
+                    started: Instant::now().checked_sub(ran).unwrap_or_else(Instant::now),
+                    limit: Duration::from_secs(rec.time_limit_secs),
+                    signal: rec.signal,
+                    grace: Duration::from_secs(rec.grace_secs),
+                    stopping: None,
+                    stopped_by_perch: false,
+                },
+            );
+            kept.insert(job);
+        }
+        kept
+    }
+
+    /// Opens a taken-over job's logs again, read-only, without following links and only if
+    /// each is still the very file the agent created (`(device, inode)` as recorded).
+    fn reopen_logs(&self, job: u64, ids: [(u64, u64); 2]) -> Option<[File; 2]> {
+        use rustix::fs::{Mode, OFlags};
+        let dir = self.job_dir(job);
+        let open = |name: &str, (dev, ino): (u64, u64)| -> Option<File> {
+            let fd = rustix::fs::open(
+                dir.join(name),
+                OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+            .ok()?;
+            let f = File::from(fd);
+            let m = f.metadata().ok()?;
+            (m.is_file() && m.dev() == dev && m.ino() == ino).then_some(f)
+        };
+        Some([open("stdout", ids[0])?, open("stderr", ids[1])?])
+    }
+
+    /// Runs every job launched from now on under a supervisor: `program` (the `perch` binary)
+    /// run as `program __job-shim` ([`shim`]).
+    pub fn set_supervisor(&mut self, program: PathBuf) {
+        self.supervisor = Some(program);
+    }
+
+    /// Records the node's lease, renewed by a sync that was sent at `sent_boot_ms`
+    /// ([`lease::boot_ms`]) and granted `lease_ms`. Supervisors stop their jobs before it ends.
+    pub fn renew_lease(&self, sent_boot_ms: i64, lease_ms: u64) {
+        if lease_ms == 0 {
+            return;
+        }
+        let length_ms = i64::try_from(lease_ms).unwrap_or(i64::MAX / 2);
+        let lease = lease::Lease {
+            end_ms: sent_boot_ms.saturating_add(length_ms),
+            length_ms,
+        };
+        if let Err(e) = lease.write(self.state_dir()) {
+            tracing::error!(error = %e, "cannot record the node's lease; its jobs' supervisors will stop them when the last recorded one runs out");
+        }
     }
 
     /// Sets how jobs launched from now on are confined. Until called, jobs run as the agent's
@@ -287,7 +482,11 @@ impl Launcher {
         if let Ok(c) = &self.cgroups {
             for entry in fs::read_dir(c.parent()).into_iter().flatten().flatten() {
                 let name = entry.file_name().to_string_lossy().into_owned();
-                if name.starts_with("job-") && entry.path().is_dir() {
+                let adopted = name
+                    .strip_prefix("job-")
+                    .and_then(|j| j.parse::<u64>().ok())
+                    .is_some_and(|j| self.running.contains_key(&j));
+                if name.starts_with("job-") && !adopted && entry.path().is_dir() {
                     tracing::warn!(cgroup = %entry.path().display(), "killing a job cgroup left by a previous agent");
                     let left = JobCgroup {
                         path: entry.path(),
@@ -327,13 +526,21 @@ impl Launcher {
         self.dir.join(job.to_string())
     }
 
-    /// Starts a job unless it already runs here; waits while a stopping job still holds one
-    /// of its GPUs.
+    /// Starts an attempt of a job unless it (or a later one) already runs or waits here; waits
+    /// while an earlier attempt of the job still runs (the server stopped it) or a stopping
+    /// job still holds one of its GPUs.
     pub fn launch(&mut self, l: &JobLaunch) {
-        if self.running.contains_key(&l.job) || self.waiting.iter().any(|w| w.job == l.job) {
+        let newer = |attempt: u32| attempt >= l.attempt;
+        if self.running.get(&l.job).is_some_and(|r| newer(r.attempt))
+            || self
+                .waiting
+                .iter()
+                .any(|w| w.job == l.job && newer(w.attempt))
+        {
             return;
         }
-        if self.gpus_busy(l) {
+        self.waiting.retain(|w| w.job != l.job);
+        if self.running.contains_key(&l.job) || self.gpus_busy(l) {
             tracing::info!(job = l.job, gpus = ?l.gpus, "job waits for a stopping job to release its GPUs");
             self.waiting.push(l.clone());
             return;
@@ -359,18 +566,13 @@ impl Launcher {
                     .cgroup
                     .as_ref()
                     .and_then(sampled_cgroup)
-                    .unwrap_or(JobTarget::Pid(r.child.id()));
+                    .unwrap_or(JobTarget::Pid(r.pgid.as_raw_nonzero().get() as u32));
                 self.registry.register(JobSpec {
                     job: l.job.to_string(),
                     user: Some(l.user.clone()),
                     gpus: l.gpus.clone(),
                     target,
-                    sim_profile: match l.sim_profile.as_deref() {
-                        Some("idle") => Some(crate::gpu::sim::Workload::AllocatedIdle),
-                        Some("bursty") => Some(crate::gpu::sim::Workload::Bursty),
-                        Some(_) => Some(crate::gpu::sim::Workload::Training),
-                        None => None,
-                    },
+                    sim_profile: sim_workload(l.sim_profile.as_deref()),
                 });
                 self.running.insert(l.job, r);
             }
@@ -393,9 +595,10 @@ impl Launcher {
                     }
                 }
                 self.exited.insert(
-                    l.job,
+                    l.id(),
                     JobExit {
                         job: l.job,
+                        attempt: l.attempt,
                         code,
                         stopped: false,
                         error: Some(why),
@@ -509,6 +712,20 @@ impl Launcher {
             give("directory", rustix::fs::chown(&dir, uid, gid))?;
         }
         let cgroup = self.cgroup(l, &mut stderr);
+        let logs = [file_id(&stdout), file_id(&stderr)];
+        let state = self.state_dir().to_path_buf();
+        // What an earlier attempt left here is not this attempt's.
+        self.groups.forget(l.job);
+        ExitRecord::remove(&state, l.job);
+        let shim_args = ShimArgs {
+            state: state.clone(),
+            job: l.job,
+            attempt: l.attempt,
+            signal: l.checkpoint_signal.clone(),
+            grace_secs: l.grace_secs,
+            uid_gid: None,
+            cgroup: cgroup.as_ref().map(|c| c.path.clone()),
+        };
         let shape = command::Shape {
             user: user.as_ref().map(|id| (id, self.setpriv.as_deref())),
             wait_for_go: cgroup.is_some(),
@@ -519,6 +736,7 @@ impl Launcher {
                 .as_ref()
                 .map(|target| otel::variables(target, l).into_iter().collect())
                 .unwrap_or_default(),
+            supervisor: self.supervisor.as_deref().map(|p| (p, shim_args)),
         };
         let mut cmd = command::build(l, &shape).map_err(|e| io("building its command", e))?;
         cmd.current_dir(l.workdir.as_deref().map_or(dir.clone(), PathBuf::from))
@@ -528,16 +746,39 @@ impl Launcher {
                 Stdio::null()
             })
             .stdout(stdout)
-            .stderr(stderr)
-            .process_group(0);
+            .stderr(stderr);
+        if self.supervisor.is_none() {
+            cmd.process_group(0);
+        }
         let program = l.command.first().map_or("", String::as_str);
         let mut child = cmd
             .spawn()
             .map_err(|e| io(&format!("cannot run {program:?}"), e))?;
+        let (leader, supervisor) = if self.supervisor.is_some() {
+            match self.supervised_group(l, &mut child) {
+                Ok(found) => found,
+                Err(e) => {
+                    if let Some(cg) = &cgroup {
+                        cg.kill();
+                        cg.remove();
+                    }
+                    return Err(e);
+                }
+            }
+        } else {
+            let raw = i32::try_from(child.id())
+                .map_err(|e| io("process id", std::io::Error::other(e)))?;
+            if let Err(e) = self.groups.record(l.job, raw) {
+                tracing::warn!(job = l.job, error = %e, "cannot record the job's process group; a restarted agent will not kill it");
+            }
+            (raw, None)
+        };
+        let pgid =
+            Pid::from_raw(leader).ok_or_else(|| io("process id", std::io::Error::other("0")))?;
         let mut cgroup = cgroup;
         if let Some(cg) = &cgroup {
-            // The child waits for this line: it is in its cgroup before the job runs.
-            if let Err(e) = cg.add(child.id()) {
+            // The job waits for this line: it is in its cgroup before it runs.
+            if let Err(e) = cg.add(leader as u32) {
                 let line = format!(
                     "limits not enforced: cannot move the job into {}: {e}",
                     cg.path.display()
@@ -550,15 +791,10 @@ impl Launcher {
                 let _ = go.write_all(b"go\n");
             }
         }
-        let raw =
-            i32::try_from(child.id()).map_err(|e| io("process id", std::io::Error::other(e)))?;
-        let pgid =
-            Pid::from_raw(raw).ok_or_else(|| io("process id", std::io::Error::other("0")))?;
-        if let Err(e) = self.groups.record(l.job, raw) {
-            tracing::warn!(job = l.job, error = %e, "cannot record the job's process group; a restarted agent will not kill it");
-        }
-        Ok(Running {
-            child,
+        let running = Running {
+            attempt: l.attempt,
+            child: Some(child),
+            supervisor,
             gpus: l.gpus.clone(),
             shared: l.gpu_share.is_some(),
             cgroup,
@@ -569,18 +805,81 @@ impl Launcher {
             grace: Duration::from_secs(l.grace_secs),
             stopping: None,
             stopped_by_perch: false,
-        })
+        };
+        if let Some(sup) = supervisor {
+            let record = RunRecord {
+                version: RunRecord::new_version(),
+                attempt: l.attempt,
+                boot_id: groups::boot_id(Path::new("/proc")).unwrap_or_default(),
+                supervisor: sup,
+                pgid: leader,
+                user: l.user.clone(),
+                gpus: l.gpus.clone(),
+                shared: running.shared,
+                sim_profile: l.sim_profile.clone(),
+                time_limit_secs: l.time_limit_secs,
+                started_boot_ms: lease::boot_ms(),
+                signal: l.checkpoint_signal.clone(),
+                grace_secs: l.grace_secs,
+                cgroup: running.cgroup.as_ref().map(|c| c.path.clone()),
+                logs,
+            };
+            if let Err(e) = record.write(&state, l.job) {
+                tracing::warn!(job = l.job, error = %e, "cannot record the job for a restarted agent; one would not take it over");
+            }
+        }
+        Ok(running)
     }
 
-    /// Starts stopping a job: its signal now, SIGKILL after the grace period. A job still
-    /// waiting for its GPUs is simply dropped (reported as stopped).
+    /// Waits for a just-spawned supervisor to start job `l` and record its process group;
+    /// returns the group and the supervisor's (pid, start time).
+    fn supervised_group(
+        &self,
+        l: &JobLaunch,
+        child: &mut Child,
+    ) -> Result<(i32, Option<(i32, u64)>), NotStarted> {
+        let state = self.state_dir();
+        let pid = i32::try_from(child.id()).unwrap_or(i32::MAX);
+        let deadline = Instant::now() + SUPERVISOR_START;
+        loop {
+            if let Some(pgid) = self.groups.provable(l.job) {
+                let start = groups::group_and_start(Path::new("/proc"), pid).map(|(_, t)| t);
+                return Ok((pgid, start.map(|t| (pid, t))));
+            }
+            if let Some(exit) = ExitRecord::read(state, l.job).filter(|e| e.attempt == l.attempt) {
+                let _ = child.wait();
+                return Err(NotStarted {
+                    code: exit.code,
+                    why: "its program could not be run (its log says why)".into(),
+                });
+            }
+            if matches!(child.try_wait(), Ok(Some(_))) || Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(NotStarted {
+                    code: 127,
+                    why: "its supervisor (perch __job-shim) did not start it".into(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Starts stopping an attempt of a job: its signal now, SIGKILL after the grace period. An
+    /// attempt still waiting for its GPUs is simply dropped (reported as stopped). Another
+    /// attempt of the same job is left alone.
     pub fn stop(&mut self, s: &JobStop) {
-        if let Some(i) = self.waiting.iter().position(|w| w.job == s.job) {
-            self.waiting.remove(i);
+        if let Some(i) = self
+            .waiting
+            .iter()
+            .position(|w| w.job == s.job && w.attempt == s.attempt)
+        {
+            let w = self.waiting.remove(i);
             self.exited.insert(
-                s.job,
+                w.id(),
                 JobExit {
                     job: s.job,
+                    attempt: s.attempt,
                     code: 128 + 15,
                     stopped: true,
                     error: None,
@@ -589,9 +888,10 @@ impl Launcher {
             return;
         }
         if let Some(r) = self.running.get_mut(&s.job)
+            && r.attempt == s.attempt
             && r.stopping.is_none()
         {
-            tracing::info!(job = s.job, signal = %s.signal, grace_secs = s.grace_secs, "stopping job");
+            tracing::info!(job = s.job, attempt = s.attempt, signal = %s.signal, grace_secs = s.grace_secs, "stopping job");
             signal_group(r.pgid, signal_named(&s.signal));
             r.stopping = Some(Stopping {
                 kill_at: Instant::now() + Duration::from_secs(s.grace_secs),
@@ -600,55 +900,107 @@ impl Launcher {
         }
     }
 
+    /// How a job's run ended, if it did: its exit code, and whether its supervisor stopped it
+    /// (the lease ran out).
+    fn ended(&mut self, job: u64, r: &mut Running) -> Option<(i32, bool)> {
+        let Some(sup) = r.supervisor else {
+            let status = match r.child.as_mut().map(Child::try_wait) {
+                Some(Ok(Some(status))) => status,
+                Some(Err(e)) => {
+                    tracing::warn!(job, error = %e, "could not check a job's process");
+                    return None;
+                }
+                _ => return None,
+            };
+            let code = status
+                .code()
+                .unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
+            return Some((code, false));
+        };
+        // Reap the supervisor when it is the agent's child; its report is the exit record.
+        if let Some(child) = r.child.as_mut()
+            && matches!(child.try_wait(), Ok(Some(_)))
+        {
+            r.child = None;
+        }
+        let state = self.groups.dir();
+        let record = || ExitRecord::read(state, job).filter(|e| e.attempt == r.attempt);
+        if let Some(exit) = record() {
+            return Some((exit.code, exit.fenced));
+        }
+        if groups::alive(Path::new("/proc"), sup) {
+            return None;
+        }
+        // Gone: its record may have landed just before it exited.
+        if let Some(exit) = record() {
+            return Some((exit.code, exit.fenced));
+        }
+        tracing::warn!(
+            job,
+            "the job's supervisor died without recording how the job ended; killing what is left of it"
+        );
+        self.notes.push(JobNote {
+            job,
+            text: "its supervisor (perch __job-shim) was killed; what was left of the job was killed too".into(),
+        });
+        Some((128 + 9, false))
+    }
+
+    /// SIGKILL to everything of a job: its group, its cgroup, and (supervised) every process
+    /// under its supervisor, whatever group it moved to.
+    fn kill_all(r: &Running) {
+        signal_group(r.pgid, Signal::KILL);
+        if let Some(cg) = &r.cgroup {
+            cg.kill();
+        }
+        if let Some((pid, _)) = r.supervisor {
+            tree::kill_descendants(pid);
+        }
+    }
+
     /// Reaps exited jobs, enforces time limits and grace periods.
     pub fn poll(&mut self) {
         let now = Instant::now();
         let mut done = Vec::new();
-        for (&job, r) in self.running.iter_mut() {
-            match r.child.try_wait() {
-                Ok(Some(status)) => {
-                    // Whatever is left of the group (and of the cgroup) goes too.
-                    signal_group(r.pgid, Signal::KILL);
-                    if let Some(cg) = &r.cgroup {
-                        cg.kill();
-                    }
-                    let code = status
-                        .code()
-                        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
-                    done.push(JobExit {
+        let ids: Vec<u64> = self.running.keys().copied().collect();
+        for job in ids {
+            let Some(mut r) = self.running.remove(&job) else {
+                continue;
+            };
+            if let Some((code, fenced)) = self.ended(job, &mut r) {
+                // Whatever is left of the job goes too.
+                Self::kill_all(&r);
+                done.push((
+                    JobExit {
                         job,
+                        attempt: r.attempt,
                         code,
-                        stopped: r.stopped_by_perch,
+                        stopped: r.stopped_by_perch || fenced,
                         error: None,
-                    });
-                }
-                Ok(None) => {
-                    if r.stopping.is_none()
-                        && now.duration_since(r.started) > r.limit + LIMIT_MARGIN
-                    {
-                        tracing::warn!(job, "job ran past its time limit; stopping it");
-                        signal_group(r.pgid, signal_named(&r.signal));
-                        r.stopping = Some(Stopping {
-                            kill_at: now + r.grace,
-                        });
-                        r.stopped_by_perch = true;
-                    }
-                    if r.stopping.as_ref().is_some_and(|s| now >= s.kill_at) {
-                        signal_group(r.pgid, Signal::KILL);
-                        if let Some(cg) = &r.cgroup {
-                            cg.kill();
-                        }
-                    }
-                }
-                Err(e) => tracing::warn!(job, error = %e, "could not check a job's process"),
+                    },
+                    r.cgroup.take(),
+                ));
+                continue;
             }
+            if r.stopping.is_none() && now.duration_since(r.started) > r.limit + LIMIT_MARGIN {
+                tracing::warn!(job, "job ran past its time limit; stopping it");
+                signal_group(r.pgid, signal_named(&r.signal));
+                r.stopping = Some(Stopping {
+                    kill_at: now + r.grace,
+                });
+                r.stopped_by_perch = true;
+            }
+            if r.stopping.as_ref().is_some_and(|s| now >= s.kill_at) {
+                Self::kill_all(&r);
+            }
+            self.running.insert(job, r);
         }
         self.leftover_cgroups.retain(|cg| {
             cg.remove();
             cg.path.exists()
         });
-        for exit in done {
-            if let Some(cg) = self.running.remove(&exit.job).and_then(|r| r.cgroup) {
+        for (exit, cgroup) in done {
+            if let Some(cg) = cgroup {
                 cg.remove();
                 if cg.path.exists() {
                     self.leftover_cgroups.push(cg);
@@ -656,12 +1008,17 @@ impl Launcher {
             }
             self.registry.unregister(&exit.job.to_string());
             self.groups.forget(exit.job);
-            tracing::info!(job = exit.job, code = exit.code, "job exited");
-            self.exited.insert(exit.job, exit);
+            tracing::info!(
+                job = exit.job,
+                attempt = exit.attempt,
+                code = exit.code,
+                "job exited"
+            );
+            self.exited.insert(exit.id(), exit);
         }
         let waiting = std::mem::take(&mut self.waiting);
         for l in waiting {
-            if self.gpus_busy(&l) {
+            if self.running.contains_key(&l.job) || self.gpus_busy(&l) {
                 self.waiting.push(l);
             } else {
                 self.start(&l);
@@ -669,13 +1026,16 @@ impl Launcher {
         }
     }
 
-    /// Jobs running now, or accepted and waiting for their GPUs.
-    pub fn running(&self) -> Vec<u64> {
-        let mut ids: Vec<u64> = self
+    /// Attempts running now, or accepted and waiting for their GPUs.
+    pub fn running(&self) -> Vec<JobAttempt> {
+        let mut ids: Vec<JobAttempt> = self
             .running
-            .keys()
-            .chain(self.waiting.iter().map(|w| &w.job))
-            .copied()
+            .iter()
+            .map(|(&job, r)| JobAttempt {
+                job,
+                attempt: r.attempt,
+            })
+            .chain(self.waiting.iter().map(JobLaunch::id))
             .collect();
         ids.sort_unstable();
         ids
@@ -689,8 +1049,15 @@ impl Launcher {
     /// New output of every job with unsent output.
     pub fn logs(&self) -> Vec<LogChunk> {
         let mut chunks = Vec::new();
-        let jobs = self.running.keys().chain(self.exited.keys());
-        for &job in jobs {
+        let mut jobs: Vec<u64> = self
+            .running
+            .keys()
+            .copied()
+            .chain(self.exited.keys().map(|a| a.job))
+            .collect();
+        jobs.sort_unstable();
+        jobs.dedup();
+        for job in jobs {
             let final_ = !self.running.contains_key(&job);
             for stream in [LogStream::Stdout, LogStream::Stderr] {
                 let offset = self.sent.get(&(job, stream)).copied().unwrap_or(0);
@@ -725,9 +1092,14 @@ impl Launcher {
         for &(job, stream, offset) in &response.log_offsets {
             self.sent.insert((job, stream), offset);
         }
-        for job in &response.acknowledged {
-            self.exited.remove(job);
-            self.outputs.remove(job);
+        for run in &response.acknowledged {
+            self.exited.remove(run);
+            if !self.running.contains_key(&run.job) {
+                self.outputs.remove(&run.job);
+                let state = self.groups.dir();
+                RunRecord::remove(state, run.job);
+                ExitRecord::remove(state, run.job);
+            }
         }
         for s in &response.stop {
             self.stop(s);
@@ -740,19 +1112,19 @@ impl Launcher {
     /// Stops every job (agent shutdown): signal, then SIGKILL after each job's grace, bounded
     /// by `within`.
     pub fn stop_all(&mut self, within: Duration) {
-        let ids = self.running();
-        for job in ids {
+        for run in self.running() {
             let grace = self
                 .running
-                .get(&job)
+                .get(&run.job)
                 .map_or(0, |r| r.grace.as_secs())
                 .min(within.as_secs());
             let signal = self
                 .running
-                .get(&job)
+                .get(&run.job)
                 .map_or_else(|| "SIGTERM".into(), |r| r.signal.clone());
             self.stop(&JobStop {
-                job,
+                job: run.job,
+                attempt: run.attempt,
                 signal,
                 grace_secs: grace,
             });
@@ -763,10 +1135,7 @@ impl Launcher {
             std::thread::sleep(Duration::from_millis(50));
         }
         for r in self.running.values() {
-            signal_group(r.pgid, Signal::KILL);
-            if let Some(cg) = &r.cgroup {
-                cg.kill();
-            }
+            Self::kill_all(r);
         }
         self.poll();
         if let Ok(c) = &self.cgroups {
@@ -782,6 +1151,7 @@ mod tests {
     fn launch(job: u64, script: &str) -> JobLaunch {
         JobLaunch {
             job,
+            attempt: 1,
             command: vec!["sh".into(), "-c".into(), script.into()],
             env: [("GREETING".to_owned(), "hi".to_owned())].into(),
             workdir: None,
@@ -832,7 +1202,7 @@ mod tests {
                 .any(|c| c.stream == LogStream::Stderr && c.data == "oops\n")
         );
         l.apply(&SyncResponse {
-            acknowledged: vec![1],
+            acknowledged: vec![JobAttempt { job: 1, attempt: 1 }],
             log_offsets: vec![(1, LogStream::Stdout, 9)],
             ..Default::default()
         });
@@ -852,6 +1222,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(200));
         l.stop(&JobStop {
             job: 2,
+            attempt: 1,
             signal: "SIGTERM".into(),
             grace_secs: 1,
         });
@@ -874,7 +1245,11 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut old = Launcher::new(dir.path()).expect("launcher");
         old.launch(&launch(4, "sleep 30"));
-        let pid = old.running.get(&4).map(|r| r.child.id()).expect("running");
+        let pid = old
+            .running
+            .get(&4)
+            .map(|r| r.pgid.as_raw_nonzero().get())
+            .expect("running");
         std::mem::forget(old); // the agent died without cleaning up
         let _new = Launcher::new(dir.path()).expect("launcher");
         let mut gone = false;
@@ -916,6 +1291,7 @@ mod gpu_handover_tests {
         let mut l = Launcher::new(dir.path()).expect("launcher");
         let old = JobLaunch {
             job: 1,
+            attempt: 1,
             command: vec![
                 "sh".into(),
                 "-c".into(),
@@ -939,6 +1315,7 @@ mod gpu_handover_tests {
         std::thread::sleep(Duration::from_millis(100));
         l.stop(&JobStop {
             job: 1,
+            attempt: 1,
             signal: "SIGTERM".into(),
             grace_secs: 30,
         });
@@ -949,7 +1326,11 @@ mod gpu_handover_tests {
             ..old.clone()
         };
         l.launch(&new);
-        assert_eq!(l.running(), vec![1, 2], "job 2 is accepted");
+        assert_eq!(
+            l.running().iter().map(|r| r.job).collect::<Vec<_>>(),
+            vec![1, 2],
+            "job 2 is accepted"
+        );
         assert!(
             !l.running.contains_key(&2),
             "but not started while job 1 holds GPU 1"

@@ -3,6 +3,12 @@
 //! with the jobs to start and stop. Reconciliation is built in: the server compares what the
 //! agent reports with what it believes, so a job never runs twice and none is orphaned after
 //! either side restarts.
+//!
+//! Every order, report and exit names the job's **attempt** (the server counts a job's starts
+//! from 1), so an exit is charged to the attempt that ran and a late report of an old attempt
+//! can never end a new one. Each answer renews the node's **lease** ([`SyncResponse::lease_ms`]):
+//! the server requeues a node's jobs only once the lease has run out without a sync, and the
+//! node stops its jobs before it runs out, so at most one attempt of a job runs at a time.
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -25,9 +31,9 @@ pub struct SyncRequest {
     /// Whether this node takes jobs asking for a part of a GPU (`agent.gpu_sharing`).
     #[serde(default)]
     pub gpu_sharing: bool,
-    /// Jobs whose processes are running now.
+    /// Jobs whose processes are running now, with the attempt each is.
     #[serde(default)]
-    pub running: Vec<u64>,
+    pub running: Vec<JobAttempt>,
     /// Jobs whose processes ended since the last sync that the server has not acknowledged.
     #[serde(default)]
     pub exited: Vec<JobExit>,
@@ -82,10 +88,20 @@ pub struct JobNote {
     pub text: String,
 }
 
+/// One attempt of one job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobAttempt {
+    pub job: u64,
+    pub attempt: u32,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct JobExit {
     pub job: u64,
+    /// The attempt that exited.
+    pub attempt: u32,
     /// Exit code; a job killed by a signal reports 128 + the signal number, like a shell.
     pub code: i32,
     /// Set when perch stopped it (cancel, preemption, time limit) rather than it exiting.
@@ -95,6 +111,26 @@ pub struct JobExit {
     /// the node, its program cannot be run); the server makes this the job's reason.
     #[serde(default)]
     pub error: Option<String>,
+}
+
+impl JobExit {
+    /// The attempt that exited.
+    pub fn id(&self) -> JobAttempt {
+        JobAttempt {
+            job: self.job,
+            attempt: self.attempt,
+        }
+    }
+}
+
+impl JobLaunch {
+    /// The attempt to start.
+    pub fn id(&self) -> JobAttempt {
+        JobAttempt {
+            job: self.job,
+            attempt: self.attempt,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -130,7 +166,12 @@ pub struct SyncResponse {
     pub start: Vec<JobLaunch>,
     pub stop: Vec<JobStop>,
     /// Exits the server has recorded: the agent may forget them.
-    pub acknowledged: Vec<u64>,
+    pub acknowledged: Vec<JobAttempt>,
+    /// The node's lease, renewed by this answer: the server counts the node's jobs as running
+    /// for this long after it received the request, and requeues them only after that without
+    /// a sync. The node must have stopped them by then (see the module documentation).
+    #[serde(default)]
+    pub lease_ms: u64,
     /// Where each stream of each job should continue from (the server's copy's length), so a
     /// restarted agent or server resumes log shipping without gaps or repeats.
     #[serde(default)]
@@ -145,6 +186,8 @@ pub struct SyncResponse {
 #[serde(deny_unknown_fields)]
 pub struct JobLaunch {
     pub job: u64,
+    /// Which start of the job this is (1 for the first).
+    pub attempt: u32,
     pub command: Vec<String>,
     pub env: BTreeMap<String, String>,
     pub workdir: Option<String>,
@@ -189,6 +232,8 @@ pub struct LaunchShare {
 #[serde(deny_unknown_fields)]
 pub struct JobStop {
     pub job: u64,
+    /// The attempt to stop; a later attempt of the same job is left alone.
+    pub attempt: u32,
     pub signal: String,
     pub grace_secs: u64,
 }

@@ -107,6 +107,9 @@ pub enum NodeState {
     Up,
     /// Keeps its running jobs, takes no new ones.
     Drained,
+    /// Stopped reporting: takes no new jobs, and its running jobs stay placed (they may well
+    /// still run) until it reports again or is declared [`NodeState::Down`].
+    Unreachable,
     /// Gone: its jobs were ended or requeued.
     Down,
 }

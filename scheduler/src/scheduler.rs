@@ -29,7 +29,10 @@ pub enum Event {
     },
     /// A node came back (heartbeats resumed).
     NodeUp(NodeId),
-    /// A node is gone (heartbeats stopped): its jobs end or are requeued.
+    /// A node stopped reporting but its jobs may still run (its lease has not run out): it
+    /// takes no new jobs, its running jobs stay.
+    NodeSilent(NodeId),
+    /// A node is gone (its lease ran out): its jobs end or are requeued.
     NodeDown(NodeId),
     /// An operator drains a node: running jobs stay, no new ones.
     Drain(NodeId),
@@ -403,6 +406,14 @@ impl Scheduler {
                     EndState::Failed { code }
                 };
                 out.push(Action::End { job, state });
+            }
+            Event::NodeSilent(node) => {
+                if matches!(
+                    self.cluster.state(node),
+                    Some(NodeState::Up | NodeState::Drained)
+                ) {
+                    self.set_node_state(node, NodeState::Unreachable)?;
+                }
             }
             Event::NodeDown(node) => {
                 self.set_node_state(node, NodeState::Down)?;

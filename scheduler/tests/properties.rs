@@ -24,6 +24,7 @@ enum Op {
     Exit(usize),
     Cancel(usize),
     NodeDown(u32),
+    NodeSilent(u32),
     NodeUp(u32),
     Drain(u32),
     Health {
@@ -45,6 +46,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => any::<usize>().prop_map(Op::Exit),
         1 => any::<usize>().prop_map(Op::Cancel),
         1 => (0u32..6).prop_map(Op::NodeDown),
+        1 => (0u32..6).prop_map(Op::NodeSilent),
         1 => (0u32..6).prop_map(Op::NodeUp),
         1 => (0u32..6).prop_map(Op::Drain),
         1 => (0u32..6, 0u32..8, any::<bool>()).prop_map(|(node, gpu, bad)| Op::Health { node, gpu, bad }),
@@ -174,6 +176,7 @@ proptest! {
                 Op::Util { job, pct } if !running.is_empty() => Event::JobUtilization { job: running[job % running.len()], percent: pct },
                 Op::Exit(_) | Op::Cancel(_) | Op::Util { .. } => Event::Tick,
                 Op::NodeDown(n) => Event::NodeDown(NodeId(n)),
+                Op::NodeSilent(n) => Event::NodeSilent(NodeId(n)),
                 Op::NodeUp(n) => Event::NodeUp(NodeId(n)),
                 Op::Drain(n) => Event::Drain(NodeId(n)),
                 Op::Health { node, gpu, bad } => {

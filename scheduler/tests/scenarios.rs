@@ -369,6 +369,57 @@ fn a_drain_outlives_the_node_going_down_and_resume_does_not_revive_a_down_node()
     assert!(both.contains(&2), "{a:?}");
 }
 
+/// Issue 15: a node that stops reporting keeps its jobs until its lease runs out (they may
+/// still run there; requeueing them at once could run them twice) but takes no new ones.
+#[test]
+fn a_silent_node_keeps_its_jobs_takes_no_new_ones_and_fails_them_only_when_down() {
+    let mut s = sched(2, Config::backfill());
+    let a = step(&mut s, 0, Event::Submit(one(1, 8, "a", 60, 0)));
+    assert_eq!(started(&a), vec![1]);
+    let node = s.placement(JobId(1)).map(|p| p[0].node).expect("placed");
+    let other = NodeId(1 - node.0);
+    step(&mut s, 1, Event::Drain(other));
+    let a = step(&mut s, 2, Event::NodeSilent(node));
+    assert!(a.is_empty(), "nothing requeued while the lease runs: {a:?}");
+    assert_eq!(
+        s.cluster().state(node),
+        Some(perch_scheduler::NodeState::Unreachable)
+    );
+    // A silent drained node stays drained when it comes back.
+    step(&mut s, 3, Event::NodeSilent(other));
+    step(&mut s, 4, Event::NodeUp(other));
+    assert_eq!(
+        s.cluster().state(other),
+        Some(perch_scheduler::NodeState::Drained)
+    );
+    step(&mut s, 5, Event::Resume(other));
+    // Job 1 still holds its GPUs; job 2 goes to the other node, not the silent one.
+    let a = step(&mut s, 6, Event::Submit(one(2, 8, "a", 60, 6)));
+    assert_eq!(started(&a), vec![2]);
+    assert_eq!(s.placement(JobId(2)).map(|p| p[0].node), Some(other));
+    let a = step(&mut s, 7, Event::Submit(one(3, 8, "a", 60, 7)));
+    assert!(started(&a).is_empty(), "not on the silent node: {a:?}");
+    // It reports again: job 1 ran all along, job 3 starts once job 1 ends.
+    step(&mut s, 8, Event::NodeUp(node));
+    let a = step(
+        &mut s,
+        9,
+        Event::JobExited {
+            job: JobId(1),
+            code: 0,
+        },
+    );
+    assert_eq!(started(&a), vec![3]);
+    // Silent, then down (the lease ran out): now its job is requeued.
+    step(&mut s, 10, Event::NodeSilent(node));
+    let a = step(&mut s, 11, Event::NodeDown(node));
+    assert!(
+        a.iter()
+            .any(|a| matches!(a, Action::Requeue { job, .. } if *job == JobId(3))),
+        "{a:?}"
+    );
+}
+
 #[test]
 fn impossible_gangs_do_not_block_fifo() {
     let mut s = sched(1, Config::fifo());

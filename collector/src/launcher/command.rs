@@ -28,6 +28,7 @@
 //! already runs as the user).
 
 use super::identity::{Identity, setpriv_args};
+use super::shim::ShimArgs;
 use perch_model::control::JobLaunch;
 use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
@@ -54,6 +55,9 @@ const CARRIED: &str = "PERCH_ENV_";
 /// How the first process is started.
 #[derive(Debug, Default)]
 pub struct Shape<'a> {
+    /// Run under this supervisor program with these arguments ([`super::shim`]): it runs as
+    /// root before everything else, so it always gets perch's environment only.
+    pub supervisor: Option<(&'a Path, ShimArgs)>,
     /// Switch to this user (with `setpriv` when given, else std's uid and gid).
     pub user: Option<(&'a Identity, Option<&'a Path>)>,
     /// Wait for the launcher's go on standard input (the cgroup hand-over).
@@ -146,18 +150,27 @@ pub fn build(l: &JobLaunch, shape: &Shape<'_>) -> std::io::Result<Command> {
     let env = environment(l, shape);
     let switch_by_setpriv = matches!(shape.user, Some((_, Some(_))));
     // Programs of perch's run before the job: they get perch's environment only.
-    let prefixed = shape.wait_for_go || switch_by_setpriv;
-    let mut argv: Vec<String> = Vec::with_capacity(l.command.len() + env.len() + 12);
+    let prefixed = shape.wait_for_go || switch_by_setpriv || shape.supervisor.is_some();
+    let mut argv: Vec<std::ffi::OsString> = Vec::with_capacity(l.command.len() + env.len() + 24);
+    if let Some((program, args)) = &shape.supervisor {
+        let mut args = args.clone();
+        if let Some((id, None)) = shape.user {
+            // The supervisor stays root; it switches the job's first process.
+            args.uid_gid = Some((id.uid, id.gid));
+        }
+        argv.push(program.as_os_str().to_owned());
+        argv.extend(args.to_args());
+    }
     if shape.wait_for_go {
         argv.extend([
-            "/bin/sh".to_owned(),
-            "-c".to_owned(),
-            WAIT_THEN_EXEC.to_owned(),
-            format!("perch-job-{}", l.job),
+            "/bin/sh".into(),
+            "-c".into(),
+            WAIT_THEN_EXEC.into(),
+            format!("perch-job-{}", l.job).into(),
         ]);
     }
     if let Some((id, Some(setpriv))) = shape.user {
-        argv.extend(setpriv_args(setpriv, id));
+        argv.extend(setpriv_args(setpriv, id).into_iter().map(Into::into));
     }
     if prefixed {
         if let Some(bad) = env.keys().find(|k| !is_identifier(k)) {
@@ -166,15 +179,15 @@ pub fn build(l: &JobLaunch, shape: &Shape<'_>) -> std::io::Result<Command> {
             )));
         }
         argv.extend([
-            "/bin/sh".to_owned(),
-            "-c".to_owned(),
-            APPLY_ENV.to_owned(),
-            "perch-env".to_owned(),
+            "/bin/sh".into(),
+            "-c".into(),
+            APPLY_ENV.into(),
+            "perch-env".into(),
         ]);
-        argv.extend(env.keys().cloned());
-        argv.push("--".to_owned());
+        argv.extend(env.keys().map(Into::into));
+        argv.push("--".into());
     }
-    argv.extend(l.command.iter().cloned());
+    argv.extend(l.command.iter().map(Into::into));
     let (program, args) = argv
         .split_first()
         .ok_or_else(|| std::io::Error::other("empty command"))?;
@@ -186,7 +199,9 @@ pub fn build(l: &JobLaunch, shape: &Shape<'_>) -> std::io::Result<Command> {
     } else {
         cmd.envs(&env);
     }
-    if let Some((id, None)) = shape.user {
+    if let Some((id, None)) = shape.user
+        && shape.supervisor.is_none()
+    {
         cmd.uid(id.uid).gid(id.gid);
     }
     Ok(cmd)
@@ -200,6 +215,7 @@ mod tests {
     fn launch() -> JobLaunch {
         JobLaunch {
             job: 9,
+            attempt: 1,
             command: vec!["python".into(), "train.py".into()],
             env: [("CUDA_VISIBLE_DEVICES".to_owned(), "7".to_owned())].into(),
             workdir: None,

@@ -85,6 +85,31 @@ pub struct GroupState {
 }
 
 impl GroupState {
+    /// The state directory `dir` as it is (a job's supervisor records its group there).
+    pub fn at(dir: &Path, proc_root: &Path) -> GroupState {
+        GroupState {
+            dir: dir.to_path_buf(),
+            proc_root: proc_root.to_path_buf(),
+        }
+    }
+
+    /// The state directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The group recorded for `job`, when it is provably still the one that was started (this
+    /// boot, the same leader): see the module documentation.
+    pub fn provable(&self, job: u64) -> Option<i32> {
+        let rec = GroupRecord::parse(&fs::read_to_string(self.path(job)).ok()?)?;
+        self.proves(&rec).then_some(rec.pgid)
+    }
+
+    fn proves(&self, rec: &GroupRecord) -> bool {
+        boot_id(&self.proc_root).as_deref() == Some(rec.boot_id.as_str())
+            && group_and_start(&self.proc_root, rec.pgid) == Some((rec.pgid, rec.start_time))
+    }
+
     /// Opens (creating, mode 700) the state directory `dir`; `proc_root` is `/proc`.
     pub fn open(dir: &Path, proc_root: &Path) -> std::io::Result<GroupState> {
         fs::DirBuilder::new()
@@ -130,18 +155,21 @@ impl GroupState {
         let _ = fs::remove_file(self.path(job));
     }
 
-    /// The groups recorded by a previous agent that are provably its jobs' still, by job; every
-    /// record is removed. What cannot be proved is logged and left alone.
-    pub fn take_provable(&self) -> Vec<(String, i32)> {
+    /// The groups recorded by a previous agent that are provably its jobs' still, by job,
+    /// except the jobs in `keep` (re-adopted); every other group record is removed. What
+    /// cannot be proved is logged and left alone. Files other than group records are kept.
+    pub fn take_provable(&self, keep: &std::collections::HashSet<u64>) -> Vec<(String, i32)> {
         let boot = boot_id(&self.proc_root);
         let mut out = Vec::new();
         for entry in fs::read_dir(&self.dir).into_iter().flatten().flatten() {
             let path = entry.path();
             let name = entry.file_name().to_string_lossy().into_owned();
             let Some(job) = name.strip_suffix(".group") else {
-                let _ = fs::remove_file(&path);
                 continue;
             };
+            if job.parse().is_ok_and(|j| keep.contains(&j)) {
+                continue;
+            }
             let rec = fs::read_to_string(&path)
                 .ok()
                 .and_then(|t| GroupRecord::parse(&t));
@@ -227,7 +255,18 @@ mod tests {
             format!("{HEADER} {pid} another-boot {start}\n"),
         )
         .expect("write");
-        assert_eq!(state.take_provable(), vec![("1".to_owned(), pid)]);
+        assert_eq!(state.provable(1), Some(pid));
+        assert_eq!(state.provable(2), None, "wrong start time");
+        assert_eq!(state.provable(3), None, "another boot");
+        assert_eq!(
+            state.take_provable(&[1].into_iter().collect()),
+            vec![],
+            "job 1 is kept (re-adopted)"
+        );
+        assert_eq!(
+            state.take_provable(&Default::default()),
+            vec![("1".to_owned(), pid)]
+        );
         assert!(
             fs::read_dir(dir.path().join("state"))
                 .expect("dir")
@@ -238,4 +277,99 @@ mod tests {
         let _ = child.kill();
         let _ = child.wait();
     }
+}
+
+/// What a restarted agent needs to take over a supervised job that still runs (or to report
+/// how it ended): written by the agent to `<job>.run` in the state directory once the job
+/// started, removed once the server has its exit.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunRecord {
+    pub version: u32,
+    pub attempt: u32,
+    pub boot_id: String,
+    /// The supervisor: pid and start time (it is alive only while both match).
+    pub supervisor: (i32, u64),
+    pub pgid: i32,
+    pub user: String,
+    pub gpus: Vec<u32>,
+    pub shared: bool,
+    pub sim_profile: Option<String>,
+    pub time_limit_secs: u64,
+    /// When it started, `CLOCK_BOOTTIME` ms.
+    pub started_boot_ms: i64,
+    pub signal: String,
+    pub grace_secs: u64,
+    pub cgroup: Option<PathBuf>,
+    /// (device, inode) of its stdout and stderr as the agent created them: a restarted agent
+    /// reads a log only if the entry is still that very file (the job's user owns the
+    /// directory and could put a link to any file there).
+    pub logs: [(u64, u64); 2],
+}
+
+const RUN_VERSION: u32 = 1;
+
+impl RunRecord {
+    pub fn new_version() -> u32 {
+        RUN_VERSION
+    }
+
+    fn path(dir: &Path, job: u64) -> PathBuf {
+        dir.join(format!("{job}.run"))
+    }
+
+    /// Writes the record for `job` (replaced atomically, root-only).
+    pub fn write(&self, dir: &Path, job: u64) -> std::io::Result<()> {
+        let tmp = dir.join(format!(".{job}.run.tmp"));
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(&serde_json::to_vec(self).map_err(std::io::Error::other)?)?;
+        f.sync_all()?;
+        fs::rename(&tmp, Self::path(dir, job))
+    }
+
+    /// Every job's record in `dir`; unreadable ones (or another version's) are removed.
+    pub fn all(dir: &Path) -> Vec<(u64, RunRecord)> {
+        let mut out = Vec::new();
+        for entry in fs::read_dir(dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(job) = name.strip_suffix(".run").and_then(|j| j.parse().ok()) else {
+                continue;
+            };
+            match fs::read(entry.path())
+                .ok()
+                .and_then(|b| serde_json::from_slice::<RunRecord>(&b).ok())
+                .filter(|r| r.version == RUN_VERSION)
+            {
+                Some(r) => out.push((job, r)),
+                None => {
+                    tracing::warn!(job, "unreadable job record; the job is not taken over");
+                    let _ = fs::remove_file(entry.path());
+                }
+            }
+        }
+        out.sort_by_key(|(j, _)| *j);
+        out
+    }
+
+    /// Forgets `job`'s record.
+    pub fn remove(dir: &Path, job: u64) {
+        let _ = fs::remove_file(Self::path(dir, job));
+    }
+}
+
+/// Whether process `pid` is alive (not a zombie) and started at `start` (clock ticks since boot).
+pub fn alive(proc_root: &Path, (pid, start): (i32, u64)) -> bool {
+    let Ok(stat) = fs::read_to_string(proc_root.join(pid.to_string()).join("stat")) else {
+        return false;
+    };
+    let Some(fields) = stat.rfind(')').and_then(|i| stat.get(i + 1..)) else {
+        return false;
+    };
+    let fields: Vec<&str> = fields.split_whitespace().collect();
+    fields.first() != Some(&"Z") && fields.get(19).and_then(|s| s.parse().ok()) == Some(start)
 }

@@ -10,6 +10,7 @@ use perch_model::control::LaunchShare;
 fn launch(job: u64, user: &str, script: &str) -> JobLaunch {
     JobLaunch {
         job,
+        attempt: 1,
         command: vec!["sh".into(), "-c".into(), script.into()],
         env: Default::default(),
         workdir: None,
@@ -123,7 +124,11 @@ fn a_job_runs_as_its_user_when_the_agent_is_root() {
     l.launch(&launch(1, &user.name, script));
     // While it runs, its process has the user's uid (once the switch is done: with setpriv
     // the same process starts as root and switches before the job's program runs).
-    let pid = l.running.get(&1).map(|r| r.child.id()).expect("started");
+    let pid = l
+        .running
+        .get(&1)
+        .map(|r| r.pgid.as_raw_nonzero().get() as u32)
+        .expect("started");
     let uid_of = || {
         let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
         status

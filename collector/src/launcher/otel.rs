@@ -82,6 +82,7 @@ mod tests {
     fn launch(env: &[(&str, &str)]) -> JobLaunch {
         JobLaunch {
             job: 7,
+            attempt: 1,
             command: vec!["true".into()],
             env: env
                 .iter()

@@ -124,8 +124,9 @@ impl Harness {
 
     async fn sync(&self, at: i64, running: &[u64], exited: &[u64]) {
         let req: SyncRequest = serde_json::from_value(json!({
-            "node": NODE, "gpus": 2, "gpu_model": "Test H100", "running": running,
-            "exited": exited.iter().map(|j| json!({"job": j, "code": 0})).collect::<Vec<_>>(),
+            "node": NODE, "gpus": 2, "gpu_model": "Test H100",
+            "running": running.iter().map(|j| json!({"job": j, "attempt": 1})).collect::<Vec<_>>(),
+            "exited": exited.iter().map(|j| json!({"job": j, "attempt": 1, "code": 0})).collect::<Vec<_>>(),
         }))
         .expect("sync request");
         self.jobs
@@ -415,10 +416,19 @@ async fn node_states_and_events_follow_drain_down_and_requeue() {
         n,
         json!({"state": "drained", "reason": "fan noise", "drained_by": "carol"})
     );
-    // The agent goes silent: after the heartbeat timeout the node is down, the job requeued.
+    // The agent goes silent: after the heartbeat timeout the node is down, and once its lease
+    // has run out the job is requeued.
     h.sync(T0 + 70_000, &[id], &[]).await;
     h.jobs
         .run(|c, _| c.tick(T0 + 70_000 + 31_000))
+        .await
+        .expect("tick");
+    let j = h
+        .row(&format!("SELECT state FROM jobs WHERE job = {id}"))
+        .await;
+    assert_eq!(j["state"], "running", "its lease has not run out");
+    h.jobs
+        .run(|c, _| c.tick(T0 + 70_000 + 301_000))
         .await
         .expect("tick");
     let j = h
@@ -430,10 +440,10 @@ async fn node_states_and_events_follow_drain_down_and_requeue() {
     assert_eq!(j["requeues"], 1);
     assert_eq!(
         j["gpu_seconds_allocated"],
-        2.0 * 100.0,
-        "two GPUs from +1 s to +101 s"
+        2.0 * 370.0,
+        "two GPUs from +1 s to +371 s (the lease ran out)"
     );
-    h.sync(T0 + 200_000, &[], &[]).await;
+    h.sync(T0 + 400_000, &[], &[]).await;
     let states = h
         .row("SELECT string_agg(state, ',' ORDER BY start_time) AS s, count(*) FILTER (WHERE end_time IS NULL) AS open FROM node_states")
         .await;

@@ -16,7 +16,8 @@ use super::record::{JobRecord, JobState, NodeGpus};
 use super::spec::{FieldError, JobRequest};
 use perch_model::AgentLiveness;
 use perch_model::control::{
-    JobExit, JobLaunch, JobStop, LaunchShare, LogChunk, LogStream, SyncRequest, SyncResponse,
+    JobAttempt, JobExit, JobLaunch, JobStop, LaunchShare, LogChunk, LogStream, SyncRequest,
+    SyncResponse,
 };
 use perch_scheduler::{
     Account, Action, Cluster, Config, EndState, Event, GpuModel, GpuShare, JobId, JobSpec,
@@ -60,9 +61,14 @@ enum Deps {
 /// Settings of the control plane.
 #[derive(Debug, Clone)]
 pub struct JobsConfig {
-    /// A node whose agent has not synced for this long is down; its jobs are requeued or end
-    /// as node_fail.
+    /// A node whose agent has not synced for this long is down: it takes no new jobs and
+    /// alerts fire, but its jobs count as running until its lease runs out.
     pub heartbeat_timeout: Duration,
+    /// How long a node's jobs count as running after its last sync (the lease each sync
+    /// renews): only then are they requeued or end as node_fail. The agent stops them before
+    /// its lease runs out, so a job never runs on two nodes at once. Longer than
+    /// `heartbeat_timeout`.
+    pub lease: Duration,
     pub policy: Config,
 }
 
@@ -70,15 +76,27 @@ impl Default for JobsConfig {
     fn default() -> Self {
         JobsConfig {
             heartbeat_timeout: Duration::from_secs(30),
+            lease: DEFAULT_LEASE,
             policy: Config::perch(vec![]),
         }
     }
 }
 
+/// The default node lease: minutes, so that a server restart or a short network cut stops no
+/// job, at the price of a dead node's jobs waiting that long to be requeued.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(300);
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
 struct Node {
     record: NodeRecord,
     last_sync_ms: i64,
+    /// Silent past the heartbeat timeout (its jobs may still run until its lease runs out).
     down: bool,
+    /// Silent past its lease: its jobs were requeued or ended.
+    lease_expired: bool,
     /// Since when it has synced without a break (joined, came back, or this server started).
     reporting_since_ms: i64,
 }
@@ -310,6 +328,7 @@ impl Control {
             record,
             last_sync_ms: now_ms,
             down: false,
+            lease_expired: false,
             reporting_since_ms: now_ms,
         });
         Ok(idx)
@@ -353,6 +372,7 @@ impl Control {
         };
         let stop = JobStop {
             job: id,
+            attempt: job.attempts,
             signal: signal_of(&job.request),
             grace_secs: job.request.grace_secs,
         };
@@ -567,6 +587,7 @@ impl Control {
             }
             let launch = JobLaunch {
                 job: id,
+                attempt: job.attempts,
                 command: job.request.command.clone(),
                 env,
                 workdir: job.request.workdir.clone(),
@@ -951,13 +972,14 @@ impl Control {
             response.stop = req
                 .running
                 .iter()
-                .map(|&job| JobStop {
-                    job,
+                .map(|r| JobStop {
+                    job: r.job,
+                    attempt: r.attempt,
                     signal: "SIGTERM".into(),
                     grace_secs: 10,
                 })
                 .collect();
-            response.acknowledged = req.exited.iter().map(|e| e.job).collect();
+            response.acknowledged = req.exited.iter().map(JobExit::id).collect();
             return Ok(response);
         }
         let idx = match self.node_index.get(&name) {
@@ -984,6 +1006,8 @@ impl Control {
             }
         };
         self.nodes[idx].last_sync_ms = now;
+        self.nodes[idx].lease_expired = false;
+        response.lease_ms = self.config.lease.as_millis().try_into().unwrap_or(u64::MAX);
         self.update_node_features(idx, &req, now)?;
         if self.nodes[idx].down {
             self.nodes[idx].down = false;
@@ -1007,52 +1031,62 @@ impl Control {
                 self.dirty_jobs.insert(note.job);
             }
         }
-        for JobExit {
-            job,
-            code,
-            stopped,
-            error,
-        } in &req.exited
-        {
-            response.acknowledged.push(*job);
-            let running_here = self.jobs.get(job).is_some_and(|j| {
-                j.state == JobState::Running && j.placement.iter().any(|p| p.node == name)
-            });
-            if running_here && self.delivered.contains(&(*job, idx)) {
+        for exit in &req.exited {
+            response.acknowledged.push(exit.id());
+            let JobExit {
+                job,
+                attempt,
+                code,
+                stopped,
+                error,
+            } = exit;
+            let current = self.runs_here(*job, &name).then(|| self.jobs[job].attempts);
+            if current != Some(*attempt) || !self.delivered.contains(&(*job, idx)) {
+                // An earlier attempt's exit (it was stopped after the job was requeued): it
+                // never ends the attempt that runs now.
                 if let Some(j) = self.jobs.get_mut(job) {
-                    j.exit_code = Some(*code);
                     j.note(
                         now,
-                        format!(
-                            "exited with code {code} on {name}{}",
-                            if *stopped { " (stopped by perch)" } else { "" }
-                        ),
+                        format!("attempt {attempt} ended on {name} with code {code}"),
                     );
+                    self.dirty_jobs.insert(*job);
                 }
-                let actions = self.scheduler.step(
+                continue;
+            }
+            if let Some(j) = self.jobs.get_mut(job) {
+                j.exit_code = Some(*code);
+                j.note(
                     now,
-                    Event::JobExited {
-                        job: JobId(*job),
-                        code: *code,
-                    },
-                )?;
-                self.apply(now, actions);
-                if let (Some(why), Some(j)) = (error, self.jobs.get_mut(job)) {
-                    j.reason = Some(format!("could not start on {name}: {why}"));
-                }
+                    format!(
+                        "exited with code {code} on {name}{}",
+                        if *stopped { " (stopped by perch)" } else { "" }
+                    ),
+                );
+            }
+            let actions = self.scheduler.step(
+                now,
+                Event::JobExited {
+                    job: JobId(*job),
+                    code: *code,
+                },
+            )?;
+            self.apply(now, actions);
+            if let (Some(why), Some(j)) = (error, self.jobs.get_mut(job)) {
+                j.reason = Some(format!("could not start on {name}: {why}"));
             }
         }
-        let exited: HashSet<u64> = req.exited.iter().map(|e| e.job).collect();
-        let reported: HashSet<u64> = req.running.iter().copied().collect();
-        // Processes the server does not expect here are stopped: no job runs twice.
-        for &job in &req.running {
-            let expected = self.jobs.get(&job).is_some_and(|j| {
-                j.state == JobState::Running && j.placement.iter().any(|p| p.node == name)
-            });
+        let exited: HashSet<JobAttempt> = req.exited.iter().map(JobExit::id).collect();
+        let reported: HashSet<JobAttempt> = req.running.iter().copied().collect();
+        // Processes the server does not expect here (a job that ended or moved, an attempt
+        // that is not the current one) are stopped: no job runs twice.
+        for run in &req.running {
+            let expected = self.runs_here(run.job, &name)
+                && self.jobs.get(&run.job).map(|j| j.attempts) == Some(run.attempt);
             if !expected {
-                let grace = self.jobs.get(&job).map_or(10, |j| j.request.grace_secs);
+                let grace = self.jobs.get(&run.job).map_or(10, |j| j.request.grace_secs);
                 response.stop.push(JobStop {
-                    job,
+                    job: run.job,
+                    attempt: run.attempt,
                     signal: "SIGTERM".into(),
                     grace_secs: grace,
                 });
@@ -1063,12 +1097,16 @@ impl Control {
             .jobs
             .values()
             .filter(|j| j.state == JobState::Running && j.placement.iter().any(|p| p.node == name))
-            .map(|j| j.id)
-            .filter(|id| {
-                self.delivered.contains(&(*id, idx))
-                    && !reported.contains(id)
-                    && !exited.contains(id)
+            .filter(|j| {
+                let run = JobAttempt {
+                    job: j.id,
+                    attempt: j.attempts,
+                };
+                self.delivered.contains(&(j.id, idx))
+                    && !reported.contains(&run)
+                    && !exited.contains(&run)
             })
+            .map(|j| j.id)
             .collect();
         for job in lost {
             if let Some(j) = self.jobs.get_mut(&job) {
@@ -1095,6 +1133,13 @@ impl Control {
         }
         self.release_held(now)?;
         Ok(response)
+    }
+
+    /// Whether job `job` is running with part of its placement on node `name`.
+    fn runs_here(&self, job: u64, name: &str) -> bool {
+        self.jobs.get(&job).is_some_and(|j| {
+            j.state == JobState::Running && j.placement.iter().any(|p| p.node == name)
+        })
     }
 
     /// Follows an agent's report of its node's NVLink islands and sharing setting (they may
@@ -1190,29 +1235,65 @@ impl Control {
         Ok(())
     }
 
-    /// Marks nodes whose agents went silent as down, then lets time limits act.
+    /// Marks nodes whose agents went silent as down (no new jobs) and, once their lease has
+    /// run out, fails their jobs; then lets time limits act.
     #[tracing::instrument(name = "scheduler.tick", skip_all)]
     pub(crate) fn tick(&mut self, now: i64) -> Result<(), ControlError> {
         self.now = now;
-        let timeout = i64::try_from(self.config.heartbeat_timeout.as_millis()).unwrap_or(i64::MAX);
+        let timeout = millis(self.config.heartbeat_timeout);
+        let lease = millis(self.config.lease);
         for idx in 0..self.nodes.len() {
-            let n = &mut self.nodes[idx];
-            if !n.down && now - n.last_sync_ms > timeout {
-                n.down = true;
-                tracing::warn!(node = %n.record.name, "node stopped reporting; marking it down");
-                let actions = self
-                    .scheduler
-                    .step(now, Event::NodeDown(NodeId(idx as u32)))?;
+            let node = NodeId(idx as u32);
+            let silent = now - self.nodes[idx].last_sync_ms;
+            if !self.nodes[idx].down && silent > timeout {
+                self.nodes[idx].down = true;
+                let name = self.nodes[idx].record.name.clone();
+                let left = (lease - silent).max(0) / 1000;
+                tracing::warn!(node = %name, lease_left_secs = left, "node stopped reporting; marking it down (its jobs count as running until its lease runs out)");
+                let actions = self.scheduler.step(now, Event::NodeSilent(node))?;
                 self.apply(now, actions);
                 self.track_node_state(idx, now);
-                let silent = (now - self.nodes[idx].last_sync_ms) / 1000;
-                let name = self.nodes[idx].record.name.clone();
+                let jobs: Vec<u64> = self
+                    .jobs
+                    .values()
+                    .filter(|j| self.runs_here(j.id, &name))
+                    .map(|j| j.id)
+                    .collect();
+                for id in jobs {
+                    if let Some(j) = self.jobs.get_mut(&id) {
+                        j.note(
+                            now,
+                            format!("{name} stopped reporting; the job counts as running there until the node's lease runs out in {left} s"),
+                        );
+                        self.dirty_jobs.insert(id);
+                    }
+                }
                 self.node_event(
                     now,
                     idx,
                     "node_down",
                     "perch",
-                    format!("{name}'s agent has not synced for {silent} s"),
+                    format!(
+                        "{name}'s agent has not synced for {} s; its jobs are requeued if it stays silent {left} s more (its lease)",
+                        silent / 1000
+                    ),
+                );
+            }
+            if !self.nodes[idx].lease_expired && silent > lease {
+                self.nodes[idx].lease_expired = true;
+                let name = self.nodes[idx].record.name.clone();
+                tracing::warn!(node = %name, "node's lease ran out; requeueing its jobs");
+                let actions = self.scheduler.step(now, Event::NodeDown(node))?;
+                self.apply(now, actions);
+                self.node_event(
+                    now,
+                    idx,
+                    "node_lease_expired",
+                    "perch",
+                    format!(
+                        "{name} has not synced for {} s, past its lease: its jobs were stopped there and are requeued",
+                        silent / 1000
+                    ),
                 );
             }
         }

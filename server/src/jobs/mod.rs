@@ -11,7 +11,8 @@ pub mod spec;
 
 use control::Control;
 pub use control::{
-    AllocationView, ControlError, ControlSnapshot, JobsConfig, NodeView, PendingView, UsageView,
+    AllocationView, ControlError, ControlSnapshot, DEFAULT_LEASE, JobsConfig, NodeView,
+    PendingView, UsageView,
 };
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 

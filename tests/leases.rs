@@ -1,0 +1,588 @@
+//! Issue 15: a job never runs twice at once, whatever dies or is cut off.
+//!
+//! Each test runs a job that appends `start`, then a `tick` every 100 ms (and `end` on its
+//! signal), each line with its attempt and the time in nanoseconds, to a file, then attacks
+//! the cluster: `kill -9` of the agent (restarted within the lease, or never), the node cut
+//! from the server by a network namespace, the server killed and restarted. Every test checks
+//! that the attempts' lines never interleave: attempt n+1 starts only after attempt n's last
+//! sign of life. The last test checks that a job cannot escape its stop with `setsid`.
+
+mod common;
+
+use common::{Agent, PATIENCE, Perch, wait_for};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// A server with `node_stale_after_secs = 2` and the given lease, plus extra `[server]` lines.
+fn server(dir: &Path, lease_secs: u64, extra: &str) -> Perch {
+    let config = dir.join("perch.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nnode_stale_after_secs = 2\nnode_lease_secs = {lease_secs}\npg_listen = \"\"\n{extra}"
+        ),
+    )
+    .expect("config");
+    let mut args = vec!["server", "--config", config.to_str().expect("utf-8")];
+    let listen;
+    if let Some(addr) = extra
+        .lines()
+        .find_map(|l| l.strip_prefix("listen = \""))
+        .map(|a| a.trim_end_matches('"').to_owned())
+    {
+        listen = addr;
+        args.extend(["--listen", &listen]);
+    }
+    Perch::start(&dir.join("server"), &args)
+}
+
+fn agent(url: &str, node: &str, dir: &Path, token: Option<&str>) -> Agent {
+    Agent::start(
+        url,
+        node,
+        &dir.join(node),
+        1,
+        token,
+        &["--interval-ms", "200"],
+    )
+}
+
+/// The job: its lines go to `file`.
+fn script(file: &Path) -> String {
+    let f = file.display();
+    format!(
+        "line() {{ echo \"$1 $PERCH_JOB_ATTEMPT $(date +%s%N)\" >> {f}; }}; \
+         trap 'line end; exit 0' TERM; line start; \
+         while :; do line tick; sleep 0.1; done"
+    )
+}
+
+fn submit(perch: &Perch, file: &Path, extra: &[&str]) -> u64 {
+    let script = script(file);
+    let mut args = vec![
+        "submit",
+        "--gpus",
+        "1",
+        "--grace",
+        "1",
+        "--max-requeues",
+        "3",
+    ];
+    args.extend_from_slice(extra);
+    args.extend(["--", "sh", "-c", &script]);
+    let (ok, out, err) = perch.cli_as("alice", &args);
+    assert!(ok, "{err}");
+    out.trim()
+        .strip_prefix("Submitted job ")
+        .and_then(|id| id.parse().ok())
+        .unwrap_or_else(|| panic!("{out}"))
+}
+
+/// (attempt, first line's time, last line's time, lines) of each attempt in `file`, by start.
+fn attempts(file: &Path) -> Vec<(u64, u128, u128, usize)> {
+    let text = std::fs::read_to_string(file).unwrap_or_default();
+    let mut runs: Vec<(u64, u128, u128, usize)> = Vec::new();
+    for line in text.lines() {
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        let (Some(a), Some(t)) = (
+            parts.get(1).and_then(|a| a.parse().ok()),
+            parts.get(2).and_then(|t| t.parse().ok()),
+        ) else {
+            continue;
+        };
+        match runs.iter_mut().find(|r| r.0 == a) {
+            Some(r) => {
+                r.1 = r.1.min(t);
+                r.2 = r.2.max(t);
+                r.3 += 1;
+            }
+            None => runs.push((a, t, t, 1)),
+        }
+    }
+    runs.sort_by_key(|r| r.1);
+    runs
+}
+
+/// Asserts that no two attempts' lines overlap in time.
+fn assert_one_at_a_time(file: &Path) {
+    let runs = attempts(file);
+    for w in runs.windows(2) {
+        assert!(
+            w[1].1 > w[0].2,
+            "attempt {} started while attempt {} still ran: {runs:?}",
+            w[1].0,
+            w[0].0
+        );
+    }
+}
+
+/// The most recent line's age.
+fn last_line_age(file: &Path) -> Duration {
+    let last = attempts(file).iter().map(|r| r.2).max().unwrap_or(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_nanos();
+    Duration::from_nanos(u64::try_from(now.saturating_sub(last)).unwrap_or(u64::MAX))
+}
+
+fn job(perch: &Perch, id: u64) -> Value {
+    perch.job(id)
+}
+
+fn running_attempt(perch: &Perch, id: u64, attempt: u64) -> Value {
+    wait_for(&format!("job {id} running its attempt {attempt}"), || {
+        let j = job(perch, id);
+        (j["state"] == "running" && j["attempts"] == attempt).then_some(j)
+    })
+}
+
+fn pids_of(file_dir: &Path) -> Vec<u32> {
+    std::fs::read_to_string(file_dir.join("pids"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit(')')
+            .next()
+            .and_then(|r| r.split_whitespace().next())
+            != Some("Z")
+    })
+}
+
+/// `kill -9` of the agent, restarted well within the lease: the job runs on, untouched, the
+/// same attempt, and the new agent can still stop it.
+#[test]
+fn an_agent_killed_and_restarted_within_the_lease_takes_its_job_over() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = server(dir.path(), 30, "");
+    let mut a = agent(&perch.url, "gpu-a", dir.path(), None);
+    let file = dir.path().join("runs");
+    let id = submit(&perch, &file, &[]);
+    running_attempt(&perch, id, 1);
+    wait_for("the job's first ticks", || {
+        (attempts(&file).first()?.3 > 3).then_some(())
+    });
+    a.kill();
+    // Down (no new jobs, an alert), but its job counts as running: the lease has not run out.
+    wait_for("the node marked down", || {
+        let (_, out, _) = perch.cli_as("alice", &["nodes"]);
+        out.contains("down").then_some(())
+    });
+    let j = job(&perch, id);
+    assert_eq!(
+        (j["state"].as_str(), j["attempts"].as_u64()),
+        (Some("running"), Some(1)),
+        "{j}"
+    );
+    assert!(
+        last_line_age(&file) < Duration::from_secs(1),
+        "the job runs on without its agent"
+    );
+    let _a = agent(&perch.url, "gpu-a", dir.path(), None);
+    wait_for("the node up again", || {
+        let nodes = perch.get("/v1/nodes");
+        (nodes["nodes"][0]["state"] == "up").then_some(())
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let j = job(&perch, id);
+    assert_eq!(
+        (j["state"].as_str(), j["attempts"].as_u64()),
+        (Some("running"), Some(1)),
+        "{j}"
+    );
+    assert_eq!(attempts(&file).len(), 1, "one attempt only");
+    assert!(
+        last_line_age(&file) < Duration::from_secs(1),
+        "still running"
+    );
+    // The new agent stops it on cancel: its checkpoint signal reaches it (an `end` line).
+    let (ok, _, err) = perch.cli_as("alice", &["cancel", &id.to_string()]);
+    assert!(ok, "{err}");
+    wait_for("the cancelled job's end line", || {
+        std::fs::read_to_string(&file)
+            .ok()?
+            .contains("end 1 ")
+            .then_some(())
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        last_line_age(&file) > Duration::from_millis(400),
+        "it stopped"
+    );
+}
+
+/// `kill -9` of the agent, never restarted: its job's supervisor stops the job before the
+/// lease runs out, and only then does the server start attempt 2 on the other node.
+#[test]
+fn a_dead_agents_job_is_stopped_before_it_runs_again_elsewhere() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = server(dir.path(), 6, "");
+    let mut agents = [
+        ("gpu-a", agent(&perch.url, "gpu-a", dir.path(), None)),
+        ("gpu-b", agent(&perch.url, "gpu-b", dir.path(), None)),
+    ];
+    wait_for("both nodes", || {
+        (perch.get("/v1/nodes")["nodes"].as_array()?.len() == 2).then_some(())
+    });
+    let file = dir.path().join("runs");
+    let id = submit(&perch, &file, &[]);
+    let j = running_attempt(&perch, id, 1);
+    let node = j["placement"][0]["node"].as_str().expect("node").to_owned();
+    wait_for("the job's first ticks", || {
+        (attempts(&file).first()?.3 > 3).then_some(())
+    });
+    let killed_at = Instant::now();
+    agents
+        .iter_mut()
+        .find(|(n, _)| *n == node)
+        .expect("agent")
+        .1
+        .kill();
+    let j = running_attempt(&perch, id, 2);
+    assert!(
+        killed_at.elapsed() >= Duration::from_secs(5),
+        "requeued only once the lease ran out ({:?})",
+        killed_at.elapsed()
+    );
+    assert_ne!(j["placement"][0]["node"].as_str(), Some(node.as_str()));
+    wait_for("attempt 2's ticks", || {
+        (attempts(&file).iter().find(|r| r.0 == 2)?.3 > 3).then_some(())
+    });
+    assert_one_at_a_time(&file);
+    let runs = attempts(&file);
+    let first = runs.iter().find(|r| r.0 == 1).expect("attempt 1");
+    assert!(
+        std::fs::read_to_string(&file)
+            .expect("file")
+            .contains("end 1 "),
+        "attempt 1 got its checkpoint signal before the lease ran out: {runs:?}"
+    );
+    assert!(first.3 > 10, "{runs:?}");
+    let (ok, _, err) = perch.cli_as("alice", &["cancel", &id.to_string()]);
+    assert!(ok, "{err}");
+}
+
+/// The node is cut from the server (its agent in a network namespace whose link goes down),
+/// its agent alive: the supervisor stops the job as the lease runs out, attempt 2 runs on the
+/// other node, and when the link comes back the old attempt's exit ends nothing.
+#[test]
+fn a_node_cut_from_the_server_stops_its_job_before_it_runs_elsewhere() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let net = Netns::new();
+    let port = common::free_port();
+    let tokens = "[[tokens]]\ntoken = \"agent-token-0123456789\"\nuser = \"agent\"\nrole = \"agent\"\n\n\
+                  [[tokens]]\ntoken = \"alice-token-0123456789\"\nuser = \"alice\"\nrole = \"user\"\n";
+    let tokens_file = dir.path().join("tokens.toml");
+    std::fs::write(&tokens_file, tokens).expect("tokens");
+    let _perch = server(
+        dir.path(),
+        6,
+        &format!(
+            "tokens_file = \"{}\"\nlisten = \"{}:{port}\"\n",
+            tokens_file.display(),
+            net.host_addr
+        ),
+    );
+    let url = format!("http://{}:{port}", net.host_addr);
+    // gpu-a lives behind the namespace's link; gpu-b reaches the server directly.
+    let _a = Agent(
+        Command::new("ip")
+            .args(["netns", "exec", &net.name, common::PERCH])
+            .args([
+                "agent", "--server", &url, "--node", "gpu-a", "--nvml", "off",
+            ])
+            .args(["--simulate-gpus", "1", "--interval-ms", "200", "--data-dir"])
+            .arg(dir.path().join("gpu-a"))
+            .env("PERCH_TOKEN", "agent-token-0123456789")
+            .env("PERCH_RUN_AS_USER", "never")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("agent in the namespace"),
+    );
+    let as_alice = |args: &[&str]| {
+        let out = common::client()
+            .args(args)
+            .env("PERCH_SERVER", &url)
+            .env("PERCH_TOKEN", "alice-token-0123456789")
+            .output()
+            .expect("perch");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let get = |path: &str| -> Value {
+        reqwest::blocking::Client::new()
+            .get(format!("{url}{path}"))
+            .bearer_auth("alice-token-0123456789")
+            .send()
+            .and_then(|r| r.json())
+            .unwrap_or_else(|e| panic!("GET {path}: {e}"))
+    };
+    let get_job = |id: u64| get(&format!("/v1/jobs/{id}"));
+    wait_for("gpu-a to join", || {
+        as_alice(&["nodes"]).contains("gpu-a").then_some(())
+    });
+    let file = dir.path().join("runs");
+    let script = script(&file);
+    let out = as_alice(&[
+        "submit",
+        "--gpus",
+        "1",
+        "--grace",
+        "1",
+        "--max-requeues",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    let id: u64 = out
+        .trim()
+        .trim_start_matches("Submitted job ")
+        .parse()
+        .expect("id");
+    wait_for("attempt 1 on gpu-a", || {
+        let j = get_job(id);
+        (j["state"] == "running" && j["placement"][0]["node"] == "gpu-a").then_some(())
+    });
+    wait_for("the job's first ticks", || {
+        (attempts(&file).first()?.3 > 3).then_some(())
+    });
+    // gpu-b joins now, so attempt 2 has somewhere to go.
+    let _b = agent(&url, "gpu-b", dir.path(), Some("agent-token-0123456789"));
+    let cut_at = Instant::now();
+    net.link(false);
+    wait_for("attempt 2 on gpu-b", || {
+        let j = get_job(id);
+        (j["state"] == "running" && j["attempts"] == 2).then_some(())
+    });
+    assert!(
+        cut_at.elapsed() >= Duration::from_secs(5),
+        "{:?}",
+        cut_at.elapsed()
+    );
+    wait_for("attempt 2's ticks", || {
+        (attempts(&file).iter().find(|r| r.0 == 2)?.3 > 3).then_some(())
+    });
+    assert_one_at_a_time(&file);
+    // The link comes back: gpu-a reports attempt 1's exit, which ends nothing.
+    net.link(true);
+    let j = wait_for("gpu-a to report attempt 1's exit", || {
+        let j = get_job(id);
+        j["timeline"]
+            .as_array()?
+            .iter()
+            .any(|e| {
+                e["event"]
+                    .as_str()
+                    .is_some_and(|t| t.starts_with("attempt 1 ended on gpu-a"))
+            })
+            .then_some(j)
+    });
+    assert_eq!(
+        get("/v1/nodes")["nodes"]
+            .as_array()
+            .and_then(|n| n.iter().find(|n| n["name"] == "gpu-a"))
+            .map(|n| n["state"] != "down"),
+        Some(true),
+        "{j}"
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    let j = get_job(id);
+    assert_eq!(
+        (j["state"].as_str(), j["attempts"].as_u64()),
+        (Some("running"), Some(2)),
+        "{j}"
+    );
+    assert!(
+        last_line_age(&file) < Duration::from_secs(1),
+        "attempt 2 runs on"
+    );
+    assert_one_at_a_time(&file);
+    as_alice(&["cancel", &id.to_string()]);
+}
+
+/// The server is killed and restarted within the lease: no job stops.
+#[test]
+fn a_server_restart_within_the_lease_stops_no_job() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = common::free_port();
+    let listen = format!("listen = \"127.0.0.1:{port}\"\n");
+    let mut perch = server(dir.path(), 30, &listen);
+    let _a = agent(&perch.url, "gpu-a", dir.path(), None);
+    let file = dir.path().join("runs");
+    let id = submit(&perch, &file, &[]);
+    running_attempt(&perch, id, 1);
+    wait_for("the job's first ticks", || {
+        (attempts(&file).first()?.3 > 3).then_some(())
+    });
+    perch.kill();
+    // Longer than the node timeout, shorter than the lease.
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(
+        last_line_age(&file) < Duration::from_secs(1),
+        "runs on while the server is away"
+    );
+    let perch = server(dir.path(), 30, &listen);
+    std::thread::sleep(Duration::from_secs(3));
+    let j = job(&perch, id);
+    assert_eq!(
+        (j["state"].as_str(), j["attempts"].as_u64()),
+        (Some("running"), Some(1)),
+        "{j}"
+    );
+    let runs = attempts(&file);
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    assert!(
+        last_line_age(&file) < Duration::from_secs(1),
+        "still running"
+    );
+    assert!(
+        !std::fs::read_to_string(&file)
+            .expect("file")
+            .contains("end "),
+        "never signalled"
+    );
+    let (ok, _, err) = perch.cli_as("alice", &["cancel", &id.to_string()]);
+    assert!(ok, "{err}");
+}
+
+/// Without cgroups, a process that leaves the job's group and session (`setsid`) is still
+/// stopped: when the job is cancelled and when the job's first process simply exits.
+#[test]
+fn setsid_does_not_escape_cancel_or_the_end_of_the_job() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = server(dir.path(), 30, "");
+    let _a = Agent::start(
+        &perch.url,
+        "gpu-a",
+        &dir.path().join("gpu-a"),
+        1,
+        None,
+        &["--interval-ms", "200", "--cgroups", "off"],
+    );
+    let run = |name: &str, tail: &str| -> (u64, PathBuf) {
+        let d = dir.path().join(name);
+        std::fs::create_dir_all(&d).expect("dir");
+        let script = format!(
+            "setsid sh -c 'echo $$ >> {p}; exec sleep 600' </dev/null >/dev/null 2>&1 & \
+             setsid sh -c 'sleep 600 & echo $! >> {p}; wait' </dev/null >/dev/null 2>&1 & {tail}",
+            p = d.join("pids").display()
+        );
+        let (ok, out, err) = perch.cli_as(
+            "alice",
+            &["submit", "--gpus", "1", "--", "sh", "-c", &script],
+        );
+        assert!(ok, "{err}");
+        let id = out
+            .trim()
+            .trim_start_matches("Submitted job ")
+            .parse()
+            .expect("id");
+        (id, d)
+    };
+    // Cancelled while its escaped processes run.
+    let (cancelled, d1) = run("cancelled", "sleep 600");
+    wait_for("both escaped processes", || {
+        (pids_of(&d1).len() == 2).then_some(())
+    });
+    let escaped = pids_of(&d1);
+    assert!(escaped.iter().all(|&p| alive(p)));
+    let (ok, _, err) = perch.cli_as("alice", &["cancel", &cancelled.to_string()]);
+    assert!(ok, "{err}");
+    wait_for("the escaped processes of the cancelled job to die", || {
+        escaped.iter().all(|&p| !alive(p)).then_some(())
+    });
+    // Ends by itself, leaving its daemons behind.
+    let (ended, d2) = run("ended", "sleep 1; exit 0");
+    wait_for("both escaped processes", || {
+        (pids_of(&d2).len() == 2).then_some(())
+    });
+    let escaped = pids_of(&d2);
+    wait_for("the job to complete", || {
+        (job(&perch, ended)["state"] == "completed").then_some(())
+    });
+    let deadline = Instant::now() + PATIENCE;
+    while escaped.iter().any(|&p| alive(p)) {
+        assert!(
+            Instant::now() < deadline,
+            "the ended job's daemons live on: {escaped:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A network namespace joined to the host by a veth pair: the server listens on the host's
+/// end, an agent inside reaches it through the link, which [`Netns::link`] takes down and up.
+struct Netns {
+    name: String,
+    host_if: String,
+    host_addr: String,
+}
+
+fn ip(args: &[&str]) {
+    let status = Command::new("ip").args(args).status().expect("ip");
+    assert!(status.success(), "ip {args:?}");
+}
+
+impl Netns {
+    fn new() -> Netns {
+        let n = std::process::id() % 200 + 20;
+        let name = format!("perch-cut-{n}");
+        let (host_if, ns_if) = (format!("pcut{n}h"), format!("pcut{n}n"));
+        let _ = Command::new("ip").args(["netns", "del", &name]).status();
+        let _ = Command::new("ip").args(["link", "del", &host_if]).status();
+        ip(&["netns", "add", &name]);
+        ip(&[
+            "link", "add", &host_if, "type", "veth", "peer", "name", &ns_if, "netns", &name,
+        ]);
+        let host_addr = format!("10.231.{n}.1");
+        ip(&["addr", "add", &format!("{host_addr}/30"), "dev", &host_if]);
+        ip(&["link", "set", &host_if, "up"]);
+        ip(&[
+            "netns",
+            "exec",
+            &name,
+            "ip",
+            "addr",
+            "add",
+            &format!("10.231.{n}.2/30"),
+            "dev",
+            &ns_if,
+        ]);
+        ip(&["netns", "exec", &name, "ip", "link", "set", &ns_if, "up"]);
+        ip(&["netns", "exec", &name, "ip", "link", "set", "lo", "up"]);
+        Netns {
+            name,
+            host_if,
+            host_addr,
+        }
+    }
+
+    fn link(&self, up: bool) {
+        ip(&["link", "set", &self.host_if, if up { "up" } else { "down" }]);
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.host_if])
+            .status();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
