@@ -1230,6 +1230,64 @@ mod tests {
         assert_eq!((exit.code, exit.stopped), (128 + 9, true));
     }
 
+    /// Issue 15: one sync answer can carry stop(X, 1) and start(X, 2). The stop touches only
+    /// attempt 1; attempt 2 waits until attempt 1 is gone; each exit names its attempt.
+    #[test]
+    fn orders_name_attempts_and_a_new_attempt_waits_for_the_old_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut l = Launcher::new(dir.path()).expect("launcher");
+        l.launch(&launch(
+            5,
+            "trap 'sleep 0.3; exit 0' TERM; while :; do sleep 0.05; done",
+        ));
+        std::thread::sleep(Duration::from_millis(200));
+        l.stop(&JobStop {
+            job: 5,
+            attempt: 2,
+            signal: "SIGTERM".into(),
+            grace_secs: 1,
+        });
+        l.poll();
+        assert!(
+            l.running.get(&5).is_some_and(|r| r.stopping.is_none()),
+            "a stop for another attempt leaves attempt 1 alone"
+        );
+        let mut second = launch(5, "exit 4");
+        second.attempt = 2;
+        l.apply(&SyncResponse {
+            stop: vec![JobStop {
+                job: 5,
+                attempt: 1,
+                signal: "SIGTERM".into(),
+                grace_secs: 5,
+            }],
+            start: vec![second],
+            ..Default::default()
+        });
+        assert_eq!(
+            l.running(),
+            vec![
+                JobAttempt { job: 5, attempt: 1 },
+                JobAttempt { job: 5, attempt: 2 }
+            ],
+            "attempt 2 accepted, waiting"
+        );
+        assert_eq!(l.running.get(&5).map(|r| r.attempt), Some(1));
+        for _ in 0..200 {
+            l.poll();
+            if l.exited().len() == 2 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let exits: Vec<(u32, i32, bool)> = l
+            .exited()
+            .iter()
+            .map(|e| (e.attempt, e.code, e.stopped))
+            .collect();
+        assert_eq!(exits, vec![(1, 0, true), (2, 4, false)]);
+    }
+
     #[test]
     fn a_missing_program_is_reported_as_127() {
         let dir = tempfile::tempdir().expect("tempdir");

@@ -7,6 +7,8 @@
 mod ledger;
 mod remediation;
 mod scrape;
+#[cfg(test)]
+mod tests;
 
 pub use scrape::{AllocationView, ControlSnapshot, NodeView, PendingView, UsageView};
 
@@ -1131,6 +1133,9 @@ impl Control {
             response.start = out.start;
             response.stop.extend(out.stop);
         }
+        // One stop per attempt (a requeue's stop and a report of the same run can meet here).
+        let mut seen = HashSet::new();
+        response.stop.retain(|s| seen.insert((s.job, s.attempt)));
         self.release_held(now)?;
         Ok(response)
     }

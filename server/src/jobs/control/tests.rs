@@ -1,0 +1,149 @@
+//! The control plane's job-safety invariants in virtual time (issue 15): an exit is charged
+//! only to the attempt that ran, a report of any other attempt gets a stop for that attempt,
+//! and a silent node's jobs are requeued only once its lease has run out.
+
+use crate::jobs::record::JobRecord;
+use crate::jobs::{JobService, JobsConfig};
+use perch_model::control::{JobAttempt, SyncRequest, SyncResponse};
+use serde_json::json;
+use std::time::Duration;
+
+const T0: i64 = 1_800_000_000_000;
+const SECOND: i64 = 1000;
+
+fn service(dir: &std::path::Path) -> JobService {
+    let (tx, _rx) = JobService::event_channel();
+    let config = JobsConfig {
+        heartbeat_timeout: Duration::from_secs(30),
+        lease: Duration::from_secs(300),
+        ..JobsConfig::default()
+    };
+    JobService::open(dir, config, tx).expect("jobs")
+}
+
+async fn sync(
+    jobs: &JobService,
+    node: &str,
+    at: i64,
+    running: &[(u64, u32)],
+    exited: &[(u64, u32, i32)],
+) -> SyncResponse {
+    let req: SyncRequest = serde_json::from_value(json!({
+        "node": node, "gpus": 1, "gpu_model": "Test H100",
+        "running": running.iter().map(|(j, a)| json!({"job": j, "attempt": a})).collect::<Vec<_>>(),
+        "exited": exited.iter().map(|(j, a, c)| json!({"job": j, "attempt": a, "code": c})).collect::<Vec<_>>(),
+    }))
+    .expect("sync request");
+    jobs.run(move |c, _| c.sync(req, at)).await.expect("sync")
+}
+
+async fn job(jobs: &JobService, id: u64) -> JobRecord {
+    jobs.run(move |c, _| Ok(c.view(id)))
+        .await
+        .expect("view")
+        .expect("job")
+}
+
+async fn tick(jobs: &JobService, at: i64) {
+    jobs.run(move |c, _| c.tick(at)).await.expect("tick");
+}
+
+#[tokio::test]
+async fn attempts_and_the_lease_decide_what_runs_where() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    sync(&jobs, "a", T0, &[], &[]).await;
+    let request: crate::jobs::spec::JobRequest = serde_json::from_value(json!({
+        "command": ["train"], "user": "bob", "max_requeues": 2, "gpus_per_node": 1
+    }))
+    .expect("request");
+    let id = jobs
+        .run(move |c, _| c.submit(request, T0 + SECOND))
+        .await
+        .expect("submit")[0]
+        .id;
+    let r = sync(&jobs, "a", T0 + 2 * SECOND, &[], &[]).await;
+    assert_eq!(
+        r.start
+            .iter()
+            .map(|l| (l.job, l.attempt))
+            .collect::<Vec<_>>(),
+        vec![(id, 1)]
+    );
+    assert_eq!(r.lease_ms, 300_000, "each answer renews the lease");
+    sync(&jobs, "a", T0 + 3 * SECOND, &[(id, 1)], &[]).await;
+    // Node b joins; node a goes silent. Past the heartbeat timeout it is down, but its job
+    // counts as running there until the lease has run out.
+    sync(&jobs, "b", T0 + 10 * SECOND, &[], &[]).await;
+    sync(&jobs, "b", T0 + 40 * SECOND, &[], &[]).await;
+    tick(&jobs, T0 + 40 * SECOND).await;
+    let j = job(&jobs, id).await;
+    assert_eq!((j.state.as_str(), j.attempts), ("running", 1));
+    for at in (60..=300).step_by(30) {
+        sync(&jobs, "b", T0 + at * SECOND, &[], &[]).await;
+        tick(&jobs, T0 + at * SECOND).await;
+    }
+    assert_eq!(
+        job(&jobs, id).await.state.as_str(),
+        "running",
+        "lease ends at +303 s"
+    );
+    sync(&jobs, "b", T0 + 304 * SECOND, &[], &[]).await;
+    tick(&jobs, T0 + 304 * SECOND).await;
+    let j = job(&jobs, id).await;
+    assert_eq!(
+        (j.state.as_str(), j.attempts, j.requeues),
+        ("running", 2, 1),
+        "requeued and started on b"
+    );
+    assert_eq!(j.placement[0].node, "b");
+    let r = sync(&jobs, "b", T0 + 305 * SECOND, &[], &[]).await;
+    assert_eq!(
+        r.start
+            .iter()
+            .map(|l| (l.job, l.attempt))
+            .collect::<Vec<_>>(),
+        vec![(id, 2)]
+    );
+    // Node a comes back still running attempt 1: it is told to stop that attempt.
+    let r = sync(&jobs, "a", T0 + 306 * SECOND, &[(id, 1)], &[]).await;
+    assert_eq!(
+        r.stop
+            .iter()
+            .map(|s| (s.job, s.attempt))
+            .collect::<Vec<_>>(),
+        vec![(id, 1)]
+    );
+    // Its exit is acknowledged and noted, and ends nothing.
+    let r = sync(&jobs, "a", T0 + 307 * SECOND, &[], &[(id, 1, 0)]).await;
+    assert_eq!(
+        r.acknowledged,
+        vec![JobAttempt {
+            job: id,
+            attempt: 1
+        }]
+    );
+    let j = job(&jobs, id).await;
+    assert_eq!((j.state.as_str(), j.attempts), ("running", 2));
+    assert!(
+        j.timeline
+            .iter()
+            .any(|e| e.event == "attempt 1 ended on a with code 0"),
+        "{:?}",
+        j.timeline
+    );
+    // b reporting attempt 1 beside attempt 2 is told to stop attempt 1 only.
+    let r = sync(&jobs, "b", T0 + 308 * SECOND, &[(id, 2), (id, 1)], &[]).await;
+    assert_eq!(
+        r.stop
+            .iter()
+            .map(|s| (s.job, s.attempt))
+            .collect::<Vec<_>>(),
+        vec![(id, 1)]
+    );
+    // b's attempt 2 runs, then exits: that ends the job.
+    sync(&jobs, "b", T0 + 309 * SECOND, &[(id, 2)], &[]).await;
+    sync(&jobs, "b", T0 + 310 * SECOND, &[], &[(id, 2, 3)]).await;
+    let j = job(&jobs, id).await;
+    assert_eq!((j.state.as_str(), j.exit_code), ("failed", Some(3)));
+}
