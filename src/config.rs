@@ -20,6 +20,8 @@ pub struct Config {
     pub alerts: perch_alerts::AlertsConfig,
     /// Where the client commands (`sql`, `submit`, `jobs`, ...) send requests, with which token.
     pub client: ClientSection,
+    /// Which users may charge which accounts, at which QOS (`[accounts.<name>]`).
+    pub accounts: perch_server::jobs::accounts::AccountRules,
 }
 
 /// `[client]`: the server and token of the client commands. Also the only section of the
@@ -81,6 +83,8 @@ pub struct ServerSection {
     pub node_stale_after_secs: u64,
     /// How long a silent node's jobs count as running (its lease) before they are requeued.
     pub node_lease_secs: u64,
+    /// Most pending jobs one user may have (array tasks count one each).
+    pub max_pending_jobs_per_user: usize,
     pub maintenance_interval_secs: u64,
     pub compact_below_mb: u64,
     pub compact_min_files: usize,
@@ -106,6 +110,7 @@ impl Default for ServerSection {
             max_body_mb: 64,
             node_stale_after_secs: 60,
             node_lease_secs: perch_server::jobs::DEFAULT_LEASE.as_secs(),
+            max_pending_jobs_per_user: perch_server::jobs::DEFAULT_MAX_PENDING_PER_USER,
             maintenance_interval_secs: 300,
             compact_below_mb: 64,
             compact_min_files: 8,
@@ -429,6 +434,12 @@ impl Config {
                 ),
             );
         }
+        if self.server.max_pending_jobs_per_user == 0 {
+            return bad("server.max_pending_jobs_per_user", "must be at least 1");
+        }
+        if let Err(e) = perch_server::jobs::accounts::validate(&self.accounts) {
+            anyhow::bail!("config key {e}");
+        }
         if self.server.flush_interval_secs == 0 {
             return bad("server.flush_interval_secs", "must be at least 1");
         }
@@ -562,6 +573,8 @@ impl Config {
         config.node_stale_after = Duration::from_secs(s.node_stale_after_secs);
         config.jobs.heartbeat_timeout = Duration::from_secs(s.node_stale_after_secs);
         config.jobs.lease = Duration::from_secs(s.node_lease_secs);
+        config.jobs.accounts = self.accounts.clone();
+        config.jobs.max_pending_per_user = s.max_pending_jobs_per_user;
         config.pg_listen = Some(s.pg_listen.clone()).filter(|a| !a.is_empty());
         config.accounting = self.accounting.server_config();
         config.alerts = self.alerts.clone();
@@ -698,6 +711,11 @@ mod tests {
             ),
             ("[agent]\ncgroups = \"on\"", "agent.cgroups"),
             ("[agent]\nmin_uid = 0", "agent.min_uid: must be at least 1"),
+            (
+                "[accounts.vision]\nqos = [\"urgent\"]",
+                "accounts.vision.qos: \"urgent\" is not one of low, normal, high",
+            ),
+            ("[accounts.vision]\nuser = [\"a\"]", "unknown field `user`"),
             (
                 "[server]\nnode_stale_after_secs = 60\nnode_lease_secs = 30",
                 "server.node_lease_secs: must be longer than server.node_stale_after_secs (60 s)",

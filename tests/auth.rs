@@ -215,3 +215,105 @@ fn open_mode_refuses_to_listen_beyond_loopback() {
         "{err}"
     );
 }
+
+/// Issue 16: a user token submitted with another user's `account` and `qos = high`, and the
+/// usage was charged there. Now accounts and QOS levels are granted in `[accounts]`; anything
+/// else is refused with 403 naming the section to change. The agent, with a token the server
+/// does not know yet, keeps its telemetry until the operator adds it (a token rotation).
+#[test]
+fn accounts_and_qos_are_granted_not_claimed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tokens = dir.path().join("tokens.toml");
+    let entries = format!(
+        "[[tokens]]\ntoken = \"{ALICE}\"\nuser = \"alice\"\nrole = \"user\"\n\
+         [[tokens]]\ntoken = \"{BOB}\"\nuser = \"bob\"\nrole = \"user\"\n\
+         [[tokens]]\ntoken = \"{OPERATOR}\"\nuser = \"ops\"\nrole = \"operator\"\n"
+    );
+    std::fs::write(&tokens, &entries).expect("tokens");
+    let config = dir.path().join("perch.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\ntokens_file = \"{}\"\npg_listen = \"\"\n\
+             [accounts.vision]\nusers = [\"alice\"]\nqos = [\"low\", \"normal\", \"high\"]\n",
+            tokens.display(),
+        ),
+    )
+    .expect("config");
+    let listen = format!("127.0.0.1:{}", common::free_port());
+    let start = || {
+        common::Perch::start(
+            &dir.path().join("server"),
+            &[
+                "server",
+                "--config",
+                config.to_str().expect("utf-8"),
+                "--listen",
+                &listen,
+            ],
+        )
+    };
+    let mut server = start();
+    let url = server.url.clone();
+    // The agent's token is not in the tokens file yet.
+    let _agent = common::Agent::start(
+        &url,
+        "gpu-a",
+        &dir.path().join("agent"),
+        1,
+        Some(AGENT),
+        &["--interval-ms", "200"],
+    );
+    let submit = |token: &str, extra: &[&str]| {
+        let mut args = vec!["submit", "--gpus", "1"];
+        args.extend_from_slice(extra);
+        args.extend(["--", "true"]);
+        cli(&url, Some(token), &args)
+    };
+    let (ok, _, err) = submit(BOB, &["--account", "alice"]);
+    assert!(
+        !ok && err.contains("may not charge account \"alice\""),
+        "{err}"
+    );
+    let (ok, _, err) = submit(BOB, &["--account", "vision"]);
+    assert!(!ok && err.contains("[accounts.vision]"), "{err}");
+    let (ok, _, err) = submit(BOB, &["--qos", "high"]);
+    assert!(!ok && err.contains("may not use qos high"), "{err}");
+    let (ok, _, err) = submit(BOB, &["--qos", "low"]);
+    assert!(ok, "own account, a granted QOS: {err}");
+    let (ok, _, err) = submit(ALICE, &["--account", "vision", "--qos", "high"]);
+    assert!(ok, "granted in [accounts.vision]: {err}");
+    let (ok, _, err) = submit(OPERATOR, &["--account", "vision", "--qos", "high"]);
+    assert!(ok, "operators may: {err}");
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    // The operator adds the agent's token and restarts the server: what the agent measured
+    // while it was refused arrives.
+    server.kill();
+    std::fs::write(
+        &tokens,
+        format!(
+            "{entries}[[tokens]]\ntoken = \"{AGENT}\"\nuser = \"node-agent\"\nrole = \"agent\"\nnodes = [\"gpu-a\"]\n"
+        ),
+    )
+    .expect("tokens");
+    let restarted_at = common::now_ms();
+    let server = start();
+    let samples = |query: &str| -> i64 {
+        let (ok, out, err) = cli(
+            &server.url,
+            Some(OPERATOR),
+            &["sql", "--format", "csv", query],
+        );
+        assert!(ok, "{err}");
+        out.lines()
+            .nth(1)
+            .and_then(|l| l.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    wait_for("samples measured while the token was refused", || {
+        let n = samples(&format!(
+            "SELECT count(*) FROM gpu_samples WHERE node = 'gpu-a' AND time < to_timestamp_millis({restarted_at})"
+        ));
+        (n >= 5).then_some(())
+    });
+}

@@ -2,7 +2,9 @@
 //!
 //! Replies decide a batch's fate: 2xx means durable (remove it); 4xx means the batch itself is
 //! bad (log the server's message once, count it, drop it: retrying cannot help), except 408 and
-//! 429 which ask us to come back later; 5xx and connection errors are retried with capped
+//! 429 which ask us to come back later, and 401 and 403, which are about the agent's token, not
+//! the batch (a token being rotated must not lose telemetry: the batch is kept and retried
+//! until the token is accepted); 5xx and connection errors are retried with capped
 //! exponential backoff, lowest `seq` first (from the disk spool or the memory queue, whichever
 //! holds it), so order is kept. Retries are safe because the server ignores a `(node, seq)` it
 //! has already accepted.
@@ -146,6 +148,13 @@ impl Sender {
                 })
                 .unwrap_or(false);
             SendOutcome::Accepted { duplicate }
+        } else if matches!(status.as_u16(), 401 | 403) {
+            SendOutcome::Retry {
+                reason: format!(
+                    "the server refuses this agent's token (HTTP {status}: {}); telemetry is kept (in memory, then in the disk spool) and sent once the token is accepted: check agent.token and the server's tokens file",
+                    text.chars().take(200).collect::<String>()
+                ),
+            }
         } else if status.is_client_error() && status.as_u16() != 408 && status.as_u16() != 429 {
             let mut message = text;
             if message.len() > MAX_LOGGED_BODY {

@@ -7,9 +7,12 @@
 //! read-only check, timeout, memory limit and row cap. A connection holds no session state.
 //!
 //! Clients wrap queries in transactions and set session options (psycopg, JDBC and DBeaver do
-//! `BEGIN`, `SET extra_float_digits = 3`...): transaction control, `SET` and `RESET` are
-//! answered as done and change nothing, since there is nothing to commit and every statement
-//! gets a fresh session anyway. Everything else must pass the read-only check.
+//! `BEGIN`, `SET extra_float_digits = 3`...): transaction control is answered as done and
+//! changes nothing, since there is nothing to commit and every statement gets a fresh session
+//! anyway. So are `SET` and `RESET` of the display settings clients send on their own
+//! ([`CLIENT_SETTINGS`]); any other `SET` (`statement_timeout`, a DataFusion option...) is
+//! refused, as on HTTP, since perch would silently ignore it. Everything else must pass the
+//! read-only check.
 //!
 //! Authentication follows the HTTP server's. With a tokens file, a client logs in with
 //! cleartext password authentication whose password is a perch bearer token (`PGPASSWORD`,
@@ -394,6 +397,48 @@ fn skip_comments(mut sql: &str) -> &str {
     }
 }
 
+/// Session settings clients send by themselves, acknowledged and ignored: they only steer how
+/// a client shows results (perch always answers in UTF-8, ISO dates and UTC).
+const CLIENT_SETTINGS: &[&str] = &[
+    "application_name",
+    "bytea_output",
+    "client_encoding",
+    "client_min_messages",
+    "datestyle",
+    "extra_float_digits",
+    "intervalstyle",
+    "lc_messages",
+    "lc_monetary",
+    "lc_numeric",
+    "lc_time",
+    "search_path",
+    "standard_conforming_strings",
+    "time zone",
+    "timezone",
+];
+
+/// The setting a `SET`/`RESET` statement names (`SET SESSION x TO 1`, `SET LOCAL x = 1`,
+/// `RESET ALL`), lower case.
+fn setting_named(sql: &str) -> String {
+    let words: Vec<String> = sql
+        .trim()
+        .trim_end_matches(';')
+        .split(|c: char| c.is_whitespace() || c == '=')
+        .filter(|w| !w.is_empty())
+        .skip(1)
+        .map(str::to_ascii_lowercase)
+        .collect();
+    let mut words = words.iter().map(String::as_str).peekable();
+    if matches!(words.peek(), Some(&"session" | &"local")) {
+        words.next();
+    }
+    match (words.next(), words.next()) {
+        (Some("time"), Some("zone")) => "time zone".into(),
+        (Some(name), _) => name.trim_matches('"').to_owned(),
+        (None, _) => String::new(),
+    }
+}
+
 /// The answer to a statement that only steers the client's session (see the module docs),
 /// or to one with nothing but comments (drivers ping with `-- ping`).
 fn client_command(sql: &str) -> Option<Response> {
@@ -416,8 +461,21 @@ fn client_command(sql: &str) -> Option<Response> {
         }
         ("COMMIT" | "END", _) => Some(Response::TransactionEnd(Tag::new("COMMIT"))),
         ("ROLLBACK" | "ABORT", _) => Some(Response::TransactionEnd(Tag::new("ROLLBACK"))),
-        ("SET", _) => Some(Response::Execution(Tag::new("SET"))),
-        ("RESET", _) => Some(Response::Execution(Tag::new("RESET"))),
+        ("SET" | "RESET", _) => {
+            let name = setting_named(sql);
+            if CLIENT_SETTINGS.contains(&name.as_str()) || (first == "RESET" && name == "all") {
+                Some(Response::Execution(Tag::new(first)))
+            } else {
+                Some(Response::Error(Box::new(ErrorInfo::new(
+                    "ERROR".to_owned(),
+                    "0A000".to_owned(),
+                    format!(
+                        "{first} {name} is not supported: perch's SQL is read-only and its limits (timeout, memory, rows) are the server's (config [query]); only display settings clients send themselves ({}) are accepted, and ignored",
+                        CLIENT_SETTINGS.join(", ")
+                    ),
+                ))))
+            }
+        }
         _ => None,
     }
 }
@@ -574,6 +632,17 @@ mod tests {
         assert_eq!(tag(" commit "), "end");
         assert_eq!(tag("ROLLBACK"), "end");
         assert_eq!(tag("SET extra_float_digits = 3"), "set");
+        assert_eq!(tag("set SESSION application_name TO 'psql'"), "set");
+        assert_eq!(tag("SET TIME ZONE 'UTC'"), "set");
+        assert_eq!(tag("SET DateStyle=ISO"), "set");
+        assert_eq!(tag("RESET ALL"), "set");
+        // Settings perch would silently ignore are refused (issue 16).
+        assert_eq!(tag("SET statement_timeout = 0"), "other");
+        assert_eq!(
+            tag("SET datafusion.execution.target_partitions = 64"),
+            "other"
+        );
+        assert_eq!(tag("set local work_mem to '64GB'"), "other");
         assert_eq!(tag("SELECT 1"), "query");
         assert_eq!(tag("INSERT INTO t VALUES (1)"), "query");
         assert_eq!(tag("-- ping"), "empty");

@@ -44,6 +44,15 @@ pub enum ControlError {
     NoSuchNode(String),
     #[error("{0}")]
     Forbidden(String),
+    #[error(
+        "{user} has {pending} pending jobs and this submission adds {adding}: at most {limit} per user (server.max_pending_jobs_per_user); wait for some to start or cancel some"
+    )]
+    TooManyPending {
+        user: String,
+        pending: usize,
+        adding: usize,
+        limit: usize,
+    },
     #[error("scheduler: {0}")]
     Scheduler(#[from] perch_scheduler::Error),
     #[error("{0}")]
@@ -72,6 +81,10 @@ pub struct JobsConfig {
     /// `heartbeat_timeout`.
     pub lease: Duration,
     pub policy: Config,
+    /// Which users may charge which accounts, at which QOS (`[accounts]`).
+    pub accounts: super::accounts::AccountRules,
+    /// Most pending (and held) jobs one user may have; a submission past it is refused whole.
+    pub max_pending_per_user: usize,
 }
 
 impl Default for JobsConfig {
@@ -80,9 +93,14 @@ impl Default for JobsConfig {
             heartbeat_timeout: Duration::from_secs(30),
             lease: DEFAULT_LEASE,
             policy: Config::perch(vec![]),
+            accounts: Default::default(),
+            max_pending_per_user: DEFAULT_MAX_PENDING_PER_USER,
         }
     }
 }
+
+/// The default of [`JobsConfig::max_pending_per_user`].
+pub const DEFAULT_MAX_PENDING_PER_USER: usize = 10_000;
 
 /// The default node lease: minutes, so that a server restart or a short network cut stops no
 /// job, at the price of a dead node's jobs waiting that long to be requeued.
@@ -631,6 +649,21 @@ impl Control {
                 }));
             }
         }
+        let adding = request.array.map_or(1, |n| n as usize);
+        let user = request.user();
+        let pending = self
+            .jobs
+            .values()
+            .filter(|j| j.state == JobState::Pending && j.request.user() == user)
+            .count();
+        if pending + adding > self.config.max_pending_per_user {
+            return Err(ControlError::TooManyPending {
+                user: user.to_owned(),
+                pending,
+                adding,
+                limit: self.config.max_pending_per_user,
+            });
+        }
         let Some(count) = request.array else {
             let id = self.submit_one(request, now)?;
             self.release_held(now)?;
@@ -968,7 +1001,13 @@ impl Control {
         self.now = now;
         let name = req.node.as_str().to_owned();
         let mut response = SyncResponse::default();
-        self.store_logs(&req.logs, &mut response)?;
+        if let Err(e) = self.store_logs(&req.logs, &mut response) {
+            // Job output is kept by the agent and sent again (it moves on only when the answer
+            // says where to continue from): a full or broken log disk must not fail the sync,
+            // or the node would go down and its jobs be requeued.
+            tracing::warn!(node = %name, error = %e, "cannot store job output; the agent sends it again");
+            response.log_offsets.clear();
+        }
         if req.gpus == 0 {
             // A node without GPUs is monitored but runs no jobs; anything it runs is stray.
             response.stop = req
@@ -1138,6 +1177,19 @@ impl Control {
         response.stop.retain(|s| seen.insert((s.job, s.attempt)));
         self.release_held(now)?;
         Ok(response)
+    }
+
+    /// Whether the request's user (not an operator) may charge its account at its QOS
+    /// ([`super::accounts`]).
+    pub(crate) fn may_charge(&self, request: &JobRequest) -> Result<(), ControlError> {
+        let qos = request.qos.as_deref().unwrap_or("normal");
+        super::accounts::may_charge(
+            &self.config.accounts,
+            request.user(),
+            request.account(),
+            qos,
+        )
+        .map_err(ControlError::Forbidden)
     }
 
     /// Whether job `job` is running with part of its placement on node `name`.

@@ -1,6 +1,7 @@
 //! Jobs: the control plane ([`control`]), its durable records ([`db`], [`record`]), what
 //! users submit ([`spec`]) and the HTTP routes ([`routes`]).
 
+pub mod accounts;
 pub mod control;
 pub mod db;
 pub mod job_token;
@@ -11,8 +12,8 @@ pub mod spec;
 
 use control::Control;
 pub use control::{
-    AllocationView, ControlError, ControlSnapshot, DEFAULT_LEASE, JobsConfig, NodeView,
-    PendingView, UsageView,
+    AllocationView, ControlError, ControlSnapshot, DEFAULT_LEASE, DEFAULT_MAX_PENDING_PER_USER,
+    JobsConfig, NodeView, PendingView, UsageView,
 };
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
@@ -223,6 +224,9 @@ impl From<ControlError> for crate::ApiError {
             }
             ControlError::Forbidden(_) => {
                 crate::ApiError::new(StatusCode::FORBIDDEN, "forbidden", message)
+            }
+            ControlError::TooManyPending { .. } => {
+                crate::ApiError::new(StatusCode::TOO_MANY_REQUESTS, "too_many_pending", message)
             }
             ControlError::AlreadyEnded { .. } => {
                 crate::ApiError::new(StatusCode::CONFLICT, "already_ended", message)

@@ -27,7 +27,8 @@ pub async fn submit(
     payload: Result<Json<JobRequest>, JsonRejection>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
     let mut request = body(payload, "job request")?;
-    if who.role != Role::Operator {
+    let operator = who.role == Role::Operator;
+    if !operator {
         match &request.user {
             Some(u) if *u != who.user => {
                 return Err(ApiError::new(
@@ -45,6 +46,9 @@ pub async fn submit(
     let (records, warning) = state
         .jobs
         .run(move |c, now| {
+            if !operator {
+                c.may_charge(&request)?;
+            }
             let warning = c.shape_warning(&request);
             Ok((c.submit(request, now)?, warning))
         })

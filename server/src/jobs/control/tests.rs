@@ -147,3 +147,78 @@ async fn attempts_and_the_lease_decide_what_runs_where() {
     let j = job(&jobs, id).await;
     assert_eq!((j.state.as_str(), j.exit_code), ("failed", Some(3)));
 }
+
+/// Issue 16: a log-store error failed the whole sync, so the node went down and its jobs were
+/// requeued. Now the sync is answered, without log offsets, and the agent sends again.
+#[tokio::test]
+async fn a_sync_is_answered_when_job_output_cannot_be_stored() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    // A file where the logs directory should be: every write of job output fails.
+    std::fs::write(dir.path().join("logs"), "not a directory").expect("file");
+    sync(&jobs, "a", T0, &[], &[]).await;
+    let request: crate::jobs::spec::JobRequest = serde_json::from_value(json!({
+        "command": ["train"], "user": "bob", "gpus_per_node": 1
+    }))
+    .expect("request");
+    let id = jobs
+        .run(move |c, _| c.submit(request, T0 + SECOND))
+        .await
+        .expect("submit")[0]
+        .id;
+    sync(&jobs, "a", T0 + 2 * SECOND, &[], &[]).await;
+    let req: SyncRequest = serde_json::from_value(json!({
+        "node": "a", "gpus": 1, "gpu_model": "Test H100",
+        "running": [{"job": id, "attempt": 1}],
+        "logs": [{"job": id, "stream": "stdout", "offset": 0, "data": "hello\n"}],
+    }))
+    .expect("sync request");
+    let r = jobs
+        .run(move |c, _| c.sync(req, T0 + 3 * SECOND))
+        .await
+        .expect("the sync is answered");
+    assert!(
+        r.log_offsets.is_empty(),
+        "nothing stored, nothing acknowledged"
+    );
+    assert_eq!(r.lease_ms, 300_000);
+    assert_eq!(job(&jobs, id).await.state.as_str(), "running");
+}
+
+/// Issue 16: one user's arrays filled the queue and the job database. Past
+/// `max_pending_per_user` a submission is refused whole, with what to do; other users are not
+/// affected, and room comes back as jobs start.
+#[tokio::test]
+async fn a_user_cannot_queue_past_the_pending_cap() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (tx, _rx) = JobService::event_channel();
+    let config = JobsConfig {
+        max_pending_per_user: 3,
+        ..JobsConfig::default()
+    };
+    let jobs = JobService::open(dir.path(), config, tx).expect("jobs");
+    let submit = |user: &str, array: Option<u32>| {
+        let request: crate::jobs::spec::JobRequest = serde_json::from_value(json!({
+            "command": ["train"], "user": user, "gpus_per_node": 1, "array": array
+        }))
+        .expect("request");
+        jobs.run(move |c, _| c.submit(request, T0))
+    };
+    let first = submit("bob", Some(2)).await.expect("two pending")[0].id;
+    let e = submit("bob", Some(2))
+        .await
+        .expect_err("four would be past three");
+    assert_eq!(e.status, axum::http::StatusCode::TOO_MANY_REQUESTS);
+    assert!(
+        e.message.contains("bob has 2 pending jobs and this submission adds 2: at most 3 per user (server.max_pending_jobs_per_user)"),
+        "{}",
+        e.message
+    );
+    submit("bob", None).await.expect("three is the cap");
+    submit("carol", Some(3)).await.expect("another user");
+    // Cancelling one makes room for one more.
+    jobs.run(move |c, _| c.cancel(first, "bob", T0 + SECOND))
+        .await
+        .expect("cancel");
+    submit("bob", None).await.expect("room again");
+}
