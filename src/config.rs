@@ -85,6 +85,10 @@ pub struct ServerSection {
     pub node_lease_secs: u64,
     /// Most pending jobs one user may have (array tasks count one each).
     pub max_pending_jobs_per_user: usize,
+    /// Most HTTP connections open at once; more wait in the kernel's backlog.
+    pub max_connections: usize,
+    /// An HTTP connection on which nothing moves this long is closed.
+    pub idle_timeout_secs: u64,
     pub maintenance_interval_secs: u64,
     pub compact_below_mb: u64,
     pub compact_min_files: usize,
@@ -111,6 +115,10 @@ impl Default for ServerSection {
             node_stale_after_secs: 60,
             node_lease_secs: perch_server::jobs::DEFAULT_LEASE.as_secs(),
             max_pending_jobs_per_user: perch_server::jobs::DEFAULT_MAX_PENDING_PER_USER,
+            max_connections: perch_server::listener::ConnectionLimits::default().max_connections,
+            idle_timeout_secs: perch_server::listener::ConnectionLimits::default()
+                .idle_timeout
+                .as_secs(),
             maintenance_interval_secs: 300,
             compact_below_mb: 64,
             compact_min_files: 8,
@@ -434,6 +442,21 @@ impl Config {
                 ),
             );
         }
+        if self.server.max_connections < 16 {
+            return bad(
+                "server.max_connections",
+                "must be at least 16 (agents, clients and scrapers share them)",
+            );
+        }
+        if (self.server.idle_timeout_secs as f64) <= self.query.timeout_secs {
+            return bad(
+                "server.idle_timeout_secs",
+                &format!(
+                    "must be longer than query.timeout_secs ({} s), so that no answer being computed counts as idle",
+                    self.query.timeout_secs
+                ),
+            );
+        }
         if self.server.max_pending_jobs_per_user == 0 {
             return bad("server.max_pending_jobs_per_user", "must be at least 1");
         }
@@ -575,6 +598,10 @@ impl Config {
         config.jobs.lease = Duration::from_secs(s.node_lease_secs);
         config.jobs.accounts = self.accounts.clone();
         config.jobs.max_pending_per_user = s.max_pending_jobs_per_user;
+        config.connections = perch_server::listener::ConnectionLimits {
+            max_connections: s.max_connections,
+            idle_timeout: Duration::from_secs(s.idle_timeout_secs),
+        };
         config.pg_listen = Some(s.pg_listen.clone()).filter(|a| !a.is_empty());
         config.accounting = self.accounting.server_config();
         config.alerts = self.alerts.clone();

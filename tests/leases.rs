@@ -459,6 +459,55 @@ fn a_server_restart_within_the_lease_stops_no_job() {
     assert!(ok, "{err}");
 }
 
+/// `perch up` (server and agent in one process) killed, and back only after the lease ran out:
+/// the supervisor stopped the job meanwhile; the restarted server must requeue it, not take
+/// the stopped run's exit (code 0, from its signal handler) as the job completing. Found
+/// against the release binary.
+#[test]
+fn perch_up_back_after_the_lease_requeues_the_job_its_supervisor_stopped() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("perch.toml");
+    std::fs::write(
+        &config,
+        "[server]\nnode_stale_after_secs = 2\nnode_lease_secs = 5\npg_listen = \"\"\n",
+    )
+    .expect("config");
+    let listen = format!("127.0.0.1:{}", common::free_port());
+    let up = [
+        "up",
+        "--config",
+        config.to_str().expect("utf-8"),
+        "--simulate-gpus",
+        "1",
+        "--listen",
+        &listen,
+    ];
+    let data = dir.path().join("data");
+    let mut perch = Perch::start(&data, &up);
+    let file = dir.path().join("runs");
+    let id = submit(&perch, &file, &[]);
+    running_attempt(&perch, id, 1);
+    wait_for("the job's first ticks", || {
+        (attempts(&file).first()?.3 > 3).then_some(())
+    });
+    perch.kill();
+    wait_for("the supervisor to stop the job", || {
+        std::fs::read_to_string(&file)
+            .ok()?
+            .contains("end 1 ")
+            .then_some(())
+    });
+    let perch = Perch::start(&data, &up);
+    let j = running_attempt(&perch, id, 2);
+    assert_eq!(j["requeues"], 1, "{j}");
+    wait_for("attempt 2's ticks", || {
+        (attempts(&file).iter().find(|r| r.0 == 2)?.3 > 3).then_some(())
+    });
+    assert_one_at_a_time(&file);
+    let (ok, _, err) = perch.cli_as("alice", &["cancel", &id.to_string()]);
+    assert!(ok, "{err}");
+}
+
 /// Without cgroups, a process that leaves the job's group and session (`setsid`) is still
 /// stopped: when the job is cancelled and when the job's first process simply exits.
 #[test]

@@ -338,6 +338,7 @@ impl Launcher {
                         attempt: rec.attempt,
                         code: exit.code,
                         stopped: exit.fenced,
+                        fenced: exit.fenced,
                         error: None,
                     },
                 );
@@ -601,6 +602,7 @@ impl Launcher {
                         attempt: l.attempt,
                         code,
                         stopped: false,
+                        fenced: false,
                         error: Some(why),
                     },
                 );
@@ -882,6 +884,7 @@ impl Launcher {
                     attempt: s.attempt,
                     code: 128 + 15,
                     stopped: true,
+                    fenced: false,
                     error: None,
                 },
             );
@@ -976,6 +979,7 @@ impl Launcher {
                         attempt: r.attempt,
                         code,
                         stopped: r.stopped_by_perch || fenced,
+                        fenced,
                         error: None,
                     },
                     r.cgroup.take(),

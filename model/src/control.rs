@@ -107,6 +107,10 @@ pub struct JobExit {
     /// Set when perch stopped it (cancel, preemption, time limit) rather than it exiting.
     #[serde(default)]
     pub stopped: bool,
+    /// Set when its supervisor stopped it because the node's lease was not renewed: it did not
+    /// end, it lost its node (the server requeues it, or ends it as node_fail).
+    #[serde(default)]
+    pub fenced: bool,
     /// Why it never started, when the agent could not start it (its user does not exist on
     /// the node, its program cannot be run); the server makes this the job's reason.
     #[serde(default)]

@@ -12,6 +12,7 @@ mod error;
 mod ingest;
 pub mod jobs;
 mod latest;
+pub mod listener;
 mod metrics;
 pub mod node_status;
 mod otlp;
@@ -45,6 +46,8 @@ pub struct ServerConfig {
     pub tokens: auth::Tokens,
     /// Address of the PostgreSQL-protocol SQL listener, if any.
     pub pg_listen: Option<String>,
+    /// The HTTP listener's connection cap and idle timeout.
+    pub connections: listener::ConnectionLimits,
     /// Prices and the folding of telemetry into job accounting.
     pub accounting: accounting::AccountingConfig,
     /// Alert rules, notifications and remediation guardrails.
@@ -61,6 +64,7 @@ impl ServerConfig {
             jobs: jobs::JobsConfig::default(),
             tokens: auth::Tokens::open(),
             pg_listen: None,
+            connections: listener::ConnectionLimits::default(),
             accounting: accounting::AccountingConfig::default(),
             alerts: perch_alerts::AlertsConfig::default(),
         }
@@ -333,6 +337,8 @@ pub async fn serve(
         None => None,
     };
     let app = router(state.clone());
+    let limits = listener::fit_descriptor_limit(state.config.connections);
+    let listener = listener::LimitedListener::new(listener, limits);
     let result = axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             shutdown.await;

@@ -1079,6 +1079,7 @@ impl Control {
                 attempt,
                 code,
                 stopped,
+                fenced,
                 error,
             } = exit;
             let current = self.runs_here(*job, &name).then(|| self.jobs[job].attempts);
@@ -1092,6 +1093,19 @@ impl Control {
                     );
                     self.dirty_jobs.insert(*job);
                 }
+                continue;
+            }
+            if *fenced {
+                // It did not end: it lost its node (the server restarted too, so its lease
+                // had not run out here). Like a node failure for this one job.
+                if let Some(j) = self.jobs.get_mut(job) {
+                    j.note(
+                        now,
+                        format!("stopped on {name} by its supervisor: the node's lease ran out while it could not reach the server"),
+                    );
+                }
+                let actions = self.scheduler.step(now, Event::JobLost(JobId(*job)))?;
+                self.apply(now, actions);
                 continue;
             }
             if let Some(j) = self.jobs.get_mut(job) {

@@ -222,3 +222,48 @@ async fn a_user_cannot_queue_past_the_pending_cap() {
         .expect("cancel");
     submit("bob", None).await.expect("room again");
 }
+
+/// Found against the release binary: `perch up` (server and agent) killed past the lease. The
+/// supervisor stopped the job; the restarted server, whose lease had started afresh, took its
+/// exit (code 0 from the job's signal handler) as the job completing. A fenced exit is a lost
+/// node for that job: it is requeued.
+#[tokio::test]
+async fn a_job_fenced_by_its_supervisor_is_requeued_not_completed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    sync(&jobs, "a", T0, &[], &[]).await;
+    let request: crate::jobs::spec::JobRequest = serde_json::from_value(json!({
+        "command": ["train"], "user": "bob", "gpus_per_node": 1, "max_requeues": 1
+    }))
+    .expect("request");
+    let id = jobs
+        .run(move |c, _| c.submit(request, T0 + SECOND))
+        .await
+        .expect("submit")[0]
+        .id;
+    sync(&jobs, "a", T0 + 2 * SECOND, &[], &[]).await;
+    let req: SyncRequest = serde_json::from_value(json!({
+        "node": "a", "gpus": 1, "gpu_model": "Test H100",
+        "exited": [{"job": id, "attempt": 1, "code": 0, "stopped": true, "fenced": true}],
+    }))
+    .expect("sync request");
+    let r = jobs
+        .run(move |c, _| c.sync(req, T0 + 3 * SECOND))
+        .await
+        .expect("sync");
+    assert_eq!(
+        r.acknowledged,
+        vec![JobAttempt {
+            job: id,
+            attempt: 1
+        }]
+    );
+    let j = job(&jobs, id).await;
+    assert_eq!(
+        (j.state.as_str(), j.requeues),
+        ("running", 1),
+        "requeued and started again"
+    );
+    assert_eq!(j.attempts, 2);
+    assert_eq!(j.exit_code, None);
+}
