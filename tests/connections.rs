@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{Agent, Perch, wait_for};
+use common::{Agent, wait_for};
 use std::io::Read;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
@@ -12,15 +12,10 @@ use std::time::{Duration, Instant};
 #[test]
 fn half_open_connections_neither_starve_the_server_nor_stay_open() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = dir.path().join("perch.toml");
-    std::fs::write(
-        &config,
+    let perch = common::server_with_config(
+        dir.path(),
         "[server]\npg_listen = \"\"\nidle_timeout_secs = 3\n[query]\ntimeout_secs = 2\n",
-    )
-    .expect("config");
-    let perch = Perch::start(
-        &dir.path().join("server"),
-        &["server", "--config", config.to_str().expect("utf-8")],
+        &[],
     );
     let _agent = Agent::start(
         &perch.url,

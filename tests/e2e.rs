@@ -360,15 +360,10 @@ fn sql_answers_in_every_format_and_cuts_long_results_with_a_note() {
 #[test]
 fn a_node_whose_samples_stop_while_its_agent_syncs_is_flagged_everywhere() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = dir.path().join("perch.toml");
-    std::fs::write(
-        &config,
+    let perch = common::server_with_config(
+        dir.path(),
         "[server]\nnode_stale_after_secs = 2\npg_listen = \"\"\n[alerts]\nevaluation_interval = \"1s\"\n",
-    )
-    .expect("config");
-    let perch = Perch::start(
-        &dir.path().join("server"),
-        &["server", "--config", config.to_str().expect("utf-8")],
+        &[],
     );
     let _agent = common::Agent::start(
         &perch.url,
@@ -465,15 +460,10 @@ fn simulate_reports_progress_on_stderr_and_the_table_on_stdout() {
 #[test]
 fn a_cpu_heavy_query_neither_starves_the_server_nor_outlives_its_timeout() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = dir.path().join("perch.toml");
-    std::fs::write(
-        &config,
+    let perch = common::server_with_config(
+        dir.path(),
         "[server]\npg_listen = \"\"\n[query]\ntimeout_secs = 4.0\n",
-    )
-    .expect("config");
-    let perch = Perch::start(
-        &dir.path().join("server"),
-        &["server", "--config", config.to_str().expect("utf-8")],
+        &[],
     );
     let heavy = "SELECT count(*) FROM generate_series(1, 200000) a, generate_series(1, 200000) b \
                  WHERE (a.value * b.value) % 7 = 3";

@@ -462,15 +462,10 @@ fn the_scheduler_avoids_a_gpu_whose_telemetry_reports_an_xid() {
 #[test]
 fn a_silent_node_is_marked_down_its_job_requeued_and_the_orphan_killed() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = dir.path().join("perch.toml");
-    std::fs::write(
-        &config,
+    let server = common::server_with_config(
+        dir.path(),
         "[server]\nnode_stale_after_secs = 2\nnode_lease_secs = 5\npg_listen = \"\"\n",
-    )
-    .expect("config");
-    let server = Perch::start(
-        &dir.path().join("server"),
-        &["server", "--config", config.to_str().expect("utf-8")],
+        &[],
     );
     let agent_dir = dir.path().join("agent");
     let start_agent = || common::Agent::start(&server.url, "gpu-a", &agent_dir, 1, None, &[]);

@@ -15,27 +15,16 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// A server with `node_stale_after_secs = 2` and the given lease, plus extra `[server]` lines.
-fn server(dir: &Path, lease_secs: u64, extra: &str) -> Perch {
-    let config = dir.join("perch.toml");
-    std::fs::write(
-        &config,
-        format!(
+/// A server with `node_stale_after_secs = 2` and the given lease, plus extra `[server]` lines
+/// and flags.
+fn server(dir: &Path, lease_secs: u64, extra: &str, args: &[&str]) -> Perch {
+    common::server_with_config(
+        dir,
+        &format!(
             "[server]\nnode_stale_after_secs = 2\nnode_lease_secs = {lease_secs}\npg_listen = \"\"\n{extra}"
         ),
+        args,
     )
-    .expect("config");
-    let mut args = vec!["server", "--config", config.to_str().expect("utf-8")];
-    let listen;
-    if let Some(addr) = extra
-        .lines()
-        .find_map(|l| l.strip_prefix("listen = \""))
-        .map(|a| a.trim_end_matches('"').to_owned())
-    {
-        listen = addr;
-        args.extend(["--listen", &listen]);
-    }
-    Perch::start(&dir.join("server"), &args)
 }
 
 fn agent(url: &str, node: &str, dir: &Path, token: Option<&str>) -> Agent {
@@ -156,19 +145,31 @@ fn alive(pid: u32) -> bool {
     })
 }
 
+/// Waits until `attempt` has written a few lines to `file`.
+fn ticking(file: &Path, attempt: u64) {
+    wait_for(&format!("attempt {attempt}'s ticks"), || {
+        (attempts(file).iter().find(|r| r.0 == attempt)?.3 > 3).then_some(())
+    });
+}
+
+/// Submits the job as alice and waits until its first attempt runs and ticks; returns its id
+/// and its record.
+fn start_job(perch: &Perch, file: &Path) -> (u64, Value) {
+    let id = submit(perch, file, &[]);
+    let j = running_attempt(perch, id, 1);
+    ticking(file, 1);
+    (id, j)
+}
+
 /// `kill -9` of the agent, restarted well within the lease: the job runs on, untouched, the
 /// same attempt, and the new agent can still stop it.
 #[test]
 fn an_agent_killed_and_restarted_within_the_lease_takes_its_job_over() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let perch = server(dir.path(), 30, "");
+    let perch = server(dir.path(), 30, "", &[]);
     let mut a = agent(&perch.url, "gpu-a", dir.path(), None);
     let file = dir.path().join("runs");
-    let id = submit(&perch, &file, &[]);
-    running_attempt(&perch, id, 1);
-    wait_for("the job's first ticks", || {
-        (attempts(&file).first()?.3 > 3).then_some(())
-    });
+    let (id, _) = start_job(&perch, &file);
     a.kill();
     // Down (no new jobs, an alert), but its job counts as running: the lease has not run out.
     wait_for("the node marked down", || {
@@ -223,7 +224,7 @@ fn an_agent_killed_and_restarted_within_the_lease_takes_its_job_over() {
 #[test]
 fn a_dead_agents_job_is_stopped_before_it_runs_again_elsewhere() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let perch = server(dir.path(), 6, "");
+    let perch = server(dir.path(), 6, "", &[]);
     let mut agents = [
         ("gpu-a", agent(&perch.url, "gpu-a", dir.path(), None)),
         ("gpu-b", agent(&perch.url, "gpu-b", dir.path(), None)),
@@ -232,12 +233,8 @@ fn a_dead_agents_job_is_stopped_before_it_runs_again_elsewhere() {
         (perch.get("/v1/nodes")["nodes"].as_array()?.len() == 2).then_some(())
     });
     let file = dir.path().join("runs");
-    let id = submit(&perch, &file, &[]);
-    let j = running_attempt(&perch, id, 1);
+    let (id, j) = start_job(&perch, &file);
     let node = j["placement"][0]["node"].as_str().expect("node").to_owned();
-    wait_for("the job's first ticks", || {
-        (attempts(&file).first()?.3 > 3).then_some(())
-    });
     let killed_at = Instant::now();
     agents
         .iter_mut()
@@ -252,9 +249,7 @@ fn a_dead_agents_job_is_stopped_before_it_runs_again_elsewhere() {
         killed_at.elapsed()
     );
     assert_ne!(j["placement"][0]["node"].as_str(), Some(node.as_str()));
-    wait_for("attempt 2's ticks", || {
-        (attempts(&file).iter().find(|r| r.0 == 2)?.3 > 3).then_some(())
-    });
+    ticking(&file, 2);
     assert_one_at_a_time(&file);
     let runs = attempts(&file);
     let first = runs.iter().find(|r| r.0 == 1).expect("attempt 1");
@@ -281,14 +276,12 @@ fn a_node_cut_from_the_server_stops_its_job_before_it_runs_elsewhere() {
                   [[tokens]]\ntoken = \"alice-token-0123456789\"\nuser = \"alice\"\nrole = \"user\"\n";
     let tokens_file = dir.path().join("tokens.toml");
     std::fs::write(&tokens_file, tokens).expect("tokens");
+    let listen = format!("{}:{port}", net.host_addr);
     let _perch = server(
         dir.path(),
         6,
-        &format!(
-            "tokens_file = \"{}\"\nlisten = \"{}:{port}\"\n",
-            tokens_file.display(),
-            net.host_addr
-        ),
+        &format!("tokens_file = \"{}\"\n", tokens_file.display()),
+        &["--listen", &listen],
     );
     let url = format!("http://{}:{port}", net.host_addr);
     // gpu-a lives behind the namespace's link; gpu-b reaches the server directly.
@@ -357,9 +350,7 @@ fn a_node_cut_from_the_server_stops_its_job_before_it_runs_elsewhere() {
         let j = get_job(id);
         (j["state"] == "running" && j["placement"][0]["node"] == "gpu-a").then_some(())
     });
-    wait_for("the job's first ticks", || {
-        (attempts(&file).first()?.3 > 3).then_some(())
-    });
+    ticking(&file, 1);
     // gpu-b joins now, so attempt 2 has somewhere to go.
     let _b = agent(&url, "gpu-b", dir.path(), Some("agent-token-0123456789"));
     let cut_at = Instant::now();
@@ -373,9 +364,7 @@ fn a_node_cut_from_the_server_stops_its_job_before_it_runs_elsewhere() {
         "{:?}",
         cut_at.elapsed()
     );
-    wait_for("attempt 2's ticks", || {
-        (attempts(&file).iter().find(|r| r.0 == 2)?.3 > 3).then_some(())
-    });
+    ticking(&file, 2);
     assert_one_at_a_time(&file);
     // The link comes back: gpu-a reports attempt 1's exit, which ends nothing.
     net.link(true);
@@ -419,15 +408,11 @@ fn a_node_cut_from_the_server_stops_its_job_before_it_runs_elsewhere() {
 fn a_server_restart_within_the_lease_stops_no_job() {
     let dir = tempfile::tempdir().expect("tempdir");
     let port = common::free_port();
-    let listen = format!("listen = \"127.0.0.1:{port}\"\n");
-    let mut perch = server(dir.path(), 30, &listen);
+    let listen = format!("127.0.0.1:{port}");
+    let mut perch = server(dir.path(), 30, "", &["--listen", &listen]);
     let _a = agent(&perch.url, "gpu-a", dir.path(), None);
     let file = dir.path().join("runs");
-    let id = submit(&perch, &file, &[]);
-    running_attempt(&perch, id, 1);
-    wait_for("the job's first ticks", || {
-        (attempts(&file).first()?.3 > 3).then_some(())
-    });
+    let (id, _) = start_job(&perch, &file);
     perch.kill();
     // Longer than the node timeout, shorter than the lease.
     std::thread::sleep(Duration::from_secs(4));
@@ -435,7 +420,7 @@ fn a_server_restart_within_the_lease_stops_no_job() {
         last_line_age(&file) < Duration::from_secs(1),
         "runs on while the server is away"
     );
-    let perch = server(dir.path(), 30, &listen);
+    let perch = server(dir.path(), 30, "", &["--listen", &listen]);
     std::thread::sleep(Duration::from_secs(3));
     let j = job(&perch, id);
     assert_eq!(
@@ -485,11 +470,7 @@ fn perch_up_back_after_the_lease_requeues_the_job_its_supervisor_stopped() {
     let data = dir.path().join("data");
     let mut perch = Perch::start(&data, &up);
     let file = dir.path().join("runs");
-    let id = submit(&perch, &file, &[]);
-    running_attempt(&perch, id, 1);
-    wait_for("the job's first ticks", || {
-        (attempts(&file).first()?.3 > 3).then_some(())
-    });
+    let (id, _) = start_job(&perch, &file);
     perch.kill();
     wait_for("the supervisor to stop the job", || {
         std::fs::read_to_string(&file)
@@ -500,9 +481,7 @@ fn perch_up_back_after_the_lease_requeues_the_job_its_supervisor_stopped() {
     let perch = Perch::start(&data, &up);
     let j = running_attempt(&perch, id, 2);
     assert_eq!(j["requeues"], 1, "{j}");
-    wait_for("attempt 2's ticks", || {
-        (attempts(&file).iter().find(|r| r.0 == 2)?.3 > 3).then_some(())
-    });
+    ticking(&file, 2);
     assert_one_at_a_time(&file);
     let (ok, _, err) = perch.cli_as("alice", &["cancel", &id.to_string()]);
     assert!(ok, "{err}");
@@ -513,7 +492,7 @@ fn perch_up_back_after_the_lease_requeues_the_job_its_supervisor_stopped() {
 #[test]
 fn setsid_does_not_escape_cancel_or_the_end_of_the_job() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let perch = server(dir.path(), 30, "");
+    let perch = server(dir.path(), 30, "", &[]);
     let _a = Agent::start(
         &perch.url,
         "gpu-a",

@@ -129,6 +129,8 @@ pub struct LimitedStream {
     inner: TcpStream,
     _slot: OwnedSemaphorePermit,
     idle: Duration,
+    /// When the connection last moved; the timer is only re-armed when a wait starts.
+    last: Instant,
     deadline: Pin<Box<Sleep>>,
 }
 
@@ -138,22 +140,41 @@ impl LimitedStream {
             inner,
             _slot: slot,
             idle,
+            last: Instant::now(),
             deadline: Box::pin(tokio::time::sleep(idle)),
         }
     }
 
-    fn moved(&mut self) {
-        self.deadline.as_mut().reset(Instant::now() + self.idle);
-    }
-
-    /// An error once the deadline passed while waiting (registers the timer otherwise).
-    fn timed_out(&mut self, cx: &mut Context<'_>) -> Option<io::Error> {
-        self.deadline.as_mut().poll(cx).is_ready().then(|| {
-            io::Error::new(
-                io::ErrorKind::TimedOut,
-                "idle connection closed (server.idle_timeout_secs)",
-            )
-        })
+    /// Follows one poll of the connection: progress (`moved`) pushes the idle deadline back,
+    /// and waiting past it fails with `TimedOut` (the wait registers the timer otherwise).
+    fn track<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        poll: Poll<io::Result<T>>,
+        moved: impl FnOnce(&T) -> bool,
+    ) -> Poll<io::Result<T>> {
+        match poll {
+            Poll::Ready(Ok(v)) => {
+                if moved(&v) {
+                    self.last = Instant::now();
+                }
+                Poll::Ready(Ok(v))
+            }
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            Poll::Pending => {
+                let due = self.last + self.idle;
+                if self.deadline.deadline() != due {
+                    self.deadline.as_mut().reset(due);
+                }
+                if self.deadline.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "idle connection closed (server.idle_timeout_secs)",
+                    )));
+                }
+                Poll::Pending
+            }
+        }
     }
 }
 
@@ -165,19 +186,9 @@ impl AsyncRead for LimitedStream {
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         let before = buf.filled().len();
-        match Pin::new(&mut this.inner).poll_read(cx, buf) {
-            Poll::Ready(Ok(())) => {
-                if buf.filled().len() > before {
-                    this.moved();
-                }
-                Poll::Ready(Ok(()))
-            }
-            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
-            Poll::Pending => match this.timed_out(cx) {
-                Some(e) => Poll::Ready(Err(e)),
-                None => Poll::Pending,
-            },
-        }
+        let poll = Pin::new(&mut this.inner).poll_read(cx, buf);
+        let grew = buf.filled().len() > before;
+        this.track(cx, poll, |_| grew)
     }
 }
 
@@ -188,17 +199,8 @@ impl AsyncWrite for LimitedStream {
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.inner).poll_write(cx, data) {
-            Poll::Ready(Ok(n)) => {
-                this.moved();
-                Poll::Ready(Ok(n))
-            }
-            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
-            Poll::Pending => match this.timed_out(cx) {
-                Some(e) => Poll::Ready(Err(e)),
-                None => Poll::Pending,
-            },
-        }
+        let poll = Pin::new(&mut this.inner).poll_write(cx, data);
+        this.track(cx, poll, |&n| n > 0)
     }
 
     fn poll_write_vectored(
@@ -207,17 +209,8 @@ impl AsyncWrite for LimitedStream {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.inner).poll_write_vectored(cx, bufs) {
-            Poll::Ready(Ok(n)) => {
-                this.moved();
-                Poll::Ready(Ok(n))
-            }
-            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
-            Poll::Pending => match this.timed_out(cx) {
-                Some(e) => Poll::Ready(Err(e)),
-                None => Poll::Pending,
-            },
-        }
+        let poll = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.track(cx, poll, |&n| n > 0)
     }
 
     fn is_write_vectored(&self) -> bool {

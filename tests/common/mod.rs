@@ -231,23 +231,28 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// `perch server <extra>` in `dir/server` with the config file `dir/perch.toml` holding
+/// `config`.
+pub fn server_with_config(dir: &Path, config: &str, extra: &[&str]) -> Perch {
+    let file = dir.join("perch.toml");
+    std::fs::write(&file, config).expect("config");
+    let mut args = vec!["server", "--config", file.to_str().expect("utf-8")];
+    args.extend_from_slice(extra);
+    Perch::start(&dir.join("server"), &args)
+}
+
 /// `perch server` in `dir/server` with a tokens file holding `tokens` (TOML `[[tokens]]`
 /// entries) and no PostgreSQL listener.
 pub fn server_with_tokens(dir: &Path, tokens: &str) -> Perch {
     let file = dir.join("tokens.toml");
     std::fs::write(&file, tokens).expect("tokens file");
-    let config = dir.join("perch.toml");
-    std::fs::write(
-        &config,
-        format!(
+    server_with_config(
+        dir,
+        &format!(
             "[server]\ntokens_file = \"{}\"\npg_listen = \"\"\n",
             file.display()
         ),
-    )
-    .expect("config");
-    Perch::start(
-        &dir.join("server"),
-        &["server", "--config", config.to_str().expect("utf-8")],
+        &[],
     )
 }
 

@@ -55,6 +55,23 @@ impl GroupRecord {
     }
 }
 
+/// Replaces `dir/name` with `bytes` atomically (a temporary file, then a rename), readable by
+/// root only; `durable` fsyncs it first. Every record of the state directory is written so.
+pub fn write_private(dir: &Path, name: &str, bytes: &[u8], durable: bool) -> std::io::Result<()> {
+    let tmp = dir.join(format!(".{name}.tmp"));
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.write_all(bytes)?;
+    if durable {
+        f.sync_all()?;
+    }
+    fs::rename(&tmp, dir.join(name))
+}
+
 /// This boot's id.
 pub fn boot_id(proc_root: &Path) -> Option<String> {
     fs::read_to_string(proc_root.join("sys/kernel/random/boot_id"))
@@ -63,18 +80,37 @@ pub fn boot_id(proc_root: &Path) -> Option<String> {
         .filter(|s| !s.is_empty())
 }
 
-/// (process group, start time) of process `pid`, from `/proc/<pid>/stat`.
-pub fn group_and_start(proc_root: &Path, pid: i32) -> Option<(i32, u64)> {
+/// What perch reads of a process in `/proc/<pid>/stat`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcStat {
+    /// `R`, `S`, `Z` (a zombie: exited, not reaped)...
+    pub state: char,
+    pub ppid: i32,
+    pub pgrp: i32,
+    /// Clock ticks since boot.
+    pub start: u64,
+}
+
+/// Process `pid`'s [`ProcStat`] under `proc_root` (`/proc`).
+pub fn proc_stat(proc_root: &Path, pid: i32) -> Option<ProcStat> {
     let stat = fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
     // The command name may hold spaces and ')': the fields start after the last ')'.
     let fields: Vec<&str> = stat
         .get(stat.rfind(')')? + 1..)?
         .split_whitespace()
         .collect();
-    // fields[0] is field 3 (state): pgrp is field 5, starttime field 22.
-    let pgrp = fields.get(2)?.parse().ok()?;
-    let start = fields.get(19)?.parse().ok()?;
-    Some((pgrp, start))
+    // fields[0] is field 3 (state): ppid is field 4, pgrp field 5, starttime field 22.
+    Some(ProcStat {
+        state: fields.first()?.chars().next()?,
+        ppid: fields.get(1)?.parse().ok()?,
+        pgrp: fields.get(2)?.parse().ok()?,
+        start: fields.get(19)?.parse().ok()?,
+    })
+}
+
+/// (process group, start time) of process `pid`.
+pub fn group_and_start(proc_root: &Path, pid: i32) -> Option<(i32, u64)> {
+    proc_stat(proc_root, pid).map(|s| (s.pgrp, s.start))
 }
 
 /// The state directory: root-only, one record per running job.
@@ -138,16 +174,12 @@ impl GroupState {
             boot_id,
             start_time,
         };
-        let tmp = self.dir.join(format!(".{job}.group.tmp"));
-        let mut f = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        f.write_all(rec.to_line().as_bytes())?;
-        f.sync_all()?;
-        fs::rename(&tmp, self.path(job))
+        write_private(
+            &self.dir,
+            &format!("{job}.group"),
+            rec.to_line().as_bytes(),
+            true,
+        )
     }
 
     /// Forgets job `job`'s group (it ended).
@@ -320,16 +352,8 @@ impl RunRecord {
 
     /// Writes the record for `job` (replaced atomically, root-only).
     pub fn write(&self, dir: &Path, job: u64) -> std::io::Result<()> {
-        let tmp = dir.join(format!(".{job}.run.tmp"));
-        let mut f = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        f.write_all(&serde_json::to_vec(self).map_err(std::io::Error::other)?)?;
-        f.sync_all()?;
-        fs::rename(&tmp, Self::path(dir, job))
+        let bytes = serde_json::to_vec(self).map_err(std::io::Error::other)?;
+        write_private(dir, &format!("{job}.run"), &bytes, true)
     }
 
     /// Every job's record in `dir`; unreadable ones (or another version's) are removed.
@@ -364,12 +388,5 @@ impl RunRecord {
 
 /// Whether process `pid` is alive (not a zombie) and started at `start` (clock ticks since boot).
 pub fn alive(proc_root: &Path, (pid, start): (i32, u64)) -> bool {
-    let Ok(stat) = fs::read_to_string(proc_root.join(pid.to_string()).join("stat")) else {
-        return false;
-    };
-    let Some(fields) = stat.rfind(')').and_then(|i| stat.get(i + 1..)) else {
-        return false;
-    };
-    let fields: Vec<&str> = fields.split_whitespace().collect();
-    fields.first() != Some(&"Z") && fields.get(19).and_then(|s| s.parse().ok()) == Some(start)
+    proc_stat(proc_root, pid).is_some_and(|s| s.state != 'Z' && s.start == start)
 }

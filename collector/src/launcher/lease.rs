@@ -20,8 +20,6 @@
 //! [`SyncResponse::lease_ms`]: perch_model::control::SyncResponse::lease_ms
 
 use std::fs;
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 const HEADER: &str = "perch-lease v1";
@@ -88,17 +86,10 @@ impl Lease {
         Lease::parse(&fs::read_to_string(dir.join(FILE)).ok()?)
     }
 
-    /// Records the lease in state directory `dir` (replaced atomically).
+    /// Records the lease in state directory `dir` (replaced atomically; not fsynced: it is
+    /// rewritten twice a second and means nothing after a reboot).
     pub fn write(self, dir: &Path) -> std::io::Result<()> {
-        let tmp = dir.join(".lease.tmp");
-        let mut f = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        f.write_all(self.to_line().as_bytes())?;
-        fs::rename(&tmp, dir.join(FILE))
+        super::groups::write_private(dir, FILE, self.to_line().as_bytes(), false)
     }
 }
 

@@ -25,8 +25,6 @@ use super::lease::{Lease, boot_ms};
 use rustix::process::{Pid, Signal, WaitOptions};
 use std::ffi::OsString;
 use std::fs;
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -64,22 +62,13 @@ impl ExitRecord {
     }
 
     fn write(self, dir: &Path, job: u64) -> std::io::Result<()> {
-        let tmp = dir.join(format!(".{job}.exit.tmp"));
-        let mut f = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        writeln!(
-            f,
-            "{EXIT_HEADER} {} {} {}",
+        let line = format!(
+            "{EXIT_HEADER} {} {} {}\n",
             self.attempt,
             self.code,
             u8::from(self.fenced)
-        )?;
-        f.sync_all()?;
-        fs::rename(&tmp, Self::path(dir, job))
+        );
+        super::groups::write_private(dir, &format!("{job}.exit"), line.as_bytes(), true)
     }
 
     /// Forgets `job`'s exit (the server has it).

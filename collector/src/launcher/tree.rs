@@ -10,15 +10,6 @@ use std::collections::HashMap;
 use std::fs;
 use std::path::Path;
 
-/// (parent, state) of process `pid`, from `/proc/<pid>/stat`.
-fn parent_and_state(proc_root: &Path, pid: i32) -> Option<(i32, char)> {
-    let stat = fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
-    let mut fields = stat.get(stat.rfind(')')? + 1..)?.split_whitespace();
-    let state = fields.next()?.chars().next()?;
-    let ppid = fields.next()?.parse().ok()?;
-    Some((ppid, state))
-}
-
 /// The live (not zombie) descendants of `root`, parents before children.
 pub fn descendants(proc_root: &Path, root: i32) -> Vec<i32> {
     let mut children: HashMap<i32, Vec<(i32, char)>> = HashMap::new();
@@ -30,8 +21,8 @@ pub fn descendants(proc_root: &Path, root: i32) -> Vec<i32> {
         else {
             continue;
         };
-        if let Some((ppid, state)) = parent_and_state(proc_root, pid) {
-            children.entry(ppid).or_default().push((pid, state));
+        if let Some(s) = super::groups::proc_stat(proc_root, pid) {
+            children.entry(s.ppid).or_default().push((pid, s.state));
         }
     }
     let mut out = Vec::new();
@@ -110,7 +101,11 @@ mod tests {
         ] {
             let d = dir.path().join(pid.to_string());
             fs::create_dir_all(&d).expect("dir");
-            fs::write(d.join("stat"), format!("{pid} (a b) c) {state} {ppid} 0 0")).expect("stat");
+            fs::write(
+                d.join("stat"),
+                format!("{pid} (a b) c) {state} {ppid} {pid}{}", " 0".repeat(17)),
+            )
+            .expect("stat");
         }
         let mut got = descendants(dir.path(), 10);
         got.sort_unstable();

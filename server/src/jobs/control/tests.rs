@@ -44,6 +44,15 @@ async fn job(jobs: &JobService, id: u64) -> JobRecord {
         .expect("job")
 }
 
+/// Submits one job (a `JobRequest` as JSON) at `at`; returns its id.
+async fn submit(jobs: &JobService, request: serde_json::Value, at: i64) -> u64 {
+    let request: crate::jobs::spec::JobRequest = serde_json::from_value(request).expect("request");
+    jobs.run(move |c, _| c.submit(request, at))
+        .await
+        .expect("submit")[0]
+        .id
+}
+
 async fn tick(jobs: &JobService, at: i64) {
     jobs.run(move |c, _| c.tick(at)).await.expect("tick");
 }
@@ -53,15 +62,12 @@ async fn attempts_and_the_lease_decide_what_runs_where() {
     let dir = tempfile::tempdir().expect("tempdir");
     let jobs = service(dir.path());
     sync(&jobs, "a", T0, &[], &[]).await;
-    let request: crate::jobs::spec::JobRequest = serde_json::from_value(json!({
-        "command": ["train"], "user": "bob", "max_requeues": 2, "gpus_per_node": 1
-    }))
-    .expect("request");
-    let id = jobs
-        .run(move |c, _| c.submit(request, T0 + SECOND))
-        .await
-        .expect("submit")[0]
-        .id;
+    let id = submit(
+        &jobs,
+        json!({ "command": ["train"], "user": "bob", "max_requeues": 2, "gpus_per_node": 1 }),
+        T0 + SECOND,
+    )
+    .await;
     let r = sync(&jobs, "a", T0 + 2 * SECOND, &[], &[]).await;
     assert_eq!(
         r.start
@@ -157,15 +163,12 @@ async fn a_sync_is_answered_when_job_output_cannot_be_stored() {
     // A file where the logs directory should be: every write of job output fails.
     std::fs::write(dir.path().join("logs"), "not a directory").expect("file");
     sync(&jobs, "a", T0, &[], &[]).await;
-    let request: crate::jobs::spec::JobRequest = serde_json::from_value(json!({
-        "command": ["train"], "user": "bob", "gpus_per_node": 1
-    }))
-    .expect("request");
-    let id = jobs
-        .run(move |c, _| c.submit(request, T0 + SECOND))
-        .await
-        .expect("submit")[0]
-        .id;
+    let id = submit(
+        &jobs,
+        json!({ "command": ["train"], "user": "bob", "gpus_per_node": 1 }),
+        T0 + SECOND,
+    )
+    .await;
     sync(&jobs, "a", T0 + 2 * SECOND, &[], &[]).await;
     let req: SyncRequest = serde_json::from_value(json!({
         "node": "a", "gpus": 1, "gpu_model": "Test H100",
@@ -232,15 +235,12 @@ async fn a_job_fenced_by_its_supervisor_is_requeued_not_completed() {
     let dir = tempfile::tempdir().expect("tempdir");
     let jobs = service(dir.path());
     sync(&jobs, "a", T0, &[], &[]).await;
-    let request: crate::jobs::spec::JobRequest = serde_json::from_value(json!({
-        "command": ["train"], "user": "bob", "gpus_per_node": 1, "max_requeues": 1
-    }))
-    .expect("request");
-    let id = jobs
-        .run(move |c, _| c.submit(request, T0 + SECOND))
-        .await
-        .expect("submit")[0]
-        .id;
+    let id = submit(
+        &jobs,
+        json!({ "command": ["train"], "user": "bob", "gpus_per_node": 1, "max_requeues": 1 }),
+        T0 + SECOND,
+    )
+    .await;
     sync(&jobs, "a", T0 + 2 * SECOND, &[], &[]).await;
     let req: SyncRequest = serde_json::from_value(json!({
         "node": "a", "gpus": 1, "gpu_model": "Test H100",
