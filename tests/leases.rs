@@ -487,6 +487,34 @@ fn perch_up_back_after_the_lease_requeues_the_job_its_supervisor_stopped() {
     assert!(ok, "{err}");
 }
 
+/// Found following the README as a newcomer: `perch up` with its default `./perch-data`, a
+/// relative path, failed every job ("its supervisor did not start it"): the supervisor runs in
+/// the job's directory, where the relative state directory named another place.
+#[test]
+fn jobs_run_when_the_agents_data_dir_is_relative() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = server(dir.path(), 30, "", &[]);
+    let _agent = Agent(
+        Command::new(common::PERCH)
+            .args([
+                "agent", "--server", &perch.url, "--node", "gpu-a", "--nvml", "off",
+            ])
+            .args(["--simulate-gpus", "1", "--interval-ms", "200"])
+            .args(["--data-dir", "relative-data"])
+            .current_dir(dir.path())
+            .env("PERCH_RUN_AS_USER", "never")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("agent"),
+    );
+    let file = dir.path().join("runs");
+    let (id, _) = start_job(&perch, &file);
+    let (ok, _, err) = perch.cli_as("alice", &["cancel", &id.to_string()]);
+    assert!(ok, "{err}");
+    assert!(dir.path().join("relative-data/jobs/gpu-a/.state").is_dir());
+}
+
 /// Without cgroups, a process that leaves the job's group and session (`setsid`) is still
 /// stopped: when the job is cancelled and when the job's first process simply exits.
 #[test]

@@ -267,6 +267,9 @@ impl Launcher {
     /// sampling and GPU attribution.
     pub fn with_registry(dir: &Path, registry: JobRegistry) -> std::io::Result<Launcher> {
         fs::create_dir_all(dir)?;
+        // Absolute: jobs and their supervisors run in their own working directories, and a
+        // relative state directory would name another place there (`--data-dir ./perch-data`).
+        let dir = &fs::canonicalize(dir)?;
         let groups = GroupState::open(&dir.join(STATE_DIR), Path::new("/proc"))?;
         for entry in fs::read_dir(dir)?.flatten() {
             // Where older agents kept the group: in the job's (user-owned) directory. Never read.
