@@ -163,6 +163,43 @@ pub(crate) struct Control {
     acting: Option<String>,
     /// Makes and checks the tokens jobs push their metrics with.
     job_tokens: JobTokens,
+    /// Pending jobs per user, for the pending cap without a scan of every job: kept in step
+    /// by [`Control::take_dirty`], through which every change of a job passes.
+    pending: PendingCount,
+}
+
+/// Which jobs are pending, and how many per user.
+#[derive(Default)]
+struct PendingCount {
+    jobs: HashSet<u64>,
+    by_user: HashMap<String, usize>,
+}
+
+impl PendingCount {
+    /// Follows `job`'s state.
+    fn update(&mut self, job: &JobRecord) {
+        let pending = job.state == JobState::Pending;
+        if pending == self.jobs.contains(&job.id) {
+            return;
+        }
+        let user = job.request.user();
+        if pending {
+            self.jobs.insert(job.id);
+            *self.by_user.entry(user.to_owned()).or_default() += 1;
+        } else {
+            self.jobs.remove(&job.id);
+            if let Some(n) = self.by_user.get_mut(user) {
+                *n -= 1;
+                if *n == 0 {
+                    self.by_user.remove(user);
+                }
+            }
+        }
+    }
+
+    fn of(&self, user: &str) -> usize {
+        self.by_user.get(user).copied().unwrap_or(0)
+    }
 }
 
 fn qos(req: &JobRequest) -> Qos {
@@ -253,6 +290,7 @@ impl Control {
             ledger: ledger::Ledger::default(),
             acting: None,
             job_tokens: JobTokens::load_or_create(dir).map_err(ControlError::Logs)?,
+            pending: PendingCount::default(),
         };
         for record in nodes {
             // Agents get one heartbeat timeout from now to come back.
@@ -321,6 +359,9 @@ impl Control {
             }
         }
         c.refresh_fair_share(now_ms)?;
+        for job in c.jobs.values() {
+            c.pending.update(job);
+        }
         Ok(c)
     }
 
@@ -370,10 +411,13 @@ impl Control {
 
     /// The records changed since the last call, for the job service to commit.
     pub(crate) fn take_dirty(&mut self) -> Dirty {
-        let jobs = std::mem::take(&mut self.dirty_jobs)
+        let jobs: Vec<JobRecord> = std::mem::take(&mut self.dirty_jobs)
             .into_iter()
             .filter_map(|id| self.jobs.get(&id).cloned())
             .collect();
+        for job in &jobs {
+            self.pending.update(job);
+        }
         let nodes = std::mem::take(&mut self.dirty_nodes)
             .into_iter()
             .filter_map(|i| self.nodes.get(i).map(|n| (i as u64, n.record.clone())))
@@ -651,11 +695,7 @@ impl Control {
         }
         let adding = request.array.map_or(1, |n| n as usize);
         let user = request.user();
-        let pending = self
-            .jobs
-            .values()
-            .filter(|j| j.state == JobState::Pending && j.request.user() == user)
-            .count();
+        let pending = self.pending.of(user);
         if pending + adding > self.config.max_pending_per_user {
             return Err(ControlError::TooManyPending {
                 user: user.to_owned(),

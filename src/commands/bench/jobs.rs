@@ -62,12 +62,16 @@ pub(super) fn jobs(args: JobsArgs) -> Result<()> {
         // 2. Submit-to-start on an idle node: from sending the request to the job's process
         // running on the agent (it creates a file).
         let dir = tempfile::Builder::new().prefix("perch-bench-").tempdir_in(&args.dir)?;
-        let (addr, stop, server) = start_server(dir.path()).await?;
+        // Absolute: the job runs in its own directory and touches a file named from here.
+        let root = dir.path().canonicalize()?;
+        let (addr, stop, server) = start_server(&root).await?;
         let node = perch_model::NodeId::new("bench-node").map_err(anyhow::Error::msg)?;
         let mut agent = perch_collector::AgentConfig::new(format!("http://{addr}"), node);
         agent.simulate_gpus = 8;
         agent.nvml = perch_collector::NvmlMode::Off;
-        agent.data_dir = dir.path().join("agent");
+        agent.data_dir = root.join("agent");
+        // As `perch agent` runs them: each job under its supervisor.
+        agent.supervisor = Some(std::env::current_exe()?);
         let (agent_stop, agent_stopped) = tokio::sync::oneshot::channel::<()>();
         let agent = perch_collector::spawn_agent(agent, async move {
             let _ = agent_stopped.await;
@@ -83,7 +87,7 @@ pub(super) fn jobs(args: JobsArgs) -> Result<()> {
         }
         let mut latencies = Vec::new();
         for i in 0..args.starts {
-            let marker = dir.path().join(format!("started-{i}"));
+            let marker = root.join(format!("started-{i}"));
             let body = serde_json::json!({"command": ["touch", marker.to_string_lossy()], "gpus_per_node": 1});
             let sent = Instant::now();
             let r = client.post(format!("http://{addr}/v1/jobs")).json(&body).send().await?;

@@ -224,6 +224,22 @@ async fn a_user_cannot_queue_past_the_pending_cap() {
         .await
         .expect("cancel");
     submit("bob", None).await.expect("room again");
+    // The count is rebuilt from the job database after a restart.
+    drop(submit);
+    drop(jobs);
+    let (tx, _rx) = JobService::event_channel();
+    let config = JobsConfig {
+        max_pending_per_user: 3,
+        ..JobsConfig::default()
+    };
+    let jobs = JobService::open(dir.path(), config, tx).expect("jobs");
+    let request: crate::jobs::spec::JobRequest =
+        serde_json::from_value(json!({"command": ["train"], "user": "bob"})).expect("request");
+    let e = jobs
+        .run(move |c, _| c.submit(request, T0 + 2 * SECOND))
+        .await
+        .expect_err("still three pending after the restart");
+    assert_eq!(e.status, axum::http::StatusCode::TOO_MANY_REQUESTS);
 }
 
 /// Found against the release binary: `perch up` (server and agent) killed past the lease. The
