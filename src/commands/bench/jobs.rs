@@ -72,6 +72,8 @@ pub(super) fn jobs(args: JobsArgs) -> Result<()> {
         agent.data_dir = root.join("agent");
         // As `perch agent` runs them: each job under its supervisor.
         agent.supervisor = Some(std::env::current_exe()?);
+        // The job touches a file in this (private) directory: it runs as the agent's user.
+        agent.run_as_user = perch_collector::launcher::RunAsUser::Never;
         let (agent_stop, agent_stopped) = tokio::sync::oneshot::channel::<()>();
         let agent = perch_collector::spawn_agent(agent, async move {
             let _ = agent_stopped.await;
