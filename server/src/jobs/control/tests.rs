@@ -225,7 +225,6 @@ async fn a_user_cannot_queue_past_the_pending_cap() {
         .expect("cancel");
     submit("bob", None).await.expect("room again");
     // The count is rebuilt from the job database after a restart.
-    drop(submit);
     drop(jobs);
     let (tx, _rx) = JobService::event_channel();
     let config = JobsConfig {
