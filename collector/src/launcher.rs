@@ -351,7 +351,18 @@ impl Launcher {
                 kept.insert(job);
                 continue;
             }
-            if !groups::alive(proc_root, rec.supervisor) {
+            // A record without its supervisor is one the previous agent wrote just before
+            // starting it: the supervisor is the parent of the group it recorded.
+            let started = match (rec.supervisor, rec.pgid) {
+                (Some(sup), Some(pgid)) => Some((sup, pgid)),
+                _ => self.groups.provable(job).and_then(|pgid| {
+                    let ppid = groups::proc_stat(proc_root, pgid)?.ppid;
+                    Some(((ppid, groups::proc_stat(proc_root, ppid)?.start), pgid))
+                }),
+            };
+            let Some((supervisor, pgid)) =
+                started.filter(|(sup, _)| groups::alive(proc_root, *sup))
+            else {
                 tracing::warn!(
                     job,
                     "a job's supervisor died with the previous agent; killing what is left of the job, the server requeues it"
@@ -361,8 +372,8 @@ impl Launcher {
                 }
                 RunRecord::remove(&state, job);
                 continue;
-            }
-            let Some(pgid) = Pid::from_raw(rec.pgid) else {
+            };
+            let Some(pgid) = Pid::from_raw(pgid) else {
                 continue;
             };
             tracing::info!(
@@ -400,7 +411,7 @@ impl Launcher {
                 Running {
                     attempt: rec.attempt,
                     child: None,
-                    supervisor: Some(rec.supervisor),
+                    supervisor: Some(supervisor),
                     gpus: rec.gpus,
                     shared: rec.shared,
                     cgroup,
@@ -756,6 +767,33 @@ impl Launcher {
             cmd.process_group(0);
         }
         let program = l.command.first().map_or("", String::as_str);
+        // Recorded before the supervisor starts, so that an agent that dies at any point from
+        // here on leaves the job to its successor; completed below.
+        let mut record = self.supervisor.is_some().then(|| RunRecord {
+            version: RunRecord::new_version(),
+            attempt: l.attempt,
+            boot_id: groups::boot_id(Path::new("/proc")).unwrap_or_default(),
+            supervisor: None,
+            pgid: None,
+            user: l.user.clone(),
+            gpus: l.gpus.clone(),
+            shared: l.gpu_share.is_some(),
+            sim_profile: l.sim_profile.clone(),
+            time_limit_secs: l.time_limit_secs,
+            started_boot_ms: lease::boot_ms(),
+            signal: l.checkpoint_signal.clone(),
+            grace_secs: l.grace_secs,
+            cgroup: cgroup.as_ref().map(|c| c.path.clone()),
+            logs,
+        });
+        let write = |record: &RunRecord| {
+            if let Err(e) = record.write(&state, l.job) {
+                tracing::warn!(job = l.job, error = %e, "cannot record the job for a restarted agent; one would not take it over");
+            }
+        };
+        if let Some(r) = &record {
+            write(r);
+        }
         let mut child = cmd
             .spawn()
             .map_err(|e| io(&format!("cannot run {program:?}"), e))?;
@@ -811,27 +849,11 @@ impl Launcher {
             stopping: None,
             stopped_by_perch: false,
         };
-        if let Some(sup) = supervisor {
-            let record = RunRecord {
-                version: RunRecord::new_version(),
-                attempt: l.attempt,
-                boot_id: groups::boot_id(Path::new("/proc")).unwrap_or_default(),
-                supervisor: sup,
-                pgid: leader,
-                user: l.user.clone(),
-                gpus: l.gpus.clone(),
-                shared: running.shared,
-                sim_profile: l.sim_profile.clone(),
-                time_limit_secs: l.time_limit_secs,
-                started_boot_ms: lease::boot_ms(),
-                signal: l.checkpoint_signal.clone(),
-                grace_secs: l.grace_secs,
-                cgroup: running.cgroup.as_ref().map(|c| c.path.clone()),
-                logs,
-            };
-            if let Err(e) = record.write(&state, l.job) {
-                tracing::warn!(job = l.job, error = %e, "cannot record the job for a restarted agent; one would not take it over");
-            }
+        if let Some(r) = &mut record {
+            r.supervisor = supervisor;
+            r.pgid = Some(leader);
+            r.cgroup = running.cgroup.as_ref().map(|c| c.path.clone());
+            write(r);
         }
         Ok(running)
     }

@@ -320,9 +320,11 @@ pub struct RunRecord {
     pub version: u32,
     pub attempt: u32,
     pub boot_id: String,
-    /// The supervisor: pid and start time (it is alive only while both match).
-    pub supervisor: (i32, u64),
-    pub pgid: i32,
+    /// The supervisor: pid and start time (it is alive only while both match). `None` (with
+    /// `pgid`) in the record written before the supervisor starts: an agent that dies right
+    /// then leaves the job findable, its supervisor being the parent of its recorded group.
+    pub supervisor: Option<(i32, u64)>,
+    pub pgid: Option<i32>,
     pub user: String,
     pub gpus: Vec<u32>,
     pub shared: bool,
