@@ -185,6 +185,12 @@ pub struct QuerySection {
     pub timeout_secs: f64,
     pub max_rows: usize,
     pub memory_mb: usize,
+    /// Memory all users' queries may hold together (MiB).
+    pub total_memory_mb: usize,
+    /// Users' queries that run at once.
+    pub max_concurrent: usize,
+    /// Temporary files all queries together may spill to (MiB); 0 turns spilling off.
+    pub spill_mb: u64,
 }
 
 impl Default for QuerySection {
@@ -193,6 +199,9 @@ impl Default for QuerySection {
             timeout_secs: 30.0,
             max_rows: 100_000,
             memory_mb: 1024,
+            total_memory_mb: 2048,
+            max_concurrent: 4,
+            spill_mb: 4096,
         }
     }
 }
@@ -510,6 +519,18 @@ impl Config {
         if self.query.max_rows == 0 || self.query.memory_mb == 0 {
             return bad("query.max_rows / query.memory_mb", "must be at least 1");
         }
+        if self.query.total_memory_mb < self.query.memory_mb {
+            return bad(
+                "query.total_memory_mb",
+                &format!(
+                    "must be at least query.memory_mb ({} MiB), or no query could use its own limit",
+                    self.query.memory_mb
+                ),
+            );
+        }
+        if !(1..=1024).contains(&self.query.max_concurrent) {
+            return bad("query.max_concurrent", "must be between 1 and 1024");
+        }
         if self.agent.interval_ms < 10 {
             return bad(
                 "agent.interval_ms",
@@ -591,6 +612,9 @@ impl Config {
             timeout: Duration::from_secs_f64(self.query.timeout_secs),
             max_rows: self.query.max_rows,
             memory_bytes: self.query.memory_mb << 20,
+            total_memory_bytes: self.query.total_memory_mb << 20,
+            max_concurrent: self.query.max_concurrent,
+            spill_bytes: self.query.spill_mb << 20,
         };
         config.max_body_bytes = s.max_body_mb << 20;
         config.node_stale_after = Duration::from_secs(s.node_stale_after_secs);
@@ -754,6 +778,11 @@ mod tests {
             ("[client]\nserver = \"perch:7300\"", "client.server"),
             ("[client]\nsever = \"http://perch:7300\"", "sever"),
             ("[query]\ntimeout_secs = 0", "query.timeout_secs"),
+            (
+                "[query]\nmemory_mb = 512\ntotal_memory_mb = 256",
+                "query.total_memory_mb: must be at least query.memory_mb (512 MiB)",
+            ),
+            ("[query]\nmax_concurrent = 0", "query.max_concurrent"),
             (
                 "[server.retention_days]\ngpu_sample = 30",
                 "no such table; the tables are gpu_samples",

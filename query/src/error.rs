@@ -18,6 +18,10 @@ pub enum Error {
         "query needs more memory than the {limit_mb} MiB limit; narrow the time range, select fewer columns, or aggregate"
     )]
     ResourcesExhausted { limit_mb: usize },
+    /// The server's SQL capacity (running queries, memory budget) is taken; retrying later
+    /// works.
+    #[error("{0}")]
+    Busy(String),
     /// A failure of the engine itself (not of the query text).
     #[error("query failed: {0}")]
     Execution(String),

@@ -11,6 +11,7 @@
 //! kept longer than the raw rows. The files and the manifest live in the data directory or in
 //! an S3-compatible bucket ([`storage`]); the write-ahead log is always local.
 
+mod budget;
 mod error;
 mod files;
 mod functions;

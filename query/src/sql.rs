@@ -1,13 +1,16 @@
 //! Read-only SQL over the store through DataFusion.
 //!
-//! Each query gets its own session with its own memory pool, so one query's limit is not
-//! shared with others. Plans are checked before they run: DDL, DML (COPY and INSERT among
+//! Each query gets its own session with its own memory pool, charged also to the server's
+//! budget ([`budget`](crate::budget)): users' queries run at most `max_concurrent` at a time,
+//! within one memory budget and one spill allowance for the whole server. Planning and
+//! execution both run on the SQL runtime, never on the caller's. Plans are checked before they run: DDL, DML (COPY and INSERT among
 //! them) and statements such as SET are refused, and no table can be read from a file path.
 //! A timeout covers planning and the whole result stream, and results are capped at a row
 //! limit with a flag saying so.
 
 use crate::live::{LiveProvider, LiveTable};
 use crate::provider::StoreTable;
+use crate::budget::{Budget, QueryPool, Slot};
 use crate::{Error, Result, Store, Table};
 use crate::{functions, optimizer, strings};
 use arrow::array::RecordBatch;
@@ -15,6 +18,7 @@ use arrow::datatypes::SchemaRef;
 use datafusion::datasource::ViewTable;
 use datafusion::error::DataFusionError;
 use datafusion::execution::cache::cache_manager::{CacheManager, CacheManagerConfig};
+use datafusion::execution::disk_manager::{DiskManagerBuilder, DiskManagerMode};
 use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::execution::session_state::SessionStateBuilder;
 use datafusion::logical_expr::LogicalPlan;
@@ -29,6 +33,13 @@ pub struct QueryLimits {
     pub timeout: Duration,
     pub max_rows: usize,
     pub memory_bytes: usize,
+    /// Memory all users' queries may hold together.
+    pub total_memory_bytes: usize,
+    /// Users' queries that run at once; more wait (within their own timeout), up to eight
+    /// per slot, and beyond that are refused as busy.
+    pub max_concurrent: usize,
+    /// Temporary files all queries together may spill to (bytes); 0 turns spilling off.
+    pub spill_bytes: u64,
 }
 
 impl Default for QueryLimits {
@@ -37,6 +48,9 @@ impl Default for QueryLimits {
             timeout: Duration::from_secs(30),
             max_rows: 100_000,
             memory_bytes: 1 << 30,
+            total_memory_bytes: 2 << 30,
+            max_concurrent: 4,
+            spill_bytes: 4 << 30,
         }
     }
 }
@@ -51,6 +65,8 @@ pub struct QueryOutput {
     pub truncated: bool,
 }
 
+/// Cheap to clone: a query runs on a clone moved onto the SQL runtime.
+#[derive(Clone)]
 pub struct SqlEngine {
     store: Arc<Store>,
     limits: QueryLimits,
@@ -59,9 +75,11 @@ pub struct SqlEngine {
     /// new data gets new file names. Saves a round trip or two per file on object storage.
     caches: Option<Arc<CacheManager>>,
     /// Tables owned outside the store (jobs, nodes), by name.
-    live: Vec<(String, Arc<dyn LiveTable>)>,
+    live: Arc<Vec<(String, Arc<dyn LiveTable>)>>,
     /// Views by name, in the order they were added (a view may use the ones before it).
-    views: Vec<(String, String)>,
+    views: Arc<Vec<(String, String)>>,
+    /// What all users' queries share.
+    budget: Arc<Budget>,
 }
 
 impl std::fmt::Debug for SqlEngine {
@@ -78,27 +96,30 @@ impl SqlEngine {
             store,
             limits,
             caches: CacheManager::try_new(&CacheManagerConfig::default()).ok(),
-            live: Vec::new(),
-            views: Vec::new(),
+            live: Arc::default(),
+            views: Arc::default(),
+            budget: Arc::new(Budget::new(&limits)),
         }
     }
 
     /// Adds a table whose rows live outside the store; each query reads a fresh snapshot.
     pub fn with_table(mut self, name: &str, table: Arc<dyn LiveTable>) -> Self {
-        self.live.push((name.to_owned(), table));
+        Arc::make_mut(&mut self.live).push((name.to_owned(), table));
         self
     }
 
     /// Adds a view: `select` is planned in every query's session, after the tables and the
     /// views added before it. [`SqlEngine::check_views`] reports a view that does not plan.
     pub fn with_view(mut self, name: &str, select: &str) -> Self {
-        self.views.push((name.to_owned(), select.to_owned()));
+        Arc::make_mut(&mut self.views).push((name.to_owned(), select.to_owned()));
         self
     }
 
     /// Plans every view once, so a broken definition is found at startup, not by a user.
     pub async fn check_views(&self) -> Result<()> {
-        self.session().await.map(|_| ())
+        self.session(self.budget.pool(self.limits.memory_bytes))
+            .await
+            .map(|_| ())
     }
 
     /// The names of the tables and views SQL can read, stored tables first (each rollup
@@ -134,8 +155,18 @@ impl SqlEngine {
         self.limits
     }
 
-    async fn session(&self) -> Result<SessionContext> {
-        let mut runtime = RuntimeEnvBuilder::new().with_memory_limit(self.limits.memory_bytes, 1.0);
+    /// Bytes all queries hold now (the server's SQL memory budget in use).
+    pub fn memory_in_use(&self) -> usize {
+        self.budget.memory_in_use()
+    }
+
+    async fn session(&self, pool: Arc<QueryPool>) -> Result<SessionContext> {
+        let mut runtime = RuntimeEnvBuilder::new().with_memory_pool(pool);
+        if self.budget.spill().is_none() {
+            runtime = runtime.with_disk_manager_builder(
+                DiskManagerBuilder::default().with_mode(DiskManagerMode::Disabled),
+            );
+        }
         if let Some(caches) = &self.caches {
             runtime = runtime.with_cache_manager(
                 CacheManagerConfig::default()
@@ -144,9 +175,13 @@ impl SqlEngine {
                     .with_file_metadata_cache(Some(caches.get_file_metadata_cache())),
             );
         }
-        let runtime = runtime
-            .build_arc()
+        let mut runtime = runtime
+            .build()
             .map_err(|e| Error::Execution(e.to_string()))?;
+        if let Some(spill) = self.budget.spill() {
+            runtime.disk_manager = spill;
+        }
+        let runtime = Arc::new(runtime);
         if let Some((url, store)) = self.store.storage.object_store() {
             runtime.register_object_store(url.as_ref(), store.clone());
         }
@@ -183,11 +218,11 @@ impl SqlEngine {
                     .map_err(|e| Error::Execution(e.to_string()))?;
             }
         }
-        for (name, table) in &self.live {
+        for (name, table) in self.live.iter() {
             ctx.register_table(name.as_str(), Arc::new(LiveProvider(table.clone())))
                 .map_err(|e| Error::Execution(e.to_string()))?;
         }
-        for (name, select) in &self.views {
+        for (name, select) in self.views.iter() {
             let plan = ctx
                 .state()
                 .create_logical_plan(select)
@@ -202,72 +237,114 @@ impl SqlEngine {
         Ok(ctx)
     }
 
-    /// Runs one read-only statement.
-    ///
-    /// It is planned on the caller's runtime and executed on the SQL runtime ([`sql_runtime`]),
-    /// so a CPU-heavy query cannot starve the caller's (the server's health probes and agent
-    /// syncs share its workers); at the timeout its execution is aborted and the caller
-    /// answered.
+    /// Runs one read-only statement for a user: it waits for one of the server's SQL slots
+    /// (the wait counts against its timeout) and its memory counts against the server's
+    /// budget as well as its own limit.
     #[tracing::instrument(name = "sql.query", skip_all, fields(db.query.text = &sql[..sql.floor_char_boundary(2048)]))]
     pub async fn query(&self, sql: &str) -> Result<QueryOutput> {
-        let limits = self.limits;
-        let deadline = tokio::time::Instant::now() + limits.timeout;
-        let timeout = || Error::Timeout {
-            limit_s: limits.timeout.as_secs_f64(),
+        let deadline = tokio::time::Instant::now() + self.limits.timeout;
+        let slot = self.budget.slot(deadline, || self.timeout()).await?;
+        self.run(sql, deadline, Some(slot)).await
+    }
+
+    /// Runs one read-only statement for perch itself (alert rules, the accounting fold):
+    /// under its own limits, with no slot to wait for, so users' queries cannot hold up
+    /// alerting.
+    pub async fn query_internal(&self, sql: &str) -> Result<QueryOutput> {
+        let deadline = tokio::time::Instant::now() + self.limits.timeout;
+        self.run(sql, deadline, None).await
+    }
+
+    /// Plans and executes `sql` on its slot's runtime (perch's own queries on [`sql_runtime`]),
+    /// so neither a CPU-heavy plan nor its execution can starve the caller's runtime (the
+    /// server's health probes and agent syncs share its workers) or another user's query; at
+    /// the deadline the work is aborted and the caller answered. A user's slot is held until
+    /// the work has really stopped.
+    async fn run(
+        &self,
+        sql: &str,
+        deadline: tokio::time::Instant,
+        slot: Option<Slot>,
+    ) -> Result<QueryOutput> {
+        let engine = self.clone();
+        let sql = sql.to_owned();
+        let pool = if slot.is_some() {
+            self.budget.pool(self.limits.memory_bytes)
+        } else {
+            Budget::own_pool(self.limits.memory_bytes)
         };
-        let df = match tokio::time::timeout_at(deadline, self.prepare(sql)).await {
-            Ok(df) => df?,
-            Err(_) => return Err(timeout()),
-        };
-        let engine = ErrorMap {
-            memory_bytes: limits.memory_bytes,
-            names: self.public_table_names(),
-        };
-        let execution = sql_runtime().spawn(execute(df, limits, engine));
-        let abort = execution.abort_handle();
-        match tokio::time::timeout_at(deadline, execution).await {
+        let runtime = slot
+            .as_ref()
+            .map_or_else(|| sql_runtime().clone(), |s| s.runtime().clone());
+        let work = runtime.spawn(async move {
+            let _slot = slot;
+            let df = engine.prepare(&sql, pool.clone()).await;
+            let result = match df {
+                Ok(df) => execute(df, engine.limits.max_rows).await,
+                Err(e) => Err(e),
+            };
+            result.map_err(|e| engine.map_error(e, &pool))
+        });
+        let abort = work.abort_handle();
+        match tokio::time::timeout_at(deadline, work).await {
             Ok(Ok(result)) => result,
             Ok(Err(e)) => Err(Error::Execution(format!(
                 "the query's execution failed: {e}"
             ))),
             Err(_) => {
                 abort.abort();
-                Err(timeout())
+                Err(self.timeout())
             }
         }
     }
 
-    /// Plans `sql` into a DataFrame ready to execute.
-    async fn prepare(&self, sql: &str) -> Result<datafusion::dataframe::DataFrame> {
-        if sql.trim().is_empty() {
-            return Err(Error::BadQuery("the query is empty; send one SQL statement such as SELECT count(*) FROM gpu_samples".into()));
+    fn timeout(&self) -> Error {
+        Error::Timeout {
+            limit_s: self.limits.timeout.as_secs_f64(),
         }
-        let ctx = self.session().await?;
+    }
+
+    /// Plans `sql` into a DataFrame ready to execute.
+    async fn prepare(
+        &self,
+        sql: &str,
+        pool: Arc<QueryPool>,
+    ) -> Result<datafusion::dataframe::DataFrame, Failure> {
+        if sql.trim().is_empty() {
+            return Err(Failure::Perch(Error::BadQuery("the query is empty; send one SQL statement such as SELECT count(*) FROM gpu_samples".into())));
+        }
+        let ctx = self.session(pool).await.map_err(Failure::Perch)?;
         let plan = self.plan(&ctx, sql).await?;
-        ctx.execute_logical_plan(plan)
-            .await
-            .map_err(|e| self.map_error(e))
+        Ok(ctx.execute_logical_plan(plan).await?)
     }
 
     /// The columns `sql` would return, without running it: planned in a fresh session and
     /// checked read-only exactly like [`SqlEngine::query`], under the same timeout. Clients of
     /// the PostgreSQL protocol ask for this before they execute (Parse, Describe).
     pub async fn describe(&self, sql: &str) -> Result<SchemaRef> {
-        let limits = self.limits;
-        let describe = async {
-            let ctx = self.session().await?;
-            let plan = self.plan(&ctx, sql).await?;
+        let engine = self.clone();
+        let sql = sql.to_owned();
+        let work = sql_runtime().spawn(async move {
+            let pool = Budget::own_pool(engine.limits.memory_bytes);
+            let ctx = engine.session(pool.clone()).await?;
+            let plan = engine
+                .plan(&ctx, &sql)
+                .await
+                .map_err(|e| engine.map_error(e, &pool))?;
             Ok(strings::plain_schema(plan.schema().as_arrow()))
-        };
-        match tokio::time::timeout(limits.timeout, describe).await {
-            Ok(result) => result,
-            Err(_) => Err(Error::Timeout {
-                limit_s: limits.timeout.as_secs_f64(),
-            }),
+        });
+        let abort = work.abort_handle();
+        match tokio::time::timeout(self.limits.timeout, work).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(e)) => Err(Error::Execution(format!("planning the query failed: {e}"))),
+            Err(_) => {
+                abort.abort();
+                Err(self.timeout())
+            }
         }
     }
 
-    async fn plan(&self, ctx: &SessionContext, sql: &str) -> Result<LogicalPlan> {
+    async fn plan(&self, ctx: &SessionContext, sql: &str) -> Result<LogicalPlan, Failure> {
         let shown;
         let sql = if is_show_tables(sql) {
             shown = SHOW_TABLES.to_owned();
@@ -275,17 +352,37 @@ impl SqlEngine {
         } else {
             sql
         };
-        let plan = ctx
-            .state()
-            .create_logical_plan(sql)
-            .await
-            .map_err(|e| self.map_error(e))?;
-        check_read_only(&plan)?;
+        let plan = ctx.state().create_logical_plan(sql).await?;
+        check_read_only(&plan).map_err(Failure::Perch)?;
         Ok(plan)
     }
 
-    fn map_error(&self, e: DataFusionError) -> Error {
-        map_error(e, self.limits.memory_bytes, &self.public_table_names())
+    /// A failure as perch's error; a query refused memory by the server's budget rather than
+    /// its own limit is told the server is busy.
+    fn map_error(&self, e: Failure, pool: &QueryPool) -> Error {
+        match e {
+            Failure::Perch(e) => e,
+            Failure::Engine(e) => match map_error(e, self.limits.memory_bytes, &self.public_table_names()) {
+                Error::ResourcesExhausted { .. } if pool.server_refused() => Error::Busy(format!(
+                    "the server's SQL memory budget ({} MiB for all queries) is taken by other queries; retry shortly, or narrow the query",
+                    pool.server_bytes() >> 20
+                )),
+                other => other,
+            },
+        }
+    }
+}
+
+/// How a query can fail before it is mapped to perch's error: by perch's own checks or in
+/// DataFusion.
+enum Failure {
+    Perch(Error),
+    Engine(DataFusionError),
+}
+
+impl From<DataFusionError> for Failure {
+    fn from(e: DataFusionError) -> Self {
+        Failure::Engine(e)
     }
 }
 
@@ -308,20 +405,10 @@ fn map_error(e: DataFusionError, memory_bytes: usize, names: &[String]) -> Error
     }
 }
 
-/// What turns DataFusion's errors into perch's, carried into the SQL runtime.
-struct ErrorMap {
-    memory_bytes: usize,
-    names: Vec<String>,
-}
-
-impl ErrorMap {
-    fn map_error(&self, e: DataFusionError) -> Error {
-        map_error(e, self.memory_bytes, &self.names)
-    }
-}
-
-/// The runtime queries execute on: its own worker threads (`perch-sql`), as many as the
-/// machine has cores, so SQL gets the CPU it can use without taking the server's workers.
+/// The runtime perch's own queries (alert rules, the accounting fold) and the planning for
+/// psql's Describe run on: its own worker threads (`perch-sql`), as many as the machine has
+/// cores, so SQL gets the CPU it can use without taking the server's workers. Users' queries
+/// run on their slots' runtimes.
 pub fn sql_runtime() -> &'static tokio::runtime::Handle {
     static RUNTIME: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
     RUNTIME
@@ -340,19 +427,20 @@ pub fn sql_runtime() -> &'static tokio::runtime::Handle {
 /// Executes a planned query and collects its result, up to the row cap.
 async fn execute(
     df: datafusion::dataframe::DataFrame,
-    limits: QueryLimits,
-    engine: ErrorMap,
-) -> Result<QueryOutput> {
+    max_rows: usize,
+) -> Result<QueryOutput, Failure> {
     let schema = strings::plain_schema(df.schema().as_arrow());
-    let mut stream = df.execute_stream().await.map_err(|e| engine.map_error(e))?;
+    let mut stream = df.execute_stream().await?;
     let mut batches = Vec::new();
     let mut rows = 0usize;
     let mut truncated = false;
     while let Some(batch) = stream.next().await {
-        let batch = batch.map_err(|e| engine.map_error(e))?;
-        let batch = strings::plain_batch(batch)
-            .map_err(|e| Error::Execution(format!("converting the result's strings: {e}")))?;
-        let room = limits.max_rows - rows;
+        let batch = strings::plain_batch(batch?).map_err(|e| {
+            Failure::Perch(Error::Execution(format!(
+                "converting the result's strings: {e}"
+            )))
+        })?;
+        let room = max_rows - rows;
         if batch.num_rows() > room {
             batches.push(batch.slice(0, room));
             rows += room;

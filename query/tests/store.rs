@@ -7,7 +7,6 @@ use perch_model::{Batch, GpuIndex, GpuSample, NodeId};
 use perch_query::{IngestOutcome, QueryLimits, Source, SqlEngine, Store, StoreConfig};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
 const DAY_MS: i64 = 86_400_000;
 
@@ -245,12 +244,22 @@ async fn a_request_dropped_mid_write_does_not_block_its_retry() {
     let dir = tempfile::tempdir().expect("tempdir");
     let t0 = 1_800_000_000_000;
     let store = Store::open(config(dir.path())).expect("open");
-    let (raw, b) = batch("n1", 1, t0, 1);
-    let dropped = tokio::time::timeout(Duration::ZERO, store.ingest(raw.clone(), &b)).await;
-    assert!(
-        dropped.is_err(),
-        "the first attempt should still be writing when dropped"
-    );
+    // Poll each first attempt once and drop it. The log's writer thread may answer before
+    // that one poll ends (then the batch is simply stored); keep going until an attempt was
+    // really dropped while writing.
+    let mut seq = 0;
+    let dropped = loop {
+        seq += 1;
+        assert!(seq <= 200, "no attempt was ever still writing after one poll");
+        let (raw, b) = batch("n1", seq, t0 + seq as i64, 1);
+        let mut first = Box::pin(store.ingest(raw.clone(), &b));
+        let pending = futures::poll!(first.as_mut()).is_pending();
+        drop(first);
+        if pending {
+            break (raw, b);
+        }
+    };
+    let (raw, b) = dropped;
     assert_eq!(
         store
             .ingest(raw, &b)
@@ -259,12 +268,12 @@ async fn a_request_dropped_mid_write_does_not_block_its_retry() {
         IngestOutcome::Stored { samples: 1 }
     );
     let sql = SqlEngine::new(store.clone(), QueryLimits::default());
-    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 1);
+    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, seq as i64);
     drop((sql, store));
     // The abandoned attempt's record may have reached the log too: a replay still counts once.
     let store = Store::open(config(dir.path())).expect("reopen");
     let sql = SqlEngine::new(store.clone(), QueryLimits::default());
-    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 1);
+    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, seq as i64);
 }
 
 #[tokio::test]
@@ -320,6 +329,10 @@ async fn limits_stop_runaway_queries_with_a_clear_error() {
         timeout: std::time::Duration::from_millis(200),
         max_rows: 10,
         memory_bytes: 1 << 20,
+        // One slot: every query below needs the one before it to have given its slot back,
+        // the timed-out one included.
+        max_concurrent: 1,
+        ..QueryLimits::default()
     };
     let sql = SqlEngine::new(store, limits);
     let slow = sql
@@ -359,6 +372,7 @@ async fn limits_stop_runaway_queries_with_a_clear_error() {
             "{query}"
         );
     }
+    assert_eq!(sql.memory_in_use(), 0, "every query gave its memory back");
     let ok = sql
         .query("SELECT repeat('ab', 3) AS r, lpad('7', 3, '0') AS l, rpad('7', 3) AS p")
         .await

@@ -10,6 +10,9 @@ pub struct ApiError {
     pub status: StatusCode,
     pub code: &'static str,
     pub message: String,
+    /// Seconds after which a retry may work, sent as `Retry-After` (busy and throttled
+    /// answers).
+    pub retry_after_secs: Option<u32>,
 }
 
 impl ApiError {
@@ -18,7 +21,14 @@ impl ApiError {
             status,
             code,
             message: message.into(),
+            retry_after_secs: None,
         }
+    }
+
+    /// The same answer, telling the client when to retry.
+    pub fn retry_after(mut self, secs: u32) -> Self {
+        self.retry_after_secs = Some(secs);
+        self
     }
 
     pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
@@ -32,7 +42,13 @@ impl IntoResponse for ApiError {
             tracing::error!(code = self.code, message = %self.message, "request failed");
         }
         let body = serde_json::json!({"error": {"code": self.code, "message": self.message}});
-        (self.status, Json(body)).into_response()
+        let mut response = (self.status, Json(body)).into_response();
+        if let Some(secs) = self.retry_after_secs {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        response
     }
 }
 
@@ -46,8 +62,11 @@ impl From<perch_query::Error> for ApiError {
             E::Timeout { .. } => {
                 ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "query_timeout", message)
             }
+            E::Busy(_) => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "sql_busy", message).retry_after(1)
+            }
             E::InFlight { .. } => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "batch_in_flight", message)
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "batch_in_flight", message).retry_after(1)
             }
             E::ResourcesExhausted { .. } => ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,

@@ -281,6 +281,7 @@ fn user_error(e: perch_query::Error) -> PgWireError {
         E::BadQuery(_) => "42000",
         E::Timeout { .. } => "57014",
         E::ResourcesExhausted { .. } => "53200",
+        E::Busy(_) => "53000",
         _ => "XX000",
     };
     PgWireError::UserError(Box::new(ErrorInfo::new(

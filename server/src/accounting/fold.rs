@@ -123,7 +123,7 @@ pub async fn fold(sql: &SqlEngine, windows: Vec<FoldWindow>) -> Result<Vec<Folde
         .flat_map(|(i, w)| (0..w.gpus.len()).map(move |g| (i, w, g)))
         .collect();
     for chunk in pairs.chunks(PAIRS_PER_QUERY) {
-        let result = sql.query(&statement(chunk)).await?;
+        let result = sql.query_internal(&statement(chunk)).await?;
         for b in &result.batches {
             for row in 0..b.num_rows() {
                 let k = usize::try_from(i64_at(b, "k", row)?).map_err(|_| FoldError::Shape("k"))?;

@@ -674,12 +674,81 @@ impl Control {
         }
     }
 
-    /// Submits a job, or `array` copies of it; returns the records in id order.
+    /// Submits a job, or `array` copies of it, in one step; returns the records in id order.
+    /// The server submits through [`Control::start_array`] and steps of
+    /// [`Control::submit_array_tasks`] (see `JobService::submit`); tests at a chosen time
+    /// through this.
+    #[cfg(test)]
     pub(crate) fn submit(
         &mut self,
         request: JobRequest,
         now: i64,
     ) -> Result<Vec<JobRecord>, ControlError> {
+        let Some(count) = request.array else {
+            self.check_submission(&request, now)?;
+            let id = self.next_id;
+            self.submit_one(request, id, now, Pass::Now)?;
+            self.next_id += 1;
+            self.release_held(now)?;
+            return Ok(self.view(id).into_iter().collect());
+        };
+        let first = self.start_array(&request, now)?;
+        self.submit_array_tasks(&request, first, 0..count, now)?;
+        Ok((first..first + u64::from(count))
+            .filter_map(|id| self.view(id))
+            .collect())
+    }
+
+    /// Checks a submission of `request` (and all its array tasks) and reserves ids for it;
+    /// returns the first. The tasks are then added by [`Control::submit_array_tasks`], in one
+    /// or more steps: a 10,000-task array added at once held the control plane, and every
+    /// agent's sync, for seconds.
+    pub(crate) fn start_array(
+        &mut self,
+        request: &JobRequest,
+        now: i64,
+    ) -> Result<u64, ControlError> {
+        self.check_submission(request, now)?;
+        let count = u64::from(request.array.unwrap_or(1));
+        let first = self.next_id;
+        self.next_id += count;
+        Ok(first)
+    }
+
+    /// Adds array tasks `tasks` of `request`, whose ids start at `first` (from
+    /// [`Control::start_array`]), with one scheduling pass for all of them. A request with no
+    /// `array` is one job, task 0.
+    pub(crate) fn submit_array_tasks(
+        &mut self,
+        request: &JobRequest,
+        first: u64,
+        tasks: std::ops::Range<u32>,
+        now: i64,
+    ) -> Result<(), ControlError> {
+        self.now = now;
+        for task in tasks {
+            let mut r = request.clone();
+            if r.array.take().is_none() {
+                // A single job: no array variables, no task name.
+                self.submit_one(r, first, now, Pass::Later)?;
+                continue;
+            }
+            r.env.insert("PERCH_ARRAY_JOB_ID".into(), first.to_string());
+            r.env.insert("PERCH_ARRAY_TASK_ID".into(), task.to_string());
+            r.name = Some(format!(
+                "{}[{task}]",
+                request.name.as_deref().unwrap_or("array")
+            ));
+            self.submit_one(r, first + u64::from(task), now, Pass::Later)?;
+        }
+        let actions = self.scheduler.schedule(now);
+        self.apply(now, actions);
+        self.release_held(now)
+    }
+
+    /// Refuses a submission that is invalid, names a job that does not exist, or would take
+    /// its user past the pending cap.
+    fn check_submission(&mut self, request: &JobRequest, now: i64) -> Result<(), ControlError> {
         request.validate()?;
         self.now = now;
         for (field, deps) in [
@@ -704,26 +773,7 @@ impl Control {
                 limit: self.config.max_pending_per_user,
             });
         }
-        let Some(count) = request.array else {
-            let id = self.submit_one(request, now)?;
-            self.release_held(now)?;
-            return Ok(self.view(id).into_iter().collect());
-        };
-        let first = self.next_id;
-        let mut ids = Vec::new();
-        for task in 0..count {
-            let mut r = request.clone();
-            r.array = None;
-            r.env.insert("PERCH_ARRAY_JOB_ID".into(), first.to_string());
-            r.env.insert("PERCH_ARRAY_TASK_ID".into(), task.to_string());
-            r.name = Some(format!(
-                "{}[{task}]",
-                request.name.as_deref().unwrap_or("array")
-            ));
-            ids.push(self.submit_one(r, now)?);
-        }
-        self.release_held(now)?;
-        Ok(ids.into_iter().filter_map(|id| self.view(id)).collect())
+        Ok(())
     }
 
     /// Whether a job's dependencies allow it to be scheduled.
@@ -783,16 +833,21 @@ impl Control {
         Ok(())
     }
 
-    fn submit_one(&mut self, mut request: JobRequest, now: i64) -> Result<u64, ControlError> {
+    /// Adds one job with id `id` (reserved by the caller).
+    fn submit_one(
+        &mut self,
+        mut request: JobRequest,
+        id: u64,
+        now: i64,
+        pass: Pass,
+    ) -> Result<(), ControlError> {
         // Record who runs it and who pays explicitly, so listings and accounting never guess.
         let user = request.user().to_owned();
         let account = request.account().to_owned();
         request.user = Some(user);
         request.account = Some(account);
-        let id = self.next_id;
         let spec = spec_of(id, &request, now);
         spec.validate()?;
-        self.next_id += 1;
         let mut record = JobRecord {
             id,
             request,
@@ -822,10 +877,13 @@ impl Control {
         if waits {
             self.held.insert(id);
         } else {
-            let actions = self.scheduler.step(now, Event::Submit(spec))?;
+            let mut actions = self.scheduler.handle(now, Event::Submit(spec))?;
+            if pass == Pass::Now {
+                actions.extend(self.scheduler.schedule(now));
+            }
             self.apply(now, actions);
         }
-        Ok(id)
+        Ok(())
     }
 
     /// Cancels job `id` at the request of user `by` (who is named in the audit trail).
@@ -1518,4 +1576,12 @@ fn xid_needs_reset(code: u64) -> bool {
         code,
         48 | 61 | 62 | 63 | 64 | 69 | 74 | 79 | 92 | 94 | 95 | 119 | 120 | 136 | 140 | 143 | 150
     )
+}
+
+/// Whether a submission runs a scheduling pass at once or leaves it to its caller (an array
+/// runs one pass for all its tasks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    Now,
+    Later,
 }

@@ -11,6 +11,8 @@ pub mod routes;
 pub mod spec;
 
 use control::Control;
+use record::JobRecord;
+use spec::JobRequest;
 pub use control::{
     AllocationView, ControlError, ControlSnapshot, DEFAULT_LEASE, DEFAULT_MAX_PENDING_PER_USER,
     JobsConfig, NodeView, PendingView, UsageView,
@@ -50,6 +52,9 @@ struct CommitState {
     committing: bool,
     failed: Option<String>,
 }
+
+/// Array tasks added to the control plane in one step (one lock hold, one commit).
+pub(crate) const ARRAY_STEP: u32 = 500;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -192,6 +197,62 @@ impl JobService {
             )
         })?
         .map_err(crate::ApiError::from)
+    }
+
+    /// Submits `request` for a user (`operator` may charge any account): a job, or an array
+    /// added [`ARRAY_STEP`] tasks at a time, each step committed on its own, so agents' syncs
+    /// and other requests get the control plane between steps. The steps run in a task of
+    /// their own: a client that hangs up does not leave an array half added. A server that
+    /// dies part way keeps the steps committed so far (their ids are the array's first).
+    /// Returns the first job and the array's ids, with a warning when no set of today's nodes
+    /// could run it.
+    pub(crate) async fn submit(
+        &self,
+        request: JobRequest,
+        operator: bool,
+    ) -> Result<(JobRecord, Vec<u64>, Option<String>), crate::ApiError> {
+        let service = self.clone();
+        tokio::spawn(async move {
+            let request = Arc::new(request);
+            let r = request.clone();
+            let (first, warning) = service
+                .run(move |c, now| {
+                    if !operator {
+                        c.may_charge(&r)?;
+                    }
+                    let warning = c.shape_warning(&r);
+                    let first = c.start_array(&r, now)?;
+                    Ok((first, warning))
+                })
+                .await?;
+            let count = request.array.unwrap_or(1);
+            let mut done = 0;
+            while done < count {
+                let step = done..count.min(done + ARRAY_STEP);
+                done = step.end;
+                let r = request.clone();
+                service
+                    .run(move |c, now| c.submit_array_tasks(&r, first, step, now))
+                    .await?;
+            }
+            let record = service
+                .read(|c| c.view(first))
+                .ok_or(ControlError::NoSuchJob(first))?;
+            let ids = if request.array.is_some() {
+                (first..first + u64::from(count)).collect()
+            } else {
+                Vec::new()
+            };
+            Ok((record, ids, warning))
+        })
+        .await
+        .map_err(|e| {
+            crate::ApiError::new(
+                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                e.to_string(),
+            )
+        })?
     }
 
     /// Ticks the control plane every second until `shutdown`.

@@ -43,22 +43,13 @@ pub async fn submit(
             _ => request.user = Some(who.user.clone()),
         }
     }
-    let (records, warning) = state
-        .jobs
-        .run(move |c, now| {
-            if !operator {
-                c.may_charge(&request)?;
-            }
-            let warning = c.shape_warning(&request);
-            Ok((c.submit(request, now)?, warning))
-        })
-        .await?;
-    let mut value = serde_json::to_value(records.first()).unwrap_or_default();
+    let (first, array, warning) = state.jobs.submit(request, operator).await?;
+    let mut value = serde_json::to_value(first).unwrap_or_default();
     if let Some(w) = warning {
         value["warning"] = w.into();
     }
-    if records.len() > 1 {
-        value["array_jobs"] = records.iter().map(|r| r.id).collect::<Vec<_>>().into();
+    if !array.is_empty() {
+        value["array_jobs"] = array.into();
     }
     Ok((StatusCode::CREATED, Json(value)))
 }
