@@ -317,3 +317,85 @@ fn accounts_and_qos_are_granted_not_claimed() {
         (n >= 5).then_some(())
     });
 }
+
+/// Issue 16: tokens were stored in plain text and read at startup only. `perch token create`
+/// prints a new token once and files only its hash; SIGHUP makes the server read the file
+/// again, so a token is granted or revoked without a restart, and a broken file changes
+/// nothing.
+#[test]
+fn tokens_are_created_hashed_and_granted_or_revoked_on_sighup() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("tokens.toml");
+    let create = |user: &str, role: &str| {
+        let out = common::client()
+            .args(["token", "create", "--user", user, "--role", role, "--append"])
+            .arg(&file)
+            .output()
+            .expect("perch token create");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let token = String::from_utf8(out.stdout).expect("utf-8").trim().to_owned();
+        assert!(token.starts_with("perch_") && token.len() == 70, "{token}");
+        token
+    };
+    let operator = create("ops", "operator");
+    let text = std::fs::read_to_string(&file).expect("tokens file");
+    assert!(!text.contains(&operator), "the file holds the token itself:\n{text}");
+    assert!(text.contains("token_hash = \"blake3:"), "{text}");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&file).expect("meta").permissions().mode() & 0o777,
+        0o600
+    );
+    // A role it does not know, or --node on a user token: refused, the file untouched.
+    let refused = common::client()
+        .args(["token", "create", "--user", "x", "--role", "user", "--node", "gpu-a", "--append"])
+        .arg(&file)
+        .output()
+        .expect("run");
+    assert!(!refused.status.success());
+    assert_eq!(std::fs::read_to_string(&file).expect("file"), text);
+
+    let server = common::server_with_config(
+        dir.path(),
+        &format!(
+            "[server]\ntokens_file = \"{}\"\npg_listen = \"\"\n",
+            file.display()
+        ),
+        &[],
+    );
+    let url = server.url.clone();
+    let (ok, out, err) = cli(&url, Some(&operator), &["nodes"]);
+    assert!(ok, "{out}{err}");
+    let alice = create("alice", "user");
+    let (ok, _, err) = cli(&url, Some(&alice), &["jobs"]);
+    assert!(!ok && err.contains("not known"), "before SIGHUP: {err}");
+    let hangup = || {
+        let status = Command::new("kill")
+            .args(["-HUP", &server.child.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+    };
+    hangup();
+    wait_for("alice's new token accepted", || {
+        cli(&url, Some(&alice), &["jobs"]).0.then_some(())
+    });
+    // A broken file on SIGHUP: the server keeps the tokens it had, and keeps running.
+    std::fs::write(&file, format!("{text}[[tokens]]\nuser = \"broken\"\n")).expect("write");
+    hangup();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(cli(&url, Some(&alice), &["jobs"]).0, "a broken file revoked a token");
+    // Revoked: the file without alice's entry.
+    std::fs::write(&file, &text).expect("write");
+    hangup();
+    wait_for("alice's token revoked", || {
+        let (ok, _, err) = cli(&url, Some(&alice), &["jobs"]);
+        (!ok && err.contains("not known")).then_some(())
+    });
+    assert!(cli(&url, Some(&operator), &["nodes"]).0);
+    assert!(server.log().contains("was not read again"), "{}", server.log());
+}

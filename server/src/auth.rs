@@ -18,7 +18,8 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -73,7 +74,12 @@ struct TokensFile {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct TokenEntry {
-    token: String,
+    /// The token itself (accepted, with a warning: the file then holds a secret).
+    #[serde(default)]
+    token: Option<String>,
+    /// `blake3:<64 hex digits>`, the token's hash (what `perch token create` prints).
+    #[serde(default)]
+    token_hash: Option<String>,
     user: String,
     role: Role,
     /// Agent tokens: the nodes it may speak for.
@@ -81,16 +87,37 @@ struct TokenEntry {
     nodes: Option<Vec<String>>,
 }
 
-/// The tokens the server accepts; `None` means open mode.
+/// The tokens the server accepts, by their BLAKE3 hash; `None` means open mode.
+///
+/// Only hashes are kept, and a presented token is hashed before it is looked up: the file need
+/// not hold secrets, and how long a lookup takes tells an attacker about a hash, never about a
+/// token (so no byte-by-byte guessing).
+/// Clones share the tokens, so a reload ([`Tokens::reload`], on SIGHUP) reaches every
+/// listener.
 #[derive(Debug, Clone, Default)]
 pub struct Tokens {
-    map: Option<HashMap<String, Identity>>,
+    map: Option<Arc<RwLock<ByHash>>>,
+    /// The file they came from, read again by [`Tokens::reload`].
+    path: Option<PathBuf>,
+}
+
+type ByHash = HashMap<[u8; 32], Identity>;
+
+/// How the tokens file writes a token's hash.
+pub const HASH_PREFIX: &str = "blake3:";
+
+/// The hash of `token` as the tokens file's `token_hash` holds it.
+pub fn token_hash(token: &str) -> String {
+    format!("{HASH_PREFIX}{}", blake3::hash(token.as_bytes()).to_hex())
 }
 
 impl Tokens {
     /// No authentication: everyone is an operator. Only for loopback listeners.
     pub fn open() -> Tokens {
-        Tokens { map: None }
+        Tokens {
+            map: None,
+            path: None,
+        }
     }
 
     pub fn is_open(&self) -> bool {
@@ -99,20 +126,67 @@ impl Tokens {
 
     /// Reads a TOML file of `[[tokens]]` entries with `token`, `user` and `role`.
     pub fn load(path: &Path) -> Result<Tokens, String> {
+        Ok(Tokens {
+            map: Some(Arc::new(RwLock::new(Self::read(path)?))),
+            path: Some(path.to_owned()),
+        })
+    }
+
+    /// Reads the tokens file again (on SIGHUP): added tokens work and removed ones stop at
+    /// once, without a restart. A file that does not parse changes nothing. Returns how many
+    /// tokens there are now.
+    pub fn reload(&self) -> Result<usize, String> {
+        let (Some(map), Some(path)) = (&self.map, &self.path) else {
+            return Err("the server runs without a tokens file; set server.tokens_file and restart".into());
+        };
+        let fresh = Self::read(path)?;
+        let count = fresh.len();
+        *map.write().unwrap_or_else(|p| p.into_inner()) = fresh;
+        Ok(count)
+    }
+
+    fn read(path: &Path) -> Result<ByHash, String> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("reading tokens file {}: {e}", path.display()))?;
-        Self::parse(&text).map_err(|e| format!("tokens file {}: {e}", path.display()))
+        Self::parse_entries(&text).map_err(|e| format!("tokens file {}: {e}", path.display()))
     }
 
     pub fn parse(text: &str) -> Result<Tokens, String> {
+        Ok(Tokens {
+            map: Some(Arc::new(RwLock::new(Self::parse_entries(text)?))),
+            path: None,
+        })
+    }
+
+    fn parse_entries(text: &str) -> Result<ByHash, String> {
         let file: TokensFile = toml::from_str(text).map_err(|e| e.to_string())?;
         let mut map = HashMap::new();
         for (i, t) in file.tokens.into_iter().enumerate() {
-            if t.token.len() < 16 {
-                return Err(format!(
-                    "tokens[{i}].token is shorter than 16 characters; use a long random string"
-                ));
-            }
+            let hash = match (&t.token, &t.token_hash) {
+                (Some(token), None) => {
+                    if token.len() < 16 {
+                        return Err(format!(
+                            "tokens[{i}].token is shorter than 16 characters; use a long random string (`perch token create` makes one)"
+                        ));
+                    }
+                    tracing::warn!(
+                        user = %t.user,
+                        "tokens[{i}] keeps its token in plain text; replace its `token = ...` with token_hash = \"{}\"",
+                        token_hash(token)
+                    );
+                    *blake3::hash(token.as_bytes()).as_bytes()
+                }
+                (None, Some(hash)) => parse_hash(hash).ok_or_else(|| {
+                    format!(
+                        "tokens[{i}].token_hash must be \"{HASH_PREFIX}\" and 64 hex digits, as `perch token create` prints it"
+                    )
+                })?,
+                _ => {
+                    return Err(format!(
+                        "tokens[{i}] needs exactly one of token_hash (preferred, from `perch token create`) or token"
+                    ));
+                }
+            };
             if perch_model::NodeId::new(t.user.clone()).is_err() {
                 return Err(format!(
                     "tokens[{i}].user {:?} must be letters, digits, '.', '_', '-'",
@@ -136,7 +210,7 @@ impl Tokens {
             }
             if map
                 .insert(
-                    t.token,
+                    hash,
                     Identity {
                         user: t.user,
                         role: t.role,
@@ -146,16 +220,21 @@ impl Tokens {
                 )
                 .is_some()
             {
-                return Err(format!("tokens[{i}].token appears twice"));
+                return Err(format!("tokens[{i}]: its token appears twice"));
             }
         }
-        Ok(Tokens { map: Some(map) })
+        Ok(map)
     }
 
     /// Who `token` belongs to: `None` when the server does not know it, or runs open. The
     /// PostgreSQL listener takes the token as the connection's password.
-    pub fn identify(&self, token: &str) -> Option<&Identity> {
-        self.map.as_ref()?.get(token)
+    pub fn identify(&self, token: &str) -> Option<Identity> {
+        self.map
+            .as_ref()?
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(blake3::hash(token.as_bytes()).as_bytes())
+            .cloned()
     }
 
     /// Who sends `header`; `job_of` checks a job's metrics token (the control plane knows
@@ -199,7 +278,11 @@ impl Tokens {
                     )
                 });
         }
-        map.get(token).cloned().ok_or_else(|| {
+        map.read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(blake3::hash(token.as_bytes()).as_bytes())
+            .cloned()
+            .ok_or_else(|| {
             ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "unauthenticated",
@@ -207,6 +290,11 @@ impl Tokens {
             )
         })
     }
+}
+
+fn parse_hash(text: &str) -> Option<[u8; 32]> {
+    let hex = text.strip_prefix(HASH_PREFIX)?;
+    Some(*blake3::Hash::from_hex(hex).ok()?.as_bytes())
 }
 
 /// Paths anyone may call.
@@ -320,6 +408,25 @@ mod tests {
             "alice"
         );
         assert!(ok.lookup(Some("Bearer nope"), &|_| None).is_err());
+        // The same token given by its hash: the file holds no secret.
+        let hashed = Tokens::parse(&format!(
+            "[[tokens]]\ntoken_hash = \"{}\"\nuser = \"alice\"\nrole = \"user\"\n",
+            token_hash("0123456789abcdef0")
+        ))
+        .expect("valid");
+        assert_eq!(
+            hashed
+                .identify("0123456789abcdef0")
+                .map(|i| i.user),
+            Some("alice".to_owned())
+        );
+        assert!(hashed.identify("0123456789abcdef1").is_none());
+        assert!(
+            hashed
+                .identify(&token_hash("0123456789abcdef0"))
+                .is_none(),
+            "the hash is not a token"
+        );
         assert!(ok.lookup(None, &|_| None).is_err());
         for (text, want) in [
             (
@@ -333,6 +440,19 @@ mod tests {
             (
                 "[[tokens]]\ntoken = \"0123456789abcdef0\"\nuser = \"a\"\nrole = \"root\"\n",
                 "unknown variant",
+            ),
+            (
+                "[[tokens]]\ntoken_hash = \"sha256:00\"\nuser = \"a\"\nrole = \"user\"\n",
+                "tokens[0].token_hash must be \"blake3:\"",
+            ),
+            (
+                "[[tokens]]\nuser = \"a\"\nrole = \"user\"\n",
+                "needs exactly one of token_hash",
+            ),
+            (
+                "[[tokens]]\ntoken = \"0123456789abcdef0\"\nuser = \"a\"\nrole = \"user\"\n\
+                 [[tokens]]\ntoken = \"0123456789abcdef0\"\nuser = \"b\"\nrole = \"user\"\n",
+                "tokens[1]: its token appears twice",
             ),
         ] {
             let err = Tokens::parse(text).expect_err(text);

@@ -336,6 +336,7 @@ pub async fn serve(
         }
         None => None,
     };
+    tokio::spawn(reload_on_hangup(state.tokens.clone(), stop_rx.clone()));
     let app = router(state.clone());
     let limits = listener::fit_descriptor_limit(state.config.connections);
     let listener = listener::LimitedListener::new(listener, limits);
@@ -365,4 +366,32 @@ pub async fn serve(
         tracing::error!(error = %e, "alerting task failed");
     }
     result
+}
+
+/// Reads the tokens file again on each SIGHUP until the server stops: an operator adds or
+/// revokes a token without a restart. A file that does not parse leaves the tokens as they
+/// were, with an error in the log.
+async fn reload_on_hangup(tokens: Arc<auth::Tokens>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hangups = match signal(SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot listen for SIGHUP; the tokens file is read at startup only");
+            return;
+        }
+    };
+    loop {
+        tokio::select! {
+            _ = stop.wait_for(|stop| *stop) => return,
+            got = hangups.recv() => if got.is_none() { return },
+        }
+        if tokens.is_open() {
+            tracing::info!("SIGHUP: no tokens file to read (the server runs open)");
+            continue;
+        }
+        match tokens.reload() {
+            Ok(n) => tracing::info!(tokens = n, "SIGHUP: tokens file read again"),
+            Err(e) => tracing::error!(error = %e, "SIGHUP: the tokens file was not read again; the tokens as they were stay"),
+        }
+    }
 }

@@ -7,6 +7,7 @@ mod jobs;
 mod serve;
 pub mod simulate;
 mod sql;
+mod token;
 
 use crate::config::{Config, ConfigFile};
 use crate::telemetry::{Target, Telemetry};
@@ -66,6 +67,8 @@ enum Command {
     /// Alerts (pending, firing), what perch did about them, silences and the remediation
     /// circuit breaker.
     Alerts(alerts::AlertsArgs),
+    /// Access tokens: `perch token create --user alice --role user` prints a new one once.
+    Token(token::TokenArgs),
 }
 
 #[derive(Debug, Args)]
@@ -343,5 +346,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Drain(args) => jobs::set_drained(args, true, file),
         Command::Resume(args) => jobs::set_drained(args, false, file),
         Command::Alerts(args) => alerts::run(args, file),
+        Command::Token(args) => token::run(args),
     }
 }
