@@ -74,9 +74,47 @@ pub struct ClientConfig {
     pub token: Option<String>,
     /// Where the token came from; `None` when there is none.
     pub token_source: Option<Source>,
+    /// PEM certificates of a CA to trust for an `https://` server (`PERCH_CA_FILE`, else
+    /// `[client] ca_file` of the files, in their order).
+    pub ca_file: Option<PathBuf>,
 }
 
 impl ClientConfig {
+    /// The certificates of `ca_file`, to trust besides the system's roots.
+    fn ca_certificates(&self) -> Result<Vec<reqwest::Certificate>> {
+        let Some(path) = &self.ca_file else {
+            return Ok(Vec::new());
+        };
+        let pem =
+            std::fs::read(path).with_context(|| format!("reading CA file {}", path.display()))?;
+        let certs = reqwest::Certificate::from_pem_bundle(&pem)
+            .with_context(|| format!("CA file {}", path.display()))?;
+        if certs.is_empty() {
+            bail!("CA file {} holds no PEM certificate", path.display());
+        }
+        Ok(certs)
+    }
+
+    /// An HTTP client for this server, trusting `ca_file` too.
+    pub fn http(&self) -> Result<reqwest::Client> {
+        let builder = reqwest::Client::builder();
+        let builder = self
+            .ca_certificates()?
+            .into_iter()
+            .fold(builder, |b, c| b.add_root_certificate(c));
+        Ok(builder.build()?)
+    }
+
+    /// A blocking HTTP client for this server with `timeout`, trusting `ca_file` too.
+    pub fn blocking_http(&self, timeout: std::time::Duration) -> Result<reqwest::blocking::Client> {
+        let builder = reqwest::blocking::Client::builder().timeout(timeout);
+        let builder = self
+            .ca_certificates()?
+            .into_iter()
+            .fold(builder, |b, c| b.add_root_certificate(c));
+        Ok(builder.build()?)
+    }
+
     /// The message for a server that does not answer: the address, where it came from, and
     /// what to do.
     pub fn unreachable(&self) -> String {
@@ -117,6 +155,8 @@ pub struct FileLayer {
     pub server: Option<ServerKey>,
     /// The token and its key.
     pub token: Option<(String, &'static str)>,
+    /// `[client] ca_file`.
+    pub ca_file: Option<PathBuf>,
     /// The file's permission bits; a token is refused from a file group or others can read.
     pub mode: u32,
 }
@@ -142,6 +182,7 @@ impl FileLayer {
             token: Some(c.client.token.clone())
                 .filter(|t| !t.is_empty())
                 .map(|t| (t, "client.token")),
+            ca_file: Some(c.client.ca_file.clone()).filter(|p| !p.as_os_str().is_empty()),
             mode,
         }
     }
@@ -166,6 +207,7 @@ impl FileLayer {
             per_user: true,
             server: set(file.client.server).map(|s| ServerKey::Url(s, "client.server")),
             token: set(file.client.token).map(|t| (t, "client.token")),
+            ca_file: Some(file.client.ca_file).filter(|p| !p.as_os_str().is_empty()),
             mode,
         })
     }
@@ -260,6 +302,9 @@ pub fn resolve(
         (None, Some(t)) => Some((t, Source::Env("PERCH_TOKEN"))),
         (None, None) => None,
     };
+    let ca_file = env("PERCH_CA_FILE")
+        .map(PathBuf::from)
+        .or_else(|| files.clone().find_map(|f| f.ca_file.clone()));
     for file in files {
         if token.is_some() {
             break;
@@ -293,6 +338,7 @@ pub fn resolve(
         server_source,
         token,
         token_source,
+        ca_file,
     })
 }
 

@@ -34,6 +34,9 @@ pub struct ClientSection {
     pub server: String,
     /// Bearer token (role user or operator). Empty: none.
     pub token: String,
+    /// PEM certificates of a CA to trust for an `https://` server, besides the system's.
+    /// Empty: the system's only.
+    pub ca_file: PathBuf,
 }
 
 /// A config file as read: its path, its values (defaults filled in), and which keys the file
@@ -102,6 +105,11 @@ pub struct ServerSection {
     pub pg_listen: String,
     /// TOML file of accepted bearer tokens; empty runs open (loopback only).
     pub tokens_file: PathBuf,
+    /// PEM certificate chain (the server's first) for TLS on HTTP and PostgreSQL; with
+    /// `tls_key`. Empty: plain text.
+    pub tls_cert: PathBuf,
+    /// PEM private key of `tls_cert`.
+    pub tls_key: PathBuf,
 }
 
 impl Default for ServerSection {
@@ -126,6 +134,8 @@ impl Default for ServerSection {
             storage: StorageSection::default(),
             pg_listen: "127.0.0.1:7432".into(),
             tokens_file: PathBuf::new(),
+            tls_cert: PathBuf::new(),
+            tls_key: PathBuf::new(),
         }
     }
 }
@@ -222,6 +232,8 @@ pub struct AgentSection {
     pub spool_max_mb: u64,
     /// Bearer token (role agent) for a server that requires authentication.
     pub token: String,
+    /// PEM certificates of a CA to trust for an `https://` server, besides the system's.
+    pub ca_file: PathBuf,
     /// Take jobs asking for a part of a GPU.
     pub gpu_sharing: bool,
     /// NVLink islands of this node's GPUs; empty: what NVML says (one island if it cannot).
@@ -249,6 +261,7 @@ impl Default for AgentSection {
             max_batch_rounds: 60,
             spool_max_mb: 256,
             token: String::new(),
+            ca_file: PathBuf::new(),
             gpu_sharing: false,
             nvlink_islands: Vec::new(),
             run_as_user: "if_possible".into(),
@@ -633,6 +646,20 @@ impl Config {
             config.tokens =
                 perch_server::auth::Tokens::load(&s.tokens_file).map_err(anyhow::Error::msg)?;
         }
+        match (s.tls_cert.as_os_str().is_empty(), s.tls_key.as_os_str().is_empty()) {
+            (true, true) => {}
+            (false, false) => {
+                config.tls = Some(
+                    perch_server::tls::Certificates::load(perch_server::tls::TlsFiles {
+                        cert: s.tls_cert.clone(),
+                        key: s.tls_key.clone(),
+                    })
+                    .map_err(|e| anyhow::anyhow!("config key {e}"))?,
+                );
+            }
+            (true, false) => anyhow::bail!("config key server.tls_key is set without server.tls_cert: give both, or neither"),
+            (false, true) => anyhow::bail!("config key server.tls_cert is set without server.tls_key: give both, or neither"),
+        }
         Ok(config)
     }
 
@@ -663,6 +690,7 @@ impl Config {
         config.max_batch_rounds = a.max_batch_rounds.max(1);
         config.spool_max_bytes = a.spool_max_mb << 20;
         config.token = Some(a.token.clone()).filter(|t| !t.is_empty());
+        config.ca_file = Some(a.ca_file.clone()).filter(|p| !p.as_os_str().is_empty());
         config.gpu_sharing = a.gpu_sharing;
         config.nvlink_islands = Some(a.nvlink_islands.clone()).filter(|i| !i.is_empty());
         config.run_as_user = perch_collector::launcher::RunAsUser::parse(&a.run_as_user)

@@ -66,6 +66,8 @@ pub struct AgentConfig {
     pub run_jobs: bool,
     /// Bearer token (role `agent`) for servers that require authentication.
     pub token: Option<String>,
+    /// PEM certificates of a CA to trust for an `https://` server, besides the system's.
+    pub ca_file: Option<PathBuf>,
     /// Take jobs asking for a part of a GPU (off by default: shared GPUs need MPS, or trust
     /// between the jobs, to keep one from starving the others).
     pub gpu_sharing: bool,
@@ -104,6 +106,7 @@ impl AgentConfig {
             spool_max_bytes: 256 * 1024 * 1024,
             run_jobs: true,
             token: None,
+            ca_file: None,
             gpu_sharing: false,
             nvlink_islands: None,
             run_as_user: crate::launcher::RunAsUser::IfPossible,
@@ -364,7 +367,12 @@ pub async fn run_agent_with(
 ) -> Result<AgentStats> {
     config.check()?;
     let sender =
-        Sender::new(&config.server, config.request_timeout)?.with_token(config.token.clone());
+        Sender::new(
+            &config.server,
+            config.request_timeout,
+            config.ca_file.as_deref(),
+        )?
+        .with_token(config.token.clone());
     // Loading NVML can take a second on a big node: keep it off the async threads. Later NVML
     // calls and /proc reads block well under a millisecond per source, so each round runs
     // inline on this task rather than paying a thread hop.
@@ -435,6 +443,7 @@ pub async fn run_agent_with(
             shutdown_grace: config.drain_timeout,
             registry: config.jobs.clone(),
             token: config.token.clone(),
+            ca_file: config.ca_file.clone(),
             supervisor: config.supervisor.clone(),
         };
         let mut stopped = control_stopped.clone();

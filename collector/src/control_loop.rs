@@ -35,6 +35,8 @@ pub struct ControlConfig {
     pub registry: JobRegistry,
     /// Bearer token (role `agent`) for servers that require authentication.
     pub token: Option<String>,
+    /// PEM certificates of a CA to trust for an `https://` server, besides the system's.
+    pub ca_file: Option<std::path::PathBuf>,
     /// The program that supervises each job (the `perch` binary, run as `perch __job-shim`);
     /// `None` runs jobs as the agent's own children, with no supervisor to stop them when the
     /// agent dies (see [`crate::launcher`]).
@@ -59,6 +61,10 @@ pub async fn run_control(
         })?;
     launcher.set_otel(crate::launcher::OtelTarget {
         endpoint: config.server.clone(),
+        ca_file: config
+            .ca_file
+            .as_ref()
+            .map(|p| p.to_string_lossy().into_owned()),
         node: config.node.as_str().to_owned(),
     });
     launcher.set_isolation(&config.isolation);
@@ -66,9 +72,11 @@ pub async fn run_control(
         launcher.set_supervisor(program.clone());
     }
     let launcher = Arc::new(Mutex::new(launcher));
-    let client = reqwest::Client::builder()
-        .timeout(config.request_timeout)
-        .build()
+    let client = crate::sender::trust(
+        reqwest::Client::builder().timeout(config.request_timeout),
+        config.ca_file.as_deref(),
+    )?
+    .build()
         .map_err(|e| crate::CollectorError::Config(format!("HTTP client: {e}")))?;
     let url = format!("{}/v1/agent/sync", config.server.trim_end_matches('/'));
     let mut tick = tokio::time::interval(config.interval);

@@ -15,6 +15,7 @@ use crate::queue::SendQueue;
 use crate::spool::{Spool, SpoolEntry};
 use perch_model::Batch;
 use reqwest::header::{CONTENT_ENCODING, CONTENT_TYPE};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -77,16 +78,18 @@ pub fn encode(batch: &Batch) -> Result<Vec<u8>> {
 
 impl Sender {
     /// `server` is the base URL, e.g. `http://127.0.0.1:7300`; `timeout` bounds one request.
-    pub fn new(server: &str, timeout: Duration) -> Result<Self> {
+    /// `ca_file`: PEM certificates of a CA to trust besides the system's (see [`trust`]).
+    pub fn new(server: &str, timeout: Duration, ca_file: Option<&Path>) -> Result<Self> {
         let base = server.trim_end_matches('/');
         if !(base.starts_with("http://") || base.starts_with("https://")) {
             return Err(CollectorError::Config(format!(
                 "server {server:?} must be a URL such as http://127.0.0.1:7300"
             )));
         }
-        let client = reqwest::Client::builder()
+        let builder = reqwest::Client::builder()
             .timeout(timeout)
-            .connect_timeout(timeout.min(Duration::from_secs(5)))
+            .connect_timeout(timeout.min(Duration::from_secs(5)));
+        let client = trust(builder, ca_file)?
             .build()
             .map_err(|e| CollectorError::Config(format!("cannot build HTTP client: {e}")))?;
         Ok(Self {
@@ -332,6 +335,32 @@ pub async fn run_sender(sender: Sender, shared: SenderShared, backoff: Backoff) 
     }
 }
 
+/// `builder` trusting, besides the system's roots, the CA certificates in `ca_file` (PEM): a
+/// server whose certificate an in-house CA signed (`agent.ca_file`, `PERCH_CA_FILE`).
+pub fn trust(
+    builder: reqwest::ClientBuilder,
+    ca_file: Option<&Path>,
+) -> Result<reqwest::ClientBuilder> {
+    let Some(path) = ca_file else {
+        return Ok(builder);
+    };
+    let pem = std::fs::read(path).map_err(|e| {
+        CollectorError::Config(format!("reading CA file {}: {e}", path.display()))
+    })?;
+    let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| {
+        CollectorError::Config(format!("CA file {}: {e}", path.display()))
+    })?;
+    if certs.is_empty() {
+        return Err(CollectorError::Config(format!(
+            "CA file {} holds no PEM certificate",
+            path.display()
+        )));
+    }
+    Ok(certs
+        .into_iter()
+        .fold(builder, |b, cert| b.add_root_certificate(cert)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -347,8 +376,8 @@ mod tests {
     #[test]
     fn server_must_be_a_url() {
         let timeout = Duration::from_secs(1);
-        assert!(Sender::new("127.0.0.1:7300", timeout).is_err());
-        let s = Sender::new("http://127.0.0.1:7300/", timeout).expect("valid URL");
+        assert!(Sender::new("127.0.0.1:7300", timeout, None).is_err());
+        let s = Sender::new("http://127.0.0.1:7300/", timeout, None).expect("valid URL");
         assert_eq!(s.url(), "http://127.0.0.1:7300/v1/ingest");
     }
 }

@@ -189,7 +189,7 @@ async fn deliver(url: &str, n: i64) -> Arc<AgentCounters> {
         draining: Arc::new(AtomicBool::new(true)),
         counters: counters.clone(),
     };
-    let sender = Sender::new(url, Duration::from_secs(10)).expect("client");
+    let sender = Sender::new(url, Duration::from_secs(10), None).expect("client");
     bounded(run_sender(sender, shared.clone(), FAST)).await;
     assert!(shared.queue.lock().expect("lock").is_empty());
     counters

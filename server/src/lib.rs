@@ -18,6 +18,7 @@ pub mod node_status;
 mod otlp;
 pub mod pg;
 mod sql;
+pub mod tls;
 
 pub use error::ApiError;
 pub use latest::Latest;
@@ -46,6 +47,8 @@ pub struct ServerConfig {
     pub tokens: auth::Tokens,
     /// Address of the PostgreSQL-protocol SQL listener, if any.
     pub pg_listen: Option<String>,
+    /// The certificate both listeners serve TLS with; `None`: plain HTTP and PostgreSQL.
+    pub tls: Option<Arc<tls::Certificates>>,
     /// The HTTP listener's connection cap and idle timeout.
     pub connections: listener::ConnectionLimits,
     /// Prices and the folding of telemetry into job accounting.
@@ -64,6 +67,7 @@ impl ServerConfig {
             jobs: jobs::JobsConfig::default(),
             tokens: auth::Tokens::open(),
             pg_listen: None,
+            tls: None,
             connections: listener::ConnectionLimits::default(),
             accounting: accounting::AccountingConfig::default(),
             alerts: perch_alerts::AlertsConfig::default(),
@@ -328,6 +332,7 @@ pub async fn serve(
                 &state.config.store.data_dir,
                 state.sql.clone(),
                 state.tokens.clone(),
+                tls_acceptor(&state, &[])?,
                 async move {
                     let _ = rx.wait_for(|stop| *stop).await;
                 },
@@ -336,10 +341,15 @@ pub async fn serve(
         }
         None => None,
     };
-    tokio::spawn(reload_on_hangup(state.tokens.clone(), stop_rx.clone()));
+    tokio::spawn(reload_on_hangup(
+        state.tokens.clone(),
+        state.config.tls.clone(),
+        stop_rx.clone(),
+    ));
     let app = router(state.clone());
     let limits = listener::fit_descriptor_limit(state.config.connections);
-    let listener = listener::LimitedListener::new(listener, limits);
+    let listener =
+        listener::LimitedListener::new(listener, limits, tls_acceptor(&state, &[b"http/1.1"])?);
     let result = axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             shutdown.await;
@@ -368,10 +378,27 @@ pub async fn serve(
     result
 }
 
-/// Reads the tokens file again on each SIGHUP until the server stops: an operator adds or
-/// revokes a token without a restart. A file that does not parse leaves the tokens as they
-/// were, with an error in the log.
-async fn reload_on_hangup(tokens: Arc<auth::Tokens>, mut stop: tokio::sync::watch::Receiver<bool>) {
+/// The TLS acceptor for a listener offering `alpn`, if the server has a certificate.
+fn tls_acceptor(
+    state: &AppState,
+    alpn: &[&[u8]],
+) -> std::io::Result<Option<tokio_rustls::TlsAcceptor>> {
+    state
+        .config
+        .tls
+        .as_ref()
+        .map(|certs| certs.acceptor(alpn).map_err(std::io::Error::other))
+        .transpose()
+}
+
+/// Reads the tokens file and the TLS certificate again on each SIGHUP until the server stops:
+/// an operator adds or revokes a token, or installs a renewed certificate, without a restart.
+/// A file that does not parse leaves what was there, with an error in the log.
+async fn reload_on_hangup(
+    tokens: Arc<auth::Tokens>,
+    tls: Option<Arc<tls::Certificates>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
     use tokio::signal::unix::{SignalKind, signal};
     let mut hangups = match signal(SignalKind::hangup()) {
         Ok(s) => s,
@@ -384,6 +411,12 @@ async fn reload_on_hangup(tokens: Arc<auth::Tokens>, mut stop: tokio::sync::watc
         tokio::select! {
             _ = stop.wait_for(|stop| *stop) => return,
             got = hangups.recv() => if got.is_none() { return },
+        }
+        if let Some(tls) = &tls {
+            match tls.reload() {
+                Ok(()) => tracing::info!("SIGHUP: TLS certificate read again; new connections get it"),
+                Err(e) => tracing::error!(error = %e, "SIGHUP: the TLS certificate was not read again; the one served so far stays"),
+            }
         }
         if tokens.is_open() {
             tracing::info!("SIGHUP: no tokens file to read (the server runs open)");

@@ -8,6 +8,10 @@
 //!   that connects and sends nothing, stops mid-request, or keeps an idle keep-alive
 //!   connection. A request being served is not idle while it writes, and the server reads
 //!   nothing from a client while it computes an answer.
+//!
+//! With TLS (`server.tls_cert`), each connection's handshake runs on the connection's own task
+//! (on its first read or write), never in the accept loop, so a client that stalls mid-handshake
+//! holds up no one, and is closed by the idle timeout like any other.
 
 use std::io;
 use std::net::SocketAddr;
@@ -77,25 +81,31 @@ pub fn fit_descriptor_limit(limits: ConnectionLimits) -> ConnectionLimits {
     }
 }
 
-/// A TCP listener that applies [`ConnectionLimits`].
+/// A TCP listener that applies [`ConnectionLimits`], and TLS when it has an acceptor.
 pub struct LimitedListener {
     inner: TcpListener,
     slots: Arc<Semaphore>,
     idle: Duration,
+    tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
 impl LimitedListener {
-    pub fn new(inner: TcpListener, limits: ConnectionLimits) -> LimitedListener {
+    pub fn new(
+        inner: TcpListener,
+        limits: ConnectionLimits,
+        tls: Option<tokio_rustls::TlsAcceptor>,
+    ) -> LimitedListener {
         LimitedListener {
             inner,
             slots: Arc::new(Semaphore::new(limits.max_connections.max(1))),
             idle: limits.idle_timeout,
+            tls,
         }
     }
 }
 
 impl axum::serve::Listener for LimitedListener {
-    type Io = LimitedStream;
+    type Io = ServerStream;
     type Addr = SocketAddr;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
@@ -107,7 +117,12 @@ impl axum::serve::Listener for LimitedListener {
             match self.inner.accept().await {
                 Ok((stream, addr)) => {
                     let _ = stream.set_nodelay(true);
-                    return (LimitedStream::new(stream, slot, self.idle), addr);
+                    let stream = LimitedStream::new(stream, slot, self.idle);
+                    let io = match &self.tls {
+                        Some(tls) => ServerStream::Handshake(tls.accept(stream)),
+                        None => ServerStream::Plain(stream),
+                    };
+                    return (io, addr);
                 }
                 Err(e) => {
                     // Out of descriptors or a connection reset before it was accepted: wait a
@@ -121,6 +136,88 @@ impl axum::serve::Listener for LimitedListener {
 
     fn local_addr(&self) -> io::Result<SocketAddr> {
         self.inner.local_addr()
+    }
+}
+
+/// A connection as the HTTP server sees it: plain, or TLS (handshaking until its first read or
+/// write completes the handshake).
+pub enum ServerStream {
+    Plain(LimitedStream),
+    Handshake(tokio_rustls::Accept<LimitedStream>),
+    Tls(Box<tokio_rustls::server::TlsStream<LimitedStream>>),
+    /// The handshake failed; every read and write fails.
+    Failed,
+}
+
+impl ServerStream {
+    /// Drives the handshake, if one is under way, to its end.
+    fn poll_handshake(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if let ServerStream::Handshake(accept) = self {
+            match std::future::Future::poll(Pin::new(accept), cx) {
+                Poll::Ready(Ok(tls)) => *self = ServerStream::Tls(Box::new(tls)),
+                Poll::Ready(Err(e)) => {
+                    *self = ServerStream::Failed;
+                    return Poll::Ready(Err(e));
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    fn failed() -> io::Error {
+        io::Error::new(io::ErrorKind::NotConnected, "the TLS handshake failed")
+    }
+}
+
+impl AsyncRead for ServerStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        std::task::ready!(this.poll_handshake(cx))?;
+        match this {
+            ServerStream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            ServerStream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+            ServerStream::Handshake(_) | ServerStream::Failed => Poll::Ready(Err(Self::failed())),
+        }
+    }
+}
+
+impl AsyncWrite for ServerStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        std::task::ready!(this.poll_handshake(cx))?;
+        match this {
+            ServerStream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            ServerStream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+            ServerStream::Handshake(_) | ServerStream::Failed => Poll::Ready(Err(Self::failed())),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        std::task::ready!(this.poll_handshake(cx))?;
+        match this {
+            ServerStream::Plain(s) => Pin::new(s).poll_flush(cx),
+            ServerStream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+            ServerStream::Handshake(_) | ServerStream::Failed => Poll::Ready(Err(Self::failed())),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            ServerStream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            ServerStream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            // Nothing was said over TLS yet: closing is dropping.
+            ServerStream::Handshake(_) | ServerStream::Failed => Poll::Ready(Ok(())),
+        }
     }
 }
 
@@ -242,6 +339,7 @@ mod tests {
                 max_connections: 2,
                 idle_timeout: Duration::from_millis(300),
             },
+            None,
         );
         let mut clients = Vec::new();
         for _ in 0..3 {

@@ -83,6 +83,7 @@ pub async fn start(
     data_dir: &Path,
     sql: Arc<SqlEngine>,
     tokens: Arc<Tokens>,
+    tls: Option<pgwire::tokio::TlsAcceptor>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Option<tokio::task::JoinHandle<()>> {
     let bound = async {
@@ -98,7 +99,10 @@ pub async fn start(
             } else {
                 tracing::info!(listen = %bound, "PostgreSQL protocol (read-only SQL) listening: clients log in with a perch token as password");
             }
-            Some(tokio::spawn(serve_pg(listener, sql, tokens, shutdown)))
+            if tls.is_some() {
+                tracing::info!(listen = %bound, "PostgreSQL protocol offers TLS (sslmode=require or verify-full)");
+            }
+            Some(tokio::spawn(serve_pg(listener, sql, tokens, tls, shutdown)))
         }
         Err(e) => {
             tracing::error!(listen = addr, error = %e, "the PostgreSQL listener could not start; SQL over HTTP still works (set [server] pg_listen to another address, or \"\" for none)");
@@ -112,6 +116,7 @@ pub async fn serve_pg(
     listener: TcpListener,
     sql: Arc<SqlEngine>,
     tokens: Arc<Tokens>,
+    tls: Option<pgwire::tokio::TlsAcceptor>,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let handler = Arc::new(PgHandler {
@@ -125,9 +130,9 @@ pub async fn serve_pg(
             _ = &mut shutdown => return,
             accepted = listener.accept() => match accepted {
                 Ok((socket, _)) => {
-                    let handler = handler.clone();
+                    let (handler, tls) = (handler.clone(), tls.clone());
                     tokio::spawn(async move {
-                        if let Err(e) = pgwire::tokio::process_socket(socket, None, handler).await {
+                        if let Err(e) = pgwire::tokio::process_socket(socket, tls, handler).await {
                             tracing::debug!(error = %e, "PostgreSQL connection ended with an error");
                         }
                     });

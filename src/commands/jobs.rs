@@ -175,9 +175,7 @@ impl Api {
     /// A client of the server that `server` and the config resolve to.
     pub(crate) fn new(server: &ServerArg, config_file: Option<&ConfigFile>) -> Result<Api> {
         let config = server.resolve(config_file)?;
-        let client = reqwest::blocking::Client::builder()
-            .timeout(std::time::Duration::from_secs(30))
-            .build()?;
+        let client = config.blocking_http(std::time::Duration::from_secs(30))?;
         Ok(Api { client, config })
     }
 

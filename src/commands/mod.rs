@@ -151,6 +151,9 @@ struct AgentArgs {
     /// Bearer token (role agent) when the server requires one.
     #[arg(long, env = "PERCH_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// PEM certificates of a CA to trust for an https:// server, besides the system's.
+    #[arg(long, env = "PERCH_CA_FILE")]
+    ca_file: Option<PathBuf>,
     #[command(flatten)]
     agent: AgentFlags,
     #[command(flatten)]
@@ -303,6 +306,9 @@ pub fn run(cli: Cli) -> Result<()> {
             }
             if let Some(v) = args.token {
                 config.agent.token = v;
+            }
+            if let Some(v) = args.ca_file {
+                config.agent.ca_file = v;
             }
             args.agent.apply(&mut config);
             args.telemetry.apply(&mut config);

@@ -111,7 +111,13 @@ pub fn up(config: Config) -> Result<()> {
         let addr = listener.local_addr()?;
         let (stop, stop_rx) = watch::channel(false);
         let server = tokio::spawn(perch_server::serve(listener, state, stopped(&stop_rx)));
-        agent_config.server = format!("http://{addr}");
+        // With TLS the built-in agent speaks it too (trusting agent.ca_file, PERCH_CA_FILE).
+        let scheme = if config.server.tls_cert.as_os_str().is_empty() {
+            "http"
+        } else {
+            "https"
+        };
+        agent_config.server = format!("{scheme}://{addr}");
         let detection = tokio::task::spawn_blocking({
             let nvml = agent_config.nvml.clone();
             move || detect_gpus(&nvml)

@@ -47,7 +47,8 @@ async fn query(args: SqlArgs, client: ClientConfig) -> Result<()> {
         OutputFormat::Json => "json",
     };
     let url = format!("{}/v1/sql", client.server);
-    let mut request = reqwest::Client::new()
+    let mut request = client
+        .http()?
         .post(&url)
         .json(&serde_json::json!({"sql": sql, "format": wire}));
     if let Some(t) = &client.token {

@@ -41,6 +41,21 @@ impl Perch {
 
     /// [`Perch::start`] with more environment variables.
     pub fn start_with_env(data_dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Perch {
+        Self::start_inner(data_dir, args, env, None)
+    }
+
+    /// [`Perch::start`] for a server that speaks TLS with a certificate `ca_pem` signed: its
+    /// URL is `https://`, and readiness is asked over TLS trusting that CA.
+    pub fn start_tls(data_dir: &Path, args: &[&str], ca_pem: &str) -> Perch {
+        Self::start_inner(data_dir, args, &[], Some(ca_pem))
+    }
+
+    fn start_inner(
+        data_dir: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+        ca_pem: Option<&str>,
+    ) -> Perch {
         std::fs::create_dir_all(data_dir).expect("create data dir");
         let addr_file = data_dir.join("server.addr");
         let _ = std::fs::remove_file(&addr_file);
@@ -82,11 +97,24 @@ impl Perch {
                     .filter(|s| s.ends_with('\n'))
             },
         );
-        perch.url = format!("http://{}", addr.trim());
+        let mut client = reqwest::blocking::Client::builder();
+        let scheme = match ca_pem {
+            Some(pem) => {
+                client = client.add_root_certificate(
+                    reqwest::Certificate::from_pem(pem.as_bytes()).expect("CA certificate"),
+                );
+                "https"
+            }
+            None => "http",
+        };
+        let client = client.build().expect("client");
+        perch.url = format!("{scheme}://{}", addr.trim());
         let ready = format!("{}/readyz", perch.url);
         wait_for("readiness", || {
             perch.assert_running();
-            reqwest::blocking::get(&ready)
+            client
+                .get(&ready)
+                .send()
                 .ok()
                 .filter(|r| r.status().is_success())
         });

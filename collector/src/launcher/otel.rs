@@ -19,6 +19,9 @@ pub struct OtelTarget {
     pub endpoint: String,
     /// This node's name, for `host.name`.
     pub node: String,
+    /// The CA file the agent trusts for an `https://` server, passed to jobs as
+    /// `OTEL_EXPORTER_OTLP_CERTIFICATE` (the SDKs' name for it).
+    pub ca_file: Option<String>,
 }
 
 /// Percent-encodes what the `OTEL_RESOURCE_ATTRIBUTES` syntax reserves (`,`, `=`, `%`),
@@ -60,6 +63,10 @@ pub fn variables(target: &OtelTarget, l: &JobLaunch) -> BTreeMap<String, String>
         ),
         ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf".to_owned()),
         (
+            "OTEL_EXPORTER_OTLP_CERTIFICATE",
+            target.ca_file.clone().unwrap_or_default(),
+        ),
+        (
             "OTEL_SERVICE_NAME",
             l.env
                 .get("PERCH_JOB_NAME")
@@ -68,7 +75,7 @@ pub fn variables(target: &OtelTarget, l: &JobLaunch) -> BTreeMap<String, String>
                 .unwrap_or_else(|| format!("perch-job-{}", l.job)),
         ),
     ] {
-        if !l.env.contains_key(key) {
+        if !l.env.contains_key(key) && !value.is_empty() {
             vars.insert(key.to_owned(), value);
         }
     }
@@ -108,6 +115,7 @@ mod tests {
         let target = OtelTarget {
             endpoint: "http://perch:7300/".into(),
             node: "gpu-01".into(),
+            ca_file: None,
         };
         let vars = variables(&target, &launch(&[]));
         assert_eq!(vars["OTEL_EXPORTER_OTLP_ENDPOINT"], "http://perch:7300");
