@@ -646,7 +646,10 @@ impl Config {
             config.tokens =
                 perch_server::auth::Tokens::load(&s.tokens_file).map_err(anyhow::Error::msg)?;
         }
-        match (s.tls_cert.as_os_str().is_empty(), s.tls_key.as_os_str().is_empty()) {
+        match (
+            s.tls_cert.as_os_str().is_empty(),
+            s.tls_key.as_os_str().is_empty(),
+        ) {
             (true, true) => {}
             (false, false) => {
                 config.tls = Some(
@@ -657,8 +660,12 @@ impl Config {
                     .map_err(|e| anyhow::anyhow!("config key {e}"))?,
                 );
             }
-            (true, false) => anyhow::bail!("config key server.tls_key is set without server.tls_cert: give both, or neither"),
-            (false, true) => anyhow::bail!("config key server.tls_cert is set without server.tls_key: give both, or neither"),
+            (true, false) => anyhow::bail!(
+                "config key server.tls_key is set without server.tls_cert: give both, or neither"
+            ),
+            (false, true) => anyhow::bail!(
+                "config key server.tls_cert is set without server.tls_key: give both, or neither"
+            ),
         }
         Ok(config)
     }

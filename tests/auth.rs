@@ -328,7 +328,9 @@ fn tokens_are_created_hashed_and_granted_or_revoked_on_sighup() {
     let file = dir.path().join("tokens.toml");
     let create = |user: &str, role: &str| {
         let out = common::client()
-            .args(["token", "create", "--user", user, "--role", role, "--append"])
+            .args([
+                "token", "create", "--user", user, "--role", role, "--append",
+            ])
             .arg(&file)
             .output()
             .expect("perch token create");
@@ -337,13 +339,19 @@ fn tokens_are_created_hashed_and_granted_or_revoked_on_sighup() {
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let token = String::from_utf8(out.stdout).expect("utf-8").trim().to_owned();
+        let token = String::from_utf8(out.stdout)
+            .expect("utf-8")
+            .trim()
+            .to_owned();
         assert!(token.starts_with("perch_") && token.len() == 70, "{token}");
         token
     };
     let operator = create("ops", "operator");
     let text = std::fs::read_to_string(&file).expect("tokens file");
-    assert!(!text.contains(&operator), "the file holds the token itself:\n{text}");
+    assert!(
+        !text.contains(&operator),
+        "the file holds the token itself:\n{text}"
+    );
     assert!(text.contains("token_hash = \"blake3:"), "{text}");
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(
@@ -352,7 +360,9 @@ fn tokens_are_created_hashed_and_granted_or_revoked_on_sighup() {
     );
     // A role it does not know, or --node on a user token: refused, the file untouched.
     let refused = common::client()
-        .args(["token", "create", "--user", "x", "--role", "user", "--node", "gpu-a", "--append"])
+        .args([
+            "token", "create", "--user", "x", "--role", "user", "--node", "gpu-a", "--append",
+        ])
         .arg(&file)
         .output()
         .expect("run");
@@ -388,7 +398,10 @@ fn tokens_are_created_hashed_and_granted_or_revoked_on_sighup() {
     std::fs::write(&file, format!("{text}[[tokens]]\nuser = \"broken\"\n")).expect("write");
     hangup();
     std::thread::sleep(std::time::Duration::from_millis(500));
-    assert!(cli(&url, Some(&alice), &["jobs"]).0, "a broken file revoked a token");
+    assert!(
+        cli(&url, Some(&alice), &["jobs"]).0,
+        "a broken file revoked a token"
+    );
     // Revoked: the file without alice's entry.
     std::fs::write(&file, &text).expect("write");
     hangup();
@@ -397,5 +410,9 @@ fn tokens_are_created_hashed_and_granted_or_revoked_on_sighup() {
         (!ok && err.contains("not known")).then_some(())
     });
     assert!(cli(&url, Some(&operator), &["nodes"]).0);
-    assert!(server.log().contains("was not read again"), "{}", server.log());
+    assert!(
+        server.log().contains("was not read again"),
+        "{}",
+        server.log()
+    );
 }

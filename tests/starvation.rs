@@ -64,7 +64,8 @@ fn heavy_queries_and_a_maximal_submission_do_not_starve_agent_syncs() {
     std::thread::sleep(Duration::from_millis(200));
     // Two queries each wanting 2 GB of distinct strings: more memory than any query may have,
     // and together more than the server's budget.
-    let wide = "SELECT count(DISTINCT concat(repeat('x', 1000), value)) FROM generate_series(1, 2000000)";
+    let wide =
+        "SELECT count(DISTINCT concat(repeat('x', 1000), value)) FROM generate_series(1, 2000000)";
     let memory = [sql(wide), sql(wide)];
     // A fourth query waits for one of the three slots.
     let queued = sql("SELECT 42 AS answer");
@@ -85,7 +86,11 @@ fn heavy_queries_and_a_maximal_submission_do_not_starve_agent_syncs() {
                 }))
                 .send()
                 .expect("submit");
-            (r.status().as_u16(), r.text().expect("text"), started.elapsed())
+            (
+                r.status().as_u16(),
+                r.text().expect("text"),
+                started.elapsed(),
+            )
         })
     };
 
@@ -106,10 +111,7 @@ fn heavy_queries_and_a_maximal_submission_do_not_starve_agent_syncs() {
                 assert!(sync.status().is_success(), "sync: {}", sync.status());
                 slowest.0 = slowest.0.max(started.elapsed());
                 let started = Instant::now();
-                let health = http
-                    .get(format!("{url}/healthz"))
-                    .send()
-                    .expect("healthz");
+                let health = http.get(format!("{url}/healthz")).send().expect("healthz");
                 assert!(health.status().is_success());
                 slowest.1 = slowest.1.max(started.elapsed());
                 rounds += 1;
@@ -153,8 +155,13 @@ fn heavy_queries_and_a_maximal_submission_do_not_starve_agent_syncs() {
         assert_eq!(node["state"], "up", "{node}");
     }
     assert_eq!(
-        perch.scalar("SELECT count(*) FROM events WHERE kind IN ('node_down', 'node_lease_expired')"),
+        perch.scalar(
+            "SELECT count(*) FROM events WHERE kind IN ('node_down', 'node_lease_expired')"
+        ),
         0
     );
-    assert_eq!(perch.scalar("SELECT count(*) FROM jobs WHERE state = 'pending'"), 10_000);
+    assert_eq!(
+        perch.scalar("SELECT count(*) FROM jobs WHERE state = 'pending'"),
+        10_000
+    );
 }

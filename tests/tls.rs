@@ -124,7 +124,9 @@ fn both_listeners_speak_tls_and_a_renewed_certificate_is_served_after_sighup() {
     // A client that opens a connection and never finishes the handshake holds up no one.
     let addr = server.url.trim_start_matches("https://").to_owned();
     let mut stalled = std::net::TcpStream::connect(&addr).expect("connect");
-    stalled.write_all(&[0x16, 0x03, 0x01]).expect("a third of a record");
+    stalled
+        .write_all(&[0x16, 0x03, 0x01])
+        .expect("a third of a record");
     let started = Instant::now();
     let (ok, out) = perch_sql(&server.url, Some(&first.ca), "SELECT 1");
     assert!(ok, "{out}");
@@ -171,7 +173,9 @@ fn both_listeners_speak_tls_and_a_renewed_certificate_is_served_after_sighup() {
     };
     hangup();
     wait_for("the renewed certificate served", || {
-        perch_sql(&server.url, Some(&second.ca), "SELECT 1").0.then_some(())
+        perch_sql(&server.url, Some(&second.ca), "SELECT 1")
+            .0
+            .then_some(())
     });
     assert!(!perch_sql(&server.url, Some(&first.ca), "SELECT 1").0);
     assert!(psql(&second.ca).status.success());
@@ -180,7 +184,11 @@ fn both_listeners_speak_tls_and_a_renewed_certificate_is_served_after_sighup() {
     hangup();
     std::thread::sleep(Duration::from_millis(500));
     assert!(perch_sql(&server.url, Some(&second.ca), "SELECT 1").0);
-    assert!(server.log().contains("the TLS certificate was not read again"));
+    assert!(
+        server
+            .log()
+            .contains("the TLS certificate was not read again")
+    );
     let mut buf = [0u8; 1];
     stalled
         .set_read_timeout(Some(Duration::from_millis(100)))
@@ -224,6 +232,9 @@ fn bad_tls_settings_are_refused_at_startup_naming_the_key() {
             .output()
             .expect("perch server");
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains(want), "{settings}: {err}");
+        assert!(
+            !out.status.success() && err.contains(want),
+            "{settings}: {err}"
+        );
     }
 }

@@ -366,13 +366,12 @@ pub async fn run_agent_with(
     counters: Arc<AgentCounters>,
 ) -> Result<AgentStats> {
     config.check()?;
-    let sender =
-        Sender::new(
-            &config.server,
-            config.request_timeout,
-            config.ca_file.as_deref(),
-        )?
-        .with_token(config.token.clone());
+    let sender = Sender::new(
+        &config.server,
+        config.request_timeout,
+        config.ca_file.as_deref(),
+    )?
+    .with_token(config.token.clone());
     // Loading NVML can take a second on a big node: keep it off the async threads. Later NVML
     // calls and /proc reads block well under a millisecond per source, so each round runs
     // inline on this task rather than paying a thread hop.

@@ -77,7 +77,7 @@ pub async fn run_control(
         config.ca_file.as_deref(),
     )?
     .build()
-        .map_err(|e| crate::CollectorError::Config(format!("HTTP client: {e}")))?;
+    .map_err(|e| crate::CollectorError::Config(format!("HTTP client: {e}")))?;
     let url = format!("{}/v1/agent/sync", config.server.trim_end_matches('/'));
     let mut tick = tokio::time::interval(config.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

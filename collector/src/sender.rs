@@ -344,12 +344,10 @@ pub fn trust(
     let Some(path) = ca_file else {
         return Ok(builder);
     };
-    let pem = std::fs::read(path).map_err(|e| {
-        CollectorError::Config(format!("reading CA file {}: {e}", path.display()))
-    })?;
-    let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| {
-        CollectorError::Config(format!("CA file {}: {e}", path.display()))
-    })?;
+    let pem = std::fs::read(path)
+        .map_err(|e| CollectorError::Config(format!("reading CA file {}: {e}", path.display())))?;
+    let certs = reqwest::Certificate::from_pem_bundle(&pem)
+        .map_err(|e| CollectorError::Config(format!("CA file {}: {e}", path.display())))?;
     if certs.is_empty() {
         return Err(CollectorError::Config(format!(
             "CA file {} holds no PEM certificate",

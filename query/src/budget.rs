@@ -325,16 +325,24 @@ mod tests {
         let rb = MemoryConsumer::new("b").register(&b_dyn);
         // Over its own limit: refused, and not as the server's doing.
         assert!(ra.try_grow(65 << 20).is_err());
-        ra.try_grow(60 << 20).unwrap();
+        ra.try_grow(60 << 20).expect("granted");
         assert_eq!(budget.memory_in_use(), 60 << 20);
         // Within its own limit but past what the server has left.
         assert!(rb.try_grow(50 << 20).is_err());
         assert!(b.server_refused());
-        assert_eq!(b.reserved(), 0, "a refused reservation is not kept on the query");
-        rb.try_grow(40 << 20).unwrap();
+        assert_eq!(
+            b.reserved(),
+            0,
+            "a refused reservation is not kept on the query"
+        );
+        rb.try_grow(40 << 20).expect("granted");
         drop(ra);
-        assert_eq!(budget.memory_in_use(), 40 << 20, "a finished query gives its memory back");
-        rb.try_grow(20 << 20).unwrap();
+        assert_eq!(
+            budget.memory_in_use(),
+            40 << 20,
+            "a finished query gives its memory back"
+        );
+        rb.try_grow(20 << 20).expect("granted");
     }
 
     #[tokio::test]
@@ -342,7 +350,7 @@ mod tests {
         let budget = Arc::new(Budget::new(&limits(1, 100)));
         let far = tokio::time::Instant::now() + Duration::from_secs(30);
         let timeout = || Error::Timeout { limit_s: 30.0 };
-        let running = budget.slot(far, timeout).await.unwrap();
+        let running = budget.slot(far, timeout).await.expect("granted");
         let mut waiters = Vec::new();
         for _ in 0..WAITING_PER_SLOT {
             let b = budget.clone();
@@ -351,7 +359,7 @@ mod tests {
         while budget.waiting.load(Ordering::SeqCst) < WAITING_PER_SLOT {
             tokio::task::yield_now().await;
         }
-        let refused = budget.slot(far, timeout).await.unwrap_err();
+        let refused = budget.slot(far, timeout).await.expect_err("refused");
         assert!(matches!(refused, Error::Busy(_)), "{refused}");
         // Still full: refused whatever the deadline.
         let soon = tokio::time::Instant::now() + Duration::from_millis(20);
@@ -361,12 +369,12 @@ mod tests {
         ));
         drop(running);
         for w in waiters {
-            drop(w.await.unwrap().unwrap());
+            drop(w.await.expect("granted").expect("granted"));
         }
         assert_eq!(budget.waiting.load(Ordering::SeqCst), 0);
         let soon = tokio::time::Instant::now() + Duration::from_millis(20);
-        let _again = budget.slot(soon, timeout).await.unwrap();
-        let late = budget.slot(soon, timeout).await.unwrap_err();
+        let _again = budget.slot(soon, timeout).await.expect("granted");
+        let late = budget.slot(soon, timeout).await.expect_err("refused");
         assert!(matches!(late, Error::Timeout { .. }), "{late}");
         assert_eq!(budget.waiting.load(Ordering::SeqCst), 0);
     }

@@ -8,9 +8,9 @@
 //! A timeout covers planning and the whole result stream, and results are capped at a row
 //! limit with a flag saying so.
 
+use crate::budget::{Budget, QueryPool, Slot};
 use crate::live::{LiveProvider, LiveTable};
 use crate::provider::StoreTable;
-use crate::budget::{Budget, QueryPool, Slot};
 use crate::{Error, Result, Store, Table};
 use crate::{functions, optimizer, strings};
 use arrow::array::RecordBatch;
@@ -362,13 +362,17 @@ impl SqlEngine {
     fn map_error(&self, e: Failure, pool: &QueryPool) -> Error {
         match e {
             Failure::Perch(e) => e,
-            Failure::Engine(e) => match map_error(e, self.limits.memory_bytes, &self.public_table_names()) {
-                Error::ResourcesExhausted { .. } if pool.server_refused() => Error::Busy(format!(
-                    "the server's SQL memory budget ({} MiB for all queries) is taken by other queries; retry shortly, or narrow the query",
-                    pool.server_bytes() >> 20
-                )),
-                other => other,
-            },
+            Failure::Engine(e) => {
+                match map_error(e, self.limits.memory_bytes, &self.public_table_names()) {
+                    Error::ResourcesExhausted { .. } if pool.server_refused() => {
+                        Error::Busy(format!(
+                            "the server's SQL memory budget ({} MiB for all queries) is taken by other queries; retry shortly, or narrow the query",
+                            pool.server_bytes() >> 20
+                        ))
+                    }
+                    other => other,
+                }
+            }
         }
     }
 }

@@ -250,7 +250,10 @@ async fn a_request_dropped_mid_write_does_not_block_its_retry() {
     let mut seq = 0;
     let dropped = loop {
         seq += 1;
-        assert!(seq <= 200, "no attempt was ever still writing after one poll");
+        assert!(
+            seq <= 200,
+            "no attempt was ever still writing after one poll"
+        );
         let (raw, b) = batch("n1", seq, t0 + seq as i64, 1);
         let mut first = Box::pin(store.ingest(raw.clone(), &b));
         let pending = futures::poll!(first.as_mut()).is_pending();
@@ -268,12 +271,18 @@ async fn a_request_dropped_mid_write_does_not_block_its_retry() {
         IngestOutcome::Stored { samples: 1 }
     );
     let sql = SqlEngine::new(store.clone(), QueryLimits::default());
-    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, seq as i64);
+    assert_eq!(
+        count(&sql, "SELECT count(*) FROM gpu_samples").await,
+        seq as i64
+    );
     drop((sql, store));
     // The abandoned attempt's record may have reached the log too: a replay still counts once.
     let store = Store::open(config(dir.path())).expect("reopen");
     let sql = SqlEngine::new(store.clone(), QueryLimits::default());
-    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, seq as i64);
+    assert_eq!(
+        count(&sql, "SELECT count(*) FROM gpu_samples").await,
+        seq as i64
+    );
 }
 
 #[tokio::test]

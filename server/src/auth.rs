@@ -137,7 +137,9 @@ impl Tokens {
     /// tokens there are now.
     pub fn reload(&self) -> Result<usize, String> {
         let (Some(map), Some(path)) = (&self.map, &self.path) else {
-            return Err("the server runs without a tokens file; set server.tokens_file and restart".into());
+            return Err(
+                "the server runs without a tokens file; set server.tokens_file and restart".into(),
+            );
         };
         let fresh = Self::read(path)?;
         let count = fresh.len();
@@ -283,12 +285,12 @@ impl Tokens {
             .get(blake3::hash(token.as_bytes()).as_bytes())
             .cloned()
             .ok_or_else(|| {
-            ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                "unauthenticated",
-                "the token is not known to this server",
-            )
-        })
+                ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "unauthenticated",
+                    "the token is not known to this server",
+                )
+            })
     }
 }
 
@@ -415,16 +417,12 @@ mod tests {
         ))
         .expect("valid");
         assert_eq!(
-            hashed
-                .identify("0123456789abcdef0")
-                .map(|i| i.user),
+            hashed.identify("0123456789abcdef0").map(|i| i.user),
             Some("alice".to_owned())
         );
         assert!(hashed.identify("0123456789abcdef1").is_none());
         assert!(
-            hashed
-                .identify(&token_hash("0123456789abcdef0"))
-                .is_none(),
+            hashed.identify(&token_hash("0123456789abcdef0")).is_none(),
             "the hash is not a token"
         );
         assert!(ok.lookup(None, &|_| None).is_err());

@@ -66,7 +66,8 @@ impl From<perch_query::Error> for ApiError {
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "sql_busy", message).retry_after(1)
             }
             E::InFlight { .. } => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "batch_in_flight", message).retry_after(1)
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "batch_in_flight", message)
+                    .retry_after(1)
             }
             E::ResourcesExhausted { .. } => ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,

@@ -414,8 +414,12 @@ async fn reload_on_hangup(
         }
         if let Some(tls) = &tls {
             match tls.reload() {
-                Ok(()) => tracing::info!("SIGHUP: TLS certificate read again; new connections get it"),
-                Err(e) => tracing::error!(error = %e, "SIGHUP: the TLS certificate was not read again; the one served so far stays"),
+                Ok(()) => {
+                    tracing::info!("SIGHUP: TLS certificate read again; new connections get it")
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "SIGHUP: the TLS certificate was not read again; the one served so far stays")
+                }
             }
         }
         if tokens.is_open() {
@@ -424,7 +428,9 @@ async fn reload_on_hangup(
         }
         match tokens.reload() {
             Ok(n) => tracing::info!(tokens = n, "SIGHUP: tokens file read again"),
-            Err(e) => tracing::error!(error = %e, "SIGHUP: the tokens file was not read again; the tokens as they were stay"),
+            Err(e) => {
+                tracing::error!(error = %e, "SIGHUP: the tokens file was not read again; the tokens as they were stay")
+            }
         }
     }
 }

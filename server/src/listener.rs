@@ -119,7 +119,7 @@ impl axum::serve::Listener for LimitedListener {
                     let _ = stream.set_nodelay(true);
                     let stream = LimitedStream::new(stream, slot, self.idle);
                     let io = match &self.tls {
-                        Some(tls) => ServerStream::Handshake(tls.accept(stream)),
+                        Some(tls) => ServerStream::Handshake(Box::new(tls.accept(stream))),
                         None => ServerStream::Plain(stream),
                     };
                     return (io, addr);
@@ -143,7 +143,7 @@ impl axum::serve::Listener for LimitedListener {
 /// write completes the handshake).
 pub enum ServerStream {
     Plain(LimitedStream),
-    Handshake(tokio_rustls::Accept<LimitedStream>),
+    Handshake(Box<tokio_rustls::Accept<LimitedStream>>),
     Tls(Box<tokio_rustls::server::TlsStream<LimitedStream>>),
     /// The handshake failed; every read and write fails.
     Failed,
@@ -153,7 +153,7 @@ impl ServerStream {
     /// Drives the handshake, if one is under way, to its end.
     fn poll_handshake(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         if let ServerStream::Handshake(accept) = self {
-            match std::future::Future::poll(Pin::new(accept), cx) {
+            match std::future::Future::poll(Pin::new(accept.as_mut()), cx) {
                 Poll::Ready(Ok(tls)) => *self = ServerStream::Tls(Box::new(tls)),
                 Poll::Ready(Err(e)) => {
                     *self = ServerStream::Failed;

@@ -44,13 +44,12 @@ impl Certificates {
     /// The acceptor for a listener: TLS 1.2 and 1.3, no client certificates, HTTP/1.1 (the
     /// server speaks nothing else).
     pub fn acceptor(self: &Arc<Self>, alpn: &[&[u8]]) -> Result<tokio_rustls::TlsAcceptor, String> {
-        let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
-            aws_lc_rs::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .map_err(|e| format!("TLS: {e}"))?
-        .with_no_client_auth()
-        .with_cert_resolver(self.clone());
+        let mut config =
+            rustls::ServerConfig::builder_with_provider(Arc::new(aws_lc_rs::default_provider()))
+                .with_safe_default_protocol_versions()
+                .map_err(|e| format!("TLS: {e}"))?
+                .with_no_client_auth()
+                .with_cert_resolver(self.clone());
         config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
         Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
     }

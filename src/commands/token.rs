@@ -42,7 +42,10 @@ struct CreateArgs {
 pub fn run(args: TokenArgs) -> Result<()> {
     let TokenCommand::Create(args) = args.command;
     if !args.nodes.is_empty() && args.role != "agent" {
-        bail!("--node binds agent tokens to nodes; this token's role is {}", args.role);
+        bail!(
+            "--node binds agent tokens to nodes; this token's role is {}",
+            args.role
+        );
     }
     let token = new_token()?;
     let entry = entry(&token, &args);

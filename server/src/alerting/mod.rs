@@ -201,7 +201,11 @@ pub(crate) async fn sql_rows(
     state: &AppState,
     sql: &str,
 ) -> Result<Vec<Map<String, Value>>, String> {
-    let output = state.sql.query_internal(sql).await.map_err(|e| e.to_string())?;
+    let output = state
+        .sql
+        .query_internal(sql)
+        .await
+        .map_err(|e| e.to_string())?;
     let mut buf = Vec::new();
     {
         let mut writer = arrow::json::WriterBuilder::new()

@@ -11,12 +11,12 @@ pub mod routes;
 pub mod spec;
 
 use control::Control;
-use record::JobRecord;
-use spec::JobRequest;
 pub use control::{
     AllocationView, ControlError, ControlSnapshot, DEFAULT_LEASE, DEFAULT_MAX_PENDING_PER_USER,
     JobsConfig, NodeView, PendingView, UsageView,
 };
+use record::JobRecord;
+use spec::JobRequest;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// The control plane behind a lock, with group commit: an operation changes the in-memory
