@@ -82,6 +82,8 @@ pub struct ServerSection {
     pub data_dir: PathBuf,
     pub flush_interval_secs: u64,
     pub flush_max_rows: usize,
+    /// Most rows held in memory before ingest is refused with 503 (flushes failing).
+    pub max_buffered_rows: usize,
     pub max_body_mb: usize,
     pub node_stale_after_secs: u64,
     /// How long a silent node's jobs count as running (its lease) before they are requeued.
@@ -119,6 +121,7 @@ impl Default for ServerSection {
             data_dir: "./perch-data".into(),
             flush_interval_secs: 60,
             flush_max_rows: 1_000_000,
+            max_buffered_rows: 4_000_000,
             max_body_mb: 64,
             node_stale_after_secs: 60,
             node_lease_secs: perch_server::jobs::DEFAULT_LEASE.as_secs(),
@@ -532,6 +535,15 @@ impl Config {
         if self.query.max_rows == 0 || self.query.memory_mb == 0 {
             return bad("query.max_rows / query.memory_mb", "must be at least 1");
         }
+        if self.server.max_buffered_rows < self.server.flush_max_rows.saturating_mul(2) {
+            return bad(
+                "server.max_buffered_rows",
+                &format!(
+                    "must be at least twice server.flush_max_rows ({}), so ingest goes on while a flush is written",
+                    self.server.flush_max_rows
+                ),
+            );
+        }
         if self.query.total_memory_mb < self.query.memory_mb {
             return bad(
                 "query.total_memory_mb",
@@ -605,6 +617,7 @@ impl Config {
         let mut store = perch_query::StoreConfig::new(&s.data_dir);
         store.flush_interval = Duration::from_secs(s.flush_interval_secs);
         store.flush_max_rows = s.flush_max_rows;
+        store.max_buffered_rows = s.max_buffered_rows;
         store.maintenance_interval = Duration::from_secs(s.maintenance_interval_secs);
         store.compact_below_bytes = s.compact_below_mb << 20;
         store.compact_min_files = s.compact_min_files;
@@ -818,6 +831,10 @@ mod tests {
                 "query.total_memory_mb: must be at least query.memory_mb (512 MiB)",
             ),
             ("[query]\nmax_concurrent = 0", "query.max_concurrent"),
+            (
+                "[server]\nflush_max_rows = 1000\nmax_buffered_rows = 1500",
+                "server.max_buffered_rows: must be at least twice server.flush_max_rows (1000)",
+            ),
             (
                 "[server.retention_days]\ngpu_sample = 30",
                 "no such table; the tables are gpu_samples",

@@ -151,6 +151,20 @@ fn both_listeners_speak_tls_and_a_renewed_certificate_is_served_after_sighup() {
             .output()
             .expect("psql")
     };
+    // A client that does not ask for TLS is refused before it can send a password in clear.
+    let plain = Command::new("psql")
+        .args([
+            &format!("host=127.0.0.1 port={port} user=alice dbname=perch sslmode=disable"),
+            "-XAtc",
+            "SELECT 1",
+        ])
+        .output()
+        .expect("psql");
+    let err = String::from_utf8_lossy(&plain.stderr);
+    assert!(
+        !plain.status.success() && err.contains("accepts TLS connections only"),
+        "{err}"
+    );
     let out = psql(&first.ca);
     assert!(
         out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "42",

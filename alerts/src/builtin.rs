@@ -16,7 +16,8 @@ use std::collections::BTreeMap;
 mod typed;
 
 pub use typed::{
-    NodeHeartbeat, NodeTelemetry, disk_instances, heartbeat_instances, telemetry_instances,
+    NodeHeartbeat, NodeTelemetry, StoreFlush, disk_instances, flush_instances, heartbeat_instances,
+    telemetry_instances,
 };
 
 /// Every built-in rule's name, in the order [`builtin_rules`] returns them.
@@ -38,6 +39,7 @@ pub const BUILTIN_RULE_NAMES: &[&str] = &[
     "IbPortDown",
     "IbErrorsRising",
     "StoreDiskFull",
+    "StoreFlushFailing",
 ];
 
 /// `INTERVAL 'N seconds'` for a duration (at least one second).
@@ -413,6 +415,20 @@ fn specs(cfg: &BuiltinConfig) -> Vec<Spec> {
             description: "The filesystem holding perch's data directory ({{ labels.path }}) has \
                           {{ values.free_bytes }} bytes free. When it fills, ingest fails and agents spool. \
                           Shorten retention or add space.",
+            actions: Vec::new(),
+        },
+        Spec {
+            name: "StoreFlushFailing",
+            source: RuleSource::Builtin(BuiltinKind::StoreFlushFailing),
+            for_ms: 0,
+            severity: Severity::Critical,
+            labels: &[],
+            summary: "perch cannot write its data to Parquet: {{ values.failures }} flushes failed in a row",
+            description: "The store's last {{ values.failures }} flushes failed ({{ labels.error }}). \
+                          {{ values.held_rows }} rows wait in memory; at {{ values.limit_rows }} \
+                          (server.max_buffered_rows) ingest is answered 503 and agents keep their data \
+                          until a flush works. Free disk space or fix the bucket; flushes are retried \
+                          with backoff up to every 5 minutes.",
             actions: Vec::new(),
         },
     ]

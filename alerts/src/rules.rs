@@ -117,6 +117,9 @@ pub enum BuiltinKind {
         /// Threshold in percent of the filesystem's size.
         free_percent: f64,
     },
+    /// The store's flushes to Parquet have failed at least twice in a row (a full disk, an
+    /// unwritable bucket): rows pile up in memory until ingest is refused.
+    StoreFlushFailing,
 }
 
 /// Where a rule's instances come from.

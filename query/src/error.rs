@@ -32,6 +32,15 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "the server holds {held} rows it has not yet written to Parquet (server.max_buffered_rows = {limit}){}; keep the data and retry later",
+        flush_error.as_ref().map_or(String::new(), |e| format!(": flushes are failing ({e})"))
+    )]
+    Backpressure {
+        held: usize,
+        limit: usize,
+        flush_error: Option<String>,
+    },
     #[error("batch {seq} from node {node} is being written by an earlier request; retry shortly")]
     InFlight { node: String, seq: u64 },
     #[error("write-ahead log is unavailable: {0}")]

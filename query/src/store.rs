@@ -46,6 +46,10 @@ pub struct StoreConfig {
     pub flush_interval: Duration,
     /// ... or as soon as this many rows are buffered.
     pub flush_max_rows: usize,
+    /// Most rows held in memory (buffered or being flushed). Past it, ingest is refused with
+    /// [`Error::Backpressure`] (HTTP 503 with Retry-After) until a flush gets through: senders
+    /// keep their data and retry, and the server's memory stays bounded when flushes fail.
+    pub max_buffered_rows: usize,
     /// How often compaction and retention run.
     pub maintenance_interval: Duration,
     /// Files smaller than this are merged with the other small files of their day partition...
@@ -66,6 +70,7 @@ impl StoreConfig {
             storage: StorageConfig::Local,
             flush_interval: Duration::from_secs(60),
             flush_max_rows: 1_000_000,
+            max_buffered_rows: 4_000_000,
             maintenance_interval: Duration::from_secs(300),
             compact_below_bytes: 64 << 20,
             compact_min_files: 8,
@@ -135,6 +140,10 @@ pub struct StoreStats {
     pub batches_replayed: AtomicU64,
     pub flushes: AtomicU64,
     pub flush_failures: AtomicU64,
+    /// Flushes failed in a row since the last that worked (0 when the last one worked).
+    pub consecutive_flush_failures: AtomicU64,
+    /// Batches refused because too many rows were held in memory.
+    pub batches_refused_backpressure: AtomicU64,
     pub files_written: AtomicU64,
     pub rows_flushed: AtomicU64,
 }
@@ -170,6 +179,8 @@ pub(crate) struct Inner {
     /// Files taken out of the manifest (compacted or past retention) but perhaps still read by
     /// a query that took its snapshot before; deleted once nothing holds `pinned`.
     pub(crate) graveyard: Vec<Grave>,
+    /// The last flush's error while flushes fail; `None` once one works.
+    flush_error: Option<String>,
 }
 
 pub(crate) struct Grave {
@@ -255,6 +266,7 @@ impl Store {
                 in_flight: HashSet::new(),
                 manifest,
                 graveyard: Vec::new(),
+                flush_error: None,
             }),
             _lock_file: lock_file,
             stats: StoreStats::default(),
@@ -342,6 +354,18 @@ impl Store {
         let _gate = self.gate.read().await;
         let claim = {
             let mut inner = self.lock();
+            let adding: usize = parts.iter().map(|(_, rb)| rb.num_rows()).sum();
+            let held = held_rows(&inner);
+            if held + adding > self.config.max_buffered_rows {
+                self.stats
+                    .batches_refused_backpressure
+                    .fetch_add(1, Ordering::Relaxed);
+                return Err(Error::Backpressure {
+                    held,
+                    limit: self.config.max_buffered_rows,
+                    flush_error: inner.flush_error.clone(),
+                });
+            }
             let last = inner.node_seq.get(&stream).copied();
             if let Some(last) = last.filter(|&last| batch.seq <= last) {
                 self.stats.batches_duplicate.fetch_add(1, Ordering::Relaxed);
@@ -406,6 +430,21 @@ impl Store {
         self.lock().tables.values().map(|t| t.mem_rows).sum()
     }
 
+    /// Rows held in memory: buffered, or being written by a flush.
+    pub fn held_rows(&self) -> usize {
+        held_rows(&self.lock())
+    }
+
+    /// The most rows held in memory before ingest is refused.
+    pub fn max_buffered_rows(&self) -> usize {
+        self.config.max_buffered_rows
+    }
+
+    /// The last flush's error, while flushes fail (`None` once one works).
+    pub fn flush_error(&self) -> Option<String> {
+        self.lock().flush_error.clone()
+    }
+
     /// Parquet files and bytes per table.
     pub fn file_counts(&self) -> Vec<(Table, usize, u64)> {
         self.lock()
@@ -456,6 +495,26 @@ impl Store {
     /// commit.
     #[tracing::instrument(name = "store.flush", skip_all)]
     pub async fn flush(&self) -> Result<FlushStats> {
+        let result = self.flush_once().await;
+        match &result {
+            Ok(_) => {
+                self.stats
+                    .consecutive_flush_failures
+                    .store(0, Ordering::Relaxed);
+                self.lock().flush_error = None;
+            }
+            Err(e) => {
+                self.stats.flush_failures.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .consecutive_flush_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                self.lock().flush_error = Some(e.to_string());
+            }
+        }
+        result
+    }
+
+    async fn flush_once(&self) -> Result<FlushStats> {
         let _one = self.manifest_lock.lock().await;
         let (segment, node_seq, work, next_file_id) = {
             let _gate = self.gate.write().await;
@@ -489,7 +548,6 @@ impl Store {
                     back.append(&mut data.mem);
                     data.mem = back;
                 }
-                self.stats.flush_failures.fetch_add(1, Ordering::Relaxed);
                 return Err(e);
             }
         };
@@ -605,6 +663,10 @@ impl Store {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last = tokio::time::Instant::now();
         let mut last_maintenance = tokio::time::Instant::now();
+        // After a failed flush the next waits 1 s, then 2, 4... up to 5 minutes, however many
+        // rows are buffered: a failing bucket or a full disk is not retried four times a
+        // second (each try sorts and encodes every buffered row).
+        let mut not_before = tokio::time::Instant::now();
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
@@ -612,12 +674,19 @@ impl Store {
                 _ = tick.tick() => {}
             }
             let rows = self.buffered_rows();
-            if rows >= self.config.flush_max_rows
-                || (rows > 0 && last.elapsed() >= self.config.flush_interval)
+            if tokio::time::Instant::now() >= not_before
+                && (rows >= self.config.flush_max_rows
+                    || (rows > 0 && last.elapsed() >= self.config.flush_interval))
             {
                 last = tokio::time::Instant::now();
                 if let Err(e) = self.flush().await {
-                    tracing::error!(error = %e, "flush to parquet failed; rows stay buffered and logged, will retry");
+                    let failures = self
+                        .stats
+                        .consecutive_flush_failures
+                        .load(Ordering::Relaxed);
+                    let wait = flush_backoff(failures);
+                    not_before = tokio::time::Instant::now() + wait;
+                    tracing::error!(error = %e, failures, retry_in_s = wait.as_secs(), "flush to parquet failed; rows stay buffered and logged (ingest is refused with 503 past server.max_buffered_rows)");
                 }
             }
             if last_maintenance.elapsed() >= self.config.maintenance_interval {
@@ -723,6 +792,20 @@ fn push(inner: &mut Inner, table: Table, rb: RecordBatch) {
             data.mem = vec![merged];
         }
     }
+}
+
+/// How long the flusher waits after `failures` flushes failed in a row: 1 s, doubling, at
+/// most 5 minutes.
+fn flush_backoff(failures: u64) -> Duration {
+    Duration::from_secs(1u64 << failures.saturating_sub(1).min(9)).min(Duration::from_secs(300))
+}
+
+fn held_rows(inner: &Inner) -> usize {
+    inner
+        .tables
+        .values()
+        .map(|t| t.mem_rows + t.flushing.iter().map(RecordBatch::num_rows).sum::<usize>())
+        .sum()
 }
 
 fn apply(inner: &mut Inner, stream: String, batch: &Batch, parts: Vec<(Table, RecordBatch)>) {

@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use perch_model::JobMetricSample;
 use perch_model::{Batch, GpuIndex, GpuSample, NodeId};
-use perch_query::{IngestOutcome, QueryLimits, Source, SqlEngine, Store, StoreConfig};
+use perch_query::{Error, IngestOutcome, QueryLimits, Source, SqlEngine, Store, StoreConfig};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -712,4 +712,87 @@ async fn files_of_an_older_perch_keep_their_users_under_the_new_column_name() {
     std::fs::write(&manifest_path, serde_json::to_vec(&newer).expect("json")).expect("write");
     let err = Store::open(config(dir.path())).expect_err("a newer manifest");
     assert!(err.to_string().contains("newer perch"), "{err}");
+}
+
+/// Issue 16: when flushes fail (a full disk, an unwritable bucket) rows piled up in memory
+/// without bound, and the flusher retried every 250 ms. Now ingest is refused past
+/// `max_buffered_rows` with `Backpressure` (503 store_busy: senders keep their batches and
+/// retry), nothing acknowledged is lost, the failure is counted, and ingest resumes by itself
+/// once a flush works again.
+#[tokio::test]
+async fn failing_flushes_refuse_ingest_past_the_bound_and_lose_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let t0 = 1_800_000_000_000;
+    let mut config = config(dir.path());
+    config.max_buffered_rows = 8;
+    let store = Store::open(config.clone()).expect("open");
+    // Where the flush writes Parquet files: a plain file there makes every write fail, even
+    // as root.
+    let tables = dir.path().join("tables");
+    let _ = std::fs::remove_dir_all(&tables);
+    std::fs::write(&tables, "not a directory").expect("block tables/");
+    let mut acked = 0;
+    let mut seq = 0;
+    let refused = loop {
+        seq += 1;
+        let (raw, b) = batch("n1", seq, t0 + seq as i64, 2);
+        match store.ingest(raw, &b).await {
+            Ok(IngestOutcome::Stored { samples }) => acked += samples,
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => break e,
+        }
+        assert!(seq < 100, "ingest never refused");
+        if seq % 2 == 0 {
+            assert!(store.flush().await.is_err(), "the flush should fail");
+        }
+    };
+    assert!(matches!(refused, Error::Backpressure { .. }), "{refused}");
+    let message = refused.to_string();
+    assert!(
+        message.contains("server.max_buffered_rows = 8") && message.contains("flushes are failing"),
+        "{message}"
+    );
+    assert!(store.held_rows() <= 8);
+    assert!(
+        store
+            .stats
+            .consecutive_flush_failures
+            .load(Ordering::Relaxed)
+            >= 2
+    );
+    assert!(store.flush_error().is_some());
+    // Everything acknowledged is visible, and survives a restart (from the log).
+    let sql = SqlEngine::new(store.clone(), QueryLimits::default());
+    assert_eq!(
+        count(&sql, "SELECT count(*) FROM gpu_samples").await,
+        acked as i64
+    );
+    drop(sql);
+    drop(store);
+    std::fs::remove_file(&tables).expect("unblock");
+    let store = Store::open(config).expect("reopen");
+    let sql = SqlEngine::new(store.clone(), QueryLimits::default());
+    assert_eq!(
+        count(&sql, "SELECT count(*) FROM gpu_samples").await,
+        acked as i64
+    );
+    // The disk is back: a flush works, the counters reset, and the refused batch goes in.
+    store.flush().await.expect("flush");
+    assert_eq!(
+        store
+            .stats
+            .consecutive_flush_failures
+            .load(Ordering::Relaxed),
+        0
+    );
+    assert!(store.flush_error().is_none());
+    let (raw, b) = batch("n1", seq, t0 + seq as i64, 2);
+    assert_eq!(
+        store.ingest(raw, &b).await.expect("accepted again"),
+        IngestOutcome::Stored { samples: 2 }
+    );
+    assert_eq!(
+        count(&sql, "SELECT count(*) FROM gpu_samples").await,
+        acked as i64 + 2
+    );
 }

@@ -62,6 +62,9 @@ impl From<perch_query::Error> for ApiError {
             E::Timeout { .. } => {
                 ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "query_timeout", message)
             }
+            E::Backpressure { .. } => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "store_busy", message).retry_after(5)
+            }
             E::Busy(_) => {
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "sql_busy", message).retry_after(1)
             }

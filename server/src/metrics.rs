@@ -466,6 +466,18 @@ fn store_series(s: &mut Scrape, state: &AppState) {
         &none,
         load(&st.flush_failures),
     );
+    s.gauge(
+        "perch_store_flush_failures_in_a_row",
+        "Flushes failed in a row since the last that worked (0: the last worked)",
+        &none,
+        load(&st.consecutive_flush_failures),
+    );
+    s.counter(
+        "perch_store_batches_refused_backpressure",
+        "Batches answered 503 because server.max_buffered_rows rows were held in memory (the sender keeps and retries them)",
+        &none,
+        load(&st.batches_refused_backpressure),
+    );
     s.counter(
         "perch_store_flushed_rows",
         "Rows written to Parquet",

@@ -63,6 +63,9 @@ use tokio::net::TcpListener;
 pub struct PgHandler {
     sql: Arc<SqlEngine>,
     tokens: Arc<Tokens>,
+    /// The listener has a certificate: a client that did not ask for TLS is refused before it
+    /// can send a password (a token) in clear text.
+    require_tls: bool,
     pids: Arc<RandomPidSecretKeyGenerator>,
 }
 
@@ -122,6 +125,7 @@ pub async fn serve_pg(
     let handler = Arc::new(PgHandler {
         sql,
         tokens,
+        require_tls: tls.is_some(),
         pids: Arc::new(RandomPidSecretKeyGenerator::default()),
     });
     tokio::pin!(shutdown);
@@ -232,6 +236,12 @@ impl StartupHandler for PgHandler {
     {
         match message {
             PgWireFrontendMessage::Startup(ref startup) => {
+                if self.require_tls && !client.is_secure() {
+                    return Err(login_error(
+                        "28000",
+                        "this server accepts TLS connections only: connect with sslmode=verify-full (sslrootcert=<the server's CA>) or sslmode=require".to_owned(),
+                    ));
+                }
                 protocol_negotiation(client, startup).await?;
                 save_startup_parameters_to_metadata(client, startup);
                 let claimed = client.metadata().get(METADATA_USER).cloned();

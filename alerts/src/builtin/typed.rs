@@ -102,9 +102,62 @@ pub fn disk_instances(
     ]
 }
 
+/// What the store says about its flushes, for StoreFlushFailing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoreFlush<'a> {
+    /// Flushes failed in a row since the last that worked.
+    pub failures: u64,
+    /// The last one's error.
+    pub error: Option<&'a str>,
+    /// Rows held in memory, and the most it may hold before ingest is refused.
+    pub held_rows: u64,
+    pub limit_rows: u64,
+}
+
+/// StoreFlushFailing's instance: one while at least two flushes in a row failed (one can be a
+/// blip). Label `error` (its first 200 characters); values `failures`, `held_rows`,
+/// `limit_rows`.
+pub fn flush_instances(kind: &BuiltinKind, flush: &StoreFlush<'_>) -> Vec<Instance> {
+    if *kind != BuiltinKind::StoreFlushFailing || flush.failures < 2 {
+        return Vec::new();
+    }
+    let error = flush.error.unwrap_or("unknown");
+    let error = &error[..error.floor_char_boundary(200)];
+    vec![
+        Instance::with_labels([("error", error)])
+            .value("failures", flush.failures as f64)
+            .value("held_rows", flush.held_rows as f64)
+            .value("limit_rows", flush.limit_rows as f64),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn flush_failing_fires_from_the_second_failure_in_a_row() {
+        let kind = BuiltinKind::StoreFlushFailing;
+        let flush = |failures| StoreFlush {
+            failures,
+            error: Some("writing tables/gpu_samples: No space left on device"),
+            held_rows: 10,
+            limit_rows: 100,
+        };
+        assert!(flush_instances(&kind, &flush(0)).is_empty());
+        assert!(
+            flush_instances(&kind, &flush(1)).is_empty(),
+            "one failure can be a blip"
+        );
+        let got = flush_instances(&kind, &flush(2));
+        assert_eq!(got.len(), 1);
+        assert_eq!(
+            got[0].labels.get("error").map(String::as_str),
+            Some("writing tables/gpu_samples: No space left on device")
+        );
+        let other = BuiltinKind::StoreDiskFull { free_percent: 5.0 };
+        assert!(flush_instances(&other, &flush(3)).is_empty());
+    }
 
     #[test]
     fn telemetry_stopped_fires_for_no_telemetry_nodes_only() {

@@ -11,7 +11,8 @@ pub mod routes;
 
 use crate::AppState;
 use perch_alerts::builtin::{
-    NodeHeartbeat, NodeTelemetry, disk_instances, heartbeat_instances, telemetry_instances,
+    NodeHeartbeat, NodeTelemetry, StoreFlush, disk_instances, flush_instances, heartbeat_instances,
+    telemetry_instances,
 };
 use perch_alerts::notify::{Delivery, Notifier};
 use perch_alerts::remediate::{Action, ClusterView, Decision, NodeState, NodeView, Outcome};
@@ -261,6 +262,22 @@ fn builtin(state: &AppState, kind: &BuiltinKind, now: i64) -> Vec<perch_alerts::
                     Vec::new()
                 }
             }
+        }
+        BuiltinKind::StoreFlushFailing => {
+            let store = &state.store;
+            let error = store.flush_error();
+            flush_instances(
+                kind,
+                &StoreFlush {
+                    failures: store
+                        .stats
+                        .consecutive_flush_failures
+                        .load(std::sync::atomic::Ordering::Relaxed),
+                    error: error.as_deref(),
+                    held_rows: store.held_rows() as u64,
+                    limit_rows: store.max_buffered_rows() as u64,
+                },
+            )
         }
     }
 }
