@@ -32,6 +32,33 @@ pub(super) struct IngestArgs {
     /// Directory to put the temporary data directory in (use the disk you will deploy on).
     #[arg(long, default_value = ".")]
     dir: std::path::PathBuf,
+    /// Serve over TLS (a certificate from a throwaway CA the clients trust), as with
+    /// server.tls_cert: its cost is in the server's CPU time.
+    #[arg(long)]
+    tls: bool,
+}
+
+/// A throwaway CA and a certificate for 127.0.0.1 it signed, written to `dir`; returns the
+/// server's files and the CA's PEM.
+fn throwaway_tls(dir: &std::path::Path) -> Result<(perch_server::tls::TlsFiles, String)> {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate()?;
+    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "perch bench CA");
+    let ca_cert = ca_params.self_signed(&ca_key)?;
+    let issuer = Issuer::new(ca_params, ca_key);
+    let key = KeyPair::generate()?;
+    let cert = CertificateParams::new(vec!["127.0.0.1".to_string()])?.signed_by(&key, &issuer)?;
+    let files = perch_server::tls::TlsFiles {
+        cert: dir.join("bench-server.pem"),
+        key: dir.join("bench-server.key"),
+    };
+    std::fs::write(&files.cert, cert.pem())?;
+    std::fs::write(&files.key, key.serialize_pem())?;
+    Ok((files, ca_cert.pem()))
 }
 
 /// Measured values carried by each GPU sample the benchmark sends (utilization x2, memory x2,
@@ -78,6 +105,14 @@ pub(super) fn ingest(args: IngestArgs) -> Result<()> {
         .context("creating the data directory")?;
     let mut config = perch_server::ServerConfig::new(perch_query::StoreConfig::new(dir.path()));
     config.store.flush_interval = Duration::from_secs(10);
+    let ca = if args.tls {
+        let (files, ca) = throwaway_tls(dir.path())?;
+        config.tls =
+            Some(perch_server::tls::Certificates::load(files).map_err(anyhow::Error::msg)?);
+        Some(reqwest::Certificate::from_pem(ca.as_bytes())?)
+    } else {
+        None
+    };
     let state = perch_server::AppState::open(config)?;
     let std_listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     std_listener.set_nonblocking(true)?;
@@ -125,13 +160,19 @@ pub(super) fn ingest(args: IngestArgs) -> Result<()> {
         .enable_all()
         .thread_name("bench-client")
         .build()?;
-    let url = format!("http://{addr}/v1/ingest");
+    let scheme = if ca.is_some() { "https" } else { "http" };
+    let url = format!("{scheme}://{addr}/v1/ingest");
     let deadline = Instant::now() + Duration::from_secs(args.seconds + 1);
     let mut handles = Vec::new();
     for (head, tail) in templates {
         let (acked, url) = (acked.clone(), url.clone());
+        let client = match &ca {
+            Some(ca) => reqwest::Client::builder()
+                .add_root_certificate(ca.clone())
+                .build()?,
+            None => reqwest::Client::new(),
+        };
         handles.push(client_rt.spawn(async move {
-            let client = reqwest::Client::new();
             let mut seq = 1u64;
             while Instant::now() < deadline {
                 let body = format!("{head}{seq}{tail}");
@@ -178,7 +219,8 @@ pub(super) fn ingest(args: IngestArgs) -> Result<()> {
     let wall = elapsed.as_secs_f64();
     let cpu = (c1 - c0).max(0.01);
     println!(
-        "ingest over HTTP into durable storage ({} clients, {} samples x {} values per batch, {} KiB JSON per batch)",
+        "ingest over {} into durable storage ({} clients, {} samples x {} values per batch, {} KiB JSON per batch)",
+        if args.tls { "HTTPS (TLS 1.3)" } else { "HTTP" },
         args.clients,
         args.rounds * args.gpus,
         VALUES_PER_GPU_SAMPLE,
