@@ -9,8 +9,9 @@
 use crate::telemetry::{BatchError, check_label, check_time, field_error};
 use serde::{Deserialize, Serialize};
 
-/// Longest metric name, unit, service name or attribute text accepted.
-const MAX_ATTRIBUTES_LEN: usize = 64 * 1024;
+/// Longest metric name, unit, service name or attribute text accepted (a data point's
+/// attributes become a label on `/metrics`: 64 KiB ones made scrapes huge).
+const MAX_ATTRIBUTES_LEN: usize = 4 * 1024;
 
 /// One data point of a metric a job exported.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

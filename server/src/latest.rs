@@ -31,11 +31,18 @@ pub type JobMetricKey = (String, String, String);
 /// stopped exporting) drops out instead of leaving a stale value behind.
 pub const JOB_METRIC_STALE_MS: i64 = 5 * 60_000;
 
+/// Most series (metric and attributes) one job exports on `/metrics`. Points of more are
+/// still stored (the `job_metrics` table has them all) but not exported, and counted: one job
+/// pushing a new attribute value each step would otherwise grow every scrape without bound.
+pub const MAX_SERIES_PER_JOB: usize = 200;
+
 #[derive(Debug, Default)]
 pub struct Latest {
     nodes: RwLock<BTreeMap<String, NodeLatest>>,
     /// The newest data point of every metric jobs push, with the server time it arrived.
     job_metrics: RwLock<BTreeMap<JobMetricKey, (JobMetricSample, i64)>>,
+    /// Points not exported because their job already had [`MAX_SERIES_PER_JOB`] series.
+    pub job_series_dropped: std::sync::atomic::AtomicU64,
 }
 
 impl Latest {
@@ -115,11 +122,23 @@ impl Latest {
         let mut metrics = self.job_metrics.write().unwrap_or_else(|p| p.into_inner());
         for m in samples {
             let key = (m.job.clone(), m.metric.clone(), m.attributes.clone());
-            if metrics
-                .get(&key)
-                .is_none_or(|(old, _)| old.time_ms <= m.time_ms)
-            {
-                metrics.insert(key, (m.clone(), now_ms));
+            match metrics.get(&key) {
+                Some((old, _)) if old.time_ms > m.time_ms => {}
+                Some(_) => {
+                    metrics.insert(key, (m.clone(), now_ms));
+                }
+                None => {
+                    let series = metrics
+                        .range((m.job.clone(), String::new(), String::new())..)
+                        .take_while(|((job, _, _), _)| *job == m.job)
+                        .count();
+                    if series >= MAX_SERIES_PER_JOB {
+                        self.job_series_dropped
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    } else {
+                        metrics.insert(key, (m.clone(), now_ms));
+                    }
+                }
             }
         }
         metrics.retain(|_, (_, seen)| now_ms - *seen <= JOB_METRIC_STALE_MS);
@@ -148,5 +167,55 @@ impl Latest {
 
     pub fn snapshot(&self) -> BTreeMap<String, NodeLatest> {
         self.nodes.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_job_exports_at_most_its_share_of_series() {
+        let latest = Latest::default();
+        let point = |job: &str, step: usize| JobMetricSample {
+            job: job.into(),
+            metric: "loss".into(),
+            attributes: format!("{{\"step\":{step}}}"),
+            time_ms: 1,
+            value: Some(0.5),
+            ..JobMetricSample::default()
+        };
+        let flood: Vec<_> = (0..MAX_SERIES_PER_JOB + 50)
+            .map(|i| point("7", i))
+            .collect();
+        latest.update_job_metrics(&flood, 1_000);
+        latest.update_job_metrics(&[point("8", 0)], 1_000);
+        let exported = latest.job_metrics(1_000);
+        assert_eq!(
+            exported.iter().filter(|m| m.job == "7").count(),
+            MAX_SERIES_PER_JOB
+        );
+        assert_eq!(
+            exported.iter().filter(|m| m.job == "8").count(),
+            1,
+            "others unaffected"
+        );
+        assert_eq!(
+            latest
+                .job_series_dropped
+                .load(std::sync::atomic::Ordering::Relaxed),
+            50
+        );
+        // A series already exported keeps updating.
+        let mut newer = point("7", 0);
+        newer.time_ms = 2;
+        newer.value = Some(0.25);
+        latest.update_job_metrics(&[newer], 1_000);
+        assert!(
+            latest
+                .job_metrics(1_000)
+                .iter()
+                .any(|m| m.job == "7" && m.value == Some(0.25))
+        );
     }
 }

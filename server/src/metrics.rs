@@ -575,6 +575,17 @@ pub async fn metrics(State(state): State<AppState>, headers: axum::http::HeaderM
     );
     alerts::alerts(&mut scrape, &state.alerts);
     extended::pushed(&mut scrape, &state.latest.job_metrics(now));
+    scrape.counter(
+        "perch_job_metric_series_dropped",
+        "Data points jobs pushed over OpenTelemetry that are stored but not exported here: their job already had the most series one job may export (200)",
+        &Vec::new(),
+        Some(
+            state
+                .latest
+                .job_series_dropped
+                .load(Ordering::Relaxed) as f64,
+        ),
+    );
     let mut dynamic = Registry::default();
     scrape.register(&mut dynamic);
     let mut body = String::new();
