@@ -92,6 +92,8 @@ pub struct ServerSection {
     pub max_pending_jobs_per_user: usize,
     /// Most HTTP connections open at once; more wait in the kernel's backlog.
     pub max_connections: usize,
+    /// Most HTTP connections open at once from one address; more are closed at once.
+    pub max_connections_per_ip: usize,
     /// An HTTP connection on which nothing moves this long is closed.
     pub idle_timeout_secs: u64,
     pub maintenance_interval_secs: u64,
@@ -127,6 +129,7 @@ impl Default for ServerSection {
             node_lease_secs: perch_server::jobs::DEFAULT_LEASE.as_secs(),
             max_pending_jobs_per_user: perch_server::jobs::DEFAULT_MAX_PENDING_PER_USER,
             max_connections: perch_server::listener::ConnectionLimits::default().max_connections,
+            max_connections_per_ip: perch_server::listener::ConnectionLimits::default().max_per_ip,
             idle_timeout_secs: perch_server::listener::ConnectionLimits::default()
                 .idle_timeout
                 .as_secs(),
@@ -544,6 +547,17 @@ impl Config {
                 ),
             );
         }
+        if self.server.max_connections_per_ip == 0
+            || self.server.max_connections_per_ip > self.server.max_connections
+        {
+            return bad(
+                "server.max_connections_per_ip",
+                &format!(
+                    "must be between 1 and server.max_connections ({})",
+                    self.server.max_connections
+                ),
+            );
+        }
         if self.query.total_memory_mb < self.query.memory_mb {
             return bad(
                 "query.total_memory_mb",
@@ -650,6 +664,7 @@ impl Config {
         config.jobs.max_pending_per_user = s.max_pending_jobs_per_user;
         config.connections = perch_server::listener::ConnectionLimits {
             max_connections: s.max_connections,
+            max_per_ip: s.max_connections_per_ip,
             idle_timeout: Duration::from_secs(s.idle_timeout_secs),
         };
         config.pg_listen = Some(s.pg_listen.clone()).filter(|a| !a.is_empty());

@@ -14,7 +14,7 @@ fn half_open_connections_neither_starve_the_server_nor_stay_open() {
     let dir = tempfile::tempdir().expect("tempdir");
     let perch = common::server_with_config(
         dir.path(),
-        "[server]\npg_listen = \"\"\nidle_timeout_secs = 3\n[query]\ntimeout_secs = 2\n",
+        "[server]\npg_listen = \"\"\nidle_timeout_secs = 3\nmax_connections_per_ip = 1000\n[query]\ntimeout_secs = 2\n",
         &[],
     );
     let _agent = Agent::start(

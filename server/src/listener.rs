@@ -4,6 +4,9 @@
 //!
 //! - at most `max_connections` connections are open at once; the next waits in the kernel's
 //!   backlog until one closes (a descriptor is only taken once a slot is free);
+//! - at most `max_per_ip` of them from one address; more from it are closed at once, so one
+//!   host cannot take every slot and keep the nodes' agents out (their syncs would wait in
+//!   the backlog until the nodes were marked down);
 //! - a connection on which nothing is read or written for `idle_timeout` is closed: a client
 //!   that connects and sends nothing, stops mid-request, or keeps an idle keep-alive
 //!   connection. A request being served is not idle while it writes, and the server reads
@@ -28,6 +31,8 @@ use tokio::time::{Instant, Sleep};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnectionLimits {
     pub max_connections: usize,
+    /// Connections open at once from one IP address (`server.max_connections_per_ip`).
+    pub max_per_ip: usize,
     pub idle_timeout: Duration,
 }
 
@@ -35,6 +40,7 @@ impl Default for ConnectionLimits {
     fn default() -> Self {
         ConnectionLimits {
             max_connections: 4096,
+            max_per_ip: 256,
             idle_timeout: Duration::from_secs(60),
         }
     }
@@ -85,6 +91,9 @@ pub fn fit_descriptor_limit(limits: ConnectionLimits) -> ConnectionLimits {
 pub struct LimitedListener {
     inner: TcpListener,
     slots: Arc<Semaphore>,
+    /// Open connections per client address.
+    per_ip: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+    max_per_ip: usize,
     idle: Duration,
     tls: Option<tokio_rustls::TlsAcceptor>,
 }
@@ -98,6 +107,8 @@ impl LimitedListener {
         LimitedListener {
             inner,
             slots: Arc::new(Semaphore::new(limits.max_connections.max(1))),
+            per_ip: Arc::default(),
+            max_per_ip: limits.max_per_ip.max(1),
             idle: limits.idle_timeout,
             tls,
         }
@@ -116,8 +127,13 @@ impl axum::serve::Listener for LimitedListener {
         loop {
             match self.inner.accept().await {
                 Ok((stream, addr)) => {
+                    let Some(from) = IpSlot::take(&self.per_ip, addr.ip(), self.max_per_ip) else {
+                        // Closed at once (dropped); the slot waits for the next connection.
+                        tracing::debug!(client = %addr.ip(), max = self.max_per_ip, "connection refused: too many from this address");
+                        continue;
+                    };
                     let _ = stream.set_nodelay(true);
-                    let stream = LimitedStream::new(stream, slot, self.idle);
+                    let stream = LimitedStream::new(stream, slot, from, self.idle);
                     let io = match &self.tls {
                         Some(tls) => ServerStream::Handshake(Box::new(tls.accept(stream))),
                         None => ServerStream::Plain(stream),
@@ -221,10 +237,48 @@ impl AsyncWrite for ServerStream {
     }
 }
 
+/// One of an address's connections, counted until dropped.
+pub struct IpSlot {
+    counts: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+    ip: std::net::IpAddr,
+}
+
+impl IpSlot {
+    fn take(
+        counts: &Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+        ip: std::net::IpAddr,
+        max: usize,
+    ) -> Option<IpSlot> {
+        let mut map = counts.lock().unwrap_or_else(|p| p.into_inner());
+        let n = map.entry(ip).or_insert(0);
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(IpSlot {
+            counts: counts.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for IpSlot {
+    fn drop(&mut self) {
+        let mut map = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = map.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.ip);
+            }
+        }
+    }
+}
+
 /// A connection that holds one slot until it closes, and fails once idle too long.
 pub struct LimitedStream {
     inner: TcpStream,
     _slot: OwnedSemaphorePermit,
+    _from: IpSlot,
     idle: Duration,
     /// When the connection last moved; the timer is only re-armed when a wait starts.
     last: Instant,
@@ -232,10 +286,16 @@ pub struct LimitedStream {
 }
 
 impl LimitedStream {
-    fn new(inner: TcpStream, slot: OwnedSemaphorePermit, idle: Duration) -> LimitedStream {
+    fn new(
+        inner: TcpStream,
+        slot: OwnedSemaphorePermit,
+        from: IpSlot,
+        idle: Duration,
+    ) -> LimitedStream {
         LimitedStream {
             inner,
             _slot: slot,
+            _from: from,
             idle,
             last: Instant::now(),
             deadline: Box::pin(tokio::time::sleep(idle)),
@@ -337,6 +397,7 @@ mod tests {
             tcp,
             ConnectionLimits {
                 max_connections: 2,
+                max_per_ip: 2,
                 idle_timeout: Duration::from_millis(300),
             },
             None,
@@ -362,5 +423,59 @@ mod tests {
         // Its slot goes to the waiting connection.
         let third = tokio::time::timeout(Duration::from_secs(5), listener.accept()).await;
         assert!(third.is_ok(), "the slot was freed");
+    }
+
+    #[tokio::test]
+    async fn one_address_cannot_take_every_slot() {
+        let tcp = TcpListener::bind("0.0.0.0:0").await.expect("bind");
+        let port = tcp.local_addr().expect("addr").port();
+        let mut listener = LimitedListener::new(
+            tcp,
+            ConnectionLimits {
+                max_connections: 10,
+                max_per_ip: 2,
+                idle_timeout: Duration::from_secs(30),
+            },
+            None,
+        );
+        // Three from 127.0.0.1: two are served, the third is closed at once.
+        let mut greedy = Vec::new();
+        for _ in 0..3 {
+            greedy.push(
+                TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .expect("connect"),
+            );
+        }
+        let (_a, from_a) = listener.accept().await;
+        let (_b, _) = listener.accept().await;
+        assert_eq!(from_a.ip().to_string(), "127.0.0.1");
+        // Another address (all of 127/8 is loopback) still gets in.
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket
+            .bind("127.0.0.2:0".parse().expect("addr"))
+            .expect("bind 127.0.0.2");
+        let _other = socket
+            .connect(format!("127.0.0.1:{port}").parse().expect("addr"))
+            .await
+            .expect("connect");
+        let (_c, from_c) = tokio::time::timeout(Duration::from_secs(5), listener.accept())
+            .await
+            .expect("another address is served");
+        assert_eq!(from_c.ip().to_string(), "127.0.0.2");
+        // The third from 127.0.0.1 was closed by the server.
+        let mut buf = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(5), greedy[2].read(&mut buf))
+            .await
+            .expect("closed, not left hanging");
+        assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+        // When one of its connections closes, the address may open another.
+        drop(_a);
+        let _again = TcpStream::connect(("127.0.0.1", port))
+            .await
+            .expect("connect");
+        let (_d, _) = tokio::time::timeout(Duration::from_secs(5), listener.accept())
+            .await
+            .expect("a freed place is used");
     }
 }
