@@ -416,3 +416,107 @@ fn tokens_are_created_hashed_and_granted_or_revoked_on_sighup() {
         server.log()
     );
 }
+
+/// Issue 16: a token of each role against each route, as `docs/security.md` ("Who may call
+/// what") gives them. A call the role may make is answered anything but 401 or 403 (a missing
+/// job is 404, an empty body 400); one it may not is 401 without a token and 403 with one.
+#[test]
+fn every_role_reaches_exactly_the_routes_the_table_gives() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = common::server_with_tokens(
+        dir.path(),
+        &format!(
+            "[[tokens]]\ntoken = \"{ALICE}\"\nuser = \"alice\"\nrole = \"user\"\n\
+             [[tokens]]\ntoken = \"{OPERATOR}\"\nuser = \"ops\"\nrole = \"operator\"\n\
+             [[tokens]]\ntoken = \"{AGENT}\"\nuser = \"node-agent\"\nrole = \"agent\"\nnodes = [\"gpu-a\"]\n"
+        ),
+    );
+    let client = reqwest::blocking::Client::new();
+    let sync = r#"{"node": "gpu-a", "gpus": 0, "gpu_model": "none"}"#;
+    // (method, path, body, who may: [none, user, operator, agent])
+    let routes: &[(&str, &str, &str, [bool; 4])] = &[
+        ("GET", "/", "", [true, true, true, true]),
+        ("GET", "/healthz", "", [true, true, true, true]),
+        ("GET", "/readyz", "", [true, true, true, true]),
+        ("GET", "/metrics", "", [true, true, true, true]),
+        ("GET", "/v1/openapi.json", "", [true, true, true, true]),
+        ("POST", "/v1/metrics", "{}", [false, true, true, false]),
+        ("POST", "/v1/ingest", "{}", [false, false, true, true]),
+        ("POST", "/v1/agent/sync", sync, [false, false, true, true]),
+        (
+            "POST",
+            "/v1/sql",
+            r#"{"sql": "SELECT 1"}"#,
+            [false, true, true, false],
+        ),
+        ("POST", "/v1/jobs", "{}", [false, true, true, false]),
+        ("GET", "/v1/jobs", "", [false, true, true, false]),
+        ("GET", "/v1/jobs/999", "", [false, true, true, false]),
+        (
+            "POST",
+            "/v1/jobs/999/cancel",
+            "",
+            [false, true, true, false],
+        ),
+        ("GET", "/v1/jobs/999/logs", "", [false, true, true, false]),
+        ("GET", "/v1/queue", "", [false, true, true, false]),
+        ("GET", "/v1/nodes", "", [false, true, true, false]),
+        (
+            "POST",
+            "/v1/nodes/nowhere/drain",
+            "",
+            [false, false, true, false],
+        ),
+        (
+            "POST",
+            "/v1/nodes/nowhere/resume",
+            "",
+            [false, false, true, false],
+        ),
+        ("GET", "/v1/alerts", "", [false, true, true, false]),
+        (
+            "POST",
+            "/v1/alerts/breaker/reset",
+            "",
+            [false, false, true, false],
+        ),
+        ("GET", "/v1/silences", "", [false, true, true, false]),
+        ("POST", "/v1/silences", "{}", [false, false, true, false]),
+        (
+            "DELETE",
+            "/v1/silences/999",
+            "",
+            [false, false, true, false],
+        ),
+    ];
+    let tokens = [None, Some(ALICE), Some(OPERATOR), Some(AGENT)];
+    let mut wrong = Vec::new();
+    for (method, path, body, may) in routes {
+        for (who, token) in tokens.iter().enumerate() {
+            let mut request = client
+                .request(
+                    method.parse().expect("method"),
+                    format!("{}{path}", server.url),
+                )
+                .header("content-type", "application/json")
+                .body(body.to_string());
+            if let Some(t) = token {
+                request = request.bearer_auth(t);
+            }
+            let status = request.send().expect("send").status().as_u16();
+            let refused = status == 401 || status == 403;
+            let expected_refusal = if token.is_none() { 401 } else { 403 };
+            if may[who] == refused || (refused && status != expected_refusal) {
+                wrong.push(format!(
+                    "{method} {path} as {}: {status}",
+                    ["no token", "user", "operator", "agent"][who]
+                ));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "not as docs/security.md says:\n{}",
+        wrong.join("\n")
+    );
+}

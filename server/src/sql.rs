@@ -88,11 +88,17 @@ async fn handle(
         })?
     };
     let output = state.sql.query(&text).await?;
-    render(
-        output,
-        format.unwrap_or_default(),
-        state.sql.limits().max_rows,
-    )
+    let max_rows = state.sql.limits().max_rows;
+    // Encoding up to max_rows rows is CPU work: off the runtime that answers agents' syncs.
+    tokio::task::spawn_blocking(move || render(output, format.unwrap_or_default(), max_rows))
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                format!("encoding the result: {e}"),
+            )
+        })?
 }
 
 fn render(output: QueryOutput, format: Format, max_rows: usize) -> Result<Response, ApiError> {
