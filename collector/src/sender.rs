@@ -5,7 +5,8 @@
 //! 429 which ask us to come back later, and 401 and 403, which are about the agent's token, not
 //! the batch (a token being rotated must not lose telemetry: the batch is kept and retried
 //! until the token is accepted); 5xx and connection errors are retried with capped
-//! exponential backoff, lowest `seq` first (from the disk spool or the memory queue, whichever
+//! exponential backoff, or after the server's `Retry-After` when it is longer (at most a
+//! minute: the server's busy and back-pressure answers give one), lowest `seq` first (from the disk spool or the memory queue, whichever
 //! holds it), so order is kept. Retries are safe because the server ignores a `(node, seq)` it
 //! has already accepted.
 
@@ -33,9 +34,16 @@ pub enum SendOutcome {
     Accepted { duplicate: bool },
     /// The server refused the batch for good.
     Rejected { status: u16, message: String },
-    /// Try again later.
-    Retry { reason: String },
+    /// Try again later: not before `after` when the server said when (`Retry-After`, as its
+    /// busy and back-pressure answers do).
+    Retry {
+        reason: String,
+        after: Option<Duration>,
+    },
 }
+
+/// The longest `Retry-After` followed; a longer one is taken as this.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
 
 /// Capped exponential backoff.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -137,10 +145,16 @@ impl Sender {
             Err(e) => {
                 return SendOutcome::Retry {
                     reason: error_chain(&e),
+                    after: None,
                 };
             }
         };
         let status = response.status();
+        let after = response
+            .headers()
+            .get(reqwest::header::RETRY_AFTER)
+            .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
+            .map(|secs| Duration::from_secs(secs).min(MAX_RETRY_AFTER));
         let text = response.text().await.unwrap_or_default();
         if status.is_success() {
             let duplicate = serde_json::from_str::<serde_json::Value>(&text)
@@ -157,6 +171,7 @@ impl Sender {
                     "the server refuses this agent's token (HTTP {status}: {}); telemetry is kept (in memory, then in the disk spool) and sent once the token is accepted: check agent.token and the server's tokens file",
                     text.chars().take(200).collect::<String>()
                 ),
+                after,
             }
         } else if status.is_client_error() && status.as_u16() != 408 && status.as_u16() != 429 {
             let mut message = text;
@@ -177,6 +192,7 @@ impl Sender {
                     "HTTP {status}: {}",
                     text.chars().take(200).collect::<String>()
                 ),
+                after,
             }
         }
     }
@@ -319,11 +335,11 @@ pub async fn run_sender(sender: Sender, shared: SenderShared, backoff: Backoff) 
                 counters.samples_dropped.fetch_add(samples, Relaxed);
                 tracing::warn!(seq, status, samples, server_message = %message, "server rejected batch, dropping it");
             }
-            SendOutcome::Retry { reason } => {
+            SendOutcome::Retry { reason, after } => {
                 lock(&shared.queue).retry_later(seq);
                 counters.send_errors.fetch_add(1, Relaxed);
                 failures += 1;
-                let delay = backoff.delay(failures);
+                let delay = backoff.delay(failures).max(after.unwrap_or_default());
                 if failures == 1 {
                     tracing::warn!(url = %sender.url(), error = %reason, "cannot deliver batch, keeping it queued and retrying");
                 } else {

@@ -9,7 +9,7 @@ use axum::routing::post;
 use perch_collector::agent::{AgentCounters, run_agent_with};
 use perch_collector::queue::SendQueue;
 use perch_collector::sampler::Round;
-use perch_collector::sender::{Backoff, Sender, SenderShared, run_sender};
+use perch_collector::sender::{Backoff, SendOutcome, Sender, SenderShared, run_sender};
 use perch_collector::{AgentConfig, NvmlMode, spawn_agent};
 use perch_model::{Batch, HostSample, NodeId};
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -490,4 +490,59 @@ async fn batches_spooled_while_the_server_is_down_are_replayed_in_order_after_a_
         0,
         "spool emptied"
     );
+}
+
+/// Issue 16: a server that is busy (SQL slots, back-pressure) says when to come back with
+/// `Retry-After`; the agent waits at least that long (at most a minute) before it retries,
+/// whatever its own backoff says, and keeps the batch meanwhile.
+#[tokio::test]
+async fn a_busy_answer_says_when_to_retry_and_the_sender_hears_it() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let app = axum::Router::new().route(
+        "/v1/ingest",
+        post(|| async {
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                [("retry-after", "7")],
+                r#"{"error":{"code":"store_busy","message":"keep the data and retry later"}}"#,
+            )
+        }),
+    );
+    let app_long = axum::Router::new().route(
+        "/v1/ingest",
+        post(|| async {
+            (
+                StatusCode::TOO_MANY_REQUESTS,
+                [("retry-after", "86400")],
+                "later",
+            )
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await.expect("serve") });
+    let long = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let long_url = format!("http://{}", long.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(long, app_long).await.expect("serve") });
+    let mut queue = SendQueue::new(node(), 100, 1, 1000);
+    queue.push(round(0));
+    let batch = queue.next_to_send().expect("a batch");
+    let sender = Sender::new(&url, Duration::from_secs(10), None).expect("client");
+    match sender.post(&batch).await {
+        SendOutcome::Retry { after, reason } => {
+            assert_eq!(after, Some(Duration::from_secs(7)), "{reason}");
+            assert!(reason.contains("503"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let sender = Sender::new(&long_url, Duration::from_secs(10), None).expect("client");
+    match sender.post(&batch).await {
+        SendOutcome::Retry { after, .. } => {
+            assert_eq!(after, Some(Duration::from_secs(60)), "capped at a minute")
+        }
+        other => panic!("{other:?}"),
+    }
 }

@@ -19,6 +19,7 @@ use datafusion::datasource::ViewTable;
 use datafusion::error::DataFusionError;
 use datafusion::execution::cache::cache_manager::{CacheManager, CacheManagerConfig};
 use datafusion::execution::disk_manager::{DiskManagerBuilder, DiskManagerMode};
+use datafusion::execution::memory_pool::{MemoryConsumer, MemoryPool, MemoryReservation};
 use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::execution::session_state::SessionStateBuilder;
 use datafusion::logical_expr::LogicalPlan;
@@ -63,6 +64,9 @@ pub struct QueryOutput {
     pub rows: usize,
     /// The result had more rows than `max_rows`; only the first `max_rows` are here.
     pub truncated: bool,
+    /// The result's memory, charged to the query's limit and the server's budget until the
+    /// output is dropped (answered). Only held, never read.
+    _held: Option<MemoryReservation>,
 }
 
 /// Cheap to clone: a query runs on a clone moved onto the SQL runtime.
@@ -280,7 +284,7 @@ impl SqlEngine {
             let _slot = slot;
             let df = engine.prepare(&sql, pool.clone()).await;
             let result = match df {
-                Ok(df) => execute(df, engine.limits.max_rows).await,
+                Ok(df) => execute(df, engine.limits.max_rows, pool.clone()).await,
                 Err(e) => Err(e),
             };
             result.map_err(|e| engine.map_error(e, &pool))
@@ -432,9 +436,14 @@ pub fn sql_runtime() -> &'static tokio::runtime::Handle {
 async fn execute(
     df: datafusion::dataframe::DataFrame,
     max_rows: usize,
+    pool: Arc<QueryPool>,
 ) -> Result<QueryOutput, Failure> {
     let schema = strings::plain_schema(df.schema().as_arrow());
     let mut stream = df.execute_stream().await?;
+    // The rows collected count against the query's memory like its operators' state: a
+    // result of 100,000 rows of megabyte strings is refused, not built.
+    let pool: Arc<dyn MemoryPool> = pool;
+    let held = MemoryConsumer::new("perch query result").register(&pool);
     let mut batches = Vec::new();
     let mut rows = 0usize;
     let mut truncated = false;
@@ -445,6 +454,7 @@ async fn execute(
             )))
         })?;
         let room = max_rows - rows;
+        held.try_grow(batch.get_array_memory_size())?;
         if batch.num_rows() > room {
             batches.push(batch.slice(0, room));
             rows += room;
@@ -459,6 +469,7 @@ async fn execute(
         batches,
         rows,
         truncated,
+        _held: Some(held),
     })
 }
 

@@ -365,6 +365,9 @@ async fn limits_stop_runaway_queries_with_a_clear_error() {
         .await
         .expect("query");
     assert_eq!((cut.rows, cut.truncated), (10, true));
+    // A result holds its memory until it is dropped (answered).
+    assert!(sql.memory_in_use() > 0);
+    drop(cut);
     // Issue 16: a function's output is invisible to the memory pool; repeat('x', 1e9) ran
     // 50 s and took 6 GB past a 1 GiB limit. Now it is refused before it is built.
     for query in [
@@ -794,5 +797,36 @@ async fn failing_flushes_refuse_ingest_past_the_bound_and_lose_nothing() {
     assert_eq!(
         count(&sql, "SELECT count(*) FROM gpu_samples").await,
         acked as i64 + 2
+    );
+}
+
+/// Issue 16: the rows a query returns were collected outside its memory limit, so a result
+/// within `max_rows` could still take any amount of memory. They count against the limit (and
+/// the server's budget) now.
+#[tokio::test]
+async fn a_result_is_held_to_the_query_memory_limit() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(config(dir.path())).expect("open");
+    let limits = QueryLimits {
+        memory_bytes: 4 << 20,
+        max_rows: 10_000_000,
+        ..QueryLimits::default()
+    };
+    let sql = SqlEngine::new(store, limits);
+    let big = sql
+        .query("SELECT value, value * 2 AS b, CAST(value AS VARCHAR) AS c FROM generate_series(1, 2000000)")
+        .await
+        .expect_err("a 60 MB result under a 4 MiB limit");
+    assert!(big.to_string().contains("4 MiB limit"), "{big}");
+    let small = sql
+        .query("SELECT value FROM generate_series(1, 1000)")
+        .await
+        .expect("a small result");
+    assert_eq!(small.rows, 1000);
+    drop(small);
+    assert_eq!(
+        sql.memory_in_use(),
+        0,
+        "the result's memory is given back with it"
     );
 }
