@@ -228,6 +228,8 @@ pub struct AgentSection {
     pub server: String,
     /// Empty: the machine's hostname.
     pub node: String,
+    /// Rack or switch label; empty: "default".
+    pub rack: String,
     pub interval_ms: u64,
     pub data_dir: PathBuf,
     /// "auto", "off", or the path of an NVML library to load.
@@ -259,6 +261,7 @@ impl Default for AgentSection {
         AgentSection {
             server: "http://127.0.0.1:7300".into(),
             node: String::new(),
+            rack: String::new(),
             interval_ms: 1000,
             data_dir: "./perch-data".into(),
             nvml: "auto".into(),
@@ -707,6 +710,10 @@ impl Config {
         };
         let node = perch_model::NodeId::new(node)
             .map_err(|e| anyhow::anyhow!("config key agent.node: {e}"))?;
+        if !a.rack.is_empty() {
+            perch_model::NodeId::new(a.rack.as_str())
+                .map_err(|e| anyhow::anyhow!("config key agent.rack: {e}"))?;
+        }
         let mut config =
             perch_collector::AgentConfig::new(a.server.trim_end_matches('/').to_owned(), node);
         config.interval = Duration::from_millis(a.interval_ms);
@@ -726,6 +733,7 @@ impl Config {
         config.spool_max_bytes = a.spool_max_mb << 20;
         config.token = Some(a.token.clone()).filter(|t| !t.is_empty());
         config.ca_file = Some(a.ca_file.clone()).filter(|p| !p.as_os_str().is_empty());
+        config.rack = Some(a.rack.clone()).filter(|r| !r.is_empty());
         config.gpu_sharing = a.gpu_sharing;
         config.nvlink_islands = Some(a.nvlink_islands.clone()).filter(|i| !i.is_empty());
         config.run_as_user = perch_collector::launcher::RunAsUser::parse(&a.run_as_user)

@@ -68,6 +68,8 @@ pub struct AgentConfig {
     pub token: Option<String>,
     /// PEM certificates of a CA to trust for an `https://` server, besides the system's.
     pub ca_file: Option<PathBuf>,
+    /// The node's rack or switch label, for packing gangs close together (`agent.rack`).
+    pub rack: Option<String>,
     /// Take jobs asking for a part of a GPU (off by default: shared GPUs need MPS, or trust
     /// between the jobs, to keep one from starving the others).
     pub gpu_sharing: bool,
@@ -107,6 +109,7 @@ impl AgentConfig {
             run_jobs: true,
             token: None,
             ca_file: None,
+            rack: None,
             gpu_sharing: false,
             nvlink_islands: None,
             run_as_user: crate::launcher::RunAsUser::IfPossible,
@@ -427,7 +430,7 @@ pub async fn run_agent_with(
             node: config.node.clone(),
             gpus,
             gpu_model,
-            rack: None,
+            rack: config.rack.clone(),
             nvlink_islands,
             gpu_sharing: config.gpu_sharing,
             isolation: crate::launcher::Isolation {

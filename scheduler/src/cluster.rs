@@ -364,22 +364,39 @@ impl Cluster {
         })
     }
 
-    /// Changes a node's NVLink islands and whether it takes shared jobs. Running jobs stay
-    /// where they are; only later placements follow the new topology.
+    /// Changes a node's NVLink islands, whether it takes shared jobs and (when given) its
+    /// rack. Running jobs stay where they are; only later placements follow the new topology.
     pub fn set_features(
         &mut self,
         node: NodeId,
         nvlink_islands: Vec<Vec<u32>>,
         sharing: bool,
+        rack: Option<String>,
     ) -> Result<()> {
+        let rack_index = match &rack {
+            Some(label) => Some(match self.racks.iter().position(|r| r == label) {
+                Some(i) => i,
+                None => {
+                    self.racks.push(label.clone());
+                    self.racks.len() - 1
+                }
+            }),
+            None => None,
+        };
         let n = self.node_mut(node)?;
         let mut spec = n.spec.clone();
         spec.nvlink_islands = nvlink_islands;
         spec.sharing = sharing;
+        if let Some(label) = rack {
+            spec.rack = label;
+        }
         let islands = island_masks(&spec, n.all)?;
         let was_sharing = n.spec.sharing;
         n.islands = islands;
         n.spec = spec;
+        if let Some(i) = rack_index {
+            n.rack = i;
+        }
         self.sharing_nodes = self.sharing_nodes + u32::from(sharing) - u32::from(was_sharing);
         Ok(())
     }

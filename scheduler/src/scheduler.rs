@@ -83,6 +83,8 @@ pub enum Event {
         nvlink_islands: Vec<Vec<u32>>,
         /// See [`NodeSpec::sharing`].
         sharing: bool,
+        /// A new topology label ([`NodeSpec::rack`]); `None` leaves it.
+        rack: Option<String>,
     },
     /// An operator or the automatic remediation moves a running job off its node (a GPU
     /// went bad, the node is drained for repair): it is stopped with its checkpoint signal and
@@ -518,7 +520,10 @@ impl Scheduler {
                 node,
                 nvlink_islands,
                 sharing,
-            } => self.cluster.set_features(node, nvlink_islands, sharing)?,
+                rack,
+            } => self
+                .cluster
+                .set_features(node, nvlink_islands, sharing, rack)?,
             Event::AddNode(spec) => {
                 self.cluster.add_node(spec)?;
                 // Jobs asking for a model no node had are satisfiable now if this node has it.

@@ -119,6 +119,7 @@ fn islands_reported_later_steer_later_placements() {
             node: NodeId(0),
             nvlink_islands: vec![vec![0, 1], vec![2, 3, 4, 5, 6, 7]],
             sharing: false,
+            rack: None,
         },
     );
     assert_eq!(
@@ -136,6 +137,7 @@ fn islands_reported_later_steer_later_placements() {
             node: NodeId(0),
             nvlink_islands: vec![vec![0, 1], vec![1, 2]],
             sharing: false,
+            rack: None,
         },
     );
     let err = bad.expect_err("GPU 1 in two islands").to_string();

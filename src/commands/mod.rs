@@ -120,6 +120,10 @@ struct AgentFlags {
     /// Node name (default: hostname).
     #[arg(long, env = "PERCH_NODE")]
     node: Option<String>,
+    /// The node's rack or switch label: the scheduler packs a multi-node job into one rack
+    /// when it can.
+    #[arg(long, env = "PERCH_RACK")]
+    rack: Option<String>,
     /// Milliseconds between samples.
     #[arg(long, env = "PERCH_INTERVAL_MS")]
     interval_ms: Option<u64>,
@@ -216,6 +220,9 @@ impl AgentFlags {
     fn apply(&self, config: &mut Config) {
         if let Some(v) = &self.node {
             config.agent.node = v.clone();
+        }
+        if let Some(v) = &self.rack {
+            config.agent.rack = v.clone();
         }
         if let Some(v) = self.interval_ms {
             config.agent.interval_ms = v;

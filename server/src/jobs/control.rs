@@ -1128,7 +1128,7 @@ impl Control {
                     name: name.clone(),
                     gpus: req.gpus,
                     model: req.gpu_model.clone(),
-                    rack: req.rack.clone().unwrap_or_else(|| "default".into()),
+                    rack: reported_rack(&req),
                     drained: false,
                     nvlink_islands: reported_islands(&req),
                     gpu_sharing: req.gpu_sharing,
@@ -1320,21 +1320,40 @@ impl Control {
         now: i64,
     ) -> Result<(), ControlError> {
         let islands = reported_islands(req);
+        let rack = reported_rack(req);
         let record = &self.nodes[idx].record;
-        if record.nvlink_islands == islands && record.gpu_sharing == req.gpu_sharing {
+        if record.nvlink_islands == islands
+            && record.gpu_sharing == req.gpu_sharing
+            && record.rack == rack
+        {
             return Ok(());
         }
+        let moved = (record.rack != rack).then(|| (record.rack.clone(), rack.clone()));
         self.scheduler.handle(
             now,
             Event::UpdateNode {
                 node: NodeId(idx as u32),
                 nvlink_islands: islands.clone(),
                 sharing: req.gpu_sharing,
+                rack: Some(rack.clone()),
             },
         )?;
         let record = &mut self.nodes[idx].record;
         record.nvlink_islands = islands;
         record.gpu_sharing = req.gpu_sharing;
+        record.rack = rack;
+        if let Some((from, to)) = moved {
+            let name = self.nodes[idx].record.name.clone();
+            self.node_event(
+                now,
+                idx,
+                "node_topology_changed",
+                "perch",
+                format!(
+                    "{name}'s agent reports rack {to} (was {from}); later placements follow it"
+                ),
+            );
+        }
         self.dirty_nodes.insert(idx);
         Ok(())
     }
@@ -1551,6 +1570,16 @@ impl Control {
     pub(crate) fn job(&self, id: u64) -> Option<&JobRecord> {
         self.jobs.get(&id)
     }
+}
+
+/// The rack (topology label) a node's agent reports; "default" when it names none.
+fn reported_rack(req: &SyncRequest) -> String {
+    // A label must be a name (letters, digits, '.', '_', '-'); anything else is ignored, as
+    // the agent's own configuration check would have refused it.
+    req.rack
+        .clone()
+        .filter(|r| perch_model::NodeId::new(r.as_str()).is_ok())
+        .unwrap_or_else(|| "default".into())
 }
 
 /// The NVLink islands an agent reported, or none (one island) when they name a GPU the node

@@ -282,3 +282,46 @@ async fn a_job_fenced_by_its_supervisor_is_requeued_not_completed() {
     assert_eq!(j.attempts, 2);
     assert_eq!(j.exit_code, None);
 }
+
+/// Issue 17: the agent's rack label (`agent.rack`) reaches the node record and the scheduler's
+/// topology, and a changed label is followed at the next sync, with an event.
+#[tokio::test]
+async fn the_rack_an_agent_reports_reaches_the_scheduler_and_follows_changes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    let sync_in = |rack: serde_json::Value, at: i64| {
+        let jobs = jobs.clone();
+        async move {
+            let req: SyncRequest = serde_json::from_value(json!({
+                "node": "gpu-a", "gpus": 2, "gpu_model": "Test H100", "rack": rack,
+            }))
+            .expect("sync request");
+            jobs.run(move |c, _| c.sync(req, at)).await.expect("sync");
+        }
+    };
+    let rack_of = || {
+        jobs.read(|c| {
+            let idx = c.node_index["gpu-a"];
+            let spec = c
+                .scheduler
+                .cluster()
+                .spec(perch_scheduler::NodeId(idx as u32))
+                .expect("node")
+                .rack
+                .clone();
+            (c.nodes[idx].record.rack.clone(), spec)
+        })
+    };
+    sync_in(json!("r1"), T0).await;
+    assert_eq!(rack_of(), ("r1".to_owned(), "r1".to_owned()));
+    sync_in(json!("r2"), T0 + SECOND).await;
+    assert_eq!(rack_of(), ("r2".to_owned(), "r2".to_owned()));
+    // No label, or one that is not a name: "default".
+    sync_in(json!("no such rack!"), T0 + 2 * SECOND).await;
+    assert_eq!(rack_of(), ("default".to_owned(), "default".to_owned()));
+    // The node's record is durable with its rack.
+    drop(jobs);
+    let jobs = service(dir.path());
+    let rack = jobs.read(|c| c.nodes[c.node_index["gpu-a"]].record.rack.clone());
+    assert_eq!(rack, "default");
+}
