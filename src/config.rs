@@ -230,6 +230,9 @@ pub struct AgentSection {
     pub node: String,
     /// Rack or switch label; empty: "default".
     pub rack: String,
+    /// The address other nodes reach this one at; empty: the local address of the route to
+    /// the server.
+    pub advertise_addr: String,
     pub interval_ms: u64,
     pub data_dir: PathBuf,
     /// "auto", "off", or the path of an NVML library to load.
@@ -262,6 +265,7 @@ impl Default for AgentSection {
             server: "http://127.0.0.1:7300".into(),
             node: String::new(),
             rack: String::new(),
+            advertise_addr: String::new(),
             interval_ms: 1000,
             data_dir: "./perch-data".into(),
             nvml: "auto".into(),
@@ -734,6 +738,7 @@ impl Config {
         config.token = Some(a.token.clone()).filter(|t| !t.is_empty());
         config.ca_file = Some(a.ca_file.clone()).filter(|p| !p.as_os_str().is_empty());
         config.rack = Some(a.rack.clone()).filter(|r| !r.is_empty());
+        config.advertise_addr = Some(a.advertise_addr.clone()).filter(|r| !r.is_empty());
         config.gpu_sharing = a.gpu_sharing;
         config.nvlink_islands = Some(a.nvlink_islands.clone()).filter(|i| !i.is_empty());
         config.run_as_user = perch_collector::launcher::RunAsUser::parse(&a.run_as_user)

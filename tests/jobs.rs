@@ -641,3 +641,94 @@ fn a_job_that_died_while_the_server_was_down_ends_at_once_when_it_returns() {
     let server = start_server();
     ends_at_once(&server, "failed");
 }
+
+/// Issue 17: a gang on several nodes gets what `torch.distributed`, `torchrun`, DeepSpeed and
+/// Horovod read, without a wrapper: rank 0's advertised address and one port, the world size
+/// in GPUs, each node's rank and first global rank, its GPU count, the node list, and
+/// torchrun's `PET_*` defaults. Two agents on this machine, each advertising its own loopback
+/// address.
+#[test]
+fn a_multi_node_job_gets_its_peers_and_a_rendezvous() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = common::server_with_config(dir.path(), "[server]\npg_listen = \"\"\n", &[]);
+    let _a = common::Agent::start(
+        &perch.url,
+        "gpu-a",
+        &dir.path().join("agent-a"),
+        2,
+        None,
+        &["--interval-ms", "200", "--advertise-addr", "127.0.0.1"],
+    );
+    let _b = common::Agent::start(
+        &perch.url,
+        "gpu-b",
+        &dir.path().join("agent-b"),
+        2,
+        None,
+        &["--interval-ms", "200", "--advertise-addr", "127.0.0.2"],
+    );
+    wait_for("both nodes up", || {
+        let nodes = perch.get("/v1/nodes");
+        let up = nodes["nodes"]
+            .as_array()?
+            .iter()
+            .filter(|n| n["state"] == "up")
+            .count();
+        (up == 2).then_some(())
+    });
+    let out = dir.path().join("ranks");
+    std::fs::create_dir_all(&out).expect("mkdir");
+    let script = format!(
+        "env | grep -E '^(MASTER_ADDR|MASTER_PORT|WORLD_SIZE|NODE_RANK|RANK|LOCAL_WORLD_SIZE|PERCH_NODELIST|PERCH_NODE_ADDRS|PET_[A-Z_]+)=' | sort > {}/rank-$NODE_RANK",
+        out.display()
+    );
+    let submitted = reqwest::blocking::Client::new()
+        .post(format!("{}/v1/jobs", perch.url))
+        .json(&serde_json::json!({
+            "command": ["sh", "-c", script],
+            "nodes": 2,
+            "gpus_per_node": 2,
+        }))
+        .send()
+        .expect("submit");
+    assert_eq!(submitted.status().as_u16(), 201);
+    let j = wait_state(&perch, 1, "completed");
+    let rank0_node = j["placement"][0]["node"].as_str().expect("node").to_owned();
+    let rank1_node = j["placement"][1]["node"].as_str().expect("node").to_owned();
+    let addr = |node: &str| {
+        if node == "gpu-a" {
+            "127.0.0.1"
+        } else {
+            "127.0.0.2"
+        }
+    };
+    let read = |rank: u32| -> std::collections::BTreeMap<String, String> {
+        std::fs::read_to_string(out.join(format!("rank-{rank}")))
+            .expect("rank output")
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect()
+    };
+    let (r0, r1) = (read(0), read(1));
+    for (rank, env) in [(0, &r0), (1, &r1)] {
+        assert_eq!(env["MASTER_ADDR"], addr(&rank0_node), "{env:?}");
+        assert_eq!(env["PET_MASTER_ADDR"], addr(&rank0_node));
+        assert_eq!(env["WORLD_SIZE"], "4");
+        assert_eq!(env["NODE_RANK"], rank.to_string());
+        assert_eq!(env["PET_NODE_RANK"], rank.to_string());
+        assert_eq!(env["RANK"], (rank * 2).to_string());
+        assert_eq!(env["LOCAL_WORLD_SIZE"], "2");
+        assert_eq!(env["PET_NPROC_PER_NODE"], "2");
+        assert_eq!(env["PET_NNODES"], "2");
+        assert_eq!(env["PERCH_NODELIST"], format!("{rank0_node},{rank1_node}"));
+        assert_eq!(
+            env["PERCH_NODE_ADDRS"],
+            format!("{},{}", addr(&rank0_node), addr(&rank1_node))
+        );
+    }
+    assert_eq!(r0["MASTER_PORT"], r1["MASTER_PORT"], "one rendezvous port");
+    let port: u16 = r0["MASTER_PORT"].parse().expect("port");
+    assert!((29500..31500).contains(&port), "{port}");
+    assert_eq!(r0["PET_MASTER_PORT"], r0["MASTER_PORT"]);
+}

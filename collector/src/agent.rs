@@ -70,6 +70,9 @@ pub struct AgentConfig {
     pub ca_file: Option<PathBuf>,
     /// The node's rack or switch label, for packing gangs close together (`agent.rack`).
     pub rack: Option<String>,
+    /// The address other nodes reach this one at (`agent.advertise_addr`); `None`: the local
+    /// address of the route to the server.
+    pub advertise_addr: Option<String>,
     /// Take jobs asking for a part of a GPU (off by default: shared GPUs need MPS, or trust
     /// between the jobs, to keep one from starving the others).
     pub gpu_sharing: bool,
@@ -110,6 +113,7 @@ impl AgentConfig {
             token: None,
             ca_file: None,
             rack: None,
+            advertise_addr: None,
             gpu_sharing: false,
             nvlink_islands: None,
             run_as_user: crate::launcher::RunAsUser::IfPossible,
@@ -446,6 +450,7 @@ pub async fn run_agent_with(
             registry: config.jobs.clone(),
             token: config.token.clone(),
             ca_file: config.ca_file.clone(),
+            advertise_addr: config.advertise_addr.clone(),
             supervisor: config.supervisor.clone(),
         };
         let mut stopped = control_stopped.clone();

@@ -37,6 +37,8 @@ pub struct ControlConfig {
     pub token: Option<String>,
     /// PEM certificates of a CA to trust for an `https://` server, besides the system's.
     pub ca_file: Option<std::path::PathBuf>,
+    /// The address other nodes reach this one at; `None`: [`route_address`].
+    pub advertise_addr: Option<String>,
     /// The program that supervises each job (the `perch` binary, run as `perch __job-shim`);
     /// `None` runs jobs as the agent's own children, with no supervisor to stop them when the
     /// agent dies (see [`crate::launcher`]).
@@ -79,6 +81,10 @@ pub async fn run_control(
     .build()
     .map_err(|e| crate::CollectorError::Config(format!("HTTP client: {e}")))?;
     let url = format!("{}/v1/agent/sync", config.server.trim_end_matches('/'));
+    let advertise = config
+        .advertise_addr
+        .clone()
+        .or_else(|| route_address(&config.server));
     let mut tick = tokio::time::interval(config.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut unreachable = false;
@@ -99,6 +105,7 @@ pub async fn run_control(
                 gpus: config.gpus,
                 gpu_model: config.gpu_model.clone(),
                 rack: config.rack.clone(),
+                advertise_addr: advertise.clone(),
                 nvlink_islands: config.nvlink_islands.clone(),
                 gpu_sharing: config.gpu_sharing,
                 running: l.running(),
@@ -170,4 +177,48 @@ pub async fn run_control(
         .await
         .map_err(|e| crate::CollectorError::Task(format!("stopping jobs: {e}")))?;
     Ok(())
+}
+/// The local address of this machine's route to `server` (a URL): what peers on the same
+/// network most likely reach it at. Found by "connecting" a UDP socket, which sends nothing.
+pub fn route_address(server: &str) -> Option<String> {
+    let rest = server.split_once("://").map_or(server, |(_, r)| r);
+    let host_port = rest.split('/').next()?;
+    let with_port = if host_port
+        .rsplit_once(':')
+        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+        && !host_port.ends_with(']')
+    {
+        host_port.to_owned()
+    } else {
+        format!("{host_port}:80")
+    };
+    let target = std::net::ToSocketAddrs::to_socket_addrs(&with_port)
+        .ok()?
+        .next()?;
+    let bind = if target.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    };
+    let socket = std::net::UdpSocket::bind(bind).ok()?;
+    socket.connect(target).ok()?;
+    Some(socket.local_addr().ok()?.ip().to_string())
+}
+
+#[cfg(test)]
+mod route_tests {
+    use super::route_address;
+
+    #[test]
+    fn the_advertised_default_is_the_local_end_of_the_route_to_the_server() {
+        assert_eq!(
+            route_address("http://127.0.0.1:7300").as_deref(),
+            Some("127.0.0.1")
+        );
+        assert_eq!(
+            route_address("https://127.0.0.1/base").as_deref(),
+            Some("127.0.0.1")
+        );
+        assert_eq!(route_address("not a url"), None);
+    }
 }

@@ -24,6 +24,11 @@ pub struct SyncRequest {
     /// Topology label (rack or switch) for packing gangs close together.
     #[serde(default)]
     pub rack: Option<String>,
+    /// The address other nodes reach this one at (`agent.advertise_addr`, else the local
+    /// address of the route to the server): a multi-node job's `MASTER_ADDR` when this node
+    /// holds its rank 0.
+    #[serde(default)]
+    pub advertise_addr: Option<String>,
     /// Groups of GPU indices fully connected by NVLink (an NVSwitch system is one group);
     /// `None` when unknown, which the scheduler treats as one group of all GPUs.
     #[serde(default)]

@@ -124,6 +124,10 @@ struct AgentFlags {
     /// when it can.
     #[arg(long, env = "PERCH_RACK")]
     rack: Option<String>,
+    /// The address other nodes reach this one at (a multi-node job's MASTER_ADDR when this
+    /// node holds rank 0). Default: the local address of the route to the server.
+    #[arg(long, env = "PERCH_ADVERTISE_ADDR")]
+    advertise_addr: Option<String>,
     /// Milliseconds between samples.
     #[arg(long, env = "PERCH_INTERVAL_MS")]
     interval_ms: Option<u64>,
@@ -223,6 +227,9 @@ impl AgentFlags {
         }
         if let Some(v) = &self.rack {
             config.agent.rack = v.clone();
+        }
+        if let Some(v) = &self.advertise_addr {
+            config.agent.advertise_addr = v.clone();
         }
         if let Some(v) = self.interval_ms {
             config.agent.interval_ms = v;

@@ -119,6 +119,9 @@ struct Node {
     lease_expired: bool,
     /// Since when it has synced without a break (joined, came back, or this server started).
     reporting_since_ms: i64,
+    /// The address its agent advertises to peers (a multi-node job's `MASTER_ADDR`); `None`
+    /// until it says, then its name is used.
+    addr: Option<String>,
 }
 
 impl Node {
@@ -391,6 +394,7 @@ impl Control {
             down: false,
             lease_expired: false,
             reporting_since_ms: now_ms,
+            addr: None,
         });
         Ok(idx)
     }
@@ -624,6 +628,57 @@ impl Control {
         self.queue_launches(id);
     }
 
+    /// What distributed training needs on rank `rank` of job `id`, without a wrapper: for
+    /// `torch.distributed` (`env://`), DeepSpeed and Horovod `MASTER_ADDR` (rank 0's advertised
+    /// address), `MASTER_PORT`, `WORLD_SIZE` (GPUs in the job: one process per GPU),
+    /// `NODE_RANK`, `RANK` (the global rank of this node's first process),
+    /// `LOCAL_WORLD_SIZE` (GPUs here); `PERCH_NODELIST` (the nodes, comma-separated, rank
+    /// order) and `PERCH_NODE_ADDRS` (their addresses); and `torchrun`'s own `PET_*` defaults,
+    /// so `torchrun train.py` starts the right number of processes on every node.
+    ///
+    /// The port is chosen by the server from the job and attempt (29500 to 31499), the same
+    /// for every rank and every re-sent launch; a job picks its own by setting `MASTER_PORT`.
+    fn distributed_env(&self, id: u64, rank: usize) -> Vec<(String, String)> {
+        let Some(job) = self.jobs.get(&id) else {
+            return Vec::new();
+        };
+        let addr_of = |node: &str| {
+            self.node_index
+                .get(node)
+                .and_then(|&i| self.nodes[i].addr.clone())
+                .unwrap_or_else(|| node.to_owned())
+        };
+        let names: Vec<&str> = job.placement.iter().map(|p| p.node.as_str()).collect();
+        let addrs: Vec<String> = names.iter().map(|n| addr_of(n)).collect();
+        let local = job.placement.get(rank).map_or(0, |p| p.gpus.len());
+        let world: usize = job.placement.iter().map(|p| p.gpus.len()).sum();
+        let first_rank: usize = job.placement[..rank.min(job.placement.len())]
+            .iter()
+            .map(|p| p.gpus.len())
+            .sum();
+        let port = 29500 + (id.wrapping_mul(7919).wrapping_add(u64::from(job.attempts)) % 2000);
+        let master = addrs.first().cloned().unwrap_or_else(|| "127.0.0.1".into());
+        let nnodes = job.placement.len();
+        [
+            ("MASTER_ADDR", master.clone()),
+            ("MASTER_PORT", port.to_string()),
+            ("WORLD_SIZE", world.to_string()),
+            ("NODE_RANK", rank.to_string()),
+            ("RANK", first_rank.to_string()),
+            ("LOCAL_WORLD_SIZE", local.to_string()),
+            ("PERCH_NODELIST", names.join(",")),
+            ("PERCH_NODE_ADDRS", addrs.join(",")),
+            ("PET_NNODES", nnodes.to_string()),
+            ("PET_NODE_RANK", rank.to_string()),
+            ("PET_NPROC_PER_NODE", local.max(1).to_string()),
+            ("PET_MASTER_ADDR", master),
+            ("PET_MASTER_PORT", port.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect()
+    }
+
     /// Queues the launch orders of a running job for every node of its placement whose
     /// agent has not been handed one yet.
     fn queue_launches(&mut self, id: u64) {
@@ -648,6 +703,10 @@ impl Control {
             );
             if let Some(name) = &job.request.name {
                 env.insert("PERCH_JOB_NAME".into(), name.clone());
+            }
+            for (key, value) in self.distributed_env(id, rank) {
+                // The job's own value wins (a port of its choosing, say).
+                env.entry(key).or_insert(value);
             }
             let launch = JobLaunch {
                 job: id,
@@ -1146,6 +1205,7 @@ impl Control {
         };
         self.nodes[idx].last_sync_ms = now;
         self.nodes[idx].lease_expired = false;
+        self.nodes[idx].addr = req.advertise_addr.clone().filter(|a| is_address(a));
         response.lease_ms = self.config.lease.as_millis().try_into().unwrap_or(u64::MAX);
         self.update_node_features(idx, &req, now)?;
         if self.nodes[idx].down {
@@ -1570,6 +1630,16 @@ impl Control {
     pub(crate) fn job(&self, id: u64) -> Option<&JobRecord> {
         self.jobs.get(&id)
     }
+}
+
+/// Whether an agent's advertised address is one: an IP address or a host name (letters,
+/// digits, '.', '-'), at most 253 characters.
+fn is_address(a: &str) -> bool {
+    a.parse::<std::net::IpAddr>().is_ok()
+        || (!a.is_empty()
+            && a.len() <= 253
+            && a.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-'))
 }
 
 /// The rack (topology label) a node's agent reports; "default" when it names none.
