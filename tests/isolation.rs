@@ -195,8 +195,16 @@ fn a_job_sees_nothing_of_the_agents_environment() {
             "LOGNAME",
             "PWD",
             "CUDA_VISIBLE_DEVICES",
+            // perch's distributed-training variables (issue 17)
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "WORLD_SIZE",
+            "RANK",
+            "NODE_RANK",
+            "LOCAL_WORLD_SIZE",
         ]
         .contains(&k)
+            || k.starts_with("PET_")
             || k.starts_with("PERCH_")
             || k.starts_with("OTEL_")
             || k.starts_with("LC_")
