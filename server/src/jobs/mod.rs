@@ -56,6 +56,15 @@ struct CommitState {
 /// Array tasks added to the control plane in one step (one lock hold, one commit).
 pub(crate) const ARRAY_STEP: u32 = 500;
 
+/// A control-plane task that panicked or was cancelled, as the HTTP edge answers it.
+fn task_failed(e: tokio::task::JoinError) -> crate::ApiError {
+    crate::ApiError::new(
+        axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+        "internal",
+        e.to_string(),
+    )
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -189,13 +198,7 @@ impl JobService {
             result
         })
         .await
-        .map_err(|e| {
-            crate::ApiError::new(
-                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                e.to_string(),
-            )
-        })?
+        .map_err(task_failed)?
         .map_err(crate::ApiError::from)
     }
 
@@ -246,13 +249,7 @@ impl JobService {
             Ok((record, ids, warning))
         })
         .await
-        .map_err(|e| {
-            crate::ApiError::new(
-                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                e.to_string(),
-            )
-        })?
+        .map_err(task_failed)?
     }
 
     /// Ticks the control plane every second until `shutdown`.
