@@ -82,17 +82,10 @@ pub struct ClientConfig {
 impl ClientConfig {
     /// The certificates of `ca_file`, to trust besides the system's roots.
     fn ca_certificates(&self) -> Result<Vec<reqwest::Certificate>> {
-        let Some(path) = &self.ca_file else {
-            return Ok(Vec::new());
-        };
-        let pem =
-            std::fs::read(path).with_context(|| format!("reading CA file {}", path.display()))?;
-        let certs = reqwest::Certificate::from_pem_bundle(&pem)
-            .with_context(|| format!("CA file {}", path.display()))?;
-        if certs.is_empty() {
-            bail!("CA file {} holds no PEM certificate", path.display());
+        match &self.ca_file {
+            Some(path) => Ok(perch_collector::sender::ca_certificates(path)?),
+            None => Ok(Vec::new()),
         }
-        Ok(certs)
     }
 
     /// An HTTP client for this server, trusting `ca_file` too.

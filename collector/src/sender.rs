@@ -360,6 +360,14 @@ pub fn trust(
     let Some(path) = ca_file else {
         return Ok(builder);
     };
+    Ok(ca_certificates(path)?
+        .into_iter()
+        .fold(builder, |b, cert| b.add_root_certificate(cert)))
+}
+
+/// The PEM certificates in `path` (one or more), refused when it holds none: what the agent
+/// and the CLI trust for an in-house CA.
+pub fn ca_certificates(path: &Path) -> Result<Vec<reqwest::Certificate>> {
     let pem = std::fs::read(path)
         .map_err(|e| CollectorError::Config(format!("reading CA file {}: {e}", path.display())))?;
     let certs = reqwest::Certificate::from_pem_bundle(&pem)
@@ -370,9 +378,7 @@ pub fn trust(
             path.display()
         )));
     }
-    Ok(certs
-        .into_iter()
-        .fold(builder, |b, cert| b.add_root_certificate(cert)))
+    Ok(certs)
 }
 
 #[cfg(test)]
