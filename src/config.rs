@@ -714,6 +714,13 @@ impl Config {
         };
         let node = perch_model::NodeId::new(node)
             .map_err(|e| anyhow::anyhow!("config key agent.node: {e}"))?;
+        if !a.advertise_addr.is_empty() && !perch_model::control::is_host_address(&a.advertise_addr)
+        {
+            anyhow::bail!(
+                "config key agent.advertise_addr: {:?} is neither an IP address nor a host name",
+                a.advertise_addr
+            );
+        }
         if !a.rack.is_empty() {
             perch_model::NodeId::new(a.rack.as_str())
                 .map_err(|e| anyhow::anyhow!("config key agent.rack: {e}"))?;

@@ -81,10 +81,17 @@ pub async fn run_control(
     .build()
     .map_err(|e| crate::CollectorError::Config(format!("HTTP client: {e}")))?;
     let url = format!("{}/v1/agent/sync", config.server.trim_end_matches('/'));
-    let advertise = config
-        .advertise_addr
-        .clone()
-        .or_else(|| route_address(&config.server));
+    // Finding the route may resolve the server's name: not on the async workers.
+    let advertise = match config.advertise_addr.clone() {
+        Some(a) => Some(a),
+        None => {
+            let server = config.server.clone();
+            tokio::task::spawn_blocking(move || route_address(&server))
+                .await
+                .ok()
+                .flatten()
+        }
+    };
     let mut tick = tokio::time::interval(config.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut unreachable = false;

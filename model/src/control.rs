@@ -246,3 +246,27 @@ pub struct JobStop {
     pub signal: String,
     pub grace_secs: u64,
 }
+/// Whether `a` can be a node's advertised address ([`SyncRequest::advertise_addr`]): an IP
+/// address or a host name (letters, digits, '.', '-'), at most 253 characters.
+pub fn is_host_address(a: &str) -> bool {
+    a.parse::<std::net::IpAddr>().is_ok()
+        || (!a.is_empty()
+            && a.len() <= 253
+            && a.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-'))
+}
+
+#[cfg(test)]
+mod address_tests {
+    use super::is_host_address;
+
+    #[test]
+    fn an_advertised_address_is_an_ip_or_a_host_name() {
+        for ok in ["10.0.0.7", "::1", "gpu-a.cluster.local", "node7"] {
+            assert!(is_host_address(ok), "{ok}");
+        }
+        for bad in ["", "a b", "evil;rm -rf", "host:80", &"x".repeat(254)] {
+            assert!(!is_host_address(bad), "{bad}");
+        }
+    }
+}

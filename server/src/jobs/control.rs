@@ -1205,7 +1205,10 @@ impl Control {
         };
         self.nodes[idx].last_sync_ms = now;
         self.nodes[idx].lease_expired = false;
-        self.nodes[idx].addr = req.advertise_addr.clone().filter(|a| is_address(a));
+        self.nodes[idx].addr = req
+            .advertise_addr
+            .clone()
+            .filter(|a| perch_model::control::is_host_address(a));
         response.lease_ms = self.config.lease.as_millis().try_into().unwrap_or(u64::MAX);
         self.update_node_features(idx, &req, now)?;
         if self.nodes[idx].down {
@@ -1630,16 +1633,6 @@ impl Control {
     pub(crate) fn job(&self, id: u64) -> Option<&JobRecord> {
         self.jobs.get(&id)
     }
-}
-
-/// Whether an agent's advertised address is one: an IP address or a host name (letters,
-/// digits, '.', '-'), at most 253 characters.
-fn is_address(a: &str) -> bool {
-    a.parse::<std::net::IpAddr>().is_ok()
-        || (!a.is_empty()
-            && a.len() <= 253
-            && a.chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-'))
 }
 
 /// The rack (topology label) a node's agent reports; "default" when it names none.
