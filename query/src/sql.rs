@@ -325,11 +325,18 @@ impl SqlEngine {
     /// The columns `sql` would return, without running it: planned in a fresh session and
     /// checked read-only exactly like [`SqlEngine::query`], under the same timeout. Clients of
     /// the PostgreSQL protocol ask for this before they execute (Parse, Describe).
+    ///
+    /// Like a query it takes one of the users' slots and runs on its runtime, so a client
+    /// that only ever asks to describe (psql's Parse) is held to the same cap.
     pub async fn describe(&self, sql: &str) -> Result<SchemaRef> {
+        let deadline = tokio::time::Instant::now() + self.limits.timeout;
+        let slot = self.budget.slot(deadline, || self.timeout()).await?;
+        let runtime = slot.runtime().clone();
         let engine = self.clone();
         let sql = sql.to_owned();
-        let work = sql_runtime().spawn(async move {
-            let pool = Budget::own_pool(engine.limits.memory_bytes);
+        let work = runtime.spawn(async move {
+            let _slot = slot;
+            let pool = engine.budget.pool(engine.limits.memory_bytes);
             let ctx = engine.session(pool.clone()).await?;
             let plan = engine
                 .plan(&ctx, &sql)
@@ -338,7 +345,7 @@ impl SqlEngine {
             Ok(strings::plain_schema(plan.schema().as_arrow()))
         });
         let abort = work.abort_handle();
-        match tokio::time::timeout(self.limits.timeout, work).await {
+        match tokio::time::timeout_at(deadline, work).await {
             Ok(Ok(result)) => result,
             Ok(Err(e)) => Err(Error::Execution(format!("planning the query failed: {e}"))),
             Err(_) => {
@@ -413,8 +420,7 @@ fn map_error(e: DataFusionError, memory_bytes: usize, names: &[String]) -> Error
     }
 }
 
-/// The runtime perch's own queries (alert rules, the accounting fold) and the planning for
-/// psql's Describe run on: its own worker threads (`perch-sql`), as many as the machine has
+/// The runtime perch's own queries (alert rules, the accounting fold) run on: its own worker threads (`perch-sql`), as many as the machine has
 /// cores, so SQL gets the CPU it can use without taking the server's workers. Users' queries
 /// run on their slots' runtimes.
 pub fn sql_runtime() -> &'static tokio::runtime::Handle {
