@@ -164,6 +164,8 @@ pub(crate) struct TableData {
     mem: Vec<RecordBatch>,
     mem_rows: usize,
     flushing: Vec<RecordBatch>,
+    /// Rows in `flushing`, kept so the back-pressure check on every ingest is O(tables).
+    flushing_rows: usize,
     pub(crate) files: Arc<Vec<FileEntry>>,
 }
 
@@ -523,6 +525,7 @@ impl Store {
             let mut work = Vec::new();
             for (table, data) in inner.tables.iter_mut() {
                 data.flushing.append(&mut data.mem);
+                data.flushing_rows += data.mem_rows;
                 data.mem_rows = 0;
                 if !data.flushing.is_empty() {
                     work.push((*table, data.flushing.clone()));
@@ -544,7 +547,7 @@ impl Store {
                 let mut inner = self.lock();
                 for data in inner.tables.values_mut() {
                     let mut back = std::mem::take(&mut data.flushing);
-                    data.mem_rows += back.iter().map(RecordBatch::num_rows).sum::<usize>();
+                    data.mem_rows += std::mem::take(&mut data.flushing_rows);
                     back.append(&mut data.mem);
                     data.mem = back;
                 }
@@ -572,6 +575,7 @@ impl Store {
         self.commit(manifest, BTreeMap::new(), |inner| {
             for data in inner.tables.values_mut() {
                 data.flushing.clear();
+                data.flushing_rows = 0;
             }
         })
         .await?;
@@ -804,7 +808,7 @@ fn held_rows(inner: &Inner) -> usize {
     inner
         .tables
         .values()
-        .map(|t| t.mem_rows + t.flushing.iter().map(RecordBatch::num_rows).sum::<usize>())
+        .map(|t| t.mem_rows + t.flushing_rows)
         .sum()
 }
 
