@@ -169,6 +169,9 @@ pub(crate) struct Control {
     /// Pending jobs per user, for the pending cap without a scan of every job: kept in step
     /// by [`Control::take_dirty`], through which every change of a job passes.
     pending: PendingCount,
+    /// Array tasks checked against the pending cap and not added yet (an array is added in
+    /// steps), per user: counted by the cap, so concurrent arrays cannot each pass it.
+    reserved: HashMap<String, usize>,
 }
 
 /// Which jobs are pending, and how many per user.
@@ -294,6 +297,7 @@ impl Control {
             acting: None,
             job_tokens: JobTokens::load_or_create(dir).map_err(ControlError::Logs)?,
             pending: PendingCount::default(),
+            reserved: HashMap::new(),
         };
         for record in nodes {
             // Agents get one heartbeat timeout from now to come back.
@@ -768,10 +772,21 @@ impl Control {
         now: i64,
     ) -> Result<u64, ControlError> {
         self.check_submission(request, now)?;
-        let count = u64::from(request.array.unwrap_or(1));
+        let count = request.array.unwrap_or(1);
+        *self.reserved.entry(request.user().to_owned()).or_default() += count as usize;
         let first = self.next_id;
-        self.next_id += count;
+        self.next_id += u64::from(count);
         Ok(first)
+    }
+
+    /// Gives back `n` of `user`'s reserved array tasks (added, or never to be).
+    pub(crate) fn release_reservation(&mut self, user: &str, n: usize) {
+        if let Some(r) = self.reserved.get_mut(user) {
+            *r = r.saturating_sub(n);
+            if *r == 0 {
+                self.reserved.remove(user);
+            }
+        }
     }
 
     /// Adds array tasks `tasks` of `request`, whose ids start at `first` (from
@@ -785,20 +800,29 @@ impl Control {
         now: i64,
     ) -> Result<(), ControlError> {
         self.now = now;
-        for task in tasks {
+        let user = request.user().to_owned();
+        for task in tasks.clone() {
             let mut r = request.clone();
-            if r.array.take().is_none() {
+            let added = if r.array.take().is_none() {
                 // A single job: no array variables, no task name.
-                self.submit_one(r, first, now, Pass::Later)?;
-                continue;
+                self.submit_one(r, first, now, Pass::Later)
+            } else {
+                r.env.insert("PERCH_ARRAY_JOB_ID".into(), first.to_string());
+                r.env.insert("PERCH_ARRAY_TASK_ID".into(), task.to_string());
+                r.name = Some(format!(
+                    "{}[{task}]",
+                    request.name.as_deref().unwrap_or("array")
+                ));
+                self.submit_one(r, first + u64::from(task), now, Pass::Later)
+            };
+            match added {
+                // Pending now (counted once this operation's changes are taken).
+                Ok(()) => self.release_reservation(&user, 1),
+                Err(e) => {
+                    self.release_reservation(&user, (tasks.end - task) as usize);
+                    return Err(e);
+                }
             }
-            r.env.insert("PERCH_ARRAY_JOB_ID".into(), first.to_string());
-            r.env.insert("PERCH_ARRAY_TASK_ID".into(), task.to_string());
-            r.name = Some(format!(
-                "{}[{task}]",
-                request.name.as_deref().unwrap_or("array")
-            ));
-            self.submit_one(r, first + u64::from(task), now, Pass::Later)?;
         }
         let actions = self.scheduler.schedule(now);
         self.apply(now, actions);
@@ -823,7 +847,7 @@ impl Control {
         }
         let adding = request.array.map_or(1, |n| n as usize);
         let user = request.user();
-        let pending = self.pending.of(user);
+        let pending = self.pending.of(user) + self.reserved.get(user).copied().unwrap_or(0);
         if pending + adding > self.config.max_pending_per_user {
             return Err(ControlError::TooManyPending {
                 user: user.to_owned(),

@@ -234,9 +234,20 @@ impl JobService {
                 let step = done..count.min(done + ARRAY_STEP);
                 done = step.end;
                 let r = request.clone();
-                service
+                let added = service
                     .run(move |c, now| c.submit_array_tasks(&r, first, step, now))
-                    .await?;
+                    .await;
+                if let Err(e) = added {
+                    // The later steps will not be added: their tasks stop counting.
+                    let (user, left) = (request.user().to_owned(), (count - done) as usize);
+                    let _ = service
+                        .run(move |c, _| {
+                            c.release_reservation(&user, left);
+                            Ok(())
+                        })
+                        .await;
+                    return Err(e);
+                }
             }
             let record = service
                 .read(|c| c.view(first))

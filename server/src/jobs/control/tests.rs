@@ -325,3 +325,46 @@ async fn the_rack_an_agent_reports_reaches_the_scheduler_and_follows_changes() {
     let rack = jobs.read(|c| c.nodes[c.node_index["gpu-a"]].record.rack.clone());
     assert_eq!(rack, "default");
 }
+
+/// Review of issue 16: an array is added in steps, and the pending cap was checked against
+/// jobs already added only, so two large arrays sent at once could each pass it. The tasks
+/// an array will add count from the moment it is accepted.
+#[tokio::test]
+async fn arrays_sent_at_once_cannot_together_pass_the_pending_cap() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (tx, _rx) = JobService::event_channel();
+    let config = JobsConfig {
+        max_pending_per_user: 3000,
+        ..JobsConfig::default()
+    };
+    let jobs = JobService::open(dir.path(), config, tx).expect("jobs");
+    let array = |n: u32| -> crate::jobs::spec::JobRequest {
+        serde_json::from_value(json!({
+            "command": ["train"], "user": "bob", "gpus_per_node": 1, "array": n
+        }))
+        .expect("request")
+    };
+    let (a, b) = tokio::join!(
+        jobs.submit(array(2000), false),
+        jobs.submit(array(2000), false)
+    );
+    let (ok, refused): (Vec<_>, Vec<_>) = [a, b].into_iter().partition(Result::is_ok);
+    assert_eq!(
+        (ok.len(), refused.len()),
+        (1, 1),
+        "exactly one fits under 3,000"
+    );
+    let e = refused
+        .into_iter()
+        .next()
+        .expect("refused")
+        .expect_err("refused");
+    assert_eq!(e.status, axum::http::StatusCode::TOO_MANY_REQUESTS);
+    // Once the first is in, the reservation is gone: 1,000 more fit, not 1,001.
+    jobs.submit(array(1000), false)
+        .await
+        .expect("room for 1,000");
+    jobs.submit(array(1), false)
+        .await
+        .expect_err("the cap is reached");
+}
