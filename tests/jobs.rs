@@ -679,7 +679,7 @@ fn a_multi_node_job_gets_its_peers_and_a_rendezvous() {
     let out = dir.path().join("ranks");
     std::fs::create_dir_all(&out).expect("mkdir");
     let script = format!(
-        "env | grep -E '^(MASTER_ADDR|MASTER_PORT|WORLD_SIZE|NODE_RANK|RANK|LOCAL_WORLD_SIZE|PERCH_NODELIST|PERCH_NODE_ADDRS|PET_[A-Z_]+)=' | sort > {}/rank-$NODE_RANK",
+        "env | grep -E '^(MASTER_ADDR|MASTER_PORT|WORLD_SIZE|NODE_RANK|RANK|LOCAL_WORLD_SIZE|PERCH_NODELIST|PERCH_NODE_ADDRS|PET_[A-Z_]+)=' | sort > {0}/rank-$NODE_RANK; cp \"$PERCH_HOSTFILE\" {0}/hosts-$NODE_RANK",
         out.display()
     );
     let submitted = reqwest::blocking::Client::new()
@@ -731,4 +731,49 @@ fn a_multi_node_job_gets_its_peers_and_a_rendezvous() {
     let port: u16 = r0["MASTER_PORT"].parse().expect("port");
     assert!((29500..31500).contains(&port), "{port}");
     assert_eq!(r0["PET_MASTER_PORT"], r0["MASTER_PORT"]);
+    assert_eq!(j["master_port"], port, "the port rank 0's agent picked");
+    let hosts = format!(
+        "{} slots=2\n{} slots=2\n",
+        addr(&rank0_node),
+        addr(&rank1_node)
+    );
+    for rank in 0..2 {
+        let file = std::fs::read_to_string(out.join(format!("hosts-{rank}"))).expect("hostfile");
+        assert_eq!(file, hosts);
+    }
+
+    // A gang whose rank 1 fails: both ranks end within seconds, the failing one is named.
+    let submitted = reqwest::blocking::Client::new()
+        .post(format!("{}/v1/jobs", perch.url))
+        .json(&serde_json::json!({
+            "command": ["sh", "-c", "if [ \"$NODE_RANK\" = 1 ]; then sleep 1; exit 3; fi; sleep 300"],
+            "nodes": 2,
+            "gpus_per_node": 2,
+        }))
+        .send()
+        .expect("submit");
+    assert_eq!(submitted.status().as_u16(), 201);
+    let started = std::time::Instant::now();
+    let j = wait_state(&perch, 2, "failed");
+    let failing = j["placement"][1]["node"].as_str().expect("node");
+    assert_eq!(j["exit_code"], 3);
+    assert_eq!(j["placement"][1]["exit_code"], 3, "{j}");
+    let reason = j["reason"].as_str().expect("reason");
+    assert!(
+        reason.contains(&format!("rank 1 of 2 (on {failing}) exited with code 3")),
+        "{reason}"
+    );
+    let (ok, shown, err) = cli(&perch, &["show", "2"]);
+    assert!(ok, "{err}");
+    assert!(shown.contains(&format!("1:{failing}=exited 3")), "{shown}");
+    // Rank 0 is stopped, not left running for its five minutes.
+    let rank0 = j["placement"][0]["node"].as_str().expect("node").to_owned();
+    wait_for("rank 0 stopped", || {
+        let j = job(&perch, 2);
+        let timeline = j["timeline"].to_string();
+        timeline
+            .contains(&format!("attempt 1 ended on {rank0}"))
+            .then_some(())
+    });
+    assert!(started.elapsed() < std::time::Duration::from_secs(30));
 }

@@ -116,6 +116,7 @@ pub async fn run_control(
                 nvlink_islands: config.nvlink_islands.clone(),
                 gpu_sharing: config.gpu_sharing,
                 running: l.running(),
+                master_ports: l.master_ports(),
                 exited: l.exited(),
                 logs: l.logs(),
                 notes: l.take_notes(),

@@ -43,7 +43,7 @@ use cgroup::{JobCgroup, JobCgroups};
 use groups::{GroupState, RunRecord};
 use identity::{Decision, Identity};
 use perch_model::control::{
-    JobAttempt, JobExit, JobLaunch, JobNote, JobStop, LogChunk, LogStream, SyncResponse,
+    JobAttempt, JobExit, JobLaunch, JobNote, JobStop, LogChunk, LogStream, MasterPort, SyncResponse,
 };
 use rustix::process::{Pid, Signal, kill_process_group};
 use shim::{ExitRecord, ShimArgs};
@@ -111,6 +111,8 @@ struct Running {
     grace: Duration,
     stopping: Option<Stopping>,
     stopped_by_perch: bool,
+    /// The rendezvous port picked here for the job's ranks ([`JobLaunch::pick_master_port`]).
+    master_port: Option<u16>,
 }
 
 /// The state directory inside the jobs directory (root-only; see [`groups`]).
@@ -184,6 +186,27 @@ fn signal_group(pgid: Pid, signal: Signal) {
 /// Creates a job's log afresh, as root, in a directory the job's user owns: whatever the entry
 /// is now (a link the job left, say) is removed, never followed, and the new file is created
 /// exclusively without following links, readable and writable through the one descriptor.
+/// A TCP port free on this node for job `l`'s rendezvous (the store rank 0 opens for its
+/// peers): the first free one from a port derived from the job and attempt within
+/// 29500-31499 (torch's default range, so firewalls opened for it fit), else any free one.
+/// Free when tried: the job binds it moments later.
+fn pick_master_port(l: &JobLaunch) -> u16 {
+    const FIRST: u64 = 29_500;
+    const SPAN: u64 = 2_000;
+    let start = l.job.wrapping_mul(7_919).wrapping_add(u64::from(l.attempt)) % SPAN;
+    let free = |port: u16| std::net::TcpListener::bind(("0.0.0.0", port)).is_ok();
+    (0..SPAN)
+        .map(|i| (FIRST + (start + i) % SPAN) as u16)
+        .find(|&p| free(p))
+        .or_else(|| {
+            std::net::TcpListener::bind(("0.0.0.0", 0))
+                .and_then(|s| s.local_addr())
+                .map(|a| a.port())
+                .ok()
+        })
+        .unwrap_or((FIRST + start) as u16)
+}
+
 fn create_log(path: &Path) -> std::io::Result<File> {
     match fs::remove_file(path) {
         Ok(()) => {}
@@ -422,6 +445,7 @@ impl Launcher {
                     grace: Duration::from_secs(rec.grace_secs),
                     stopping: None,
                     stopped_by_perch: false,
+                    master_port: rec.master_port,
                 },
             );
             kept.insert(job);
@@ -713,6 +737,35 @@ impl Launcher {
         self.sent.insert((l.job, LogStream::Stdout), 0);
         self.sent.insert((l.job, LogStream::Stderr), 0);
         let user = self.identity(l)?;
+        let hostfile = if l.hosts.is_empty() {
+            None
+        } else {
+            let path = dir.join("hostfile");
+            let mut f = create_log(&path).map_err(|e| io("creating its hostfile", e))?;
+            for h in &l.hosts {
+                writeln!(f, "{} slots={}", h.addr, h.slots)
+                    .map_err(|e| io("writing its hostfile", e))?;
+            }
+            Some((path, f))
+        };
+        let master_port = l.pick_master_port.then(|| pick_master_port(l));
+        let mut adjusted;
+        let l = if master_port.is_some() || hostfile.is_some() {
+            adjusted = l.clone();
+            if let Some(port) = master_port {
+                for key in ["MASTER_PORT", "PET_MASTER_PORT"] {
+                    adjusted.env.insert(key.into(), port.to_string());
+                }
+            }
+            if let Some((path, _)) = &hostfile {
+                adjusted
+                    .env
+                    .insert("PERCH_HOSTFILE".into(), path.display().to_string());
+            }
+            &adjusted
+        } else {
+            l
+        };
         if let Some(id) = &user {
             // The job's directory (its default working directory) and logs are its user's: the
             // logs through their descriptors, the directory by path (its parent is root's).
@@ -725,6 +778,9 @@ impl Launcher {
             };
             give("stdout", rustix::fs::fchown(&stdout, uid, gid))?;
             give("stderr", rustix::fs::fchown(&stderr, uid, gid))?;
+            if let Some((_, f)) = &hostfile {
+                give("hostfile", rustix::fs::fchown(f, uid, gid))?;
+            }
             give("directory", rustix::fs::chown(&dir, uid, gid))?;
         }
         let cgroup = self.cgroup(l, &mut stderr);
@@ -785,6 +841,7 @@ impl Launcher {
             grace_secs: l.grace_secs,
             cgroup: cgroup.as_ref().map(|c| c.path.clone()),
             logs,
+            master_port,
         });
         let write = |record: &RunRecord| {
             if let Err(e) = record.write(&state, l.job) {
@@ -848,6 +905,7 @@ impl Launcher {
             grace: Duration::from_secs(l.grace_secs),
             stopping: None,
             stopped_by_perch: false,
+            master_port,
         };
         if let Some(r) = &mut record {
             r.supervisor = supervisor;
@@ -1070,6 +1128,23 @@ impl Launcher {
         ids
     }
 
+    /// The rendezvous ports picked here for running jobs ([`JobLaunch::pick_master_port`]).
+    pub fn master_ports(&self) -> Vec<MasterPort> {
+        let mut ports: Vec<MasterPort> = self
+            .running
+            .iter()
+            .filter_map(|(&job, r)| {
+                Some(MasterPort {
+                    job,
+                    attempt: r.attempt,
+                    port: r.master_port?,
+                })
+            })
+            .collect();
+        ports.sort_unstable_by_key(|p| p.job);
+        ports
+    }
+
     /// Exits the server has not acknowledged yet.
     pub fn exited(&self) -> Vec<JobExit> {
         self.exited.values().cloned().collect()
@@ -1195,6 +1270,8 @@ mod tests {
             gpu_share: None,
             cpus: None,
             memory_mb: None,
+            pick_master_port: false,
+            hosts: Vec::new(),
         }
     }
 
@@ -1240,6 +1317,68 @@ mod tests {
             l.logs().iter().all(|c| c.stream != LogStream::Stdout),
             "stdout fully sent"
         );
+    }
+
+    /// Rank 0 gets a port free on this node (a port taken by someone else is skipped) and
+    /// reports it while it runs; every rank gets its hostfile.
+    #[test]
+    fn rank_zero_picks_a_free_port_and_every_rank_gets_a_hostfile() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut l = Launcher::new(dir.path()).expect("launcher");
+        let mut rank0 = launch(
+            7,
+            "echo $MASTER_PORT $PET_MASTER_PORT; cat \"$PERCH_HOSTFILE\"; sleep 30",
+        );
+        rank0.pick_master_port = true;
+        rank0.hosts = vec![
+            perch_model::control::LaunchHost {
+                addr: "10.0.0.1".into(),
+                slots: 2,
+            },
+            perch_model::control::LaunchHost {
+                addr: "10.0.0.2".into(),
+                slots: 8,
+            },
+        ];
+        // The port this job would try first is taken.
+        let first = pick_master_port(&rank0);
+        let _taken = std::net::TcpListener::bind(("0.0.0.0", first)).expect("bind");
+        l.launch(&rank0);
+        let port = l.master_ports().first().expect("a port").port;
+        assert_ne!(port, first, "a taken port is not picked");
+        assert_eq!(
+            l.master_ports(),
+            vec![MasterPort {
+                job: 7,
+                attempt: 1,
+                port
+            }]
+        );
+        let mut out = String::new();
+        for _ in 0..200 {
+            out = l
+                .logs()
+                .iter()
+                .filter(|c| c.stream == LogStream::Stdout)
+                .map(|c| c.data.clone())
+                .collect();
+            if out.lines().count() >= 3 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        assert_eq!(
+            out,
+            format!("{port} {port}\n10.0.0.1 slots=2\n10.0.0.2 slots=8\n")
+        );
+        l.stop(&JobStop {
+            job: 7,
+            attempt: 1,
+            signal: "SIGKILL".into(),
+            grace_secs: 0,
+        });
+        wait_exit(&mut l, 7);
+        assert!(l.master_ports().is_empty(), "only running jobs' ports");
     }
 
     #[test]
@@ -1397,6 +1536,8 @@ mod gpu_handover_tests {
             gpu_share: None,
             cpus: None,
             memory_mb: None,
+            pick_master_port: false,
+            hosts: Vec::new(),
         };
         l.launch(&old);
         std::thread::sleep(Duration::from_millis(100));

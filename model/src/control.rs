@@ -52,6 +52,29 @@ pub struct SyncRequest {
     /// Results of the commands the server asked for ([`SyncResponse::commands`]).
     #[serde(default)]
     pub command_results: Vec<CommandResult>,
+    /// The rendezvous port this node picked for each running job whose rank 0 it holds
+    /// ([`JobLaunch::pick_master_port`]); sent with every sync while the job runs.
+    #[serde(default)]
+    pub master_ports: Vec<MasterPort>,
+}
+
+/// A rendezvous port picked on a job's rank-0 node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MasterPort {
+    pub job: u64,
+    pub attempt: u32,
+    pub port: u16,
+}
+
+/// One node of a job, for its hostfile (MPI's format: `addr slots=N`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LaunchHost {
+    /// The address its peers reach it at.
+    pub addr: String,
+    /// Its GPUs in the job: one process each.
+    pub slots: u32,
 }
 
 /// A command the server asks an agent to run on its node: a remediation step such as a GPU
@@ -222,6 +245,15 @@ pub struct JobLaunch {
     /// Host memory the job asked for, MiB: its cgroup's `memory.max`.
     #[serde(default)]
     pub memory_mb: Option<u64>,
+    /// Rank 0 of a job that did not choose its own `MASTER_PORT`: the agent picks a TCP port
+    /// free on this node, sets `MASTER_PORT` and `PET_MASTER_PORT` to it and reports it
+    /// ([`SyncRequest::master_ports`]); the server launches the other ranks once it has it.
+    #[serde(default)]
+    pub pick_master_port: bool,
+    /// Every node of the job in rank order: the agent writes them to a hostfile in the job's
+    /// directory and sets `PERCH_HOSTFILE` to its path.
+    #[serde(default)]
+    pub hosts: Vec<LaunchHost>,
 }
 
 /// The part of a GPU a shared job gets: the agent sets `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`

@@ -555,6 +555,22 @@ pub fn show(args: JobIdArgs, config_file: Option<&ConfigFile>) -> Result<()> {
         println!("   CPUs={} MemoryMiB={}", s(&r["cpus"]), s(&r["memory_mb"]));
     }
     println!("   Placement={}", gpus_of(&j));
+    if let Some(ranks) = j["placement"].as_array().filter(|p| p.len() > 1) {
+        // A job on several nodes: how far each rank got (rank = position in the placement).
+        let each: Vec<String> = ranks
+            .iter()
+            .enumerate()
+            .map(|(rank, p)| {
+                let state = match p["exit_code"].as_i64() {
+                    Some(code) => format!("exited {code}"),
+                    None if j["state"] == "running" => "running".into(),
+                    None => "stopped".into(),
+                };
+                format!("{rank}:{}={state}", s(&p["node"]))
+            })
+            .collect();
+        println!("   Ranks={}", each.join(" "));
+    }
     if let Some(gpus) = j["gpus_now"].as_array() {
         println!("   GPUs now:");
         for g in gpus {

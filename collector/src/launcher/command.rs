@@ -233,6 +233,8 @@ mod tests {
             }),
             cpus: None,
             memory_mb: None,
+            pick_master_port: false,
+            hosts: Vec::new(),
         }
     }
 

@@ -339,6 +339,9 @@ pub struct RunRecord {
     /// reads a log only if the entry is still that very file (the job's user owns the
     /// directory and could put a link to any file there).
     pub logs: [(u64, u64); 2],
+    /// The rendezvous port picked for the job here, reported to the server while it runs.
+    #[serde(default)]
+    pub master_port: Option<u16>,
 }
 
 const RUN_VERSION: u32 = 1;

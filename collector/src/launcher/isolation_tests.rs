@@ -25,6 +25,8 @@ fn launch(job: u64, user: &str, script: &str) -> JobLaunch {
         gpu_share: None,
         cpus: None,
         memory_mb: None,
+        pick_master_port: false,
+        hosts: Vec::new(),
     }
 }
 
@@ -418,4 +420,59 @@ fn the_jobs_env_reaches_no_program_that_runs_as_root() {
             "a program ran with the job's LD_PRELOAD as another user: {seen}"
         );
     }
+}
+
+/// The hostfile is written by the (root) agent into the job's own directory: a link the job
+/// left there in an earlier attempt is replaced, never followed, and the new file is the
+/// job's user's. (Not root: the job runs as the agent's user, whose files the link could
+/// still reach.)
+#[test]
+fn a_link_left_where_the_hostfile_goes_is_not_followed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .expect("chmod");
+    let victim = dir.path().join("victim");
+    fs::write(&victim, "root's\n").expect("victim");
+    let mut l = Launcher::new(dir.path()).expect("launcher");
+    l.set_isolation(&Isolation {
+        run_as_user: RunAsUser::IfPossible,
+        cgroups: CgroupMode::Off,
+        root: PathBuf::new(),
+        uids: UidPolicy::default(),
+    });
+    let user = is_root().then(|| TestUser::create("h"));
+    let name = user.as_ref().map_or("somebody", |u| u.name.as_str());
+    let uid = match &user {
+        Some(u) => {
+            identity::lookup(&u.name)
+                .expect("lookup")
+                .expect("exists")
+                .uid
+        }
+        None => rustix::process::getuid().as_raw(),
+    };
+    let plant = format!("ln -s {} hostfile", victim.display());
+    l.launch(&launch(1, name, &plant));
+    assert_eq!(wait_exit(&mut l, 1).code, 0);
+    l.apply(&SyncResponse {
+        acknowledged: vec![JobAttempt { job: 1, attempt: 1 }],
+        ..Default::default()
+    });
+    let mut second = launch(1, name, "cat \"$PERCH_HOSTFILE\"");
+    second.attempt = 2;
+    second.hosts = vec![perch_model::control::LaunchHost {
+        addr: "10.9.9.9".into(),
+        slots: 4,
+    }];
+    l.launch(&second);
+    let exit = wait_exit(&mut l, 1);
+    assert_eq!(exit.code, 0, "{}", output(dir.path(), 1, "stderr"));
+    assert_eq!(output(dir.path(), 1, "stdout"), "10.9.9.9 slots=4\n");
+    assert_eq!(fs::read_to_string(&victim).expect("victim"), "root's\n");
+    let meta = fs::symlink_metadata(dir.path().join("1/hostfile")).expect("hostfile");
+    assert!(meta.is_file());
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), uid);
 }

@@ -107,6 +107,8 @@ mod tests {
             gpu_share: None,
             cpus: None,
             memory_mb: None,
+            pick_master_port: false,
+            hosts: Vec::new(),
         }
     }
 

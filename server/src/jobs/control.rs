@@ -18,8 +18,8 @@ use super::record::{JobRecord, JobState, NodeGpus};
 use super::spec::{FieldError, JobRequest};
 use perch_model::AgentLiveness;
 use perch_model::control::{
-    JobAttempt, JobExit, JobLaunch, JobStop, LaunchShare, LogChunk, LogStream, SyncRequest,
-    SyncResponse,
+    JobAttempt, JobExit, JobLaunch, JobStop, LaunchHost, LaunchShare, LogChunk, LogStream,
+    SyncRequest, SyncResponse,
 };
 use perch_scheduler::{
     Account, Action, Cluster, Config, EndState, Event, GpuModel, GpuShare, JobId, JobSpec,
@@ -601,6 +601,7 @@ impl Control {
         job.end_ms = None;
         job.attempts += 1;
         job.reason = None;
+        job.master_port = None;
         job.placement = placement
             .iter()
             .filter_map(|a| {
@@ -608,6 +609,7 @@ impl Control {
                     node: n.record.name.clone(),
                     gpus: a.gpu_indices(),
                     delivered: false,
+                    exit_code: None,
                 })
             })
             .collect();
@@ -640,9 +642,9 @@ impl Control {
     /// order) and `PERCH_NODE_ADDRS` (their addresses); and `torchrun`'s own `PET_*` defaults,
     /// so `torchrun train.py` starts the right number of processes on every node.
     ///
-    /// The port is chosen by the server from the job and attempt (29500 to 31499), the same
-    /// for every rank and every re-sent launch; a job picks its own by setting `MASTER_PORT`.
-    fn distributed_env(&self, id: u64, rank: usize) -> Vec<(String, String)> {
+    /// The port is `port` ([`Control::rendezvous_port`]); without one (rank 0, whose agent
+    /// picks it) `MASTER_PORT` is left to the agent.
+    fn distributed_env(&self, id: u64, rank: usize, port: Option<String>) -> Vec<(String, String)> {
         let Some(job) = self.jobs.get(&id) else {
             return Vec::new();
         };
@@ -660,40 +662,76 @@ impl Control {
             .iter()
             .map(|p| p.gpus.len())
             .sum();
-        let port = 29500 + (id.wrapping_mul(7919).wrapping_add(u64::from(job.attempts)) % 2000);
         let master = addrs.first().cloned().unwrap_or_else(|| "127.0.0.1".into());
         let nnodes = job.placement.len();
         [
-            ("MASTER_ADDR", master.clone()),
-            ("MASTER_PORT", port.to_string()),
-            ("WORLD_SIZE", world.to_string()),
-            ("NODE_RANK", rank.to_string()),
-            ("RANK", first_rank.to_string()),
-            ("LOCAL_WORLD_SIZE", local.to_string()),
-            ("PERCH_NODELIST", names.join(",")),
-            ("PERCH_NODE_ADDRS", addrs.join(",")),
-            ("PET_NNODES", nnodes.to_string()),
-            ("PET_NODE_RANK", rank.to_string()),
-            ("PET_NPROC_PER_NODE", local.max(1).to_string()),
-            ("PET_MASTER_ADDR", master),
-            ("PET_MASTER_PORT", port.to_string()),
+            ("MASTER_ADDR", Some(master.clone())),
+            ("MASTER_PORT", port.clone()),
+            ("WORLD_SIZE", Some(world.to_string())),
+            ("NODE_RANK", Some(rank.to_string())),
+            ("RANK", Some(first_rank.to_string())),
+            ("LOCAL_WORLD_SIZE", Some(local.to_string())),
+            ("PERCH_NODELIST", Some(names.join(","))),
+            ("PERCH_NODE_ADDRS", Some(addrs.join(","))),
+            ("PET_NNODES", Some(nnodes.to_string())),
+            ("PET_NODE_RANK", Some(rank.to_string())),
+            ("PET_NPROC_PER_NODE", Some(local.max(1).to_string())),
+            ("PET_MASTER_ADDR", Some(master)),
+            ("PET_MASTER_PORT", port),
         ]
         .into_iter()
-        .map(|(k, v)| (k.to_owned(), v))
+        .filter_map(|(k, v)| Some((k.to_owned(), v?)))
         .collect()
     }
 
+    /// Job `id`'s rendezvous port: its own `MASTER_PORT`, or the one its rank-0 node picked
+    /// ([`JobRecord::master_port`]); `None` while that node has not reported it.
+    fn rendezvous_port(&self, id: u64) -> Option<String> {
+        let job = self.jobs.get(&id)?;
+        match job.request.env.get("MASTER_PORT") {
+            Some(own) => Some(own.clone()),
+            None => job.master_port.map(|p| p.to_string()),
+        }
+    }
+
+    /// The hostfile of job `id` (MPI's `addr slots=N`, rank order).
+    fn hosts(&self, id: u64) -> Vec<LaunchHost> {
+        let Some(job) = self.jobs.get(&id) else {
+            return Vec::new();
+        };
+        job.placement
+            .iter()
+            .map(|p| LaunchHost {
+                addr: self
+                    .node_index
+                    .get(&p.node)
+                    .and_then(|&i| self.nodes[i].addr.clone())
+                    .unwrap_or_else(|| p.node.clone()),
+                slots: u32::try_from(p.gpus.len()).unwrap_or(u32::MAX).max(1),
+            })
+            .collect()
+    }
+
     /// Queues the launch orders of a running job for every node of its placement whose
-    /// agent has not been handed one yet.
+    /// agent has not been handed one yet. Unless the job chose its own `MASTER_PORT`, rank 0
+    /// goes first and its agent picks a free port there; the other ranks are queued once
+    /// that port is known (their agents' next sync after rank 0's).
     fn queue_launches(&mut self, id: u64) {
         let Some(job) = self.jobs.get(&id) else {
             return;
         };
+        let port = self.rendezvous_port(id);
+        let hosts = self.hosts(id);
         for (rank, p) in job.placement.iter().enumerate() {
             let Some(&node) = self.node_index.get(&p.node) else {
                 continue;
             };
-            if p.delivered {
+            let queued = self.outbox.get(&node).is_some_and(|o| {
+                o.start
+                    .iter()
+                    .any(|l| l.job == id && l.attempt == job.attempts)
+            });
+            if p.delivered || queued || (rank > 0 && port.is_none()) {
                 continue;
             }
             let mut env = job.request.env.clone();
@@ -708,7 +746,7 @@ impl Control {
             if let Some(name) = &job.request.name {
                 env.insert("PERCH_JOB_NAME".into(), name.clone());
             }
-            for (key, value) in self.distributed_env(id, rank) {
+            for (key, value) in self.distributed_env(id, rank, port.clone()) {
                 // The job's own value wins (a port of its choosing, say).
                 env.entry(key).or_insert(value);
             }
@@ -732,6 +770,8 @@ impl Control {
                 }),
                 cpus: job.request.cpus,
                 memory_mb: job.request.memory_mb,
+                pick_master_port: port.is_none(),
+                hosts: hosts.clone(),
             };
             self.outbox.entry(node).or_default().start.push(launch);
         }
@@ -946,6 +986,7 @@ impl Control {
             exit_code: None,
             timeline: Vec::new(),
             allocations: Vec::new(),
+            master_port: None,
         };
         record.note(now, "submitted");
         let waits = self.dependencies(&record.request) != Deps::Met;
@@ -1293,16 +1334,44 @@ impl Control {
                 self.apply(now, actions);
                 continue;
             }
-            if let Some(j) = self.jobs.get_mut(job) {
-                j.exit_code = Some(*code);
-                j.note(
-                    now,
-                    format!(
-                        "exited with code {code} on {name}{}",
-                        if *stopped { " (stopped by perch)" } else { "" }
-                    ),
-                );
+            let Some(j) = self.jobs.get_mut(job) else {
+                continue;
+            };
+            j.note(
+                now,
+                format!(
+                    "exited with code {code} on {name}{}",
+                    if *stopped { " (stopped by perch)" } else { "" }
+                ),
+            );
+            self.dirty_jobs.insert(*job);
+            // A job on several nodes ends when all its ranks have ended, or at once when
+            // one fails: perch stops the others and names the failing rank.
+            let ranks = j.placement.len();
+            let rank = j.placement.iter().position(|p| p.node == name);
+            let mut failed_rank = None;
+            if let (true, Some(rank)) = (ranks > 1, rank) {
+                j.placement[rank].exit_code = Some(*code);
+                if *code == 0 {
+                    let left = j.placement.iter().filter(|p| p.exit_code.is_none()).count();
+                    if left > 0 {
+                        j.note(
+                            now,
+                            format!("rank {rank} finished on {name}; waiting for {left} more of {ranks} ranks"),
+                        );
+                        continue;
+                    }
+                } else {
+                    failed_rank = Some(format!(
+                        "rank {rank} of {ranks} (on {name}) {}; perch stopped the other ranks",
+                        match error {
+                            Some(why) => format!("could not start: {why}"),
+                            None => format!("exited with code {code}"),
+                        }
+                    ));
+                }
             }
+            j.exit_code = Some(*code);
             let actions = self.scheduler.step(
                 now,
                 Event::JobExited {
@@ -1311,7 +1380,12 @@ impl Control {
                 },
             )?;
             self.apply(now, actions);
-            if let (Some(why), Some(j)) = (error, self.jobs.get_mut(job)) {
+            let Some(j) = self.jobs.get_mut(job) else {
+                continue;
+            };
+            if let Some(why) = failed_rank {
+                j.reason = Some(why);
+            } else if let Some(why) = error {
                 j.reason = Some(format!("could not start on {name}: {why}"));
             }
         }
@@ -1342,9 +1416,15 @@ impl Control {
                     job: j.id,
                     attempt: j.attempts,
                 };
+                // A rank that ended (and whose exit the server has) is not lost.
+                let ended_here = j
+                    .placement
+                    .iter()
+                    .any(|p| p.node == name && p.exit_code.is_some());
                 self.delivered.contains(&(j.id, idx))
                     && !reported.contains(&run)
                     && !exited.contains(&run)
+                    && !ended_here
             })
             .map(|j| j.id)
             .collect();
@@ -1357,6 +1437,24 @@ impl Control {
             }
             let actions = self.scheduler.step(now, Event::JobLost(JobId(job)))?;
             self.apply(now, actions);
+        }
+        for mp in &req.master_ports {
+            let Some(j) = self.jobs.get_mut(&mp.job) else {
+                continue;
+            };
+            let rank0_here = j.placement.first().is_some_and(|p| p.node == name);
+            if j.state != JobState::Running
+                || j.attempts != mp.attempt
+                || !rank0_here
+                || j.master_port.is_some()
+                || mp.port == 0
+            {
+                continue;
+            }
+            j.master_port = Some(mp.port);
+            j.note(now, format!("rendezvous port {} picked on {name}", mp.port));
+            self.dirty_jobs.insert(mp.job);
+            self.queue_launches(mp.job);
         }
         if let Some(out) = self.outbox.remove(&idx) {
             for launch in &out.start {

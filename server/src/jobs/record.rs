@@ -52,6 +52,10 @@ pub struct NodeGpus {
     /// knows whether a job missing from an agent's report was lost or never received).
     #[serde(default)]
     pub delivered: bool,
+    /// How this node's rank of the current attempt ended, once it has (a job on several
+    /// nodes runs until every rank has ended, or one has failed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
 }
 
 /// One moment of a job's life.
@@ -82,6 +86,10 @@ pub struct JobRecord {
     /// Every run on every node, oldest first: what accounting and fair share are made of.
     #[serde(default)]
     pub allocations: Vec<Allocation>,
+    /// The current run's rendezvous port (`MASTER_PORT`), picked free on its rank-0 node;
+    /// `None` until that node has reported it, or when the job chose its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub master_port: Option<u16>,
 }
 
 /// The GPUs one attempt of a job held on one node, and what they did with them.

@@ -2,7 +2,7 @@
 //! only to the attempt that ran, a report of any other attempt gets a stop for that attempt,
 //! and a silent node's jobs are requeued only once its lease has run out.
 
-use crate::jobs::record::JobRecord;
+use crate::jobs::record::{JobRecord, JobState};
 use crate::jobs::{JobService, JobsConfig};
 use perch_model::control::{JobAttempt, SyncRequest, SyncResponse};
 use serde_json::json;
@@ -28,13 +28,46 @@ async fn sync(
     running: &[(u64, u32)],
     exited: &[(u64, u32, i32)],
 ) -> SyncResponse {
-    let req: SyncRequest = serde_json::from_value(json!({
+    sync_with(jobs, node, at, running, exited, json!({})).await
+}
+
+/// [`sync`] with more of the request's fields (`extra`, a JSON object).
+async fn sync_with(
+    jobs: &JobService,
+    node: &str,
+    at: i64,
+    running: &[(u64, u32)],
+    exited: &[(u64, u32, i32)],
+    extra: serde_json::Value,
+) -> SyncResponse {
+    let mut req = json!({
         "node": node, "gpus": 1, "gpu_model": "Test H100",
         "running": running.iter().map(|(j, a)| json!({"job": j, "attempt": a})).collect::<Vec<_>>(),
         "exited": exited.iter().map(|(j, a, c)| json!({"job": j, "attempt": a, "code": c})).collect::<Vec<_>>(),
-    }))
-    .expect("sync request");
+    });
+    if let (Some(req), Some(extra)) = (req.as_object_mut(), extra.as_object()) {
+        req.extend(extra.clone());
+    }
+    let req: SyncRequest = serde_json::from_value(req).expect("sync request");
     jobs.run(move |c, _| c.sync(req, at)).await.expect("sync")
+}
+
+/// Starts a 2-node gang submitted just before `at`: rank 0's node gets its launch and
+/// reports the port it picked, then rank 1's gets its own. Returns (rank 0's node, rank
+/// 1's) and the time after.
+async fn start_gang(jobs: &JobService, id: u64, mut at: i64) -> (String, String, i64) {
+    for node in ["a", "b"] {
+        sync(jobs, node, at, &[], &[]).await;
+    }
+    let placed = job(jobs, id).await.placement;
+    let (first, second) = (placed[0].node.clone(), placed[1].node.clone());
+    at += SECOND;
+    let ports = json!({ "master_ports": [{ "job": id, "attempt": 1, "port": 29611 }] });
+    sync_with(jobs, &first, at, &[(id, 1)], &[], ports).await;
+    let r = sync(jobs, &second, at, &[], &[]).await;
+    assert_eq!(r.start.len(), 1, "rank 1 starts once the port is known");
+    assert_eq!(r.start[0].env["MASTER_PORT"], "29611");
+    (first, second, at + SECOND)
 }
 
 async fn job(jobs: &JobService, id: u64) -> JobRecord {
@@ -367,4 +400,130 @@ async fn arrays_sent_at_once_cannot_together_pass_the_pending_cap() {
     jobs.submit(array(1), false)
         .await
         .expect_err("the cap is reached");
+}
+
+/// A job on several nodes runs until every rank has ended: a rank that finishes first is
+/// neither the job's end nor "lost"; one that fails ends the job at once, stops the others
+/// and is named in the reason.
+#[tokio::test]
+async fn a_gang_ends_when_all_ranks_succeed_or_one_fails() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    sync(&jobs, "a", T0, &[], &[]).await;
+    sync(&jobs, "b", T0, &[], &[]).await;
+    let gang = json!({ "command": ["train"], "user": "bob", "nodes": 2, "gpus_per_node": 1 });
+    let ok = submit(&jobs, gang.clone(), T0 + SECOND).await;
+    let (first, second, mut at) = start_gang(&jobs, ok, T0 + 2 * SECOND).await;
+    // Rank 0 finishes; rank 1 still runs (and the next syncs must not call rank 0 lost).
+    sync(&jobs, &first, at, &[], &[(ok, 1, 0)]).await;
+    sync(&jobs, &second, at, &[(ok, 1)], &[]).await;
+    at += SECOND;
+    let r = sync(&jobs, &first, at, &[], &[]).await;
+    assert!(r.stop.is_empty(), "nothing to stop: {:?}", r.stop);
+    let j = job(&jobs, ok).await;
+    assert_eq!(j.state, JobState::Running, "{:?}", j.timeline);
+    assert_eq!(j.placement[0].exit_code, Some(0));
+    at += SECOND;
+    sync(&jobs, &second, at, &[], &[(ok, 1, 0)]).await;
+    let j = job(&jobs, ok).await;
+    assert_eq!(j.state, JobState::Completed, "{:?}", j.timeline);
+    assert_eq!(j.exit_code, Some(0));
+
+    let bad = submit(&jobs, gang, at).await;
+    let (first, second, at) = start_gang(&jobs, bad, at + SECOND).await;
+    sync(&jobs, &second, at, &[], &[(bad, 1, 3)]).await;
+    let j = job(&jobs, bad).await;
+    assert_eq!(j.state, JobState::Failed);
+    assert_eq!(j.exit_code, Some(3));
+    let reason = j.reason.expect("reason");
+    assert!(
+        reason.contains(&format!("rank 1 of 2 (on {second}) exited with code 3")),
+        "{reason}"
+    );
+    let r = sync(&jobs, &first, at + SECOND, &[(bad, 1)], &[]).await;
+    assert_eq!(
+        r.stop
+            .iter()
+            .map(|s| (s.job, s.attempt))
+            .collect::<Vec<_>>(),
+        vec![(bad, 1)],
+        "rank 0 is stopped"
+    );
+    // Rank 0's exit after the stop changes nothing.
+    sync(&jobs, &first, at + 2 * SECOND, &[], &[(bad, 1, 143)]).await;
+    let j = job(&jobs, bad).await;
+    assert_eq!((j.state, j.exit_code), (JobState::Failed, Some(3)));
+}
+
+/// Rank 0's agent picks the rendezvous port; the other ranks wait for it, get it, and every
+/// rank gets the hostfile. A job that sets its own `MASTER_PORT` starts all ranks at once.
+#[tokio::test]
+async fn rank_zero_picks_the_port_before_the_other_ranks_start() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    sync(&jobs, "a", T0, &[], &[]).await;
+    sync(&jobs, "b", T0, &[], &[]).await;
+    let gang = json!({ "command": ["train"], "user": "bob", "nodes": 2, "gpus_per_node": 1 });
+    let id = submit(&jobs, gang.clone(), T0 + SECOND).await;
+    let at = T0 + 2 * SECOND;
+    let placed = job(&jobs, id).await.placement;
+    let (first, second) = (placed[0].node.clone(), placed[1].node.clone());
+    let r = sync(&jobs, &second, at, &[], &[]).await;
+    assert!(r.start.is_empty(), "rank 1 waits for the port");
+    let r = sync(&jobs, &first, at, &[], &[]).await;
+    let launch = &r.start[0];
+    assert!(launch.pick_master_port);
+    assert!(!launch.env.contains_key("MASTER_PORT"), "{:?}", launch.env);
+    assert_eq!(launch.hosts.len(), 2);
+    assert_eq!(
+        launch.hosts[0].addr, first,
+        "without an address, the node's name"
+    );
+    assert_eq!(launch.hosts[1].slots, 1);
+    // Another node cannot set the port; a report for another attempt is ignored.
+    let forged = json!({ "master_ports": [{ "job": id, "attempt": 1, "port": 1 }] });
+    sync_with(&jobs, &second, at + SECOND, &[], &[], forged).await;
+    let stale = json!({ "master_ports": [{ "job": id, "attempt": 9, "port": 2 }] });
+    sync_with(&jobs, &first, at + SECOND, &[(id, 1)], &[], stale).await;
+    assert_eq!(job(&jobs, id).await.master_port, None);
+    let ports = json!({ "master_ports": [{ "job": id, "attempt": 1, "port": 30001 }] });
+    sync_with(
+        &jobs,
+        &first,
+        at + 2 * SECOND,
+        &[(id, 1)],
+        &[],
+        ports.clone(),
+    )
+    .await;
+    // Reported again with every sync: the first one counts, nothing is launched twice.
+    sync_with(&jobs, &first, at + 3 * SECOND, &[(id, 1)], &[], ports).await;
+    let r = sync(&jobs, &second, at + 3 * SECOND, &[], &[]).await;
+    assert_eq!(r.start.len(), 1);
+    assert!(!r.start[0].pick_master_port);
+    assert_eq!(r.start[0].env["MASTER_PORT"], "30001");
+    assert_eq!(r.start[0].env["PET_MASTER_PORT"], "30001");
+    assert_eq!(job(&jobs, id).await.master_port, Some(30001));
+
+    let cancel_at = at + 4 * SECOND;
+    jobs.run(move |c, _| c.cancel(id, "bob", cancel_at))
+        .await
+        .expect("cancel");
+    let mut own = gang;
+    own["env"] = json!({ "MASTER_PORT": "not-a-port-but-the-job's-own" });
+    let id = submit(&jobs, own, at + 4 * SECOND).await;
+    for node in ["a", "b"] {
+        let r = sync(&jobs, node, at + 5 * SECOND, &[], &[]).await;
+        let launch = r
+            .start
+            .iter()
+            .find(|l| l.job == id)
+            .expect("both ranks at once");
+        assert!(!launch.pick_master_port);
+        assert_eq!(launch.env["MASTER_PORT"], "not-a-port-but-the-job's-own");
+        assert_eq!(
+            launch.env["PET_MASTER_PORT"],
+            "not-a-port-but-the-job's-own"
+        );
+    }
 }
