@@ -26,6 +26,9 @@ python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
 command -v useradd >/dev/null 2>&1 || missing+=(passwd)
 command -v setpriv >/dev/null 2>&1 || missing+=(util-linux)
 command -v cc >/dev/null 2>&1 || missing+=(gcc)
+# Debian's torch: tests/distributed.rs runs a real torch.distributed all-reduce over gloo on CPU
+# across two agents in two network namespaces.
+/usr/bin/python3 -c "import torch" >/dev/null 2>&1 || missing+=(python3-torch)
 if ((${#missing[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
