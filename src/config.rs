@@ -22,6 +22,11 @@ pub struct Config {
     pub client: ClientSection,
     /// Which users may charge which accounts, at which QOS (`[accounts.<name>]`).
     pub accounts: perch_server::jobs::accounts::AccountRules,
+    /// The scheduling policy the server runs and `perch simulate` replays.
+    pub scheduler: SchedulerSection,
+    /// The file this came from, if any: the server reads its `[scheduler]` again on SIGHUP.
+    #[serde(skip)]
+    pub source: Option<PathBuf>,
 }
 
 /// `[client]`: the server and token of the client commands. Also the only section of the
@@ -410,6 +415,236 @@ impl AccountingSection {
     }
 }
 
+/// `[scheduler]`: which policy orders and places jobs, with its weights, quotas and idle
+/// rules. The server runs it (SIGHUP reads it again; queued and running jobs stay) and
+/// `perch simulate --config` replays a trace under it: one policy, two entry points.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SchedulerSection {
+    /// `perch` (multifactor priority, EASY backfill, quotas with borrowing and reclaim, idle
+    /// detection), `backfill` (submit order with EASY backfill) or `fifo`.
+    pub policy: String,
+    /// Weights of the priority factors (policy `perch`).
+    pub weights: WeightsSection,
+    /// Waiting time at which the age factor reaches 1.
+    pub age_max: perch_alerts::HumanDuration,
+    /// Half-life of past usage in the fair-share factor.
+    pub usage_half_life: perch_alerts::HumanDuration,
+    /// Requested GPU-hours (GPUs x time limit) at which the size factor reaches 0.
+    pub size_max_gpu_hours: f64,
+    /// Priorities are recomputed at most this often (Slurm's PriorityCalcPeriod).
+    pub priority_period: perch_alerts::HumanDuration,
+    /// GPUs each account may hold (`vision = 32`). Empty: no quotas. Otherwise an account
+    /// not listed has a quota of 0 (it runs only on borrowed GPUs).
+    pub quotas: std::collections::BTreeMap<String, u32>,
+    /// An account at its quota may use idle GPUs; its jobs there can be reclaimed.
+    pub borrowing: bool,
+    /// An account within its quota preempts borrowers (their checkpoint signal, then their
+    /// grace) to get its GPUs back.
+    pub reclaim: bool,
+    /// Most running jobs one scheduling pass may examine as reclaim victims.
+    pub max_reclaims_per_pass: usize,
+    /// Allocated-but-idle GPUs.
+    pub idle: IdleSection,
+}
+
+/// `[scheduler.weights]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WeightsSection {
+    pub age: f64,
+    pub fairshare: f64,
+    pub qos: f64,
+    pub size: f64,
+}
+
+/// `[scheduler.idle]`: a job whose GPUs all stay below `below_percent` for `after` is
+/// reported (its timeline, the `JobIdle` alert to its user); with `action` `requeue` or
+/// `stop`, a preemptible one still idle `grace` later is preempted when other jobs wait.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct IdleSection {
+    /// `off`, `report`, `requeue` or `stop`.
+    pub action: String,
+    pub below_percent: f64,
+    pub after: perch_alerts::HumanDuration,
+    pub grace: perch_alerts::HumanDuration,
+}
+
+impl Default for SchedulerSection {
+    fn default() -> Self {
+        let perch = perch_scheduler::Config::perch(Vec::new());
+        let human = perch_alerts::HumanDuration::from_ms;
+        SchedulerSection {
+            policy: "perch".into(),
+            weights: WeightsSection {
+                age: perch.weights.age,
+                fairshare: perch.weights.fairshare,
+                qos: perch.weights.qos,
+                size: perch.weights.size,
+            },
+            age_max: human(perch.age_max),
+            usage_half_life: human(perch.usage_half_life),
+            size_max_gpu_hours: perch.size_max_gpu_seconds / 3600.0,
+            priority_period: human(perch.priority_period),
+            quotas: Default::default(),
+            borrowing: perch.borrowing,
+            reclaim: perch.reclaim,
+            max_reclaims_per_pass: perch.max_reclaims_per_pass,
+            idle: IdleSection::default(),
+        }
+    }
+}
+
+impl Default for WeightsSection {
+    fn default() -> Self {
+        SchedulerSection::default().weights
+    }
+}
+
+impl Default for IdleSection {
+    fn default() -> Self {
+        let perch = perch_scheduler::Config::perch(Vec::new());
+        IdleSection {
+            action: "report".into(),
+            below_percent: f64::from(perch.idle.threshold_pct),
+            after: perch_alerts::HumanDuration::from_ms(perch.idle.window),
+            grace: perch_alerts::HumanDuration::from_ms(perch.idle.grace),
+        }
+    }
+}
+
+impl SchedulerSection {
+    /// Checks the keys of `[scheduler]`; the message names the key.
+    pub fn check(&self) -> Result<()> {
+        self.policy().map(|_| ())
+    }
+
+    /// The scheduler core's policy this section describes, or what to change (naming the key).
+    pub fn policy(&self) -> Result<perch_scheduler::Config> {
+        use perch_scheduler::{Account, Config as Policy, IdleAction};
+        let bad = |key: &str, why: String| anyhow::anyhow!("config key scheduler.{key}: {why}");
+        let mut c = match self.policy.as_str() {
+            "perch" => Policy::perch(Vec::new()),
+            "backfill" => Policy::backfill(),
+            "fifo" => Policy::fifo(),
+            "srtf" => {
+                return Err(bad(
+                    "policy",
+                    "srtf needs every job's true duration, which only a trace replay knows (perch simulate --policy srtf); choose perch, backfill or fifo".into(),
+                ));
+            }
+            other => {
+                return Err(bad(
+                    "policy",
+                    format!("{other:?} is not a policy; choose perch, backfill or fifo"),
+                ));
+            }
+        };
+        for (key, w) in [
+            ("age", self.weights.age),
+            ("fairshare", self.weights.fairshare),
+            ("qos", self.weights.qos),
+            ("size", self.weights.size),
+        ] {
+            if !(w.is_finite() && w >= 0.0) {
+                return Err(bad(
+                    &format!("weights.{key}"),
+                    format!("{w} is not a weight; give a number of at least 0"),
+                ));
+            }
+        }
+        c.weights = perch_scheduler::Weights {
+            age: self.weights.age,
+            fairshare: self.weights.fairshare,
+            qos: self.weights.qos,
+            size: self.weights.size,
+        };
+        for (key, d) in [
+            ("age_max", self.age_max),
+            ("usage_half_life", self.usage_half_life),
+            ("priority_period", self.priority_period),
+        ] {
+            if d.is_zero() {
+                return Err(bad(
+                    key,
+                    "must be longer than 0, like \"7d\" or \"5m\"".into(),
+                ));
+            }
+        }
+        c.age_max = self.age_max.as_ms();
+        c.usage_half_life = self.usage_half_life.as_ms();
+        c.priority_period = self.priority_period.as_ms();
+        if !(self.size_max_gpu_hours.is_finite() && self.size_max_gpu_hours > 0.0) {
+            return Err(bad(
+                "size_max_gpu_hours",
+                format!(
+                    "{} must be a number of GPU-hours above 0",
+                    self.size_max_gpu_hours
+                ),
+            ));
+        }
+        c.size_max_gpu_seconds = self.size_max_gpu_hours * 3600.0;
+        for (account, gpus) in &self.quotas {
+            if account.trim().is_empty() || account.len() > 128 {
+                return Err(bad(
+                    "quotas",
+                    format!("{account:?} is not an account name (1 to 128 characters)"),
+                ));
+            }
+            if *gpus > 1_000_000 {
+                return Err(bad(
+                    &format!("quotas.{account}"),
+                    format!("{gpus} GPUs is more than any cluster has"),
+                ));
+            }
+        }
+        c.quotas = self
+            .quotas
+            .iter()
+            .map(|(a, q)| (Account(a.clone()), *q))
+            .collect();
+        c.borrowing = self.borrowing;
+        c.reclaim = self.reclaim;
+        if self.max_reclaims_per_pass == 0 || self.max_reclaims_per_pass > 10_000 {
+            return Err(bad(
+                "max_reclaims_per_pass",
+                format!("{} must be 1 to 10000", self.max_reclaims_per_pass),
+            ));
+        }
+        c.max_reclaims_per_pass = self.max_reclaims_per_pass;
+        let idle = &self.idle;
+        c.idle.action = match idle.action.as_str() {
+            "off" => IdleAction::Off,
+            "report" => IdleAction::Report,
+            "requeue" => IdleAction::Reclaim { requeue: true },
+            "stop" => IdleAction::Reclaim { requeue: false },
+            other => {
+                return Err(bad(
+                    "idle.action",
+                    format!("{other:?} is not an idle action; choose off, report, requeue or stop"),
+                ));
+            }
+        };
+        if !(0.0..=100.0).contains(&idle.below_percent) {
+            return Err(bad(
+                "idle.below_percent",
+                format!("{} is not a percentage (0 to 100)", idle.below_percent),
+            ));
+        }
+        c.idle.threshold_pct = idle.below_percent as f32;
+        if idle.after.as_ms() < 10 * perch_scheduler::SECOND {
+            return Err(bad(
+                "idle.after",
+                "must be at least \"10s\" (minutes are usual: shorter spells are a job's normal pauses)".into(),
+            ));
+        }
+        c.idle.window = idle.after.as_ms();
+        c.idle.grace = idle.grace.as_ms();
+        Ok(c)
+    }
+}
+
 impl Config {
     pub fn parse(text: &str) -> Result<Config> {
         let config: Config = toml::from_str(text)?;
@@ -585,6 +820,7 @@ impl Config {
         }
         self.telemetry.check()?;
         self.accounting.check()?;
+        self.scheduler.check()?;
         self.alerts
             .validate()
             .map_err(|e| anyhow::anyhow!("config section [alerts]: {e}"))?;
@@ -669,6 +905,14 @@ impl Config {
         config.jobs.lease = Duration::from_secs(s.node_lease_secs);
         config.jobs.accounts = self.accounts.clone();
         config.jobs.max_pending_per_user = s.max_pending_jobs_per_user;
+        config.jobs.policy = self.scheduler.policy()?;
+        if let Some(path) = self.source.clone() {
+            config.policy_source = Some(perch_server::PolicySource::new(move || {
+                ConfigFile::read(&path)
+                    .and_then(|f| f.config.scheduler.policy())
+                    .map_err(|e| format!("{e:#}"))
+            }));
+        }
         config.connections = perch_server::listener::ConnectionLimits {
             max_connections: s.max_connections,
             max_per_ip: s.max_connections_per_ip,
@@ -823,6 +1067,35 @@ mod tests {
         assert_eq!(documented, all);
     }
 
+    /// The server's default policy is the scheduler core's own default: an empty
+    /// `[scheduler]` changes nothing, and each key reaches the core.
+    #[test]
+    fn the_scheduler_section_is_the_cores_policy() {
+        use perch_scheduler::{Account, IdleAction, MINUTE};
+        let default = SchedulerSection::default().policy().expect("default");
+        assert_eq!(default, perch_scheduler::Config::perch(Vec::new()));
+        let c = Config::parse(
+            "[scheduler]\npolicy = \"backfill\"\npriority_period = \"1m\"\nborrowing = false\n\
+             [scheduler.weights]\nage = 5.0\n\
+             [scheduler.quotas]\nvision = 32\nnlp = 16\n\
+             [scheduler.idle]\naction = \"requeue\"\nbelow_percent = 5.0\nafter = \"20m\"\ngrace = \"2m\"\n",
+        )
+        .expect("parses");
+        let p = c.scheduler.policy().expect("policy");
+        assert_eq!(p.kind, perch_scheduler::PolicyKind::Backfill);
+        assert_eq!(p.priority_period, MINUTE);
+        assert!(!p.borrowing);
+        assert_eq!(p.weights.age, 5.0);
+        assert_eq!(p.weights.size, 3000.0, "unset weights keep their default");
+        assert_eq!(
+            p.quotas,
+            vec![(Account("nlp".into()), 16), (Account("vision".into()), 32)]
+        );
+        assert_eq!(p.idle.action, IdleAction::Reclaim { requeue: true });
+        assert_eq!(p.idle.threshold_pct, 5.0);
+        assert_eq!((p.idle.window, p.idle.grace), (20 * MINUTE, 2 * MINUTE));
+    }
+
     #[test]
     fn pg_listen_leaves_loopback_only_with_tokens() {
         let open = "[server]\npg_listen = \"0.0.0.0:7432\"\n";
@@ -893,6 +1166,45 @@ mod tests {
                 "[accounting]\ngpu_price_per_hour = -1",
                 "accounting.gpu_price_per_hour",
             ),
+            (
+                "[scheduler]\npolicy = \"sjf\"",
+                "scheduler.policy: \"sjf\" is not a policy; choose perch, backfill or fifo",
+            ),
+            (
+                "[scheduler]\npolicy = \"srtf\"",
+                "scheduler.policy: srtf needs",
+            ),
+            ("[scheduler.weights]\nage = -1.0", "scheduler.weights.age"),
+            (
+                "[scheduler.weights]\nfairshare = nan",
+                "scheduler.weights.fairshare",
+            ),
+            ("[scheduler.weights]\nagee = 1.0", "agee"),
+            ("[scheduler]\nage_max = \"0\"", "scheduler.age_max"),
+            ("[scheduler]\nage_max = \"7 days\"", "7 days"),
+            (
+                "[scheduler]\nsize_max_gpu_hours = 0.0",
+                "scheduler.size_max_gpu_hours",
+            ),
+            ("[scheduler.quotas]\nvision = -3", "vision"),
+            (
+                "[scheduler.quotas]\nvision = 2000000",
+                "scheduler.quotas.vision",
+            ),
+            ("[scheduler.quotas]\n\" \" = 2", "scheduler.quotas"),
+            (
+                "[scheduler]\nmax_reclaims_per_pass = 0",
+                "scheduler.max_reclaims_per_pass",
+            ),
+            (
+                "[scheduler.idle]\naction = \"kill\"",
+                "scheduler.idle.action: \"kill\" is not an idle action; choose off, report, requeue or stop",
+            ),
+            (
+                "[scheduler.idle]\nbelow_percent = 101.0",
+                "scheduler.idle.below_percent",
+            ),
+            ("[scheduler.idle]\nafter = \"5s\"", "scheduler.idle.after"),
             (
                 "[accounting.gpu_prices]\n\"H100 80GB HBM3\" = nan",
                 "accounting.gpu_prices.\"H100 80GB HBM3\"",

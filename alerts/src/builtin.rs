@@ -16,8 +16,8 @@ use std::collections::BTreeMap;
 mod typed;
 
 pub use typed::{
-    NodeHeartbeat, NodeTelemetry, StoreFlush, disk_instances, flush_instances, heartbeat_instances,
-    telemetry_instances,
+    IdleJob, NodeHeartbeat, NodeTelemetry, StoreFlush, disk_instances, flush_instances,
+    heartbeat_instances, idle_job_instances, telemetry_instances,
 };
 
 /// Every built-in rule's name, in the order [`builtin_rules`] returns them.
@@ -40,6 +40,7 @@ pub const BUILTIN_RULE_NAMES: &[&str] = &[
     "IbErrorsRising",
     "StoreDiskFull",
     "StoreFlushFailing",
+    "JobIdle",
 ];
 
 /// `INTERVAL 'N seconds'` for a duration (at least one second).
@@ -429,6 +430,19 @@ fn specs(cfg: &BuiltinConfig) -> Vec<Spec> {
                           (server.max_buffered_rows) ingest is answered 503 and agents keep their data \
                           until a flush works. Free disk space or fix the bucket; flushes are retried \
                           with backoff up to every 5 minutes.",
+            actions: Vec::new(),
+        },
+        Spec {
+            name: "JobIdle",
+            source: RuleSource::Builtin(BuiltinKind::JobIdle),
+            for_ms: 0,
+            severity: Severity::Warning,
+            labels: &[],
+            summary: "Job {{ labels.job }} of {{ labels.user }} has held its GPUs idle for {{ values.minutes_idle }} min",
+            description: "Every GPU of job {{ labels.job }} (user {{ labels.user }}, account {{ labels.account }}, \
+                          on {{ labels.nodes }}) has stayed under the [scheduler.idle] threshold since \
+                          {{ labels.idle_since }}. {{ labels.consequence }} Route this alert to the job's owner \
+                          by its user label.",
             actions: Vec::new(),
         },
     ]

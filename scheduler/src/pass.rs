@@ -213,11 +213,12 @@ impl Scheduler {
         let mut out = Vec::new();
         self.refresh_priorities(now);
         self.fifo_blocked = false;
-        if let IdleAction::Reclaim { requeue } = self.config.idle.action
-            && self.pending_len() > 0
-        {
-            out.extend(self.reclaim_idle(now, requeue));
-        }
+        // Idle reclaim frees GPUs for one waiting job at a time, inside the pass (below), so the
+        // GPUs go to that job: never back to the idle job itself.
+        let idle_reclaim = match self.config.idle.action {
+            IdleAction::Reclaim { requeue } if self.any_idle_due(now) => Some(requeue),
+            _ => None,
+        };
         // Jobs requeued during the pass land in `self.queue` and are merged back after it.
         let order = std::mem::take(&mut self.queue);
         let kind = self.config.kind;
@@ -238,7 +239,8 @@ impl Scheduler {
                 || (free == 0
                     && !share_room
                     && (reservation.is_some() || kind == PolicyKind::Srtf)
-                    && (!preempting || reclaims_left == 0))
+                    && (!preempting || reclaims_left == 0)
+                    && idle_reclaim.is_none())
             {
                 break;
             }
@@ -320,6 +322,19 @@ impl Scheduler {
                 } else {
                     self.reclaim_quota(now, id)
                 };
+                if !preempted.is_empty() {
+                    out.extend(preempted);
+                    if let Some(p) = find(&self.cluster, shape, model, |_| u32::MAX) {
+                        out.push(self.start(now, id, p));
+                    }
+                    free = self.free_total();
+                    continue;
+                }
+            }
+            if let Some(requeue) = idle_reclaim
+                && find(&self.cluster, shape, model, |_| u32::MAX).is_none()
+            {
+                let preempted = self.reclaim_idle_for(now, id, requeue);
                 if !preempted.is_empty() {
                     out.extend(preempted);
                     if let Some(p) = find(&self.cluster, shape, model, |_| u32::MAX) {

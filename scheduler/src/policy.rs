@@ -66,7 +66,8 @@ pub enum IdleAction {
     Off,
     /// Emit [`crate::Action::IdleReport`] once per idle spell.
     Report,
-    /// Report, and preempt the job when it is preemptible and other jobs wait.
+    /// Report, and preempt the job when it is preemptible, still idle `grace` after the
+    /// report, and other jobs wait.
     Reclaim {
         /// Put it back in the queue (else it ends as `Preempted`).
         requeue: bool,
@@ -78,8 +79,11 @@ pub enum IdleAction {
 pub struct IdlePolicy {
     /// A job is idle while all its GPUs are under this utilization, percent.
     pub threshold_pct: f32,
-    /// How long it must stay idle before the action.
+    /// How long it must stay idle before it is reported.
     pub window: Millis,
+    /// With [`IdleAction::Reclaim`]: how much longer after the report (the warning to its
+    /// user) before it is preempted.
+    pub grace: Millis,
     /// The action.
     pub action: IdleAction,
 }
@@ -133,6 +137,7 @@ impl Config {
             idle: IdlePolicy {
                 threshold_pct: 1.0,
                 window: 30 * MINUTE,
+                grace: 0,
                 action: IdleAction::Off,
             },
             max_reclaims_per_pass: 8,
@@ -161,6 +166,7 @@ impl Config {
         c.quotas = quotas;
         c.reclaim = true;
         c.idle.action = IdleAction::Report;
+        c.idle.grace = 10 * MINUTE;
         c
     }
 }

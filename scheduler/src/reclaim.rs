@@ -139,18 +139,35 @@ impl Scheduler {
         }
     }
 
-    /// Preempts preemptible jobs idle for the whole window (called only when jobs wait).
-    pub(crate) fn reclaim_idle(&mut self, now: Time, requeue: bool) -> Vec<Action> {
-        let window = self.config.idle.window;
-        let due: Vec<JobId> = self
-            .idle
+    /// Idle reclaim for pending job `id`: the fewest preemptible jobs idle past the window and
+    /// the grace (longest idle first) whose release lets it fit. The caller starts `id` on
+    /// them in the same pass, so the GPUs never go back to an idle job.
+    pub(crate) fn reclaim_idle_for(&mut self, now: Time, id: JobId, requeue: bool) -> Vec<Action> {
+        let mut due = self.idle_due(now);
+        due.sort_unstable();
+        let ordered: Vec<JobId> = due.into_iter().map(|(_, v)| v).collect();
+        match self.select_victims(id, &ordered) {
+            Some(victims) => victims
+                .into_iter()
+                .map(|v| self.preempt(now, v, PreemptReason::Idle, requeue))
+                .collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// Preemptible running jobs idle past the window and the grace: (idle since, job).
+    fn idle_due(&self, now: Time) -> Vec<(Time, JobId)> {
+        let wait = self.config.idle.window + self.config.idle.grace;
+        self.idle
             .iter()
             .filter_map(|id| self.jobs.get(id).map(|j| (*id, j)))
-            .filter(|(_, j)| j.spec.preemptible && j.idle_since.is_some_and(|s| s + window <= now))
-            .map(|(id, _)| id)
-            .collect();
-        due.into_iter()
-            .map(|v| self.preempt(now, v, PreemptReason::Idle, requeue))
+            .filter(|(_, j)| matches!(j.state, JobState::Running { .. }) && j.spec.preemptible)
+            .filter_map(|(id, j)| j.idle_since.filter(|s| s + wait <= now).map(|s| (s, id)))
             .collect()
+    }
+
+    /// Whether any job is due for idle reclaim.
+    pub(crate) fn any_idle_due(&self, now: Time) -> bool {
+        !self.idle_due(now).is_empty()
     }
 }

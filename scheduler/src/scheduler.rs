@@ -338,17 +338,63 @@ impl Scheduler {
             self.idle
                 .iter()
                 .filter_map(|id| self.jobs.get(id))
-                .filter(|j| {
-                    !j.idle_reported
-                        || matches!(self.config.idle.action, IdleAction::Reclaim { .. })
+                .filter_map(|j| {
+                    let since = j.idle_since?;
+                    if !j.idle_reported {
+                        Some(since + self.config.idle.window)
+                    } else if matches!(self.config.idle.action, IdleAction::Reclaim { .. }) {
+                        Some(since + self.config.idle.window + self.config.idle.grace)
+                    } else {
+                        None
+                    }
                 })
-                .filter_map(|j| j.idle_since.map(|s| s + self.config.idle.window))
                 .min()
         };
         match (deadline, idle) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
+    }
+
+    /// Replaces the policy (an operator changed it): quotas apply to every account from now
+    /// on, priorities are recomputed at the next pass; queued and running jobs stay. Running
+    /// jobs are never stopped by the change itself; a pass may then reclaim or preempt under
+    /// the new rules as it would have under them all along.
+    pub fn reconfigure(&mut self, config: Config) {
+        self.config = config;
+        let quotas: HashMap<&Account, u32> =
+            self.config.quotas.iter().map(|(a, q)| (a, *q)).collect();
+        let limited = !quotas.is_empty();
+        for (i, name) in self.account_names.iter().enumerate() {
+            self.accounts[i].quota = match quotas.get(name) {
+                Some(&q) => Some(q),
+                None if limited => Some(0),
+                None => None,
+            };
+        }
+        let missing: Vec<(Account, u32)> = self
+            .config
+            .quotas
+            .iter()
+            .filter(|(a, _)| !self.account_index.contains_key(a))
+            .cloned()
+            .collect();
+        for (a, q) in missing {
+            let i = self.account(&a);
+            self.accounts[i].quota = Some(q);
+        }
+        self.next_priority_at = Time::MIN;
+    }
+
+    /// Running jobs whose GPUs are idle now: (job, idle since, already reported).
+    pub fn idle_jobs(&self) -> Vec<(JobId, Time, bool)> {
+        self.idle
+            .iter()
+            .filter_map(|id| {
+                let j = self.jobs.get(id)?;
+                Some((*id, j.idle_since?, j.idle_reported))
+            })
+            .collect()
     }
 
     /// Applies `event` and runs a scheduling pass.

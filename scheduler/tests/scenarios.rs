@@ -240,6 +240,7 @@ fn node_failure_requeues_then_fails() {
 fn idle_jobs_are_reported_then_reclaimed_when_others_wait() {
     let mut config = Config::perch(vec![]);
     config.idle.window = 30 * MINUTE;
+    config.idle.grace = 0;
     config.idle.action = IdleAction::Reclaim { requeue: false };
     let mut s = sched(1, config);
     step(&mut s, 0, Event::Submit(one(1, 8, "a", 600, 0)));
@@ -592,4 +593,121 @@ fn an_evicted_job_moves_to_another_node_without_using_its_requeue_budget() {
         s.step(20, Event::Evict(JobId(99))).is_err(),
         "an unknown job is an error"
     );
+}
+
+#[test]
+fn an_idle_job_is_warned_and_reclaimed_only_after_its_grace() {
+    let mut config = Config::perch(vec![]);
+    config.idle.window = 30 * MINUTE;
+    config.idle.grace = 10 * MINUTE;
+    config.idle.action = IdleAction::Reclaim { requeue: true };
+    let mut s = sched(1, config);
+    step(&mut s, 0, Event::Submit(one(1, 8, "a", 600, 0)));
+    step(
+        &mut s,
+        MINUTE,
+        Event::JobUtilization {
+            job: JobId(1),
+            percent: 0.0,
+        },
+    );
+    step(
+        &mut s,
+        2 * MINUTE,
+        Event::Submit(one(2, 8, "b", 60, 2 * MINUTE)),
+    );
+    // The window ends: the warning (report), not yet the preemption, though someone waits.
+    let a = step(&mut s, 31 * MINUTE, Event::Tick);
+    assert_eq!(
+        a,
+        vec![Action::IdleReport {
+            job: JobId(1),
+            since: MINUTE
+        }]
+    );
+    assert_eq!(s.idle_jobs(), vec![(JobId(1), MINUTE, true)]);
+    assert_eq!(s.next_wakeup(), Some(41 * MINUTE), "the grace's end");
+    let a = step(&mut s, 40 * MINUTE, Event::Tick);
+    assert!(preempted(&a).is_empty(), "{a:?}");
+    let a = step(&mut s, 41 * MINUTE, Event::Tick);
+    assert_eq!(
+        a[0],
+        Action::Preempt {
+            job: JobId(1),
+            reason: PreemptReason::Idle,
+            requeued: true
+        }
+    );
+    assert_eq!(started(&a), vec![2]);
+}
+
+#[test]
+fn a_new_policy_applies_to_queued_and_running_jobs_without_stopping_them() {
+    let mut s = sched(2, Config::perch(vec![]));
+    let a = step(&mut s, 0, Event::Submit(one(1, 8, "b", 600, 0)));
+    assert_eq!(started(&a), vec![1]);
+    let a = step(&mut s, MINUTE, Event::Submit(one(2, 8, "b", 600, MINUTE)));
+    assert_eq!(started(&a), vec![2]);
+    // Quotas arrive: b is now over its quota of 8, a (unknown to the core so far) gets 8.
+    let quotas = vec![(Account("a".into()), 8), (Account("b".into()), 8)];
+    s.reconfigure(Config::perch(quotas));
+    assert_eq!(s.account_alloc(&Account("b".into())), 16, "nothing stopped");
+    let a = step(&mut s, 2 * MINUTE, Event::Tick);
+    assert!(
+        preempted(&a).is_empty(),
+        "the change alone stops nothing: {a:?}"
+    );
+    // a submits within its quota: one of b's borrowed jobs is reclaimed.
+    let a = step(
+        &mut s,
+        3 * MINUTE,
+        Event::Submit(one(3, 8, "a", 60, 3 * MINUTE)),
+    );
+    assert_eq!(preempted(&a).len(), 1, "{a:?}");
+    assert_eq!(started(&a), vec![3]);
+    // Back to no quotas: every account is unlimited again.
+    s.reconfigure(Config::perch(vec![]));
+    let a = step(
+        &mut s,
+        4 * MINUTE,
+        Event::Submit(one(4, 8, "c", 60, 4 * MINUTE)),
+    );
+    assert!(preempted(&a).is_empty(), "no quotas, no reclaim: {a:?}");
+}
+
+/// The GPUs an idle job gives up go to the job that waited for them, never back to the idle
+/// job (requeued, it is older and might rank first); and an idle job nobody waiting could
+/// use is left alone.
+#[test]
+fn idle_reclaim_frees_gpus_for_a_waiting_job_only() {
+    let mut config = Config::perch(vec![]);
+    config.idle.window = 30 * MINUTE;
+    config.idle.grace = 0;
+    config.idle.action = IdleAction::Reclaim { requeue: true };
+    let mut s = sched(1, config);
+    step(&mut s, 0, Event::Submit(one(1, 8, "a", 600, 0)));
+    step(
+        &mut s,
+        MINUTE,
+        Event::JobUtilization {
+            job: JobId(1),
+            percent: 0.0,
+        },
+    );
+    // A job no node can ever run waits: nothing to free the idle GPUs for.
+    let mut huge = one(2, 8, "b", 60, 2 * MINUTE);
+    huge.shape.nodes = 2;
+    step(&mut s, 2 * MINUTE, Event::Submit(huge));
+    let a = step(&mut s, 40 * MINUTE, Event::Tick);
+    assert!(preempted(&a).is_empty(), "{a:?}");
+    // One that fits on the idle job's GPUs: it gets them, the idle job waits.
+    let a = step(
+        &mut s,
+        41 * MINUTE,
+        Event::Submit(one(3, 8, "b", 60, 41 * MINUTE)),
+    );
+    assert_eq!(preempted(&a), vec![1]);
+    assert_eq!(started(&a), vec![3]);
+    let a = step(&mut s, 42 * MINUTE, Event::Tick);
+    assert!(started(&a).is_empty(), "{a:?}");
 }

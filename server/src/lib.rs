@@ -55,6 +55,32 @@ pub struct ServerConfig {
     pub accounting: accounting::AccountingConfig,
     /// Alert rules, notifications and remediation guardrails.
     pub alerts: perch_alerts::AlertsConfig,
+    /// Where the scheduling policy is read again on SIGHUP (the config file); `None`: the
+    /// policy stays as started.
+    pub policy_source: Option<PolicySource>,
+}
+
+/// Reads the scheduling policy again (the config file's `[scheduler]`); the error says what
+/// to change.
+#[derive(Clone)]
+pub struct PolicySource(Arc<dyn Fn() -> Result<perch_scheduler::Config, String> + Send + Sync>);
+
+impl PolicySource {
+    pub fn new(
+        read: impl Fn() -> Result<perch_scheduler::Config, String> + Send + Sync + 'static,
+    ) -> Self {
+        PolicySource(Arc::new(read))
+    }
+
+    pub fn read(&self) -> Result<perch_scheduler::Config, String> {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for PolicySource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PolicySource")
+    }
 }
 
 impl ServerConfig {
@@ -71,6 +97,7 @@ impl ServerConfig {
             connections: listener::ConnectionLimits::default(),
             accounting: accounting::AccountingConfig::default(),
             alerts: perch_alerts::AlertsConfig::default(),
+            policy_source: None,
         }
     }
 }
@@ -344,6 +371,11 @@ pub async fn serve(
     tokio::spawn(reload_on_hangup(
         state.tokens.clone(),
         state.config.tls.clone(),
+        state
+            .config
+            .policy_source
+            .clone()
+            .map(|source| (source, state.jobs.clone())),
         stop_rx.clone(),
     ));
     let app = router(state.clone());
@@ -391,12 +423,14 @@ fn tls_acceptor(
         .transpose()
 }
 
-/// Reads the tokens file and the TLS certificate again on each SIGHUP until the server stops:
-/// an operator adds or revokes a token, or installs a renewed certificate, without a restart.
-/// A file that does not parse leaves what was there, with an error in the log.
+/// Reads the tokens file, the TLS certificate and the scheduling policy again on each SIGHUP
+/// until the server stops: an operator adds or revokes a token, installs a renewed
+/// certificate or changes the policy, without a restart. A file that does not parse leaves
+/// what was there, with an error in the log.
 async fn reload_on_hangup(
     tokens: Arc<auth::Tokens>,
     tls: Option<Arc<tls::Certificates>>,
+    policy: Option<(PolicySource, jobs::JobService)>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     use tokio::signal::unix::{SignalKind, signal};
@@ -411,6 +445,27 @@ async fn reload_on_hangup(
         tokio::select! {
             _ = stop.wait_for(|stop| *stop) => return,
             got = hangups.recv() => if got.is_none() { return },
+        }
+        if let Some((source, jobs)) = &policy {
+            match tokio::task::spawn_blocking({
+                let source = source.clone();
+                move || source.read()
+            })
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r)
+            {
+                Ok(config) => match jobs.run(move |c, now| c.set_policy(config, now)).await {
+                    Ok(true) => tracing::info!("SIGHUP: scheduling policy read again and in force"),
+                    Ok(false) => tracing::info!("SIGHUP: scheduling policy unchanged"),
+                    Err(e) => {
+                        tracing::error!(error = ?e, "SIGHUP: the new scheduling policy could not be applied")
+                    }
+                },
+                Err(e) => {
+                    tracing::error!(error = %e, "SIGHUP: [scheduler] was not read again; the policy as it was stays")
+                }
+            }
         }
         if let Some(tls) = &tls {
             match tls.reload() {

@@ -295,6 +295,7 @@ fn start_telemetry(config: &Config, default_service: &str) -> Result<Telemetry> 
 pub fn run(cli: Cli) -> Result<()> {
     let file = cli.config.as_deref().map(ConfigFile::read).transpose()?;
     let mut config = file.as_ref().map(|f| f.config.clone()).unwrap_or_default();
+    config.source = file.as_ref().map(|f| f.path.clone());
     let file = file.as_ref();
     let long_running = matches!(
         cli.command,
@@ -354,7 +355,7 @@ pub fn run(cli: Cli) -> Result<()> {
             serve::demo(config, args.nodes, args.gpus_per_node, args.seed)
         }
         Command::Sql(args) => sql::run(args, file),
-        Command::Simulate(args) => simulate::run(args),
+        Command::Simulate(args) => simulate::run(args, file),
         Command::Bench(args) => bench::run(args),
         Command::Submit(args) => jobs::submit(*args, file),
         Command::Jobs(args) => jobs::jobs(args, file),

@@ -2,8 +2,12 @@
 //! JCT, waiting, allocation, useful utilization, fairness and preemptions per policy, with an
 //! optional SVG plot of queue length and utilization over time.
 //!
+//! With `--config`, the file's `[scheduler]` (the policy the server runs) is replayed too, as
+//! the row `config`: an operator replays last month under a proposed policy before switching.
+//!
 //! All the work is in `perch_scheduler::sim`; this file only turns flags into its options.
 
+use crate::config::ConfigFile;
 use anyhow::{Context, bail};
 use perch_scheduler::sim::{self, SimOptions, SimPolicy, TraceFormat};
 
@@ -26,8 +30,9 @@ pub struct SimulateArgs {
     #[arg(long, default_value_t = 8)]
     pub nodes_per_rack: u32,
     /// `fifo`, `backfill`, `srtf`, `perch`, `perch+idle-reclaim`, or `all`; several with commas.
-    #[arg(long, default_value = "all")]
-    pub policy: String,
+    /// Default: `all`, or with `--config` only the file's `[scheduler]`.
+    #[arg(long)]
+    pub policy: Option<String>,
     /// Seed of the per-job time-limit factors and of the idle-tail choice.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -40,7 +45,8 @@ pub struct SimulateArgs {
     /// Give jobs idle tails until this share of GPU-time sits at 0% utilization (0 to 0.9).
     #[arg(long, default_value_t = 0.0)]
     pub idle_share: f64,
-    /// Minutes a job must stay idle before perch acts on it.
+    /// Minutes a job must stay idle before perch acts on it (the built-in policies; the
+    /// `config` row takes `[scheduler.idle] after` from the file).
     #[arg(long, default_value_t = 30)]
     pub idle_window_min: i64,
     /// Write queue length and utilization over time to this SVG file.
@@ -49,16 +55,31 @@ pub struct SimulateArgs {
 }
 
 /// Runs the replays and prints the table.
-pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
+pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> {
     let format = match args.format.as_str() {
         "philly" => Some(TraceFormat::Philly),
         "generic" => Some(TraceFormat::Generic),
         _ => None,
     };
-    let policies: Vec<SimPolicy> = if args.policy == "all" {
+    let configured = file
+        .map(|f| {
+            f.config
+                .scheduler
+                .policy()
+                .with_context(|| format!("in config file {}", f.path.display()))
+        })
+        .transpose()?;
+    let named = match (&args.policy, &configured) {
+        (Some(p), _) => p.as_str(),
+        (None, Some(_)) => "",
+        (None, None) => "all",
+    };
+    let policies: Vec<SimPolicy> = if named == "all" {
         SimPolicy::ALL.to_vec()
+    } else if named.is_empty() {
+        Vec::new()
     } else {
-        args.policy
+        named
             .split(',')
             .map(|p| {
                 SimPolicy::parse(p.trim()).with_context(|| {
@@ -98,25 +119,30 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
     let gpus = args.nodes * args.gpus_per_node;
     let mut rows = Vec::new();
     let mut series = Vec::new();
-    let count = policies.len();
-    for (i, p) in policies.into_iter().enumerate() {
+    let mut runs: Vec<(String, perch_scheduler::Config)> = policies
+        .into_iter()
+        .map(|p| (p.name().to_owned(), sim::policy_config(p, &jobs, &opts)))
+        .collect();
+    if let Some(config) = configured {
+        runs.push(("config".to_owned(), config));
+    }
+    let count = runs.len();
+    for (i, (name, config)) in runs.into_iter().enumerate() {
         // Progress on stderr (the table on stdout stays clean): a large trace takes minutes.
         eprintln!(
-            "[{}/{count}] replaying {} jobs under {} on {gpus} GPUs...",
+            "[{}/{count}] replaying {} jobs under {name} on {gpus} GPUs...",
             i + 1,
             jobs.len(),
-            p.name()
         );
         let started = std::time::Instant::now();
-        let report = sim::simulate(&jobs, p, &opts)?;
+        let report = sim::simulate_with(&jobs, config, &name, &opts)?;
         eprintln!(
-            "[{}/{count}] {} done in {:.1} s",
+            "[{}/{count}] {name} done in {:.1} s",
             i + 1,
-            p.name(),
             started.elapsed().as_secs_f64()
         );
         rows.push(report.summary);
-        series.push((p.name().to_string(), gpus, report.series));
+        series.push((name, gpus, report.series));
     }
     print!("{}", sim::format_table(&rows));
     if let Some(path) = &args.plot {
@@ -125,4 +151,52 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<()> {
         println!("plot written to {path}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    /// One policy, two entry points: a `[scheduler]` written to equal the built-in `perch`
+    /// replay (its trace-derived quotas included) is the same core configuration and gives the
+    /// same numbers, row for row.
+    #[test]
+    fn a_config_equal_to_the_built_in_policy_replays_the_same() {
+        let trace = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scheduler/tests/data/philly-300.csv"
+        );
+        let jobs = sim::trace::load(trace, None).expect("trace");
+        let opts = SimOptions {
+            nodes: 4,
+            gpus_per_node: 8,
+            ..SimOptions::default()
+        };
+        let built_in = sim::policy_config(SimPolicy::Perch, &jobs, &opts);
+        assert!(
+            built_in.quotas.iter().any(|(_, q)| *q > 0),
+            "the sample's quotas bind"
+        );
+        let quotas: String = built_in
+            .quotas
+            .iter()
+            .map(|(a, q)| format!("{:?} = {q}\n", a.0))
+            .collect();
+        let file = Config::parse(&format!("[scheduler.quotas]\n{quotas}")).expect("config");
+        let configured = file.scheduler.policy().expect("policy");
+        assert_eq!(configured, built_in);
+        let a = sim::simulate(&jobs, SimPolicy::Perch, &opts).expect("built-in");
+        let b = sim::simulate_with(&jobs, configured, "perch", &opts).expect("config");
+        assert!(a.summary.finished > 0);
+        assert_eq!(a.summary, b.summary);
+        // And a different policy in the file is a different replay.
+        let fifo = Config::parse("[scheduler]\npolicy = \"fifo\"\n")
+            .expect("config")
+            .scheduler
+            .policy()
+            .expect("policy");
+        let c = sim::simulate_with(&jobs, fifo, "perch", &opts).expect("fifo");
+        assert_ne!(a.summary, c.summary);
+    }
 }

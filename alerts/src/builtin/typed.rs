@@ -131,6 +131,56 @@ pub fn flush_instances(kind: &BuiltinKind, flush: &StoreFlush<'_>) -> Vec<Instan
     ]
 }
 
+/// A running job the scheduler has reported idle, for JobIdle.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IdleJob<'a> {
+    pub job: u64,
+    pub user: &'a str,
+    pub account: &'a str,
+    /// Its nodes, comma-separated.
+    pub nodes: &'a str,
+    /// Unix ms its idle spell began.
+    pub idle_since_ms: i64,
+    /// What perch does next, in words ("perch requeues it at ... if it is still idle").
+    pub consequence: &'a str,
+    /// When perch acts on it, if it will (Unix ms).
+    pub action_at_ms: Option<i64>,
+}
+
+/// JobIdle's instances: one per reported idle job. Labels `job`, `user`, `account`, `nodes`,
+/// `idle_since` (RFC 3339), `consequence`; values `minutes_idle` and, when perch will act,
+/// `minutes_until_action`.
+pub fn idle_job_instances(kind: &BuiltinKind, jobs: &[IdleJob<'_>], now_ms: i64) -> Vec<Instance> {
+    if *kind != BuiltinKind::JobIdle {
+        return Vec::new();
+    }
+    jobs.iter()
+        .map(|j| {
+            let id = j.job.to_string();
+            let since = crate::rfc3339(j.idle_since_ms);
+            let mut i = Instance::with_labels([
+                ("job", id.as_str()),
+                ("user", j.user),
+                ("account", j.account),
+                ("nodes", j.nodes),
+                ("idle_since", since.as_str()),
+                ("consequence", j.consequence),
+            ])
+            .value(
+                "minutes_idle",
+                (now_ms.saturating_sub(j.idle_since_ms) / 60_000) as f64,
+            );
+            if let Some(at) = j.action_at_ms {
+                i = i.value(
+                    "minutes_until_action",
+                    (at.saturating_sub(now_ms).max(0) / 60_000) as f64,
+                );
+            }
+            i
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -191,5 +241,28 @@ mod tests {
         assert!(!fired[1].values.contains_key("seconds_since_sample"));
         let other = BuiltinKind::StoreDiskFull { free_percent: 5.0 };
         assert!(telemetry_instances(&other, &nodes, 241_000).is_empty());
+    }
+
+    #[test]
+    fn each_reported_idle_job_is_one_alert_naming_its_user_and_what_comes_next() {
+        let job = IdleJob {
+            job: 42,
+            user: "alice",
+            account: "vision",
+            nodes: "gpu-a,gpu-b",
+            idle_since_ms: 1_800_000_000_000,
+            consequence: "perch requeues it in 10 min.",
+            action_at_ms: Some(1_800_000_000_000 + 40 * 60_000),
+        };
+        let now = 1_800_000_000_000 + 30 * 60_000;
+        let got = idle_job_instances(&BuiltinKind::JobIdle, std::slice::from_ref(&job), now);
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].labels["job"], "42");
+        assert_eq!(got[0].labels["user"], "alice");
+        assert_eq!(got[0].labels["nodes"], "gpu-a,gpu-b");
+        assert_eq!(got[0].values["minutes_idle"], 30.0);
+        assert_eq!(got[0].values["minutes_until_action"], 10.0);
+        let other = BuiltinKind::StoreFlushFailing;
+        assert!(idle_job_instances(&other, &[job], now).is_empty());
     }
 }

@@ -129,6 +129,12 @@ struct Run {
 
 /// Replays `jobs` under `policy`.
 pub fn simulate(jobs: &[TraceJob], policy: SimPolicy, opts: &SimOptions) -> Result<SimReport> {
+    check(opts)?;
+    let config = policy_config(policy, jobs, opts);
+    simulate_with(jobs, config, policy.name(), opts)
+}
+
+fn check(opts: &SimOptions) -> Result<()> {
     if opts.nodes == 0 || opts.gpus_per_node == 0 || opts.gpus_per_node > crate::MAX_GPUS_PER_NODE {
         return Err(Error::SimConfig {
             option: "nodes/gpus-per-node",
@@ -141,9 +147,21 @@ pub fn simulate(jobs: &[TraceJob], policy: SimPolicy, opts: &SimOptions) -> Resu
             message: "need 1 <= low <= high".into(),
         });
     }
+    Ok(())
+}
+
+/// Replays `jobs` under the core configuration `config` (an operator's `[scheduler]`, say),
+/// reported as `name`. [`simulate`] is this with [`policy_config`].
+pub fn simulate_with(
+    jobs: &[TraceJob],
+    config: Config,
+    name: &str,
+    opts: &SimOptions,
+) -> Result<SimReport> {
+    check(opts)?;
+    let oracle = config.kind == PolicyKind::Srtf;
     let cluster = Cluster::uniform(opts.nodes, opts.gpus_per_node, "sim", opts.nodes_per_rack)?;
     let total_gpus = opts.nodes * opts.gpus_per_node;
-    let config = config_for(policy, jobs, total_gpus, opts);
     let mut sched = Scheduler::new(cluster, config);
     let mut heap: BinaryHeap<Reverse<(Time, Ev)>> = jobs
         .iter()
@@ -178,7 +196,7 @@ pub fn simulate(jobs: &[TraceJob], policy: SimPolicy, opts: &SimOptions) -> Resu
         for &ev in &batch {
             match ev {
                 Ev::Submit { job } => actions
-                    .extend(sched.handle(now, Event::Submit(spec(&jobs[job], policy, opts)))?),
+                    .extend(sched.handle(now, Event::Submit(spec(&jobs[job], oracle, opts)))?),
                 Ev::Exit { job, generation }
                     if runs[job].generation == generation && runs[job].start.is_some() =>
                 {
@@ -233,7 +251,7 @@ pub fn simulate(jobs: &[TraceJob], policy: SimPolicy, opts: &SimOptions) -> Resu
         }
         rec.sample(now, sched.pending_len());
     }
-    let summary = rec.summary(policy.name());
+    let summary = rec.summary(name);
     Ok(SimReport {
         summary,
         series: rec.series,
@@ -313,7 +331,7 @@ fn stop(now: Time, i: usize, jobs: &[TraceJob], runs: &mut [Run], rec: &mut Reco
     }
 }
 
-fn spec(t: &TraceJob, policy: SimPolicy, opts: &SimOptions) -> JobSpec {
+fn spec(t: &TraceJob, oracle: bool, opts: &SimOptions) -> JobSpec {
     JobSpec {
         id: JobId(t.id),
         user: User(t.user.clone()),
@@ -325,14 +343,15 @@ fn spec(t: &TraceJob, policy: SimPolicy, opts: &SimOptions) -> JobSpec {
         preemptible: true,
         max_requeues: 3,
         submit: t.submit,
-        oracle_duration: (policy == SimPolicy::Srtf).then_some(t.duration),
+        oracle_duration: oracle.then_some(t.duration),
         share: None,
     }
 }
 
-/// The core configuration for a simulated policy. perch's quotas: each account gets the part
-/// of the cluster equal to its part of the trace's GPU-time (rounded down).
-fn config_for(policy: SimPolicy, jobs: &[TraceJob], total_gpus: u32, opts: &SimOptions) -> Config {
+/// The core configuration of a built-in simulated policy. perch's quotas: each account gets
+/// the part of the cluster equal to its part of the trace's GPU-time (rounded down).
+pub fn policy_config(policy: SimPolicy, jobs: &[TraceJob], opts: &SimOptions) -> Config {
+    let total_gpus = opts.nodes * opts.gpus_per_node;
     let mut c = match policy {
         SimPolicy::Fifo => Config::fifo(),
         SimPolicy::Backfill => Config::backfill(),
@@ -366,6 +385,7 @@ fn config_for(policy: SimPolicy, jobs: &[TraceJob], total_gpus: u32, opts: &SimO
     c.idle.window = opts.idle_window;
     if policy == SimPolicy::PerchIdleReclaim {
         c.idle.action = IdleAction::Reclaim { requeue: false };
+        c.idle.grace = 0;
     }
     debug_assert!(c.kind != PolicyKind::Srtf || policy == SimPolicy::Srtf);
     c

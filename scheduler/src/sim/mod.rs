@@ -13,7 +13,7 @@ mod metrics;
 mod plot;
 pub mod trace;
 
-pub use engine::{SimOptions, SimPolicy, SimReport, simulate};
+pub use engine::{SimOptions, SimPolicy, SimReport, policy_config, simulate, simulate_with};
 pub use metrics::{Sample, Summary, format_table};
 pub use plot::write_svg;
 pub use trace::{TraceFormat, TraceJob};

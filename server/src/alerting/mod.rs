@@ -263,6 +263,22 @@ fn builtin(state: &AppState, kind: &BuiltinKind, now: i64) -> Vec<perch_alerts::
                 }
             }
         }
+        BuiltinKind::JobIdle => {
+            let views = state.jobs.idle_jobs();
+            let jobs: Vec<perch_alerts::builtin::IdleJob<'_>> = views
+                .iter()
+                .map(|j| perch_alerts::builtin::IdleJob {
+                    job: j.job,
+                    user: &j.user,
+                    account: &j.account,
+                    nodes: &j.nodes,
+                    idle_since_ms: j.idle_since_ms,
+                    consequence: &j.consequence,
+                    action_at_ms: j.action_at_ms,
+                })
+                .collect();
+            perch_alerts::builtin::idle_job_instances(kind, &jobs, now)
+        }
         BuiltinKind::StoreFlushFailing => {
             let store = &state.store;
             let error = store.flush_error();

@@ -22,8 +22,8 @@ use perch_model::control::{
     SyncRequest, SyncResponse,
 };
 use perch_scheduler::{
-    Account, Action, Cluster, Config, EndState, Event, GpuModel, GpuShare, JobId, JobSpec,
-    NodeAlloc, NodeId, NodeName, NodeSpec, PendingReason, Qos, Scheduler, Shape, User,
+    Account, Action, Cluster, Config, EndState, Event, GpuModel, GpuShare, IdleAction, JobId,
+    JobSpec, NodeAlloc, NodeId, NodeName, NodeSpec, PendingReason, Qos, Scheduler, Shape, User,
 };
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::Write;
@@ -583,10 +583,24 @@ impl Control {
                     self.job_ended_event(now, job.0, state == EndState::Cancelled);
                 }
                 Action::IdleReport { job, since } => {
+                    let Some(record) = self.jobs.get(&job.0) else {
+                        continue;
+                    };
+                    let (next, _) = self.idle_consequence(record, since);
+                    let since_text = perch_alerts::rfc3339(since);
+                    let what = format!("all its GPUs idle since {since_text}. {next}");
                     if let Some(j) = self.jobs.get_mut(&job.0) {
-                        j.note(now, format!("GPUs idle since {since}"));
+                        j.note(now, what.clone());
                     }
                     self.dirty_jobs.insert(job.0);
+                    self.job_event(
+                        now,
+                        job.0,
+                        "job_idle",
+                        "perch",
+                        None,
+                        format!("job {}: {what}", job.0),
+                    );
                 }
             }
         }
@@ -1397,11 +1411,14 @@ impl Control {
             let expected = self.runs_here(run.job, &name)
                 && self.jobs.get(&run.job).map(|j| j.attempts) == Some(run.attempt);
             if !expected {
-                let grace = self.jobs.get(&run.job).map_or(10, |j| j.request.grace_secs);
+                let (signal, grace) = self.jobs.get(&run.job).map_or_else(
+                    || ("SIGTERM".to_owned(), 10),
+                    |j| (signal_of(&j.request), j.request.grace_secs),
+                );
                 response.stop.push(JobStop {
                     job: run.job,
                     attempt: run.attempt,
-                    signal: "SIGTERM".into(),
+                    signal,
                     grace_secs: grace,
                 });
             }
@@ -1467,13 +1484,60 @@ impl Control {
                 }
             }
             response.start = out.start;
-            response.stop.extend(out.stop);
+            // The stop that ended or moved the job goes first: it is the one whose signal the
+            // job asked for (its checkpoint signal), and the first of a pair is kept below.
+            let found = std::mem::replace(&mut response.stop, out.stop);
+            response.stop.extend(found);
         }
         // One stop per attempt (a requeue's stop and a report of the same run can meet here).
         let mut seen = HashSet::new();
         response.stop.retain(|s| seen.insert((s.job, s.attempt)));
         self.release_held(now)?;
         Ok(response)
+    }
+
+    /// What perch does with job `job`, idle since `since`, under the idle policy: in words, and
+    /// when (if it acts at all).
+    pub(crate) fn idle_consequence(&self, job: &JobRecord, since: i64) -> (String, Option<i64>) {
+        let idle = &self.config.policy.idle;
+        match idle.action {
+            IdleAction::Reclaim { requeue } if job.request.preemptible => {
+                let at = since + idle.window + idle.grace;
+                let what = if requeue { "requeues" } else { "stops" };
+                (
+                    format!(
+                        "Unless its GPUs get busy, perch {what} it from {} when other jobs wait ({}, then SIGKILL after {} s).",
+                        perch_alerts::rfc3339(at),
+                        signal_of(&job.request),
+                        job.request.grace_secs,
+                    ),
+                    Some(at),
+                )
+            }
+            IdleAction::Reclaim { .. } => (
+                "It is not preemptible, so perch only reports it.".to_owned(),
+                None,
+            ),
+            IdleAction::Report | IdleAction::Off => (
+                "perch only reports it ([scheduler.idle] action = \"report\").".to_owned(),
+                None,
+            ),
+        }
+    }
+
+    /// Puts a new scheduling policy in force (SIGHUP): queued and running jobs stay, and a
+    /// pass runs under the new rules at once. Returns whether anything changed.
+    pub(crate) fn set_policy(&mut self, policy: Config, now: i64) -> Result<bool, ControlError> {
+        if policy == self.config.policy {
+            return Ok(false);
+        }
+        self.now = now;
+        self.config.policy = policy.clone();
+        self.scheduler.reconfigure(policy);
+        let actions = self.scheduler.step(now, Event::Tick)?;
+        self.apply(now, actions);
+        self.release_held(now)?;
+        Ok(true)
     }
 
     /// Whether the request's user (not an operator) may charge its account at its QOS

@@ -8,6 +8,21 @@ use perch_model::AgentLiveness;
 use perch_scheduler::{NodeId, PendingReason};
 use std::collections::BTreeMap;
 
+/// A running job the scheduler has reported idle (`[scheduler.idle]`), for the JobIdle alert.
+#[derive(Debug, Clone)]
+pub struct IdleJobView {
+    pub job: u64,
+    pub user: String,
+    pub account: String,
+    /// Its nodes, comma-separated.
+    pub nodes: String,
+    pub idle_since_ms: i64,
+    /// What perch does next, in words.
+    pub consequence: String,
+    /// When perch acts on it, if it will.
+    pub action_at_ms: Option<i64>,
+}
+
 /// One node as the scheduler sees it.
 #[derive(Debug, Clone)]
 pub struct NodeView {
@@ -88,9 +103,41 @@ impl crate::jobs::JobService {
     pub fn node_views(&self) -> Vec<NodeView> {
         self.read(Control::node_views)
     }
+
+    /// Running jobs the scheduler has reported idle.
+    pub fn idle_jobs(&self) -> Vec<IdleJobView> {
+        self.read(Control::idle_jobs)
+    }
 }
 
 impl Control {
+    /// Running jobs the scheduler has reported idle, with what comes next.
+    pub(crate) fn idle_jobs(&self) -> Vec<IdleJobView> {
+        self.scheduler
+            .idle_jobs()
+            .into_iter()
+            .filter(|(_, _, reported)| *reported)
+            .filter_map(|(id, since, _)| {
+                let j = self.jobs.get(&id.0)?;
+                let (consequence, action_at_ms) = self.idle_consequence(j, since);
+                Some(IdleJobView {
+                    job: j.id,
+                    user: j.request.user().to_owned(),
+                    account: j.request.account().to_owned(),
+                    nodes: j
+                        .placement
+                        .iter()
+                        .map(|p| p.node.as_str())
+                        .collect::<Vec<_>>()
+                        .join(","),
+                    idle_since_ms: since,
+                    consequence,
+                    action_at_ms,
+                })
+            })
+            .collect()
+    }
+
     /// Every node as the scheduler sees it (cheap: no job is visited).
     pub(crate) fn node_views(&self) -> Vec<NodeView> {
         let cluster = self.scheduler.cluster();

@@ -527,3 +527,34 @@ async fn rank_zero_picks_the_port_before_the_other_ranks_start() {
         );
     }
 }
+
+/// A job stopped by perch (cancelled, preempted) gets its own checkpoint signal, even though
+/// the agent still reports it running in the same sync that carries the stop (that report
+/// alone would earn it a plain SIGTERM).
+#[tokio::test]
+async fn a_stopped_job_gets_its_checkpoint_signal() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    sync(&jobs, "a", T0, &[], &[]).await;
+    let id = submit(
+        &jobs,
+        json!({ "command": ["train"], "user": "bob", "checkpoint_signal": "SIGUSR1", "grace_secs": 90 }),
+        T0 + SECOND,
+    )
+    .await;
+    sync(&jobs, "a", T0 + 2 * SECOND, &[], &[]).await;
+    sync(&jobs, "a", T0 + 3 * SECOND, &[(id, 1)], &[]).await;
+    let at = T0 + 4 * SECOND;
+    jobs.run(move |c, _| c.cancel(id, "bob", at))
+        .await
+        .expect("cancel");
+    let r = sync(&jobs, "a", T0 + 5 * SECOND, &[(id, 1)], &[]).await;
+    assert_eq!(r.stop.len(), 1, "{:?}", r.stop);
+    assert_eq!(
+        (r.stop[0].signal.as_str(), r.stop[0].grace_secs),
+        ("SIGUSR1", 90)
+    );
+    // Reported again later (the job is slow to stop): the same signal, not SIGTERM.
+    let r = sync(&jobs, "a", T0 + 6 * SECOND, &[(id, 1)], &[]).await;
+    assert_eq!(r.stop[0].signal, "SIGUSR1");
+}

@@ -1,0 +1,270 @@
+//! The live server schedules by its `[scheduler]` section, as `perch simulate` replays it:
+//! quotas with borrowing and reclaim (with the job's checkpoint signal), the idle policy
+//! (warned through the JobIdle alert, then requeued after its grace), rack-aware placement,
+//! and a policy changed by SIGHUP without losing a queued or running job. Simulated GPUs, the
+//! real server and agents.
+
+mod common;
+
+use common::{Agent, Perch, wait_for};
+use serde_json::{Value, json};
+use std::path::Path;
+
+fn post_job(perch: &Perch, job: Value) -> u64 {
+    let r = reqwest::blocking::Client::new()
+        .post(format!("{}/v1/jobs", perch.url))
+        .json(&job)
+        .send()
+        .expect("submit");
+    assert_eq!(r.status().as_u16(), 201, "{}", r.text().unwrap_or_default());
+    r.json::<Value>().expect("json")["id"].as_u64().expect("id")
+}
+
+fn wait_state(perch: &Perch, id: u64, state: &str) -> Value {
+    wait_for(&format!("job {id} to be {state}"), || {
+        let j = perch.job(id);
+        (j["state"] == state).then_some(j)
+    })
+}
+
+fn agent(perch: &Perch, dir: &Path, node: &str, gpus: u32, rack: &str) -> Agent {
+    Agent::start(
+        &perch.url,
+        node,
+        &dir.join(node),
+        gpus,
+        None,
+        &["--interval-ms", "200", "--rack", rack],
+    )
+}
+
+fn wait_nodes(perch: &Perch, n: usize) {
+    wait_for(&format!("{n} nodes up"), || {
+        let nodes = perch.get("/v1/nodes");
+        let up = nodes["nodes"]
+            .as_array()?
+            .iter()
+            .filter(|n| n["state"] == "up")
+            .count();
+        (up == n).then_some(())
+    });
+}
+
+/// A shell job that records its checkpoint signal in `file` and otherwise runs for minutes.
+fn checkpointing(file: &Path) -> Vec<String> {
+    vec![
+        "sh".into(),
+        "-c".into(),
+        format!(
+            "trap 'echo checkpointed >> {}; exit 0' USR1; while true; do sleep 0.1; done",
+            file.display()
+        ),
+    ]
+}
+
+#[test]
+fn an_account_over_its_quota_borrows_idle_gpus_and_gives_them_back_with_a_checkpoint() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = common::server_with_config(
+        dir.path(),
+        "[server]\npg_listen = \"\"\n[scheduler.quotas]\nalice = 2\nbob = 2\n",
+        &[],
+    );
+    let _a = agent(&perch, dir.path(), "gpu-a", 4, "r1");
+    wait_nodes(&perch, 1);
+    let marks = dir.path().join("marks");
+    let job = |user: &str, file: &Path| {
+        json!({
+            "command": checkpointing(file), "user": user, "gpus_per_node": 2,
+            "preemptible": true, "checkpoint_signal": "SIGUSR1", "grace_secs": 5,
+            "max_requeues": 3,
+        })
+    };
+    let own = post_job(&perch, job("alice", &marks.join("own")));
+    wait_state(&perch, own, "running");
+    // bob's GPUs are idle: alice borrows them.
+    std::fs::create_dir_all(&marks).expect("mkdir");
+    let borrowed = post_job(&perch, job("alice", &marks.join("borrowed")));
+    wait_state(&perch, borrowed, "running");
+    // bob wants his quota back: the borrowed job gets its checkpoint signal and is requeued.
+    let bobs = post_job(&perch, job("bob", &marks.join("bob")));
+    wait_state(&perch, bobs, "running");
+    let j = perch.job(borrowed);
+    assert_eq!(j["preemptions"], 1, "{j}");
+    assert!(
+        j["timeline"].to_string().contains("QuotaReclaim"),
+        "{}",
+        j["timeline"]
+    );
+    wait_for("the borrowed job's checkpoint", || {
+        std::fs::read_to_string(marks.join("borrowed"))
+            .ok()
+            .filter(|s| s.contains("checkpointed"))
+    });
+    // alice's job within her quota was never touched; the borrowed one waits for room.
+    assert_eq!(perch.job(own)["state"], "running");
+    assert!(!marks.join("own").exists());
+    assert_eq!(perch.job(borrowed)["state"], "pending");
+}
+
+#[test]
+fn an_idle_job_is_warned_then_requeued_after_its_grace_and_the_waiting_job_starts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = common::server_with_config(
+        dir.path(),
+        "[server]\npg_listen = \"\"\n\
+         [alerts]\nevaluation_interval = \"1s\"\n\
+         [scheduler.idle]\naction = \"requeue\"\nbelow_percent = 5.0\nafter = \"10s\"\ngrace = \"4s\"\n",
+        &[],
+    );
+    let _a = agent(&perch, dir.path(), "gpu-a", 2, "r1");
+    wait_nodes(&perch, 1);
+    let marks = dir.path().join("marks");
+    std::fs::create_dir_all(&marks).expect("mkdir");
+    let idle = post_job(
+        &perch,
+        json!({
+            "command": checkpointing(&marks.join("idle")), "user": "alice", "gpus_per_node": 2,
+            "preemptible": true, "checkpoint_signal": "SIGUSR1", "sim_profile": "idle",
+            "max_requeues": 3,
+        }),
+    );
+    wait_state(&perch, idle, "running");
+    let waiting = post_job(
+        &perch,
+        json!({ "command": ["sleep", "300"], "user": "bob", "gpus_per_node": 2 }),
+    );
+    // The warning: a JobIdle alert naming alice, before anything is stopped.
+    let idle_label = idle.to_string();
+    let alert = wait_for("JobIdle firing for alice's job", || {
+        let alerts = perch.get("/v1/alerts");
+        alerts["alerts"].as_array()?.iter().find_map(|a| {
+            (a["labels"]["alertname"] == "JobIdle"
+                && a["labels"]["job"] == idle_label.as_str()
+                && a["state"] == "firing")
+                .then(|| a.clone())
+        })
+    });
+    assert_eq!(alert["labels"]["user"], "alice", "{alert}");
+    assert!(
+        alert["labels"]["consequence"]
+            .as_str()
+            .is_some_and(|c| c.contains("requeues it")),
+        "{alert}"
+    );
+    let warned = perch.job(idle);
+    assert_eq!(warned["state"], "running", "warned first, not stopped");
+    assert!(warned["timeline"].to_string().contains("idle since"));
+    // After the grace: requeued with its checkpoint signal, and bob's job starts.
+    wait_state(&perch, waiting, "running");
+    let j = perch.job(idle);
+    assert_eq!(j["state"], "pending", "{j}");
+    assert_eq!(j["preemptions"], 1);
+    assert!(
+        j["timeline"].to_string().contains("Idle"),
+        "{}",
+        j["timeline"]
+    );
+    wait_for("the idle job's checkpoint", || {
+        std::fs::read_to_string(marks.join("idle"))
+            .ok()
+            .filter(|s| s.contains("checkpointed"))
+    });
+}
+
+#[test]
+fn a_two_node_gang_lands_on_one_rack_when_it_can() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = common::server_with_config(dir.path(), "[server]\npg_listen = \"\"\n", &[]);
+    // Racks interleaved with the names, so that name order alone would split the gang.
+    let _agents = [
+        agent(&perch, dir.path(), "node-1", 2, "rack-x"),
+        agent(&perch, dir.path(), "node-2", 2, "rack-y"),
+        agent(&perch, dir.path(), "node-3", 2, "rack-x"),
+        agent(&perch, dir.path(), "node-4", 2, "rack-y"),
+    ];
+    wait_nodes(&perch, 4);
+    let rack_of = |node: &str| {
+        if node == "node-1" || node == "node-3" {
+            "rack-x"
+        } else {
+            "rack-y"
+        }
+    };
+    // Two gangs: each fits in a rack, so each gets one.
+    let mut racks = Vec::new();
+    for _ in 0..2 {
+        let id = post_job(
+            &perch,
+            json!({ "command": ["sleep", "300"], "user": "alice", "nodes": 2, "gpus_per_node": 2 }),
+        );
+        let j = wait_state(&perch, id, "running");
+        let placed: Vec<&str> = j["placement"]
+            .as_array()
+            .expect("placement")
+            .iter()
+            .map(|p| p["node"].as_str().expect("node"))
+            .collect();
+        assert_eq!(placed.len(), 2);
+        assert_eq!(rack_of(placed[0]), rack_of(placed[1]), "{placed:?}");
+        racks.push(rack_of(placed[0]));
+    }
+    assert_ne!(racks[0], racks[1]);
+    let (ok, nodes, err) = perch.cli_as("alice", &["nodes"]);
+    assert!(ok, "{err}");
+    assert!(
+        nodes.contains("rack-x") && nodes.contains("rack-y"),
+        "{nodes}"
+    );
+}
+
+#[test]
+fn sighup_puts_a_new_policy_in_force_and_keeps_every_job() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = common::server_with_config(dir.path(), "[server]\npg_listen = \"\"\n", &[]);
+    let _a = agent(&perch, dir.path(), "gpu-a", 2, "r1");
+    wait_nodes(&perch, 1);
+    let sleep = json!({ "command": ["sleep", "300"], "user": "alice", "gpus_per_node": 2 });
+    let running = post_job(&perch, sleep.clone());
+    wait_state(&perch, running, "running");
+    let queued = post_job(&perch, sleep);
+    let reason = |id: u64| perch.job(id)["reason"].as_str().unwrap_or("").to_owned();
+    wait_for("the second job to wait for resources", || {
+        reason(queued).contains("GPUs").then_some(())
+    });
+    let hangup = || {
+        let status = std::process::Command::new("kill")
+            .args(["-HUP", &perch.child.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+    };
+    let config = dir.path().join("perch.toml");
+    // A broken section is refused whole: the policy stays, the log says why.
+    std::fs::write(
+        &config,
+        "[server]\npg_listen = \"\"\n[scheduler]\npolicy = \"sjf\"\n",
+    )
+    .expect("config");
+    hangup();
+    wait_for("the refusal in the log", || {
+        perch
+            .log()
+            .contains("\"sjf\" is not a policy")
+            .then_some(())
+    });
+    // alice gets a quota of 1 GPU, no borrowing: her running job stays, the queued one now
+    // waits for her quota.
+    std::fs::write(
+        &config,
+        "[server]\npg_listen = \"\"\n[scheduler]\nborrowing = false\n[scheduler.quotas]\nalice = 1\n",
+    )
+    .expect("config");
+    hangup();
+    wait_for("the queued job to wait for its quota", || {
+        reason(queued).contains("quota").then_some(())
+    });
+    assert!(perch.log().contains("scheduling policy read again"));
+    assert_eq!(perch.job(running)["state"], "running");
+    assert_eq!(perch.job(queued)["state"], "pending");
+}
