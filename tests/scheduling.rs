@@ -268,3 +268,52 @@ fn sighup_puts_a_new_policy_in_force_and_keeps_every_job() {
     assert_eq!(perch.job(running)["state"], "running");
     assert_eq!(perch.job(queued)["state"], "pending");
 }
+
+#[test]
+fn a_waiting_job_says_when_it_should_start_and_why_it_waits_in_words() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = common::server_with_config(dir.path(), "[server]\npg_listen = \"\"\n", &[]);
+    let _a = agent(&perch, dir.path(), "gpu-a", 2, "r1");
+    wait_nodes(&perch, 1);
+    let running = post_job(
+        &perch,
+        json!({ "command": ["sleep", "300"], "user": "alice", "gpus_per_node": 2, "time_limit_secs": 600 }),
+    );
+    let started_ms = wait_state(&perch, running, "running")["start_ms"]
+        .as_i64()
+        .expect("start");
+    let waiting = post_job(
+        &perch,
+        json!({ "command": ["true"], "user": "bob", "gpus_per_node": 2, "time_limit_secs": 60 }),
+    );
+    let j = wait_for("an estimate", || {
+        let j = perch.job(waiting);
+        j["estimated_start_ms"].as_i64().map(|_| j)
+    });
+    // When the running job reaches its time limit (the reservation's shadow time).
+    let at = j["estimated_start_ms"].as_i64().expect("estimate");
+    assert!(
+        (at - (started_ms + 600_000)).abs() < 2_000,
+        "{at} vs {started_ms}"
+    );
+    let reason = j["reason"].as_str().expect("reason");
+    assert!(
+        reason.contains("needs 2 GPUs on one node; 0 nodes have 2 free now, 0 GPUs free in all"),
+        "{reason}"
+    );
+    let (ok, shown, err) = perch.cli_as("bob", &["show", &waiting.to_string()]);
+    assert!(ok, "{err}");
+    let estimate = j["estimated_start"].as_str().expect("estimate text");
+    assert!(shown.contains(&format!("StartTime={estimate}")), "{shown}");
+    let (ok, queue, err) = perch.cli_as("bob", &["queue", "--start"]);
+    assert!(ok, "{err}");
+    assert!(
+        queue.contains("START") && queue.contains(estimate),
+        "{queue}"
+    );
+    let q = perch.get("/v1/queue");
+    assert!(
+        q["queue"][0].get("estimated_start").is_none(),
+        "only when asked: {q}"
+    );
+}

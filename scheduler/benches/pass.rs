@@ -2,7 +2,10 @@
 //! recomputed and sorted, EASY reservation, and backfill over the whole queue. The cluster is
 //! ~97% allocated with fragmented free GPUs, so many candidates are tried and some start.
 //! `perch+topology` is the same on nodes with two NVLink islands of 4 GPUs that take shared
-//! jobs, with one pending job in 20 asking for part of a GPU.
+//! jobs, with one pending job in 20 asking for part of a GPU. `perch+64-accounts` spreads the
+//! work over 64 accounts, each with a quota of 500 GPUs (the whole cluster between them), as
+//! an operator's `[scheduler.quotas]` would. `start_plan` estimates the start of the first
+//! 1,000 pending jobs (`perch queue --start`) on the loaded perch cluster.
 //!
 //! `cargo bench -p perch-scheduler --bench pass`
 
@@ -46,7 +49,7 @@ fn job(id: u64, shape: Shape, account: u64, limit_min: i64, submit: i64) -> JobS
 /// A loaded 4,000 x 8 cluster with 20,000 jobs pending, and the time of the pass. With
 /// `topology`, nodes have NVLink islands {0-3},{4-7}, take shared jobs, and report memory, and
 /// 5% of the pending jobs are shares.
-fn loaded(config: Config, topology: bool) -> (Scheduler, i64) {
+fn loaded(config: Config, topology: bool, accounts: u64) -> (Scheduler, i64) {
     let mut cluster = Cluster::new();
     for i in 0..4_000u32 {
         let mut spec = NodeSpec::new(
@@ -93,7 +96,7 @@ fn loaded(config: Config, topology: bool) -> (Scheduler, i64) {
                     nodes: 1,
                     gpus_per_node: g,
                 },
-                rng.next(40),
+                rng.next(accounts),
                 30 + rng.next(2000) as i64,
                 0,
             )),
@@ -129,7 +132,7 @@ fn loaded(config: Config, topology: bool) -> (Scheduler, i64) {
         let mut j = job(
             id,
             shape,
-            rng.next(40),
+            rng.next(accounts),
             10 + rng.next(3000) as i64,
             MINUTE + i as i64,
         );
@@ -148,18 +151,23 @@ fn loaded(config: Config, topology: bool) -> (Scheduler, i64) {
     (s, 60 * MINUTE)
 }
 
-#[divan::bench(args = ["backfill", "perch", "perch+topology"], sample_count = 20)]
+fn quotas(accounts: u64, each: u32) -> Vec<(Account, u32)> {
+    (0..accounts)
+        .map(|a| (Account(format!("team{a}")), each))
+        .collect()
+}
+
+#[divan::bench(
+    args = ["backfill", "perch", "perch+topology", "perch+64-accounts"],
+    sample_count = 20
+)]
 fn full_pass(bencher: divan::Bencher, policy: &str) {
-    let config = match policy {
-        "perch" | "perch+topology" => {
-            let quotas = (0..40)
-                .map(|a| (Account(format!("team{a}")), 800))
-                .collect();
-            Config::perch(quotas)
-        }
-        _ => Config::backfill(),
+    let (config, accounts) = match policy {
+        "perch" | "perch+topology" => (Config::perch(quotas(40, 800)), 40),
+        "perch+64-accounts" => (Config::perch(quotas(64, 500)), 64),
+        _ => (Config::backfill(), 40),
     };
-    let (s, now) = loaded(config, policy == "perch+topology");
+    let (s, now) = loaded(config, policy == "perch+topology", accounts);
     assert!(s.pending_len() >= 20_000, "pending {}", s.pending_len());
     let mut probe = s.clone();
     let started = probe
@@ -180,4 +188,18 @@ fn full_pass(bencher: divan::Bencher, policy: &str) {
             divan::black_box(actions.len());
             s
         });
+}
+
+#[divan::bench(sample_count = 10)]
+fn start_plan(bencher: divan::Bencher) {
+    let (mut s, now) = loaded(Config::perch(quotas(40, 800)), false, 40);
+    let _ = s.schedule(now);
+    let estimated = s
+        .start_plan(now, 1_000)
+        .estimate()
+        .iter()
+        .filter(|(_, at)| at.is_some())
+        .count();
+    println!("start_plan: {estimated} of the first 1,000 pending jobs get an estimate");
+    bencher.bench_local(|| divan::black_box(s.start_plan(now, 1_000).estimate().len()));
 }

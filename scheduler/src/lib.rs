@@ -25,6 +25,7 @@ mod ids;
 mod job;
 mod pass;
 mod placement;
+mod plan;
 mod policy;
 mod reclaim;
 mod scheduler;
@@ -41,5 +42,6 @@ pub use ids::{
 pub use job::{
     EndState, GpuShare, JobSpec, PendingReason, PreemptReason, Qos, RequeueReason, Shape,
 };
+pub use plan::StartPlan;
 pub use policy::{Config, IdleAction, IdlePolicy, PolicyKind, Weights};
 pub use scheduler::{Action, Event, QueueEntry, Scheduler};

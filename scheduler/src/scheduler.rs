@@ -297,6 +297,40 @@ impl Scheduler {
         self.deadlines.len()
     }
 
+    /// What a pending job is up against, for a reason in words: (nodes it needs, GPUs on each,
+    /// nodes with that many of its model free now, GPUs of its model free in all).
+    pub fn room_for(&self, job: JobId) -> Option<(u32, u32, u32, u32)> {
+        let j = self.jobs.get(&job)?;
+        let shape = j.spec.shape;
+        let free: u32 = self
+            .cluster
+            .nodes
+            .iter()
+            .filter(|n| j.model.is_none_or(|m| m == n.model))
+            .map(|n| n.free())
+            .sum();
+        Some((
+            shape.nodes,
+            shape.gpus_per_node,
+            self.cluster.nodes_with_free(j.model, shape.gpus_per_node),
+            free,
+        ))
+    }
+
+    /// An account's GPU quota, if quotas are in force.
+    pub fn account_quota(&self, account: &Account) -> Option<u32> {
+        if self.config.quotas.is_empty() {
+            return None;
+        }
+        Some(
+            self.config
+                .quotas
+                .iter()
+                .find(|(a, _)| a == account)
+                .map_or(0, |(_, q)| *q),
+        )
+    }
+
     /// Why a pending job waits, or `None` when it is not pending.
     pub fn pending_reason(&self, job: JobId) -> Option<PendingReason> {
         match self.jobs.get(&job)?.state {

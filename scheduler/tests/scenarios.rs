@@ -711,3 +711,36 @@ fn idle_reclaim_frees_gpus_for_a_waiting_job_only() {
     let a = step(&mut s, 42 * MINUTE, Event::Tick);
     assert!(started(&a).is_empty(), "{a:?}");
 }
+
+/// `squeue --start`: the job backfill reserved for (the small one: it ranks first) keeps the
+/// reservation's time; the next one starts once that one's time limit has passed (running
+/// jobs assumed to run to their limits); a job over its quota gets no estimate.
+#[test]
+fn pending_jobs_get_the_start_the_plan_promises() {
+    let quotas = vec![(Account("a".into()), 16), (Account("q".into()), 0)];
+    let mut config = Config::perch(quotas);
+    config.borrowing = false;
+    let mut s = sched(1, config);
+    let a = step(&mut s, 0, Event::Submit(one(1, 8, "a", 60, 0)));
+    assert_eq!(started(&a), vec![1]);
+    step(&mut s, MINUTE, Event::Submit(one(2, 8, "a", 30, MINUTE)));
+    step(
+        &mut s,
+        2 * MINUTE,
+        Event::Submit(one(3, 4, "a", 10, 2 * MINUTE)),
+    );
+    step(
+        &mut s,
+        3 * MINUTE,
+        Event::Submit(one(4, 1, "q", 10, 3 * MINUTE)),
+    );
+    let plan = s.start_plan(3 * MINUTE, 100).estimate();
+    let at = |id: u64| plan.iter().find(|(j, _)| j.0 == id).map(|(_, t)| *t);
+    assert_eq!(
+        s.pending_reason(JobId(3)),
+        Some(PendingReason::Reserved { at: 60 * MINUTE })
+    );
+    assert_eq!(at(3), Some(Some(60 * MINUTE)), "{plan:?}");
+    assert_eq!(at(2), Some(Some(70 * MINUTE)), "{plan:?}");
+    assert_eq!(at(4), Some(None), "over its quota: {plan:?}");
+}

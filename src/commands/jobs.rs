@@ -527,6 +527,12 @@ pub fn show(args: JobIdArgs, config_file: Option<&ConfigFile>) -> Result<()> {
         s(&j["reason"]),
         s(&j["exit_code"])
     );
+    if j["state"] == "pending" {
+        println!(
+            "   StartTime={} (estimated)",
+            start_of(&j["estimated_start"])
+        );
+    }
     println!("   Command={}", r["command"]);
     println!(
         "   Nodes={} GPUsPerNode={} TimeLimit={}s QOS={} Preemptible={} MaxRequeues={}",
@@ -661,8 +667,24 @@ pub fn logs(args: LogsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
     }
 }
 
-pub fn queue(args: ListArgs, config_file: Option<&ConfigFile>) -> Result<()> {
-    let q = Api::new(&args.server, config_file)?.get("/v1/queue")?;
+#[derive(Debug, Args)]
+pub struct QueueArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// Each job's estimated start (like `squeue --start`): the backfill reservation's time for
+    /// the job GPUs are reserved for, else the earliest time enough GPUs stay free for its
+    /// time limit if running jobs run to theirs.
+    #[arg(long)]
+    start: bool,
+}
+
+pub fn queue(args: QueueArgs, config_file: Option<&ConfigFile>) -> Result<()> {
+    let path = if args.start {
+        "/v1/queue?start=true"
+    } else {
+        "/v1/queue"
+    };
+    let q = Api::new(&args.server, config_file)?.get(path)?;
     let rows = q["queue"]
         .as_array()
         .into_iter()
@@ -670,7 +692,7 @@ pub fn queue(args: ListArgs, config_file: Option<&ConfigFile>) -> Result<()> {
         .map(|e| {
             let j = &e["job"];
             let r = &j["request"];
-            vec![
+            let mut row = vec![
                 s(&e["position"]),
                 s(&j["id"]),
                 s(&r["user"]),
@@ -679,17 +701,26 @@ pub fn queue(args: ListArgs, config_file: Option<&ConfigFile>) -> Result<()> {
                 e["priority"]
                     .as_f64()
                     .map_or_else(|| "-".to_owned(), |p| format!("{p:.3}")),
-                s(&j["reason"]),
-            ]
+            ];
+            if args.start {
+                row.push(start_of(&e["estimated_start"]));
+            }
+            row.push(s(&j["reason"]));
+            row
         })
         .collect();
-    print_table(
-        &[
-            "POS", "JOBID", "USER", "ACCOUNT", "GPUS", "PRIORITY", "REASON",
-        ],
-        rows,
-    );
+    let mut headers = vec!["POS", "JOBID", "USER", "ACCOUNT", "GPUS", "PRIORITY"];
+    if args.start {
+        headers.push("START");
+    }
+    headers.push("REASON");
+    print_table(&headers, rows);
     Ok(())
+}
+
+/// An estimated start as `squeue --start` shows it: the time, or N/A.
+fn start_of(v: &Value) -> String {
+    v.as_str().map_or_else(|| "N/A".to_owned(), str::to_owned)
 }
 
 pub fn nodes(args: ListArgs, config_file: Option<&ConfigFile>) -> Result<()> {

@@ -57,7 +57,7 @@ enum Command {
     /// Print a job's output (-f to follow).
     Logs(jobs::LogsArgs),
     /// Pending jobs in scheduling order, with the reason each waits.
-    Queue(jobs::ListArgs),
+    Queue(jobs::QueueArgs),
     /// Nodes, their GPUs and jobs (like sinfo).
     Nodes(jobs::ListArgs),
     /// Stop placing jobs on a node (running ones finish).

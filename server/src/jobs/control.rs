@@ -1081,10 +1081,64 @@ impl Control {
                 .map(|r| match r {
                     PendingReason::Unsatisfiable if shared => "no node in the cluster takes shared GPU jobs (agent.gpu_sharing) with that much GPU memory; cancel it or enable sharing on a node".into(),
                     PendingReason::Resources if shared => "waiting for a GPU whose shares, measured utilization and free memory leave room".into(),
-                    r => reason_text(r, self.now),
+                    r => {
+                        let text = reason_text(r, self.now);
+                        match self.reason_detail(&job, r) {
+                            Some(detail) => format!("{text}: {detail}"),
+                            None => text,
+                        }
+                    }
                 });
         }
         Some(job)
+    }
+
+    /// What a pending job waits for, in numbers ("needs 2 nodes x 8 GPUs; 1 node has 8 free,
+    /// 12 free in all"; "account vision holds 32 of its quota of 32").
+    fn reason_detail(&self, job: &JobRecord, reason: &PendingReason) -> Option<String> {
+        let id = JobId(job.id);
+        match reason {
+            PendingReason::QuotaExceeded => {
+                let account = Account(job.request.account().to_owned());
+                let quota = self.scheduler.account_quota(&account)?;
+                let holds = self.scheduler.account_alloc(&account);
+                Some(format!(
+                    "account {} holds {holds} of its quota of {quota} GPUs{}",
+                    account.0,
+                    if self.config.policy.borrowing {
+                        "; no idle GPUs to borrow"
+                    } else {
+                        " (borrowing is off)"
+                    }
+                ))
+            }
+            PendingReason::Resources
+            | PendingReason::Reserved { .. }
+            | PendingReason::Priority
+            | PendingReason::FifoBlocked => {
+                let (nodes, per_node, fitting, free) = self.scheduler.room_for(id)?;
+                let model = job
+                    .request
+                    .gpu_model
+                    .as_deref()
+                    .map(|m| format!(" {m}"))
+                    .unwrap_or_default();
+                let shape = if nodes == 1 {
+                    format!("{per_node}{model} GPUs on one node")
+                } else {
+                    format!("{nodes} nodes x {per_node}{model} GPUs")
+                };
+                let nodes_word = if fitting == 1 {
+                    "node has"
+                } else {
+                    "nodes have"
+                };
+                Some(format!(
+                    "needs {shape}; {fitting} {nodes_word} {per_node} free now, {free} GPUs free in all"
+                ))
+            }
+            PendingReason::New | PendingReason::Unsatisfiable => None,
+        }
     }
 
     pub(crate) fn list(&self, filter: impl Fn(&JobRecord) -> bool, limit: usize) -> Vec<JobRecord> {
@@ -1494,6 +1548,11 @@ impl Control {
         response.stop.retain(|s| seen.insert((s.job, s.attempt)));
         self.release_held(now)?;
         Ok(response)
+    }
+
+    /// A snapshot for estimating the first `max` pending jobs' starts, off the lock.
+    pub(crate) fn start_plan(&self, now: i64, max: usize) -> perch_scheduler::StartPlan {
+        self.scheduler.start_plan(now, max)
     }
 
     /// What perch does with job `job`, idle since `since`, under the idle policy: in words, and

@@ -153,6 +153,10 @@ pub async fn show(
     if job.state == JobState::Running {
         value["gpus_now"] = live_utilization(&state, &job);
     }
+    if job.state == JobState::Pending {
+        let at = estimated_starts(&state).await?.get(&id).copied();
+        put_estimate(&mut value, at);
+    }
     if job.attempts > 0 {
         value["usage"] = usage(&state, id, job.state == JobState::Running).await;
     }
@@ -264,11 +268,58 @@ pub async fn logs(
     Ok((headers, data))
 }
 
+/// Pending jobs whose start `GET /v1/queue?start=true` and `GET /v1/jobs/{id}` estimate (the
+/// rest of a longer queue gets none).
+const ESTIMATED_JOBS: usize = 1_000;
+
+/// The estimated start of the first pending jobs, by job id ([`perch_scheduler::StartPlan`]):
+/// the snapshot is taken under the control lock, the estimate is made off it.
+async fn estimated_starts(
+    state: &AppState,
+) -> Result<std::collections::HashMap<u64, i64>, ApiError> {
+    let plan = state
+        .jobs
+        .run(|c, now| Ok(c.start_plan(now, ESTIMATED_JOBS)))
+        .await?;
+    let estimates = tokio::task::spawn_blocking(move || plan.estimate())
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                format!("estimating start times failed: {e}"),
+            )
+        })?;
+    Ok(estimates
+        .into_iter()
+        .filter_map(|(job, at)| Some((job.0, at?)))
+        .collect())
+}
+
+/// `estimated_start_ms` and `estimated_start` (RFC 3339) of a pending job, `null` without one.
+fn put_estimate(value: &mut serde_json::Value, at: Option<i64>) {
+    value["estimated_start_ms"] = at.into();
+    value["estimated_start"] = at.map(perch_alerts::rfc3339).into();
+}
+
+#[derive(Debug, Deserialize)]
+pub struct QueueParams {
+    /// Estimate each job's start (`squeue --start`).
+    #[serde(default)]
+    start: bool,
+}
+
 pub async fn queue(
     State(state): State<AppState>,
     Extension(who): Extension<Identity>,
+    Query(params): Query<QueueParams>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let entries = state.jobs.run(|c, _| Ok(c.queue())).await?;
+    let estimates = if params.start {
+        Some(estimated_starts(&state).await?)
+    } else {
+        None
+    };
     // Held jobs (waiting for dependencies) have no place in line yet: position and priority
     // are null.
     let entries: Vec<_> = entries
@@ -276,8 +327,14 @@ pub async fn queue(
         .enumerate()
         .map(|(i, (job, priority))| {
             let position = priority.map(|_| i + 1);
+            let id = job.id;
             let job = as_seen_by(&job, &who);
-            serde_json::json!({"position": position, "priority": priority, "job": job})
+            let mut entry =
+                serde_json::json!({"position": position, "priority": priority, "job": job});
+            if let Some(estimates) = &estimates {
+                put_estimate(&mut entry, estimates.get(&id).copied());
+            }
+            entry
         })
         .collect();
     Ok(Json(serde_json::json!({ "queue": entries })))

@@ -1,0 +1,231 @@
+//! When will each pending job start? Slurm's `squeue --start`, from the scheduler's own view.
+//!
+//! [`Scheduler::start_plan`] takes a snapshot (cheap: per node its free GPUs and the releases
+//! running jobs promise at their time limits; the first pending jobs in queue order) that
+//! [`StartPlan::estimate`] walks forward in time away from the scheduler's lock: each job in
+//! turn gets the earliest time at which enough nodes keep enough GPUs free for its whole time
+//! limit, counting the GPUs of the jobs planned before it. Running jobs are assumed to run to
+//! their limits, so an estimate is a latest start ("at the latest") unless jobs end early or a
+//! new one outranks it. A job backfill reserved GPUs for keeps the reservation's own time.
+
+use crate::cluster::NodeState;
+use crate::ids::{JobId, Time};
+use crate::job::PendingReason;
+use crate::scheduler::{JobState, Scheduler};
+
+/// What one pending job needs, for the plan.
+#[derive(Clone, Debug)]
+struct Want {
+    job: JobId,
+    nodes: u32,
+    gpus_per_node: u32,
+    model: Option<usize>,
+    limit: Time,
+    /// The scheduler's own time for it (a backfill reservation), if it has one.
+    reserved_at: Option<Time>,
+    /// Cannot be planned: over its quota, or no node can ever run it.
+    skip: bool,
+}
+
+/// One node's GPUs over time: free now, and the changes to come.
+#[derive(Clone, Debug)]
+struct Profile {
+    model: usize,
+    free: i64,
+    /// (time, change of free GPUs), sorted by time.
+    changes: Vec<(Time, i64)>,
+}
+
+impl Profile {
+    /// Free GPUs at every moment of `[from, to)`: the least of them.
+    fn min_free(&self, from: Time, to: Time) -> i64 {
+        let mut free = self.free;
+        let mut least = i64::MAX;
+        let mut i = 0;
+        while i < self.changes.len() && self.changes[i].0 <= from {
+            free += self.changes[i].1;
+            i += 1;
+        }
+        least = least.min(free);
+        while i < self.changes.len() && self.changes[i].0 < to {
+            free += self.changes[i].1;
+            least = least.min(free);
+            i += 1;
+        }
+        least
+    }
+
+    fn hold(&mut self, from: Time, to: Time, gpus: i64) {
+        for change in [(from, -gpus), (to, gpus)] {
+            let at = self.changes.partition_point(|c| c.0 <= change.0);
+            self.changes.insert(at, change);
+        }
+    }
+}
+
+/// A snapshot of what decides start times; estimate away from the scheduler's lock.
+#[derive(Clone, Debug)]
+pub struct StartPlan {
+    now: Time,
+    nodes: Vec<Profile>,
+    wants: Vec<Want>,
+}
+
+/// Most candidate times tried per job, and node-interval checks per plan: bounds the work
+/// on a large cluster with a long queue (later jobs are then left without an estimate).
+const MAX_TIMES: usize = 512;
+const MAX_CHECKS: usize = 20_000_000;
+
+impl StartPlan {
+    /// The estimated start of each planned job (queue order); `None`: no estimate (over its
+    /// quota, never satisfiable, held, or past the planning horizon).
+    pub fn estimate(mut self) -> Vec<(JobId, Option<Time>)> {
+        let mut checks = 0usize;
+        let mut out = Vec::with_capacity(self.wants.len());
+        for w in std::mem::take(&mut self.wants) {
+            if w.skip {
+                out.push((w.job, None));
+                continue;
+            }
+            let need = i64::from(w.gpus_per_node);
+            let fits = |p: &Profile| w.model.is_none_or(|m| m == p.model);
+            let mut times: Vec<Time> = std::iter::once(self.now)
+                .chain(w.reserved_at)
+                .chain(
+                    self.nodes
+                        .iter()
+                        .filter(|p| fits(p))
+                        .flat_map(|p| p.changes.iter().map(|c| c.0)),
+                )
+                .filter(|&t| t >= self.now)
+                .collect();
+            times.sort_unstable();
+            times.dedup();
+            times.truncate(MAX_TIMES);
+            let mut found = None;
+            for &t in &times {
+                if checks > MAX_CHECKS {
+                    break;
+                }
+                let end = t.saturating_add(w.limit.max(1));
+                let mut chosen = Vec::new();
+                for (i, p) in self.nodes.iter().enumerate() {
+                    if !fits(p) {
+                        continue;
+                    }
+                    checks += 1 + p.changes.len();
+                    if p.min_free(t, end) >= need {
+                        chosen.push(i);
+                        if chosen.len() == w.nodes as usize {
+                            break;
+                        }
+                    }
+                }
+                if chosen.len() == w.nodes as usize {
+                    for i in chosen {
+                        self.nodes[i].hold(t, end, need);
+                    }
+                    found = Some(t);
+                    break;
+                }
+            }
+            // The scheduler's own reservation is the time it has promised.
+            out.push((w.job, w.reserved_at.or(found)));
+        }
+        out
+    }
+}
+
+impl Scheduler {
+    /// A snapshot for estimating the start of the first `max_jobs` pending jobs (see the
+    /// module). Shared-GPU jobs count as needing one whole GPU.
+    pub fn start_plan(&self, now: Time, max_jobs: usize) -> StartPlan {
+        let nodes = self
+            .cluster
+            .nodes
+            .iter()
+            .map(|n| {
+                let usable = n.state == NodeState::Up && !n.drained;
+                Profile {
+                    model: n.model,
+                    free: if usable { i64::from(n.free()) } else { 0 },
+                    changes: Vec::new(),
+                }
+            })
+            .collect::<Vec<_>>();
+        let mut plan = StartPlan {
+            now,
+            nodes,
+            wants: Vec::new(),
+        };
+        for &(deadline, id) in &self.deadlines {
+            let Some(JobState::Running { placement, .. }) = self.jobs.get(&id).map(|j| &j.state)
+            else {
+                continue;
+            };
+            let whole = self.jobs.get(&id).is_some_and(|j| j.spec.share.is_none());
+            for a in placement {
+                let Some(node) = self.cluster.nodes.get(a.node.0 as usize) else {
+                    continue;
+                };
+                if !whole || node.state != NodeState::Up || node.drained {
+                    continue;
+                }
+                let healthy = a.mask & !node.unhealthy;
+                let p = &mut plan.nodes[a.node.0 as usize];
+                p.changes
+                    .push((deadline.max(now), i64::from(healthy.count_ones())));
+            }
+        }
+        for p in &mut plan.nodes {
+            p.changes.sort_unstable();
+        }
+        for entry in self.queue().into_iter().take(max_jobs) {
+            let Some(j) = self.jobs.get(&entry.job) else {
+                continue;
+            };
+            let shape = j.spec.shape;
+            let (nodes, gpus_per_node) = if j.spec.share.is_some() {
+                (1, 1)
+            } else {
+                (shape.nodes, shape.gpus_per_node)
+            };
+            plan.wants.push(Want {
+                job: entry.job,
+                nodes,
+                gpus_per_node,
+                model: j.model,
+                limit: j.limit_left(),
+                reserved_at: match entry.reason {
+                    PendingReason::Reserved { at } => Some(at),
+                    _ => None,
+                },
+                skip: matches!(
+                    entry.reason,
+                    PendingReason::QuotaExceeded | PendingReason::Unsatisfiable
+                ),
+            });
+        }
+        plan
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_least_free_over_an_interval_counts_every_change_inside_it() {
+        let mut p = Profile {
+            model: 0,
+            free: 2,
+            changes: vec![(10, 4), (20, -6)],
+        };
+        assert_eq!(p.min_free(0, 10), 2);
+        assert_eq!(p.min_free(10, 20), 6);
+        assert_eq!(p.min_free(0, 30), 0);
+        p.hold(12, 15, 5);
+        assert_eq!(p.min_free(10, 20), 1);
+        assert_eq!(p.min_free(15, 20), 6);
+    }
+}
