@@ -55,6 +55,14 @@ impl Profile {
         least
     }
 
+    /// The earliest start at or after `from` with `need` GPUs free for `len`: a fit can only
+    /// begin at `from` or where the free count changes.
+    fn earliest(&self, from: Time, len: Time, need: i64) -> Option<Time> {
+        std::iter::once(from)
+            .chain(self.changes.iter().map(|c| c.0).filter(|&t| t > from))
+            .find(|&t| self.min_free(t, t.saturating_add(len)) >= need)
+    }
+
     fn hold(&mut self, from: Time, to: Time, gpus: i64) {
         for change in [(from, -gpus), (to, gpus)] {
             let at = self.changes.partition_point(|c| c.0 <= change.0);
@@ -71,10 +79,11 @@ pub struct StartPlan {
     wants: Vec<Want>,
 }
 
-/// Most candidate times tried per job, and node-interval checks per plan: bounds the work
-/// on a large cluster with a long queue (later jobs are then left without an estimate).
+/// Most candidate times a gang tries after the first, and node-interval checks per plan:
+/// bounds the work on a large cluster with a long queue (later jobs are then left without an
+/// estimate).
 const MAX_TIMES: usize = 512;
-const MAX_CHECKS: usize = 20_000_000;
+const MAX_CHECKS: usize = 50_000_000;
 
 impl StartPlan {
     /// The estimated start of each planned job (queue order); `None`: no estimate (over its
@@ -88,45 +97,66 @@ impl StartPlan {
                 continue;
             }
             let need = i64::from(w.gpus_per_node);
+            let len = w.limit.max(1);
+            let k = w.nodes as usize;
             let fits = |p: &Profile| w.model.is_none_or(|m| m == p.model);
-            let mut times: Vec<Time> = std::iter::once(self.now)
-                .chain(w.reserved_at)
-                .chain(
-                    self.nodes
-                        .iter()
-                        .filter(|p| fits(p))
-                        .flat_map(|p| p.changes.iter().map(|c| c.0)),
-                )
-                .filter(|&t| t >= self.now)
-                .collect();
-            times.sort_unstable();
-            times.dedup();
-            times.truncate(MAX_TIMES);
-            let mut found = None;
-            for &t in &times {
+            // Each node's own earliest fit; a one-node job takes the earliest of them.
+            let mut earliest: Vec<(Time, usize)> = Vec::new();
+            for (i, p) in self.nodes.iter().enumerate() {
                 if checks > MAX_CHECKS {
                     break;
                 }
-                let end = t.saturating_add(w.limit.max(1));
-                let mut chosen = Vec::new();
-                for (i, p) in self.nodes.iter().enumerate() {
-                    if !fits(p) {
-                        continue;
+                if !fits(p) {
+                    continue;
+                }
+                checks += 1 + p.changes.len() * p.changes.len();
+                if let Some(t) = p.earliest(self.now, len, need) {
+                    earliest.push((t, i));
+                }
+            }
+            earliest.sort_unstable();
+            let mut found = None;
+            if checks <= MAX_CHECKS && earliest.len() >= k && k > 0 {
+                // A gang needs its k nodes free over the same interval: try the k-th earliest
+                // time, then later change times, each with every node free then.
+                let first = earliest[k - 1].0;
+                let mut times: Vec<Time> = std::iter::once(first)
+                    .chain(
+                        earliest
+                            .iter()
+                            .map(|&(_, i)| i)
+                            .flat_map(|i| self.nodes[i].changes.iter().map(|c| c.0))
+                            .filter(|&t| t > first),
+                    )
+                    .collect();
+                times.sort_unstable();
+                times.dedup();
+                times.truncate(MAX_TIMES);
+                for t in times {
+                    if checks > MAX_CHECKS {
+                        break;
                     }
-                    checks += 1 + p.changes.len();
-                    if p.min_free(t, end) >= need {
-                        chosen.push(i);
-                        if chosen.len() == w.nodes as usize {
+                    let end = t.saturating_add(len);
+                    let mut chosen = Vec::with_capacity(k);
+                    for &(e, i) in &earliest {
+                        if e > t {
                             break;
                         }
+                        checks += 1 + self.nodes[i].changes.len();
+                        if self.nodes[i].min_free(t, end) >= need {
+                            chosen.push(i);
+                            if chosen.len() == k {
+                                break;
+                            }
+                        }
                     }
-                }
-                if chosen.len() == w.nodes as usize {
-                    for i in chosen {
-                        self.nodes[i].hold(t, end, need);
+                    if chosen.len() == k {
+                        for i in chosen {
+                            self.nodes[i].hold(t, end, need);
+                        }
+                        found = Some(t);
+                        break;
                     }
-                    found = Some(t);
-                    break;
                 }
             }
             // The scheduler's own reservation is the time it has promised.
@@ -227,5 +257,9 @@ mod tests {
         p.hold(12, 15, 5);
         assert_eq!(p.min_free(10, 20), 1);
         assert_eq!(p.min_free(15, 20), 6);
+        // 6 GPUs for 3 ms: not before 15 (the hold), and they are gone at 20.
+        assert_eq!(p.earliest(0, 3, 6), Some(15));
+        assert_eq!(p.earliest(0, 6, 6), None);
+        assert_eq!(p.earliest(0, 100, 0), Some(0));
     }
 }

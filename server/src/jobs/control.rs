@@ -1550,8 +1550,24 @@ impl Control {
         Ok(response)
     }
 
-    /// A snapshot for estimating the first `max` pending jobs' starts, off the lock.
-    pub(crate) fn start_plan(&self, now: i64, max: usize) -> perch_scheduler::StartPlan {
+    /// A snapshot for estimating the first `max` pending jobs' starts, off the lock; with
+    /// `upto`, only as far as that job (the jobs ahead of it decide its start).
+    pub(crate) fn start_plan(
+        &self,
+        now: i64,
+        max: usize,
+        upto: Option<u64>,
+    ) -> perch_scheduler::StartPlan {
+        let max = upto
+            .and_then(|id| {
+                self.scheduler
+                    .queue()
+                    .iter()
+                    .position(|q| q.job.0 == id)
+                    .map(|at| at + 1)
+            })
+            .unwrap_or(max)
+            .min(max);
         self.scheduler.start_plan(now, max)
     }
 

@@ -154,7 +154,7 @@ pub async fn show(
         value["gpus_now"] = live_utilization(&state, &job);
     }
     if job.state == JobState::Pending {
-        let at = estimated_starts(&state).await?.get(&id).copied();
+        let at = estimated_starts(&state, Some(id)).await?.get(&id).copied();
         put_estimate(&mut value, at);
     }
     if job.attempts > 0 {
@@ -276,10 +276,11 @@ const ESTIMATED_JOBS: usize = 1_000;
 /// the snapshot is taken under the control lock, the estimate is made off it.
 async fn estimated_starts(
     state: &AppState,
+    upto: Option<u64>,
 ) -> Result<std::collections::HashMap<u64, i64>, ApiError> {
     let plan = state
         .jobs
-        .run(|c, now| Ok(c.start_plan(now, ESTIMATED_JOBS)))
+        .run(move |c, now| Ok(c.start_plan(now, ESTIMATED_JOBS, upto)))
         .await?;
     let estimates = tokio::task::spawn_blocking(move || plan.estimate())
         .await
@@ -316,7 +317,7 @@ pub async fn queue(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let entries = state.jobs.run(|c, _| Ok(c.queue())).await?;
     let estimates = if params.start {
-        Some(estimated_starts(&state).await?)
+        Some(estimated_starts(&state, None).await?)
     } else {
         None
     };
