@@ -233,8 +233,10 @@ pub struct AgentSection {
     pub server: String,
     /// Empty: the machine's hostname.
     pub node: String,
-    /// Rack or switch label; empty: "default".
+    /// Rack or switch label; empty: from `topology_file`, else "default".
     pub rack: String,
+    /// A topology file shared by all nodes (`perch_collector::topology`); empty: none.
+    pub topology_file: PathBuf,
     /// The address other nodes reach this one at; empty: the local address of the route to
     /// the server.
     pub advertise_addr: String,
@@ -270,6 +272,7 @@ impl Default for AgentSection {
             server: "http://127.0.0.1:7300".into(),
             node: String::new(),
             rack: String::new(),
+            topology_file: PathBuf::new(),
             advertise_addr: String::new(),
             interval_ms: 1000,
             data_dir: "./perch-data".into(),
@@ -965,8 +968,35 @@ impl Config {
                 a.advertise_addr
             );
         }
-        if !a.rack.is_empty() {
-            perch_model::NodeId::new(a.rack.as_str())
+        let mut rack = a.rack.clone();
+        if rack.is_empty() && !a.topology_file.as_os_str().is_empty() {
+            let file = &a.topology_file;
+            let text = std::fs::read_to_string(file).map_err(|e| {
+                anyhow::anyhow!(
+                    "config key agent.topology_file: reading {}: {e}",
+                    file.display()
+                )
+            })?;
+            match perch_collector::topology::rack_of(&text, node.as_str()) {
+                Ok(Some(found)) => {
+                    perch_model::NodeId::new(found.as_str()).map_err(|e| {
+                        anyhow::anyhow!(
+                            "config key agent.topology_file: {}: the rack of {node}: {e}",
+                            file.display()
+                        )
+                    })?;
+                    rack = found;
+                }
+                Ok(None) => tracing::warn!(
+                    node = %node,
+                    file = %file.display(),
+                    "the topology file does not name this node; its rack is \"default\""
+                ),
+                Err(e) => anyhow::bail!("config key agent.topology_file: {}: {e}", file.display()),
+            }
+        }
+        if !rack.is_empty() {
+            perch_model::NodeId::new(rack.as_str())
                 .map_err(|e| anyhow::anyhow!("config key agent.rack: {e}"))?;
         }
         let mut config =
@@ -988,7 +1018,7 @@ impl Config {
         config.spool_max_bytes = a.spool_max_mb << 20;
         config.token = Some(a.token.clone()).filter(|t| !t.is_empty());
         config.ca_file = Some(a.ca_file.clone()).filter(|p| !p.as_os_str().is_empty());
-        config.rack = Some(a.rack.clone()).filter(|r| !r.is_empty());
+        config.rack = Some(rack).filter(|r| !r.is_empty());
         config.advertise_addr = Some(a.advertise_addr.clone()).filter(|r| !r.is_empty());
         config.gpu_sharing = a.gpu_sharing;
         config.nvlink_islands = Some(a.nvlink_islands.clone()).filter(|i| !i.is_empty());
@@ -1103,6 +1133,39 @@ mod tests {
         let with_tokens = format!("{open}tokens_file = \"tokens.toml\"\n");
         let config = Config::parse(&with_tokens).expect("a token-protected listener may be public");
         assert_eq!(config.server.pg_listen, "0.0.0.0:7432");
+    }
+
+    #[test]
+    fn the_rack_comes_from_the_shared_topology_file_unless_set() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("topology.conf");
+        std::fs::write(&file, "SwitchName=leaf2 Nodes=gpu[01-04]\ngpu-x rack-9\n").expect("file");
+        let agent = |extra: &str| {
+            Config::parse(&format!(
+                "[agent]\nnode = \"gpu03\"\ntopology_file = {:?}\n{extra}",
+                file.display()
+            ))
+            .expect("parses")
+            .agent_config()
+        };
+        assert_eq!(agent("").expect("agent").rack.as_deref(), Some("leaf2"));
+        assert_eq!(
+            agent("rack = \"mine\"").expect("agent").rack.as_deref(),
+            Some("mine"),
+            "an explicit rack wins"
+        );
+        std::fs::write(&file, "gpu03 rack 9\n").expect("file");
+        let err = format!("{:#}", agent("").expect_err("bad line"));
+        assert!(
+            err.contains("agent.topology_file") && err.contains("line 1"),
+            "{err}"
+        );
+        std::fs::write(&file, "gpu03 no/slashes\n").expect("file");
+        let err = format!("{:#}", agent("").expect_err("bad label"));
+        assert!(err.contains("agent.topology_file"), "{err}");
+        std::fs::remove_file(&file).expect("rm");
+        let err = format!("{:#}", agent("").expect_err("missing"));
+        assert!(err.contains("agent.topology_file: reading"), "{err}");
     }
 
     #[test]

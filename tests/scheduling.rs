@@ -28,14 +28,13 @@ fn wait_state(perch: &Perch, id: u64, state: &str) -> Value {
 }
 
 fn agent(perch: &Perch, dir: &Path, node: &str, gpus: u32, rack: &str) -> Agent {
-    Agent::start(
-        &perch.url,
-        node,
-        &dir.join(node),
-        gpus,
-        None,
-        &["--interval-ms", "200", "--rack", rack],
-    )
+    agent_with(perch, dir, node, gpus, &["--rack", rack])
+}
+
+fn agent_with(perch: &Perch, dir: &Path, node: &str, gpus: u32, extra: &[&str]) -> Agent {
+    let mut args = vec!["--interval-ms", "200"];
+    args.extend_from_slice(extra);
+    Agent::start(&perch.url, node, &dir.join(node), gpus, None, &args)
 }
 
 fn wait_nodes(perch: &Perch, n: usize) {
@@ -176,13 +175,18 @@ fn an_idle_job_is_warned_then_requeued_after_its_grace_and_the_waiting_job_start
 fn a_two_node_gang_lands_on_one_rack_when_it_can() {
     let dir = tempfile::tempdir().expect("tempdir");
     let perch = common::server_with_config(dir.path(), "[server]\npg_listen = \"\"\n", &[]);
-    // Racks interleaved with the names, so that name order alone would split the gang.
-    let _agents = [
-        agent(&perch, dir.path(), "node-1", 2, "rack-x"),
-        agent(&perch, dir.path(), "node-2", 2, "rack-y"),
-        agent(&perch, dir.path(), "node-3", 2, "rack-x"),
-        agent(&perch, dir.path(), "node-4", 2, "rack-y"),
-    ];
+    // Racks interleaved with the names, so that name order alone would split the gang; from
+    // one topology file in Slurm's format shared by every agent.
+    let topology = dir.path().join("topology.conf");
+    std::fs::write(
+        &topology,
+        "SwitchName=rack-x Nodes=node-[1,3]\nSwitchName=rack-y Nodes=node-[2,4]\n\
+         SwitchName=spine Switches=rack-[x,y]\n",
+    )
+    .expect("topology");
+    let file = topology.to_str().expect("utf-8");
+    let _agents = ["node-1", "node-2", "node-3", "node-4"]
+        .map(|n| agent_with(&perch, dir.path(), n, 2, &["--topology-file", file]));
     wait_nodes(&perch, 4);
     let rack_of = |node: &str| {
         if node == "node-1" || node == "node-3" {

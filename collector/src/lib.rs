@@ -26,6 +26,7 @@ pub mod sampler;
 pub mod sender;
 pub mod sim_node;
 pub mod spool;
+pub mod topology;
 
 pub use agent::{
     AgentConfig, AgentCounters, AgentHandle, AgentStats, GpuDetection, NvmlMode, detect_gpus,

@@ -124,6 +124,10 @@ struct AgentFlags {
     /// when it can.
     #[arg(long, env = "PERCH_RACK")]
     rack: Option<String>,
+    /// A topology file shared by all nodes (`<node> <rack>` lines, or Slurm's topology.conf),
+    /// read when no rack is given.
+    #[arg(long, env = "PERCH_TOPOLOGY_FILE")]
+    topology_file: Option<PathBuf>,
     /// The address other nodes reach this one at (a multi-node job's MASTER_ADDR when this
     /// node holds rank 0). Default: the local address of the route to the server.
     #[arg(long, env = "PERCH_ADVERTISE_ADDR")]
@@ -227,6 +231,9 @@ impl AgentFlags {
         }
         if let Some(v) = &self.rack {
             config.agent.rack = v.clone();
+        }
+        if let Some(v) = &self.topology_file {
+            config.agent.topology_file = v.clone();
         }
         if let Some(v) = &self.advertise_addr {
             config.agent.advertise_addr = v.clone();
