@@ -518,6 +518,52 @@ impl Default for IdleSection {
 }
 
 impl SchedulerSection {
+    /// The section that describes `policy` (`perch simulate --show-config`: start a config from
+    /// what a replay ran); `None` for SRTF, which needs true durations no server has.
+    pub fn from_policy(policy: &perch_scheduler::Config) -> Option<SchedulerSection> {
+        use perch_scheduler::{IdleAction, PolicyKind};
+        let human = perch_alerts::HumanDuration::from_ms;
+        let name = match policy.kind {
+            PolicyKind::Perch => "perch",
+            PolicyKind::Backfill => "backfill",
+            PolicyKind::Fifo => "fifo",
+            PolicyKind::Srtf => return None,
+        };
+        Some(SchedulerSection {
+            policy: name.into(),
+            weights: WeightsSection {
+                age: policy.weights.age,
+                fairshare: policy.weights.fairshare,
+                qos: policy.weights.qos,
+                size: policy.weights.size,
+            },
+            age_max: human(policy.age_max),
+            usage_half_life: human(policy.usage_half_life),
+            size_max_gpu_hours: policy.size_max_gpu_seconds / 3600.0,
+            priority_period: human(policy.priority_period),
+            quotas: policy
+                .quotas
+                .iter()
+                .map(|(a, q)| (a.0.clone(), *q))
+                .collect(),
+            borrowing: policy.borrowing,
+            reclaim: policy.reclaim,
+            max_reclaims_per_pass: policy.max_reclaims_per_pass,
+            idle: IdleSection {
+                action: match policy.idle.action {
+                    IdleAction::Off => "off",
+                    IdleAction::Report => "report",
+                    IdleAction::Reclaim { requeue: true } => "requeue",
+                    IdleAction::Reclaim { requeue: false } => "stop",
+                }
+                .into(),
+                below_percent: f64::from(policy.idle.threshold_pct),
+                after: human(policy.idle.window),
+                grace: human(policy.idle.grace),
+            },
+        })
+    }
+
     /// Checks the keys of `[scheduler]`; the message names the key.
     pub fn check(&self) -> Result<()> {
         self.policy().map(|_| ())

@@ -7,7 +7,7 @@
 //!
 //! All the work is in `perch_scheduler::sim`; this file only turns flags into its options.
 
-use crate::config::ConfigFile;
+use crate::config::{ConfigFile, SchedulerSection};
 use anyhow::{Context, bail};
 use perch_scheduler::sim::{self, SimOptions, SimPolicy, TraceFormat};
 
@@ -52,6 +52,11 @@ pub struct SimulateArgs {
     /// Write queue length and utilization over time to this SVG file.
     #[arg(long)]
     pub plot: Option<String>,
+    /// After the table, print each replayed policy as a `[scheduler]` section (perch's with
+    /// the quotas it derived from the trace): a config to start from, and to replay again
+    /// with `--config`.
+    #[arg(long)]
+    pub show_config: bool,
 }
 
 /// Runs the replays and prints the table.
@@ -127,7 +132,11 @@ pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> 
         runs.push(("config".to_owned(), config));
     }
     let count = runs.len();
+    let mut shown = Vec::new();
     for (i, (name, config)) in runs.into_iter().enumerate() {
+        if args.show_config {
+            shown.push((name.clone(), SchedulerSection::from_policy(&config)));
+        }
         // Progress on stderr (the table on stdout stays clean): a large trace takes minutes.
         eprintln!(
             "[{}/{count}] replaying {} jobs under {name} on {gpus} GPUs...",
@@ -145,6 +154,24 @@ pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> 
         series.push((name, gpus, report.series));
     }
     print!("{}", sim::format_table(&rows));
+    for (name, section) in shown {
+        println!();
+        match section {
+            Some(section) => {
+                #[derive(serde::Serialize)]
+                struct File {
+                    scheduler: SchedulerSection,
+                }
+                println!("# {name}, as a config file section (perch --config FILE simulate ...)");
+                print!(
+                    "{}",
+                    toml::to_string(&File { scheduler: section })
+                        .context("writing the policy as TOML")?
+                );
+            }
+            None => println!("# {name}: needs true job durations; no server runs it"),
+        }
+    }
     if let Some(path) = &args.plot {
         let title = format!("{} on {} GPUs", args.trace, gpus);
         sim::write_svg(path, &title, &series)?;
@@ -186,6 +213,26 @@ mod tests {
         let file = Config::parse(&format!("[scheduler.quotas]\n{quotas}")).expect("config");
         let configured = file.scheduler.policy().expect("policy");
         assert_eq!(configured, built_in);
+        // What --show-config prints reads back as the same policy, for every built-in a
+        // server can run.
+        for p in [
+            SimPolicy::Perch,
+            SimPolicy::PerchIdleReclaim,
+            SimPolicy::Backfill,
+            SimPolicy::Fifo,
+        ] {
+            let c = sim::policy_config(p, &jobs, &opts);
+            let section = SchedulerSection::from_policy(&c).expect("expressible");
+            #[derive(serde::Serialize)]
+            struct File {
+                scheduler: SchedulerSection,
+            }
+            let text = toml::to_string(&File { scheduler: section }).expect("toml");
+            let back = Config::parse(&text).expect("parses").scheduler.policy();
+            assert_eq!(back.expect("policy"), c, "{}: {text}", p.name());
+        }
+        let srtf = sim::policy_config(SimPolicy::Srtf, &jobs, &opts);
+        assert!(SchedulerSection::from_policy(&srtf).is_none());
         let a = sim::simulate(&jobs, SimPolicy::Perch, &opts).expect("built-in");
         let b = sim::simulate_with(&jobs, configured, "perch", &opts).expect("config");
         assert!(a.summary.finished > 0);
