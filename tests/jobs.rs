@@ -679,7 +679,7 @@ fn a_multi_node_job_gets_its_peers_and_a_rendezvous() {
     let out = dir.path().join("ranks");
     std::fs::create_dir_all(&out).expect("mkdir");
     let script = format!(
-        "env | grep -E '^(MASTER_ADDR|MASTER_PORT|WORLD_SIZE|NODE_RANK|RANK|LOCAL_WORLD_SIZE|PERCH_NODELIST|PERCH_NODE_ADDRS|PET_[A-Z_]+)=' | sort > {0}/rank-$NODE_RANK; cp \"$PERCH_HOSTFILE\" {0}/hosts-$NODE_RANK",
+        "env | grep -E '^(MASTER_ADDR|MASTER_PORT|WORLD_SIZE|NODE_RANK|RANK|LOCAL_WORLD_SIZE|PERCH_NODELIST|PERCH_NODE_ADDRS|PET_[A-Z_]+)=' | sort > {0}/rank-$NODE_RANK; cp \"$PERCH_HOSTFILE\" {0}/hosts-$NODE_RANK; echo rank $NODE_RANK here",
         out.display()
     );
     let submitted = reqwest::blocking::Client::new()
@@ -741,6 +741,15 @@ fn a_multi_node_job_gets_its_peers_and_a_rendezvous() {
         let file = std::fs::read_to_string(out.join(format!("hosts-{rank}"))).expect("hostfile");
         assert_eq!(file, hosts);
     }
+
+    // Each rank's output is kept apart (the second rank's used to be dropped).
+    for rank in 0..2 {
+        let (ok, out, err) = cli(&perch, &["logs", "--rank", &rank.to_string(), "1"]);
+        assert!(ok, "{err}");
+        assert_eq!(out, format!("rank {rank} here\n"));
+    }
+    let (ok, _, err) = cli(&perch, &["logs", "--rank", "2", "1"]);
+    assert!(!ok && err.contains("ranks 0 to 1"), "{err}");
 
     // A gang whose rank 1 fails: both ranks end within seconds, the failing one is named.
     let submitted = reqwest::blocking::Client::new()

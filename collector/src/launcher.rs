@@ -1163,6 +1163,14 @@ impl Launcher {
         jobs.dedup();
         for job in jobs {
             let final_ = !self.running.contains_key(&job);
+            // The output kept is the latest attempt's: the one running, else the last to end.
+            let attempt = self.running.get(&job).map(|r| r.attempt).or_else(|| {
+                self.exited
+                    .keys()
+                    .filter(|a| a.job == job)
+                    .map(|a| a.attempt)
+                    .max()
+            });
             for stream in [LogStream::Stdout, LogStream::Stderr] {
                 let offset = self.sent.get(&(job, stream)).copied().unwrap_or(0);
                 let Some(f) = self.outputs.get(&job).map(|o| match stream {
@@ -1181,6 +1189,7 @@ impl Launcher {
                 if used > 0 {
                     chunks.push(LogChunk {
                         job,
+                        attempt: attempt.unwrap_or(0),
                         stream,
                         offset,
                         data,

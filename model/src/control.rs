@@ -186,6 +186,9 @@ impl LogStream {
 #[serde(deny_unknown_fields)]
 pub struct LogChunk {
     pub job: u64,
+    /// The attempt whose output this is (0 from an agent that does not say: the current one).
+    #[serde(default)]
+    pub attempt: u32,
     pub stream: LogStream,
     pub offset: u64,
     pub data: String,

@@ -268,7 +268,7 @@ async fn index() -> axum::Json<serde_json::Value> {
             "GET /v1/jobs": "list jobs (?state=&user=&account=&limit=)",
             "GET /v1/jobs/{id}": "one job: state, reason, placement, timeline, live GPU use",
             "POST /v1/jobs/{id}/cancel": "cancel a job",
-            "GET /v1/jobs/{id}/logs": "a job's output (?stream=stdout|stderr&offset=N)",
+            "GET /v1/jobs/{id}/logs": "a job's output (?stream=stdout|stderr&offset=N&rank=R&attempt=A: rank R (default 0) of attempt A (default the latest); the x-perch-attempt header says which)",
             "GET /v1/queue": "pending jobs in scheduling order, with the reason each waits; ?start=true adds each one's estimated start (estimated_start, RFC 3339)",
             "GET /v1/nodes": "nodes, their GPUs and jobs",
             "POST /v1/nodes/{name}/drain": "stop placing jobs on a node",

@@ -147,9 +147,16 @@ pub struct LogsArgs {
     /// Show standard error instead of standard output.
     #[arg(long)]
     stderr: bool,
-    /// Keep printing new output until the job ends.
+    /// Keep printing new output until the job ends (across requeues: each new attempt's
+    /// output follows a line on standard error).
     #[arg(long, short = 'f')]
     follow: bool,
+    /// Which node of a multi-node job, by rank (0 is where MASTER_ADDR points).
+    #[arg(long, default_value_t = 0)]
+    rank: usize,
+    /// Which attempt of a requeued job (default: the latest).
+    #[arg(long)]
+    attempt: Option<u32>,
 }
 
 #[derive(Debug, Args)]
@@ -645,15 +652,34 @@ pub fn logs(args: LogsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
     let api = Api::new(&args.server, config_file)?;
     let stream = if args.stderr { "stderr" } else { "stdout" };
     let mut offset = 0usize;
+    let mut shown: Option<u32> = None;
     loop {
+        let attempt = args
+            .attempt
+            .map(|a| format!("&attempt={a}"))
+            .unwrap_or_default();
         let response = api.send(api.client.get(format!(
-            "{}/v1/jobs/{}/logs?stream={stream}&offset={offset}",
-            api.config.server, args.id
+            "{}/v1/jobs/{}/logs?stream={stream}&offset={offset}&rank={}{attempt}",
+            api.config.server, args.id, args.rank
         )))?;
         let finished = response
             .headers()
             .get("x-perch-job-finished")
             .is_some_and(|v| v == "true");
+        let now_attempt = response
+            .headers()
+            .get("x-perch-attempt")
+            .and_then(|v| v.to_str().ok()?.parse::<u32>().ok());
+        if let (Some(before), Some(now)) = (shown, now_attempt)
+            && now != before
+        {
+            // Requeued: the new attempt's output starts over.
+            eprintln!("--- job {} attempt {now} ---", args.id);
+            shown = Some(now);
+            offset = 0;
+            continue;
+        }
+        shown = shown.or(now_attempt);
         let data = response.bytes()?;
         offset += data.len();
         std::io::stdout().write_all(&data)?;

@@ -59,6 +59,9 @@ pub enum ControlError {
     Db(#[from] super::db::DbError),
     #[error("job logs: {0}")]
     Logs(std::io::Error),
+    /// A request that cannot be answered as asked (the message says what to change).
+    #[error("{0}")]
+    BadRequest(String),
 }
 
 /// Whether a job's dependencies let it be scheduled.
@@ -1291,7 +1294,7 @@ impl Control {
         self.now = now;
         let name = req.node.as_str().to_owned();
         let mut response = SyncResponse::default();
-        if let Err(e) = self.store_logs(&req.logs, &mut response) {
+        if let Err(e) = self.store_logs(&name, &req.logs, &mut response) {
             // Job output is kept by the agent and sent again (it moves on only when the answer
             // says where to continue from): a full or broken log disk must not fail the sync,
             // or the node would go down and its jobs be requeued.
@@ -1815,21 +1818,43 @@ impl Control {
         Ok(())
     }
 
-    fn log_path(&self, job: u64, stream: LogStream) -> PathBuf {
-        self.logs_dir.join(job.to_string()).join(stream.as_str())
+    /// Where node `node`'s output of attempt `attempt` of job `job` is kept: one file per
+    /// attempt, node and stream, so the ranks of a multi-node job and the attempts of a
+    /// requeued one never write over each other.
+    fn log_path(&self, job: u64, attempt: u32, node: &str, stream: LogStream) -> PathBuf {
+        self.logs_dir
+            .join(job.to_string())
+            .join(format!("a{attempt}"))
+            .join(format!("{node}.{}", stream.as_str()))
     }
 
+    /// Stores the output chunks node `node` sent (at the offsets it says, so a chunk sent
+    /// twice is stored once) and tells it where each stream now ends.
     fn store_logs(
         &self,
+        node: &str,
         chunks: &[LogChunk],
         response: &mut SyncResponse,
     ) -> Result<(), ControlError> {
         let mut offsets: BTreeMap<(u64, LogStream), u64> = BTreeMap::new();
         for c in chunks {
-            if !self.jobs.contains_key(&c.job) {
+            let Some(job) = self.jobs.get(&c.job) else {
+                continue;
+            };
+            let attempt = if c.attempt == 0 {
+                job.attempts
+            } else {
+                c.attempt
+            };
+            // Only attempts that ran here: an agent cannot write another node's output.
+            let ran_here = job
+                .allocations
+                .iter()
+                .any(|a| a.attempt == attempt && a.node == node);
+            if !ran_here {
                 continue;
             }
-            let path = self.log_path(c.job, c.stream);
+            let path = self.log_path(c.job, attempt, node, c.stream);
             if let Some(dir) = path.parent() {
                 std::fs::create_dir_all(dir).map_err(ControlError::Logs)?;
             }
@@ -1853,25 +1878,56 @@ impl Control {
         Ok(())
     }
 
-    /// `offset..` of a job's stream as stored on the server.
+    /// `offset..` of a job's stream as stored on the server: rank `rank` (default 0) of attempt
+    /// `attempt` (default the latest). Returns the bytes and the attempt they are from.
     pub(crate) fn read_log(
         &self,
         job: u64,
         stream: LogStream,
         offset: u64,
-    ) -> Result<Vec<u8>, ControlError> {
-        if !self.jobs.contains_key(&job) {
-            return Err(ControlError::NoSuchJob(job));
+        attempt: Option<u32>,
+        rank: Option<usize>,
+    ) -> Result<(Vec<u8>, u32), ControlError> {
+        let record = self.jobs.get(&job).ok_or(ControlError::NoSuchJob(job))?;
+        let attempt = attempt.unwrap_or(record.attempts);
+        let rank = rank.unwrap_or(0);
+        if attempt > record.attempts {
+            return Err(ControlError::BadRequest(format!(
+                "job {job} has run {} attempt(s); there is no attempt {attempt}",
+                record.attempts
+            )));
         }
-        let data = match std::fs::read(self.log_path(job, stream)) {
+        let nodes: Vec<&str> = record
+            .allocations
+            .iter()
+            .filter(|a| a.attempt == attempt)
+            .map(|a| a.node.as_str())
+            .collect();
+        let path = match nodes.get(rank) {
+            Some(node) => self.log_path(job, attempt, node, stream),
+            None if attempt == 0 => return Ok((Vec::new(), 0)),
+            None => {
+                return Err(ControlError::BadRequest(format!(
+                    "attempt {attempt} of job {job} ran on {} node(s): ranks 0 to {}",
+                    nodes.len(),
+                    nodes.len().saturating_sub(1)
+                )));
+            }
+        };
+        // Output stored before logs were kept per attempt and node: one file per stream.
+        let legacy = self.logs_dir.join(job.to_string()).join(stream.as_str());
+        let data = match std::fs::read(&path) {
             Ok(d) => d,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match std::fs::read(&legacy) {
+                Ok(d) if rank == 0 && attempt == record.attempts => d,
+                _ => Vec::new(),
+            },
             Err(e) => return Err(ControlError::Logs(e)),
         };
         let start = usize::try_from(offset)
             .unwrap_or(usize::MAX)
             .min(data.len());
-        Ok(data[start..].to_vec())
+        Ok((data[start..].to_vec(), attempt))
     }
 
     /// Refuses unless `who` owns job `id` or is an operator.

@@ -28,7 +28,16 @@ pub struct JobService {
     control: Arc<Mutex<Control>>,
     commits: Arc<Commits>,
     known_nodes: Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
+    /// Start-time estimates made at once ([`JobService::estimated_starts`]): a client asking
+    /// again and again waits its turn instead of taking every core.
+    plans: Arc<tokio::sync::Semaphore>,
 }
+
+/// Start-time estimates computed at the same time, at most.
+const CONCURRENT_PLANS: usize = 2;
+
+/// Pending jobs whose start is estimated (the rest of a longer queue gets none).
+pub const ESTIMATED_JOBS: usize = 1_000;
 
 impl std::fmt::Debug for JobService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -145,7 +154,40 @@ impl JobService {
             known_nodes,
             control: Arc::new(Mutex::new(control)),
             commits: Arc::new(commits),
+            plans: Arc::new(tokio::sync::Semaphore::new(CONCURRENT_PLANS)),
         })
+    }
+
+    /// The estimated start of the first [`ESTIMATED_JOBS`] pending jobs (with `upto`, only as
+    /// far as that job), by job id ([`perch_scheduler::StartPlan`]): the snapshot is taken under
+    /// the control lock, the estimate is made off it, at most [`CONCURRENT_PLANS`] at a time.
+    pub async fn estimated_starts(
+        &self,
+        upto: Option<u64>,
+    ) -> Result<std::collections::HashMap<u64, i64>, crate::ApiError> {
+        let _turn = self.plans.acquire().await.map_err(|e| {
+            crate::ApiError::new(
+                axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                "shutting_down",
+                format!("start times cannot be estimated now: {e}"),
+            )
+        })?;
+        let plan = self
+            .run(move |c, now| Ok(c.start_plan(now, ESTIMATED_JOBS, upto)))
+            .await?;
+        let estimates = tokio::task::spawn_blocking(move || plan.estimate())
+            .await
+            .map_err(|e| {
+                crate::ApiError::new(
+                    axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal",
+                    format!("estimating start times failed: {e}"),
+                )
+            })?;
+        Ok(estimates
+            .into_iter()
+            .filter_map(|(job, at)| Some((job.0, at?)))
+            .collect())
     }
 
     /// A channel for [`JobService::open`]: the receiver is drained into the store's `events`
@@ -285,6 +327,7 @@ impl From<ControlError> for crate::ApiError {
         let message = e.to_string();
         match e {
             ControlError::Invalid(_) => crate::ApiError::bad_request("invalid_job", message),
+            ControlError::BadRequest(_) => crate::ApiError::bad_request("bad_parameters", message),
             ControlError::Scheduler(perch_scheduler::Error::InvalidJob { .. }) => {
                 crate::ApiError::bad_request("invalid_job", message)
             }

@@ -154,7 +154,12 @@ pub async fn show(
         value["gpus_now"] = live_utilization(&state, &job);
     }
     if job.state == JobState::Pending {
-        let at = estimated_starts(&state, Some(id)).await?.get(&id).copied();
+        let at = state
+            .jobs
+            .estimated_starts(Some(id))
+            .await?
+            .get(&id)
+            .copied();
         put_estimate(&mut value, at);
     }
     if job.attempts > 0 {
@@ -232,6 +237,10 @@ pub async fn cancel(
 pub struct LogParams {
     stream: Option<LogStream>,
     offset: Option<u64>,
+    /// Which attempt (default: the latest).
+    attempt: Option<u32>,
+    /// Which node of a multi-node job, by rank (default 0).
+    rank: Option<usize>,
 }
 
 pub async fn logs(
@@ -243,16 +252,20 @@ pub async fn logs(
     let Query(p) = params.map_err(|e| {
         ApiError::bad_request(
             "bad_parameters",
-            format!("{}; use stream=stdout|stderr and offset", e.body_text()),
+            format!(
+                "{}; use stream=stdout|stderr, offset, attempt and rank (numbers)",
+                e.body_text()
+            ),
         )
     })?;
     let stream = p.stream.unwrap_or(LogStream::Stdout);
     let offset = p.offset.unwrap_or(0);
-    let (data, finished) = state
+    let (attempt, rank) = (p.attempt, p.rank);
+    let ((data, attempt), finished) = state
         .jobs
         .run(move |c, _| {
             c.check_owner(id, &who)?;
-            let data = c.read_log(id, stream, offset)?;
+            let data = c.read_log(id, stream, offset, attempt, rank)?;
             Ok((data, c.job(id).is_some_and(|j| j.state.is_final())))
         })
         .await?;
@@ -265,36 +278,9 @@ pub async fn logs(
         "x-perch-job-finished",
         axum::http::HeaderValue::from_static(if finished { "true" } else { "false" }),
     );
+    // A follower sees a requeue here: the new attempt's output starts again at offset 0.
+    headers.insert("x-perch-attempt", axum::http::HeaderValue::from(attempt));
     Ok((headers, data))
-}
-
-/// Pending jobs whose start `GET /v1/queue?start=true` and `GET /v1/jobs/{id}` estimate (the
-/// rest of a longer queue gets none).
-const ESTIMATED_JOBS: usize = 1_000;
-
-/// The estimated start of the first pending jobs, by job id ([`perch_scheduler::StartPlan`]):
-/// the snapshot is taken under the control lock, the estimate is made off it.
-async fn estimated_starts(
-    state: &AppState,
-    upto: Option<u64>,
-) -> Result<std::collections::HashMap<u64, i64>, ApiError> {
-    let plan = state
-        .jobs
-        .run(move |c, now| Ok(c.start_plan(now, ESTIMATED_JOBS, upto)))
-        .await?;
-    let estimates = tokio::task::spawn_blocking(move || plan.estimate())
-        .await
-        .map_err(|e| {
-            ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                format!("estimating start times failed: {e}"),
-            )
-        })?;
-    Ok(estimates
-        .into_iter()
-        .filter_map(|(job, at)| Some((job.0, at?)))
-        .collect())
 }
 
 /// `estimated_start_ms` and `estimated_start` (RFC 3339) of a pending job, `null` without one.
@@ -317,7 +303,7 @@ pub async fn queue(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let entries = state.jobs.run(|c, _| Ok(c.queue())).await?;
     let estimates = if params.start {
-        Some(estimated_starts(&state, None).await?)
+        Some(state.jobs.estimated_starts(None).await?)
     } else {
         None
     };

@@ -558,3 +558,136 @@ async fn a_stopped_job_gets_its_checkpoint_signal() {
     let r = sync(&jobs, "a", T0 + 6 * SECOND, &[(id, 1)], &[]).await;
     assert_eq!(r.stop[0].signal, "SIGUSR1");
 }
+
+/// A server restarted between rank 0's launch and the other ranks' keeps the gang going:
+/// the port it had is kept, and one it never got is taken from rank 0's next sync (agents
+/// report it with every sync).
+#[tokio::test]
+async fn a_restart_between_rank_zero_and_the_others_loses_no_rendezvous() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gang = json!({ "command": ["train"], "user": "bob", "nodes": 2, "gpus_per_node": 1 });
+    for port_before_restart in [true, false] {
+        let sub = dir.path().join(port_before_restart.to_string());
+        let jobs = service(&sub);
+        sync(&jobs, "a", T0, &[], &[]).await;
+        sync(&jobs, "b", T0, &[], &[]).await;
+        let id = submit(&jobs, gang.clone(), T0 + SECOND).await;
+        let placed = job(&jobs, id).await.placement;
+        let (first, second) = (placed[0].node.clone(), placed[1].node.clone());
+        let r = sync(&jobs, &first, T0 + 2 * SECOND, &[], &[]).await;
+        assert!(r.start[0].pick_master_port);
+        let ports = json!({ "master_ports": [{ "job": id, "attempt": 1, "port": 30123 }] });
+        if port_before_restart {
+            sync_with(
+                &jobs,
+                &first,
+                T0 + 3 * SECOND,
+                &[(id, 1)],
+                &[],
+                ports.clone(),
+            )
+            .await;
+        }
+        drop(jobs);
+        let jobs = service(&sub);
+        let r = sync(&jobs, &second, T0 + 4 * SECOND, &[], &[]).await;
+        let r = if port_before_restart {
+            r
+        } else {
+            assert!(r.start.is_empty(), "rank 1 still waits for the port");
+            let r0 = sync_with(&jobs, &first, T0 + 5 * SECOND, &[(id, 1)], &[], ports).await;
+            assert!(
+                r0.start.is_empty(),
+                "rank 0 is not launched twice: {:?}",
+                r0.start
+            );
+            sync(&jobs, &second, T0 + 6 * SECOND, &[], &[]).await
+        };
+        assert_eq!(r.start.len(), 1, "rank 1 launched after the restart");
+        assert_eq!(r.start[0].env["MASTER_PORT"], "30123");
+    }
+}
+
+/// Output is kept per attempt and node: a requeued job's new output starts at offset 0 and is
+/// stored whole (it used to be dropped up to the length of the earlier attempt's), the ranks
+/// of a gang do not write over each other, and a node cannot write a job it does not run.
+#[tokio::test]
+async fn output_is_kept_per_attempt_and_rank() {
+    use perch_model::control::LogStream;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    let logs = |job: u64, attempt: u32, data: &str| json!({ "logs": [{ "job": job, "attempt": attempt, "stream": "stdout", "offset": 0, "data": data }] });
+    sync(&jobs, "a", T0, &[], &[]).await;
+    sync(&jobs, "b", T0, &[], &[]).await;
+    let id = submit(
+        &jobs,
+        json!({ "command": ["train"], "user": "bob", "max_requeues": 2 }),
+        T0 + SECOND,
+    )
+    .await;
+    let node = job(&jobs, id).await.placement[0].node.clone();
+    let other = if node == "a" { "b" } else { "a" };
+    sync(&jobs, &node, T0 + 2 * SECOND, &[], &[]).await;
+    let long = "attempt one wrote a long line\n";
+    sync_with(
+        &jobs,
+        &node,
+        T0 + 3 * SECOND,
+        &[(id, 1)],
+        &[],
+        logs(id, 1, long),
+    )
+    .await;
+    // The other node claims output of this job: not stored.
+    sync_with(
+        &jobs,
+        other,
+        T0 + 3 * SECOND,
+        &[],
+        &[],
+        logs(id, 1, "forged\n"),
+    )
+    .await;
+    // The node is lost: the job is requeued and runs again, somewhere.
+    jobs.run(move |c, _| {
+        let actions = c.scheduler.step(
+            T0 + 4 * SECOND,
+            perch_scheduler::Event::JobLost(perch_scheduler::JobId(id)),
+        )?;
+        c.apply(T0 + 4 * SECOND, actions);
+        Ok(())
+    })
+    .await
+    .expect("lost");
+    let second = job(&jobs, id).await;
+    assert_eq!(second.attempts, 2, "{:?}", second.timeline);
+    let node2 = second.placement[0].node.clone();
+    sync(&jobs, &node2, T0 + 5 * SECOND, &[], &[]).await;
+    sync_with(
+        &jobs,
+        &node2,
+        T0 + 6 * SECOND,
+        &[(id, 2)],
+        &[],
+        logs(id, 2, "two\n"),
+    )
+    .await;
+    let read = |attempt: Option<u32>, rank: Option<usize>| {
+        let jobs = jobs.clone();
+        async move {
+            jobs.run(move |c, _| c.read_log(id, LogStream::Stdout, 0, attempt, rank))
+                .await
+        }
+    };
+    let (latest, at) = read(None, None).await.expect("latest");
+    assert_eq!(
+        (String::from_utf8_lossy(&latest).as_ref(), at),
+        ("two\n", 2)
+    );
+    let (first, _) = read(Some(1), None).await.expect("first");
+    assert_eq!(String::from_utf8_lossy(&first), long);
+    let err = read(None, Some(1)).await.expect_err("one node only");
+    assert!(format!("{err:?}").contains("ranks 0 to 0"), "{err:?}");
+    let err = read(Some(7), None).await.expect_err("no such attempt");
+    assert!(format!("{err:?}").contains("no attempt 7"), "{err:?}");
+}
