@@ -744,3 +744,21 @@ fn pending_jobs_get_the_start_the_plan_promises() {
     assert_eq!(at(2), Some(Some(70 * MINUTE)), "{plan:?}");
     assert_eq!(at(4), Some(None), "over its quota: {plan:?}");
 }
+
+/// A long queue of small jobs: every one of the first 1,000 gets an estimate, in queue order
+/// of time, eight at a time on eight GPUs (the plan's work grows with the queue, not its
+/// square: 417 of them used to run out of the plan's budget).
+#[test]
+fn a_long_queue_is_estimated_to_its_end() {
+    let mut s = sched(1, Config::backfill());
+    for id in 1..=2_000 {
+        step(&mut s, 0, Event::Submit(one(id, 1, "a", 15, 0)));
+    }
+    let plan = s.start_plan(0, 1_000).estimate();
+    assert_eq!(plan.len(), 1_000);
+    let times: Vec<i64> = plan.iter().map(|(_, t)| t.expect("estimated")).collect();
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "{times:?}");
+    // Jobs 9-16 wait for the first eight to reach their 15 minutes, and so on.
+    assert_eq!(times[0], 15 * MINUTE);
+    assert_eq!(times[999], (999 / 8 + 1) * 15 * MINUTE);
+}

@@ -299,6 +299,19 @@ fn start_telemetry(config: &Config, default_service: &str) -> Result<Telemetry> 
     Ok(telemetry)
 }
 
+/// Rust ignores SIGPIPE, so printing into a closed pipe (`perch queue | head`) panics. A
+/// client command ends quietly instead, as Unix tools do; the long-running commands keep
+/// ignoring it (a client that hangs up must not kill the server).
+#[allow(unsafe_code)]
+fn die_quietly_on_closed_pipe() {
+    use nix::sys::signal::{SigHandler, Signal, signal};
+    // SAFETY: SIG_DFL installs no handler, so nothing runs in signal context; called before
+    // the command starts any thread.
+    if let Err(e) = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) } {
+        tracing::debug!(error = %e, "SIGPIPE stays ignored");
+    }
+}
+
 pub fn run(cli: Cli) -> Result<()> {
     let file = cli.config.as_deref().map(ConfigFile::read).transpose()?;
     let mut config = file.as_ref().map(|f| f.config.clone()).unwrap_or_default();
@@ -310,6 +323,7 @@ pub fn run(cli: Cli) -> Result<()> {
     );
     if !long_running {
         init_logging(None);
+        die_quietly_on_closed_pipe();
     }
     match cli.command {
         Command::Server(args) => {

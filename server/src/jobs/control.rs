@@ -1126,10 +1126,11 @@ impl Control {
                     .as_deref()
                     .map(|m| format!(" {m}"))
                     .unwrap_or_default();
+                let gpus = if per_node == 1 { "GPU" } else { "GPUs" };
                 let shape = if nodes == 1 {
-                    format!("{per_node}{model} GPUs on one node")
+                    format!("{per_node}{model} {gpus} on one node")
                 } else {
-                    format!("{nodes} nodes x {per_node}{model} GPUs")
+                    format!("{nodes} nodes x {per_node}{model} {gpus}")
                 };
                 let nodes_word = if fitting == 1 {
                     "node has"
