@@ -1979,13 +1979,12 @@ fn reported_islands(req: &SyncRequest) -> Vec<Vec<u32>> {
     }
 }
 
-/// XIDs after which a GPU must not take new work until it is reset or the node rebooted
-/// (NVIDIA's resolution classes; application-level XIDs such as 13, 31, 43 and 45 are not here).
+/// Whether an XID takes its GPU out of scheduling until it is healthy again: NVIDIA's catalog
+/// resolves it by a GPU reset or a reboot. The classes are `perch_alerts::xid`'s, the same
+/// table the XID alert rules use, so the scheduler and the alerts cannot disagree.
 fn xid_needs_reset(code: u64) -> bool {
-    matches!(
-        code,
-        48 | 61 | 62 | 63 | 64 | 69 | 74 | 79 | 92 | 94 | 95 | 119 | 120 | 136 | 140 | 143 | 150
-    )
+    use perch_alerts::xid::{XidClass, xid_class};
+    matches!(xid_class(code), XidClass::ResetGpu | XidClass::Reboot)
 }
 
 /// Whether a submission runs a scheduling pass at once or leaves it to its caller (an array

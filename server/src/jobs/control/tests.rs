@@ -691,3 +691,17 @@ async fn output_is_kept_per_attempt_and_rank() {
     let err = read(Some(7), None).await.expect_err("no such attempt");
     assert!(format!("{err:?}").contains("no attempt 7"), "{err:?}");
 }
+
+/// The scheduler takes a GPU out on the XIDs NVIDIA's catalog resolves by a reset or a reboot,
+/// as the alert rules class them: not on informational or application XIDs (it used to on
+/// 61, 63, 69, 92 and 94), and on the reboot and reset classes it used to miss.
+#[test]
+fn the_xids_that_quarantine_a_gpu_are_the_alerts_reset_and_reboot_classes() {
+    use super::xid_needs_reset;
+    for ignored_or_app in [13, 31, 43, 45, 63, 69, 92, 94] {
+        assert!(!xid_needs_reset(ignored_or_app), "{ignored_or_app}");
+    }
+    for reset_or_reboot in [46, 48, 64, 74, 79, 95, 109, 110, 119, 144, 149, 151, 160] {
+        assert!(xid_needs_reset(reset_or_reboot), "{reset_or_reboot}");
+    }
+}
