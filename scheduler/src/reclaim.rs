@@ -13,8 +13,16 @@ use std::collections::HashMap;
 
 impl Scheduler {
     /// The smallest prefix-then-pruned set of `candidates` (in preference order) whose release
-    /// lets `id`'s gang fit, or `None`.
-    pub(crate) fn select_victims(&self, id: JobId, candidates: &[JobId]) -> Option<Vec<JobId>> {
+    /// lets `id`'s gang fit, or `None`. A candidate whose release frees nothing the gang can
+    /// use (all its nodes already have room for a rank in the what-if) is passed over, and
+    /// with `budget` (hundredths of a GPU each account may give up) so is one its account
+    /// cannot afford.
+    pub(crate) fn select_victims(
+        &self,
+        id: JobId,
+        candidates: &[JobId],
+        mut budget: Option<HashMap<usize, i64>>,
+    ) -> Option<Vec<JobId>> {
         let j = self.jobs.get(&id)?;
         let g = j.spec.shape.gpus_per_node;
         let k = j.spec.shape.nodes;
@@ -51,6 +59,30 @@ impl Scheduler {
         for &v in candidates {
             if count >= k {
                 break;
+            }
+            let Some(job) = self.jobs.get(&v) else {
+                continue;
+            };
+            let JobState::Running { placement, .. } = &job.state else {
+                continue;
+            };
+            let helps = placement.iter().any(|a| {
+                let i = a.node.0 as usize;
+                let n = &nodes[i];
+                n.state == NodeState::Up
+                    && model.is_none_or(|m| m == n.model)
+                    && hyp.get(&i).copied().unwrap_or_else(|| n.free()) < g
+            });
+            if !helps {
+                continue;
+            }
+            if let Some(budget) = &mut budget {
+                let left = budget.entry(job.account).or_insert(0);
+                let cost = i64::from(job.spec.gpu_hundredths());
+                if *left < cost {
+                    continue;
+                }
+                *left -= cost;
             }
             apply(&mut hyp, &mut count, v, true);
             chosen.push(v);
@@ -92,23 +124,21 @@ impl Scheduler {
             cands.push(((job.idle_since.is_none(), cost), v));
         }
         cands.sort_unstable();
-        // Take candidates only while their account stays over quota.
-        let mut alloc: HashMap<usize, u32> = HashMap::new();
-        let mut ordered = Vec::with_capacity(cands.len());
-        for (_, v) in cands {
-            let Some(job) = self.jobs.get(&v) else {
+        // An account gives up GPUs only down to its quota: what it holds beyond it is the
+        // budget victims are chosen within (never below the quota).
+        let mut budget: HashMap<usize, i64> = HashMap::new();
+        for (_, v) in &cands {
+            let Some(job) = self.jobs.get(v) else {
                 continue;
             };
             let a = &self.accounts[job.account];
-            let cur = alloc.entry(job.account).or_insert(a.alloc);
-            if a.quota
-                .is_some_and(|q| u64::from(*cur) > u64::from(q) * 100)
-            {
-                *cur = cur.saturating_sub(job.spec.gpu_hundredths());
-                ordered.push(v);
-            }
+            let excess = a
+                .quota
+                .map_or(0, |q| i64::from(a.alloc) - i64::from(q) * 100);
+            budget.insert(job.account, excess.max(0));
         }
-        match self.select_victims(id, &ordered) {
+        let ordered: Vec<JobId> = cands.into_iter().map(|(_, v)| v).collect();
+        match self.select_victims(id, &ordered, Some(budget)) {
             Some(victims) => {
                 self.preempt_for(now, victims, PreemptReason::QuotaReclaim { for_job: id })
             }
@@ -131,7 +161,7 @@ impl Scheduler {
             .collect();
         cands.sort_unstable();
         let ordered: Vec<JobId> = cands.into_iter().map(|(_, v)| v).collect();
-        match self.select_victims(id, &ordered) {
+        match self.select_victims(id, &ordered, None) {
             Some(victims) => {
                 self.preempt_for(now, victims, PreemptReason::ShorterJob { for_job: id })
             }
@@ -146,7 +176,7 @@ impl Scheduler {
         let mut due = self.idle_due(now);
         due.sort_unstable();
         let ordered: Vec<JobId> = due.into_iter().map(|(_, v)| v).collect();
-        match self.select_victims(id, &ordered) {
+        match self.select_victims(id, &ordered, None) {
             Some(victims) => victims
                 .into_iter()
                 .map(|v| self.preempt(now, v, PreemptReason::Idle, requeue))

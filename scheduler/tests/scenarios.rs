@@ -762,3 +762,36 @@ fn a_long_queue_is_estimated_to_its_end() {
     assert_eq!(times[0], 15 * MINUTE);
     assert_eq!(times[999], (999 / 8 + 1) * 15 * MINUTE);
 }
+
+/// Quota reclaim for a gang takes the victims where the gang needs them: an account over its
+/// quota with 1-GPU jobs, all as cheap as each other, gives up two on each node for a 2-node
+/// gang of 2 GPUs a node (it used to offer only its first eight, all on one node, and the gang
+/// waited behind a reservation instead).
+#[test]
+fn quota_reclaim_frees_gpus_where_the_gang_needs_them() {
+    let quotas = vec![(Account("a".into()), 8), (Account("b".into()), 8)];
+    let mut s = sched(2, Config::perch(quotas));
+    // a fills both nodes with 1-GPU jobs (16 of 16 GPUs: 8 of them borrowed).
+    for id in 1..=16 {
+        step(&mut s, 0, Event::Submit(one(id, 1, "a", 600, 0)));
+    }
+    assert_eq!(s.account_alloc(&Account("a".into())), 16);
+    let a = step(
+        &mut s,
+        MINUTE,
+        Event::Submit(spec(100, 2, 2, "b", 60 * MINUTE, MINUTE)),
+    );
+    assert_eq!(started(&a), vec![100], "{a:?}");
+    let freed = preempted(&a);
+    assert_eq!(freed.len(), 4, "the fewest: {a:?}");
+    assert_eq!(
+        freed.iter().filter(|&&j| j <= 8).count(),
+        2,
+        "two on each node: {freed:?}"
+    );
+    assert_eq!(
+        s.account_alloc(&Account("a".into())),
+        12,
+        "still above its quota"
+    );
+}
