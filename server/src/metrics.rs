@@ -550,7 +550,21 @@ fn to_classic_text(openmetrics: &str) -> String {
     out
 }
 
+/// `GET /metrics`. Rendering a large fleet takes a few hundred milliseconds of CPU (see
+/// BENCHMARKS.md): it runs on the blocking pool, so a scrape never holds up the async
+/// workers that answer agents' syncs.
 pub async fn metrics(State(state): State<AppState>, headers: axum::http::HeaderMap) -> Response {
+    match tokio::task::spawn_blocking(move || render(state, headers)).await {
+        Ok(response) => response,
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("rendering metrics failed: {e}"),
+        )
+            .into_response(),
+    }
+}
+
+fn render(state: AppState, headers: axum::http::HeaderMap) -> Response {
     let mut scrape = Scrape::default();
     let now = crate::ingest::now_ms();
     let latest = state.latest.snapshot();
