@@ -248,6 +248,8 @@ pub struct AgentSection {
     pub max_queue_batches: usize,
     pub max_batch_rounds: usize,
     pub spool_max_mb: u64,
+    /// On a graceful stop, leave running jobs to the next agent (within the lease).
+    pub keep_jobs_on_exit: bool,
     /// Bearer token (role agent) for a server that requires authentication.
     pub token: String,
     /// PEM certificates of a CA to trust for an `https://` server, besides the system's.
@@ -281,6 +283,7 @@ impl Default for AgentSection {
             max_queue_batches: 60,
             max_batch_rounds: 60,
             spool_max_mb: 256,
+            keep_jobs_on_exit: true,
             token: String::new(),
             ca_file: PathBuf::new(),
             gpu_sharing: false,
@@ -1062,6 +1065,7 @@ impl Config {
         config.max_queue_batches = a.max_queue_batches.max(1);
         config.max_batch_rounds = a.max_batch_rounds.max(1);
         config.spool_max_bytes = a.spool_max_mb << 20;
+        config.keep_jobs_on_exit = a.keep_jobs_on_exit;
         config.token = Some(a.token.clone()).filter(|t| !t.is_empty());
         config.ca_file = Some(a.ca_file.clone()).filter(|p| !p.as_os_str().is_empty());
         config.rack = Some(rack).filter(|r| !r.is_empty());

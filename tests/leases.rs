@@ -219,6 +219,55 @@ fn an_agent_killed_and_restarted_within_the_lease_takes_its_job_over() {
     );
 }
 
+/// A graceful stop of the agent (SIGTERM: `systemctl restart` for an upgrade) stops no job:
+/// the job runs on while no agent runs, and the next agent takes it over, same attempt.
+#[test]
+fn an_agent_restarted_gracefully_leaves_its_job_running_for_the_next() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = server(dir.path(), 30, "", &[]);
+    let mut a = agent(&perch.url, "gpu-a", dir.path(), None);
+    let file = dir.path().join("runs");
+    let (id, _) = start_job(&perch, &file);
+    let status = Command::new("kill")
+        .args(["-TERM", &a.0.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    wait_for("the agent to exit", || (!a.is_running()).then_some(()));
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(
+        last_line_age(&file) < Duration::from_secs(1),
+        "the job runs on without its agent"
+    );
+    assert!(
+        !std::fs::read_to_string(&file)
+            .expect("runs")
+            .contains("end 1 "),
+        "it got no stop signal"
+    );
+    let _a = agent(&perch.url, "gpu-a", dir.path(), None);
+    wait_for("the node up again", || {
+        let nodes = perch.get("/v1/nodes");
+        (nodes["nodes"][0]["state"] == "up").then_some(())
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let j = job(&perch, id);
+    assert_eq!(
+        (j["state"].as_str(), j["attempts"].as_u64()),
+        (Some("running"), Some(1)),
+        "{j}"
+    );
+    assert_eq!(attempts(&file).len(), 1, "one attempt only");
+    let (ok, _, err) = perch.cli_as("alice", &["cancel", &id.to_string()]);
+    assert!(ok, "{err}");
+    wait_for("the cancelled job's end line", || {
+        std::fs::read_to_string(&file)
+            .ok()?
+            .contains("end 1 ")
+            .then_some(())
+    });
+}
+
 /// `kill -9` of the agent, never restarted: its job's supervisor stops the job before the
 /// lease runs out, and only then does the server start attempt 2 on the other node.
 #[test]

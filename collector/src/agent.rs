@@ -87,6 +87,11 @@ pub struct AgentConfig {
     /// The program that supervises each job: the `perch` binary, which runs it as
     /// `perch __job-shim` (see [`crate::launcher::shim`]).
     pub supervisor: Option<PathBuf>,
+    /// On a graceful stop, leave supervised jobs running: an agent started again within the
+    /// node's lease takes them over (an upgrade or restart stops no training run); past the
+    /// lease their supervisors stop them. `false`: stop them (`perch up`, `perch demo`, whose
+    /// server stops too).
+    pub keep_jobs_on_exit: bool,
 }
 
 impl AgentConfig {
@@ -118,6 +123,7 @@ impl AgentConfig {
             nvlink_islands: None,
             run_as_user: crate::launcher::RunAsUser::IfPossible,
             cgroups: crate::launcher::CgroupMode::Auto,
+            keep_jobs_on_exit: false,
             uids: crate::launcher::UidPolicy::default(),
             supervisor: None,
             jobs: JobRegistry::default(),
@@ -452,6 +458,7 @@ pub async fn run_agent_with(
             ca_file: config.ca_file.clone(),
             advertise_addr: config.advertise_addr.clone(),
             supervisor: config.supervisor.clone(),
+            keep_jobs_on_exit: config.keep_jobs_on_exit,
         };
         let mut stopped = control_stopped.clone();
         tokio::spawn(crate::control_loop::run_control(control, async move {

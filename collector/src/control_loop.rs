@@ -43,13 +43,16 @@ pub struct ControlConfig {
     /// `None` runs jobs as the agent's own children, with no supervisor to stop them when the
     /// agent dies (see [`crate::launcher`]).
     pub supervisor: Option<PathBuf>,
+    /// Leave supervised jobs running on a graceful stop ([`crate::AgentConfig::keep_jobs_on_exit`]).
+    pub keep_jobs_on_exit: bool,
 }
 
 fn lock(l: &Mutex<Launcher>) -> std::sync::MutexGuard<'_, Launcher> {
     l.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Runs job control until `shutdown`, then stops the node's jobs.
+/// Runs job control until `shutdown`, then stops the node's jobs, or leaves supervised ones
+/// running for the next agent ([`ControlConfig::keep_jobs_on_exit`]).
 pub async fn run_control(
     config: ControlConfig,
     shutdown: impl Future<Output = ()> + Send,
@@ -178,6 +181,16 @@ pub async fn run_control(
                 }
             }
         }
+    }
+    if config.keep_jobs_on_exit && config.supervisor.is_some() {
+        let running = lock(&launcher).running().len();
+        if running > 0 {
+            tracing::info!(
+                jobs = running,
+                "leaving the node's jobs running under their supervisors: an agent started again within the node's lease (server.node_lease_secs) takes them over; after it they stop themselves. Drain the node first to end them"
+            );
+        }
+        return Ok(());
     }
     let grace = config.shutdown_grace;
     let l = launcher.clone();

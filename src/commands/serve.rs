@@ -106,6 +106,8 @@ const UP_SIMULATED_GPUS: u32 = 4;
 
 pub fn up(config: Config) -> Result<()> {
     let mut agent_config = config.agent_config()?;
+    // Its server stops too: Ctrl-C ends the whole machine's perch, jobs included.
+    agent_config.keep_jobs_on_exit = false;
     runtime()?.block_on(async {
         let (listener, state) = bind(&config).await?;
         let addr = listener.local_addr()?;
@@ -193,6 +195,7 @@ pub fn demo(config: Config, nodes: u32, gpus_per_node: u32, seed: u64) -> Result
             // The demo's users (alice, bob, ...) are made up: jobs run as the agent's user.
             a.run_as_user = perch_collector::launcher::RunAsUser::Never;
             a.seed = seed.wrapping_mul(1_000_003).wrapping_add(u64::from(i));
+            a.keep_jobs_on_exit = false;
             agents.push(spawn_agent(a, stopped(&stop_rx)));
         }
         let workload = tokio::spawn(super::demo_workload::run(
