@@ -195,11 +195,11 @@ fn start_plan(bencher: divan::Bencher) {
     let (mut s, now) = loaded(Config::perch(quotas(40, 800)), false, 40);
     let _ = s.schedule(now);
     let estimated = s
-        .start_plan(now, 1_000)
+        .start_plan(now, 1_000, None)
         .estimate()
         .iter()
         .filter(|(_, at)| at.is_some())
         .count();
     println!("start_plan: {estimated} of the first 1,000 pending jobs get an estimate");
-    bencher.bench_local(|| divan::black_box(s.start_plan(now, 1_000).estimate().len()));
+    bencher.bench_local(|| divan::black_box(s.start_plan(now, 1_000, None).estimate().len()));
 }

@@ -446,6 +446,15 @@ impl Cluster {
     }
 
     /// Nodes (of `model`, or any) with at least `g` usable free GPUs.
+    /// Free GPUs of `model` (any model: `None`) in all, from the histogram (no node visited).
+    pub(crate) fn free_of(&self, model: Option<usize>) -> u32 {
+        let total = |h: &Vec<u32>| h.iter().enumerate().map(|(k, c)| k as u32 * c).sum::<u32>();
+        match model {
+            Some(m) => self.hist.get(m).map_or(0, total),
+            None => self.hist.iter().map(total).sum(),
+        }
+    }
+
     pub(crate) fn nodes_with_free(&self, model: Option<usize>, g: u32) -> u32 {
         let count = |h: &Vec<u32>| h[(g as usize).min(h.len() - 1)..].iter().sum::<u32>();
         match model {

@@ -201,11 +201,7 @@ impl Scheduler {
     }
 
     fn free_total(&self) -> u32 {
-        self.cluster
-            .hist
-            .iter()
-            .map(|h| h.iter().enumerate().map(|(k, c)| k as u32 * c).sum::<u32>())
-            .sum()
+        self.cluster.free_of(None)
     }
 
     /// Runs one scheduling pass at `now`.

@@ -198,8 +198,9 @@ impl StartPlan {
 
 impl Scheduler {
     /// A snapshot for estimating the start of the first `max_jobs` pending jobs (see the
-    /// module). Shared-GPU jobs count as needing one whole GPU.
-    pub fn start_plan(&self, now: Time, max_jobs: usize) -> StartPlan {
+    /// module), or only as far as job `upto` (the jobs ahead of it decide its start).
+    /// Shared-GPU jobs count as needing one whole GPU.
+    pub fn start_plan(&self, now: Time, max_jobs: usize, upto: Option<JobId>) -> StartPlan {
         let nodes = self
             .cluster
             .nodes
@@ -241,6 +242,7 @@ impl Scheduler {
             p.changes.sort_unstable();
         }
         for entry in self.queue().into_iter().take(max_jobs) {
+            let last = upto == Some(entry.job);
             let Some(j) = self.jobs.get(&entry.job) else {
                 continue;
             };
@@ -265,6 +267,9 @@ impl Scheduler {
                     PendingReason::QuotaExceeded | PendingReason::Unsatisfiable
                 ),
             });
+            if last {
+                break;
+            }
         }
         plan
     }

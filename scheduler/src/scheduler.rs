@@ -298,22 +298,16 @@ impl Scheduler {
     }
 
     /// What a pending job is up against, for a reason in words: (nodes it needs, GPUs on each,
-    /// nodes with that many of its model free now, GPUs of its model free in all).
+    /// nodes with that many of its model free now, GPUs of its model free in all). From the
+    /// free-GPU histogram: cheap enough for every pending job of a listing.
     pub fn room_for(&self, job: JobId) -> Option<(u32, u32, u32, u32)> {
         let j = self.jobs.get(&job)?;
         let shape = j.spec.shape;
-        let free: u32 = self
-            .cluster
-            .nodes
-            .iter()
-            .filter(|n| j.model.is_none_or(|m| m == n.model))
-            .map(|n| n.free())
-            .sum();
         Some((
             shape.nodes,
             shape.gpus_per_node,
             self.cluster.nodes_with_free(j.model, shape.gpus_per_node),
-            free,
+            self.cluster.free_of(j.model),
         ))
     }
 

@@ -734,7 +734,7 @@ fn pending_jobs_get_the_start_the_plan_promises() {
         3 * MINUTE,
         Event::Submit(one(4, 1, "q", 10, 3 * MINUTE)),
     );
-    let plan = s.start_plan(3 * MINUTE, 100).estimate();
+    let plan = s.start_plan(3 * MINUTE, 100, None).estimate();
     let at = |id: u64| plan.iter().find(|(j, _)| j.0 == id).map(|(_, t)| *t);
     assert_eq!(
         s.pending_reason(JobId(3)),
@@ -743,6 +743,17 @@ fn pending_jobs_get_the_start_the_plan_promises() {
     assert_eq!(at(3), Some(Some(60 * MINUTE)), "{plan:?}");
     assert_eq!(at(2), Some(Some(70 * MINUTE)), "{plan:?}");
     assert_eq!(at(4), Some(None), "over its quota: {plan:?}");
+    // As far as one job: the jobs ahead of it, and it.
+    let upto = s.start_plan(3 * MINUTE, 100, Some(JobId(3))).estimate();
+    assert_eq!(
+        upto.last(),
+        Some(&(JobId(3), Some(60 * MINUTE))),
+        "{upto:?}"
+    );
+    assert!(
+        upto.iter().all(|(j, _)| j.0 != 2),
+        "the job behind it: {upto:?}"
+    );
 }
 
 /// A long queue of small jobs: every one of the first 1,000 gets an estimate, in queue order
@@ -754,7 +765,7 @@ fn a_long_queue_is_estimated_to_its_end() {
     for id in 1..=2_000 {
         step(&mut s, 0, Event::Submit(one(id, 1, "a", 15, 0)));
     }
-    let plan = s.start_plan(0, 1_000).estimate();
+    let plan = s.start_plan(0, 1_000, None).estimate();
     assert_eq!(plan.len(), 1_000);
     let times: Vec<i64> = plan.iter().map(|(_, t)| t.expect("estimated")).collect();
     assert!(times.windows(2).all(|w| w[0] <= w[1]), "{times:?}");

@@ -1555,24 +1555,14 @@ impl Control {
     }
 
     /// A snapshot for estimating the first `max` pending jobs' starts, off the lock; with
-    /// `upto`, only as far as that job (the jobs ahead of it decide its start).
+    /// `upto`, only as far as that job.
     pub(crate) fn start_plan(
         &self,
         now: i64,
         max: usize,
         upto: Option<u64>,
     ) -> perch_scheduler::StartPlan {
-        let max = upto
-            .and_then(|id| {
-                self.scheduler
-                    .queue()
-                    .iter()
-                    .position(|q| q.job.0 == id)
-                    .map(|at| at + 1)
-            })
-            .unwrap_or(max)
-            .min(max);
-        self.scheduler.start_plan(now, max)
+        self.scheduler.start_plan(now, max, upto.map(JobId))
     }
 
     /// What perch does with job `job`, idle since `since`, under the idle policy: in words, and

@@ -172,18 +172,21 @@ impl JobService {
                 format!("start times cannot be estimated now: {e}"),
             )
         })?;
-        let plan = self
-            .run(move |c, now| Ok(c.start_plan(now, ESTIMATED_JOBS, upto)))
-            .await?;
-        let estimates = tokio::task::spawn_blocking(move || plan.estimate())
-            .await
-            .map_err(|e| {
-                crate::ApiError::new(
-                    axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal",
-                    format!("estimating start times failed: {e}"),
-                )
-            })?;
+        // A read: the snapshot changes nothing, so nothing waits for a commit.
+        let jobs = self.clone();
+        let estimates = tokio::task::spawn_blocking(move || {
+            let now = crate::ingest::now_ms();
+            jobs.read(|c| c.start_plan(now, ESTIMATED_JOBS, upto))
+                .estimate()
+        })
+        .await
+        .map_err(|e| {
+            crate::ApiError::new(
+                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                format!("estimating start times failed: {e}"),
+            )
+        })?;
         Ok(estimates
             .into_iter()
             .filter_map(|(job, at)| Some((job.0, at?)))
