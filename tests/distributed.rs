@@ -256,12 +256,7 @@ fn cluster(dir: &Path) -> Cluster {
             .send()
             .and_then(|r| r.json())
             .ok()?;
-        let up = nodes["nodes"]
-            .as_array()?
-            .iter()
-            .filter(|n| n["state"] == "up")
-            .count();
-        (up == 2).then_some(())
+        (common::nodes_up(&nodes) == 2).then_some(())
     });
     c
 }

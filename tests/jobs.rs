@@ -667,15 +667,7 @@ fn a_multi_node_job_gets_its_peers_and_a_rendezvous() {
         None,
         &["--interval-ms", "200", "--advertise-addr", "127.0.0.2"],
     );
-    wait_for("both nodes up", || {
-        let nodes = perch.get("/v1/nodes");
-        let up = nodes["nodes"]
-            .as_array()?
-            .iter()
-            .filter(|n| n["state"] == "up")
-            .count();
-        (up == 2).then_some(())
-    });
+    perch.wait_nodes_up(2);
     let out = dir.path().join("ranks");
     std::fs::create_dir_all(&out).expect("mkdir");
     let script = format!(

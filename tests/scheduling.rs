@@ -37,18 +37,6 @@ fn agent_with(perch: &Perch, dir: &Path, node: &str, gpus: u32, extra: &[&str]) 
     Agent::start(&perch.url, node, &dir.join(node), gpus, None, &args)
 }
 
-fn wait_nodes(perch: &Perch, n: usize) {
-    wait_for(&format!("{n} nodes up"), || {
-        let nodes = perch.get("/v1/nodes");
-        let up = nodes["nodes"]
-            .as_array()?
-            .iter()
-            .filter(|n| n["state"] == "up")
-            .count();
-        (up == n).then_some(())
-    });
-}
-
 /// A shell job that records its checkpoint signal in `file` and otherwise runs for minutes.
 fn checkpointing(file: &Path) -> Vec<String> {
     vec![
@@ -70,7 +58,7 @@ fn an_account_over_its_quota_borrows_idle_gpus_and_gives_them_back_with_a_checkp
         &[],
     );
     let _a = agent(&perch, dir.path(), "gpu-a", 4, "r1");
-    wait_nodes(&perch, 1);
+    perch.wait_nodes_up(1);
     let marks = dir.path().join("marks");
     let job = |user: &str, file: &Path| {
         json!({
@@ -117,7 +105,7 @@ fn an_idle_job_is_warned_then_requeued_after_its_grace_and_the_waiting_job_start
         &[],
     );
     let _a = agent(&perch, dir.path(), "gpu-a", 2, "r1");
-    wait_nodes(&perch, 1);
+    perch.wait_nodes_up(1);
     let marks = dir.path().join("marks");
     std::fs::create_dir_all(&marks).expect("mkdir");
     let idle = post_job(
@@ -187,7 +175,7 @@ fn a_two_node_gang_lands_on_one_rack_when_it_can() {
     let file = topology.to_str().expect("utf-8");
     let _agents = ["node-1", "node-2", "node-3", "node-4"]
         .map(|n| agent_with(&perch, dir.path(), n, 2, &["--topology-file", file]));
-    wait_nodes(&perch, 4);
+    perch.wait_nodes_up(4);
     let rack_of = |node: &str| {
         if node == "node-1" || node == "node-3" {
             "rack-x"
@@ -227,7 +215,7 @@ fn sighup_puts_a_new_policy_in_force_and_keeps_every_job() {
     let dir = tempfile::tempdir().expect("tempdir");
     let perch = common::server_with_config(dir.path(), "[server]\npg_listen = \"\"\n", &[]);
     let _a = agent(&perch, dir.path(), "gpu-a", 2, "r1");
-    wait_nodes(&perch, 1);
+    perch.wait_nodes_up(1);
     let sleep = json!({ "command": ["sleep", "300"], "user": "alice", "gpus_per_node": 2 });
     let running = post_job(&perch, sleep.clone());
     wait_state(&perch, running, "running");
@@ -278,7 +266,7 @@ fn a_waiting_job_says_when_it_should_start_and_why_it_waits_in_words() {
     let dir = tempfile::tempdir().expect("tempdir");
     let perch = common::server_with_config(dir.path(), "[server]\npg_listen = \"\"\n", &[]);
     let _a = agent(&perch, dir.path(), "gpu-a", 2, "r1");
-    wait_nodes(&perch, 1);
+    perch.wait_nodes_up(1);
     let running = post_job(
         &perch,
         json!({ "command": ["sleep", "300"], "user": "alice", "gpus_per_node": 2, "time_limit_secs": 600 }),

@@ -195,6 +195,13 @@ impl Perch {
             .unwrap_or_else(|e| panic!("GET {path}: not JSON: {e}"))
     }
 
+    /// Waits until `GET /v1/nodes` shows `n` nodes up.
+    pub fn wait_nodes_up(&self, n: usize) {
+        wait_for(&format!("{n} nodes up"), || {
+            (nodes_up(&self.get("/v1/nodes")) == n).then_some(())
+        });
+    }
+
     /// One job as `GET /v1/jobs/{id}` shows it.
     pub fn job(&self, id: u64) -> serde_json::Value {
         self.get(&format!("/v1/jobs/{id}"))
@@ -219,6 +226,13 @@ impl Drop for Perch {
 }
 
 /// Polls `f` until it returns `Some`, panicking with `what` after [`PATIENCE`].
+/// How many nodes a `GET /v1/nodes` answer shows up.
+pub fn nodes_up(answer: &serde_json::Value) -> usize {
+    answer["nodes"].as_array().map_or(0, |nodes| {
+        nodes.iter().filter(|n| n["state"] == "up").count()
+    })
+}
+
 pub fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
     let start = Instant::now();
     loop {
