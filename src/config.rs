@@ -1020,7 +1020,7 @@ impl Config {
         let mut rack = a.rack.clone();
         if rack.is_empty() && !a.topology_file.as_os_str().is_empty() {
             let file = &a.topology_file;
-            let text = std::fs::read_to_string(file).map_err(|e| {
+            let text = read_bounded(file, TOPOLOGY_MAX_BYTES).map_err(|e| {
                 anyhow::anyhow!(
                     "config key agent.topology_file: reading {}: {e}",
                     file.display()
@@ -1085,6 +1085,26 @@ impl Config {
 }
 
 /// This machine's hostname as a valid node name (invalid characters become `-`).
+/// The largest topology file read (a cluster of 100,000 nodes takes a few MiB).
+const TOPOLOGY_MAX_BYTES: u64 = 16 << 20;
+
+/// A text file of at most `max` bytes: a path to `/dev/zero` or a runaway file is an error,
+/// not an agent that fills its memory.
+fn read_bounded(path: &Path, max: u64) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(path)?
+        .take(max + 1)
+        .read_to_string(&mut text)?;
+    if text.len() as u64 > max {
+        return Err(std::io::Error::other(format!(
+            "larger than {} MiB; is it the right file?",
+            max >> 20
+        )));
+    }
+    Ok(text)
+}
+
 pub fn hostname() -> String {
     let raw = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .or_else(|_| std::fs::read_to_string("/etc/hostname"))
@@ -1216,6 +1236,15 @@ mod tests {
         std::fs::remove_file(&file).expect("rm");
         let err = format!("{:#}", agent("").expect_err("missing"));
         assert!(err.contains("agent.topology_file: reading"), "{err}");
+        // A careless path: refused, not read until memory runs out.
+        let zero = Config::parse("[agent]\nnode = \"gpu03\"\ntopology_file = \"/dev/zero\"\n")
+            .expect("parses")
+            .agent_config()
+            .expect_err("endless file");
+        assert!(
+            format!("{zero:#}").contains("larger than 16 MiB"),
+            "{zero:#}"
+        );
     }
 
     #[test]
