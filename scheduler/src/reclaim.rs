@@ -108,7 +108,7 @@ impl Scheduler {
         let Some(me) = self.jobs.get(&id).map(|j| j.account) else {
             return Vec::new();
         };
-        let mut cands: Vec<((bool, i64), JobId)> = Vec::new();
+        let mut cands: Vec<((bool, i64, std::cmp::Reverse<Time>), JobId)> = Vec::new();
         for &(_, v) in &self.deadlines {
             let Some(job) = self.jobs.get(&v) else {
                 continue;
@@ -121,7 +121,14 @@ impl Scheduler {
                 continue;
             }
             let cost = i64::from(job.spec.gpu_hundredths()) * (now - start).max(0);
-            cands.push(((job.idle_since.is_none(), cost), v));
+            // Idle jobs go first, but only once idle for the policy's window: one low sample
+            // (a job loading its data, or a reading taken before its agent launched it) must
+            // not make a busy job the victim in place of a younger one.
+            let idle = job
+                .idle_since
+                .is_some_and(|s| s + self.config.idle.window <= now);
+            // Equal cost: the job started last loses the least.
+            cands.push(((!idle, cost, std::cmp::Reverse(start)), v));
         }
         cands.sort_unstable();
         // An account gives up GPUs only down to its quota: what it holds beyond it is the
