@@ -443,6 +443,11 @@ pub struct SchedulerSection {
     /// GPUs each account may hold (`vision = 32`). Empty: no quotas. Otherwise an account
     /// not listed has a quota of 0 (it runs only on borrowed GPUs).
     pub quotas: std::collections::BTreeMap<String, u32>,
+    /// Per-model caps (`[scheduler.model_quotas.vision]` with `"NVIDIA H100 80GB HBM3" = 8`):
+    /// the account may hold at most that many GPUs of the model (the name as `perch nodes`
+    /// shows it), within its quota in all if it has one. Models not named are limited only by
+    /// that quota; a job without a model constraint goes to the models where it has room.
+    pub model_quotas: std::collections::BTreeMap<String, std::collections::BTreeMap<String, u32>>,
     /// An account at its quota may use idle GPUs; its jobs there can be reclaimed.
     pub borrowing: bool,
     /// An account within its quota preempts borrowers (their checkpoint signal, then their
@@ -494,6 +499,7 @@ impl Default for SchedulerSection {
             size_max_gpu_hours: perch.size_max_gpu_seconds / 3600.0,
             priority_period: human(perch.priority_period),
             quotas: Default::default(),
+            model_quotas: Default::default(),
             borrowing: perch.borrowing,
             reclaim: perch.reclaim,
             max_reclaims_per_pass: perch.max_reclaims_per_pass,
@@ -549,6 +555,15 @@ impl SchedulerSection {
                 .iter()
                 .map(|(a, q)| (a.0.clone(), *q))
                 .collect(),
+            model_quotas: policy.model_quotas.iter().fold(
+                std::collections::BTreeMap::new(),
+                |mut all, (a, m, q)| {
+                    all.entry(a.0.clone())
+                        .or_insert_with(std::collections::BTreeMap::new)
+                        .insert(m.0.clone(), *q);
+                    all
+                },
+            ),
             borrowing: policy.borrowing,
             reclaim: policy.reclaim,
             max_reclaims_per_pass: policy.max_reclaims_per_pass,
@@ -656,6 +671,35 @@ impl SchedulerSection {
             .iter()
             .map(|(a, q)| (Account(a.clone()), *q))
             .collect();
+        for (account, caps) in &self.model_quotas {
+            if account.trim().is_empty() || account.len() > 128 {
+                return Err(bad(
+                    "model_quotas",
+                    format!("{account:?} is not an account name (1 to 128 characters)"),
+                ));
+            }
+            for (model, gpus) in caps {
+                let key = format!("model_quotas.{account}.{model:?}");
+                if model.trim().is_empty() || model.len() > 256 {
+                    return Err(bad(
+                        &key,
+                        "a GPU model is named as `perch nodes` shows it (1 to 256 characters)"
+                            .into(),
+                    ));
+                }
+                if *gpus > 1_000_000 {
+                    return Err(bad(
+                        &key,
+                        format!("{gpus} GPUs is more than any cluster has"),
+                    ));
+                }
+                c.model_quotas.push((
+                    Account(account.clone()),
+                    perch_scheduler::GpuModel(model.clone()),
+                    *gpus,
+                ));
+            }
+        }
         c.borrowing = self.borrowing;
         c.reclaim = self.reclaim;
         if self.max_reclaims_per_pass == 0 || self.max_reclaims_per_pass > 10_000 {
@@ -1178,6 +1222,7 @@ mod tests {
             "[scheduler]\npolicy = \"backfill\"\npriority_period = \"1m\"\nborrowing = false\n\
              [scheduler.weights]\nage = 5.0\n\
              [scheduler.quotas]\nvision = 32\nnlp = 16\n\
+             [scheduler.model_quotas.vision]\n\"NVIDIA H100 80GB HBM3\" = 8\n\
              [scheduler.idle]\naction = \"requeue\"\nbelow_percent = 5.0\nafter = \"20m\"\ngrace = \"2m\"\n",
         )
         .expect("parses");
@@ -1191,6 +1236,17 @@ mod tests {
             p.quotas,
             vec![(Account("nlp".into()), 16), (Account("vision".into()), 32)]
         );
+        assert_eq!(
+            p.model_quotas,
+            vec![(
+                Account("vision".into()),
+                perch_scheduler::GpuModel("NVIDIA H100 80GB HBM3".into()),
+                8
+            )]
+        );
+        // What `--show-config` prints reads back as the same policy.
+        let shown = SchedulerSection::from_policy(&p).expect("shown");
+        assert_eq!(shown.policy().expect("again"), p);
         assert_eq!(p.idle.action, IdleAction::Reclaim { requeue: true });
         assert_eq!(p.idle.threshold_pct, 5.0);
         assert_eq!((p.idle.window, p.idle.grace), (20 * MINUTE, 2 * MINUTE));
@@ -1334,6 +1390,15 @@ mod tests {
                 "scheduler.quotas.vision",
             ),
             ("[scheduler.quotas]\n\" \" = 2", "scheduler.quotas"),
+            (
+                "[scheduler.model_quotas.vision]\nH100 = 2000000",
+                "scheduler.model_quotas.vision.\"H100\"",
+            ),
+            (
+                "[scheduler.model_quotas.vision]\n\"\" = 2",
+                "scheduler.model_quotas.vision",
+            ),
+            ("[scheduler.model_quotas]\nvision = 3", "expected a map"),
             (
                 "[scheduler]\nmax_reclaims_per_pass = 0",
                 "scheduler.max_reclaims_per_pass",

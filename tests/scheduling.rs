@@ -309,3 +309,36 @@ fn a_waiting_job_says_when_it_should_start_and_why_it_waits_in_words() {
         "only when asked: {q}"
     );
 }
+
+#[test]
+fn a_per_model_quota_holds_an_account_at_its_cap_and_says_so() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = common::server_with_config(
+        dir.path(),
+        "[server]\npg_listen = \"\"\n[scheduler]\nborrowing = false\n\
+         [scheduler.model_quotas.alice]\n\"Simulated H100 80GB\" = 2\n",
+        &[],
+    );
+    let _a = agent(&perch, dir.path(), "gpu-a", 4, "r1");
+    perch.wait_nodes_up(1);
+    let job = |user: &str| json!({ "command": ["sleep", "300"], "user": user, "gpus_per_node": 2 });
+    let first = post_job(&perch, job("alice"));
+    wait_state(&perch, first, "running");
+    // alice is at her cap on the node's model: her second job waits though 2 GPUs are free...
+    let second = post_job(&perch, job("alice"));
+    let waiting = wait_for("alice's second job to wait at her cap", || {
+        let j = perch.job(second);
+        (j["reason"].as_str()?.contains("quota")).then_some(j)
+    });
+    assert_eq!(waiting["state"], "pending", "{waiting}");
+    assert!(
+        waiting["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("holds 2 of its 2 Simulated H100 80GB GPUs")),
+        "{waiting}"
+    );
+    // ...and bob, with no cap, takes them.
+    let bobs = post_job(&perch, job("bob"));
+    wait_state(&perch, bobs, "running");
+    assert_eq!(perch.job(second)["state"], "pending");
+}

@@ -4,14 +4,16 @@
 //! `perch+topology` is the same on nodes with two NVLink islands of 4 GPUs that take shared
 //! jobs, with one pending job in 20 asking for part of a GPU. `perch+64-accounts` spreads the
 //! work over 64 accounts, each with a quota of 500 GPUs (the whole cluster between them), as
-//! an operator's `[scheduler.quotas]` would. `start_plan` estimates the start of the first
+//! an operator's `[scheduler.quotas]` would; `perch+model-quotas` is that on nodes half H100
+//! and half A100, each account also capped at 250 H100s (`[scheduler.model_quotas]`), so
+//! unconstrained jobs are steered between models. `start_plan` estimates the start of the first
 //! 1,000 pending jobs (`perch queue --start`) on the loaded perch cluster.
 //!
 //! `cargo bench -p perch-scheduler --bench pass`
 
 use perch_scheduler::{
-    Account, Cluster, Config, Event, GpuShare, JobId, JobSpec, MINUTE, NodeId, NodeSpec, Qos,
-    Scheduler, Shape, User,
+    Account, Cluster, Config, Event, GpuModel, GpuShare, JobId, JobSpec, MINUTE, NodeId, NodeSpec,
+    Qos, Scheduler, Shape, User,
 };
 
 fn main() {
@@ -49,13 +51,17 @@ fn job(id: u64, shape: Shape, account: u64, limit_min: i64, submit: i64) -> JobS
 /// A loaded 4,000 x 8 cluster with 20,000 jobs pending, and the time of the pass. With
 /// `topology`, nodes have NVLink islands {0-3},{4-7}, take shared jobs, and report memory, and
 /// 5% of the pending jobs are shares.
-fn loaded(config: Config, topology: bool, accounts: u64) -> (Scheduler, i64) {
+fn loaded(config: Config, topology: bool, accounts: u64, two_models: bool) -> (Scheduler, i64) {
     let mut cluster = Cluster::new();
     for i in 0..4_000u32 {
         let mut spec = NodeSpec::new(
             &format!("node{:04}", i + 1),
             8,
-            "H100",
+            if two_models && i % 2 == 1 {
+                "A100"
+            } else {
+                "H100"
+            },
             &format!("rack{:03}", i / 32),
         );
         if topology {
@@ -158,16 +164,24 @@ fn quotas(accounts: u64, each: u32) -> Vec<(Account, u32)> {
 }
 
 #[divan::bench(
-    args = ["backfill", "perch", "perch+topology", "perch+64-accounts"],
+    args = ["backfill", "perch", "perch+topology", "perch+64-accounts", "perch+model-quotas"],
     sample_count = 20
 )]
 fn full_pass(bencher: divan::Bencher, policy: &str) {
     let (config, accounts) = match policy {
         "perch" | "perch+topology" => (Config::perch(quotas(40, 800)), 40),
         "perch+64-accounts" => (Config::perch(quotas(64, 500)), 64),
+        "perch+model-quotas" => {
+            let mut c = Config::perch(quotas(64, 500));
+            c.model_quotas = (0..64)
+                .map(|a| (Account(format!("team{a}")), GpuModel("H100".into()), 250))
+                .collect();
+            (c, 64)
+        }
         _ => (Config::backfill(), 40),
     };
-    let (s, now) = loaded(config, policy == "perch+topology", accounts);
+    let two_models = policy == "perch+model-quotas";
+    let (s, now) = loaded(config, policy == "perch+topology", accounts, two_models);
     assert!(s.pending_len() >= 20_000, "pending {}", s.pending_len());
     let mut probe = s.clone();
     let started = probe
@@ -192,7 +206,7 @@ fn full_pass(bencher: divan::Bencher, policy: &str) {
 
 #[divan::bench(sample_count = 10)]
 fn start_plan(bencher: divan::Bencher) {
-    let (mut s, now) = loaded(Config::perch(quotas(40, 800)), false, 40);
+    let (mut s, now) = loaded(Config::perch(quotas(40, 800)), false, 40, false);
     let _ = s.schedule(now);
     let estimated = s
         .start_plan(now, 1_000, None)

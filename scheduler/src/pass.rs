@@ -8,15 +8,15 @@
 //! reservation needs. So backfill never delays the reserved job (unless a running job
 //! overruns... it cannot: time limits are enforced).
 
-use crate::cluster::NodeState;
+use crate::cluster::{Cluster, NodeState, Placement};
 use crate::ids::{JobId, Time};
-use crate::job::{PendingReason, PreemptReason};
+use crate::job::{GpuShare, PendingReason, PreemptReason, Shape};
 use crate::placement::find;
 use crate::policy::{Config, IdleAction, PolicyKind, fairshare_factor, size_factor};
 use crate::scheduler::{Action, Job, JobState, Scheduler};
 use crate::share::find_share;
+use rustc_hash::FxHashMap as HashMap;
 use std::cmp::Ordering;
-use std::collections::HashMap;
 
 /// Queue order: higher priority first, then earlier submission, then lower id.
 #[derive(Clone, Copy, Debug, Default)]
@@ -45,6 +45,29 @@ impl Ord for OrderKey {
 
 pub(crate) fn order_key(_config: &Config, j: &Job) -> OrderKey {
     OrderKey(j.priority, j.spec.submit, j.spec.id)
+}
+
+/// A placement on the first of `models` (each a model index, or any model) that has room.
+fn find_among(
+    cluster: &Cluster,
+    shape: Shape,
+    models: &[Option<usize>],
+    cap: impl Fn(usize) -> u32,
+) -> Option<Placement> {
+    models.iter().find_map(|&m| find(cluster, shape, m, &cap))
+}
+
+/// A place for a GPU share on the first of `models` that has room, and whether it opens a
+/// fresh GPU.
+fn find_share_among(
+    cluster: &Cluster,
+    share: GpuShare,
+    models: &[Option<usize>],
+    cap: impl Fn(usize) -> u32,
+) -> Option<(crate::cluster::NodeAlloc, bool)> {
+    models
+        .iter()
+        .find_map(|&m| find_share(cluster, share, m, &cap))
 }
 
 /// A reservation for the first blocked job.
@@ -218,7 +241,7 @@ impl Scheduler {
         // Jobs requeued during the pass land in `self.queue` and are merged back after it.
         let order = std::mem::take(&mut self.queue);
         let kind = self.config.kind;
-        let quotas = !self.config.quotas.is_empty();
+        let quotas = self.config.has_quotas();
         let mut reservation: Option<Reservation> = None;
         let mut fifo_blocked = false;
         let mut reclaims_left = self.config.max_reclaims_per_pass;
@@ -247,21 +270,33 @@ impl Scheduler {
                 continue;
             }
             let shape = j.spec.shape;
-            let model = j.model;
-            let within = self.accounts[j.account].within(j.spec.gpu_hundredths());
+            let own_model = [j.model];
+            let capped = self.quota_models(j);
+            let within = self.accounts[j.account].within(j.spec.gpu_hundredths())
+                && capped.as_ref().is_none_or(|room| !room.is_empty());
             if quotas && !within && !self.config.borrowing {
                 self.set_reason(id, PendingReason::QuotaExceeded);
                 continue;
             }
+            // Where it may go: within its per-model quotas, the models with room for it; else
+            // (no per-model quota, or borrowing) its own constraint.
+            let room: Vec<Option<usize>>;
+            let models: &[Option<usize>] = match capped {
+                Some(r) if within => {
+                    room = r.into_iter().map(Some).collect();
+                    &room
+                }
+                _ => &own_model,
+            };
             if let Some(share) = j.spec.share {
                 // A shared job fits on part of one GPU: it neither preempts nor reserves (a
                 // fraction of a GPU frees up far more often than a whole gang).
                 let ends_by = |r: &Reservation| now + j.limit_left() <= r.at;
                 let placed = match &reservation {
-                    Some(r) if !ends_by(r) => find_share(&self.cluster, share, model, |i| {
+                    Some(r) if !ends_by(r) => find_share_among(&self.cluster, share, models, |i| {
                         r.spare.get(&i).copied().unwrap_or(u32::MAX)
                     }),
-                    _ => find_share(&self.cluster, share, model, |_| u32::MAX),
+                    _ => find_share_among(&self.cluster, share, models, |_| u32::MAX),
                 };
                 if let Some((alloc, fresh)) = placed {
                     if fresh {
@@ -291,9 +326,9 @@ impl Scheduler {
             let ends_by = |r: &Reservation| now + j.limit_left() <= r.at;
             let placed = match &reservation {
                 _ if free < shape.gpus() => None,
-                None => find(&self.cluster, shape, model, |_| u32::MAX),
-                Some(r) if ends_by(r) => find(&self.cluster, shape, model, |_| u32::MAX),
-                Some(r) => find(&self.cluster, shape, model, |i| {
+                None => find_among(&self.cluster, shape, models, |_| u32::MAX),
+                Some(r) if ends_by(r) => find_among(&self.cluster, shape, models, |_| u32::MAX),
+                Some(r) => find_among(&self.cluster, shape, models, |i| {
                     r.spare.get(&i).copied().unwrap_or(u32::MAX)
                 }),
             };
@@ -311,16 +346,16 @@ impl Scheduler {
                 out.push(self.start(now, id, p));
                 continue;
             }
-            if may_preempt && find(&self.cluster, shape, model, |_| u32::MAX).is_none() {
+            if may_preempt && find_among(&self.cluster, shape, models, |_| u32::MAX).is_none() {
                 reclaims_left -= 1;
                 let preempted = if kind == PolicyKind::Srtf {
                     self.preempt_longer(now, id)
                 } else {
-                    self.reclaim_quota(now, id)
+                    self.reclaim_quota(now, id, models)
                 };
                 if !preempted.is_empty() {
                     out.extend(preempted);
-                    if let Some(p) = find(&self.cluster, shape, model, |_| u32::MAX) {
+                    if let Some(p) = find_among(&self.cluster, shape, models, |_| u32::MAX) {
                         out.push(self.start(now, id, p));
                     }
                     free = self.free_total();
@@ -328,12 +363,12 @@ impl Scheduler {
                 }
             }
             if let Some(requeue) = idle_reclaim
-                && find(&self.cluster, shape, model, |_| u32::MAX).is_none()
+                && find_among(&self.cluster, shape, models, |_| u32::MAX).is_none()
             {
-                let preempted = self.reclaim_idle_for(now, id, requeue);
+                let preempted = self.reclaim_idle_for(now, id, models, requeue);
                 if !preempted.is_empty() {
                     out.extend(preempted);
-                    if let Some(p) = find(&self.cluster, shape, model, |_| u32::MAX) {
+                    if let Some(p) = find_among(&self.cluster, shape, models, |_| u32::MAX) {
                         out.push(self.start(now, id, p));
                     }
                     free = self.free_total();
@@ -361,7 +396,10 @@ impl Scheduler {
                 fifo_blocked = true;
                 continue;
             }
-            reservation = self.reserve(now, id);
+            reservation = models
+                .iter()
+                .filter_map(|&m| self.reserve(now, id, m))
+                .min_by_key(|r| r.at);
             let reason = reservation.as_ref().map_or(PendingReason::Resources, |r| {
                 PendingReason::Reserved { at: r.at }
             });
@@ -377,17 +415,16 @@ impl Scheduler {
 
     /// The earliest time `id`'s gang fits if running jobs leave at their deadlines, and the
     /// nodes it would take then.
-    fn reserve(&self, now: Time, id: JobId) -> Option<Reservation> {
+    fn reserve(&self, now: Time, id: JobId, model: Option<usize>) -> Option<Reservation> {
         let j = self.jobs.get(&id)?;
         if self.unsatisfiable(j) {
             return None;
         }
         let g = j.spec.shape.gpus_per_node;
         let k = j.spec.shape.nodes;
-        let model = j.model;
         let nodes = &self.cluster.nodes;
-        let mut hyp: HashMap<usize, u32> = HashMap::new();
-        let mut sharers_left = HashMap::new();
+        let mut hyp: HashMap<usize, u32> = HashMap::default();
+        let mut sharers_left = HashMap::default();
         let mut count = self.cluster.nodes_with_free(model, g);
         let mut at = now;
         if count < k {

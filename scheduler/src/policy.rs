@@ -18,7 +18,7 @@
 //! `size = 1 - ln(1 + gpu_seconds_requested) / ln(1 + size_max)`, favouring small and short
 //! requests (declared GPUs x declared time limit, never the true duration).
 
-use crate::ids::{Account, DAY, MINUTE, Millis};
+use crate::ids::{Account, DAY, GpuModel, MINUTE, Millis};
 use serde::{Deserialize, Serialize};
 
 /// Which ordering and rules a pass applies.
@@ -106,6 +106,10 @@ pub struct Config {
     pub priority_period: Millis,
     /// GPU quota per account. Empty: no quotas. Non-empty: unlisted accounts have quota 0.
     pub quotas: Vec<(Account, u32)>,
+    /// Per-model caps: the account may hold at most this many GPUs of the model (on top of its
+    /// quota in all, if any). Models not named are limited only by the quota in all. A job
+    /// without a model constraint runs on the models where its account has room.
+    pub model_quotas: Vec<(Account, GpuModel, u32)>,
     /// Accounts over quota may use idle GPUs (the jobs become reclaimable).
     pub borrowing: bool,
     /// Accounts within quota preempt borrowers to get their GPUs back.
@@ -117,6 +121,11 @@ pub struct Config {
 }
 
 impl Config {
+    /// Whether any quota (in all or per model) is in force.
+    pub fn has_quotas(&self) -> bool {
+        !self.quotas.is_empty() || !self.model_quotas.is_empty()
+    }
+
     /// The defaults shared by every policy.
     fn base(kind: PolicyKind) -> Self {
         Config {
@@ -132,6 +141,7 @@ impl Config {
             size_max_gpu_seconds: 64.0 * 30.0 * 86_400.0,
             priority_period: 5 * MINUTE,
             quotas: Vec::new(),
+            model_quotas: Vec::new(),
             borrowing: true,
             reclaim: false,
             idle: IdlePolicy {

@@ -1,17 +1,71 @@
 //! Choosing victims: gang-aware reclaim of borrowed GPUs, SRTF preemption, and idle reclaim.
 //!
 //! Victims are always whole jobs (every GPU of a gang is freed together). Candidates are taken
-//! cheapest first (measured-idle jobs before busy ones, then the fewest GPU-milliseconds of work
-//! at stake) until the waiting gang would fit; then every victim that turns out not to be needed
+//! cheapest first (jobs idle for the idle window before busy ones, then the fewest GPU-milliseconds
+//! of work at stake) until the waiting gang would fit; then every victim that turns out not to be needed
 //! is dropped again, most expensive first, so the set is small and cheap.
 
 use crate::cluster::NodeState;
 use crate::ids::{JobId, Time};
 use crate::job::PreemptReason;
-use crate::scheduler::{Action, JobState, Scheduler};
-use std::collections::HashMap;
+use crate::scheduler::{Action, Job, JobState, Scheduler};
+use rustc_hash::FxHashMap as HashMap;
+
+/// What quota reclaim may take from an account: in all (`None`) or on one model.
+type BudgetKey = (usize, Option<usize>);
+
+/// A reclaim candidate's preference key: not idle for the window, GPU-milliseconds at stake,
+/// the later start first.
+type VictimKey = (bool, i64, std::cmp::Reverse<Time>);
+
+/// Hundredths of a GPU each account may still give up: which allowance each candidate draws
+/// on, with that allowance's size (by the candidates' order), and what is left of those used.
+pub(crate) struct Budget<'a> {
+    key: &'a [(BudgetKey, i64)],
+    left: HashMap<BudgetKey, i64>,
+}
 
 impl Scheduler {
+    /// The models job `j` may take GPUs of within its account's per-model quotas: `None` when
+    /// no per-model quota restricts it, else the indices of the models (its own, or any) where
+    /// its account has room for it (empty: none).
+    pub(crate) fn quota_models(&self, j: &Job) -> Option<Vec<usize>> {
+        let a = &self.accounts[j.account];
+        if a.model_quota.is_empty() {
+            return None;
+        }
+        let models = &self.cluster.models;
+        let candidates: Vec<usize> = match j.model {
+            // A model no node has: nothing can place it anyway.
+            Some(m) if m >= models.len() => return None,
+            Some(m) => vec![m],
+            None => (0..models.len()).collect(),
+        };
+        let need = u64::from(j.spec.gpu_hundredths());
+        let room: Vec<usize> = candidates
+            .iter()
+            .copied()
+            .filter(|&m| {
+                self.model_cap(j.account, m)
+                    .is_none_or(|q| u64::from(a.held_of(m)) + need <= u64::from(q) * 100)
+            })
+            .collect();
+        if j.model.is_none() && room.len() == candidates.len() {
+            return None;
+        }
+        Some(room)
+    }
+
+    /// Account `account`'s cap on the model with index `m`, if the policy names one.
+    pub(crate) fn model_cap(&self, account: usize, m: usize) -> Option<u32> {
+        let name = self.cluster.models.get(m)?;
+        self.accounts[account]
+            .model_quota
+            .iter()
+            .find(|(model, _)| model == name)
+            .map(|(_, q)| *q)
+    }
+
     /// The smallest prefix-then-pruned set of `candidates` (in preference order) whose release
     /// lets `id`'s gang fit, or `None`. A candidate whose release frees nothing the gang can
     /// use (all its nodes already have room for a rank in the what-if) is passed over, and
@@ -20,16 +74,16 @@ impl Scheduler {
     pub(crate) fn select_victims(
         &self,
         id: JobId,
+        model: Option<usize>,
         candidates: &[JobId],
-        mut budget: Option<HashMap<usize, i64>>,
+        mut budget: Option<Budget<'_>>,
     ) -> Option<Vec<JobId>> {
         let j = self.jobs.get(&id)?;
         let g = j.spec.shape.gpus_per_node;
         let k = j.spec.shape.nodes;
-        let model = j.model;
         let nodes = &self.cluster.nodes;
-        let mut hyp: HashMap<usize, u32> = HashMap::new();
-        let mut sharers_left = HashMap::new();
+        let mut hyp: HashMap<usize, u32> = HashMap::default();
+        let mut sharers_left = HashMap::default();
         let mut count = self.cluster.nodes_with_free(model, g);
         // Applies (or, with `release == false`, undoes) the release of `v` to the what-if.
         let mut apply =
@@ -56,7 +110,7 @@ impl Scheduler {
                 }
             };
         let mut chosen = Vec::new();
-        for &v in candidates {
+        for (c, &v) in candidates.iter().enumerate() {
             if count >= k {
                 break;
             }
@@ -77,7 +131,12 @@ impl Scheduler {
                 continue;
             }
             if let Some(budget) = &mut budget {
-                let left = budget.entry(job.account).or_insert(0);
+                let (key, excess) = budget
+                    .key
+                    .get(c)
+                    .copied()
+                    .unwrap_or(((job.account, None), 0));
+                let left = budget.left.entry(key).or_insert(excess);
                 let cost = i64::from(job.spec.gpu_hundredths());
                 if *left < cost {
                     continue;
@@ -102,24 +161,48 @@ impl Scheduler {
         Some(chosen)
     }
 
-    /// Quota reclaim for `id` (within its account's quota): preempt jobs of accounts that are
-    /// over their quota, never below it.
-    pub(crate) fn reclaim_quota(&mut self, now: Time, id: JobId) -> Vec<Action> {
+    /// Quota reclaim for `id` (within its account's quotas), placed on one of `models`:
+    /// preempt jobs of accounts over their quota in all, or over their cap on the model the job
+    /// runs on, never below it.
+    pub(crate) fn reclaim_quota(
+        &mut self,
+        now: Time,
+        id: JobId,
+        models: &[Option<usize>],
+    ) -> Vec<Action> {
         let Some(me) = self.jobs.get(&id).map(|j| j.account) else {
             return Vec::new();
         };
-        let mut cands: Vec<((bool, i64, std::cmp::Reverse<Time>), JobId)> = Vec::new();
+        let mut cands: Vec<(VictimKey, JobId, (BudgetKey, i64))> = Vec::new();
         for &(_, v) in &self.deadlines {
             let Some(job) = self.jobs.get(&v) else {
                 continue;
             };
             let a = &self.accounts[job.account];
-            let JobState::Running { start, .. } = job.state else {
+            let JobState::Running { start, placement } = &job.state else {
                 continue;
             };
-            if job.account == me || !job.spec.preemptible || a.within(0) {
+            let start = *start;
+            if job.account == me || !job.spec.preemptible {
                 continue;
             }
+            // What the account holds beyond its quota (in all, else on the job's model) is the
+            // allowance victims are chosen within: never below the quota.
+            let over = |held: u32, q: u32| i64::from(held) - i64::from(q) * 100;
+            let key = if !a.within(0) {
+                let q = a.quota.unwrap_or(0);
+                Some(((job.account, None), over(a.alloc, q)))
+            } else {
+                placement.iter().find_map(|p| {
+                    let m = self.cluster.nodes[p.node.0 as usize].model;
+                    let q = self.model_cap(job.account, m)?;
+                    let excess = over(a.held_of(m), q);
+                    (excess > 0).then_some(((job.account, Some(m)), excess))
+                })
+            };
+            let Some(allowance) = key else {
+                continue;
+            };
             let cost = i64::from(job.spec.gpu_hundredths()) * (now - start).max(0);
             // Idle jobs go first, but only once idle for the policy's window: one low sample
             // (a job loading its data, or a reading taken before its agent launched it) must
@@ -128,24 +211,19 @@ impl Scheduler {
                 .idle_since
                 .is_some_and(|s| s + self.config.idle.window <= now);
             // Equal cost: the job started last loses the least.
-            cands.push(((!idle, cost, std::cmp::Reverse(start)), v));
+            cands.push(((!idle, cost, std::cmp::Reverse(start)), v, allowance));
         }
         cands.sort_unstable();
-        // An account gives up GPUs only down to its quota: what it holds beyond it is the
-        // budget victims are chosen within (never below the quota).
-        let mut budget: HashMap<usize, i64> = HashMap::new();
-        for (_, v) in &cands {
-            let Some(job) = self.jobs.get(v) else {
-                continue;
+        let ordered: Vec<JobId> = cands.iter().map(|&(_, v, _)| v).collect();
+        let allowances: Vec<(BudgetKey, i64)> = cands.iter().map(|&(_, _, a)| a).collect();
+        let victims = models.iter().find_map(|&m| {
+            let budget = Budget {
+                key: &allowances,
+                left: HashMap::default(),
             };
-            let a = &self.accounts[job.account];
-            let excess = a
-                .quota
-                .map_or(0, |q| i64::from(a.alloc) - i64::from(q) * 100);
-            budget.insert(job.account, excess.max(0));
-        }
-        let ordered: Vec<JobId> = cands.into_iter().map(|(_, v)| v).collect();
-        match self.select_victims(id, &ordered, Some(budget)) {
+            self.select_victims(id, m, &ordered, Some(budget))
+        });
+        match victims {
             Some(victims) => {
                 self.preempt_for(now, victims, PreemptReason::QuotaReclaim { for_job: id })
             }
@@ -168,7 +246,8 @@ impl Scheduler {
             .collect();
         cands.sort_unstable();
         let ordered: Vec<JobId> = cands.into_iter().map(|(_, v)| v).collect();
-        match self.select_victims(id, &ordered, None) {
+        let model = self.jobs.get(&id).and_then(|j| j.model);
+        match self.select_victims(id, model, &ordered, None) {
             Some(victims) => {
                 self.preempt_for(now, victims, PreemptReason::ShorterJob { for_job: id })
             }
@@ -179,11 +258,20 @@ impl Scheduler {
     /// Idle reclaim for pending job `id`: the fewest preemptible jobs idle past the window and
     /// the grace (longest idle first) whose release lets it fit. The caller starts `id` on
     /// them in the same pass, so the GPUs never go back to an idle job.
-    pub(crate) fn reclaim_idle_for(&mut self, now: Time, id: JobId, requeue: bool) -> Vec<Action> {
+    pub(crate) fn reclaim_idle_for(
+        &mut self,
+        now: Time,
+        id: JobId,
+        models: &[Option<usize>],
+        requeue: bool,
+    ) -> Vec<Action> {
         let mut due = self.idle_due(now);
         due.sort_unstable();
         let ordered: Vec<JobId> = due.into_iter().map(|(_, v)| v).collect();
-        match self.select_victims(id, &ordered, None) {
+        let victims = models
+            .iter()
+            .find_map(|&m| self.select_victims(id, m, &ordered, None));
+        match victims {
             Some(victims) => victims
                 .into_iter()
                 .map(|v| self.preempt(now, v, PreemptReason::Idle, requeue))

@@ -7,9 +7,10 @@
 
 use crate::cluster::{Cluster, GpuHealth, NodeSpec, NodeState, Placement};
 use crate::error::{Error, Result};
-use crate::ids::{Account, JobId, Millis, NodeId, Time};
+use crate::ids::{Account, GpuModel, JobId, Millis, NodeId, Time};
 use crate::job::{EndState, JobSpec, PendingReason, PreemptReason, RequeueReason};
 use crate::policy::{Config, IdleAction};
+use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap};
 
@@ -202,6 +203,10 @@ pub(crate) struct AccountState {
     pub(crate) quota: Option<u32>,
     /// Held now, in hundredths of a GPU (a shared job holds its percent).
     pub(crate) alloc: u32,
+    /// Per-model caps in GPUs (the models the policy names for this account).
+    pub(crate) model_quota: Vec<(GpuModel, u32)>,
+    /// Held now per model (by the cluster's model index), in hundredths of a GPU.
+    pub(crate) model_alloc: Vec<u32>,
     /// GPU-milliseconds, decayed.
     pub(crate) usage: f64,
 }
@@ -213,6 +218,11 @@ impl AccountState {
         self.quota
             .is_none_or(|q| u64::from(self.alloc) + u64::from(more) <= u64::from(q) * 100)
     }
+
+    /// Held now of the model with index `m`, in hundredths of a GPU.
+    pub(crate) fn held_of(&self, m: usize) -> u32 {
+        self.model_alloc.get(m).copied().unwrap_or(0)
+    }
 }
 
 /// The scheduling core. See the crate docs for how a server drives it.
@@ -220,7 +230,7 @@ impl AccountState {
 pub struct Scheduler {
     pub(crate) config: Config,
     pub(crate) cluster: Cluster,
-    pub(crate) jobs: HashMap<JobId, Job>,
+    pub(crate) jobs: FxHashMap<JobId, Job>,
     /// Pending jobs in priority order (may hold ids of jobs no longer pending; skipped).
     pub(crate) queue: Vec<JobId>,
     /// Running jobs by (deadline from time limit, id).
@@ -242,7 +252,7 @@ impl Scheduler {
         let mut s = Scheduler {
             config,
             cluster,
-            jobs: HashMap::new(),
+            jobs: FxHashMap::default(),
             queue: Vec::new(),
             deadlines: BTreeSet::new(),
             idle: BTreeSet::new(),
@@ -253,11 +263,8 @@ impl Scheduler {
             fifo_blocked: false,
             usage_decayed_at: None,
         };
-        let quotas = s.config.quotas.clone();
-        for (a, q) in quotas {
-            let i = s.account(&a);
-            s.accounts[i].quota = Some(q);
-        }
+        let config = s.config.clone();
+        s.reconfigure(config);
         s
     }
 
@@ -349,6 +356,27 @@ impl Scheduler {
         }
     }
 
+    /// An account's per-model caps: (model, GPUs of it held now, cap), a part of a GPU
+    /// counting as a whole one.
+    pub fn model_quota_use(&self, account: &Account) -> Vec<(GpuModel, u32, u32)> {
+        let Some(&i) = self.account_index.get(account) else {
+            return Vec::new();
+        };
+        let a = &self.accounts[i];
+        a.model_quota
+            .iter()
+            .map(|(model, cap)| {
+                let held = self
+                    .cluster
+                    .models
+                    .iter()
+                    .position(|m| m == model)
+                    .map_or(0, |m| a.held_of(m).div_ceil(100));
+                (model.clone(), held, *cap)
+            })
+            .collect()
+    }
+
     /// GPUs an account holds now (a part of a GPU counts as a whole one here).
     pub fn account_alloc(&self, account: &Account) -> u32 {
         self.account_index
@@ -411,6 +439,14 @@ impl Scheduler {
             let i = self.account(&a);
             self.accounts[i].quota = Some(q);
         }
+        for a in &mut self.accounts {
+            a.model_quota.clear();
+        }
+        let caps = self.config.model_quotas.clone();
+        for (a, model, q) in caps {
+            let i = self.account(&a);
+            self.accounts[i].model_quota.push((model, q));
+        }
         self.next_priority_at = Time::MIN;
     }
 
@@ -443,6 +479,8 @@ impl Scheduler {
         };
         self.accounts.push(AccountState {
             quota,
+            model_quota: Vec::new(),
+            model_alloc: Vec::new(),
             alloc: 0,
             usage: 0.0,
         });
@@ -827,6 +865,14 @@ impl Scheduler {
         let acct = &mut self.accounts[j.account];
         acct.alloc = acct.alloc.saturating_sub(held);
         acct.usage += charged;
+        let share = j.spec.share.map(|s| s.percent);
+        for a in &placement {
+            let m = self.cluster.nodes[a.node.0 as usize].model;
+            let h = share.unwrap_or(a.mask.count_ones() * 100);
+            if let Some(x) = acct.model_alloc.get_mut(m) {
+                *x = x.saturating_sub(h);
+            }
+        }
         self.deadlines.remove(&(deadline, job));
         self.idle.remove(&job);
         self.cluster.release(job, &placement);
@@ -842,7 +888,16 @@ impl Scheduler {
                 start: now,
             };
             j.charged_until = now;
-            self.accounts[j.account].alloc += j.spec.gpu_hundredths();
+            let acct = &mut self.accounts[j.account];
+            acct.alloc += j.spec.gpu_hundredths();
+            let share = j.spec.share.map(|s| s.percent);
+            for a in &placement {
+                let m = self.cluster.nodes[a.node.0 as usize].model;
+                if acct.model_alloc.len() <= m {
+                    acct.model_alloc.resize(m + 1, 0);
+                }
+                acct.model_alloc[m] += share.unwrap_or(a.mask.count_ones() * 100);
+            }
             self.deadlines.insert((now + j.limit_left(), job));
         }
         Action::Start { job, placement }
@@ -892,7 +947,7 @@ impl Scheduler {
     pub(crate) fn freed_by(
         &self,
         v: JobId,
-        left: &mut HashMap<(usize, usize), usize>,
+        left: &mut FxHashMap<(usize, usize), usize>,
         release: bool,
     ) -> Vec<(usize, u64)> {
         let Some(j) = self.jobs.get(&v) else {

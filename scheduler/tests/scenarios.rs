@@ -840,3 +840,76 @@ fn quota_reclaim_frees_gpus_where_the_gang_needs_them() {
         "still above its quota"
     );
 }
+
+#[test]
+fn per_model_quotas_steer_unconstrained_jobs_cap_constrained_ones_and_are_reclaimed() {
+    use perch_scheduler::{GpuModel, NodeSpec};
+    let h100 = GpuModel("H100".into());
+    let mut config = Config::perch(vec![]);
+    // vision may hold at most 8 H100s (no cap on A100s, no quota in all); nlp at most 8.
+    config.model_quotas = vec![
+        (Account("vision".into()), h100.clone(), 8),
+        (Account("nlp".into()), h100.clone(), 8),
+    ];
+    config.borrowing = false;
+    let mut s = Scheduler::new(Cluster::new(), config.clone());
+    for (name, model) in [("h1", "H100"), ("h2", "H100"), ("a1", "A100")] {
+        step(
+            &mut s,
+            0,
+            Event::AddNode(NodeSpec::new(name, 8, model, "r1")),
+        );
+    }
+    let on = |s: &Scheduler, id: u64| s.placement(JobId(id)).map(|p| p[0].node.0);
+    let wants = |mut j: perch_scheduler::JobSpec| {
+        j.gpu_model = Some(h100.clone());
+        j
+    };
+    // vision's first 8-GPU job lands on an H100 node (its cap has room).
+    step(&mut s, 1, Event::Submit(one(1, 8, "vision", 600, 1)));
+    assert!(matches!(on(&s, 1), Some(0 | 1)));
+    // Its second, unconstrained, is steered to the A100 node though an H100 node is free.
+    step(&mut s, 2, Event::Submit(one(2, 8, "vision", 600, 2)));
+    assert_eq!(on(&s, 2), Some(2));
+    // A third that insists on H100 waits at its cap, with the quota as its reason.
+    step(&mut s, 3, Event::Submit(wants(one(3, 8, "vision", 600, 3))));
+    assert_eq!(
+        s.pending_reason(JobId(3)),
+        Some(PendingReason::QuotaExceeded)
+    );
+    assert_eq!(
+        s.model_quota_use(&Account("vision".into())),
+        vec![(h100.clone(), 8, 8)]
+    );
+    // nlp (its own cap) takes the free H100 node.
+    step(&mut s, 4, Event::Submit(wants(one(4, 8, "nlp", 600, 4))));
+    assert!(matches!(on(&s, 4), Some(0 | 1)));
+
+    // With borrowing, vision runs past its H100 cap on idle H100s; nlp reclaims them within
+    // its own cap, and only the borrowed job is taken.
+    config.borrowing = true;
+    let mut s = Scheduler::new(Cluster::new(), config);
+    for (name, model) in [("h1", "H100"), ("h2", "H100")] {
+        step(
+            &mut s,
+            0,
+            Event::AddNode(NodeSpec::new(name, 8, model, "r1")),
+        );
+    }
+    step(&mut s, 1, Event::Submit(wants(one(1, 8, "vision", 600, 1))));
+    step(&mut s, 2, Event::Submit(wants(one(2, 8, "vision", 600, 2))));
+    assert!(
+        on(&s, 1).is_some() && on(&s, 2).is_some(),
+        "vision borrows the second H100 node"
+    );
+    let a = step(&mut s, 3, Event::Submit(wants(one(3, 8, "nlp", 600, 3))));
+    assert_eq!(preempted(&a), vec![2], "{a:?}");
+    assert_eq!(started(&a), vec![3]);
+    assert_eq!(
+        s.model_quota_use(&Account("vision".into())),
+        vec![(h100.clone(), 8, 8)]
+    );
+    // vision is at its cap now: nlp's next H100 job may not take more from it.
+    let a = step(&mut s, 4, Event::Submit(wants(one(4, 8, "nlp", 600, 4))));
+    assert!(preempted(&a).is_empty() && started(&a).is_empty(), "{a:?}");
+}

@@ -1103,11 +1103,24 @@ impl Control {
         match reason {
             PendingReason::QuotaExceeded => {
                 let account = Account(job.request.account().to_owned());
-                let quota = self.scheduler.account_quota(&account)?;
-                let holds = self.scheduler.account_alloc(&account);
+                let mut held = Vec::new();
+                if let Some(quota) = self.scheduler.account_quota(&account) {
+                    let holds = self.scheduler.account_alloc(&account);
+                    held.push(format!("{holds} of its quota of {quota} GPUs"));
+                }
+                let wanted = job.request.gpu_model.as_deref();
+                for (model, holds, cap) in self.scheduler.model_quota_use(&account) {
+                    if wanted.is_none_or(|w| w == model.0) {
+                        held.push(format!("{holds} of its {cap} {} GPUs", model.0));
+                    }
+                }
+                if held.is_empty() {
+                    return None;
+                }
                 Some(format!(
-                    "account {} holds {holds} of its quota of {quota} GPUs{}",
+                    "account {} holds {}{}",
                     account.0,
+                    held.join(", "),
                     if self.config.policy.borrowing {
                         "; no idle GPUs to borrow"
                     } else {
