@@ -1020,6 +1020,11 @@ impl Config {
         if !s.tokens_file.as_os_str().is_empty() {
             config.tokens =
                 perch_server::auth::Tokens::load(&s.tokens_file).map_err(anyhow::Error::msg)?;
+            config.tokens.warn_expiring(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as i64),
+            );
         }
         match (
             s.tls_cert.as_os_str().is_empty(),

@@ -417,6 +417,94 @@ fn tokens_are_created_hashed_and_granted_or_revoked_on_sighup() {
     );
 }
 
+/// Issue 16: tokens had no end, and two `perch token create --append` at once could each
+/// read the file before the other wrote (no lock). Eight at once all land; a token made with
+/// `--expires` works until then and is refused after, saying when it expired and what to do.
+#[test]
+fn tokens_expire_and_concurrent_appends_all_land() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("tokens.toml");
+    let create = |user: &str, extra: &[&str]| {
+        let out = common::client()
+            .args(["token", "create", "--user", user, "--role", "user"])
+            .args(extra)
+            .arg("--append")
+            .arg(&file)
+            .output()
+            .expect("perch token create");
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).trim().to_owned(),
+            err,
+        )
+    };
+    let tokens: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8)
+            .map(|i| s.spawn(move || create(&format!("user{i}"), &[])))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                let (ok, token, err) = h.join().expect("thread");
+                assert!(ok, "{err}");
+                token
+            })
+            .collect()
+    });
+    let text = std::fs::read_to_string(&file).expect("file");
+    assert_eq!(text.matches("[[tokens]]").count(), 8, "{text}");
+    for (bad, want) in [
+        ("yesterday", "give a duration"),
+        ("2020-01-01", "not in the future"),
+        ("2030-01-01T00:00:00", "no UTC offset"),
+    ] {
+        let (ok, _, err) = create("late", &["--expires", bad]);
+        assert!(!ok && err.contains(want), "{bad}: {err}");
+    }
+    assert_eq!(
+        std::fs::read_to_string(&file).expect("file"),
+        text,
+        "refusals write nothing"
+    );
+    let (ok, short, err) = create("brief", &["--expires", "4s"]);
+    assert!(ok, "{err}");
+    assert!(
+        std::fs::read_to_string(&file)
+            .expect("file")
+            .contains("expires = 20")
+    );
+
+    let server = common::server_with_config(
+        dir.path(),
+        &format!(
+            "[server]\ntokens_file = \"{}\"\npg_listen = \"\"\n",
+            file.display()
+        ),
+        &[],
+    );
+    assert!(
+        server.log().contains("expires within a week"),
+        "{}",
+        server.log()
+    );
+    for token in &tokens {
+        assert!(cli(&server.url, Some(token), &["jobs"]).0);
+    }
+    assert!(
+        cli(&server.url, Some(&short), &["jobs"]).0,
+        "before it expires"
+    );
+    let err = wait_for("the short token to expire", || {
+        let (ok, _, err) = cli(&server.url, Some(&short), &["jobs"]);
+        (!ok).then_some(err)
+    });
+    assert!(
+        err.contains("expired at") && err.contains("perch token create"),
+        "{err}"
+    );
+}
+
 /// Issue 16: a token of each role against each route, as `docs/security.md` ("Who may call
 /// what") gives them. A call the role may make is answered anything but 401 or 403 (a missing
 /// job is 404, an empty body 400); one it may not is 401 without a token and 403 with one.

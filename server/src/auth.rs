@@ -85,6 +85,72 @@ struct TokenEntry {
     /// Agent tokens: the nodes it may speak for.
     #[serde(default)]
     nodes: Option<Vec<String>>,
+    /// When the token stops working: a TOML date-time with its offset
+    /// (`2027-03-01T00:00:00Z`), or a date (midnight UTC), bare or quoted.
+    #[serde(default)]
+    expires: Option<Expires>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Expires {
+    At(toml::value::Datetime),
+    Text(String),
+}
+
+impl Expires {
+    /// Milliseconds since the epoch, or what to write instead.
+    fn epoch_ms(&self) -> Result<i64, String> {
+        let at = match self {
+            Expires::At(at) => *at,
+            Expires::Text(text) => text.trim().parse::<toml::value::Datetime>().map_err(|_| {
+                format!(
+                    "{text:?} is not a date-time; write it as 2027-03-01T00:00:00Z or 2027-03-01"
+                )
+            })?,
+        };
+        datetime_epoch_ms(&at)
+    }
+}
+
+/// A TOML date-time as milliseconds since the epoch: a date alone is midnight UTC; a time needs
+/// its offset (a token's end must not depend on the server's time zone).
+pub fn datetime_epoch_ms(at: &toml::value::Datetime) -> Result<i64, String> {
+    let Some(date) = at.date else {
+        return Err(format!(
+            "{at} has no date; write it as 2027-03-01T00:00:00Z"
+        ));
+    };
+    let (secs_of_day, offset_min) = match (at.time, at.offset) {
+        (None, _) => (0, 0),
+        (Some(_), None) => {
+            return Err(format!("{at} has no UTC offset; add one, e.g. {at}Z"));
+        }
+        (Some(t), Some(o)) => {
+            let secs = i64::from(t.hour) * 3600
+                + i64::from(t.minute) * 60
+                + i64::from(t.second.unwrap_or(0));
+            let offset = match o {
+                toml::value::Offset::Z => 0,
+                toml::value::Offset::Custom { minutes } => i64::from(minutes),
+            };
+            (secs, offset)
+        }
+    };
+    // Days from 1970-01-01 (Howard Hinnant's days_from_civil).
+    let (y, m, d) = (
+        i64::from(date.year),
+        i64::from(date.month),
+        i64::from(date.day),
+    );
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Ok((days * 86_400 + secs_of_day - offset_min * 60) * 1000)
 }
 
 /// The tokens the server accepts, by their BLAKE3 hash; `None` means open mode.
@@ -101,7 +167,8 @@ pub struct Tokens {
     path: Option<PathBuf>,
 }
 
-type ByHash = HashMap<[u8; 32], Identity>;
+/// Each known token's identity and when it expires (ms since the epoch), by its hash.
+type ByHash = HashMap<[u8; 32], (Identity, Option<i64>)>;
 
 /// How the tokens file writes a token's hash.
 pub const HASH_PREFIX: &str = "blake3:";
@@ -204,6 +271,12 @@ impl Tokens {
                 perch_model::NodeId::new(node.clone())
                     .map_err(|e| format!("tokens[{i}].nodes: {e}"))?;
             }
+            let expires = t
+                .expires
+                .as_ref()
+                .map(Expires::epoch_ms)
+                .transpose()
+                .map_err(|e| format!("tokens[{i}].expires: {e}"))?;
             if t.role == Role::Agent && t.nodes.is_none() {
                 tracing::warn!(
                     user = %t.user,
@@ -213,12 +286,15 @@ impl Tokens {
             if map
                 .insert(
                     hash,
-                    Identity {
-                        user: t.user,
-                        role: t.role,
-                        nodes: t.nodes,
-                        job: None,
-                    },
+                    (
+                        Identity {
+                            user: t.user,
+                            role: t.role,
+                            nodes: t.nodes,
+                            job: None,
+                        },
+                        expires,
+                    ),
                 )
                 .is_some()
             {
@@ -228,15 +304,25 @@ impl Tokens {
         Ok(map)
     }
 
-    /// Who `token` belongs to: `None` when the server does not know it, or runs open. The
-    /// PostgreSQL listener takes the token as the connection's password.
-    pub fn identify(&self, token: &str) -> Option<Identity> {
-        self.map
-            .as_ref()?
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(blake3::hash(token.as_bytes()).as_bytes())
-            .cloned()
+    /// Who `token` belongs to at `now_ms`: `Err` with the reason when the server does not
+    /// know it or it has expired; `Ok(None)` when the server runs open. The PostgreSQL
+    /// listener takes the token as the connection's password.
+    pub fn identify(&self, token: &str, now_ms: i64) -> Result<Option<Identity>, String> {
+        let Some(map) = &self.map else {
+            return Ok(None);
+        };
+        let map = map.read().unwrap_or_else(|p| p.into_inner());
+        let Some((identity, expires)) = map.get(blake3::hash(token.as_bytes()).as_bytes()) else {
+            return Err("the token is not known to this server".into());
+        };
+        match expires {
+            Some(at) if *at <= now_ms => Err(format!(
+                "this token of {} expired at {}; ask an operator for a new one (`perch token create --expires ...`)",
+                identity.user,
+                rfc3339(*at)
+            )),
+            _ => Ok(Some(identity.clone())),
+        }
     }
 
     /// Who sends `header`; `job_of` checks a job's metrics token (the control plane knows
@@ -245,15 +331,16 @@ impl Tokens {
         &self,
         header: Option<&str>,
         job_of: &dyn Fn(&str) -> Option<(u64, String)>,
+        now_ms: i64,
     ) -> Result<Identity, ApiError> {
-        let Some(map) = &self.map else {
+        if self.map.is_none() {
             return Ok(Identity {
                 user: "local".into(),
                 role: Role::Operator,
                 nodes: None,
                 job: None,
             });
-        };
+        }
         let token = header
             .and_then(|h| h.strip_prefix("Bearer "))
             .map(str::trim)
@@ -280,18 +367,75 @@ impl Tokens {
                     )
                 });
         }
-        map.read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(blake3::hash(token.as_bytes()).as_bytes())
-            .cloned()
-            .ok_or_else(|| {
-                ApiError::new(
-                    StatusCode::UNAUTHORIZED,
-                    "unauthenticated",
-                    "the token is not known to this server",
-                )
-            })
+        match self.identify(token, now_ms) {
+            Ok(Some(identity)) => Ok(identity),
+            Ok(None) => Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthenticated",
+                "the token is not known to this server",
+            )),
+            Err(why) => Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthenticated",
+                why,
+            )),
+        }
     }
+
+    /// Logs a warning for each token expired at `now_ms` or expiring within a week (when the
+    /// file is read, so an operator sees it before its user does).
+    pub fn warn_expiring(&self, now_ms: i64) {
+        const WEEK_MS: i64 = 7 * 86_400_000;
+        for (user, at) in self.expiring(now_ms, WEEK_MS) {
+            if at <= now_ms {
+                tracing::warn!(user = %user, expired = %rfc3339(at), "a token in the tokens file has expired; it is refused (remove its entry, or give the user a new one)");
+            } else {
+                tracing::warn!(user = %user, expires = %rfc3339(at), "a token in the tokens file expires within a week");
+            }
+        }
+    }
+
+    /// Tokens that expire within `within_ms` of `now_ms` (or have already): (user, expiry),
+    /// for a warning when the file is loaded.
+    pub fn expiring(&self, now_ms: i64, within_ms: i64) -> Vec<(String, i64)> {
+        let Some(map) = &self.map else {
+            return Vec::new();
+        };
+        let mut out: Vec<(String, i64)> = map
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter_map(|(i, e)| {
+                e.filter(|&at| at <= now_ms + within_ms)
+                    .map(|at| (i.user.clone(), at))
+            })
+            .collect();
+        out.sort();
+        out
+    }
+}
+
+/// `ms` since the epoch as an RFC 3339 UTC time, for messages.
+pub fn rfc3339(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
 }
 
 fn parse_hash(text: &str) -> Option<[u8; 32]> {
@@ -335,10 +479,11 @@ pub async fn middleware(
         .headers()
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    let identity = match state
-        .tokens
-        .lookup(header, &|token| state.jobs.job_of_token(token))
-    {
+    let identity = match state.tokens.lookup(
+        header,
+        &|token| state.jobs.job_of_token(token),
+        crate::ingest::now_ms(),
+    ) {
         Ok(i) => i,
         Err(e) => return e.into_response(),
     };
@@ -404,12 +549,12 @@ mod tests {
         )
         .expect("valid");
         assert_eq!(
-            ok.lookup(Some("Bearer 0123456789abcdef0"), &|_| None)
+            ok.lookup(Some("Bearer 0123456789abcdef0"), &|_| None, 0)
                 .expect("known")
                 .user,
             "alice"
         );
-        assert!(ok.lookup(Some("Bearer nope"), &|_| None).is_err());
+        assert!(ok.lookup(Some("Bearer nope"), &|_| None, 0).is_err());
         // The same token given by its hash: the file holds no secret.
         let hashed = Tokens::parse(&format!(
             "[[tokens]]\ntoken_hash = \"{}\"\nuser = \"alice\"\nrole = \"user\"\n",
@@ -417,15 +562,19 @@ mod tests {
         ))
         .expect("valid");
         assert_eq!(
-            hashed.identify("0123456789abcdef0").map(|i| i.user),
-            Some("alice".to_owned())
+            hashed
+                .identify("0123456789abcdef0", 0)
+                .map(|i| i.map(|i| i.user)),
+            Ok(Some("alice".to_owned()))
         );
-        assert!(hashed.identify("0123456789abcdef1").is_none());
+        assert!(hashed.identify("0123456789abcdef1", 0).is_err());
         assert!(
-            hashed.identify(&token_hash("0123456789abcdef0")).is_none(),
+            hashed
+                .identify(&token_hash("0123456789abcdef0"), 0)
+                .is_err(),
             "the hash is not a token"
         );
-        assert!(ok.lookup(None, &|_| None).is_err());
+        assert!(ok.lookup(None, &|_| None, 0).is_err());
         for (text, want) in [
             (
                 "[[tokens]]\ntoken = \"short\"\nuser = \"a\"\nrole = \"user\"\n",
@@ -456,7 +605,57 @@ mod tests {
             let err = Tokens::parse(text).expect_err(text);
             assert!(err.contains(want), "{err}");
         }
-        assert!(Tokens::open().lookup(None, &|_| None).is_ok());
+        assert!(Tokens::open().lookup(None, &|_| None, 0).is_ok());
+    }
+
+    #[test]
+    fn an_expired_token_is_refused_with_when_and_what_to_do() {
+        let entry = |expires: &str| {
+            format!(
+                "[[tokens]]\ntoken = \"0123456789abcdef0\"\nuser = \"alice\"\nrole = \"user\"\nexpires = {expires}\n"
+            )
+        };
+        // 2027-03-01T00:00:00Z
+        let at = 1_803_859_200_000;
+        for form in [
+            "2027-03-01T00:00:00Z",
+            "\"2027-03-01T00:00:00Z\"",
+            "2027-03-01",
+            "2027-03-01T01:00:00+01:00",
+        ] {
+            let tokens = Tokens::parse(&entry(form)).expect(form);
+            let bearer = Some("Bearer 0123456789abcdef0");
+            assert!(tokens.lookup(bearer, &|_| None, at - 1).is_ok(), "{form}");
+            let err = tokens.lookup(bearer, &|_| None, at).expect_err("expired");
+            let err = format!("{err:?}");
+            assert!(
+                err.contains("expired at 2027-03-01T00:00:00Z")
+                    && err.contains("perch token create"),
+                "{form}: {err}"
+            );
+            assert!(
+                tokens.identify("0123456789abcdef0", at).is_err(),
+                "psql too"
+            );
+            assert_eq!(
+                tokens.expiring(at - 1000, 1000),
+                vec![("alice".to_owned(), at)]
+            );
+            assert!(tokens.expiring(at - 2000, 1000).is_empty());
+        }
+        for (bad, want) in [
+            ("2027-03-01T00:00:00", "no UTC offset"),
+            ("\"next tuesday\"", "is not a date-time"),
+            ("00:00:00", "has no date"),
+        ] {
+            let err = Tokens::parse(&entry(bad)).expect_err(bad);
+            assert!(
+                err.contains("tokens[0].expires") && err.contains(want),
+                "{bad}: {err}"
+            );
+        }
+        assert_eq!(super::rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(super::rfc3339(951_782_400_000), "2000-02-29T00:00:00Z");
     }
 }
 

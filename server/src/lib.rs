@@ -482,7 +482,10 @@ async fn reload_on_hangup(
             continue;
         }
         match tokens.reload() {
-            Ok(n) => tracing::info!(tokens = n, "SIGHUP: tokens file read again"),
+            Ok(n) => {
+                tracing::info!(tokens = n, "SIGHUP: tokens file read again");
+                tokens.warn_expiring(crate::ingest::now_ms());
+            }
             Err(e) => {
                 tracing::error!(error = %e, "SIGHUP: the tokens file was not read again; the tokens as they were stay")
             }

@@ -186,13 +186,24 @@ impl PgHandler {
     /// Checks the password a client sent: a token the server knows, of a role that may run SQL.
     /// Returns the perch user it belongs to.
     fn check_token(&self, token: &str, claimed: &str) -> PgWireResult<String> {
-        let Some(identity) = self.tokens.identify(token) else {
-            return Err(login_error(
-                "28P01",
-                format!(
-                    "password authentication failed for user \"{claimed}\": perch expects a token from the server's tokens file as the password (PGPASSWORD=<token>, or the data source's password field); any user name works"
-                ),
-            ));
+        let identity = match self.tokens.identify(token, crate::ingest::now_ms()) {
+            Ok(Some(identity)) => identity,
+            Ok(None) => {
+                return Err(login_error(
+                    "28P01",
+                    format!(
+                        "password authentication failed for user \"{claimed}\": the server runs without tokens"
+                    ),
+                ));
+            }
+            Err(why) => {
+                return Err(login_error(
+                    "28P01",
+                    format!(
+                        "password authentication failed for user \"{claimed}\": {why}. perch expects a token from the server's tokens file as the password (PGPASSWORD=<token>, or the data source's password field); any user name works"
+                    ),
+                ));
+            }
         };
         if identity.role == Role::Agent {
             return Err(login_error(

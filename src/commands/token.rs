@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
-use perch_server::auth::{Tokens, token_hash};
+use perch_server::auth::{Tokens, datetime_epoch_ms, rfc3339, token_hash};
 use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
@@ -33,10 +33,35 @@ struct CreateArgs {
     /// token without one may speak for any node.
     #[arg(long = "node")]
     nodes: Vec<String>,
-    /// Append the entry to this tokens file (created, mode 600, if missing), then send the
-    /// server SIGHUP to use it without a restart.
+    /// When the token stops working: a duration from now (`90d`, `12h`, `2w`) or a date or
+    /// date-time (`2027-03-01`, `2027-03-01T12:00:00Z`). Without it the token works until its
+    /// entry is removed.
+    #[arg(long)]
+    expires: Option<String>,
+    /// Append the entry to this tokens file (created, mode 600, if missing; locked while it is
+    /// read and written, so two of these at once both land), then send the server SIGHUP to
+    /// use it without a restart.
     #[arg(long)]
     append: Option<PathBuf>,
+}
+
+/// `--expires` as milliseconds since the epoch, after `now_ms`.
+fn expiry(text: &str, now_ms: i64) -> Result<i64> {
+    let at = match perch_alerts::HumanDuration::parse(text) {
+        Ok(d) if !d.is_zero() => now_ms + d.as_ms(),
+        _ => {
+            let when: toml::value::Datetime = text.trim().parse().map_err(|_| {
+                anyhow::anyhow!(
+                    "--expires {text:?}: give a duration (90d, 12h, 2w) or a date or date-time (2027-03-01, 2027-03-01T12:00:00Z)"
+                )
+            })?;
+            datetime_epoch_ms(&when).map_err(|e| anyhow::anyhow!("--expires: {e}"))?
+        }
+    };
+    if at <= now_ms {
+        bail!("--expires {text}: that is not in the future");
+    }
+    Ok(at)
 }
 
 pub fn run(args: TokenArgs) -> Result<()> {
@@ -47,17 +72,34 @@ pub fn run(args: TokenArgs) -> Result<()> {
             args.role
         );
     }
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
+    let expires = args
+        .expires
+        .as_deref()
+        .map(|e| expiry(e, now_ms))
+        .transpose()?;
     let token = new_token()?;
-    let entry = entry(&token, &args);
+    let entry = entry(&token, &args, expires);
     // The entry must be one the server accepts, alone and after what the file holds.
     Tokens::parse(&entry).map_err(|e| anyhow::anyhow!("{e}"))?;
     match &args.append {
         Some(path) => {
-            let existing = match std::fs::read_to_string(path) {
-                Ok(text) => text,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-                Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
-            };
+            let mut file = std::fs::OpenOptions::new()
+                .create(true)
+                .read(true)
+                .append(true)
+                .mode(0o600)
+                .open(path)
+                .with_context(|| format!("opening {}", path.display()))?;
+            // Another `perch token create --append` waits here: each reads what the other
+            // wrote, so neither entry is lost or interleaved.
+            file.lock()
+                .with_context(|| format!("locking {}", path.display()))?;
+            let mut existing = String::new();
+            file.read_to_string(&mut existing)
+                .with_context(|| format!("reading {}", path.display()))?;
             let separator = if existing.is_empty() || existing.ends_with('\n') {
                 ""
             } else {
@@ -66,12 +108,6 @@ pub fn run(args: TokenArgs) -> Result<()> {
             let combined = format!("{existing}{separator}{entry}");
             Tokens::parse(&combined)
                 .map_err(|e| anyhow::anyhow!("{}: {e}; nothing was written", path.display()))?;
-            let mut file = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .mode(0o600)
-                .open(path)
-                .with_context(|| format!("opening {}", path.display()))?;
             file.write_all(format!("{separator}{entry}").as_bytes())
                 .and_then(|()| file.sync_all())
                 .with_context(|| format!("writing {}", path.display()))?;
@@ -103,7 +139,7 @@ fn new_token() -> Result<String> {
     ))
 }
 
-fn entry(token: &str, args: &CreateArgs) -> String {
+fn entry(token: &str, args: &CreateArgs, expires: Option<i64>) -> String {
     let quote = |s: &str| toml::Value::String(s.to_owned()).to_string();
     let mut entry = format!(
         "[[tokens]]\ntoken_hash = \"{}\"\nuser = {}\nrole = \"{}\"\n",
@@ -114,6 +150,9 @@ fn entry(token: &str, args: &CreateArgs) -> String {
     if !args.nodes.is_empty() {
         let nodes: Vec<String> = args.nodes.iter().map(|n| quote(n)).collect();
         entry.push_str(&format!("nodes = [{}]\n", nodes.join(", ")));
+    }
+    if let Some(at) = expires {
+        entry.push_str(&format!("expires = {}\n", rfc3339(at)));
     }
     entry
 }
