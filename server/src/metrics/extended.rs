@@ -300,7 +300,6 @@ pub(super) fn pushed(s: &mut Scrape, metrics: &[perch_model::JobMetricSample]) {
 mod tests {
     use super::*;
     use perch_model::{GpuIndex, GpuProcessSample, GpuSample, IbPortSample, JobSample};
-    use prometheus_client::registry::Registry;
 
     /// A node with every optional value set exports every family above, and each is in
     /// docs/metrics.md.
@@ -376,10 +375,8 @@ mod tests {
         let mut s = Scrape::default();
         gpu(&mut s, "n1", &latest);
         ib_and_jobs(&mut s, "n1", &latest);
-        let mut registry = Registry::default();
-        s.register(&mut registry);
         let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &registry).expect("encodes");
+        s.encode(&mut text);
         let text = super::super::to_classic_text(&text);
         assert!(
             text.contains("perch_gpu_rogue_processes{node=\"n1\",gpu=\"0\",simulated=\"false\"} 1"),

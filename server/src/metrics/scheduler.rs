@@ -137,7 +137,6 @@ pub(super) fn usage(s: &mut Scrape, usage: &[crate::jobs::UsageView]) {
 mod tests {
     use super::*;
     use crate::jobs::{AllocationView, NodeView, PendingView};
-    use prometheus_client::registry::Registry;
 
     #[test]
     fn capacity_adds_up_and_every_family_is_documented() {
@@ -206,10 +205,8 @@ mod tests {
         };
         let mut s = Scrape::default();
         scheduler(&mut s, &snap);
-        let mut registry = Registry::default();
-        s.register(&mut registry);
         let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &registry).expect("encodes");
+        s.encode(&mut text);
         let text = super::super::to_classic_text(&text);
         for line in [
             "perch_cluster_gpus{state=\"allocated\"} 5",
