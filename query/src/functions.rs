@@ -131,7 +131,12 @@ impl ScalarUDFImpl for UtcDateTrunc {
 /// - strings: `repeat`, `lpad`, `rpad`, `replace` (each match may become a longer string),
 ///   `regexp_replace` (a pattern can match at every position);
 /// - arrays: `range`, `generate_series` (one element per step), `array_repeat`,
-///   `array_resize`.
+///   `array_resize`;
+/// - concatenation, whose result is as large as its arguments together, so a chain of them
+///   multiplies a batch: `concat`, `concat_ws`, `array_concat`, `array_append`,
+///   `array_prepend`, and the `||` operator on strings ([`StringConcatPlanner`]): eight
+///   `s || s` of a 100 KB string over a generate_series took the server to 7.5 GB past a
+///   1 GiB limit. A constant argument counts once per row it is repeated on.
 ///
 /// Constant calls are folded while planning, so the refusal comes before anything runs.
 pub(crate) fn size_capped(memory_bytes: usize) -> Vec<ScalarUDF> {
@@ -156,7 +161,7 @@ pub(crate) fn size_capped(memory_bytes: usize) -> Vec<ScalarUDF> {
 }
 
 /// The functions [`size_capped`] wraps.
-const CAPPED: [&str; 9] = [
+const CAPPED: [&str; 14] = [
     "repeat",
     "lpad",
     "rpad",
@@ -166,7 +171,26 @@ const CAPPED: [&str; 9] = [
     "generate_series",
     "array_repeat",
     "array_resize",
+    "concat",
+    "concat_ws",
+    "array_concat",
+    "array_append",
+    "array_prepend",
 ];
+
+/// Bytes argument `i` takes over `rows` rows: an array's buffers (its slice's, when it is
+/// one), a constant's size once per row (without building the repeated array).
+fn arg_bytes(args: &ScalarFunctionArgs, i: usize) -> u128 {
+    match args.args.get(i) {
+        None => 0,
+        Some(ColumnarValue::Scalar(s)) => s.size() as u128 * args.number_rows as u128,
+        Some(ColumnarValue::Array(a)) => {
+            a.to_data()
+                .get_slice_memory_size()
+                .unwrap_or_else(|_| a.get_array_memory_size()) as u128
+        }
+    }
+}
 
 #[derive(Debug, PartialEq, Eq, Hash)]
 struct SizeCapped {
@@ -199,6 +223,16 @@ fn string_lengths(args: &ScalarFunctionArgs, i: usize) -> Result<Vec<u128>> {
     let Some(arg) = args.args.get(i) else {
         return Ok(vec![0; rows]);
     };
+    // A constant: its length on every row, without building the repeated array.
+    if let ColumnarValue::Scalar(s) = arg {
+        let strings = arrow::compute::cast(&s.to_array_of_size(1)?, &DataType::Utf8)?;
+        let len = strings
+            .as_any()
+            .downcast_ref::<arrow::array::StringArray>()
+            .filter(|a| !a.is_null(0))
+            .map_or(0, |a| a.value(0).len() as u128);
+        return Ok(vec![len; rows]);
+    }
     let strings = arrow::compute::cast(&arg.to_array(rows)?, &DataType::Utf8)?;
     let lengths = arrow::compute::kernels::length::length(&strings)?;
     let lengths = arrow::compute::cast(&lengths, &DataType::Int64)?;
@@ -357,6 +391,19 @@ impl SizeCapped {
             }
             // (array, size[, value]): size elements.
             "array_resize" => sum(counts()?.into_iter().map(|n| 16 * n).collect()),
+            // As large as the arguments together (the separator once between each two).
+            "concat" | "array_concat" | "array_append" | "array_prepend" => Some(
+                (0..args.args.len())
+                    .map(|i| arg_bytes(args, i))
+                    .fold(0u128, u128::saturating_add),
+            ),
+            "concat_ws" => {
+                let parts = args.args.len().saturating_sub(1) as u128;
+                Some((1..args.args.len()).map(|i| arg_bytes(args, i)).fold(
+                    arg_bytes(args, 0).saturating_mul(parts),
+                    u128::saturating_add,
+                ))
+            }
             _ => None,
         })
     }
@@ -406,11 +453,239 @@ impl ScalarUDFImpl for SizeCapped {
     }
 }
 
+/// The `||` operator on two strings, as DataFusion computes it (null when either side is),
+/// refusing a result larger than an eighth of the query's memory before building it. Planned
+/// by [`StringConcatPlanner`] in place of the operator; its column keeps the operator's name.
+#[derive(Debug, PartialEq, Eq, Hash)]
+struct StringConcat {
+    concat: ScalarUDF,
+    signature: Signature,
+    limit_bytes: usize,
+}
+
+impl ScalarUDFImpl for StringConcat {
+    fn name(&self) -> &str {
+        "string_concat"
+    }
+
+    fn signature(&self) -> &Signature {
+        &self.signature
+    }
+
+    fn coerce_types(&self, arg_types: &[DataType]) -> Result<Vec<DataType>> {
+        let target = if arg_types.contains(&DataType::Utf8View) {
+            DataType::Utf8View
+        } else if arg_types.contains(&DataType::LargeUtf8) {
+            DataType::LargeUtf8
+        } else {
+            DataType::Utf8
+        };
+        Ok(vec![target; arg_types.len()])
+    }
+
+    fn return_type(&self, arg_types: &[DataType]) -> Result<DataType> {
+        Ok(arg_types.first().cloned().unwrap_or(DataType::Utf8))
+    }
+
+    fn schema_name(&self, args: &[datafusion::logical_expr::Expr]) -> Result<String> {
+        Ok(args
+            .iter()
+            .map(|a| a.schema_name().to_string())
+            .collect::<Vec<_>>()
+            .join(" || "))
+    }
+
+    fn invoke_with_args(&self, args: ScalarFunctionArgs) -> Result<ColumnarValue> {
+        let bound = (0..args.args.len())
+            .map(|i| arg_bytes(&args, i))
+            .fold(0u128, u128::saturating_add);
+        if bound > self.limit_bytes as u128 {
+            return Err(datafusion::error::DataFusionError::ResourcesExhausted(
+                format!("|| would build {bound} bytes of strings, more than the query may use"),
+            ));
+        }
+        let rows = args.number_rows;
+        let return_type = args.return_field.data_type().clone();
+        // Null where either side is (concat() would skip it instead).
+        let mut nulls: Option<arrow::array::BooleanArray> = None;
+        for arg in &args.args {
+            match arg {
+                ColumnarValue::Scalar(s) if s.is_null() => {
+                    return Ok(ColumnarValue::Scalar(ScalarValue::try_from(&return_type)?));
+                }
+                ColumnarValue::Scalar(_) => {}
+                ColumnarValue::Array(a) => {
+                    let is_null = arrow::compute::is_null(a)?;
+                    nulls = Some(match nulls {
+                        None => is_null,
+                        Some(n) => arrow::compute::or(&n, &is_null)?,
+                    });
+                }
+            }
+        }
+        let joined = self.concat.invoke_with_args(args)?;
+        match (nulls, joined) {
+            (Some(mask), joined) if mask.true_count() > 0 => {
+                let joined = joined.to_array(rows)?;
+                Ok(ColumnarValue::Array(arrow::compute::nullif(
+                    &joined, &mask,
+                )?))
+            }
+            (_, joined) => Ok(joined),
+        }
+    }
+}
+
+/// Plans `a || b` as size-capped functions: on two strings as [`StringConcat`] (DataFusion's
+/// operator builds any size), on lists as the capped `array_concat`, `array_append` or
+/// `array_prepend` (DataFusion's own planner calls its uncapped ones). Goes before
+/// DataFusion's planners.
+#[derive(Debug)]
+pub(crate) struct StringConcatPlanner {
+    udf: Arc<ScalarUDF>,
+    /// The capped `array_concat`, `array_append`, `array_prepend`.
+    lists: [Arc<ScalarUDF>; 3],
+}
+
+impl StringConcatPlanner {
+    /// For queries with `memory_bytes` of memory.
+    pub(crate) fn new(memory_bytes: usize) -> Self {
+        let concat = datafusion::functions::string::concat();
+        let capped = size_capped(memory_bytes);
+        let list = |name: &str| {
+            let f = capped
+                .iter()
+                .find(|f| f.name() == name)
+                .cloned()
+                .unwrap_or_else(|| panic!("{name} is one of CAPPED"));
+            Arc::new(f)
+        };
+        StringConcatPlanner {
+            udf: Arc::new(ScalarUDF::new_from_impl(StringConcat {
+                concat: Arc::unwrap_or_clone(concat),
+                signature: Signature::user_defined(datafusion::logical_expr::Volatility::Immutable),
+                limit_bytes: memory_bytes / 8,
+            })),
+            lists: [
+                list("array_concat"),
+                list("array_append"),
+                list("array_prepend"),
+            ],
+        }
+    }
+}
+
+/// List nesting depth of a type (0 for a non-list).
+fn list_depth(t: &DataType) -> usize {
+    match t {
+        DataType::List(f) | DataType::LargeList(f) | DataType::FixedSizeList(f, _) => {
+            1 + list_depth(f.data_type())
+        }
+        _ => 0,
+    }
+}
+
+impl datafusion::logical_expr::planner::ExprPlanner for StringConcatPlanner {
+    fn plan_binary_op(
+        &self,
+        expr: datafusion::logical_expr::planner::RawBinaryExpr,
+        schema: &datafusion::common::DFSchema,
+    ) -> Result<
+        datafusion::logical_expr::planner::PlannerResult<
+            datafusion::logical_expr::planner::RawBinaryExpr,
+        >,
+    > {
+        use datafusion::logical_expr::ExprSchemable;
+        use datafusion::logical_expr::planner::PlannerResult;
+        use datafusion::sql::sqlparser::ast::BinaryOperator;
+        if expr.op != BinaryOperator::StringConcat {
+            return Ok(PlannerResult::Original(expr));
+        }
+        let is_string =
+            |t: &DataType| matches!(t, DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View);
+        let (left, right) = (expr.left.get_type(schema)?, expr.right.get_type(schema)?);
+        let (l, r) = (list_depth(&left), list_depth(&right));
+        // As DataFusion's own planner chooses, with the capped functions.
+        let udf = if l + r > 0 {
+            match l.cmp(&r) {
+                std::cmp::Ordering::Equal => &self.lists[0],
+                std::cmp::Ordering::Greater => &self.lists[1],
+                std::cmp::Ordering::Less => &self.lists[2],
+            }
+        } else if is_string(&left) && is_string(&right) {
+            &self.udf
+        } else {
+            return Ok(PlannerResult::Original(expr));
+        };
+        Ok(PlannerResult::Planned(
+            datafusion::logical_expr::Expr::ScalarFunction(
+                datafusion::logical_expr::expr::ScalarFunction::new_udf(
+                    udf.clone(),
+                    vec![expr.left, expr.right],
+                ),
+            ),
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use arrow::util::pretty::pretty_format_batches;
     use datafusion::prelude::SessionContext;
+
+    /// `||` on strings through the size-capped function gives what DataFusion's operator
+    /// gives: values, nulls, types and column names.
+    #[tokio::test]
+    async fn string_concat_agrees_with_datafusion() {
+        let stock = SessionContext::new();
+        let perch = SessionContext::new_with_state(
+            datafusion::execution::SessionStateBuilder::new()
+                .with_default_features()
+                .with_expr_planners(
+                    std::iter::once(Arc::new(StringConcatPlanner::new(1 << 30))
+                        as Arc<dyn datafusion::logical_expr::planner::ExprPlanner>)
+                    .chain(datafusion::execution::SessionStateDefaults::default_expr_planners())
+                    .collect(),
+                )
+                .build(),
+        );
+        for query in [
+            "SELECT 'a' || 'b', 'a' || NULL, NULL || 'a'",
+            "SELECT s || '-' || s, s || t, t || s FROM (VALUES ('x', NULL), (NULL, 'y'), ('p', 'q'), ('', '')) AS v(s, t)",
+            "SELECT arrow_cast(s, 'Utf8View') || s, arrow_cast(s, 'LargeUtf8') || 'z' FROM (VALUES ('x'), (NULL)) AS v(s)",
+            "SELECT s || 1, 1 || s, make_array(1) || make_array(2), make_array(1) || 2, 0 || make_array(1) FROM (VALUES ('x')) AS v(s)",
+            "SELECT count(*) FROM (VALUES ('ab'), ('cd')) AS v(s) WHERE s || 'x' = 'abx'",
+        ] {
+            let run = |ctx: &SessionContext| {
+                let ctx = ctx.clone();
+                async move {
+                    let df = ctx.sql(query).await.expect(query);
+                    let schema = df.schema().clone();
+                    let batches = df.collect().await.expect(query);
+                    (
+                        schema
+                            .fields()
+                            .iter()
+                            .map(|f| (f.name().clone(), f.data_type().clone()))
+                            .collect::<Vec<_>>(),
+                        pretty_format_batches(&batches).expect("format").to_string(),
+                    )
+                }
+            };
+            assert_eq!(run(&perch).await, run(&stock).await, "{query}");
+        }
+        // And it is the capped function that ran.
+        let plan = perch
+            .sql("EXPLAIN SELECT s || s FROM (VALUES ('x')) AS v(s)")
+            .await
+            .expect("explain")
+            .collect()
+            .await
+            .expect("plan");
+        let plan = pretty_format_batches(&plan).expect("format").to_string();
+        assert!(plan.contains("string_concat"), "{plan}");
+    }
 
     /// Every granularity, on UTC timestamps (the fast path) and on other zones (DataFusion's
     /// own), across days, months, years, a leap day and before 1970, gives what DataFusion's

@@ -195,6 +195,14 @@ impl SqlEngine {
                 .with_config(config)
                 .with_runtime_env(runtime)
                 .with_default_features()
+                .with_expr_planners(
+                    std::iter::once(Arc::new(functions::StringConcatPlanner::new(
+                        self.limits.memory_bytes,
+                    ))
+                        as Arc<dyn datafusion::logical_expr::planner::ExprPlanner>)
+                    .chain(datafusion::execution::SessionStateDefaults::default_expr_planners())
+                    .collect(),
+                )
                 .with_physical_optimizer_rules(optimizer::physical_optimizer_rules())
                 .build(),
         );
@@ -202,6 +210,7 @@ impl SqlEngine {
         for f in functions::size_capped(self.limits.memory_bytes) {
             ctx.register_udf(f);
         }
+
         for table in Table::ALL {
             ctx.register_table(
                 table.stored_sql_name(),

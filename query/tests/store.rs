@@ -343,7 +343,16 @@ async fn limits_stop_runaway_queries_with_a_clear_error() {
         max_concurrent: 1,
         ..QueryLimits::default()
     };
-    let sql = SqlEngine::new(store, limits);
+    let sql = SqlEngine::new(store.clone(), limits);
+    // The amplifiers below are refused by size, not time: a timeout that a busy test machine
+    // cannot reach first.
+    let amplified = SqlEngine::new(
+        store,
+        QueryLimits {
+            timeout: std::time::Duration::from_secs(30),
+            ..limits
+        },
+    );
     let slow = sql
         .query("SELECT count(*) FROM generate_series(1, 1000000000) a")
         .await
@@ -388,9 +397,19 @@ async fn limits_stop_runaway_queries_with_a_clear_error() {
         "SELECT length(replace(repeat('a', 10000), 'a', repeat('b', 10000)))",
         "SELECT length(regexp_replace(repeat('a', 10000), '', repeat('b', 1000), 'g'))",
         "SELECT sum(cardinality(range(a, a + 100000))) FROM generate_series(1, 100) t(a)",
+        // Concatenation multiplies a batch: eight `s || s` of a 100 KB string over a
+        // generate_series took a server to 7.5 GB past a 1 GiB limit (and ran on after its
+        // timeout). The same through concat(), concat_ws() and the list forms of ||.
+        "SELECT max(length(s || s || s || s || s || s || s || s)) FROM (SELECT repeat(CAST(a AS VARCHAR), 20) s FROM generate_series(1, 100000) t(a))",
+        "SELECT max(length(s || s)) FROM (SELECT repeat('x', 100) s FROM generate_series(1, 100000))",
+        "SELECT max(length(concat(s, s, s))) FROM (SELECT repeat('x', 100) s FROM generate_series(1, 100000))",
+        "SELECT max(length(concat_ws(s, s, s))) FROM (SELECT repeat('x', 100) s FROM generate_series(1, 100000))",
+        "SELECT max(cardinality(a || a)) FROM (SELECT range(1, 100) a FROM generate_series(1, 100000))",
+        "SELECT max(cardinality(array_concat(a, a, a))) FROM (SELECT range(1, 100) a FROM generate_series(1, 100000))",
+        "SELECT max(cardinality(array_append(a, 1))) FROM (SELECT range(1, 100) a FROM generate_series(1, 100000))",
     ] {
         let started = std::time::Instant::now();
-        let err = sql.query(query).await.expect_err(query);
+        let err = amplified.query(query).await.expect_err(query);
         assert!(err.to_string().contains("MiB limit"), "{query}: {err}");
         assert!(
             started.elapsed() < std::time::Duration::from_secs(5),
@@ -398,6 +417,7 @@ async fn limits_stop_runaway_queries_with_a_clear_error() {
         );
     }
     assert_eq!(sql.memory_in_use(), 0, "every query gave its memory back");
+    assert_eq!(amplified.memory_in_use(), 0, "every query gave its memory back");
     let ok = sql
         .query("SELECT repeat('ab', 3) AS r, lpad('7', 3, '0') AS l, rpad('7', 3) AS p")
         .await
