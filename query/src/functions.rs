@@ -178,12 +178,67 @@ const CAPPED: [&str; 14] = [
     "array_prepend",
 ];
 
+/// Rows per batch for `plan` when a constant in it is so wide that repeating it on every row
+/// of a full batch would pass an eighth of the query's memory (`None`: the default batch is
+/// fine). A constant (a literal, or a call folded while planning such as
+/// `repeat('x', 1000000)`) is built once, but projecting it, or passing it to a function with
+/// column arguments, repeats it on each row: a 1 MB constant over a batch of 8,192 rows is 8 GB
+/// outside any memory pool, before any size-capped function can look at it. The whole query
+/// then runs in batches of that many rows (its filters and exchanges coalesce to that size
+/// too). Only plans with a wide literal or a capped call are optimized ahead for this.
+pub(crate) fn batch_rows_for(
+    state: &datafusion::execution::SessionState,
+    plan: &datafusion::logical_expr::LogicalPlan,
+    memory_bytes: usize,
+    default_rows: usize,
+) -> Result<Option<usize>> {
+    use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+    use datafusion::logical_expr::{Expr, LogicalPlan};
+    let budget = memory_bytes / 8;
+    let wide = |bytes: usize| bytes.saturating_mul(default_rows) > budget;
+    // (widest literal, whether a capped function is called)
+    let scan = |plan: &LogicalPlan| -> Result<(usize, bool)> {
+        let (mut widest, mut capped) = (0usize, false);
+        plan.apply_with_subqueries(|node| {
+            node.apply_expressions(|e| {
+                e.apply(|x| {
+                    match x {
+                        Expr::Literal(v, _) => widest = widest.max(scalar_bytes(v)),
+                        Expr::ScalarFunction(f) if CAPPED.contains(&f.name()) => capped = true,
+                        _ => {}
+                    }
+                    Ok(TreeNodeRecursion::Continue)
+                })
+            })
+        })?;
+        Ok((widest, capped))
+    };
+    let (widest, capped) = scan(plan)?;
+    let widest = if wide(widest) {
+        widest
+    } else if capped {
+        // A capped call may fold into a wide constant: look at the plan as it will run.
+        scan(&state.optimize(plan)?)?.0
+    } else {
+        return Ok(None);
+    };
+    Ok(wide(widest).then(|| (budget / widest.max(1)).max(1)))
+}
+
+/// Bytes a constant takes on each row it is repeated on: its payload (a string's bytes, a
+/// list's elements), at least a word.
+fn scalar_bytes(v: &ScalarValue) -> usize {
+    v.size()
+        .saturating_sub(std::mem::size_of::<ScalarValue>())
+        .max(8)
+}
+
 /// Bytes argument `i` takes over `rows` rows: an array's buffers (its slice's, when it is
 /// one), a constant's size once per row (without building the repeated array).
 fn arg_bytes(args: &ScalarFunctionArgs, i: usize) -> u128 {
     match args.args.get(i) {
         None => 0,
-        Some(ColumnarValue::Scalar(s)) => s.size() as u128 * args.number_rows as u128,
+        Some(ColumnarValue::Scalar(s)) => scalar_bytes(s) as u128 * args.number_rows as u128,
         Some(ColumnarValue::Array(a)) => {
             a.to_data()
                 .get_slice_memory_size()

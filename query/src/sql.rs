@@ -328,6 +328,17 @@ impl SqlEngine {
         }
         let ctx = self.session(pool).await.map_err(Failure::Perch)?;
         let plan = self.plan(&ctx, sql).await?;
+        let default_rows = ctx.state().config().batch_size();
+        if let Some(rows) =
+            functions::batch_rows_for(&ctx.state(), &plan, self.limits.memory_bytes, default_rows)?
+        {
+            ctx.state_ref()
+                .write()
+                .config_mut()
+                .options_mut()
+                .execution
+                .batch_size = datafusion::config::ConfigNonZeroUsize::try_new(rows)?;
+        }
         Ok(ctx.execute_logical_plan(plan).await?)
     }
 
