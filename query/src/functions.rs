@@ -134,9 +134,12 @@ impl ScalarUDFImpl for UtcDateTrunc {
 ///   `array_resize`;
 /// - concatenation, whose result is as large as its arguments together, so a chain of them
 ///   multiplies a batch: `concat`, `concat_ws`, `array_concat`, `array_append`,
-///   `array_prepend`, and the `||` operator on strings ([`StringConcatPlanner`]): eight
+///   `array_prepend`, `make_array`, and the `||` operator on strings
+///   ([`StringConcatPlanner`]): eight
 ///   `s || s` of a 100 KB string over a generate_series took the server to 7.5 GB past a
-///   1 GiB limit. A constant argument counts once per row it is repeated on.
+///   1 GiB limit. A constant argument counts once per row it is repeated on;
+/// - conversions that multiply: `string_to_array` (an element per character),
+///   `array_to_string` (a delimiter per element).
 ///
 /// Constant calls are folded while planning, so the refusal comes before anything runs.
 pub(crate) fn size_capped(memory_bytes: usize) -> Vec<ScalarUDF> {
@@ -161,7 +164,7 @@ pub(crate) fn size_capped(memory_bytes: usize) -> Vec<ScalarUDF> {
 }
 
 /// The functions [`size_capped`] wraps.
-const CAPPED: [&str; 14] = [
+const CAPPED: [&str; 17] = [
     "repeat",
     "lpad",
     "rpad",
@@ -176,6 +179,9 @@ const CAPPED: [&str; 14] = [
     "array_concat",
     "array_append",
     "array_prepend",
+    "make_array",
+    "string_to_array",
+    "array_to_string",
 ];
 
 /// Rows per batch for `plan` when a constant in it is so wide that repeating it on every row
@@ -223,6 +229,24 @@ pub(crate) fn batch_rows_for(
         return Ok(None);
     };
     Ok(wide(widest).then(|| (budget / widest.max(1)).max(1)))
+}
+
+/// Elements of list argument `i` over all rows (a constant's once per row).
+fn list_elements(args: &ScalarFunctionArgs, i: usize) -> u128 {
+    let elements = |a: &ArrayRef| {
+        a.to_data()
+            .child_data()
+            .first()
+            .map_or(0, |c| c.len() as u128)
+    };
+    match args.args.get(i) {
+        None => 0,
+        Some(ColumnarValue::Array(a)) => elements(a),
+        Some(ColumnarValue::Scalar(s)) => s
+            .to_array_of_size(1)
+            .map_or(0, |a| elements(&a))
+            .saturating_mul(args.number_rows as u128),
+    }
 }
 
 /// Bytes a constant takes on each row it is repeated on: its payload (a string's bytes, a
@@ -447,11 +471,22 @@ impl SizeCapped {
             // (array, size[, value]): size elements.
             "array_resize" => sum(counts()?.into_iter().map(|n| 16 * n).collect()),
             // As large as the arguments together (the separator once between each two).
-            "concat" | "array_concat" | "array_append" | "array_prepend" => Some(
+            "concat" | "array_concat" | "array_append" | "array_prepend" | "make_array" => Some(
                 (0..args.args.len())
                     .map(|i| arg_bytes(args, i))
                     .fold(0u128, u128::saturating_add),
             ),
+            // Each character may become an element (a 16-byte view, an offset, a null bit).
+            "string_to_array" => Some(arg_bytes(args, 0).saturating_mul(24)),
+            // Each element becomes its text (a number: up to 24 bytes) and a delimiter.
+            "array_to_string" => {
+                let delimiter = string_lengths(args, 1)?.into_iter().max().unwrap_or(0);
+                Some(
+                    list_elements(args, 0)
+                        .saturating_mul(24 + delimiter)
+                        .saturating_add(arg_bytes(args, 0)),
+                )
+            }
             "concat_ws" => {
                 let parts = args.args.len().saturating_sub(1) as u128;
                 Some((1..args.args.len()).map(|i| arg_bytes(args, i)).fold(

@@ -406,6 +406,10 @@ async fn limits_stop_runaway_queries_with_a_clear_error() {
         "SELECT max(length(concat_ws(s, s, s))) FROM (SELECT repeat('x', 100) s FROM generate_series(1, 100000))",
         "SELECT max(cardinality(a || a)) FROM (SELECT range(1, 100) a FROM generate_series(1, 100000))",
         "SELECT max(cardinality(array_concat(a, a, a))) FROM (SELECT range(1, 100) a FROM generate_series(1, 100000))",
+        // Conversions that multiply a batch: a character to an element, an element to a
+        // delimiter and its text.
+        "SELECT max(cardinality(string_to_array(repeat(CAST(a AS VARCHAR), 5), NULL))) FROM generate_series(1, 1000) t(a)",
+        "SELECT max(length(array_to_string(range(a, a + 3), repeat('-', 100)))) FROM generate_series(1, 1000) t(a)",
     ] {
         let started = std::time::Instant::now();
         let err = amplified.query(query).await.expect_err(query);
@@ -498,6 +502,23 @@ async fn limits_stop_runaway_queries_with_a_clear_error() {
             .expect("int")
     };
     assert_eq!((int(0), int(1)), (50_000, 3_000));
+    // Everyday conversions and concatenations are untouched.
+    let ok = amplified
+        .query("SELECT array_to_string(make_array(1, 2, 3), ',') AS j, cardinality(string_to_array('a,b,c', ',')) AS k, 'gpu-' || CAST(a AS VARCHAR) || '/' || 'x' AS l, concat_ws('-', 'a', 'b') AS m FROM generate_series(7, 7) t(a)")
+        .await
+        .expect("everyday conversions");
+    let batch = &ok.batches[0];
+    let text = |i: usize| {
+        let col =
+            arrow::compute::cast(batch.column(i), &arrow::datatypes::DataType::Utf8).expect("utf8");
+        arrow::array::AsArray::as_string::<i32>(&col)
+            .value(0)
+            .to_owned()
+    };
+    assert_eq!(
+        (text(0), text(1), text(2), text(3)),
+        ("1,2,3".into(), "3".into(), "gpu-7/x".into(), "a-b".into())
+    );
 }
 
 #[tokio::test]
