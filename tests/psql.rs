@@ -565,7 +565,7 @@ fn psql_logs_in_with_a_token() {
     for (password, want) in [
         (
             Some("wrong-0123456789abcdef"),
-            "password authentication failed for user \"grafana\": perch expects a token from the server's tokens file",
+            "password authentication failed for user \"grafana\": the token is not known to this server. perch expects a token from the server's tokens file",
         ),
         (
             Some("agent-0123456789abcdef"),

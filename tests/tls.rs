@@ -252,3 +252,51 @@ fn bad_tls_settings_are_refused_at_startup_naming_the_key() {
         );
     }
 }
+
+/// Issue 16: `perch up` with TLS made its own agent speak HTTPS without trusting anything, so
+/// no telemetry arrived until an operator also set `agent.ca_file`. With a self-signed
+/// certificate and nothing else, the built-in agent trusts the server's own certificate.
+#[test]
+fn up_with_a_self_signed_certificate_needs_no_ca_file() {
+    use rcgen::{CertificateParams, KeyPair};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let key = KeyPair::generate().expect("key");
+    let cert = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
+        .expect("params")
+        .self_signed(&key)
+        .expect("self-signed");
+    let (cert_file, key_file) = (dir.path().join("self.pem"), dir.path().join("self.key"));
+    std::fs::write(&cert_file, cert.pem()).expect("cert");
+    std::fs::write(&key_file, key.serialize_pem()).expect("key");
+    let config = dir.path().join("perch.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\npg_listen = \"\"\ntls_cert = \"{}\"\ntls_key = \"{}\"\n",
+            cert_file.display(),
+            key_file.display()
+        ),
+    )
+    .expect("config");
+    let perch = Perch::start_tls(
+        &dir.path().join("up"),
+        &[
+            "up",
+            "--config",
+            config.to_str().expect("utf-8"),
+            "--simulate-gpus",
+            "2",
+            "--interval-ms",
+            "200",
+        ],
+        &cert.pem(),
+    );
+    wait_for("the built-in agent's samples over TLS", || {
+        let (ok, out) = perch_sql(
+            &perch.url,
+            Some(&cert_file),
+            "SELECT count(*) > 0 AS arrived FROM gpu_samples",
+        );
+        (ok && out.contains("true")).then_some(())
+    });
+}

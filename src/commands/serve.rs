@@ -113,10 +113,15 @@ pub fn up(config: Config) -> Result<()> {
         let addr = listener.local_addr()?;
         let (stop, stop_rx) = watch::channel(false);
         let server = tokio::spawn(perch_server::serve(listener, state, stopped(&stop_rx)));
-        // With TLS the built-in agent speaks it too (trusting agent.ca_file, PERCH_CA_FILE).
+        // With TLS the built-in agent speaks it too, trusting agent.ca_file (PERCH_CA_FILE),
+        // else the server's own certificate file: a self-signed certificate, or a chain whose
+        // issuer is in the file, works with no more settings.
         let scheme = if config.server.tls_cert.as_os_str().is_empty() {
             "http"
         } else {
+            if agent_config.ca_file.is_none() {
+                agent_config.ca_file = Some(config.server.tls_cert.clone());
+            }
             "https"
         };
         agent_config.server = format!("{scheme}://{addr}");
