@@ -33,12 +33,6 @@ impl std::ops::Index<usize> for PinnedFiles {
     }
 }
 
-pub(crate) fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
-}
-
 fn partition(path: &str) -> &str {
     path.rsplit_once('/').map_or("", |(dir, _)| dir)
 }

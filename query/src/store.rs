@@ -661,8 +661,13 @@ impl Store {
     }
 
     /// Flushes every `flush_interval`, or sooner once `flush_max_rows` rows are buffered, until
-    /// `shutdown` resolves; then flushes once more.
-    pub async fn run_flusher(self: Arc<Self>, shutdown: impl std::future::Future<Output = ()>) {
+    /// `shutdown` resolves; then flushes once more. Retention runs as of `now_ms()` (the
+    /// caller's clock, in milliseconds since the epoch).
+    pub async fn run_flusher(
+        self: Arc<Self>,
+        now_ms: impl Fn() -> i64,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
         let mut tick = tokio::time::interval(Duration::from_millis(250));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last = tokio::time::Instant::now();
@@ -695,7 +700,7 @@ impl Store {
             }
             if last_maintenance.elapsed() >= self.config.maintenance_interval {
                 last_maintenance = tokio::time::Instant::now();
-                if let Err(e) = self.maintain(crate::maintenance::now_ms()).await {
+                if let Err(e) = self.maintain(now_ms()).await {
                     tracing::error!(error = %e, "compaction or retention failed; will retry");
                 }
             }

@@ -482,7 +482,7 @@ pub async fn middleware(
     let identity = match state.tokens.lookup(
         header,
         &|token| state.jobs.job_of_token(token),
-        crate::ingest::now_ms(),
+        state.now_ms(),
     ) {
         Ok(i) => i,
         Err(e) => return e.into_response(),

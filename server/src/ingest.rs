@@ -17,12 +17,6 @@ use perch_model::Batch;
 use perch_query::IngestOutcome;
 use std::sync::atomic::Ordering;
 
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
-}
-
 pub async fn ingest(
     State(state): State<AppState>,
     Extension(who): Extension<Identity>,
@@ -65,7 +59,7 @@ async fn handle(
         )
     })?;
     who.may_speak_for(batch.node.as_str())?;
-    let now = now_ms();
+    let now = state.now_ms();
     batch.validate(now).map_err(|e| {
         ApiError::bad_request(
             "invalid_batch",

@@ -8,6 +8,7 @@
 pub mod accounting;
 pub mod alerting;
 pub mod auth;
+pub mod clock;
 mod error;
 mod ingest;
 pub mod jobs;
@@ -58,6 +59,8 @@ pub struct ServerConfig {
     /// Where the scheduling policy is read again on SIGHUP (the config file); `None`: the
     /// policy stays as started.
     pub policy_source: Option<PolicySource>,
+    /// Where every "now" the server takes comes from (the system's; a manual one in tests).
+    pub clock: clock::Clock,
 }
 
 /// Reads the scheduling policy again (the config file's `[scheduler]`); the error says what
@@ -98,6 +101,7 @@ impl ServerConfig {
             accounting: accounting::AccountingConfig::default(),
             alerts: perch_alerts::AlertsConfig::default(),
             policy_source: None,
+            clock: clock::Clock::system(),
         }
     }
 }
@@ -125,14 +129,23 @@ pub struct AppState {
 type EventReceiver = tokio::sync::mpsc::UnboundedReceiver<Vec<perch_model::ClusterEvent>>;
 
 impl AppState {
+    /// Now, by the server's clock.
+    pub fn now_ms(&self) -> i64 {
+        self.config.clock.now_ms()
+    }
+
     /// Opens the store (replaying its write-ahead log) and the job database, and builds the
     /// state.
     pub fn open(config: ServerConfig) -> Result<AppState, OpenError> {
         let store = Store::open(config.store.clone())?;
         let (events_tx, events_rx) = jobs::JobService::event_channel();
+        // The control plane keeps the server's time.
         let jobs = jobs::JobService::open(
             &config.store.data_dir.join("control"),
-            config.jobs.clone(),
+            jobs::JobsConfig {
+                clock: config.clock.clone(),
+                ..config.jobs.clone()
+            },
             events_tx,
         )?;
         let sql = Arc::new(accounting::tables::register(
@@ -143,7 +156,7 @@ impl AppState {
         let (alerts, restored) = alerting::AlertService::open(
             config.alerts.clone(),
             &config.store.data_dir,
-            ingest::now_ms(),
+            config.clock.now_ms(),
         )
         .map_err(OpenError::Alerts)?;
         if !restored.is_empty() {
@@ -310,7 +323,8 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let flusher = tokio::spawn(state.store.clone().run_flusher({
+    let clock = state.config.clock.clone();
+    let flusher = tokio::spawn(state.store.clone().run_flusher(move || clock.now_ms(), {
         let mut rx = stop_rx.clone();
         async move {
             let _ = rx.wait_for(|stop| *stop).await;
@@ -359,6 +373,7 @@ pub async fn serve(
                 &state.config.store.data_dir,
                 state.sql.clone(),
                 state.tokens.clone(),
+                state.config.clock.clone(),
                 tls_acceptor(&state, &[])?,
                 async move {
                     let _ = rx.wait_for(|stop| *stop).await;
@@ -369,6 +384,7 @@ pub async fn serve(
         None => None,
     };
     tokio::spawn(reload_on_hangup(
+        state.config.clock.clone(),
         state.tokens.clone(),
         state.config.tls.clone(),
         state
@@ -428,6 +444,7 @@ fn tls_acceptor(
 /// certificate or changes the policy, without a restart. A file that does not parse leaves
 /// what was there, with an error in the log.
 async fn reload_on_hangup(
+    clock: clock::Clock,
     tokens: Arc<auth::Tokens>,
     tls: Option<Arc<tls::Certificates>>,
     policy: Option<(PolicySource, jobs::JobService)>,
@@ -484,7 +501,7 @@ async fn reload_on_hangup(
         match tokens.reload() {
             Ok(n) => {
                 tracing::info!(tokens = n, "SIGHUP: tokens file read again");
-                tokens.warn_expiring(crate::ingest::now_ms());
+                tokens.warn_expiring(clock.now_ms());
             }
             Err(e) => {
                 tracing::error!(error = %e, "SIGHUP: the tokens file was not read again; the tokens as they were stay")

@@ -669,7 +669,7 @@ pub async fn metrics(State(state): State<AppState>, headers: axum::http::HeaderM
 
 fn render(state: AppState, headers: axum::http::HeaderMap) -> Response {
     let mut scrape = Scrape::default();
-    let now = crate::ingest::now_ms();
+    let now = state.now_ms();
     let latest = state.latest.snapshot();
     let control = state.jobs.snapshot();
     let last_samples = latest
@@ -690,7 +690,7 @@ fn render(state: AppState, headers: axum::http::HeaderMap) -> Response {
         &mut scrape,
         &state.jobs.usage(&state.config.accounting.prices),
     );
-    alerts::alerts(&mut scrape, &state.alerts);
+    alerts::alerts(&mut scrape, &state.alerts, now);
     extended::pushed(&mut scrape, &state.latest.job_metrics(now));
     scrape.counter(
         "perch_job_metric_series_dropped",

@@ -288,22 +288,17 @@ fn attribute_to(who: &Identity, samples: &mut BTreeMap<NodeId, Vec<JobMetricSamp
     }
 }
 
-fn now_micros() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
-}
-
 /// Stores the data points, one batch per node (split at the batch size limit).
 async fn store(
     state: &AppState,
     samples: BTreeMap<NodeId, Vec<JobMetricSample>>,
 ) -> Result<(), ApiError> {
-    let now = crate::ingest::now_ms();
+    let now = state.now_ms();
+    let now_micros = u64::try_from(state.config.clock.now_micros()).unwrap_or(0);
     for (node, samples) in samples {
         for chunk in samples.chunks(MAX_SAMPLES_PER_BATCH) {
             let mut last = LAST_SEQ.lock().await;
-            let seq = (*last + 1).max(now_micros());
+            let seq = (*last + 1).max(now_micros);
             let batch = Batch {
                 node: node.clone(),
                 seq,

@@ -63,6 +63,8 @@ use tokio::net::TcpListener;
 pub struct PgHandler {
     sql: Arc<SqlEngine>,
     tokens: Arc<Tokens>,
+    /// The server's clock (token expiry).
+    clock: crate::clock::Clock,
     /// The listener has a certificate: a client that did not ask for TLS is refused before it
     /// can send a password (a token) in clear text.
     require_tls: bool,
@@ -86,6 +88,7 @@ pub async fn start(
     data_dir: &Path,
     sql: Arc<SqlEngine>,
     tokens: Arc<Tokens>,
+    clock: crate::clock::Clock,
     tls: Option<pgwire::tokio::TlsAcceptor>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Option<tokio::task::JoinHandle<()>> {
@@ -105,7 +108,9 @@ pub async fn start(
             if tls.is_some() {
                 tracing::info!(listen = %bound, "PostgreSQL protocol offers TLS (sslmode=require or verify-full)");
             }
-            Some(tokio::spawn(serve_pg(listener, sql, tokens, tls, shutdown)))
+            Some(tokio::spawn(serve_pg(
+                listener, sql, tokens, clock, tls, shutdown,
+            )))
         }
         Err(e) => {
             tracing::error!(listen = addr, error = %e, "the PostgreSQL listener could not start; SQL over HTTP still works (set [server] pg_listen to another address, or \"\" for none)");
@@ -119,12 +124,14 @@ pub async fn serve_pg(
     listener: TcpListener,
     sql: Arc<SqlEngine>,
     tokens: Arc<Tokens>,
+    clock: crate::clock::Clock,
     tls: Option<pgwire::tokio::TlsAcceptor>,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     let handler = Arc::new(PgHandler {
         sql,
         tokens,
+        clock,
         require_tls: tls.is_some(),
         pids: Arc::new(RandomPidSecretKeyGenerator::default()),
     });
@@ -186,7 +193,7 @@ impl PgHandler {
     /// Checks the password a client sent: a token the server knows, of a role that may run SQL.
     /// Returns the perch user it belongs to.
     fn check_token(&self, token: &str, claimed: &str) -> PgWireResult<String> {
-        let identity = match self.tokens.identify(token, crate::ingest::now_ms()) {
+        let identity = match self.tokens.identify(token, self.clock.now_ms()) {
             Ok(Some(identity)) => identity,
             Ok(None) => {
                 return Err(login_error(

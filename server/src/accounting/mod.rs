@@ -160,7 +160,7 @@ pub async fn run(
     let wakeup = jobs.read(|c| c.fold_wakeup());
     tokio::pin!(shutdown);
     loop {
-        let now = crate::ingest::now_ms();
+        let now = jobs.now_ms();
         let mut wait = config.fold_interval;
         match fold_once(&jobs, &sql, now.saturating_sub(settle), now).await {
             Ok(n) if n > 0 => tracing::debug!(windows = n, "accounting folded"),
@@ -168,7 +168,7 @@ pub async fn run(
             Err(e) => tracing::warn!(error = %e, "accounting fold failed; it will be retried"),
         }
         if let Some(due) = jobs.read(|c| c.next_settled_end(settle)) {
-            let until = u64::try_from(due - crate::ingest::now_ms()).unwrap_or(0);
+            let until = u64::try_from(due - jobs.now_ms()).unwrap_or(0);
             wait = wait.min(Duration::from_millis(until));
         }
         // Never spin: a fold that keeps failing waits at least a second between tries.

@@ -193,7 +193,7 @@ impl LiveTable for JobsTable {
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
-        let now = crate::ingest::now_ms();
+        let now = self.jobs.now_ms();
         let rows = self.jobs.read(|c| job_rows(c, &self.config, now));
         let r = || rows.iter().map(|r| &r.record);
         let t = || rows.iter().map(|r| &r.totals);
@@ -318,7 +318,7 @@ impl LiveTable for AllocationsTable {
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
-        let now = crate::ingest::now_ms();
+        let now = self.jobs.now_ms();
         let prices = &self.config.prices;
         let rows: Vec<AllocRow> = self.jobs.read(|c| {
             let mut rows = Vec::new();
@@ -408,7 +408,7 @@ impl LiveTable for NodesTable {
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
-        let now = crate::ingest::now_ms();
+        let now = self.jobs.now_ms();
         let rows: Vec<_> = self.jobs.read(|c| {
             c.node_records()
                 .map(|(n, state, last)| {
@@ -556,7 +556,7 @@ impl LiveTable for DailyTable {
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
-        let now = crate::ingest::now_ms();
+        let now = self.jobs.now_ms();
         let days = self.jobs.read(|c| days(c, &self.config, now));
         let h = |ms: i64| Some(ms as f64 / 3.6e6);
         let r = || days.iter();

@@ -130,13 +130,13 @@ pub async fn run(state: AppState, shutdown: impl std::future::Future<Output = ()
         }
         round(&state).await;
     }
-    state.alerts.save(crate::ingest::now_ms());
+    state.alerts.save(state.now_ms());
 }
 
 /// One round: due rules, remediation, notifications, save.
 pub async fn round(state: &AppState) {
     let service = &state.alerts;
-    let now = crate::ingest::now_ms();
+    let now = state.now_ms();
     let mut events = Vec::new();
     for rule in service.with(|e| e.due_rules(now)) {
         let result = match &rule.source {

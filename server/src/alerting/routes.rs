@@ -15,7 +15,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 pub async fn alerts(State(state): State<AppState>) -> Json<Value> {
-    let now = crate::ingest::now_ms();
+    let now = state.now_ms();
     let (alerts, rules, breaker, drained, dry_run) = state.alerts.with(|e| {
         (
             e.alerts(now),
@@ -40,7 +40,7 @@ pub async fn alerts(State(state): State<AppState>) -> Json<Value> {
 }
 
 pub async fn silences(State(state): State<AppState>) -> Json<Value> {
-    let now = crate::ingest::now_ms();
+    let now = state.now_ms();
     let list: Vec<Value> = state
         .alerts
         .with(|e| e.silences(now))
@@ -95,7 +95,7 @@ pub async fn add_silence(
             ),
         )
     })?;
-    let now = crate::ingest::now_ms();
+    let now = state.now_ms();
     let request = SilenceRequest {
         matchers: body.matchers,
         starts_at_ms: body.starts_at_ms,
@@ -134,7 +134,7 @@ pub async fn expire_silence(
     Extension(who): Extension<Identity>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let now = crate::ingest::now_ms();
+    let now = state.now_ms();
     let silence = state
         .alerts
         .with(|e| e.expire_silence(&id, now))
@@ -157,7 +157,7 @@ pub async fn reset_breaker(
     State(state): State<AppState>,
     Extension(who): Extension<Identity>,
 ) -> Json<Value> {
-    let now = crate::ingest::now_ms();
+    let now = state.now_ms();
     let event = state.alerts.with(|e| e.reset_breaker(&who.user, now));
     state.alerts.save(now);
     let was_open = event.is_some();

@@ -88,6 +88,8 @@ pub struct JobsConfig {
     pub accounts: super::accounts::AccountRules,
     /// Most pending (and held) jobs one user may have; a submission past it is refused whole.
     pub max_pending_per_user: usize,
+    /// The clock every operation and tick reads "now" from.
+    pub clock: crate::clock::Clock,
 }
 
 impl Default for JobsConfig {
@@ -98,6 +100,7 @@ impl Default for JobsConfig {
             policy: Config::perch(vec![]),
             accounts: Default::default(),
             max_pending_per_user: DEFAULT_MAX_PENDING_PER_USER,
+            clock: crate::clock::Clock::system(),
         }
     }
 }

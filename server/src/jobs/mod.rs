@@ -25,6 +25,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 /// the first waiter committing for everyone queued. Operations run on the blocking pool.
 #[derive(Clone)]
 pub struct JobService {
+    /// The server's clock: every operation's "now".
+    clock: crate::clock::Clock,
     control: Arc<Mutex<Control>>,
     commits: Arc<Commits>,
     known_nodes: Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
@@ -137,7 +139,8 @@ impl JobService {
         std::fs::create_dir_all(dir).map_err(ControlError::Logs)?;
         let db = db::JobDb::open(&dir.join("jobs.redb"))?;
         let loaded = db.load()?;
-        let mut control = Control::open(dir, config, crate::ingest::now_ms(), loaded)?;
+        let clock = config.clock.clone();
+        let mut control = Control::open(dir, config, clock.now_ms(), loaded)?;
         let mut dirty = control.take_dirty();
         db.save(&dirty)?;
         if !dirty.events.is_empty() {
@@ -151,6 +154,7 @@ impl JobService {
         };
         let known_nodes = control.known_nodes.clone();
         Ok(JobService {
+            clock,
             known_nodes,
             control: Arc::new(Mutex::new(control)),
             commits: Arc::new(commits),
@@ -175,7 +179,7 @@ impl JobService {
         // A read: the snapshot changes nothing, so nothing waits for a commit.
         let jobs = self.clone();
         let estimates = tokio::task::spawn_blocking(move || {
-            let now = crate::ingest::now_ms();
+            let now = jobs.now_ms();
             jobs.read(|c| c.start_plan(now, ESTIMATED_JOBS, upto))
                 .estimate()
         })
@@ -202,6 +206,11 @@ impl JobService {
         tokio::sync::mpsc::unbounded_channel()
     }
 
+    /// Now, by the server's clock.
+    pub fn now_ms(&self) -> i64 {
+        self.clock.now_ms()
+    }
+
     /// Reads the control plane under its lock (for SQL's live tables: keep `f` short).
     pub(crate) fn read<T>(&self, f: impl FnOnce(&Control) -> T) -> T {
         f(&lock(&self.control))
@@ -209,7 +218,7 @@ impl JobService {
 
     /// The job and user a job metrics token speaks for, if it is valid now.
     pub fn job_of_token(&self, token: &str) -> Option<(u64, String)> {
-        let now = crate::ingest::now_ms();
+        let now = self.now_ms();
         self.read(|c| c.job_of_token(token, now))
     }
 
@@ -229,10 +238,11 @@ impl JobService {
     ) -> Result<T, crate::ApiError> {
         let control = self.control.clone();
         let commits = self.commits.clone();
+        let clock = self.clock.clone();
         tokio::task::spawn_blocking(move || {
             let (result, seq) = {
                 let mut c = lock(&control);
-                let result = f(&mut c, crate::ingest::now_ms());
+                let result = f(&mut c, clock.now_ms());
                 let dirty = c.take_dirty();
                 let seq = (!dirty.is_empty()).then(|| commits.queue(dirty));
                 (result, seq)

@@ -337,7 +337,7 @@ pub async fn nodes(State(state): State<AppState>) -> Result<Json<serde_json::Val
         .into_iter()
         .map(|n| (n["name"].as_str().unwrap_or_default().to_owned(), n))
         .collect();
-    let now = crate::ingest::now_ms();
+    let now = state.now_ms();
     let nodes: Vec<serde_json::Value> = crate::node_status::current(&state, now)
         .into_iter()
         .map(|(name, status)| {

@@ -6,8 +6,7 @@ use super::{Labels, Scrape};
 use crate::alerting::AlertService;
 use std::sync::atomic::Ordering;
 
-pub(super) fn alerts(s: &mut Scrape, service: &AlertService) {
-    let now = crate::ingest::now_ms();
+pub(super) fn alerts(s: &mut Scrape, service: &AlertService, now: i64) {
     let m = service.with(|e| e.metrics(now));
     for a in &m.alerts {
         s.gauge(

@@ -96,7 +96,7 @@ const STATES: [JobState; 8] = [
 impl crate::jobs::JobService {
     /// The control plane as it is now, for `/metrics`.
     pub fn snapshot(&self) -> ControlSnapshot {
-        self.read(|c| c.snapshot(crate::ingest::now_ms()))
+        self.read(|c| c.snapshot(self.now_ms()))
     }
 
     /// The nodes only, for the alert engine's every-second round.
@@ -241,7 +241,7 @@ impl crate::jobs::JobService {
     /// Usage and cost per (account, user), for `/metrics`: the same figures as the `jobs`
     /// and `account_usage` tables.
     pub fn usage(&self, prices: &crate::accounting::Prices) -> Vec<UsageView> {
-        let now = crate::ingest::now_ms();
+        let now = self.now_ms();
         self.read(|control| {
             let mut by: BTreeMap<(&str, &str), UsageView> = BTreeMap::new();
             for job in control.records() {

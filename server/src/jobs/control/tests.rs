@@ -705,3 +705,62 @@ fn the_xids_that_quarantine_a_gpu_are_the_alerts_reset_and_reboot_classes() {
         assert!(xid_needs_reset(reset_or_reboot), "{reset_or_reboot}");
     }
 }
+
+/// Issue 21: the server read the wall clock in some twenty places, so its ticker could not be
+/// tested in virtual time. With a manual [`crate::clock::Clock`] every operation and the real
+/// ticker (`run_ticker`, on tokio's paused time) take "now" from it: a job is ended at its time
+/// limit when the clock says so, and not a moment before.
+#[tokio::test(start_paused = true)]
+async fn the_ticker_keeps_the_servers_clock_so_time_limits_run_in_virtual_time() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let clock = crate::clock::Clock::manual(T0);
+    let (tx, _rx) = JobService::event_channel();
+    let config = JobsConfig {
+        clock: clock.clone(),
+        ..JobsConfig::default()
+    };
+    let jobs = JobService::open(dir.path(), config, tx).expect("jobs");
+    let sync_now = |running: Vec<(u64, u32)>| {
+        let jobs = jobs.clone();
+        async move {
+            let req: SyncRequest = serde_json::from_value(json!({
+                "node": "a", "gpus": 1, "gpu_model": "Test H100",
+                "running": running.iter().map(|(j, a)| json!({"job": j, "attempt": a})).collect::<Vec<_>>(),
+            }))
+            .expect("sync request");
+            jobs.run(move |c, now| c.sync(req, now))
+                .await
+                .expect("sync")
+        }
+    };
+    sync_now(vec![]).await;
+    let request: crate::jobs::spec::JobRequest = serde_json::from_value(json!({
+        "command": ["train"], "user": "bob", "gpus_per_node": 1, "time_limit_secs": 60
+    }))
+    .expect("request");
+    let id = jobs
+        .run(move |c, now| c.submit(request, now))
+        .await
+        .expect("submit")[0]
+        .id;
+    assert_eq!(sync_now(vec![]).await.start.len(), 1);
+    let record = job(&jobs, id).await;
+    assert_eq!(record.start_ms, Some(T0), "started at the clock's time");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let ticker = tokio::spawn(jobs.clone().run_ticker(async {
+        let _ = stopped.await;
+    }));
+    // 59 s on the server's clock: the ticker runs (tokio's time moves too), the job stays.
+    clock.advance(59 * SECOND);
+    sync_now(vec![(id, 1)]).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(job(&jobs, id).await.state.as_str(), "running");
+    // Past its limit by the clock: the next tick ends it, stamped with the clock's time.
+    clock.advance(2 * SECOND);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let ended = job(&jobs, id).await;
+    assert_eq!(ended.state.as_str(), "timeout", "{:?}", ended.timeline);
+    assert_eq!(ended.end_ms, Some(T0 + 61 * SECOND));
+    let _ = stop.send(());
+    ticker.await.expect("ticker");
+}
