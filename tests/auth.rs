@@ -457,6 +457,7 @@ fn tokens_expire_and_concurrent_appends_all_land() {
     for (bad, want) in [
         ("yesterday", "give a duration"),
         ("2020-01-01", "not in the future"),
+        ("0s", "not in the future"),
         ("2030-01-01T00:00:00", "no UTC offset"),
     ] {
         let (ok, _, err) = create("late", &["--expires", bad]);

@@ -48,8 +48,8 @@ struct CreateArgs {
 /// `--expires` as milliseconds since the epoch, after `now_ms`.
 fn expiry(text: &str, now_ms: i64) -> Result<i64> {
     let at = match perch_alerts::HumanDuration::parse(text) {
-        Ok(d) if !d.is_zero() => now_ms + d.as_ms(),
-        _ => {
+        Ok(d) => now_ms + d.as_ms(),
+        Err(_) => {
             let when: toml::value::Datetime = text.trim().parse().map_err(|_| {
                 anyhow::anyhow!(
                     "--expires {text:?}: give a duration (90d, 12h, 2w) or a date or date-time (2027-03-01, 2027-03-01T12:00:00Z)"
