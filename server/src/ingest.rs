@@ -78,7 +78,7 @@ async fn handle(
                 let observed = batch.clone();
                 tokio::spawn(async move {
                     if let Err(e) = jobs.run(move |c, now| c.observe(&observed, now)).await {
-                        tracing::warn!(error = %e.message, "could not pass telemetry to the scheduler");
+                        tracing::warn!(error = %e, "could not pass telemetry to the scheduler");
                     }
                 });
             }

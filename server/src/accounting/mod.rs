@@ -145,7 +145,7 @@ pub async fn fold_once(
     let folded = fold::fold(sql, windows).await.map_err(|e| e.to_string())?;
     jobs.run(move |c, _| c.apply_fold(folded, now_ms))
         .await
-        .map_err(|e| e.message)
+        .map_err(|e| e.to_string())
 }
 
 /// Keeps accounting current until `shutdown`: folds every `fold_interval`, and as soon as an

@@ -359,7 +359,7 @@ async fn execute(state: &AppState, decision: &Decision) -> Result<String, String
             .run(move |c, now| c.set_drained(&node, true, "perch", Some(reason), now))
             .await
             .map(|()| "drained".to_owned())
-            .map_err(|e| e.message),
+            .map_err(|e| e.to_string()),
         Action::RequeueJobs { node } => state
             .jobs
             .run(move |c, now| c.evict_node_jobs(&node, now))
@@ -375,19 +375,19 @@ async fn execute(state: &AppState, decision: &Decision) -> Result<String, String
                         .join(", ")
                 ),
             })
-            .map_err(|e| e.message),
+            .map_err(|e| e.to_string()),
         Action::GpuOut { node, gpu } => state
             .jobs
             .run(move |c, now| c.set_gpu_out(&node, gpu, true, now))
             .await
             .map(|()| format!("GPU {gpu} taken out of scheduling"))
-            .map_err(|e| e.message),
+            .map_err(|e| e.to_string()),
         Action::ResumeNode { node } => state
             .jobs
             .run(move |c, now| c.set_drained(&node, false, "perch", None, now))
             .await
             .map(|()| "resumed".to_owned())
-            .map_err(|e| e.message),
+            .map_err(|e| e.to_string()),
         Action::RunCommand {
             node,
             argv,

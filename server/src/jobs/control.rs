@@ -62,6 +62,9 @@ pub enum ControlError {
     /// A request that cannot be answered as asked (the message says what to change).
     #[error("{0}")]
     BadRequest(String),
+    /// The blocking task running an operation failed (it panicked or was cancelled).
+    #[error("the control plane's task failed: {0}")]
+    TaskFailed(String),
 }
 
 /// Whether a job's dependencies let it be scheduled.

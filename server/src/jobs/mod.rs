@@ -231,11 +231,12 @@ impl JobService {
     }
 
     /// Runs `f` on the control plane off the async threads and returns once its changes are
-    /// durable.
+    /// durable. Its errors are the control plane's; the HTTP edge maps them
+    /// (`From<ControlError> for ApiError`).
     pub(crate) async fn run<T: Send + 'static>(
         &self,
         f: impl FnOnce(&mut Control, i64) -> Result<T, ControlError> + Send + 'static,
-    ) -> Result<T, crate::ApiError> {
+    ) -> Result<T, ControlError> {
         let control = self.control.clone();
         let commits = self.commits.clone();
         let clock = self.clock.clone();
@@ -253,8 +254,7 @@ impl JobService {
             result
         })
         .await
-        .map_err(task_failed)?
-        .map_err(crate::ApiError::from)
+        .map_err(|e| ControlError::TaskFailed(e.to_string()))?
     }
 
     /// Submits `request` for a user (`operator` may charge any account): a job, or an array
@@ -312,10 +312,11 @@ impl JobService {
             } else {
                 Vec::new()
             };
-            Ok((record, ids, warning))
+            Ok::<_, ControlError>((record, ids, warning))
         })
         .await
         .map_err(task_failed)?
+        .map_err(crate::ApiError::from)
     }
 
     /// Ticks the control plane every second until `shutdown`.
@@ -328,7 +329,7 @@ impl JobService {
                 _ = tick.tick() => {}
             }
             if let Err(e) = self.run(|c, now| c.tick(now)).await {
-                tracing::error!(error = %e.message, "job control tick failed");
+                tracing::error!(error = %e, "job control tick failed");
             }
         }
     }
@@ -356,7 +357,10 @@ impl From<ControlError> for crate::ApiError {
             ControlError::AlreadyEnded { .. } => {
                 crate::ApiError::new(StatusCode::CONFLICT, "already_ended", message)
             }
-            ControlError::Scheduler(_) | ControlError::Db(_) | ControlError::Logs(_) => {
+            ControlError::Scheduler(_)
+            | ControlError::Db(_)
+            | ControlError::Logs(_)
+            | ControlError::TaskFailed(_) => {
                 crate::ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
             }
         }

@@ -241,9 +241,11 @@ async fn a_user_cannot_queue_past_the_pending_cap() {
         jobs.run(move |c, _| c.submit(request, T0))
     };
     let first = submit("bob", Some(2)).await.expect("two pending")[0].id;
-    let e = submit("bob", Some(2))
-        .await
-        .expect_err("four would be past three");
+    let e = crate::ApiError::from(
+        submit("bob", Some(2))
+            .await
+            .expect_err("four would be past three"),
+    );
     assert_eq!(e.status, axum::http::StatusCode::TOO_MANY_REQUESTS);
     assert!(
         e.message.contains("bob has 2 pending jobs and this submission adds 2: at most 3 per user (server.max_pending_jobs_per_user)"),
@@ -267,10 +269,11 @@ async fn a_user_cannot_queue_past_the_pending_cap() {
     let jobs = JobService::open(dir.path(), config, tx).expect("jobs");
     let request: crate::jobs::spec::JobRequest =
         serde_json::from_value(json!({"command": ["train"], "user": "bob"})).expect("request");
-    let e = jobs
-        .run(move |c, _| c.submit(request, T0 + 2 * SECOND))
-        .await
-        .expect_err("still three pending after the restart");
+    let e = crate::ApiError::from(
+        jobs.run(move |c, _| c.submit(request, T0 + 2 * SECOND))
+            .await
+            .expect_err("still three pending after the restart"),
+    );
     assert_eq!(e.status, axum::http::StatusCode::TOO_MANY_REQUESTS);
 }
 
