@@ -51,4 +51,4 @@ pub use rules::{
 };
 pub use silence::{Silence, SilenceRequest, SilenceState, Silences};
 pub use state::{AlertTable, RESOLVED_RETENTION_MS, Transition};
-pub use timefmt::{rfc3339, utc};
+pub use timefmt::{rfc3339, rfc3339_seconds, utc};

@@ -30,6 +30,19 @@ pub fn rfc3339(ms: i64) -> String {
     )
 }
 
+/// RFC 3339 to the second (`2026-11-22T02:03:04Z`), as a TOML date-time.
+pub fn rfc3339_seconds(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let (y, m, d) = civil_from_days(secs.div_euclid(86_400));
+    let rem = secs.rem_euclid(86_400);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60
+    )
+}
+
 fn civil_from_days(z: i64) -> (i64, u32, u32) {
     let z = z + 719_468;
     let era = z.div_euclid(146_097);
@@ -54,5 +67,6 @@ mod tests {
         assert_eq!(utc(1_700_000_000_123), "2023-11-14 22:13:20 UTC");
         assert_eq!(rfc3339(1_700_000_000_123), "2023-11-14T22:13:20.123Z");
         assert_eq!(utc(-1_000), "1969-12-31 23:59:59 UTC");
+        assert_eq!(rfc3339_seconds(951_782_400_999), "2000-02-29T00:00:00Z");
     }
 }

@@ -319,7 +319,7 @@ impl Tokens {
             Some(at) if *at <= now_ms => Err(format!(
                 "this token of {} expired at {}; ask an operator for a new one (`perch token create --expires ...`)",
                 identity.user,
-                rfc3339(*at)
+                perch_alerts::rfc3339_seconds(*at)
             )),
             _ => Ok(Some(identity.clone())),
         }
@@ -388,9 +388,9 @@ impl Tokens {
         const WEEK_MS: i64 = 7 * 86_400_000;
         for (user, at) in self.expiring(now_ms, WEEK_MS) {
             if at <= now_ms {
-                tracing::warn!(user = %user, expired = %rfc3339(at), "a token in the tokens file has expired; it is refused (remove its entry, or give the user a new one)");
+                tracing::warn!(user = %user, expired = %perch_alerts::rfc3339_seconds(at), "a token in the tokens file has expired; it is refused (remove its entry, or give the user a new one)");
             } else {
-                tracing::warn!(user = %user, expires = %rfc3339(at), "a token in the tokens file expires within a week");
+                tracing::warn!(user = %user, expires = %perch_alerts::rfc3339_seconds(at), "a token in the tokens file expires within a week");
             }
         }
     }
@@ -413,29 +413,6 @@ impl Tokens {
         out.sort();
         out
     }
-}
-
-/// `ms` since the epoch as an RFC 3339 UTC time, for messages.
-pub fn rfc3339(ms: i64) -> String {
-    let secs = ms.div_euclid(1000);
-    let days = secs.div_euclid(86_400);
-    let rem = secs.rem_euclid(86_400);
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
 }
 
 fn parse_hash(text: &str) -> Option<[u8; 32]> {
@@ -654,8 +631,6 @@ mod tests {
                 "{bad}: {err}"
             );
         }
-        assert_eq!(super::rfc3339(0), "1970-01-01T00:00:00Z");
-        assert_eq!(super::rfc3339(951_782_400_000), "2000-02-29T00:00:00Z");
     }
 }
 

@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
-use perch_server::auth::{Tokens, datetime_epoch_ms, rfc3339, token_hash};
+use perch_server::auth::{Tokens, datetime_epoch_ms, token_hash};
 use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
@@ -152,7 +152,10 @@ fn entry(token: &str, args: &CreateArgs, expires: Option<i64>) -> String {
         entry.push_str(&format!("nodes = [{}]\n", nodes.join(", ")));
     }
     if let Some(at) = expires {
-        entry.push_str(&format!("expires = {}\n", rfc3339(at)));
+        entry.push_str(&format!(
+            "expires = {}\n",
+            perch_alerts::rfc3339_seconds(at)
+        ));
     }
     entry
 }
