@@ -369,14 +369,7 @@ fn tokens_are_created_hashed_and_granted_or_revoked_on_sighup() {
     assert!(!refused.status.success());
     assert_eq!(std::fs::read_to_string(&file).expect("file"), text);
 
-    let server = common::server_with_config(
-        dir.path(),
-        &format!(
-            "[server]\ntokens_file = \"{}\"\npg_listen = \"\"\n",
-            file.display()
-        ),
-        &[],
-    );
+    let server = common::server_with_tokens_file(dir.path(), &file);
     let url = server.url.clone();
     let (ok, out, err) = cli(&url, Some(&operator), &["nodes"]);
     assert!(ok, "{out}{err}");
@@ -476,14 +469,7 @@ fn tokens_expire_and_concurrent_appends_all_land() {
             .contains("expires = 20")
     );
 
-    let server = common::server_with_config(
-        dir.path(),
-        &format!(
-            "[server]\ntokens_file = \"{}\"\npg_listen = \"\"\n",
-            file.display()
-        ),
-        &[],
-    );
+    let server = common::server_with_tokens_file(dir.path(), &file);
     assert!(
         server.log().contains("expires within a week"),
         "{}",

@@ -154,6 +154,36 @@ fn ticking(file: &Path, attempt: u64) {
 
 /// Submits the job as alice and waits until its first attempt runs and ticks; returns its id
 /// and its record.
+/// A new agent for gpu-a: the node comes back up and the job, still attempt 1, runs on.
+fn take_over(perch: &Perch, dir: &Path, id: u64, file: &Path) -> Agent {
+    let a = agent(&perch.url, "gpu-a", dir, None);
+    wait_for("the node up again", || {
+        let nodes = perch.get("/v1/nodes");
+        (nodes["nodes"][0]["state"] == "up").then_some(())
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let j = job(perch, id);
+    assert_eq!(
+        (j["state"].as_str(), j["attempts"].as_u64()),
+        (Some("running"), Some(1)),
+        "{j}"
+    );
+    assert_eq!(attempts(file).len(), 1, "one attempt only");
+    a
+}
+
+/// alice cancels the job; its checkpoint signal reaches it (an `end` line).
+fn cancel_and_see_it_end(perch: &Perch, id: u64, file: &Path) {
+    let (ok, _, err) = perch.cli_as("alice", &["cancel", &id.to_string()]);
+    assert!(ok, "{err}");
+    wait_for("the cancelled job's end line", || {
+        std::fs::read_to_string(file)
+            .ok()?
+            .contains("end 1 ")
+            .then_some(())
+    });
+}
+
 fn start_job(perch: &Perch, file: &Path) -> (u64, Value) {
     let id = submit(perch, file, &[]);
     let j = running_attempt(perch, id, 1);
@@ -186,32 +216,13 @@ fn an_agent_killed_and_restarted_within_the_lease_takes_its_job_over() {
         last_line_age(&file) < Duration::from_secs(1),
         "the job runs on without its agent"
     );
-    let _a = agent(&perch.url, "gpu-a", dir.path(), None);
-    wait_for("the node up again", || {
-        let nodes = perch.get("/v1/nodes");
-        (nodes["nodes"][0]["state"] == "up").then_some(())
-    });
-    std::thread::sleep(Duration::from_secs(2));
-    let j = job(&perch, id);
-    assert_eq!(
-        (j["state"].as_str(), j["attempts"].as_u64()),
-        (Some("running"), Some(1)),
-        "{j}"
-    );
-    assert_eq!(attempts(&file).len(), 1, "one attempt only");
+    let _a = take_over(&perch, dir.path(), id, &file);
     assert!(
         last_line_age(&file) < Duration::from_secs(1),
         "still running"
     );
     // The new agent stops it on cancel: its checkpoint signal reaches it (an `end` line).
-    let (ok, _, err) = perch.cli_as("alice", &["cancel", &id.to_string()]);
-    assert!(ok, "{err}");
-    wait_for("the cancelled job's end line", || {
-        std::fs::read_to_string(&file)
-            .ok()?
-            .contains("end 1 ")
-            .then_some(())
-    });
+    cancel_and_see_it_end(&perch, id, &file);
     std::thread::sleep(Duration::from_millis(500));
     assert!(
         last_line_age(&file) > Duration::from_millis(400),
@@ -245,27 +256,8 @@ fn an_agent_restarted_gracefully_leaves_its_job_running_for_the_next() {
             .contains("end 1 "),
         "it got no stop signal"
     );
-    let _a = agent(&perch.url, "gpu-a", dir.path(), None);
-    wait_for("the node up again", || {
-        let nodes = perch.get("/v1/nodes");
-        (nodes["nodes"][0]["state"] == "up").then_some(())
-    });
-    std::thread::sleep(Duration::from_secs(2));
-    let j = job(&perch, id);
-    assert_eq!(
-        (j["state"].as_str(), j["attempts"].as_u64()),
-        (Some("running"), Some(1)),
-        "{j}"
-    );
-    assert_eq!(attempts(&file).len(), 1, "one attempt only");
-    let (ok, _, err) = perch.cli_as("alice", &["cancel", &id.to_string()]);
-    assert!(ok, "{err}");
-    wait_for("the cancelled job's end line", || {
-        std::fs::read_to_string(&file)
-            .ok()?
-            .contains("end 1 ")
-            .then_some(())
-    });
+    let _a = take_over(&perch, dir.path(), id, &file);
+    cancel_and_see_it_end(&perch, id, &file);
 }
 
 /// `kill -9` of the agent, never restarted: its job's supervisor stops the job before the

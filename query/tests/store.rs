@@ -50,6 +50,33 @@ async fn count(sql: &SqlEngine, query: &str) -> i64 {
     arrow::array::AsArray::as_primitive::<arrow::datatypes::Int64Type>(col).value(0)
 }
 
+/// The plan of `query` as text.
+async fn explain(sql: &SqlEngine, query: &str) -> String {
+    let out = sql
+        .query(&format!("EXPLAIN {query}"))
+        .await
+        .expect("explain");
+    arrow::util::pretty::pretty_format_batches(&out.batches)
+        .expect("format")
+        .to_string()
+}
+
+/// Column `i` of the first row of `batch`, as an integer.
+fn first_int(batch: &arrow::record_batch::RecordBatch, i: usize) -> i64 {
+    arrow::compute::cast(batch.column(i), &arrow::datatypes::DataType::Int64)
+        .map(|a| arrow::array::AsArray::as_primitive::<arrow::datatypes::Int64Type>(&a).value(0))
+        .expect("int")
+}
+
+/// Column `i` of the first row of `batch`, as text.
+fn first_text(batch: &arrow::record_batch::RecordBatch, i: usize) -> String {
+    let col =
+        arrow::compute::cast(batch.column(i), &arrow::datatypes::DataType::Utf8).expect("utf8");
+    arrow::array::AsArray::as_string::<i32>(&col)
+        .value(0)
+        .to_owned()
+}
+
 fn config(dir: &std::path::Path) -> StoreConfig {
     StoreConfig::new(dir)
 }
@@ -437,11 +464,7 @@ async fn limits_stop_runaway_queries_with_a_clear_error() {
         .await
         .expect("small strings are fine");
     let batch = &ok.batches[0];
-    let text = |i: usize| {
-        arrow::array::AsArray::as_string::<i32>(batch.column(i))
-            .value(0)
-            .to_owned()
-    };
+    let text = |i: usize| first_text(batch, i);
     assert_eq!(
         (text(0), text(1), text(2)),
         ("ababab".into(), "007".into(), "7  ".into())
@@ -457,50 +480,26 @@ async fn limits_stop_runaway_queries_with_a_clear_error() {
         .await
         .expect("everyday sizes");
     let batch = &ok.batches[0];
-    let int = |i: usize| {
-        arrow::compute::cast(batch.column(i), &arrow::datatypes::DataType::Int64)
-            .map(|a| {
-                arrow::array::AsArray::as_primitive::<arrow::datatypes::Int64Type>(&a).value(0)
-            })
-            .expect("int")
-    };
+    let int = |i: usize| first_int(batch, i);
     assert_eq!((int(0), int(1), int(2), int(3)), (999, 31, 3, 5));
-    let text = |i: usize| {
-        arrow::array::AsArray::as_string::<i32>(batch.column(i))
-            .value(0)
-            .to_owned()
-    };
+    let text = |i: usize| first_text(batch, i);
     assert_eq!((text(4), text(5)), ("axxc".into(), "bbb".into()));
 
     // A wide constant is repeated on every row of a batch before any capped function sees it
     // (a folded repeat('x', 1000000) over a table: 8 GB a batch of 8,192 rows). The query runs
     // in batches small enough for it instead, and gets the right answer.
     let wide = "SELECT max(length(s)) AS m, count(*) AS n FROM (SELECT repeat('x', 50000) s FROM generate_series(1, 3000))";
-    let plan = amplified
-        .query(&format!("EXPLAIN {wide}"))
-        .await
-        .expect("explain");
-    let plan = arrow::util::pretty::pretty_format_batches(&plan.batches)
-        .expect("format")
-        .to_string();
+    let plan = explain(&amplified, wide).await;
     assert!(plan.contains("batch_size=2]"), "{plan}");
-    let narrow = amplified
-        .query("EXPLAIN SELECT max(length(s)) FROM (SELECT repeat('x', 5) s FROM generate_series(1, 3000))")
-        .await
-        .expect("explain");
-    let narrow = arrow::util::pretty::pretty_format_batches(&narrow.batches)
-        .expect("format")
-        .to_string();
+    let narrow = explain(
+        &amplified,
+        "SELECT max(length(s)) FROM (SELECT repeat('x', 5) s FROM generate_series(1, 3000))",
+    )
+    .await;
     assert!(narrow.contains("batch_size=8192]"), "{narrow}");
     let ok = amplified.query(wide).await.expect("wide constant");
     let batch = &ok.batches[0];
-    let int = |i: usize| {
-        arrow::compute::cast(batch.column(i), &arrow::datatypes::DataType::Int64)
-            .map(|a| {
-                arrow::array::AsArray::as_primitive::<arrow::datatypes::Int64Type>(&a).value(0)
-            })
-            .expect("int")
-    };
+    let int = |i: usize| first_int(batch, i);
     assert_eq!((int(0), int(1)), (50_000, 3_000));
     // Everyday conversions and concatenations are untouched.
     let ok = amplified
@@ -508,13 +507,7 @@ async fn limits_stop_runaway_queries_with_a_clear_error() {
         .await
         .expect("everyday conversions");
     let batch = &ok.batches[0];
-    let text = |i: usize| {
-        let col =
-            arrow::compute::cast(batch.column(i), &arrow::datatypes::DataType::Utf8).expect("utf8");
-        arrow::array::AsArray::as_string::<i32>(&col)
-            .value(0)
-            .to_owned()
-    };
+    let text = |i: usize| first_text(batch, i);
     assert_eq!(
         (text(0), text(1), text(2), text(3)),
         ("1,2,3".into(), "3".into(), "gpu-7/x".into(), "a-b".into())
@@ -627,13 +620,10 @@ async fn time_predicates_skip_files_outside_the_range() {
     }
     let sql = SqlEngine::new(store, QueryLimits::default());
     let q = format!(
-        "EXPLAIN SELECT count(*) FROM gpu_samples WHERE time >= to_timestamp_millis({})",
+        "SELECT count(*) FROM gpu_samples WHERE time >= to_timestamp_millis({})",
         day0 + 3 * DAY_MS
     );
-    let out = sql.query(&q).await.expect("explain");
-    let plan = arrow::util::pretty::pretty_format_batches(&out.batches)
-        .expect("format")
-        .to_string();
+    let plan = explain(&sql, &q).await;
     let files = plan.matches(".parquet").count();
     assert_eq!(
         files, 2,
@@ -683,15 +673,11 @@ async fn time_predicates_prune_pages_inside_files_and_files_keep_their_sort_orde
     store.flush().await.expect("flush");
     let sql = SqlEngine::new(store, QueryLimits::default());
     let last = format!("time >= to_timestamp_millis({})", day0 + 45_000_000);
-    let out = sql
-        .query(&format!(
-            "EXPLAIN ANALYZE SELECT count(*) FROM gpu_samples WHERE {last}"
-        ))
-        .await
-        .expect("explain analyze");
-    let plan = arrow::util::pretty::pretty_format_batches(&out.batches)
-        .expect("format")
-        .to_string();
+    let plan = explain(
+        &sql,
+        &format!("ANALYZE SELECT count(*) FROM gpu_samples WHERE {last}"),
+    )
+    .await;
     // The filter reaches the Parquet scan as a pruning predicate on the time statistics...
     assert!(plan.contains("pruning_predicate="), "{plan}");
     assert!(plan.contains("time_max@"), "{plan}");
@@ -716,13 +702,11 @@ async fn time_predicates_prune_pages_inside_files_and_files_keep_their_sort_orde
         5000
     );
     // The scan declares the files' sort order, so ordering by the sort key needs no sort.
-    let out = sql
-        .query("EXPLAIN SELECT node, gpu, time FROM gpu_samples ORDER BY node, gpu, time")
-        .await
-        .expect("explain");
-    let plan = arrow::util::pretty::pretty_format_batches(&out.batches)
-        .expect("format")
-        .to_string();
+    let plan = explain(
+        &sql,
+        "SELECT node, gpu, time FROM gpu_samples ORDER BY node, gpu, time",
+    )
+    .await;
     assert!(
         plan.contains(
             "output_ordering=[node@0 ASC NULLS LAST, gpu@1 ASC NULLS LAST, time@2 ASC NULLS LAST]"

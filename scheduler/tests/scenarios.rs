@@ -17,6 +17,18 @@ fn sched(nodes: u32, config: Config) -> Scheduler {
     }
 }
 
+/// Job `job`'s GPUs measured at `percent` at `now`.
+fn utilization(s: &mut Scheduler, now: i64, job: u64, percent: f32) {
+    step(
+        s,
+        now,
+        Event::JobUtilization {
+            job: JobId(job),
+            percent,
+        },
+    );
+}
+
 fn step(s: &mut Scheduler, now: i64, ev: Event) -> Vec<Action> {
     match s.step(now, ev) {
         Ok(a) => a,
@@ -134,22 +146,8 @@ fn reclaim_takes_back_borrowed_gpus_preferring_idle_victims() {
     assert_eq!(started(&a), vec![2]);
     // Job 1 (the costlier one: it ran longer) has been measured idle for the idle window, so
     // it is the victim.
-    step(
-        &mut s,
-        2 * MINUTE,
-        Event::JobUtilization {
-            job: JobId(1),
-            percent: 0.0,
-        },
-    );
-    step(
-        &mut s,
-        2 * MINUTE,
-        Event::JobUtilization {
-            job: JobId(2),
-            percent: 95.0,
-        },
-    );
+    utilization(&mut s, 2 * MINUTE, 1, 0.0);
+    utilization(&mut s, 2 * MINUTE, 2, 95.0);
     let a = step(
         &mut s,
         33 * MINUTE,
@@ -187,14 +185,7 @@ fn one_low_reading_does_not_make_a_busy_job_the_reclaim_victim() {
     let mut s = sched(2, Config::perch(quotas));
     step(&mut s, 0, Event::Submit(one(1, 8, "b", 600, 0)));
     step(&mut s, MINUTE, Event::Submit(one(2, 8, "b", 600, MINUTE)));
-    step(
-        &mut s,
-        MINUTE,
-        Event::JobUtilization {
-            job: JobId(1),
-            percent: 0.0,
-        },
-    );
+    utilization(&mut s, MINUTE, 1, 0.0);
     let a = step(
         &mut s,
         2 * MINUTE,
@@ -278,14 +269,7 @@ fn idle_jobs_are_reported_then_reclaimed_when_others_wait() {
     config.idle.action = IdleAction::Reclaim { requeue: false };
     let mut s = sched(1, config);
     step(&mut s, 0, Event::Submit(one(1, 8, "a", 600, 0)));
-    step(
-        &mut s,
-        MINUTE,
-        Event::JobUtilization {
-            job: JobId(1),
-            percent: 0.0,
-        },
-    );
+    utilization(&mut s, MINUTE, 1, 0.0);
     assert_eq!(s.next_wakeup(), Some(31 * MINUTE));
     // Idle past the window but nobody waits: only a report.
     let a = step(&mut s, 31 * MINUTE, Event::Tick);
@@ -637,14 +621,7 @@ fn an_idle_job_is_warned_and_reclaimed_only_after_its_grace() {
     config.idle.action = IdleAction::Reclaim { requeue: true };
     let mut s = sched(1, config);
     step(&mut s, 0, Event::Submit(one(1, 8, "a", 600, 0)));
-    step(
-        &mut s,
-        MINUTE,
-        Event::JobUtilization {
-            job: JobId(1),
-            percent: 0.0,
-        },
-    );
+    utilization(&mut s, MINUTE, 1, 0.0);
     step(
         &mut s,
         2 * MINUTE,
@@ -720,14 +697,7 @@ fn idle_reclaim_frees_gpus_for_a_waiting_job_only() {
     config.idle.action = IdleAction::Reclaim { requeue: true };
     let mut s = sched(1, config);
     step(&mut s, 0, Event::Submit(one(1, 8, "a", 600, 0)));
-    step(
-        &mut s,
-        MINUTE,
-        Event::JobUtilization {
-            job: JobId(1),
-            percent: 0.0,
-        },
-    );
+    utilization(&mut s, MINUTE, 1, 0.0);
     // A job no node can ever run waits: nothing to free the idle GPUs for.
     let mut huge = one(2, 8, "b", 60, 2 * MINUTE);
     huge.shape.nodes = 2;

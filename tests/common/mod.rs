@@ -288,6 +288,12 @@ pub fn server_with_config(dir: &Path, config: &str, extra: &[&str]) -> Perch {
 pub fn server_with_tokens(dir: &Path, tokens: &str) -> Perch {
     let file = dir.join("tokens.toml");
     std::fs::write(&file, tokens).expect("tokens file");
+    server_with_tokens_file(dir, &file)
+}
+
+/// `perch server` in `dir/server` reading the tokens file `file` (SIGHUP reads it again), with
+/// no PostgreSQL listener.
+pub fn server_with_tokens_file(dir: &Path, file: &Path) -> Perch {
     server_with_config(
         dir,
         &format!(
