@@ -593,7 +593,68 @@ fn psql_logs_in_with_a_token() {
         .expect("run python3");
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "timestamp with time zone\nalice");
+
+    // Issue 16: a session opened with a token outlived it. Revoked (the file rewritten and
+    // SIGHUP), the token ends the session at its next statement, not only later logins; a
+    // token that expires takes the same check.
+    let mut session = Command::new("python3")
+        .args(["-c", PSYCOPG_SESSION, addr, "alice-0123456789abcdef"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run python3");
+    let mut stdin = session.stdin.take().expect("stdin");
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(
+        session.stdout.take().expect("stdout"),
+    ));
+    let mut next_line = || lines.next().expect("a line").expect("read");
+    assert_eq!(
+        next_line(),
+        "ok 1",
+        "the session answers while the token holds"
+    );
+    std::fs::write(
+        &tokens,
+        "[[tokens]]\ntoken = \"agent-0123456789abcdef\"\nuser = \"node-1\"\nrole = \"agent\"\n",
+    )
+    .expect("rewrite tokens");
+    let status = Command::new("kill")
+        .args(["-HUP", &perch.child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    wait_for("the revoked token refused at login", || {
+        let out = psql_as(addr, "grafana", Some("alice-0123456789abcdef"), "SELECT 1");
+        (!out.status.success()).then_some(())
+    });
+    std::io::Write::write_all(&mut stdin, b"next\n").expect("write");
+    let ended = next_line();
+    assert!(
+        ended.starts_with("error 28000")
+            && ended.contains("the session ends: the token is not known"),
+        "{ended}"
+    );
 }
+
+/// Runs a statement on one connection each time a line arrives on stdin, printing `ok N` or
+/// `error SQLSTATE message`, and stops at the first error.
+const PSYCOPG_SESSION: &str = r#"
+import sys, psycopg
+host, port = sys.argv[1].rsplit(":", 1)
+conn = psycopg.connect(host=host, port=int(port), user="grafana", password=sys.argv[2], dbname="perch", sslmode="disable", autocommit=True)
+n = 0
+while True:
+    n += 1
+    try:
+        conn.execute("SELECT 1").fetchall()
+        print("ok", n, flush=True)
+    except psycopg.Error as e:
+        print("error", e.sqlstate, str(e).replace("\n", " "), flush=True)
+        break
+    if not sys.stdin.readline():
+        break
+"#;
 
 /// The SQL a newcomer copies from the docs: every `perch sql "..."` of the README and every
 /// ```sql block of `docs/`.

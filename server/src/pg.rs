@@ -18,7 +18,8 @@
 //! cleartext password authentication whose password is a perch bearer token (`PGPASSWORD`,
 //! Grafana's password field); the token, not the user name the client sends, says who it is,
 //! so any user name works. User and operator tokens may run SQL; agent tokens may not, as on
-//! `POST /v1/sql`. A wrong token is refused with SQLSTATE 28P01. Cleartext passwords are
+//! `POST /v1/sql`. A wrong token is refused with SQLSTATE 28P01. Every statement checks the
+//! login token again: one revoked (SIGHUP) or expired since ends the connection (FATAL 28000). Cleartext passwords are
 //! what every client supports; keep the listener on a trusted network or tunnel it, as with
 //! HTTP. Without a tokens file the listener is in trust mode (any user name, no password) and
 //! config refuses to bind it anywhere but loopback.
@@ -73,6 +74,9 @@ pub struct PgHandler {
 
 /// Where a connection's perch identity is kept (client metadata), once its token is checked.
 const METADATA_PERCH_USER: &str = "perch.user";
+/// The token a connection logged in with (kept in memory only): every statement checks it
+/// again, so a token that expires or is revoked (SIGHUP) ends the sessions opened with it.
+const METADATA_PERCH_TOKEN: &str = "perch.token";
 
 impl std::fmt::Debug for PgHandler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -224,16 +228,24 @@ impl PgHandler {
         Ok(identity.user.clone())
     }
 
-    /// Lets the client in: the identity to remember, then the server's parameters.
-    async fn admit<C>(&self, client: &mut C, user: String) -> PgWireResult<()>
+    /// Lets the client in: the identity (and the token, with a tokens file) to remember, then
+    /// the server's parameters.
+    async fn admit<C>(
+        &self,
+        client: &mut C,
+        user: String,
+        token: Option<String>,
+    ) -> PgWireResult<()>
     where
         C: ClientInfo + Sink<PgWireBackendMessage> + Unpin + Send,
         C::Error: std::fmt::Debug,
         PgWireError: From<<C as Sink<PgWireBackendMessage>>::Error>,
     {
-        client
-            .metadata_mut()
-            .insert(METADATA_PERCH_USER.to_owned(), user);
+        let metadata = client.metadata_mut();
+        metadata.insert(METADATA_PERCH_USER.to_owned(), user);
+        if let Some(token) = token {
+            metadata.insert(METADATA_PERCH_TOKEN.to_owned(), token);
+        }
         let (pid, secret) = self.pids.generate(client);
         client.set_pid_and_secret_key(pid, secret);
         finish_authentication(client, &server_parameters()).await
@@ -265,7 +277,7 @@ impl StartupHandler for PgHandler {
                 let claimed = client.metadata().get(METADATA_USER).cloned();
                 if self.tokens.is_open() {
                     return self
-                        .admit(client, claimed.unwrap_or_else(|| "local".to_owned()))
+                        .admit(client, claimed.unwrap_or_else(|| "local".to_owned()), None)
                         .await;
                 }
                 client.set_state(PgWireConnectionState::AuthenticationInProgress);
@@ -284,7 +296,7 @@ impl StartupHandler for PgHandler {
                     .unwrap_or_default();
                 let user = self.check_token(&password.password, &claimed)?;
                 tracing::debug!(user, claimed, client = %client.socket_addr(), "PostgreSQL client logged in");
-                self.admit(client, user).await?;
+                self.admit(client, user, Some(password.password)).await?;
             }
             _ => {}
         }
@@ -292,18 +304,42 @@ impl StartupHandler for PgHandler {
     }
 }
 
-/// The catalog's view of the connection: who it is and which database it named.
-fn session<C: ClientInfo>(client: &C) -> catalog::Session {
-    let meta = client.metadata();
-    catalog::Session {
-        user: meta
-            .get(METADATA_PERCH_USER)
-            .cloned()
-            .unwrap_or_else(|| "perch".to_owned()),
-        database: meta
-            .get(METADATA_DATABASE)
-            .cloned()
-            .unwrap_or_else(|| "perch".to_owned()),
+impl PgHandler {
+    /// The catalog's view of the connection: who it is and which database it named. With a
+    /// tokens file, the token the connection logged in with is checked again first: one that
+    /// has expired or been revoked since ends the connection (FATAL), as a new login would be
+    /// refused.
+    fn session<C: ClientInfo>(&self, client: &C) -> PgWireResult<catalog::Session> {
+        let meta = client.metadata();
+        if !self.tokens.is_open() {
+            let checked = match meta.get(METADATA_PERCH_TOKEN) {
+                Some(token) => match self.tokens.identify(token, self.clock.now_ms()) {
+                    Ok(Some(identity)) if identity.role == Role::Agent => Err(format!(
+                        "the token of {} now has role agent, which may not run SQL",
+                        identity.user
+                    )),
+                    Ok(_) => Ok(()),
+                    Err(why) => Err(why),
+                },
+                None => Err("the connection logged in without a token".to_owned()),
+            };
+            if let Err(why) = checked {
+                return Err(login_error(
+                    "28000",
+                    format!("the session ends: {why}. Log in again with a valid token"),
+                ));
+            }
+        }
+        Ok(catalog::Session {
+            user: meta
+                .get(METADATA_PERCH_USER)
+                .cloned()
+                .unwrap_or_else(|| "perch".to_owned()),
+            database: meta
+                .get(METADATA_DATABASE)
+                .cloned()
+                .unwrap_or_else(|| "perch".to_owned()),
+        })
     }
 }
 
@@ -549,7 +585,7 @@ impl SimpleQueryHandler for PgHandler {
         C: ClientInfo + pgwire::api::ClientPortalStore + Unpin + Send + Sync,
         C::PortalStore: pgwire::api::store::PortalStore,
     {
-        let session = session(client);
+        let session = self.session(client)?;
         Ok(vec![self.run(query, &session, &Format::UnifiedText).await?])
     }
 }
@@ -586,7 +622,7 @@ impl QueryParser for PgHandler {
     where
         C: ClientInfo + Unpin + Send + Sync,
     {
-        let schema = self.describe(sql, &session(client)).await?;
+        let schema = self.describe(sql, &self.session(client)?).await?;
         Ok(Some(PgStatement {
             sql: sql.to_owned(),
             schema,
@@ -635,7 +671,7 @@ impl ExtendedQueryHandler for PgHandler {
         C::Error: std::fmt::Debug,
         PgWireError: From<<C as futures::Sink<pgwire::messages::PgWireBackendMessage>>::Error>,
     {
-        let session = session(client);
+        let session = self.session(client)?;
         self.run(
             &portal.statement.statement.sql,
             &session,
