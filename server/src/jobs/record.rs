@@ -90,6 +90,17 @@ pub struct JobRecord {
     /// `None` until that node has reported it, or when the job chose its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub master_port: Option<u16>,
+    /// Earlier attempts told to stop whose end no agent has confirmed yet: the next attempt's
+    /// launches wait for them, so the job never runs twice (on the old node and the new).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stopping: Vec<StoppingRun>,
+}
+
+/// An attempt of a job told to stop on a node, not yet confirmed gone there.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoppingRun {
+    pub node: String,
+    pub attempt: u32,
 }
 
 /// The GPUs one attempt of a job held on one node, and what they did with them.

@@ -1,5 +1,6 @@
 //! HTTP routes for jobs, the queue, nodes, and agents' sync. See `GET /` for the list.
 
+use super::control::NodeDetail;
 use super::record::JobState;
 use super::spec::JobRequest;
 use crate::auth::{Identity, Role};
@@ -330,34 +331,55 @@ pub async fn queue(
 /// Every node, sorted by name: those whose agents sync (nodes with GPUs) and those that only
 /// send telemetry, each with its one state ([`crate::node_status`]).
 pub async fn nodes(State(state): State<AppState>) -> Result<Json<serde_json::Value>, ApiError> {
-    let mut details: std::collections::HashMap<String, serde_json::Value> = state
+    let mut details: std::collections::HashMap<String, NodeDetail> = state
         .jobs
-        .run(|c, now| Ok(c.nodes(now)))
+        .run(|c, _| Ok(c.nodes()))
         .await?
         .into_iter()
-        .map(|n| (n["name"].as_str().unwrap_or_default().to_owned(), n))
+        .map(|n| (n.name.clone(), n))
         .collect();
     let now = state.now_ms();
-    let nodes: Vec<serde_json::Value> = crate::node_status::current(&state, now)
+    let secs_ago = |t: i64| (now - t) as f64 / 1000.0;
+    let nodes: Vec<NodeOut> = crate::node_status::current(&state, now)
         .into_iter()
         .map(|(name, status)| {
             // A node that only sends telemetry (no GPUs) has no control-plane details.
-            let mut n = details.remove(&name).unwrap_or_else(|| {
-                serde_json::json!({
-                    "name": name, "gpus": 0, "gpu_model": "", "rack": "", "allocated_gpus": 0,
-                    "jobs": [], "gpu_sharing": false, "nvlink_islands": [],
-                    "last_sync_secs_ago": null,
-                })
-            });
-            n["state"] = status.state.as_str().into();
-            n["last_sample_secs_ago"] =
-                status.last_sample_ms.map_or(serde_json::Value::Null, |t| {
-                    ((now - t) as f64 / 1000.0).into()
-                });
-            n
+            let detail = details.remove(&name);
+            let d = detail.as_ref();
+            NodeOut {
+                gpus: d.map_or(0, |d| d.gpus),
+                gpu_model: d.map_or("", |d| &d.gpu_model).to_owned(),
+                rack: d.map_or("", |d| &d.rack).to_owned(),
+                allocated_gpus: d.map_or(0, |d| d.allocated_gpus),
+                jobs: d
+                    .map(|d| d.jobs.iter().copied().collect())
+                    .unwrap_or_default(),
+                gpu_sharing: d.is_some_and(|d| d.gpu_sharing),
+                nvlink_islands: d.map(|d| d.nvlink_islands.clone()).unwrap_or_default(),
+                last_sync_secs_ago: d.map(|d| secs_ago(d.last_sync_ms)),
+                state: status.state.as_str(),
+                last_sample_secs_ago: status.last_sample_ms.map(secs_ago),
+                name,
+            }
         })
         .collect();
     Ok(Json(serde_json::json!({ "nodes": nodes })))
+}
+
+/// A node in `GET /v1/nodes`.
+#[derive(serde::Serialize)]
+struct NodeOut {
+    name: String,
+    gpus: u32,
+    gpu_model: String,
+    rack: String,
+    allocated_gpus: usize,
+    jobs: Vec<u64>,
+    gpu_sharing: bool,
+    nvlink_islands: Vec<Vec<u32>>,
+    last_sync_secs_ago: Option<f64>,
+    state: &'static str,
+    last_sample_secs_ago: Option<f64>,
 }
 
 async fn set_drained(

@@ -187,6 +187,47 @@ async fn attempts_and_the_lease_decide_what_runs_where() {
     assert_eq!((j.state.as_str(), j.exit_code), ("failed", Some(3)));
 }
 
+/// An earlier attempt's exit never ends the attempt placed after it on the same node: node a
+/// comes back after its lease with the fenced exit of attempt 1, and the sync that brings it
+/// back also places attempt 2 there. The exit is noted; attempt 2 is launched, not requeued.
+#[tokio::test]
+async fn an_old_attempts_exit_does_not_end_the_attempt_placed_after_it_on_the_same_node() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    sync(&jobs, "a", T0, &[], &[]).await;
+    let id = submit(
+        &jobs,
+        json!({ "command": ["train"], "user": "bob", "max_requeues": 2, "gpus_per_node": 1 }),
+        T0 + SECOND,
+    )
+    .await;
+    sync(&jobs, "a", T0 + 2 * SECOND, &[], &[]).await;
+    sync(&jobs, "a", T0 + 3 * SECOND, &[(id, 1)], &[]).await;
+    tick(&jobs, T0 + 400 * SECOND).await;
+    let j = job(&jobs, id).await;
+    assert_eq!(
+        (j.state.as_str(), j.requeues),
+        ("pending", 1),
+        "requeued past the lease"
+    );
+    let fenced = json!({ "exited": [{ "job": id, "attempt": 1, "code": 137, "fenced": true }] });
+    let r = sync_with(&jobs, "a", T0 + 401 * SECOND, &[], &[], fenced).await;
+    let j = job(&jobs, id).await;
+    assert_eq!(
+        (j.state.as_str(), j.attempts, j.requeues),
+        ("running", 2, 1),
+        "{:?}",
+        j.timeline
+    );
+    assert_eq!(
+        r.start
+            .iter()
+            .map(|l| (l.job, l.attempt))
+            .collect::<Vec<_>>(),
+        vec![(id, 2)]
+    );
+}
+
 /// Issue 16: a log-store error failed the whole sync, so the node went down and its jobs were
 /// requeued. Now the sync is answered, without log offsets, and the agent sends again.
 #[tokio::test]
@@ -700,7 +741,7 @@ async fn output_is_kept_per_attempt_and_rank() {
 /// 61, 63, 69, 92 and 94), and on the reboot and reset classes it used to miss.
 #[test]
 fn the_xids_that_quarantine_a_gpu_are_the_alerts_reset_and_reboot_classes() {
-    use super::xid_needs_reset;
+    use super::observe::xid_needs_reset;
     for ignored_or_app in [13, 31, 43, 45, 63, 69, 92, 94] {
         assert!(!xid_needs_reset(ignored_or_app), "{ignored_or_app}");
     }

@@ -1,0 +1,166 @@
+//! Rebuilding the control plane from the job database at start: nodes, then jobs in their
+//! states (pending ones to the core, running ones restored on their placement, launch orders
+//! never handed over queued again).
+
+use super::*;
+
+impl Control {
+    /// Rebuilds the control plane from the records of the job database; `dir` holds job logs.
+    pub(crate) fn open(
+        dir: &std::path::Path,
+        config: JobsConfig,
+        now_ms: i64,
+        loaded: Loaded,
+    ) -> Result<Control, ControlError> {
+        let Loaded {
+            jobs,
+            nodes,
+            node_spans,
+        } = loaded;
+        let mut c = Control {
+            scheduler: Scheduler::new(Cluster::new(), config.policy.clone()),
+            jobs: BTreeMap::new(),
+            nodes: Vec::new(),
+            node_index: HashMap::new(),
+            next_id: 1,
+            outbox: HashMap::new(),
+            delivered: HashSet::new(),
+            dirty_jobs: BTreeSet::new(),
+            dirty_nodes: BTreeSet::new(),
+            held: BTreeSet::new(),
+            stopping_jobs: BTreeSet::new(),
+            known_nodes: Arc::default(),
+            now: now_ms,
+            logs_dir: dir.join("logs"),
+            config,
+            ledger: ledger::Ledger::default(),
+            acting: None,
+            job_tokens: JobTokens::load_or_create(dir).map_err(ControlError::Logs)?,
+            pending: PendingCount::default(),
+            reserved: HashMap::new(),
+        };
+        for record in nodes {
+            // Agents get one heartbeat timeout from now to come back.
+            c.add_node(record, now_ms)?;
+        }
+        c.restore_spans(node_spans);
+        for idx in 0..c.nodes.len() {
+            // Up from now (the state the control plane starts them in), unless already so.
+            c.track_node_state(idx, now_ms);
+        }
+        for mut job in jobs {
+            c.next_id = c.next_id.max(job.id + 1);
+            let spec = spec_of(job.id, &job.request, job.submit_ms);
+            let result = match job.state {
+                JobState::Pending if c.dependencies(&job.request) != Deps::Met => {
+                    c.held.insert(job.id);
+                    Ok(())
+                }
+                JobState::Pending => c.scheduler.handle(now_ms, Event::Submit(spec)).map(|_| ()),
+                JobState::Running => {
+                    let placement = c.placement_of(&job);
+                    let start = job.start_ms.unwrap_or(now_ms);
+                    let restored = c.scheduler.handle(
+                        now_ms,
+                        Event::Restore {
+                            spec,
+                            placement,
+                            start,
+                            requeues: job.requeues,
+                        },
+                    );
+                    for p in job.placement.iter().filter(|p| p.delivered) {
+                        if let Some(&n) = c.node_index.get(&p.node) {
+                            c.delivered.insert((job.id, n));
+                        }
+                    }
+                    restored.map(|_| ())
+                }
+                _ => Ok(()),
+            };
+            let failed = result.err().map(|e| e.to_string());
+            if let Some(e) = &failed {
+                job.state = JobState::Failed;
+                job.reason = Some(format!("could not be restored after a server restart: {e}"));
+                job.end_ms = Some(now_ms);
+                c.dirty_jobs.insert(job.id);
+            }
+            let resend = job.state == JobState::Running;
+            let id = job.id;
+            if !job.stopping.is_empty() {
+                c.stopping_jobs.insert(id);
+            }
+            c.jobs.insert(id, job);
+            if let Some(e) = failed {
+                c.close_allocations(id, now_ms);
+                c.job_event(
+                    now_ms,
+                    id,
+                    "job_ended",
+                    "perch",
+                    Some("failed"),
+                    format!("job {id} could not be restored after a server restart: {e}"),
+                );
+            }
+            if resend {
+                c.ensure_allocations(id);
+                // Launch orders the old process queued but never handed over go out again.
+                c.queue_launches(id);
+            }
+        }
+        c.refresh_fair_share(now_ms)?;
+        for job in c.jobs.values() {
+            c.pending.update(job);
+        }
+        Ok(c)
+    }
+
+    pub(super) fn add_node(
+        &mut self,
+        record: NodeRecord,
+        now_ms: i64,
+    ) -> Result<usize, ControlError> {
+        let spec = NodeSpec {
+            name: NodeName(record.name.clone()),
+            gpus: record.gpus,
+            model: GpuModel(record.model.clone()),
+            rack: record.rack.clone(),
+            nvlink_islands: record.nvlink_islands.clone(),
+            sharing: record.gpu_sharing,
+        };
+        self.scheduler.handle(now_ms, Event::AddNode(spec))?;
+        let idx = self.nodes.len();
+        if record.drained {
+            self.scheduler
+                .handle(now_ms, Event::Drain(NodeId(idx as u32)))?;
+        }
+        self.node_index.insert(record.name.clone(), idx);
+        self.known_nodes
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(record.name.clone());
+        self.nodes.push(Node {
+            record,
+            last_sync_ms: now_ms,
+            down: false,
+            lease_expired: false,
+            reporting_since_ms: now_ms,
+            addr: None,
+        });
+        Ok(idx)
+    }
+
+    pub(super) fn placement_of(&self, job: &JobRecord) -> Vec<NodeAlloc> {
+        job.placement
+            .iter()
+            .filter_map(|p| {
+                let &n = self.node_index.get(&p.node)?;
+                let mask = p.gpus.iter().fold(0u64, |m, g| m | (1u64 << g));
+                Some(NodeAlloc {
+                    node: NodeId(n as u32),
+                    mask,
+                })
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,300 @@
+//! Submissions and cancels: the checks a submission passes (fields, accounts, the pending
+//! cap), dependencies that hold a job back, arrays added in steps.
+
+use super::*;
+
+impl Control {
+    /// Submits a job, or `array` copies of it, in one step; returns the records in id order.
+    /// The server submits through [`Control::start_array`] and steps of
+    /// [`Control::submit_array_tasks`] (see `JobService::submit`); tests at a chosen time
+    /// through this.
+    #[cfg(test)]
+    pub(crate) fn submit(
+        &mut self,
+        request: JobRequest,
+        now: i64,
+    ) -> Result<Vec<JobRecord>, ControlError> {
+        let Some(count) = request.array else {
+            self.check_submission(&request, now)?;
+            let id = self.next_id;
+            self.submit_one(request, id, now, Pass::Now)?;
+            self.next_id += 1;
+            self.release_held(now)?;
+            return Ok(self.view(id).into_iter().collect());
+        };
+        let first = self.start_array(&request, now)?;
+        self.submit_array_tasks(&request, first, 0..count, now)?;
+        Ok((first..first + u64::from(count))
+            .filter_map(|id| self.view(id))
+            .collect())
+    }
+
+    /// Checks a submission of `request` (and all its array tasks) and reserves ids for it;
+    /// returns the first. The tasks are then added by [`Control::submit_array_tasks`], in one
+    /// or more steps: a 10,000-task array added at once held the control plane, and every
+    /// agent's sync, for seconds.
+    pub(crate) fn start_array(
+        &mut self,
+        request: &JobRequest,
+        now: i64,
+    ) -> Result<u64, ControlError> {
+        self.check_submission(request, now)?;
+        let count = request.array.unwrap_or(1);
+        *self.reserved.entry(request.user().to_owned()).or_default() += count as usize;
+        let first = self.next_id;
+        self.next_id += u64::from(count);
+        Ok(first)
+    }
+
+    /// Gives back `n` of `user`'s reserved array tasks (added, or never to be).
+    pub(crate) fn release_reservation(&mut self, user: &str, n: usize) {
+        if let Some(r) = self.reserved.get_mut(user) {
+            *r = r.saturating_sub(n);
+            if *r == 0 {
+                self.reserved.remove(user);
+            }
+        }
+    }
+
+    /// Adds array tasks `tasks` of `request`, whose ids start at `first` (from
+    /// [`Control::start_array`]), with one scheduling pass for all of them. A request with no
+    /// `array` is one job, task 0.
+    pub(crate) fn submit_array_tasks(
+        &mut self,
+        request: &JobRequest,
+        first: u64,
+        tasks: std::ops::Range<u32>,
+        now: i64,
+    ) -> Result<(), ControlError> {
+        self.now = now;
+        let user = request.user().to_owned();
+        for task in tasks.clone() {
+            let mut r = request.clone();
+            let added = if r.array.take().is_none() {
+                // A single job: no array variables, no task name.
+                self.submit_one(r, first, now, Pass::Later)
+            } else {
+                r.env.insert("PERCH_ARRAY_JOB_ID".into(), first.to_string());
+                r.env.insert("PERCH_ARRAY_TASK_ID".into(), task.to_string());
+                r.name = Some(format!(
+                    "{}[{task}]",
+                    request.name.as_deref().unwrap_or("array")
+                ));
+                self.submit_one(r, first + u64::from(task), now, Pass::Later)
+            };
+            match added {
+                // Pending now (counted once this operation's changes are taken).
+                Ok(()) => self.release_reservation(&user, 1),
+                Err(e) => {
+                    self.release_reservation(&user, (tasks.end - task) as usize);
+                    return Err(e);
+                }
+            }
+        }
+        let actions = self.scheduler.schedule(now);
+        self.apply(now, actions);
+        self.release_held(now)
+    }
+
+    /// Refuses a submission that is invalid, names a job that does not exist, or would take
+    /// its user past the pending cap.
+    pub(super) fn check_submission(
+        &mut self,
+        request: &JobRequest,
+        now: i64,
+    ) -> Result<(), ControlError> {
+        request.validate()?;
+        self.now = now;
+        for (field, deps) in [
+            ("after_ok", &request.after_ok),
+            ("after_any", &request.after_any),
+        ] {
+            if let Some(missing) = deps.iter().find(|d| !self.jobs.contains_key(d)) {
+                return Err(ControlError::Invalid(FieldError {
+                    field,
+                    message: format!("no job {missing}; `perch jobs --all` lists them"),
+                }));
+            }
+        }
+        let adding = request.array.map_or(1, |n| n as usize);
+        let user = request.user();
+        let pending = self.pending.of(user) + self.reserved.get(user).copied().unwrap_or(0);
+        if pending + adding > self.config.max_pending_per_user {
+            return Err(ControlError::TooManyPending {
+                user: user.to_owned(),
+                pending,
+                adding,
+                limit: self.config.max_pending_per_user,
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether a job's dependencies allow it to be scheduled.
+    pub(super) fn dependencies(&self, request: &JobRequest) -> Deps {
+        let state = |id: &u64| self.jobs.get(id).map(|j| j.state);
+        for id in &request.after_ok {
+            match state(id) {
+                Some(JobState::Completed) => {}
+                Some(s) if s.is_final() => {
+                    return Deps::Never(format!("job {id} ended {} (after_ok)", s.as_str()));
+                }
+                _ => return Deps::Waiting,
+            }
+        }
+        if request
+            .after_any
+            .iter()
+            .any(|id| !state(id).is_some_and(JobState::is_final))
+        {
+            return Deps::Waiting;
+        }
+        Deps::Met
+    }
+
+    /// Hands held jobs whose dependencies are now met to the scheduler, and cancels those
+    /// whose dependencies can never be met.
+    pub(super) fn release_held(&mut self, now: i64) -> Result<(), ControlError> {
+        let held: Vec<u64> = self.held.iter().copied().collect();
+        for id in held {
+            let Some(job) = self.jobs.get(&id) else {
+                continue;
+            };
+            match self.dependencies(&job.request) {
+                Deps::Waiting => {}
+                Deps::Met => {
+                    self.held.remove(&id);
+                    let spec = spec_of(id, &job.request, job.submit_ms);
+                    if let Some(j) = self.jobs.get_mut(&id) {
+                        j.note(now, "dependencies met");
+                    }
+                    let actions = self.scheduler.step(now, Event::Submit(spec))?;
+                    self.apply(now, actions);
+                }
+                Deps::Never(why) => {
+                    self.held.remove(&id);
+                    if let Some(j) = self.jobs.get_mut(&id) {
+                        j.state = JobState::Cancelled;
+                        j.reason = Some(format!("dependency can never be met: {why}"));
+                        j.end_ms = Some(now);
+                        j.note(now, "cancelled: dependency can never be met");
+                    }
+                    self.dirty_jobs.insert(id);
+                    self.job_ended_event(now, id, false);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds one job with id `id` (reserved by the caller).
+    pub(super) fn submit_one(
+        &mut self,
+        mut request: JobRequest,
+        id: u64,
+        now: i64,
+        pass: Pass,
+    ) -> Result<(), ControlError> {
+        // Record who runs it and who pays explicitly, so listings and accounting never guess.
+        let user = request.user().to_owned();
+        let account = request.account().to_owned();
+        request.user = Some(user);
+        request.account = Some(account);
+        let spec = spec_of(id, &request, now);
+        spec.validate()?;
+        let mut record = JobRecord {
+            id,
+            request,
+            state: JobState::Pending,
+            reason: None,
+            submit_ms: now,
+            start_ms: None,
+            end_ms: None,
+            placement: Vec::new(),
+            attempts: 0,
+            requeues: 0,
+            preemptions: 0,
+            exit_code: None,
+            timeline: Vec::new(),
+            allocations: Vec::new(),
+            master_port: None,
+            stopping: Vec::new(),
+        };
+        record.note(now, "submitted");
+        let waits = self.dependencies(&record.request) != Deps::Met;
+        let user = record.request.user().to_owned();
+        let what = match &record.request.name {
+            Some(name) => format!("job {id} ({name}) submitted by {user}"),
+            None => format!("job {id} submitted by {user}"),
+        };
+        self.jobs.insert(id, record);
+        self.dirty_jobs.insert(id);
+        self.job_event(now, id, "job_submitted", &user, None, what);
+        if waits {
+            self.held.insert(id);
+        } else {
+            let mut actions = self.scheduler.handle(now, Event::Submit(spec))?;
+            if pass == Pass::Now {
+                actions.extend(self.scheduler.schedule(now));
+            }
+            self.apply(now, actions);
+        }
+        Ok(())
+    }
+
+    /// Cancels job `id` at the request of user `by` (who is named in the audit trail).
+    pub(crate) fn cancel(
+        &mut self,
+        id: u64,
+        by: &str,
+        now: i64,
+    ) -> Result<JobRecord, ControlError> {
+        self.acting = Some(by.to_owned());
+        let result = self.cancel_as_acting(id, now);
+        self.acting = None;
+        result
+    }
+
+    pub(super) fn cancel_as_acting(
+        &mut self,
+        id: u64,
+        now: i64,
+    ) -> Result<JobRecord, ControlError> {
+        self.now = now;
+        let job = self.jobs.get(&id).ok_or(ControlError::NoSuchJob(id))?;
+        if job.state.is_final() {
+            return Err(ControlError::AlreadyEnded {
+                id,
+                state: job.state.as_str(),
+            });
+        }
+        if self.held.remove(&id) {
+            if let Some(j) = self.jobs.get_mut(&id) {
+                j.state = JobState::Cancelled;
+                j.reason = Some("cancelled".into());
+                j.end_ms = Some(now);
+                j.note(now, "cancelled");
+            }
+            self.dirty_jobs.insert(id);
+            self.job_ended_event(now, id, true);
+        } else {
+            let actions = self.scheduler.step(now, Event::Cancel(JobId(id)))?;
+            self.apply(now, actions);
+        }
+        self.release_held(now)?;
+        self.view(id).ok_or(ControlError::NoSuchJob(id))
+    }
+
+    /// Whether the request's user (not an operator) may charge its account at its QOS
+    /// ([`crate::jobs::accounts`]).
+    pub(crate) fn may_charge(&self, request: &JobRequest) -> Result<(), ControlError> {
+        let qos = request.qos.as_deref().unwrap_or("normal");
+        crate::jobs::accounts::may_charge(
+            &self.config.accounts,
+            request.user(),
+            request.account(),
+            qos,
+        )
+        .map_err(ControlError::Forbidden)
+    }
+}
