@@ -635,6 +635,8 @@ fn psql_logs_in_with_a_token() {
             && ended.contains("the session ends: the token is not known"),
         "{ended}"
     );
+    drop(stdin);
+    session.wait().expect("python3 ends");
 }
 
 /// Runs a statement on one connection each time a line arrives on stdin, printing `ok N` or
