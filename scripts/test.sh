@@ -81,4 +81,7 @@ forbid perch-query perch-collector
 forbid perch-server perch-collector
 
 # --- tests --------------------------------------------------------------------------------------
+# tests/benchmarks.rs runs every `perch bench` in a tiny mode; the scheduler's divan benchmarks
+# run once each below, so no benchmark can stop working unseen.
 cargo test --workspace --locked
+cargo test -p perch-scheduler --locked --bench pass

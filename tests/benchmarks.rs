@@ -1,0 +1,93 @@
+//! Every `perch bench` in a tiny mode, so that none can silently stop working (issue 21: `perch
+//! bench jobs` had failed after its submission half, unseen, since the probe job began to run
+//! as `nobody`). Each runs the real benchmark with the smallest sizes its flags allow and must
+//! end well and print its table; the figures themselves are BENCHMARKS.md's business. The
+//! scheduler's divan benchmarks run once each through `cargo test --benches` (scripts/test.sh).
+
+mod common;
+
+/// Runs `perch bench <args>` with a fresh directory for its data; returns what it printed.
+fn bench(args: &[&str]) -> String {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = common::client()
+        .arg("bench")
+        .args(args)
+        .arg("--dir")
+        .arg(dir.path())
+        .output()
+        .expect("run perch bench");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "perch bench {args:?} failed:\n{stdout}\n{stderr}"
+    );
+    stdout
+}
+
+#[test]
+fn ingest_in_a_tiny_mode() {
+    for tls in [false, true] {
+        let mut args = vec![
+            "ingest",
+            "--seconds",
+            "1",
+            "--clients",
+            "2",
+            "--rounds",
+            "2",
+            "--gpus",
+            "2",
+        ];
+        if tls {
+            args.push("--tls");
+        }
+        let out = bench(&args);
+        assert!(out.contains("values per server CPU-s"), "{out}");
+    }
+}
+
+#[test]
+fn metrics_in_a_tiny_mode() {
+    let out = bench(&["metrics", "--nodes", "3", "--gpus", "2", "--scrapes", "2"]);
+    assert!(
+        out.contains("/metrics for 3 nodes") && out.contains("median"),
+        "{out}"
+    );
+}
+
+#[test]
+fn jobs_in_a_tiny_mode() {
+    let out = bench(&["jobs", "--seconds", "1", "--clients", "2", "--starts", "2"]);
+    assert!(
+        out.contains("jobs/s") && out.contains("submit-to-start"),
+        "{out}"
+    );
+}
+
+#[test]
+fn freshness_in_a_tiny_mode() {
+    let out = bench(&["freshness", "--rounds", "3", "--gpus", "2"]);
+    assert!(out.contains("sample taken -> visible to SQL"), "{out}");
+}
+
+#[test]
+fn query_against_duckdb_in_a_tiny_mode() {
+    let out = bench(&[
+        "query",
+        "--nodes",
+        "2",
+        "--gpus",
+        "2",
+        "--days",
+        "1",
+        "--interval-secs",
+        "600",
+        "--runs",
+        "1",
+    ]);
+    assert!(
+        out.contains("target: no query slower than DuckDB") && out.contains("both engines agree"),
+        "{out}"
+    );
+}
