@@ -48,7 +48,7 @@ impl Identity {
         match &self.nodes {
             Some(nodes) if !nodes.iter().any(|n| n == node) => Err(ApiError::new(
                 StatusCode::FORBIDDEN,
-                "forbidden",
+                crate::ErrorCode::Forbidden,
                 format!(
                     "this token ({}) is bound to node(s) {}; it may not report as {node}: give this node its own token, or add it to the token's `nodes` in the tokens file",
                     self.user,
@@ -347,7 +347,7 @@ impl Tokens {
             .ok_or_else(|| {
                 ApiError::new(
                     StatusCode::UNAUTHORIZED,
-                    "unauthenticated",
+                    crate::ErrorCode::Unauthenticated,
                     "send Authorization: Bearer <token> (the CLI reads PERCH_TOKEN or --token)",
                 )
             })?;
@@ -362,7 +362,7 @@ impl Tokens {
                 .ok_or_else(|| {
                     ApiError::new(
                         StatusCode::UNAUTHORIZED,
-                        "unauthenticated",
+                        crate::ErrorCode::Unauthenticated,
                         "this job token is not valid: its job attempt is not running (or is not from this server)",
                     )
                 });
@@ -371,12 +371,12 @@ impl Tokens {
             Ok(Some(identity)) => Ok(identity),
             Ok(None) => Err(ApiError::new(
                 StatusCode::UNAUTHORIZED,
-                "unauthenticated",
+                crate::ErrorCode::Unauthenticated,
                 "the token is not known to this server",
             )),
             Err(why) => Err(ApiError::new(
                 StatusCode::UNAUTHORIZED,
-                "unauthenticated",
+                crate::ErrorCode::Unauthenticated,
                 why,
             )),
         }
@@ -468,7 +468,7 @@ pub async fn middleware(
     if identity.job.is_some() && path != "/v1/metrics" {
         return ApiError::new(
             StatusCode::FORBIDDEN,
-            "forbidden",
+            crate::ErrorCode::Forbidden,
             format!("a job's metrics token may only call POST /v1/metrics, not {path}"),
         )
         .into_response();
@@ -476,7 +476,7 @@ pub async fn middleware(
     if !allowed(identity.role, request.method(), &path) {
         return ApiError::new(
             StatusCode::FORBIDDEN,
-            "forbidden",
+            crate::ErrorCode::Forbidden,
             format!(
                 "{} ({:?}) may not call {} {path}",
                 identity.user,
@@ -636,24 +636,58 @@ mod tests {
 
 #[cfg(test)]
 mod openapi_tests {
-    /// Every route the router serves is described in the OpenAPI document, and nothing else.
+    /// The route table ([`crate::ROUTES`]) is the router's and `openapi.json`'s: every path
+    /// the router serves is in it, and the OpenAPI document describes exactly its methods and
+    /// paths.
     #[test]
-    fn openapi_describes_every_route() {
+    fn one_route_table_for_the_router_the_index_and_openapi() {
+        use std::collections::BTreeSet;
         let doc: serde_json::Value =
             serde_json::from_str(crate::OPENAPI).expect("openapi.json is JSON");
-        let documented: std::collections::BTreeSet<String> = doc["paths"]
+        let documented: BTreeSet<(String, String)> = doc["paths"]
             .as_object()
             .expect("paths")
-            .keys()
-            .cloned()
+            .iter()
+            .flat_map(|(path, ops)| {
+                ops.as_object()
+                    .expect("operations")
+                    .keys()
+                    .filter(|m| ["get", "post", "put", "delete", "patch"].contains(&m.as_str()))
+                    .map(|m| (m.to_uppercase(), path.clone()))
+                    .collect::<Vec<_>>()
+            })
             .collect();
+        let table: BTreeSet<(String, String)> = crate::ROUTES
+            .iter()
+            .map(|(m, p, _)| ((*m).to_owned(), (*p).to_owned()))
+            .collect();
+        assert_eq!(table.len(), crate::ROUTES.len(), "a route twice in ROUTES");
+        assert_eq!(documented, table, "openapi.json against ROUTES");
         let source = include_str!("lib.rs");
-        let mut routed = std::collections::BTreeSet::new();
-        for piece in source.split(".route(").skip(1) {
+        let router = &source[source.find("pub fn router(").expect("router")..];
+        let mut routed = BTreeSet::new();
+        for piece in router.split(".route(").skip(1) {
             let path = piece.trim_start().trim_start_matches('"');
             routed.insert(path.split('"').next().unwrap_or_default().to_owned());
         }
+        let paths: BTreeSet<String> = table.into_iter().map(|(_, p)| p).collect();
         assert!(routed.len() > 10, "found the routes: {routed:?}");
-        assert_eq!(documented, routed);
+        assert_eq!(routed, paths, "router against ROUTES");
+    }
+
+    /// `openapi.json` lists exactly the error codes [`crate::ErrorCode`] has, in its order.
+    #[test]
+    fn openapi_lists_every_error_code() {
+        let doc: serde_json::Value =
+            serde_json::from_str(crate::OPENAPI).expect("openapi.json is JSON");
+        let listed: Vec<&str> = doc["components"]["schemas"]["Error"]["properties"]["error"]
+            ["properties"]["code"]["enum"]
+            .as_array()
+            .expect("an enum of codes")
+            .iter()
+            .filter_map(|c| c.as_str())
+            .collect();
+        let codes: Vec<&str> = crate::ErrorCode::ALL.iter().map(|c| c.as_str()).collect();
+        assert_eq!(listed, codes);
     }
 }

@@ -5,10 +5,96 @@ use axum::Json;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
+/// Declares [`ErrorCode`] from one list: variant, wire name and meaning, so the enum, its
+/// names and [`ErrorCode::ALL`] cannot drift apart.
+macro_rules! error_codes {
+    ($($(#[doc = $doc:literal])* $variant:ident => $name:literal,)*) => {
+        /// Every code the HTTP API answers errors with (`{"error": {"code", "message"}}`):
+        /// clients may match on them. `openapi.json`'s `Error` schema lists the same codes
+        /// (a test checks).
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum ErrorCode {
+            $($(#[doc = $doc])* $variant,)*
+        }
+
+        impl ErrorCode {
+            /// Every code, in the order `openapi.json` lists them.
+            pub const ALL: &[ErrorCode] = &[$(ErrorCode::$variant,)*];
+
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(ErrorCode::$variant => $name,)*
+                }
+            }
+        }
+    };
+}
+
+error_codes! {
+    /// The job has already ended (409).
+    AlreadyEnded => "already_ended",
+    /// An unknown result format was asked for.
+    BadFormat => "bad_format",
+    /// Query-string or body parameters out of range or unknown.
+    BadParameters => "bad_parameters",
+    /// SQL that does not parse or plan.
+    BadQuery => "bad_query",
+    /// A silence that is not valid (matchers, times).
+    BadSilence => "bad_silence",
+    /// The same batch is being written by another request; retry.
+    BatchInFlight => "batch_in_flight",
+    /// The token may not do this (403).
+    Forbidden => "forbidden",
+    /// A failure on the server side (500).
+    Internal => "internal",
+    /// A telemetry batch whose values are not valid.
+    InvalidBatch => "invalid_batch",
+    /// A job request whose fields are not valid.
+    InvalidJob => "invalid_job",
+    /// OTLP data whose values are not valid.
+    InvalidOtlp => "invalid_otlp",
+    /// An agent sync whose fields are not valid.
+    InvalidSync => "invalid_sync",
+    /// A telemetry batch that does not parse.
+    MalformedBatch => "malformed_batch",
+    /// OTLP data that does not parse.
+    MalformedOtlp => "malformed_otlp",
+    /// A body that does not parse as the route expects.
+    MalformedRequest => "malformed_request",
+    /// No silence with that id (404).
+    NoSuchSilence => "no_such_silence",
+    /// No such route, job or node (404).
+    NotFound => "not_found",
+    /// The server is still starting (503).
+    NotReady => "not_ready",
+    /// The query needed more memory than its limit.
+    QueryMemoryLimit => "query_memory_limit",
+    /// The query ran past its time limit.
+    QueryTimeout => "query_timeout",
+    /// SQL that would change data; perch's SQL is read-only.
+    ReadOnly => "read_only",
+    /// The server is shutting down (503).
+    ShuttingDown => "shutting_down",
+    /// Every SQL slot is taken; retry (503).
+    SqlBusy => "sql_busy",
+    /// The store cannot be read or written (503).
+    StorageUnavailable => "storage_unavailable",
+    /// The store holds too many unflushed rows; retry (503).
+    StoreBusy => "store_busy",
+    /// The user is at the pending-jobs cap (429).
+    TooManyPending => "too_many_pending",
+    /// No token, or one the server does not accept (401).
+    Unauthenticated => "unauthenticated",
+    /// A body that cannot be read (encoding, size).
+    UnreadableBody => "unreadable_body",
+    /// A content type the route does not take (415).
+    UnsupportedMediaType => "unsupported_media_type",
+}
+
 #[derive(Debug)]
 pub struct ApiError {
     pub status: StatusCode,
-    pub code: &'static str,
+    pub code: ErrorCode,
     pub message: String,
     /// Seconds after which a retry may work, sent as `Retry-After` (busy and throttled
     /// answers).
@@ -16,7 +102,7 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+    pub fn new(status: StatusCode, code: ErrorCode, message: impl Into<String>) -> Self {
         ApiError {
             status,
             code,
@@ -31,7 +117,7 @@ impl ApiError {
         self
     }
 
-    pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
+    pub fn bad_request(code: ErrorCode, message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, code, message)
     }
 }
@@ -39,9 +125,10 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         if self.status.is_server_error() {
-            tracing::error!(code = self.code, message = %self.message, "request failed");
+            tracing::error!(code = self.code.as_str(), message = %self.message, "request failed");
         }
-        let body = serde_json::json!({"error": {"code": self.code, "message": self.message}});
+        let body =
+            serde_json::json!({"error": {"code": self.code.as_str(), "message": self.message}});
         let mut response = (self.status, Json(body)).into_response();
         if let Some(secs) = self.retry_after_secs {
             response
@@ -57,34 +144,48 @@ impl From<perch_query::Error> for ApiError {
         use perch_query::Error as E;
         let message = e.to_string();
         match e {
-            E::BadQuery(_) => ApiError::bad_request("bad_query", message),
-            E::ReadOnly(_) => ApiError::new(StatusCode::FORBIDDEN, "read_only", message),
-            E::Timeout { .. } => {
-                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "query_timeout", message)
+            E::BadQuery(_) => ApiError::bad_request(crate::ErrorCode::BadQuery, message),
+            E::ReadOnly(_) => {
+                ApiError::new(StatusCode::FORBIDDEN, crate::ErrorCode::ReadOnly, message)
             }
-            E::Backpressure { .. } => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "store_busy", message).retry_after(5)
-            }
-            E::Busy(_) => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "sql_busy", message).retry_after(1)
-            }
-            E::InFlight { .. } => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "batch_in_flight", message)
-                    .retry_after(1)
-            }
+            E::Timeout { .. } => ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                crate::ErrorCode::QueryTimeout,
+                message,
+            ),
+            E::Backpressure { .. } => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                crate::ErrorCode::StoreBusy,
+                message,
+            )
+            .retry_after(5),
+            E::Busy(_) => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                crate::ErrorCode::SqlBusy,
+                message,
+            )
+            .retry_after(1),
+            E::InFlight { .. } => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                crate::ErrorCode::BatchInFlight,
+                message,
+            )
+            .retry_after(1),
             E::ResourcesExhausted { .. } => ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
-                "query_memory_limit",
+                crate::ErrorCode::QueryMemoryLimit,
                 message,
             ),
             E::WalClosed(_) | E::Io { .. } => ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "storage_unavailable",
+                crate::ErrorCode::StorageUnavailable,
                 message,
             ),
-            E::Execution(_) | E::Corrupt { .. } | E::Parquet(_) | E::Arrow(_) => {
-                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
-            }
+            E::Execution(_) | E::Corrupt { .. } | E::Parquet(_) | E::Arrow(_) => ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                crate::ErrorCode::Internal,
+                message,
+            ),
         }
     }
 }
@@ -92,7 +193,7 @@ impl From<perch_query::Error> for ApiError {
 pub async fn not_found(uri: axum::http::Uri) -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
-        "not_found",
+        crate::ErrorCode::NotFound,
         format!("no endpoint at {uri}; GET / lists the endpoints"),
     )
 }

@@ -41,20 +41,20 @@ async fn handle(
     if !state.ready.load(Ordering::Relaxed) {
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
-            "not_ready",
+            crate::ErrorCode::NotReady,
             "the server is shutting down; retry later",
         ));
     }
     let body = body.map_err(|e| {
         ApiError::new(
             e.status(),
-            "unreadable_body",
+            crate::ErrorCode::UnreadableBody,
             format!("could not read the request body: {e}; send at most {} bytes (decompressed), encoded as zstd, gzip or not at all", state.config.max_body_bytes),
         )
     })?;
     let batch: Batch = serde_json::from_slice(&body).map_err(|e| {
         ApiError::bad_request(
-            "malformed_batch",
+            crate::ErrorCode::MalformedBatch,
             format!("the body is not a valid telemetry batch: {e}"),
         )
     })?;
@@ -62,7 +62,7 @@ async fn handle(
     let now = state.now_ms();
     batch.validate(now).map_err(|e| {
         ApiError::bad_request(
-            "invalid_batch",
+            crate::ErrorCode::InvalidBatch,
             format!("batch {} from node {}: {e}", batch.seq, batch.node),
         )
     })?;

@@ -21,7 +21,7 @@ pub mod pg;
 mod sql;
 pub mod tls;
 
-pub use error::ApiError;
+pub use error::{ApiError, ErrorCode};
 pub use latest::Latest;
 
 use axum::Router;
@@ -266,33 +266,108 @@ fn http_span(request: &axum::extract::Request) -> tracing::Span {
     )
 }
 
+/// Every HTTP route: method, path and what it is for. `GET /` lists them, and a test checks
+/// that the router serves exactly these paths and `openapi.json` describes exactly these
+/// methods and paths: add a route here, in [`router`] and in `openapi.json`.
+pub const ROUTES: &[(&str, &str, &str)] = &[
+    ("GET", "/", "this index"),
+    ("GET", "/healthz", "liveness"),
+    (
+        "GET",
+        "/readyz",
+        "readiness (the store is open and its log replayed)",
+    ),
+    (
+        "GET",
+        "/v1/openapi.json",
+        "the OpenAPI 3 description of this API",
+    ),
+    (
+        "POST",
+        "/v1/ingest",
+        "agent telemetry batches (JSON, optionally zstd or gzip encoded)",
+    ),
+    (
+        "POST",
+        "/v1/sql",
+        "read-only SQL: body {\"sql\": \"...\", \"format\": \"json|csv|arrow\"} or text/plain",
+    ),
+    ("GET", "/metrics", "Prometheus exposition"),
+    (
+        "POST",
+        "/v1/metrics",
+        "OpenTelemetry metrics (OTLP/HTTP, protobuf or JSON) into the job_metrics table",
+    ),
+    ("POST", "/v1/jobs", "submit a job (JSON job request)"),
+    (
+        "GET",
+        "/v1/jobs",
+        "list jobs (?state=&user=&account=&limit=)",
+    ),
+    (
+        "GET",
+        "/v1/jobs/{id}",
+        "one job: state, reason, placement, timeline, live GPU use",
+    ),
+    ("POST", "/v1/jobs/{id}/cancel", "cancel a job"),
+    (
+        "GET",
+        "/v1/jobs/{id}/logs",
+        "a job's output (?stream=stdout|stderr&offset=N&rank=R&attempt=A: rank R (default 0) of attempt A (default the latest); the x-perch-attempt header says which)",
+    ),
+    (
+        "GET",
+        "/v1/queue",
+        "pending jobs in scheduling order, with the reason each waits; ?start=true adds each one's estimated start (estimated_start, RFC 3339)",
+    ),
+    ("GET", "/v1/nodes", "nodes, their GPUs and jobs"),
+    (
+        "POST",
+        "/v1/nodes/{name}/drain",
+        "stop placing jobs on a node",
+    ),
+    (
+        "POST",
+        "/v1/nodes/{name}/resume",
+        "place jobs on a drained node again",
+    ),
+    (
+        "POST",
+        "/v1/agent/sync",
+        "agents report their jobs and receive launch and stop orders",
+    ),
+    (
+        "GET",
+        "/v1/alerts",
+        "alerts (pending, firing, recently resolved), rule health, remediation and its circuit breaker",
+    ),
+    (
+        "POST",
+        "/v1/alerts/breaker/reset",
+        "close the remediation circuit breaker (operators)",
+    ),
+    ("GET", "/v1/silences", "silences and their state"),
+    (
+        "POST",
+        "/v1/silences",
+        "mute alerts matching label matchers until a time (operators)",
+    ),
+    (
+        "DELETE",
+        "/v1/silences/{id}",
+        "expire a silence now (operators)",
+    ),
+];
+
 async fn index() -> axum::Json<serde_json::Value> {
+    let endpoints: serde_json::Map<String, serde_json::Value> = ROUTES
+        .iter()
+        .map(|(method, path, what)| (format!("{method} {path}"), (*what).into()))
+        .collect();
     axum::Json(serde_json::json!({
         "service": "perch",
         "version": env!("CARGO_PKG_VERSION"),
-        "endpoints": {
-            "GET /healthz": "liveness",
-            "GET /readyz": "readiness (the store is open and its log replayed)",
-            "POST /v1/ingest": "agent telemetry batches (JSON, optionally zstd or gzip encoded)",
-            "POST /v1/sql": "read-only SQL: body {\"sql\": \"...\", \"format\": \"json|csv|arrow\"} or text/plain",
-            "GET /metrics": "Prometheus exposition",
-            "POST /v1/metrics": "OpenTelemetry metrics (OTLP/HTTP, protobuf or JSON) into the job_metrics table",
-            "POST /v1/jobs": "submit a job (JSON job request)",
-            "GET /v1/jobs": "list jobs (?state=&user=&account=&limit=)",
-            "GET /v1/jobs/{id}": "one job: state, reason, placement, timeline, live GPU use",
-            "POST /v1/jobs/{id}/cancel": "cancel a job",
-            "GET /v1/jobs/{id}/logs": "a job's output (?stream=stdout|stderr&offset=N&rank=R&attempt=A: rank R (default 0) of attempt A (default the latest); the x-perch-attempt header says which)",
-            "GET /v1/queue": "pending jobs in scheduling order, with the reason each waits; ?start=true adds each one's estimated start (estimated_start, RFC 3339)",
-            "GET /v1/nodes": "nodes, their GPUs and jobs",
-            "POST /v1/nodes/{name}/drain": "stop placing jobs on a node",
-            "POST /v1/nodes/{name}/resume": "place jobs on a drained node again",
-            "POST /v1/agent/sync": "agents report their jobs and receive launch and stop orders",
-            "GET /v1/alerts": "alerts (pending, firing, recently resolved), rule health, remediation and its circuit breaker",
-            "POST /v1/alerts/breaker/reset": "close the remediation circuit breaker (operators)",
-            "GET /v1/silences": "silences and their state",
-            "POST /v1/silences": "mute alerts matching label matchers until a time (operators)",
-            "DELETE /v1/silences/{id}": "expire a silence now (operators)",
-        }
+        "endpoints": endpoints,
     }))
 }
 

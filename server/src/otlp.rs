@@ -63,7 +63,7 @@ pub async fn metrics(
     if !state.ready.load(Ordering::Relaxed) {
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
-            "not_ready",
+            crate::ErrorCode::NotReady,
             "the server is shutting down; retry later",
         ));
     }
@@ -71,7 +71,7 @@ pub async fn metrics(
     let body = body.map_err(|e| {
         ApiError::new(
             e.status(),
-            "unreadable_body",
+            crate::ErrorCode::UnreadableBody,
             format!("could not read the request body: {e}"),
         )
     })?;
@@ -98,7 +98,7 @@ pub async fn metrics(
         .map_err(|e| {
             ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
+                crate::ErrorCode::Internal,
                 format!("could not encode the response: {e}"),
             )
         })?,
@@ -122,7 +122,7 @@ fn encoding(headers: &HeaderMap) -> Result<Encoding, ApiError> {
         "application/json" => Ok(Encoding::Json),
         _ => Err(ApiError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
+            crate::ErrorCode::UnsupportedMediaType,
             format!(
                 "Content-Type {content_type:?} is not supported; send an OTLP ExportMetricsServiceRequest as application/x-protobuf or application/json"
             ),
@@ -135,13 +135,13 @@ fn decode(encoding: Encoding, body: &[u8]) -> Result<ExportMetricsServiceRequest
         Encoding::Protobuf => <ExportMetricsServiceRequest as prost::Message>::decode(body)
             .map_err(|e| {
                 ApiError::bad_request(
-                    "malformed_otlp",
+                    crate::ErrorCode::MalformedOtlp,
                     format!("the body is not a protobuf OTLP ExportMetricsServiceRequest: {e}"),
                 )
             }),
         Encoding::Json => serde_json::from_slice(body).map_err(|e| {
             ApiError::bad_request(
-                "malformed_otlp",
+                crate::ErrorCode::MalformedOtlp,
                 format!("the body is not an OTLP/JSON ExportMetricsServiceRequest: {e}"),
             )
         }),
@@ -313,14 +313,14 @@ async fn store(
             };
             batch.validate(now).map_err(|e| {
                 ApiError::bad_request(
-                    "invalid_otlp",
+                    crate::ErrorCode::InvalidOtlp,
                     format!("the OTLP export holds a data point perch cannot store: {e}"),
                 )
             })?;
             let raw = serde_json::to_vec(&batch).map_err(|e| {
                 ApiError::new(
                     StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal",
+                    crate::ErrorCode::Internal,
                     format!("could not encode the batch: {e}"),
                 )
             })?;

@@ -42,7 +42,7 @@ fn parse_format(s: &str) -> Result<Format, ApiError> {
         "csv" => Ok(Format::Csv),
         "arrow" => Ok(Format::Arrow),
         other => Err(ApiError::bad_request(
-            "bad_format",
+            crate::ErrorCode::BadFormat,
             format!("format {other:?} is not known; use json, csv or arrow"),
         )),
     }
@@ -74,7 +74,7 @@ async fn handle(
     let text = if is_json {
         let req: JsonRequest = serde_json::from_slice(body).map_err(|e| {
             ApiError::bad_request(
-                "malformed_request",
+                crate::ErrorCode::MalformedRequest,
                 format!(
                     "expected {{\"sql\": \"SELECT ...\", \"format\": \"json|csv|arrow\"}}: {e}"
                 ),
@@ -84,7 +84,10 @@ async fn handle(
         req.sql
     } else {
         String::from_utf8(body.to_vec()).map_err(|_| {
-            ApiError::bad_request("malformed_request", "the SQL text is not valid UTF-8")
+            ApiError::bad_request(
+                crate::ErrorCode::MalformedRequest,
+                "the SQL text is not valid UTF-8",
+            )
         })?
     };
     let output = state.sql.query(&text).await?;
@@ -95,7 +98,7 @@ async fn handle(
         .map_err(|e| {
             ApiError::new(
                 axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
+                crate::ErrorCode::Internal,
                 format!("encoding the result: {e}"),
             )
         })?
@@ -105,7 +108,7 @@ fn render(output: QueryOutput, format: Format, max_rows: usize) -> Result<Respon
     let internal = |e: arrow::error::ArrowError| {
         ApiError::new(
             axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
+            crate::ErrorCode::Internal,
             format!("encoding the result: {e}"),
         )
     };
@@ -142,7 +145,7 @@ fn render(output: QueryOutput, format: Format, max_rows: usize) -> Result<Respon
             let mut body = serde_json::to_vec(&head).map_err(|e| {
                 ApiError::new(
                     axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal",
+                    crate::ErrorCode::Internal,
                     e.to_string(),
                 )
             })?;

@@ -88,7 +88,7 @@ pub async fn add_silence(
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let Json(body) = body.map_err(|e| {
         ApiError::bad_request(
-            "bad_silence",
+            crate::ErrorCode::BadSilence,
             format!(
                 "{}; send {{\"matchers\": [{{\"name\": \"node\", \"value\": \"gpu-07\"}}], \"duration\": \"2h\", \"comment\": \"why\"}}",
                 e.body_text()
@@ -107,7 +107,7 @@ pub async fn add_silence(
     let silence = state
         .alerts
         .with(|e| e.add_silence(request, now))
-        .map_err(|e| ApiError::bad_request("bad_silence", e.to_string()))?;
+        .map_err(|e| ApiError::bad_request(crate::ErrorCode::BadSilence, e.to_string()))?;
     state.alerts.save(now);
     let matchers: Vec<String> = silence.matchers.iter().map(ToString::to_string).collect();
     audit(
@@ -138,7 +138,13 @@ pub async fn expire_silence(
     let silence = state
         .alerts
         .with(|e| e.expire_silence(&id, now))
-        .map_err(|e| ApiError::new(StatusCode::NOT_FOUND, "no_such_silence", e.to_string()))?;
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                crate::ErrorCode::NoSuchSilence,
+                e.to_string(),
+            )
+        })?;
     state.alerts.save(now);
     audit(
         &state,

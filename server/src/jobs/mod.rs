@@ -71,7 +71,7 @@ pub(crate) const ARRAY_STEP: u32 = 500;
 fn task_failed(e: tokio::task::JoinError) -> crate::ApiError {
     crate::ApiError::new(
         axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-        "internal",
+        crate::ErrorCode::Internal,
         e.to_string(),
     )
 }
@@ -172,7 +172,7 @@ impl JobService {
         let _turn = self.plans.acquire().await.map_err(|e| {
             crate::ApiError::new(
                 axum::http::StatusCode::SERVICE_UNAVAILABLE,
-                "shutting_down",
+                crate::ErrorCode::ShuttingDown,
                 format!("start times cannot be estimated now: {e}"),
             )
         })?;
@@ -187,7 +187,7 @@ impl JobService {
         .map_err(|e| {
             crate::ApiError::new(
                 axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
+                crate::ErrorCode::Internal,
                 format!("estimating start times failed: {e}"),
             )
         })?;
@@ -340,29 +340,39 @@ impl From<ControlError> for crate::ApiError {
         use axum::http::StatusCode;
         let message = e.to_string();
         match e {
-            ControlError::Invalid(_) => crate::ApiError::bad_request("invalid_job", message),
-            ControlError::BadRequest(_) => crate::ApiError::bad_request("bad_parameters", message),
+            ControlError::Invalid(_) => {
+                crate::ApiError::bad_request(crate::ErrorCode::InvalidJob, message)
+            }
+            ControlError::BadRequest(_) => {
+                crate::ApiError::bad_request(crate::ErrorCode::BadParameters, message)
+            }
             ControlError::Scheduler(perch_scheduler::Error::InvalidJob { .. }) => {
-                crate::ApiError::bad_request("invalid_job", message)
+                crate::ApiError::bad_request(crate::ErrorCode::InvalidJob, message)
             }
             ControlError::NoSuchJob(_) | ControlError::NoSuchNode(_) => {
-                crate::ApiError::new(StatusCode::NOT_FOUND, "not_found", message)
+                crate::ApiError::new(StatusCode::NOT_FOUND, crate::ErrorCode::NotFound, message)
             }
             ControlError::Forbidden(_) => {
-                crate::ApiError::new(StatusCode::FORBIDDEN, "forbidden", message)
+                crate::ApiError::new(StatusCode::FORBIDDEN, crate::ErrorCode::Forbidden, message)
             }
-            ControlError::TooManyPending { .. } => {
-                crate::ApiError::new(StatusCode::TOO_MANY_REQUESTS, "too_many_pending", message)
-            }
-            ControlError::AlreadyEnded { .. } => {
-                crate::ApiError::new(StatusCode::CONFLICT, "already_ended", message)
-            }
+            ControlError::TooManyPending { .. } => crate::ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                crate::ErrorCode::TooManyPending,
+                message,
+            ),
+            ControlError::AlreadyEnded { .. } => crate::ApiError::new(
+                StatusCode::CONFLICT,
+                crate::ErrorCode::AlreadyEnded,
+                message,
+            ),
             ControlError::Scheduler(_)
             | ControlError::Db(_)
             | ControlError::Logs(_)
-            | ControlError::TaskFailed(_) => {
-                crate::ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
-            }
+            | ControlError::TaskFailed(_) => crate::ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                crate::ErrorCode::Internal,
+                message,
+            ),
         }
     }
 }

@@ -16,7 +16,7 @@ use serde::Deserialize;
 fn body<T>(payload: Result<Json<T>, JsonRejection>, what: &str) -> Result<T, ApiError> {
     payload.map(|Json(v)| v).map_err(|e| {
         ApiError::bad_request(
-            "malformed_request",
+            crate::ErrorCode::MalformedRequest,
             format!("the body is not a valid {what}: {}", e.body_text()),
         )
     })
@@ -34,7 +34,7 @@ pub async fn submit(
             Some(u) if *u != who.user => {
                 return Err(ApiError::new(
                     StatusCode::FORBIDDEN,
-                    "forbidden",
+                    crate::ErrorCode::Forbidden,
                     format!(
                         "you are {}; only operators submit jobs as another user ({u})",
                         who.user
@@ -90,7 +90,7 @@ pub async fn list(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let Query(p) = params.map_err(|e| {
         ApiError::bad_request(
-            "bad_parameters",
+            crate::ErrorCode::BadParameters,
             format!("{}; use state, user, account, limit", e.body_text()),
         )
     })?;
@@ -98,7 +98,7 @@ pub async fn list(
         None => None,
         Some(s) => Some(JobState::parse(s).ok_or_else(|| {
             ApiError::bad_request(
-                "bad_parameters",
+                crate::ErrorCode::BadParameters,
                 format!("state {s:?} is not one of pending, running, completed, failed, cancelled, timeout, preempted, node_fail"),
             )
         })?),
@@ -252,7 +252,7 @@ pub async fn logs(
 ) -> Result<(axum::http::HeaderMap, Vec<u8>), ApiError> {
     let Query(p) = params.map_err(|e| {
         ApiError::bad_request(
-            "bad_parameters",
+            crate::ErrorCode::BadParameters,
             format!(
                 "{}; use stream=stdout|stderr, offset, attempt and rank (numbers)",
                 e.body_text()
@@ -419,10 +419,9 @@ pub async fn sync(
     payload: Result<Json<SyncRequest>, JsonRejection>,
 ) -> Result<Json<SyncResponse>, ApiError> {
     let mut request = body(payload, "agent sync request")?;
-    request
-        .node
-        .validate()
-        .map_err(|e| ApiError::bad_request("invalid_sync", format!("field `node`: {e}")))?;
+    request.node.validate().map_err(|e| {
+        ApiError::bad_request(crate::ErrorCode::InvalidSync, format!("field `node`: {e}"))
+    })?;
     who.may_speak_for(request.node.as_str())?;
     let node = request.node.as_str().to_owned();
     state
