@@ -79,9 +79,11 @@ forbid perch-scheduler datafusion
 forbid perch-query axum
 forbid perch-query perch-collector
 forbid perch-server perch-collector
+# The benchmarks are their own binary (perch bench runs it), never built into perch.
+forbid perch perch-bench
 
 # --- tests --------------------------------------------------------------------------------------
-# tests/benchmarks.rs runs every `perch bench` in a tiny mode; the scheduler's divan benchmarks
+# bench/tests/smoke.rs runs every `perch bench` in a tiny mode; the scheduler's divan benchmarks
 # run once each below, so no benchmark can stop working unseen.
 cargo test --workspace --locked
 cargo test -p perch-scheduler --locked --bench pass

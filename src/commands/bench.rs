@@ -1,103 +1,46 @@
-//! `perch bench`: measurements whose results go in BENCHMARKS.md, one module per benchmark.
-//!
-//! Each prints a small table meant to be pasted into BENCHMARKS.md next to the command that
-//! produced it. They drive the real server, store and agent (in-process, over loopback), never
-//! mocks, so a figure measures what a deployment would do.
+//! `perch bench`: runs the benchmarks, which live in their own binary (`perch-bench`, crate
+//! `bench/`) so that their code (datasets, DuckDB comparisons, load generators) is not built
+//! into every perch. `perch bench <args>` runs `perch-bench <args>` from beside this binary,
+//! else from `PATH`.
 
-mod dataset;
-mod duckdb;
-mod freshness;
-mod ingest;
-mod jobs;
-mod metrics;
-mod query;
-mod results;
-mod workload;
-
-use anyhow::Result;
-use clap::{Args, Subcommand};
-use perch_model::{Batch, GpuIndex, GpuSample, NodeId};
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use std::path::PathBuf;
 
 #[derive(Debug, Args)]
+#[command(disable_help_flag = true)]
 pub struct BenchArgs {
-    #[command(subcommand)]
-    what: What,
+    /// What to measure and how (`perch bench --help` lists the benchmarks).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    args: Vec<String>,
 }
 
-#[derive(Debug, Subcommand)]
-enum What {
-    /// Ingest throughput over HTTP into durable storage.
-    Ingest(ingest::IngestArgs),
-    /// Time to render /metrics for a large fleet.
-    Metrics(metrics::MetricsArgs),
-    /// Job submission throughput over HTTP, and submit-to-start latency on an idle node.
-    Jobs(jobs::JobsArgs),
-    /// Accounting and monitoring queries over a week of a cluster, perch against DuckDB.
-    Query(query::QueryArgs),
-    /// How soon a sample an agent sends is visible to SQL.
-    Freshness(freshness::FreshnessArgs),
+/// Where `perch-bench` is: beside this executable (cargo builds both into one directory),
+/// else on `PATH`.
+fn locate() -> Option<PathBuf> {
+    let beside = std::env::current_exe().ok()?.parent()?.join("perch-bench");
+    if beside.is_file() {
+        return Some(beside);
+    }
+    std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path)
+            .map(|dir| dir.join("perch-bench"))
+            .find(|p| p.is_file())
+    })
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
-    match args.what {
-        What::Ingest(a) => ingest::ingest(a),
-        What::Metrics(a) => metrics::metrics(a),
-        What::Jobs(a) => jobs::jobs(a),
-        What::Query(a) => query::query(a),
-        What::Freshness(a) => freshness::freshness(a),
+    let Some(bench) = locate() else {
+        bail!(
+            "perch-bench is not built: the benchmarks are their own binary. Build it beside perch with `cargo build --release -p perch-bench` (or `cargo build --release --workspace`), then run `perch bench` again"
+        );
+    };
+    let status = std::process::Command::new(&bench)
+        .args(&args.args)
+        .status()
+        .with_context(|| format!("running {}", bench.display()))?;
+    if !status.success() {
+        std::process::exit(status.code().unwrap_or(1));
     }
-}
-
-/// A batch of `rounds` sampling rounds of `gpus` synthetic GPUs, one second apart, ending at
-/// `now_ms`, every value reported.
-fn sample_batch(node: &str, seq: u64, rounds: u32, gpus: u32, now_ms: i64) -> Result<Batch> {
-    let mut samples = Vec::new();
-    for r in 0..rounds {
-        for g in 0..gpus {
-            let x = f64::from((r * 31 + g * 7) % 100);
-            samples.push(GpuSample {
-                time_ms: now_ms - i64::from(rounds - r) * 1000,
-                gpu: GpuIndex(g),
-                uuid: format!("GPU-BENCH-{node}-{g}"),
-                model: "Bench GPU (synthetic)".into(),
-                simulated: true,
-                utilization_gpu_pct: Some(x),
-                utilization_memory_pct: Some(x / 2.0),
-                memory_used_bytes: Some(40 << 30),
-                memory_total_bytes: Some(80 << 30),
-                power_watts: Some(300.0 + x),
-                energy_joules: Some(1e6 + f64::from(r)),
-                temperature_celsius: Some(60.0 + x / 10.0),
-                sm_clock_mhz: Some(1980),
-                memory_clock_mhz: Some(2619),
-                ..GpuSample::default()
-            });
-        }
-    }
-    // Built from JSON so that fields added to `Batch` later default to empty here too.
-    let node = NodeId::new(node).map_err(anyhow::Error::msg)?;
-    let mut batch: Batch = serde_json::from_value(serde_json::json!({"node": node, "seq": seq}))?;
-    batch.gpus = samples;
-    Ok(batch)
-}
-
-/// Starts the real server in-process on a loopback port over a data directory in `dir`
-/// (no PostgreSQL listener); send on the returned channel to stop it.
-async fn start_server(
-    dir: &std::path::Path,
-) -> Result<(
-    std::net::SocketAddr,
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<std::io::Result<()>>,
-)> {
-    let mut config = perch_server::ServerConfig::new(perch_query::StoreConfig::new(dir));
-    config.pg_listen = None;
-    let state = perch_server::AppState::open(config)?;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(perch_server::serve(listener, state, async move {
-        let _ = stop_rx.await;
-    }));
-    Ok((addr, stop_tx, server))
+    Ok(())
 }

@@ -12,7 +12,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
-const SCRIPT: &str = include_str!("../../../scripts/bench_duckdb.py");
+const SCRIPT: &str = include_str!("../../scripts/bench_duckdb.py");
 
 pub(super) struct DuckDb {
     child: Child,

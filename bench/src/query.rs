@@ -389,7 +389,7 @@ mod tests {
     /// BENCHMARKS.md shows the exact SQL that was timed.
     #[test]
     fn benchmarks_md_shows_every_query() {
-        let doc = include_str!("../../../BENCHMARKS.md");
+        let doc = include_str!("../../BENCHMARKS.md");
         for q in queries(10) {
             assert!(
                 doc.contains(&format!("```sql\n{}\n```", q.sql)),

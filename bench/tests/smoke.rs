@@ -1,16 +1,14 @@
-//! Every `perch bench` in a tiny mode, so that none can silently stop working (issue 21: `perch
+//! Every benchmark in a tiny mode, so that none can silently stop working (issue 21: `perch
 //! bench jobs` had failed after its submission half, unseen, since the probe job began to run
 //! as `nobody`). Each runs the real benchmark with the smallest sizes its flags allow and must
 //! end well and print its table; the figures themselves are BENCHMARKS.md's business. The
-//! scheduler's divan benchmarks run once each through `cargo test --benches` (scripts/test.sh).
+//! scheduler's divan benchmarks run once each in scripts/test.sh; `tests/bench.rs` at the root
+//! checks that `perch bench` hands over to this binary.
 
-mod common;
-
-/// Runs `perch bench <args>` with a fresh directory for its data; returns what it printed.
+/// Runs `perch-bench <args>` with a fresh directory for its data; returns what it printed.
 fn bench(args: &[&str]) -> String {
     let dir = tempfile::tempdir().expect("tempdir");
-    let out = common::client()
-        .arg("bench")
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_perch-bench"))
         .args(args)
         .arg("--dir")
         .arg(dir.path())
