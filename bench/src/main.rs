@@ -21,7 +21,7 @@ use perch_model::{Batch, GpuIndex, GpuSample, NodeId};
 
 /// Measure perch (results go in BENCHMARKS.md).
 #[derive(Debug, Parser)]
-#[command(name = "perch bench", version)]
+#[command(name = "perch bench", bin_name = "perch bench", version)]
 struct Cli {
     #[command(subcommand)]
     what: What,
