@@ -5,7 +5,9 @@
 //!   moment all belong to one attempt, one per node (a gang's ranks);
 //! - **an exit is charged once**: a job ends once (one `job_ended` event), its accounting
 //!   (allocations) never overlaps itself, and nothing that arrives after its end (an exit sent
-//!   again because its acknowledgement was lost, a report of an older attempt) changes it.
+//!   again because its acknowledgement was lost, a report of an older attempt) changes it;
+//! - and, beside them, **a drained node takes no new jobs**: every launch it is handed is of an
+//!   attempt placed before the drain.
 //!
 //! The agents behave as the real one does at the protocol level: they report what runs and
 //! what exited until the server acknowledges it, start and stop what the answer says, and
@@ -80,6 +82,8 @@ struct Fleet {
     submitted: Vec<u64>,
     /// The exit code of every process that ended, per (job, attempt).
     exited: HashMap<(u64, u32), i32>,
+    /// Since when each drained node has been drained.
+    drained_since: HashMap<&'static str, i64>,
     /// `job_ended` events per job.
     ended: HashMap<u64, usize>,
     /// What each ended job looked like when it ended: it must never change after.
@@ -124,6 +128,7 @@ impl Fleet {
             now: T0,
             submitted: Vec::new(),
             exited: HashMap::new(),
+            drained_since: HashMap::new(),
             ended: HashMap::new(),
             frozen: HashMap::new(),
         }
@@ -187,6 +192,24 @@ impl Fleet {
                 panic!("sync of {node} at {}: {e}", at - T0);
             }
         };
+        // A drained node takes no new jobs: a launch it gets is of an attempt placed before
+        // the drain (handed over late: rank 0's port, an earlier attempt still stopping).
+        if let Some(&since) = self.drained_since.get(node) {
+            for start in &answer.start {
+                let id = start.job;
+                let placed = self
+                    .jobs()
+                    .run(move |c, _| Ok(c.view(id)))
+                    .await
+                    .expect("view")
+                    .and_then(|j| j.start_ms);
+                assert!(
+                    placed.is_some_and(|t| t <= since),
+                    "job {id} attempt {} was placed on {node} at {placed:?}, after its drain at {since}",
+                    start.attempt
+                );
+            }
+        }
         if lose_answer {
             return;
         }
@@ -268,6 +291,11 @@ impl Fleet {
             .run(move |c, _| c.set_drained(node, drained, "ops", None, at))
             .await
             .expect("drain");
+        if !drained {
+            self.drained_since.remove(node);
+        } else {
+            self.drained_since.entry(node).or_insert(at);
+        }
     }
 
     /// The server restarts: its control plane is rebuilt from the job database.
