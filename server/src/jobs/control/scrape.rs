@@ -5,7 +5,7 @@
 use super::Control;
 use crate::jobs::record::JobState;
 use perch_model::AgentLiveness;
-use perch_scheduler::{NodeId, PendingReason};
+use perch_scheduler::PendingReason;
 use std::collections::BTreeMap;
 
 /// A running job the scheduler has reported idle (`[scheduler.idle]`), for the JobIdle alert.
@@ -140,24 +140,17 @@ impl Control {
 
     /// Every node as the scheduler sees it (cheap: no job is visited).
     pub(crate) fn node_views(&self) -> Vec<NodeView> {
-        let cluster = self.scheduler.cluster();
         self.nodes
             .iter()
             .enumerate()
             .map(|(i, n)| {
-                let id = NodeId(i as u32);
-                let gpus = n.record.gpus;
+                let (allocated, jobs) = self.occupancy(i);
                 NodeView {
                     name: n.record.name.clone(),
                     liveness: n.liveness(),
-                    gpus,
-                    allocated: (0..gpus)
-                        .filter(|g| !cluster.holders(id, *g).is_empty())
-                        .count() as u32,
-                    running_jobs: (0..gpus)
-                        .flat_map(|g| cluster.holders(id, g))
-                        .collect::<std::collections::BTreeSet<_>>()
-                        .len(),
+                    gpus: n.record.gpus,
+                    allocated: allocated as u32,
+                    running_jobs: jobs.len(),
                     last_sync_ms: n.last_sync_ms,
                 }
             })

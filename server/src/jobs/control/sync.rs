@@ -50,8 +50,8 @@ impl Control {
             self.take_exit(idx, exit, now)?;
         }
         response.stop = self.unexpected_runs(&name, &req.running);
-        self.requeue_lost(idx, &req, now)?;
         let running: HashSet<JobAttempt> = req.running.iter().copied().collect();
+        self.requeue_lost(idx, &req, &running, now)?;
         self.confirm_stops(idx, Some(&running), now);
         for mp in &req.master_ports {
             self.take_master_port(&name, mp, now);
@@ -240,11 +240,11 @@ impl Control {
         &mut self,
         idx: usize,
         req: &SyncRequest,
+        reported: &HashSet<JobAttempt>,
         now: i64,
     ) -> Result<(), ControlError> {
         let name = req.node.as_str();
         let exited: HashSet<JobAttempt> = req.exited.iter().map(JobExit::id).collect();
-        let reported: HashSet<JobAttempt> = req.running.iter().copied().collect();
         let lost: Vec<u64> = self
             .jobs
             .values()

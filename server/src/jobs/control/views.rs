@@ -189,6 +189,22 @@ impl Control {
         in_line.chain(held).collect()
     }
 
+    /// Node `idx`'s GPUs held by at least one job, and the jobs holding them: one reading of
+    /// the scheduler's cluster for `GET /v1/nodes` and the `/metrics` snapshot alike.
+    pub(super) fn occupancy(&self, idx: usize) -> (usize, BTreeSet<u64>) {
+        let cluster = self.scheduler.cluster();
+        let id = NodeId(idx as u32);
+        let gpus = self.nodes[idx].record.gpus;
+        let allocated = (0..gpus)
+            .filter(|&g| !cluster.holders(id, g).is_empty())
+            .count();
+        let jobs = (0..gpus)
+            .flat_map(|g| cluster.holders(id, g))
+            .map(|j| j.0)
+            .collect();
+        (allocated, jobs)
+    }
+
     /// What the control plane knows of each node; its state needs its telemetry too and is
     /// [`crate::node_status`]'s to say.
     pub(crate) fn nodes(&self) -> Vec<NodeDetail> {
@@ -197,19 +213,16 @@ impl Control {
             .iter()
             .enumerate()
             .map(|(i, n)| {
-                let id = NodeId(i as u32);
-                let holders = |g: u32| cluster.holders(id, g);
+                let (allocated_gpus, jobs) = self.occupancy(i);
                 NodeDetail {
                     name: n.record.name.clone(),
                     gpus: n.record.gpus,
                     gpu_model: n.record.model.clone(),
                     rack: n.record.rack.clone(),
-                    allocated_gpus: (0..n.record.gpus)
-                        .filter(|&g| !holders(g).is_empty())
-                        .count(),
-                    jobs: (0..n.record.gpus).flat_map(holders).map(|j| j.0).collect(),
+                    allocated_gpus,
+                    jobs,
                     gpu_sharing: n.record.gpu_sharing,
-                    nvlink_islands: cluster.nvlink_islands(id),
+                    nvlink_islands: cluster.nvlink_islands(NodeId(i as u32)),
                     last_sync_ms: n.last_sync_ms,
                 }
             })
