@@ -266,6 +266,8 @@ pub struct AgentSection {
     pub min_uid: u32,
     /// System users (uid below `min_uid`) that jobs may run as; root is never allowed.
     pub allowed_system_users: Vec<String>,
+    /// Where `perch agent` serves its node-local `GET /metrics` (`host:port`); empty: nowhere.
+    pub metrics_listen: String,
 }
 
 impl Default for AgentSection {
@@ -292,6 +294,7 @@ impl Default for AgentSection {
             cgroups: "auto".into(),
             min_uid: perch_collector::launcher::identity::DEFAULT_MIN_UID,
             allowed_system_users: Vec::new(),
+            metrics_listen: String::new(),
         }
     }
 }
@@ -941,6 +944,15 @@ impl Config {
             return bad(
                 "agent.allowed_system_users",
                 &format!("{u:?} cannot be allowed: jobs never run as root, and a name is needed"),
+            );
+        }
+        let metrics_listen = &self.agent.metrics_listen;
+        if !metrics_listen.is_empty() && metrics_listen.parse::<std::net::SocketAddr>().is_err() {
+            return bad(
+                "agent.metrics_listen",
+                &format!(
+                    "{metrics_listen:?} must be an address such as 127.0.0.1:9400, or empty for none"
+                ),
             );
         }
         if !(self.agent.server.starts_with("http://") || self.agent.server.starts_with("https://"))

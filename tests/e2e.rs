@@ -142,6 +142,77 @@ fn metrics_endpoint_passes_promtool() {
     assert!(om.text().expect("text").ends_with("# EOF\n"));
 }
 
+/// `perch agent --metrics-listen` serves the node's latest round under the server's names and
+/// labels (one catalogue renders both), in a text promtool accepts; an address that is not
+/// one is refused at startup, naming the setting.
+#[test]
+fn an_agents_node_local_metrics_are_the_servers_series_for_that_node() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = common::server_with_config(dir.path(), "[server]\npg_listen = \"\"\n", &[]);
+    let port = common::free_port();
+    let local = format!("http://127.0.0.1:{port}/metrics");
+    let listen = format!("127.0.0.1:{port}");
+    let _agent = common::Agent::start(
+        &perch.url,
+        "gpu-a",
+        &dir.path().join("agent"),
+        2,
+        None,
+        &["--interval-ms", "200", "--metrics-listen", &listen],
+    );
+    let get = |url: &str| reqwest::blocking::get(url).ok()?.text().ok();
+    let series = |text: &str, prefix: &str| -> std::collections::BTreeSet<String> {
+        text.lines()
+            .filter(|l| l.starts_with(prefix) && l.contains("node=\"gpu-a\""))
+            .filter_map(|l| l.rsplit_once(' ').map(|(series, _)| series.to_owned()))
+            .collect()
+    };
+    let agent_text = wait_for("the agent's GPU series", || {
+        get(&local).filter(|t| t.contains("perch_gpu_power_watts{"))
+    });
+    let server_text = wait_for("the server's GPU series of gpu-a", || {
+        get(&format!("{}/metrics", perch.url))
+            .filter(|t| t.contains("perch_gpu_power_watts{node=\"gpu-a\""))
+    });
+    for prefix in [
+        "perch_gpu_",
+        "perch_node_cpu",
+        "perch_node_memory",
+        "perch_node_load",
+    ] {
+        let mine = series(&agent_text, prefix);
+        assert!(!mine.is_empty(), "the agent exports no {prefix} series");
+        let theirs = series(&server_text, prefix);
+        let missing: Vec<_> = mine.difference(&theirs).collect();
+        assert!(
+            missing.is_empty(),
+            "not on the server's /metrics: {missing:?}"
+        );
+    }
+    assert!(agent_text.contains("simulated=\"true\""));
+    let out = Command::new("sh")
+        .args(["-c", &format!("curl -s {local} | promtool check metrics")])
+        .output()
+        .expect("run sh");
+    assert!(
+        out.status.success() && out.stdout.is_empty() && out.stderr.is_empty(),
+        "promtool on the agent's /metrics: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bad = Command::new(common::PERCH)
+        .args(["agent", "--nvml", "off", "--metrics-listen", "localhost"])
+        .output()
+        .expect("run perch agent");
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        !bad.status.success()
+            && err.contains("agent.metrics_listen")
+            && err.contains("127.0.0.1:9400"),
+        "{err}"
+    );
+}
+
 #[test]
 fn demo_simulates_a_labelled_cluster() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -1,13 +1,15 @@
 //! The agent's optional node-local `/metrics`, for sites that scrape nodes directly: the latest
 //! round (GPUs, host, NICs, InfiniBand ports, jobs) and the agent's own counters in the
-//! Prometheus text format 0.0.4, under the same names the server uses (docs/metrics.md), so
-//! dashboards work against either.
+//! Prometheus text format 0.0.4: every catalogued column (`perch_model::catalogue`) under the
+//! same name, labels and value as the server's `/metrics` (docs/metrics.md), so dashboards work
+//! against either.
 //!
 //! A deliberately small HTTP/1.1 responder on a caller-bound tokio listener: one request per
 //! connection, `GET /metrics` or 404. It pulls in no web framework, keeping the agent small.
 
 use crate::agent::AgentCounters;
 use crate::sampler::Round;
+use perch_model::catalogue::{self, Column};
 use std::fmt::Write as _;
 use std::future::Future;
 use std::sync::Arc;
@@ -43,14 +45,29 @@ impl Text {
             .collect();
         let _ = writeln!(self.out, "{name}{{{}}} {v}", l.join(","));
     }
+
+    /// Every exported column of `columns` for one row, as the server's `/metrics` writes it
+    /// (same names, labels and values; see `perch_model::catalogue`).
+    fn catalogued<R>(&mut self, columns: &[Column<R>], row: &R, labels: &[(&str, &str)]) {
+        for column in columns {
+            let Some(series) = &column.series else {
+                continue;
+            };
+            let mut all = labels.to_vec();
+            all.extend_from_slice(series.labels);
+            self.add(
+                series.name,
+                series.kind.as_str(),
+                series.help,
+                &all,
+                series.value(column, row),
+            );
+        }
+    }
 }
 
 fn flag(b: bool) -> &'static str {
     if b { "true" } else { "false" }
-}
-
-fn n(v: Option<u64>) -> Option<f64> {
-    v.map(|v| v as f64)
 }
 
 /// Renders the latest round of `node` and the agent counters.
@@ -103,65 +120,11 @@ pub fn render(node: &str, round: Option<&Round>, counters: &AgentCounters) -> St
             ("gpu", gpu.as_str()),
             ("simulated", flag(g.simulated)),
         ];
-        t.add(
-            "perch_gpu_utilization_ratio",
-            "gauge",
-            "Share of time a kernel ran",
-            &l,
-            g.utilization_gpu_pct.map(|v| v / 100.0),
-        );
-        t.add(
-            "perch_gpu_memory_used_bytes",
-            "gauge",
-            "Device memory in use",
-            &l,
-            n(g.memory_used_bytes),
-        );
-        t.add(
-            "perch_gpu_power_watts",
-            "gauge",
-            "Board power draw",
-            &l,
-            g.power_watts,
-        );
-        t.add(
-            "perch_gpu_temperature_celsius",
-            "gauge",
-            "GPU temperature",
-            &l,
-            g.temperature_celsius,
-        );
-        t.add(
-            "perch_gpu_xid_errors_total",
-            "counter",
-            "XID errors seen since the agent started",
-            &l,
-            n(g.xid_errors_total),
-        );
-        t.add(
-            "perch_gpu_ecc_error_events_total",
-            "counter",
-            "ECC error events seen since the agent started",
-            &l,
-            n(g.ecc_error_events_total),
-        );
+        t.catalogued(catalogue::GPU, g, &l);
     }
     for h in &r.hosts {
         let l = [("node", node), ("simulated", flag(h.simulated))];
-        t.add(
-            "perch_node_memory_available_bytes",
-            "gauge",
-            "Memory available to new work",
-            &l,
-            n(h.memory_available_bytes),
-        );
-        t.add(
-            "perch_node_load1",
-            "gauge",
-            "1-minute load average",
-            &l,
-            h.load1,
-        );
+        t.catalogued(catalogue::HOST, h, &l);
     }
     for x in &r.nics {
         let l = [
@@ -169,20 +132,7 @@ pub fn render(node: &str, round: Option<&Round>, counters: &AgentCounters) -> St
             ("device", x.device.as_str()),
             ("simulated", flag(x.simulated)),
         ];
-        t.add(
-            "perch_network_receive_bytes_total",
-            "counter",
-            "Bytes received",
-            &l,
-            n(x.rx_bytes),
-        );
-        t.add(
-            "perch_network_transmit_bytes_total",
-            "counter",
-            "Bytes sent",
-            &l,
-            n(x.tx_bytes),
-        );
+        t.catalogued(catalogue::NIC, x, &l);
     }
     for p in &r.ib_ports {
         let port = p.port.to_string();
@@ -192,20 +142,7 @@ pub fn render(node: &str, round: Option<&Round>, counters: &AgentCounters) -> St
             ("port", port.as_str()),
             ("simulated", flag(p.simulated)),
         ];
-        t.add(
-            "perch_infiniband_receive_bytes_total",
-            "counter",
-            "Bytes received (port_rcv_data x 4)",
-            &l,
-            n(p.rx_bytes),
-        );
-        t.add(
-            "perch_infiniband_transmit_bytes_total",
-            "counter",
-            "Bytes sent (port_xmit_data x 4)",
-            &l,
-            n(p.tx_bytes),
-        );
+        t.catalogued(catalogue::IB_PORT, p, &l);
     }
     for j in &r.jobs {
         let l = [
@@ -213,20 +150,7 @@ pub fn render(node: &str, round: Option<&Round>, counters: &AgentCounters) -> St
             ("job_id", j.job.as_str()),
             ("simulated", flag(j.simulated)),
         ];
-        t.add(
-            "perch_job_cpu_seconds_total",
-            "counter",
-            "CPU time of the job",
-            &l,
-            j.cpu_seconds,
-        );
-        t.add(
-            "perch_job_memory_bytes",
-            "gauge",
-            "Memory of the job now",
-            &l,
-            n(j.memory_bytes),
-        );
+        t.catalogued(catalogue::JOB, j, &l);
     }
     t.out
 }
@@ -320,6 +244,20 @@ mod tests {
             !body.contains("perch_gpu_power_watts"),
             "absent values are not exported"
         );
+        let server_names: Vec<&str> = catalogue::GPU
+            .iter()
+            .filter_map(|c| c.series.as_ref().map(|s| s.name))
+            .collect();
+        for line in body
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE perch_gpu_"))
+        {
+            let name = format!("perch_gpu_{}", line.split(' ').next().unwrap_or(""));
+            assert!(
+                server_names.contains(&name.as_str()),
+                "{name} is not the server's name"
+            );
+        }
         let missing = reqwest::get(format!("{url}/nope")).await.expect("GET");
         assert_eq!(missing.status().as_u16(), 404);
         let _ = stop.send(());

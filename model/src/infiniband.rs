@@ -1,7 +1,7 @@
 //! InfiniBand ports (`/sys/class/infiniband/<device>/ports/<port>/`): data counters in bytes
 //! (the kernel counts 4-byte words; the agent multiplies), error counters, state and rate.
 
-use crate::telemetry::{BatchError, check_label, check_non_negative, check_time};
+use crate::telemetry::{BatchError, check_label, check_time};
 use serde::{Deserialize, Serialize};
 
 /// One InfiniBand port at one instant. Counters are cumulative as the HCA reports them.
@@ -46,7 +46,9 @@ pub(crate) fn validate(ports: &[IbPortSample], now_ms: i64) -> Result<(), BatchE
         if let Some(s) = &p.state {
             check_label(&f("state"), s)?;
         }
-        check_non_negative(&f("rate_gbps"), p.rate_gbps)?;
+        for c in crate::catalogue::IB_PORT {
+            c.validate(&f(c.name), p)?;
+        }
     }
     Ok(())
 }

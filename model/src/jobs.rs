@@ -3,7 +3,7 @@
 //! (or that belongs to no job on the node) is marked `rogue`.
 
 use crate::GpuIndex;
-use crate::telemetry::{BatchError, check_label, check_non_negative, check_pct, check_time};
+use crate::telemetry::{BatchError, check_label, check_pct, check_time};
 use serde::{Deserialize, Serialize};
 
 /// One process on one GPU at one instant.
@@ -82,7 +82,9 @@ pub(crate) fn validate(
         if let Some(u) = &j.user {
             check_label(&f("user"), u)?;
         }
-        check_non_negative(&f("cpu_seconds"), j.cpu_seconds)?;
+        for c in crate::catalogue::JOB {
+            c.validate(&f(c.name), j)?;
+        }
     }
     Ok(())
 }

@@ -5,6 +5,7 @@
 //! no clock, no async.
 
 mod audit;
+pub mod catalogue;
 pub mod control;
 mod events;
 mod ids;

@@ -10,6 +10,7 @@
 
 use crate::{
     GpuEvent, GpuIndex, GpuProcessSample, IbPortSample, JobMetricSample, JobSample, NodeId,
+    catalogue,
 };
 use serde::{Deserialize, Serialize};
 
@@ -327,12 +328,9 @@ impl Batch {
             check_time(&f("time_ms"), g.time_ms, now_ms)?;
             check_label(&f("uuid"), &g.uuid)?;
             check_label(&f("model"), &g.model)?;
-            check_pct(&f("utilization_gpu_pct"), g.utilization_gpu_pct)?;
-            check_pct(&f("utilization_memory_pct"), g.utilization_memory_pct)?;
-            check_non_negative(&f("power_watts"), g.power_watts)?;
-            check_non_negative(&f("energy_joules"), g.energy_joules)?;
-            check_non_negative(&f("pcie_tx_bytes_per_second"), g.pcie_tx_bytes_per_second)?;
-            check_non_negative(&f("pcie_rx_bytes_per_second"), g.pcie_rx_bytes_per_second)?;
+            for c in catalogue::GPU {
+                c.validate(&f(c.name), g)?;
+            }
             if let Some(t) = g
                 .temperature_celsius
                 .filter(|t| !(-50.0..=200.0).contains(t))
@@ -354,26 +352,16 @@ impl Batch {
         for (i, h) in self.hosts.iter().enumerate() {
             let f = |name: &str| format!("hosts[{i}].{name}");
             check_time(&f("time_ms"), h.time_ms, now_ms)?;
-            for (name, v) in [
-                ("cpu_user_seconds", h.cpu_user_seconds),
-                ("cpu_nice_seconds", h.cpu_nice_seconds),
-                ("cpu_system_seconds", h.cpu_system_seconds),
-                ("cpu_idle_seconds", h.cpu_idle_seconds),
-                ("cpu_iowait_seconds", h.cpu_iowait_seconds),
-                ("cpu_irq_seconds", h.cpu_irq_seconds),
-                ("cpu_softirq_seconds", h.cpu_softirq_seconds),
-                ("cpu_steal_seconds", h.cpu_steal_seconds),
-                ("load1", h.load1),
-                ("load5", h.load5),
-                ("load15", h.load15),
-                ("uptime_seconds", h.uptime_seconds),
-            ] {
-                check_non_negative(&f(name), v)?;
+            for c in catalogue::HOST {
+                c.validate(&f(c.name), h)?;
             }
         }
         for (i, n) in self.nics.iter().enumerate() {
             check_time(&format!("nics[{i}].time_ms"), n.time_ms, now_ms)?;
             check_label(&format!("nics[{i}].device"), &n.device)?;
+            for c in catalogue::NIC {
+                c.validate(&format!("nics[{i}].{}", c.name), n)?;
+            }
         }
         crate::events::validate(&self.gpu_events, now_ms)?;
         crate::jobs::validate(&self.gpu_processes, &self.jobs, now_ms)?;

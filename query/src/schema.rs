@@ -12,7 +12,8 @@ use arrow::array::{
     UInt32Array, UInt64Array,
 };
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
-use perch_model::{Batch, throttle_reason_names};
+use perch_model::Batch;
+use perch_model::catalogue::{self, Column, Read};
 use std::sync::{Arc, LazyLock};
 
 pub mod events;
@@ -199,72 +200,45 @@ fn u64_col(name: &str) -> Field {
     Field::new(name, DataType::UInt64, true)
 }
 
-fn u32_col(name: &str) -> Field {
-    Field::new(name, DataType::UInt32, true)
+/// The measured columns of a sample type, from the catalogue: nullable, typed by their reading.
+pub(crate) fn measured<R>(columns: &[Column<R>]) -> impl Iterator<Item = Field> + '_ {
+    columns.iter().map(|c| {
+        let data_type = match c.read {
+            Read::F64(_) => DataType::Float64,
+            Read::U64(_) => DataType::UInt64,
+            Read::U32(_) => DataType::UInt32,
+            Read::Bool(_) => DataType::Boolean,
+            Read::Text(_) => DataType::Utf8,
+        };
+        Field::new(c.name, data_type, true)
+    })
+}
+
+/// The arrays of the measured columns of `rows`, in the catalogue's order.
+pub(crate) fn measured_arrays<R>(rows: &[R], columns: &[Column<R>], out: &mut Vec<ArrayRef>) {
+    out.extend(columns.iter().map(|c| match c.read {
+        Read::F64(f) => f64s(rows, f),
+        Read::U64(f) => u64s(rows, f),
+        Read::U32(f) => u32s(rows, f),
+        Read::Bool(f) => opt_bools(rows, f),
+        Read::Text(f) => strs(rows, f),
+    }));
 }
 
 fn gpu_schema() -> SchemaRef {
-    common(vec![
+    let mut fields = vec![
         Field::new("gpu", DataType::UInt32, false),
         Field::new("uuid", DataType::Utf8, false),
         Field::new("model", DataType::Utf8, false),
         Field::new("simulated", DataType::Boolean, false),
-        f64_col("utilization_gpu_pct"),
-        f64_col("utilization_memory_pct"),
-        u64_col("memory_used_bytes"),
-        u64_col("memory_total_bytes"),
-        f64_col("power_watts"),
-        f64_col("energy_joules"),
-        f64_col("temperature_celsius"),
-        Field::new("sm_clock_mhz", DataType::UInt32, true),
-        Field::new("memory_clock_mhz", DataType::UInt32, true),
-        u64_col("throttle_reasons"),
-        Field::new("throttle_reason_names", DataType::Utf8, true),
-        u64_col("ecc_corrected_volatile"),
-        u64_col("ecc_uncorrected_volatile"),
-        u64_col("ecc_corrected_aggregate"),
-        u64_col("ecc_uncorrected_aggregate"),
-        u32_col("retired_pages_single_bit"),
-        u32_col("retired_pages_double_bit"),
-        Field::new("retired_pages_pending", DataType::Boolean, true),
-        f64_col("pcie_tx_bytes_per_second"),
-        f64_col("pcie_rx_bytes_per_second"),
-        u64_col("pcie_replay_total"),
-        u32_col("nvlink_links"),
-        u32_col("nvlink_links_up"),
-        u64_col("nvlink_errors_total"),
-        u64_col("nvlink_rx_bytes"),
-        u64_col("nvlink_tx_bytes"),
-        u32_col("processes"),
-        Field::new("mig_enabled", DataType::Boolean, true),
-        u32_col("mig_instances"),
-        u64_col("xid_errors_total"),
-        u64_col("ecc_error_events_total"),
-    ])
+    ];
+    fields.extend(measured(catalogue::GPU));
+    common(fields)
 }
-
-const CPU_MODES: [&str; 8] = [
-    "user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal",
-];
 
 fn host_schema() -> SchemaRef {
     let mut fields = vec![Field::new("simulated", DataType::Boolean, false)];
-    fields.extend(
-        CPU_MODES
-            .iter()
-            .map(|m| f64_col(&format!("cpu_{m}_seconds"))),
-    );
-    fields.extend([
-        Field::new("cpu_count", DataType::UInt32, true),
-        u64_col("memory_total_bytes"),
-        u64_col("memory_available_bytes"),
-        f64_col("load1"),
-        f64_col("load5"),
-        f64_col("load15"),
-        u64_col("disk_free_bytes"),
-        u64_col("disk_total_bytes"),
-        f64_col("uptime_seconds"),
-    ]);
+    fields.extend(measured(catalogue::HOST));
     common(fields)
 }
 
@@ -273,13 +247,7 @@ fn nic_schema() -> SchemaRef {
         Field::new("device", DataType::Utf8, false),
         Field::new("simulated", DataType::Boolean, false),
     ];
-    for dir in ["rx", "tx"] {
-        for what in ["bytes", "packets", "errors", "dropped"] {
-            fields.push(u64_col(&format!("{dir}_{what}")));
-        }
-    }
-    fields.push(Field::new("link_up", DataType::Boolean, true));
-    fields.push(u64_col("speed_mbps"));
+    fields.extend(measured(catalogue::NIC));
     common(fields)
 }
 
@@ -321,7 +289,7 @@ pub fn to_record_batches(batch: &Batch) -> crate::Result<Vec<(Table, RecordBatch
     let mut out = Vec::with_capacity(Table::ALL.len());
     let g = &batch.gpus;
     if !g.is_empty() {
-        let columns = vec![
+        let mut columns = vec![
             times(g, |r| r.time_ms),
             nodes(g, node),
             Arc::new(UInt32Array::from_iter_values(g.iter().map(|r| r.gpu.0))) as ArrayRef,
@@ -332,38 +300,8 @@ pub fn to_record_batches(batch: &Batch) -> crate::Result<Vec<(Table, RecordBatch
                 g.iter().map(|r| r.model.as_str()),
             )),
             bools(g, |r| r.simulated),
-            f64s(g, |r| r.utilization_gpu_pct),
-            f64s(g, |r| r.utilization_memory_pct),
-            u64s(g, |r| r.memory_used_bytes),
-            u64s(g, |r| r.memory_total_bytes),
-            f64s(g, |r| r.power_watts),
-            f64s(g, |r| r.energy_joules),
-            f64s(g, |r| r.temperature_celsius),
-            Arc::new(UInt32Array::from_iter(g.iter().map(|r| r.sm_clock_mhz))),
-            Arc::new(UInt32Array::from_iter(g.iter().map(|r| r.memory_clock_mhz))),
-            u64s(g, |r| r.throttle_reasons),
-            strs(g, |r| r.throttle_reasons.map(throttle_reason_names)),
-            u64s(g, |r| r.ecc_corrected_volatile),
-            u64s(g, |r| r.ecc_uncorrected_volatile),
-            u64s(g, |r| r.ecc_corrected_aggregate),
-            u64s(g, |r| r.ecc_uncorrected_aggregate),
-            u32s(g, |r| r.retired_pages_single_bit),
-            u32s(g, |r| r.retired_pages_double_bit),
-            opt_bools(g, |r| r.retired_pages_pending),
-            f64s(g, |r| r.pcie_tx_bytes_per_second),
-            f64s(g, |r| r.pcie_rx_bytes_per_second),
-            u64s(g, |r| r.pcie_replay_total),
-            u32s(g, |r| r.nvlink_links),
-            u32s(g, |r| r.nvlink_links_up),
-            u64s(g, |r| r.nvlink_errors_total),
-            u64s(g, |r| r.nvlink_rx_bytes),
-            u64s(g, |r| r.nvlink_tx_bytes),
-            u32s(g, |r| r.processes),
-            opt_bools(g, |r| r.mig_enabled),
-            u32s(g, |r| r.mig_instances),
-            u64s(g, |r| r.xid_errors_total),
-            u64s(g, |r| r.ecc_error_events_total),
         ];
+        measured_arrays(g, catalogue::GPU, &mut columns);
         out.push((
             Table::GpuSamples,
             RecordBatch::try_new(Table::GpuSamples.schema(), columns)?,
@@ -371,28 +309,12 @@ pub fn to_record_batches(batch: &Batch) -> crate::Result<Vec<(Table, RecordBatch
     }
     let h = &batch.hosts;
     if !h.is_empty() {
-        let columns = vec![
+        let mut columns = vec![
             times(h, |r| r.time_ms),
             nodes(h, node),
             bools(h, |r| r.simulated),
-            f64s(h, |r| r.cpu_user_seconds),
-            f64s(h, |r| r.cpu_nice_seconds),
-            f64s(h, |r| r.cpu_system_seconds),
-            f64s(h, |r| r.cpu_idle_seconds),
-            f64s(h, |r| r.cpu_iowait_seconds),
-            f64s(h, |r| r.cpu_irq_seconds),
-            f64s(h, |r| r.cpu_softirq_seconds),
-            f64s(h, |r| r.cpu_steal_seconds),
-            Arc::new(UInt32Array::from_iter(h.iter().map(|r| r.cpu_count))) as ArrayRef,
-            u64s(h, |r| r.memory_total_bytes),
-            u64s(h, |r| r.memory_available_bytes),
-            f64s(h, |r| r.load1),
-            f64s(h, |r| r.load5),
-            f64s(h, |r| r.load15),
-            u64s(h, |r| r.disk_free_bytes),
-            u64s(h, |r| r.disk_total_bytes),
-            f64s(h, |r| r.uptime_seconds),
         ];
+        measured_arrays(h, catalogue::HOST, &mut columns);
         out.push((
             Table::HostSamples,
             RecordBatch::try_new(Table::HostSamples.schema(), columns)?,
@@ -400,24 +322,15 @@ pub fn to_record_batches(batch: &Batch) -> crate::Result<Vec<(Table, RecordBatch
     }
     let n = &batch.nics;
     if !n.is_empty() {
-        let columns = vec![
+        let mut columns = vec![
             times(n, |r| r.time_ms),
             nodes(n, node),
             Arc::new(StringArray::from_iter_values(
                 n.iter().map(|r| r.device.as_str()),
             )) as ArrayRef,
             bools(n, |r| r.simulated),
-            u64s(n, |r| r.rx_bytes),
-            u64s(n, |r| r.rx_packets),
-            u64s(n, |r| r.rx_errors),
-            u64s(n, |r| r.rx_dropped),
-            u64s(n, |r| r.tx_bytes),
-            u64s(n, |r| r.tx_packets),
-            u64s(n, |r| r.tx_errors),
-            u64s(n, |r| r.tx_dropped),
-            Arc::new(BooleanArray::from_iter(n.iter().map(|r| r.link_up))),
-            u64s(n, |r| r.speed_mbps),
         ];
+        measured_arrays(n, catalogue::NIC, &mut columns);
         out.push((
             Table::NicSamples,
             RecordBatch::try_new(Table::NicSamples.schema(), columns)?,
@@ -442,6 +355,30 @@ mod tests {
             .unwrap_or_else(|| panic!("docs/schema.md has no heading naming {name}"));
         let section = &doc[start..];
         &section[..section[1..].find("\n## ").map_or(section.len(), |e| e + 1)]
+    }
+
+    /// Each catalogued column's row in docs/schema.md gives the catalogue's type and unit.
+    #[test]
+    fn schema_doc_gives_each_catalogued_columns_type_and_unit() {
+        fn check<R>(doc: &str, table: Table, columns: &[Column<R>]) {
+            let section = doc_section(doc, table.name());
+            for c in columns {
+                let row = format!("| `{}` | {} | {} |", c.name, c.read.type_name(), c.unit)
+                    .replace("|  |", "| |");
+                assert!(
+                    section.contains(&row),
+                    "docs/schema.md, {}: the row of {} must begin {row:?} (perch_model::catalogue)",
+                    table.name(),
+                    c.name
+                );
+            }
+        }
+        let doc = include_str!("../../docs/schema.md");
+        check(doc, Table::GpuSamples, catalogue::GPU);
+        check(doc, Table::HostSamples, catalogue::HOST);
+        check(doc, Table::NicSamples, catalogue::NIC);
+        check(doc, Table::IbPortSamples, catalogue::IB_PORT);
+        check(doc, Table::JobSamples, catalogue::JOB);
     }
 
     /// Every column of every table is documented in docs/schema.md, under a heading naming the

@@ -15,6 +15,7 @@ use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use perch_model::NodeState;
+use perch_model::catalogue::{self, Column, Kind};
 use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -310,6 +311,31 @@ fn node_states(s: &mut Scrape, statuses: &BTreeMap<String, NodeStatus>) {
     }
 }
 
+/// Every exported column of `columns` for one row: `labels` plus the column's own.
+fn catalogued<R>(s: &mut Scrape, columns: &'static [Column<R>], row: &R, labels: &Labels) {
+    for column in columns {
+        let Some(series) = &column.series else {
+            continue;
+        };
+        let value = series.value(column, row);
+        let own: Labels;
+        let labels = if series.labels.is_empty() {
+            labels
+        } else {
+            own = labels
+                .iter()
+                .cloned()
+                .chain(series.labels.iter().map(|(k, v)| (*k, (*v).to_owned())))
+                .collect();
+            &own
+        };
+        match series.kind {
+            Kind::Gauge => s.gauge(series.family(), series.help, labels, value),
+            Kind::Counter => s.counter(series.family(), series.help, labels, value),
+        }
+    }
+}
+
 fn fleet(s: &mut Scrape, nodes: &BTreeMap<String, NodeLatest>) {
     for (node, latest) in nodes {
         let base: Labels = vec![("node", node.clone())];
@@ -327,64 +353,7 @@ fn fleet(s: &mut Scrape, nodes: &BTreeMap<String, NodeLatest>) {
         );
         if let Some(h) = &latest.host {
             let l: Labels = vec![("node", node.clone()), ("simulated", flag(h.simulated))];
-            for (mode, v) in [
-                ("user", h.cpu_user_seconds),
-                ("nice", h.cpu_nice_seconds),
-                ("system", h.cpu_system_seconds),
-                ("idle", h.cpu_idle_seconds),
-                ("iowait", h.cpu_iowait_seconds),
-                ("irq", h.cpu_irq_seconds),
-                ("softirq", h.cpu_softirq_seconds),
-                ("steal", h.cpu_steal_seconds),
-            ] {
-                let mut ml = l.clone();
-                ml.push(("mode", mode.to_owned()));
-                s.counter(
-                    "perch_node_cpu_seconds",
-                    "CPU time by mode, all cores",
-                    &ml,
-                    v,
-                );
-            }
-            s.gauge(
-                "perch_node_cpus",
-                "Online CPUs",
-                &l,
-                h.cpu_count.map(f64::from),
-            );
-            s.gauge(
-                "perch_node_memory_total_bytes",
-                "Physical memory",
-                &l,
-                h.memory_total_bytes.map(|v| v as f64),
-            );
-            s.gauge(
-                "perch_node_memory_available_bytes",
-                "Memory available to new work",
-                &l,
-                h.memory_available_bytes.map(|v| v as f64),
-            );
-            s.gauge("perch_node_load1", "1-minute load average", &l, h.load1);
-            s.gauge("perch_node_load5", "5-minute load average", &l, h.load5);
-            s.gauge("perch_node_load15", "15-minute load average", &l, h.load15);
-            s.gauge(
-                "perch_node_data_disk_free_bytes",
-                "Free space on the agent's data filesystem",
-                &l,
-                h.disk_free_bytes.map(|v| v as f64),
-            );
-            s.gauge(
-                "perch_node_data_disk_size_bytes",
-                "Size of the agent's data filesystem",
-                &l,
-                h.disk_total_bytes.map(|v| v as f64),
-            );
-            s.gauge(
-                "perch_node_uptime_seconds",
-                "Time since boot",
-                &l,
-                h.uptime_seconds,
-            );
+            catalogued(s, catalogue::HOST, h, &l);
         }
         for g in latest.gpus.values() {
             let l: Labels = vec![
@@ -401,60 +370,7 @@ fn fleet(s: &mut Scrape, nodes: &BTreeMap<String, NodeLatest>) {
                 &info,
                 Some(1.0),
             );
-            s.gauge(
-                "perch_gpu_utilization_ratio",
-                "Share of time a kernel ran (dcgm GPU_UTIL / 100)",
-                &l,
-                g.utilization_gpu_pct.map(|v| v / 100.0),
-            );
-            s.gauge(
-                "perch_gpu_memory_utilization_ratio",
-                "Share of time memory was read or written (dcgm MEM_COPY_UTIL / 100)",
-                &l,
-                g.utilization_memory_pct.map(|v| v / 100.0),
-            );
-            s.gauge(
-                "perch_gpu_memory_used_bytes",
-                "Device memory in use (dcgm FB_USED, in bytes)",
-                &l,
-                g.memory_used_bytes.map(|v| v as f64),
-            );
-            s.gauge(
-                "perch_gpu_memory_total_bytes",
-                "Device memory installed",
-                &l,
-                g.memory_total_bytes.map(|v| v as f64),
-            );
-            s.gauge(
-                "perch_gpu_power_watts",
-                "Board power draw (dcgm POWER_USAGE)",
-                &l,
-                g.power_watts,
-            );
-            s.counter(
-                "perch_gpu_energy_joules",
-                "Energy since the driver loaded (dcgm TOTAL_ENERGY_CONSUMPTION, in joules)",
-                &l,
-                g.energy_joules,
-            );
-            s.gauge(
-                "perch_gpu_temperature_celsius",
-                "GPU temperature (dcgm GPU_TEMP)",
-                &l,
-                g.temperature_celsius,
-            );
-            s.gauge(
-                "perch_gpu_sm_clock_hertz",
-                "SM clock (dcgm SM_CLOCK, in hertz)",
-                &l,
-                g.sm_clock_mhz.map(|v| f64::from(v) * 1e6),
-            );
-            s.gauge(
-                "perch_gpu_memory_clock_hertz",
-                "Memory clock (dcgm MEM_CLOCK, in hertz)",
-                &l,
-                g.memory_clock_mhz.map(|v| f64::from(v) * 1e6),
-            );
+            catalogued(s, catalogue::GPU, g, &l);
         }
         extended::gpu(s, node, latest);
         extended::ib_and_jobs(s, node, latest);
@@ -464,67 +380,7 @@ fn fleet(s: &mut Scrape, nodes: &BTreeMap<String, NodeLatest>) {
                 ("device", n.device.clone()),
                 ("simulated", flag(n.simulated)),
             ];
-            let c = |v: Option<u64>| v.map(|v| v as f64);
-            s.counter(
-                "perch_network_receive_bytes",
-                "Bytes received",
-                &l,
-                c(n.rx_bytes),
-            );
-            s.counter(
-                "perch_network_receive_packets",
-                "Packets received",
-                &l,
-                c(n.rx_packets),
-            );
-            s.counter(
-                "perch_network_receive_errs",
-                "Receive errors",
-                &l,
-                c(n.rx_errors),
-            );
-            s.counter(
-                "perch_network_receive_drop",
-                "Received packets dropped",
-                &l,
-                c(n.rx_dropped),
-            );
-            s.counter(
-                "perch_network_transmit_bytes",
-                "Bytes sent",
-                &l,
-                c(n.tx_bytes),
-            );
-            s.counter(
-                "perch_network_transmit_packets",
-                "Packets sent",
-                &l,
-                c(n.tx_packets),
-            );
-            s.counter(
-                "perch_network_transmit_errs",
-                "Transmit errors",
-                &l,
-                c(n.tx_errors),
-            );
-            s.counter(
-                "perch_network_transmit_drop",
-                "Packets dropped on transmit",
-                &l,
-                c(n.tx_dropped),
-            );
-            s.gauge(
-                "perch_network_up",
-                "1 if the interface is operationally up",
-                &l,
-                n.link_up.map(|u| f64::from(u8::from(u))),
-            );
-            s.gauge(
-                "perch_network_speed_bytes",
-                "Negotiated link speed in bytes per second",
-                &l,
-                n.speed_mbps.map(|v| v as f64 * 125_000.0),
-            );
+            catalogued(s, catalogue::NIC, n, &l);
         }
     }
 }
@@ -740,6 +596,57 @@ fn render(state: AppState, headers: axum::http::HeaderMap) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// docs/metrics.md has a row for each catalogued series: its name, its kind, its labels
+    /// (the sample type's own, then each extra one with its values) and the series it replaces.
+    #[test]
+    fn metrics_doc_gives_each_catalogued_series() {
+        fn check<R>(doc: &str, base: &str, columns: &[Column<R>]) {
+            let mut families: BTreeMap<&str, Vec<&catalogue::Series<R>>> = BTreeMap::new();
+            for series in columns.iter().filter_map(|c| c.series.as_ref()) {
+                families.entry(series.name).or_default().push(series);
+            }
+            for (name, members) in families {
+                let mut labels = base.to_owned();
+                let keys = members[0].labels.iter().map(|(k, _)| *k);
+                for key in keys {
+                    let mut values: Vec<&str> = Vec::new();
+                    for m in &members {
+                        for (k, v) in m.labels {
+                            if *k == key && !values.contains(v) {
+                                values.push(v);
+                            }
+                        }
+                    }
+                    labels.push_str(&format!(", {key} ({})", values.join(", ")));
+                }
+                let start = format!("| `{name}` | {} | {labels} |", members[0].kind.as_str());
+                let row = doc
+                    .lines()
+                    .find(|l| l.starts_with(&format!("| `{name}` |")))
+                    .unwrap_or_else(|| {
+                        panic!("docs/metrics.md has no row for {name}: add {start:?}")
+                    });
+                assert!(
+                    row.starts_with(&start),
+                    "docs/metrics.md: the row of {name} must begin {start:?}"
+                );
+                for m in &members {
+                    assert!(
+                        row.contains(m.replaces),
+                        "docs/metrics.md: the row of {name} must name {}",
+                        m.replaces
+                    );
+                }
+            }
+        }
+        let doc = include_str!("../../docs/metrics.md");
+        check(doc, "node, gpu, simulated", catalogue::GPU);
+        check(doc, "node, simulated", catalogue::HOST);
+        check(doc, "node, device, simulated", catalogue::NIC);
+        check(doc, "node, device, port, simulated", catalogue::IB_PORT);
+        check(doc, "node, job_id, simulated", catalogue::JOB);
+    }
 
     #[test]
     fn a_scrape_writes_each_series_once_escaped_as_prometheus_reads_it() {

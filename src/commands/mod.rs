@@ -166,6 +166,9 @@ struct AgentArgs {
     /// PEM certificates of a CA to trust for an https:// server, besides the system's.
     #[arg(long, env = "PERCH_CA_FILE")]
     ca_file: Option<PathBuf>,
+    /// Serve the node-local GET /metrics on this address (e.g. 127.0.0.1:9400).
+    #[arg(long, env = "PERCH_AGENT_METRICS_LISTEN")]
+    metrics_listen: Option<String>,
     #[command(flatten)]
     agent: AgentFlags,
     #[command(flatten)]
@@ -345,6 +348,9 @@ pub fn run(cli: Cli) -> Result<()> {
             }
             if let Some(v) = args.ca_file {
                 config.agent.ca_file = v;
+            }
+            if let Some(v) = args.metrics_listen {
+                config.agent.metrics_listen = v;
             }
             args.agent.apply(&mut config);
             args.telemetry.apply(&mut config);

@@ -80,10 +80,28 @@ pub fn agent(config: Config) -> Result<()> {
         tracing::info!(node = %agent_config.node, server = %agent_config.server, "perch agent starting");
         let counters = std::sync::Arc::new(perch_collector::AgentCounters::default());
         crate::telemetry::observe_agent(&agent_config.node, counters.clone());
+        let local_metrics = match config.agent.metrics_listen.as_str() {
+            "" => None,
+            addr => {
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("agent.metrics_listen: binding {addr}"))?;
+                tracing::info!(listen = %listener.local_addr()?, "node-local /metrics ready");
+                Some(tokio::spawn(perch_collector::serve_metrics(
+                    listener,
+                    agent_config.node.to_string(),
+                    counters.clone(),
+                    std::future::pending(),
+                )))
+            }
+        };
         let stats =
-            perch_collector::agent::run_agent_with(agent_config, terminate(), counters).await?;
+            perch_collector::agent::run_agent_with(agent_config, terminate(), counters).await;
+        if let Some(task) = local_metrics {
+            task.abort();
+        }
         tracing::info!(?stats, "perch agent stopped");
-        Ok(())
+        stats.map(drop).map_err(Into::into)
     })
 }
 

@@ -3,11 +3,13 @@
 //! as the parent module: `time`, `node`, `simulated`, and NULL for what was not reported.
 
 use super::{
-    Table, bools, common, f64_col, f64s, nodes, strs, times, u32_col, u32s, u64_col, u64s,
+    Table, bools, common, f64_col, f64s, measured, measured_arrays, nodes, strs, times, u64_col,
+    u64s,
 };
 use arrow::array::{ArrayRef, RecordBatch, StringArray, UInt32Array};
 use arrow::datatypes::{DataType, Field, SchemaRef};
 use perch_model::Batch;
+use perch_model::catalogue;
 use std::sync::Arc;
 
 fn str_col(name: &str, nullable: bool) -> Field {
@@ -40,36 +42,25 @@ pub(super) fn gpu_process_schema() -> SchemaRef {
 }
 
 pub(super) fn ib_port_schema() -> SchemaRef {
-    common(vec![
+    let mut fields = vec![
         str_col("device", false),
         Field::new("port", DataType::UInt32, false),
         Field::new("simulated", DataType::Boolean, false),
-        str_col("state", true),
-        f64_col("rate_gbps"),
-        u64_col("rx_bytes"),
-        u64_col("tx_bytes"),
-        u64_col("rx_packets"),
-        u64_col("tx_packets"),
-        u64_col("symbol_errors"),
-        u64_col("link_downed"),
-        u64_col("rx_errors"),
-        u64_col("tx_wait"),
-    ])
+    ];
+    fields.extend(measured(catalogue::IB_PORT));
+    common(fields)
 }
 
 pub(super) fn job_schema() -> SchemaRef {
-    common(vec![
+    let mut fields = vec![
         str_col("job", false),
         str_col("user_name", true),
         Field::new("simulated", DataType::Boolean, false),
         str_col("source", false),
         str_col("gpus", false),
-        f64_col("cpu_seconds"),
-        u64_col("memory_bytes"),
-        u64_col("memory_peak_bytes"),
-        u32_col("processes"),
-        u64_col("gpu_memory_bytes"),
-    ])
+    ];
+    fields.extend(measured(catalogue::JOB));
+    common(fields)
 }
 
 fn required<T>(rows: &[T], f: impl Fn(&T) -> &str) -> ArrayRef {
@@ -121,23 +112,14 @@ pub(super) fn to_record_batches(
     }
     let i = &batch.ib_ports;
     if !i.is_empty() {
-        let columns = vec![
+        let mut columns = vec![
             times(i, |r| r.time_ms),
             nodes(i, node),
             required(i, |r| &r.device),
             u32_required(i, |r| r.port),
             bools(i, |r| r.simulated),
-            strs(i, |r| r.state.clone()),
-            f64s(i, |r| r.rate_gbps),
-            u64s(i, |r| r.rx_bytes),
-            u64s(i, |r| r.tx_bytes),
-            u64s(i, |r| r.rx_packets),
-            u64s(i, |r| r.tx_packets),
-            u64s(i, |r| r.symbol_errors),
-            u64s(i, |r| r.link_downed),
-            u64s(i, |r| r.rx_errors),
-            u64s(i, |r| r.tx_wait),
         ];
+        measured_arrays(i, catalogue::IB_PORT, &mut columns);
         let t = Table::IbPortSamples;
         out.push((t, RecordBatch::try_new(t.schema(), columns)?));
     }
@@ -150,7 +132,7 @@ pub(super) fn to_record_batches(
                 list.join(",")
             })
             .collect();
-        let columns = vec![
+        let mut columns = vec![
             times(j, |r| r.time_ms),
             nodes(j, node),
             required(j, |r| &r.job),
@@ -158,12 +140,8 @@ pub(super) fn to_record_batches(
             bools(j, |r| r.simulated),
             required(j, |r| &r.source),
             Arc::new(StringArray::from_iter_values(gpus.iter())) as ArrayRef,
-            f64s(j, |r| r.cpu_seconds),
-            u64s(j, |r| r.memory_bytes),
-            u64s(j, |r| r.memory_peak_bytes),
-            u32s(j, |r| r.processes),
-            u64s(j, |r| r.gpu_memory_bytes),
         ];
+        measured_arrays(j, catalogue::JOB, &mut columns);
         let t = Table::JobSamples;
         out.push((t, RecordBatch::try_new(t.schema(), columns)?));
     }

@@ -1,14 +1,10 @@
-//! Fleet series beyond the basics: GPU health and interconnect counters, XID/ECC event counters,
-//! rogue processes, InfiniBand ports and jobs. Jobs are exported per job (bounded by the jobs
+//! Fleet series beyond the node's own: rogue processes, InfiniBand ports and jobs. Jobs are exported per job (bounded by the jobs
 //! running now, and gone when they end); `perch_job_info` joins a job to its user and GPUs, so
 //! no per-GPU series carries a job label.
 
-use super::{Labels, Scrape, flag};
+use super::{Labels, Scrape, catalogued, flag};
 use crate::latest::NodeLatest;
-
-fn n(v: Option<u64>) -> Option<f64> {
-    v.map(|v| v as f64)
-}
+use perch_model::catalogue;
 
 fn with(l: &Labels, extra: &[(&'static str, &str)]) -> Labels {
     let mut out = l.clone();
@@ -16,139 +12,29 @@ fn with(l: &Labels, extra: &[(&'static str, &str)]) -> Labels {
     out
 }
 
-/// GPU series beyond utilization, memory, power, temperature and clocks.
+/// Each GPU's rogue processes: processes on it that are not its job's (the catalogued GPU
+/// columns are written by [`super::catalogued`]).
 pub(super) fn gpu(s: &mut Scrape, node: &str, latest: &NodeLatest) {
     for g in latest.gpus.values() {
+        if g.processes.is_none() {
+            continue;
+        }
         let l: Labels = vec![
             ("node", node.to_owned()),
             ("gpu", g.gpu.to_string()),
             ("simulated", flag(g.simulated)),
         ];
-        s.gauge(
-            "perch_gpu_clock_throttle_reasons",
-            "Clock throttle reasons bitmask, nvmlClocksThrottleReason* (dcgm CLOCK_THROTTLE_REASONS)",
-            &l,
-            n(g.throttle_reasons),
-        );
-        for (kind, scope, v) in [
-            ("corrected", "volatile", g.ecc_corrected_volatile),
-            ("uncorrected", "volatile", g.ecc_uncorrected_volatile),
-            ("corrected", "aggregate", g.ecc_corrected_aggregate),
-            ("uncorrected", "aggregate", g.ecc_uncorrected_aggregate),
-        ] {
-            s.counter(
-                "perch_gpu_ecc_errors",
-                "ECC errors by kind and scope (dcgm ECC_SBE/DBE_VOL/AGG_TOTAL)",
-                &with(&l, &[("kind", kind), ("scope", scope)]),
-                n(v),
-            );
-        }
-        for (cause, v) in [
-            ("single_bit", g.retired_pages_single_bit),
-            ("double_bit", g.retired_pages_double_bit),
-        ] {
-            s.gauge(
-                "perch_gpu_retired_pages",
-                "Retired memory pages by cause (dcgm RETIRED_SBE / RETIRED_DBE)",
-                &with(&l, &[("cause", cause)]),
-                v.map(f64::from),
-            );
-        }
-        s.gauge(
-            "perch_gpu_retired_pages_pending",
-            "1 if pages wait for a reboot to be retired (dcgm RETIRED_PENDING)",
-            &l,
-            g.retired_pages_pending.map(|p| f64::from(u8::from(p))),
-        );
-        for (dir, v) in [
-            ("transmit", g.pcie_tx_bytes_per_second),
-            ("receive", g.pcie_rx_bytes_per_second),
-        ] {
-            s.gauge(
-                "perch_gpu_pcie_throughput_bytes_per_second",
-                "PCIe throughput over NVML's 20 ms window (dcgm PCIE_TX/RX_THROUGHPUT, in bytes)",
-                &with(&l, &[("direction", dir)]),
-                v,
-            );
-        }
-        s.counter(
-            "perch_gpu_pcie_replays",
-            "PCIe replays (dcgm PCIE_REPLAY_COUNTER)",
-            &l,
-            n(g.pcie_replay_total),
-        );
-        s.gauge(
-            "perch_gpu_nvlink_links",
-            "NVLinks the GPU has",
-            &l,
-            g.nvlink_links.map(f64::from),
-        );
-        s.gauge(
-            "perch_gpu_nvlink_links_up",
-            "NVLinks that are active",
-            &l,
-            g.nvlink_links_up.map(f64::from),
-        );
-        s.counter(
-            "perch_gpu_nvlink_errors",
-            "NVLink replay, recovery and CRC errors over all links (dcgm NVLINK_*_ERROR_COUNT_TOTAL)",
-            &l,
-            n(g.nvlink_errors_total),
-        );
-        for (dir, v) in [
-            ("receive", g.nvlink_rx_bytes),
-            ("transmit", g.nvlink_tx_bytes),
-        ] {
-            s.counter(
-                "perch_gpu_nvlink_bytes",
-                "NVLink bytes over all links (dcgm NVLINK_BANDWIDTH_TOTAL, PROF_NVLINK_RX/TX_BYTES)",
-                &with(&l, &[("direction", dir)]),
-                n(v),
-            );
-        }
-        s.gauge(
-            "perch_gpu_processes",
-            "Compute processes on the GPU",
-            &l,
-            g.processes.map(f64::from),
-        );
-        s.gauge(
-            "perch_gpu_mig_enabled",
-            "1 if MIG mode is on",
-            &l,
-            g.mig_enabled.map(|m| f64::from(u8::from(m))),
-        );
-        s.gauge(
-            "perch_gpu_mig_instances",
-            "MIG devices configured",
-            &l,
-            g.mig_instances.map(f64::from),
-        );
-        s.counter(
-            "perch_gpu_xid_errors",
-            "XID errors seen since the agent started (dcgm XID_ERRORS is only the last code)",
-            &l,
-            n(g.xid_errors_total),
-        );
-        s.counter(
-            "perch_gpu_ecc_error_events",
-            "ECC error events (single- and double-bit) seen since the agent started",
-            &l,
-            n(g.ecc_error_events_total),
-        );
         let rogue = latest
             .gpu_processes
             .iter()
             .filter(|p| p.gpu == g.gpu && p.rogue)
             .count();
-        if g.processes.is_some() {
-            s.gauge(
-                "perch_gpu_rogue_processes",
-                "Processes on the GPU that are not its job's (the GPU is not allocated to their job)",
-                &l,
-                Some(rogue as f64),
-            );
-        }
+        s.gauge(
+            "perch_gpu_rogue_processes",
+            "Processes on the GPU that are not its job's (the GPU is not allocated to their job)",
+            &l,
+            Some(rogue as f64),
+        );
     }
 }
 
@@ -161,64 +47,7 @@ pub(super) fn ib_and_jobs(s: &mut Scrape, node: &str, latest: &NodeLatest) {
             ("port", p.port.to_string()),
             ("simulated", flag(p.simulated)),
         ];
-        for (name, help, v) in [
-            (
-                "perch_infiniband_receive_bytes",
-                "Bytes received (port_rcv_data x 4)",
-                p.rx_bytes,
-            ),
-            (
-                "perch_infiniband_transmit_bytes",
-                "Bytes sent (port_xmit_data x 4)",
-                p.tx_bytes,
-            ),
-            (
-                "perch_infiniband_receive_packets",
-                "Packets received",
-                p.rx_packets,
-            ),
-            (
-                "perch_infiniband_transmit_packets",
-                "Packets sent",
-                p.tx_packets,
-            ),
-            (
-                "perch_infiniband_symbol_errors",
-                "Symbol errors",
-                p.symbol_errors,
-            ),
-            (
-                "perch_infiniband_link_downed",
-                "Times the link went down",
-                p.link_downed,
-            ),
-            (
-                "perch_infiniband_receive_errors",
-                "Receive errors",
-                p.rx_errors,
-            ),
-            (
-                "perch_infiniband_transmit_wait",
-                "Ticks with data to send and no credits",
-                p.tx_wait,
-            ),
-        ] {
-            s.counter(name, help, &l, n(v));
-        }
-        s.gauge(
-            "perch_infiniband_up",
-            "1 if the port state is ACTIVE",
-            &l,
-            p.state
-                .as_ref()
-                .map(|st| f64::from(u8::from(st == "ACTIVE"))),
-        );
-        s.gauge(
-            "perch_infiniband_rate_bytes_per_second",
-            "Port signalling rate in bytes per second",
-            &l,
-            p.rate_gbps.map(|g| g * 1.25e8),
-        );
+        catalogued(s, catalogue::IB_PORT, p, &l);
     }
     for j in latest.jobs.values() {
         let l: Labels = vec![
@@ -241,36 +70,7 @@ pub(super) fn ib_and_jobs(s: &mut Scrape, node: &str, latest: &NodeLatest) {
             &info,
             Some(1.0),
         );
-        s.counter(
-            "perch_job_cpu_seconds",
-            "CPU time of the job",
-            &l,
-            j.cpu_seconds,
-        );
-        s.gauge(
-            "perch_job_memory_bytes",
-            "Memory of the job now",
-            &l,
-            n(j.memory_bytes),
-        );
-        s.gauge(
-            "perch_job_memory_peak_bytes",
-            "Peak memory of the job",
-            &l,
-            n(j.memory_peak_bytes),
-        );
-        s.gauge(
-            "perch_job_processes",
-            "Processes in the job",
-            &l,
-            j.processes.map(f64::from),
-        );
-        s.gauge(
-            "perch_job_gpu_memory_bytes",
-            "GPU memory held by the job's processes",
-            &l,
-            n(j.gpu_memory_bytes),
-        );
+        catalogued(s, catalogue::JOB, j, &l);
     }
 }
 
@@ -300,6 +100,7 @@ pub(super) fn pushed(s: &mut Scrape, metrics: &[perch_model::JobMetricSample]) {
 mod tests {
     use super::*;
     use perch_model::{GpuIndex, GpuProcessSample, GpuSample, IbPortSample, JobSample};
+    use std::collections::{BTreeMap, BTreeSet};
 
     /// A node with every optional value set exports every family above, and each is in
     /// docs/metrics.md.
@@ -312,6 +113,15 @@ mod tests {
                 time_ms: 1,
                 uuid: "GPU-1".into(),
                 model: "X".into(),
+                utilization_gpu_pct: Some(1.0),
+                utilization_memory_pct: Some(1.0),
+                memory_used_bytes: Some(1),
+                memory_total_bytes: Some(2),
+                power_watts: Some(1.0),
+                energy_joules: Some(1.0),
+                temperature_celsius: Some(1.0),
+                sm_clock_mhz: Some(1),
+                memory_clock_mhz: Some(1),
                 throttle_reasons: Some(4),
                 ecc_corrected_volatile: Some(1),
                 ecc_uncorrected_volatile: Some(1),
@@ -373,8 +183,7 @@ mod tests {
             },
         );
         let mut s = Scrape::default();
-        gpu(&mut s, "n1", &latest);
-        ib_and_jobs(&mut s, "n1", &latest);
+        super::super::fleet(&mut s, &BTreeMap::from([("n1".to_owned(), latest)]));
         let mut text = String::new();
         s.encode(&mut text);
         let text = super::super::to_classic_text(&text);
@@ -383,12 +192,28 @@ mod tests {
             "{text}"
         );
         let doc = include_str!("../../../docs/metrics.md");
-        let families: Vec<&str> = text
+        let families: BTreeSet<&str> = text
             .lines()
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .filter_map(|l| l.split(' ').next())
             .collect();
-        assert_eq!(families.len(), 32, "{families:?}");
+        fn series<R>(columns: &[catalogue::Column<R>]) -> impl Iterator<Item = &'static str> + '_ {
+            columns
+                .iter()
+                .filter_map(|c| c.series.as_ref().map(|s| s.name))
+        }
+        let expected: BTreeSet<&str> = series(catalogue::GPU)
+            .chain(series(catalogue::IB_PORT))
+            .chain(series(catalogue::JOB))
+            .chain([
+                "perch_gpu_info",
+                "perch_gpu_rogue_processes",
+                "perch_job_info",
+                "perch_node_gpus",
+                "perch_node_last_seen_timestamp_seconds",
+            ])
+            .collect();
+        assert_eq!(families, expected);
         for family in families {
             assert!(
                 doc.contains(&format!("| `{family}` |")),
