@@ -64,23 +64,50 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
 # --- dependencies point downward only ----------------------------------------------------------
-forbid() { # crate, dependency it must not have
+# Each workspace crate depends on exactly the workspace crates ARCHITECTURE.md ("Invariants")
+# allows it, and on none of the heavy outside crates its layer must not pull in.
+ours() { # the workspace crates $1 depends on directly (normal dependencies)
+  cargo tree --locked -p "$1" -e normal --depth 1 --prefix none 2>/dev/null | tail -n +2 |
+    awk '{print $1}' | grep -E '^(perch|nvml-standin)' | sort -u
+}
+allow() { # crate, the workspace crates it may depend on
+  for dep in $(ours "$1"); do
+    case " $2 " in
+      *" $dep "*) ;;
+      *) echo "dependency rule broken: $1 must not depend on $dep (it may: ${2:-none}; see ARCHITECTURE.md)" >&2
+         exit 1 ;;
+    esac
+  done
+}
+forbid() { # crate, outside dependency it must not have (directly or through others)
   if cargo tree --locked -p "$1" -e normal --prefix none 2>/dev/null | grep -q "^$2 v"; then
     echo "dependency rule broken: $1 must not depend on $2 (see ARCHITECTURE.md)" >&2
     exit 1
   fi
 }
+allow perch-model ""
+allow nvml-standin ""
+allow perch-scheduler ""
+allow perch-alerts "perch-model"
+allow perch-query "perch-model"
+allow perch-collector "perch-model"
+allow perch-server "perch-model perch-query perch-scheduler perch-alerts"
+# The benchmarks are their own binary (perch bench runs it), never built into perch.
+allow perch "perch-model perch-collector perch-query perch-scheduler perch-alerts perch-server"
+allow perch-bench "perch-model perch-collector perch-query perch-server"
+for crate in $(cargo metadata --locked --no-deps --format-version 1 |
+                 grep -o '"name":"[a-z-]*","version"' | cut -d'"' -f4); do
+  case " perch-model nvml-standin perch-scheduler perch-alerts perch-query perch-collector perch-server perch perch-bench " in
+    *" $crate "*) ;;
+    *) echo "dependency rules: $crate has none; add an allow line in scripts/test.sh" >&2; exit 1 ;;
+  esac
+done
 forbid perch-model tokio
-forbid perch-collector datafusion
-forbid perch-collector perch-query
-forbid perch-collector perch-server
 forbid perch-scheduler tokio
 forbid perch-scheduler datafusion
+forbid perch-alerts datafusion
+forbid perch-collector datafusion
 forbid perch-query axum
-forbid perch-query perch-collector
-forbid perch-server perch-collector
-# The benchmarks are their own binary (perch bench runs it), never built into perch.
-forbid perch perch-bench
 
 # --- tests --------------------------------------------------------------------------------------
 # bench/tests/smoke.rs runs every `perch bench` in a tiny mode; the scheduler's divan benchmarks

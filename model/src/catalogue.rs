@@ -79,8 +79,11 @@ impl Kind {
 
 /// How the exported value follows from the row.
 pub enum Value<R: 'static> {
-    /// The column's number times this factor (percent to ratio, MHz to hertz...).
+    /// The column's number times this factor (MHz to hertz...).
     Scaled(f64),
+    /// The column's number divided by this (percent to ratio): `37 / 100` is `0.37`, where
+    /// `37 * 0.01` would be `0.37000000000000005` on the wire.
+    Divided(f64),
     /// Computed from the row (a state string as 0 or 1).
     From(fn(&R) -> Option<f64>),
 }
@@ -113,6 +116,7 @@ impl<R> Series<R> {
     pub fn value(&self, column: &Column<R>, row: &R) -> Option<f64> {
         match self.value {
             Value::Scaled(factor) => column.read.number(row).map(|v| v * factor),
+            Value::Divided(divisor) => column.read.number(row).map(|v| v / divisor),
             Value::From(f) => f(row),
         }
     }
@@ -212,6 +216,14 @@ impl<R> Column<R> {
         self
     }
 
+    const fn divided(mut self, divisor: f64) -> Self {
+        match &mut self.series {
+            Some(s) => s.value = Value::Divided(divisor),
+            None => panic!("divided before gauge or counter"),
+        }
+        self
+    }
+
     const fn computed(mut self, f: fn(&R) -> Option<f64>) -> Self {
         match &mut self.series {
             Some(s) => s.value = Value::From(f),
@@ -220,16 +232,31 @@ impl<R> Column<R> {
         self
     }
 
-    /// The value's check, naming `field` in the error.
-    pub fn validate(&self, field: &str, row: &R) -> Result<(), crate::BatchError> {
-        let value = match self.read {
-            Read::F64(f) => f(row),
-            _ => return Ok(()),
+    /// What is wrong with the value, if anything, as [`crate::Batch::validate`] says it
+    /// after the field's name. Nothing is formatted unless something is wrong: this runs for
+    /// every column of every ingested row.
+    pub fn problem(&self, row: &R) -> Option<String> {
+        let value = match (self.check, &self.read) {
+            (Check::None, _) => return None,
+            (_, Read::F64(f)) => f(row)?,
+            _ => return None,
         };
         match self.check {
-            Check::None => Ok(()),
-            Check::Percent => crate::telemetry::check_pct(field, value),
-            Check::NonNegative => crate::telemetry::check_non_negative(field, value),
+            Check::Percent if !(0.0..=100.0).contains(&value) => {
+                Some(format!("{value} is outside 0..=100 percent"))
+            }
+            Check::NonNegative if !value.is_finite() || value < 0.0 => {
+                Some(format!("{value} must be a finite number >= 0"))
+            }
+            _ => None,
+        }
+    }
+
+    /// [`Column::problem`] as the batch's error, naming the field `at(self.name)`.
+    pub fn validate(&self, row: &R, at: impl Fn(&str) -> String) -> Result<(), crate::BatchError> {
+        match self.problem(row) {
+            None => Ok(()),
+            Some(message) => Err(crate::telemetry::field_error(at(self.name), message)),
         }
     }
 }
@@ -250,7 +277,7 @@ pub static GPU: &[Column<GpuSample>] = &[
         "Share of time a kernel ran (dcgm GPU_UTIL / 100)",
         "`DCGM_FI_DEV_GPU_UTIL` / 100",
     )
-    .scaled(0.01),
+    .divided(100.0),
     gpu(
         "utilization_memory_pct",
         F64(|r| r.utilization_memory_pct),
@@ -262,7 +289,7 @@ pub static GPU: &[Column<GpuSample>] = &[
         "Share of time memory was read or written (dcgm MEM_COPY_UTIL / 100)",
         "`DCGM_FI_DEV_MEM_COPY_UTIL` / 100",
     )
-    .scaled(0.01),
+    .divided(100.0),
     gpu("memory_used_bytes", U64(|r| r.memory_used_bytes), "bytes").gauge(
         "perch_gpu_memory_used_bytes",
         "Device memory in use (dcgm FB_USED, in bytes)",
@@ -778,6 +805,16 @@ mod tests {
             c.series.as_ref().expect("exported").value(c, &g)
         };
         assert_eq!(value("utilization_gpu_pct"), Some(0.5));
+        let g37 = GpuSample {
+            utilization_gpu_pct: Some(37.0),
+            ..GpuSample::default()
+        };
+        let util = &GPU[0];
+        assert_eq!(
+            util.series.as_ref().expect("exported").value(util, &g37),
+            Some(0.37),
+            "a percent divided, not multiplied by 0.01"
+        );
         assert_eq!(value("sm_clock_mhz"), Some(1.98e9));
         assert_eq!(value("mig_enabled"), Some(1.0));
         assert_eq!(value("power_watts"), None, "absent stays absent, never 0");

@@ -83,7 +83,7 @@ pub(crate) fn validate(
             check_label(&f("user"), u)?;
         }
         for c in crate::catalogue::JOB {
-            c.validate(&f(c.name), j)?;
+            c.validate(j, &f)?;
         }
     }
     Ok(())

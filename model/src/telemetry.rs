@@ -279,16 +279,6 @@ pub(crate) fn check_pct(field: &str, value: Option<f64>) -> Result<(), BatchErro
     }
 }
 
-pub(crate) fn check_non_negative(field: &str, value: Option<f64>) -> Result<(), BatchError> {
-    match value {
-        Some(v) if !v.is_finite() || v < 0.0 => Err(field_error(
-            field,
-            format!("{v} must be a finite number >= 0"),
-        )),
-        _ => Ok(()),
-    }
-}
-
 pub(crate) fn check_label(field: &str, value: &str) -> Result<(), BatchError> {
     if value.is_empty() || value.len() > 256 || value.chars().any(char::is_control) {
         return Err(field_error(
@@ -329,7 +319,7 @@ impl Batch {
             check_label(&f("uuid"), &g.uuid)?;
             check_label(&f("model"), &g.model)?;
             for c in catalogue::GPU {
-                c.validate(&f(c.name), g)?;
+                c.validate(g, &f)?;
             }
             if let Some(t) = g
                 .temperature_celsius
@@ -353,14 +343,14 @@ impl Batch {
             let f = |name: &str| format!("hosts[{i}].{name}");
             check_time(&f("time_ms"), h.time_ms, now_ms)?;
             for c in catalogue::HOST {
-                c.validate(&f(c.name), h)?;
+                c.validate(h, &f)?;
             }
         }
         for (i, n) in self.nics.iter().enumerate() {
             check_time(&format!("nics[{i}].time_ms"), n.time_ms, now_ms)?;
             check_label(&format!("nics[{i}].device"), &n.device)?;
             for c in catalogue::NIC {
-                c.validate(&format!("nics[{i}].{}", c.name), n)?;
+                c.validate(n, |name| format!("nics[{i}].{name}"))?;
             }
         }
         crate::events::validate(&self.gpu_events, now_ms)?;

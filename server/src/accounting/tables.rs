@@ -8,58 +8,89 @@ use super::daily::{self, Availability, Held, Span};
 use super::{AccountingConfig, GpuFigures, gpu_figures};
 use crate::jobs::JobService;
 use crate::jobs::control::Control;
-use crate::jobs::record::{JobRecord, NodeState};
+use crate::jobs::db::NodeRecord;
+use crate::jobs::record::{JobRecord, NodeSpan, NodeState};
 use arrow::array::{
     ArrayRef, BooleanArray, Float64Array, Int32Array, RecordBatch, StringArray,
     TimestampMillisecondArray, UInt32Array, UInt64Array,
 };
-use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
+use arrow::datatypes::{Field, Schema, SchemaRef};
 use perch_query::{LiveTable, SqlEngine};
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
-fn ts(name: &str, nullable: bool) -> Field {
-    Field::new(
-        name,
-        DataType::Timestamp(TimeUnit::Millisecond, Some("UTC".into())),
-        nullable,
-    )
+/// A live table's columns, each declared once: name, nullability and values together (the
+/// type follows from the values). The schema is what a build over no rows gives, so the two
+/// cannot drift apart.
+struct Columns<'a, R> {
+    rows: &'a [R],
+    fields: Vec<Field>,
+    arrays: Vec<ArrayRef>,
 }
 
-fn col(name: &str, t: DataType, nullable: bool) -> Field {
-    Field::new(name, t, nullable)
-}
+impl<'a, R> Columns<'a, R> {
+    fn new(rows: &'a [R]) -> Self {
+        Columns {
+            rows,
+            fields: Vec::new(),
+            arrays: Vec::new(),
+        }
+    }
 
-fn batch(schema: &SchemaRef, columns: Vec<ArrayRef>) -> Result<Vec<RecordBatch>, String> {
-    RecordBatch::try_new(schema.clone(), columns)
-        .map(|b| vec![b])
-        .map_err(|e| e.to_string())
-}
+    fn push(mut self, name: &str, nullable: bool, array: ArrayRef) -> Self {
+        self.fields
+            .push(Field::new(name, array.data_type().clone(), nullable));
+        self.arrays.push(array);
+        self
+    }
 
-fn strings<'a>(v: impl Iterator<Item = Option<&'a str>>) -> ArrayRef {
-    Arc::new(v.collect::<StringArray>())
-}
+    fn str(self, name: &str, nullable: bool, f: impl Fn(&'a R) -> Option<&'a str>) -> Self {
+        let array = Arc::new(self.rows.iter().map(f).collect::<StringArray>());
+        self.push(name, nullable, array)
+    }
 
-fn times(v: impl Iterator<Item = Option<i64>>) -> ArrayRef {
-    Arc::new(
-        v.collect::<TimestampMillisecondArray>()
-            .with_timezone("UTC"),
-    )
-}
+    fn time(self, name: &str, nullable: bool, f: impl Fn(&'a R) -> Option<i64>) -> Self {
+        let array = self
+            .rows
+            .iter()
+            .map(f)
+            .collect::<TimestampMillisecondArray>();
+        self.push(name, nullable, Arc::new(array.with_timezone("UTC")))
+    }
 
-fn f64s(v: impl Iterator<Item = Option<f64>>) -> ArrayRef {
-    Arc::new(v.collect::<Float64Array>())
-}
+    fn f64(self, name: &str, nullable: bool, f: impl Fn(&'a R) -> Option<f64>) -> Self {
+        let array = Arc::new(self.rows.iter().map(f).collect::<Float64Array>());
+        self.push(name, nullable, array)
+    }
 
-fn u64s(v: impl Iterator<Item = Option<u64>>) -> ArrayRef {
-    Arc::new(v.collect::<UInt64Array>())
-}
+    fn u64(self, name: &str, nullable: bool, f: impl Fn(&'a R) -> Option<u64>) -> Self {
+        let array = Arc::new(self.rows.iter().map(f).collect::<UInt64Array>());
+        self.push(name, nullable, array)
+    }
 
-fn u32s(v: impl Iterator<Item = Option<u32>>) -> ArrayRef {
-    Arc::new(v.collect::<UInt32Array>())
-}
+    fn u32(self, name: &str, nullable: bool, f: impl Fn(&'a R) -> Option<u32>) -> Self {
+        let array = Arc::new(self.rows.iter().map(f).collect::<UInt32Array>());
+        self.push(name, nullable, array)
+    }
 
-fn bools(v: impl Iterator<Item = Option<bool>>) -> ArrayRef {
-    Arc::new(v.collect::<BooleanArray>())
+    fn i32(self, name: &str, nullable: bool, f: impl Fn(&'a R) -> Option<i32>) -> Self {
+        let array = Arc::new(self.rows.iter().map(f).collect::<Int32Array>());
+        self.push(name, nullable, array)
+    }
+
+    fn bool(self, name: &str, nullable: bool, f: impl Fn(&'a R) -> Option<bool>) -> Self {
+        let array = Arc::new(self.rows.iter().map(f).collect::<BooleanArray>());
+        self.push(name, nullable, array)
+    }
+
+    fn schema(&self) -> SchemaRef {
+        Arc::new(Schema::new(self.fields.clone()))
+    }
+
+    fn batches(self) -> Result<Vec<RecordBatch>, String> {
+        RecordBatch::try_new(self.schema(), self.arrays)
+            .map(|b| vec![b])
+            .map_err(|e| e.to_string())
+    }
 }
 
 /// Sums of per-GPU figures; `None` stays `None` only when every GPU's is.
@@ -131,50 +162,12 @@ pub struct JobsTable {
     config: Arc<AccountingConfig>,
 }
 
-impl JobsTable {
-    fn schema_ref() -> SchemaRef {
-        use DataType::*;
-        Arc::new(Schema::new(vec![
-            col("job", UInt64, false),
-            col("name", Utf8, true),
-            col("user_name", Utf8, false),
-            col("account", Utf8, false),
-            col("queue", Utf8, true),
-            col("qos", Utf8, false),
-            col("state", Utf8, false),
-            col("exit_code", Int32, true),
-            col("reason", Utf8, true),
-            ts("submit_time", false),
-            ts("start_time", true),
-            ts("end_time", true),
-            col("elapsed_seconds", Float64, true),
-            col("nodes", Utf8, false),
-            col("node_count", UInt32, false),
-            col("gpus", UInt32, false),
-            col("gpu_model", Utf8, true),
-            col("attempts", UInt32, false),
-            col("preemptions", UInt32, false),
-            col("requeues", UInt32, false),
-            col("time_limit_seconds", UInt64, false),
-            col("gpu_seconds_allocated", Float64, false),
-            col("gpu_seconds_accounted", Float64, true),
-            col("gpu_seconds_used", Float64, true),
-            col("utilization_mean_pct", Float64, true),
-            col("utilization_peak_pct", Float64, true),
-            col("memory_peak_bytes", UInt64, true),
-            col("energy_joules", Float64, true),
-            col("cost_allocated", Float64, false),
-            col("cost_used", Float64, true),
-            ts("accounted_until", true),
-            col("simulated", Boolean, false),
-        ]))
-    }
-}
-
 struct JobRow {
     record: JobRecord,
     totals: Totals,
-    now: i64,
+    elapsed_seconds: Option<f64>,
+    nodes: String,
+    gpu_model: Option<String>,
 }
 
 fn job_rows(c: &Control, config: &AccountingConfig, now: i64) -> Vec<JobRow> {
@@ -182,82 +175,81 @@ fn job_rows(c: &Control, config: &AccountingConfig, now: i64) -> Vec<JobRow> {
         .map(|j| JobRow {
             record: j.clone(),
             totals: job_totals(j, now, &config.prices),
-            now,
+            elapsed_seconds: j
+                .start_ms
+                .map(|s| (j.end_ms.unwrap_or(now) - s).max(0) as f64 / 1000.0),
+            nodes: j
+                .placement
+                .iter()
+                .map(|p| p.node.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+            gpu_model: j
+                .allocations
+                .last()
+                .map(|a| a.gpu_model.clone())
+                .or_else(|| j.request.gpu_model.clone()),
         })
         .collect()
 }
 
+impl JobsTable {
+    fn columns(rows: &[JobRow]) -> Columns<'_, JobRow> {
+        Columns::new(rows)
+            .u64("job", false, |r| Some(r.record.id))
+            .str("name", true, |r| r.record.request.name.as_deref())
+            .str("user_name", false, |r| Some(r.record.request.user()))
+            .str("account", false, |r| Some(r.record.request.account()))
+            .str("queue", true, |r| r.record.request.queue.as_deref())
+            .str("qos", false, |r| {
+                Some(r.record.request.qos.as_deref().unwrap_or("normal"))
+            })
+            .str("state", false, |r| Some(r.record.state.as_str()))
+            .i32("exit_code", true, |r| r.record.exit_code)
+            .str("reason", true, |r| r.record.reason.as_deref())
+            .time("submit_time", false, |r| Some(r.record.submit_ms))
+            .time("start_time", true, |r| r.record.start_ms)
+            .time("end_time", true, |r| r.record.end_ms)
+            .f64("elapsed_seconds", true, |r| r.elapsed_seconds)
+            .str("nodes", false, |r| Some(r.nodes.as_str()))
+            .u32("node_count", false, |r| Some(r.record.request.nodes))
+            .u32("gpus", false, |r| {
+                let request = &r.record.request;
+                Some(request.nodes.saturating_mul(request.gpus_per_node))
+            })
+            .str("gpu_model", true, |r| r.gpu_model.as_deref())
+            .u32("attempts", false, |r| Some(r.record.attempts))
+            .u32("preemptions", false, |r| Some(r.record.preemptions))
+            .u32("requeues", false, |r| Some(r.record.requeues))
+            .u64("time_limit_seconds", false, |r| {
+                Some(r.record.request.time_limit_secs)
+            })
+            .f64("gpu_seconds_allocated", false, |r| Some(r.totals.allocated))
+            .f64("gpu_seconds_accounted", true, |r| r.totals.accounted)
+            .f64("gpu_seconds_used", true, |r| r.totals.used)
+            .f64("utilization_mean_pct", true, |r| r.totals.mean_pct())
+            .f64("utilization_peak_pct", true, |r| r.totals.peak)
+            .u64("memory_peak_bytes", true, |r| r.totals.memory)
+            .f64("energy_joules", true, |r| r.totals.energy)
+            .f64("cost_allocated", false, |r| Some(r.totals.cost_allocated))
+            .f64("cost_used", true, |r| r.totals.cost_used)
+            .time("accounted_until", true, |r| accounted_until(&r.record))
+            .bool("simulated", false, |r| {
+                Some(r.record.allocations.iter().any(|a| a.simulated))
+            })
+    }
+}
+
 impl LiveTable for JobsTable {
     fn schema(&self) -> SchemaRef {
-        Self::schema_ref()
+        static SCHEMA: LazyLock<SchemaRef> = LazyLock::new(|| JobsTable::columns(&[]).schema());
+        SCHEMA.clone()
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
         let now = self.jobs.now_ms();
         let rows = self.jobs.read(|c| job_rows(c, &self.config, now));
-        let r = || rows.iter().map(|r| &r.record);
-        let t = || rows.iter().map(|r| &r.totals);
-        let nodes: Vec<String> = r()
-            .map(|j| {
-                j.placement
-                    .iter()
-                    .map(|p| p.node.as_str())
-                    .collect::<Vec<_>>()
-                    .join(",")
-            })
-            .collect();
-        let qos: Vec<&str> = r()
-            .map(|j| j.request.qos.as_deref().unwrap_or("normal"))
-            .collect();
-        let model = |j: &JobRecord| {
-            j.allocations
-                .last()
-                .map(|a| a.gpu_model.clone())
-                .or_else(|| j.request.gpu_model.clone())
-        };
-        let models: Vec<Option<String>> = r().map(model).collect();
-        let elapsed = rows.iter().map(|row| {
-            let j = &row.record;
-            j.start_ms
-                .map(|s| (j.end_ms.unwrap_or(row.now) - s).max(0) as f64 / 1000.0)
-        });
-        batch(
-            &Self::schema_ref(),
-            vec![
-                u64s(r().map(|j| Some(j.id))),
-                strings(r().map(|j| j.request.name.as_deref())),
-                strings(r().map(|j| Some(j.request.user()))),
-                strings(r().map(|j| Some(j.request.account()))),
-                strings(r().map(|j| j.request.queue.as_deref())),
-                strings(qos.iter().map(|q| Some(*q))),
-                strings(r().map(|j| Some(j.state.as_str()))),
-                Arc::new(r().map(|j| j.exit_code).collect::<Int32Array>()),
-                strings(r().map(|j| j.reason.as_deref())),
-                times(r().map(|j| Some(j.submit_ms))),
-                times(r().map(|j| j.start_ms)),
-                times(r().map(|j| j.end_ms)),
-                f64s(elapsed),
-                strings(nodes.iter().map(|n| Some(n.as_str()))),
-                u32s(r().map(|j| Some(j.request.nodes))),
-                u32s(r().map(|j| Some(j.request.nodes.saturating_mul(j.request.gpus_per_node)))),
-                strings(models.iter().map(|m| m.as_deref())),
-                u32s(r().map(|j| Some(j.attempts))),
-                u32s(r().map(|j| Some(j.preemptions))),
-                u32s(r().map(|j| Some(j.requeues))),
-                u64s(r().map(|j| Some(j.request.time_limit_secs))),
-                f64s(t().map(|t| Some(t.allocated))),
-                f64s(t().map(|t| t.accounted)),
-                f64s(t().map(|t| t.used)),
-                f64s(t().map(Totals::mean_pct)),
-                f64s(t().map(|t| t.peak)),
-                u64s(t().map(|t| t.memory)),
-                f64s(t().map(|t| t.energy)),
-                f64s(t().map(|t| Some(t.cost_allocated))),
-                f64s(t().map(|t| t.cost_used)),
-                times(r().map(accounted_until)),
-                bools(r().map(|j| Some(j.allocations.iter().any(|a| a.simulated)))),
-            ],
-        )
+        Self::columns(&rows).batches()
     }
 }
 
@@ -266,35 +258,6 @@ impl LiveTable for JobsTable {
 pub struct AllocationsTable {
     jobs: JobService,
     config: Arc<AccountingConfig>,
-}
-
-impl AllocationsTable {
-    fn schema_ref() -> SchemaRef {
-        use DataType::*;
-        Arc::new(Schema::new(vec![
-            col("job", UInt64, false),
-            col("attempt", UInt32, false),
-            col("user_name", Utf8, false),
-            col("account", Utf8, false),
-            col("node", Utf8, false),
-            col("gpu", UInt32, false),
-            col("gpu_model", Utf8, false),
-            ts("start_time", false),
-            ts("end_time", true),
-            col("gpu_seconds_allocated", Float64, false),
-            col("gpu_seconds_accounted", Float64, true),
-            col("gpu_seconds_used", Float64, true),
-            col("utilization_mean_pct", Float64, true),
-            col("utilization_peak_pct", Float64, true),
-            col("memory_peak_bytes", UInt64, true),
-            col("energy_joules", Float64, true),
-            col("samples", UInt64, false),
-            col("cost_allocated", Float64, false),
-            col("cost_used", Float64, true),
-            ts("accounted_until", false),
-            col("simulated", Boolean, false),
-        ]))
-    }
 }
 
 struct AllocRow {
@@ -312,9 +275,45 @@ struct AllocRow {
     f: GpuFigures,
 }
 
+impl AllocationsTable {
+    fn columns(rows: &[AllocRow]) -> Columns<'_, AllocRow> {
+        Columns::new(rows)
+            .u64("job", false, |a| Some(a.job))
+            .u32("attempt", false, |a| Some(a.attempt))
+            .str("user_name", false, |a| Some(a.user.as_str()))
+            .str("account", false, |a| Some(a.account.as_str()))
+            .str("node", false, |a| Some(a.node.as_str()))
+            .u32("gpu", false, |a| Some(a.gpu))
+            .str("gpu_model", false, |a| Some(a.model.as_str()))
+            .time("start_time", false, |a| Some(a.start))
+            .time("end_time", true, |a| a.end)
+            .f64("gpu_seconds_allocated", false, |a| {
+                Some(a.f.allocated_seconds)
+            })
+            .f64("gpu_seconds_accounted", true, |a| a.f.accounted_seconds)
+            .f64("gpu_seconds_used", true, |a| a.f.used_seconds)
+            .f64("utilization_mean_pct", true, |a| {
+                match (a.f.used_seconds, a.f.accounted_seconds) {
+                    (Some(u), Some(s)) if s > 0.0 => Some(100.0 * u / s),
+                    _ => None,
+                }
+            })
+            .f64("utilization_peak_pct", true, |a| a.f.util_peak_pct)
+            .u64("memory_peak_bytes", true, |a| a.f.memory_peak_bytes)
+            .f64("energy_joules", true, |a| a.f.energy_joules)
+            .u64("samples", false, |a| Some(a.f.samples))
+            .f64("cost_allocated", false, |a| Some(a.f.cost_allocated))
+            .f64("cost_used", true, |a| a.f.cost_used)
+            .time("accounted_until", false, |a| Some(a.accounted_until))
+            .bool("simulated", false, |a| Some(a.simulated))
+    }
+}
+
 impl LiveTable for AllocationsTable {
     fn schema(&self) -> SchemaRef {
-        Self::schema_ref()
+        static SCHEMA: LazyLock<SchemaRef> =
+            LazyLock::new(|| AllocationsTable::columns(&[]).schema());
+        SCHEMA.clone()
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
@@ -344,38 +343,7 @@ impl LiveTable for AllocationsTable {
             }
             rows
         });
-        let r = || rows.iter();
-        batch(
-            &Self::schema_ref(),
-            vec![
-                u64s(r().map(|a| Some(a.job))),
-                u32s(r().map(|a| Some(a.attempt))),
-                strings(r().map(|a| Some(a.user.as_str()))),
-                strings(r().map(|a| Some(a.account.as_str()))),
-                strings(r().map(|a| Some(a.node.as_str()))),
-                u32s(r().map(|a| Some(a.gpu))),
-                strings(r().map(|a| Some(a.model.as_str()))),
-                times(r().map(|a| Some(a.start))),
-                times(r().map(|a| a.end)),
-                f64s(r().map(|a| Some(a.f.allocated_seconds))),
-                f64s(r().map(|a| a.f.accounted_seconds)),
-                f64s(r().map(|a| a.f.used_seconds)),
-                f64s(
-                    r().map(|a| match (a.f.used_seconds, a.f.accounted_seconds) {
-                        (Some(u), Some(s)) if s > 0.0 => Some(100.0 * u / s),
-                        _ => None,
-                    }),
-                ),
-                f64s(r().map(|a| a.f.util_peak_pct)),
-                u64s(r().map(|a| a.f.memory_peak_bytes)),
-                f64s(r().map(|a| a.f.energy_joules)),
-                u64s(r().map(|a| Some(a.f.samples))),
-                f64s(r().map(|a| Some(a.f.cost_allocated))),
-                f64s(r().map(|a| a.f.cost_used)),
-                times(r().map(|a| Some(a.accounted_until))),
-                bools(r().map(|a| Some(a.simulated))),
-            ],
-        )
+        Self::columns(&rows).batches()
     }
 }
 
@@ -385,31 +353,35 @@ pub struct NodesTable {
     jobs: JobService,
 }
 
+/// A row of `nodes`: the node, its state, when it was last seen, and why it is not up.
+type NodeRow = (NodeRecord, NodeState, i64, Option<String>);
+
 impl NodesTable {
-    fn schema_ref() -> SchemaRef {
-        use DataType::*;
-        Arc::new(Schema::new(vec![
-            col("node", Utf8, false),
-            col("state", Utf8, false),
-            col("gpus", UInt32, false),
-            col("gpu_model", Utf8, false),
-            col("rack", Utf8, false),
-            ts("last_seen", false),
-            col("reason", Utf8, true),
-            col("drained_by", Utf8, true),
-            col("simulated", Boolean, false),
-        ]))
+    fn columns(rows: &[NodeRow]) -> Columns<'_, NodeRow> {
+        Columns::new(rows)
+            .str("node", false, |n| Some(n.0.name.as_str()))
+            .str("state", false, |n| Some(n.1.as_str()))
+            .u32("gpus", false, |n| Some(n.0.gpus))
+            .str("gpu_model", false, |n| Some(n.0.model.as_str()))
+            .str("rack", false, |n| Some(n.0.rack.as_str()))
+            .time("last_seen", false, |n| Some(n.2))
+            .str("reason", true, |n| n.3.as_deref())
+            .str("drained_by", true, |n| {
+                n.0.drained.then_some(n.0.drained_by.as_deref()).flatten()
+            })
+            .bool("simulated", false, |n| Some(n.0.simulated))
     }
 }
 
 impl LiveTable for NodesTable {
     fn schema(&self) -> SchemaRef {
-        Self::schema_ref()
+        static SCHEMA: LazyLock<SchemaRef> = LazyLock::new(|| NodesTable::columns(&[]).schema());
+        SCHEMA.clone()
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
         let now = self.jobs.now_ms();
-        let rows: Vec<_> = self.jobs.read(|c| {
+        let rows: Vec<NodeRow> = self.jobs.read(|c| {
             c.node_records()
                 .map(|(n, state, last)| {
                     let reason = match state {
@@ -429,27 +401,7 @@ impl LiveTable for NodesTable {
                 })
                 .collect()
         });
-        let r = || rows.iter();
-        batch(
-            &Self::schema_ref(),
-            vec![
-                strings(r().map(|n| Some(n.0.name.as_str()))),
-                strings(r().map(|n| Some(n.1.as_str()))),
-                u32s(r().map(|n| Some(n.0.gpus))),
-                strings(r().map(|n| Some(n.0.model.as_str()))),
-                strings(r().map(|n| Some(n.0.rack.as_str()))),
-                times(r().map(|n| Some(n.2))),
-                strings(r().map(|n| n.3.as_deref())),
-                strings(r().map(|n| {
-                    if n.0.drained {
-                        n.0.drained_by.as_deref()
-                    } else {
-                        None
-                    }
-                })),
-                bools(r().map(|n| Some(n.0.simulated))),
-            ],
-        )
+        Self::columns(&rows).batches()
     }
 }
 
@@ -460,36 +412,26 @@ pub struct NodeStatesTable {
 }
 
 impl NodeStatesTable {
-    fn schema_ref() -> SchemaRef {
-        use DataType::*;
-        Arc::new(Schema::new(vec![
-            col("node", Utf8, false),
-            col("state", Utf8, false),
-            col("gpus", UInt32, false),
-            ts("start_time", false),
-            ts("end_time", true),
-        ]))
+    fn columns(spans: &[NodeSpan]) -> Columns<'_, NodeSpan> {
+        Columns::new(spans)
+            .str("node", false, |s| Some(s.node.as_str()))
+            .str("state", false, |s| Some(s.state.as_str()))
+            .u32("gpus", false, |s| Some(s.gpus))
+            .time("start_time", false, |s| Some(s.start_ms))
+            .time("end_time", true, |s| s.end_ms)
     }
 }
 
 impl LiveTable for NodeStatesTable {
     fn schema(&self) -> SchemaRef {
-        Self::schema_ref()
+        static SCHEMA: LazyLock<SchemaRef> =
+            LazyLock::new(|| NodeStatesTable::columns(&[]).schema());
+        SCHEMA.clone()
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
-        let spans: Vec<_> = self.jobs.read(|c| c.node_spans().cloned().collect());
-        let r = || spans.iter();
-        batch(
-            &Self::schema_ref(),
-            vec![
-                strings(r().map(|s| Some(s.node.as_str()))),
-                strings(r().map(|s| Some(s.state.as_str()))),
-                u32s(r().map(|s| Some(s.gpus))),
-                times(r().map(|s| Some(s.start_ms))),
-                times(r().map(|s| s.end_ms)),
-            ],
-        )
+        let spans: Vec<NodeSpan> = self.jobs.read(|c| c.node_spans().cloned().collect());
+        Self::columns(&spans).batches()
     }
 }
 
@@ -501,18 +443,19 @@ pub struct DailyTable {
 }
 
 impl DailyTable {
-    fn schema_ref() -> SchemaRef {
-        use DataType::*;
-        Arc::new(Schema::new(vec![
-            ts("day", false),
-            col("capacity_gpu_hours", Float64, false),
-            col("allocated_gpu_hours", Float64, false),
-            col("used_gpu_hours", Float64, false),
-            col("idle_gpu_hours", Float64, false),
-            col("drained_gpu_hours", Float64, false),
-            col("down_gpu_hours", Float64, false),
-            col("allocated_pct", Float64, true),
-        ]))
+    fn columns(days: &[daily::Day]) -> Columns<'_, daily::Day> {
+        let hours = |ms: i64| Some(ms as f64 / 3.6e6);
+        Columns::new(days)
+            .time("day", false, |d| Some(d.start_ms))
+            .f64("capacity_gpu_hours", false, move |d| hours(d.capacity_ms))
+            .f64("allocated_gpu_hours", false, move |d| hours(d.allocated_ms))
+            .f64("used_gpu_hours", false, |d| Some(d.used_seconds / 3600.0))
+            .f64("idle_gpu_hours", false, move |d| hours(d.idle_ms))
+            .f64("drained_gpu_hours", false, move |d| hours(d.drained_ms))
+            .f64("down_gpu_hours", false, move |d| hours(d.down_ms))
+            .f64("allocated_pct", true, |d| {
+                (d.capacity_ms > 0).then(|| 100.0 * d.allocated_ms as f64 / d.capacity_ms as f64)
+            })
     }
 }
 
@@ -552,30 +495,14 @@ pub(crate) fn days(c: &Control, config: &AccountingConfig, now: i64) -> Vec<dail
 
 impl LiveTable for DailyTable {
     fn schema(&self) -> SchemaRef {
-        Self::schema_ref()
+        static SCHEMA: LazyLock<SchemaRef> = LazyLock::new(|| DailyTable::columns(&[]).schema());
+        SCHEMA.clone()
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
         let now = self.jobs.now_ms();
         let days = self.jobs.read(|c| days(c, &self.config, now));
-        let h = |ms: i64| Some(ms as f64 / 3.6e6);
-        let r = || days.iter();
-        batch(
-            &Self::schema_ref(),
-            vec![
-                times(r().map(|d| Some(d.start_ms))),
-                f64s(r().map(|d| h(d.capacity_ms))),
-                f64s(r().map(|d| h(d.allocated_ms))),
-                f64s(r().map(|d| Some(d.used_seconds / 3600.0))),
-                f64s(r().map(|d| h(d.idle_ms))),
-                f64s(r().map(|d| h(d.drained_ms))),
-                f64s(r().map(|d| h(d.down_ms))),
-                f64s(r().map(|d| {
-                    (d.capacity_ms > 0)
-                        .then(|| 100.0 * d.allocated_ms as f64 / d.capacity_ms as f64)
-                })),
-            ],
-        )
+        Self::columns(&days).batches()
     }
 }
 
