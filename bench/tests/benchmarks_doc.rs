@@ -21,15 +21,23 @@ fn slug(heading: &str) -> String {
         .collect()
 }
 
-/// The `## ` sections of `doc` by anchor, each with its text up to the next one.
+/// The `## ` and `### ` sections of `doc` by anchor, each with its text up to the next
+/// heading of its level or above (a `## ` section holds its `### ` ones).
 fn sections(doc: &str) -> Vec<(String, String)> {
     let mut out: Vec<(String, String)> = Vec::new();
+    let (mut section, mut subsection) = (None, None);
     for line in doc.lines() {
         if let Some(heading) = line.strip_prefix("## ") {
             out.push((slug(heading), String::new()));
-        } else if let Some((_, text)) = out.last_mut() {
-            text.push_str(line);
-            text.push('\n');
+            (section, subsection) = (Some(out.len() - 1), None);
+        } else if let Some(heading) = line.strip_prefix("### ") {
+            out.push((slug(heading), String::new()));
+            subsection = Some(out.len() - 1);
+        } else {
+            for i in [section, subsection].into_iter().flatten() {
+                out[i].1.push_str(line);
+                out[i].1.push('\n');
+            }
         }
     }
     out
@@ -51,8 +59,8 @@ fn ungroup(text: &str) -> String {
     out
 }
 
-/// The figures of a cell: numbers such as `70.7`, `2538` or `3.8`, dates (`2026-11-24`) left
-/// out.
+/// The figures of a cell: numbers such as `70.7`, `2538` or `3.8`; dates (`2026-11-24`) and
+/// issue numbers (`issue 20`) left out.
 fn figures(cell: &str) -> Vec<String> {
     let text = ungroup(cell);
     let chars: Vec<char> = text.chars().collect();
@@ -72,7 +80,9 @@ fn figures(cell: &str) -> Vec<String> {
         }
         let is_date = chars.get(i) == Some(&'-') && i - start == 4
             || start > 0 && chars[start - 1] == '-' && i - start == 2;
-        if !is_date {
+        let before: String = chars[start.saturating_sub(6)..start].iter().collect();
+        let is_issue = before.ends_with("issue ") || before.ends_with("ssues ");
+        if !is_date && !is_issue {
             out.push(chars[start..i].iter().collect());
         }
     }
@@ -177,13 +187,22 @@ fn every_summary_figure_is_in_the_section_it_links_to() {
 #[test]
 fn the_check_reads_figures_as_written() {
     assert_eq!(
-        figures("2,538 jobs/s on 2026-11-25, 70.7 ms, 3.8% of FIFO, 0.41×"),
+        figures("2,538 jobs/s on 2026-11-25, 70.7 ms, 3.8% of FIFO, 0.41× (issue 20)"),
         ["2538", "70.7", "3.8", "0.41"]
     );
     assert!(mentions("median 70.7 ms", "70.7"));
     assert!(!mentions("median 170.75 ms", "70.7"));
     assert!(mentions(&ungroup("12,747 jobs"), "12747"));
     assert_eq!(slug("Ingest (issue 4)"), "ingest-issue-4");
+    let parts = sections("## A\none\n### B\ntwo\n## C\nthree\n");
+    assert_eq!(
+        parts,
+        [
+            ("a".to_owned(), "one\ntwo\n".to_owned()),
+            ("b".to_owned(), "two\n".to_owned()),
+            ("c".to_owned(), "three\n".to_owned()),
+        ]
+    );
     assert_eq!(
         slug("Queries against DuckDB (issue 4)"),
         "queries-against-duckdb-issue-4"
