@@ -47,7 +47,7 @@ pub(crate) fn validate(ports: &[IbPortSample], now_ms: i64) -> Result<(), BatchE
             check_label(&f("state"), s)?;
         }
         for c in crate::catalogue::IB_PORT {
-            c.validate(p, &f)?;
+            c.validate(p, f)?;
         }
     }
     Ok(())

@@ -83,7 +83,7 @@ pub(crate) fn validate(
             check_label(&f("user"), u)?;
         }
         for c in crate::catalogue::JOB {
-            c.validate(j, &f)?;
+            c.validate(j, f)?;
         }
     }
     Ok(())

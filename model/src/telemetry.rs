@@ -319,7 +319,7 @@ impl Batch {
             check_label(&f("uuid"), &g.uuid)?;
             check_label(&f("model"), &g.model)?;
             for c in catalogue::GPU {
-                c.validate(g, &f)?;
+                c.validate(g, f)?;
             }
             if let Some(t) = g
                 .temperature_celsius
@@ -343,7 +343,7 @@ impl Batch {
             let f = |name: &str| format!("hosts[{i}].{name}");
             check_time(&f("time_ms"), h.time_ms, now_ms)?;
             for c in catalogue::HOST {
-                c.validate(h, &f)?;
+                c.validate(h, f)?;
             }
         }
         for (i, n) in self.nics.iter().enumerate() {
