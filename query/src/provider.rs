@@ -26,10 +26,13 @@ use datafusion::logical_expr::{
 };
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::physical_plan::union::UnionExec;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
-/// A file set and the listing table built over it.
-type CachedListing = (Arc<Vec<FileEntry>>, Arc<ListingTable>);
+/// A file set and the listing table built over it. The file set is held weakly: a strong
+/// reference would pin its files (keep compaction and retention from deleting them) long
+/// after the last query that read them, since every query shares the table. While the weak
+/// reference lives, no other file set can take its address.
+type CachedListing = (Weak<Vec<FileEntry>>, Arc<ListingTable>);
 
 pub(crate) struct StoreTable {
     store: Arc<Store>,
@@ -38,9 +41,13 @@ pub(crate) struct StoreTable {
     schema: SchemaRef,
     /// The listing table for the last file set seen; rebuilt when a flush changes the files.
     cache: Mutex<Option<CachedListing>>,
-    /// File lists handed to scans of this query; held until the query's session is dropped.
-    pins: Mutex<Vec<Arc<Vec<FileEntry>>>>,
 }
+
+/// The file lists a query's scans read, held by the query's session (an extension of its
+/// configuration) until the session is dropped, so compaction and retention delete no file a
+/// running query reads. The tables themselves are shared by every query's session.
+#[derive(Debug, Default)]
+pub(crate) struct Pins(Mutex<Vec<Arc<Vec<FileEntry>>>>);
 
 impl std::fmt::Debug for StoreTable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -57,14 +64,13 @@ impl StoreTable {
             table,
             schema: strings::as_views(&table.schema()),
             cache: Mutex::new(None),
-            pins: Mutex::new(Vec::new()),
         }
     }
 
     fn listing(&self, files: &Arc<Vec<FileEntry>>) -> Result<Arc<ListingTable>> {
         let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((cached_files, table)) = cache.as_ref()
-            && Arc::ptr_eq(cached_files, files)
+            && std::ptr::eq(cached_files.as_ptr(), Arc::as_ptr(files))
         {
             return Ok(table.clone());
         }
@@ -85,7 +91,7 @@ impl StoreTable {
             .with_listing_options(options)
             .with_schema(self.schema.clone());
         let table = Arc::new(ListingTable::try_new(config)?);
-        *cache = Some((files.clone(), table.clone()));
+        *cache = Some((Arc::downgrade(files), table.clone()));
         Ok(table)
     }
 }
@@ -114,11 +120,17 @@ impl TableProvider for StoreTable {
         filters: &[Expr],
         limit: Option<usize>,
     ) -> Result<Arc<dyn ExecutionPlan>> {
+        let pins = state.config().get_extension::<Pins>().ok_or_else(|| {
+            DataFusionError::Internal(format!(
+                "{} scanned outside a query's session (no file pins)",
+                self.table.name()
+            ))
+        })?;
         let (files, buffered) = self
             .store
             .snapshot(self.table)
             .map_err(|e| DataFusionError::External(Box::new(e)))?;
-        self.pins
+        pins.0
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(files.clone());

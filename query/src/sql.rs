@@ -10,7 +10,7 @@
 
 use crate::budget::{Budget, QueryPool, Slot};
 use crate::live::{LiveProvider, LiveTable};
-use crate::provider::StoreTable;
+use crate::provider::{Pins, StoreTable};
 use crate::{Error, Result, Store, Table};
 use crate::{functions, optimizer, strings};
 use arrow::array::RecordBatch;
@@ -21,7 +21,7 @@ use datafusion::execution::cache::cache_manager::{CacheManager, CacheManagerConf
 use datafusion::execution::disk_manager::{DiskManagerBuilder, DiskManagerMode};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryPool, MemoryReservation};
 use datafusion::execution::runtime_env::RuntimeEnvBuilder;
-use datafusion::execution::session_state::SessionStateBuilder;
+use datafusion::execution::session_state::{SessionState, SessionStateBuilder};
 use datafusion::logical_expr::LogicalPlan;
 use datafusion::prelude::{SQLOptions, SessionConfig, SessionContext};
 use futures::StreamExt;
@@ -84,6 +84,11 @@ pub struct SqlEngine {
     views: Arc<Vec<(String, String)>>,
     /// What all users' queries share.
     budget: Arc<Budget>,
+    /// The session every query's starts as a copy of: functions, stored and live tables, and
+    /// views (each planned once here, not in every query), built at the first session after
+    /// the last table or view was added. The copies share its catalog, which is safe because
+    /// every table reads its rows when a query scans it, never when it is registered.
+    template: Arc<tokio::sync::OnceCell<SessionState>>,
 }
 
 impl std::fmt::Debug for SqlEngine {
@@ -103,19 +108,22 @@ impl SqlEngine {
             live: Arc::default(),
             views: Arc::default(),
             budget: Arc::new(Budget::new(&limits)),
+            template: Arc::default(),
         }
     }
 
     /// Adds a table whose rows live outside the store; each query reads a fresh snapshot.
     pub fn with_table(mut self, name: &str, table: Arc<dyn LiveTable>) -> Self {
         Arc::make_mut(&mut self.live).push((name.to_owned(), table));
+        self.template = Arc::default();
         self
     }
 
-    /// Adds a view: `select` is planned in every query's session, after the tables and the
-    /// views added before it. [`SqlEngine::check_views`] reports a view that does not plan.
+    /// Adds a view: `select` is planned once, after the tables and the views added before
+    /// it, and every query's session has it. [`SqlEngine::check_views`] reports a view that does not plan.
     pub fn with_view(mut self, name: &str, select: &str) -> Self {
         Arc::make_mut(&mut self.views).push((name.to_owned(), select.to_owned()));
+        self.template = Arc::default();
         self
     }
 
@@ -164,6 +172,8 @@ impl SqlEngine {
         self.budget.memory_in_use()
     }
 
+    /// A query's session: a copy of the template with the query's own runtime (its memory
+    /// pool, charged to the server's budget, and the spill allowance).
     async fn session(&self, pool: Arc<QueryPool>) -> Result<SessionContext> {
         let mut runtime = RuntimeEnvBuilder::new().with_memory_pool(pool);
         if self.budget.spill().is_none() {
@@ -189,11 +199,31 @@ impl SqlEngine {
         if let Some((url, store)) = self.store.storage.object_store() {
             runtime.register_object_store(url.as_ref(), store.clone());
         }
+        let template = self
+            .template
+            .get_or_try_init(|| self.build_template())
+            .await?;
+        // Not a default catalogue of its own: building one would replace the shared one.
+        let config = template
+            .config()
+            .clone()
+            .with_create_default_catalog_and_schema(false)
+            .with_extension(Arc::new(Pins::default()));
+        Ok(SessionContext::new_with_state(
+            SessionStateBuilder::new_from_existing(template.clone())
+                .with_config(config)
+                .with_runtime_env(runtime)
+                .build(),
+        ))
+    }
+
+    /// The template session: functions, planners and rules, every table, and every view
+    /// planned. Its own runtime is never used: each query's session replaces it.
+    async fn build_template(&self) -> Result<SessionState> {
         let config = SessionConfig::new().with_information_schema(true);
         let ctx = SessionContext::new_with_state(
             SessionStateBuilder::new()
                 .with_config(config)
-                .with_runtime_env(runtime)
                 .with_default_features()
                 .with_expr_planners(
                     std::iter::once(Arc::new(functions::StringConcatPlanner::new(
@@ -247,7 +277,7 @@ impl SqlEngine {
             )
             .map_err(|e| Error::Execution(e.to_string()))?;
         }
-        Ok(ctx)
+        Ok(ctx.state())
     }
 
     /// Runs one read-only statement for a user: it waits for one of the server's SQL slots

@@ -570,11 +570,28 @@ async fn compaction_merges_small_files_keeps_every_row_and_spares_running_querie
         store.maintain(t0).await.expect("maintain"),
         perch_query::MaintenanceStats::default()
     );
+    // Queries share their tables (one catalogue for every session) but not their pins: the
+    // files the queries above read are deleted once the files are compacted away.
+    for seq in 7..=10u64 {
+        let (raw, b) = batch("n1", seq, t0 + seq as i64 * 1000, 2);
+        store.ingest(raw, &b).await.expect("ingest");
+        store.flush().await.expect("flush");
+        assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples_1m").await, 2);
+    }
+    let stats = store.maintain(t0).await.expect("maintain");
+    assert!(stats.files_compacted > 0, "{stats:?}");
+    store.reap().await;
+    assert_eq!(
+        store.graveyard_files(),
+        0,
+        "a query that ended still holds the files it read"
+    );
+    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 20);
     drop(store);
     drop(sql);
     let store = Store::open(config(dir.path())).expect("reopen");
     let sql = SqlEngine::new(store, QueryLimits::default());
-    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 12);
+    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 20);
 }
 
 #[tokio::test]
