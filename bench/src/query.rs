@@ -43,7 +43,7 @@ pub(super) struct QueryArgs {
     /// Timed runs of each query in each engine, after one warm-up run.
     #[arg(long, default_value_t = 5)]
     runs: u32,
-    /// Run only these queries (a, b, c, d).
+    /// Run only these queries (a to f).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Print each engine's EXPLAIN ANALYZE of each query, after the timings.
@@ -67,7 +67,9 @@ struct Query {
     sql: String,
 }
 
-/// The four queries of issue 4. `iv` is the sampling interval in seconds, so one sample of
+/// The four accounting queries of issue 4, then two small dashboard lookups on the second
+/// day (issue 20: there a query's fixed cost, its session and planning, is most of its time).
+/// `iv` is the sampling interval in seconds, so one sample of
 /// one GPU stands for `iv / 3600` GPU-hours. A sample belongs to an allocation when it is on
 /// the allocation's node and GPU and its time is in `[start_time, end_time)`, `end_time` being
 /// NULL while the job runs (as in the server's `job_allocations`).
@@ -130,6 +132,26 @@ FROM gpu_samples s
 JOIN (SELECT node, gpu, max(time) AS time FROM gpu_samples GROUP BY node, gpu) latest
   ON s.node = latest.node AND s.gpu = latest.gpu AND s.time = latest.time
 ORDER BY s.node, s.gpu"
+                .to_owned(),
+        },
+        Query {
+            name: "e",
+            title: "one GPU's mean utilization over 5 minutes (a Grafana stat panel)",
+            sql: "SELECT avg(utilization_gpu_pct) AS mean_utilization_pct
+FROM gpu_samples
+WHERE node = 'node-007' AND gpu = 3
+  AND time >= TIMESTAMP '2025-06-03 01:00:00' AND time < TIMESTAMP '2025-06-03 01:05:00'"
+                .to_owned(),
+        },
+        Query {
+            name: "f",
+            title: "one node's power in 1-minute buckets over 30 minutes (a Grafana time series)",
+            sql: "SELECT date_trunc('minute', time) AS minute, avg(power_watts) AS power_watts
+FROM gpu_samples
+WHERE node = 'node-007'
+  AND time >= TIMESTAMP '2025-06-03 01:00:00' AND time < TIMESTAMP '2025-06-03 01:30:00'
+GROUP BY date_trunc('minute', time)
+ORDER BY minute"
                 .to_owned(),
         },
     ]
@@ -197,7 +219,12 @@ pub(super) fn query(args: QueryArgs) -> Result<()> {
         .collect();
     anyhow::ensure!(
         !selected.is_empty(),
-        "--only names no query; use a, b, c or d"
+        "--only names no query; use some of {}",
+        queries(args.interval_secs)
+            .iter()
+            .map(|q| q.name)
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     let mut timings = Vec::new();
     for q in &selected {
