@@ -447,7 +447,9 @@ mod tests {
                 .query(&q.sql)
                 .await
                 .unwrap_or_else(|e| panic!("query {}: {e}", q.name));
-            assert_eq!(out.rows, 0, "query {} on empty tables", q.name);
+            // An aggregate without GROUP BY answers one row (a NULL mean) even over nothing.
+            let expected = usize::from(q.name == "e");
+            assert_eq!(out.rows, expected, "query {} on empty tables", q.name);
         }
     }
 }
