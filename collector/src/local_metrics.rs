@@ -14,8 +14,10 @@ use std::fmt::Write as _;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 
 /// Accumulates families in order; each family's `# HELP`/`# TYPE` is written once.
 #[derive(Default)]
@@ -155,9 +157,18 @@ pub fn render(node: &str, round: Option<&Round>, counters: &AgentCounters) -> St
     t.out
 }
 
+/// Connections served at once; more are closed at once. The agent runs as root and launches
+/// jobs: a user who opens connections and sends nothing must not be able to pile up its
+/// tasks and file descriptors.
+const MAX_CONNECTIONS: usize = 64;
+
+/// How long a client has to send its request line and headers, and to take the answer.
+const IO_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Serves `GET /metrics` on `listener` until `shutdown` completes. `node` labels the series;
 /// `counters` are the running agent's ([`crate::AgentHandle::counters`]), whose latest round
-/// the agent keeps up to date.
+/// the agent keeps up to date. At most [`MAX_CONNECTIONS`] at once, each given
+/// [`IO_TIMEOUT`] to send its request and again to take the answer.
 pub async fn serve_metrics(
     listener: TcpListener,
     node: String,
@@ -165,38 +176,70 @@ pub async fn serve_metrics(
     shutdown: impl Future<Output = ()>,
 ) -> std::io::Result<()> {
     tokio::pin!(shutdown);
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
-        let (mut stream, _) = tokio::select! {
+        let (stream, _) = tokio::select! {
             () = &mut shutdown => return Ok(()),
             accepted = listener.accept() => accepted?,
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            drop(stream);
+            continue;
         };
         let node = node.clone();
         let counters = counters.clone();
         tokio::spawn(async move {
-            let mut buf = vec![0u8; 4096];
-            let Ok(len) = stream.read(&mut buf).await else {
-                return;
-            };
-            let request = String::from_utf8_lossy(&buf[..len]);
-            let path = request.split_ascii_whitespace().nth(1).unwrap_or("");
-            let (status, body) = if request.starts_with("GET ") && path == "/metrics" {
-                let round = counters.latest_round();
-                ("200 OK", render(&node, round.as_ref(), &counters))
-            } else {
-                (
-                    "404 Not Found",
-                    "only GET /metrics is served here\n".to_string(),
-                )
-            };
-            let head = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4; charset=utf-8\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-                body.len()
-            );
-            let _ = stream.write_all(head.as_bytes()).await;
-            let _ = stream.write_all(body.as_bytes()).await;
-            let _ = stream.shutdown().await;
+            let _slot = slot;
+            let _ = answer(stream, &node, &counters).await;
         });
     }
+}
+
+/// Reads one request head (within [`IO_TIMEOUT`], at most 4 KiB) and answers it.
+async fn answer(
+    mut stream: TcpStream,
+    node: &str,
+    counters: &AgentCounters,
+) -> std::io::Result<()> {
+    let mut head = Vec::with_capacity(512);
+    let read = async {
+        let mut buf = [0u8; 1024];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 4096 {
+            let n = stream.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            head.extend_from_slice(&buf[..n]);
+        }
+        std::io::Result::Ok(())
+    };
+    match tokio::time::timeout(IO_TIMEOUT, read).await {
+        Ok(result) => result?,
+        Err(_) => return Ok(()),
+    }
+    let request = String::from_utf8_lossy(&head);
+    let path = request.split_ascii_whitespace().nth(1).unwrap_or("");
+    let (status, body) = if request.starts_with("GET ") && path == "/metrics" {
+        let round = counters.latest_round();
+        ("200 OK", render(node, round.as_ref(), counters))
+    } else {
+        (
+            "404 Not Found",
+            "only GET /metrics is served here\n".to_string(),
+        )
+    };
+    let head = format!(
+        "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4; charset=utf-8\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let write = async {
+        stream.write_all(head.as_bytes()).await?;
+        stream.write_all(body.as_bytes()).await?;
+        stream.shutdown().await
+    };
+    tokio::time::timeout(IO_TIMEOUT, write)
+        .await
+        .unwrap_or(Ok(()))
 }
 
 #[cfg(test)]
@@ -260,6 +303,62 @@ mod tests {
         }
         let missing = reqwest::get(format!("{url}/nope")).await.expect("GET");
         assert_eq!(missing.status().as_u16(), 404);
+        // A careless or hostile user opens more connections than are served and sends
+        // nothing, or a byte at a time: each is closed within the timeout, and a scrape after
+        // them is answered.
+        let addr = url.trim_start_matches("http://").to_owned();
+        let mut trickle = tokio::net::TcpStream::connect(&addr)
+            .await
+            .expect("connect");
+        let started = std::time::Instant::now();
+        let mut cut = false;
+        for byte in b"GET /metrics HTTP/1.1\r\n" {
+            if trickle.write_all(&[*byte]).await.is_err() {
+                cut = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if started.elapsed() > IO_TIMEOUT + Duration::from_secs(2) {
+                break;
+            }
+        }
+        let mut rest = Vec::new();
+        let closed = tokio::time::timeout(IO_TIMEOUT, trickle.read_to_end(&mut rest)).await;
+        assert!(
+            closed.is_ok(),
+            "a connection sending a byte at a time is held open"
+        );
+        assert!(
+            cut || rest.is_empty(),
+            "a request sent a byte at a time was answered: {:?}",
+            String::from_utf8_lossy(&rest)
+        );
+        assert!(started.elapsed() < IO_TIMEOUT + Duration::from_secs(3));
+        let mut idle = Vec::new();
+        for _ in 0..MAX_CONNECTIONS + 36 {
+            idle.push(
+                tokio::net::TcpStream::connect(&addr)
+                    .await
+                    .expect("connect"),
+            );
+        }
+        // Beyond the cap a connection is closed at once, not left to wait for a slot.
+        let mut beyond = idle.pop().expect("a connection");
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_millis(500), beyond.read(&mut byte)).await;
+        assert!(
+            matches!(read, Ok(Ok(0)) | Ok(Err(_))),
+            "a connection beyond the cap was kept: {read:?}"
+        );
+        tokio::time::sleep(IO_TIMEOUT + Duration::from_millis(500)).await;
+        let body = reqwest::get(format!("{url}/metrics"))
+            .await
+            .expect("GET after the idle connections")
+            .text()
+            .await
+            .expect("body");
+        assert!(body.contains("perch_agent_rounds_total"));
+        drop(idle);
         let _ = stop.send(());
         server.await.expect("join").expect("served");
     }
