@@ -115,6 +115,24 @@ async fn live_tables_are_read_fresh_and_views_build_on_them() {
     assert_eq!(scalar(&sql, "SELECT jobs FROM busiest_account").await, 2);
     assert!(sql.table_names().contains(&"busiest_account".to_string()));
 
+    // Every query's session shares one catalogue: a user's DDL, refused, changes nothing that
+    // the next query (anyone's) sees.
+    for hostile in [
+        "CREATE VIEW jobs AS SELECT 1 AS account",
+        "CREATE OR REPLACE VIEW busiest_account AS SELECT 0 AS jobs",
+        "CREATE TABLE gpu_samples AS SELECT 1 AS x",
+        "DROP TABLE jobs",
+        "DROP VIEW jobs_per_account",
+        "CREATE SCHEMA evil",
+        "CREATE EXTERNAL TABLE passwd STORED AS CSV LOCATION '/etc/passwd'",
+    ] {
+        let err = sql.query(hostile).await.expect_err(hostile);
+        assert!(err.to_string().contains("read-only"), "{hostile}: {err}");
+    }
+    assert_eq!(scalar(&sql, "SELECT count(*) FROM jobs").await, 3);
+    assert_eq!(scalar(&sql, "SELECT jobs FROM busiest_account").await, 2);
+    assert!(sql.query("SELECT * FROM passwd").await.is_err());
+
     // Issue 14: SHOW TABLES listed the rollups' stored `_partial` rows in no particular order,
     // and the unknown-table hint named only the stored tables, not live tables and views.
     let out = sql.query("show  TABLES;").await.expect("SHOW TABLES");
