@@ -43,7 +43,7 @@ pub(super) struct QueryArgs {
     /// Timed runs of each query in each engine, after one warm-up run.
     #[arg(long, default_value_t = 5)]
     runs: u32,
-    /// Run only these queries (a to f).
+    /// Run only these queries (a to n).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Print each engine's EXPLAIN ANALYZE of each query, after the timings.
@@ -67,8 +67,11 @@ struct Query {
     sql: String,
 }
 
-/// The four accounting queries of issue 4, then two small dashboard lookups on the second
-/// day (issue 20: there a query's fixed cost, its session and planning, is most of its time).
+/// The four accounting queries of issue 4, two small dashboard lookups on the second day
+/// (where a query's fixed cost, its session and planning, is most of its time), then shapes
+/// operators write (issue 20): a selective filter, an exact median, a count distinct, a
+/// window over each GPU's series, top-k, one job's samples, a time filter over the fleet and
+/// a sum over the week.
 /// `iv` is the sampling interval in seconds, so one sample of
 /// one GPU stands for `iv / 3600` GPU-hours. A sample belongs to an allocation when it is on
 /// the allocation's node and GPU and its time is in `[start_time, end_time)`, `end_time` being
@@ -153,6 +156,89 @@ WHERE node = 'node-007'
 GROUP BY date_trunc('minute', time)
 ORDER BY minute"
                 .to_owned(),
+        },
+        Query {
+            name: "g",
+            title: "power and temperature of each GPU while busy and full (a selective filter)",
+            sql: "SELECT node, gpu, avg(power_watts) AS power_watts, max(temperature_celsius) AS hottest
+FROM gpu_samples
+WHERE utilization_gpu_pct > 90 AND memory_used_bytes > 60000000000
+GROUP BY node, gpu
+ORDER BY node, gpu"
+                .to_owned(),
+        },
+        Query {
+            name: "h",
+            title: "exact median utilization per node",
+            sql: "SELECT node, median(utilization_gpu_pct) AS median_utilization_pct
+FROM gpu_samples
+GROUP BY node
+ORDER BY node"
+                .to_owned(),
+        },
+        Query {
+            name: "i",
+            title: "GPUs per node that were ever fully idle (count distinct over a filter)",
+            sql: "SELECT node, count(DISTINCT gpu) AS gpus_idle
+FROM gpu_samples
+WHERE utilization_gpu_pct < 1
+GROUP BY node
+ORDER BY node"
+                .to_owned(),
+        },
+        Query {
+            name: "j",
+            title: "power change between samples of each GPU of one node over 6 hours (a window)",
+            sql: "SELECT gpu, time,
+       power_watts - lag(power_watts) OVER (PARTITION BY gpu ORDER BY time) AS power_change
+FROM gpu_samples
+WHERE node = 'node-007'
+  AND time >= TIMESTAMP '2025-06-03 00:00:00' AND time < TIMESTAMP '2025-06-03 06:00:00'
+ORDER BY gpu, time"
+                .to_owned(),
+        },
+        Query {
+            name: "k",
+            title: "the 10 hottest GPUs of the week (top-k)",
+            sql: "SELECT node, gpu, max(temperature_celsius) AS hottest
+FROM gpu_samples
+GROUP BY node, gpu
+ORDER BY hottest DESC, node, gpu
+LIMIT 10"
+                .to_owned(),
+        },
+        Query {
+            name: "l",
+            title: "one job's hourly utilization on its GPUs (samples joined to its allocations)",
+            sql: format!(
+                "SELECT date_trunc('hour', s.time) AS hour, avg(s.utilization_gpu_pct) AS utilization_pct
+FROM job_allocations a
+JOIN gpu_samples s ON {held}
+WHERE a.job = 199
+GROUP BY date_trunc('hour', s.time)
+ORDER BY hour"
+            ),
+        },
+        Query {
+            name: "m",
+            title: "the fleet's hourly mean utilization over 6 hours (Grafana's $__timeFilter)",
+            sql: "SELECT date_trunc('hour', time) AS hour, avg(utilization_gpu_pct) AS utilization_pct
+FROM gpu_samples
+WHERE time >= TIMESTAMP '2025-06-05 12:00:00' AND time < TIMESTAMP '2025-06-05 18:00:00'
+GROUP BY date_trunc('hour', time)
+ORDER BY hour"
+                .to_owned(),
+        },
+        Query {
+            name: "n",
+            title: "energy per day from power, kWh (a sum over the week)",
+            sql: format!(
+                "SELECT CAST(date_trunc('day', time) AS DATE) AS day,
+       sum(power_watts) * {iv}.0 / 3600000.0 AS kwh
+FROM gpu_samples
+GROUP BY CAST(date_trunc('day', time) AS DATE)
+ORDER BY day"
+            ),
         },
     ]
 }
