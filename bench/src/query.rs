@@ -43,7 +43,7 @@ pub(super) struct QueryArgs {
     /// Timed runs of each query in each engine, after one warm-up run.
     #[arg(long, default_value_t = 5)]
     runs: u32,
-    /// Run only these queries (a to n).
+    /// Run only these queries (a to q).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Print each engine's EXPLAIN ANALYZE of each query, after the timings.
@@ -239,6 +239,39 @@ FROM gpu_samples
 GROUP BY CAST(date_trunc('day', time) AS DATE)
 ORDER BY day"
             ),
+        },
+        Query {
+            name: "o",
+            title: "each GPU's latest sample in the last hour of the week (row_number over a window)",
+            sql: "SELECT node, gpu, time, utilization_gpu_pct
+FROM (SELECT node, gpu, time, utilization_gpu_pct,
+             row_number() OVER (PARTITION BY node, gpu ORDER BY time DESC) AS newest
+      FROM gpu_samples
+      WHERE time >= TIMESTAMP '2025-06-08 23:00:00')
+WHERE newest = 1
+ORDER BY node, gpu"
+                .to_owned(),
+        },
+        Query {
+            name: "p",
+            title: "samples per node per hour over one day (a heatmap)",
+            sql: "SELECT node, date_trunc('hour', time) AS hour, count(*) AS samples
+FROM gpu_samples
+WHERE time >= TIMESTAMP '2025-06-04 00:00:00' AND time < TIMESTAMP '2025-06-05 00:00:00'
+GROUP BY node, date_trunc('hour', time)
+ORDER BY node, hour"
+                .to_owned(),
+        },
+        Query {
+            name: "q",
+            title: "jobs and GPU allocations per user (the job tables alone)",
+            sql: "SELECT j.user_name, count(DISTINCT j.job) AS jobs, count(*) AS gpu_allocations,
+       count(a.end_time) AS ended
+FROM jobs j
+JOIN job_allocations a ON a.job = j.job
+GROUP BY j.user_name
+ORDER BY j.user_name"
+                .to_owned(),
         },
     ]
 }
