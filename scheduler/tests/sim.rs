@@ -139,3 +139,45 @@ fn the_table_has_a_header_cell_per_value() {
         "{table}"
     );
 }
+
+/// A trace job larger than the cluster is refused before the replay, with the count, the
+/// first such job and the number of nodes that would fit them all; the replay never ran with
+/// them pending forever.
+#[test]
+fn a_job_larger_than_the_cluster_is_refused_naming_it() {
+    let mut jobs = sample();
+    jobs[7].gpus = 40;
+    jobs[9].gpus = 64;
+    let opts = SimOptions {
+        nodes: 4,
+        ..SimOptions::default()
+    };
+    let err = match sim::simulate(&jobs, SimPolicy::Fifo, &opts) {
+        Ok(r) => panic!("a 64-GPU job on 32 GPUs replayed: {:?}", r.summary),
+        Err(e) => e.to_string(),
+    };
+    for part in [
+        "2 job(s)",
+        "4 nodes x 8 = 32 GPUs",
+        "job 7",
+        "40",
+        "largest asks for 64",
+        "at least 8 nodes",
+    ] {
+        assert!(err.contains(part), "{part:?} missing from: {err}");
+    }
+}
+
+/// When no job ever waits there is no allocation-while-waiting to speak of: the table says
+/// `-`, not 0.0%.
+#[test]
+fn allocation_while_waiting_is_absent_when_nothing_waited() {
+    let jobs: Vec<sim::TraceJob> = sample().into_iter().take(1).collect();
+    let r = run(&jobs, SimPolicy::Fifo, 64);
+    assert_eq!(r.summary.alloc_queued_pct, None, "{:?}", r.summary);
+    let table = sim::format_table(std::slice::from_ref(&r.summary));
+    let row = table.lines().nth(1).expect("a row");
+    assert!(row.split_whitespace().nth(8) == Some("-"), "{table}");
+    let busy = run(&sample(), SimPolicy::Fifo, 16);
+    assert!(busy.summary.alloc_queued_pct.is_some_and(|p| p > 0.0));
+}

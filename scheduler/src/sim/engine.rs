@@ -150,6 +150,36 @@ fn check(opts: &SimOptions) -> Result<()> {
     Ok(())
 }
 
+/// Refuses a trace with jobs the cluster can never start: the replay would run to its end
+/// with them pending and report the rest as if all were well.
+fn check_fits(jobs: &[TraceJob], opts: &SimOptions) -> Result<()> {
+    let too_big: Vec<&TraceJob> = jobs
+        .iter()
+        .filter(|j| Shape::fewest_nodes(j.gpus, opts.gpus_per_node).nodes > opts.nodes)
+        .collect();
+    let Some(first) = too_big.first() else {
+        return Ok(());
+    };
+    let largest = too_big.iter().map(|j| j.gpus).max().unwrap_or(first.gpus);
+    Err(Error::SimConfig {
+        option: "nodes",
+        message: format!(
+            "{} job(s) of the trace ask for more GPUs than the cluster has ({} nodes x {} = {} GPUs), \
+             so they could never start: the first is job {} (the trace's {}th by submission) with {} \
+             GPUs, the largest asks for {}; give at least {} nodes, or leave them out of the trace",
+            too_big.len(),
+            opts.nodes,
+            opts.gpus_per_node,
+            opts.nodes * opts.gpus_per_node,
+            first.id,
+            first.id + 1,
+            first.gpus,
+            largest,
+            largest.div_ceil(opts.gpus_per_node),
+        ),
+    })
+}
+
 /// Replays `jobs` under the core configuration `config` (an operator's `[scheduler]`, say),
 /// reported as `name`. [`simulate`] is this with [`policy_config`].
 pub fn simulate_with(
@@ -159,6 +189,7 @@ pub fn simulate_with(
     opts: &SimOptions,
 ) -> Result<SimReport> {
     check(opts)?;
+    check_fits(jobs, opts)?;
     let oracle = config.kind == PolicyKind::Srtf;
     let cluster = Cluster::uniform(opts.nodes, opts.gpus_per_node, "sim", opts.nodes_per_rack)?;
     let total_gpus = opts.nodes * opts.gpus_per_node;

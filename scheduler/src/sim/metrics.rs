@@ -48,8 +48,9 @@ pub struct Summary {
     pub makespan_s: f64,
     /// Allocation, percent.
     pub alloc_pct: f64,
-    /// Allocation while jobs wait, percent.
-    pub alloc_queued_pct: f64,
+    /// Allocation while jobs wait, percent; `None` when no job ever waited (the table prints
+    /// `-`: there was nothing to measure, which is not 0%).
+    pub alloc_queued_pct: Option<f64>,
     /// Useful (busy) GPU-time, percent.
     pub useful_pct: f64,
     /// Useful GPU-time over allocated GPU-time, percent (GPU efficiency).
@@ -220,7 +221,8 @@ impl Recorder {
             avg_wait_s: if n == 0 { 0.0 } else { wait_sum / n as f64 },
             makespan_s: makespan as f64 / 1000.0,
             alloc_pct: share(self.alloc_ms, capacity),
-            alloc_queued_pct: share(self.queued_alloc_ms, self.total as f64 * self.queued_ms),
+            alloc_queued_pct: (self.queued_ms > 0.0)
+                .then(|| share(self.queued_alloc_ms, self.total as f64 * self.queued_ms)),
             useful_pct: share(self.busy_ms, capacity),
             efficiency_pct: share(self.busy_ms, self.alloc_ms),
             jain: if sq > 0.0 {
@@ -255,7 +257,7 @@ pub fn format_table(rows: &[Summary]) -> String {
     );
     for r in rows {
         out += &format!(
-            "{:<20} {:>5} {:>11.0} {:>10.0} {:>11.0} {:>10.0} {:>10.1} {:>7.1} {:>8.1} {:>7.1} {:>5.1} {:>6.3} {:>8} {:>6}\n",
+            "{:<20} {:>5} {:>11.0} {:>10.0} {:>11.0} {:>10.0} {:>10.1} {:>7.1} {:>8} {:>7.1} {:>5.1} {:>6.3} {:>8} {:>6}\n",
             r.policy,
             r.gpus,
             r.avg_jct_s,
@@ -264,7 +266,8 @@ pub fn format_table(rows: &[Summary]) -> String {
             r.avg_wait_s,
             r.makespan_s / 3600.0,
             r.alloc_pct,
-            r.alloc_queued_pct,
+            r.alloc_queued_pct
+                .map_or_else(|| "-".to_owned(), |p| format!("{p:.1}")),
             r.useful_pct,
             r.efficiency_pct,
             r.jain,
