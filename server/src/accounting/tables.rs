@@ -11,7 +11,7 @@ use crate::jobs::control::Control;
 use crate::jobs::db::NodeRecord;
 use crate::jobs::record::{JobRecord, NodeSpan, NodeState};
 use arrow::array::{
-    ArrayRef, BooleanArray, Float64Array, Int32Array, RecordBatch, StringArray,
+    Array, ArrayRef, BooleanArray, Float64Array, Int32Array, RecordBatch, StringArray,
     TimestampMillisecondArray, UInt32Array, UInt64Array,
 };
 use arrow::datatypes::{Field, Schema, SchemaRef};
@@ -44,8 +44,7 @@ impl<'a, R> Columns<'a, R> {
     }
 
     fn str(self, name: &str, nullable: bool, f: impl Fn(&'a R) -> Option<&'a str>) -> Self {
-        let array = Arc::new(self.rows.iter().map(f).collect::<StringArray>());
-        self.push(name, nullable, array)
+        self.values::<_, StringArray>(name, nullable, f)
     }
 
     fn time(self, name: &str, nullable: bool, f: impl Fn(&'a R) -> Option<i64>) -> Self {
@@ -57,29 +56,33 @@ impl<'a, R> Columns<'a, R> {
         self.push(name, nullable, Arc::new(array.with_timezone("UTC")))
     }
 
+    /// A column of `A` values, one per row.
+    fn values<T, A>(self, name: &str, nullable: bool, f: impl Fn(&'a R) -> Option<T>) -> Self
+    where
+        A: FromIterator<Option<T>> + Array + 'static,
+    {
+        let array: A = self.rows.iter().map(f).collect();
+        self.push(name, nullable, Arc::new(array))
+    }
+
     fn f64(self, name: &str, nullable: bool, f: impl Fn(&'a R) -> Option<f64>) -> Self {
-        let array = Arc::new(self.rows.iter().map(f).collect::<Float64Array>());
-        self.push(name, nullable, array)
+        self.values::<_, Float64Array>(name, nullable, f)
     }
 
     fn u64(self, name: &str, nullable: bool, f: impl Fn(&'a R) -> Option<u64>) -> Self {
-        let array = Arc::new(self.rows.iter().map(f).collect::<UInt64Array>());
-        self.push(name, nullable, array)
+        self.values::<_, UInt64Array>(name, nullable, f)
     }
 
     fn u32(self, name: &str, nullable: bool, f: impl Fn(&'a R) -> Option<u32>) -> Self {
-        let array = Arc::new(self.rows.iter().map(f).collect::<UInt32Array>());
-        self.push(name, nullable, array)
+        self.values::<_, UInt32Array>(name, nullable, f)
     }
 
     fn i32(self, name: &str, nullable: bool, f: impl Fn(&'a R) -> Option<i32>) -> Self {
-        let array = Arc::new(self.rows.iter().map(f).collect::<Int32Array>());
-        self.push(name, nullable, array)
+        self.values::<_, Int32Array>(name, nullable, f)
     }
 
     fn bool(self, name: &str, nullable: bool, f: impl Fn(&'a R) -> Option<bool>) -> Self {
-        let array = Arc::new(self.rows.iter().map(f).collect::<BooleanArray>());
-        self.push(name, nullable, array)
+        self.values::<_, BooleanArray>(name, nullable, f)
     }
 
     fn schema(&self) -> SchemaRef {
@@ -178,12 +181,7 @@ fn job_rows(c: &Control, config: &AccountingConfig, now: i64) -> Vec<JobRow> {
             elapsed_seconds: j
                 .start_ms
                 .map(|s| (j.end_ms.unwrap_or(now) - s).max(0) as f64 / 1000.0),
-            nodes: j
-                .placement
-                .iter()
-                .map(|p| p.node.as_str())
-                .collect::<Vec<_>>()
-                .join(","),
+            nodes: j.node_list(),
             gpu_model: j
                 .allocations
                 .last()

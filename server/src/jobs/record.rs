@@ -218,6 +218,15 @@ pub struct NodeSpan {
 }
 
 impl JobRecord {
+    /// The nodes the job is placed on, comma-separated in placement order (`""` unplaced).
+    pub fn node_list(&self) -> String {
+        self.placement
+            .iter()
+            .map(|p| p.node.as_str())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
     pub fn note(&mut self, time_ms: i64, event: impl Into<String>) {
         self.timeline.push(TimelineEntry {
             time_ms,

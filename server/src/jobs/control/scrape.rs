@@ -124,12 +124,7 @@ impl Control {
                     job: j.id,
                     user: j.request.user().to_owned(),
                     account: j.request.account().to_owned(),
-                    nodes: j
-                        .placement
-                        .iter()
-                        .map(|p| p.node.as_str())
-                        .collect::<Vec<_>>()
-                        .join(","),
+                    nodes: j.node_list(),
                     idle_since_ms: since,
                     consequence,
                     action_at_ms,
