@@ -26,7 +26,7 @@ fn main() -> anyhow::Result<()> {
     };
     let idle_share: f64 = args.get(4).map_or(Ok(0.0), |s| s.parse())?;
     let t = Instant::now();
-    let mut jobs = sim::trace::load(trace, None)?;
+    let mut jobs = sim::trace::load(trace, None)?.jobs;
     if idle_share > 0.0 {
         let got = sim::trace::add_idle_tails(&mut jobs, idle_share, 1);
         println!("idle tails: {:.1}% of GPU-time at 0%", got * 100.0);
@@ -39,10 +39,7 @@ fn main() -> anyhow::Result<()> {
     let mut rows = Vec::new();
     let mut runs = Vec::new();
     for &gpus in &sizes {
-        let opts = SimOptions {
-            nodes: gpus / 8,
-            ..SimOptions::default()
-        };
+        let opts = SimOptions::uniform(gpus / 8, 8);
         for &p in &policies {
             let t = Instant::now();
             let r = sim::simulate(&jobs, p, &opts)?;

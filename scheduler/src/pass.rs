@@ -101,7 +101,7 @@ impl Scheduler {
                 let share = self.share(j.account);
                 let fs = fairshare_factor(self.accounts[j.account].usage, total, share);
                 let req =
-                    f64::from(j.spec.gpu_hundredths()) / 100.0 * j.limit_left() as f64 / 1000.0;
+                    f64::from(j.spec.gpu_hundredths()) / 100.0 * j.run_limit() as f64 / 1000.0;
                 let size = size_factor(req, c.size_max_gpu_seconds);
                 w.age * age + w.fairshare * fs + w.qos * j.spec.qos.factor() + w.size * size
             }
@@ -291,7 +291,7 @@ impl Scheduler {
             if let Some(share) = j.spec.share {
                 // A shared job fits on part of one GPU: it neither preempts nor reserves (a
                 // fraction of a GPU frees up far more often than a whole gang).
-                let ends_by = |r: &Reservation| now + j.limit_left() <= r.at;
+                let ends_by = |r: &Reservation| now + j.run_limit() <= r.at;
                 let placed = match &reservation {
                     Some(r) if !ends_by(r) => find_share_among(&self.cluster, share, models, |i| {
                         r.spare.get(&i).copied().unwrap_or(u32::MAX)
@@ -302,7 +302,7 @@ impl Scheduler {
                     if fresh {
                         free = free.saturating_sub(1);
                         if let Some(r) = &mut reservation
-                            && now + j.limit_left() > r.at
+                            && now + j.run_limit() > r.at
                             && let Some(s) = r.spare.get_mut(&(alloc.node.0 as usize))
                         {
                             *s = s.saturating_sub(1);
@@ -323,7 +323,7 @@ impl Scheduler {
             let may_preempt = reclaims_left > 0
                 && ((kind == PolicyKind::Perch && quotas && within && self.config.reclaim)
                     || kind == PolicyKind::Srtf);
-            let ends_by = |r: &Reservation| now + j.limit_left() <= r.at;
+            let ends_by = |r: &Reservation| now + j.run_limit() <= r.at;
             let placed = match &reservation {
                 _ if free < shape.gpus() => None,
                 None => find_among(&self.cluster, shape, models, |_| u32::MAX),
@@ -334,7 +334,7 @@ impl Scheduler {
             };
             if let Some(p) = placed {
                 if let Some(r) = &mut reservation
-                    && now + j.limit_left() > r.at
+                    && now + j.run_limit() > r.at
                 {
                     for a in &p {
                         if let Some(s) = r.spare.get_mut(&(a.node.0 as usize)) {

@@ -257,7 +257,7 @@ impl Scheduler {
                 nodes,
                 gpus_per_node,
                 model: j.model,
-                limit: j.limit_left(),
+                limit: j.run_limit(),
                 reserved_at: match entry.reason {
                     PendingReason::Reserved { at } => Some(at),
                     _ => None,

@@ -191,9 +191,12 @@ pub(crate) struct Job {
 }
 
 impl Job {
-    /// Time limit left, counting earlier runs.
-    pub(crate) fn limit_left(&self) -> Millis {
-        (self.spec.time_limit - self.progress).max(0)
+    /// The time limit of a run. Every run gets the whole declared limit, a run after a
+    /// requeue too (as Slurm's requeue, and as the agent enforces it on each launch): a job the
+    /// scheduler stopped is not charged the restart and the work since its last checkpoint
+    /// the stop cost it, and so is never killed for a limit its own work would have kept.
+    pub(crate) fn run_limit(&self) -> Millis {
+        self.spec.time_limit
     }
 }
 
@@ -857,7 +860,7 @@ impl Scheduler {
             return;
         };
         let held = j.spec.gpu_hundredths();
-        let deadline = start + j.limit_left();
+        let deadline = start + j.run_limit();
         j.progress += (now - start).max(0);
         let charged = (now - j.charged_until.max(start)).max(0) as f64 * f64::from(held) / 100.0;
         j.charged_until = now;
@@ -898,7 +901,7 @@ impl Scheduler {
                 }
                 acct.model_alloc[m] += share.unwrap_or(a.mask.count_ones() * 100);
             }
-            self.deadlines.insert((now + j.limit_left(), job));
+            self.deadlines.insert((now + j.run_limit(), job));
         }
         Action::Start { job, placement }
     }

@@ -883,3 +883,29 @@ fn per_model_quotas_steer_unconstrained_jobs_cap_constrained_ones_and_are_reclai
     let a = step(&mut s, 4, Event::Submit(wants(one(4, 8, "nlp", 600, 4))));
     assert!(preempted(&a).is_empty() && started(&a).is_empty(), "{a:?}");
 }
+
+/// A requeued job gets its whole time limit again on its next run, as Slurm's requeue and as
+/// the agent enforces it on each launch: a job stopped 50 minutes into a 60-minute limit
+/// restarts (from its last checkpoint, say) and is not killed 10 minutes later.
+#[test]
+fn a_requeued_job_gets_its_whole_time_limit_on_the_next_run() {
+    let mut s = sched(2, Config::backfill());
+    let a = step(&mut s, 0, Event::Submit(one(1, 8, "a", 60, 0)));
+    assert_eq!(started(&a), vec![1]);
+    let Some(node) = s.placement(JobId(1)).map(|p| p[0].node) else {
+        panic!("job 1 has no placement")
+    };
+    let a = step(&mut s, 50 * MINUTE, Event::NodeDown(node));
+    assert_eq!(started(&a), vec![1], "restarts on the other node");
+    let a = step(&mut s, 100 * MINUTE, Event::Tick);
+    assert!(a.is_empty(), "59 minutes into its second run: {a:?}");
+    let a = step(&mut s, 110 * MINUTE, Event::Tick);
+    assert_eq!(
+        a,
+        vec![Action::End {
+            job: JobId(1),
+            state: EndState::Timeout
+        }],
+        "60 minutes into the second run"
+    );
+}

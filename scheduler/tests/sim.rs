@@ -2,23 +2,20 @@
 //! replays are deterministic, GPU-time is conserved, and the orderings the policies promise
 //! show up.
 
-use perch_scheduler::sim::{self, SimOptions, SimPolicy};
+use perch_scheduler::sim::{self, PreemptionCost, SimOptions, SimPolicy};
 
 fn sample() -> Vec<sim::TraceJob> {
     match sim::trace::load(
         concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/philly-300.csv"),
         None,
     ) {
-        Ok(j) => j,
+        Ok(t) => t.jobs,
         Err(e) => panic!("sample trace: {e}"),
     }
 }
 
 fn run(jobs: &[sim::TraceJob], p: SimPolicy, gpus: u32) -> sim::SimReport {
-    let opts = SimOptions {
-        nodes: gpus / 8,
-        ..SimOptions::default()
-    };
+    let opts = SimOptions::uniform(gpus / 8, 8);
     match sim::simulate(jobs, p, &opts) {
         Ok(r) => r,
         Err(e) => panic!("{}: {e}", p.name()),
@@ -39,14 +36,31 @@ fn every_policy_finishes_every_job_and_conserves_gpu_time() {
         SimPolicy::Srtf,
         SimPolicy::Perch,
     ] {
+        // Allocated GPU-time is the work plus what preemptions wasted, to the GPU-second;
+        // with preemption free, the work alone.
+        for cost in [PreemptionCost::DEFAULT, PreemptionCost::FREE] {
+            let opts = SimOptions {
+                preemption: cost,
+                ..SimOptions::uniform(4, 8)
+            };
+            let s = sim::simulate(&jobs, p, &opts).expect("replays").summary;
+            assert_eq!(
+                (s.finished, s.unfinished, s.incomplete),
+                (300, 0, 0),
+                "{}",
+                p.name()
+            );
+            let allocated = s.alloc_pct / 100.0 * 32.0 * s.makespan_s;
+            let wasted = s.wasted_gpu_h * 3600.0;
+            assert!(
+                (allocated - wasted - work).abs() / work < 1e-6,
+                "{}: allocated {allocated} - wasted {wasted} vs work {work}",
+                p.name()
+            );
+            assert!(cost != PreemptionCost::FREE || wasted == 0.0);
+            assert!(s.preemptions == 0 || cost == PreemptionCost::FREE || wasted > 0.0);
+        }
         let s = run(&jobs, p, 32).summary;
-        assert_eq!((s.finished, s.unfinished), (300, 0), "{}", p.name());
-        let allocated = s.alloc_pct / 100.0 * 32.0 * s.makespan_s;
-        assert!(
-            (allocated - work).abs() / work < 1e-6,
-            "{}: allocated {allocated} vs work {work}",
-            p.name()
-        );
         assert!(
             s.avg_wait_s >= 0.0 && s.p99_jct_s >= s.median_jct_s && s.jain > 0.0 && s.jain <= 1.0
         );
@@ -148,17 +162,14 @@ fn a_job_larger_than_the_cluster_is_refused_naming_it() {
     let mut jobs = sample();
     jobs[7].gpus = 40;
     jobs[9].gpus = 64;
-    let opts = SimOptions {
-        nodes: 4,
-        ..SimOptions::default()
-    };
+    let opts = SimOptions::uniform(4, 8);
     let err = match sim::simulate(&jobs, SimPolicy::Fifo, &opts) {
         Ok(r) => panic!("a 64-GPU job on 32 GPUs replayed: {:?}", r.summary),
         Err(e) => e.to_string(),
     };
     for part in [
         "2 job(s)",
-        "4 nodes x 8 = 32 GPUs",
+        "4 x 8 GPUs, 32 GPUs",
         "job 7",
         "40",
         "largest asks for 64",
@@ -180,4 +191,93 @@ fn allocation_while_waiting_is_absent_when_nothing_waited() {
     assert!(row.split_whitespace().nth(8) == Some("-"), "{table}");
     let busy = run(&sample(), SimPolicy::Fifo, 16);
     assert!(busy.summary.alloc_queued_pct.is_some_and(|p| p > 0.0));
+}
+
+/// The synthetic traces in `scheduler/traces/` are their generator's output at seed 1 (so a
+/// change to the generator regenerates them, and nobody edits them by hand).
+#[test]
+fn the_committed_synthetic_traces_are_their_generators_output() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/traces");
+    for kind in sim::SynthKind::ALL {
+        let path = format!("{dir}/{}.csv", kind.name());
+        let committed = std::fs::read_to_string(&path).expect("committed trace");
+        assert!(
+            committed == sim::synth::generate(kind, 1),
+            "{path} differs from `perch simulate --generate {} --seed 1`",
+            kind.name()
+        );
+    }
+    let cluster = std::fs::read_to_string(format!("{dir}/mixed-cluster.csv")).expect("cluster");
+    assert_eq!(cluster, sim::MIXED_CLUSTER);
+}
+
+/// The fractional trace on its mixed fleet: every job ends with its work done, GPU-time is
+/// conserved in hundredths of a GPU, and jobs pinned to A100 fit only the A100 nodes (the
+/// replay refuses the trace on a fleet without them).
+#[test]
+fn the_fractional_trace_replays_on_the_mixed_fleet() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/traces");
+    let jobs = sim::trace::load(&format!("{dir}/fractional.csv"), None)
+        .expect("trace")
+        .jobs;
+    let (cluster, warnings) =
+        sim::SimCluster::load(&format!("{dir}/mixed-cluster.csv")).expect("cluster");
+    assert!(warnings.is_empty());
+    let opts = SimOptions {
+        cluster,
+        ..SimOptions::default()
+    };
+    let work: f64 = jobs
+        .iter()
+        .map(|j| j.duration as f64 / 1000.0 * j.gpu_amount())
+        .sum();
+    for p in [SimPolicy::Backfill, SimPolicy::Perch] {
+        let s = sim::simulate(&jobs, p, &opts).expect("replays").summary;
+        assert_eq!((s.finished, s.unfinished, s.incomplete), (2000, 0, 0));
+        let allocated = s.alloc_pct / 100.0 * 56.0 * s.makespan_s;
+        let wasted = s.wasted_gpu_h * 3600.0;
+        assert!(
+            (allocated - wasted - work).abs() / work < 1e-6,
+            "{}: allocated {allocated} - wasted {wasted} vs work {work}",
+            p.name()
+        );
+    }
+    let (no_a100, _) = sim::SimCluster::parse(
+        "c.csv",
+        "name,gpus,model,rack\nt4-01,2,T4,r1\na10-01,4,A10,r1\n",
+    )
+    .expect("cluster");
+    let err = sim::simulate(
+        &jobs,
+        SimPolicy::Backfill,
+        &SimOptions {
+            cluster: no_a100,
+            ..SimOptions::default()
+        },
+    )
+    .expect_err("A100 jobs cannot run");
+    assert!(err.to_string().contains("`A100`"), "{err}");
+}
+
+/// The scorecard on the quick matrix: one row per case, every policy replayed, and the
+/// targets line counts only the cases where queues formed.
+#[test]
+fn the_quick_scorecard_scores_every_case() {
+    let cases = sim::suite::builtin(None, true).expect("matrix");
+    assert_eq!(cases.len(), 7);
+    let results: Vec<_> = cases
+        .iter()
+        .map(|c| sim::suite::run_case(c).expect("replays"))
+        .collect();
+    for r in &results {
+        assert_eq!(r.rows.len(), sim::suite::POLICIES.len());
+        assert!(r.rows.iter().all(|s| s.unfinished == 0), "{}", r.trace);
+    }
+    let queued = results.iter().filter(|r| r.queued()).count();
+    let card = sim::suite::scorecard(&results);
+    assert_eq!(card.lines().count(), 1 + 7 + 3, "{card}");
+    assert!(
+        card.contains(&format!("of {queued} cases where queues form")),
+        "{card}"
+    );
 }

@@ -5,21 +5,32 @@
 //! With `--config`, the file's `[scheduler]` (the policy the server runs) is replayed too, as
 //! the row `config`: an operator replays last month under a proposed policy before switching.
 //!
+//! With `--suite`, the scorecard: every policy on the built-in matrix of traces, sizes and seeds
+//! (`perch_scheduler::sim::suite`). With `--generate KIND`, a synthetic trace on stdout.
+//!
 //! All the work is in `perch_scheduler::sim`; this file only turns flags into its options.
 
 use crate::config::{ConfigFile, SchedulerSection};
 use anyhow::{Context, bail};
-use perch_scheduler::sim::{self, SimOptions, SimPolicy, TraceFormat};
+use perch_scheduler::sim::{
+    self, PreemptionCost, SimCluster, SimOptions, SimPolicy, SynthKind, TraceFormat,
+};
 
 /// Flags of `perch simulate`.
 #[derive(clap::Args, Debug)]
 pub struct SimulateArgs {
-    /// The trace file (Philly CSV, or the generic CSV described in scheduler/README.md).
-    #[arg(long)]
-    pub trace: String,
+    /// The trace file (Philly CSV, or the generic CSV described in scheduler/README.md). With
+    /// `--suite`, the Philly trace to include (default `../shared/traces/philly.csv` when it
+    /// exists).
+    #[arg(long, required_unless_present_any = ["suite", "generate"])]
+    pub trace: Option<String>,
     /// `philly`, `generic`, or `auto` (from the header).
     #[arg(long, default_value = "auto", value_parser = ["auto", "philly", "generic"])]
     pub format: String,
+    /// A cluster file (`name,gpus,model,rack[,gpu_memory_gb,sharing]`, one node per line) for a
+    /// heterogeneous fleet, instead of `--nodes` identical nodes.
+    #[arg(long, conflicts_with_all = ["nodes", "gpus_per_node", "nodes_per_rack"])]
+    pub cluster: Option<String>,
     /// Nodes in the simulated cluster.
     #[arg(long, default_value_t = 64)]
     pub nodes: u32,
@@ -49,6 +60,24 @@ pub struct SimulateArgs {
     /// `config` row takes `[scheduler.idle] after` from the file).
     #[arg(long, default_value_t = 30)]
     pub idle_window_min: i64,
+    /// Minutes of progress between two checkpoints of every job: a preempted job loses what
+    /// it did since its last one. 0: jobs save when stopped and lose nothing.
+    #[arg(long, default_value_t = 30)]
+    pub checkpoint_every_min: i64,
+    /// Seconds a preempted job spends restarting (holding its GPUs, making no progress).
+    #[arg(long, default_value_t = 60)]
+    pub restart_delay_s: i64,
+    /// Run the scorecard: fifo, backfill, srtf and perch on the built-in matrix of traces,
+    /// cluster sizes and seeds, one table, issue 19's targets checked per case.
+    #[arg(long, conflicts_with_all = ["policy", "plot", "show_config", "cluster"])]
+    pub suite: bool,
+    /// With `--suite`: seed 1 of the synthetic traces only, no Philly (seconds, not minutes).
+    #[arg(long, requires = "suite")]
+    pub quick: bool,
+    /// Print a synthetic trace (`small`, `fractional`, `gangs`, `heavy-tail`) or the cluster
+    /// file the fractional one is meant for (`mixed-cluster`) to stdout, from `--seed`.
+    #[arg(long, conflicts_with = "suite")]
+    pub generate: Option<String>,
     /// Write queue length and utilization over time to this SVG file.
     #[arg(long)]
     pub plot: Option<String>,
@@ -61,6 +90,34 @@ pub struct SimulateArgs {
 
 /// Runs the replays and prints the table.
 pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> {
+    if args.checkpoint_every_min < 0 || args.restart_delay_s < 0 {
+        bail!("--checkpoint-every-min and --restart-delay-s cannot be negative");
+    }
+    let preemption = PreemptionCost {
+        checkpoint_every: args.checkpoint_every_min * perch_scheduler::MINUTE,
+        restart_delay: args.restart_delay_s * 1000,
+    };
+    if let Some(kind) = &args.generate {
+        if kind == "mixed-cluster" {
+            print!("{}", sim::MIXED_CLUSTER);
+            return Ok(());
+        }
+        let k = SynthKind::parse(kind).with_context(|| {
+            let names: Vec<&str> = SynthKind::ALL.iter().map(|k| k.name()).collect();
+            format!(
+                "--generate `{kind}`: expected one of {} or mixed-cluster",
+                names.join(", ")
+            )
+        })?;
+        print!("{}", sim::synth::generate(k, args.seed));
+        return Ok(());
+    }
+    if args.suite {
+        return suite(args.trace.as_deref(), args.quick, preemption);
+    }
+    let Some(trace) = args.trace.as_deref() else {
+        bail!("--trace FILE is needed (or --suite, or --generate KIND)");
+    };
     let format = match args.format.as_str() {
         "philly" => Some(TraceFormat::Philly),
         "generic" => Some(TraceFormat::Generic),
@@ -103,8 +160,12 @@ pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> 
             args.idle_share
         );
     }
-    let mut jobs = sim::trace::load(&args.trace, format)?;
-    println!("{}: {} jobs", args.trace, jobs.len());
+    let loaded = sim::trace::load(trace, format)?;
+    for w in &loaded.warnings {
+        eprintln!("warning: {w}");
+    }
+    let mut jobs = loaded.jobs;
+    println!("{trace}: {} jobs", jobs.len());
     if args.idle_share > 0.0 {
         let got = sim::trace::add_idle_tails(&mut jobs, args.idle_share, args.seed);
         println!(
@@ -112,16 +173,26 @@ pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> 
             got * 100.0
         );
     }
+    let cluster = match &args.cluster {
+        Some(path) => {
+            let (cluster, warnings) = SimCluster::load(path)?;
+            for w in &warnings {
+                eprintln!("warning: {w}");
+            }
+            cluster
+        }
+        None => SimCluster::uniform(args.nodes, args.gpus_per_node, args.nodes_per_rack),
+    };
+    println!("cluster: {}", cluster.describe());
     let opts = SimOptions {
-        nodes: args.nodes,
-        gpus_per_node: args.gpus_per_node,
-        nodes_per_rack: args.nodes_per_rack,
+        cluster,
+        preemption,
         seed: args.seed,
         limit_factor: (args.limit_factor_low, args.limit_factor_high),
         idle_window: args.idle_window_min * perch_scheduler::MINUTE,
         ..SimOptions::default()
     };
-    let gpus = args.nodes * args.gpus_per_node;
+    let gpus = opts.cluster.total_gpus();
     let mut rows = Vec::new();
     let mut series = Vec::new();
     let mut runs: Vec<(String, perch_scheduler::Config)> = policies
@@ -173,10 +244,53 @@ pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> 
         }
     }
     if let Some(path) = &args.plot {
-        let title = format!("{} on {} GPUs", args.trace, gpus);
+        let title = format!("{trace} on {gpus} GPUs");
         sim::write_svg(path, &title, &series)?;
         println!("plot written to {path}");
     }
+    Ok(())
+}
+
+/// `--suite`: the scorecard, with progress on stderr.
+fn suite(philly: Option<&str>, quick: bool, preemption: PreemptionCost) -> anyhow::Result<()> {
+    let default = "../shared/traces/philly.csv";
+    let path = philly.or((!quick && std::path::Path::new(default).exists()).then_some(default));
+    let philly = match path {
+        Some(p) if !quick => Some(sim::trace::load(p, None)?),
+        _ => None,
+    };
+    if philly.is_none() && !quick {
+        eprintln!(
+            "no Philly trace ({default} not found; give one with --trace): the synthetic traces only"
+        );
+    }
+    let mut cases = sim::suite::builtin(philly.as_ref(), quick)?;
+    for c in &mut cases {
+        c.opts.preemption = preemption;
+    }
+    let mut results = Vec::new();
+    let started = std::time::Instant::now();
+    for (i, case) in cases.iter().enumerate() {
+        eprintln!(
+            "[{}/{}] {} seed {} on {} GPUs ({} jobs), four policies...",
+            i + 1,
+            cases.len(),
+            case.trace,
+            case.opts.seed,
+            case.opts.cluster.total_gpus(),
+            case.jobs.len()
+        );
+        results.push(sim::suite::run_case(case)?);
+    }
+    println!(
+        "perch simulate --suite{}: {} cases, preemption cost: checkpoint every {} min, restart {} s ({:.0} s)",
+        if quick { " --quick" } else { "" },
+        results.len(),
+        preemption.checkpoint_every / perch_scheduler::MINUTE,
+        preemption.restart_delay / 1000,
+        started.elapsed().as_secs_f64()
+    );
+    print!("{}", sim::suite::scorecard(&results));
     Ok(())
 }
 
@@ -194,12 +308,8 @@ mod tests {
             env!("CARGO_MANIFEST_DIR"),
             "/scheduler/tests/data/philly-300.csv"
         );
-        let jobs = sim::trace::load(trace, None).expect("trace");
-        let opts = SimOptions {
-            nodes: 4,
-            gpus_per_node: 8,
-            ..SimOptions::default()
-        };
+        let jobs = sim::trace::load(trace, None).expect("trace").jobs;
+        let opts = SimOptions::uniform(4, 8);
         let built_in = sim::policy_config(SimPolicy::Perch, &jobs, &opts);
         assert!(
             built_in.quotas.iter().any(|(_, q)| *q > 0),

@@ -19,9 +19,9 @@ pub struct Sample {
     pub t: Time,
     /// Jobs waiting.
     pub pending: usize,
-    /// GPUs allocated.
+    /// GPUs allocated, in hundredths of a GPU (a fraction of a GPU counts as its percent).
     pub allocated: u32,
-    /// GPUs allocated and busy.
+    /// GPUs allocated and busy, in hundredths.
     pub busy: u32,
 }
 
@@ -32,10 +32,13 @@ pub struct Summary {
     pub policy: String,
     /// Cluster GPUs.
     pub gpus: u32,
-    /// Jobs finished.
+    /// Jobs that ended (their JCT counts).
     pub finished: usize,
-    /// Jobs that never finished (asked for more than the cluster has).
+    /// Jobs that never ended.
     pub unfinished: usize,
+    /// Jobs among `finished` that ended with work left: past their time limit (which counts
+    /// every run, wasted time included), or preempted more often than they may be requeued.
+    pub incomplete: usize,
     /// Mean JCT, s.
     pub avg_jct_s: f64,
     /// Median JCT, s.
@@ -61,6 +64,8 @@ pub struct Summary {
     pub preemptions: u64,
     /// Idle reclaims among them.
     pub idle_reclaims: u64,
+    /// GPU-hours preemption wasted: work lost since the last checkpoint plus restart delays.
+    pub wasted_gpu_h: f64,
 }
 
 pub(crate) struct Recorder {
@@ -70,6 +75,8 @@ pub(crate) struct Recorder {
     account: Vec<String>,
     first_start: Vec<Option<Time>>,
     end: Vec<Option<Time>>,
+    incomplete: usize,
+    wasted_ms: f64,
     last: Time,
     alloc: u32,
     busy: u32,
@@ -93,6 +100,8 @@ impl Recorder {
             account: jobs.iter().map(|j| j.account.clone()).collect(),
             first_start: vec![None; jobs.len()],
             end: vec![None; jobs.len()],
+            incomplete: 0,
+            wasted_ms: 0.0,
             last: 0,
             alloc: 0,
             busy: 0,
@@ -119,32 +128,41 @@ impl Recorder {
         self.last = self.last.max(now);
     }
 
-    pub(crate) fn start(&mut self, now: Time, job: usize, gpus: u32) {
+    /// `hundredths`: what the job holds, in hundredths of a GPU (as every amount here).
+    pub(crate) fn start(&mut self, now: Time, job: usize, hundredths: u32) {
         self.advance(now);
-        self.alloc += gpus;
+        self.alloc += hundredths;
         self.first_start[job].get_or_insert(now);
     }
 
-    pub(crate) fn stop(&mut self, now: Time, gpus: u32) {
+    pub(crate) fn stop(&mut self, now: Time, hundredths: u32) {
         self.advance(now);
-        self.alloc = self.alloc.saturating_sub(gpus);
+        self.alloc = self.alloc.saturating_sub(hundredths);
     }
 
-    pub(crate) fn set_busy(&mut self, now: Time, flag: &mut bool, busy: bool, gpus: u32) {
+    pub(crate) fn wasted(&mut self, ms: Time, hundredths: u32) {
+        self.wasted_ms += ms as f64 * f64::from(hundredths) / 100.0;
+    }
+
+    pub(crate) fn set_busy(&mut self, now: Time, flag: &mut bool, busy: bool, hundredths: u32) {
         if *flag == busy {
             return;
         }
         self.advance(now);
         *flag = busy;
         if busy {
-            self.busy += gpus
+            self.busy += hundredths
         } else {
-            self.busy = self.busy.saturating_sub(gpus)
+            self.busy = self.busy.saturating_sub(hundredths)
         }
     }
 
-    pub(crate) fn end(&mut self, now: Time, job: usize) {
+    /// `complete`: the job's work was done (not cut short by a limit or a last preemption).
+    pub(crate) fn end(&mut self, now: Time, job: usize, complete: bool) {
         self.end[job] = Some(now);
+        if !complete {
+            self.incomplete += 1;
+        }
     }
 
     pub(crate) fn preempted(&mut self, idle: bool) {
@@ -204,7 +222,8 @@ impl Recorder {
         };
         let xs: Vec<f64> = per_account.values().map(|(s, c)| s / *c as f64).collect();
         let (sum, sq): (f64, f64) = (xs.iter().sum(), xs.iter().map(|x| x * x).sum());
-        let capacity = self.total as f64 * makespan as f64;
+        // Amounts are in hundredths of a GPU.
+        let capacity = 100.0 * self.total as f64 * makespan as f64;
         let share = |v: f64, of: f64| if of > 0.0 { 100.0 * v / of } else { 0.0 };
         Summary {
             policy: policy.to_string(),
@@ -221,8 +240,12 @@ impl Recorder {
             avg_wait_s: if n == 0 { 0.0 } else { wait_sum / n as f64 },
             makespan_s: makespan as f64 / 1000.0,
             alloc_pct: share(self.alloc_ms, capacity),
-            alloc_queued_pct: (self.queued_ms > 0.0)
-                .then(|| share(self.queued_alloc_ms, self.total as f64 * self.queued_ms)),
+            alloc_queued_pct: (self.queued_ms > 0.0).then(|| {
+                share(
+                    self.queued_alloc_ms,
+                    100.0 * self.total as f64 * self.queued_ms,
+                )
+            }),
             useful_pct: share(self.busy_ms, capacity),
             efficiency_pct: share(self.busy_ms, self.alloc_ms),
             jain: if sq > 0.0 {
@@ -232,6 +255,8 @@ impl Recorder {
             },
             preemptions: self.preemptions,
             idle_reclaims: self.idle_reclaims,
+            incomplete: self.incomplete,
+            wasted_gpu_h: self.wasted_ms / 3.6e6,
         }
     }
 }
@@ -239,7 +264,7 @@ impl Recorder {
 /// The summaries as an aligned text table.
 pub fn format_table(rows: &[Summary]) -> String {
     let mut out = format!(
-        "{:<20} {:>5} {:>11} {:>10} {:>11} {:>10} {:>9} {:>7} {:>8} {:>7} {:>5} {:>6} {:>8} {:>6}\n",
+        "{:<20} {:>5} {:>11} {:>10} {:>11} {:>10} {:>9} {:>7} {:>8} {:>7} {:>5} {:>6} {:>8} {:>8} {:>6} {:>6}\n",
         "policy",
         "GPUs",
         "avg JCT s",
@@ -253,11 +278,13 @@ pub fn format_table(rows: &[Summary]) -> String {
         "eff%",
         "Jain",
         "preempt",
+        "wasteGPUh",
+        "incompl",
         "unfin"
     );
     for r in rows {
         out += &format!(
-            "{:<20} {:>5} {:>11.0} {:>10.0} {:>11.0} {:>10.0} {:>10.1} {:>7.1} {:>8} {:>7.1} {:>5.1} {:>6.3} {:>8} {:>6}\n",
+            "{:<20} {:>5} {:>11.0} {:>10.0} {:>11.0} {:>10.0} {:>10.1} {:>7.1} {:>8} {:>7.1} {:>5.1} {:>6.3} {:>8} {:>9.1} {:>7} {:>6}\n",
             r.policy,
             r.gpus,
             r.avg_jct_s,
@@ -272,6 +299,8 @@ pub fn format_table(rows: &[Summary]) -> String {
             r.efficiency_pct,
             r.jain,
             r.preemptions,
+            r.wasted_gpu_h,
+            r.incomplete,
             r.unfinished
         );
     }

@@ -1,19 +1,27 @@
 //! The trace simulator: replays a job trace in virtual time through the very same
 //! [`crate::Scheduler`] the server runs, and measures the outcome.
 //!
-//! Replay rules: every job is one gang of the fewest nodes ([`crate::Shape::fewest_nodes`]),
-//! preemptible, and keeps its progress when preempted (it checkpoints on the signal) so it
-//! resumes with its remaining run time; its declared time limit comes from
-//! [`trace::user_time_limit`]; the SRTF reference reads the true duration. Events at the same
-//! instant are applied together, then one scheduling pass runs. No wall clock, no unseeded
+//! Replay rules: every job is one gang of the fewest nodes of the largest node size it may use
+//! ([`SimCluster::shape`]), or a fraction of one GPU; a preempted job keeps its work up to its
+//! last checkpoint and pays a restart delay ([`PreemptionCost`]); its declared time limit comes
+//! from [`trace::user_time_limit`]; the SRTF reference reads the true duration. Events at the
+//! same instant are applied together, then one scheduling pass runs. No wall clock, no unseeded
 //! randomness: same trace, options and seed give the same numbers.
 
+mod cluster;
 mod engine;
 mod metrics;
 mod plot;
+pub mod suite;
+pub mod synth;
 pub mod trace;
 
-pub use engine::{SimOptions, SimPolicy, SimReport, policy_config, simulate, simulate_with};
+pub use cluster::{DEFAULT_GPU_MEMORY_GB, SimCluster, SimNode};
+pub use engine::{
+    PreemptionCost, SimOptions, SimPolicy, SimReport, policy_config, simulate, simulate_with,
+    trace_quotas,
+};
 pub use metrics::{Sample, Summary, format_table};
 pub use plot::write_svg;
-pub use trace::{TraceFormat, TraceJob};
+pub use synth::{MIXED_CLUSTER, SynthKind};
+pub use trace::{Trace, TraceFormat, TraceJob};

@@ -42,7 +42,8 @@ fn downsample(
             }
             t = next;
         }
-        let g = total_gpus.max(1) as f64;
+        // Samples count hundredths of a GPU.
+        let g = 100.0 * total_gpus.max(1) as f64;
         if w > 0.0 {
             out.push((
                 (lo + hi) / 2.0 / 3.6e6,

@@ -7,16 +7,23 @@
 //! |---|---|---|
 //! | `submit` | yes | submission time, seconds (any origin; the replay starts at the earliest) |
 //! | `duration` | yes | seconds the job runs once it has its GPUs |
-//! | `gpus` | yes | GPUs asked for, as one gang |
+//! | `gpus` | yes | GPUs asked for, as one gang: a whole number, or a fraction of one GPU below 1 (`0.25`: a quarter of one GPU, shared with other fractions) |
 //! | `account` | one of the two | the account (team) charged; defaults to `user` |
 //! | `user` | one of the two | the user; defaults to `account` |
 //! | `utilization` | no | `percent:seconds` segments separated by `;`, in run time order; the last segment lasts to the end. Empty: busy throughout |
+//! | `gpu_model` | no | only GPUs of this model (as the cluster file names them); empty: any |
+//! | `priority` (or `qos`) | no | `low`, `normal` (default) or `high`: the QOS tier |
+//! | `preemptible` | no | `true` (default) or `false` (`1`/`0`, `yes`/`no` too): may the scheduler stop it |
+//! | `gpu_memory_gb` | no | GPU memory a fraction needs; default: its fraction of the GPU's memory |
+//! | `cpus`, `memory_gb` | no | read and checked, not scheduled: the core places GPUs (a warning says so) |
 //!
-//! Example: `submit,duration,gpus,account,user,utilization` /
+//! Any other column is named in a warning (a typo in `preemptible` should not silently make every
+//! job preemptible). Example: `submit,duration,gpus,account,user,utilization` /
 //! `0,3600,8,vision,alice,100:1200;0:2400` (busy 20 minutes, then idle 40).
 
 use crate::error::{Error, Result};
 use crate::ids::{MINUTE, Millis, SECOND, Time};
+use crate::job::Qos;
 
 /// One job of a trace.
 #[derive(Clone, Debug, PartialEq)]
@@ -27,14 +34,65 @@ pub struct TraceJob {
     pub submit: Time,
     /// Run time once started, milliseconds.
     pub duration: Millis,
-    /// GPUs, one gang.
+    /// Whole GPUs, one gang; 1 for a fraction of a GPU.
     pub gpus: u32,
+    /// Percent of one GPU (1 to 99) when the job asks for a fraction; then `gpus` is 1.
+    pub fraction: Option<u32>,
+    /// GPU memory a fraction needs, MiB; `None`: its fraction of the GPU's memory.
+    pub gpu_memory_mb: Option<u64>,
+    /// Only GPUs of this model, when set.
+    pub gpu_model: Option<String>,
+    /// QOS tier.
+    pub qos: Qos,
+    /// May be preempted.
+    pub preemptible: bool,
     /// Account charged.
     pub account: String,
     /// User.
     pub user: String,
     /// Utilization steps `(run-time offset, percent)`, ascending; empty means 100% throughout.
     pub utilization: Vec<(Millis, f32)>,
+}
+
+impl TraceJob {
+    /// A whole-GPU job with the defaults of a trace that says nothing else (normal QOS,
+    /// preemptible, any model, busy throughout).
+    pub fn new(submit: Time, duration: Millis, gpus: u32, account: &str, user: &str) -> TraceJob {
+        TraceJob {
+            id: 0,
+            submit,
+            duration,
+            gpus,
+            fraction: None,
+            gpu_memory_mb: None,
+            gpu_model: None,
+            qos: Qos::Normal,
+            preemptible: true,
+            account: account.into(),
+            user: user.into(),
+            utilization: vec![],
+        }
+    }
+
+    /// What the job holds, in hundredths of a GPU (a fraction holds its percent).
+    pub fn hundredths(&self) -> u32 {
+        self.fraction.unwrap_or(self.gpus * 100)
+    }
+
+    /// What the job holds, in GPUs.
+    pub fn gpu_amount(&self) -> f64 {
+        f64::from(self.hundredths()) / 100.0
+    }
+}
+
+/// A loaded trace: its jobs, and what the loader noticed but did not refuse.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Trace {
+    /// Jobs in submission order; `id` is the position.
+    pub jobs: Vec<TraceJob>,
+    /// One line per thing the user should know (unknown columns, columns read but not
+    /// modelled).
+    pub warnings: Vec<String>,
 }
 
 /// Which loader reads the file.
@@ -46,8 +104,25 @@ pub enum TraceFormat {
     Generic,
 }
 
+const PHILLY_COLUMNS: [&str; 5] = ["timestamp", "duration", "num_gpus", "gpu_time", "cluster"];
+const GENERIC_COLUMNS: [&str; 13] = [
+    "submit",
+    "duration",
+    "gpus",
+    "account",
+    "user",
+    "utilization",
+    "gpu_model",
+    "priority",
+    "qos",
+    "preemptible",
+    "gpu_memory_gb",
+    "cpus",
+    "memory_gb",
+];
+
 /// Reads `path` as `format`, or guessed from the header when `None`.
-pub fn load(path: &str, format: Option<TraceFormat>) -> Result<Vec<TraceJob>> {
+pub fn load(path: &str, format: Option<TraceFormat>) -> Result<Trace> {
     let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
         path: path.to_string(),
         source,
@@ -55,8 +130,8 @@ pub fn load(path: &str, format: Option<TraceFormat>) -> Result<Vec<TraceJob>> {
     parse(path, &text, format)
 }
 
-/// Parses trace text; `name` appears in errors.
-pub fn parse(name: &str, text: &str, format: Option<TraceFormat>) -> Result<Vec<TraceJob>> {
+/// Parses trace text; `name` appears in errors and warnings.
+pub fn parse(name: &str, text: &str, format: Option<TraceFormat>) -> Result<Trace> {
     let mut lines = text
         .lines()
         .enumerate()
@@ -91,6 +166,27 @@ pub fn parse(name: &str, text: &str, format: Option<TraceFormat>) -> Result<Vec<
             )
         })
     };
+    let known: &[&str] = match format {
+        TraceFormat::Philly => &PHILLY_COLUMNS,
+        TraceFormat::Generic => &GENERIC_COLUMNS,
+    };
+    let mut warnings = Vec::new();
+    let unknown: Vec<&str> = cols
+        .iter()
+        .copied()
+        .filter(|c| !known.contains(c))
+        .collect();
+    if !unknown.is_empty() {
+        warnings.push(format!(
+            "{name}: column(s) {} ignored: not a column of the {} format (known: {})",
+            unknown.join(", "),
+            match format {
+                TraceFormat::Philly => "Philly",
+                TraceFormat::Generic => "generic",
+            },
+            known.join(", ")
+        ));
+    }
     let mut raw: Vec<(f64, TraceJob)> = Vec::new();
     match format {
         TraceFormat::Philly => {
@@ -118,29 +214,36 @@ pub fn parse(name: &str, text: &str, format: Option<TraceFormat>) -> Result<Vec<
                 let duration =
                     seconds(get(du, "duration")?).map_err(|m| err(line, "duration", m))?;
                 let gpus = count(get(ng, "num_gpus")?).map_err(|m| err(line, "num_gpus", m))?;
-                let account = get(cl, "cluster")?.to_string();
-                raw.push((
-                    submit,
-                    TraceJob {
-                        id: 0,
-                        submit: 0,
-                        duration,
-                        gpus,
-                        user: account.clone(),
-                        account,
-                        utilization: vec![],
-                    },
-                ));
+                let account = get(cl, "cluster")?;
+                raw.push((submit, TraceJob::new(0, duration, gpus, account, account)));
             }
         }
         TraceFormat::Generic => {
             let (su, du, gp) = (need("submit")?, need("duration")?, need("gpus")?);
             let (ac, us, ut) = (col("account"), col("user"), col("utilization"));
+            let (model, prio, pre, gmem) = (
+                col("gpu_model"),
+                col("priority").or(col("qos")),
+                col("preemptible"),
+                col("gpu_memory_gb"),
+            );
+            let (cpus, mem) = (col("cpus"), col("memory_gb"));
             if ac.is_none() && us.is_none() {
                 return Err(err(
                     1,
                     "account",
                     "need an `account` or a `user` column".into(),
+                ));
+            }
+            let unmodelled: Vec<&str> = [("cpus", cpus), ("memory_gb", mem)]
+                .into_iter()
+                .filter_map(|(n, c)| c.map(|_| n))
+                .collect();
+            if !unmodelled.is_empty() {
+                warnings.push(format!(
+                    "{name}: column(s) {} read and checked but not scheduled: the replay places \
+                     GPUs only, as perch's scheduler does",
+                    unmodelled.join(", ")
                 ));
             }
             for (i, l) in lines {
@@ -150,6 +253,12 @@ pub fn parse(name: &str, text: &str, format: Option<TraceFormat>) -> Result<Vec<
                     f.get(idx)
                         .copied()
                         .ok_or_else(|| err(line, c, "missing field".into()))
+                };
+                // An optional column's value on this line; empty is absent.
+                let opt = |idx: Option<usize>| {
+                    idx.and_then(|c| f.get(c))
+                        .copied()
+                        .filter(|s| !s.is_empty())
                 };
                 let submit: f64 = get(su, "submit")?.parse().map_err(|_| {
                     err(
@@ -163,39 +272,45 @@ pub fn parse(name: &str, text: &str, format: Option<TraceFormat>) -> Result<Vec<
                 }
                 let duration =
                     seconds(get(du, "duration")?).map_err(|m| err(line, "duration", m))?;
-                let gpus = count(get(gp, "gpus")?).map_err(|m| err(line, "gpus", m))?;
-                let account = ac
-                    .and_then(|c| f.get(c))
-                    .filter(|s| !s.is_empty())
-                    .map(|s| s.to_string());
-                let user = us
-                    .and_then(|c| f.get(c))
-                    .filter(|s| !s.is_empty())
-                    .map(|s| s.to_string());
-                let (account, user) = match (account, user) {
+                let (gpus, fraction) =
+                    gpu_request(get(gp, "gpus")?).map_err(|m| err(line, "gpus", m))?;
+                let (account, user) = match (opt(ac), opt(us)) {
                     (Some(a), Some(u)) => (a, u),
-                    (Some(a), None) => (a.clone(), a),
-                    (None, Some(u)) => (u.clone(), u),
+                    (Some(a), None) => (a, a),
+                    (None, Some(u)) => (u, u),
                     (None, None) => {
                         return Err(err(line, "account", "empty account and user".into()));
                     }
                 };
-                let utilization = match ut.and_then(|c| f.get(c)).filter(|s| !s.is_empty()) {
-                    Some(p) => profile(p).map_err(|m| err(line, "utilization", m))?,
-                    None => vec![],
-                };
-                raw.push((
-                    submit,
-                    TraceJob {
-                        id: 0,
-                        submit: 0,
-                        duration,
-                        gpus,
-                        account,
-                        user,
-                        utilization,
-                    },
-                ));
+                let mut job = TraceJob::new(0, duration, gpus, account, user);
+                job.fraction = fraction;
+                if let Some(p) = opt(ut) {
+                    job.utilization = profile(p).map_err(|m| err(line, "utilization", m))?;
+                }
+                job.gpu_model = opt(model).map(str::to_string);
+                if let Some(q) = opt(prio) {
+                    job.qos = qos(q).map_err(|m| err(line, "priority", m))?;
+                }
+                if let Some(p) = opt(pre) {
+                    job.preemptible = flag(p).map_err(|m| err(line, "preemptible", m))?;
+                }
+                if let Some(g) = opt(gmem) {
+                    let gb = amount(g).map_err(|m| err(line, "gpu_memory_gb", m))?;
+                    if fraction.is_none() {
+                        return Err(err(
+                            line,
+                            "gpu_memory_gb",
+                            "only a fraction of a GPU declares its memory (a whole GPU has all of it); leave it empty".into(),
+                        ));
+                    }
+                    job.gpu_memory_mb = Some((gb * 1024.0).ceil() as u64);
+                }
+                for (c, n) in [(cpus, "cpus"), (mem, "memory_gb")] {
+                    if let Some(v) = opt(c) {
+                        amount(v).map_err(|m| err(line, n, m))?;
+                    }
+                }
+                raw.push((submit, job));
             }
         }
     }
@@ -211,7 +326,59 @@ pub fn parse(name: &str, text: &str, format: Option<TraceFormat>) -> Result<Vec<
     for (i, j) in jobs.iter_mut().enumerate() {
         j.id = i as u64;
     }
-    Ok(jobs)
+    Ok(Trace { jobs, warnings })
+}
+
+/// A `gpus` field: whole GPUs, or a fraction of one as a percent.
+fn gpu_request(s: &str) -> std::result::Result<(u32, Option<u32>), String> {
+    let v: f64 = s.parse().map_err(|_| format!("`{s}` is not a GPU count"))?;
+    if v.is_finite() && v > 0.0 && v < 1.0 {
+        let percent = (v * 100.0).round();
+        return match percent as u32 {
+            0 => Err(format!(
+                "`{s}` is less than 1% of a GPU: the smallest fraction is 0.01"
+            )),
+            100 => Ok((1, None)),
+            p => Ok((1, Some(p))),
+        };
+    }
+    if !(v.is_finite() && v > 0.0) {
+        return Err(format!(
+            "`{s}` must be a whole number of GPUs from 1 to 4096, or a fraction of one GPU such as 0.5"
+        ));
+    }
+    if v.fract() != 0.0 && v > 1.0 {
+        return Err(format!(
+            "`{s}`: a fraction is only possible below one GPU (a gang takes whole GPUs); ask for {} or {}",
+            v.floor(),
+            v.ceil()
+        ));
+    }
+    count(s).map(|g| (g, None))
+}
+
+fn qos(s: &str) -> std::result::Result<Qos, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "low" => Ok(Qos::Low),
+        "normal" => Ok(Qos::Normal),
+        "high" => Ok(Qos::High),
+        _ => Err(format!("`{s}` is not low, normal or high")),
+    }
+}
+
+fn flag(s: &str) -> std::result::Result<bool, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" => Ok(true),
+        "false" | "0" | "no" => Ok(false),
+        _ => Err(format!("`{s}` is not true or false")),
+    }
+}
+
+fn amount(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v < 1e9 => Ok(v),
+        _ => Err(format!("`{s}` is not a positive number")),
+    }
 }
 
 fn seconds(s: &str) -> std::result::Result<Millis, String> {
@@ -373,7 +540,8 @@ mod tests {
             "g.csv",
             "submit,duration,gpus,account,user,utilization\n100,60,8,vision,al,100:20;0:40\n90,5,1,nlp,,\n",
             None,
-        )?;
+        )?
+        .jobs;
         assert_eq!(jobs.len(), 2);
         assert_eq!(
             (
@@ -389,16 +557,99 @@ mod tests {
     }
 
     #[test]
-    fn time_limits_overestimate_deterministically() {
-        let j = TraceJob {
-            id: 7,
-            submit: 0,
-            duration: 3_600_000,
-            gpus: 1,
-            account: "a".into(),
-            user: "a".into(),
-            utilization: vec![],
+    fn generic_reads_fractions_models_priorities_and_preemptibility() -> Result<()> {
+        let t = parse(
+            "g.csv",
+            "submit,duration,gpus,user,gpu_model,priority,preemptible,gpu_memory_gb,cpus,memory_gb\n\
+             0,60,0.46,al,,HIGH,no,10,4,32\n\
+             1,60,8,bo,A100,low,1,,,\n\
+             2,60,0.999,cy,,,,,,\n",
+            None,
+        )?;
+        let [a, b, c] = &t.jobs[..] else {
+            panic!("three jobs: {:?}", t.jobs)
         };
+        assert_eq!(
+            (a.gpus, a.fraction, a.gpu_memory_mb, a.qos, a.preemptible),
+            (1, Some(46), Some(10 * 1024), Qos::High, false)
+        );
+        assert_eq!(a.hundredths(), 46);
+        assert_eq!(
+            (
+                b.gpus,
+                b.fraction,
+                b.gpu_model.as_deref(),
+                b.qos,
+                b.preemptible
+            ),
+            (8, None, Some("A100"), Qos::Low, true)
+        );
+        assert_eq!(
+            (c.gpus, c.fraction),
+            (1, None),
+            "0.999 rounds to a whole GPU"
+        );
+        assert_eq!(t.warnings.len(), 1, "{:?}", t.warnings);
+        assert!(
+            t.warnings[0].contains("cpus, memory_gb") && t.warnings[0].contains("not scheduled")
+        );
+        Ok(())
+    }
+
+    /// A misspelt column would otherwise be dropped without a word (every job preemptible,
+    /// say); the warning names it and lists the known columns.
+    #[test]
+    fn unknown_columns_are_named_in_a_warning() -> Result<()> {
+        let t = parse(
+            "g.csv",
+            "submit,duration,gpus,user,preemtible\n0,60,1,al,false\n",
+            None,
+        )?;
+        assert_eq!(t.jobs.len(), 1);
+        assert!(t.jobs[0].preemptible);
+        assert_eq!(t.warnings.len(), 1);
+        assert!(
+            t.warnings[0].contains("preemtible") && t.warnings[0].contains("known: submit"),
+            "{:?}",
+            t.warnings
+        );
+        let p = parse(
+            "p.csv",
+            "timestamp,duration,num_gpus,gpu_time,cluster,status\n2017-10-09 07:01:55,66.0,1,66.0,a,Pass\n",
+            None,
+        )?;
+        assert!(p.warnings[0].contains("status") && p.warnings[0].contains("Philly"));
+        Ok(())
+    }
+
+    #[test]
+    fn impossible_requests_name_line_column_and_remedy() {
+        let bad = |row: &str, column: &str, says: &str| {
+            let text =
+                format!("submit,duration,gpus,user,priority,preemptible,gpu_memory_gb\n{row}\n");
+            match parse("g.csv", &text, None) {
+                Err(Error::Trace {
+                    column: c, message, ..
+                }) => {
+                    assert_eq!(c, column, "{row}");
+                    assert!(message.contains(says), "{row}: {message}");
+                }
+                other => panic!("{row}: expected an error, got {other:?}"),
+            }
+        };
+        bad("0,60,1.5,al,,,", "gpus", "ask for 1 or 2");
+        bad("0,60,0.001,al,,,", "gpus", "smallest fraction is 0.01");
+        bad("0,60,-1,al,,,", "gpus", "fraction of one GPU");
+        bad("0,60,1,al,urgent,,", "priority", "low, normal or high");
+        bad("0,60,1,al,,maybe,", "preemptible", "true or false");
+        bad("0,60,2,al,,,10", "gpu_memory_gb", "only a fraction");
+        bad("0,60,0.5,al,,,-3", "gpu_memory_gb", "positive");
+    }
+
+    #[test]
+    fn time_limits_overestimate_deterministically() {
+        let mut j = TraceJob::new(0, 3_600_000, 1, "a", "a");
+        j.id = 7;
         let a = user_time_limit(&j, 1, 1.5, 5.0);
         assert_eq!(a, user_time_limit(&j, 1, 1.5, 5.0));
         assert!((5_400_000..=18_000_000 + MINUTE).contains(&a), "{a}");

@@ -1,0 +1,234 @@
+//! The scorecard: every policy on a matrix of traces, cluster sizes and seeds, one table, and
+//! issue 19's targets checked on each case where queues form.
+//!
+//! Targets for perch (the `perch` policy, durations unknown, preemption cost on), per case:
+//! average JCT at most 1.25x the oracle SRTF's and at most backfill's; p99 JCT at most
+//! backfill's; allocation no lower than backfill's (to the printed tenth of a point);
+//! preemptions at most [`PREEMPTIONS_PER_JOB`] per job. A case where backfill's average wait
+//! is under a minute has no queue to speak of and is shown but not scored.
+
+use super::cluster::SimCluster;
+use super::engine::{SimOptions, SimPolicy, simulate};
+use super::metrics::Summary;
+use super::synth::{MIXED_CLUSTER, SynthKind, generate};
+use super::trace::{Trace, TraceJob, parse};
+use crate::error::Result;
+
+/// The preemption bound perch is held to: preemptions per job of the trace, on average.
+pub const PREEMPTIONS_PER_JOB: f64 = 0.5;
+
+/// The policies a scorecard compares (the idle-reclaim variant answers another question).
+pub const POLICIES: [SimPolicy; 4] = [
+    SimPolicy::Fifo,
+    SimPolicy::Backfill,
+    SimPolicy::Srtf,
+    SimPolicy::Perch,
+];
+
+/// One cell of the matrix: a trace on a cluster under a seed.
+#[derive(Clone, Debug)]
+pub struct Case {
+    /// The trace's name.
+    pub trace: String,
+    /// Its jobs.
+    pub jobs: Vec<TraceJob>,
+    /// The options (cluster, seed, preemption cost).
+    pub opts: SimOptions,
+}
+
+/// A case's replays, one summary per policy of [`POLICIES`].
+#[derive(Clone, Debug)]
+pub struct CaseResult {
+    /// The trace's name.
+    pub trace: String,
+    /// Its seed.
+    pub seed: u64,
+    /// Jobs.
+    pub jobs: usize,
+    /// Per policy, in [`POLICIES`] order.
+    pub rows: Vec<Summary>,
+}
+
+impl CaseResult {
+    fn get(&self, p: SimPolicy) -> &Summary {
+        let i = POLICIES.iter().position(|x| *x == p).unwrap_or(0);
+        &self.rows[i]
+    }
+
+    /// Whether queues formed (backfill's average wait is a minute or more).
+    pub fn queued(&self) -> bool {
+        self.get(SimPolicy::Backfill).avg_wait_s >= 60.0
+    }
+
+    /// Each target and whether perch meets it, in table order.
+    pub fn targets(&self) -> [(&'static str, bool); 5] {
+        let (p, b, s) = (
+            self.get(SimPolicy::Perch),
+            self.get(SimPolicy::Backfill),
+            self.get(SimPolicy::Srtf),
+        );
+        let tenth = |x: f64| (x * 10.0).round();
+        [
+            ("JCT<=1.25xSRTF", p.avg_jct_s <= 1.25 * s.avg_jct_s),
+            ("JCT<=BF", p.avg_jct_s <= b.avg_jct_s),
+            ("p99<=BF", p.p99_jct_s <= b.p99_jct_s),
+            ("alloc>=BF", tenth(p.alloc_pct) >= tenth(b.alloc_pct)),
+            (
+                "preempt",
+                p.preemptions as f64 <= PREEMPTIONS_PER_JOB * self.jobs as f64,
+            ),
+        ]
+    }
+}
+
+/// The built-in matrix. `philly`: the Philly trace when at hand (replayed at 384, 512 and 768
+/// GPUs, seeds 1 and 2); the synthetic kinds at seeds 1 to 3 (`quick`: seed 1, and no Philly).
+pub fn builtin(philly: Option<&Trace>, quick: bool) -> Result<Vec<Case>> {
+    let seeds: &[u64] = if quick { &[1] } else { &[1, 2, 3] };
+    let mut cases = Vec::new();
+    let uniform = |nodes: u32, seed: u64| SimOptions {
+        seed,
+        ..SimOptions::uniform(nodes, 8)
+    };
+    if let (Some(t), false) = (philly, quick) {
+        for nodes in [48, 64, 96] {
+            for seed in [1, 2] {
+                cases.push(Case {
+                    trace: "philly".into(),
+                    jobs: t.jobs.clone(),
+                    opts: uniform(nodes, seed),
+                });
+            }
+        }
+    }
+    let (mixed, _) = SimCluster::parse("mixed-cluster.csv", MIXED_CLUSTER)?;
+    for kind in SynthKind::ALL {
+        for &seed in seeds {
+            let jobs = parse(kind.name(), &generate(kind, seed), None)?.jobs;
+            let clusters: Vec<SimOptions> = match kind {
+                SynthKind::Small => vec![uniform(1, seed), uniform(2, seed)],
+                SynthKind::Fractional => vec![SimOptions {
+                    cluster: mixed.clone(),
+                    seed,
+                    ..SimOptions::default()
+                }],
+                SynthKind::Gangs => vec![uniform(12, seed), uniform(16, seed)],
+                SynthKind::HeavyTail => vec![uniform(6, seed), uniform(8, seed)],
+            };
+            for opts in clusters {
+                cases.push(Case {
+                    trace: kind.name().into(),
+                    jobs: jobs.clone(),
+                    opts,
+                });
+            }
+        }
+    }
+    Ok(cases)
+}
+
+/// Replays one case under every policy of [`POLICIES`].
+pub fn run_case(case: &Case) -> Result<CaseResult> {
+    let rows = POLICIES
+        .iter()
+        .map(|&p| simulate(&case.jobs, p, &case.opts).map(|r| r.summary))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(CaseResult {
+        trace: case.trace.clone(),
+        seed: case.opts.seed,
+        jobs: case.jobs.len(),
+        rows,
+    })
+}
+
+/// The scorecard: one line per case, then how many scored cases meet each target.
+pub fn scorecard(results: &[CaseResult]) -> String {
+    let mut out = format!(
+        "{:<11} {:>5} {:>4} {:>5} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6} {:>7} {:>7} {:>7} {:>6}  {}\n",
+        "trace",
+        "GPUs",
+        "seed",
+        "jobs",
+        "fifo JCT",
+        "bf JCT",
+        "srtf JCT",
+        "perch JCT",
+        "p/srtf",
+        "p/bf",
+        "p99 p/bf",
+        "alloc-bf",
+        "pre/job",
+        "waste%",
+        "targets missed"
+    );
+    let mut met = [0usize; 5];
+    let mut scored = 0;
+    for r in results {
+        let (f, b, s, p) = (
+            r.get(SimPolicy::Fifo),
+            r.get(SimPolicy::Backfill),
+            r.get(SimPolicy::Srtf),
+            r.get(SimPolicy::Perch),
+        );
+        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 1.0 };
+        let allocated_h = p.alloc_pct / 100.0 * f64::from(p.gpus) * p.makespan_s / 3600.0;
+        let missed = if r.queued() {
+            scored += 1;
+            let mut names = Vec::new();
+            for (i, (name, ok)) in r.targets().into_iter().enumerate() {
+                if ok {
+                    met[i] += 1;
+                } else {
+                    names.push(name);
+                }
+            }
+            if names.is_empty() {
+                "none".to_string()
+            } else {
+                names.join(" ")
+            }
+        } else {
+            "(no queue: not scored)".to_string()
+        };
+        out += &format!(
+            "{:<11} {:>5} {:>4} {:>5} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>7.2} {:>6.2} {:>8.2} {:>+7.1} {:>7.2} {:>6.1}  {}\n",
+            r.trace,
+            p.gpus,
+            r.seed,
+            r.jobs,
+            f.avg_jct_s,
+            b.avg_jct_s,
+            s.avg_jct_s,
+            p.avg_jct_s,
+            ratio(p.avg_jct_s, s.avg_jct_s),
+            ratio(p.avg_jct_s, b.avg_jct_s),
+            ratio(p.p99_jct_s, b.p99_jct_s),
+            p.alloc_pct - b.alloc_pct,
+            p.preemptions as f64 / r.jobs.max(1) as f64,
+            if allocated_h > 0.0 {
+                100.0 * p.wasted_gpu_h / allocated_h
+            } else {
+                0.0
+            },
+            missed
+        );
+    }
+    out += &format!("\nperch meets, of {scored} cases where queues form:");
+    let names = [
+        "JCT<=1.25xSRTF",
+        "JCT<=BF",
+        "p99<=BF",
+        "alloc>=BF",
+        "preempt",
+    ];
+    for (name, n) in names.iter().zip(met) {
+        out += &format!(" {name} {n}/{scored};");
+    }
+    out.pop();
+    out += &format!(
+        "\n(JCT in seconds; p/srtf, p/bf: perch's average JCT over SRTF's and backfill's; alloc-bf: \
+         perch's allocation minus backfill's, points; pre/job: perch's preemptions per job (bound \
+         {PREEMPTIONS_PER_JOB}); waste%: perch's GPU-time lost to preemption, of its allocation)\n"
+    );
+    out
+}

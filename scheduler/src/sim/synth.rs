@@ -1,0 +1,284 @@
+//! Synthetic traces of shapes the Philly trace does not have, generated deterministically from a
+//! seed so that the committed files (`scheduler/traces/`) can be checked against their
+//! generator and regenerated (`perch simulate --generate KIND --seed S > FILE`).
+//!
+//! | kind | what it stresses |
+//! |---|---|
+//! | `small` | a small cluster (8 to 16 GPUs) and 40 jobs: few jobs, where one bad decision shows |
+//! | `fractional` | single-GPU work, 40% of jobs asking for a fraction of a GPU, 10% pinned to A100, on mixed 2/4/8-GPU nodes of three models (`mixed-cluster.csv`) |
+//! | `gangs` | half the jobs are gangs of 16 to 64 GPUs; a tenth high priority and not preemptible |
+//! | `heavy-tail` | Pareto durations (a few jobs run for days) and idle tails on a third of the GPU-time |
+//!
+//! Arrivals are Poisson at a rate that loads the cluster the trace is meant for to about 1.2x
+//! its capacity over the trace, so queues form; durations are log-normal unless said otherwise.
+
+use super::trace::unit;
+
+/// A kind of synthetic trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SynthKind {
+    /// See the module table.
+    Small,
+    /// See the module table.
+    Fractional,
+    /// See the module table.
+    Gangs,
+    /// See the module table.
+    HeavyTail,
+}
+
+impl SynthKind {
+    /// Every kind, in table order.
+    pub const ALL: [SynthKind; 4] = [
+        SynthKind::Small,
+        SynthKind::Fractional,
+        SynthKind::Gangs,
+        SynthKind::HeavyTail,
+    ];
+
+    /// Name on the command line and file name stem.
+    pub fn name(self) -> &'static str {
+        match self {
+            SynthKind::Small => "small",
+            SynthKind::Fractional => "fractional",
+            SynthKind::Gangs => "gangs",
+            SynthKind::HeavyTail => "heavy-tail",
+        }
+    }
+
+    /// Parses a name.
+    pub fn parse(s: &str) -> Option<SynthKind> {
+        SynthKind::ALL.into_iter().find(|k| k.name() == s)
+    }
+}
+
+/// The mixed inventory the `fractional` trace is meant for: nodes of 2, 4 and 8 GPUs of three
+/// models, 56 GPUs in all (a cluster file).
+pub const MIXED_CLUSTER: &str = "\
+# The mixed fleet of the `fractional` synthetic trace: 56 GPUs on nodes of 2, 4 and 8.
+name,gpus,model,rack,gpu_memory_gb,sharing
+t4-01,2,T4,r1,16,true
+t4-02,2,T4,r1,16,true
+t4-03,2,T4,r1,16,true
+t4-04,2,T4,r1,16,true
+a10-01,4,A10,r2,24,true
+a10-02,4,A10,r2,24,true
+a10-03,4,A10,r2,24,true
+a10-04,4,A10,r2,24,true
+a100-01,8,A100,r3,80,true
+a100-02,8,A100,r3,80,true
+a100-03,8,A100,r3,80,true
+a100-04,8,A100,r4,80,true
+";
+
+/// A draw in `[0, 1)` for job `i`, stream `salt`.
+struct Draw {
+    seed: u64,
+}
+
+impl Draw {
+    fn u(&self, i: u64, salt: u64) -> f64 {
+        unit(self.seed, i, salt)
+    }
+
+    /// Exponential with mean `mean`.
+    fn exp(&self, i: u64, salt: u64, mean: f64) -> f64 {
+        -mean * (1.0 - self.u(i, salt)).ln()
+    }
+
+    /// Log-normal with median `median` and log-space deviation `sigma` (Box-Muller).
+    fn lognormal(&self, i: u64, salt: u64, median: f64, sigma: f64) -> f64 {
+        let (a, b) = (self.u(i, salt).max(1e-12), self.u(i, salt + 1000));
+        let z = (-2.0 * a.ln()).sqrt() * (std::f64::consts::TAU * b).cos();
+        median * (sigma * z).exp()
+    }
+
+    /// Pareto with minimum `min` and shape `alpha`, capped at `cap`.
+    fn pareto(&self, i: u64, salt: u64, min: f64, alpha: f64, cap: f64) -> f64 {
+        (min / (1.0 - self.u(i, salt)).powf(1.0 / alpha)).min(cap)
+    }
+
+    /// One of `items` by weight.
+    fn pick<T: Copy>(&self, i: u64, salt: u64, items: &[(T, f64)]) -> T {
+        let total: f64 = items.iter().map(|x| x.1).sum();
+        let mut x = self.u(i, salt) * total;
+        for &(v, w) in items {
+            if x < w {
+                return v;
+            }
+            x -= w;
+        }
+        items[items.len() - 1].0
+    }
+}
+
+/// One generated job, before it is written.
+struct Job {
+    submit: f64,
+    duration: f64,
+    gpus: String,
+    account: usize,
+    user: usize,
+    utilization: String,
+    gpu_model: &'static str,
+    priority: &'static str,
+    preemptible: bool,
+}
+
+/// Generates the trace `kind` from `seed`, as generic trace CSV.
+pub fn generate(kind: SynthKind, seed: u64) -> String {
+    let d = Draw { seed };
+    // (jobs, GPUs the trace is meant for, accounts, users per account)
+    let (n, capacity, accounts, users) = match kind {
+        SynthKind::Small => (40u64, 12.0, 3usize, 2usize),
+        SynthKind::Fractional => (2000, 56.0, 6, 5),
+        SynthKind::Gangs => (600, 128.0, 4, 4),
+        SynthKind::HeavyTail => (1500, 64.0, 5, 4),
+    };
+    let mut jobs: Vec<Job> = (0..n)
+        .map(|i| {
+            let account = (d.u(i, 1) * accounts as f64) as usize;
+            let user = (d.u(i, 2) * users as f64) as usize;
+            let mut job = Job {
+                submit: 0.0,
+                duration: 0.0,
+                gpus: String::new(),
+                account,
+                user,
+                utilization: String::new(),
+                gpu_model: "",
+                priority: "",
+                preemptible: true,
+            };
+            match kind {
+                SynthKind::Small => {
+                    let g = d.pick(i, 3, &[(1u32, 4.0), (2, 3.0), (4, 2.0), (8, 1.0)]);
+                    job.gpus = g.to_string();
+                    job.duration = d.lognormal(i, 4, 1800.0, 1.2).clamp(60.0, 86_400.0);
+                }
+                SynthKind::Fractional => {
+                    if d.u(i, 3) < 0.4 {
+                        let f = d.pick(
+                            i,
+                            5,
+                            &[
+                                (0.1, 1.0),
+                                (0.25, 3.0),
+                                (0.46, 2.0),
+                                (0.5, 3.0),
+                                (0.75, 1.0),
+                            ],
+                        );
+                        job.gpus = format!("{f}");
+                    } else {
+                        let g = d.pick(i, 6, &[(1u32, 7.0), (2, 1.5), (4, 1.0), (8, 0.5)]);
+                        job.gpus = g.to_string();
+                    }
+                    if d.u(i, 7) < 0.1 && !job.gpus.starts_with("0.") {
+                        job.gpu_model = "A100";
+                    }
+                    job.duration = d.lognormal(i, 4, 900.0, 1.5).clamp(30.0, 3.0 * 86_400.0);
+                }
+                SynthKind::Gangs => {
+                    let g = if d.u(i, 3) < 0.5 {
+                        d.pick(i, 5, &[(16u32, 3.0), (32, 2.0), (64, 1.0)])
+                    } else {
+                        d.pick(i, 6, &[(1u32, 3.0), (2, 1.0), (4, 1.0), (8, 2.0)])
+                    };
+                    job.gpus = g.to_string();
+                    if d.u(i, 7) < 0.1 {
+                        job.priority = "high";
+                        job.preemptible = false;
+                    } else if d.u(i, 7) < 0.3 {
+                        job.priority = "low";
+                    }
+                    job.duration = d.lognormal(i, 4, 3600.0, 1.3).clamp(120.0, 4.0 * 86_400.0);
+                }
+                SynthKind::HeavyTail => {
+                    let g = d.pick(i, 3, &[(1u32, 6.0), (2, 1.0), (4, 1.5), (8, 1.5)]);
+                    job.gpus = g.to_string();
+                    job.duration = d.pareto(i, 4, 120.0, 1.1, 7.0 * 86_400.0);
+                }
+            }
+            job
+        })
+        .collect();
+    if kind == SynthKind::HeavyTail {
+        // Idle tails until a third of the GPU-time is idle, most on the long jobs (people
+        // forget notebooks and finished runs, not two-minute tests).
+        let total: f64 = jobs.iter().map(|j| j.duration * amount(&j.gpus)).sum();
+        let mut order: Vec<usize> = (0..jobs.len()).collect();
+        order.sort_by(|&a, &b| d.u(a as u64, 8).total_cmp(&d.u(b as u64, 8)));
+        let mut idle = 0.0;
+        for i in order {
+            if idle >= total / 3.0 {
+                break;
+            }
+            let j = &mut jobs[i];
+            if j.duration < 1800.0 {
+                continue;
+            }
+            let frac = 0.4 + 0.5 * d.u(i as u64, 9);
+            let busy = (j.duration * (1.0 - frac)).round();
+            j.utilization = format!("95:{busy};0:{}", (j.duration - busy).round());
+            idle += (j.duration - busy) * amount(&j.gpus);
+        }
+    }
+    // Poisson arrivals loading `capacity` GPUs to 1.2x over the trace.
+    let work: f64 = jobs.iter().map(|j| j.duration * amount(&j.gpus)).sum();
+    let span = work / (1.2 * capacity);
+    let mean_gap = span / n as f64;
+    let mut t = 0.0;
+    for (i, j) in jobs.iter_mut().enumerate() {
+        j.submit = t;
+        t += d.exp(i as u64, 10, mean_gap);
+    }
+    let mut out = format!(
+        "# perch synthetic trace `{}`, seed {seed} (perch simulate --generate {} --seed {seed})\n\
+         submit,duration,gpus,account,user,utilization,gpu_model,priority,preemptible\n",
+        kind.name(),
+        kind.name()
+    );
+    for j in &jobs {
+        out += &format!(
+            "{:.0},{:.0},{},acct{},acct{}-user{},{},{},{},{}\n",
+            j.submit,
+            j.duration.round().max(1.0),
+            j.gpus,
+            j.account,
+            j.account,
+            j.user,
+            j.utilization,
+            j.gpu_model,
+            j.priority,
+            j.preemptible
+        );
+    }
+    out
+}
+
+fn amount(gpus: &str) -> f64 {
+    gpus.parse().unwrap_or(1.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::trace::parse;
+
+    #[test]
+    fn every_kind_parses_and_is_deterministic() -> crate::Result<()> {
+        for kind in SynthKind::ALL {
+            let text = generate(kind, 1);
+            assert_eq!(text, generate(kind, 1));
+            assert_ne!(text, generate(kind, 2));
+            let trace = parse(kind.name(), &text, None)?;
+            assert!(trace.warnings.is_empty(), "{:?}", trace.warnings);
+            assert!(trace.jobs.len() >= 40);
+        }
+        let frac = parse("f", &generate(SynthKind::Fractional, 1), None)?.jobs;
+        let share = frac.iter().filter(|j| j.fraction.is_some()).count() as f64 / frac.len() as f64;
+        assert!((0.35..0.45).contains(&share), "{share}");
+        Ok(())
+    }
+}
