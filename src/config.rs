@@ -458,6 +458,9 @@ pub struct SchedulerSection {
     pub reclaim: bool,
     /// Most running jobs one scheduling pass may examine as reclaim victims.
     pub max_reclaims_per_pass: usize,
+    /// A job (QOS above low) that has waited longer than this many times its time limit goes
+    /// before every job that has not, the longest-waiting first (policy `perch`); 0: never.
+    pub starved_after_limits: f64,
     /// Allocated-but-idle GPUs.
     pub idle: IdleSection,
 }
@@ -506,6 +509,7 @@ impl Default for SchedulerSection {
             borrowing: perch.borrowing,
             reclaim: perch.reclaim,
             max_reclaims_per_pass: perch.max_reclaims_per_pass,
+            starved_after_limits: perch.starved_after_limits,
             idle: IdleSection::default(),
         }
     }
@@ -570,6 +574,7 @@ impl SchedulerSection {
             borrowing: policy.borrowing,
             reclaim: policy.reclaim,
             max_reclaims_per_pass: policy.max_reclaims_per_pass,
+            starved_after_limits: policy.starved_after_limits,
             idle: IdleSection {
                 action: match policy.idle.action {
                     IdleAction::Off => "off",
@@ -655,6 +660,18 @@ impl SchedulerSection {
             ));
         }
         c.size_max_gpu_seconds = self.size_max_gpu_hours * 3600.0;
+        if !(self.starved_after_limits.is_finite() && self.starved_after_limits >= 0.0) {
+            return Err(bad(
+                "starved_after_limits",
+                format!(
+                    "{} must be a number of time limits of at least 0 (0: never)",
+                    self.starved_after_limits
+                ),
+            ));
+        }
+        if self.policy == "perch" {
+            c.starved_after_limits = self.starved_after_limits;
+        }
         for (account, gpus) in &self.quotas {
             if account.trim().is_empty() || account.len() > 128 {
                 return Err(bad(

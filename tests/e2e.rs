@@ -618,7 +618,10 @@ fn simulate_takes_cluster_files_warns_about_columns_and_scores_the_suite() {
         2,
         "{card}"
     );
-    assert!(card.contains("perch meets, of "), "{card}");
+    assert!(
+        card.contains("perch meets, of ") && card.contains("perch-noquota meets, of "),
+        "{card}"
+    );
     assert!(err.contains("[7/7]"), "{err}");
 }
 

@@ -22,6 +22,11 @@ fn main() -> anyhow::Result<()> {
         results.len(),
         started.elapsed().as_secs_f64()
     );
-    print!("{}", sim::suite::scorecard(&results));
+    for (i, scored) in sim::suite::SCORED.into_iter().enumerate() {
+        if i > 0 {
+            println!();
+        }
+        print!("{}", sim::suite::scorecard(&results, scored));
+    }
     Ok(())
 }

@@ -10,7 +10,7 @@
 
 use crate::cluster::{Cluster, NodeState, Placement};
 use crate::ids::{JobId, Time};
-use crate::job::{GpuShare, PendingReason, PreemptReason, Shape};
+use crate::job::{GpuShare, PendingReason, PreemptReason, Qos, Shape};
 use crate::placement::find;
 use crate::policy::{Config, IdleAction, PolicyKind, fairshare_factor, size_factor};
 use crate::scheduler::{Action, Job, JobState, Scheduler};
@@ -96,7 +96,16 @@ impl Scheduler {
             PolicyKind::Perch => {
                 let c = &self.config;
                 let w = c.weights;
-                let age = ((now - j.spec.submit).max(0) as f64 / c.age_max.max(1) as f64).min(1.0);
+                let wait = (now - j.spec.submit).max(0) as f64;
+                if c.starved_after_limits > 0.0
+                    && j.spec.qos != Qos::Low
+                    && wait > c.starved_after_limits * j.run_limit() as f64
+                {
+                    // Starved: above every job that is not (the weights bound the others),
+                    // the longest-waiting first.
+                    return w.age + w.fairshare + w.qos + w.size + 1.0 + wait / 1000.0;
+                }
+                let age = (wait / c.age_max.max(1) as f64).min(1.0);
                 let total: f64 = self.accounts.iter().map(|a| a.usage).sum();
                 let share = self.share(j.account);
                 let fs = fairshare_factor(self.accounts[j.account].usage, total, share);

@@ -118,6 +118,10 @@ pub struct Config {
     pub idle: IdlePolicy,
     /// Jobs whose reclaim a pass may attempt (bounds the pass time).
     pub max_reclaims_per_pass: usize,
+    /// Starvation bound (perch): a waiting job above Low QOS that has waited longer than this
+    /// many times its time limit goes before every job that has not, the longest-waiting
+    /// first, so the size factor cannot hold a large job back without end. 0: never.
+    pub starved_after_limits: f64,
 }
 
 impl Config {
@@ -151,6 +155,7 @@ impl Config {
                 action: IdleAction::Off,
             },
             max_reclaims_per_pass: 8,
+            starved_after_limits: 0.0,
         }
     }
 
@@ -177,6 +182,7 @@ impl Config {
         c.reclaim = true;
         c.idle.action = IdleAction::Report;
         c.idle.grace = 10 * MINUTE;
+        c.starved_after_limits = 4.0;
         c
     }
 }

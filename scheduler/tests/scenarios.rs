@@ -909,3 +909,47 @@ fn a_requeued_job_gets_its_whole_time_limit_on_the_next_run() {
         "60 minutes into the second run"
     );
 }
+
+/// The starvation bound: an 8-GPU job that has waited more than four times its time limit
+/// goes before a one-GPU job that the size factor favours; with the bound off (0) the small
+/// job goes first, and a Low-QOS job is never promoted.
+#[test]
+fn a_job_waiting_past_four_time_limits_goes_first() {
+    use perch_scheduler::Qos;
+    let run = |starved_after_limits: f64, qos: Qos| {
+        let mut config = Config::perch(vec![]);
+        config.starved_after_limits = starved_after_limits;
+        let mut s = sched(1, config);
+        // X holds the node for 260 minutes; B (8 GPUs, 60-minute limit) waits behind it.
+        assert_eq!(
+            started(&step(&mut s, 0, Event::Submit(one(1, 8, "a", 300, 0)))),
+            vec![1]
+        );
+        let mut big = one(2, 8, "b", 60, MINUTE);
+        big.qos = qos;
+        step(&mut s, MINUTE, Event::Submit(big));
+        step(
+            &mut s,
+            250 * MINUTE,
+            Event::Submit(one(3, 1, "c", 10, 250 * MINUTE)),
+        );
+        let exited = Event::JobExited {
+            job: JobId(1),
+            code: 0,
+        };
+        started(&step(&mut s, 260 * MINUTE, exited))
+    };
+    assert_eq!(run(4.0, Qos::Normal), vec![2], "B waited 259 min > 4 x 60");
+    assert_eq!(
+        run(0.0, Qos::Normal),
+        vec![3],
+        "no bound: the small job first"
+    );
+    assert_eq!(
+        run(4.0, Qos::Low),
+        vec![3],
+        "scavenger work is not promoted"
+    );
+    // A job that has not waited that long is not promoted either.
+    assert_eq!(run(5.0, Qos::Normal), vec![3]);
+}

@@ -274,10 +274,15 @@ fn the_quick_scorecard_scores_every_case() {
         assert!(r.rows.iter().all(|s| s.unfinished == 0), "{}", r.trace);
     }
     let queued = results.iter().filter(|r| r.queued()).count();
-    let card = sim::suite::scorecard(&results);
-    assert_eq!(card.lines().count(), 1 + 7 + 3, "{card}");
-    assert!(
-        card.contains(&format!("of {queued} cases where queues form")),
-        "{card}"
-    );
+    for scored in sim::suite::SCORED {
+        let card = sim::suite::scorecard(&results, scored);
+        assert_eq!(card.lines().count(), 2 + 7 + 4, "{card}");
+        assert!(
+            card.contains(&format!(
+                "{} meets, of {queued} cases where queues form",
+                scored.name()
+            )),
+            "{card}"
+        );
+    }
 }

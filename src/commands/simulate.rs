@@ -67,8 +67,9 @@ pub struct SimulateArgs {
     /// Seconds a preempted job spends restarting (holding its GPUs, making no progress).
     #[arg(long, default_value_t = 60)]
     pub restart_delay_s: i64,
-    /// Run the scorecard: fifo, backfill, srtf and perch on the built-in matrix of traces,
-    /// cluster sizes and seeds, one table, issue 19's targets checked per case.
+    /// Run the scorecard: fifo, backfill, srtf and perch (with and without trace quotas) on the
+    /// built-in matrix of traces, cluster sizes and seeds; a table per perch variant, issue
+    /// 19's targets checked per case.
     #[arg(long, conflicts_with_all = ["policy", "plot", "show_config", "cluster"])]
     pub suite: bool,
     /// With `--suite`: seed 1 of the synthetic traces only, no Philly (seconds, not minutes).
@@ -272,7 +273,7 @@ fn suite(philly: Option<&str>, quick: bool, preemption: PreemptionCost) -> anyho
     let started = std::time::Instant::now();
     for (i, case) in cases.iter().enumerate() {
         eprintln!(
-            "[{}/{}] {} seed {} on {} GPUs ({} jobs), four policies...",
+            "[{}/{}] {} seed {} on {} GPUs ({} jobs), five policies...",
             i + 1,
             cases.len(),
             case.trace,
@@ -290,7 +291,12 @@ fn suite(philly: Option<&str>, quick: bool, preemption: PreemptionCost) -> anyho
         preemption.restart_delay / 1000,
         started.elapsed().as_secs_f64()
     );
-    print!("{}", sim::suite::scorecard(&results));
+    for (i, scored) in sim::suite::SCORED.into_iter().enumerate() {
+        if i > 0 {
+            println!();
+        }
+        print!("{}", sim::suite::scorecard(&results, scored));
+    }
     Ok(())
 }
 

@@ -22,19 +22,23 @@ pub enum SimPolicy {
     Backfill,
     /// Preemptive SRTF on true durations (oracle).
     Srtf,
-    /// perch default (idle GPUs reported, not reclaimed).
+    /// perch default (idle GPUs reported, not reclaimed), with quotas from the trace (each
+    /// account's part of its GPU-time) and so quota reclaim.
     Perch,
+    /// perch default as a server runs it with no quotas configured (no reclaim).
+    PerchNoQuotas,
     /// perch default with idle reclaim: jobs idle for the window while others wait are ended.
     PerchIdleReclaim,
 }
 
 impl SimPolicy {
     /// Every policy, in table order.
-    pub const ALL: [SimPolicy; 5] = [
+    pub const ALL: [SimPolicy; 6] = [
         SimPolicy::Fifo,
         SimPolicy::Backfill,
         SimPolicy::Srtf,
         SimPolicy::Perch,
+        SimPolicy::PerchNoQuotas,
         SimPolicy::PerchIdleReclaim,
     ];
 
@@ -45,6 +49,7 @@ impl SimPolicy {
             SimPolicy::Backfill => "backfill",
             SimPolicy::Srtf => "srtf",
             SimPolicy::Perch => "perch",
+            SimPolicy::PerchNoQuotas => "perch-noquota",
             SimPolicy::PerchIdleReclaim => "perch+idle-reclaim",
         }
     }
@@ -538,6 +543,12 @@ pub fn policy_config(policy: SimPolicy, jobs: &[TraceJob], opts: &SimOptions) ->
         SimPolicy::Perch | SimPolicy::PerchIdleReclaim => {
             let quotas = trace_quotas(jobs, opts.cluster.total_gpus());
             let mut c = Config::perch(quotas);
+            c.weights = opts.perch_weights;
+            c.age_max = opts.perch_age_max;
+            c
+        }
+        SimPolicy::PerchNoQuotas => {
+            let mut c = Config::perch(Vec::new());
             c.weights = opts.perch_weights;
             c.age_max = opts.perch_age_max;
             c
