@@ -1,5 +1,6 @@
 //! The scorecard of `perch simulate --suite` without building the server: for iterating on a
-//! policy. `cargo run --release -p perch-scheduler --example suite -- [PHILLY.csv|quick]`
+//! policy. `cargo run --release -p perch-scheduler --example suite -- [PHILLY.csv|quick|synthetic]`
+//! (`synthetic`: every seed of the synthetic traces, no Philly).
 
 use perch_scheduler::sim;
 
@@ -7,7 +8,7 @@ fn main() -> anyhow::Result<()> {
     let arg = std::env::args().nth(1);
     let quick = arg.as_deref() == Some("quick");
     let philly = match arg.as_deref() {
-        Some("quick") => None,
+        Some("quick" | "synthetic") => None,
         Some(path) => Some(sim::trace::load(path, None)?),
         None => sim::trace::load("../shared/traces/philly.csv", None).ok(),
     };
