@@ -153,7 +153,7 @@ pub fn run_case(case: &Case) -> Result<CaseResult> {
 pub fn scorecard(results: &[CaseResult], scored: SimPolicy) -> String {
     let mut out = format!("{}:\n", scored.name());
     out += &format!(
-        "{:<11} {:>5} {:>4} {:>5} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6} {:>7} {:>7} {:>7} {:>6}  {}\n",
+        "{:<11} {:>5} {:>4} {:>5} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6} {:>7} {:>7} {:>7} {:>6} {:>7} {:>5}  {}\n",
         "trace",
         "GPUs",
         "seed",
@@ -168,6 +168,8 @@ pub fn scorecard(results: &[CaseResult], scored: SimPolicy) -> String {
         "alloc-bf",
         "pre/job",
         "waste%",
+        "bf Jain",
+        "Jain",
         "targets missed"
     );
     let mut met = [0usize; 5];
@@ -203,7 +205,7 @@ pub fn scorecard(results: &[CaseResult], scored: SimPolicy) -> String {
             "(no queue: not scored)".to_string()
         };
         out += &format!(
-            "{:<11} {:>5} {:>4} {:>5} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>7.2} {:>6.2} {:>8.2} {:>+7.1} {:>7.2} {:>6.1}  {}\n",
+            "{:<11} {:>5} {:>4} {:>5} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>7.2} {:>6.2} {:>8.2} {:>+7.1} {:>7.2} {:>6.1} {:>7.3} {:>5.3}  {}\n",
             r.trace,
             p.gpus,
             r.seed,
@@ -222,6 +224,8 @@ pub fn scorecard(results: &[CaseResult], scored: SimPolicy) -> String {
             } else {
                 0.0
             },
+            b.jain,
+            p.jain,
             missed
         );
     }
@@ -251,7 +255,7 @@ pub fn scorecard(results: &[CaseResult], scored: SimPolicy) -> String {
         "\n(JCT in seconds, the last one {0}'s; p/srtf, p/bf: {0}'s average JCT over SRTF's and \
          backfill's; alloc-bf: its allocation minus backfill's, points; pre/job: its preemptions \
          per job (bound {PREEMPTIONS_PER_JOB}); waste%: its GPU-time lost to preemption, of its \
-         allocation)\n",
+         allocation; Jain: fairness across accounts of each one's mean run time / JCT, 1 = equal)\n",
         scored.name()
     );
     out
