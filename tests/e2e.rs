@@ -615,8 +615,8 @@ fn simulate_takes_cluster_files_warns_about_columns_and_scores_the_suite() {
     let card = stdout(&out);
     assert_eq!(
         card.lines().filter(|l| l.starts_with("gangs ")).count(),
-        2,
-        "{card}"
+        4,
+        "two sizes, in each perch variant's table: {card}"
     );
     assert!(
         card.contains("perch meets, of ") && card.contains("perch-noquota meets, of "),
