@@ -568,6 +568,17 @@ fn simulate_takes_cluster_files_warns_about_columns_and_scores_the_suite() {
     // --cluster and --nodes are one or the other.
     let out = perch(&["simulate", "--trace", t, "--cluster", c, "--nodes", "4"]);
     assert!(!out.status.success());
+    // A careless cost: refused naming the flag, never an overflow.
+    for (flag, value) in [
+        ("--restart-delay-s", "9223372036854775807"),
+        ("--checkpoint-every-min", "-5"),
+    ] {
+        let arg = format!("{flag}={value}");
+        let out = perch(&["simulate", "--trace", t, "--cluster", c, &arg]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} {value}");
+        assert!(err.contains(flag) && !err.contains("panicked"), "{err}");
+    }
 
     let odd = dir.path().join("odd.csv");
     std::fs::write(

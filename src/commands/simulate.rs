@@ -91,8 +91,18 @@ pub struct SimulateArgs {
 
 /// Runs the replays and prints the table.
 pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> {
-    if args.checkpoint_every_min < 0 || args.restart_delay_s < 0 {
-        bail!("--checkpoint-every-min and --restart-delay-s cannot be negative");
+    // A year bounds both (and keeps the milliseconds far from overflowing).
+    if !(0..=525_600).contains(&args.checkpoint_every_min) {
+        bail!(
+            "--checkpoint-every-min must be 0 (jobs save when stopped) to 525600 (a year), got {}",
+            args.checkpoint_every_min
+        );
+    }
+    if !(0..=31_536_000).contains(&args.restart_delay_s) {
+        bail!(
+            "--restart-delay-s must be 0 to 31536000 (a year), got {}",
+            args.restart_delay_s
+        );
     }
     let preemption = PreemptionCost {
         checkpoint_every: args.checkpoint_every_min * perch_scheduler::MINUTE,

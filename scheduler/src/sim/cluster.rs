@@ -288,6 +288,13 @@ impl SimCluster {
             ));
         }
         if job.fraction.is_some() {
+            if !self.eligible(job).any(|n| n.sharing) {
+                return Some(
+                    "asks for a fraction of a GPU, and no node it may use takes fractions \
+                     (the cluster file says sharing = false)"
+                        .to_string(),
+                );
+            }
             let need = self.share_memory_mb(job);
             return (!self
                 .eligible(job)
@@ -384,7 +391,15 @@ mod tests {
         );
         assert_eq!(c.misfit(&f), None);
         f.gpu_memory_mb = Some(100 * 1024);
-        assert!(c.misfit(&f).is_some());
+        assert!(c.misfit(&f).is_some_and(|m| m.contains("102400 MiB")));
+        // Pinned to the A100s, where only a1 (which does not share) and a2 are: a2 takes it;
+        // with a2 gone no A100 node shares.
+        f.gpu_memory_mb = None;
+        f.gpu_model = Some("A100".into());
+        assert_eq!(c.misfit(&f), None);
+        let mut no_share = c.clone();
+        no_share.nodes.retain(|n| n.name != "a2");
+        assert!(no_share.misfit(&f).is_some_and(|m| m.contains("sharing = false")));
         Ok(())
     }
 }
