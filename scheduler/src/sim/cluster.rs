@@ -399,7 +399,11 @@ mod tests {
         assert_eq!(c.misfit(&f), None);
         let mut no_share = c.clone();
         no_share.nodes.retain(|n| n.name != "a2");
-        assert!(no_share.misfit(&f).is_some_and(|m| m.contains("sharing = false")));
+        assert!(
+            no_share
+                .misfit(&f)
+                .is_some_and(|m| m.contains("sharing = false"))
+        );
         Ok(())
     }
 }
