@@ -326,6 +326,9 @@ impl SqlEngine {
                 Ok(df) => execute(df, engine.limits.max_rows, pool.clone()).await,
                 Err(e) => Err(e),
             };
+            if result.is_err() {
+                released(&pool).await;
+            }
             result.map_err(|e| engine.map_error(e, &pool))
         });
         let abort = work.abort_handle();
@@ -467,6 +470,19 @@ fn map_error(e: DataFusionError, memory_bytes: usize, names: &[String]) -> Error
         | DataFusionError::Configuration(_)
         | DataFusionError::Diagnostic(..) => Error::BadQuery(clean_message(&e, names)),
         other => Error::Execution(other.to_string()),
+    }
+}
+
+/// Waits (2 s at most) until a failed query's operators have given back their memory: the
+/// tasks a plan spawned (repartitioning, merging partitions) are aborted when its stream is
+/// dropped and let go of their reservations at their next await, after the error is already
+/// known. Answering only then keeps the server's budget true when the caller hears of the
+/// failure, and the slot held until the work has really stopped.
+async fn released(pool: &Arc<crate::budget::QueryPool>) {
+    use datafusion::execution::memory_pool::MemoryPool;
+    let until = tokio::time::Instant::now() + std::time::Duration::from_secs(2);
+    while pool.reserved() > 0 && tokio::time::Instant::now() < until {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
 }
 

@@ -17,12 +17,19 @@
 //! Only what the hash join would do the same way is replaced: inner joins and joins that
 //! keep every probe row (`RIGHT`, the build side being the left input), in the hash join's
 //! `CollectLeft` or `Partitioned` mode, with no row limit pushed into the join.
+//!
+//! Like the hash join, an inner join built once (`CollectLeft`) hands the probe side's scan a
+//! dynamic filter: once the build side is in, the range of each key and of the probe value
+//! that any interval can match (`node` between the first and last node of the build side,
+//! `time` from the earliest start to the latest end). Files and row groups outside it are
+//! never read: one job's samples come from that job's nodes and hours, not the whole store.
 
 use arrow::array::{Array, ArrayRef, BooleanArray, Int64Array, RecordBatch, UInt32Array};
 use arrow::compute::kernels::filter::prep_null_mask_filter;
 use arrow::compute::{cast, concat_batches, filter as filter_array, take};
 use arrow::datatypes::{DataType, SchemaRef};
 use arrow::row::{RowConverter, SortField};
+use datafusion::common::ScalarValue;
 use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode, TreeNodeRecursion};
 use datafusion::common::{JoinSide, JoinType, NullEquality};
 use datafusion::config::ConfigOptions;
@@ -30,12 +37,18 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::Operator;
-use datafusion::physical_expr::expressions::{BinaryExpr, Column, IsNullExpr};
+use datafusion::physical_expr::expressions::{
+    BinaryExpr, Column, DynamicFilterPhysicalExpr, IsNullExpr, lit,
+};
 use datafusion::physical_expr::utils::split_conjunction;
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr, PhysicalExprRef};
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_plan::distribution_requirements::InputDistributionRequirements;
 use datafusion::physical_plan::execution_plan::{Boundedness, EmissionType};
+use datafusion::physical_plan::filter_pushdown::{
+    ChildFilterDescription, ChildPushdownResult, FilterDescription, FilterPushdownPhase,
+    FilterPushdownPropagation,
+};
 use datafusion::physical_plan::joins::utils::JoinFilter;
 use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
 use datafusion::physical_plan::metrics::{
@@ -115,6 +128,9 @@ pub struct IntervalJoinExec {
     properties: Arc<PlanProperties>,
     /// The build side, made once and shared by every output partition in `CollectLeft` mode.
     shared_build: Arc<OnceCell<Arc<BuildSide>>>,
+    /// The filter the probe side's scan took (inner joins in `CollectLeft` mode), set to the
+    /// build side's key and interval ranges once it is in.
+    dynamic_filter: Option<Arc<DynamicFilterPhysicalExpr>>,
     metrics: ExecutionPlanMetricsSet,
 }
 
@@ -179,8 +195,28 @@ impl IntervalJoinExec {
             join_schema: join.join_schema().clone(),
             properties: Arc::new(properties),
             shared_build: Arc::new(OnceCell::new()),
+            dynamic_filter: None,
             metrics: ExecutionPlanMetricsSet::new(),
         }))
+    }
+
+    /// Whether the probe side may be handed a dynamic filter: an inner join (no probe row is
+    /// kept unmatched) with one build side for all partitions, where DataFusion allows join
+    /// filters at all.
+    fn allows_dynamic_filter(&self, config: &ConfigOptions) -> bool {
+        self.join_type == JoinType::Inner
+            && self.mode == PartitionMode::CollectLeft
+            && self.null_equality == NullEquality::NullEqualsNothing
+            && config.optimizer.enable_join_dynamic_filter_pushdown
+    }
+
+    /// The probe-side expressions a dynamic filter reads: the keys, then the probe value.
+    fn filter_children(&self) -> Vec<PhysicalExprRef> {
+        self.on
+            .iter()
+            .map(|(_, r)| r.clone())
+            .chain([self.interval.probe_value.clone()])
+            .collect()
     }
 
     fn with_children(&self, left: Arc<dyn ExecutionPlan>, right: Arc<dyn ExecutionPlan>) -> Self {
@@ -197,6 +233,7 @@ impl IntervalJoinExec {
             join_schema: self.join_schema.clone(),
             properties: self.properties.clone(),
             shared_build: Arc::new(OnceCell::new()),
+            dynamic_filter: self.dynamic_filter.clone(),
             metrics: ExecutionPlanMetricsSet::new(),
         }
     }
@@ -313,9 +350,59 @@ impl ExecutionPlan for IntervalJoinExec {
     }
 
     fn reset_state(self: Arc<Self>) -> Result<Arc<dyn ExecutionPlan>> {
-        Ok(Arc::new(
-            self.with_children(self.left.clone(), self.right.clone()),
-        ))
+        // As the hash join: a plan run again does not update a filter a scan took earlier.
+        Ok(Arc::new(IntervalJoinExec {
+            dynamic_filter: None,
+            ..self.with_children(self.left.clone(), self.right.clone())
+        }))
+    }
+
+    fn gather_filters_for_pushdown(
+        &self,
+        phase: FilterPushdownPhase,
+        parent_filters: Vec<Arc<dyn PhysicalExpr>>,
+        config: &ConfigOptions,
+    ) -> Result<FilterDescription> {
+        let left = ChildFilterDescription::all_unsupported(&parent_filters);
+        let mut right = ChildFilterDescription::all_unsupported(&parent_filters);
+        if phase == FilterPushdownPhase::Post
+            && self.dynamic_filter.is_none()
+            && self.allows_dynamic_filter(config)
+        {
+            right = right.with_self_filter(Arc::new(DynamicFilterPhysicalExpr::new(
+                self.filter_children(),
+                lit(true),
+            )));
+        }
+        Ok(FilterDescription::new().with_child(left).with_child(right))
+    }
+
+    fn handle_child_pushdown_result(
+        &self,
+        _phase: FilterPushdownPhase,
+        child_pushdown_result: ChildPushdownResult,
+        _config: &ConfigOptions,
+    ) -> Result<FilterPushdownPropagation<Arc<dyn ExecutionPlan>>> {
+        let mut result = FilterPushdownPropagation::if_any(child_pushdown_result.clone());
+        // Whatever the scan said, it can prune files and row groups with the filter.
+        let taken = child_pushdown_result
+            .self_filters
+            .get(1)
+            .and_then(|filters| filters.first())
+            .and_then(|f| {
+                Arc::downcast::<DynamicFilterPhysicalExpr>(
+                    f.predicate.clone() as Arc<dyn std::any::Any + Send + Sync>
+                )
+                .ok()
+            });
+        if let Some(filter) = taken {
+            let node = IntervalJoinExec {
+                dynamic_filter: Some(filter),
+                ..self.with_children(self.left.clone(), self.right.clone())
+            };
+            result = result.with_updated_node(Arc::new(node) as Arc<dyn ExecutionPlan>);
+        }
+        Ok(result)
     }
 
     fn metrics(&self) -> Option<MetricsSet> {
@@ -349,6 +436,11 @@ impl ExecutionPlan for IntervalJoinExec {
         let on_left: Vec<_> = self.on.iter().map(|(l, _)| l.clone()).collect();
         let interval = self.interval.clone();
         let null_equality = self.null_equality;
+        // Only a build side shared by every partition speaks for the whole probe side.
+        let publish = shared
+            .as_ref()
+            .and(self.dynamic_filter.clone())
+            .map(|f| (f, self.filter_children()));
         let build = async move {
             let make = || {
                 BuildSide::collect(
@@ -362,7 +454,14 @@ impl ExecutionPlan for IntervalJoinExec {
             };
             match shared {
                 Some(cell) => cell
-                    .get_or_try_init(|| async { make().await.map(Arc::new) })
+                    .get_or_try_init(|| async {
+                        let build = make().await?;
+                        if let Some((filter, children)) = &publish {
+                            filter.update(build.probe_filter(children)?)?;
+                            filter.mark_complete();
+                        }
+                        Ok::<_, DataFusionError>(Arc::new(build))
+                    })
                     .await
                     .cloned(),
                 None => make().await.map(Arc::new),
@@ -404,6 +503,11 @@ struct BuildSide {
     /// The largest end among the key's intervals up to and including this one.
     max_ends: Vec<i128>,
     rows: Vec<u32>,
+    /// Per key, the least and greatest value that can match (`None`: no row can).
+    key_bounds: Vec<Option<(ScalarValue, ScalarValue)>>,
+    /// The earliest start and the latest end of any interval that can match, in the probe
+    /// value's type; no latest end when an interval is open.
+    value_bounds: Option<(ScalarValue, Option<ScalarValue>)>,
     _reservation: MemoryReservation,
 }
 
@@ -436,18 +540,16 @@ impl BuildSide {
                 .collect(),
         )?;
         let key_rows = converter.convert_columns(&keys)?;
-        let starts = as_i64(
-            &interval
-                .start
-                .evaluate(&batch)?
-                .into_array(batch.num_rows())?,
-        )?;
-        let ends = as_i64(
-            &interval
-                .end
-                .evaluate(&batch)?
-                .into_array(batch.num_rows())?,
-        )?;
+        let start_values = interval
+            .start
+            .evaluate(&batch)?
+            .into_array(batch.num_rows())?;
+        let end_values = interval
+            .end
+            .evaluate(&batch)?
+            .into_array(batch.num_rows())?;
+        let starts = as_i64(&start_values)?;
+        let ends = as_i64(&end_values)?;
 
         let mut group_of: HashMap<Box<[u8]>, u32> = HashMap::new();
         let mut entries: Vec<(u32, i128, i128, u32)> = Vec::with_capacity(batch.num_rows());
@@ -479,6 +581,26 @@ impl BuildSide {
             entries.push((group, start, end, row as u32));
         }
         entries.sort_unstable();
+        let rows_kept = || entries.iter().map(|e| e.3 as usize);
+        let key_bounds = keys
+            .iter()
+            .map(|k| bounds(k, rows_kept()))
+            .collect::<Result<Vec<_>>>()?;
+        let earliest = rows_kept().min_by_key(|&r| starts.value(r));
+        let open = rows_kept().any(|r| ends.is_null(r));
+        let latest = rows_kept()
+            .filter(|&r| !ends.is_null(r))
+            .max_by_key(|&r| ends.value(r));
+        let value_bounds = match earliest {
+            Some(first) => Some((
+                ScalarValue::try_from_array(&start_values, first)?,
+                match (open, latest) {
+                    (false, Some(last)) => Some(ScalarValue::try_from_array(&end_values, last)?),
+                    _ => None,
+                },
+            )),
+            None => None,
+        };
 
         // Each group's range in the arrays below, by group id.
         let mut ranges = vec![(0u32, 0u32); group_of.len()];
@@ -520,9 +642,72 @@ impl BuildSide {
             ends,
             max_ends,
             rows,
+            key_bounds,
+            value_bounds,
             _reservation: reservation,
         })
     }
+
+    /// The dynamic filter for the probe side, over `children` (the probe keys, then the
+    /// probe value): each key and the value inside the build side's ranges (wider than the
+    /// intervals, never narrower), or false when no build row can match.
+    fn probe_filter(&self, children: &[PhysicalExprRef]) -> Result<PhysicalExprRef> {
+        let (Some((first, last)), true) = (
+            &self.value_bounds,
+            self.key_bounds.iter().all(Option::is_some),
+        ) else {
+            return Ok(lit(false));
+        };
+        let compare = |expr: &PhysicalExprRef, op: Operator, value: &ScalarValue| {
+            Arc::new(BinaryExpr::new(expr.clone(), op, lit(value.clone()))) as PhysicalExprRef
+        };
+        let (value, keys) = children
+            .split_last()
+            .expect("the probe value is the last child");
+        let mut conjuncts = vec![compare(value, Operator::GtEq, first)];
+        if let Some(last) = last {
+            conjuncts.push(compare(value, Operator::LtEq, last));
+        }
+        for (key, (lo, hi)) in keys.iter().zip(self.key_bounds.iter().flatten()) {
+            conjuncts.push(compare(key, Operator::GtEq, lo));
+            conjuncts.push(compare(key, Operator::LtEq, hi));
+        }
+        Ok(conjuncts
+            .into_iter()
+            .reduce(|a, b| Arc::new(BinaryExpr::new(a, Operator::And, b)) as PhysicalExprRef)
+            .unwrap_or_else(|| lit(true)))
+    }
+}
+
+/// The least and greatest non-null value of `array` among `rows`.
+fn bounds(
+    array: &ArrayRef,
+    rows: impl Iterator<Item = usize>,
+) -> Result<Option<(ScalarValue, ScalarValue)>> {
+    let mut out: Option<(ScalarValue, ScalarValue)> = None;
+    for row in rows {
+        if array.is_null(row) {
+            continue;
+        }
+        let v = ScalarValue::try_from_array(array, row)?;
+        out = Some(match out {
+            None => (v.clone(), v),
+            Some((lo, hi)) => {
+                let lo = if v.partial_cmp(&lo) == Some(std::cmp::Ordering::Less) {
+                    v.clone()
+                } else {
+                    lo
+                };
+                let hi = if v.partial_cmp(&hi) == Some(std::cmp::Ordering::Greater) {
+                    v
+                } else {
+                    hi
+                };
+                (lo, hi)
+            }
+        });
+    }
+    Ok(out)
 }
 
 /// What each probe batch needs, cloned into the stream of every output partition.
