@@ -18,11 +18,13 @@
 //! keep every probe row (`RIGHT`, the build side being the left input), in the hash join's
 //! `CollectLeft` or `Partitioned` mode, with no row limit pushed into the join.
 //!
-//! Like the hash join, an inner join built once (`CollectLeft`) hands the probe side's scan a
-//! dynamic filter: once the build side is in, the range of each key and of the probe value
-//! that any interval can match (`node` between the first and last node of the build side,
-//! `time` from the earliest start to the latest end). Files and row groups outside it are
-//! never read: one job's samples come from that job's nodes and hours, not the whole store.
+//! Like the hash join, an inner join built once (`CollectLeft`) hands the probe side's scan
+//! dynamic filters: once the build side is in, what each key and the probe value can be for
+//! any interval to match (`node IN` the build side's nodes, or between its first and last when
+//! there are many; `time` from the earliest start to the latest end). One filter per column,
+//! so that the scan prunes pages as well as files and row groups with each (a filter over
+//! several columns only prunes row groups): one job's samples are read from that job's nodes
+//! and hours, not the whole store.
 
 use arrow::array::{Array, ArrayRef, BooleanArray, Int64Array, RecordBatch, UInt32Array};
 use arrow::compute::kernels::filter::prep_null_mask_filter;
@@ -38,7 +40,7 @@ use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::Operator;
 use datafusion::physical_expr::expressions::{
-    BinaryExpr, Column, DynamicFilterPhysicalExpr, IsNullExpr, lit,
+    BinaryExpr, Column, DynamicFilterPhysicalExpr, IsNullExpr, in_list, lit,
 };
 use datafusion::physical_expr::utils::split_conjunction;
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr, PhysicalExprRef};
@@ -128,9 +130,9 @@ pub struct IntervalJoinExec {
     properties: Arc<PlanProperties>,
     /// The build side, made once and shared by every output partition in `CollectLeft` mode.
     shared_build: Arc<OnceCell<Arc<BuildSide>>>,
-    /// The filter the probe side's scan took (inner joins in `CollectLeft` mode), set to the
-    /// build side's key and interval ranges once it is in.
-    dynamic_filter: Option<Arc<DynamicFilterPhysicalExpr>>,
+    /// The filters the probe side's scan took (inner joins in `CollectLeft` mode), one per
+    /// [`IntervalJoinExec::filter_children`], set from the build side once it is in.
+    dynamic_filters: Vec<Arc<DynamicFilterPhysicalExpr>>,
     metrics: ExecutionPlanMetricsSet,
 }
 
@@ -195,7 +197,7 @@ impl IntervalJoinExec {
             join_schema: join.join_schema().clone(),
             properties: Arc::new(properties),
             shared_build: Arc::new(OnceCell::new()),
-            dynamic_filter: None,
+            dynamic_filters: Vec::new(),
             metrics: ExecutionPlanMetricsSet::new(),
         }))
     }
@@ -233,7 +235,7 @@ impl IntervalJoinExec {
             join_schema: self.join_schema.clone(),
             properties: self.properties.clone(),
             shared_build: Arc::new(OnceCell::new()),
-            dynamic_filter: self.dynamic_filter.clone(),
+            dynamic_filters: self.dynamic_filters.clone(),
             metrics: ExecutionPlanMetricsSet::new(),
         }
     }
@@ -352,7 +354,7 @@ impl ExecutionPlan for IntervalJoinExec {
     fn reset_state(self: Arc<Self>) -> Result<Arc<dyn ExecutionPlan>> {
         // As the hash join: a plan run again does not update a filter a scan took earlier.
         Ok(Arc::new(IntervalJoinExec {
-            dynamic_filter: None,
+            dynamic_filters: Vec::new(),
             ..self.with_children(self.left.clone(), self.right.clone())
         }))
     }
@@ -366,13 +368,15 @@ impl ExecutionPlan for IntervalJoinExec {
         let left = ChildFilterDescription::all_unsupported(&parent_filters);
         let mut right = ChildFilterDescription::all_unsupported(&parent_filters);
         if phase == FilterPushdownPhase::Post
-            && self.dynamic_filter.is_none()
+            && self.dynamic_filters.is_empty()
             && self.allows_dynamic_filter(config)
         {
-            right = right.with_self_filter(Arc::new(DynamicFilterPhysicalExpr::new(
-                self.filter_children(),
-                lit(true),
-            )));
+            right = right.with_self_filters(
+                self.filter_children()
+                    .into_iter()
+                    .map(|c| Arc::new(DynamicFilterPhysicalExpr::new(vec![c], lit(true))) as _)
+                    .collect(),
+            );
         }
         Ok(FilterDescription::new().with_child(left).with_child(right))
     }
@@ -384,20 +388,20 @@ impl ExecutionPlan for IntervalJoinExec {
         _config: &ConfigOptions,
     ) -> Result<FilterPushdownPropagation<Arc<dyn ExecutionPlan>>> {
         let mut result = FilterPushdownPropagation::if_any(child_pushdown_result.clone());
-        // Whatever the scan said, it can prune files and row groups with the filter.
-        let taken = child_pushdown_result
+        // Whatever the scan said, it can prune files, row groups and pages with the filters.
+        let taken: Vec<Arc<DynamicFilterPhysicalExpr>> = child_pushdown_result
             .self_filters
             .get(1)
-            .and_then(|filters| filters.first())
-            .and_then(|f| {
-                Arc::downcast::<DynamicFilterPhysicalExpr>(
-                    f.predicate.clone() as Arc<dyn std::any::Any + Send + Sync>
-                )
-                .ok()
-            });
-        if let Some(filter) = taken {
+            .into_iter()
+            .flatten()
+            .filter_map(|f| {
+                let any: Arc<dyn std::any::Any + Send + Sync> = f.predicate.clone();
+                Arc::downcast::<DynamicFilterPhysicalExpr>(any).ok()
+            })
+            .collect();
+        if !taken.is_empty() && taken.len() == self.filter_children().len() {
             let node = IntervalJoinExec {
-                dynamic_filter: Some(filter),
+                dynamic_filters: taken,
                 ..self.with_children(self.left.clone(), self.right.clone())
             };
             result = result.with_updated_node(Arc::new(node) as Arc<dyn ExecutionPlan>);
@@ -437,10 +441,13 @@ impl ExecutionPlan for IntervalJoinExec {
         let interval = self.interval.clone();
         let null_equality = self.null_equality;
         // Only a build side shared by every partition speaks for the whole probe side.
-        let publish = shared
-            .as_ref()
-            .and(self.dynamic_filter.clone())
-            .map(|f| (f, self.filter_children()));
+        let publish = (shared.is_some() && !self.dynamic_filters.is_empty()).then(|| {
+            (
+                self.dynamic_filters.clone(),
+                self.filter_children(),
+                self.right.schema(),
+            )
+        });
         let build = async move {
             let make = || {
                 BuildSide::collect(
@@ -456,9 +463,12 @@ impl ExecutionPlan for IntervalJoinExec {
                 Some(cell) => cell
                     .get_or_try_init(|| async {
                         let build = make().await?;
-                        if let Some((filter, children)) = &publish {
-                            filter.update(build.probe_filter(children)?)?;
-                            filter.mark_complete();
+                        if let Some((filters, children, schema)) = &publish {
+                            let exprs = build.probe_filters(children, schema)?;
+                            for (filter, expr) in filters.iter().zip(exprs) {
+                                filter.update(expr)?;
+                                filter.mark_complete();
+                            }
                         }
                         Ok::<_, DataFusionError>(Arc::new(build))
                     })
@@ -503,8 +513,8 @@ struct BuildSide {
     /// The largest end among the key's intervals up to and including this one.
     max_ends: Vec<i128>,
     rows: Vec<u32>,
-    /// Per key, the least and greatest value that can match (`None`: no row can).
-    key_bounds: Vec<Option<(ScalarValue, ScalarValue)>>,
+    /// Per key, the values that can match.
+    key_values: Vec<KeyValues>,
     /// The earliest start and the latest end of any interval that can match, in the probe
     /// value's type; no latest end when an interval is open.
     value_bounds: Option<(ScalarValue, Option<ScalarValue>)>,
@@ -582,9 +592,9 @@ impl BuildSide {
         }
         entries.sort_unstable();
         let rows_kept = || entries.iter().map(|e| e.3 as usize);
-        let key_bounds = keys
+        let key_values = keys
             .iter()
-            .map(|k| bounds(k, rows_kept()))
+            .map(|k| KeyValues::of(k, rows_kept()))
             .collect::<Result<Vec<_>>>()?;
         let earliest = rows_kept().min_by_key(|&r| starts.value(r));
         let open = rows_kept().any(|r| ends.is_null(r));
@@ -642,72 +652,111 @@ impl BuildSide {
             ends,
             max_ends,
             rows,
-            key_bounds,
+            key_values,
             value_bounds,
             _reservation: reservation,
         })
     }
 
-    /// The dynamic filter for the probe side, over `children` (the probe keys, then the
-    /// probe value): each key and the value inside the build side's ranges (wider than the
-    /// intervals, never narrower), or false when no build row can match.
-    fn probe_filter(&self, children: &[PhysicalExprRef]) -> Result<PhysicalExprRef> {
-        let (Some((first, last)), true) = (
-            &self.value_bounds,
-            self.key_bounds.iter().all(Option::is_some),
-        ) else {
-            return Ok(lit(false));
-        };
-        let compare = |expr: &PhysicalExprRef, op: Operator, value: &ScalarValue| {
-            Arc::new(BinaryExpr::new(expr.clone(), op, lit(value.clone()))) as PhysicalExprRef
-        };
+    /// The dynamic filters for the probe side, one per child of `children` (the probe keys,
+    /// then the probe value, over the probe side's `schema`): each key among the build side's
+    /// values (or inside their range when there are many), the value inside the intervals'
+    /// span; never narrower than what can match, and false everywhere when nothing can.
+    fn probe_filters(
+        &self,
+        children: &[PhysicalExprRef],
+        schema: &SchemaRef,
+    ) -> Result<Vec<PhysicalExprRef>> {
         let (value, keys) = children
             .split_last()
             .expect("the probe value is the last child");
-        let mut conjuncts = vec![compare(value, Operator::GtEq, first)];
-        if let Some(last) = last {
-            conjuncts.push(compare(value, Operator::LtEq, last));
+        let compare = |expr: &PhysicalExprRef, op: Operator, v: &ScalarValue| {
+            Arc::new(BinaryExpr::new(expr.clone(), op, lit(v.clone()))) as PhysicalExprRef
+        };
+        let and = |a: PhysicalExprRef, b: PhysicalExprRef| {
+            Arc::new(BinaryExpr::new(a, Operator::And, b)) as PhysicalExprRef
+        };
+        let Some((first, last)) = &self.value_bounds else {
+            return Ok(children.iter().map(|_| lit(false)).collect());
+        };
+        let mut out = Vec::with_capacity(children.len());
+        for (key, values) in keys.iter().zip(&self.key_values) {
+            out.push(match values {
+                KeyValues::None => lit(false),
+                KeyValues::Few(list) => in_list(
+                    key.clone(),
+                    list.iter().map(|v| lit(v.clone())).collect(),
+                    &false,
+                    schema,
+                )?,
+                KeyValues::Range(lo, hi) => and(
+                    compare(key, Operator::GtEq, lo),
+                    compare(key, Operator::LtEq, hi),
+                ),
+            });
         }
-        for (key, (lo, hi)) in keys.iter().zip(self.key_bounds.iter().flatten()) {
-            conjuncts.push(compare(key, Operator::GtEq, lo));
-            conjuncts.push(compare(key, Operator::LtEq, hi));
-        }
-        Ok(conjuncts
-            .into_iter()
-            .reduce(|a, b| Arc::new(BinaryExpr::new(a, Operator::And, b)) as PhysicalExprRef)
-            .unwrap_or_else(|| lit(true)))
+        let from = compare(value, Operator::GtEq, first);
+        out.push(match last {
+            Some(last) => and(from, compare(value, Operator::LtEq, last)),
+            None => from,
+        });
+        Ok(out)
     }
 }
 
-/// The least and greatest non-null value of `array` among `rows`.
-fn bounds(
-    array: &ArrayRef,
-    rows: impl Iterator<Item = usize>,
-) -> Result<Option<(ScalarValue, ScalarValue)>> {
-    let mut out: Option<(ScalarValue, ScalarValue)> = None;
-    for row in rows {
-        if array.is_null(row) {
-            continue;
-        }
-        let v = ScalarValue::try_from_array(array, row)?;
-        out = Some(match out {
-            None => (v.clone(), v),
-            Some((lo, hi)) => {
-                let lo = if v.partial_cmp(&lo) == Some(std::cmp::Ordering::Less) {
-                    v.clone()
-                } else {
-                    lo
-                };
-                let hi = if v.partial_cmp(&hi) == Some(std::cmp::Ordering::Greater) {
-                    v
-                } else {
-                    hi
-                };
-                (lo, hi)
+/// The values a build key takes among the rows that can match.
+#[derive(Debug)]
+enum KeyValues {
+    /// No row can match.
+    None,
+    /// At most [`KeyValues::FEW`] distinct values, in order.
+    Few(Vec<ScalarValue>),
+    /// More: the least and the greatest.
+    Range(ScalarValue, ScalarValue),
+}
+
+impl KeyValues {
+    /// Up to this many distinct values go into an `IN` list.
+    const FEW: usize = 64;
+
+    fn of(array: &ArrayRef, rows: impl Iterator<Item = usize>) -> Result<KeyValues> {
+        let mut distinct: std::collections::HashSet<ScalarValue> = Default::default();
+        let mut range: Option<(ScalarValue, ScalarValue)> = None;
+        for row in rows {
+            if array.is_null(row) {
+                continue;
             }
-        });
+            let v = ScalarValue::try_from_array(array, row)?;
+            range = Some(match range {
+                None => (v.clone(), v.clone()),
+                Some((lo, hi)) => {
+                    let lo = if v.partial_cmp(&lo) == Some(std::cmp::Ordering::Less) {
+                        v.clone()
+                    } else {
+                        lo
+                    };
+                    let hi = if v.partial_cmp(&hi) == Some(std::cmp::Ordering::Greater) {
+                        v.clone()
+                    } else {
+                        hi
+                    };
+                    (lo, hi)
+                }
+            });
+            if distinct.len() <= Self::FEW {
+                distinct.insert(v);
+            }
+        }
+        Ok(match range {
+            None => KeyValues::None,
+            Some(_) if distinct.len() <= Self::FEW => {
+                let mut list: Vec<ScalarValue> = distinct.into_iter().collect();
+                list.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+                KeyValues::Few(list)
+            }
+            Some((lo, hi)) => KeyValues::Range(lo, hi),
+        })
     }
-    Ok(out)
 }
 
 /// What each probe batch needs, cloned into the stream of every output partition.
