@@ -9,20 +9,15 @@
 //! - [`interval_join::IntervalJoinRule`] runs joins on equal keys and a time interval (a
 //!   sample inside an allocation) as an interval join.
 //!
-//! [`FirstRowRule`] runs just before DataFusion's `WindowTopN` and runs it for
-//! `row_number() = 1` filters, which it does not recognise on its own.
-//!
 //! [`run_aggregate::RunAggregateRule`] runs after all of DataFusion's rules (before the final
 //! sanity check): it replaces partial hash aggregations with one that looks up each run of
 //! equal group keys once, which sorted telemetry is full of.
 
 mod aggregate_build;
-mod first_row;
 pub mod interval_join;
 pub mod run_aggregate;
 
 pub use aggregate_build::AggregateBuildSide;
-pub use first_row::FirstRowRule;
 
 use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
 use datafusion::error::Result;
@@ -40,12 +35,6 @@ pub fn physical_optimizer_rules() -> Vec<Arc<dyn PhysicalOptimizerRule + Send + 
         .map_or(rules.len(), |i| i + 1);
     rules.insert(at, Arc::new(interval_join::IntervalJoinRule));
     rules.insert(at, Arc::new(AggregateBuildSide));
-    // Just before DataFusion's own top-K window rule, which it runs for `rn = 1`.
-    let at = rules
-        .iter()
-        .position(|r| r.name() == "WindowTopN")
-        .unwrap_or(rules.len());
-    rules.insert(at, Arc::new(FirstRowRule));
     // Last but the plan's sanity check: every other rule has seen DataFusion's aggregates.
     let at = rules
         .iter()
