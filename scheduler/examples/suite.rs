@@ -23,11 +23,6 @@ fn main() -> anyhow::Result<()> {
         results.len(),
         started.elapsed().as_secs_f64()
     );
-    for (i, scored) in sim::suite::SCORED.into_iter().enumerate() {
-        if i > 0 {
-            println!();
-        }
-        print!("{}", sim::suite::scorecard(&results, scored));
-    }
+    print!("{}", sim::suite::scorecards(&results));
     Ok(())
 }

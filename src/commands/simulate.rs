@@ -301,12 +301,7 @@ fn suite(philly: Option<&str>, quick: bool, preemption: PreemptionCost) -> anyho
         preemption.restart_delay / 1000,
         started.elapsed().as_secs_f64()
     );
-    for (i, scored) in sim::suite::SCORED.into_iter().enumerate() {
-        if i > 0 {
-            println!();
-        }
-        print!("{}", sim::suite::scorecard(&results, scored));
-    }
+    print!("{}", sim::suite::scorecards(&results));
     Ok(())
 }
 

@@ -14,6 +14,7 @@
 //!
 //! Example: `name,gpus,model,rack` / `a100-01,8,A100,r1` / `t4-01,2,T4,r2`.
 
+use super::csv::{Table, flag};
 use super::trace::TraceJob;
 use crate::error::{Error, Result};
 use crate::job::Shape;
@@ -78,59 +79,31 @@ impl SimCluster {
 
     /// Parses cluster file text; `name` appears in errors.
     pub fn parse(name: &str, text: &str) -> Result<(SimCluster, Vec<String>)> {
-        let err = |line: usize, column: &str, message: String| Error::Trace {
-            file: name.into(),
-            line,
-            column: column.into(),
-            message,
-        };
-        let mut lines = text
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty() && !l.starts_with('#'));
-        let Some((_, header)) = lines.next() else {
-            return Err(err(1, "", "empty file".into()));
-        };
-        let cols: Vec<&str> = header.split(',').map(str::trim).collect();
-        let col = |c: &str| cols.iter().position(|x| *x == c);
-        let need = |c: &str| {
-            col(c).ok_or_else(|| {
-                err(
-                    1,
-                    c,
-                    format!(
-                        "missing column (a cluster file needs name,gpus,model,rack; header has: {})",
-                        cols.join(",")
-                    ),
-                )
-            })
-        };
-        let (nm, gp, md, rk) = (need("name")?, need("gpus")?, need("model")?, need("rack")?);
-        let (mem, sh) = (col("gpu_memory_gb"), col("sharing"));
-        let mut warnings = Vec::new();
-        let unknown: Vec<&str> = cols
-            .iter()
-            .copied()
-            .filter(|c| !COLUMNS.contains(c))
+        let table = Table::parse(name, text)?;
+        let err = |line: usize, column: &str, message: String| table.error(line, column, message);
+        let needs = "a cluster file needs name,gpus,model,rack; ";
+        let (nm, gp, md, rk) = (
+            table.need("name", needs)?,
+            table.need("gpus", needs)?,
+            table.need("model", needs)?,
+            table.need("rack", needs)?,
+        );
+        let (mem, sh) = (table.col("gpu_memory_gb"), table.col("sharing"));
+        let warnings: Vec<String> = table
+            .unknown_columns(&COLUMNS, "a cluster file")
+            .into_iter()
             .collect();
-        if !unknown.is_empty() {
-            warnings.push(format!(
-                "{name}: column(s) {} ignored: not a cluster file column (known: {})",
-                unknown.join(", "),
-                COLUMNS.join(", ")
-            ));
-        }
         let mut nodes: Vec<SimNode> = Vec::new();
         let mut seen = std::collections::HashSet::new();
-        for (i, l) in lines {
-            let f: Vec<&str> = l.split(',').map(str::trim).collect();
-            let line = i + 1;
+        for (line, f) in &table.rows {
+            let line = *line;
             let get = |idx: usize, c: &str| {
                 f.get(idx)
                     .copied()
                     .filter(|s| !s.is_empty())
                     .ok_or_else(|| err(line, c, "missing field".into()))
             };
+            let opt = |idx: Option<usize>| idx.and_then(|c| f.get(c)).filter(|s| !s.is_empty());
             let node_name = get(nm, "name")?;
             if !seen.insert(node_name.to_string()) {
                 return Err(err(
@@ -154,7 +127,7 @@ impl SimCluster {
                         ),
                     )
                 })?;
-            let gpu_memory_mb = match mem.and_then(|c| f.get(c)).filter(|s| !s.is_empty()) {
+            let gpu_memory_mb = match opt(mem) {
                 None => DEFAULT_GPU_MEMORY_GB * 1024,
                 Some(v) => match v.parse::<f64>() {
                     Ok(gb) if gb.is_finite() && gb > 0.0 && gb < 1e6 => (gb * 1024.0) as u64,
@@ -167,15 +140,9 @@ impl SimCluster {
                     }
                 },
             };
-            let sharing = match sh.and_then(|c| f.get(c)).filter(|s| !s.is_empty()) {
+            let sharing = match opt(sh) {
                 None => true,
-                Some(v) => match v.to_ascii_lowercase().as_str() {
-                    "true" | "1" | "yes" => true,
-                    "false" | "0" | "no" => false,
-                    _ => {
-                        return Err(err(line, "sharing", format!("`{v}` is not true or false")));
-                    }
-                },
+                Some(v) => flag(v).map_err(|m| err(line, "sharing", m))?,
             };
             nodes.push(SimNode {
                 name: node_name.into(),

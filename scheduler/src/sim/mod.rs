@@ -9,6 +9,7 @@
 //! randomness: same trace, options and seed give the same numbers.
 
 mod cluster;
+mod csv;
 mod engine;
 mod metrics;
 mod plot;

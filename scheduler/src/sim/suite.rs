@@ -148,6 +148,15 @@ pub fn run_case(case: &Case) -> Result<CaseResult> {
     })
 }
 
+/// The scorecard of every policy of [`SCORED`], one after the other.
+pub fn scorecards(results: &[CaseResult]) -> String {
+    SCORED
+        .iter()
+        .map(|&p| scorecard(results, p))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// The scorecard of `scored`: one line per case, then how many cases where queues form meet
 /// each target.
 pub fn scorecard(results: &[CaseResult], scored: SimPolicy) -> String {

@@ -21,6 +21,7 @@
 //! job preemptible). Example: `submit,duration,gpus,account,user,utilization` /
 //! `0,3600,8,vision,alice,100:1200;0:2400` (busy 20 minutes, then idle 40).
 
+use super::csv::{Table, flag};
 use crate::error::{Error, Result};
 use crate::ids::{MINUTE, Millis, SECOND, Time};
 use crate::job::Qos;
@@ -132,61 +133,20 @@ pub fn load(path: &str, format: Option<TraceFormat>) -> Result<Trace> {
 
 /// Parses trace text; `name` appears in errors and warnings.
 pub fn parse(name: &str, text: &str, format: Option<TraceFormat>) -> Result<Trace> {
-    let mut lines = text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty() && !l.starts_with('#'));
-    let Some((_, header)) = lines.next() else {
-        return Err(Error::Trace {
-            file: name.into(),
-            line: 1,
-            column: String::new(),
-            message: "empty file".into(),
-        });
-    };
-    let cols: Vec<&str> = header.split(',').map(str::trim).collect();
-    let format = format.unwrap_or(if cols.contains(&"num_gpus") {
+    let table = Table::parse(name, text)?;
+    let format = format.unwrap_or(if table.cols.contains(&"num_gpus") {
         TraceFormat::Philly
     } else {
         TraceFormat::Generic
     });
-    let err = |line: usize, column: &str, message: String| Error::Trace {
-        file: name.into(),
-        line,
-        column: column.into(),
-        message,
+    let err = |line: usize, column: &str, message: String| table.error(line, column, message);
+    let col = |c: &str| table.col(c);
+    let need = |c: &str| table.need(c, "");
+    let (known, what): (&[&str], &str) = match format {
+        TraceFormat::Philly => (&PHILLY_COLUMNS, "a Philly format"),
+        TraceFormat::Generic => (&GENERIC_COLUMNS, "a generic format"),
     };
-    let col = |c: &str| cols.iter().position(|x| *x == c);
-    let need = |c: &str| {
-        col(c).ok_or_else(|| {
-            err(
-                1,
-                c,
-                format!("missing column (header has: {})", cols.join(",")),
-            )
-        })
-    };
-    let known: &[&str] = match format {
-        TraceFormat::Philly => &PHILLY_COLUMNS,
-        TraceFormat::Generic => &GENERIC_COLUMNS,
-    };
-    let mut warnings = Vec::new();
-    let unknown: Vec<&str> = cols
-        .iter()
-        .copied()
-        .filter(|c| !known.contains(c))
-        .collect();
-    if !unknown.is_empty() {
-        warnings.push(format!(
-            "{name}: column(s) {} ignored: not a column of the {} format (known: {})",
-            unknown.join(", "),
-            match format {
-                TraceFormat::Philly => "Philly",
-                TraceFormat::Generic => "generic",
-            },
-            known.join(", ")
-        ));
-    }
+    let mut warnings: Vec<String> = table.unknown_columns(known, what).into_iter().collect();
     let mut raw: Vec<(f64, TraceJob)> = Vec::new();
     match format {
         TraceFormat::Philly => {
@@ -196,9 +156,8 @@ pub fn parse(name: &str, text: &str, format: Option<TraceFormat>) -> Result<Trac
                 need("num_gpus")?,
                 need("cluster")?,
             );
-            for (i, l) in lines {
-                let f: Vec<&str> = l.split(',').map(str::trim).collect();
-                let line = i + 1;
+            for (line, f) in &table.rows {
+                let line = *line;
                 let get = |idx: usize, c: &str| {
                     f.get(idx)
                         .copied()
@@ -246,9 +205,8 @@ pub fn parse(name: &str, text: &str, format: Option<TraceFormat>) -> Result<Trac
                     unmodelled.join(", ")
                 ));
             }
-            for (i, l) in lines {
-                let f: Vec<&str> = l.split(',').map(str::trim).collect();
-                let line = i + 1;
+            for (line, f) in &table.rows {
+                let line = *line;
                 let get = |idx: usize, c: &str| {
                     f.get(idx)
                         .copied()
@@ -363,14 +321,6 @@ fn qos(s: &str) -> std::result::Result<Qos, String> {
         "normal" => Ok(Qos::Normal),
         "high" => Ok(Qos::High),
         _ => Err(format!("`{s}` is not low, normal or high")),
-    }
-}
-
-fn flag(s: &str) -> std::result::Result<bool, String> {
-    match s.to_ascii_lowercase().as_str() {
-        "true" | "1" | "yes" => Ok(true),
-        "false" | "0" | "no" => Ok(false),
-        _ => Err(format!("`{s}` is not true or false")),
     }
 }
 
