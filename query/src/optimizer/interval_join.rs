@@ -20,10 +20,11 @@
 //!
 //! Like the hash join, an inner join built once (`CollectLeft`) hands the probe side's scan
 //! dynamic filters: once the build side is in, what each key and the probe value can be for
-//! any interval to match (`node IN` the build side's nodes, or between its first and last when
-//! there are many; `time` from the earliest start to the latest end). One filter per column,
-//! so that the scan prunes pages as well as files and row groups with each (a filter over
-//! several columns only prunes row groups): one job's samples are read from that job's nodes
+//! any interval to match (`node IN` the build side's nodes, or between its first and last past
+//! 256 distinct keys, taken vectorised; `time` from the earliest start to the latest end). One
+//! filter per column, so that the scan prunes pages as well as files and row groups with each
+//! (a filter over several columns only prunes row groups): one job's samples are read from that
+//! job's nodes
 //! and hours, not the whole store.
 
 use arrow::array::{Array, ArrayRef, BooleanArray, Int64Array, RecordBatch, UInt32Array};
@@ -38,6 +39,8 @@ use datafusion::config::ConfigOptions;
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::functions_aggregate::min_max::{MaxAccumulator, MinAccumulator};
+use datafusion::logical_expr::Accumulator;
 use datafusion::logical_expr::Operator;
 use datafusion::physical_expr::expressions::{
     BinaryExpr, Column, DynamicFilterPhysicalExpr, IsNullExpr, in_list, lit,
@@ -592,9 +595,19 @@ impl BuildSide {
         }
         entries.sort_unstable();
         let rows_kept = || entries.iter().map(|e| e.3 as usize);
+        // One row per key, when the keys are few (entries are sorted by key).
+        let representatives: Option<Vec<u32>> = (group_of.len() <= KeyValues::FEW).then(|| {
+            entries
+                .iter()
+                .enumerate()
+                .filter(|(i, e)| *i == 0 || entries[i - 1].0 != e.0)
+                .map(|(_, e)| e.3)
+                .collect()
+        });
+        let kept = UInt32Array::from_iter_values(entries.iter().map(|e| e.3));
         let key_values = keys
             .iter()
-            .map(|k| KeyValues::of(k, rows_kept()))
+            .map(|k| KeyValues::of(k, &kept, representatives.as_deref()))
             .collect::<Result<Vec<_>>>()?;
         let earliest = rows_kept().min_by_key(|&r| starts.value(r));
         let open = rows_kept().any(|r| ends.is_null(r));
@@ -683,6 +696,7 @@ impl BuildSide {
         for (key, values) in keys.iter().zip(&self.key_values) {
             out.push(match values {
                 KeyValues::None => lit(false),
+                KeyValues::Any => lit(true),
                 KeyValues::Few(list) => in_list(
                     key.clone(),
                     list.iter().map(|v| lit(v.clone())).collect(),
@@ -709,52 +723,54 @@ impl BuildSide {
 enum KeyValues {
     /// No row can match.
     None,
-    /// At most [`KeyValues::FEW`] distinct values, in order.
+    /// The distinct values, in order, when the build side has at most [`KeyValues::FEW`] keys.
     Few(Vec<ScalarValue>),
     /// More: the least and the greatest.
     Range(ScalarValue, ScalarValue),
+    /// A type whose least and greatest cannot be taken: no filter on this column.
+    Any,
 }
 
 impl KeyValues {
-    /// Up to this many distinct values go into an `IN` list.
-    const FEW: usize = 64;
+    /// Up to this many distinct keys (all columns together), each column goes into an `IN`
+    /// list.
+    const FEW: usize = 256;
 
-    fn of(array: &ArrayRef, rows: impl Iterator<Item = usize>) -> Result<KeyValues> {
-        let mut distinct: std::collections::HashSet<ScalarValue> = Default::default();
-        let mut range: Option<(ScalarValue, ScalarValue)> = None;
-        for row in rows {
-            if array.is_null(row) {
-                continue;
-            }
-            let v = ScalarValue::try_from_array(array, row)?;
-            range = Some(match range {
-                None => (v.clone(), v.clone()),
-                Some((lo, hi)) => {
-                    let lo = if v.partial_cmp(&lo) == Some(std::cmp::Ordering::Less) {
-                        v.clone()
-                    } else {
-                        lo
-                    };
-                    let hi = if v.partial_cmp(&hi) == Some(std::cmp::Ordering::Greater) {
-                        v.clone()
-                    } else {
-                        hi
-                    };
-                    (lo, hi)
-                }
-            });
-            if distinct.len() <= Self::FEW {
-                distinct.insert(v);
-            }
+    /// The values of `array` at the rows `kept`; `representatives` holds one row per distinct
+    /// key when there are at most [`KeyValues::FEW`]. Vectorised: the build side may be large.
+    fn of(
+        array: &ArrayRef,
+        kept: &UInt32Array,
+        representatives: Option<&[u32]>,
+    ) -> Result<KeyValues> {
+        if kept.is_empty() {
+            return Ok(KeyValues::None);
         }
-        Ok(match range {
-            None => KeyValues::None,
-            Some(_) if distinct.len() <= Self::FEW => {
-                let mut list: Vec<ScalarValue> = distinct.into_iter().collect();
-                list.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
-                KeyValues::Few(list)
-            }
-            Some((lo, hi)) => KeyValues::Range(lo, hi),
+        if let Some(rows) = representatives {
+            let mut list = rows
+                .iter()
+                .map(|&r| ScalarValue::try_from_array(array, r as usize))
+                .collect::<Result<Vec<_>>>()?;
+            list.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+            list.dedup();
+            return Ok(KeyValues::Few(list));
+        }
+        let values = take(array.as_ref(), kept, None)?;
+        let extreme = |mut acc: Box<dyn Accumulator>| {
+            acc.update_batch(std::slice::from_ref(&values))
+                .and_then(|()| acc.evaluate())
+                .ok()
+                .filter(|v| !v.is_null())
+        };
+        let lo = MinAccumulator::try_new(values.data_type())
+            .ok()
+            .and_then(|a| extreme(Box::new(a)));
+        let hi = MaxAccumulator::try_new(values.data_type())
+            .ok()
+            .and_then(|a| extreme(Box::new(a)));
+        Ok(match (lo, hi) {
+            (Some(lo), Some(hi)) => KeyValues::Range(lo, hi),
+            _ => KeyValues::Any,
         })
     }
 }
@@ -1350,6 +1366,37 @@ mod tests {
         }
         assert_eq!(answers[0], answers[1]);
         assert!(answers[1].contains("node-3") && answers[1].contains("node-7"));
+    }
+
+    /// What a build key publishes: its distinct values when the keys are few, else its least
+    /// and greatest (vectorised, over the rows that can match only), nothing when no row can.
+    #[test]
+    fn key_values_are_a_list_when_few_and_a_range_when_many() {
+        let nodes: ArrayRef = Arc::new(StringArray::from(vec![
+            Some("node-9"),
+            Some("node-2"),
+            None,
+            Some("node-2"),
+            Some("node-5"),
+        ]));
+        let kept = UInt32Array::from(vec![0, 1, 3, 4]);
+        let text = |v: &KeyValues| format!("{v:?}");
+        let few = KeyValues::of(&nodes, &kept, Some(&[1, 4, 0, 3])).expect("few");
+        assert!(
+            matches!(&few, KeyValues::Few(l) if l.len() == 3 && l[0] == ScalarValue::from("node-2")),
+            "{}",
+            text(&few)
+        );
+        let range = KeyValues::of(&nodes, &kept, None).expect("range");
+        assert!(
+            matches!(&range, KeyValues::Range(lo, hi)
+                if *lo == ScalarValue::from("node-2") && *hi == ScalarValue::from("node-9")),
+            "{}",
+            text(&range)
+        );
+        // Row 2 (null) is not among the kept rows; with none kept, nothing can match.
+        let none = KeyValues::of(&nodes, &UInt32Array::from(Vec::<u32>::new()), None);
+        assert!(matches!(none, Ok(KeyValues::None)));
     }
 
     /// Bounds at the limits of the value's type: an open interval and an inclusive end at
