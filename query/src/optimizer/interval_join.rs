@@ -24,8 +24,7 @@
 //! 256 distinct keys, taken vectorised; `time` from the earliest start to the latest end). One
 //! filter per column, so that the scan prunes pages as well as files and row groups with each
 //! (a filter over several columns only prunes row groups): one job's samples are read from that
-//! job's nodes
-//! and hours, not the whole store.
+//! job's nodes and hours, not the whole store.
 
 use arrow::array::{Array, ArrayRef, BooleanArray, Int64Array, RecordBatch, UInt32Array};
 use arrow::compute::kernels::filter::prep_null_mask_filter;
