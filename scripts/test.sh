@@ -29,6 +29,9 @@ command -v cc >/dev/null 2>&1 || missing+=(gcc)
 # Debian's torch: tests/distributed.rs runs a real torch.distributed all-reduce over gloo on CPU
 # across two agents in two network namespaces.
 /usr/bin/python3 -c "import torch" >/dev/null 2>&1 || missing+=(python3-torch)
+# Debian's Chromium and its WebDriver: tests/web.rs drives the web view in a headless browser.
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
 if ((${#missing[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"

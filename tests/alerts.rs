@@ -274,6 +274,19 @@ cooldown = "30m"
         moved["timeline"].to_string().contains("gpu-0"),
         "the job's timeline says why it moved: {moved}"
     );
+    // What the web view's fleet marks: GPU 0 unhealthy with its XID, GPU 1 healthy.
+    let nodes = get(&perch, "/v1/nodes");
+    let gpu0 = nodes["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .find(|n| n["name"] == "gpu-0")
+        .map(|n| n["gpu_status"].clone())
+        .expect("gpu-0");
+    assert_eq!(gpu0[0]["health"], "xid", "{gpu0}");
+    assert_eq!(gpu0[0]["xid"], 79, "{gpu0}");
+    assert_eq!(gpu0[1]["health"], "healthy", "{gpu0}");
+    assert_eq!(gpu0[0]["uuid"], "GPU-STANDIN-0-0", "{gpu0}");
     let mail = wait_for("the email", || {
         let m = smtp.messages();
         (!m.is_empty()).then_some(m)

@@ -163,6 +163,8 @@ pub(crate) struct Node {
     /// GPUs holding at least one share.
     pub(crate) shared: u64,
     pub(crate) unhealthy: u64,
+    /// Each GPU's last reported health (`unhealthy` has a bit set for every one not healthy).
+    pub(crate) health: Vec<GpuHealth>,
     /// NVLink islands as masks covering every GPU (see [`NodeSpec::nvlink_islands`]).
     pub(crate) islands: Vec<u64>,
     /// Last measured utilization per GPU, percent.
@@ -291,6 +293,7 @@ impl Cluster {
             alloc: 0,
             shared: 0,
             unhealthy: 0,
+            health: vec![GpuHealth::Healthy; n],
             islands,
             util: vec![0.0; n],
             mem_used: vec![None; n],
@@ -344,6 +347,13 @@ impl Cluster {
             .get(node.0 as usize)
             .and_then(|n| n.sharers.get(gpu as usize))
             .map_or(&[], Vec::as_slice)
+    }
+
+    /// A GPU's last reported health (`None` for an unknown node or GPU).
+    pub fn gpu_health(&self, node: NodeId, gpu: u32) -> Option<GpuHealth> {
+        self.nodes
+            .get(node.0 as usize)
+            .and_then(|n| n.health.get(gpu as usize).copied())
     }
 
     /// Every job on a GPU: its whole owner, or its sharers.

@@ -572,6 +572,7 @@ impl Scheduler {
                 }
                 let bit = 1u64 << gpu;
                 self.cluster.modify(node.0 as usize, |n| {
+                    n.health[gpu as usize] = health;
                     if health == GpuHealth::Healthy {
                         n.unhealthy &= !bit
                     } else {

@@ -346,6 +346,16 @@ fn unhealthy_gpus_and_drained_nodes_get_no_work() {
             health: GpuHealth::Xid(79),
         },
     );
+    assert_eq!(
+        s.cluster().gpu_health(NodeId(0), 3),
+        Some(GpuHealth::Xid(79)),
+        "the reason is kept for the fleet view"
+    );
+    assert_eq!(
+        s.cluster().gpu_health(NodeId(0), 2),
+        Some(GpuHealth::Healthy)
+    );
+    assert_eq!(s.cluster().gpu_health(NodeId(0), 8), None);
     let a = step(&mut s, 1, Event::Submit(one(1, 8, "a", 60, 1)));
     assert!(started(&a).is_empty());
     let a = step(&mut s, 2, Event::Submit(one(2, 7, "a", 60, 2)));

@@ -420,12 +420,30 @@ fn parse_hash(text: &str) -> Option<[u8; 32]> {
     Some(*blake3::Hash::from_hex(hex).ok()?.as_bytes())
 }
 
-/// Paths anyone may call.
+/// Paths anyone may call: the web view's files carry no data (the page signs in to call the
+/// API).
 fn public(path: &str) -> bool {
     matches!(
         path,
         "/" | "/healthz" | "/readyz" | "/metrics" | "/v1/openapi.json"
-    )
+    ) || path.starts_with("/ui/")
+}
+
+/// `GET /v1/whoami`: who the token is, for the web view's sign-in and `perch` scripts.
+pub async fn whoami(
+    axum::extract::State(state): axum::extract::State<crate::AppState>,
+    axum::Extension(who): axum::Extension<Identity>,
+) -> axum::Json<serde_json::Value> {
+    let role = match who.role {
+        Role::User => "user",
+        Role::Operator => "operator",
+        Role::Agent => "agent",
+    };
+    axum::Json(serde_json::json!({
+        "user": who.user,
+        "role": role,
+        "open": state.tokens.is_open(),
+    }))
 }
 
 /// Which roles may call `path` (before per-job ownership checks in the handlers).

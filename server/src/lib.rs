@@ -20,6 +20,7 @@ mod otlp;
 pub mod pg;
 mod sql;
 pub mod tls;
+mod web;
 
 pub use error::{ApiError, ErrorCode};
 pub use latest::Latest;
@@ -197,6 +198,8 @@ pub fn router(state: AppState) -> Router {
     let limit = state.config.max_body_bytes;
     Router::new()
         .route("/", get(index))
+        .route("/ui/{file}", get(web::asset))
+        .route("/v1/whoami", get(auth::whoami))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/v1/openapi.json", get(openapi))
@@ -236,6 +239,9 @@ pub fn router(state: AppState) -> Router {
         ))
         .layer(DefaultBodyLimit::max(limit))
         .layer(tower_http::decompression::RequestDecompressionLayer::new())
+        // Answers gzipped for clients that ask (browsers, Prometheus): `/v1/nodes` of a
+        // 1,000-node fleet is megabytes of JSON every few seconds.
+        .layer(tower_http::compression::CompressionLayer::new())
         .layer(
             tower_http::trace::TraceLayer::new_for_http()
                 .make_span_with(http_span)
@@ -270,7 +276,17 @@ fn http_span(request: &axum::extract::Request) -> tracing::Span {
 /// that the router serves exactly these paths and `openapi.json` describes exactly these
 /// methods and paths: add a route here, in [`router`] and in `openapi.json`.
 pub const ROUTES: &[(&str, &str, &str)] = &[
-    ("GET", "/", "this index"),
+    (
+        "GET",
+        "/",
+        "this index (JSON); a browser asking for HTML gets the web view",
+    ),
+    ("GET", "/ui/{file}", "the web view's files"),
+    (
+        "GET",
+        "/v1/whoami",
+        "the caller's user and role, and whether the server is open (no tokens)",
+    ),
     ("GET", "/healthz", "liveness"),
     (
         "GET",
@@ -359,7 +375,11 @@ pub const ROUTES: &[(&str, &str, &str)] = &[
     ),
 ];
 
-async fn index() -> axum::Json<serde_json::Value> {
+async fn index(headers: axum::http::HeaderMap) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    if web::wants_html(&headers) {
+        return web::index(&headers);
+    }
     let endpoints: serde_json::Map<String, serde_json::Value> = ROUTES
         .iter()
         .map(|(method, path, what)| (format!("{method} {path}"), (*what).into()))
@@ -368,7 +388,9 @@ async fn index() -> axum::Json<serde_json::Value> {
         "service": "perch",
         "version": env!("CARGO_PKG_VERSION"),
         "endpoints": endpoints,
+        "web_view": "open / in a browser",
     }))
+    .into_response()
 }
 
 /// The OpenAPI 3 description of this server's HTTP API.

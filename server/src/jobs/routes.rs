@@ -340,30 +340,118 @@ pub async fn nodes(State(state): State<AppState>) -> Result<Json<serde_json::Val
         .collect();
     let now = state.now_ms();
     let secs_ago = |t: i64| (now - t) as f64 / 1000.0;
-    let nodes: Vec<NodeOut> = crate::node_status::current(&state, now)
-        .into_iter()
-        .map(|(name, status)| {
-            // A node that only sends telemetry (no GPUs) has no control-plane details.
-            let detail = details.remove(&name);
-            let d = detail.as_ref();
-            NodeOut {
-                gpus: d.map_or(0, |d| d.gpus),
-                gpu_model: d.map_or("", |d| &d.gpu_model).to_owned(),
-                rack: d.map_or("", |d| &d.rack).to_owned(),
-                allocated_gpus: d.map_or(0, |d| d.allocated_gpus),
-                jobs: d
-                    .map(|d| d.jobs.iter().copied().collect())
-                    .unwrap_or_default(),
-                gpu_sharing: d.is_some_and(|d| d.gpu_sharing),
-                nvlink_islands: d.map(|d| d.nvlink_islands.clone()).unwrap_or_default(),
-                last_sync_secs_ago: d.map(|d| secs_ago(d.last_sync_ms)),
-                state: status.state.as_str(),
-                last_sample_secs_ago: status.last_sample_ms.map(secs_ago),
-                name,
+    let statuses = crate::node_status::current(&state, now);
+    let nodes: Vec<NodeOut> = state.latest.read(|latest| {
+        statuses
+            .into_iter()
+            .map(|(name, status)| {
+                // A node that only sends telemetry (no GPUs) has no control-plane details.
+                let detail = details.remove(&name);
+                let d = detail.as_ref();
+                let samples = latest.get(&name).map(|n| &n.gpus);
+                NodeOut {
+                    gpu_status: gpu_status(d, samples, now),
+                    gpus: d.map_or(0, |d| d.gpus),
+                    gpu_model: d.map_or("", |d| &d.gpu_model).to_owned(),
+                    rack: d.map_or("", |d| &d.rack).to_owned(),
+                    allocated_gpus: d.map_or(0, |d| d.allocated_gpus),
+                    jobs: d
+                        .map(|d| d.jobs.iter().copied().collect())
+                        .unwrap_or_default(),
+                    gpu_sharing: d.is_some_and(|d| d.gpu_sharing),
+                    nvlink_islands: d.map(|d| d.nvlink_islands.clone()).unwrap_or_default(),
+                    last_sync_secs_ago: d.map(|d| secs_ago(d.last_sync_ms)),
+                    state: status.state.as_str(),
+                    last_sample_secs_ago: status.last_sample_ms.map(secs_ago),
+                    name,
+                }
+            })
+            .collect()
+    });
+    Ok(Json(serde_json::json!({ "nodes": nodes })))
+}
+
+/// Each GPU of a node: who holds it and its health from the control plane, what it does from
+/// its latest sample. GPUs the control plane does not know (a node that only sends telemetry)
+/// come from the samples alone.
+fn gpu_status(
+    detail: Option<&NodeDetail>,
+    samples: Option<&std::collections::BTreeMap<u32, perch_model::GpuSample>>,
+    now: i64,
+) -> Vec<GpuOut> {
+    use perch_scheduler::GpuHealth;
+    let known = detail.map_or(0, |d| d.gpu_detail.len() as u32);
+    let sampled = samples
+        .and_then(|s| s.keys().next_back())
+        .map_or(0, |&g| g + 1);
+    (0..known.max(sampled))
+        .map(|index| {
+            let d = detail.and_then(|d| d.gpu_detail.get(index as usize));
+            let s = samples.and_then(|s| s.get(&index));
+            let (health, xid) = match d.map_or(GpuHealth::Healthy, |d| d.health) {
+                GpuHealth::Healthy => ("healthy", None),
+                GpuHealth::Xid(code) => ("xid", Some(code)),
+                GpuHealth::UncorrectableEcc => ("uncorrectable_ecc", None),
+                GpuHealth::RogueProcess => ("rogue_process", None),
+                GpuHealth::TakenOut => ("taken_out", None),
+            };
+            GpuOut {
+                index,
+                jobs: d.map_or_else(Vec::new, |d| {
+                    d.holders
+                        .iter()
+                        .map(|h| GpuJobOut {
+                            job: h.job,
+                            user: h.user.clone(),
+                            account: h.account.clone(),
+                            share_percent: h.share_percent,
+                        })
+                        .collect()
+                }),
+                health,
+                xid,
+                uuid: s.map(|s| s.uuid.clone()),
+                simulated: s.map(|s| s.simulated),
+                utilization_gpu_pct: s.and_then(|s| s.utilization_gpu_pct),
+                memory_used_bytes: s.and_then(|s| s.memory_used_bytes),
+                memory_total_bytes: s.and_then(|s| s.memory_total_bytes),
+                power_watts: s.and_then(|s| s.power_watts),
+                temperature_celsius: s.and_then(|s| s.temperature_celsius),
+                sample_ms: s.map(|s| s.time_ms),
+                sample_secs_ago: s.map(|s| (now - s.time_ms) as f64 / 1000.0),
             }
         })
-        .collect();
-    Ok(Json(serde_json::json!({ "nodes": nodes })))
+        .collect()
+}
+
+/// A GPU in `GET /v1/nodes`.
+#[derive(serde::Serialize)]
+struct GpuOut {
+    index: u32,
+    jobs: Vec<GpuJobOut>,
+    /// healthy, xid, uncorrectable_ecc, rogue_process or taken_out.
+    health: &'static str,
+    xid: Option<u32>,
+    uuid: Option<String>,
+    simulated: Option<bool>,
+    utilization_gpu_pct: Option<f64>,
+    memory_used_bytes: Option<u64>,
+    memory_total_bytes: Option<u64>,
+    power_watts: Option<f64>,
+    temperature_celsius: Option<f64>,
+    /// When the latest sample was taken (node clock, Unix ms): the `time` of its row in
+    /// `gpu_samples`.
+    sample_ms: Option<i64>,
+    sample_secs_ago: Option<f64>,
+}
+
+/// A job on a GPU in `GET /v1/nodes`.
+#[derive(serde::Serialize)]
+struct GpuJobOut {
+    job: u64,
+    user: String,
+    account: String,
+    share_percent: Option<u32>,
 }
 
 /// A node in `GET /v1/nodes`.
@@ -380,6 +468,7 @@ struct NodeOut {
     last_sync_secs_ago: Option<f64>,
     state: &'static str,
     last_sample_secs_ago: Option<f64>,
+    gpu_status: Vec<GpuOut>,
 }
 
 async fn set_drained(

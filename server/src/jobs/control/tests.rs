@@ -808,3 +808,58 @@ async fn the_ticker_keeps_the_servers_clock_so_time_limits_run_in_virtual_time()
     let _ = stop.send(());
     ticker.await.expect("ticker");
 }
+
+/// What `GET /v1/nodes` (and the web view's fleet) shows per GPU: who holds it, with user and
+/// account, and its health with the reason; a freed GPU has no holder.
+#[tokio::test]
+async fn each_gpu_shows_its_holder_and_health() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    let two_gpus = json!({"gpus": 2});
+    sync_with(&jobs, "a", T0, &[], &[], two_gpus.clone()).await;
+    let id = submit(
+        &jobs,
+        json!({ "command": ["train"], "user": "bob", "account": "nlp", "gpus_per_node": 1 }),
+        T0 + SECOND,
+    )
+    .await;
+    sync_with(&jobs, "a", T0 + 2 * SECOND, &[], &[], two_gpus.clone()).await;
+    let gpus = |jobs: &JobService| jobs.read(|c| c.nodes()[0].gpu_detail.clone());
+    let held = gpus(&jobs);
+    assert_eq!(held.len(), 2);
+    let placed = job(&jobs, id).await.placement[0].gpus[0] as usize;
+    assert_eq!(
+        held[placed].holders,
+        vec![crate::jobs::control::views::GpuHolder {
+            job: id,
+            user: "bob".into(),
+            account: "nlp".into(),
+            share_percent: None,
+        }]
+    );
+    assert!(held[1 - placed].holders.is_empty());
+    jobs.run(move |c, now| {
+        c.scheduler
+            .step(
+                now,
+                perch_scheduler::Event::GpuHealth {
+                    node: perch_scheduler::NodeId(0),
+                    gpu: (1 - placed) as u32,
+                    health: perch_scheduler::GpuHealth::Xid(48),
+                },
+            )
+            .map(|_| ())
+            .map_err(super::ControlError::Scheduler)
+    })
+    .await
+    .expect("health event");
+    let after = gpus(&jobs);
+    assert_eq!(
+        after[1 - placed].health,
+        perch_scheduler::GpuHealth::Xid(48)
+    );
+    assert_eq!(after[placed].health, perch_scheduler::GpuHealth::Healthy);
+    // The job ends: its GPU has no holder any more.
+    sync_with(&jobs, "a", T0 + 3 * SECOND, &[], &[(id, 1, 0)], two_gpus).await;
+    assert!(gpus(&jobs)[placed].holders.is_empty());
+}

@@ -18,6 +18,26 @@ pub(crate) struct NodeDetail {
     pub nvlink_islands: Vec<Vec<u32>>,
     /// When its agent last synced (server time, ms).
     pub last_sync_ms: i64,
+    /// Each GPU, by index: who holds it and its health.
+    pub gpu_detail: Vec<GpuDetail>,
+}
+
+/// One GPU as the control plane sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct GpuDetail {
+    /// The jobs on it: its whole owner, or its sharers with the percent each was granted.
+    pub holders: Vec<GpuHolder>,
+    pub health: perch_scheduler::GpuHealth,
+}
+
+/// A job holding (part of) a GPU.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct GpuHolder {
+    pub job: u64,
+    pub user: String,
+    pub account: String,
+    /// The granted percent of a shared GPU; `None` when the job holds it whole.
+    pub share_percent: Option<u32>,
 }
 
 impl Control {
@@ -224,9 +244,39 @@ impl Control {
                     gpu_sharing: n.record.gpu_sharing,
                     nvlink_islands: cluster.nvlink_islands(NodeId(i as u32)),
                     last_sync_ms: n.last_sync_ms,
+                    gpu_detail: (0..n.record.gpus)
+                        .map(|g| self.gpu_detail(NodeId(i as u32), g))
+                        .collect(),
                 }
             })
             .collect()
+    }
+
+    fn gpu_detail(&self, node: NodeId, gpu: u32) -> GpuDetail {
+        let cluster = self.scheduler.cluster();
+        let holder = |job: JobId, share_percent: Option<u32>| {
+            let request = self.jobs.get(&job.0).map(|j| &j.request);
+            GpuHolder {
+                job: job.0,
+                user: request.map_or("", |r| r.user()).to_owned(),
+                account: request.map_or("", |r| r.account()).to_owned(),
+                share_percent,
+            }
+        };
+        let holders = match cluster.owner(node, gpu) {
+            Some(job) => vec![holder(job, None)],
+            None => cluster
+                .sharers(node, gpu)
+                .iter()
+                .map(|(job, share)| holder(*job, Some(share.percent)))
+                .collect(),
+        };
+        GpuDetail {
+            holders,
+            health: cluster
+                .gpu_health(node, gpu)
+                .unwrap_or(perch_scheduler::GpuHealth::Healthy),
+        }
     }
 
     /// A snapshot for estimating the first `max` pending jobs' starts, off the lock; with

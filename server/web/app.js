@@ -1,0 +1,979 @@
+// perch's web view: plain JavaScript, no build step. It reads the same HTTP API and SQL
+// endpoint as the CLI with the token the user signs in with (kept for this tab only, in
+// sessionStorage), so it shows exactly what that token may see.
+//
+// Every value that comes from the server goes through esc() before it becomes markup: job
+// names, commands and labels are user input. The server's Content-Security-Policy forbids
+// inline scripts as a second fence.
+'use strict';
+(() => {
+  const TOKEN_KEY = 'perch.token';
+  const IDLE_PCT = 5; // an allocated GPU under this utilization is shown as idle
+  const main = document.getElementById('view');
+  const banner = document.getElementById('banner');
+
+  // Errors the page met, for people (the banner) and for the browser tests.
+  window.__perchErrors = [];
+  window.addEventListener('error', (e) => window.__perchErrors.push(String(e.message)));
+  window.addEventListener('unhandledrejection', (e) => window.__perchErrors.push(String(e.reason)));
+
+  // --- small helpers ---------------------------------------------------------------------
+  const ESC = { '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' };
+  const esc = (s) => String(s ?? '').replace(/[&<>"']/g, (c) => ESC[c]);
+  const sqlStr = (s) => `'${String(s).replace(/'/g, "''")}'`;
+  const num = (x, d = 1) => (x == null || Number.isNaN(x) ? '–' : Number(x).toFixed(d));
+  const pct = (x) => (x == null ? '–' : `${Math.round(x)}%`);
+  const gib = (b) => (b == null ? '–' : `${(b / 2 ** 30).toFixed(1)} GiB`);
+  const hours = (s) => (s == null ? '–' : `${(s / 3600).toFixed(2)}`);
+  const money = (x) => (x == null ? '–' : Number(x).toFixed(2));
+  const when = (ms) => (ms == null ? '–' : new Date(ms).toLocaleString(undefined, { hour12: false }));
+  const clock = (ms) => new Date(ms).toLocaleTimeString(undefined, { hour12: false });
+  const span = (secs) => {
+    if (secs == null) return '–';
+    secs = Math.max(0, Math.round(secs));
+    const d = Math.floor(secs / 86400), h = Math.floor((secs % 86400) / 3600), m = Math.floor((secs % 3600) / 60);
+    if (d) return `${d}d ${h}h`;
+    if (h) return `${h}h ${m}m`;
+    if (m) return `${m}m ${secs % 60}s`;
+    return `${secs}s`;
+  };
+  const jobColor = (id, alpha = 1) => `hsla(${(id * 137.508) % 360}, 65%, 58%, ${alpha})`;
+  // Utilization as a colour: dark at 0%, bright green at 100%.
+  const utilColor = (u) => (u == null ? '#3a4050' : `hsl(145, ${35 + u * 0.3}%, ${16 + u * 0.34}%)`);
+  const badge = (text, cls = text) => `<span class="badge ${esc(cls)}">${esc(text)}</span>`;
+  const qs = (params) => {
+    const p = new URLSearchParams();
+    for (const [k, v] of Object.entries(params)) if (v != null && v !== '') p.set(k, v);
+    const s = p.toString();
+    return s ? `?${s}` : '';
+  };
+
+  // --- the API ---------------------------------------------------------------------------
+  class ApiError extends Error {
+    constructor(status, code, message) {
+      super(message);
+      this.status = status;
+      this.code = code;
+    }
+  }
+
+  async function call(path, opts = {}) {
+    const headers = Object.assign({}, opts.headers);
+    const token = sessionStorage.getItem(TOKEN_KEY);
+    if (token) headers.Authorization = `Bearer ${token}`;
+    const res = await fetch(path, Object.assign({}, opts, { headers }));
+    if (!res.ok) {
+      let message = `${res.status} ${res.statusText}`, code = null;
+      try {
+        const body = await res.json();
+        if (body && body.error) ({ message, code } = body.error);
+      } catch (_) { /* not JSON */ }
+      if (res.status === 401 && !opts.noSignIn) {
+        sessionStorage.removeItem(TOKEN_KEY);
+        goSignIn(message);
+      }
+      throw new ApiError(res.status, code, message);
+    }
+    return res;
+  }
+  const api = async (path, opts) => (await call(path, opts)).json();
+  const post = (path, body) => api(path, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json' },
+    body: JSON.stringify(body ?? {}),
+  });
+  const sql = (query, format = 'json') => call('/v1/sql', {
+    method: 'POST',
+    headers: { 'content-type': 'application/json' },
+    body: JSON.stringify({ sql: query, format }),
+  });
+  const rows = async (query) => (await (await sql(query)).json()).rows;
+
+  // --- who is signed in ------------------------------------------------------------------
+  let who = null;
+  const mayActOn = (owner) => who && (who.role === 'operator' || who.user === owner);
+
+  function showWho() {
+    const el = document.getElementById('who');
+    if (!who) { el.textContent = ''; return; }
+    el.innerHTML = who.open
+      ? `open server (no tokens) · ${esc(who.user)}, ${esc(who.role)}`
+      : `${esc(who.user)} (${esc(who.role)}) <button id="signout">Sign out</button>`;
+    const out = document.getElementById('signout');
+    if (out) out.onclick = () => { sessionStorage.removeItem(TOKEN_KEY); who = null; goSignIn('Signed out.'); };
+  }
+
+  let afterSignIn = '#/fleet';
+  function goSignIn(message) {
+    if (!location.hash.startsWith('#/signin')) afterSignIn = location.hash || '#/fleet';
+    signInMessage = message;
+    if (location.hash.startsWith('#/signin')) route(); else location.hash = '#/signin';
+  }
+  let signInMessage = '';
+
+  function signInView(v) {
+    main.innerHTML = `<form class="signin" id="signin">
+      <h1>Sign in to perch</h1>
+      <p class="muted">Paste your perch token (the one the CLI reads from <code>PERCH_TOKEN</code>).
+        It stays in this tab only and is sent to this server alone.</p>
+      <p class="bad" id="signin-msg">${esc(signInMessage)}</p>
+      <label for="token">Token</label>
+      <input id="token" type="password" autocomplete="off" required>
+      <button type="submit">Sign in</button></form>`;
+    v.ready();
+    document.getElementById('signin').onsubmit = async (e) => {
+      e.preventDefault();
+      const token = document.getElementById('token').value.trim();
+      sessionStorage.setItem(TOKEN_KEY, token);
+      try {
+        who = await api('/v1/whoami', { noSignIn: true });
+        showWho();
+        location.hash = afterSignIn.startsWith('#/signin') ? '#/fleet' : afterSignIn;
+      } catch (err) {
+        sessionStorage.removeItem(TOKEN_KEY);
+        document.getElementById('signin-msg').textContent = err.status === 403
+          ? 'This token may not use the web view (an agent token?): sign in with a user or operator token.'
+          : err.message;
+      }
+    };
+  }
+
+  // --- views and their lifetime ----------------------------------------------------------
+  // A view polls with v.every(); navigating away stops its timers and destroys its charts, so
+  // a tab left open for days holds one view's worth of memory.
+  let current = null;
+  function newView() {
+    const v = {
+      alive: true,
+      timers: [],
+      charts: [],
+      every(ms, fn) {
+        const tick = async () => {
+          if (!v.alive) return;
+          try {
+            await fn();
+            clearProblem();
+          } catch (err) {
+            problem(err);
+          }
+          if (v.alive && !document.hidden) v.timers.push(setTimeout(tick, ms));
+          else if (v.alive) v.timers.push(setTimeout(tick, ms * 4));
+        };
+        return tick();
+      },
+      ready() { main.dataset.ready = '1'; },
+      stop() {
+        v.alive = false;
+        v.timers.forEach(clearTimeout);
+        v.charts.forEach((c) => c.destroy());
+        v.charts = [];
+      },
+    };
+    return v;
+  }
+
+  function problem(err) {
+    if (err instanceof ApiError && err.status === 401) return;
+    banner.innerHTML = `<span class="error">${esc(err.message || err)}</span>`;
+  }
+  function clearProblem() {
+    if (banner.querySelector('.error')) banner.innerHTML = '';
+  }
+
+  const routes = [
+    [/^\/fleet$/, 'fleet', fleetView],
+    [/^\/occupancy$/, 'occupancy', occupancyView],
+    [/^\/queue$/, 'queue', queueView],
+    [/^\/jobs$/, 'jobs', jobsView],
+    [/^\/jobs\/(\d+)$/, 'jobs', jobView],
+    [/^\/nodes\/([^/]+)$/, 'fleet', nodeView],
+    [/^\/accounts$/, 'accounts', accountsView],
+    [/^\/alerts$/, 'alerts', alertsView],
+    [/^\/sql$/, 'sql', sqlView],
+    [/^\/signin$/, '', signInView],
+  ];
+
+  function route() {
+    const hash = location.hash.replace(/^#/, '') || '/fleet';
+    const [path, query] = hash.split('?');
+    const params = new URLSearchParams(query || '');
+    if (current) current.stop();
+    delete main.dataset.ready;
+    banner.innerHTML = '';
+    current = newView();
+    const found = routes.find(([re]) => re.test(path));
+    if (!found) {
+      main.innerHTML = `<p>No view at <code>${esc(path)}</code>. <a href="#/fleet">Fleet</a></p>`;
+      current.ready();
+      return;
+    }
+    const [re, nav, view] = found;
+    for (const a of document.querySelectorAll('#nav a')) a.classList.toggle('active', a.dataset.view === nav);
+    const m = path.match(re);
+    Promise.resolve(view(current, params, ...m.slice(1).map(decodeURIComponent))).catch(problem);
+  }
+
+  // Changes the view's query string without reloading the view (filters).
+  function setParams(params) {
+    const path = (location.hash.replace(/^#/, '') || '/fleet').split('?')[0];
+    history.replaceState(null, '', `#${path}${qs(params)}`);
+  }
+
+  function table(columns, data, opts = {}) {
+    const head = columns.map((c) => `<th class="${c.num ? 'num' : ''}">${esc(c.title)}</th>`).join('');
+    const body = data.map((r) => `<tr>${columns.map((c) => {
+      const html = c.html ? c.html(r) : esc(c.text ? c.text(r) : r[c.key]);
+      return `<td class="${c.num ? 'num' : ''}">${html}</td>`;
+    }).join('')}</tr>`).join('');
+    const empty = data.length ? '' : `<tr><td colspan="${columns.length}" class="muted">${esc(opts.empty || 'Nothing here.')}</td></tr>`;
+    return `<div class="scroll"><table${opts.id ? ` id="${opts.id}"` : ''}><thead><tr>${head}</tr></thead><tbody>${body}${empty}</tbody></table></div>`;
+  }
+
+  const sqlLink = (query) => `<a class="muted" href="#/sql${qs({ q: query })}">the SQL behind this</a>`;
+
+  // --- fleet -----------------------------------------------------------------------------
+  function gpuClass(node, g) {
+    const cls = ['gpu'];
+    const down = node.state === 'down' || node.state === 'no_telemetry';
+    if (down) cls.push('off');
+    if (g.health !== 'healthy') cls.push('bad');
+    if (node.state === 'drained') cls.push('drained');
+    if (!g.jobs.length) cls.push('free');
+    else if (g.jobs.some((j) => j.share_percent != null)) cls.push('shared');
+    if (g.jobs.length && !down && (g.utilization_gpu_pct == null || g.utilization_gpu_pct < IDLE_PCT)) cls.push('idle');
+    return cls.join(' ');
+  }
+
+  function gpuTitle(node, g) {
+    const lines = [`${node.name} GPU ${g.index}${g.simulated ? ' (simulated)' : ''}`];
+    for (const j of g.jobs) {
+      lines.push(`job ${j.job}: ${j.user} / ${j.account}${j.share_percent != null ? `, ${j.share_percent}% share` : ''}`);
+    }
+    if (!g.jobs.length) lines.push('free');
+    lines.push(`utilization ${pct(g.utilization_gpu_pct)}, memory ${gib(g.memory_used_bytes)} of ${gib(g.memory_total_bytes)}, ${num(g.power_watts, 0)} W, ${num(g.temperature_celsius, 0)} °C`);
+    if (g.health !== 'healthy') lines.push(`health: ${g.health}${g.xid != null ? ` ${g.xid}` : ''}`);
+    if (node.state !== 'up') lines.push(`node ${node.state}`);
+    return lines.join('\n');
+  }
+
+  // A GPU cell's attributes and text, from which both the first render and the in-place
+  // updates are made.
+  function gpuCellParts(node, g) {
+    const first = g.jobs[0];
+    const util = g.utilization_gpu_pct;
+    return {
+      attrs: {
+        class: gpuClass(node, g),
+        href: first ? `#/jobs/${first.job}` : `#/nodes/${encodeURIComponent(node.name)}`,
+        style: `background-color:${utilColor(util)};color:${util != null && util > 55 ? '#0b1a10' : '#e8edf5'}`,
+        'data-gpu': String(g.index),
+        'data-util': util == null ? '' : String(util),
+        'data-sample-ms': g.sample_ms == null ? '' : String(g.sample_ms),
+        'data-job': first ? String(first.job) : '',
+        'data-user': g.jobs.map((j) => j.user).join(' '),
+        'data-account': g.jobs.map((j) => j.account).join(' '),
+        'data-health': g.health,
+        title: gpuTitle(node, g),
+      },
+      label: g.health !== 'healthy' ? (g.xid != null ? `X${g.xid}` : '!') : (util == null ? '–' : String(Math.round(util))),
+      job: first ? String(first.job) : '',
+    };
+  }
+
+  function gpuCell(node, g) {
+    const c = gpuCellParts(node, g);
+    const attrs = Object.entries(c.attrs).map(([k, x]) => `${k}="${esc(x)}"`).join(' ');
+    return `<a ${attrs}><b>${esc(c.label)}</b><i>${esc(c.job)}</i></a>`;
+  }
+
+  function updateGpuCell(el, node, g) {
+    const c = gpuCellParts(node, g);
+    for (const [k, x] of Object.entries(c.attrs)) if (el.getAttribute(k) !== x) el.setAttribute(k, x);
+    const [b, i] = el.children;
+    if (b.textContent !== c.label) b.textContent = c.label;
+    if (i.textContent !== c.job) i.textContent = c.job;
+  }
+
+  function nodeCard(node) {
+    const cols = Math.min(8, Math.max(1, node.gpu_status.length));
+    return `<div class="node s-${esc(node.state)}" data-node="${esc(node.name)}" data-rack="${esc(node.rack)}" data-model="${esc(node.gpu_model)}" data-state="${esc(node.state)}">`
+      + `<div class="nh"><a href="#/nodes/${encodeURIComponent(node.name)}">${esc(node.name)}</a><span class="st">${esc(node.state === 'up' ? '' : node.state)}</span></div>`
+      + `<div class="gpus" style="--cols:${cols}">${node.gpu_status.map((g) => gpuCell(node, g)).join('')}</div></div>`;
+  }
+
+  function fleetSummary(nodes) {
+    let gpus = 0, held = 0, idle = 0, bad = 0, sim = false, utilSum = 0, utilN = 0;
+    const states = {};
+    for (const n of nodes) {
+      states[n.state] = (states[n.state] || 0) + 1;
+      for (const g of n.gpu_status) {
+        gpus++;
+        if (g.simulated) sim = true;
+        if (g.health !== 'healthy') bad++;
+        if (g.jobs.length) {
+          held++;
+          if (g.utilization_gpu_pct == null || g.utilization_gpu_pct < IDLE_PCT) idle++;
+          if (g.utilization_gpu_pct != null) { utilSum += g.utilization_gpu_pct; utilN++; }
+        }
+      }
+    }
+    const card = (k, v, id) => `<div class="card" id="${id}"><div class="v">${esc(v)}</div><div class="k">${esc(k)}</div></div>`;
+    return {
+      sim,
+      html: card('nodes up', `${states.up || 0} / ${nodes.length}`, 'sum-up')
+        + card('drained', states.drained || 0, 'sum-drained')
+        + card('down or silent', (states.down || 0) + (states.no_telemetry || 0), 'sum-down')
+        + card('GPUs allocated', `${held} / ${gpus}`, 'sum-held')
+        + card(`allocated, under ${IDLE_PCT}% busy`, idle, 'sum-idle')
+        + card('unhealthy GPUs', bad, 'sum-bad')
+        + card('mean use of allocated GPUs', utilN ? pct(utilSum / utilN) : '–', 'sum-util'),
+    };
+  }
+
+  const LEGEND = `<div class="legend">
+    <span><i style="background:${utilColor(0)}"></i>0%</span><span><i style="background:${utilColor(50)}"></i>50%</span>
+    <span><i style="background:${utilColor(100)}"></i>100% utilization</span>
+    <span><i style="background:#2a303d"></i>free</span>
+    <span><i style="border:2px solid var(--warn)"></i>allocated, idle</span>
+    <span><i style="border:2px dashed #b9a6ff"></i>shared</span>
+    <span><i style="border:2px solid var(--bad);background:#5a1f1f"></i>unhealthy (XID, ECC, taken out)</span>
+    <span><i style="background:repeating-linear-gradient(45deg,#555 0 4px,#222 4px 7px)"></i>drained</span>
+    <span><i style="background:#22262f"></i>node down</span>
+    <span>cell: utilization % over job ID</span></div>`;
+
+  async function fleetView(v, params) {
+    const filters = ['rack', 'model', 'state', 'account', 'user'];
+    const f = Object.fromEntries(filters.map((k) => [k, params.get(k) || '']));
+    f.q = params.get('q') || '';
+    main.innerHTML = `<div class="toolbar" id="filters">
+        ${filters.map((k) => `<label>${k} <select data-f="${k}"><option value="">all</option></select></label>`).join('')}
+        <label>node <input data-f="q" size="14" placeholder="name contains" value="${esc(f.q)}"></label>
+        <span class="muted" id="fleet-count"></span></div>
+      <div class="cards" id="summary"></div>${LEGEND}<div class="fleet" id="fleet"></div>`;
+    const fleet = document.getElementById('fleet');
+    let shape = '';
+    let cells = [];
+    let nodes = [];
+
+    const applyFilters = () => {
+      let shown = 0;
+      for (const card of fleet.children) {
+        const d = card.dataset;
+        let visible = (!f.rack || d.rack === f.rack) && (!f.model || d.model === f.model)
+          && (!f.state || d.state === f.state) && (!f.q || d.node.includes(f.q));
+        if (visible && (f.account || f.user)) {
+          let any = false;
+          for (const cell of card.querySelectorAll('.gpu')) {
+            const match = (!f.account || cell.dataset.account.split(' ').includes(f.account))
+              && (!f.user || cell.dataset.user.split(' ').includes(f.user));
+            cell.classList.toggle('dim', !match);
+            any = any || match;
+          }
+          visible = any;
+        } else {
+          for (const cell of card.querySelectorAll('.gpu.dim')) cell.classList.remove('dim');
+        }
+        card.hidden = !visible;
+        if (visible) shown++;
+      }
+      document.getElementById('fleet-count').textContent = `${shown} of ${fleet.children.length} nodes shown`;
+    };
+
+    const fillSelects = () => {
+      const values = { rack: new Set(), model: new Set(), state: new Set(), account: new Set(), user: new Set() };
+      for (const n of nodes) {
+        values.rack.add(n.rack); values.model.add(n.gpu_model); values.state.add(n.state);
+        for (const g of n.gpu_status) for (const j of g.jobs) { values.account.add(j.account); values.user.add(j.user); }
+      }
+      for (const sel of document.querySelectorAll('#filters select')) {
+        const k = sel.dataset.f;
+        const want = [...values[k]].filter(Boolean).sort();
+        if (f[k] && !want.includes(f[k])) want.push(f[k]);
+        const have = [...sel.options].slice(1).map((o) => o.value);
+        if (have.join('\n') !== want.join('\n')) {
+          sel.innerHTML = `<option value="">all</option>${want.map((x) => `<option>${esc(x)}</option>`).join('')}`;
+        }
+        sel.value = f[k];
+      }
+    };
+
+    document.getElementById('filters').addEventListener('input', (e) => {
+      const k = e.target.dataset.f;
+      if (!k) return;
+      f[k] = e.target.value;
+      setParams(f);
+      applyFilters();
+    });
+
+    await v.every(5000, async () => {
+      const t0 = performance.now();
+      nodes = (await api('/v1/nodes')).nodes;
+      const newShape = nodes.map((n) => `${n.name}:${n.gpu_status.length}:${n.state}`).join('|');
+      if (newShape !== shape) {
+        fleet.innerHTML = nodes.map(nodeCard).join('');
+        cells = nodes.map((n, i) => [...fleet.children[i].querySelectorAll('.gpu')]);
+        shape = newShape;
+      } else {
+        // Same nodes: touch only the attributes that changed.
+        nodes.forEach((n, i) => n.gpu_status.forEach((g, j) => updateGpuCell(cells[i][j], n, g)));
+      }
+      const summary = fleetSummary(nodes);
+      document.getElementById('summary').innerHTML = summary.html;
+      simulatedBanner(summary.sim);
+      fillSelects();
+      applyFilters();
+      main.dataset.renderMs = String(Math.round(performance.now() - t0));
+      v.ready();
+    });
+  }
+
+  function simulatedBanner(sim) {
+    if (sim && !banner.querySelector('.error')) {
+      banner.innerHTML = `${badge('simulated')} Some GPUs here are simulated (perch demo or --simulate-gpus): their numbers are made up, not measured.`;
+    }
+  }
+
+  // --- node ------------------------------------------------------------------------------
+  async function nodeView(v, params, name) {
+    main.innerHTML = `<h1>Node ${esc(name)} <span id="node-state"></span></h1>
+      <div id="node-actions" class="toolbar"></div>
+      <dl class="kv" id="node-kv"></dl>
+      <h2>GPUs now</h2><div id="node-gpus"></div>
+      <h2>Utilization, last hour</h2><div class="chart" id="node-chart"></div>
+      <h2>Events</h2><div id="node-events"></div>`;
+    let chart = null;
+    await v.every(5000, async () => {
+      const node = (await api('/v1/nodes')).nodes.find((n) => n.name === name);
+      if (!node) {
+        main.innerHTML = `<p>perch knows no node ${esc(name)}. <a href="#/fleet">Fleet</a></p>`;
+        v.ready();
+        v.stop();
+        return;
+      }
+      document.getElementById('node-state').innerHTML = badge(node.state);
+      document.getElementById('node-kv').innerHTML = `<dt>GPUs</dt><dd>${node.gpus} × ${esc(node.gpu_model)}</dd>
+        <dt>rack</dt><dd>${esc(node.rack)}</dd><dt>allocated</dt><dd>${node.allocated_gpus}</dd>
+        <dt>GPU sharing</dt><dd>${node.gpu_sharing ? 'on' : 'off'}</dd>
+        <dt>NVLink islands</dt><dd>${esc(JSON.stringify(node.nvlink_islands))}</dd>
+        <dt>last sample</dt><dd>${node.last_sample_secs_ago == null ? 'never' : `${num(node.last_sample_secs_ago)} s ago`}</dd>
+        <dt>last agent sync</dt><dd>${node.last_sync_secs_ago == null ? '–' : `${num(node.last_sync_secs_ago)} s ago`}</dd>`;
+      document.getElementById('node-gpus').innerHTML = table([
+        { title: 'GPU', key: 'index' },
+        { title: 'jobs', html: (g) => g.jobs.map((j) => `<a href="#/jobs/${j.job}">${j.job}</a> ${esc(j.user)}${j.share_percent != null ? ` (${j.share_percent}%)` : ''}`).join(', ') || '<span class="muted">free</span>' },
+        { title: 'utilization', num: true, text: (g) => pct(g.utilization_gpu_pct) },
+        { title: 'memory', num: true, text: (g) => `${gib(g.memory_used_bytes)} / ${gib(g.memory_total_bytes)}` },
+        { title: 'power', num: true, text: (g) => `${num(g.power_watts, 0)} W` },
+        { title: 'temperature', num: true, text: (g) => `${num(g.temperature_celsius, 0)} °C` },
+        { title: 'health', html: (g) => (g.health === 'healthy' ? 'healthy' : `<span class="bad">${esc(g.health)}${g.xid != null ? ` ${g.xid}` : ''}</span>`) },
+        { title: '', html: (g) => (g.simulated ? badge('simulated') : '') },
+      ], node.gpu_status);
+      const actions = document.getElementById('node-actions');
+      if (who && who.role === 'operator' && !actions.dataset.done) {
+        actions.dataset.done = '1';
+        actions.innerHTML = `<button id="drain">Drain</button><button id="resume">Resume</button>`;
+        for (const verb of ['drain', 'resume']) {
+          document.getElementById(verb).onclick = () => post(`/v1/nodes/${encodeURIComponent(name)}/${verb}`).then(route, problem);
+        }
+      }
+      const series = await rows(`SELECT gpu, date_bin(INTERVAL '30 seconds', time, TIMESTAMP '1970-01-01') AS t,
+        avg(utilization_gpu_pct) AS u FROM gpu_samples WHERE node = ${sqlStr(name)} AND time > now() - INTERVAL '1 hour'
+        GROUP BY 1, 2 ORDER BY 2`);
+      chart = drawLines(v, chart, document.getElementById('node-chart'), series, (r) => `GPU ${r.gpu}`, 'u', '%');
+      const events = await rows(`SELECT time, kind, actor, gpu, job, message FROM events WHERE node = ${sqlStr(name)} ORDER BY time DESC LIMIT 50`);
+      document.getElementById('node-events').innerHTML = table([
+        { title: 'time', text: (r) => when(Date.parse(r.time)) }, { title: 'kind', key: 'kind' }, { title: 'by', key: 'actor' },
+        { title: 'GPU', key: 'gpu' }, { title: 'job', html: (r) => (r.job != null ? `<a href="#/jobs/${r.job}">${r.job}</a>` : '') },
+        { title: 'what', key: 'message' }], events, { empty: 'No events for this node.' });
+      v.ready();
+    });
+  }
+
+  // Time series from SQL rows (`t` a timestamp) as one uPlot line per key.
+  function drawLines(v, chart, el, data, keyOf, field, unit) {
+    const keys = [...new Set(data.map(keyOf))].sort();
+    const times = [...new Set(data.map((r) => Date.parse(r.t) / 1000))].sort((a, b) => a - b);
+    const at = new Map(times.map((t, i) => [t, i]));
+    const cols = keys.map(() => new Array(times.length).fill(null));
+    for (const r of data) cols[keys.indexOf(keyOf(r))][at.get(Date.parse(r.t) / 1000)] = r[field];
+    const shape = keys.join('|');
+    if (chart && chart.__shape === shape) {
+      chart.setData([times, ...cols]);
+      return chart;
+    }
+    if (chart) chart.destroy();
+    el.innerHTML = keys.length ? '' : '<p class="muted">No samples in this window.</p>';
+    if (!keys.length) return null;
+    const width = Math.max(320, el.clientWidth - 14);
+    const made = new uPlot({
+      width,
+      height: 220,
+      scales: { x: { time: true } },
+      series: [{}, ...keys.map((k) => ({ label: k, stroke: jobColor(keys.indexOf(k) * 7 + 3), width: 1.5,
+        value: (u, x) => (x == null ? '–' : `${x.toFixed(1)}${unit}`) }))],
+      axes: [{ stroke: '#8b95a8', grid: { stroke: '#2c3446' } },
+        { stroke: '#8b95a8', grid: { stroke: '#2c3446' }, values: (u, vals) => vals.map((x) => `${x}${unit}`) }],
+    }, [times, ...cols], el);
+    made.__shape = shape;
+    v.charts = v.charts.filter((c) => c !== chart);
+    v.charts.push(made);
+    return made;
+  }
+
+  // --- jobs ------------------------------------------------------------------------------
+  const jobCols = [
+    { title: 'job', html: (j) => `<a href="#/jobs/${j.id}">${j.id}</a>` },
+    { title: 'name', text: (j) => j.request.name || '' },
+    { title: 'user', text: (j) => j.request.user },
+    { title: 'account', text: (j) => j.request.account || j.request.user },
+    { title: 'state', html: (j) => badge(j.state) },
+    { title: 'GPUs', num: true, text: (j) => gpusOf(j.request) },
+    { title: 'submitted', text: (j) => when(j.submit_ms) },
+    { title: 'ran', num: true, text: (j) => (j.start_ms ? span(((j.end_ms || Date.now()) - j.start_ms) / 1000) : '–') },
+    { title: 'where / why', html: (j) => (j.placement.length
+      ? j.placement.map((p) => `<a href="#/nodes/${encodeURIComponent(p.node)}">${esc(p.node)}</a>[${esc(p.gpus.join(','))}]`).join(' ')
+      : esc(j.reason || '')) },
+  ];
+  const gpusOf = (r) => (r.gpu_share ? `${r.gpu_share.fraction}` : `${(r.nodes || 1) * (r.gpus_per_node || 1)}`);
+
+  async function jobsView(v, params) {
+    const p = { state: params.get('state') || '', user: params.get('user') || '', account: params.get('account') || '' };
+    main.innerHTML = `<h1>Jobs</h1><div class="toolbar" id="jobs-filters">
+      <label>state <select data-f="state">${['', 'pending', 'running', 'completed', 'failed', 'cancelled', 'timeout', 'preempted', 'node_fail']
+        .map((s) => `<option value="${s}"${s === p.state ? ' selected' : ''}>${s || 'all'}</option>`).join('')}</select></label>
+      <label>user <input data-f="user" size="10" value="${esc(p.user)}"></label>
+      <label>account <input data-f="account" size="10" value="${esc(p.account)}"></label>
+      <span class="muted">newest 500</span></div><div id="jobs-table"></div>`;
+    document.getElementById('jobs-filters').addEventListener('change', (e) => {
+      p[e.target.dataset.f] = e.target.value.trim();
+      location.hash = `#/jobs${qs(p)}`;
+    });
+    await v.every(10000, async () => {
+      const list = (await api(`/v1/jobs${qs(Object.assign({ limit: 500 }, p))}`)).jobs;
+      document.getElementById('jobs-table').innerHTML = table(jobCols, list, { id: 'jobs', empty: 'No jobs match.' });
+      v.ready();
+    });
+  }
+
+  async function queueView(v) {
+    main.innerHTML = `<h1>Queue</h1><p class="muted">Pending jobs in the order the scheduler considers them, why each waits and when it should start.</p><div id="queue-table"></div>`;
+    await v.every(10000, async () => {
+      const q = (await api('/v1/queue?start=true')).queue;
+      document.getElementById('queue-table').innerHTML = table([
+        { title: '#', num: true, text: (e) => q.indexOf(e) + 1 },
+        { title: 'job', html: (e) => `<a href="#/jobs/${e.job.id}">${e.job.id}</a>` },
+        { title: 'name', text: (e) => e.job.request.name || '' },
+        { title: 'user', text: (e) => e.job.request.user },
+        { title: 'account', text: (e) => e.job.request.account || e.job.request.user },
+        { title: 'GPUs', num: true, text: (e) => gpusOf(e.job.request) },
+        { title: 'waited', num: true, text: (e) => span((Date.now() - e.job.submit_ms) / 1000) },
+        { title: 'estimated start', text: (e) => (e.estimated_start_ms ? when(e.estimated_start_ms) : 'unknown') },
+        { title: 'why it waits', text: (e) => e.job.reason || '' },
+      ], q, { id: 'queue', empty: 'Nothing waits.' });
+      v.ready();
+    });
+  }
+
+  async function jobView(v, params, idText) {
+    const id = Number(idText);
+    main.innerHTML = `<h1>Job ${id} <span id="job-title"></span></h1>
+      <div class="toolbar" id="job-actions"></div>
+      <div class="grid2"><dl class="kv" id="job-kv"></dl><dl class="kv" id="job-usage"></dl></div>
+      <h2>GPUs</h2><div class="grid2">
+        <div class="chart"><h3>utilization (%)</h3><div id="c-util"></div></div>
+        <div class="chart"><h3>memory used (GiB)</h3><div id="c-mem"></div></div>
+        <div class="chart"><h3>power (W)</h3><div id="c-power"></div></div>
+        <div class="chart"><h3>the job's own metrics (OpenTelemetry)</h3><div id="c-otel"></div></div></div>
+      <h2>Output <span class="muted" id="log-note"></span></h2><pre class="log" id="log"></pre>
+      <h2>Timeline</h2><ul class="timeline" id="timeline"></ul>`;
+    const charts = {};
+    const log = { offset: 0, attempt: null, decoder: new TextDecoder(), done: false };
+    let job = null;
+
+    const followLog = async () => {
+      if (!job || log.done || job.private || job.attempts === 0) return;
+      let res;
+      try {
+        res = await call(`/v1/jobs/${id}/logs?offset=${log.offset}`);
+      } catch (err) {
+        document.getElementById('log-note').textContent = err.message;
+        log.done = true;
+        return;
+      }
+      const attempt = res.headers.get('x-perch-attempt');
+      if (log.attempt !== null && attempt !== log.attempt) {
+        document.getElementById('log').textContent += `\n--- attempt ${attempt} ---\n`;
+        log.offset = 0;
+        log.attempt = attempt;
+        return followLog();
+      }
+      log.attempt = attempt;
+      const bytes = new Uint8Array(await res.arrayBuffer());
+      log.offset += bytes.length;
+      const pre = document.getElementById('log');
+      if (bytes.length) {
+        const atEnd = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
+        let text = pre.textContent + log.decoder.decode(bytes, { stream: true });
+        if (text.length > 200000) text = `…\n${text.slice(-150000)}`; // a tail, not the whole log
+        pre.textContent = text;
+        if (atEnd) pre.scrollTop = pre.scrollHeight;
+      }
+      const finished = res.headers.get('x-perch-job-finished') === 'true';
+      document.getElementById('log-note').textContent = `attempt ${attempt || '–'}, ${finished ? 'finished' : 'following'}`;
+      if (finished && !bytes.length) log.done = true;
+    };
+
+    const drawCharts = async () => {
+      const allocs = job.allocations || [];
+      if (!allocs.length) return;
+      const start = Math.min(...allocs.map((a) => a.start_ms));
+      const end = Math.max(...allocs.map((a) => a.end_ms || Date.now()));
+      const bucket = Math.max(1, Math.round((end - start) / 1000 / 300));
+      const where = allocs.map((a) => `(node = ${sqlStr(a.node)} AND gpu IN (${a.gpus.map(Number).join(',')})`
+        + ` AND time >= to_timestamp_millis(${Math.floor(a.start_ms)}) AND time <= to_timestamp_millis(${Math.floor(a.end_ms || Date.now())}))`).join(' OR ');
+      const data = await rows(`SELECT node, gpu, date_bin(INTERVAL '${bucket} seconds', time, TIMESTAMP '1970-01-01') AS t,
+        avg(utilization_gpu_pct) AS u, max(memory_used_bytes) / 1073741824.0 AS m, avg(power_watts) AS p
+        FROM gpu_samples WHERE ${where} GROUP BY 1, 2, 3 ORDER BY 3`);
+      const key = (r) => `${r.node}/${r.gpu}`;
+      charts.u = drawLines(v, charts.u, document.getElementById('c-util'), data, key, 'u', '%');
+      charts.m = drawLines(v, charts.m, document.getElementById('c-mem'), data, key, 'm', '');
+      charts.p = drawLines(v, charts.p, document.getElementById('c-power'), data, key, 'p', '');
+      const metrics = await rows(`SELECT metric, date_bin(INTERVAL '${bucket} seconds', time, TIMESTAMP '1970-01-01') AS t, avg(value) AS x
+        FROM job_metrics WHERE job = ${sqlStr(String(id))} GROUP BY 1, 2 ORDER BY 2`);
+      charts.o = drawLines(v, charts.o, document.getElementById('c-otel'), metrics, (r) => r.metric, 'x', '');
+    };
+
+    const actions = () => {
+      const el = document.getElementById('job-actions');
+      const live = job.state === 'pending' || job.state === 'running';
+      if (!live || !mayActOn(job.request.user)) { el.innerHTML = ''; return; }
+      if (el.querySelector('#cancel')) return;
+      el.innerHTML = '<button class="danger" id="cancel">Cancel job</button>';
+      document.getElementById('cancel').onclick = (e) => {
+        if (e.target.dataset.armed !== '1') {
+          e.target.dataset.armed = '1';
+          e.target.textContent = 'Really cancel? Click again';
+          return;
+        }
+        post(`/v1/jobs/${id}/cancel`).then(() => { el.innerHTML = '<span class="muted">cancel sent</span>'; }, problem);
+      };
+    };
+
+    let chartTick = 0;
+    await v.every(3000, async () => {
+      job = await api(`/v1/jobs/${id}`);
+      const r = job.request;
+      document.getElementById('job-title').innerHTML = `${esc(r.name || '')} ${badge(job.state)}${job.private ? ' <span class="muted">(not yours: command and environment hidden)</span>' : ''}`;
+      document.getElementById('job-kv').innerHTML = `
+        <dt>user / account</dt><dd>${esc(r.user)} / ${esc(r.account || r.user)}</dd>
+        <dt>asked for</dt><dd>${r.gpu_share ? `${esc(r.gpu_share.fraction)} of a GPU` : `${esc(r.nodes || 1)} node(s) × ${esc(r.gpus_per_node || 1)} GPU(s)`}${r.gpu_model ? ` of ${esc(r.gpu_model)}` : ''}, time limit ${span(r.time_limit_secs)}</dd>
+        <dt>command</dt><dd class="mono">${esc((r.command || []).join(' '))}</dd>
+        ${Object.keys(r.env || {}).length ? `<dt>environment</dt><dd class="mono">${Object.entries(r.env).map(([k, x]) => `${esc(k)}=${esc(x)}`).join('<br>')}</dd>` : ''}
+        <dt>state</dt><dd>${badge(job.state)}${job.exit_code != null ? ` exit ${esc(job.exit_code)}` : ''}</dd>
+        ${job.reason ? `<dt>reason</dt><dd>${esc(job.reason)}</dd>` : ''}
+        ${job.estimated_start_ms ? `<dt>estimated start</dt><dd>${when(job.estimated_start_ms)}</dd>` : ''}
+        <dt>placement</dt><dd>${job.placement.map((p) => `<a href="#/nodes/${encodeURIComponent(p.node)}">${esc(p.node)}</a> GPUs ${esc(p.gpus.join(', '))}`).join('<br>') || '–'}</dd>
+        <dt>submitted</dt><dd>${when(job.submit_ms)}</dd><dt>started</dt><dd>${when(job.start_ms)}</dd><dt>ended</dt><dd>${when(job.end_ms)}</dd>
+        <dt>attempts</dt><dd>${job.attempts} (preempted ${job.preemptions}, requeued ${job.requeues})</dd>`;
+      const u = job.usage;
+      document.getElementById('job-usage').innerHTML = u ? `
+        <dt>GPU-hours allocated</dt><dd id="u-alloc">${hours(u.gpu_seconds_allocated)}</dd>
+        <dt>GPU-hours used</dt><dd id="u-used">${hours(u.gpu_seconds_used)}</dd>
+        <dt>efficiency</dt><dd>${pct(u.utilization_mean_pct)}</dd>
+        <dt>energy</dt><dd>${u.energy_joules == null ? '–' : `${(u.energy_joules / 3.6e6).toFixed(3)} kWh`}</dd>
+        <dt>cost (allocated / used)</dt><dd>${money(u.cost_allocated)} / ${money(u.cost_used)}</dd>
+        ${u.note ? `<dt></dt><dd class="muted">${esc(u.note)}</dd>` : ''}
+        ${(job.gpus_now || []).map((g) => `<dt>${esc(g.node)} GPU ${esc(g.gpu)} now</dt><dd>${pct(g.utilization_gpu_pct)}, ${gib(g.memory_used_bytes)}, ${num(g.power_watts, 0)} W${g.simulated ? ` ${badge('simulated')}` : ''}</dd>`).join('')}`
+        : '<dt>usage</dt><dd class="muted">none yet: the job has not run</dd>';
+      document.getElementById('timeline').innerHTML = job.timeline.map((e) => `<li><time>${esc(when(e.time_ms))}</time>${esc(e.event)}</li>`).join('');
+      actions();
+      if (job.private) document.getElementById('log-note').textContent = 'only its owner and operators read its output';
+      await followLog();
+      if (chartTick++ % 5 === 0 || job.state !== 'running') await drawCharts();
+      v.ready();
+    });
+  }
+
+  // --- occupancy over time ---------------------------------------------------------------
+  async function occupancyView(v, params) {
+    const p = { hours: params.get('hours') || '1', rack: params.get('rack') || '', node: params.get('node') || '' };
+    const MAX_ROWS = 256, ROW = 12, LEFT = 130;
+    main.innerHTML = `<h1>Occupancy</h1><div class="toolbar" id="occ-filters">
+      <label>window <select data-f="hours">${[['0.25', 'last 15 minutes'], ['1', 'last hour'], ['6', '6 hours'], ['24', '24 hours'], ['168', '7 days']]
+        .map(([h, t]) => `<option value="${h}"${h === p.hours ? ' selected' : ''}>${t}</option>`).join('')}</select></label>
+      <label>rack <input data-f="rack" size="10" value="${esc(p.rack)}"></label>
+      <label>node <input data-f="node" size="14" placeholder="name contains" value="${esc(p.node)}"></label>
+      <span class="muted" id="occ-note"></span></div>
+      <p class="muted">One row per GPU; a coloured band per job (one colour per job), its height the GPU's measured utilization in each bucket. Grey: no job. Click a band to open its job.</p>
+      <div class="occupancy"><canvas id="occ"></canvas></div>
+      <details><summary>Allocations in this window (<span id="occ-count">0</span>)</summary><div id="occ-list"></div></details>`;
+    document.getElementById('occ-filters').addEventListener('change', (e) => {
+      p[e.target.dataset.f] = e.target.value.trim();
+      location.hash = `#/occupancy${qs(p)}`;
+    });
+    const tip = document.createElement('div');
+    tip.className = 'tip';
+    tip.hidden = true;
+    document.body.appendChild(tip);
+    v.charts.push({ destroy: () => tip.remove() });
+    const canvas = document.getElementById('occ');
+    let layout = null;
+
+    const hitTest = (e) => {
+      if (!layout) return null;
+      const r = canvas.getBoundingClientRect();
+      const x = e.clientX - r.left, y = e.clientY - r.top;
+      const row = Math.floor(y / ROW);
+      if (row < 0 || row >= layout.gpus.length || x < LEFT) return null;
+      const t = layout.t0 + ((x - LEFT) / (layout.width - LEFT)) * (layout.t1 - layout.t0);
+      const [node, gpu] = layout.gpus[row];
+      const a = layout.allocs.find((b) => b.node === node && b.gpu === gpu && b.s <= t && t <= b.e);
+      return { node, gpu, t, a };
+    };
+    canvas.onmousemove = (e) => {
+      const h = hitTest(e);
+      if (!h) { tip.hidden = true; return; }
+      tip.hidden = false;
+      tip.style.left = `${e.clientX + 12}px`;
+      tip.style.top = `${e.clientY + 12}px`;
+      tip.textContent = `${h.node} GPU ${h.gpu}, ${when(h.t)}\n${h.a ? `job ${h.a.job} (${h.a.user})` : 'no job'}`;
+    };
+    canvas.onmouseleave = () => { tip.hidden = true; };
+    canvas.onclick = (e) => {
+      const h = hitTest(e);
+      if (h && h.a) location.hash = `#/jobs/${h.a.job}`;
+    };
+
+    await v.every(30000, async () => {
+      const hoursN = Math.max(0.25, Number(p.hours) || 1);
+      const t1 = Date.now(), t0 = t1 - hoursN * 3600e3;
+      const nodes = (await api('/v1/nodes')).nodes.filter((n) => (!p.rack || n.rack === p.rack) && (!p.node || n.name.includes(p.node)));
+      let gpus = [];
+      for (const n of nodes) for (const g of n.gpu_status) gpus.push([n.name, g.index]);
+      const total = gpus.length;
+      gpus = gpus.slice(0, MAX_ROWS);
+      const shownNodes = [...new Set(gpus.map((g) => g[0]))];
+      document.getElementById('occ-note').textContent = total > MAX_ROWS
+        ? `showing ${MAX_ROWS} of ${total} GPUs: filter by rack or node to see the others` : `${total} GPUs`;
+      const inNodes = shownNodes.length ? `node IN (${shownNodes.map(sqlStr).join(',')})` : 'false';
+      const buckets = 240;
+      const bucket = Math.max(1, Math.round((t1 - t0) / 1000 / buckets));
+      const long = hoursN > 6;
+      const utilSql = long
+        ? `SELECT node, gpu, date_bin(INTERVAL '${bucket} seconds', time, TIMESTAMP '1970-01-01') AS t,
+             sum(utilization_gpu_pct_sum) / sum(utilization_gpu_pct_count) AS u FROM gpu_samples_1m
+             WHERE ${inNodes} AND time >= to_timestamp_millis(${t0}) GROUP BY 1, 2, 3`
+        : `SELECT node, gpu, date_bin(INTERVAL '${bucket} seconds', time, TIMESTAMP '1970-01-01') AS t,
+             avg(utilization_gpu_pct) AS u FROM gpu_samples WHERE ${inNodes} AND time >= to_timestamp_millis(${t0}) GROUP BY 1, 2, 3`;
+      const allocSql = `SELECT job, attempt, user_name, account, node, gpu, start_time, end_time FROM job_allocations
+        WHERE ${inNodes} AND start_time < to_timestamp_millis(${t1}) AND (end_time IS NULL OR end_time > to_timestamp_millis(${t0}))
+        ORDER BY start_time`;
+      const [util, allocRows] = await Promise.all([rows(utilSql), rows(allocSql)]);
+      const allocs = allocRows.map((a) => ({ job: a.job, user: a.user_name, account: a.account, node: a.node, gpu: a.gpu,
+        s: Date.parse(a.start_time), e: a.end_time ? Date.parse(a.end_time) : t1, attempt: a.attempt }));
+      const width = Math.max(600, canvas.parentElement.clientWidth);
+      const dpr = window.devicePixelRatio || 1;
+      canvas.width = width * dpr;
+      canvas.height = Math.max(1, gpus.length) * ROW * dpr;
+      canvas.style.width = `${width}px`;
+      canvas.style.height = `${Math.max(1, gpus.length) * ROW}px`;
+      const ctx = canvas.getContext('2d');
+      ctx.scale(dpr, dpr);
+      ctx.clearRect(0, 0, width, gpus.length * ROW);
+      const xOf = (t) => LEFT + ((t - t0) / (t1 - t0)) * (width - LEFT);
+      const rowOf = new Map(gpus.map(([n, g], i) => [`${n}/${g}`, i]));
+      ctx.font = '10px system-ui, sans-serif';
+      ctx.textBaseline = 'middle';
+      gpus.forEach(([n, g], i) => {
+        ctx.fillStyle = i % 2 ? '#1a1f2b' : '#161b25';
+        ctx.fillRect(0, i * ROW, width, ROW);
+        ctx.fillStyle = '#8b95a8';
+        ctx.fillText(`${n} ${g}`, 2, i * ROW + ROW / 2);
+      });
+      // Measured utilization, grey where no job holds the GPU, the job's colour inside its band.
+      const bw = Math.max(1, ((bucket * 1000) / (t1 - t0)) * (width - LEFT));
+      for (const r of util) {
+        const i = rowOf.get(`${r.node}/${r.gpu}`);
+        if (i === undefined || r.u == null) continue;
+        const t = Date.parse(r.t);
+        const a = allocs.find((b) => b.node === r.node && b.gpu === r.gpu && b.s <= t + bucket * 500 && t + bucket * 500 <= b.e);
+        const h = Math.max(1, (Math.min(100, r.u) / 100) * (ROW - 2));
+        ctx.fillStyle = a ? jobColor(a.job, 0.95) : 'rgba(150,150,150,0.45)';
+        ctx.fillRect(Math.max(LEFT, xOf(t)), i * ROW + ROW - 1 - h, bw, h);
+      }
+      for (const a of allocs) {
+        const i = rowOf.get(`${a.node}/${a.gpu}`);
+        if (i === undefined) continue;
+        const x0 = Math.max(LEFT, xOf(a.s)), x1 = Math.min(width, xOf(a.e));
+        ctx.fillStyle = jobColor(a.job, 0.18);
+        ctx.fillRect(x0, i * ROW + 1, Math.max(1, x1 - x0), ROW - 2);
+        ctx.strokeStyle = jobColor(a.job, 0.9);
+        ctx.strokeRect(x0 + 0.5, i * ROW + 1.5, Math.max(1, x1 - x0 - 1), ROW - 3);
+      }
+      layout = { t0, t1, width, gpus, allocs };
+      const byJob = new Map();
+      for (const a of allocs) {
+        const k = `${a.job}/${a.attempt}`;
+        if (!byJob.has(k)) byJob.set(k, { job: a.job, attempt: a.attempt, user: a.user, account: a.account, s: a.s, e: a.e, gpus: [] });
+        byJob.get(k).gpus.push(`${a.node}:${a.gpu}`);
+      }
+      document.getElementById('occ-count').textContent = byJob.size;
+      document.getElementById('occ-list').innerHTML = table([
+        { title: 'job', html: (b) => `<a href="#/jobs/${b.job}">${b.job}</a>` }, { title: 'attempt', key: 'attempt' },
+        { title: 'user', key: 'user' }, { title: 'account', key: 'account' },
+        { title: 'from', text: (b) => when(b.s) }, { title: 'to', text: (b) => (b.e >= t1 ? 'running' : when(b.e)) },
+        { title: 'GPUs', text: (b) => b.gpus.join(' ') }], [...byJob.values()], { id: 'occ-allocs' });
+      v.ready();
+    });
+  }
+
+  // --- accounts and users ----------------------------------------------------------------
+  async function accountsView(v, params) {
+    const days = params.get('days') || '7';
+    main.innerHTML = `<h1>Accounts and users</h1><div class="toolbar" id="acc-filters">
+      <label>period <select id="days">${[['1', 'last day'], ['7', 'last 7 days'], ['30', 'last 30 days'], ['all', 'all time']]
+        .map(([d, t]) => `<option value="${d}"${d === days ? ' selected' : ''}>${t}</option>`).join('')}</select></label>
+      <span id="acc-sql"></span></div>
+      <p class="muted">GPU-hours, efficiency (used / accounted) and what idle allocated GPUs cost, per account and user.
+        A period counts the allocations that overlap it, whole. Telemetry figures are folded every few minutes.</p>
+      <div id="acc-table"></div>`;
+    document.getElementById('days').onchange = (e) => { location.hash = `#/accounts?days=${e.target.value}`; };
+    const period = days === 'all' ? '' : `WHERE end_time IS NULL OR end_time >= now() - INTERVAL '${Number(days)} days'`;
+    const query = `SELECT account, user_name, count(DISTINCT job) AS jobs,
+  sum(gpu_seconds_allocated) / 3600 AS gpu_hours_allocated, sum(gpu_seconds_used) / 3600 AS gpu_hours_used,
+  sum(gpu_seconds_used) / sum(gpu_seconds_accounted) AS efficiency,
+  sum(cost_allocated) AS cost_allocated, sum(cost_used) AS cost_used,
+  sum(cost_allocated) - sum(cost_used) AS idle_cost
+FROM job_allocations ${period}
+GROUP BY account, user_name ORDER BY gpu_hours_allocated DESC, account, user_name`;
+    document.getElementById('acc-sql').innerHTML = sqlLink(query);
+    await v.every(60000, async () => {
+      const data = await rows(query);
+      document.getElementById('acc-table').innerHTML = table([
+        { title: 'account', key: 'account' }, { title: 'user', key: 'user_name' }, { title: 'jobs', num: true, key: 'jobs' },
+        { title: 'GPU-hours allocated', num: true, text: (r) => num(r.gpu_hours_allocated, 2) },
+        { title: 'GPU-hours used', num: true, text: (r) => num(r.gpu_hours_used, 2) },
+        { title: 'efficiency', num: true, text: (r) => (r.efficiency == null ? '–' : pct(r.efficiency * 100)) },
+        { title: 'cost allocated', num: true, text: (r) => money(r.cost_allocated) },
+        { title: 'cost used', num: true, text: (r) => money(r.cost_used) },
+        { title: 'idle cost', num: true, text: (r) => money(r.idle_cost) },
+      ], data, { id: 'accounts', empty: 'No allocations in this period.' });
+      v.ready();
+    });
+  }
+
+  // --- alerts ----------------------------------------------------------------------------
+  async function alertsView(v) {
+    main.innerHTML = `<h1>Alerts</h1><div class="cards" id="breaker"></div>
+      <h2>Alerts now</h2><div id="alerts-now"></div>
+      <h2>Silences</h2><div id="silences"></div>
+      <h2>Remediation and alert history</h2><div id="history"></div>
+      <h2>Rules</h2><div id="rules"></div>`;
+    await v.every(10000, async () => {
+      const [a, s] = await Promise.all([api('/v1/alerts'), api('/v1/silences')]);
+      const r = a.remediation;
+      const b = r.circuit_breaker;
+      document.getElementById('breaker').innerHTML = `<div class="card" id="breaker-state"><div class="v ${b ? 'bad' : 'ok'}">${b ? 'open' : 'closed'}</div>
+        <div class="k">remediation circuit breaker${b ? `: since ${esc(when(b.opened_at_ms))}, ${esc(b.reason)}` : ''}</div>
+        ${b && who && who.role === 'operator' ? '<button id="reset-breaker">Close it</button>' : ''}</div>
+        <div class="card"><div class="v">${r.dry_run ? 'dry run' : 'acting'}</div><div class="k">remediation mode</div></div>
+        <div class="card"><div class="v">${r.nodes_drained_by_perch.length}</div><div class="k">nodes drained by perch${r.nodes_drained_by_perch.length ? `: ${esc(r.nodes_drained_by_perch.join(', '))}` : ''}</div></div>`;
+      const reset = document.getElementById('reset-breaker');
+      if (reset) reset.onclick = () => post('/v1/alerts/breaker/reset').then(route, problem);
+      const live = a.alerts.filter((x) => x.state === 'firing' || x.state === 'pending');
+      document.getElementById('alerts-now').innerHTML = table([
+        { title: 'alert', text: (x) => x.labels.alertname || x.rule }, { title: 'state', html: (x) => badge(x.state) },
+        { title: 'severity', html: (x) => badge(x.severity) },
+        { title: 'summary', text: (x) => x.summary }, { title: 'labels', text: (x) => Object.entries(x.labels).map(([k, y]) => `${k}=${y}`).join(' ') },
+        { title: 'since', text: (x) => when(x.fired_at_ms || x.active_at_ms) }, { title: 'muted', text: (x) => x.muted_by || '' },
+      ], live, { id: 'alerts', empty: 'Nothing is firing.' });
+      document.getElementById('silences').innerHTML = table([
+        { title: 'id', key: 'id' }, { title: 'matchers', text: (x) => JSON.stringify(x.matchers) }, { title: 'state', key: 'state' },
+        { title: 'until', text: (x) => x.ends_at || when(x.ends_at_ms) }, { title: 'by', key: 'created_by' }, { title: 'comment', key: 'comment' },
+      ], s.silences, { empty: 'No silences.' });
+      document.getElementById('rules').innerHTML = table([
+        { title: 'rule', key: 'name' }, { title: 'severity', html: (x) => badge(x.severity) },
+        { title: 'firing', num: true, key: 'firing' }, { title: 'pending', num: true, key: 'pending' },
+        { title: 'last evaluated', text: (x) => when(x.last_evaluation_ms) },
+        { title: 'error', html: (x) => (x.last_error ? `<span class="bad">${esc(x.last_error)}</span>` : '') },
+      ], a.rules);
+      const history = await rows(`SELECT time, kind, actor, node, gpu, job, rule, action, outcome, dry_run, message FROM events
+        WHERE kind IN ('alert_firing', 'alert_resolved', 'remediation', 'circuit_breaker_open') ORDER BY time DESC LIMIT 100`);
+      document.getElementById('history').innerHTML = table([
+        { title: 'time', text: (x) => when(Date.parse(x.time)) }, { title: 'kind', key: 'kind' }, { title: 'rule', key: 'rule' },
+        { title: 'node', html: (x) => (x.node ? `<a href="#/nodes/${encodeURIComponent(x.node)}">${esc(x.node)}</a>` : '') },
+        { title: 'action', key: 'action' }, { title: 'outcome', key: 'outcome' }, { title: 'what', key: 'message' },
+      ], history, { empty: 'No alert or remediation events yet.' });
+      v.ready();
+    });
+  }
+
+  // --- SQL console -----------------------------------------------------------------------
+  const SQL_EXAMPLE = 'SELECT node, gpu, avg(utilization_gpu_pct) AS util\nFROM gpu_samples\nWHERE time > now() - INTERVAL \'15 minutes\'\nGROUP BY node, gpu\nORDER BY util DESC\nLIMIT 20';
+  async function sqlView(v, params) {
+    main.innerHTML = `<h1>SQL</h1><p class="muted">Read-only SQL over telemetry and accounting (<code>SHOW TABLES</code> lists the tables).
+      Ctrl+Enter runs it.</p>
+      <textarea class="sql" id="sql" spellcheck="false"></textarea>
+      <div class="toolbar"><button id="run">Run</button><button id="csv">Download CSV</button><span class="muted" id="sql-note"></span></div>
+      <div id="sql-result"></div>`;
+    const box = document.getElementById('sql');
+    box.value = params.get('q') || SQL_EXAMPLE;
+    const note = document.getElementById('sql-note');
+    const run = async () => {
+      setParams({ q: box.value });
+      note.textContent = 'running…';
+      const t0 = performance.now();
+      try {
+        const res = await (await sql(box.value)).json();
+        const shown = res.rows.slice(0, 2000);
+        note.textContent = `${res.row_count} rows in ${Math.round(performance.now() - t0)} ms${res.truncated ? ' (cut at the server\'s max_rows)' : ''}${shown.length < res.rows.length ? `; the first ${shown.length} shown, the CSV has them all` : ''}`;
+        document.getElementById('sql-result').innerHTML = table(res.columns.map((c) => ({
+          title: c.name, key: c.name, num: /Int|Float|Decimal/.test(c.type),
+          text: (r) => (r[c.name] === null ? 'NULL' : typeof r[c.name] === 'object' ? JSON.stringify(r[c.name]) : r[c.name]),
+        })), shown, { id: 'sql-rows', empty: 'No rows.' });
+      } catch (err) {
+        note.textContent = '';
+        document.getElementById('sql-result').innerHTML = `<p class="bad" id="sql-error">${esc(err.message)}</p>`;
+      }
+      v.ready();
+    };
+    document.getElementById('run').onclick = run;
+    box.onkeydown = (e) => { if (e.key === 'Enter' && (e.ctrlKey || e.metaKey)) run(); };
+    document.getElementById('csv').onclick = async () => {
+      try {
+        const blob = await (await sql(box.value, 'csv')).blob();
+        const a = document.createElement('a');
+        a.href = URL.createObjectURL(blob);
+        a.download = 'perch-query.csv';
+        document.body.appendChild(a);
+        a.click();
+        a.remove();
+        setTimeout(() => URL.revokeObjectURL(a.href), 10000);
+      } catch (err) {
+        problem(err);
+      }
+    };
+    if (params.get('q')) await run(); else v.ready();
+  }
+
+  // --- start -----------------------------------------------------------------------------
+  async function start() {
+    try {
+      who = await api('/v1/whoami', { noSignIn: true });
+    } catch (err) {
+      if (err.status === 401) {
+        sessionStorage.removeItem(TOKEN_KEY);
+        afterSignIn = location.hash || '#/fleet';
+        if (!location.hash.startsWith('#/signin')) { location.hash = '#/signin'; return; }
+      } else {
+        problem(err);
+      }
+    }
+    showWho();
+    route();
+  }
+  window.addEventListener('hashchange', () => {
+    if (!who && !location.hash.startsWith('#/signin')) { start(); return; }
+    route();
+  });
+  start();
+})();
