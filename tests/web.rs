@@ -7,107 +7,54 @@
 
 mod common;
 
-use common::{PATIENCE, Perch, free_port, wait_for};
+use common::{PATIENCE, Perch, wait_for};
 use serde_json::{Value, json};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-/// One Chromium session through a chromedriver of its own; both end when dropped.
+/// The benchmarks' headless Chromium with what these tests ask of it; a failed WebDriver
+/// command fails the test.
 struct Browser {
-    driver: Child,
-    http: reqwest::blocking::Client,
-    session: String,
-    endpoint: String,
+    inner: perch_bench::browser::Browser,
     shots: PathBuf,
 }
 
 impl Browser {
     fn start() -> Browser {
-        let port = free_port();
-        let driver = Command::new("chromedriver")
-            .arg(format!("--port={port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("chromedriver (Debian's chromium-driver; scripts/test.sh installs it)");
-        let endpoint = format!("http://127.0.0.1:{port}");
-        let http = reqwest::blocking::Client::builder()
-            .timeout(Duration::from_secs(60))
-            .build()
-            .expect("client");
-        wait_for("chromedriver to answer", || {
-            http.get(format!("{endpoint}/status"))
-                .send()
-                .ok()
-                .and_then(|r| r.json::<Value>().ok())
-                .filter(|v| v["value"]["ready"] == true)
-        });
         let shots = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("screenshots");
         std::fs::create_dir_all(&shots).expect("screenshot dir");
-        let caps = json!({"capabilities": {"alwaysMatch": {
-            "browserName": "chrome",
-            "goog:chromeOptions": {
-                "binary": "/usr/bin/chromium",
-                // --no-sandbox: the tests run as root, where Chromium's sandbox cannot start.
-                "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
-                         "--disable-dev-shm-usage", "--window-size=1400,1000"],
-            },
-            "goog:loggingPrefs": {"browser": "ALL"},
-        }}});
-        let mut browser = Browser {
-            driver,
-            http,
-            session: String::new(),
-            endpoint,
-            shots,
-        };
-        let created = browser.call("POST", "/session", Some(caps));
-        browser.session = created["sessionId"]
-            .as_str()
-            .expect("a session id")
-            .to_owned();
-        browser
-    }
-
-    fn call(&self, method: &str, path: &str, body: Option<Value>) -> Value {
-        let url = format!("{}{path}", self.endpoint);
-        let request = match method {
-            "GET" => self.http.get(url),
-            "DELETE" => self.http.delete(url),
-            _ => self.http.post(url).json(&body.unwrap_or(json!({}))),
-        };
-        let response = request.send().expect("chromedriver request");
-        let status = response.status();
-        let value: Value = response.json().expect("chromedriver answers JSON");
-        assert!(status.is_success(), "{method} {path}: {status} {value}");
-        value["value"].clone()
+        let inner = perch_bench::browser::Browser::start(1400, 1000)
+            .expect("headless Chromium (Debian's chromium and chromium-driver; scripts/test.sh installs them)");
+        Browser { inner, shots }
     }
 
     fn go(&self, url: &str) {
-        self.call(
-            "POST",
-            &format!("/session/{}/url", self.session),
-            Some(json!({ "url": url })),
-        );
+        self.inner.go(url).expect("navigate");
     }
 
     /// Runs `script` (a function body; `arguments` holds `args`) in the page.
     fn js(&self, script: &str, args: Value) -> Value {
-        self.call(
-            "POST",
-            &format!("/session/{}/execute/sync", self.session),
-            Some(json!({ "script": script, "args": args })),
-        )
+        self.inner
+            .js(script, args)
+            .unwrap_or_else(|e| panic!("{script}: {e:#}"))
     }
 
-    /// Opens `url` (a deep link) and waits until its view has drawn its data.
+    /// Opens `url` (a deep link) and waits until its view has drawn its data; the view
+    /// already shown is drawn again.
     fn open(&self, url: &str) {
-        self.js(
-            "const v = document.getElementById('view'); if (v) v.dataset.ready = ''",
-            json!([]),
+        let same = self.js(
+            "const v = document.getElementById('view'); if (v) v.dataset.ready = '';
+             return location.href === arguments[0]",
+            json!([url]),
         );
-        self.go(url);
+        if same == true {
+            self.js(
+                "window.dispatchEvent(new HashChangeEvent('hashchange'))",
+                json!([]),
+            );
+        } else {
+            self.go(url);
+        }
         self.wait_ready(url);
     }
 
@@ -132,12 +79,7 @@ impl Browser {
             .into_iter()
             .map(|e| e.to_string())
             .collect();
-        let log = self.call(
-            "POST",
-            &format!("/session/{}/se/log", self.session),
-            Some(json!({"type": "browser"})),
-        );
-        for entry in log.as_array().cloned().unwrap_or_default() {
+        for entry in self.inner.console().expect("console") {
             if entry["level"] == "SEVERE" {
                 errors.push(entry["message"].to_string());
             }
@@ -186,34 +128,13 @@ impl Browser {
     }
 
     fn screenshot(&self, name: &str) {
-        use base64::Engine;
-        let data = self.call(
-            "GET",
-            &format!("/session/{}/screenshot", self.session),
-            None,
-        );
-        let png = base64::engine::general_purpose::STANDARD
-            .decode(data.as_str().expect("base64"))
-            .expect("a PNG");
+        let png = self.inner.screenshot().expect("screenshot");
         std::fs::write(self.shots.join(format!("{name}.png")), &png).expect("write screenshot");
         if std::env::var_os("PERCH_UPDATE_SCREENSHOTS").is_some() {
             let docs = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("docs/screenshots");
             std::fs::create_dir_all(&docs).expect("docs/screenshots");
             std::fs::write(docs.join(format!("{name}.png")), &png).expect("write screenshot");
         }
-    }
-}
-
-impl Drop for Browser {
-    fn drop(&mut self) {
-        if !self.session.is_empty() {
-            let _ = self
-                .http
-                .delete(format!("{}/session/{}", self.endpoint, self.session))
-                .send();
-        }
-        let _ = self.driver.kill();
-        let _ = self.driver.wait();
     }
 }
 
@@ -671,16 +592,15 @@ fn a_user_token_sees_what_the_api_lets_it_see_and_markup_stays_text() {
     assert!(!body.contains("API_KEY"), "{body}");
     assert!(browser.text("#job-actions").is_empty());
     // Nor may she cancel it from the page's own API access.
-    let cancel_status = browser.call(
-        "POST",
-        &format!("/session/{}/execute/async", browser.session),
-        Some(json!({
-            "script": "const done = arguments[arguments.length - 1];
-                       fetch(arguments[0], {method: 'POST', headers: {Authorization: 'Bearer ' + sessionStorage.getItem('perch.token')}})
-                         .then(r => done(r.status))",
-            "args": [format!("/v1/jobs/{bobs}/cancel")],
-        })),
-    );
+    let cancel_status = browser
+        .inner
+        .js_async(
+            "const done = arguments[arguments.length - 1];
+             fetch(arguments[0], {method: 'POST', headers: {Authorization: 'Bearer ' + sessionStorage.getItem('perch.token')}})
+               .then(r => done(r.status))",
+            json!([format!("/v1/jobs/{bobs}/cancel")]),
+        )
+        .expect("fetch from the page");
     assert_eq!(cancel_status, 403);
     browser.screenshot("job-not-yours");
     browser.assert_only_expected_errors(

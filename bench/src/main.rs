@@ -13,6 +13,7 @@ mod jobs;
 mod metrics;
 mod query;
 mod results;
+mod web;
 mod workload;
 
 use anyhow::Result;
@@ -39,6 +40,9 @@ enum What {
     Query(query::QueryArgs),
     /// How soon a sample an agent sends is visible to SQL.
     Freshness(freshness::FreshnessArgs),
+    /// The web view in headless Chromium against `perch demo`: first render of the fleet,
+    /// live refreshes, memory over time.
+    Web(web::WebArgs),
 }
 
 fn main() -> Result<()> {
@@ -65,6 +69,7 @@ fn main() -> Result<()> {
         What::Jobs(a) => jobs::jobs(a),
         What::Query(a) => query::query(a),
         What::Freshness(a) => freshness::freshness(a),
+        What::Web(a) => web::web(a),
     }
 }
 

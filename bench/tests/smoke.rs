@@ -89,3 +89,22 @@ fn query_against_duckdb_in_a_tiny_mode() {
         "{out}"
     );
 }
+
+#[test]
+fn web_in_a_tiny_mode() {
+    let out = bench(&[
+        "web",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--loads",
+        "1",
+        "--minutes",
+        "0.05",
+    ]);
+    assert!(
+        out.contains("first full render of the fleet view") && out.contains("JS heap"),
+        "{out}"
+    );
+}

@@ -185,6 +185,7 @@ pub fn up(config: Config) -> Result<()> {
              \x20 node:       {node}\n\
              \x20 GPUs:       {gpu_line}\n\
              \x20 server:     http://{addr}  ({access})\n\
+             \x20 web view:   http://{addr}/  (open it in a browser)\n\
              \x20 jobs:       perch submit --server http://{addr} --gpus 1 -- sh -c 'echo $CUDA_VISIBLE_DEVICES'; perch jobs --all\n\
              \x20 psql:       {psql}\n\
              \x20 data:       {data}\n\
@@ -233,6 +234,7 @@ pub fn demo(config: Config, nodes: u32, gpus_per_node: u32, seed: u64) -> Result
              \x20             about 3/4 of the GPUs, two gangs of whole nodes wait in the queue; busy ones push simulated\n\
              \x20             loss and throughput over OpenTelemetry (perch jobs --all, perch queue)\n\
              \x20 server:     http://{addr}  (open, no authentication)\n\
+             \x20 web view:   http://{addr}/  (open it in a browser)\n\
              \x20 data:       {data}\n\
              \x20 query:      perch sql --server http://{addr} \"SELECT node, avg(utilization_gpu_pct) AS util FROM gpu_samples GROUP BY node ORDER BY node\"\n\
              \x20 metrics:    curl -s http://{addr}/metrics\n\

@@ -1,0 +1,3 @@
+//! What `perch-bench` shares with the workspace's tests: the headless-browser driver.
+
+pub mod browser;
