@@ -515,6 +515,8 @@ fn every_role_reaches_exactly_the_routes_the_table_gives() {
         ("GET", "/readyz", "", [true, true, true, true]),
         ("GET", "/metrics", "", [true, true, true, true]),
         ("GET", "/v1/openapi.json", "", [true, true, true, true]),
+        ("GET", "/ui/app.js", "", [true, true, true, true]),
+        ("GET", "/v1/whoami", "", [false, true, true, false]),
         ("POST", "/v1/metrics", "{}", [false, true, true, false]),
         ("POST", "/v1/ingest", "{}", [false, false, true, true]),
         ("POST", "/v1/agent/sync", sync, [false, false, true, true]),

@@ -201,6 +201,30 @@ fn every_view_loads_and_shows_what_the_api_and_sql_say() {
     assert_eq!(missing.status().as_u16(), 404);
     assert!(missing.text().expect("text").contains("app.js"));
 
+    // Another site cannot act through the user's browser: a cross-site form post to cancel a
+    // job is refused, and so is a page that rebinds its own name to the open server.
+    wait_for("the demo's job 1 to run", || {
+        (perch.job(1)["state"] == "running").then_some(())
+    });
+    let port = url.rsplit(':').next().expect("port").to_owned();
+    let cross_site = http
+        .post(format!("{url}/v1/jobs/1/cancel"))
+        .header("origin", "http://evil.example")
+        .send()
+        .expect("post");
+    assert_eq!(cross_site.status().as_u16(), 403);
+    assert!(cross_site.text().expect("text").contains("evil.example"));
+    let rebound = http
+        .post(format!("{url}/v1/jobs"))
+        .header("host", format!("evil.example:{port}"))
+        .header("origin", format!("http://evil.example:{port}"))
+        .json(&json!({"command": ["true"]}))
+        .send()
+        .expect("post");
+    assert_eq!(rebound.status().as_u16(), 403);
+    assert!(rebound.text().expect("text").contains("loopback"));
+    assert_eq!(perch.job(1)["state"], "running", "job 1 was not cancelled");
+
     let browser = Browser::start();
 
     // Fleet: a cell per GPU, each showing the utilization of the very sample SQL has for it.

@@ -446,6 +446,55 @@ pub async fn whoami(
     }))
 }
 
+/// What keeps other web sites out, now that perch serves pages to browsers.
+///
+/// - A browser sends `Origin` with a state-changing request; one from another site (a form on
+///   a page the user happens to visit, posting to `/v1/jobs/1/cancel`) is refused. Clients that
+///   are not browsers send no `Origin` and are not affected.
+/// - An open server (no tokens, loopback only) answers API calls only when they are addressed
+///   to a loopback name: a site that rebinds its own DNS name to 127.0.0.1 makes the browser
+///   treat the server as that site, Origin and all, and would otherwise reach an API with no
+///   authentication (and submit jobs).
+fn browser_checks(
+    headers: &axum::http::HeaderMap,
+    method: &axum::http::Method,
+    open: bool,
+) -> Result<(), String> {
+    use axum::http::header::{HOST, ORIGIN};
+    let host = headers.get(HOST).and_then(|v| v.to_str().ok());
+    if open && let Some(host) = host {
+        let name = match host.strip_prefix('[') {
+            Some(v6) => v6.split(']').next().unwrap_or_default(),
+            None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+        };
+        let loopback = name.eq_ignore_ascii_case("localhost")
+            || name
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback());
+        if !loopback {
+            return Err(format!(
+                "this server is open (no tokens) and answers only requests addressed to a                  loopback name (localhost, 127.0.0.1, [::1]), not Host: {host}; give the                  server a tokens file (server.tokens_file) to reach it by another name"
+            ));
+        }
+    }
+    let changes = !matches!(
+        *method,
+        axum::http::Method::GET | axum::http::Method::HEAD | axum::http::Method::OPTIONS
+    );
+    if changes && let Some(origin) = headers.get(ORIGIN) {
+        let origin = origin.to_str().unwrap_or_default();
+        let authority = origin
+            .strip_prefix("http://")
+            .or_else(|| origin.strip_prefix("https://"));
+        if authority.is_none() || authority != host {
+            return Err(format!(
+                "a request from the web page at {origin} may not change anything here: perch                  takes changes from its own pages and from clients that are not browsers"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Which roles may call `path` (before per-job ownership checks in the handlers).
 fn allowed(role: Role, method: &axum::http::Method, path: &str) -> bool {
     let agent_path = path == "/v1/ingest" || path.starts_with("/v1/agent/");
@@ -469,6 +518,12 @@ pub async fn middleware(
     let path = request.uri().path().to_owned();
     if public(&path) {
         return next.run(request).await;
+    }
+    if let Err(refusal) =
+        browser_checks(request.headers(), request.method(), state.tokens.is_open())
+    {
+        return ApiError::new(StatusCode::FORBIDDEN, crate::ErrorCode::Forbidden, refusal)
+            .into_response();
     }
     let header = request
         .headers()
@@ -512,6 +567,77 @@ pub async fn middleware(
 mod tests {
     use super::*;
     use axum::http::Method;
+
+    #[test]
+    fn other_sites_cannot_change_anything_and_an_open_server_answers_loopback_names_only() {
+        let headers = |pairs: &[(&str, &str)]| {
+            let mut h = axum::http::HeaderMap::new();
+            for (k, v) in pairs {
+                h.insert(
+                    axum::http::HeaderName::from_bytes(k.as_bytes()).expect("name"),
+                    v.parse().expect("value"),
+                );
+            }
+            h
+        };
+        let post = Method::POST;
+        // Its own page, and clients that send no Origin (curl, the CLI, agents).
+        let own = headers(&[
+            ("host", "127.0.0.1:7300"),
+            ("origin", "http://127.0.0.1:7300"),
+        ]);
+        assert!(browser_checks(&own, &post, true).is_ok());
+        assert!(browser_checks(&headers(&[("host", "127.0.0.1:7300")]), &post, true).is_ok());
+        assert!(browser_checks(&headers(&[]), &post, false).is_ok());
+        // A form on another site posting to a cancel.
+        let evil = headers(&[
+            ("host", "127.0.0.1:7300"),
+            ("origin", "http://evil.example"),
+        ]);
+        let refused = browser_checks(&evil, &post, false).expect_err("cross-site");
+        assert!(refused.contains("evil.example"), "{refused}");
+        assert!(
+            browser_checks(&evil, &Method::GET, false).is_ok(),
+            "reads are harmless"
+        );
+        assert!(
+            browser_checks(
+                &headers(&[("host", "h:1"), ("origin", "null")]),
+                &post,
+                false
+            )
+            .is_err(),
+            "a sandboxed page"
+        );
+        // Same host, another port: another site.
+        let port = headers(&[
+            ("host", "127.0.0.1:7300"),
+            ("origin", "http://127.0.0.1:8080"),
+        ]);
+        assert!(browser_checks(&port, &post, false).is_err());
+        // DNS rebinding against an open server.
+        for host in ["evil.example:7300", "10.0.0.5:7300", "perch.internal"] {
+            let h = headers(&[("host", host)]);
+            let refused = browser_checks(&h, &Method::GET, true).expect_err(host);
+            assert!(refused.contains("tokens file"), "{refused}");
+            assert!(
+                browser_checks(&h, &Method::GET, false).is_ok(),
+                "with tokens: {host}"
+            );
+        }
+        for host in [
+            "localhost:7300",
+            "LOCALHOST",
+            "127.0.0.1",
+            "127.8.9.1:1",
+            "[::1]:7300",
+        ] {
+            assert!(
+                browser_checks(&headers(&[("host", host)]), &Method::GET, true).is_ok(),
+                "{host}"
+            );
+        }
+    }
 
     #[test]
     fn roles_reach_what_they_should() {
