@@ -299,6 +299,29 @@ fn every_view_loads_and_shows_what_the_api_and_sql_say() {
         browser.text("#banner").contains("simulated"),
         "the demo's GPUs are labelled simulated"
     );
+    // A drained node is marked on its card and every one of its cells.
+    let drained = http
+        .post(format!("{url}/v1/nodes/sim-node-003/drain"))
+        .send()
+        .expect("drain");
+    assert!(drained.status().is_success());
+    wait_for("the fleet to show sim-node-003 drained", || {
+        let marked = browser.js(
+            "const n = document.querySelector('.node[data-node=\"sim-node-003\"]');
+             return n.dataset.state === 'drained'
+               && [...n.querySelectorAll('.gpu')].every(c => c.classList.contains('drained'))",
+            json!([]),
+        );
+        (marked == true).then_some(())
+    });
+    assert_eq!(browser.text("#sum-drained .v"), "1");
+    browser.screenshot("fleet");
+    let resumed = http
+        .post(format!("{url}/v1/nodes/sim-node-003/resume"))
+        .send()
+        .expect("resume");
+    assert!(resumed.status().is_success());
+
     // Filtering by user dims the other users' GPUs and keeps the link in the address.
     browser.js(
         "const s = document.querySelector('select[data-f=user]'); s.value = 'alice';
@@ -331,7 +354,7 @@ fn every_view_loads_and_shows_what_the_api_and_sql_say() {
             .unwrap_or_default()
             .contains("user=alice")
     );
-    browser.screenshot("fleet");
+    browser.screenshot("fleet-filtered");
 
     // Every other view, by its deep link.
     let node = "sim-node-000";
