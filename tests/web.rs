@@ -425,6 +425,47 @@ fn every_view_loads_and_shows_what_the_api_and_sql_say() {
         );
     }
 
+    // A band is a link: clicking a running allocation's band opens its job.
+    let clicked = browser.js(
+        "const c = document.getElementById('occ'); const l = c.__layout;
+         const a = l.allocs.find(a => a.e >= l.t1);
+         if (!a) return null;
+         const i = l.gpus.findIndex(([n, g]) => n === a.node && g === a.gpu);
+         const r = c.getBoundingClientRect();
+         c.dispatchEvent(new MouseEvent('click', {bubbles: true,
+           clientX: r.left + l.width - 2, clientY: r.top + i * l.row + l.row / 2}));
+         return a.job",
+        json!([]),
+    );
+    let clicked = clicked.as_u64().expect("a running allocation to click");
+    wait_for("the click to open the band's job", || {
+        (browser.js("return location.hash", json!([])) == format!("#/jobs/{clicked}").as_str())
+            .then_some(())
+    });
+    browser.wait_ready("the clicked job");
+
+    // The job page charts the job's own OpenTelemetry metrics (the demo's trainers push a
+    // simulated loss and throughput), labelled simulated.
+    let pushed = wait_for("a job's pushed metrics in SQL", || {
+        sql_rows(&url, None, "SELECT job FROM job_metrics LIMIT 1")
+            .first()
+            .and_then(|r| r["job"].as_str().map(str::to_owned))
+    });
+    browser.open(&format!("{url}/#/jobs/{pushed}"));
+    let charted = browser.text("#c-otel");
+    assert!(
+        charted.contains("loss") && charted.contains("samples_per_second"),
+        "{charted}"
+    );
+    assert!(charted.contains("simulated"), "{charted}");
+    assert_eq!(
+        browser.js(
+            "return document.querySelectorAll('#c-otel .uplot, #c-util .uplot').length >= 3",
+            json!([])
+        ),
+        true
+    );
+
     // Accounts: the page's figures lie between SQL's before and after it read them (running
     // jobs keep adding GPU-hours), and it names exactly SQL's accounts and users.
     let accounts_sql = |days: &str| {

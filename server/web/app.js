@@ -511,7 +511,7 @@
     const width = Math.max(320, el.clientWidth - 14);
     const made = new uPlot({
       width,
-      height: 220,
+      height: el.closest('.metric') ? 150 : 220,
       scales: { x: { time: true } },
       series: [{}, ...keys.map((k) => ({ label: k, stroke: jobColor(keys.indexOf(k) * 7 + 3), width: 1.5,
         value: (u, x) => (x == null ? '–' : `${x.toFixed(1)}${unit}`) }))],
@@ -642,9 +642,22 @@
       charts.u = drawLines(v, charts.u, document.getElementById('c-util'), data, key, 'u', '%');
       charts.m = drawLines(v, charts.m, document.getElementById('c-mem'), data, key, 'm', '');
       charts.p = drawLines(v, charts.p, document.getElementById('c-power'), data, key, 'p', '');
-      const metrics = await rows(`SELECT metric, date_bin(INTERVAL '${bucket} seconds', time, TIMESTAMP '1970-01-01') AS t, avg(value) AS x
-        FROM job_metrics WHERE job = ${sqlStr(String(id))} GROUP BY 1, 2 ORDER BY 2`);
-      charts.o = drawLines(v, charts.o, document.getElementById('c-otel'), metrics, (r) => r.metric, 'x', '');
+      const metrics = await rows(`SELECT metric, date_bin(INTERVAL '${bucket} seconds', time, TIMESTAMP '1970-01-01') AS t,
+        avg(value) AS x, bool_or(simulated) AS sim FROM job_metrics WHERE job = ${sqlStr(String(id))} GROUP BY 1, 2 ORDER BY 2`);
+      // One chart per metric: a loss near 1 and a throughput near 1,000 share no axis.
+      const names = [...new Set(metrics.map((r) => r.metric))].sort().slice(0, 8);
+      const box = document.getElementById('c-otel');
+      if (box.dataset.names !== names.join('\n')) {
+        for (const c of Object.values(charts.o || {})) if (c) { c.destroy(); v.charts = v.charts.filter((x) => x !== c); }
+        charts.o = {};
+        box.dataset.names = names.join('\n');
+        box.innerHTML = names.length
+          ? names.map((n, i) => `<div class="metric"><h4>${esc(n)}${metrics.some((r) => r.metric === n && r.sim) ? ` ${badge('simulated')}` : ''}</h4><div id="otel-${i}"></div></div>`).join('')
+          : '<p class="muted">The job pushed no metrics (an OpenTelemetry SDK in the job reports here with no setup).</p>';
+      }
+      names.forEach((n, i) => {
+        charts.o[n] = drawLines(v, charts.o[n], document.getElementById(`otel-${i}`), metrics.filter((r) => r.metric === n), (r) => r.metric, 'x', '');
+      });
     };
 
     const actions = () => {
@@ -814,7 +827,8 @@
         ctx.strokeStyle = jobColor(a.job, 0.9);
         ctx.strokeRect(x0 + 0.5, i * ROW + 1.5, Math.max(1, x1 - x0 - 1), ROW - 3);
       }
-      layout = { t0, t1, width, gpus, allocs };
+      layout = { t0, t1, width, gpus, allocs, row: ROW, left: LEFT };
+      canvas.__layout = layout; // for the browser tests: where each band is
       const byJob = new Map();
       for (const a of allocs) {
         const k = `${a.job}/${a.attempt}`;
