@@ -376,6 +376,26 @@ fn every_view_loads_and_shows_what_the_api_and_sql_say() {
         browser.screenshot(name);
     }
     assert_eq!(browser.text("#sql-rows tbody td"), "42");
+    // Its CSV download is the server's CSV of the same query.
+    let downloads = dir.path().join("downloads");
+    std::fs::create_dir_all(&downloads).expect("downloads dir");
+    browser
+        .inner
+        .cdp(
+            "Browser.setDownloadBehavior",
+            json!({"behavior": "allow", "downloadPath": downloads.to_str().expect("utf-8")}),
+        )
+        .expect("allow downloads");
+    browser.click("#csv");
+    let csv = wait_for("the CSV download", || {
+        std::fs::read_to_string(downloads.join("perch-query.csv")).ok()
+    });
+    assert_eq!(csv.trim(), "answer\n42", "{csv}");
+    // A query the server refuses shows its message, not an empty table.
+    browser.open(&format!("{url}/#/sql?q=DROP%20TABLE%20gpu_samples"));
+    let refusal = browser.text("#sql-error");
+    assert!(refusal.contains("read-only"), "{refusal}");
+    browser.assert_only_expected_errors("the refused SQL", &["/v1/sql"]);
 
     // The queue lists what the API's queue lists, in its order.
     browser.open(&format!("{url}/#/queue"));
