@@ -356,6 +356,18 @@ fn every_view_loads_and_shows_what_the_api_and_sql_say() {
     );
     browser.screenshot("fleet-filtered");
 
+    // The compact drawing a large fleet gets (forced here on four nodes): every GPU still
+    // a cell, its details on hover.
+    browser.open(&format!("{url}/#/fleet?cells=compact"));
+    assert_eq!(
+        browser.js(
+            "return [document.getElementById('fleet').classList.contains('compact'),
+                     document.querySelectorAll('.node .gpu[title]').length]",
+            json!([])
+        ),
+        json!([true, 32])
+    );
+
     // Every other view, by its deep link.
     let node = "sim-node-000";
     for (name, link) in [

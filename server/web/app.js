@@ -296,7 +296,7 @@
 
   function nodeCard(node) {
     const cols = Math.min(8, Math.max(1, node.gpu_status.length));
-    return `<div class="node s-${esc(node.state)}" data-node="${esc(node.name)}" data-rack="${esc(node.rack)}" data-model="${esc(node.gpu_model)}" data-state="${esc(node.state)}">`
+    return `<div class="node s-${esc(node.state)}" data-node="${esc(node.name)}" data-rack="${esc(node.rack)}" data-model="${esc(node.gpu_model)}" data-state="${esc(node.state)}" title="${esc(`${node.name} (${node.state}, rack ${node.rack})`)}">`
       + `<div class="nh"><a href="#/nodes/${encodeURIComponent(node.name)}">${esc(node.name)}</a><span class="st">${esc(node.state === 'up' ? '' : node.state)}</span></div>`
       + `<div class="gpus" style="--cols:${cols}">${node.gpu_status.map((g) => gpuCell(node, g)).join('')}</div></div>`;
   }
@@ -345,9 +345,11 @@
     const filters = ['rack', 'model', 'state', 'account', 'user'];
     const f = Object.fromEntries(filters.map((k) => [k, params.get(k) || '']));
     f.q = params.get('q') || '';
+    f.cells = params.get('cells') || '';
     main.innerHTML = `<div class="toolbar" id="filters">
         ${filters.map((k) => `<label>${k} <select data-f="${k}"><option value="">all</option></select></label>`).join('')}
         <label>node <input data-f="q" size="14" placeholder="name contains" value="${esc(f.q)}"></label>
+        <label>cells <select data-f="cells"><option value="">auto</option><option value="detailed">detailed</option><option value="compact">compact</option></select></label>
         <span class="muted" id="fleet-count"></span></div>
       <div class="cards" id="summary"></div>${LEGEND}<div class="fleet" id="fleet"></div>`;
     const fleet = document.getElementById('fleet');
@@ -356,6 +358,9 @@
     let nodes = [];
 
     const applyFilters = () => {
+      // A large fleet is drawn compact (small cells, no text: hover for details) so that a
+      // thousand nodes fit on a screen or two.
+      fleet.classList.toggle('compact', f.cells === 'compact' || (f.cells === '' && nodes.length > 200));
       let shown = 0;
       for (const card of fleet.children) {
         const d = card.dataset;
@@ -387,6 +392,7 @@
       }
       for (const sel of document.querySelectorAll('#filters select')) {
         const k = sel.dataset.f;
+        if (k === 'cells') { sel.value = f.cells; continue; }
         const want = [...values[k]].filter(Boolean).sort();
         if (f[k] && !want.includes(f[k])) want.push(f[k]);
         const have = [...sel.options].slice(1).map((o) => o.value);
