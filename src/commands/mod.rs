@@ -376,6 +376,11 @@ pub fn run(cli: Cli) -> Result<()> {
             config.server.data_dir = args.data_dir.clone();
             config.agent.data_dir = args.data_dir;
             config.agent.interval_ms = args.interval_ms;
+            // Every simulated agent connects from 127.0.0.1: the per-address cap that keeps
+            // one host from taking every slot would refuse most of a large demo's nodes.
+            let agents = args.nodes as usize * 4 + 256;
+            config.server.max_connections_per_ip = config.server.max_connections_per_ip.max(agents);
+            config.server.max_connections = config.server.max_connections.max(agents + 1024);
             args.telemetry.apply(&mut config);
             config.check()?;
             let _telemetry = start_telemetry(&config, "perch-server")?;
