@@ -70,6 +70,8 @@ pub struct JobSampler {
     tick_hz: f64,
     page_size: u64,
     peaks: HashMap<String, u64>,
+    /// The `/proc` scan this sampler used last ([`usage::shared_processes`]).
+    last_scan: u64,
 }
 
 impl JobSampler {
@@ -79,6 +81,7 @@ impl JobSampler {
             tick_hz: rustix::param::clock_ticks_per_second() as f64,
             page_size: rustix::param::page_size() as u64,
             peaks: HashMap::new(),
+            last_scan: 0,
         }
     }
 
@@ -95,9 +98,9 @@ impl JobSampler {
             return Vec::new();
         }
         let tree = if jobs.iter().any(|j| matches!(j.target, JobTarget::Pid(_))) {
-            usage::read_processes(&self.root)
+            usage::shared_processes(&self.root, &mut self.last_scan)
         } else {
-            Vec::new()
+            Default::default()
         };
         let mut out = Vec::new();
         let mut owner: HashMap<u32, usize> = HashMap::new();

@@ -3,8 +3,10 @@
 //! `memory.max_usage_in_bytes`, `pids.current`) or, for a job known only by its root PID, by
 //! summing its process tree in `/proc`. Parsers are pure; readers take an injectable root.
 
-use std::collections::{BTreeSet, HashMap};
-use std::path::Path;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// What one read found; absent values could not be read.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -60,25 +62,87 @@ pub fn read_processes(root: &Path) -> Vec<ProcStat> {
         .collect()
 }
 
+/// Every process with its children indexed, built once per scan of `/proc` so that each job's
+/// tree costs only its own size.
+#[derive(Debug, Default)]
+pub struct ProcessTable {
+    procs: Vec<ProcStat>,
+    index: HashMap<u32, usize>,
+    children: HashMap<u32, Vec<usize>>,
+}
+
+impl ProcessTable {
+    pub fn new(procs: Vec<ProcStat>) -> Self {
+        let mut index = HashMap::with_capacity(procs.len());
+        let mut children: HashMap<u32, Vec<usize>> = HashMap::new();
+        for (i, p) in procs.iter().enumerate() {
+            index.insert(p.pid, i);
+            children.entry(p.ppid).or_default().push(i);
+        }
+        ProcessTable {
+            procs,
+            index,
+            children,
+        }
+    }
+
+    /// The processes, as read.
+    pub fn processes(&self) -> &[ProcStat] {
+        &self.procs
+    }
+}
+
+/// How old a scan of `/proc` [`shared_processes`] hands out again.
+pub const SHARED_SCAN_MAX_AGE: Duration = Duration::from_millis(250);
+
+/// One scan of `/proc`, numbered.
+type Scan = (Instant, u64, Arc<ProcessTable>);
+
+/// The processes under `<root>/proc`, from a scan made for someone else in this process less
+/// than [`SHARED_SCAN_MAX_AGE`] ago, or a fresh one. `seen` is the number of the scan the
+/// caller got last time: a caller never gets the same scan twice, so one agent always sees
+/// the processes as they are at each sample, however short its interval. What is shared is
+/// `perch demo`'s thousand agents in one process, which would otherwise each read every
+/// `/proc/<pid>/stat` of the machine every second (a thousand times ten thousand reads) and
+/// starve the server beside them.
+pub fn shared_processes(root: &Path, seen: &mut u64) -> Arc<ProcessTable> {
+    static LAST: Mutex<BTreeMap<PathBuf, Scan>> = Mutex::new(BTreeMap::new());
+    let mut last = LAST.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((at, id, table)) = last.get(root)
+        && *id != *seen
+        && at.elapsed() < SHARED_SCAN_MAX_AGE
+    {
+        *seen = *id;
+        return table.clone();
+    }
+    // Scanned under the lock: agents asking meanwhile wait for this scan instead of making
+    // their own.
+    let id = last.get(root).map_or(1, |(_, id, _)| id + 1);
+    let table = Arc::new(ProcessTable::new(read_processes(root)));
+    last.insert(root.to_path_buf(), (Instant::now(), id, table.clone()));
+    *seen = id;
+    table
+}
+
 /// The process tree rooted at `pid`: CPU and resident memory summed, PIDs listed. `None` when
 /// the root process is gone.
-pub fn tree_usage(procs: &[ProcStat], pid: u32, tick_hz: f64, page: u64) -> Option<Usage> {
-    procs.iter().find(|p| p.pid == pid)?;
-    let mut children: HashMap<u32, Vec<&ProcStat>> = HashMap::new();
-    for p in procs {
-        children.entry(p.ppid).or_default().push(p);
-    }
+pub fn tree_usage(table: &ProcessTable, pid: u32, tick_hz: f64, page: u64) -> Option<Usage> {
+    let root = *table.index.get(&pid)?;
+    let mut members = vec![root];
     let mut pids = BTreeSet::from([pid]);
     let mut todo = vec![pid];
     while let Some(p) = todo.pop() {
-        for c in children.get(&p).into_iter().flatten() {
-            if pids.insert(c.pid) {
-                todo.push(c.pid);
+        for &c in table.children.get(&p).into_iter().flatten() {
+            let child = table.procs[c].pid;
+            if pids.insert(child) {
+                members.push(c);
+                todo.push(child);
             }
         }
     }
-    let members = procs.iter().filter(|p| pids.contains(&p.pid));
-    let (ticks, pages) = members.fold((0u64, 0u64), |(t, r), p| (t + p.cpu_ticks, r + p.rss_pages));
+    let (ticks, pages) = members.iter().fold((0u64, 0u64), |(t, r), &i| {
+        (t + table.procs[i].cpu_ticks, r + table.procs[i].rss_pages)
+    });
     Some(Usage {
         source: "proc",
         cpu_seconds: Some(ticks as f64 / tick_hz),
@@ -188,12 +252,50 @@ mod tests {
             p(12, 11, 25, 3),
             p(20, 1, 999, 99),
         ];
+        let procs = ProcessTable::new(procs.to_vec());
         let u = tree_usage(&procs, 10, 100.0, 4096).expect("root exists");
         assert_eq!(u.cpu_seconds, Some(1.75));
         assert_eq!(u.memory_bytes, Some(6 * 4096));
         assert_eq!(u.processes, Some(3));
         assert_eq!(u.pids, BTreeSet::from([10, 11, 12]));
         assert_eq!(tree_usage(&procs, 99, 100.0, 4096), None);
+    }
+
+    /// Agents in one process (`perch demo`) share a fresh scan; the same agent never gets the
+    /// same scan twice, and nobody gets a stale one.
+    #[test]
+    fn a_scan_of_proc_is_shared_while_fresh_but_never_twice_with_one_caller() {
+        // A /proc of its own, so no other test's scans mix in.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let stat = |pid: u32, ppid: u32| {
+            let d = dir.path().join(format!("proc/{pid}"));
+            std::fs::create_dir_all(&d).expect("dir");
+            let line = format!("{pid} (x) S {ppid} 0 0 0 0 0 0 0 0 0 5 5 0 0 0 0 1 0 0 0 7 0");
+            std::fs::write(d.join("stat"), line).expect("stat");
+        };
+        stat(10, 1);
+        let root = dir.path();
+        let (mut first, mut second) = (0, 0);
+        let a = shared_processes(root, &mut first);
+        let b = shared_processes(root, &mut second);
+        assert!(Arc::ptr_eq(&a, &b), "two agents at once: one scan");
+        stat(11, 10);
+        let again = shared_processes(root, &mut first);
+        assert!(!Arc::ptr_eq(&a, &again), "the same agent again: a new scan");
+        assert_eq!(
+            tree_usage(&a, 10, 100.0, 4096).and_then(|u| u.processes),
+            Some(1)
+        );
+        assert_eq!(
+            tree_usage(&again, 10, 100.0, 4096).and_then(|u| u.processes),
+            Some(2)
+        );
+        std::thread::sleep(SHARED_SCAN_MAX_AGE + Duration::from_millis(50));
+        let mut third = 0;
+        assert!(
+            !Arc::ptr_eq(&again, &shared_processes(root, &mut third)),
+            "stale: scanned again"
+        );
     }
 
     /// (source, CPU seconds, memory, peak, processes, PIDs)
