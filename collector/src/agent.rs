@@ -92,6 +92,8 @@ pub struct AgentConfig {
     /// lease their supervisors stop them. `false`: stop them (`perch up`, `perch demo`, whose
     /// server stops too).
     pub keep_jobs_on_exit: bool,
+    /// Time between syncs with the server's control plane (reports, orders, lease renewal).
+    pub sync_interval: Duration,
 }
 
 impl AgentConfig {
@@ -124,6 +126,7 @@ impl AgentConfig {
             run_as_user: crate::launcher::RunAsUser::IfPossible,
             cgroups: crate::launcher::CgroupMode::Auto,
             keep_jobs_on_exit: false,
+            sync_interval: Duration::from_millis(500),
             uids: crate::launcher::UidPolicy::default(),
             supervisor: None,
             jobs: JobRegistry::default(),
@@ -450,7 +453,7 @@ pub async fn run_agent_with(
                 uids: config.uids.clone(),
             },
             jobs_dir: config.data_dir.join("jobs").join(config.node.as_str()),
-            interval: Duration::from_millis(500),
+            interval: config.sync_interval,
             request_timeout: config.request_timeout,
             shutdown_grace: config.drain_timeout,
             registry: config.jobs.clone(),

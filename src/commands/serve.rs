@@ -6,6 +6,7 @@ use crate::config::Config;
 use anyhow::{Context, Result};
 use perch_collector::{AgentHandle, NvmlMode, detect_gpus, spawn_agent};
 use perch_server::AppState;
+use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -201,8 +202,29 @@ pub fn up(config: Config) -> Result<()> {
     })
 }
 
+/// How often each of the demo's simulated agents samples and syncs. Every agent of a demo
+/// runs on this one machine, so a large demo slows them down to leave the server its CPU: a
+/// thousand nodes sampling every second and syncing twice a second would be a thousand
+/// machines' worth of agents on two cores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DemoPace {
+    pub sample: Duration,
+    pub sync: Duration,
+}
+
+impl DemoPace {
+    pub fn new(nodes: u32, asked: Duration) -> DemoPace {
+        let nodes = u64::from(nodes);
+        DemoPace {
+            sample: asked.max(Duration::from_millis(nodes * 5)),
+            sync: Duration::from_millis(500).max(Duration::from_millis(nodes * 2)),
+        }
+    }
+}
+
 pub fn demo(config: Config, nodes: u32, gpus_per_node: u32, seed: u64) -> Result<()> {
     let base = config.agent_config()?;
+    let pace = DemoPace::new(nodes, base.interval);
     runtime()?.block_on(async {
         let (listener, state) = bind(&config).await?;
         let addr = listener.local_addr()?;
@@ -220,6 +242,8 @@ pub fn demo(config: Config, nodes: u32, gpus_per_node: u32, seed: u64) -> Result
             a.run_as_user = perch_collector::launcher::RunAsUser::Never;
             a.seed = seed.wrapping_mul(1_000_003).wrapping_add(u64::from(i));
             a.keep_jobs_on_exit = false;
+            a.interval = pace.sample;
+            a.sync_interval = pace.sync;
             agents.push(spawn_agent(a, stopped(&stop_rx)));
         }
         let workload = tokio::spawn(super::demo_workload::run(
@@ -233,6 +257,7 @@ pub fn demo(config: Config, nodes: u32, gpus_per_node: u32, seed: u64) -> Result
              \x20 workload:   demo jobs from alice, bob, chen and dana (accounts vision, nlp, speech) fill\n\
              \x20             about 3/4 of the GPUs, two gangs of whole nodes wait in the queue; busy ones push simulated\n\
              \x20             loss and throughput over OpenTelemetry (perch jobs --all, perch queue)\n\
+             \x20 pace:       each node samples every {sample:?} and syncs every {sync:?} (all {nodes} share this machine)\n\
              \x20 server:     http://{addr}  (open, no authentication)\n\
              \x20 web view:   http://{addr}/  (open it in a browser)\n\
              \x20 data:       {data}\n\
@@ -240,9 +265,33 @@ pub fn demo(config: Config, nodes: u32, gpus_per_node: u32, seed: u64) -> Result
              \x20 metrics:    curl -s http://{addr}/metrics\n\
              \x20 stop:       Ctrl-C",
             data = config.server.data_dir.display(),
+            sample = pace.sample,
+            sync = pace.sync,
         );
         terminate().await;
         workload.abort();
         stop_all(agents, stop, server).await
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_large_demo_samples_and_syncs_less_often() {
+        let second = Duration::from_secs(1);
+        let small = DemoPace::new(4, second);
+        assert_eq!(
+            (small.sample, small.sync),
+            (second, Duration::from_millis(500))
+        );
+        let large = DemoPace::new(1000, second);
+        assert_eq!(
+            (large.sample, large.sync),
+            (Duration::from_secs(5), Duration::from_secs(2))
+        );
+        // What the user asked for stands when it is slower.
+        assert_eq!(DemoPace::new(1000, 10 * second).sample, 10 * second);
+    }
 }
