@@ -259,6 +259,21 @@ fn demo_simulates_a_labelled_cluster() {
         let q = perch.get("/v1/queue");
         (q["queue"].as_array().map_or(0, Vec::len) >= 2).then_some(())
     });
+    // Each simulated node reports its own jobs only: the demo's agents shared one job
+    // registry, so every node sampled every job (a thousand nodes wrote a thousand times the
+    // job samples and choked the server).
+    wait_for("job samples from every node", || {
+        (perch.scalar("SELECT count(DISTINCT node) FROM job_samples") == 3).then_some(())
+    });
+    let misplaced = perch.sql(
+        "SELECT s.job, s.node FROM job_samples s JOIN job_allocations a \
+         ON s.job = CAST(a.job AS VARCHAR) AND a.end_time IS NULL \
+         WHERE s.node <> a.node LIMIT 5",
+    );
+    assert!(
+        misplaced.is_empty(),
+        "job samples from nodes not running the job: {misplaced:?}"
+    );
 }
 
 #[test]

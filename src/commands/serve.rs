@@ -244,6 +244,8 @@ pub fn demo(config: Config, nodes: u32, gpus_per_node: u32, seed: u64) -> Result
             a.keep_jobs_on_exit = false;
             a.interval = pace.sample;
             a.sync_interval = pace.sync;
+            // Each node its own jobs: clones of a registry share it.
+            a.jobs = perch_collector::JobRegistry::default();
             agents.push(spawn_agent(a, stopped(&stop_rx)));
         }
         let workload = tokio::spawn(super::demo_workload::run(
