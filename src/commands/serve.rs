@@ -210,21 +210,30 @@ pub fn up(config: Config) -> Result<()> {
 pub struct DemoPace {
     pub sample: Duration,
     pub sync: Duration,
+    /// Whether each job runs under its own supervisor (`perch __job-shim`), as on a real
+    /// node. Each supervisor is a perch process with about 5 MB of its own (the binary's
+    /// relocated data), so a demo of thousands of jobs on one machine runs them without.
+    pub supervised: bool,
 }
 
+/// The largest demo (in GPUs, about as many jobs) whose jobs get a supervisor each.
+pub const DEMO_SUPERVISED_GPUS: u32 = 512;
+
 impl DemoPace {
-    pub fn new(nodes: u32, asked: Duration) -> DemoPace {
+    pub fn new(nodes: u32, gpus_per_node: u32, asked: Duration) -> DemoPace {
+        let supervised = nodes.saturating_mul(gpus_per_node) <= DEMO_SUPERVISED_GPUS;
         let nodes = u64::from(nodes);
         DemoPace {
             sample: asked.max(Duration::from_millis(nodes * 5)),
             sync: Duration::from_millis(500).max(Duration::from_millis(nodes * 2)),
+            supervised,
         }
     }
 }
 
 pub fn demo(config: Config, nodes: u32, gpus_per_node: u32, seed: u64) -> Result<()> {
     let base = config.agent_config()?;
-    let pace = DemoPace::new(nodes, base.interval);
+    let pace = DemoPace::new(nodes, gpus_per_node, base.interval);
     runtime()?.block_on(async {
         let (listener, state) = bind(&config).await?;
         let addr = listener.local_addr()?;
@@ -244,6 +253,9 @@ pub fn demo(config: Config, nodes: u32, gpus_per_node: u32, seed: u64) -> Result
             a.keep_jobs_on_exit = false;
             a.interval = pace.sample;
             a.sync_interval = pace.sync;
+            if !pace.supervised {
+                a.supervisor = None;
+            }
             // Each node its own jobs: clones of a registry share it.
             a.jobs = perch_collector::JobRegistry::default();
             agents.push(spawn_agent(a, stopped(&stop_rx)));
@@ -260,6 +272,7 @@ pub fn demo(config: Config, nodes: u32, gpus_per_node: u32, seed: u64) -> Result
              \x20             about 3/4 of the GPUs, two gangs of whole nodes wait in the queue; busy ones push simulated\n\
              \x20             loss and throughput over OpenTelemetry (perch jobs --all, perch queue)\n\
              \x20 pace:       each node samples every {sample:?} and syncs every {sync:?} (all {nodes} share this machine)\n\
+             \x20 jobs:       {supervision}\n\
              \x20 server:     http://{addr}  (open, no authentication)\n\
              \x20 web view:   http://{addr}/  (open it in a browser)\n\
              \x20 data:       {data}\n\
@@ -269,6 +282,11 @@ pub fn demo(config: Config, nodes: u32, gpus_per_node: u32, seed: u64) -> Result
             data = config.server.data_dir.display(),
             sample = pace.sample,
             sync = pace.sync,
+            supervision = if pace.supervised {
+                "each under its own supervisor, as on a real node".to_owned()
+            } else {
+                format!("run without a supervisor each (over {DEMO_SUPERVISED_GPUS} GPUs): Ctrl-C stops them; after a kill -9, pkill -f 'sleep 86400'")
+            },
         );
         terminate().await;
         workload.abort();
@@ -283,17 +301,19 @@ mod tests {
     #[test]
     fn a_large_demo_samples_and_syncs_less_often() {
         let second = Duration::from_secs(1);
-        let small = DemoPace::new(4, second);
+        let small = DemoPace::new(4, 8, second);
         assert_eq!(
-            (small.sample, small.sync),
-            (second, Duration::from_millis(500))
+            (small.sample, small.sync, small.supervised),
+            (second, Duration::from_millis(500), true)
         );
-        let large = DemoPace::new(1000, second);
+        let large = DemoPace::new(1000, 8, second);
         assert_eq!(
-            (large.sample, large.sync),
-            (Duration::from_secs(5), Duration::from_secs(2))
+            (large.sample, large.sync, large.supervised),
+            (Duration::from_secs(5), Duration::from_secs(2), false)
         );
         // What the user asked for stands when it is slower.
-        assert_eq!(DemoPace::new(1000, 10 * second).sample, 10 * second);
+        assert_eq!(DemoPace::new(1000, 8, 10 * second).sample, 10 * second);
+        assert!(DemoPace::new(64, 8, second).supervised);
+        assert!(!DemoPace::new(65, 8, second).supervised);
     }
 }
