@@ -30,6 +30,9 @@ pub(super) struct WebArgs {
     /// Directory to put the demo's data directory in.
     #[arg(long, default_value = ".")]
     dir: PathBuf,
+    /// Write a PNG of the fleet view here once it is drawn.
+    #[arg(long)]
+    screenshot: Option<PathBuf>,
 }
 
 /// `perch demo`, killed when dropped.
@@ -108,6 +111,10 @@ pub(super) fn web(args: WebArgs) -> Result<()> {
     )?;
     if cells.as_u64() != Some(u64::from(gpus)) {
         bail!("the fleet shows {cells} GPU cells, not {gpus}");
+    }
+    if let Some(path) = &args.screenshot {
+        std::fs::write(path, browser.screenshot()?)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     println!(
         "  first full render of the fleet view (navigation to painted, {} loads): {}",
