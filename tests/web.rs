@@ -347,6 +347,24 @@ fn every_view_loads_and_shows_what_the_api_and_sql_say() {
         "{lit:?}"
     );
     assert!(dimmed.as_u64().unwrap_or(0) > 0);
+    // The cards count alice's GPUs only.
+    let alices = perch.get("/v1/nodes")["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .flat_map(|n| n["gpu_status"].as_array().cloned().unwrap_or_default())
+        .filter(|g| {
+            g["jobs"]
+                .as_array()
+                .is_some_and(|j| j.iter().any(|j| j["user"] == "alice"))
+        })
+        .count();
+    let held = browser.text("#sum-held .v");
+    assert_eq!(
+        held,
+        format!("{alices} / {alices}"),
+        "alice's GPUs are all held"
+    );
     assert!(
         browser
             .js("return location.hash", json!([]))

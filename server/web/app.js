@@ -301,12 +301,15 @@
       + `<div class="gpus" style="--cols:${cols}">${node.gpu_status.map((g) => gpuCell(node, g)).join('')}</div></div>`;
   }
 
-  function fleetSummary(nodes) {
+  // The summary of the nodes shown, counting only the GPUs `gpuMatch` keeps (an account or
+  // user filter).
+  function fleetSummary(nodes, gpuMatch = () => true) {
     let gpus = 0, held = 0, idle = 0, bad = 0, sim = false, utilSum = 0, utilN = 0;
     const states = {};
     for (const n of nodes) {
       states[n.state] = (states[n.state] || 0) + 1;
       for (const g of n.gpu_status) {
+        if (!gpuMatch(g)) continue;
         gpus++;
         if (g.simulated) sim = true;
         if (g.health !== 'healthy') bad++;
@@ -382,6 +385,11 @@
         if (visible) shown++;
       }
       document.getElementById('fleet-count').textContent = `${shown} of ${fleet.children.length} nodes shown`;
+      // The cards count what is shown: the filtered nodes, and of them the filtered GPUs.
+      const visible = nodes.filter((n, i) => fleet.children[i] && !fleet.children[i].hidden);
+      const gpuMatch = (g) => (!f.account || g.jobs.some((j) => j.account === f.account))
+        && (!f.user || g.jobs.some((j) => j.user === f.user));
+      document.getElementById('summary').innerHTML = fleetSummary(visible, gpuMatch).html;
     };
 
     const fillSelects = () => {
@@ -423,9 +431,7 @@
         // Same nodes: touch only the attributes that changed.
         nodes.forEach((n, i) => n.gpu_status.forEach((g, j) => updateGpuCell(cells[i][j], n, g)));
       }
-      const summary = fleetSummary(nodes);
-      document.getElementById('summary').innerHTML = summary.html;
-      simulatedBanner(summary.sim);
+      simulatedBanner(fleetSummary(nodes).sim);
       fillSelects();
       applyFilters();
       main.dataset.renderMs = String(Math.round(performance.now() - t0));
