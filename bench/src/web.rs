@@ -35,11 +35,23 @@ pub(super) struct WebArgs {
     screenshot: Option<PathBuf>,
 }
 
-/// `perch demo`, killed when dropped.
+/// `perch demo`, stopped when dropped: SIGTERM first, so that it stops its jobs (a large
+/// demo runs them without supervisors, and a SIGKILL would leave thousands of `sleep`s
+/// behind), then SIGKILL if it has not ended within a minute.
 struct Demo(Child);
 
 impl Drop for Demo {
     fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if !matches!(self.0.try_wait(), Ok(None)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
         let _ = self.0.kill();
         let _ = self.0.wait();
     }

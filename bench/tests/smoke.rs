@@ -107,4 +107,14 @@ fn web_in_a_tiny_mode() {
         out.contains("first full render of the fleet view") && out.contains("JS heap"),
         "{out}"
     );
+    // The demo it ran was stopped with its jobs: none of its `sleep 86400` is left.
+    let left = std::process::Command::new("pgrep")
+        .args(["-f", "sleep 86400"])
+        .output()
+        .expect("pgrep");
+    assert!(
+        left.stdout.is_empty(),
+        "the demo's jobs outlived it: {}",
+        String::from_utf8_lossy(&left.stdout)
+    );
 }
