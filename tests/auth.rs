@@ -3,13 +3,8 @@
 
 mod common;
 
-use common::{PERCH, wait_for};
+use common::{AGENT, ALICE, BOB, OPERATOR, PERCH, wait_for};
 use std::process::Command;
-
-const ALICE: &str = "alice-token-0123456789";
-const BOB: &str = "bob-token-0123456789ab";
-const OPERATOR: &str = "operator-token-01234567";
-const AGENT: &str = "agent-token-0123456789a";
 
 fn cli(url: &str, token: Option<&str>, args: &[&str]) -> (bool, String, String) {
     let mut cmd = common::client();
@@ -28,15 +23,7 @@ fn cli(url: &str, token: Option<&str>, args: &[&str]) -> (bool, String, String) 
 #[test]
 fn tokens_decide_who_may_do_what() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let server = common::server_with_tokens(
-        dir.path(),
-        &format!(
-            "[[tokens]]\ntoken = \"{ALICE}\"\nuser = \"alice\"\nrole = \"user\"\n\
-             [[tokens]]\ntoken = \"{BOB}\"\nuser = \"bob\"\nrole = \"user\"\n\
-             [[tokens]]\ntoken = \"{OPERATOR}\"\nuser = \"ops\"\nrole = \"operator\"\n\
-             [[tokens]]\ntoken = \"{AGENT}\"\nuser = \"node-agent\"\nrole = \"agent\"\nnodes = [\"gpu-a\"]\n"
-        ),
-    );
+    let server = common::server_with_tokens(dir.path(), &common::role_tokens("gpu-a"));
     let url = server.url.clone();
     let _agent = common::Agent::start(
         &url,

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{PATIENCE, Perch, wait_for};
+use common::{AGENT, ALICE, BOB, OPERATOR, PATIENCE, Perch, wait_for};
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -613,23 +613,10 @@ fn url_decode(s: &str) -> String {
     String::from_utf8(out).expect("utf-8")
 }
 
-const ALICE: &str = "alice-token-0123456789";
-const BOB: &str = "bob-token-0123456789ab";
-const OPERATOR: &str = "operator-token-01234567";
-const AGENT: &str = "agent-token-0123456789a";
-
 #[test]
 fn a_user_token_sees_what_the_api_lets_it_see_and_markup_stays_text() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let server = common::server_with_tokens(
-        dir.path(),
-        &format!(
-            "[[tokens]]\ntoken = \"{ALICE}\"\nuser = \"alice\"\nrole = \"user\"\n\
-             [[tokens]]\ntoken = \"{BOB}\"\nuser = \"bob\"\nrole = \"user\"\n\
-             [[tokens]]\ntoken = \"{OPERATOR}\"\nuser = \"ops\"\nrole = \"operator\"\n\
-             [[tokens]]\ntoken = \"{AGENT}\"\nuser = \"node-agent\"\nrole = \"agent\"\nnodes = [\"web-a\"]\n"
-        ),
-    );
+    let server = common::server_with_tokens(dir.path(), &common::role_tokens("web-a"));
     let url = server.url.clone();
     let _agent = common::Agent::start(
         &url,

@@ -283,6 +283,23 @@ pub fn server_with_config(dir: &Path, config: &str, extra: &[&str]) -> Perch {
     Perch::start(&dir.join("server"), &args)
 }
 
+/// The identity tests' tokens: alice and bob are users, ops an operator, and the agent's.
+pub const ALICE: &str = "alice-token-0123456789";
+pub const BOB: &str = "bob-token-0123456789ab";
+pub const OPERATOR: &str = "operator-token-01234567";
+pub const AGENT: &str = "agent-token-0123456789a";
+
+/// A tokens file's entries for [`ALICE`], [`BOB`], [`OPERATOR`] and [`AGENT`], the agent's
+/// bound to node `agent_node`.
+pub fn role_tokens(agent_node: &str) -> String {
+    format!(
+        "[[tokens]]\ntoken = \"{ALICE}\"\nuser = \"alice\"\nrole = \"user\"\n\
+         [[tokens]]\ntoken = \"{BOB}\"\nuser = \"bob\"\nrole = \"user\"\n\
+         [[tokens]]\ntoken = \"{OPERATOR}\"\nuser = \"ops\"\nrole = \"operator\"\n\
+         [[tokens]]\ntoken = \"{AGENT}\"\nuser = \"node-agent\"\nrole = \"agent\"\nnodes = [\"{agent_node}\"]\n"
+    )
+}
+
 /// `perch server` in `dir/server` with a tokens file holding `tokens` (TOML `[[tokens]]`
 /// entries) and no PostgreSQL listener.
 pub fn server_with_tokens(dir: &Path, tokens: &str) -> Perch {
