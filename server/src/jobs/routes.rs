@@ -380,11 +380,15 @@ fn gpu_status(
     now: i64,
 ) -> Vec<GpuOut> {
     use perch_scheduler::GpuHealth;
+    // The GPUs the control plane knows and those that sent samples, each once. Not a range
+    // up to the highest sampled index: an agent may report GPU 4,000,000,000.
     let known = detail.map_or(0, |d| d.gpu_detail.len() as u32);
-    let sampled = samples
-        .and_then(|s| s.keys().next_back())
-        .map_or(0, |&g| g + 1);
-    (0..known.max(sampled))
+    let extra = samples
+        .into_iter()
+        .flat_map(|s| s.keys().copied())
+        .filter(|&g| g >= known);
+    (0..known)
+        .chain(extra)
         .map(|index| {
             let d = detail.and_then(|d| d.gpu_detail.get(index as usize));
             let s = samples.and_then(|s| s.get(&index));
@@ -519,4 +523,28 @@ pub async fn sync(
     let mut response = state.jobs.run(move |c, now| c.sync(request, now)).await?;
     response.commands = state.node_commands.take(&node);
     Ok(Json(response))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A node that only sends telemetry lists the GPUs it sampled, however their indices run:
+    /// an agent reporting GPU 4,000,000,000 gets one entry, not four billion.
+    #[test]
+    fn a_sampled_gpu_far_off_is_one_entry() {
+        let sample = |gpu: u32| perch_model::GpuSample {
+            gpu: perch_model::GpuIndex(gpu),
+            time_ms: 1,
+            ..perch_model::GpuSample::default()
+        };
+        let samples: std::collections::BTreeMap<u32, perch_model::GpuSample> =
+            [(0, sample(0)), (4_000_000_000, sample(4_000_000_000))].into();
+        let listed: Vec<u32> = gpu_status(None, Some(&samples), 2)
+            .iter()
+            .map(|g| g.index)
+            .collect();
+        assert_eq!(listed, vec![0, 4_000_000_000]);
+        assert!(gpu_status(None, None, 2).is_empty());
+    }
 }
