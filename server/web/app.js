@@ -811,6 +811,13 @@
       ctx.clearRect(0, 0, width, gpus.length * ROW);
       const xOf = (t) => LEFT + ((t - t0) / (t1 - t0)) * (width - LEFT);
       const rowOf = new Map(gpus.map(([n, g], i) => [`${n}/${g}`, i]));
+      // Each GPU's allocations, so a bucket finds its job without a pass over all of them.
+      const byGpu = new Map();
+      for (const b of allocs) {
+        const k = `${b.node}/${b.gpu}`;
+        if (!byGpu.has(k)) byGpu.set(k, []);
+        byGpu.get(k).push(b);
+      }
       ctx.font = '10px system-ui, sans-serif';
       ctx.textBaseline = 'middle';
       gpus.forEach(([n, g], i) => {
@@ -825,7 +832,8 @@
         const i = rowOf.get(`${r.node}/${r.gpu}`);
         if (i === undefined || r.u == null) continue;
         const t = Date.parse(r.t);
-        const a = allocs.find((b) => b.node === r.node && b.gpu === r.gpu && b.s <= t + bucket * 500 && t + bucket * 500 <= b.e);
+        const mid = t + bucket * 500;
+        const a = (byGpu.get(`${r.node}/${r.gpu}`) || []).find((b) => b.s <= mid && mid <= b.e);
         const h = Math.max(1, (Math.min(100, r.u) / 100) * (ROW - 2));
         ctx.fillStyle = a ? jobColor(a.job, 0.95) : 'rgba(150,150,150,0.45)';
         ctx.fillRect(Math.max(LEFT, xOf(t)), i * ROW + ROW - 1 - h, bw, h);
