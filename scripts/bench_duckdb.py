@@ -9,6 +9,10 @@ query at a time, on the same Parquet files:
   <- {"ok": true, "version": "2.0.0"}
   -> {"sql": "SELECT ..."}                  (or {"sql": ..., "explain": true})
   <- {"ok": true, "seconds": 0.123, "rows": [[...], ...]}   (or {"ok": true, "plan": "..."})
+  -> {"together": ["SELECT ...", ...]}      every statement at once, one cursor and thread each
+  <- {"ok": true, "seconds": 0.456, "results": [[[...], ...], ...]}   (until the last answer)
+  -> {"reconnect": true}                    a new database with the same settings and views
+  <- {"ok": true}
   <- {"error": "..."}                       on any failure
 
 The time is measured around `execute(...).fetchall()`: planning, execution and fetching the
@@ -23,6 +27,7 @@ import decimal
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 
 def reply(**fields):
@@ -57,6 +62,19 @@ def wrap(con, sql):
     return f"SELECT {select} FROM ({sql}) AS q"
 
 
+def connect(duckdb, setup):
+    """A new in-memory database with the benchmark's settings and views."""
+    con = duckdb.connect()
+    con.execute(f"SET threads = {int(setup['threads'])}")
+    con.execute(f"SET memory_limit = '{int(setup['memory_mb'])}MB'")
+    con.execute("SET TimeZone = 'UTC'")
+    # The progress bar would write to stdout, which carries the answers.
+    con.execute("SET enable_progress_bar = false")
+    for name, source in setup["views"].items():
+        con.execute(f"CREATE VIEW {quote(name)} AS SELECT * FROM {source}")
+    return con
+
+
 def main():
     try:
         import duckdb
@@ -68,14 +86,7 @@ def main():
         return 1
     try:
         setup = json.loads(sys.stdin.readline())
-        con = duckdb.connect()
-        con.execute(f"SET threads = {int(setup['threads'])}")
-        con.execute(f"SET memory_limit = '{int(setup['memory_mb'])}MB'")
-        con.execute("SET TimeZone = 'UTC'")
-        # The progress bar would write to stdout, which carries the answers.
-        con.execute("SET enable_progress_bar = false")
-        for name, source in setup["views"].items():
-            con.execute(f"CREATE VIEW {quote(name)} AS SELECT * FROM {source}")
+        con = connect(duckdb, setup)
     except Exception as e:  # noqa: BLE001 - every failure goes back to perch as a message
         reply(error=f"setting up DuckDB: {e}")
         return 1
@@ -84,6 +95,33 @@ def main():
     for line in sys.stdin:
         try:
             request = json.loads(line)
+            if request.get("reconnect"):
+                con.close()
+                con = connect(duckdb, setup)
+                reply(ok=True)
+                continue
+            if "together" in request:
+                sqls = request["together"]
+                for sql in sqls:
+                    if sql not in wrapped:
+                        wrapped[sql] = wrap(con, sql)
+                cursors = [con.cursor() for _ in sqls]
+                with ThreadPoolExecutor(max_workers=len(sqls)) as pool:
+                    started = time.perf_counter()
+                    futures = [
+                        pool.submit(lambda c, q: c.execute(wrapped[q]).fetchall(), c, q)
+                        for c, q in zip(cursors, sqls)
+                    ]
+                    results = [f.result() for f in futures]
+                    seconds = time.perf_counter() - started
+                for c in cursors:
+                    c.close()
+                reply(
+                    ok=True,
+                    seconds=seconds,
+                    results=[[[cell(v) for v in row] for row in rows] for rows in results],
+                )
+                continue
             sql = request["sql"]
             if request.get("explain"):
                 rows = con.execute("EXPLAIN ANALYZE " + sql).fetchall()

@@ -21,7 +21,7 @@ use arrow::array::{
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef, TimeUnit};
 use bytes::Bytes;
 use perch_model::{Batch, NodeId};
-use perch_query::{Store, StoreConfig};
+use perch_query::{Store, StoreConfig, Table};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs::{self, File};
@@ -98,11 +98,11 @@ impl Dataset {
         self.dir.join("store")
     }
 
-    /// The glob DuckDB reads the GPU samples from: every Parquet file of the table.
-    pub(super) fn gpu_samples_glob(&self) -> PathBuf {
+    /// The glob DuckDB reads a stored table from: every Parquet file of the table.
+    pub(super) fn table_glob(&self, table: Table) -> PathBuf {
         self.store_dir()
             .join("tables")
-            .join("gpu_samples")
+            .join(table.name())
             .join("**")
             .join("*.parquet")
     }

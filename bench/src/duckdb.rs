@@ -67,17 +67,36 @@ impl DuckDb {
         let seconds = answer["seconds"]
             .as_f64()
             .context("the DuckDB helper's answer lacks seconds")?;
-        let rows = answer["rows"]
+        Ok((
+            Duration::from_secs_f64(seconds.max(0.0)),
+            rows(&answer["rows"])?,
+        ))
+    }
+
+    /// Closes DuckDB's database and opens a new one with the same settings and views, so the
+    /// next query runs as the first after a start.
+    pub(super) fn reconnect(&mut self) -> Result<()> {
+        self.call(&serde_json::json!({ "reconnect": true }))?;
+        Ok(())
+    }
+
+    /// Runs every statement of `sqls` at once, one cursor each on DuckDB's threads: the time
+    /// until the last one answered, and each one's rows.
+    pub(super) fn run_together(
+        &mut self,
+        sqls: &[String],
+    ) -> Result<(Duration, Vec<Vec<Vec<Cell>>>)> {
+        let answer = self.call(&serde_json::json!({ "together": sqls }))?;
+        let seconds = answer["seconds"]
+            .as_f64()
+            .context("the DuckDB helper's answer lacks seconds")?;
+        let results = answer["results"]
             .as_array()
-            .context("the DuckDB helper's answer lacks rows")?
+            .context("the DuckDB helper's answer lacks results")?
             .iter()
-            .map(|row| {
-                row.as_array()
-                    .map(|cells| cells.iter().map(Cell::from_json).collect())
-                    .context("a DuckDB row is not an array")
-            })
+            .map(rows)
             .collect::<Result<_>>()?;
-        Ok((Duration::from_secs_f64(seconds.max(0.0)), rows))
+        Ok((Duration::from_secs_f64(seconds.max(0.0)), results))
     }
 
     /// DuckDB's EXPLAIN ANALYZE of `sql`.
@@ -106,6 +125,20 @@ impl DuckDb {
         }
         Ok(answer)
     }
+}
+
+/// A result's rows as the helper sends them: an array of arrays of JSON values.
+fn rows(value: &Value) -> Result<Vec<Vec<Cell>>> {
+    value
+        .as_array()
+        .context("the DuckDB helper's answer lacks rows")?
+        .iter()
+        .map(|row| {
+            row.as_array()
+                .map(|cells| cells.iter().map(Cell::from_json).collect())
+                .context("a DuckDB row is not an array")
+        })
+        .collect()
 }
 
 impl Drop for DuckDb {

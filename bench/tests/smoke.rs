@@ -85,7 +85,10 @@ fn query_against_duckdb_in_a_tiny_mode() {
         "1",
     ]);
     assert!(
-        out.contains("target: no query slower than DuckDB") && out.contains("both engines agree"),
+        out.contains("target: no query slower than DuckDB")
+            && out.contains("both engines agree")
+            && out.contains("cold: no query slower than DuckDB")
+            && out.contains("dashboard: refresh no slower than DuckDB's"),
         "{out}"
     );
 }

@@ -117,6 +117,13 @@ impl Table {
         }
     }
 
+    /// For a rollup: the SQL of its merging view, reading the stored partial rows from
+    /// `partial` (a table name, or a table function such as another engine's
+    /// `read_parquet('...')` over the same files). `None` for a table that is not a rollup.
+    pub fn rollup_view_sql(self, partial: &str) -> Option<String> {
+        self.rollup().map(|(spec, _)| spec.view_sql(partial))
+    }
+
     pub fn partitioning(self) -> Partitioning {
         match self {
             Table::GpuSamples1h | Table::HostSamples1h => Partitioning::Month,

@@ -250,8 +250,7 @@ impl SqlEngine {
         }
         // Each rollup is a view merging its partial rows into one exact row per bucket.
         for table in Table::ALL {
-            if let Some((spec, _)) = table.rollup() {
-                let select = spec.view_sql(&table.stored_sql_name());
+            if let Some(select) = table.rollup_view_sql(&table.stored_sql_name()) {
                 let plan = ctx
                     .state()
                     .create_logical_plan(&select)
