@@ -1,5 +1,6 @@
-//! `perch bench query`: four accounting and monitoring queries over a week of a 512-GPU
-//! cluster, timed in perch and in DuckDB on the same Parquet files in the same run.
+//! `perch bench query`: twenty accounting, monitoring and dashboard queries over a week of a
+//! 512-GPU cluster, and a twenty-panel dashboard refreshed at once, timed in perch and in
+//! DuckDB on the same Parquet files in the same run, warm and cold.
 //!
 //! perch answers through [`SqlEngine`], the path `POST /v1/sql` takes (a fresh session per
 //! query, the read-only check, the memory pool and the timeout) without HTTP. DuckDB reads the
@@ -8,7 +9,10 @@
 //! database. Both engines get the same threads (the machine's cores) and the same memory limit.
 //! Each query runs once per engine to warm up, then `--runs` times per engine, alternating, so
 //! a noisy neighbour slows both alike; the medians are compared. The results must agree (row
-//! for row, numbers within a float tolerance) or the benchmark fails.
+//! for row, numbers within a float tolerance) or the benchmark fails. Before the warm runs each
+//! query also runs once cold, as the first query of a freshly started engine: perch with a new
+//! store and session template (what a server builds before it listens), DuckDB with a new
+//! database. The dashboard sends its panels at once and times the last answer.
 
 use super::dataset::{self, Dataset, Spec};
 use super::duckdb::DuckDb;

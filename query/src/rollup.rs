@@ -426,6 +426,21 @@ fn fold_typed<T: ArrowPrimitiveType>(
 mod tests {
     use super::*;
 
+    /// Another engine gets the very view perch registers, over whatever source it names.
+    #[test]
+    fn a_rollup_view_reads_the_partial_rows_it_is_given() {
+        let sql = Table::GpuSamples1h
+            .rollup_view_sql("read_parquet('x/*.parquet')")
+            .expect("a rollup has a view");
+        assert_eq!(sql, GPU.view_sql("read_parquet('x/*.parquet')"));
+        assert!(sql.contains(" FROM read_parquet('x/*.parquet') GROUP BY time, node, gpu"));
+        assert_eq!(
+            Table::GpuSamples1h.rollup_view_sql("gpu_samples_1h_partial"),
+            Some(GPU.view_sql(&Table::GpuSamples1h.stored_sql_name()))
+        );
+        assert!(Table::GpuSamples.rollup_view_sql("gpu_samples").is_none());
+    }
+
     #[test]
     fn view_sql_names_every_view_column() {
         for spec in [&GPU, &HOST] {
