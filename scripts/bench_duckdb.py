@@ -106,7 +106,7 @@ def main():
                     if sql not in wrapped:
                         wrapped[sql] = wrap(con, sql)
                 cursors = [con.cursor() for _ in sqls]
-                with ThreadPoolExecutor(max_workers=len(sqls)) as pool:
+                with ThreadPoolExecutor(max_workers=max(1, len(sqls))) as pool:
                     started = time.perf_counter()
                     futures = [
                         pool.submit(lambda c, q: c.execute(wrapped[q]).fetchall(), c, q)

@@ -593,13 +593,18 @@ fn engine_files(data: &Dataset) -> (usize, u64) {
     (files, bytes)
 }
 
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// `median (min-max)` of `times`, in milliseconds.
+fn span(times: &[Duration]) -> String {
+    let lo = times.iter().min().copied().unwrap_or_default();
+    let hi = times.iter().max().copied().unwrap_or_default();
+    format!("{:.1} ({:.1}-{:.1})", ms(median(times)), ms(lo), ms(hi))
+}
+
 fn print_row(q: &Query, t: &Timing) {
-    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-    let span = |times: &[Duration]| {
-        let lo = times.iter().min().copied().unwrap_or_default();
-        let hi = times.iter().max().copied().unwrap_or_default();
-        format!("{:.1} ({:.1}-{:.1})", ms(median(times)), ms(lo), ms(hi))
-    };
     println!(
         "({}) {:>6}  {:>24}  {:>24}  {:>8.2}  {:>18.6}   {}",
         q.name,
@@ -621,7 +626,6 @@ fn verdict(slower: &[&str]) -> String {
 }
 
 fn print_cold(cold: &[(&str, Duration, Duration)]) {
-    let ms = |d: &Duration| d.as_secs_f64() * 1000.0;
     println!(
         "cold: each query as the first after a start (perch: a new store and session template, as a server starts; DuckDB: a new database and its views), one run each, ms"
     );
@@ -632,9 +636,9 @@ fn print_cold(cold: &[(&str, Duration, Duration)]) {
     for (name, perch, duckdb) in cold {
         println!(
             "({name}) {:>10.1}  {:>10.1}  {:>8.2}",
-            ms(perch),
-            ms(duckdb),
-            ms(perch) / ms(duckdb).max(1e-9)
+            ms(*perch),
+            ms(*duckdb),
+            ms(*perch) / ms(*duckdb).max(1e-9)
         );
     }
     let slower: Vec<&str> = cold
@@ -806,12 +810,6 @@ fn dashboard(
         check(&expected, &rows)?;
         duck_times.push(t);
     }
-    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-    let span = |times: &[Duration]| {
-        let lo = times.iter().min().copied().unwrap_or_default();
-        let hi = times.iter().max().copied().unwrap_or_default();
-        format!("{:.1} ({:.1}-{:.1})", ms(median(times)), ms(lo), ms(hi))
-    };
     println!(
         "dashboard: {} panels over the last 6 hours sent at once (perch through its {slots} SQL slots, DuckDB one cursor per panel), until the last answer; median (min-max) of {runs} refreshes in ms",
         panels.len()

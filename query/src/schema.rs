@@ -119,7 +119,8 @@ impl Table {
 
     /// For a rollup: the SQL of its merging view, reading the stored partial rows from
     /// `partial` (a table name, or a table function such as another engine's
-    /// `read_parquet('...')` over the same files). `None` for a table that is not a rollup.
+    /// `read_parquet('...')` over the same files). `partial` is pasted into the SQL as it is:
+    /// pass only text perch wrote. `None` for a table that is not a rollup.
     pub fn rollup_view_sql(self, partial: &str) -> Option<String> {
         self.rollup().map(|(spec, _)| spec.view_sql(partial))
     }
