@@ -8,10 +8,14 @@
 /// Runs `perch-bench <args>` with a fresh directory for its data; returns what it printed.
 fn bench(args: &[&str]) -> String {
     let dir = tempfile::tempdir().expect("tempdir");
+    bench_in(dir.path(), args)
+}
+
+fn bench_in(dir: &std::path::Path, args: &[&str]) -> String {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_perch-bench"))
         .args(args)
         .arg("--dir")
-        .arg(dir.path())
+        .arg(dir)
         .output()
         .expect("run perch bench");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -21,6 +25,30 @@ fn bench(args: &[&str]) -> String {
         "perch bench {args:?} failed:\n{stdout}\n{stderr}"
     );
     stdout
+}
+
+/// Processes whose working directory lies under `dir`: the jobs of a demo whose data
+/// directory is there (a job starts in its directory under the agent's state), and no other
+/// process on the machine.
+fn processes_under(dir: &std::path::Path) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let pid = entry.file_name().to_string_lossy().into_owned();
+        if !pid.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let Ok(cwd) = std::fs::read_link(entry.path().join("cwd")) else {
+            continue;
+        };
+        if cwd.starts_with(dir) {
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            found.push(format!(
+                "{pid}: {}",
+                String::from_utf8_lossy(&cmdline).replace('\0', " ")
+            ));
+        }
+    }
+    found
 }
 
 #[test]
@@ -95,29 +123,27 @@ fn query_against_duckdb_in_a_tiny_mode() {
 
 #[test]
 fn web_in_a_tiny_mode() {
-    let out = bench(&[
-        "web",
-        "--nodes",
-        "2",
-        "--gpus-per-node",
-        "2",
-        "--loads",
-        "1",
-        "--minutes",
-        "0.05",
-    ]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = bench_in(
+        dir.path(),
+        &[
+            "web",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "2",
+            "--loads",
+            "1",
+            "--minutes",
+            "0.05",
+        ],
+    );
     assert!(
         out.contains("first full render of the fleet view") && out.contains("JS heap"),
         "{out}"
     );
-    // The demo it ran was stopped with its jobs: none of its `sleep 86400` is left.
-    let left = std::process::Command::new("pgrep")
-        .args(["-f", "sleep 86400"])
-        .output()
-        .expect("pgrep");
-    assert!(
-        left.stdout.is_empty(),
-        "the demo's jobs outlived it: {}",
-        String::from_utf8_lossy(&left.stdout)
-    );
+    // The demo it ran was stopped with its jobs: none of them (they start in the demo's data
+    // directory, under `dir`) is left. Other processes on the machine do not count.
+    let left = processes_under(dir.path());
+    assert!(left.is_empty(), "the demo's jobs outlived it: {left:?}");
 }
