@@ -458,8 +458,9 @@ pub struct SchedulerSection {
     pub reclaim: bool,
     /// Most running jobs one scheduling pass may examine as reclaim victims.
     pub max_reclaims_per_pass: usize,
-    /// A job (QOS above low) that has waited longer than this many times its time limit goes
-    /// before every job that has not, the longest-waiting first (policy `perch`); 0: never.
+    /// A job that has waited longer than this many times its time limit (twice that for QOS
+    /// low) goes before every job that has not, the longest-waiting first (policy `perch`);
+    /// 0: never.
     pub starved_after_limits: f64,
     /// Allocated-but-idle GPUs.
     pub idle: IdleSection,
@@ -535,7 +536,8 @@ impl Default for IdleSection {
 
 impl SchedulerSection {
     /// The section that describes `policy` (`perch simulate --show-config`: start a config from
-    /// what a replay ran); `None` for SRTF, which needs true durations no server has.
+    /// what a replay ran); `None` for the simulator's reference policies: SRTF, which needs
+    /// true durations no server has, and LAS, the duration-free anchor of the scorecard.
     pub fn from_policy(policy: &perch_scheduler::Config) -> Option<SchedulerSection> {
         use perch_scheduler::{IdleAction, PolicyKind};
         let human = perch_alerts::HumanDuration::from_ms;
@@ -543,7 +545,7 @@ impl SchedulerSection {
             PolicyKind::Perch => "perch",
             PolicyKind::Backfill => "backfill",
             PolicyKind::Fifo => "fifo",
-            PolicyKind::Srtf => return None,
+            PolicyKind::Srtf | PolicyKind::Las => return None,
         };
         Some(SchedulerSection {
             policy: name.into(),

@@ -221,6 +221,11 @@ pub enum PreemptReason {
         /// The job the GPUs go to.
         for_job: JobId,
     },
+    /// LAS policy: a job that has run less GPU-time than this one needs the GPUs.
+    LessServed {
+        /// The job the GPUs go to.
+        for_job: JobId,
+    },
     /// Moved off its node by an operator or the automatic remediation (a GPU went bad, the
     /// node is drained for repair): see [`crate::Event::Evict`].
     Evicted,

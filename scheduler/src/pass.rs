@@ -88,23 +88,53 @@ impl Scheduler {
         total - j.progress - running
     }
 
+    /// GPU-seconds the job has run so far, over all its runs: LAS's attained service.
+    pub(crate) fn attained(&self, j: &Job, now: Time) -> f64 {
+        let running = match j.state {
+            JobState::Running { start, .. } => now - start,
+            JobState::Pending(_) => 0,
+        };
+        f64::from(j.spec.gpu_hundredths()) / 100.0 * (j.progress + running).max(0) as f64 / 1000.0
+    }
+
+    /// Whether LAS puts the job in its first queue (it has attained less than the threshold).
+    pub(crate) fn least_served(&self, j: &Job, now: Time) -> bool {
+        self.attained(j, now) < self.config.las_threshold_gpu_seconds
+    }
+
+    /// How long the job has waited, when that is past the starvation bound (perch, LAS): a
+    /// job that has waited longer than `starved_after_limits` times its time limit, twice that
+    /// for Low QOS (scavenger work waits behind the rest, but not without end).
+    fn starved_wait(&self, j: &Job, now: Time) -> Option<f64> {
+        let c = &self.config;
+        let wait = (now - j.spec.submit).max(0) as f64;
+        let tier = if j.spec.qos == Qos::Low { 2.0 } else { 1.0 };
+        (c.starved_after_limits > 0.0
+            && wait > tier * c.starved_after_limits * j.run_limit() as f64)
+            .then_some(wait)
+    }
+
     /// The job's priority now (higher runs first).
     pub(crate) fn priority_of(&self, j: &Job, now: Time) -> f64 {
         match self.config.kind {
             PolicyKind::Fifo | PolicyKind::Backfill => 0.0,
             PolicyKind::Srtf => -(self.remaining(j, now) as f64),
+            // Starved jobs first (the longest-waiting first), then the first queue, then the
+            // second; submission order within each.
+            PolicyKind::Las => match self.starved_wait(j, now) {
+                Some(wait) => 1.0 + wait / 1000.0,
+                None if self.least_served(j, now) => 0.0,
+                None => -1.0,
+            },
             PolicyKind::Perch => {
                 let c = &self.config;
                 let w = c.weights;
-                let wait = (now - j.spec.submit).max(0) as f64;
-                if c.starved_after_limits > 0.0
-                    && j.spec.qos != Qos::Low
-                    && wait > c.starved_after_limits * j.run_limit() as f64
-                {
+                if let Some(wait) = self.starved_wait(j, now) {
                     // Starved: above every job that is not (the weights bound the others),
                     // the longest-waiting first.
                     return w.age + w.fairshare + w.qos + w.size + 1.0 + wait / 1000.0;
                 }
+                let wait = (now - j.spec.submit).max(0) as f64;
                 let age = (wait / c.age_max.max(1) as f64).min(1.0);
                 let total: f64 = self.accounts.iter().map(|a| a.usage).sum();
                 let share = self.share(j.account);
@@ -129,8 +159,11 @@ impl Scheduler {
     /// Every `priority_period`: decays usage, charges running jobs, recomputes priorities and
     /// re-sorts the queue. In between, only drops jobs that left the queue.
     fn refresh_priorities(&mut self, now: Time) {
-        // Only perch's priorities move with time; the others are fixed at submission.
-        if now < self.next_priority_at || self.config.kind != PolicyKind::Perch {
+        // Only perch's and LAS's priorities move with time (LAS's starvation bound); the others
+        // are fixed at submission.
+        if now < self.next_priority_at
+            || !matches!(self.config.kind, PolicyKind::Perch | PolicyKind::Las)
+        {
             if self.queue.len() > 2 * self.pending_len() + 64 {
                 self.queue.retain(|id| {
                     matches!(
@@ -259,6 +292,7 @@ impl Scheduler {
         let preempting = match kind {
             PolicyKind::Srtf => true,
             PolicyKind::Perch => quotas && self.config.reclaim,
+            PolicyKind::Las => true,
             PolicyKind::Fifo | PolicyKind::Backfill => false,
         };
         for &id in &order {
@@ -331,7 +365,8 @@ impl Scheduler {
             }
             let may_preempt = reclaims_left > 0
                 && ((kind == PolicyKind::Perch && quotas && within && self.config.reclaim)
-                    || kind == PolicyKind::Srtf);
+                    || kind == PolicyKind::Srtf
+                    || (kind == PolicyKind::Las && self.least_served(j, now)));
             let ends_by = |r: &Reservation| now + j.run_limit() <= r.at;
             let placed = match &reservation {
                 _ if free < shape.gpus() => None,
@@ -357,10 +392,10 @@ impl Scheduler {
             }
             if may_preempt && find_among(&self.cluster, shape, models, |_| u32::MAX).is_none() {
                 reclaims_left -= 1;
-                let preempted = if kind == PolicyKind::Srtf {
-                    self.preempt_longer(now, id)
-                } else {
-                    self.reclaim_quota(now, id, models)
+                let preempted = match kind {
+                    PolicyKind::Srtf => self.preempt_longer(now, id),
+                    PolicyKind::Las => self.preempt_more_served(now, id),
+                    _ => self.reclaim_quota(now, id, models),
                 };
                 if !preempted.is_empty() {
                     out.extend(preempted);

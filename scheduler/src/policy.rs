@@ -11,6 +11,12 @@
 //!   with borrowing of idle GPUs and gang-aware reclaim + idle detection.
 //! - [`PolicyKind::Srtf`]: shortest remaining (oracle) time first, preemptive, greedy fill; a
 //!   reference point that needs true durations, so only simulators can run it.
+//! - [`PolicyKind::Las`]: Tiresias' discretized two-dimensional least attained service, which
+//!   needs no duration at all: a job's attained service is the GPU-time it has run so far
+//!   (GPUs x run time, over all its runs); jobs under [`Config::las_threshold_gpu_seconds`] go
+//!   first, the others after them, first come first served within each of the two queues, with
+//!   EASY backfill. A waiting job of the first queue preempts running jobs of the second (most
+//!   served first), each at most [`Config::las_max_preemptions`] times.
 //!
 //! Perch priority (each factor in `[0, 1]`, weighted and summed, higher runs first):
 //! `age = min(wait / age_max, 1)`; `fairshare = 2^(-(usage_a / usage_total) / share_a)` with
@@ -32,6 +38,8 @@ pub enum PolicyKind {
     Srtf,
     /// Multifactor priority, EASY backfill, quotas with borrowing and reclaim, idle detection.
     Perch,
+    /// Discretized two-dimensional least attained service (Tiresias), preemptive.
+    Las,
 }
 
 impl PolicyKind {
@@ -42,6 +50,7 @@ impl PolicyKind {
             PolicyKind::Backfill => "backfill",
             PolicyKind::Srtf => "srtf",
             PolicyKind::Perch => "perch",
+            PolicyKind::Las => "las",
         }
     }
 }
@@ -118,10 +127,29 @@ pub struct Config {
     pub idle: IdlePolicy,
     /// Jobs whose reclaim a pass may attempt (bounds the pass time).
     pub max_reclaims_per_pass: usize,
-    /// Starvation bound (perch): a waiting job above Low QOS that has waited longer than this
-    /// many times its time limit goes before every job that has not, the longest-waiting
-    /// first, so the size factor cannot hold a large job back without end. 0: never.
+    /// Starvation bound (perch, LAS): a waiting job that has waited longer than this many
+    /// times its time limit (twice that at Low QOS) goes before every job that has not, the
+    /// longest-waiting first, so the size factor cannot hold a large job back without end.
+    /// 0: never.
     pub starved_after_limits: f64,
+    /// LAS: attained service (GPU-seconds) at which a job moves from the first queue to the
+    /// second.
+    #[serde(default = "default_las_threshold")]
+    pub las_threshold_gpu_seconds: f64,
+    /// LAS: how many times one job may be preempted for a less-served one; after that it runs
+    /// to its end.
+    #[serde(default = "default_las_max_preemptions")]
+    pub las_max_preemptions: u32,
+}
+
+/// 16 GPU-hours: the best of 0.25 to 64 GPU-hours on the scorecard's synthetic matrix
+/// (scheduler/BENCHMARKS.md); Tiresias tunes its thresholds per cluster as well.
+fn default_las_threshold() -> f64 {
+    16.0 * 3600.0
+}
+
+fn default_las_max_preemptions() -> u32 {
+    1
 }
 
 impl Config {
@@ -156,6 +184,8 @@ impl Config {
             },
             max_reclaims_per_pass: 8,
             starved_after_limits: 0.0,
+            las_threshold_gpu_seconds: default_las_threshold(),
+            las_max_preemptions: default_las_max_preemptions(),
         }
     }
 
@@ -172,6 +202,14 @@ impl Config {
     /// Preemptive SRTF with oracle durations.
     pub fn srtf() -> Self {
         Self::base(PolicyKind::Srtf)
+    }
+
+    /// Tiresias' 2D-LAS: two queues by attained GPU-time, preemptive, EASY backfill, the
+    /// starvation bound of perch.
+    pub fn las() -> Self {
+        let mut c = Self::base(PolicyKind::Las);
+        c.starved_after_limits = 4.0;
+        c
     }
 
     /// perch's default: multifactor priority, EASY backfill, quotas with borrowing and reclaim,

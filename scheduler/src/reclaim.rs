@@ -255,6 +255,34 @@ impl Scheduler {
         }
     }
 
+    /// LAS: preempt running jobs of the second queue (attained service past the threshold)
+    /// for `id`, most served first, each at most `las_max_preemptions` times in its life.
+    pub(crate) fn preempt_more_served(&mut self, now: Time, id: JobId) -> Vec<Action> {
+        let mut cands: Vec<(std::cmp::Reverse<u64>, JobId)> = self
+            .deadlines
+            .iter()
+            .filter_map(|&(_, v)| self.jobs.get(&v).map(|j| (v, j)))
+            .filter(|(_, j)| {
+                j.spec.preemptible
+                    && j.preemptions < self.config.las_max_preemptions
+                    && !self.least_served(j, now)
+            })
+            .map(|(v, j)| (std::cmp::Reverse(self.attained(j, now) as u64), v))
+            .collect();
+        cands.sort_unstable();
+        let ordered: Vec<JobId> = cands.into_iter().map(|(_, v)| v).collect();
+        let model = self.jobs.get(&id).and_then(|j| j.model);
+        let Some(victims) = self.select_victims(id, model, &ordered, None) else {
+            return Vec::new();
+        };
+        for v in &victims {
+            if let Some(j) = self.jobs.get_mut(v) {
+                j.preemptions += 1;
+            }
+        }
+        self.preempt_for(now, victims, PreemptReason::LessServed { for_job: id })
+    }
+
     /// Idle reclaim for pending job `id`: the fewest preemptible jobs idle past the window and
     /// the grace (longest idle first) whose release lets it fit. The caller starts `id` on
     /// them in the same pass, so the GPUs never go back to an idle job.

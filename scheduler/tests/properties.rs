@@ -65,6 +65,7 @@ fn configs() -> impl Strategy<Value = Config> {
         Just(Config::fifo()),
         Just(Config::backfill()),
         Just(Config::srtf()),
+        Just(Config::las()),
         Just(Config::perch(vec![])),
         Just(Config::perch(quotas.clone())),
         Just({

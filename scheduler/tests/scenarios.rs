@@ -474,6 +474,56 @@ fn srtf_preempts_longer_jobs() {
     assert_eq!(started(&a), vec![2]);
 }
 
+/// LAS knows no duration: a job that has run past the threshold (8 GPUs x 10 min = 4,800
+/// GPU-seconds, over the 3,600 set here) gives way to a new one, once; the second time it runs
+/// to its end however many newcomers wait.
+#[test]
+fn las_preempts_the_most_served_once() {
+    let mut config = Config::las();
+    config.las_threshold_gpu_seconds = 3600.0;
+    let mut s = sched(1, config);
+    step(&mut s, 0, Event::Submit(one(1, 8, "a", 600, 0)));
+    // Under the threshold (8 GPUs x 5 min = 2,400 GPU-s): the newcomer waits.
+    let a = step(
+        &mut s,
+        5 * MINUTE,
+        Event::Submit(one(2, 8, "b", 600, 5 * MINUTE)),
+    );
+    assert!(preempted(&a).is_empty() && started(&a).is_empty(), "{a:?}");
+    // Past it: the next pass gives the GPUs to the waiting job, and the served one waits.
+    let a = step(&mut s, 10 * MINUTE, Event::Tick);
+    assert_eq!((preempted(&a), started(&a)), (vec![1], vec![2]));
+    assert!(matches!(
+        a.iter().find(|x| matches!(x, Action::Preempt { .. })),
+        Some(Action::Preempt {
+            reason: PreemptReason::LessServed { for_job: JobId(2) },
+            requeued: true,
+            ..
+        })
+    ));
+    // Job 2 passes the threshold; job 1 (under its own 4,800 already) waits behind it as
+    // the more served: nothing moves.
+    let a = step(&mut s, 20 * MINUTE, Event::Tick);
+    assert!(preempted(&a).is_empty(), "{a:?}");
+    // Job 2 ends; job 1 runs again and is past the threshold, but was preempted once already:
+    // a newcomer waits for it.
+    let a = step(
+        &mut s,
+        30 * MINUTE,
+        Event::JobExited {
+            job: JobId(2),
+            code: 0,
+        },
+    );
+    assert_eq!(started(&a), vec![1]);
+    let a = step(
+        &mut s,
+        31 * MINUTE,
+        Event::Submit(one(3, 8, "c", 60, 31 * MINUTE)),
+    );
+    assert!(preempted(&a).is_empty() && started(&a).is_empty(), "{a:?}");
+}
+
 #[test]
 fn bad_input_is_an_error() {
     let mut s = sched(1, Config::fifo());
@@ -922,7 +972,7 @@ fn a_requeued_job_gets_its_whole_time_limit_on_the_next_run() {
 
 /// The starvation bound: an 8-GPU job that has waited more than four times its time limit
 /// goes before a one-GPU job that the size factor favours; with the bound off (0) the small
-/// job goes first, and a Low-QOS job is never promoted.
+/// job goes first, and a Low-QOS job is promoted only after twice the bound.
 #[test]
 fn a_job_waiting_past_four_time_limits_goes_first() {
     use perch_scheduler::Qos;
@@ -958,7 +1008,12 @@ fn a_job_waiting_past_four_time_limits_goes_first() {
     assert_eq!(
         run(4.0, Qos::Low),
         vec![3],
-        "scavenger work is not promoted"
+        "scavenger work is not promoted at 4 limits (259 min < 2 x 4 x 60)"
+    );
+    assert_eq!(
+        run(2.0, Qos::Low),
+        vec![2],
+        "scavenger work is promoted after twice the bound (259 min > 2 x 2 x 60)"
     );
     // A job that has not waited that long is not promoted either.
     assert_eq!(run(5.0, Qos::Normal), vec![3]);

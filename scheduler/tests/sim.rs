@@ -35,6 +35,7 @@ fn every_policy_finishes_every_job_and_conserves_gpu_time() {
         SimPolicy::Backfill,
         SimPolicy::Srtf,
         SimPolicy::Perch,
+        SimPolicy::Las,
     ] {
         // Allocated GPU-time is the work plus what preemptions wasted, to the GPU-second;
         // with preemption free, the work alone.
@@ -274,6 +275,23 @@ fn the_quick_scorecard_scores_every_case() {
         assert!(r.rows.iter().all(|s| s.unfinished == 0), "{}", r.trace);
     }
     let queued = results.iter().filter(|r| r.queued()).count();
+    // The closing table: one line per compared policy, the oracle at exactly 1x itself and
+    // meeting its own JCT bar everywhere, each line's counts the tally's.
+    let table = sim::suite::comparison(&results);
+    for p in sim::suite::COMPARED {
+        let t = sim::suite::tally(&results, p);
+        assert_eq!(t.cases, queued);
+        let line = table
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(p.name()))
+            .unwrap_or_else(|| panic!("no line for {} in\n{table}", p.name()));
+        let numbers: Vec<&str> = line.split_whitespace().skip(2).take(5).collect();
+        let met: Vec<String> = t.met.iter().map(|n| n.to_string()).collect();
+        assert_eq!(numbers, met, "{line}");
+    }
+    let oracle = sim::suite::tally(&results, SimPolicy::Srtf);
+    assert_eq!(oracle.jct_over_srtf, 1.0);
+    assert_eq!(oracle.met[0], queued, "SRTF is within 1.25x of itself");
     for scored in sim::suite::SCORED {
         let card = sim::suite::scorecard(&results, scored);
         assert_eq!(card.lines().count(), 2 + 7 + 4, "{card}");

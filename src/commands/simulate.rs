@@ -40,7 +40,8 @@ pub struct SimulateArgs {
     /// Nodes per rack label.
     #[arg(long, default_value_t = 8)]
     pub nodes_per_rack: u32,
-    /// `fifo`, `backfill`, `srtf`, `perch`, `perch+idle-reclaim`, or `all`; several with commas.
+    /// `fifo`, `backfill`, `srtf`, `las`, `perch`, `perch-noquota`, `perch+idle-reclaim`, or `all`;
+    /// several with commas.
     /// Default: `all`, or with `--config` only the file's `[scheduler]`.
     #[arg(long)]
     pub policy: Option<String>,
@@ -251,7 +252,9 @@ pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> 
                         .context("writing the policy as TOML")?
                 );
             }
-            None => println!("# {name}: needs true job durations; no server runs it"),
+            None => println!(
+                "# {name}: a reference policy of the simulator (srtf needs true job durations, las is the duration-free anchor); no server runs it"
+            ),
         }
     }
     if let Some(path) = &args.plot {
@@ -352,8 +355,10 @@ mod tests {
             let back = Config::parse(&text).expect("parses").scheduler.policy();
             assert_eq!(back.expect("policy"), c, "{}: {text}", p.name());
         }
-        let srtf = sim::policy_config(SimPolicy::Srtf, &jobs, &opts);
-        assert!(SchedulerSection::from_policy(&srtf).is_none());
+        for reference in [SimPolicy::Srtf, SimPolicy::Las] {
+            let c = sim::policy_config(reference, &jobs, &opts);
+            assert!(SchedulerSection::from_policy(&c).is_none());
+        }
         let a = sim::simulate(&jobs, SimPolicy::Perch, &opts).expect("built-in");
         let b = sim::simulate_with(&jobs, configured, "perch", &opts).expect("config");
         assert!(a.summary.finished > 0);

@@ -29,17 +29,20 @@ pub enum SimPolicy {
     PerchNoQuotas,
     /// perch default with idle reclaim: jobs idle for the window while others wait are ended.
     PerchIdleReclaim,
+    /// Tiresias' discretized two-dimensional least attained service (no durations needed).
+    Las,
 }
 
 impl SimPolicy {
     /// Every policy, in table order.
-    pub const ALL: [SimPolicy; 6] = [
+    pub const ALL: [SimPolicy; 7] = [
         SimPolicy::Fifo,
         SimPolicy::Backfill,
         SimPolicy::Srtf,
         SimPolicy::Perch,
         SimPolicy::PerchNoQuotas,
         SimPolicy::PerchIdleReclaim,
+        SimPolicy::Las,
     ];
 
     /// Name on the command line and in tables.
@@ -51,6 +54,7 @@ impl SimPolicy {
             SimPolicy::Perch => "perch",
             SimPolicy::PerchNoQuotas => "perch-noquota",
             SimPolicy::PerchIdleReclaim => "perch+idle-reclaim",
+            SimPolicy::Las => "las",
         }
     }
 
@@ -540,6 +544,7 @@ pub fn policy_config(policy: SimPolicy, jobs: &[TraceJob], opts: &SimOptions) ->
         SimPolicy::Fifo => Config::fifo(),
         SimPolicy::Backfill => Config::backfill(),
         SimPolicy::Srtf => Config::srtf(),
+        SimPolicy::Las => Config::las(),
         SimPolicy::Perch | SimPolicy::PerchIdleReclaim => {
             let quotas = trace_quotas(jobs, opts.cluster.total_gpus());
             let mut c = Config::perch(quotas);

@@ -20,16 +20,102 @@ use crate::error::Result;
 pub const PREEMPTIONS_PER_JOB: f64 = 0.5;
 
 /// The policies a scorecard compares (the idle-reclaim variant answers another question).
-pub const POLICIES: [SimPolicy; 5] = [
+pub const POLICIES: [SimPolicy; 6] = [
     SimPolicy::Fifo,
     SimPolicy::Backfill,
     SimPolicy::Srtf,
     SimPolicy::PerchNoQuotas,
     SimPolicy::Perch,
+    SimPolicy::Las,
 ];
 
-/// The policies the targets are checked for.
+/// The policies the targets are checked for, case by case.
 pub const SCORED: [SimPolicy; 2] = [SimPolicy::PerchNoQuotas, SimPolicy::Perch];
+
+/// The policies whose standing on the targets the closing table compares: perch's two rows,
+/// the duration-free anchor (Tiresias' LAS) and the oracle itself, which shows what the
+/// targets ask of a policy that knows every duration.
+pub const COMPARED: [SimPolicy; 4] = [
+    SimPolicy::PerchNoQuotas,
+    SimPolicy::Perch,
+    SimPolicy::Las,
+    SimPolicy::Srtf,
+];
+
+/// The names of the targets, in [`CaseResult::targets`] order.
+pub const TARGETS: [&str; 5] = [
+    "JCT<=1.25xSRTF",
+    "JCT<=BF",
+    "p99<=BF",
+    "alloc>=BF",
+    "preempt",
+];
+
+/// How one policy fares over the cases where queues form.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Tally {
+    /// Cases where queues form.
+    pub cases: usize,
+    /// Of those, how many meet each target, in [`TARGETS`] order.
+    pub met: [usize; 5],
+    /// Geometric mean of its average JCT over SRTF's.
+    pub jct_over_srtf: f64,
+    /// Geometric mean of its p99 JCT over backfill's.
+    pub p99_over_backfill: f64,
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 { a / b } else { 1.0 }
+}
+
+/// `p`'s tally over `results`.
+pub fn tally(results: &[CaseResult], p: SimPolicy) -> Tally {
+    let mut t = Tally {
+        cases: 0,
+        met: [0; 5],
+        jct_over_srtf: 1.0,
+        p99_over_backfill: 1.0,
+    };
+    let (mut log_srtf, mut log_p99) = (0.0, 0.0);
+    for r in results.iter().filter(|r| r.queued()) {
+        let (b, s, x) = (r.get(SimPolicy::Backfill), r.get(SimPolicy::Srtf), r.get(p));
+        t.cases += 1;
+        log_srtf += ratio(x.avg_jct_s, s.avg_jct_s).ln();
+        log_p99 += ratio(x.p99_jct_s, b.p99_jct_s).ln();
+        for (i, (_, ok)) in r.targets(p).into_iter().enumerate() {
+            t.met[i] += usize::from(ok);
+        }
+    }
+    if t.cases > 0 {
+        t.jct_over_srtf = (log_srtf / t.cases as f64).exp();
+        t.p99_over_backfill = (log_p99 / t.cases as f64).exp();
+    }
+    t
+}
+
+/// One line per policy of [`COMPARED`]: how many cases where queues form meet each target.
+pub fn comparison(results: &[CaseResult]) -> String {
+    let mut out = format!(
+        "every policy against the targets, of the cases where queues form:
+{:<14} {:>5}",
+        "policy", "cases"
+    );
+    for name in TARGETS {
+        out += &format!(" {name:>14}");
+    }
+    out += "  JCT/SRTF  p99/BF\n";
+    for p in COMPARED {
+        let t = tally(results, p);
+        out += &format!("{:<14} {:>5}", p.name(), t.cases);
+        for n in t.met {
+            out += &format!(" {n:>14}");
+        }
+        out += &format!("  {:>8.3}  {:>6.3}\n", t.jct_over_srtf, t.p99_over_backfill);
+    }
+    out += "(JCT/SRTF, p99/BF: geometric means of the average JCT over SRTF's and the p99 JCT over \
+            backfill's; srtf knows every duration, las none, perch the declared time limits)\n";
+    out
+}
 
 /// One cell of the matrix: a trace on a cluster under a seed.
 #[derive(Clone, Debug)]
@@ -75,16 +161,14 @@ impl CaseResult {
             self.get(SimPolicy::Srtf),
         );
         let tenth = |x: f64| (x * 10.0).round();
-        [
-            ("JCT<=1.25xSRTF", p.avg_jct_s <= 1.25 * s.avg_jct_s),
-            ("JCT<=BF", p.avg_jct_s <= b.avg_jct_s),
-            ("p99<=BF", p.p99_jct_s <= b.p99_jct_s),
-            ("alloc>=BF", tenth(p.alloc_pct) >= tenth(b.alloc_pct)),
-            (
-                "preempt",
-                p.preemptions as f64 <= PREEMPTIONS_PER_JOB * self.jobs as f64,
-            ),
-        ]
+        let met = [
+            p.avg_jct_s <= 1.25 * s.avg_jct_s,
+            p.avg_jct_s <= b.avg_jct_s,
+            p.p99_jct_s <= b.p99_jct_s,
+            tenth(p.alloc_pct) >= tenth(b.alloc_pct),
+            p.preemptions as f64 <= PREEMPTIONS_PER_JOB * self.jobs as f64,
+        ];
+        std::array::from_fn(|i| (TARGETS[i], met[i]))
     }
 }
 
@@ -148,13 +232,12 @@ pub fn run_case(case: &Case) -> Result<CaseResult> {
     })
 }
 
-/// The scorecard of every policy of [`SCORED`], one after the other.
+/// The scorecard of every policy of [`SCORED`], one after the other, then the
+/// [`comparison`].
 pub fn scorecards(results: &[CaseResult]) -> String {
-    SCORED
-        .iter()
-        .map(|&p| scorecard(results, p))
-        .collect::<Vec<_>>()
-        .join("\n")
+    let mut cards: Vec<String> = SCORED.iter().map(|&p| scorecard(results, p)).collect();
+    cards.push(comparison(results));
+    cards.join("\n")
 }
 
 /// The scorecard of `scored`: one line per case, then how many cases where queues form meet
@@ -181,9 +264,6 @@ pub fn scorecard(results: &[CaseResult], scored: SimPolicy) -> String {
         "Jain",
         "targets missed"
     );
-    let mut met = [0usize; 5];
-    let mut count = 0;
-    let (mut log_srtf, mut log_p99) = (0.0, 0.0);
     for r in results {
         let (f, b, s, p) = (
             r.get(SimPolicy::Fifo),
@@ -191,20 +271,14 @@ pub fn scorecard(results: &[CaseResult], scored: SimPolicy) -> String {
             r.get(SimPolicy::Srtf),
             r.get(scored),
         );
-        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 1.0 };
         let allocated_h = p.alloc_pct / 100.0 * f64::from(p.gpus) * p.makespan_s / 3600.0;
         let missed = if r.queued() {
-            count += 1;
-            log_srtf += ratio(p.avg_jct_s, s.avg_jct_s).ln();
-            log_p99 += ratio(p.p99_jct_s, b.p99_jct_s).ln();
-            let mut names = Vec::new();
-            for (i, (name, ok)) in r.targets(scored).into_iter().enumerate() {
-                if ok {
-                    met[i] += 1;
-                } else {
-                    names.push(name);
-                }
-            }
+            let names: Vec<&str> = r
+                .targets(scored)
+                .into_iter()
+                .filter(|(_, ok)| !ok)
+                .map(|(name, _)| name)
+                .collect();
             if names.is_empty() {
                 "none".to_string()
             } else {
@@ -238,26 +312,20 @@ pub fn scorecard(results: &[CaseResult], scored: SimPolicy) -> String {
             missed
         );
     }
+    let t = tally(results, scored);
+    let count = t.cases;
     out += &format!(
         "\n{} meets, of {count} cases where queues form:",
         scored.name()
     );
-    let names = [
-        "JCT<=1.25xSRTF",
-        "JCT<=BF",
-        "p99<=BF",
-        "alloc>=BF",
-        "preempt",
-    ];
-    for (name, n) in names.iter().zip(met) {
+    for (name, n) in TARGETS.iter().zip(t.met) {
         out += &format!(" {name} {n}/{count};");
     }
     out.pop();
     if count > 0 {
         out += &format!(
             "\ngeometric means over those cases: average JCT {:.3}x SRTF's, p99 JCT {:.3}x backfill's",
-            (log_srtf / count as f64).exp(),
-            (log_p99 / count as f64).exp()
+            t.jct_over_srtf, t.p99_over_backfill
         );
     }
     out += &format!(
