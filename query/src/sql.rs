@@ -233,6 +233,7 @@ impl SqlEngine {
                     .chain(datafusion::execution::SessionStateDefaults::default_expr_planners())
                     .collect(),
                 )
+                .with_optimizer_rule(Arc::new(optimizer::first_row::FirstRowPerPartition))
                 .with_physical_optimizer_rules(optimizer::physical_optimizer_rules())
                 .build(),
         );

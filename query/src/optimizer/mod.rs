@@ -9,11 +9,15 @@
 //! - [`interval_join::IntervalJoinRule`] runs joins on equal keys and a time interval (a
 //!   sample inside an allocation) as an interval join.
 //!
+//! One logical rule, [`first_row::FirstRowPerPartition`], runs after DataFusion's own: it plans
+//! `row_number() OVER (PARTITION BY ...) = 1` as an aggregate instead of a sort.
+//!
 //! [`run_aggregate::RunAggregateRule`] runs after all of DataFusion's rules (before the final
 //! sanity check): it replaces partial hash aggregations with one that looks up each run of
 //! equal group keys once, which sorted telemetry is full of.
 
 mod aggregate_build;
+pub mod first_row;
 pub mod interval_join;
 pub mod run_aggregate;
 
