@@ -264,7 +264,7 @@ impl Scheduler {
             .filter_map(|&(_, v)| self.jobs.get(&v).map(|j| (v, j)))
             .filter(|(_, j)| {
                 j.spec.preemptible
-                    && j.preemptions < self.config.las_max_preemptions
+                    && j.las_preemptions < self.config.las_max_preemptions
                     && !self.least_served(j, now)
             })
             .map(|(v, j)| (std::cmp::Reverse(self.attained(j, now) as u64), v))
@@ -277,7 +277,7 @@ impl Scheduler {
         };
         for v in &victims {
             if let Some(j) = self.jobs.get_mut(v) {
-                j.preemptions += 1;
+                j.las_preemptions += 1;
             }
         }
         self.preempt_for(now, victims, PreemptReason::LessServed { for_job: id })
