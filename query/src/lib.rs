@@ -18,6 +18,7 @@ mod functions;
 mod live;
 mod maintenance;
 mod manifest;
+mod median;
 pub mod optimizer;
 mod provider;
 mod rollup;

@@ -12,7 +12,7 @@ use crate::budget::{Budget, QueryPool, Slot};
 use crate::live::{LiveProvider, LiveTable};
 use crate::provider::{Pins, StoreTable};
 use crate::{Error, Result, Store, Table};
-use crate::{functions, optimizer, strings};
+use crate::{functions, median, optimizer, strings};
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use datafusion::datasource::ViewTable;
@@ -238,6 +238,7 @@ impl SqlEngine {
                 .build(),
         );
         ctx.register_udf(functions::date_trunc());
+        ctx.register_udaf(median::median());
         for f in functions::size_capped(self.limits.memory_bytes) {
             ctx.register_udf(f);
         }
