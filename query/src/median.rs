@@ -144,6 +144,14 @@ struct Tally {
     total: u64,
 }
 
+impl Tally {
+    /// Whether so few values repeat that keeping them would take less.
+    fn too_distinct(&self) -> bool {
+        let distinct = self.by_bits.len();
+        distinct > GIVE_UP_PAST && self.total < distinct as u64 * GIVE_UP_BELOW_REPEATS
+    }
+}
+
 impl Values {
     /// Adds one value; returns how many bytes the group's storage grew by.
     fn push(&mut self, value: f64) -> isize {
@@ -161,52 +169,89 @@ impl Values {
         self.size() as isize - before as isize
     }
 
-    /// `count` occurrences of `value`, from another stage's state; returns how many bytes the
-    /// group's storage grew by.
-    fn add(&mut self, value: f64, count: u64) -> Result<isize> {
+    /// One row of another stage's state: its values, with a count each or each once
+    /// (`counts` is `None`); returns how many bytes the group's storage grew by.
+    fn merge(&mut self, values: &[f64], counts: Option<&[u64]>) -> Result<isize> {
         let before = self.size();
-        self.add_unmeasured(value, count)?;
+        match counts {
+            None => self.add_once(values)?,
+            Some(counts) => {
+                for (&value, &count) in values.iter().zip(counts) {
+                    self.add_counted(value, count)?;
+                }
+            }
+        }
         Ok(self.size() as isize - before as isize)
     }
 
-    fn add_unmeasured(&mut self, value: f64, count: u64) -> Result<()> {
-        if matches!(self.counted, Counted::GaveUp) {
-            let count = usize::try_from(count).map_err(|_| too_many(count))?;
-            self.kept
-                .try_reserve(count)
-                .map_err(|e| DataFusionError::ResourcesExhausted(format!("median: {e}")))?;
-            self.kept.extend(std::iter::repeat_n(value, count));
+    /// Each of `values` once.
+    fn add_once(&mut self, values: &[f64]) -> Result<()> {
+        if let Counted::Counts(tally) = &mut self.counted {
+            for value in values {
+                *tally.by_bits.entry(value.to_bits()).or_insert(0) += 1;
+            }
+            tally.total += values.len() as u64;
+            self.give_up_if_distinct();
             return Ok(());
         }
-        let tally = self.tally();
-        *tally.by_bits.entry(value.to_bits()).or_insert(0) += count;
-        tally.total += count;
-        self.give_up_if_distinct();
+        self.keep(values.len(), |kept| kept.extend_from_slice(values))
+    }
+
+    /// `count` occurrences of `value`.
+    fn add_counted(&mut self, value: f64, count: u64) -> Result<()> {
+        if let Counted::Counts(tally) = &mut self.counted {
+            *tally.by_bits.entry(value.to_bits()).or_insert(0) += count;
+            tally.total += count;
+            self.give_up_if_distinct();
+            return Ok(());
+        }
+        if matches!(self.counted, Counted::Nothing) && count >= COUNT_EVERY as u64 {
+            // Counted from here on; the kept values are counted with the next ones.
+            self.counted = Counted::Counts(Box::default());
+            return self.add_counted(value, count);
+        }
+        let count = usize::try_from(count).map_err(|_| too_many(count))?;
+        self.keep(count, |kept| kept.extend(std::iter::repeat_n(value, count)))
+    }
+
+    /// Keeps `more` values that `extend` appends, and counts them once there are enough.
+    fn keep(&mut self, more: usize, extend: impl FnOnce(&mut Vec<f64>)) -> Result<()> {
+        self.kept
+            .try_reserve(more)
+            .map_err(|_| too_many(more as u64))?;
+        extend(&mut self.kept);
+        if self.kept.len() >= COUNT_EVERY {
+            self.count_kept();
+        }
         Ok(())
     }
 
-    fn tally(&mut self) -> &mut Tally {
+    /// Moves the kept values into the counts, a block at a time, until they are all counted
+    /// or counting gives up (then every value is kept).
+    fn count_kept(&mut self) {
+        if matches!(self.counted, Counted::GaveUp) || self.kept.is_empty() {
+            return;
+        }
+        let mut kept = std::mem::take(&mut self.kept);
         if !matches!(self.counted, Counted::Counts(_)) {
             self.counted = Counted::Counts(Box::default());
         }
         let Counted::Counts(tally) = &mut self.counted else {
             unreachable!("set just above")
         };
-        tally
-    }
-
-    /// Moves the kept values into the counts, unless counting has given up.
-    fn count_kept(&mut self) {
-        if matches!(self.counted, Counted::GaveUp) || self.kept.is_empty() {
-            return;
+        let mut counted = 0;
+        for block in kept.chunks(COUNT_EVERY) {
+            for value in block {
+                *tally.by_bits.entry(value.to_bits()).or_insert(0) += 1;
+            }
+            tally.total += block.len() as u64;
+            counted += block.len();
+            if tally.too_distinct() {
+                break;
+            }
         }
-        // Taken out and put back empty, so that its allocation serves the next values.
-        let mut kept = std::mem::take(&mut self.kept);
-        let tally = self.tally();
-        tally.total += kept.len() as u64;
-        for value in kept.drain(..) {
-            *tally.by_bits.entry(value.to_bits()).or_insert(0) += 1;
-        }
+        // The uncounted rest, if any, stays; the allocation serves the next values.
+        kept.drain(..counted);
         self.kept = kept;
         self.give_up_if_distinct();
     }
@@ -215,8 +260,7 @@ impl Values {
         let Counted::Counts(tally) = &self.counted else {
             return;
         };
-        let distinct = tally.by_bits.len();
-        if distinct <= GIVE_UP_PAST || tally.total >= distinct as u64 * GIVE_UP_BELOW_REPEATS {
+        if !tally.too_distinct() {
             return;
         }
         let Counted::Counts(tally) = std::mem::replace(&mut self.counted, Counted::GaveUp) else {
@@ -252,18 +296,25 @@ impl Values {
         ))
     }
 
-    /// Each distinct value and its count (kept values with a count of one each), for the
-    /// next stage.
-    fn state_into(&mut self, values: &mut Vec<f64>, counts: &mut Vec<u64>) {
-        self.count_kept();
-        if let Counted::Counts(tally) = &self.counted {
-            for (&bits, &count) in &tally.by_bits {
-                values.push(f64::from_bits(bits));
-                counts.push(count);
+    /// The group's values for the next stage; with their counts when it counts, or each
+    /// once (nothing written to `counts`; returns `false`).
+    fn state_into(&mut self, values: &mut Vec<f64>, counts: &mut Vec<u64>) -> bool {
+        if matches!(self.counted, Counted::Counts(_)) {
+            self.count_kept();
+        }
+        match &self.counted {
+            Counted::Counts(tally) => {
+                for (&bits, &count) in &tally.by_bits {
+                    values.push(f64::from_bits(bits));
+                    counts.push(count);
+                }
+                true
+            }
+            Counted::Nothing | Counted::GaveUp => {
+                values.extend_from_slice(&self.kept);
+                false
             }
         }
-        values.extend_from_slice(&self.kept);
-        counts.extend(std::iter::repeat_n(1, self.kept.len()));
     }
 
     /// The median; reorders the values but keeps them (a window evaluates again).
@@ -354,10 +405,11 @@ fn counted_rows<'a>(
         .map(|(i, &v)| (i, v))
 }
 
-/// Calls `add` with each distinct value of a state and its count, and the state's row.
-fn for_each_counted(
+/// Calls `merge` with each row of a state: the row, its values, and their counts (`None`:
+/// each value once).
+fn for_each_state_row(
     states: &[ArrayRef],
-    mut add: impl FnMut(usize, f64, u64) -> Result<()>,
+    mut merge: impl FnMut(usize, &[f64], Option<&[u64]>) -> Result<()>,
 ) -> Result<()> {
     let [values, counts] = states else {
         return Err(DataFusionError::Internal(format!(
@@ -367,47 +419,81 @@ fn for_each_counted(
     };
     let values = values.as_list::<i32>();
     let counts = counts.as_list::<i32>();
-    let value_of = values.values().as_primitive::<Float64Type>().values();
-    let count_of = counts.values().as_primitive::<UInt64Type>().values();
+    let all_values = values.values().as_primitive::<Float64Type>().values();
+    let all_counts = counts.values().as_primitive::<UInt64Type>().values();
+    let (value_offsets, count_offsets) = (values.value_offsets(), counts.value_offsets());
     for row in (0..values.len()).filter(|&row| values.is_valid(row)) {
-        let (value_offsets, count_offsets) = (values.value_offsets(), counts.value_offsets());
         let at = value_offsets[row] as usize..value_offsets[row + 1] as usize;
-        let counted_at = count_offsets[row] as usize;
-        if count_offsets[row + 1] as usize - counted_at != at.len() {
-            return Err(DataFusionError::Internal(format!(
-                "median: row {row} of a state has {} values but {} counts",
-                at.len(),
-                count_offsets[row + 1] as usize - counted_at
-            )));
-        }
-        for (i, &value) in value_of[at.clone()].iter().enumerate() {
-            add(row, value, count_of[counted_at + i])?;
-        }
+        let counted_at = count_offsets[row] as usize..count_offsets[row + 1] as usize;
+        let counts = match counted_at.len() {
+            0 => None,
+            n if n == at.len() => Some(&all_counts[counted_at]),
+            n => {
+                return Err(DataFusionError::Internal(format!(
+                    "median: row {row} of a state has {} values but {n} counts",
+                    at.len()
+                )));
+            }
+        };
+        merge(row, &all_values[at], counts)?;
     }
     Ok(())
 }
 
-/// Lists of `values` and `counts`, one row per group of the given length.
-fn state_arrays(values: Vec<f64>, counts: Vec<u64>, lengths: &[usize]) -> Result<Vec<ArrayRef>> {
-    let total: usize = lengths.iter().sum();
-    if i32::try_from(total).is_err() {
-        return Err(DataFusionError::ResourcesExhausted(format!(
-            "median: a state of {total} distinct values is larger than a list holds"
-        )));
+/// The state's two lists: each group's values, and their counts (an empty list where each
+/// value counts once).
+struct StateLists {
+    values: Vec<f64>,
+    value_lengths: Vec<usize>,
+    counts: Vec<u64>,
+    count_lengths: Vec<usize>,
+}
+
+impl StateLists {
+    fn new() -> Self {
+        StateLists {
+            values: Vec::new(),
+            value_lengths: Vec::new(),
+            counts: Vec::new(),
+            count_lengths: Vec::new(),
+        }
     }
-    let offsets = OffsetBuffer::<i32>::from_lengths(lengths.iter().copied());
-    let list = |data_type: DataType, child: ArrayRef| -> ArrayRef {
-        Arc::new(ListArray::new(
-            Arc::new(Field::new_list_field(data_type, true)),
-            offsets.clone(),
-            child,
-            None,
-        ))
-    };
-    Ok(vec![
-        list(DataType::Float64, Arc::new(Float64Array::from(values))),
-        list(DataType::UInt64, Arc::new(UInt64Array::from(counts))),
-    ])
+
+    fn push(&mut self, group: &mut Values) {
+        let (values, counts) = (self.values.len(), self.counts.len());
+        group.state_into(&mut self.values, &mut self.counts);
+        self.value_lengths.push(self.values.len() - values);
+        self.count_lengths.push(self.counts.len() - counts);
+    }
+
+    fn finish(self) -> Result<Vec<ArrayRef>> {
+        if i32::try_from(self.values.len()).is_err() {
+            return Err(DataFusionError::ResourcesExhausted(format!(
+                "median: a state of {} values is larger than a list holds",
+                self.values.len()
+            )));
+        }
+        let list = |data_type: DataType, lengths: Vec<usize>, child: ArrayRef| -> ArrayRef {
+            Arc::new(ListArray::new(
+                Arc::new(Field::new_list_field(data_type, true)),
+                OffsetBuffer::<i32>::from_lengths(lengths),
+                child,
+                None,
+            ))
+        };
+        Ok(vec![
+            list(
+                DataType::Float64,
+                self.value_lengths,
+                Arc::new(Float64Array::from(self.values)),
+            ),
+            list(
+                DataType::UInt64,
+                self.count_lengths,
+                Arc::new(UInt64Array::from(self.counts)),
+            ),
+        ])
+    }
 }
 
 /// One [`Values`] per group.
@@ -464,8 +550,8 @@ impl GroupsAccumulator for MedianGroups {
         self.groups.resize_with(total_num_groups, Values::default);
         let mut grew = 0;
         let groups = &mut self.groups;
-        let merged = for_each_counted(states, |row, value, count| {
-            grew += groups[group_indices[row]].add(value, count)?;
+        let merged = for_each_state_row(states, |row, values, counts| {
+            grew += groups[group_indices[row]].merge(values, counts)?;
             Ok(())
         });
         self.grew(grew);
@@ -473,15 +559,11 @@ impl GroupsAccumulator for MedianGroups {
     }
 
     fn state(&mut self, emit_to: EmitTo) -> Result<Vec<ArrayRef>> {
-        let mut values = Vec::new();
-        let mut counts = Vec::new();
-        let mut lengths = Vec::new();
+        let mut lists = StateLists::new();
         for mut group in self.take(emit_to) {
-            let before = values.len();
-            group.state_into(&mut values, &mut counts);
-            lengths.push(values.len() - before);
+            lists.push(&mut group);
         }
-        state_arrays(values, counts, &lengths)
+        lists.finish()
     }
 
     fn evaluate(&mut self, emit_to: EmitTo) -> Result<ArrayRef> {
@@ -489,7 +571,7 @@ impl GroupsAccumulator for MedianGroups {
         Ok(Arc::new(medians))
     }
 
-    /// Each row as a state of its own: its value, counted once (NULL when it does not count).
+    /// Each row as a state of its own: its value, once (NULL when it does not count).
     fn convert_to_state(
         &self,
         values: &[ArrayRef],
@@ -500,25 +582,24 @@ impl GroupsAccumulator for MedianGroups {
         let valid: Vec<bool> = (0..rows)
             .map(|i| input.is_valid(i) && opt_filter.is_none_or(|f| f.is_valid(i) && f.value(i)))
             .collect();
-        let offsets = OffsetBuffer::<i32>::from_lengths(std::iter::repeat_n(1, rows));
-        let nulls = NullBuffer::from(valid);
-        let list = |data_type: DataType, child: ArrayRef| -> ArrayRef {
-            Arc::new(ListArray::new(
-                Arc::new(Field::new_list_field(data_type, true)),
-                offsets.clone(),
-                child,
-                Some(nulls.clone()),
-            ))
-        };
+        let nulls = Some(NullBuffer::from(valid));
+        let field = |data_type| Arc::new(Field::new_list_field(data_type, true));
         Ok(vec![
-            list(
-                DataType::Float64,
+            Arc::new(ListArray::new(
+                field(DataType::Float64),
+                OffsetBuffer::<i32>::from_lengths(std::iter::repeat_n(1, rows)),
                 Arc::new(Float64Array::new(input.values().clone(), None)),
-            ),
-            list(
-                DataType::UInt64,
-                Arc::new(UInt64Array::new(ScalarBuffer::from(vec![1u64; rows]), None)),
-            ),
+                nulls.clone(),
+            )),
+            Arc::new(ListArray::new(
+                field(DataType::UInt64),
+                OffsetBuffer::<i32>::new_zeroed(rows),
+                Arc::new(UInt64Array::new(
+                    ScalarBuffer::from(Vec::<u64>::new()),
+                    None,
+                )),
+                nulls,
+            )),
         ])
     }
 
@@ -540,17 +621,16 @@ impl Accumulator for MedianAccumulator {
     }
 
     fn merge_batch(&mut self, states: &[ArrayRef]) -> Result<()> {
-        for_each_counted(states, |_, value, count| {
-            self.0.add_unmeasured(value, count)
+        for_each_state_row(states, |_, values, counts| {
+            self.0.merge(values, counts).map(|_| ())
         })
     }
 
     fn state(&mut self) -> Result<Vec<ScalarValue>> {
-        let mut values = Vec::new();
-        let mut counts = Vec::new();
-        self.0.state_into(&mut values, &mut counts);
-        let length = values.len();
-        state_arrays(values, counts, &[length])?
+        let mut lists = StateLists::new();
+        lists.push(&mut self.0);
+        lists
+            .finish()?
             .into_iter()
             .map(|list| Ok(ScalarValue::List(Arc::new(list.as_list::<i32>().clone()))))
             .collect()
@@ -584,6 +664,7 @@ mod tests {
     use arrow::util::pretty::pretty_format_batches;
     use datafusion::datasource::MemTable;
     use datafusion::prelude::{SessionConfig, SessionContext};
+    use proptest::prelude::*;
 
     /// Rows `k` of the test table: its group `g`, a value `x` from `value`, `i` and `f` the
     /// same value as an integer and a `Float32`; every seventh `x` NULL when `nulls`.
@@ -822,5 +903,61 @@ mod tests {
             "{error}"
         );
         assert!(groups.merge_batch(&[values], &[0], 1).is_err());
+    }
+
+    /// The naive median: every value, sorted.
+    fn sorted_median(mut all: Vec<f64>) -> Option<f64> {
+        all.sort_by(f64::total_cmp);
+        let n = all.len();
+        (n > 0).then(|| {
+            if n % 2 == 1 {
+                all[n / 2]
+            } else {
+                (all[n / 2 - 1] + all[n / 2]) / 2.0
+            }
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+        /// Any mix of pushed values and merged states (each value once, or counted; few
+        /// distinct values or many, so that groups count, give up, or never start) gives the
+        /// median of all the values, and a state taken and merged again gives it too.
+        #[test]
+        fn any_mix_of_pushes_and_merges_is_the_median(
+            steps in prop::collection::vec(
+                (0u8..3, 1usize..3000, prop_oneof![Just(7u64), Just(100_000)], 1u64..5000),
+                1..12,
+            ),
+        ) {
+            let mut group = Values::default();
+            let mut all = Vec::new();
+            for (step, (kind, n, domain, count)) in steps.into_iter().enumerate() {
+                let values: Vec<f64> = (0..n as u64)
+                    .map(|k| ((k * 7919 + step as u64 * 104_729) % domain) as f64 * 0.5)
+                    .collect();
+                match kind {
+                    0 => values.iter().for_each(|&v| { group.push(v); }),
+                    1 => { group.merge(&values, None).expect("merge"); }
+                    _ => {
+                        let counts: Vec<u64> = values.iter().map(|_| count % 7 + 1).collect();
+                        group.merge(&values, Some(&counts)).expect("merge");
+                        for (&v, &c) in values.iter().zip(&counts) {
+                            all.extend(std::iter::repeat_n(v, c as usize));
+                        }
+                        continue;
+                    }
+                }
+                all.extend(values);
+            }
+            let want = sorted_median(all);
+            let mut values = Vec::new();
+            let mut counts = Vec::new();
+            let counted = group.state_into(&mut values, &mut counts);
+            let mut again = Values::default();
+            again.merge(&values, counted.then_some(&counts[..])).expect("merge");
+            prop_assert_eq!(group.median(), want);
+            prop_assert_eq!(again.median(), want);
+        }
     }
 }
