@@ -900,8 +900,9 @@ mod tests {
         "SELECT node, max(gpu) AS g FROM t GROUP BY node ORDER BY node",
         "SELECT node, gpu, min(v) AS lo, max(v) AS hi FROM t GROUP BY node, gpu ORDER BY node, gpu",
         // Filters it applies itself: selective, NULL in the predicate, nothing passing. (Not
-        // max(f): DataFusion's grouped max of floats with NaN depends on the order rows
-        // arrive in, and the stages here see other batches than after a filter.)
+        // max(f): DataFusion 55's grouped max of floats with NaN depends on the order rows
+        // arrive in, apache/datafusion#24432, and the stages here see other batches than
+        // after a filter.)
         "SELECT node, gpu, count(*) AS n, sum(v) AS s, sum(f) AS sf FROM t WHERE v > 150
          GROUP BY node, gpu ORDER BY node, gpu",
         "SELECT node, count(*) AS n, count(f) AS nf FROM t WHERE f > 1 OR v IS NULL
