@@ -226,6 +226,12 @@ pub enum PreemptReason {
         /// The job the GPUs go to.
         for_job: JobId,
     },
+    /// perch: a one-node job past its starvation bound needs the GPUs, and this job declared
+    /// a longer time limit (`Config::starved_reclaim`).
+    Starved {
+        /// The job the GPUs go to.
+        for_job: JobId,
+    },
     /// Moved off its node by an operator or the automatic remediation (a GPU went bad, the
     /// node is drained for repair): see [`crate::Event::Evict`].
     Evicted,

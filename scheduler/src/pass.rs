@@ -105,7 +105,7 @@ impl Scheduler {
     /// How long the job has waited, when that is past the starvation bound (perch, LAS): a
     /// job that has waited longer than `starved_after_limits` times its time limit, twice that
     /// for Low QOS (scavenger work waits behind the rest, but not without end).
-    fn starved_wait(&self, j: &Job, now: Time) -> Option<f64> {
+    pub(crate) fn starved_wait(&self, j: &Job, now: Time) -> Option<f64> {
         let c = &self.config;
         let wait = (now - j.spec.submit).max(0) as f64;
         let tier = if j.spec.qos == Qos::Low { 2.0 } else { 1.0 };
@@ -291,7 +291,7 @@ impl Scheduler {
         let share_room = self.share_room();
         let preempting = match kind {
             PolicyKind::Srtf => true,
-            PolicyKind::Perch => quotas && self.config.reclaim,
+            PolicyKind::Perch => (quotas && self.config.reclaim) || self.config.starved_reclaim,
             PolicyKind::Las => true,
             PolicyKind::Fifo | PolicyKind::Backfill => false,
         };
@@ -363,8 +363,15 @@ impl Scheduler {
                 self.set_reason(id, reason);
                 continue;
             }
+            let quota_reclaim =
+                kind == PolicyKind::Perch && quotas && within && self.config.reclaim;
+            let starved = kind == PolicyKind::Perch
+                && self.config.starved_reclaim
+                && shape.nodes == 1
+                && self.starved_wait(j, now).is_some();
             let may_preempt = reclaims_left > 0
-                && ((kind == PolicyKind::Perch && quotas && within && self.config.reclaim)
+                && (quota_reclaim
+                    || starved
                     || kind == PolicyKind::Srtf
                     || (kind == PolicyKind::Las && self.least_served(j, now)));
             let ends_by = |r: &Reservation| now + j.run_limit() <= r.at;
@@ -392,11 +399,15 @@ impl Scheduler {
             }
             if may_preempt && find_among(&self.cluster, shape, models, |_| u32::MAX).is_none() {
                 reclaims_left -= 1;
-                let preempted = match kind {
+                let mut preempted = match kind {
                     PolicyKind::Srtf => self.preempt_longer(now, id),
                     PolicyKind::Las => self.preempt_more_served(now, id),
-                    _ => self.reclaim_quota(now, id, models),
+                    _ if quota_reclaim => self.reclaim_quota(now, id, models),
+                    _ => Vec::new(),
                 };
+                if preempted.is_empty() && starved {
+                    preempted = self.reclaim_for_starved(now, id, models);
+                }
                 if !preempted.is_empty() {
                     out.extend(preempted);
                     if let Some(p) = find_among(&self.cluster, shape, models, |_| u32::MAX) {

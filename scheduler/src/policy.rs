@@ -8,7 +8,8 @@
 //!   a later job may start now only if it ends (by its time limit) before that time, or uses
 //!   GPUs the reservation does not need.
 //! - [`PolicyKind::Perch`]: multifactor priority (below) + EASY backfill + per-account quotas
-//!   with borrowing of idle GPUs and gang-aware reclaim + idle detection.
+//!   with borrowing of idle GPUs and gang-aware reclaim + idle detection + starvation reclaim
+//!   ([`Config::starved_reclaim`]).
 //! - [`PolicyKind::Srtf`]: shortest remaining (oracle) time first, preemptive, greedy fill; a
 //!   reference point that needs true durations, so only simulators can run it.
 //! - [`PolicyKind::Las`]: Tiresias' discretized two-dimensional least attained service, which
@@ -140,6 +141,11 @@ pub struct Config {
     /// to its end.
     #[serde(default = "default_las_max_preemptions")]
     pub las_max_preemptions: u32,
+    /// perch: a one-node job past its starvation bound that cannot fit preempts running jobs
+    /// that declared a longer time limit, are not starved themselves and are on their first
+    /// run (so each job is stopped this way at most once), the least work at stake first.
+    #[serde(default)]
+    pub starved_reclaim: bool,
 }
 
 /// 16 GPU-hours: the best of 0.25 to 64 GPU-hours on the scorecard's synthetic matrix
@@ -186,6 +192,7 @@ impl Config {
             starved_after_limits: 0.0,
             las_threshold_gpu_seconds: default_las_threshold(),
             las_max_preemptions: default_las_max_preemptions(),
+            starved_reclaim: false,
         }
     }
 
@@ -221,6 +228,7 @@ impl Config {
         c.idle.action = IdleAction::Report;
         c.idle.grace = 10 * MINUTE;
         c.starved_after_limits = 4.0;
+        c.starved_reclaim = true;
         c
     }
 }

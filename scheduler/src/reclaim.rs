@@ -1,4 +1,6 @@
-//! Choosing victims: gang-aware reclaim of borrowed GPUs, SRTF preemption, and idle reclaim.
+//! Choosing victims: gang-aware reclaim of borrowed GPUs, starvation reclaim (for a one-node
+//! job past its starvation bound, from jobs that declared longer limits), SRTF and LAS
+//! preemption, and idle reclaim.
 //!
 //! Victims are always whole jobs (every GPU of a gang is freed together). Candidates are taken
 //! cheapest first (jobs idle for the idle window before busy ones, then the fewest GPU-milliseconds
@@ -251,6 +253,44 @@ impl Scheduler {
             Some(victims) => {
                 self.preempt_for(now, victims, PreemptReason::ShorterJob { for_job: id })
             }
+            None => Vec::new(),
+        }
+    }
+
+    /// Starvation reclaim for `id`, a one-node job past its starvation bound: preempt
+    /// preemptible running jobs that declared a longer time limit, are not starved and are on
+    /// their first run, the least work at stake first.
+    pub(crate) fn reclaim_for_starved(
+        &mut self,
+        now: Time,
+        id: JobId,
+        models: &[Option<usize>],
+    ) -> Vec<Action> {
+        let Some(limit) = self.jobs.get(&id).map(|j| j.run_limit()) else {
+            return Vec::new();
+        };
+        let mut cands: Vec<(i64, std::cmp::Reverse<Time>, JobId)> = self
+            .deadlines
+            .iter()
+            .filter_map(|&(_, v)| self.jobs.get(&v).map(|j| (v, j)))
+            .filter(|(_, j)| j.spec.preemptible && j.progress == 0 && j.run_limit() > limit)
+            .filter(|(_, j)| self.starved_wait(j, now).is_none())
+            .filter_map(|(v, j)| match j.state {
+                JobState::Running { start, .. } => Some((
+                    i64::from(j.spec.gpu_hundredths()) * (now - start).max(0),
+                    std::cmp::Reverse(start),
+                    v,
+                )),
+                JobState::Pending(_) => None,
+            })
+            .collect();
+        cands.sort_unstable();
+        let ordered: Vec<JobId> = cands.into_iter().map(|(_, _, v)| v).collect();
+        let victims = models
+            .iter()
+            .find_map(|&m| self.select_victims(id, m, &ordered, None));
+        match victims {
+            Some(victims) => self.preempt_for(now, victims, PreemptReason::Starved { for_job: id }),
             None => Vec::new(),
         }
     }

@@ -979,6 +979,8 @@ fn a_job_waiting_past_four_time_limits_goes_first() {
     let run = |starved_after_limits: f64, qos: Qos| {
         let mut config = Config::perch(vec![]);
         config.starved_after_limits = starved_after_limits;
+        // The order alone: B must not take the node from X before X ends.
+        config.starved_reclaim = false;
         let mut s = sched(1, config);
         // X holds the node for 260 minutes; B (8 GPUs, 60-minute limit) waits behind it.
         assert_eq!(
@@ -1017,4 +1019,94 @@ fn a_job_waiting_past_four_time_limits_goes_first() {
     );
     // A job that has not waited that long is not promoted either.
     assert_eq!(run(5.0, Qos::Normal), vec![3]);
+}
+
+/// Starvation reclaim: a one-node job past its starvation bound that cannot fit preempts
+/// running jobs that declared a longer time limit than its own, the least work at stake
+/// first; when it would need the GPUs of a job that declared a shorter one, it waits.
+#[test]
+fn a_starved_job_preempts_jobs_that_declared_longer_limits() {
+    // One node. X1 (4 GPUs, 300 min) and X0 (4 GPUs, 200 min) start at 0; B (8 GPUs, 60 min)
+    // waits from minute 1. X0 exits at 200 and X2 (4 GPUs, limit `x2` minutes) backfills its
+    // GPUs (it ends before B's reservation at 300). At 245 B has waited past 4 x 60 minutes.
+    let run = |starved_reclaim: bool, x2: i64| {
+        let mut config = Config::perch(vec![]);
+        config.starved_reclaim = starved_reclaim;
+        let mut s = sched(1, config);
+        step(&mut s, 0, Event::Submit(one(1, 4, "a", 300, 0)));
+        step(&mut s, 0, Event::Submit(one(10, 4, "a", 200, 0)));
+        step(&mut s, MINUTE, Event::Submit(one(2, 8, "b", 60, MINUTE)));
+        step(
+            &mut s,
+            199 * MINUTE,
+            Event::Submit(one(3, 4, "c", x2, 199 * MINUTE)),
+        );
+        let exited = Event::JobExited {
+            job: JobId(10),
+            code: 0,
+        };
+        assert_eq!(started(&step(&mut s, 200 * MINUTE, exited)), vec![3]);
+        let a = step(&mut s, 245 * MINUTE, Event::Tick);
+        (preempted(&a), started(&a), a)
+    };
+    let (victims, starts, actions) = run(true, 70);
+    assert_eq!(
+        victims,
+        vec![3, 1],
+        "least work at stake first: {actions:?}"
+    );
+    assert_eq!(starts, vec![2]);
+    assert!(actions.contains(&Action::Preempt {
+        job: JobId(1),
+        reason: PreemptReason::Starved { for_job: JobId(2) },
+        requeued: true,
+    }));
+    let (victims, starts, _) = run(true, 50);
+    assert!(
+        victims.is_empty() && starts.is_empty(),
+        "X2 declared 50 minutes, less than B's 60: B waits"
+    );
+    let (victims, starts, _) = run(false, 70);
+    assert!(
+        victims.is_empty() && starts.is_empty(),
+        "reclaim off: B waits"
+    );
+}
+
+/// Starvation reclaim takes a job at most once, and never for a gang: a job stopped before
+/// (it has run already) is not a victim, and a starved two-node gang waits for its nodes.
+#[test]
+fn starvation_reclaim_spares_gangs_and_jobs_stopped_before() {
+    // Two nodes, each held by an 8-GPU job of 300 minutes; G (2 x 8 GPUs, 60 minutes) waits
+    // from minute 1 and is starved at 245.
+    let mut s = sched(2, Config::perch(vec![]));
+    step(&mut s, 0, Event::Submit(one(1, 8, "a", 300, 0)));
+    step(&mut s, 0, Event::Submit(one(2, 8, "a", 300, 0)));
+    step(
+        &mut s,
+        MINUTE,
+        Event::Submit(spec(3, 2, 8, "b", 60 * MINUTE, MINUTE)),
+    );
+    let a = step(&mut s, 245 * MINUTE, Event::Tick);
+    assert!(a.is_empty(), "a gang waits: {a:?}");
+
+    // One node: X (300 minutes) is stopped for S1, starved at 245, and runs again when S1
+    // ends; S2, starved in turn at 500, cannot stop it a second time.
+    let mut s = sched(1, Config::perch(vec![]));
+    step(&mut s, 0, Event::Submit(one(1, 8, "a", 300, 0)));
+    step(&mut s, MINUTE, Event::Submit(one(2, 8, "b", 60, MINUTE)));
+    let a = step(&mut s, 245 * MINUTE, Event::Tick);
+    assert_eq!((preempted(&a), started(&a)), (vec![1], vec![2]));
+    let exited = Event::JobExited {
+        job: JobId(2),
+        code: 0,
+    };
+    assert_eq!(started(&step(&mut s, 250 * MINUTE, exited)), vec![1]);
+    step(
+        &mut s,
+        251 * MINUTE,
+        Event::Submit(one(3, 8, "b", 60, 251 * MINUTE)),
+    );
+    let a = step(&mut s, 500 * MINUTE, Event::Tick);
+    assert!(a.is_empty(), "X was stopped once already: {a:?}");
 }
