@@ -462,6 +462,10 @@ pub struct SchedulerSection {
     /// low) goes before every job that has not, the longest-waiting first (policy `perch`);
     /// 0: never.
     pub starved_after_limits: f64,
+    /// A one-node job past that bound that still cannot fit stops running preemptible jobs
+    /// that declared longer time limits and are on their first run (checkpoint signal, then
+    /// their grace), the least work at stake first; each job is stopped this way at most once.
+    pub starved_reclaim: bool,
     /// Allocated-but-idle GPUs.
     pub idle: IdleSection,
 }
@@ -511,6 +515,7 @@ impl Default for SchedulerSection {
             reclaim: perch.reclaim,
             max_reclaims_per_pass: perch.max_reclaims_per_pass,
             starved_after_limits: perch.starved_after_limits,
+            starved_reclaim: perch.starved_reclaim,
             idle: IdleSection::default(),
         }
     }
@@ -577,6 +582,7 @@ impl SchedulerSection {
             reclaim: policy.reclaim,
             max_reclaims_per_pass: policy.max_reclaims_per_pass,
             starved_after_limits: policy.starved_after_limits,
+            starved_reclaim: policy.starved_reclaim,
             idle: IdleSection {
                 action: match policy.idle.action {
                     IdleAction::Off => "off",
@@ -673,6 +679,7 @@ impl SchedulerSection {
         }
         if self.policy == "perch" {
             c.starved_after_limits = self.starved_after_limits;
+            c.starved_reclaim = self.starved_reclaim;
         }
         for (account, gpus) in &self.quotas {
             if account.trim().is_empty() || account.len() > 128 {
@@ -1286,6 +1293,18 @@ mod tests {
         assert_eq!(p.idle.action, IdleAction::Reclaim { requeue: true });
         assert_eq!(p.idle.threshold_pct, 5.0);
         assert_eq!((p.idle.window, p.idle.grace), (20 * MINUTE, 2 * MINUTE));
+        // Starvation reclaim is on by default and reaches the core when turned off.
+        assert!(default.starved_reclaim);
+        let off = Config::parse("[scheduler]\nstarved_reclaim = false\n").expect("parses");
+        let off = off.scheduler.policy().expect("policy");
+        assert!(!off.starved_reclaim);
+        assert_eq!(
+            SchedulerSection::from_policy(&off)
+                .expect("shown")
+                .policy()
+                .expect("again"),
+            off
+        );
     }
 
     #[test]

@@ -276,12 +276,13 @@ impl Scheduler {
             .filter(|(_, j)| j.spec.preemptible && j.progress == 0 && j.run_limit() > limit)
             .filter(|(_, j)| self.starved_wait(j, now).is_none())
             .filter_map(|(v, j)| match j.state {
-                JobState::Running { start, .. } => Some((
+                // Never a job this very pass started: its start would be undone unseen.
+                JobState::Running { start, .. } if start < now => Some((
                     i64::from(j.spec.gpu_hundredths()) * (now - start).max(0),
                     std::cmp::Reverse(start),
                     v,
                 )),
-                JobState::Pending(_) => None,
+                JobState::Running { .. } | JobState::Pending(_) => None,
             })
             .collect();
         cands.sort_unstable();
