@@ -17,14 +17,6 @@
 //! when nearly every row is a new group the partial stage is skipped and each row is passed
 //! on as a state of its own, with DataFusion's thresholds.
 //!
-//! A filter right below the aggregation is applied by it when every group key and argument
-//! is a plain column and no aggregate has a `FILTER` of its own (`WHERE utilization < 1
-//! GROUP BY node, gpu`). Then the filter's rows are never copied out: the predicate becomes
-//! a selection that the accumulators skip by, runs without a selected row are not looked
-//! up (a group appears only if a row of it passed), and the plain column keys and arguments
-//! cost nothing to read for rows that fail. Where runs are not looked for, or the partial
-//! stage is skipped, the selected rows are copied out as the filter would have done.
-//!
 //! [`RunAggregateRule`] replaces partial `AggregateExec`s whose input is not declared sorted
 //! (DataFusion streams those itself) that group by plain columns or expressions, without
 //! grouping sets, a row limit, DISTINCT or ORDER BY inside an aggregate, and whose aggregates
@@ -35,7 +27,7 @@ use arrow::array::{
     Array, ArrayRef, AsArray, BooleanArray, GenericByteViewArray, RecordBatch, UInt32Array,
 };
 use arrow::buffer::{BooleanBuffer, Buffer};
-use arrow::compute::{filter_record_batch, partition, prep_null_mask_filter, take};
+use arrow::compute::{partition, take};
 use arrow::datatypes::{ArrowNativeType, ByteViewType, DataType};
 use datafusion::common::tree_node::TreeNodeRecursion;
 use datafusion::config::ConfigOptions;
@@ -44,8 +36,6 @@ use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
 use datafusion::physical_expr::PhysicalExpr;
-use datafusion::physical_expr::expressions::{Column, Literal};
-use datafusion::physical_expr::projection::ProjectionRef;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_plan::aggregates::group_values::{GroupValues, new_group_values};
 use datafusion::physical_plan::aggregates::order::GroupOrdering;
@@ -54,7 +44,6 @@ use datafusion::physical_plan::aggregates::{
 };
 use datafusion::physical_plan::distribution_requirements::InputDistributionRequirements;
 use datafusion::physical_plan::execution_plan::CardinalityEffect;
-use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::metrics::{
     BaselineMetrics, Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet,
 };
@@ -108,50 +97,19 @@ fn eligible(agg: &AggregateExec) -> bool {
         })
 }
 
-/// Whether the filter under `agg` can be applied by it: evaluating its keys and arguments on
-/// every row, passing or not, must cost nothing and fail nowhere (plain columns and
-/// constants), and no aggregate may have a `FILTER` of its own.
-fn absorbable(agg: &AggregateExec, filter: &FilterExec) -> bool {
-    let plain = |e: &Arc<dyn PhysicalExpr>| {
-        e.downcast_ref::<Column>().is_some() || e.downcast_ref::<Literal>().is_some()
-    };
-    filter.fetch().is_none()
-        && agg.group_expr().input_exprs().iter().all(plain)
-        && agg.filter_expr().iter().all(Option::is_none)
-        && agg
-            .aggr_expr()
-            .iter()
-            .all(|a| a.expressions().iter().all(plain))
-}
-
 /// The partial stage of an aggregation, looking up runs of equal keys once. Plans, schema,
 /// partitioning and statistics are those of the `AggregateExec` it replaces.
 #[derive(Debug)]
 pub struct RunAggregateExec {
     agg: Arc<AggregateExec>,
-    /// The filter under `agg` when this applies it; its input is then this plan's child.
-    filter: Option<Arc<FilterExec>>,
     metrics: ExecutionPlanMetricsSet,
 }
 
 impl RunAggregateExec {
     fn new(agg: Arc<AggregateExec>) -> Self {
-        let filter = agg
-            .input()
-            .downcast_ref::<FilterExec>()
-            .filter(|filter| absorbable(&agg, filter))
-            .map(|filter| Arc::new(filter.clone()));
         RunAggregateExec {
             agg,
-            filter,
             metrics: ExecutionPlanMetricsSet::new(),
-        }
-    }
-
-    fn child(&self) -> &Arc<dyn ExecutionPlan> {
-        match &self.filter {
-            Some(filter) => filter.input(),
-            None => self.agg.input(),
         }
     }
 }
@@ -168,14 +126,7 @@ impl DisplayAs for RunAggregateExec {
         let rest = inner
             .strip_prefix("AggregateExec: mode=Partial")
             .unwrap_or(&inner);
-        write!(f, "RunAggregateExec: mode=Partial{rest}")?;
-        if let Some(filter) = &self.filter {
-            write!(f, ", where={}", filter.predicate())?;
-            if let Some(projection) = filter.projection() {
-                write!(f, ", projection={projection:?}")?;
-            }
-        }
-        Ok(())
+        write!(f, "RunAggregateExec: mode=Partial{rest}")
     }
 }
 
@@ -193,18 +144,13 @@ impl ExecutionPlan for RunAggregateExec {
     }
 
     fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        vec![self.child()]
+        vec![self.agg.input()]
     }
 
     fn apply_expressions(
         &self,
         f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
     ) -> Result<TreeNodeRecursion> {
-        if let Some(filter) = &self.filter
-            && f(filter.predicate())? == TreeNodeRecursion::Stop
-        {
-            return Ok(TreeNodeRecursion::Stop);
-        }
         self.agg.apply_expressions(f)
     }
 
@@ -213,12 +159,6 @@ impl ExecutionPlan for RunAggregateExec {
         children: Vec<Arc<dyn ExecutionPlan>>,
         options: ReplaceChildrenOptions,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        let children = match &self.filter {
-            Some(filter) => {
-                vec![Arc::new(filter.as_ref().clone()).replace_children(children, options)?]
-            }
-            None => children,
-        };
         let plan = Arc::new(self.agg.as_ref().clone()).replace_children(children, options)?;
         let agg = plan.downcast_ref::<AggregateExec>().ok_or_else(|| {
             DataFusionError::Internal("an AggregateExec with new children is not one".into())
@@ -245,10 +185,7 @@ impl ExecutionPlan for RunAggregateExec {
     }
 
     fn child_stats_requests(&self, partition: Option<usize>) -> Vec<ChildStats> {
-        match &self.filter {
-            Some(filter) => filter.child_stats_requests(partition),
-            None => self.agg.child_stats_requests(partition),
-        }
+        self.agg.child_stats_requests(partition)
     }
 
     fn statistics_from_inputs(
@@ -256,13 +193,7 @@ impl ExecutionPlan for RunAggregateExec {
         input_stats: &[Arc<Statistics>],
         args: &StatisticsArgs,
     ) -> Result<Arc<Statistics>> {
-        match &self.filter {
-            Some(filter) => {
-                let filtered = filter.statistics_from_inputs(input_stats, args)?;
-                self.agg.statistics_from_inputs(&[filtered], args)
-            }
-            None => self.agg.statistics_from_inputs(input_stats, args),
-        }
+        self.agg.statistics_from_inputs(input_stats, args)
     }
 
     fn cardinality_effect(&self) -> CardinalityEffect {
@@ -278,14 +209,10 @@ impl ExecutionPlan for RunAggregateExec {
         partition: usize,
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
-        let input = self.child().execute(partition, context.clone())?;
+        let input = self.agg.input().execute(partition, context.clone())?;
         let options = &context.session_config().options().execution;
         let group_by = self.agg.group_expr();
         let table = Table {
-            selection: self.filter.as_ref().map(|filter| Selection {
-                predicate: filter.predicate().clone(),
-                projection: filter.projection().clone(),
-            }),
             group_exprs: group_by.input_exprs(),
             arg_exprs: aggregate_expressions(self.agg.aggr_expr(), &AggregateMode::Partial, 0)?,
             filter_exprs: self.agg.filter_expr().to_vec(),
@@ -349,46 +276,9 @@ struct Skip {
     skipping: bool,
 }
 
-/// A filter applied by the aggregation: which rows of its input pass, and which columns the
-/// aggregation reads.
-struct Selection {
-    predicate: Arc<dyn PhysicalExpr>,
-    projection: Option<ProjectionRef>,
-}
-
-impl Selection {
-    /// `batch` in the aggregation's input schema, with the rows that pass; `None` when all do.
-    fn apply(&self, batch: &RecordBatch) -> Result<(RecordBatch, Option<BooleanArray>)> {
-        let passes = self
-            .predicate
-            .evaluate(batch)?
-            .into_array(batch.num_rows())?;
-        let Some(passes) = passes.as_boolean_opt() else {
-            return Err(DataFusionError::Internal(format!(
-                "a filter is {}, not boolean",
-                passes.data_type()
-            )));
-        };
-        // NULL fails, as in the filter.
-        let passes = if passes.null_count() > 0 {
-            prep_null_mask_filter(passes)
-        } else {
-            passes.clone()
-        };
-        let batch = match &self.projection {
-            Some(columns) => batch.project(columns)?,
-            None => batch.clone(),
-        };
-        let all = passes.true_count() == passes.len();
-        Ok((batch, (!all).then_some(passes)))
-    }
-}
-
 /// One partition's groups: DataFusion's group table and accumulators, and how rows are
 /// assigned to them.
 struct Table {
-    /// The filter below, when this applies it.
-    selection: Option<Selection>,
     group_exprs: Vec<Arc<dyn PhysicalExpr>>,
     arg_exprs: Vec<Vec<Arc<dyn PhysicalExpr>>>,
     filter_exprs: Vec<Option<Arc<dyn PhysicalExpr>>>,
@@ -441,92 +331,49 @@ impl Table {
         })
     }
 
-    /// Whether to look for runs in the next batch: not once they have proved short.
-    fn finding_runs(&mut self) -> bool {
+    /// The runs of `keys`, with the group of each run's first row in `self.head_groups`;
+    /// `None` when runs are not being looked for (they were too short).
+    fn intern_runs(&mut self, keys: &[ArrayRef]) -> Result<Option<Vec<Range<usize>>>> {
+        let rows = keys.first().map_or(0, |k| k.len());
         if self.find_runs && self.rows >= RUN_PROBE_ROWS && self.runs * MIN_MEAN_RUN > self.rows {
             self.find_runs = false;
         }
-        self.find_runs
-    }
-
-    /// The batch the aggregation reads, in its input schema: the rows the filter it applies
-    /// passes, or all of them with the rows that pass when runs will skip the others.
-    fn select(&mut self, batch: &RecordBatch) -> Result<(RecordBatch, Option<BooleanArray>)> {
-        let Some(selection) = &self.selection else {
-            return Ok((batch.clone(), None));
-        };
-        let (batch, passes) = selection.apply(batch)?;
-        Ok(match passes {
-            Some(passes) if !self.finding_runs() => (filter_record_batch(&batch, &passes)?, None),
-            passes => (batch, passes),
-        })
-    }
-
-    /// Aggregates `batch`; returns how many rows were looked up in the group table and how
-    /// many rows passed the filter applied here.
-    fn aggregate(&mut self, batch: &RecordBatch) -> Result<(usize, usize)> {
-        let (batch, passes) = self.select(batch)?;
-        let passed = passes.as_ref().map_or(batch.num_rows(), |p| p.true_count());
-        if passed == 0 {
-            return Ok((0, 0));
+        if !self.find_runs {
+            return Ok(None);
         }
-        let Evaluated {
-            keys,
-            args,
-            mut filters,
-        } = self.evaluate(&batch)?;
-        if let Some(passes) = &passes {
-            // `absorbable` admits no FILTER of an aggregate's own.
-            filters.iter_mut().for_each(|f| *f = Some(passes.clone()));
-        }
-        let rows = batch.num_rows();
-        if !self.finding_runs() {
-            self.values.intern(&keys, &mut self.groups)?;
-            self.update(&args, &filters)?;
-            return Ok((rows, passed));
-        }
-        let ranges = runs(&keys)?;
+        let ranges = runs(keys)?;
         self.rows += rows;
         self.runs += ranges.len();
-        // Only runs with a row that passes are looked up: a group must not appear for rows
-        // that all failed.
-        let looked_up: Vec<bool> = ranges
-            .iter()
-            .map(|r| {
-                passes
-                    .as_ref()
-                    .is_none_or(|p| p.slice(r.start, r.end - r.start).true_count() > 0)
-            })
-            .collect();
-        let starts = UInt32Array::from_iter_values(
-            ranges
-                .iter()
-                .zip(&looked_up)
-                .filter(|(_, up)| **up)
-                .map(|(r, _)| r.start as u32),
-        );
+        let starts = UInt32Array::from_iter_values(ranges.iter().map(|r| r.start as u32));
         let heads = keys
             .iter()
             .map(|k| take(k.as_ref(), &starts, None))
             .collect::<std::result::Result<Vec<_>, _>>()?;
         self.values.intern(&heads, &mut self.head_groups)?;
-        // Rows of runs not looked up fail the filter, so their group is never read; the
-        // first looked-up group stands in.
-        let stand_in = self.head_groups[0];
-        let mut heads = self.head_groups.iter();
+        Ok(Some(ranges))
+    }
+
+    /// Aggregates `batch`; returns how many rows were looked up in the group table.
+    fn aggregate(&mut self, batch: &RecordBatch) -> Result<usize> {
+        let Evaluated {
+            keys,
+            args,
+            filters,
+        } = self.evaluate(batch)?;
+        let rows = batch.num_rows();
+        let Some(ranges) = self.intern_runs(&keys)? else {
+            self.values.intern(&keys, &mut self.groups)?;
+            self.update(&args, &filters)?;
+            return Ok(rows);
+        };
         self.groups.clear();
         self.groups.reserve(rows);
-        for (range, up) in ranges.iter().zip(&looked_up) {
-            let group = if *up {
-                *heads.next().expect("a group per run looked up")
-            } else {
-                stand_in
-            };
+        for (range, &group) in ranges.iter().zip(&self.head_groups) {
             self.groups
                 .extend(std::iter::repeat_n(group, range.end - range.start));
         }
         self.update(&args, &filters)?;
-        Ok((starts.len(), passed))
+        Ok(ranges.len())
     }
 
     /// Updates every accumulator with the rows whose groups are in `self.groups`.
@@ -557,25 +404,17 @@ impl Table {
             + (self.groups.capacity() + self.head_groups.capacity()) * size_of::<usize>()
     }
 
-    /// `batch` as one state per row that passes the filter applied here, keys first (the
-    /// partial stage skipped).
+    /// `batch` as one state per row, keys first (the partial stage skipped).
     fn to_states(
         &self,
         batch: &RecordBatch,
         schema: &arrow::datatypes::SchemaRef,
     ) -> Result<RecordBatch> {
-        let batch = match &self.selection {
-            Some(selection) => match selection.apply(batch)? {
-                (batch, Some(passes)) => filter_record_batch(&batch, &passes)?,
-                (batch, None) => batch,
-            },
-            None => batch.clone(),
-        };
         let Evaluated {
             mut keys,
             args,
             filters,
-        } = self.evaluate(&batch)?;
+        } = self.evaluate(batch)?;
         for ((acc, args), filter) in self.accumulators.iter().zip(&args).zip(&filters) {
             keys.extend(acc.convert_to_state(args, filter.as_ref())?);
         }
@@ -752,14 +591,12 @@ impl State {
         if self.skip.skipping {
             self.skipped_rows.add(batch.num_rows());
             let states = self.table.to_states(batch, &self.schema)?;
-            if states.num_rows() > 0 {
-                self.pending.push_back(states);
-            }
+            self.pending.push_back(states);
             return Ok(());
         }
-        let (looked_up, passed) = self.table.aggregate(batch)?;
+        let looked_up = self.table.aggregate(batch)?;
         self.looked_up.add(looked_up);
-        self.decide_skip(passed);
+        self.decide_skip(batch.num_rows());
         if self.skip.skipping {
             return self.emit();
         }
@@ -899,21 +736,6 @@ mod tests {
         "SELECT f, count(*) AS n, sum(v) AS s FROM t GROUP BY f ORDER BY f",
         "SELECT node, max(gpu) AS g FROM t GROUP BY node ORDER BY node",
         "SELECT node, gpu, min(v) AS lo, max(v) AS hi FROM t GROUP BY node, gpu ORDER BY node, gpu",
-        // Filters it applies itself: selective, NULL in the predicate, nothing passing. (Not
-        // max(f): DataFusion 55's grouped max of floats with NaN depends on the order rows
-        // arrive in, apache/datafusion#24432, and the stages here see other batches than
-        // after a filter.)
-        "SELECT node, gpu, count(*) AS n, sum(v) AS s, sum(f) AS sf FROM t WHERE v > 150
-         GROUP BY node, gpu ORDER BY node, gpu",
-        "SELECT node, count(*) AS n, count(f) AS nf FROM t WHERE f > 1 OR v IS NULL
-         GROUP BY node ORDER BY node",
-        "SELECT gpu, count(v) AS n, min(node) AS lo FROM t WHERE f < 0 GROUP BY gpu ORDER BY gpu",
-        "SELECT node, gpu, sum(v) AS s FROM t WHERE v % 5 = 0 AND node <> 'n2'
-         GROUP BY node, gpu ORDER BY node, gpu",
-        // ...and filters it leaves to the filter: a computed argument, an aggregate's FILTER.
-        "SELECT node, sum(v + 1) AS s FROM t WHERE v > 20 GROUP BY node ORDER BY node",
-        "SELECT node, sum(v) FILTER (WHERE gpu > 0) AS s FROM t WHERE v > 20
-         GROUP BY node ORDER BY node",
     ];
 
     /// Runs `sql`; returns its rows as text, its plan, and the sum of a metric over the
@@ -1102,82 +924,6 @@ mod tests {
                 "{plan}"
             );
         }
-    }
-
-    /// A filter under the aggregation is applied by it when keys and arguments are plain
-    /// columns: no filter in the plan, only runs with a passing row looked up, and the
-    /// answer is DataFusion's (no group for a run whose rows all fail). Otherwise the filter
-    /// stays.
-    #[tokio::test]
-    async fn applies_the_filter_below_it() {
-        // 40 runs of 500 rows; v is seed % 100 + the row's place in its run (NULL on some).
-        let runs: Vec<Run> = (0..40)
-            .map(|i| (500, Some(i % 5), Some(i64::from(i)), i64::from(i) * 37))
-            .collect();
-        let with = session(true, 100_000, None);
-        let without = session(false, 100_000, None);
-        for ctx in [&with, &without] {
-            ctx.register_table("t", Arc::new(table(&runs, 1000)))
-                .expect("test table");
-        }
-        // Rows pass only near the end of runs with seed % 100 >= 61; each run is a group.
-        let passes = |&(len, _, _, seed): &Run| {
-            (0..len as i64)
-                .any(|i| seed.wrapping_mul(31).wrapping_add(i) % 7 != 4 && seed % 100 + i >= 560)
-        };
-        let passing_runs = runs.iter().filter(|r| passes(r)).count();
-        assert!((5..35).contains(&passing_runs), "{passing_runs}");
-        let sql = "SELECT node, gpu, count(*) AS n, sum(f) AS sf FROM t WHERE v >= 560
-                   GROUP BY node, gpu ORDER BY node, gpu";
-        let (got, plan, looked_up) = run(&with, sql, "looked_up_rows").await;
-        assert!(plan.contains("where=v@3 >= 560"), "{plan}");
-        assert!(!plan.contains("FilterExec"), "{plan}");
-        assert_eq!(got, run(&without, sql, "looked_up_rows").await.0);
-        // Four lines of borders and header.
-        assert_eq!(got.lines().count(), passing_runs + 4, "{got}");
-        // Passing rows lie in the last 40 of a run, so in at most two batches: at most two
-        // lookups per passing run (every run would be looked up without the filter here).
-        assert!(
-            looked_up <= 2 * passing_runs,
-            "{looked_up} for {passing_runs}"
-        );
-
-        let sql = "SELECT node, sum(v * 2) AS s FROM t WHERE v >= 560 GROUP BY node ORDER BY node";
-        let (got, plan, _) = run(&with, sql, "looked_up_rows").await;
-        assert!(
-            plan.contains("FilterExec") && !plan.contains("where="),
-            "{plan}"
-        );
-        assert_eq!(got, run(&without, sql, "looked_up_rows").await.0);
-    }
-
-    /// Keys that change on every row under a filter applied here: the passing rows are
-    /// copied out as the filter would, and the answer is DataFusion's.
-    #[tokio::test]
-    async fn copies_passing_rows_out_when_runs_are_short() {
-        let runs: Vec<Run> = (0..100_000)
-            .map(|i| {
-                (
-                    1,
-                    Some((i % 3) as u8),
-                    Some(i64::from(i % 2)),
-                    i64::from(i % 11),
-                )
-            })
-            .collect();
-        let sql = "SELECT node, gpu, count(*) AS n, sum(v) AS s FROM t WHERE v > 5
-                   GROUP BY node, gpu ORDER BY node, gpu";
-        let ctx = session(true, usize::MAX, None);
-        ctx.register_table("t", Arc::new(table(&runs, 4096)))
-            .expect("test table");
-        let (got, plan, looked_up) = run(&ctx, sql, "looked_up_rows").await;
-        assert!(plan.contains("where="), "{plan}");
-        assert!(looked_up < 100_000, "{looked_up}");
-        let stock = session(false, usize::MAX, None);
-        stock
-            .register_table("t", Arc::new(table(&runs, 4096)))
-            .expect("test table");
-        assert_eq!(got, run(&stock, sql, "looked_up_rows").await.0);
     }
 
     #[tokio::test]
