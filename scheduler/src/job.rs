@@ -109,6 +109,11 @@ pub struct JobSpec {
     /// A part of one GPU instead of whole GPUs; then `shape` is one node with one GPU.
     #[serde(default)]
     pub share: Option<GpuShare>,
+    /// Runs the job had before this scheduler learned of it: a restarted server resubmits a
+    /// job that was preempted or requeued earlier with them, so that starvation reclaim, which
+    /// stops only jobs on their first run, still stops each job at most once.
+    #[serde(default)]
+    pub earlier_runs: u32,
 }
 
 impl JobSpec {

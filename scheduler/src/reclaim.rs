@@ -273,7 +273,12 @@ impl Scheduler {
             .deadlines
             .iter()
             .filter_map(|&(_, v)| self.jobs.get(&v).map(|j| (v, j)))
-            .filter(|(_, j)| j.spec.preemptible && j.progress == 0 && j.run_limit() > limit)
+            .filter(|(_, j)| {
+                j.spec.preemptible
+                    && j.progress == 0
+                    && j.spec.earlier_runs == 0
+                    && j.run_limit() > limit
+            })
             .filter(|(_, j)| self.starved_wait(j, now).is_none())
             .filter_map(|(v, j)| match j.state {
                 // Never a job this very pass started: its start would be undone unseen.

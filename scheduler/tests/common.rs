@@ -27,6 +27,7 @@ pub fn spec(
         submit,
         oracle_duration: None,
         share: None,
+        earlier_runs: 0,
     }
 }
 

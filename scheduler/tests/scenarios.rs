@@ -1109,4 +1109,14 @@ fn starvation_reclaim_spares_gangs_and_jobs_stopped_before() {
     );
     let a = step(&mut s, 500 * MINUTE, Event::Tick);
     assert!(a.is_empty(), "X was stopped once already: {a:?}");
+
+    // A restarted server resubmits X with its earlier run in the spec: the core has no other
+    // memory of it, and X is not stopped a second time.
+    let mut s = sched(1, Config::perch(vec![]));
+    let mut x = one(1, 8, "a", 300, 0);
+    x.earlier_runs = 1;
+    step(&mut s, 0, Event::Submit(x));
+    step(&mut s, MINUTE, Event::Submit(one(2, 8, "b", 60, MINUTE)));
+    let a = step(&mut s, 245 * MINUTE, Event::Tick);
+    assert!(a.is_empty(), "X ran before the restart: {a:?}");
 }

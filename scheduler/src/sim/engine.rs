@@ -501,6 +501,7 @@ fn spec(t: &TraceJob, oracle: bool, opts: &SimOptions) -> JobSpec {
         submit: t.submit,
         oracle_duration: oracle.then_some(t.duration),
         share,
+        earlier_runs: 0,
     }
 }
 

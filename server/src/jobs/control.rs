@@ -258,6 +258,7 @@ fn spec_of(id: u64, req: &JobRequest, submit_ms: i64) -> JobSpec {
             percent: s.percent(),
             memory_mb: s.memory_mb(),
         }),
+        earlier_runs: 0,
     }
 }
 

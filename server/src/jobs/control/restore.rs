@@ -50,7 +50,12 @@ impl Control {
         }
         for mut job in jobs {
             c.next_id = c.next_id.max(job.id + 1);
-            let spec = spec_of(job.id, &job.request, job.submit_ms);
+            let mut spec = spec_of(job.id, &job.request, job.submit_ms);
+            // Runs before this one (a running job's own run is not an earlier one).
+            spec.earlier_runs = match job.state {
+                JobState::Running => job.attempts.saturating_sub(1),
+                _ => job.attempts,
+            };
             let result = match job.state {
                 JobState::Pending if c.dependencies(&job.request) != Deps::Met => {
                     c.held.insert(job.id);

@@ -863,3 +863,61 @@ async fn each_gpu_shows_its_holder_and_health() {
     sync_with(&jobs, "a", T0 + 3 * SECOND, &[], &[(id, 1, 0)], two_gpus).await;
     assert!(gpus(&jobs)[placed].holders.is_empty());
 }
+
+/// Starvation reclaim stops a job at most once, across a server restart too: the restarted
+/// server resubmits the job with the runs it had, the core's only memory of them.
+#[tokio::test]
+async fn starvation_reclaim_stops_a_job_once_across_a_restart() {
+    // The node syncs every 10 s while `x` runs there, from `from` to `to`; the last answer.
+    async fn run_until(jobs: &JobService, x: (u64, u32), from: i64, to: i64) -> SyncResponse {
+        let mut at = from;
+        loop {
+            tick(jobs, at).await;
+            let r = sync(jobs, "a", at, &[x], &[]).await;
+            if at >= to || !r.stop.is_empty() {
+                return r;
+            }
+            at += 10 * SECOND;
+        }
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut jobs = service(dir.path());
+    sync(&jobs, "a", T0, &[], &[]).await;
+    let long = json!({ "command": ["train"], "user": "bob", "time_limit_secs": 36000,
+                       "max_requeues": 3, "preemptible": true });
+    let x = submit(&jobs, long, T0 + SECOND).await;
+    assert_eq!(
+        sync(&jobs, "a", T0 + 2 * SECOND, &[], &[])
+            .await
+            .start
+            .len(),
+        1
+    );
+    let short = json!({ "command": ["eval"], "user": "bob", "time_limit_secs": 60 });
+
+    // S1 waits past 4 x its 60 s: X is stopped for it, and runs again once S1 is done.
+    let s1 = submit(&jobs, short.clone(), T0 + 4 * SECOND).await;
+    let r = run_until(&jobs, (x, 1), T0 + 10 * SECOND, T0 + 300 * SECOND).await;
+    assert_eq!(r.stop.len(), 1, "X is stopped for the starved job: {r:?}");
+    // S1's launch comes with X's stop (the agent holds it until X's GPUs are free).
+    assert_eq!(r.start.iter().map(|l| l.job).collect::<Vec<_>>(), vec![s1]);
+    let mut at = T0 + 300 * SECOND;
+    sync(&jobs, "a", at, &[(s1, 1)], &[(x, 1, 143)]).await;
+    at += 10 * SECOND;
+    let r = sync(&jobs, "a", at, &[], &[(s1, 1, 0)]).await;
+    assert_eq!(
+        (r.start.len(), job(&jobs, x).await.attempts),
+        (1, 2),
+        "X runs again"
+    );
+
+    // The server restarts; S2 then waits past its bound, and X is not stopped a second time.
+    drop(jobs);
+    jobs = service(dir.path());
+    at += SECOND;
+    sync(&jobs, "a", at, &[(x, 2)], &[]).await;
+    submit(&jobs, short, at).await;
+    let r = run_until(&jobs, (x, 2), at + 10 * SECOND, at + 400 * SECOND).await;
+    assert!(r.stop.is_empty(), "X was stopped once already: {r:?}");
+    assert_eq!(job(&jobs, x).await.state, JobState::Running);
+}
