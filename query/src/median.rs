@@ -744,6 +744,50 @@ mod tests {
         "SELECT k, median(x) OVER (PARTITION BY g ORDER BY k) FROM t WHERE k < 3000 ORDER BY k",
     ];
 
+    /// The attack of a median over values that never repeat: the kept values count against the
+    /// query's memory, so a query's limit refuses it (`ResourcesExhausted`) rather than the
+    /// process growing; the same number of values that repeat is counted and fits.
+    #[tokio::test]
+    async fn distinct_values_are_held_to_the_memory_limit() {
+        use datafusion::execution::memory_pool::GreedyMemoryPool;
+        use datafusion::execution::runtime_env::RuntimeEnvBuilder;
+        let limited = |batches: &[RecordBatch]| {
+            let runtime = RuntimeEnvBuilder::new()
+                .with_memory_pool(Arc::new(GreedyMemoryPool::new(4 << 20)))
+                .build_arc()
+                .expect("runtime");
+            let ctx = SessionContext::new_with_config_rt(
+                SessionConfig::new().with_target_partitions(2),
+                runtime,
+            );
+            ctx.register_udaf(median());
+            let table =
+                MemTable::try_new(batches[0].schema(), vec![batches.to_vec()]).expect("table");
+            ctx.register_table("t", Arc::new(table)).expect("register");
+            ctx
+        };
+        // One million values, 8 MB as f64: twice the 4 MiB the query may hold.
+        let distinct = table(1_000_000, 1, false, |k| k as f64 * 0.5);
+        let err = limited(&distinct)
+            .sql("SELECT median(x) FROM t")
+            .await
+            .expect("plans")
+            .collect()
+            .await
+            .expect_err("distinct values past the limit are refused");
+        assert!(
+            err.find_root().to_string().contains("Resources exhausted"),
+            "{err}"
+        );
+        let repeating = table(1_000_000, 1, false, |k| (k % 101) as f64);
+        let ctx = limited(&repeating);
+        assert!(
+            answer(&ctx, "SELECT median(x) FROM t")
+                .await
+                .contains("| 50.0 ")
+        );
+    }
+
     /// Every query gives DataFusion's own answer, on values that repeat (counted), on values
     /// that do not (counting gives up), on both in one table, with NULLs, and with NaN,
     /// infinities and even and odd counts.
