@@ -289,9 +289,20 @@ impl Scheduler {
         let mut reclaims_left = self.config.max_reclaims_per_pass;
         let mut free = self.free_total();
         let share_room = self.share_room();
+        // Starvation reclaim can start a job only while a one-node job past its bound waits:
+        // without one, a full cluster still ends the pass early.
+        let starved_waiting = kind == PolicyKind::Perch
+            && self.config.starved_reclaim
+            && order.iter().any(|id| {
+                self.jobs.get(id).is_some_and(|j| {
+                    matches!(j.state, JobState::Pending(_))
+                        && j.spec.shape.nodes == 1
+                        && self.starved_wait(j, now).is_some()
+                })
+            });
         let preempting = match kind {
             PolicyKind::Srtf => true,
-            PolicyKind::Perch => (quotas && self.config.reclaim) || self.config.starved_reclaim,
+            PolicyKind::Perch => (quotas && self.config.reclaim) || starved_waiting,
             PolicyKind::Las => true,
             PolicyKind::Fifo | PolicyKind::Backfill => false,
         };
@@ -365,9 +376,11 @@ impl Scheduler {
             }
             let quota_reclaim =
                 kind == PolicyKind::Perch && quotas && within && self.config.reclaim;
-            let starved = kind == PolicyKind::Perch
-                && self.config.starved_reclaim
+            // Never for an account past its quota: starvation does not buy GPUs that other
+            // accounts' quotas guarantee them.
+            let starved = starved_waiting
                 && shape.nodes == 1
+                && (!quotas || within)
                 && self.starved_wait(j, now).is_some();
             let may_preempt = reclaims_left > 0
                 && (quota_reclaim

@@ -1120,3 +1120,19 @@ fn starvation_reclaim_spares_gangs_and_jobs_stopped_before() {
     let a = step(&mut s, 245 * MINUTE, Event::Tick);
     assert!(a.is_empty(), "X ran before the restart: {a:?}");
 }
+
+/// Starvation does not buy an account GPUs past its quota: on one node whose 8 GPUs are all
+/// account a's quota, b's starved job (b has no quota, so it may only borrow) does not stop
+/// a's job; with a quota of its own on a second node's worth, it does.
+#[test]
+fn starvation_reclaim_respects_quotas() {
+    let run = |b_quota: u32| {
+        let quotas = vec![(Account("a".into()), 8), (Account("b".into()), b_quota)];
+        let mut s = sched(1, Config::perch(quotas));
+        step(&mut s, 0, Event::Submit(one(1, 8, "a", 300, 0)));
+        step(&mut s, MINUTE, Event::Submit(one(2, 8, "b", 60, MINUTE)));
+        preempted(&step(&mut s, 245 * MINUTE, Event::Tick))
+    };
+    assert!(run(0).is_empty(), "b is past its quota of 0");
+    assert_eq!(run(8), vec![1], "within its quota, b's starved job stops X");
+}
