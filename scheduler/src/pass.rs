@@ -9,13 +9,13 @@
 //! overruns... it cannot: time limits are enforced).
 
 use crate::cluster::{Cluster, NodeState, Placement};
-use crate::ids::{JobId, Time};
+use crate::ids::{JobId, Time, User};
 use crate::job::{GpuShare, PendingReason, PreemptReason, Qos, Shape};
 use crate::placement::find;
 use crate::policy::{Config, IdleAction, PolicyKind, fairshare_factor, size_factor};
 use crate::scheduler::{Action, Job, JobState, Scheduler};
 use crate::share::find_share;
-use rustc_hash::FxHashMap as HashMap;
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::cmp::Ordering;
 
 /// Queue order: higher priority first, then earlier submission, then lower id.
@@ -300,6 +300,18 @@ impl Scheduler {
                         && self.starved_wait(j, now).is_some()
                 })
             });
+        // Users with a run that starvation reclaim began: their other starved jobs wait for
+        // it, so a user cannot chain short jobs to stop many others' jobs at once.
+        let mut rescuers: HashSet<User> = if starved_waiting {
+            self.deadlines
+                .iter()
+                .filter_map(|(_, v)| self.jobs.get(v))
+                .filter(|j| j.rescued)
+                .map(|j| j.spec.user.clone())
+                .collect()
+        } else {
+            HashSet::default()
+        };
         let preempting = match kind {
             PolicyKind::Srtf => true,
             PolicyKind::Perch => (quotas && self.config.reclaim) || starved_waiting,
@@ -381,6 +393,7 @@ impl Scheduler {
             let starved = starved_waiting
                 && shape.nodes == 1
                 && (!quotas || within)
+                && !rescuers.contains(&j.spec.user)
                 && self.starved_wait(j, now).is_some();
             let may_preempt = reclaims_left > 0
                 && (quota_reclaim
@@ -418,13 +431,19 @@ impl Scheduler {
                     _ if quota_reclaim => self.reclaim_quota(now, id, models),
                     _ => Vec::new(),
                 };
+                let mut rescue = false;
                 if preempted.is_empty() && starved {
                     preempted = self.reclaim_for_starved(now, id, models);
+                    rescue = !preempted.is_empty();
                 }
                 if !preempted.is_empty() {
                     out.extend(preempted);
                     if let Some(p) = find_among(&self.cluster, shape, models, |_| u32::MAX) {
                         out.push(self.start(now, id, p));
+                        if rescue && let Some(j) = self.jobs.get_mut(&id) {
+                            j.rescued = true;
+                            rescuers.insert(j.spec.user.clone());
+                        }
                     }
                     free = self.free_total();
                     continue;

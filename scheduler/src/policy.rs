@@ -143,7 +143,8 @@ pub struct Config {
     pub las_max_preemptions: u32,
     /// perch: a one-node job past its starvation bound that cannot fit preempts running jobs
     /// that declared a longer time limit, are not starved themselves and are on their first
-    /// run (so each job is stopped this way at most once), the least work at stake first.
+    /// run (so each job is stopped this way at most once), the least work at stake first. A
+    /// user has one such rescued run at a time: their other starved jobs wait for it to end.
     #[serde(default)]
     pub starved_reclaim: bool,
 }

@@ -190,6 +190,9 @@ pub(crate) struct Job {
     pub(crate) idle_reported: bool,
     /// Usage charged to the account up to this time.
     pub(crate) charged_until: Time,
+    /// Its current run began by starvation reclaim: while it runs, its user's other starved
+    /// jobs stop nobody (one such run per user at a time).
+    pub(crate) rescued: bool,
 }
 
 impl Job {
@@ -760,6 +763,7 @@ impl Scheduler {
             idle_since: None,
             idle_reported: false,
             charged_until: now,
+            rescued: false,
         };
         job.priority = self.priority_of(&job, now);
         self.jobs.insert(id, job);
@@ -895,6 +899,7 @@ impl Scheduler {
                 start: now,
             };
             j.charged_until = now;
+            j.rescued = false;
             let acct = &mut self.accounts[j.account];
             acct.alloc += j.spec.gpu_hundredths();
             let share = j.spec.share.map(|s| s.percent);

@@ -1136,3 +1136,42 @@ fn starvation_reclaim_respects_quotas() {
     assert!(run(0).is_empty(), "b is past its quota of 0");
     assert_eq!(run(8), vec![1], "within its quota, b's starved job stops X");
 }
+
+/// The chaining attack: a user submits many short jobs that all starve together, so that each
+/// stops someone else's job. Starvation reclaim begins one run per user at a time: the user's
+/// other starved jobs wait for it (another user's starved job does not), and the next one may
+/// reclaim once it ends.
+#[test]
+fn a_user_cannot_chain_starved_jobs_to_stop_many_jobs_at_once() {
+    // Two nodes, four 4-GPU jobs of 900 minutes (account a). User b submits three 4-GPU jobs of
+    // 60 minutes at minute 1; all three are past 4 x 60 minutes at 245.
+    let mut s = sched(2, Config::perch(vec![]));
+    for id in 1..=4 {
+        step(&mut s, 0, Event::Submit(one(id, 4, "a", 900, 0)));
+    }
+    for id in 11..=13 {
+        step(&mut s, MINUTE, Event::Submit(one(id, 4, "b", 60, MINUTE)));
+    }
+    let a = step(&mut s, 245 * MINUTE, Event::Tick);
+    assert_eq!(preempted(&a).len(), 1, "one victim for b, not three: {a:?}");
+    assert_eq!(started(&a), vec![11]);
+
+    // Another user's starved job is not held back by b's.
+    step(
+        &mut s,
+        246 * MINUTE,
+        Event::Submit(one(21, 4, "c", 10, 246 * MINUTE)),
+    );
+    let a = step(&mut s, 290 * MINUTE, Event::Tick);
+    assert_eq!((preempted(&a).len(), started(&a)), (1, vec![21]), "{a:?}");
+
+    // b's rescued run ends: 12 takes its GPUs, and 13, still starved, may now reclaim (one
+    // more victim, not two).
+    let exited = Event::JobExited {
+        job: JobId(11),
+        code: 0,
+    };
+    let a = step(&mut s, 295 * MINUTE, exited);
+    assert_eq!(started(&a), vec![12, 13], "{a:?}");
+    assert_eq!(preempted(&a).len(), 1, "{a:?}");
+}
