@@ -111,6 +111,9 @@ forbid perch-scheduler datafusion
 forbid perch-alerts datafusion
 forbid perch-collector datafusion
 forbid perch-query axum
+# One TLS provider (ring): the release binaries build no aws-lc (perch_model::tls).
+forbid perch aws-lc-rs
+forbid perch-bench aws-lc-rs
 
 # --- tests --------------------------------------------------------------------------------------
 # bench/tests/smoke.rs runs every `perch bench` in a tiny mode; the scheduler's divan benchmarks

@@ -90,6 +90,7 @@ impl ClientConfig {
 
     /// An HTTP client for this server, trusting `ca_file` too.
     pub fn http(&self) -> Result<reqwest::Client> {
+        perch_model::tls::use_ring();
         let builder = reqwest::Client::builder();
         let builder = self
             .ca_certificates()?
@@ -100,6 +101,7 @@ impl ClientConfig {
 
     /// A blocking HTTP client for this server with `timeout`, trusting `ca_file` too.
     pub fn blocking_http(&self, timeout: std::time::Duration) -> Result<reqwest::blocking::Client> {
+        perch_model::tls::use_ring();
         let builder = reqwest::blocking::Client::builder().timeout(timeout);
         let builder = self
             .ca_certificates()?

@@ -19,6 +19,8 @@ fn main() -> std::process::ExitCode {
         return std::process::ExitCode::from(u8::try_from(code).unwrap_or(1));
     }
     let cli = commands::Cli::parse();
+    // Before any HTTP client (the CLI's, the agent's, the OTLP exporter's) is built.
+    perch_model::tls::use_ring();
     // `run` starts logging once it knows the config: the long-running commands may also
     // export their spans over OTLP (see telemetry.rs), and flush them before returning.
     match commands::run(cli) {

@@ -28,6 +28,7 @@ impl Browser {
             .stderr(Stdio::null())
             .spawn()
             .context("starting chromedriver (Debian: apt install chromium chromium-driver)")?;
+        perch_model::tls::use_ring();
         let http = reqwest::blocking::Client::builder()
             .timeout(Duration::from_secs(120))
             .build()?;

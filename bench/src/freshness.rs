@@ -137,6 +137,7 @@ pub(super) fn freshness(args: FreshnessArgs) -> Result<()> {
             let _ = agent_stopped.await;
         });
 
+        perch_model::tls::use_ring();
         let client = reqwest::Client::new();
         let poll = Duration::from_millis(args.poll_ms.max(1));
         let deadline = tokio::time::Instant::now()

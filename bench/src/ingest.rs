@@ -164,6 +164,7 @@ pub(super) fn ingest(args: IngestArgs) -> Result<()> {
     let url = format!("{scheme}://{addr}/v1/ingest");
     let deadline = Instant::now() + Duration::from_secs(args.seconds + 1);
     let mut handles = Vec::new();
+    perch_model::tls::use_ring();
     for (head, tail) in templates {
         let (acked, url) = (acked.clone(), url.clone());
         let client = match &ca {

@@ -38,7 +38,9 @@ pub(super) fn jobs(args: JobsArgs) -> Result<()> {
         for c in 0..args.clients {
             let submitted = submitted.clone();
             tasks.push(tokio::spawn(async move {
-                let client = reqwest::Client::new();
+                perch_model::tls::use_ring();
+                perch_model::tls::use_ring();
+        let client = reqwest::Client::new();
                 let body = serde_json::json!({"command": ["true"], "gpus_per_node": 1, "user": format!("u{c}"), "time_limit_secs": 600});
                 while Instant::now() < deadline {
                     let r = client.post(format!("http://{addr}/v1/jobs")).json(&body).send().await?;
@@ -78,6 +80,7 @@ pub(super) fn jobs(args: JobsArgs) -> Result<()> {
         let agent = perch_collector::spawn_agent(agent, async move {
             let _ = agent_stopped.await;
         });
+        perch_model::tls::use_ring();
         let client = reqwest::Client::new();
         // Wait until the node has joined.
         loop {

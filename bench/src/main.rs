@@ -46,6 +46,7 @@ enum What {
 }
 
 fn main() -> Result<()> {
+    perch_model::tls::use_ring();
     // The agent that benchmarks start in-process launches each job under its supervisor by
     // running this executable again (`perch __job-shim`, as perch itself does).
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();

@@ -66,6 +66,7 @@ pub(super) fn metrics(args: MetricsArgs) -> Result<()> {
         let server = tokio::spawn(perch_server::serve(listener, state, async move {
             let _ = stop_rx.await;
         }));
+        perch_model::tls::use_ring();
         let client = reqwest::Client::new();
         let now_ms = i64::try_from(
             std::time::SystemTime::now()

@@ -87,6 +87,7 @@ pub(super) fn web(args: WebArgs) -> Result<()> {
             .with_context(|| format!("starting {} demo", perch.display()))?,
     );
     let url = wait_for_address(&data)?;
+    perch_model::tls::use_ring();
     let http = reqwest::blocking::Client::builder()
         .timeout(Duration::from_secs(60))
         .build()?;

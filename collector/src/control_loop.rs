@@ -77,6 +77,7 @@ pub async fn run_control(
         launcher.set_supervisor(program.clone());
     }
     let launcher = Arc::new(Mutex::new(launcher));
+    perch_model::tls::use_ring();
     let client = crate::sender::trust(
         reqwest::Client::builder().timeout(config.request_timeout),
         config.ca_file.as_deref(),

@@ -266,6 +266,7 @@ mod tests {
         let server = tokio::spawn(serve_metrics(listener, "n1".into(), counters, async {
             let _ = stopped.await;
         }));
+        perch_model::tls::use_ring();
         let body = reqwest::get(format!("{url}/metrics"))
             .await
             .expect("GET")
@@ -301,6 +302,7 @@ mod tests {
                 "{name} is not the server's name"
             );
         }
+        perch_model::tls::use_ring();
         let missing = reqwest::get(format!("{url}/nope")).await.expect("GET");
         assert_eq!(missing.status().as_u16(), 404);
         // A careless or hostile user opens more connections than are served and sends
@@ -351,6 +353,7 @@ mod tests {
             "a connection beyond the cap was kept: {read:?}"
         );
         tokio::time::sleep(IO_TIMEOUT + Duration::from_millis(500)).await;
+        perch_model::tls::use_ring();
         let body = reqwest::get(format!("{url}/metrics"))
             .await
             .expect("GET after the idle connections")

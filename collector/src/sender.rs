@@ -94,6 +94,7 @@ impl Sender {
                 "server {server:?} must be a URL such as http://127.0.0.1:7300"
             )));
         }
+        perch_model::tls::use_ring();
         let builder = reqwest::Client::builder()
             .timeout(timeout)
             .connect_timeout(timeout.min(Duration::from_secs(5)));

@@ -2,7 +2,7 @@
 //!
 //! This crate exists because two crates need the same definitions: the collector produces
 //! [`Batch`]es and the server's store consumes them. It holds data and validation only: no I/O,
-//! no clock, no async.
+//! no clock, no async; and [`tls::use_ring`], the one TLS provider every process installs.
 
 mod audit;
 pub mod catalogue;
@@ -15,6 +15,7 @@ mod jobs;
 mod node_state;
 mod telemetry;
 mod throttle;
+pub mod tls;
 
 pub use audit::ClusterEvent;
 pub use events::{GpuEvent, GpuEventKind};

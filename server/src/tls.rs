@@ -2,7 +2,7 @@
 //! `server.tls_cert` and `server.tls_key`), read again on SIGHUP so a renewed certificate is
 //! served to new connections without a restart.
 
-use rustls::crypto::aws_lc_rs;
+use rustls::crypto::ring;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert};
@@ -45,7 +45,7 @@ impl Certificates {
     /// server speaks nothing else).
     pub fn acceptor(self: &Arc<Self>, alpn: &[&[u8]]) -> Result<tokio_rustls::TlsAcceptor, String> {
         let mut config =
-            rustls::ServerConfig::builder_with_provider(Arc::new(aws_lc_rs::default_provider()))
+            rustls::ServerConfig::builder_with_provider(Arc::new(ring::default_provider()))
                 .with_safe_default_protocol_versions()
                 .map_err(|e| format!("TLS: {e}"))?
                 .with_no_client_auth()
@@ -74,7 +74,7 @@ fn read(files: &TlsFiles) -> Result<CertifiedKey, String> {
             files.key.display()
         )
     })?;
-    let signing = aws_lc_rs::sign::any_supported_type(&key).map_err(|e| {
+    let signing = ring::sign::any_supported_type(&key).map_err(|e| {
         format!(
             "server.tls_key {}: the key cannot sign ({e})",
             files.key.display()

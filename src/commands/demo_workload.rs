@@ -21,6 +21,7 @@ const PROFILES: [&str; 3] = ["steady", "bursty", "idle"];
 /// Submits the workload once the `nodes` agents have registered, then pushes simulated
 /// training metrics for the running jobs every two seconds until the task is dropped.
 pub async fn run(base: String, nodes: u32, gpus_per_node: u32) {
+    perch_model::tls::use_ring();
     let client = reqwest::Client::new();
     if let Err(e) = submit(&client, &base, nodes, gpus_per_node).await {
         tracing::warn!(error = %e, "demo workload: could not submit the demo jobs");

@@ -40,6 +40,7 @@ impl WebhookSender {
             })?),
             (None, None) => None,
         };
+        perch_model::tls::use_ring();
         let client = reqwest::Client::builder()
             .timeout(Duration::from_millis(
                 u64::try_from(cfg.timeout.as_ms()).unwrap_or(10_000),
