@@ -234,6 +234,9 @@ impl SqlEngine {
                     .collect(),
                 )
                 .with_optimizer_rule(Arc::new(optimizer::first_row::FirstRowPerPartition))
+                .with_optimizer_rule(Arc::new(
+                    optimizer::merge_aggregates::MergeStackedAggregates,
+                ))
                 .with_physical_optimizer_rules(optimizer::physical_optimizer_rules())
                 .build(),
         );

@@ -9,8 +9,10 @@
 //! - [`interval_join::IntervalJoinRule`] runs joins on equal keys and a time interval (a
 //!   sample inside an allocation) as an interval join.
 //!
-//! One logical rule, [`first_row::FirstRowPerPartition`], runs after DataFusion's own: it plans
-//! `row_number() OVER (PARTITION BY ...) = 1` as an aggregate instead of a sort.
+//! Two logical rules run after DataFusion's own: [`first_row::FirstRowPerPartition`] plans
+//! `row_number() OVER (PARTITION BY ...) = 1` as an aggregate instead of a sort, and
+//! [`merge_aggregates::MergeStackedAggregates`] merges an aggregate over an aggregate (a
+//! dashboard's query over a rollup view) into one.
 //!
 //! [`run_aggregate::RunAggregateRule`] runs after all of DataFusion's rules (before the final
 //! sanity check): it replaces partial hash aggregations with one that looks up each run of
@@ -19,6 +21,7 @@
 mod aggregate_build;
 pub mod first_row;
 pub mod interval_join;
+pub mod merge_aggregates;
 pub mod run_aggregate;
 
 pub use aggregate_build::AggregateBuildSide;
