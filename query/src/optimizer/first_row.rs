@@ -14,6 +14,7 @@
 //! whole input, which an aggregate without groups would answer with one row even for no input:
 //! that case is left as it is.
 
+use super::strip_alias;
 use datafusion::common::tree_node::Transformed;
 use datafusion::common::{Column, ScalarValue};
 use datafusion::error::Result;
@@ -53,12 +54,8 @@ impl OptimizerRule for FirstRowPerPartition {
         let LogicalPlan::Filter(filter) = &plan else {
             return Ok(Transformed::no(plan));
         };
-        // A shape the rewrite cannot build (an error from a plan constructor) keeps its window:
-        // the query runs as written rather than failing.
-        match rewrite_filter(filter) {
-            Ok(Some(new)) => Ok(Transformed::yes(new)),
-            Ok(None) | Err(_) => Ok(Transformed::no(plan)),
-        }
+        let rewrite = rewrite_filter(filter);
+        Ok(super::rewritten(plan, rewrite))
     }
 }
 
@@ -81,13 +78,6 @@ fn row_number_window(window: &Window) -> Option<&WindowFunctionParams> {
         && params.filter.is_none()
         && !params.distinct)
         .then_some(params)
-}
-
-fn strip_alias(expr: &Expr) -> &Expr {
-    match expr {
-        Expr::Alias(a) => strip_alias(&a.expr),
-        e => e,
-    }
 }
 
 /// An integer literal's value.
@@ -222,26 +212,12 @@ mod tests {
     use super::FirstRowPerPartition;
     use arrow::array::{Int64Array, RecordBatch, StringArray};
     use arrow::datatypes::{DataType, Field, Schema};
-    use arrow::util::pretty::pretty_format_batches;
-    use datafusion::datasource::MemTable;
-    use datafusion::execution::session_state::SessionStateBuilder;
-    use datafusion::prelude::{SessionConfig, SessionContext};
+    use datafusion::prelude::SessionContext;
     use std::sync::Arc;
 
     /// A session over `samples(node, gpu, time, util)`: 6 nodes x 3 GPUs, times unique per
     /// GPU, with NULL nodes and a tie on the latest time of node n1's GPU 0 (`ties`).
     fn session(rule: bool, ties: bool) -> SessionContext {
-        let mut state = SessionStateBuilder::new()
-            .with_config(
-                SessionConfig::new()
-                    .with_target_partitions(2)
-                    .with_batch_size(64),
-            )
-            .with_default_features();
-        if rule {
-            state = state.with_optimizer_rule(Arc::new(FirstRowPerPartition));
-        }
-        let ctx = SessionContext::new_with_state(state.build());
         let schema = Arc::new(Schema::new(vec![
             Field::new("node", DataType::Utf8, true),
             Field::new("gpu", DataType::Int64, false),
@@ -267,30 +243,12 @@ mod tests {
             ],
         )
         .expect("batch");
-        let chunks: Vec<RecordBatch> = (0..rows as usize)
-            .step_by(250)
-            .map(|s| batch.slice(s, 250.min(rows as usize - s)))
-            .collect();
-        let table = MemTable::try_new(schema, vec![chunks[..6].to_vec(), chunks[6..].to_vec()])
-            .expect("table");
-        ctx.register_table("samples", Arc::new(table))
-            .expect("register");
-        ctx
+        let rule = rule.then(|| Arc::new(FirstRowPerPartition) as _);
+        super::super::test_session(rule, "samples", &batch, 250)
     }
 
     async fn run(ctx: &SessionContext, sql: &str) -> (String, String) {
-        let df = ctx.sql(sql).await.expect("plan");
-        let plan = df
-            .clone()
-            .into_optimized_plan()
-            .expect("optimize")
-            .display_indent()
-            .to_string();
-        let batches = df.collect().await.expect("run");
-        (
-            pretty_format_batches(&batches).expect("format").to_string(),
-            plan,
-        )
+        super::super::answer_and_plan(ctx, sql).await
     }
 
     /// `sql` run without the rule and with it: (answer, plan) each.

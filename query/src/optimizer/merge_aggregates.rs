@@ -19,6 +19,7 @@
 //! plan is left alone. Floating-point sums may differ in their last bits, being added in
 //! another order, as any parallel plan's do.
 
+use super::strip_alias;
 use datafusion::common::tree_node::Transformed;
 use datafusion::common::{Column, DFSchemaRef};
 use datafusion::error::Result;
@@ -48,11 +49,8 @@ impl OptimizerRule for MergeStackedAggregates {
         let LogicalPlan::Aggregate(outer) = &plan else {
             return Ok(Transformed::no(plan));
         };
-        // A shape the rewrite cannot build keeps its two aggregates: the query runs as written.
-        match merge(outer) {
-            Ok(Some(new)) => Ok(Transformed::yes(new)),
-            Ok(None) | Err(_) => Ok(Transformed::no(plan)),
-        }
+        let rewrite = merge(outer);
+        Ok(super::rewritten(plan, rewrite))
     }
 }
 
@@ -62,13 +60,6 @@ enum Origin<'a> {
     Key(&'a Expr),
     /// One of its aggregates.
     Aggregate(&'a AggregateFunction),
-}
-
-fn strip_alias(expr: &Expr) -> &Expr {
-    match expr {
-        Expr::Alias(a) => strip_alias(&a.expr),
-        e => e,
-    }
 }
 
 /// The inner aggregate under `plan`, through aliases and projections.
@@ -209,26 +200,12 @@ mod tests {
     use super::MergeStackedAggregates;
     use arrow::array::{Float64Array, Int64Array, RecordBatch, StringArray};
     use arrow::datatypes::{DataType, Field, Schema};
-    use arrow::util::pretty::pretty_format_batches;
-    use datafusion::datasource::MemTable;
-    use datafusion::execution::session_state::SessionStateBuilder;
-    use datafusion::prelude::{SessionConfig, SessionContext};
+    use datafusion::prelude::SessionContext;
     use std::sync::Arc;
 
     /// A session over `s(node, gpu, label, hour, t, p)` with NULL values and a group whose
     /// values are all NULL, and the view `v`, a rollup of it by hour, node, GPU and label.
     async fn session(rule: bool) -> SessionContext {
-        let mut state = SessionStateBuilder::new()
-            .with_config(
-                SessionConfig::new()
-                    .with_target_partitions(2)
-                    .with_batch_size(64),
-            )
-            .with_default_features();
-        if rule {
-            state = state.with_optimizer_rule(Arc::new(MergeStackedAggregates));
-        }
-        let ctx = SessionContext::new_with_state(state.build());
         let schema = Arc::new(Schema::new(vec![
             Field::new("node", DataType::Utf8, true),
             Field::new("gpu", DataType::Int64, false),
@@ -259,13 +236,8 @@ mod tests {
             ],
         )
         .expect("batch");
-        let chunks: Vec<RecordBatch> = (0..rows as usize)
-            .step_by(300)
-            .map(|s| batch.slice(s, 300.min(rows as usize - s)))
-            .collect();
-        let table = MemTable::try_new(schema, vec![chunks[..3].to_vec(), chunks[3..].to_vec()])
-            .expect("table");
-        ctx.register_table("s", Arc::new(table)).expect("register");
+        let rule = rule.then(|| Arc::new(MergeStackedAggregates) as _);
+        let ctx = super::super::test_session(rule, "s", &batch, 300);
         ctx.sql(
             "CREATE VIEW v AS SELECT hour, node, gpu, label, count(*) AS samples, \
              count(t) AS t_count, max(t) AS t_max, min(t) AS t_min, sum(t) AS t_sum, \
@@ -278,17 +250,14 @@ mod tests {
     }
 
     async fn run(ctx: &SessionContext, sql: &str) -> (String, String) {
-        let df = ctx.sql(sql).await.expect("plan");
-        let plan = df
-            .clone()
-            .into_optimized_plan()
-            .expect("optimize")
-            .display_indent()
-            .to_string();
-        let batches = df.collect().await.expect("run");
+        super::super::answer_and_plan(ctx, sql).await
+    }
+
+    /// `sql` run without the rule and with it: (answer, plan) each.
+    async fn without_and_with(sql: &str) -> ((String, String), (String, String)) {
         (
-            pretty_format_batches(&batches).expect("format").to_string(),
-            plan,
+            run(&session(false).await, sql).await,
+            run(&session(true).await, sql).await,
         )
     }
 
@@ -309,19 +278,16 @@ mod tests {
             "SELECT node, max(m) FROM (SELECT node, gpu, max(t) AS m FROM s GROUP BY node, gpu) GROUP BY node ORDER BY node",
         ];
         for sql in queries {
-            let ((want, before), (got, plan)) = (
-                run(&session(false).await, sql).await,
-                run(&session(true).await, sql).await,
-            );
+            let ((want, before), (got, plan)) = without_and_with(sql).await;
             assert_eq!(got, want, "{sql}\n{plan}");
             assert_eq!(aggregates(&before), 2, "{before}");
             assert_eq!(aggregates(&plan), 1, "{sql}\n{plan}");
         }
     }
 
-    /// Left as written (the plan without the rule): a key or an aggregate the outer one computes anew, aggregates that do
-    /// not compose, a count of no groups (NULL) that a count of no rows (0) would change, and
-    /// DISTINCT.
+    /// Left as written (the plan is the one without the rule): a key or an aggregate the outer
+    /// one computes anew, aggregates that do not compose, a count of no groups (NULL) that a
+    /// count of no rows (0) would change, and DISTINCT.
     #[tokio::test]
     async fn aggregates_that_do_not_compose_stay_stacked() {
         let queries = [
@@ -336,10 +302,7 @@ mod tests {
             "SELECT node, max(t_max) FILTER (WHERE gpu = 1) FROM v GROUP BY node ORDER BY node",
         ];
         for sql in queries {
-            let ((want, before), (got, plan)) = (
-                run(&session(false).await, sql).await,
-                run(&session(true).await, sql).await,
-            );
+            let ((want, before), (got, plan)) = without_and_with(sql).await;
             assert_eq!(got, want, "{sql}\n{plan}");
             assert_eq!(plan, before, "{sql}");
         }

@@ -28,6 +28,7 @@ pub use aggregate_build::AggregateBuildSide;
 
 use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
 use datafusion::error::Result;
+use datafusion::logical_expr::{Expr, LogicalPlan};
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_optimizer::optimizer::PhysicalOptimizer;
 use datafusion::physical_plan::ExecutionPlan;
@@ -67,4 +68,78 @@ fn replace_nodes<T: ExecutionPlan + 'static>(
         })
     })
     .data()
+}
+
+/// `expr` without the aliases around it (the logical rules look through them).
+fn strip_alias(expr: &Expr) -> &Expr {
+    match expr {
+        Expr::Alias(a) => strip_alias(&a.expr),
+        e => e,
+    }
+}
+
+/// A logical rule's answer: its rewrite, or the plan as it was when the rule found nothing to
+/// do or could not build the rewrite (an error from a plan constructor): the query then runs
+/// as written rather than failing.
+fn rewritten(plan: LogicalPlan, rewrite: Result<Option<LogicalPlan>>) -> Transformed<LogicalPlan> {
+    match rewrite {
+        Ok(Some(new)) => Transformed::yes(new),
+        Ok(None) | Err(_) => Transformed::no(plan),
+    }
+}
+
+/// The logical rules' tests: a session of 2 partitions and 64-row batches, with `rule` or
+/// without, and `batch` registered as table `name` in two partitions of `chunk`-row batches.
+#[cfg(test)]
+fn test_session(
+    rule: Option<Arc<dyn datafusion::optimizer::OptimizerRule + Send + Sync>>,
+    name: &str,
+    batch: &arrow::array::RecordBatch,
+    chunk: usize,
+) -> datafusion::prelude::SessionContext {
+    use datafusion::execution::session_state::SessionStateBuilder;
+    use datafusion::prelude::{SessionConfig, SessionContext};
+    let mut state = SessionStateBuilder::new()
+        .with_config(
+            SessionConfig::new()
+                .with_target_partitions(2)
+                .with_batch_size(64),
+        )
+        .with_default_features();
+    if let Some(rule) = rule {
+        state = state.with_optimizer_rule(rule);
+    }
+    let ctx = SessionContext::new_with_state(state.build());
+    let rows = batch.num_rows();
+    let chunks: Vec<_> = (0..rows)
+        .step_by(chunk)
+        .map(|s| batch.slice(s, chunk.min(rows - s)))
+        .collect();
+    let half = chunks.len() / 2;
+    let table = datafusion::datasource::MemTable::try_new(
+        batch.schema(),
+        vec![chunks[..half].to_vec(), chunks[half..].to_vec()],
+    )
+    .expect("table");
+    ctx.register_table(name, Arc::new(table)).expect("register");
+    ctx
+}
+
+/// The logical rules' tests: a query's answer, formatted, and its optimized plan.
+#[cfg(test)]
+async fn answer_and_plan(ctx: &datafusion::prelude::SessionContext, sql: &str) -> (String, String) {
+    let df = ctx.sql(sql).await.expect("plan");
+    let plan = df
+        .clone()
+        .into_optimized_plan()
+        .expect("optimize")
+        .display_indent()
+        .to_string();
+    let batches = df.collect().await.expect("run");
+    (
+        arrow::util::pretty::pretty_format_batches(&batches)
+            .expect("format")
+            .to_string(),
+        plan,
+    )
 }
