@@ -465,7 +465,8 @@ pub struct SchedulerSection {
     /// A one-node job past that bound that still cannot fit stops running preemptible jobs
     /// that declared longer time limits and are on their first run (checkpoint signal, then
     /// their grace), the least work at stake first; each job is stopped this way at most once.
-    /// An account past its quota does not reclaim this way.
+    /// An account past its quota does not reclaim this way, and a user has one run begun this
+    /// way at a time.
     pub starved_reclaim: bool,
     /// Allocated-but-idle GPUs.
     pub idle: IdleSection,
