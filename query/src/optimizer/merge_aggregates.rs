@@ -287,7 +287,7 @@ mod tests {
 
     /// Left as written (the plan is the one without the rule): a key or an aggregate the outer
     /// one computes anew, aggregates that do not compose, a count of no groups (NULL) that a
-    /// count of no rows (0) would change, and DISTINCT.
+    /// count of no rows (0) would change, DISTINCT, and a HAVING or LIMIT between the two.
     #[tokio::test]
     async fn aggregates_that_do_not_compose_stay_stacked() {
         let queries = [
@@ -300,6 +300,9 @@ mod tests {
             "SELECT node, sum(DISTINCT t_sum) FROM v GROUP BY node ORDER BY node",
             "SELECT sum(t_count) FROM v WHERE hour > 100",
             "SELECT node, max(t_max) FILTER (WHERE gpu = 1) FROM v GROUP BY node ORDER BY node",
+            // A HAVING or a LIMIT between the two: the outer one sees fewer groups.
+            "SELECT node, max(m) FROM (SELECT node, gpu, max(t) AS m FROM s GROUP BY node, gpu HAVING max(t) > 85) GROUP BY node ORDER BY node",
+            "SELECT node, max(m) FROM (SELECT node, gpu, max(t) AS m FROM s GROUP BY node, gpu ORDER BY node, gpu LIMIT 5) GROUP BY node ORDER BY node",
         ];
         for sql in queries {
             let ((want, before), (got, plan)) = without_and_with(sql).await;
