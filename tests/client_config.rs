@@ -208,3 +208,61 @@ fn the_per_user_file_gives_server_and_token_and_must_be_private() {
         "{err}"
     );
 }
+
+/// A shell without `USER` (root in a container, cron, a systemd unit) submits as the user it
+/// runs as, not as the server's fallback `nobody`: a job run as `nobody` cannot read the files
+/// its submitter can, and failed with its reason only in its standard error. As root (CI), that
+/// submission is refused, saying so, as `USER=root` always was.
+#[test]
+fn without_user_in_the_environment_a_job_is_submitted_as_the_uid_running_perch() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = Perch::start(&dir.path().join("data"), &["server"]);
+    let me = nix::unistd::User::from_uid(nix::unistd::geteuid())
+        .expect("passwd")
+        .expect("this uid has a name")
+        .name;
+    for user_env in [None, Some("")] {
+        let mut cmd = client();
+        match user_env {
+            None => cmd.env_remove("USER"),
+            Some(v) => cmd.env("USER", v),
+        };
+        let out = cmd
+            .args([
+                "submit",
+                "--server",
+                &server.url,
+                "-J",
+                "no-user",
+                "--",
+                "true",
+            ])
+            .output()
+            .expect("run perch");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if me == "root" {
+            assert!(!out.status.success(), "{out:?}");
+            assert!(
+                stderr.contains("field `user`: jobs never run as root"),
+                "{stderr}"
+            );
+        } else {
+            assert!(out.status.success(), "{out:?}");
+        }
+    }
+    let jobs: serde_json::Value = reqwest::blocking::get(format!("{}/v1/jobs", server.url))
+        .and_then(|r| r.json())
+        .expect("GET /v1/jobs");
+    let users: Vec<_> = jobs["jobs"]
+        .as_array()
+        .expect("jobs")
+        .iter()
+        .map(|j| j["request"]["user"].as_str().unwrap_or("-").to_owned())
+        .collect();
+    let expected: Vec<String> = if me == "root" {
+        vec![]
+    } else {
+        vec![me.clone(), me]
+    };
+    assert_eq!(users, expected, "{jobs}");
+}

@@ -56,6 +56,24 @@ fn a_submitted_job_runs_on_its_gpus_and_its_output_and_state_are_visible() {
     assert_eq!(logs, "gpus=0,1 job=1\n");
     let (_, err_log, _) = cli(&perch, &["logs", "1", "--stderr"]);
     assert_eq!(err_log, "warn\n");
+    // A job that failed saying why on standard error only: `perch logs` points there.
+    let (ok, _, err) = cli(
+        &perch,
+        &["submit", "--", "sh", "-c", "echo no such file >&2; exit 2"],
+    );
+    assert!(ok, "{err}");
+    wait_state(&perch, 2, "failed");
+    let hint = wait_for("the pointer to standard error", || {
+        let (_, out, err) = cli(&perch, &["logs", "2"]);
+        assert_eq!(out, "", "nothing on standard output");
+        err.contains(
+            "job 2 wrote nothing to standard output; its standard error: perch logs 2 --stderr",
+        )
+        .then_some(err)
+    });
+    assert!(!hint.contains("no such file"), "{hint}");
+    let (_, err_log, _) = cli(&perch, &["logs", "2", "--stderr"]);
+    assert_eq!(err_log, "no such file\n");
     let (_, listing, _) = cli(&perch, &["jobs", "--all"]);
     assert!(
         listing.contains("hello") && listing.contains("failed"),

@@ -62,7 +62,8 @@ pub struct SubmitArgs {
     time: Option<String>,
     #[arg(long, short = 'J')]
     name: Option<String>,
-    /// Default: $USER.
+    /// Default: $USER, else the name of the user running perch (a server with tokens takes the
+    /// token's user instead).
     #[arg(long)]
     user: Option<String>,
     #[arg(long, short = 'A')]
@@ -233,6 +234,20 @@ impl Api {
     }
 }
 
+/// `$USER`, else the name of the effective uid: a shell without `USER` (root in a container,
+/// cron, a service) still submits as who it is, not as the server's `nobody`.
+fn login_name() -> Option<String> {
+    std::env::var("USER")
+        .ok()
+        .filter(|u| !u.is_empty())
+        .or_else(|| {
+            nix::unistd::User::from_uid(nix::unistd::geteuid())
+                .ok()
+                .flatten()
+                .map(|u| u.name)
+        })
+}
+
 /// Seconds from `90`, `90s`, `30m`, `2h`, `1d` or `HH:MM:SS` / `MM:SS`.
 pub fn parse_duration(text: &str) -> Result<u64> {
     let bad = || anyhow::anyhow!("time limit {text:?}: use seconds, 90s, 30m, 2h, 1d or HH:MM:SS");
@@ -320,7 +335,7 @@ pub fn submit(args: SubmitArgs, config_file: Option<&ConfigFile>) -> Result<()> 
     if let Some(v) = &args.name {
         set("name", v.clone().into());
     }
-    if let Some(v) = args.user.clone().or_else(|| std::env::var("USER").ok()) {
+    if let Some(v) = args.user.clone().or_else(login_name) {
         set("user", v.into());
     }
     if let Some(v) = &args.account {
@@ -685,6 +700,19 @@ pub fn logs(args: LogsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
         std::io::stdout().write_all(&data)?;
         std::io::stdout().flush()?;
         if !args.follow || (finished && data.is_empty()) {
+            if offset == 0 && finished && !args.stderr {
+                // A job that failed before printing anything said why on standard error.
+                let probe = api.send(api.client.get(format!(
+                    "{}/v1/jobs/{}/logs?stream=stderr&offset=0&rank={}{attempt}",
+                    api.config.server, args.id, args.rank
+                )))?;
+                if !probe.bytes()?.is_empty() {
+                    eprintln!(
+                        "perch: job {} wrote nothing to standard output; its standard error: perch logs {} --stderr",
+                        args.id, args.id
+                    );
+                }
+            }
             return Ok(());
         }
         if data.is_empty() {
