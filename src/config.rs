@@ -244,6 +244,8 @@ pub struct AgentSection {
     pub data_dir: PathBuf,
     /// "auto", "off", or the path of an NVML library to load.
     pub nvml: String,
+    /// How often NVML's costly fields are read (0: every sample).
+    pub nvml_slow_interval_ms: u64,
     pub simulate_gpus: u32,
     pub max_queue_batches: usize,
     pub max_batch_rounds: usize,
@@ -281,6 +283,7 @@ impl Default for AgentSection {
             interval_ms: 1000,
             data_dir: "./perch-data".into(),
             nvml: "auto".into(),
+            nvml_slow_interval_ms: perch_collector::gpu::nvml::DEFAULT_SLOW_INTERVAL_MS as u64,
             simulate_gpus: 0,
             max_queue_batches: 60,
             max_batch_rounds: 60,
@@ -1146,6 +1149,7 @@ impl Config {
             "off" => perch_collector::NvmlMode::Off,
             path => perch_collector::NvmlMode::Path(path.into()),
         };
+        config.nvml_slow_interval = Duration::from_millis(a.nvml_slow_interval_ms);
         config.simulate_gpus = a.simulate_gpus;
         // Each job runs under this binary as its supervisor (`perch __job-shim`).
         config.supervisor = Some(std::env::current_exe().map_err(|e| {

@@ -20,6 +20,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         root: "/".into(),
         data_dir: std::env::current_dir()?,
         nvml,
+        // One round: every field is read.
+        nvml_slow_interval: std::time::Duration::ZERO,
         simulate_gpus,
         simulate_host: false,
         seed: 0,

@@ -41,6 +41,9 @@ pub struct AgentConfig {
     /// Simulate the host and NICs too (`perch demo`).
     pub simulate_host: bool,
     pub nvml: NvmlMode,
+    /// How often NVML's costly fields (energy counter, per-process utilization, PCIe
+    /// throughput) are read; 0: every round (`agent.nvml_slow_interval_ms`).
+    pub nvml_slow_interval: Duration,
     /// Seed of the simulators.
     pub seed: u64,
     /// Most sampling rounds merged into one batch while the server is slow or down.
@@ -108,6 +111,9 @@ impl AgentConfig {
             simulate_gpus: 0,
             simulate_host: false,
             nvml: NvmlMode::Auto,
+            nvml_slow_interval: Duration::from_millis(
+                crate::gpu::nvml::DEFAULT_SLOW_INTERVAL_MS as u64,
+            ),
             seed: 0,
             max_batch_rounds: 60,
             max_queue_batches: 60,
@@ -396,6 +402,7 @@ pub async fn run_agent_with(
         root: config.root.clone(),
         data_dir: config.data_dir.clone(),
         nvml: config.nvml.clone(),
+        nvml_slow_interval: config.nvml_slow_interval,
         simulate_gpus: config.simulate_gpus,
         simulate_host: config.simulate_host,
         seed: config.seed,

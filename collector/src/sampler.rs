@@ -47,6 +47,8 @@ pub struct SamplerConfig {
     pub root: PathBuf,
     pub data_dir: PathBuf,
     pub nvml: NvmlMode,
+    /// How often NVML's costly fields are read (see [`NvmlGpus::set_slow_interval`]).
+    pub nvml_slow_interval: std::time::Duration,
     pub simulate_gpus: u32,
     pub simulate_host: bool,
     pub seed: u64,
@@ -82,7 +84,8 @@ impl Sampler {
     /// real GPUs; it never fails the agent.
     pub fn new(config: &SamplerConfig) -> Self {
         let nvml = match NvmlGpus::open(&config.nvml) {
-            Ok(Some(gpus)) => {
+            Ok(Some(mut gpus)) => {
+                gpus.set_slow_interval(config.nvml_slow_interval);
                 let models: Vec<&str> = gpus.devices().iter().map(|d| d.model.as_str()).collect();
                 if models.is_empty() {
                     tracing::info!(
@@ -237,6 +240,7 @@ mod tests {
             root: Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/node1"),
             data_dir: std::env::temp_dir(),
             nvml: NvmlMode::Off,
+            nvml_slow_interval: std::time::Duration::ZERO,
             simulate_gpus: 3,
             simulate_host,
             seed: 4,

@@ -12,6 +12,7 @@ use perch_collector::sampler::{Round, Sampler, SamplerConfig};
 use perch_model::{GpuEventKind, NodeId};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 const SCENARIO_ENV: &str = "PERCH_NVML_STANDIN_SCENARIO";
 const LIB_ENV: &str = "PERCH_TEST_NVML_STANDIN_LIB";
@@ -31,12 +32,14 @@ fn standin_library() -> PathBuf {
     target.join("debug/libnvml_standin.so")
 }
 
-fn rounds(lib: &Path, n: usize) -> Vec<Round> {
+/// `n` rounds, one second apart, reading the costly NVML fields every `slow_interval`.
+fn rounds_reading_slow_fields_every(lib: &Path, n: usize, slow_interval: Duration) -> Vec<Round> {
     let mut sampler = Sampler::new(&SamplerConfig {
         node: NodeId::new("standin").expect("valid"),
         root: Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/node1"),
         data_dir: std::env::temp_dir(),
         nvml: NvmlMode::Path(lib.to_path_buf()),
+        nvml_slow_interval: slow_interval,
         simulate_gpus: 0,
         simulate_host: false,
         seed: 0,
@@ -47,28 +50,37 @@ fn rounds(lib: &Path, n: usize) -> Vec<Round> {
         .collect()
 }
 
+fn rounds(lib: &Path, n: usize) -> Vec<Round> {
+    rounds_reading_slow_fields_every(lib, n, Duration::ZERO)
+}
+
+/// In the child run of `test` (with `fixture`'s scenario loaded): the stand-in library's
+/// path. In the parent: `None`, after running the child and checking that it passed.
+fn in_scenario(test: &str, fixture: &str) -> Option<String> {
+    if let Ok(lib) = std::env::var(LIB_ENV) {
+        return Some(lib);
+    }
+    let lib = standin_library();
+    let scenario = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/nvml")
+        .join(fixture);
+    let exe = std::env::current_exe().expect("own path");
+    let status = Command::new(exe)
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(SCENARIO_ENV, scenario)
+        .env(LIB_ENV, lib)
+        .status()
+        .expect("re-run this test");
+    assert!(
+        status.success(),
+        "the scenario run of {test} failed (see its output above)"
+    );
+    None
+}
+
 #[test]
 fn standin_scenario() {
-    let Ok(lib) = std::env::var(LIB_ENV) else {
-        let lib = standin_library();
-        let scenario =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/nvml/two_gpus.json");
-        let exe = std::env::current_exe().expect("own path");
-        let status = Command::new(exe)
-            .args([
-                "--exact",
-                "standin_scenario",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(SCENARIO_ENV, scenario)
-            .env(LIB_ENV, lib)
-            .status()
-            .expect("re-run this test");
-        assert!(
-            status.success(),
-            "the scenario run failed (see its output above)"
-        );
+    let Some(lib) = in_scenario("standin_scenario", "two_gpus.json") else {
         return;
     };
     let detection = perch_collector::detect_gpus(&NvmlMode::Path(lib.clone().into()));
@@ -197,4 +209,66 @@ fn standin_scenario() {
         (Some(1), Some(1))
     );
     assert_eq!(rounds[0].gpus[0].xid_errors_total, Some(0));
+}
+
+/// The costly fields (energy counter, PCIe throughput and replays, MIG mode, per-process
+/// utilization) are read every 3 s here: between reads PCIe and MIG repeat their reading,
+/// per-process utilization is absent, and the energy counter advances by the power each round
+/// measured, holding (never going back) when the driver's next reading is below that estimate.
+#[test]
+fn costly_fields_are_read_at_their_own_interval() {
+    let Some(lib) = in_scenario(
+        "costly_fields_are_read_at_their_own_interval",
+        "slow_reads.json",
+    ) else {
+        return;
+    };
+    let rounds = rounds_reading_slow_fields_every(Path::new(&lib), 6, Duration::from_secs(3));
+    let gpu = |r: &Round| {
+        let g = &r.gpus[0];
+        (g.power_watts, g.energy_joules, g.pcie_tx_bytes_per_second)
+    };
+    let repeated: Vec<_> = rounds
+        .iter()
+        .map(|r| (r.gpus[0].pcie_replay_total, r.gpus[0].mig_enabled))
+        .collect();
+    assert_eq!(
+        repeated,
+        [1, 1, 1, 3, 3, 3].map(|replays| (Some(replays), Some(false)))
+    );
+    let seen: Vec<_> = rounds.iter().map(gpu).collect();
+    assert_eq!(
+        seen,
+        [
+            // t=1: read (the driver's 1,000 J).
+            (Some(100.0), Some(1000.0), Some(1_024_000.0)),
+            // t=2, t=3: 300 W for a second each; PCIe repeats.
+            (Some(300.0), Some(1300.0), Some(1_024_000.0)),
+            (Some(300.0), Some(1600.0), Some(1_024_000.0)),
+            // t=4: read; the driver says 1,500 J, below the estimate: hold at 1,600.
+            (Some(300.0), Some(1600.0), Some(3_072_000.0)),
+            // t=5: 1,500 + 300 = 1,800 passes the hold; t=6: 2,100.
+            (Some(300.0), Some(1800.0), Some(3_072_000.0)),
+            (Some(300.0), Some(2100.0), Some(3_072_000.0)),
+        ]
+        .map(|(p, e, x)| (p, e, x))
+    );
+    let process_util: Vec<_> = rounds
+        .iter()
+        .map(|r| {
+            let p = &r.gpu_processes[0];
+            (p.pid, p.used_memory_bytes, p.sm_utilization_pct)
+        })
+        .collect();
+    assert_eq!(
+        process_util,
+        [
+            (7, Some(1_048_576), Some(30.0)),
+            (7, Some(1_048_576), None),
+            (7, Some(1_048_576), None),
+            (7, Some(1_048_576), Some(30.0)),
+            (7, Some(1_048_576), None),
+            (7, Some(1_048_576), None),
+        ]
+    );
 }

@@ -38,16 +38,6 @@ pub(super) fn fill(device: &Device<'_>, s: &mut GpuSample) {
     s.retired_pages_single_bit = retired(RetirementCause::MultipleSingleBitEccErrors);
     s.retired_pages_double_bit = retired(RetirementCause::DoubleBitEccError);
     s.retired_pages_pending = device.are_pages_pending_retired().ok();
-    // NVML reports KB/s over a 20 ms window.
-    let pcie = |c| {
-        device
-            .pcie_throughput(c)
-            .ok()
-            .map(|kb| f64::from(kb) * 1024.0)
-    };
-    s.pcie_tx_bytes_per_second = pcie(PcieUtilCounter::Send);
-    s.pcie_rx_bytes_per_second = pcie(PcieUtilCounter::Receive);
-    s.pcie_replay_total = device.pcie_replay_counter().ok().map(u64::from);
 
     let mut states = Vec::new();
     for link in 0..MAX_NVLINKS {
@@ -75,31 +65,67 @@ pub(super) fn fill(device: &Device<'_>, s: &mut GpuSample) {
         s.nvlink_rx_bytes = sum_links(counters.iter().map(|c| c.as_ref().map(|c| c.receive)));
         s.nvlink_tx_bytes = sum_links(counters.iter().map(|c| c.as_ref().map(|c| c.send)));
     }
+}
 
-    if let Ok(mode) = device.mig_mode() {
-        let on = mode.current == 1;
-        s.mig_enabled = Some(on);
-        if on {
+/// The fields read every slow interval and repeated in the samples between: PCIe throughput
+/// (NVML measures it over a 20 ms window each way, which the call waits for), the PCIe replay
+/// counter and the MIG mode (each 0.15 ms of CPU on an H200, and rarely changing).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(super) struct SlowFields {
+    pcie_tx: Option<f64>,
+    pcie_rx: Option<f64>,
+    pcie_replay_total: Option<u64>,
+    mig_enabled: Option<bool>,
+    mig_instances: Option<u32>,
+}
+
+impl SlowFields {
+    pub(super) fn read(device: &Device<'_>) -> Self {
+        // NVML reports KB/s.
+        let pcie = |c| {
+            device
+                .pcie_throughput(c)
+                .ok()
+                .map(|kb| f64::from(kb) * 1024.0)
+        };
+        let mig = device.mig_mode().ok().map(|mode| mode.current == 1);
+        let mig_instances = mig.filter(|on| *on).map(|_| {
             let max = device.mig_device_count().unwrap_or(0);
-            s.mig_instances = Some(
-                (0..max)
-                    .filter(|i| device.mig_device_by_index(*i).is_ok())
-                    .count() as u32,
-            );
+            (0..max)
+                .filter(|i| device.mig_device_by_index(*i).is_ok())
+                .count() as u32
+        });
+        SlowFields {
+            pcie_tx: pcie(PcieUtilCounter::Send),
+            pcie_rx: pcie(PcieUtilCounter::Receive),
+            pcie_replay_total: device.pcie_replay_counter().ok().map(u64::from),
+            mig_enabled: mig,
+            mig_instances,
         }
+    }
+
+    pub(super) fn apply(&self, s: &mut GpuSample) {
+        s.pcie_tx_bytes_per_second = self.pcie_tx;
+        s.pcie_rx_bytes_per_second = self.pcie_rx;
+        s.pcie_replay_total = self.pcie_replay_total;
+        s.mig_enabled = self.mig_enabled;
+        s.mig_instances = self.mig_instances;
     }
 }
 
-/// The compute processes on `device` with their memory and, where NVML samples it, their
-/// utilization since the previous read; `None` when NVML cannot list them.
+/// The compute processes on `device` with their memory and, when `last_seen` is given (NVML's
+/// timestamp of the last utilization sample read), their utilization since then; `None` when
+/// NVML cannot list them.
 pub(super) fn processes(
     device: &Device<'_>,
     s: &GpuSample,
-    last_seen: &mut Option<u64>,
+    last_seen: Option<&mut Option<u64>>,
 ) -> Option<Vec<GpuProcessSample>> {
     let procs = device.running_compute_processes().ok()?;
     let mut util: HashMap<u32, (u32, u32)> = HashMap::new();
-    if let Ok(samples) = device.process_utilization_stats(*last_seen) {
+    if let Some(last_seen) = last_seen
+        && let Ok(samples) = device.process_utilization_stats(*last_seen)
+    {
         for p in samples {
             *last_seen = Some(last_seen.unwrap_or(0).max(p.timestamp));
             util.insert(p.pid, (p.sm_util.min(100), p.mem_util.min(100)));
