@@ -7,7 +7,9 @@ impl Control {
     /// Feeds what a node's telemetry says to the scheduler, without a scheduling pass (the
     /// next tick or operation runs one): measured GPU utilization (for idle detection and
     /// victim choice), XIDs that need a GPU reset or a reboot, uncorrectable ECC errors and
-    /// lost GPUs (never placed on until healthy again), and rogue processes.
+    /// lost GPUs (never placed on until healthy again), and rogue processes (a GPU with one is
+    /// not placed on while it is there; it is healthy again once the node's latest sample of
+    /// that GPU lists none, unless something else, an XID say, made it unhealthy).
     pub(crate) fn observe(
         &mut self,
         batch: &perch_model::Batch,
@@ -51,16 +53,45 @@ impl Control {
                 health,
             });
         }
-        for p in batch
-            .gpu_processes
+        // Rogue processes as of each GPU's latest sample that listed its processes (a batch
+        // can hold several rounds).
+        let mut latest: std::collections::BTreeMap<u32, i64> = Default::default();
+        for g in batch
+            .gpus
             .iter()
-            .filter(|p| p.rogue && p.gpu.0 < gpus)
+            .filter(|g| g.gpu.0 < gpus && g.processes.is_some())
         {
-            events.push(Event::GpuHealth {
-                node,
-                gpu: p.gpu.0,
-                health: GpuHealth::RogueProcess,
-            });
+            let t = latest.entry(g.gpu.0).or_insert(g.time_ms);
+            *t = (*t).max(g.time_ms);
+        }
+        for (gpu, time_ms) in latest {
+            // An XID or a lost GPU in the same batch says more than a rogue process.
+            if events
+                .iter()
+                .any(|e| matches!(e, Event::GpuHealth { gpu: g, .. } if *g == gpu))
+            {
+                continue;
+            }
+            let rogue = batch
+                .gpu_processes
+                .iter()
+                .any(|p| p.gpu.0 == gpu && p.time_ms == time_ms && p.rogue);
+            let before = self
+                .scheduler
+                .cluster()
+                .gpu_health(node, gpu)
+                .unwrap_or(GpuHealth::Healthy);
+            let health = match (before, rogue) {
+                (GpuHealth::Healthy, true) => GpuHealth::RogueProcess,
+                (GpuHealth::RogueProcess, false) => GpuHealth::Healthy,
+                _ => continue,
+            };
+            if rogue {
+                tracing::warn!(node = %batch.node, gpu, "a process outside the job that holds this GPU runs on it; no job is placed on it while it does");
+            } else {
+                tracing::info!(node = %batch.node, gpu, "the rogue process left the GPU; it is placed on again");
+            }
+            events.push(Event::GpuHealth { node, gpu, health });
         }
         for event in events {
             let actions = self.scheduler.handle(now, event)?;

@@ -921,3 +921,111 @@ async fn starvation_reclaim_stops_a_job_once_across_a_restart() {
     assert!(r.stop.is_empty(), "X was stopped once already: {r:?}");
     assert_eq!(job(&jobs, x).await.state, JobState::Running);
 }
+
+/// A process outside the job that holds a GPU keeps new jobs off that GPU only while it is
+/// there: once the node's latest sample of the GPU lists no rogue process, the GPU is placed on
+/// again. Before, one stray process took its GPU out of scheduling until the server restarted.
+/// An XID says more than a rogue process, and survives one leaving.
+#[tokio::test]
+async fn a_rogue_process_keeps_jobs_off_its_gpu_only_while_it_is_there() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    let two_gpus = json!({"gpus": 2});
+    sync_with(&jobs, "a", T0, &[], &[], two_gpus.clone()).await;
+    let id = submit(
+        &jobs,
+        json!({ "command": ["train"], "user": "bob", "gpus_per_node": 1 }),
+        T0 + SECOND,
+    )
+    .await;
+    sync_with(&jobs, "a", T0 + 2 * SECOND, &[], &[], two_gpus.clone()).await;
+    let held = job(&jobs, id).await.placement[0].gpus[0];
+    let other = 1 - held;
+    // Rounds of the node: both GPUs list their processes; `rogue` puts one outside the job on
+    // the held GPU; `xid` reports an XID 48 on the other.
+    let observe = |at: i64, rogue: bool, listed: bool, xid: bool| {
+        let gpu = |g: u32| {
+            json!({"time_ms": at, "gpu": g, "uuid": format!("GPU-{g}"), "model": "Test H100",
+                   "simulated": false, "processes": if listed { json!(u32::from(rogue)) } else { json!(null) }})
+        };
+        let mut processes = vec![];
+        if rogue {
+            processes.push(
+                json!({"time_ms": at, "gpu": held, "uuid": format!("GPU-{held}"),
+                "simulated": false, "pid": 4242, "used_memory_bytes": null,
+                "sm_utilization_pct": null, "memory_utilization_pct": null, "job": null,
+                "rogue": true}),
+            );
+            // A rogue process on the other GPU too, in the round its XID arrives.
+            if xid {
+                processes.push(
+                    json!({"time_ms": at, "gpu": other, "uuid": format!("GPU-{other}"),
+                    "simulated": false, "pid": 4343, "used_memory_bytes": null,
+                    "sm_utilization_pct": null, "memory_utilization_pct": null, "job": null,
+                    "rogue": true}),
+                );
+            }
+        }
+        let events = if xid {
+            vec![
+                json!({"time_ms": at, "gpu": other, "uuid": format!("GPU-{other}"),
+                        "simulated": false, "kind": "xid", "xid": 48}),
+            ]
+        } else {
+            vec![]
+        };
+        let batch: perch_model::Batch = serde_json::from_value(json!({
+            "node": "a", "seq": at, "gpus": [gpu(0), gpu(1)],
+            "gpu_processes": processes, "gpu_events": events,
+        }))
+        .expect("batch");
+        let jobs = jobs.clone();
+        async move {
+            jobs.run(move |c, now| c.observe(&batch, now))
+                .await
+                .expect("observe");
+        }
+    };
+    let health = |jobs: &JobService| {
+        jobs.read(|c| {
+            c.nodes()[0]
+                .gpu_detail
+                .iter()
+                .map(|d| d.health)
+                .collect::<Vec<_>>()
+        })
+    };
+    use perch_scheduler::GpuHealth::{Healthy, RogueProcess, Xid};
+    let at = |gpus: [perch_scheduler::GpuHealth; 2]| {
+        let mut v = vec![Healthy; 2];
+        v[held as usize] = gpus[0];
+        v[other as usize] = gpus[1];
+        v
+    };
+    observe(T0 + 3 * SECOND, true, true, true).await;
+    assert_eq!(health(&jobs), at([RogueProcess, Xid(48)]));
+    // A round whose processes are unknown changes nothing.
+    observe(T0 + 4 * SECOND, false, false, false).await;
+    assert_eq!(health(&jobs), at([RogueProcess, Xid(48)]));
+    // The rogue process left: the GPU is healthy again; the XID stays.
+    observe(T0 + 5 * SECOND, false, true, false).await;
+    assert_eq!(health(&jobs), at([Healthy, Xid(48)]));
+    // The job ends; a new one can have the GPU the rogue process left.
+    sync_with(
+        &jobs,
+        "a",
+        T0 + 6 * SECOND,
+        &[],
+        &[(id, 1, 0)],
+        two_gpus.clone(),
+    )
+    .await;
+    let next = submit(
+        &jobs,
+        json!({ "command": ["train"], "user": "bob", "gpus_per_node": 1 }),
+        T0 + 7 * SECOND,
+    )
+    .await;
+    sync_with(&jobs, "a", T0 + 8 * SECOND, &[], &[], two_gpus).await;
+    assert_eq!(job(&jobs, next).await.placement[0].gpus, vec![held]);
+}
