@@ -62,8 +62,8 @@ pub struct SubmitArgs {
     time: Option<String>,
     #[arg(long, short = 'J')]
     name: Option<String>,
-    /// Default: $USER, else the name of the user running perch (a server with tokens takes the
-    /// token's user instead).
+    /// Default: $USER, else the name of the user running perch; with a token and no $USER, the
+    /// token's user.
     #[arg(long)]
     user: Option<String>,
     #[arg(long, short = 'A')]
@@ -234,15 +234,19 @@ impl Api {
     }
 }
 
-/// `$USER`, else the name of the effective uid: a shell without `USER` (root in a container,
-/// cron, a service) still submits as who it is, not as the server's `nobody`.
-fn login_name() -> Option<String> {
+/// `$USER`, else (with `of_uid`) the name of the effective uid: a shell without `USER` (root
+/// in a container, cron, a service) still submits as who it is, not as the server's `nobody`.
+fn login_name(of_uid: bool) -> Option<String> {
     std::env::var("USER")
         .ok()
         .filter(|u| !u.is_empty())
         .or_else(|| {
-            nix::unistd::User::from_uid(nix::unistd::geteuid())
-                .ok()
+            of_uid
+                .then(|| {
+                    nix::unistd::User::from_uid(nix::unistd::geteuid())
+                        .ok()
+                        .flatten()
+                })
                 .flatten()
                 .map(|u| u.name)
         })
@@ -335,9 +339,6 @@ pub fn submit(args: SubmitArgs, config_file: Option<&ConfigFile>) -> Result<()> 
     if let Some(v) = &args.name {
         set("name", v.clone().into());
     }
-    if let Some(v) = args.user.clone().or_else(login_name) {
-        set("user", v.into());
-    }
     if let Some(v) = &args.account {
         set("account", v.clone().into());
     }
@@ -388,6 +389,14 @@ pub fn submit(args: SubmitArgs, config_file: Option<&ConfigFile>) -> Result<()> 
         bail!("give the command after --, e.g. perch submit --gpus 1 -- python train.py");
     }
     let api = Api::new(&args.server, config_file)?;
+    // With a token the server knows who submits: without `--user` or `$USER`, leave it to it.
+    if let Some(v) = args
+        .user
+        .clone()
+        .or_else(|| login_name(api.config.token.is_none()))
+    {
+        request.insert("user".to_owned(), v.into());
+    }
     let job = match (api.post("/v1/jobs", &Value::Object(request)), &args.file) {
         (Err(e), Some(file)) => bail!("{}", in_file_terms(&e.to_string(), file)),
         (result, _) => result?,
