@@ -8,6 +8,8 @@
 //!    the `events` table.
 //! 2. An XID storm across the other nodes: perch drains until `max_fraction_out` of the nodes
 //!    are out, then its circuit breaker opens and no further node is drained.
+//! 3. A process outside the job holding a GPU: the `GpuRogueProcess` alert names the job and
+//!    its user, and no job is placed on that GPU until the process is gone.
 
 mod common;
 
@@ -123,10 +125,21 @@ struct StandinAgent(Child);
 
 impl StandinAgent {
     fn start(dir: &Path, server: &str, node: usize, lib: &Path, xid_at: f64) -> StandinAgent {
+        Self::with_scenario(dir, server, node, lib, &scenario(node, xid_at))
+    }
+
+    /// Agent `gpu-<node>` reading its GPUs from the stand-in playing `scenario`.
+    fn with_scenario(
+        dir: &Path,
+        server: &str,
+        node: usize,
+        lib: &Path,
+        scenario: &Value,
+    ) -> StandinAgent {
         let data = dir.join(format!("agent-{node}"));
         std::fs::create_dir_all(&data).expect("agent dir");
         let file = data.join("scenario.json");
-        std::fs::write(&file, scenario(node, xid_at).to_string()).expect("scenario");
+        std::fs::write(&file, scenario.to_string()).expect("scenario");
         let child = Command::new(PERCH)
             .args([
                 "agent",
@@ -388,5 +401,112 @@ cooldown = "30m"
             .iter()
             .any(|(s, _)| s.contains("RemediationCircuitOpen"))
             .then_some(())
+    });
+}
+
+/// A process the job did not start appears on one of its GPUs (the stand-in lists pid 999999
+/// there for the first 25 s): `GpuRogueProcess` fires naming the job and its user, the GPU's
+/// health is `rogue_process` (no job is placed on it), and once the process is gone the GPU is
+/// healthy again and a new job can have it.
+#[test]
+fn a_rogue_process_raises_its_alert_and_keeps_jobs_off_its_gpu_while_it_runs() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("perch.toml");
+    std::fs::write(
+        &config,
+        r#"
+[alerts]
+evaluation_interval = "1s"
+[alerts.builtin]
+disable = ["StoreDiskFull"]
+rogue_for = "2s"
+"#,
+    )
+    .expect("config");
+    let perch = Perch::start_with_env(
+        &dir.path().join("server"),
+        &["server"],
+        &[("PERCH_CONFIG", config.to_str().expect("utf-8 path"))],
+    );
+    let lib = standin_library();
+    let gpu = |i: usize, processes: Value| {
+        json!({
+            "uuid": format!("GPU-STANDIN-ROGUE-{i}"),
+            "name": "NVIDIA H100 80GB HBM3",
+            "timeline": [
+                {"at": 0, "set": {"util_gpu": 60, "memory_used_bytes": 1_073_741_824_u64,
+                                  "memory_total_bytes": 85_520_809_984_u64, "processes": processes}},
+                {"at": 25, "set": {"processes": []}}
+            ],
+        })
+    };
+    let rogue = json!([{"pid": 999_999, "used_memory_bytes": 1_073_741_824_u64}]);
+    let scenario = json!({"clock": "seconds", "gpus": [gpu(0, rogue), gpu(1, json!([]))]});
+    let _agent = StandinAgent::with_scenario(dir.path(), &perch.url, 0, &lib, &scenario);
+    wait_for("gpu-0 to register", || {
+        (node_states(&perch).len() == 1).then_some(())
+    });
+    let submit = |name: &str, gpus: u32| {
+        let submitted: Value = reqwest::blocking::Client::new()
+            .post(format!("{}/v1/jobs", perch.url))
+            .json(
+                &json!({"name": name, "command": ["sleep", "600"], "gpus_per_node": gpus,
+                          "user": "alice", "time_limit_secs": 3600}),
+            )
+            .send()
+            .expect("submit")
+            .json()
+            .expect("json");
+        submitted["id"].as_u64().expect("job id")
+    };
+    // The job holds both GPUs; the stand-in's pid 999999 on GPU 0 is not the job's.
+    let first = submit("train", 2);
+    let health = |perch: &Perch| {
+        get(perch, "/v1/nodes")["nodes"][0]["gpu_status"]
+            .as_array()
+            .expect("gpu_status")
+            .iter()
+            .map(|g| g["health"].as_str().unwrap_or("?").to_owned())
+            .collect::<Vec<_>>()
+    };
+    wait_for("GPU 0 marked rogue_process", || {
+        (health(&perch) == ["rogue_process", "healthy"]).then_some(())
+    });
+    let alert = wait_for("GpuRogueProcess firing", || {
+        get(&perch, "/v1/alerts")["alerts"]
+            .as_array()
+            .and_then(|a| {
+                a.iter()
+                    .find(|a| {
+                        a["labels"]["alertname"] == "GpuRogueProcess" && a["state"] == "firing"
+                    })
+                    .cloned()
+            })
+    });
+    assert_eq!(alert["labels"]["node"], "gpu-0", "{alert}");
+    assert_eq!(alert["labels"]["gpu"], "0", "{alert}");
+    assert_eq!(alert["labels"]["job"], first.to_string(), "{alert}");
+    assert_eq!(alert["labels"]["user"], "alice", "{alert}");
+    assert!(
+        alert["description"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("pid 999999"),
+        "{alert}"
+    );
+    // The process leaves at 25 s: GPU 0 is healthy again. The job ends; the next one that
+    // needs both GPUs starts (it could not while GPU 0 was out).
+    wait_for("GPU 0 healthy again", || {
+        (health(&perch) == ["healthy", "healthy"]).then_some(())
+    });
+    reqwest::blocking::Client::new()
+        .post(format!("{}/v1/jobs/{first}/cancel", perch.url))
+        .send()
+        .and_then(|r| r.error_for_status())
+        .expect("cancel");
+    let second = submit("next", 2);
+    wait_for("the next job to run on both GPUs", || {
+        let j = get(&perch, &format!("/v1/jobs/{second}"));
+        (j["state"] == "running").then_some(())
     });
 }

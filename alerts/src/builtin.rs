@@ -32,6 +32,7 @@ pub const BUILTIN_RULE_NAMES: &[&str] = &[
     "GpuEccUncorrectable",
     "GpuLost",
     "GpuThrottled",
+    "GpuRogueProcess",
     "GpuAllocatedIdle",
     "JobNoProgress",
     "NicLinkDown",
@@ -266,6 +267,31 @@ fn specs(cfg: &BuiltinConfig) -> Vec<Spec> {
                           power limits (not the normal software power cap) for a sustained time; \
                           temperature {{ values.temperature_celsius }} °C, power {{ values.power_watts }} W. \
                           Check cooling and power delivery.",
+            actions: Vec::new(),
+        },
+        Spec {
+            name: "GpuRogueProcess",
+            source: RuleSource::Sql(
+                "SELECT p.node, p.gpu, a.job, a.user_name AS \"user\", \
+                   count(DISTINCT p.pid) AS processes, min(p.pid) AS first_pid, \
+                   max(p.used_memory_bytes) AS used_memory_bytes, bool_or(p.simulated) AS simulated \
+                 FROM gpu_processes p \
+                 LEFT JOIN job_allocations a \
+                   ON a.node = p.node AND a.gpu = p.gpu AND a.end_time IS NULL \
+                 WHERE p.rogue AND p.time > now() - INTERVAL '30 seconds' \
+                 GROUP BY p.node, p.gpu, a.job, a.user_name"
+                    .to_owned(),
+            ),
+            for_ms: cfg.rogue_for.as_ms(),
+            severity: Severity::Warning,
+            labels: &[],
+            summary: "{{ labels.node }} GPU {{ labels.gpu }}: a process outside job {{ labels.job }} runs on it",
+            description: "{{ values.processes }} process(es) (pid {{ values.first_pid }} first) that job \
+                          {{ labels.job }} of {{ labels.user }} did not start use GPU {{ labels.gpu }} of \
+                          {{ labels.node }}, which the job holds: another job's process, or one started \
+                          outside perch. It slows the job and holds GPU memory. perch places no new job \
+                          on this GPU while it runs. Find it: SELECT * FROM gpu_processes WHERE rogue \
+                          ORDER BY time DESC LIMIT 10.",
             actions: Vec::new(),
         },
         Spec {

@@ -125,6 +125,8 @@ pub struct BuiltinConfig {
     pub event_window: HumanDuration,
     /// GpuThrottled: how long thermal or power throttling must last (default 10m).
     pub throttle_for: HumanDuration,
+    /// GpuRogueProcess: how long a process outside the job holding a GPU must stay (default 2m).
+    pub rogue_for: HumanDuration,
     /// GpuAllocatedIdle: how long an allocated GPU must stay idle (default 30m).
     pub idle_for: HumanDuration,
     /// GpuAllocatedIdle: utilization below which a GPU counts as idle (default 5 percent).
@@ -149,6 +151,7 @@ impl Default for BuiltinConfig {
             heartbeat_timeout: HumanDuration::from_mins(1),
             event_window: HumanDuration::from_mins(10),
             throttle_for: HumanDuration::from_mins(10),
+            rogue_for: HumanDuration::from_mins(2),
             idle_for: HumanDuration::from_mins(30),
             idle_utilization_percent: 5.0,
             no_progress_for: HumanDuration::from_mins(30),
