@@ -225,14 +225,19 @@ impl Drop for Perch {
     }
 }
 
-/// Polls `f` until it returns `Some`, panicking with `what` after [`PATIENCE`].
-/// How many nodes a `GET /v1/nodes` answer shows up.
+/// How many nodes a `GET /v1/nodes` answer shows up with their agent synced. A node whose
+/// telemetry arrived before its agent's first sync is listed up too, but the scheduler does not
+/// know it yet (nor its rack): a test that placed a gang then saw it split across racks.
 pub fn nodes_up(answer: &serde_json::Value) -> usize {
     answer["nodes"].as_array().map_or(0, |nodes| {
-        nodes.iter().filter(|n| n["state"] == "up").count()
+        nodes
+            .iter()
+            .filter(|n| n["state"] == "up" && !n["last_sync_secs_ago"].is_null())
+            .count()
     })
 }
 
+/// Polls `f` until it returns `Some`, panicking with `what` after [`PATIENCE`].
 pub fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
     let start = Instant::now();
     loop {
