@@ -313,6 +313,40 @@ pub async fn run_agent(
     run_agent_with(config, shutdown, Arc::new(AgentCounters::default())).await
 }
 
+/// A sampling round unfinished after this long is reported in the log, and again each time as
+/// long again passes.
+const SLOW_ROUND: Duration = Duration::from_secs(10);
+
+/// The sampler on a thread of its own. NVML and `/proc` reads block, and a wedged GPU driver
+/// can block an NVML call for minutes: on the async runtime that would stop the agent's
+/// sending and job control too (and, under `perch up`, a worker of the server's runtime).
+/// Here it pauses only this node's telemetry, and the agent can still stop.
+struct SamplerThread {
+    requests: std::sync::mpsc::Sender<(i64, tokio::sync::oneshot::Sender<Round>)>,
+}
+
+impl SamplerThread {
+    fn start(mut sampler: Sampler) -> Result<Self> {
+        let (requests, rounds) =
+            std::sync::mpsc::channel::<(i64, tokio::sync::oneshot::Sender<Round>)>();
+        std::thread::Builder::new()
+            .name("perch-sampler".into())
+            .spawn(move || {
+                for (now_ms, reply) in rounds {
+                    let _ = reply.send(sampler.sample(now_ms));
+                }
+            })
+            .map_err(|e| CollectorError::Task(format!("starting the sampler thread: {e}")))?;
+        Ok(Self { requests })
+    }
+
+    /// One round at `now_ms`; `None` once the thread is gone (it panicked).
+    fn round(&self, now_ms: i64) -> Option<tokio::sync::oneshot::Receiver<Round>> {
+        let (reply, round) = tokio::sync::oneshot::channel();
+        self.requests.send((now_ms, reply)).ok().map(|()| round)
+    }
+}
+
 fn now_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -408,7 +442,7 @@ pub async fn run_agent_with(
         seed: config.seed,
         jobs: config.jobs.clone(),
     };
-    let mut sampler = tokio::task::spawn_blocking(move || Sampler::new(&sampler_config))
+    let sampler = tokio::task::spawn_blocking(move || Sampler::new(&sampler_config))
         .await
         .map_err(|e| CollectorError::Task(format!("opening the samplers: {e}")))?;
     let spool = open_spool(&config);
@@ -476,6 +510,7 @@ pub async fn run_agent_with(
         }))
     });
     let mut sender_task = tokio::spawn(run_sender(sender, shared.clone(), config.backoff));
+    let sampler = SamplerThread::start(sampler)?;
 
     let mut ticker = tokio::time::interval(config.interval);
     ticker.set_missed_tick_behavior(MissedTickBehavior::Skip);
@@ -485,7 +520,33 @@ pub async fn run_agent_with(
             biased;
             () = &mut shutdown => break,
             _ = ticker.tick() => {
-                let round = sampler.sample(now_ms());
+                let Some(mut pending) = sampler.round(now_ms()) else {
+                    tracing::error!("the sampler thread is gone (it panicked); the agent stops");
+                    break;
+                };
+                let started = std::time::Instant::now();
+                let round = loop {
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => break None,
+                        round = &mut pending => break Some(round),
+                        () = tokio::time::sleep(SLOW_ROUND) => tracing::warn!(
+                            secs = started.elapsed().as_secs(),
+                            "a sampling round has not finished: a GPU driver (NVML) or /proc may be hung; this node's telemetry pauses until it returns, job control and sending go on"
+                        ),
+                    }
+                };
+                let round = match round {
+                    Some(Ok(round)) => round,
+                    Some(Err(_)) => {
+                        tracing::error!("the sampler thread panicked; the agent stops");
+                        break;
+                    }
+                    None => break,
+                };
+                if started.elapsed() >= SLOW_ROUND {
+                    tracing::info!(secs = started.elapsed().as_secs(), "the slow sampling round finished; telemetry resumes");
+                }
                 counters.set_latest_round(round.clone());
                 let (outcome, queued) = {
                     let mut q = lock(&shared.queue);

@@ -272,3 +272,65 @@ fn costly_fields_are_read_at_their_own_interval() {
         ]
     );
 }
+
+/// A wedged driver (the stand-in blocks one call for 2.5 s) pauses sampling, not the agent: a
+/// task on the agent's single runtime worker keeps running through the hang, and sampling
+/// resumes after it. Before, the round ran on the runtime's worker and blocked it (under
+/// `perch up`, a worker of the server's runtime).
+#[test]
+fn a_wedged_gpu_driver_does_not_stop_the_agents_runtime() {
+    let Some(lib) = in_scenario(
+        "a_wedged_gpu_driver_does_not_stop_the_agents_runtime",
+        "hang.json",
+    ) else {
+        return;
+    };
+    use std::sync::{Arc, Mutex};
+    use std::time::Instant;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (stats, beats) = runtime.block_on(async {
+        let beats: Arc<Mutex<Vec<Instant>>> = Arc::default();
+        let heart = tokio::spawn({
+            let beats = beats.clone();
+            async move {
+                loop {
+                    beats.lock().expect("beats").push(Instant::now());
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        });
+        // Nothing listens there: batches queue, which is all this test needs.
+        let mut config = perch_collector::AgentConfig::new(
+            "http://127.0.0.1:9".into(),
+            NodeId::new("wedged").expect("valid"),
+        );
+        config.interval = Duration::from_millis(200);
+        config.nvml = NvmlMode::Path(lib.into());
+        config.data_dir = dir.path().to_path_buf();
+        config.run_jobs = false;
+        config.drain_timeout = Duration::from_millis(100);
+        // On a worker, as `spawn_agent` (so `perch up`) runs it.
+        let stats = tokio::spawn(perch_collector::run_agent(
+            config,
+            tokio::time::sleep(Duration::from_secs(5)),
+        ))
+        .await
+        .expect("agent task")
+        .expect("agent");
+        heart.abort();
+        let beats = beats.lock().expect("beats").clone();
+        (stats, beats)
+    });
+    let longest = beats.windows(2).map(|w| w[1] - w[0]).max().expect("beats");
+    assert!(
+        longest < Duration::from_millis(1000),
+        "the runtime stalled for {longest:?} while the driver hung"
+    );
+    // Rounds before and after the 2.5 s hang: about 12 of the 25 a 5 s run would have.
+    assert!(stats.rounds_sampled >= 8, "{stats:?}");
+}

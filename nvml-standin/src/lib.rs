@@ -52,6 +52,8 @@ struct State {
     started: Instant,
     handle_calls: u64,
     sets: Vec<Option<EventSet>>,
+    /// GPUs whose scripted hang has happened.
+    hung: HashSet<usize>,
 }
 
 impl State {
@@ -132,6 +134,7 @@ fn init() -> nvmlReturn_t {
                 started: Instant::now(),
                 handle_calls: 0,
                 sets: Vec::new(),
+                hung: HashSet::new(),
             });
             SUCCESS
         }
@@ -204,6 +207,23 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
         s.handle_calls += 1;
     }
     let now = s.now();
+    let hang = s
+        .scenario
+        .gpus
+        .get(index as usize)
+        .and_then(|g| g.hang)
+        .filter(|h| h.at <= now);
+    if let Some(h) = hang
+        && s.hung.insert(index as usize)
+    {
+        // Wedged: block this caller (not the library's lock), then answer.
+        drop(guard);
+        std::thread::sleep(std::time::Duration::from_secs_f64(h.secs));
+        guard = state();
+    }
+    let Some(s) = guard.as_mut() else {
+        return UNINITIALIZED;
+    };
     match s.scenario.gpus.get(index as usize) {
         None => INVALID_ARGUMENT,
         Some(g) if g.lost(now) => GPU_IS_LOST,

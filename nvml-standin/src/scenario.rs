@@ -49,6 +49,18 @@ pub struct GpuScript {
     /// From this time on every call about this GPU answers `NVML_ERROR_GPU_IS_LOST`.
     #[serde(default)]
     pub lost_at: Option<f64>,
+    /// A wedged driver: the first request for this GPU's handle at or after `at` blocks for
+    /// `secs` seconds before it answers.
+    #[serde(default)]
+    pub hang: Option<Hang>,
+}
+
+/// See [`GpuScript::hang`].
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hang {
+    pub at: f64,
+    pub secs: f64,
 }
 
 /// Values that take effect at `at` and hold until a later keyframe overrides them.
