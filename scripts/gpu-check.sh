@@ -85,6 +85,7 @@ import torch
 print("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"), flush=True)
 print("device_count", torch.cuda.device_count(), flush=True)
 print("device", torch.cuda.get_device_name(0), flush=True)
+print("uuid GPU-%s" % torch.cuda.get_device_properties(0).uuid, flush=True)
 a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
 b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
 hold = torch.empty(8 << 30, dtype=torch.uint8, device="cuda")  # 8 GiB more, to be seen
@@ -136,6 +137,11 @@ sql "SELECT count(*) AS samples, max(utilization_gpu_pct) AS util_max, max(power
      WHERE gpu = 0" >"$R/gpu0-peaks.csv" 2>&1
 
 check "the job saw exactly one GPU" grep -q '^device_count 1$' "$R/job-log.txt"
+# The GPU CUDA gave the job is the one perch placed it on (index order: CUDA_DEVICE_ORDER).
+placed=$(grep -oE 'Placement=[^ ]*\[[0-9]+\]' "$R/show-done.txt" | grep -oE '[0-9]+\]$' | tr -d ']')
+placed_uuid=$(awk -F, -v g="$placed" '$1 == g {print $2}' "$R/gpus.csv")
+check "the job ran on the GPU perch placed it on (GPU $placed, $placed_uuid)" \
+  grep -qx "uuid $placed_uuid" "$R/job-log.txt"
 check "the job ran at real speed" grep -qE '^tflops [0-9]{3}' "$R/job-log.txt"
 check "the job ended completed" grep -qi 'completed' "$R/show-done.txt"
 check "perch saw GPU 0 busy (>= 90%)" \

@@ -175,6 +175,7 @@ fn a_job_sees_nothing_of_the_agents_environment() {
         ("MINE", "mine".to_owned()),
         ("PERCH_JOB_ID", id.to_string()),
         ("CUDA_VISIBLE_DEVICES", "0".to_owned()),
+        ("CUDA_DEVICE_ORDER", "PCI_BUS_ID".to_owned()),
         ("USER", USER.to_owned()),
         ("LANG", "C.UTF-8".to_owned()),
     ] {
@@ -195,6 +196,7 @@ fn a_job_sees_nothing_of_the_agents_environment() {
             "LOGNAME",
             "PWD",
             "CUDA_VISIBLE_DEVICES",
+            "CUDA_DEVICE_ORDER",
             // perch's distributed-training variables (issue 17)
             "MASTER_ADDR",
             "MASTER_PORT",

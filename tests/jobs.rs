@@ -56,6 +56,17 @@ fn a_submitted_job_runs_on_its_gpus_and_its_output_and_state_are_visible() {
     assert_eq!(logs, "gpus=0,1 job=1\n");
     let (_, err_log, _) = cli(&perch, &["logs", "1", "--stderr"]);
     assert_eq!(err_log, "warn\n");
+    // Costs to the cent, not to the dime (a short job's read 0.0).
+    let (_, shown, _) = cli(&perch, &["show", "1"]);
+    let cost = shown
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("CostAllocated="))
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        cost.len() >= 4 && cost.as_bytes()[cost.len() - 3] == b'.',
+        "CostAllocated={cost} in:\n{shown}"
+    );
     // A job that failed saying why on standard error only: `perch logs` points there.
     let (ok, _, err) = cli(
         &perch,

@@ -637,6 +637,8 @@ pub fn show(args: JobIdArgs, config_file: Option<&ConfigFile>) -> Result<()> {
         };
         let num =
             |v: &Value, unit: &str| v.as_f64().map_or("-".into(), |x| format!("{x:.1}{unit}"));
+        // Money to the cent: a 45 s job on a $0.95 GPU-hour read 0.0 before.
+        let money = |v: &Value| v.as_f64().map_or("-".into(), |x| format!("{x:.2}"));
         println!(
             "   Usage: GPUHoursAllocated={} GPUHoursUsed={} MeanUtil={} EnergyKWh={} CostAllocated={} CostUsed={} AccountedUntil={}",
             hours(&u["gpu_seconds_allocated"]),
@@ -645,8 +647,8 @@ pub fn show(args: JobIdArgs, config_file: Option<&ConfigFile>) -> Result<()> {
             u["energy_joules"]
                 .as_f64()
                 .map_or("-".into(), |e| format!("{:.3}", e / 3.6e6)),
-            num(&u["cost_allocated"], ""),
-            num(&u["cost_used"], ""),
+            money(&u["cost_allocated"]),
+            money(&u["cost_used"]),
             s(&u["accounted_until"]),
         );
         if let Some(note) = u["note"].as_str() {

@@ -4,7 +4,8 @@
 //!
 //! - from the agent's environment only [`INHERITED`] (`PATH`, `LANG`, `LANGUAGE`, `TZ`) and
 //!   `LC_*`: never the agent's token, proxies or anything else it was started with;
-//! - `CUDA_VISIBLE_DEVICES` (its GPUs), `PERCH_NODE_RANK`, `PERCH_NUM_NODES`;
+//! - `CUDA_VISIBLE_DEVICES` (its GPUs, by NVML index) with `CUDA_DEVICE_ORDER=PCI_BUS_ID` (so
+//!   CUDA counts them as NVML does), `PERCH_NODE_RANK`, `PERCH_NUM_NODES`;
 //! - for a job holding part of a GPU: `PERCH_GPU_FRACTION` (e.g. `0.25`),
 //!   `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` (25) and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` (`0=10240M`),
 //!   which the MPS server enforces when it runs on the node, and `PERCH_GPU_MEMORY_MB`;
@@ -83,6 +84,10 @@ pub fn perch_env(l: &JobLaunch) -> Vec<(String, String)> {
     let gpus: Vec<String> = l.gpus.iter().map(u32::to_string).collect();
     let mut env = vec![
         ("CUDA_VISIBLE_DEVICES".to_owned(), gpus.join(",")),
+        // The indices are NVML's, which count GPUs in PCI bus order. CUDA counts fastest first
+        // unless told otherwise, so on a node with GPUs of different models `3` would be
+        // another GPU, one that may be another job's.
+        ("CUDA_DEVICE_ORDER".to_owned(), "PCI_BUS_ID".to_owned()),
         ("PERCH_NODE_RANK".to_owned(), l.node_rank.to_string()),
         ("PERCH_NUM_NODES".to_owned(), l.nodes.to_string()),
     ];
@@ -250,6 +255,7 @@ mod tests {
         let env = env_of(&cmd);
         for (k, v) in [
             ("CUDA_VISIBLE_DEVICES", "3"),
+            ("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),
             ("PERCH_GPU_FRACTION", "0.25"),
             ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25"),
             ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "0=10240M"),
@@ -302,6 +308,7 @@ mod tests {
                 "-c",
                 APPLY_ENV,
                 "perch-env",
+                "CUDA_DEVICE_ORDER",
                 "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
                 "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
                 "CUDA_VISIBLE_DEVICES",
