@@ -153,10 +153,11 @@ impl Sampler {
     pub fn gpu_inventory(&self) -> (u32, String) {
         let real = self.nvml.as_ref().map_or(&[][..], |n| n.devices());
         let count = real.len() as u32 + self.sim.len() as u32;
-        let model = real
-            .first()
-            .map(|d| d.model.clone())
-            .unwrap_or_else(|| crate::gpu::sim::SIM_MODEL.to_owned());
+        let model = match real.iter().find(|d| !d.model.is_empty()) {
+            Some(d) => d.model.clone(),
+            None if !real.is_empty() => "NVIDIA GPU (model unknown)".to_owned(),
+            None => crate::gpu::sim::SIM_MODEL.to_owned(),
+        };
         (count, model)
     }
 

@@ -334,3 +334,52 @@ fn a_wedged_gpu_driver_does_not_stop_the_agents_runtime() {
     // Rounds before and after the 2.5 s hang: about 12 of the 25 a 5 s run would have.
     assert!(stats.rounds_sampled >= 8, "{stats:?}");
 }
+
+/// A GPU that cannot be opened when the agent starts (GPU 1 of 3) keeps its place: the node
+/// still has 3 GPUs, GPU 2 is still GPU 2 (the index CUDA_VISIBLE_DEVICES names), and GPU 1
+/// is reported lost, so no job is placed on it. Before, it was skipped: the node had 2 GPUs,
+/// the scheduler's GPU 1 was NVML's broken GPU 1, and GPU 2 was never used.
+#[test]
+fn a_gpu_unreachable_at_start_keeps_its_index_and_is_reported_lost() {
+    let Some(lib) = in_scenario(
+        "a_gpu_unreachable_at_start_keeps_its_index_and_is_reported_lost",
+        "lost_at_start.json",
+    ) else {
+        return;
+    };
+    let detection = perch_collector::detect_gpus(&NvmlMode::Path(lib.clone().into()));
+    assert_eq!(
+        detection.message,
+        "found 3 NVIDIA GPUs: NVIDIA H100 80GB HBM3 x2, a GPU not answering x1"
+    );
+    let mut sampler = Sampler::new(&SamplerConfig {
+        node: NodeId::new("standin").expect("valid"),
+        root: Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/node1"),
+        data_dir: std::env::temp_dir(),
+        nvml: NvmlMode::Path(lib.into()),
+        nvml_slow_interval: Duration::ZERO,
+        simulate_gpus: 0,
+        simulate_host: false,
+        seed: 0,
+        jobs: Default::default(),
+    });
+    assert_eq!(
+        sampler.gpu_inventory(),
+        (3, "NVIDIA H100 80GB HBM3".to_owned())
+    );
+    let rounds: Vec<Round> = (1..=3)
+        .map(|i| sampler.sample(1_800_000_000_000 + i * 1000))
+        .collect();
+    let sampled: Vec<(u32, &str)> = rounds[0]
+        .gpus
+        .iter()
+        .map(|g| (g.gpu.0, g.uuid.as_str()))
+        .collect();
+    assert_eq!(sampled, [(0, "GPU-STANDIN-OK-0"), (2, "GPU-STANDIN-OK-2")]);
+    let lost: Vec<_> = rounds
+        .iter()
+        .flat_map(|r| &r.gpu_events)
+        .map(|e| (e.gpu.0, e.kind))
+        .collect();
+    assert_eq!(lost, [(1, GpuEventKind::GpuLost)], "reported once");
+}

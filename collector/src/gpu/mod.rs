@@ -37,7 +37,14 @@ pub struct GpuDetection {
 pub fn detect_gpus(nvml: &NvmlMode) -> GpuDetection {
     match NvmlGpus::open(nvml) {
         Ok(Some(gpus)) => {
-            let models: Vec<String> = gpus.devices().iter().map(|d| d.model.clone()).collect();
+            let models: Vec<String> = gpus
+                .devices()
+                .iter()
+                .map(|d| match d.model.as_str() {
+                    "" => "a GPU not answering".to_owned(),
+                    model => model.to_owned(),
+                })
+                .collect();
             let count = models.len() as u32;
             let message = if count == 0 {
                 "no NVIDIA GPUs found (NVML loaded, but it reports no devices)".to_string()

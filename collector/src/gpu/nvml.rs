@@ -17,7 +17,9 @@
 //! Any call a device or driver does not support (`NotSupported`, `FunctionNotFound`, ...) leaves
 //! that one field absent: a missing metric is never reported as zero. A device that cannot be
 //! opened at sampling time (fallen off the bus) yields no sample, one `gpu_lost` event and one
-//! log line, and a `gpu_recovered` event if it comes back; the other GPUs carry on.
+//! log line, and a `gpu_recovered` event if it comes back; the other GPUs carry on. One that
+//! cannot be opened at start is kept in its place (every GPU keeps its NVML index, the one
+//! `CUDA_VISIBLE_DEVICES` names) and reported the same way from the first sample.
 
 mod extended;
 
@@ -37,6 +39,7 @@ use std::collections::HashSet;
 pub struct NvmlDeviceInfo {
     pub index: u32,
     pub uuid: String,
+    /// Empty while the device has not answered (it could not be opened at start).
     pub model: String,
 }
 
@@ -184,7 +187,16 @@ impl NvmlGpus {
                         }
                     });
                 }
-                Err(e) => tracing::warn!(gpu = index, error = %e, "cannot open GPU, skipping it"),
+                // Kept, so every GPU keeps its NVML index (the one CUDA_VISIBLE_DEVICES names):
+                // the first sample reports it lost, and no job is placed on it until it answers.
+                Err(e) => {
+                    tracing::warn!(gpu = index, error = %e, "cannot open GPU; it is reported lost until it answers");
+                    devices.push(NvmlDeviceInfo {
+                        index,
+                        uuid: format!("GPU-UNKNOWN-UUID-{index}"),
+                        model: String::new(),
+                    });
+                }
             }
         }
         Ok(Some(Self {
@@ -313,6 +325,7 @@ impl NvmlGpus {
             events: self.drain_events(now_ms),
             ..NvmlRound::default()
         };
+        let mut identified = Vec::new();
         for (pos, info) in self.devices.iter().enumerate() {
             let event = |kind, message: Option<String>| GpuEvent {
                 time_ms: now_ms,
@@ -328,6 +341,11 @@ impl NvmlGpus {
                     if self.lost.remove(&info.index) {
                         tracing::info!(gpu = info.index, uuid = %info.uuid, "GPU is reachable again");
                         round.events.push(event(GpuEventKind::GpuRecovered, None));
+                    }
+                    if info.model.is_empty()
+                        && let (Ok(uuid), Ok(model)) = (d.uuid(), d.name())
+                    {
+                        identified.push((pos, uuid, model));
                     }
                     d
                 }
@@ -392,6 +410,12 @@ impl NvmlGpus {
                 round.processes.extend(procs);
             }
             round.gpus.push(sample);
+        }
+        // A device that could not be opened at start, answering now: its identity from the
+        // next sample on.
+        for (pos, uuid, model) in identified {
+            self.devices[pos].uuid = uuid;
+            self.devices[pos].model = model;
         }
         round
     }
