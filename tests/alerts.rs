@@ -404,7 +404,7 @@ cooldown = "30m"
     });
 }
 
-/// A process the job did not start appears on one of its GPUs (the stand-in lists pid 999999
+/// A process the job did not start appears on one of its GPUs (the stand-in lists pid 1, init,
 /// there for the first 25 s): `GpuRogueProcess` fires naming the job and its user, the GPU's
 /// health is `rogue_process` (no job is placed on it), and once the process is gone the GPU is
 /// healthy again and a new job can have it.
@@ -440,7 +440,8 @@ rogue_for = "2s"
             ],
         })
     };
-    let rogue = json!([{"pid": 999_999, "used_memory_bytes": 1_073_741_824_u64}]);
+    // A PID the agent can see (one it cannot is unknown, not rogue), and no job's.
+    let rogue = json!([{"pid": 1, "used_memory_bytes": 1_073_741_824_u64}]);
     let scenario = json!({"clock": "seconds", "gpus": [gpu(0, rogue), gpu(1, json!([]))]});
     let _agent = StandinAgent::with_scenario(dir.path(), &perch.url, 0, &lib, &scenario);
     wait_for("gpu-0 to register", || {
@@ -459,7 +460,7 @@ rogue_for = "2s"
             .expect("json");
         submitted["id"].as_u64().expect("job id")
     };
-    // The job holds both GPUs; the stand-in's pid 999999 on GPU 0 is not the job's.
+    // The job holds both GPUs; the stand-in's pid 1 on GPU 0 is not the job's.
     let first = submit("train", 2);
     let health = |perch: &Perch| {
         get(perch, "/v1/nodes")["nodes"][0]["gpu_status"]
@@ -491,7 +492,7 @@ rogue_for = "2s"
         alert["description"]
             .as_str()
             .unwrap_or_default()
-            .contains("pid 999999"),
+            .contains("pid 1 "),
         "{alert}"
     );
     // The process leaves at 25 s: GPU 0 is healthy again. The job ends; the next one that

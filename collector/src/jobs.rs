@@ -5,7 +5,9 @@
 //!
 //! Attribution: a GPU process belongs to the job whose PIDs include it. It is **rogue** when its
 //! job was not allocated that GPU, or when it belongs to no job while the GPU is allocated to
-//! one. A process in no job on a GPU no job holds is simply unmanaged (not rogue).
+//! one. A process in no job on a GPU no job holds is simply unmanaged (not rogue), and so is
+//! one whose PID is not in this agent's `/proc` (an agent in a PID namespace of its own sees
+//! none of NVML's PIDs; it says so in its log once).
 
 pub mod usage;
 
@@ -72,6 +74,8 @@ pub struct JobSampler {
     peaks: HashMap<String, u64>,
     /// The `/proc` scan this sampler used last ([`usage::shared_processes`]).
     last_scan: u64,
+    /// Whether a GPU process missing from `/proc` was logged.
+    warned_invisible: bool,
 }
 
 impl JobSampler {
@@ -82,6 +86,7 @@ impl JobSampler {
             page_size: rustix::param::page_size() as u64,
             peaks: HashMap::new(),
             last_scan: 0,
+            warned_invisible: false,
         }
     }
 
@@ -138,7 +143,22 @@ impl JobSampler {
             p.job = job.map(|j| j.job.clone());
             p.rogue = match job {
                 Some(j) => !j.gpus.contains(&p.gpu.0),
-                None => jobs.iter().any(|j| j.gpus.contains(&p.gpu.0)),
+                None if jobs.iter().any(|j| j.gpus.contains(&p.gpu.0)) => {
+                    // A PID this agent cannot see is unknown, not rogue: an agent in a PID
+                    // namespace of its own (a container without the host's) sees none of
+                    // the PIDs NVML reports, and would call every job's process rogue.
+                    let visible = self.root.join("proc").join(p.pid.to_string()).exists();
+                    if !visible && !self.warned_invisible {
+                        self.warned_invisible = true;
+                        tracing::warn!(
+                            pid = p.pid,
+                            gpu = p.gpu.0,
+                            "a GPU process NVML reports is not in this agent's /proc: if the agent runs in a container, give it the host's PID namespace (docker --pid=host, Kubernetes hostPID), or GPU processes cannot be attributed to jobs; such a process is never called rogue"
+                        );
+                    }
+                    visible
+                }
+                None => false,
             };
             if let (Some(j), Some(m)) = (job, p.used_memory_bytes) {
                 *gpu_memory.entry(j.job.clone()).or_default() += m;

@@ -78,12 +78,15 @@ fn process_tree_job_and_attribution() {
         .map(|p| p.pid)
         .collect();
     assert_eq!(kids.len(), 2);
-    let stranger = u32::MAX - 1;
+    // This test's own process is in no job; a PID nothing has is not in /proc.
+    let stranger = std::process::id();
+    let invisible = u32::MAX - 1;
     let mut procs = vec![
         gpu_proc(0, kids[0]),
         gpu_proc(1, kids[1]),
         gpu_proc(0, stranger),
         gpu_proc(5, stranger),
+        gpu_proc(0, invisible),
     ];
     let jobs = sampler.sample(&registry.list(), &mut procs, false, T);
     let got: Vec<_> = procs
@@ -97,6 +100,7 @@ fn process_tree_job_and_attribution() {
             (1, Some("job-1"), true),
             (0, None, true),
             (5, None, false),
+            (0, None, false),
         ]
     );
     assert_eq!(jobs[0].gpu_memory_bytes, Some(2000));
