@@ -32,9 +32,10 @@ fn standin_library() -> PathBuf {
     target.join("debug/libnvml_standin.so")
 }
 
-/// `n` rounds, one second apart, reading the costly NVML fields every `slow_interval`.
-fn rounds_reading_slow_fields_every(lib: &Path, n: usize, slow_interval: Duration) -> Vec<Round> {
-    let mut sampler = Sampler::new(&SamplerConfig {
+/// A sampler of the stand-in library at `lib`, reading the costly NVML fields every
+/// `slow_interval`.
+fn sampler(lib: &Path, slow_interval: Duration) -> Sampler {
+    Sampler::new(&SamplerConfig {
         node: NodeId::new("standin").expect("valid"),
         root: Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/node1"),
         data_dir: std::env::temp_dir(),
@@ -44,7 +45,12 @@ fn rounds_reading_slow_fields_every(lib: &Path, n: usize, slow_interval: Duratio
         simulate_host: false,
         seed: 0,
         jobs: Default::default(),
-    });
+    })
+}
+
+/// `n` rounds, one second apart, reading the costly NVML fields every `slow_interval`.
+fn rounds_reading_slow_fields_every(lib: &Path, n: usize, slow_interval: Duration) -> Vec<Round> {
+    let mut sampler = sampler(lib, slow_interval);
     (1..=n as i64)
         .map(|i| sampler.sample(1_800_000_000_000 + i * 1000))
         .collect()
@@ -352,17 +358,7 @@ fn a_gpu_unreachable_at_start_keeps_its_index_and_is_reported_lost() {
         detection.message,
         "found 3 NVIDIA GPUs: NVIDIA H100 80GB HBM3 x2, a GPU not answering x1"
     );
-    let mut sampler = Sampler::new(&SamplerConfig {
-        node: NodeId::new("standin").expect("valid"),
-        root: Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/node1"),
-        data_dir: std::env::temp_dir(),
-        nvml: NvmlMode::Path(lib.into()),
-        nvml_slow_interval: Duration::ZERO,
-        simulate_gpus: 0,
-        simulate_host: false,
-        seed: 0,
-        jobs: Default::default(),
-    });
+    let mut sampler = sampler(Path::new(&lib), Duration::ZERO);
     assert_eq!(
         sampler.gpu_inventory(),
         (3, "NVIDIA H100 80GB HBM3".to_owned())
