@@ -379,3 +379,45 @@ fn a_gpu_unreachable_at_start_keeps_its_index_and_is_reported_lost() {
         .collect();
     assert_eq!(lost, [(1, GpuEventKind::GpuLost)], "reported once");
 }
+
+/// An agent told to stop while its driver is wedged (a call blocked for a minute) stops at once,
+/// instead of waiting for the driver.
+#[test]
+fn an_agent_stops_while_its_gpu_driver_is_wedged() {
+    let Some(lib) = in_scenario(
+        "an_agent_stops_while_its_gpu_driver_is_wedged",
+        "hang_long.json",
+    ) else {
+        return;
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let started = std::time::Instant::now();
+    let stats = runtime.block_on(async {
+        let mut config = perch_collector::AgentConfig::new(
+            "http://127.0.0.1:9".into(),
+            NodeId::new("wedged").expect("valid"),
+        );
+        config.interval = Duration::from_millis(200);
+        config.nvml = NvmlMode::Path(lib.into());
+        config.data_dir = dir.path().to_path_buf();
+        config.run_jobs = false;
+        config.drain_timeout = Duration::from_millis(100);
+        tokio::spawn(perch_collector::run_agent(
+            config,
+            tokio::time::sleep(Duration::from_secs(2)),
+        ))
+        .await
+        .expect("agent task")
+        .expect("agent")
+    });
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(10), "stopping took {took:?}");
+    assert!(stats.rounds_sampled >= 1, "{stats:?}");
+    // The runtime goes without waiting for the thread still stuck in the driver.
+    runtime.shutdown_background();
+}
