@@ -411,9 +411,8 @@ cooldown = "30m"
 #[test]
 fn a_rogue_process_raises_its_alert_and_keeps_jobs_off_its_gpu_while_it_runs() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let config = dir.path().join("perch.toml");
-    std::fs::write(
-        &config,
+    let perch = common::server_with_config(
+        dir.path(),
         r#"
 [alerts]
 evaluation_interval = "1s"
@@ -421,12 +420,7 @@ evaluation_interval = "1s"
 disable = ["StoreDiskFull"]
 rogue_for = "2s"
 "#,
-    )
-    .expect("config");
-    let perch = Perch::start_with_env(
-        &dir.path().join("server"),
-        &["server"],
-        &[("PERCH_CONFIG", config.to_str().expect("utf-8 path"))],
+        &[],
     );
     let lib = standin_library();
     let gpu = |i: usize, processes: Value| {

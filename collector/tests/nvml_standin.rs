@@ -279,6 +279,21 @@ fn costly_fields_are_read_at_their_own_interval() {
     );
 }
 
+/// An agent sampling the stand-in at `lib` every 200 ms, running no jobs, sending to a port
+/// where nothing listens (its batches queue, which is all these tests need).
+fn wedged_agent(lib: &str, data_dir: &Path) -> perch_collector::AgentConfig {
+    let mut config = perch_collector::AgentConfig::new(
+        "http://127.0.0.1:9".into(),
+        NodeId::new("wedged").expect("valid"),
+    );
+    config.interval = Duration::from_millis(200);
+    config.nvml = NvmlMode::Path(lib.into());
+    config.data_dir = data_dir.to_path_buf();
+    config.run_jobs = false;
+    config.drain_timeout = Duration::from_millis(100);
+    config
+}
+
 /// A wedged driver (the stand-in blocks one call for 2.5 s) pauses sampling, not the agent: a
 /// task on the agent's single runtime worker keeps running through the hang, and sampling
 /// resumes after it. Before, the round ran on the runtime's worker and blocked it (under
@@ -310,16 +325,7 @@ fn a_wedged_gpu_driver_does_not_stop_the_agents_runtime() {
                 }
             }
         });
-        // Nothing listens there: batches queue, which is all this test needs.
-        let mut config = perch_collector::AgentConfig::new(
-            "http://127.0.0.1:9".into(),
-            NodeId::new("wedged").expect("valid"),
-        );
-        config.interval = Duration::from_millis(200);
-        config.nvml = NvmlMode::Path(lib.into());
-        config.data_dir = dir.path().to_path_buf();
-        config.run_jobs = false;
-        config.drain_timeout = Duration::from_millis(100);
+        let config = wedged_agent(&lib, dir.path());
         // On a worker, as `spawn_agent` (so `perch up`) runs it.
         let stats = tokio::spawn(perch_collector::run_agent(
             config,
@@ -398,15 +404,7 @@ fn an_agent_stops_while_its_gpu_driver_is_wedged() {
         .expect("runtime");
     let started = std::time::Instant::now();
     let stats = runtime.block_on(async {
-        let mut config = perch_collector::AgentConfig::new(
-            "http://127.0.0.1:9".into(),
-            NodeId::new("wedged").expect("valid"),
-        );
-        config.interval = Duration::from_millis(200);
-        config.nvml = NvmlMode::Path(lib.into());
-        config.data_dir = dir.path().to_path_buf();
-        config.run_jobs = false;
-        config.drain_timeout = Duration::from_millis(100);
+        let config = wedged_agent(&lib, dir.path());
         tokio::spawn(perch_collector::run_agent(
             config,
             tokio::time::sleep(Duration::from_secs(2)),
