@@ -92,7 +92,8 @@ allow perch-model ""
 allow nvml-standin ""
 allow perch-scheduler ""
 allow perch-alerts "perch-model"
-allow perch-query "perch-model"
+allow perch-planner ""
+allow perch-query "perch-model perch-planner"
 allow perch-collector "perch-model"
 allow perch-server "perch-model perch-query perch-scheduler perch-alerts"
 # The benchmarks are their own binary (perch bench runs it), never built into perch.
@@ -100,7 +101,7 @@ allow perch "perch-model perch-collector perch-query perch-scheduler perch-alert
 allow perch-bench "perch-model perch-collector perch-query perch-server"
 for crate in $(cargo metadata --locked --no-deps --format-version 1 |
                  grep -o '"name":"[a-z-]*","version"' | cut -d'"' -f4); do
-  case " perch-model nvml-standin perch-scheduler perch-alerts perch-query perch-collector perch-server perch perch-bench " in
+  case " perch-model nvml-standin perch-scheduler perch-alerts perch-planner perch-query perch-collector perch-server perch perch-bench " in
     *" $crate "*) ;;
     *) echo "dependency rules: $crate has none; add an allow line in scripts/test.sh" >&2; exit 1 ;;
   esac

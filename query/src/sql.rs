@@ -268,9 +268,7 @@ impl SqlEngine {
         // Each rollup is a view merging its partial rows into one exact row per bucket.
         for table in Table::ALL {
             if let Some(select) = table.rollup_view_sql(&table.stored_sql_name()) {
-                let plan = ctx
-                    .state()
-                    .create_logical_plan(&select)
+                let plan = perch_planner::plan(&ctx.state(), &select)
                     .await
                     .map_err(|e| Error::Execution(format!("rollup view {}: {e}", table.name())))?;
                 ctx.register_table(table.name(), Arc::new(ViewTable::new(plan, Some(select))))
@@ -282,9 +280,7 @@ impl SqlEngine {
                 .map_err(|e| Error::Execution(e.to_string()))?;
         }
         for (name, select) in self.views.iter() {
-            let plan = ctx
-                .state()
-                .create_logical_plan(select)
+            let plan = perch_planner::plan(&ctx.state(), select)
                 .await
                 .map_err(|e| Error::Execution(format!("view {name} does not plan: {e}")))?;
             ctx.register_table(
@@ -447,7 +443,7 @@ impl SqlEngine {
         } else {
             sql
         };
-        let plan = ctx.state().create_logical_plan(sql).await?;
+        let plan = perch_planner::plan(&ctx.state(), sql).await?;
         check_read_only(&plan).map_err(Failure::Perch)?;
         Ok(plan)
     }

@@ -6,10 +6,12 @@
 //! `polroles = '{0}'`...) are Postgres's alone. An aggregate without `GROUP BY` keeps its one
 //! row, so such a `SELECT` is left to the engine.
 
-use super::{catalog_name, grouped, ident_name, parse_query, parts, tables};
+use super::{
+    ReadVisitor, catalog_name, grouped, ident_name, parse_query, parts, tables, visit_read,
+};
 use datafusion::sql::sqlparser::ast::{
     Expr, Ident, JoinOperator, Query, Select, SelectItem, SetExpr, SetOperator, TableFactor,
-    TableWithJoins, Visit, Visitor,
+    TableWithJoins,
 };
 use std::ops::ControlFlow;
 
@@ -25,9 +27,7 @@ struct Aggregates {
     depth: usize,
 }
 
-impl Visitor for Aggregates {
-    type Break = ();
-
+impl ReadVisitor for Aggregates {
     fn pre_visit_query(&mut self, _: &Query) -> ControlFlow<()> {
         self.depth += 1;
         ControlFlow::Continue(())
@@ -56,7 +56,7 @@ impl Visitor for Aggregates {
 }
 
 fn has_aggregate(items: &Vec<SelectItem>) -> bool {
-    Visit::visit(items, &mut Aggregates::default()).is_break()
+    visit_read(items, &mut Aggregates::default()).is_break()
 }
 
 /// Whether `factor` is a catalog table perch has no rows in (or a join that needs one).
