@@ -134,7 +134,8 @@ impl SqlEngine {
     /// inlined. A small `async fn` is inlined into the crates that await it, and with it every
     /// generic function it reaches: DataFusion's SQL planner (`SqlToRel<S>` and sqlparser's
     /// visitors) was compiled again in the `perch` binary, 1.1 M of its 2.3 M lines of LLVM IR
-    /// and 65 s of its release build. Behind the boundary it is compiled once, here.
+    /// and 65 s of its release build. Behind the boundary it stays in this crate (and the
+    /// planner itself in `perch-planner`).
     #[inline(never)]
     pub fn check_views(&self) -> BoxFuture<'_, Result<()>> {
         Box::pin(self.check_views_inner())

@@ -4,10 +4,12 @@
 //! `SessionState::create_logical_plan` is a small `async fn`, so rustc instantiates it in
 //! whichever crate awaits it, together with everything generic beneath it: the SQL-to-plan
 //! translation (`SqlToRel<S>`) and sqlparser's visitors, about half a million lines of LLVM IR.
-//! Compiled inside `perch-query` that made it the slowest unit of the first release build
-//! (148 s), at the optimization level of perch's own operators. Here it compiles once, at the
-//! level the workspace gives query planning (`Cargo.toml`: opt-level 1 in `release`, 3 in
-//! `dist`); a query plans once, so that costs a small query well under a millisecond.
+//! Compiled inside `perch-query`, at the opt-level of perch's own operators, that made it the
+//! slowest unit of the first release build (148 s). This crate gets the opt-level the
+//! workspace gives query planning (`Cargo.toml`: 1 in `release`, 3 in `dist`). At opt-level 1
+//! rustc shares generic instances between crates, so in `release` this crate links to the
+//! planner the `datafusion` crate already compiled (it builds in under a second and
+//! `perch-query` in 75 s); in `dist`, link-time optimization merges every copy anyway.
 
 use datafusion::error::Result;
 use datafusion::execution::session_state::SessionState;
