@@ -279,6 +279,15 @@ fn costly_fields_are_read_at_their_own_interval() {
     );
 }
 
+/// A runtime with a single worker, as a small agent would have: a blocked worker shows.
+fn one_worker_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
 /// An agent sampling the stand-in at `lib` every 200 ms, running no jobs, sending to a port
 /// where nothing listens (its batches queue, which is all these tests need).
 fn wedged_agent(lib: &str, data_dir: &Path) -> perch_collector::AgentConfig {
@@ -309,11 +318,7 @@ fn a_wedged_gpu_driver_does_not_stop_the_agents_runtime() {
     use std::sync::{Arc, Mutex};
     use std::time::Instant;
     let dir = tempfile::tempdir().expect("tempdir");
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let runtime = one_worker_runtime();
     let (stats, beats) = runtime.block_on(async {
         let beats: Arc<Mutex<Vec<Instant>>> = Arc::default();
         let heart = tokio::spawn({
@@ -397,11 +402,7 @@ fn an_agent_stops_while_its_gpu_driver_is_wedged() {
         return;
     };
     let dir = tempfile::tempdir().expect("tempdir");
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let runtime = one_worker_runtime();
     let started = std::time::Instant::now();
     let stats = runtime.block_on(async {
         let config = wedged_agent(&lib, dir.path());
