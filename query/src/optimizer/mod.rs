@@ -17,6 +17,9 @@
 //! [`run_aggregate::RunAggregateRule`] runs after all of DataFusion's rules (before the final
 //! sanity check): it replaces partial hash aggregations with one that looks up each run of
 //! equal group keys once, which sorted telemetry is full of.
+//! [`run_aggregate::SortedPartialRule`] runs just before DataFusion's distribution and sorting
+//! rules (`EnsureRequirements`): a partial aggregation over sorted input stops promising its
+//! order, so the repartition to the final stage does not merge the partitions in order.
 
 mod aggregate_build;
 pub mod first_row;
@@ -43,6 +46,12 @@ pub fn physical_optimizer_rules() -> Vec<Arc<dyn PhysicalOptimizerRule + Send + 
         .map_or(rules.len(), |i| i + 1);
     rules.insert(at, Arc::new(interval_join::IntervalJoinRule));
     rules.insert(at, Arc::new(AggregateBuildSide));
+    // Before the distribution and sorting rules, which then see its unordered output.
+    let at = rules
+        .iter()
+        .position(|r| r.name() == "EnsureRequirements")
+        .unwrap_or(rules.len());
+    rules.insert(at, Arc::new(run_aggregate::SortedPartialRule));
     // Last but the plan's sanity check: every other rule has seen DataFusion's aggregates.
     let at = rules
         .iter()
