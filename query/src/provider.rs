@@ -253,10 +253,16 @@ async fn split_one_file(
 /// Byte ranges of a Parquet file, at most `parts`, each holding whole row groups and about
 /// the same number of rows. `row_groups` gives each group's first byte and rows, in file
 /// order; the ranges cover the file from 0 to `size`, each starting at its first group.
+/// A footer whose groups do not start at increasing offsets inside the file (a damaged or
+/// foreign file) gets one range, the whole file: a range cut between such groups could leave
+/// one of them in no range, and its rows out of the answer.
 fn balanced_ranges(row_groups: &[(i64, u64)], size: i64, parts: usize) -> Vec<(i64, i64)> {
     let n = row_groups.len();
     let parts = parts.min(n);
-    if parts < 2 {
+    let in_order = row_groups.first().is_some_and(|&(first, _)| first >= 0)
+        && row_groups.windows(2).all(|w| w[0].0 < w[1].0)
+        && row_groups.last().is_some_and(|&(last, _)| last < size);
+    if parts < 2 || !in_order {
         return vec![(0, size)];
     }
     let mut prefix = Vec::with_capacity(n + 1);
@@ -411,6 +417,12 @@ mod tests {
         assert_eq!(balanced_ranges(&day[..1], 3 * mib, 2), vec![(0, 3 * mib)]);
         assert_eq!(balanced_ranges(&day, 13_521_841, 1), vec![(0, 13_521_841)]);
         // Skewed groups: each part keeps at least one.
+        // Groups out of order, or past the end of the file: the whole file, not a cut that
+        // could leave a group in no range.
+        let shuffled = [(4, 100), (5_000, 100), (2_000, 100)];
+        assert_eq!(balanced_ranges(&shuffled, 9_000, 2), vec![(0, 9_000)]);
+        let past_end = [(4, 100), (5_000, 100)];
+        assert_eq!(balanced_ranges(&past_end, 4_000, 2), vec![(0, 4_000)]);
         let skewed = [(4, 10), (100, 10), (200, 1_000_000)];
         assert_eq!(
             balanced_ranges(&skewed, 5_000, 3),
