@@ -12,6 +12,7 @@
 //! an S3-compatible bucket ([`storage`]); the write-ahead log is always local.
 
 mod budget;
+mod by_key;
 mod error;
 mod files;
 mod functions;

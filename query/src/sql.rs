@@ -255,6 +255,8 @@ impl SqlEngine {
         );
         ctx.register_udf(functions::date_trunc());
         ctx.register_udaf(median::median());
+        ctx.register_udaf(crate::by_key::arg_max());
+        ctx.register_udaf(crate::by_key::arg_min());
         for f in functions::size_capped(self.limits.memory_bytes) {
             ctx.register_udf(f);
         }

@@ -15,17 +15,19 @@
 //! that case is left as it is.
 
 use super::strip_alias;
+use datafusion::common::DFSchema;
 use datafusion::common::tree_node::Transformed;
 use datafusion::common::{Column, ScalarValue};
 use datafusion::error::Result;
 use datafusion::functions::expr_fn::{get_field, named_struct};
 use datafusion::functions_aggregate::expr_fn::first_value;
 use datafusion::functions_window::row_number::RowNumber;
+use datafusion::logical_expr::expr::AggregateFunction;
 use datafusion::logical_expr::expr::{WindowFunction, WindowFunctionParams};
 use datafusion::logical_expr::utils::{conjunction, split_conjunction};
 use datafusion::logical_expr::{
-    Aggregate, BinaryExpr, Expr, Filter, LogicalPlan, Operator, Projection, Window,
-    WindowFunctionDefinition, lit,
+    Aggregate, BinaryExpr, Expr, ExprSchemable, Filter, LogicalPlan, Operator, Projection,
+    SortExpr, Window, WindowFunctionDefinition, lit,
 };
 use datafusion::optimizer::{ApplyOrder, OptimizerConfig, OptimizerRule};
 use std::sync::Arc;
@@ -147,6 +149,33 @@ fn window_under(filter: &Filter) -> Option<(&Window, Option<&Projection>)> {
     }
 }
 
+/// `arg_max(row, k)` for `ORDER BY k DESC`, `arg_min(row, k)` for `ORDER BY k`, where the
+/// order is one key that cannot be NULL (so where the window puts NULLs does not matter) and of
+/// a type `arg_max` compares; otherwise `None`, for `first_value(row ORDER BY ...)`.
+/// `arg_max` reads each batch in one pass where `first_value` of a struct goes row by row.
+fn by_key(row: Expr, order_by: &[SortExpr], schema: &DFSchema) -> Option<Expr> {
+    let [SortExpr { expr, asc, .. }] = order_by else {
+        return None;
+    };
+    let data_type = expr.get_type(schema).ok()?;
+    if expr.nullable(schema).unwrap_or(true) || !crate::by_key::key_supported(&data_type) {
+        return None;
+    }
+    let f = if *asc {
+        crate::by_key::arg_min()
+    } else {
+        crate::by_key::arg_max()
+    };
+    Some(Expr::AggregateFunction(AggregateFunction::new_udf(
+        Arc::new(f),
+        vec![row, expr.clone()],
+        false,
+        None,
+        vec![],
+        None,
+    )))
+}
+
 fn rewrite_filter(filter: &Filter) -> Result<Option<LogicalPlan>> {
     let Some((window, projection)) = window_under(filter) else {
         return Ok(None);
@@ -179,7 +208,13 @@ fn rewrite_filter(filter: &Filter) -> Result<Option<LogicalPlan>> {
         members.push(lit(format!("c{i}")));
         members.push(Expr::Column(Column::new(qualifier.cloned(), field.name())));
     }
-    let row = first_value(named_struct(members), params.order_by.clone()).alias(FIRST_ROW);
+    let row = by_key(
+        named_struct(members.clone()),
+        &params.order_by,
+        window.input.schema(),
+    )
+    .unwrap_or_else(|| first_value(named_struct(members), params.order_by.clone()))
+    .alias(FIRST_ROW);
     let aggregate = LogicalPlan::Aggregate(Aggregate::try_new(
         window.input.clone(),
         params.partition_by.clone(),
@@ -307,6 +342,70 @@ mod tests {
                 l.join("\n")
             };
             assert_eq!(sorted(&got), sorted(&want), "{sql}");
+        }
+    }
+
+    /// Where the order is one key that cannot be NULL, the row is taken by `arg_max` (for
+    /// `DESC`) or `arg_min`, and the answer is still the window's.
+    #[tokio::test]
+    async fn a_key_that_cannot_be_null_takes_arg_max() {
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("node", DataType::Utf8, true),
+            Field::new("gpu", DataType::Int64, false),
+            Field::new("time", DataType::Int64, false),
+            Field::new("util", DataType::Int64, true),
+        ]));
+        let rows = 3000i64;
+        let batch = RecordBatch::try_new(
+            schema,
+            vec![
+                Arc::new(StringArray::from_iter(
+                    (0..rows).map(|i| (i % 13 != 0).then(|| format!("n{}", i % 6))),
+                )),
+                Arc::new(Int64Array::from_iter_values((0..rows).map(|i| i % 3))),
+                Arc::new(Int64Array::from_iter_values(
+                    (0..rows).map(|i| (i * 7919) % 100_003),
+                )),
+                Arc::new(Int64Array::from_iter(
+                    (0..rows).map(|i| (i % 5 != 0).then_some(i % 101)),
+                )),
+            ],
+        )
+        .expect("batch");
+        let queries = [
+            (
+                "SELECT node, gpu, time, util FROM (SELECT node, gpu, time, util, row_number() OVER (PARTITION BY node, gpu ORDER BY time DESC) AS newest FROM samples) WHERE newest = 1 ORDER BY node, gpu",
+                "arg_max",
+            ),
+            (
+                "SELECT node, gpu, util FROM (SELECT *, row_number() OVER (PARTITION BY node, gpu ORDER BY time) AS k FROM samples WHERE util > 10) t WHERE k = 1 ORDER BY node, gpu",
+                "arg_min",
+            ),
+            (
+                "SELECT gpu, util FROM (SELECT gpu, util, row_number() OVER (PARTITION BY gpu ORDER BY time DESC NULLS LAST) AS k FROM samples) WHERE k <= 1 ORDER BY gpu",
+                "arg_max",
+            ),
+            // Two keys: first_value, as before.
+            (
+                "SELECT node, util FROM (SELECT *, row_number() OVER (PARTITION BY node ORDER BY util DESC, time) AS k FROM samples) t WHERE k = 1 ORDER BY node",
+                "first_value",
+            ),
+        ];
+        for (sql, function) in queries {
+            let with = super::super::test_session(
+                Some(Arc::new(FirstRowPerPartition)),
+                "samples",
+                &batch,
+                250,
+            );
+            let without = super::super::test_session(None, "samples", &batch, 250);
+            let (want, _) = run(&without, sql).await;
+            let (got, plan) = run(&with, sql).await;
+            assert_eq!(got, want, "{sql}\n{plan}");
+            assert!(
+                plan.contains(&format!("{function}(named_struct")),
+                "{sql}\n{plan}"
+            );
         }
     }
 

@@ -100,7 +100,7 @@ fn rewritten(plan: LogicalPlan, rewrite: Result<Option<LogicalPlan>>) -> Transfo
 /// The logical rules' tests: a session of 2 partitions and 64-row batches, with `rule` or
 /// without, and `batch` registered as table `name` in two partitions of `chunk`-row batches.
 #[cfg(test)]
-fn test_session(
+pub(crate) fn test_session(
     rule: Option<Arc<dyn datafusion::optimizer::OptimizerRule + Send + Sync>>,
     name: &str,
     batch: &arrow::array::RecordBatch,
@@ -136,7 +136,10 @@ fn test_session(
 
 /// The logical rules' tests: a query's answer, formatted, and its optimized plan.
 #[cfg(test)]
-async fn answer_and_plan(ctx: &datafusion::prelude::SessionContext, sql: &str) -> (String, String) {
+pub(crate) async fn answer_and_plan(
+    ctx: &datafusion::prelude::SessionContext,
+    sql: &str,
+) -> (String, String) {
     let df = ctx.sql(sql).await.expect("plan");
     let plan = df
         .clone()
