@@ -471,6 +471,12 @@ pub struct SchedulerSection {
     /// An account past its quota does not reclaim this way, and a user has one run begun this
     /// way at a time.
     pub starved_reclaim: bool,
+    /// The size factor reads a job's time limit scaled by the part of their limits its user's
+    /// recent finished jobs ran (their median, over the user's last 32 completed or timed-out
+    /// runs of the same GPU request, or of any, from 3 on), so a user who always declares the
+    /// maximum is not ranked by it. The limit itself still ends the run and bounds backfill.
+    /// The history starts empty when the server starts (policy `perch`).
+    pub predict_from_history: bool,
     /// Allocated-but-idle GPUs.
     pub idle: IdleSection,
 }
@@ -521,6 +527,7 @@ impl Default for SchedulerSection {
             max_reclaims_per_pass: perch.max_reclaims_per_pass,
             starved_after_limits: perch.starved_after_limits,
             starved_reclaim: perch.starved_reclaim,
+            predict_from_history: perch.predict_from_history,
             idle: IdleSection::default(),
         }
     }
@@ -588,6 +595,7 @@ impl SchedulerSection {
             max_reclaims_per_pass: policy.max_reclaims_per_pass,
             starved_after_limits: policy.starved_after_limits,
             starved_reclaim: policy.starved_reclaim,
+            predict_from_history: policy.predict_from_history,
             idle: IdleSection {
                 action: match policy.idle.action {
                     IdleAction::Off => "off",
@@ -685,6 +693,7 @@ impl SchedulerSection {
         if self.policy == "perch" {
             c.starved_after_limits = self.starved_after_limits;
             c.starved_reclaim = self.starved_reclaim;
+            c.predict_from_history = self.predict_from_history;
         }
         for (account, gpus) in &self.quotas {
             if account.trim().is_empty() || account.len() > 128 {

@@ -21,6 +21,7 @@
 
 mod cluster;
 mod error;
+mod history;
 mod ids;
 mod job;
 mod pass;

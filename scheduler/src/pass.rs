@@ -139,8 +139,14 @@ impl Scheduler {
                 let total: f64 = self.accounts.iter().map(|a| a.usage).sum();
                 let share = self.share(j.account);
                 let fs = fairshare_factor(self.accounts[j.account].usage, total, share);
-                let req =
-                    f64::from(j.spec.gpu_hundredths()) / 100.0 * j.run_limit() as f64 / 1000.0;
+                let gpus = j.spec.gpu_hundredths();
+                let mut run = j.run_limit();
+                if c.predict_from_history
+                    && let Some(p) = self.history.predict(&j.spec.user, gpus, run)
+                {
+                    run = run.min(p);
+                }
+                let req = f64::from(gpus) / 100.0 * run as f64 / 1000.0;
                 let size = size_factor(req, c.size_max_gpu_seconds);
                 w.age * age + w.fairshare * fs + w.qos * j.spec.qos.factor() + w.size * size
             }

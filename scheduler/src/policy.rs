@@ -147,6 +147,11 @@ pub struct Config {
     /// user has one such rescued run at a time: their other starved jobs wait for it to end.
     #[serde(default)]
     pub starved_reclaim: bool,
+    /// perch: the size factor reads the run time predicted from the user's recent finished
+    /// jobs where that is shorter than the time limit (`history.rs`); the limit still bounds
+    /// the run and every reservation.
+    #[serde(default)]
+    pub predict_from_history: bool,
 }
 
 /// 16 GPU-hours: the best of 0.25 to 64 GPU-hours on the scorecard's synthetic matrix
@@ -194,6 +199,7 @@ impl Config {
             las_threshold_gpu_seconds: default_las_threshold(),
             las_max_preemptions: default_las_max_preemptions(),
             starved_reclaim: false,
+            predict_from_history: false,
         }
     }
 
@@ -230,6 +236,7 @@ impl Config {
         c.idle.grace = 10 * MINUTE;
         c.starved_after_limits = 4.0;
         c.starved_reclaim = true;
+        c.predict_from_history = true;
         c
     }
 }

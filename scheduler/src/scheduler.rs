@@ -252,6 +252,8 @@ pub struct Scheduler {
     /// Strict FIFO stopped at a blocked job in the last pass: jobs not reached wait behind it.
     pub(crate) fifo_blocked: bool,
     pub(crate) usage_decayed_at: Option<Time>,
+    /// Each user's recent finished runs ([`Config::predict_from_history`]).
+    pub(crate) history: crate::history::History,
 }
 
 impl Scheduler {
@@ -270,6 +272,7 @@ impl Scheduler {
             next_priority_at: Time::MIN,
             fifo_blocked: false,
             usage_decayed_at: None,
+            history: crate::history::History::default(),
         };
         let config = s.config.clone();
         s.reconfigure(config);
@@ -521,6 +524,9 @@ impl Scheduler {
                     _ => return Err(Error::UnknownJob(job)),
                 }
                 self.stop_running(now, job);
+                if code == 0 {
+                    self.remember_run(job);
+                }
                 self.jobs.remove(&job);
                 let state = if code == 0 {
                     EndState::Completed
@@ -858,6 +864,18 @@ impl Scheduler {
 
     /// Frees a running job's GPUs and books its usage; it stays in `jobs` (pending state is
     /// set by the caller, or the caller removes it).
+    /// Adds a finished job's run time (all its runs) to its user's history.
+    fn remember_run(&mut self, job: JobId) {
+        if let Some(j) = self.jobs.get(&job) {
+            self.history.record(
+                &j.spec.user,
+                j.spec.gpu_hundredths(),
+                j.progress,
+                j.run_limit(),
+            );
+        }
+    }
+
     pub(crate) fn stop_running(&mut self, now: Time, job: JobId) {
         let Some(j) = self.jobs.get_mut(&job) else {
             return;
@@ -923,6 +941,7 @@ impl Scheduler {
                 break;
             }
             self.stop_running(now, job);
+            self.remember_run(job);
             self.jobs.remove(&job);
             out.push(Action::End {
                 job,

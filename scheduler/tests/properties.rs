@@ -67,6 +67,11 @@ fn configs() -> impl Strategy<Value = Config> {
         Just(Config::srtf()),
         Just(Config::las()),
         Just(Config::perch(vec![])),
+        Just({
+            let mut c = Config::perch(vec![]);
+            c.predict_from_history = false;
+            c
+        }),
         Just(Config::perch(quotas.clone())),
         Just({
             let mut c = Config::perch(quotas.clone());

@@ -1021,6 +1021,64 @@ fn a_job_waiting_past_four_time_limits_goes_first() {
     assert_eq!(run(5.0, Qos::Normal), vec![3]);
 }
 
+/// History prediction: user a's last three jobs ran 10 minutes of their 600-minute limits,
+/// so a's next 8-GPU job of a 600-minute limit counts as 10 minutes for the size factor and
+/// goes before b's 8-GPU job of 120 minutes (no history); without prediction, b's first. Jobs
+/// that failed are not history.
+#[test]
+fn a_users_history_shortens_what_their_limit_says() {
+    let run = |predict: bool, exit_code: i32| {
+        let mut config = Config::perch(vec![]);
+        config.predict_from_history = predict;
+        let mut s = sched(1, config);
+        for k in 0..3u64 {
+            let t = k as i64 * 20 * MINUTE;
+            assert_eq!(
+                started(&step(&mut s, t, Event::Submit(one(10 + k, 1, "a", 600, t)))),
+                vec![10 + k]
+            );
+            let exited = Event::JobExited {
+                job: JobId(10 + k),
+                code: exit_code,
+            };
+            step(&mut s, t + 10 * MINUTE, exited);
+        }
+        // The blocker holds the node; a's and b's jobs wait behind it.
+        let t = 60 * MINUTE;
+        step(&mut s, t, Event::Submit(one(1, 8, "c", 60, t)));
+        step(
+            &mut s,
+            t + MINUTE,
+            Event::Submit(one(2, 8, "b", 120, t + MINUTE)),
+        );
+        step(
+            &mut s,
+            t + MINUTE,
+            Event::Submit(one(3, 8, "a", 600, t + MINUTE)),
+        );
+        let exited = Event::JobExited {
+            job: JobId(1),
+            code: 0,
+        };
+        started(&step(&mut s, t + 30 * MINUTE, exited))
+    };
+    assert_eq!(
+        run(true, 0),
+        vec![3],
+        "a's jobs run a sixtieth of their limits"
+    );
+    assert_eq!(
+        run(false, 0),
+        vec![2],
+        "limits alone: b's shorter limit first"
+    );
+    assert_eq!(
+        run(true, 1),
+        vec![2],
+        "failed runs say nothing of a run's length"
+    );
+}
+
 /// Starvation reclaim: a one-node job past its starvation bound that cannot fit preempts
 /// running jobs that declared a longer time limit than its own, the least work at stake
 /// first; when it would need the GPUs of a job that declared a shorter one, it waits.

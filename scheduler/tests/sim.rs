@@ -265,7 +265,13 @@ fn the_fractional_trace_replays_on_the_mixed_fleet() {
 #[test]
 fn the_quick_scorecard_scores_every_case() {
     let cases = sim::suite::builtin(None, true).expect("matrix");
-    assert_eq!(cases.len(), 7);
+    // Seven cases with uniform time limits, the same seven with users' habits.
+    assert_eq!(cases.len(), 14);
+    let habits = cases
+        .iter()
+        .filter(|c| c.opts.limits == sim::LimitModel::Habits && c.trace.ends_with("/h"))
+        .count();
+    assert_eq!(habits, 7);
     let results: Vec<_> = cases
         .iter()
         .map(|c| sim::suite::run_case(c).expect("replays"))
@@ -294,7 +300,7 @@ fn the_quick_scorecard_scores_every_case() {
     assert_eq!(oracle.met[0], queued, "SRTF is within 1.25x of itself");
     for scored in sim::suite::SCORED {
         let card = sim::suite::scorecard(&results, scored);
-        assert_eq!(card.lines().count(), 2 + 7 + 4, "{card}");
+        assert_eq!(card.lines().count(), 2 + 14 + 4, "{card}");
         assert!(
             card.contains(&format!(
                 "{} meets, of {queued} cases where queues form",
@@ -303,4 +309,7 @@ fn the_quick_scorecard_scores_every_case() {
             "{card}"
         );
     }
+    // The full output: each way of declaring limits in its own section.
+    let all = sim::suite::scorecards(&results);
+    assert!(all.contains("== time limits: uniform") && all.contains("== time limits: habits"));
 }

@@ -40,7 +40,8 @@ pub struct SimulateArgs {
     /// Nodes per rack label.
     #[arg(long, default_value_t = 8)]
     pub nodes_per_rack: u32,
-    /// `fifo`, `backfill`, `srtf`, `las`, `perch`, `perch-noquota`, `perch+idle-reclaim`, or `all`;
+    /// `fifo`, `backfill`, `srtf`, `las`, `perch`, `perch-noquota`, `perch+idle-reclaim`,
+    /// `perch-limits` (no quotas, the size factor reading the declared limits alone), or `all`;
     /// several with commas.
     /// Default: `all`, or with `--config` only the file's `[scheduler]`.
     #[arg(long)]
@@ -54,6 +55,11 @@ pub struct SimulateArgs {
     /// See `--limit-factor-low`.
     #[arg(long, default_value_t = 5.0)]
     pub limit_factor_high: f64,
+    /// How users declare limits: `uniform` (each job's run times the factor, to the minute)
+    /// or `habits` (30% of users always declare 7 days; the others round the factor's limit
+    /// up to 15 or 30 minutes, 1, 2, 4, 8, 12, 24, 48 or 72 hours).
+    #[arg(long, default_value = "uniform", value_parser = parse_limits)]
+    pub limits: sim::LimitModel,
     /// Give jobs idle tails until this share of GPU-time sits at 0% utilization (0 to 0.9).
     #[arg(long, default_value_t = 0.0)]
     pub idle_share: f64,
@@ -201,6 +207,7 @@ pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> 
         preemption,
         seed: args.seed,
         limit_factor: (args.limit_factor_low, args.limit_factor_high),
+        limits: args.limits,
         idle_window: args.idle_window_min * perch_scheduler::MINUTE,
         ..SimOptions::default()
     };
@@ -306,6 +313,10 @@ fn suite(philly: Option<&str>, quick: bool, preemption: PreemptionCost) -> anyho
     );
     print!("{}", sim::suite::scorecards(&results));
     Ok(())
+}
+
+fn parse_limits(s: &str) -> std::result::Result<sim::LimitModel, String> {
+    sim::LimitModel::parse(s).ok_or_else(|| format!("`{s}`: expected uniform or habits"))
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 
 use super::cluster::SimCluster;
 use super::metrics::{Recorder, Sample, Summary};
-use super::trace::{TraceJob, user_time_limit};
+use super::trace::{LimitModel, TraceJob, user_time_limit};
 use crate::PolicyKind;
 use crate::error::{Error, Result};
 use crate::ids::{Account, GpuModel, JobId, MINUTE, Millis, SECOND, Time, User};
@@ -31,11 +31,14 @@ pub enum SimPolicy {
     PerchIdleReclaim,
     /// Tiresias' discretized two-dimensional least attained service (no durations needed).
     Las,
+    /// perch without quotas and without history prediction: its size factor reads the
+    /// declared time limits alone (the default before 2026-11-26; the scorecard's ablation).
+    PerchLimitsOnly,
 }
 
 impl SimPolicy {
     /// Every policy, in table order.
-    pub const ALL: [SimPolicy; 7] = [
+    pub const ALL: [SimPolicy; 8] = [
         SimPolicy::Fifo,
         SimPolicy::Backfill,
         SimPolicy::Srtf,
@@ -43,6 +46,7 @@ impl SimPolicy {
         SimPolicy::PerchNoQuotas,
         SimPolicy::PerchIdleReclaim,
         SimPolicy::Las,
+        SimPolicy::PerchLimitsOnly,
     ];
 
     /// Name on the command line and in tables.
@@ -55,6 +59,7 @@ impl SimPolicy {
             SimPolicy::PerchNoQuotas => "perch-noquota",
             SimPolicy::PerchIdleReclaim => "perch+idle-reclaim",
             SimPolicy::Las => "las",
+            SimPolicy::PerchLimitsOnly => "perch-limits",
         }
     }
 
@@ -99,8 +104,10 @@ pub struct SimOptions {
     pub cluster: SimCluster,
     /// Seed of every random draw (time-limit factors, idle-tail choice).
     pub seed: u64,
-    /// Time limit = duration x a factor uniform in this range.
+    /// Time limit = duration x a factor uniform in this range (rounded by `limits`).
     pub limit_factor: (f64, f64),
+    /// How users declare time limits.
+    pub limits: LimitModel,
     /// Idle window before an idle job is acted on.
     pub idle_window: Millis,
     /// perch's priority weights and the wait at which the age factor tops out.
@@ -118,6 +125,7 @@ impl Default for SimOptions {
             cluster: SimCluster::uniform(64, 8, 8),
             seed: 1,
             limit_factor: (1.5, 5.0),
+            limits: LimitModel::Uniform,
             idle_window: 30 * MINUTE,
             perch_weights: perch.weights,
             perch_age_max: perch.age_max,
@@ -494,7 +502,13 @@ fn spec(t: &TraceJob, oracle: bool, opts: &SimOptions) -> JobSpec {
         account: Account(t.account.clone()),
         shape: opts.cluster.shape(t),
         gpu_model: t.gpu_model.clone().map(GpuModel),
-        time_limit: user_time_limit(t, opts.seed, opts.limit_factor.0, opts.limit_factor.1),
+        time_limit: user_time_limit(
+            t,
+            opts.seed,
+            opts.limit_factor.0,
+            opts.limit_factor.1,
+            opts.limits,
+        ),
         qos: t.qos,
         preemptible: t.preemptible,
         max_requeues: 3,
@@ -553,10 +567,11 @@ pub fn policy_config(policy: SimPolicy, jobs: &[TraceJob], opts: &SimOptions) ->
             c.age_max = opts.perch_age_max;
             c
         }
-        SimPolicy::PerchNoQuotas => {
+        SimPolicy::PerchNoQuotas | SimPolicy::PerchLimitsOnly => {
             let mut c = Config::perch(Vec::new());
             c.weights = opts.perch_weights;
             c.age_max = opts.perch_age_max;
+            c.predict_from_history = policy != SimPolicy::PerchLimitsOnly;
             c
         }
     };

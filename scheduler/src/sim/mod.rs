@@ -25,4 +25,4 @@ pub use engine::{
 pub use metrics::{Sample, Summary, format_table};
 pub use plot::write_svg;
 pub use synth::{MIXED_CLUSTER, SynthKind};
-pub use trace::{Trace, TraceFormat, TraceJob};
+pub use trace::{LimitModel, Trace, TraceFormat, TraceJob};

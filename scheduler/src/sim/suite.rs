@@ -13,32 +13,35 @@ use super::cluster::SimCluster;
 use super::engine::{SimOptions, SimPolicy, simulate};
 use super::metrics::Summary;
 use super::synth::{MIXED_CLUSTER, SynthKind, generate};
-use super::trace::{Trace, TraceJob, parse};
+use super::trace::{LimitModel, Trace, TraceJob, parse};
 use crate::error::Result;
 
 /// The preemption bound perch is held to: preemptions per job of the trace, on average.
 pub const PREEMPTIONS_PER_JOB: f64 = 0.5;
 
 /// The policies a scorecard compares (the idle-reclaim variant answers another question).
-pub const POLICIES: [SimPolicy; 6] = [
+pub const POLICIES: [SimPolicy; 7] = [
     SimPolicy::Fifo,
     SimPolicy::Backfill,
     SimPolicy::Srtf,
     SimPolicy::PerchNoQuotas,
     SimPolicy::Perch,
     SimPolicy::Las,
+    SimPolicy::PerchLimitsOnly,
 ];
 
 /// The policies the targets are checked for, case by case.
 pub const SCORED: [SimPolicy; 2] = [SimPolicy::PerchNoQuotas, SimPolicy::Perch];
 
 /// The policies whose standing on the targets the closing table compares: perch's two rows,
-/// the duration-free anchor (Tiresias' LAS) and the oracle itself, which shows what the
-/// targets ask of a policy that knows every duration.
-pub const COMPARED: [SimPolicy; 4] = [
+/// the duration-free anchor (Tiresias' LAS), perch without its history prediction (the
+/// declared limits alone) and the oracle itself, which shows what the targets ask of a policy
+/// that knows every duration.
+pub const COMPARED: [SimPolicy; 5] = [
     SimPolicy::PerchNoQuotas,
     SimPolicy::Perch,
     SimPolicy::Las,
+    SimPolicy::PerchLimitsOnly,
     SimPolicy::Srtf,
 ];
 
@@ -113,7 +116,8 @@ pub fn comparison(results: &[CaseResult]) -> String {
         out += &format!("  {:>8.3}  {:>6.3}\n", t.jct_over_srtf, t.p99_over_backfill);
     }
     out += "(JCT/SRTF, p99/BF: geometric means of the average JCT over SRTF's and the p99 JCT over \
-            backfill's; srtf knows every duration, las none, perch the declared time limits)\n";
+            backfill's; srtf knows every duration, las none, perch the declared time limits \
+            scaled by the part of its limits each user's recent jobs ran, perch-limits the limits alone)\n";
     out
 }
 
@@ -135,6 +139,8 @@ pub struct CaseResult {
     pub trace: String,
     /// Its seed.
     pub seed: u64,
+    /// How its users declared time limits.
+    pub limits: LimitModel,
     /// Jobs.
     pub jobs: usize,
     /// Per policy, in [`POLICIES`] order.
@@ -173,7 +179,10 @@ impl CaseResult {
 }
 
 /// The built-in matrix. `philly`: the Philly trace when at hand (replayed at 384, 512 and 768
-/// GPUs, seeds 1 and 2); the synthetic kinds at seeds 1 to 3 (`quick`: seed 1, and no Philly).
+/// GPUs, seeds 1 and 2); the synthetic kinds at seeds 1 to 3 (`quick`: seed 1, and no Philly);
+/// all with [`LimitModel::Uniform`] time limits, then again with [`LimitModel::Habits`] (Philly
+/// at 512 GPUs, seed 1, only: a Philly replay of every policy takes half a minute), the trace's
+/// name marked `/h`.
 pub fn builtin(philly: Option<&Trace>, quick: bool) -> Result<Vec<Case>> {
     let seeds: &[u64] = if quick { &[1] } else { &[1, 2, 3] };
     let mut cases = Vec::new();
@@ -215,6 +224,19 @@ pub fn builtin(philly: Option<&Trace>, quick: bool) -> Result<Vec<Case>> {
             }
         }
     }
+    let habits: Vec<Case> = cases
+        .iter()
+        .filter(|c| c.trace != "philly" || (c.opts.cluster.total_gpus() == 512 && c.opts.seed == 1))
+        .map(|c| Case {
+            trace: format!("{}/h", c.trace),
+            jobs: c.jobs.clone(),
+            opts: SimOptions {
+                limits: LimitModel::Habits,
+                ..c.opts.clone()
+            },
+        })
+        .collect();
+    cases.extend(habits);
     Ok(cases)
 }
 
@@ -227,17 +249,40 @@ pub fn run_case(case: &Case) -> Result<CaseResult> {
     Ok(CaseResult {
         trace: case.trace.clone(),
         seed: case.opts.seed,
+        limits: case.opts.limits,
         jobs: case.jobs.len(),
         rows,
     })
 }
 
-/// The scorecard of every policy of [`SCORED`], one after the other, then the
-/// [`comparison`].
+/// For each way of declaring time limits in `results`: the scorecard of every policy of
+/// [`SCORED`], one after the other, then the [`comparison`].
 pub fn scorecards(results: &[CaseResult]) -> String {
-    let mut cards: Vec<String> = SCORED.iter().map(|&p| scorecard(results, p)).collect();
-    cards.push(comparison(results));
-    cards.join("\n")
+    let mut out = Vec::new();
+    for (model, what) in [
+        (
+            LimitModel::Uniform,
+            "each job's time limit its run times a factor uniform in [1.5, 5]",
+        ),
+        (
+            LimitModel::Habits,
+            "users' habits: 30% of users always declare 7 days, the others round up to 15 min, \
+             30 min, 1, 2, 4, 8, 12, 24, 48 or 72 h",
+        ),
+    ] {
+        let part: Vec<CaseResult> = results
+            .iter()
+            .filter(|r| r.limits == model)
+            .cloned()
+            .collect();
+        if part.is_empty() {
+            continue;
+        }
+        out.push(format!("== time limits: {} ({what})\n", model.name()));
+        out.extend(SCORED.iter().map(|&p| scorecard(&part, p)));
+        out.push(comparison(&part));
+    }
+    out.join("\n")
 }
 
 /// The scorecard of `scored`: one line per case, then how many cases where queues form meet
@@ -245,7 +290,7 @@ pub fn scorecards(results: &[CaseResult]) -> String {
 pub fn scorecard(results: &[CaseResult], scored: SimPolicy) -> String {
     let mut out = format!("{}:\n", scored.name());
     out += &format!(
-        "{:<11} {:>5} {:>4} {:>5} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6} {:>7} {:>7} {:>7} {:>6} {:>7} {:>5}  {}\n",
+        "{:<14} {:>5} {:>4} {:>5} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6} {:>7} {:>7} {:>7} {:>6} {:>7} {:>5}  {}\n",
         "trace",
         "GPUs",
         "seed",
@@ -288,7 +333,7 @@ pub fn scorecard(results: &[CaseResult], scored: SimPolicy) -> String {
             "(no queue: not scored)".to_string()
         };
         out += &format!(
-            "{:<11} {:>5} {:>4} {:>5} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>7.2} {:>6.2} {:>8.2} {:>+7.1} {:>7.2} {:>6.1} {:>7.3} {:>5.3}  {}\n",
+            "{:<14} {:>5} {:>4} {:>5} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>7.2} {:>6.2} {:>8.2} {:>+7.1} {:>7.2} {:>6.1} {:>7.3} {:>5.3}  {}\n",
             r.trace,
             p.gpus,
             r.seed,

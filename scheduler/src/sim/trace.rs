@@ -398,13 +398,91 @@ pub fn unit(seed: u64, key: u64, salt: u64) -> f64 {
     (z >> 11) as f64 / (1u64 << 53) as f64
 }
 
-/// The time limit a user would have declared: the real duration times a per-job factor drawn
-/// uniformly from `[lo, hi]` (deterministic in `seed` and the job id), at least 5 minutes,
-/// rounded up to a whole minute.
-pub fn user_time_limit(job: &TraceJob, seed: u64, lo: f64, hi: f64) -> Millis {
+/// How simulated users declare time limits (traces carry none).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LimitModel {
+    /// The true duration times a factor drawn uniformly per job from the options'
+    /// `limit_factor`, rounded up to a whole minute: every limit says something of its job.
+    #[default]
+    Uniform,
+    /// Users' habits, after Tsafrir, Etsion and Feitelson ("Modeling user runtime estimates",
+    /// 2005): estimates are modal (a few round values cover most jobs, the queue's maximum the
+    /// most popular one) and belong to the user more than to the job. A share
+    /// [`MAX_HABIT_SHARE`] of users, drawn by the seed, always declare the maximum
+    /// ([`MAX_LIMIT`], or the run rounded up to whole days when longer); the others take the
+    /// uniform factor and round up to the next of [`ROUND_LIMITS`].
+    Habits,
+}
+
+impl LimitModel {
+    /// The name on the command line and in the scorecard.
+    pub fn name(self) -> &'static str {
+        match self {
+            LimitModel::Uniform => "uniform",
+            LimitModel::Habits => "habits",
+        }
+    }
+
+    /// Parses a name.
+    pub fn parse(s: &str) -> Option<LimitModel> {
+        [LimitModel::Uniform, LimitModel::Habits]
+            .into_iter()
+            .find(|m| m.name() == s)
+    }
+}
+
+/// The queue's maximum time limit under [`LimitModel::Habits`]: 7 days.
+pub const MAX_LIMIT: Millis = 7 * 24 * 60 * MINUTE;
+/// The share of users who always declare [`MAX_LIMIT`] under [`LimitModel::Habits`].
+pub const MAX_HABIT_SHARE: f64 = 0.3;
+/// The round values the other users' limits are rounded up to under [`LimitModel::Habits`].
+pub const ROUND_LIMITS: [Millis; 10] = [
+    15 * MINUTE,
+    30 * MINUTE,
+    60 * MINUTE,
+    2 * 60 * MINUTE,
+    4 * 60 * MINUTE,
+    8 * 60 * MINUTE,
+    12 * 60 * MINUTE,
+    24 * 60 * MINUTE,
+    48 * 60 * MINUTE,
+    72 * 60 * MINUTE,
+];
+
+/// A stable 64-bit key for a user name (FNV-1a), so habits follow the user across jobs and
+/// runs.
+fn user_key(user: &str) -> u64 {
+    user.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// The time limit a user would have declared under `model`: at least the real duration (a
+/// job is never killed by its limit in a replay), drawn deterministically from `seed`, the
+/// job id and (for habits) the user.
+pub fn user_time_limit(job: &TraceJob, seed: u64, lo: f64, hi: f64, model: LimitModel) -> Millis {
     let f = lo + (hi - lo) * unit(seed, job.id, 1);
     let raw = ((job.duration as f64 * f).ceil() as Millis).max(5 * MINUTE);
-    (raw + MINUTE - 1) / MINUTE * MINUTE
+    let minutes = (raw + MINUTE - 1) / MINUTE * MINUTE;
+    match model {
+        LimitModel::Uniform => minutes,
+        LimitModel::Habits => {
+            let day = 24 * 60 * MINUTE;
+            let whole_days = |t: Millis| (t + day - 1) / day * day;
+            if unit(seed, user_key(&job.user), 4) < MAX_HABIT_SHARE {
+                MAX_LIMIT.max(whole_days(job.duration))
+            } else {
+                ROUND_LIMITS
+                    .into_iter()
+                    .find(|&l| l >= minutes)
+                    .unwrap_or_else(|| {
+                        whole_days(minutes)
+                            .min(MAX_LIMIT)
+                            .max(whole_days(job.duration))
+                    })
+            }
+        }
+    }
 }
 
 /// Gives jobs an idle tail until about `share` of all GPU-time is idle: jobs are taken in an
@@ -600,9 +678,49 @@ mod tests {
     fn time_limits_overestimate_deterministically() {
         let mut j = TraceJob::new(0, 3_600_000, 1, "a", "a");
         j.id = 7;
-        let a = user_time_limit(&j, 1, 1.5, 5.0);
-        assert_eq!(a, user_time_limit(&j, 1, 1.5, 5.0));
+        let a = user_time_limit(&j, 1, 1.5, 5.0, LimitModel::Uniform);
+        assert_eq!(a, user_time_limit(&j, 1, 1.5, 5.0, LimitModel::Uniform));
         assert!((5_400_000..=18_000_000 + MINUTE).contains(&a), "{a}");
         assert_eq!(a % MINUTE, 0);
+    }
+
+    /// Under habits a limit is never below the run, a user keeps one habit, about
+    /// [`MAX_HABIT_SHARE`] of users declare the maximum, and the others' limits are round.
+    #[test]
+    fn habits_are_the_users_and_round() {
+        let (mut max_users, mut users) = (0, 0);
+        for u in 0..400u64 {
+            let user = format!("user{u}");
+            let limits: Vec<Millis> = (0..5u64)
+                .map(|k| {
+                    let mut j = TraceJob::new(
+                        0,
+                        (7 + 13 * k as i64 + u as i64 % 50) * MINUTE,
+                        1,
+                        "a",
+                        &user,
+                    );
+                    j.id = u * 10 + k;
+                    let l = user_time_limit(&j, 3, 1.5, 5.0, LimitModel::Habits);
+                    assert!(l >= j.duration, "{l} < {}", j.duration);
+                    l
+                })
+                .collect();
+            users += 1;
+            if limits.iter().all(|&l| l == MAX_LIMIT) {
+                max_users += 1;
+            } else {
+                assert!(
+                    limits.iter().all(|l| ROUND_LIMITS.contains(l)),
+                    "{limits:?}"
+                );
+            }
+        }
+        let share = f64::from(max_users) / f64::from(users);
+        assert!((share - MAX_HABIT_SHARE).abs() < 0.08, "{share}");
+        // A run longer than the maximum gets whole days past it.
+        let long = TraceJob::new(0, 9 * 24 * 60 * MINUTE + 1, 1, "a", "someone");
+        let l = user_time_limit(&long, 3, 1.5, 5.0, LimitModel::Habits);
+        assert!(l >= long.duration && l % (24 * 60 * MINUTE) == 0, "{l}");
     }
 }
