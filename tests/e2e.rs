@@ -648,7 +648,20 @@ fn simulate_takes_cluster_files_warns_about_columns_and_scores_the_suite() {
         card.contains("perch meets, of ") && card.contains("perch-noquota meets, of "),
         "{card}"
     );
-    assert!(err.contains("[7/7]"), "{err}");
+    // The seven cases again with users' habitual time limits, in their own section.
+    assert!(
+        card.contains("== time limits: uniform") && card.contains("== time limits: habits"),
+        "{card}"
+    );
+    assert_eq!(
+        card.lines().filter(|l| l.starts_with("gangs/h ")).count(),
+        4,
+        "{card}"
+    );
+    assert!(
+        err.contains("[14/14]") && err.contains("habits limits), 7 policies"),
+        "{err}"
+    );
 }
 
 /// Issue 16: a CPU-heavy query (a cross join of two generate_series) left health probes and

@@ -293,13 +293,15 @@ fn suite(philly: Option<&str>, quick: bool, preemption: PreemptionCost) -> anyho
     let started = std::time::Instant::now();
     for (i, case) in cases.iter().enumerate() {
         eprintln!(
-            "[{}/{}] {} seed {} on {} GPUs ({} jobs), five policies...",
+            "[{}/{}] {} seed {} on {} GPUs ({} jobs, {} limits), {} policies...",
             i + 1,
             cases.len(),
             case.trace,
             case.opts.seed,
             case.opts.cluster.total_gpus(),
-            case.jobs.len()
+            case.jobs.len(),
+            case.opts.limits.name(),
+            sim::suite::POLICIES.len()
         );
         results.push(sim::suite::run_case(case)?);
     }
