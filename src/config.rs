@@ -475,7 +475,7 @@ pub struct SchedulerSection {
     /// recent finished jobs ran (their median, over the user's last 32 completed or timed-out
     /// runs of the same GPU request, or of any, from 3 on), so a user who always declares the
     /// maximum is not ranked by it. The limit itself still ends the run and bounds backfill.
-    /// The history starts empty when the server starts (policy `perch`).
+    /// At start the server rebuilds it from the finished jobs of its database (policy `perch`).
     pub predict_from_history: bool,
     /// Allocated-but-idle GPUs.
     pub idle: IdleSection,

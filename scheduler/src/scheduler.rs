@@ -864,6 +864,15 @@ impl Scheduler {
 
     /// Frees a running job's GPUs and books its usage; it stays in `jobs` (pending state is
     /// set by the caller, or the caller removes it).
+    /// Tells the core of a job that finished before it started (completed, or ended at its
+    /// time limit), `ran` milliseconds over all its runs: a server restoring its state gives
+    /// the jobs of its database, oldest end first, so history prediction
+    /// ([`Config::predict_from_history`]) survives a restart.
+    pub fn remember_finished(&mut self, spec: &JobSpec, ran: Millis) {
+        self.history
+            .record(&spec.user, spec.gpu_hundredths(), ran, spec.time_limit);
+    }
+
     /// Adds a finished job's run time (all its runs) to its user's history.
     fn remember_run(&mut self, job: JobId) {
         if let Some(j) = self.jobs.get(&job) {

@@ -44,6 +44,7 @@ impl Control {
             c.add_node(record, now_ms)?;
         }
         c.restore_spans(node_spans);
+        c.restore_history(&jobs);
         for idx in 0..c.nodes.len() {
             // Up from now (the state the control plane starts them in), unless already so.
             c.track_node_state(idx, now_ms);
@@ -118,6 +119,36 @@ impl Control {
             c.pending.update(job);
         }
         Ok(c)
+    }
+
+    /// The run times of jobs that completed or ended at their limit, oldest end first, for the
+    /// core's history prediction: each run's span (its first start to its last end over its
+    /// nodes), summed over the runs.
+    fn restore_history(&mut self, jobs: &[JobRecord]) {
+        let mut finished: Vec<(i64, &JobRecord, i64)> = jobs
+            .iter()
+            .filter(|j| matches!(j.state, JobState::Completed | JobState::Timeout))
+            .filter_map(|j| {
+                let ran = j
+                    .allocations
+                    .iter()
+                    .fold(BTreeMap::<u32, (i64, i64)>::new(), |mut runs, a| {
+                        let end = a.end_ms.or(j.end_ms).unwrap_or(a.start_ms);
+                        let r = runs.entry(a.attempt).or_insert((a.start_ms, end));
+                        *r = (r.0.min(a.start_ms), r.1.max(end));
+                        runs
+                    })
+                    .values()
+                    .map(|(start, end)| (end - start).max(0))
+                    .sum();
+                Some((j.end_ms?, j, ran))
+            })
+            .collect();
+        finished.sort_by_key(|(end, j, _)| (*end, j.id));
+        for (_, j, ran) in finished {
+            let spec = spec_of(j.id, &j.request, j.submit_ms);
+            self.scheduler.remember_finished(&spec, ran);
+        }
     }
 
     pub(super) fn add_node(

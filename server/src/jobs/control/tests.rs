@@ -1029,3 +1029,59 @@ async fn a_rogue_process_keeps_jobs_off_its_gpu_only_while_it_is_there() {
     sync_with(&jobs, "a", T0 + 8 * SECOND, &[], &[], two_gpus).await;
     assert_eq!(job(&jobs, next).await.placement[0].gpus, vec![held]);
 }
+
+/// History prediction survives a restart: the server gives the core the jobs of its database
+/// that finished. Alice's three jobs ran 3 s of their week-long limits; after a restart her
+/// next week-long job goes before bob's two-hour one when the blocker ends. Without the
+/// prediction, bob's shorter limit goes first.
+#[tokio::test]
+async fn a_users_history_survives_a_restart() {
+    async fn first_after_the_blocker(predict: bool) -> &'static str {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let open = || {
+            let (tx, _rx) = JobService::event_channel();
+            let mut config = JobsConfig {
+                heartbeat_timeout: Duration::from_secs(30),
+                lease: Duration::from_secs(300),
+                ..JobsConfig::default()
+            };
+            config.policy.predict_from_history = predict;
+            JobService::open(dir.path(), config, tx).expect("jobs")
+        };
+        let week = json!({ "command": ["train"], "user": "alice", "time_limit_secs": 604800 });
+        let jobs = open();
+        let mut at = T0;
+        sync(&jobs, "a", at, &[], &[]).await;
+        for _ in 0..3 {
+            let id = submit(&jobs, week.clone(), at + SECOND).await;
+            at += 2 * SECOND;
+            assert_eq!(sync(&jobs, "a", at, &[], &[]).await.start.len(), 1);
+            at += 3 * SECOND;
+            sync(&jobs, "a", at, &[(id, 1)], &[]).await;
+            sync(&jobs, "a", at, &[], &[(id, 1, 0)]).await;
+            assert_eq!(job(&jobs, id).await.state, JobState::Completed);
+        }
+        drop(jobs);
+        let jobs = open();
+        at += SECOND;
+        sync(&jobs, "a", at, &[], &[]).await;
+        let carol = json!({ "command": ["x"], "user": "carol", "time_limit_secs": 3600 });
+        let blocker = submit(&jobs, carol, at).await;
+        at += SECOND;
+        assert_eq!(sync(&jobs, "a", at, &[], &[]).await.start.len(), 1);
+        let two_hours = json!({ "command": ["y"], "user": "bob", "time_limit_secs": 7200 });
+        let bob = submit(&jobs, two_hours, at).await;
+        let alice = submit(&jobs, week, at).await;
+        at += SECOND;
+        sync(&jobs, "a", at, &[(blocker, 1)], &[]).await;
+        let r = sync(&jobs, "a", at + SECOND, &[], &[(blocker, 1, 0)]).await;
+        let started: Vec<u64> = r.start.iter().map(|l| l.job).collect();
+        match started.as_slice() {
+            [j] if *j == alice => "alice",
+            [j] if *j == bob => "bob",
+            other => panic!("one job starts: {other:?}"),
+        }
+    }
+    assert_eq!(first_after_the_blocker(true).await, "alice");
+    assert_eq!(first_after_the_blocker(false).await, "bob");
+}
