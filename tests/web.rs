@@ -700,10 +700,14 @@ fn a_user_token_sees_what_the_api_lets_it_see_and_markup_stays_text() {
     wait_for("the agent token refused", || {
         browser.text("#signin-msg").contains("agent").then_some(())
     });
-    // Alice lands on the page she asked for.
+    // Alice lands on the page she asked for. The sign-in view was ready already, so wait for
+    // her name first: the view's ready mark alone could still be the sign-in view's, before the
+    // token is checked (a test that read the name at once failed under load).
     sign_in(ALICE);
+    wait_for("alice signed in", || {
+        browser.text("#who").contains("alice (user)").then_some(())
+    });
     browser.wait_ready("alice's job");
-    assert!(browser.text("#who").contains("alice (user)"));
     assert!(
         browser
             .js("return location.hash", json!([]))

@@ -291,6 +291,7 @@ impl Scheduler {
         let kind = self.config.kind;
         let quotas = self.config.has_quotas();
         let mut reservation: Option<Reservation> = None;
+        let mut holder: Option<JobId> = None;
         let mut fifo_blocked = false;
         let mut reclaims_left = self.config.max_reclaims_per_pass;
         let mut free = self.free_total();
@@ -496,7 +497,22 @@ impl Scheduler {
             let reason = reservation.as_ref().map_or(PendingReason::Resources, |r| {
                 PendingReason::Reserved { at: r.at }
             });
+            if reservation.is_some() {
+                holder = Some(id);
+            }
             self.set_reason(id, reason);
+        }
+        // The job the last pass reserved for, now behind another that holds the reservation
+        // (a pass stops where nothing more can start, before it reaches that job again): it
+        // waits for priority, not for GPUs reserved to it.
+        if let Some(before) = std::mem::replace(&mut self.reserved_for, holder)
+            && holder != Some(before)
+            && matches!(
+                self.jobs.get(&before).map(|j| &j.state),
+                Some(JobState::Pending(PendingReason::Reserved { .. }))
+            )
+        {
+            self.set_reason(before, PendingReason::Priority);
         }
         self.fifo_blocked = fifo_blocked;
         let requeued = std::mem::replace(&mut self.queue, order);

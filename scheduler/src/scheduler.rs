@@ -251,6 +251,8 @@ pub struct Scheduler {
     pub(crate) next_priority_at: Time,
     /// Strict FIFO stopped at a blocked job in the last pass: jobs not reached wait behind it.
     pub(crate) fifo_blocked: bool,
+    /// The job the last pass reserved GPUs for (EASY backfill's one reservation).
+    pub(crate) reserved_for: Option<JobId>,
     pub(crate) usage_decayed_at: Option<Time>,
     /// Each user's recent finished runs ([`Config::predict_from_history`]).
     pub(crate) history: crate::history::History,
@@ -271,6 +273,7 @@ impl Scheduler {
             account_index: HashMap::new(),
             next_priority_at: Time::MIN,
             fifo_blocked: false,
+            reserved_for: None,
             usage_decayed_at: None,
             history: crate::history::History::default(),
         };

@@ -1021,6 +1021,36 @@ fn a_job_waiting_past_four_time_limits_goes_first() {
     assert_eq!(run(5.0, Qos::Normal), vec![3]);
 }
 
+/// The job a pass reserved GPUs for, overtaken by a higher-priority job in a later pass that
+/// stops before reaching it, shows that it waits for priority, not that GPUs are reserved to it
+/// (`perch queue` said "next in line" for both).
+#[test]
+fn an_overtaken_job_no_longer_shows_a_reservation() {
+    let mut s = sched(1, Config::perch(vec![]));
+    step(&mut s, 0, Event::Submit(one(1, 8, "c", 60, 0)));
+    step(&mut s, MINUTE, Event::Submit(one(2, 8, "b", 120, MINUTE)));
+    let reason = |s: &Scheduler, id: u64| {
+        s.queue()
+            .into_iter()
+            .find(|e| e.job == JobId(id))
+            .map(|e| e.reason)
+    };
+    assert!(
+        matches!(reason(&s, 2), Some(PendingReason::Reserved { .. })),
+        "{:?}",
+        reason(&s, 2)
+    );
+    let mut urgent = one(3, 8, "a", 120, 2 * MINUTE);
+    urgent.qos = perch_scheduler::Qos::High;
+    step(&mut s, 2 * MINUTE, Event::Submit(urgent));
+    assert!(
+        matches!(reason(&s, 3), Some(PendingReason::Reserved { .. })),
+        "{:?}",
+        reason(&s, 3)
+    );
+    assert_eq!(reason(&s, 2), Some(PendingReason::Priority));
+}
+
 /// History prediction: user a's last three jobs ran 10 minutes of their 600-minute limits,
 /// so a's next 8-GPU job of a 600-minute limit counts as 10 minutes for the size factor and
 /// goes before b's 8-GPU job of 120 minutes (no history); without prediction, b's first. Jobs
