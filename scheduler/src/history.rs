@@ -13,7 +13,10 @@
 //!
 //! The median is weighted by the GPU-time each run used, so history costs what it buys: a
 //! user who ends a stream of trivial jobs with huge limits at once, to make their next long
-//! job look short, moves the median by the seconds those jobs ran, next to nothing.
+//! job look short, moves the median by the seconds those jobs ran, next to nothing. For the
+//! same reason a prediction from runs of other requests is used only when those runs used at
+//! least the GPU-time it predicts for the job: three one-GPU runs of ten minutes do not make a
+//! 64-GPU job of a week look like ten minutes.
 
 use crate::ids::{Millis, User};
 use std::collections::{HashMap, VecDeque};
@@ -39,8 +42,9 @@ struct Runs {
     runs: VecDeque<(u32, f64, f64)>,
     /// The part predicted for each request with at least [`AT_LEAST`] runs.
     by_request: Vec<(u32, f64)>,
-    /// The part predicted over all runs, with at least [`AT_LEAST`] of them.
-    all: Option<f64>,
+    /// The part predicted over all runs, with at least [`AT_LEAST`] of them, and the GPU-ms
+    /// those runs used.
+    all: Option<(f64, f64)>,
 }
 
 /// The median of `parts`, weighted by GPU-time: the first part at which half the GPU-time is
@@ -85,7 +89,9 @@ impl History {
             (ran as f64 / limit as f64).min(1.0),
             f64::from(gpus) / 100.0 * ran as f64,
         ));
-        r.all = weighted_median(r.runs.iter().map(|(_, p, w)| (*p, *w)).collect());
+        let used: f64 = r.runs.iter().map(|(_, _, w)| w).sum();
+        r.all = weighted_median(r.runs.iter().map(|(_, p, w)| (*p, *w)).collect())
+            .map(|part| (part, used));
         let mut requests: Vec<u32> = r.runs.iter().map(|(g, _, _)| *g).collect();
         requests.sort_unstable();
         requests.dedup();
@@ -107,13 +113,13 @@ impl History {
     /// `limit`.
     pub(crate) fn predict(&self, user: &User, gpus: u32, limit: Millis) -> Option<Millis> {
         let r = self.users.get(user)?;
-        let part = r
-            .by_request
-            .iter()
-            .find(|(g, _)| *g == gpus)
-            .map(|(_, p)| *p)
-            .or(r.all)?;
-        Some((limit as f64 * part).ceil() as Millis)
+        let run = |part: f64| (limit as f64 * part).ceil() as Millis;
+        if let Some((_, part)) = r.by_request.iter().find(|(g, _)| *g == gpus) {
+            return Some(run(*part));
+        }
+        let (part, used) = r.all?;
+        // Runs of other requests vouch only for as much GPU-time as they used.
+        (used >= f64::from(gpus) / 100.0 * run(part) as f64).then(|| run(part))
     }
 }
 
@@ -142,7 +148,9 @@ mod tests {
         // Weighted by GPU-time: the 30% run used 300 of the 350 GPU-ms.
         assert_eq!(h.predict(&a, 100, 1000), Some(300));
         // Only one eight-GPU run: all four parts, where the 8-GPU run's 100% holds 400 of 750.
-        assert_eq!(h.predict(&a, 800, 1000), Some(1000));
+        // Those runs used 750 GPU-ms: they vouch for 90 ms of 8 GPUs, not 1000.
+        assert_eq!(h.predict(&a, 800, 90), Some(90));
+        assert_eq!(h.predict(&a, 800, 1000), None);
         // Another user's runs say nothing of b's.
         assert_eq!(h.predict(&b, 100, 1000), None);
     }
@@ -180,6 +188,27 @@ mod tests {
             h.record(&a, 800, 1000, week);
         }
         assert_eq!(h.predict(&a, 800, week), Some(week / 2));
+    }
+
+    /// The attack: three one-GPU runs of ten minutes against week-long limits, then a 64-GPU
+    /// job of a week. The runs used 30 GPU-minutes, not the 640 the prediction would grant,
+    /// so the job is ranked by its limit; eight GPUs' worth of such runs would vouch for it.
+    #[test]
+    fn cheap_runs_of_another_request_do_not_vouch_for_a_big_job() {
+        let mut h = History::default();
+        let a = user("a");
+        let (week, ten_min) = (7 * 24 * 3600 * 1000, 600 * 1000);
+        for _ in 0..3 {
+            h.record(&a, 100, ten_min, week);
+        }
+        assert_eq!(h.predict(&a, 6400, week), None);
+        assert_eq!(h.predict(&a, 100, week), Some(ten_min));
+        assert_eq!(
+            h.predict(&a, 300, week),
+            Some(ten_min),
+            "3 GPUs: 30 GPU-minutes vouch"
+        );
+        assert_eq!(h.predict(&a, 400, week), None);
     }
 
     #[test]

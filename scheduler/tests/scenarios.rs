@@ -1051,10 +1051,11 @@ fn an_overtaken_job_no_longer_shows_a_reservation() {
     assert_eq!(reason(&s, 2), Some(PendingReason::Priority));
 }
 
-/// History prediction: user a's last three jobs ran 10 minutes of their 600-minute limits,
-/// so a's next 8-GPU job of a 600-minute limit counts as 10 minutes for the size factor and
-/// goes before b's 8-GPU job of 120 minutes (no history); without prediction, b's first. Jobs
-/// that failed are not history.
+/// History prediction: user a's last three 8-GPU jobs ran 1 minute of their 600-minute limits,
+/// so a's next 8-GPU job of a 600-minute limit counts as 1 minute for the size factor and goes
+/// before b's 8-GPU job of 120 minutes (no history); without prediction, b's first. Jobs that
+/// failed are not history. (Runs of the same request: runs of another vouch only for the
+/// GPU-time they used, `history.rs`.)
 #[test]
 fn a_users_history_shortens_what_their_limit_says() {
     let run = |predict: bool, exit_code: i32| {
@@ -1064,14 +1065,14 @@ fn a_users_history_shortens_what_their_limit_says() {
         for k in 0..3u64 {
             let t = k as i64 * 20 * MINUTE;
             assert_eq!(
-                started(&step(&mut s, t, Event::Submit(one(10 + k, 1, "a", 600, t)))),
+                started(&step(&mut s, t, Event::Submit(one(10 + k, 8, "a", 600, t)))),
                 vec![10 + k]
             );
             let exited = Event::JobExited {
                 job: JobId(10 + k),
                 code: exit_code,
             };
-            step(&mut s, t + 10 * MINUTE, exited);
+            step(&mut s, t + MINUTE, exited);
         }
         // The blocker holds the node; a's and b's jobs wait behind it.
         let t = 60 * MINUTE;
@@ -1095,7 +1096,7 @@ fn a_users_history_shortens_what_their_limit_says() {
     assert_eq!(
         run(true, 0),
         vec![3],
-        "a's jobs run a sixtieth of their limits"
+        "a's jobs run a six-hundredth of their limits"
     );
     assert_eq!(
         run(false, 0),
