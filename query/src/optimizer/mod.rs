@@ -14,6 +14,10 @@
 //! [`merge_aggregates::MergeStackedAggregates`] merges an aggregate over an aggregate (a
 //! dashboard's query over a rollup view) into one.
 //!
+//! [`prefilter::PrefilterRule`] runs after all of DataFusion's rules, filter pushdown included:
+//! where a filter sits on a Parquet scan, it tests the filter's comparisons on the columns'
+//! pages first and gives the scan only the runs of rows that may pass (late materialization).
+//!
 //! [`run_aggregate::RunAggregateRule`] runs after all of DataFusion's rules (before the final
 //! sanity check): it replaces partial hash aggregations with one that looks up each run of
 //! equal group keys once, which sorted telemetry is full of.
@@ -25,6 +29,7 @@ mod aggregate_build;
 pub mod first_row;
 pub mod interval_join;
 pub mod merge_aggregates;
+pub mod prefilter;
 pub mod run_aggregate;
 
 pub use aggregate_build::AggregateBuildSide;
@@ -58,6 +63,8 @@ pub fn physical_optimizer_rules() -> Vec<Arc<dyn PhysicalOptimizerRule + Send + 
         .position(|r| r.name() == "SanityCheckPlan")
         .unwrap_or(rules.len());
     rules.insert(at, Arc::new(run_aggregate::RunAggregateRule));
+    // After DataFusion's filter pushdown, which gives each scan its copy of the filter.
+    rules.insert(at, Arc::new(prefilter::PrefilterRule));
     rules
 }
 

@@ -1,0 +1,900 @@
+//! Late materialization for a filter over the store's Parquet files: test the filter's own
+//! columns first, straight from their pages, and decode the other columns only where the
+//! filter may keep rows.
+//!
+//! DataFusion reads a Parquet scan in full and filters it after (`FilterExec`). Its row-level
+//! pushdown (`pushdown_filters`) decodes the filter's columns first, but then reads the others
+//! under the exact selection of kept rows, and telemetry filters keep rows in short runs
+//! scattered through long stretches of rejected ones: `utilization > 90 AND memory > 60 GB`
+//! keeps 4% of a week's rows in 575 K runs of about 2 rows, while 91% of the rows lie in
+//! rejected runs of 1,024 rows or more (those GPUs were idle, or their jobs small). Under that
+//! selection the Parquet reader either steps through every tiny run (slow per run) or decodes
+//! everything and masks it (no saving): the pushdown gained nothing (BENCHMARKS.md).
+//!
+//! [`PrefilterExec`] sits between the `FilterExec` and its scan. For each row group of its
+//! partition it tests the filter's comparisons of a column with a constant on the column's
+//! pages ([`pages`]: once per dictionary entry, then an index lookup per row), and hands the
+//! scan a selection of the rows that may pass: every run of them, with the rejected runs
+//! shorter than [`MIN_SKIPPED_RUN`] read anyway, so the selection is a few long runs to read
+//! and long runs to skip. The scan skips those runs without decoding their values (whole
+//! pages where it can), and still prunes by statistics and page index as before. The
+//! `FilterExec` above, left in place, applies the exact filter to what was read.
+//!
+//! The selection only ever leaves out rows the filter rejects (NULLs, and NaN kept as maybe),
+//! so answers do not change: a conjunct it cannot test (another shape, a type or encoding it
+//! does not read, a column missing from an older file) is left to the `FilterExec`, and a
+//! row group it cannot read at all is scanned whole.
+
+mod pages;
+
+use arrow::datatypes::SchemaRef;
+use datafusion::common::ScalarValue;
+use datafusion::common::config::ConfigOptions;
+use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+use datafusion::datasource::listing::PartitionedFile;
+use datafusion::datasource::physical_plan::parquet::metadata::DFParquetMetadata;
+use datafusion::datasource::physical_plan::parquet::{
+    PagePruningAccessPlanFilter, ParquetAccessPlan, ParquetFileMetrics, RowGroupAccess,
+    RowGroupAccessPlanFilter,
+};
+use datafusion::datasource::physical_plan::{
+    FileGroup, FileScanConfig, FileScanConfigBuilder, ParquetSource,
+};
+use datafusion::datasource::source::DataSourceExec;
+use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::TaskContext;
+use datafusion::execution::cache::cache_manager::FileMetadataCache;
+use datafusion::logical_expr::Operator;
+use datafusion::physical_expr::expressions::{BinaryExpr, Column, Literal};
+use datafusion::physical_expr::{PhysicalExpr, split_conjunction};
+use datafusion::physical_optimizer::PhysicalOptimizerRule;
+use datafusion::physical_optimizer::pruning::{PruningPredicate, PruningPredicateBuilder};
+use datafusion::physical_plan::filter::FilterExec;
+use datafusion::physical_plan::metrics::{
+    Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet, Time,
+};
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{
+    ChildStats, DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties,
+    ReplaceChildrenOptions, SendableRecordBatchStream, Statistics, StatisticsArgs,
+    replace_children_if_necessary,
+};
+use futures::{StreamExt, TryStreamExt};
+use object_store::ObjectStore;
+use object_store::ObjectStoreExt as _;
+use pages::{Bits, Cmp, Constant};
+use parquet::arrow::arrow_reader::{RowSelection, RowSelector};
+use parquet::file::metadata::PageIndexPolicy;
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+
+/// Rejected runs shorter than this are read anyway: skipping a run costs the reader about as
+/// much as decoding a few hundred rows of it.
+pub const MIN_SKIPPED_RUN: usize = 1024;
+
+/// One of the filter's conjuncts that the pages can be tested for: `column cmp constant`.
+#[derive(Debug, Clone, PartialEq)]
+struct Test {
+    column: String,
+    cmp: Cmp,
+    constant: Constant,
+}
+
+impl fmt::Display for Test {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let op = match self.cmp {
+            Cmp::Eq => "=",
+            Cmp::NotEq => "!=",
+            Cmp::Lt => "<",
+            Cmp::LtEq => "<=",
+            Cmp::Gt => ">",
+            Cmp::GtEq => ">=",
+        };
+        let constant = match self.constant {
+            Constant::Double(c) => c.to_string(),
+            Constant::Float(c) => c.to_string(),
+            Constant::Int64(c) => c.to_string(),
+            Constant::Int32(c) => c.to_string(),
+            Constant::UInt64(c) => c.to_string(),
+            Constant::UInt32(c) => c.to_string(),
+        };
+        write!(f, "{} {op} {constant}", self.column)
+    }
+}
+
+impl Test {
+    /// `expr` as a test, where it compares a column with a non-NULL constant of the column's
+    /// own type (in either order), of a type the pages can be read as.
+    fn of(expr: &Arc<dyn PhysicalExpr>) -> Option<Self> {
+        let binary = expr.downcast_ref::<BinaryExpr>()?;
+        let (left, right) = (binary.left(), binary.right());
+        let (column, constant, op) = match (
+            left.downcast_ref::<Column>(),
+            right.downcast_ref::<Literal>(),
+        ) {
+            (Some(c), Some(l)) => (c, l, *binary.op()),
+            _ => (
+                right.downcast_ref::<Column>()?,
+                left.downcast_ref::<Literal>()?,
+                binary.op().swap()?,
+            ),
+        };
+        let cmp = match op {
+            Operator::Eq => Cmp::Eq,
+            Operator::NotEq => Cmp::NotEq,
+            Operator::Lt => Cmp::Lt,
+            Operator::LtEq => Cmp::LtEq,
+            Operator::Gt => Cmp::Gt,
+            Operator::GtEq => Cmp::GtEq,
+            _ => return None,
+        };
+        let constant = match constant.value() {
+            ScalarValue::Float64(Some(c)) => Constant::Double(*c),
+            ScalarValue::Float32(Some(c)) => Constant::Float(*c),
+            ScalarValue::Int64(Some(c)) => Constant::Int64(*c),
+            ScalarValue::Int32(Some(c)) => Constant::Int32(*c),
+            ScalarValue::UInt64(Some(c)) => Constant::UInt64(*c),
+            ScalarValue::UInt32(Some(c)) => Constant::UInt32(*c),
+            _ => return None,
+        };
+        Some(Self {
+            column: column.name().to_owned(),
+            cmp,
+            constant,
+        })
+    }
+}
+
+/// Tests the filter's columns of each row group of its scan's partition before the scan
+/// reads it, and gives the scan the runs of rows worth reading. See the module's
+/// documentation.
+#[derive(Debug)]
+pub struct PrefilterExec {
+    /// A `DataSourceExec` of Parquet files.
+    scan: Arc<dyn ExecutionPlan>,
+    tests: Arc<[Test]>,
+    /// The whole filter over row groups' statistics: the row groups the scan will prune
+    /// (a dashboard's node and time range) are not worth testing.
+    pruning: Option<Arc<PruningPredicate>>,
+    /// The whole filter over the page index: pages the scan will skip are not tested.
+    page_pruning: Option<Arc<PagePruningAccessPlanFilter>>,
+    min_run: usize,
+    metrics: ExecutionPlanMetricsSet,
+}
+
+impl PrefilterExec {
+    fn new(
+        scan: Arc<dyn ExecutionPlan>,
+        tests: Arc<[Test]>,
+        pruning: Option<Arc<PruningPredicate>>,
+        page_pruning: Option<Arc<PagePruningAccessPlanFilter>>,
+        min_run: usize,
+    ) -> Self {
+        Self {
+            scan,
+            tests,
+            pruning,
+            page_pruning,
+            min_run,
+            metrics: ExecutionPlanMetricsSet::new(),
+        }
+    }
+}
+
+impl DisplayAs for PrefilterExec {
+    fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let tests: Vec<String> = self.tests.iter().map(Test::to_string).collect();
+        write!(
+            f,
+            "PrefilterExec: tests=[{}], skips rejected runs of {}+ rows",
+            tests.join(", "),
+            self.min_run
+        )
+    }
+}
+
+impl ExecutionPlan for PrefilterExec {
+    fn name(&self) -> &str {
+        "PrefilterExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        self.scan.properties()
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![&self.scan]
+    }
+
+    fn replace_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+        _options: ReplaceChildrenOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let [scan] = <[_; 1]>::try_from(children).map_err(|c| {
+            DataFusionError::Internal(format!("PrefilterExec has one child, not {}", c.len()))
+        })?;
+        Ok(Arc::new(Self::new(
+            scan,
+            self.tests.clone(),
+            self.pruning.clone(),
+            self.page_pruning.clone(),
+            self.min_run,
+        )))
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        self.replace_children(
+            children,
+            ReplaceChildrenOptions::new(
+                datafusion::physical_plan::ChildrenPropertiesMode::Recompute,
+            ),
+        )
+    }
+
+    fn reset_state(self: Arc<Self>) -> Result<Arc<dyn ExecutionPlan>> {
+        Ok(Arc::new(Self::new(
+            self.scan.clone(),
+            self.tests.clone(),
+            self.pruning.clone(),
+            self.page_pruning.clone(),
+            self.min_run,
+        )))
+    }
+
+    fn apply_expressions(
+        &self,
+        _f: &mut dyn FnMut(&Arc<dyn PhysicalExpr>) -> Result<TreeNodeRecursion>,
+    ) -> Result<TreeNodeRecursion> {
+        // Its tests are copies of the filter's conjuncts, held as data, not expressions.
+        Ok(TreeNodeRecursion::Continue)
+    }
+
+    fn maintains_input_order(&self) -> Vec<bool> {
+        vec![true]
+    }
+
+    fn benefits_from_input_partitioning(&self) -> Vec<bool> {
+        vec![false]
+    }
+
+    fn child_stats_requests(&self, partition: Option<usize>) -> Vec<ChildStats> {
+        vec![ChildStats::At(partition)]
+    }
+
+    fn statistics_from_inputs(
+        &self,
+        input_stats: &[Arc<Statistics>],
+        _args: &StatisticsArgs,
+    ) -> Result<Arc<Statistics>> {
+        // The same rows come out as from the scan alone, once the filter above has run.
+        Ok(input_stats
+            .first()
+            .cloned()
+            .unwrap_or_else(|| Arc::new(Statistics::new_unknown(&self.schema()))))
+    }
+
+    fn metrics(&self) -> Option<MetricsSet> {
+        Some(self.metrics.clone_inner())
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let config = scan_config(&self.scan)
+            .ok_or_else(|| DataFusionError::Internal("PrefilterExec over no Parquet scan".into()))?
+            .clone();
+        let files = config
+            .file_groups
+            .get(partition)
+            .ok_or_else(|| {
+                DataFusionError::Internal(format!("PrefilterExec has no partition {partition}"))
+            })?
+            .files()
+            .to_vec();
+        let runtime = context.runtime_env();
+        let store = runtime.object_store(&config.object_store_url)?;
+        let cache = runtime.cache_manager.get_file_metadata_cache();
+        let counters = Counters {
+            tested: MetricBuilder::new(&self.metrics).counter("rows_tested", partition),
+            selected: MetricBuilder::new(&self.metrics).counter("rows_selected", partition),
+            time: MetricBuilder::new(&self.metrics).subset_time("prefilter_time", partition),
+        };
+        let tests = self.tests.clone();
+        let min_run = self.min_run;
+        let pruning = self.pruning.clone();
+        let page_pruning = self.page_pruning.clone();
+        let scan_schema = self.scan.schema();
+        let schema: SchemaRef = self.schema();
+        let stream = futures::stream::once(async move {
+            let mut planned = Vec::with_capacity(files.len());
+            let mut so_far = SoFar::default();
+            for file in files {
+                let timer = counters.time.timer();
+                let plan = if so_far.worth_it() {
+                    let look = Look {
+                        store: &store,
+                        cache: &cache,
+                        tests: &tests,
+                        pruning: pruning.as_deref(),
+                        page_pruning: page_pruning.as_deref(),
+                        schema: &scan_schema,
+                        min_run,
+                        counters: &counters,
+                    };
+                    access_plan(&file, &look, &mut so_far).await
+                } else {
+                    None
+                };
+                timer.done();
+                planned.push(match plan {
+                    Some(plan) => file.with_extension(plan),
+                    None => file,
+                });
+            }
+            // A scan of this partition's files alone: DataFusion's partitions of one scan
+            // share their files' work, so a scan of every group would read the others' too.
+            let config = FileScanConfigBuilder::from(config)
+                .with_file_groups(vec![FileGroup::new(planned)])
+                .build();
+            DataSourceExec::from_data_source(config).execute(0, context)
+        })
+        .try_flatten();
+        Ok(Box::pin(RecordBatchStreamAdapter::new(
+            schema,
+            stream.boxed(),
+        )))
+    }
+}
+
+/// What the tests have saved so far in a partition. Where the filter keeps rows all through
+/// the data (`utilization < 1` of GPUs that idle a moment here and there), testing costs more
+/// than the rows it lets the scan skip, and a partition stops testing after a fair sample.
+#[derive(Default)]
+struct SoFar {
+    tested: usize,
+    selected: usize,
+}
+
+impl SoFar {
+    /// Rows tested before judging: a row group as the store writes them.
+    const SAMPLE: usize = 1 << 20;
+
+    fn worth_it(&self) -> bool {
+        self.tested < Self::SAMPLE || self.selected * 2 <= self.tested
+    }
+}
+
+/// What [`access_plan`] reads with and how.
+struct Look<'a> {
+    store: &'a Arc<dyn ObjectStore>,
+    cache: &'a Arc<FileMetadataCache>,
+    tests: &'a [Test],
+    pruning: Option<&'a PruningPredicate>,
+    page_pruning: Option<&'a PagePruningAccessPlanFilter>,
+    /// The scan's output, which the filter reads.
+    schema: &'a SchemaRef,
+    min_run: usize,
+    counters: &'a Counters,
+}
+
+struct Counters {
+    tested: Count,
+    selected: Count,
+    time: Time,
+}
+
+fn scan_config(plan: &Arc<dyn ExecutionPlan>) -> Option<&FileScanConfig> {
+    plan.downcast_ref::<DataSourceExec>()?
+        .data_source()
+        .downcast_ref::<FileScanConfig>()
+}
+
+/// The rows of `file` worth reading, by row group; `None` where nothing could be tested (the
+/// file is read as it would have been). A failure to read or decode only means reading more.
+async fn access_plan(
+    file: &PartitionedFile,
+    look: &Look<'_>,
+    so_far: &mut SoFar,
+) -> Option<ParquetAccessPlan> {
+    let Look {
+        store,
+        cache,
+        tests,
+        pruning,
+        page_pruning,
+        schema: scan_schema,
+        min_run,
+        counters,
+    } = *look;
+    if file.extensions.get::<ParquetAccessPlan>().is_some() {
+        return None;
+    }
+    let metadata = DFParquetMetadata::new(store.as_ref(), &file.object_meta)
+        .with_file_metadata_cache(Some(cache.clone()))
+        .with_page_index_policy(Some(PageIndexPolicy::Optional))
+        .fetch_metadata()
+        .await
+        .ok()?;
+    let schema = metadata.file_metadata().schema_descr();
+    let leaves: Vec<(usize, &Test)> = tests
+        .iter()
+        .filter_map(|t| {
+            (0..schema.num_columns())
+                .find(|&i| schema.column(i).path().parts() == [t.column.as_str()])
+                .map(|i| (i, t))
+        })
+        .collect();
+    if leaves.is_empty() {
+        return None;
+    }
+    let mut plan = ParquetAccessPlan::new_all(metadata.num_row_groups());
+    // What the scan will read, as it prunes: row groups by statistics, then pages by the
+    // page index.
+    let unseen = ExecutionPlanMetricsSet::new();
+    let metrics = ParquetFileMetrics::new(0, file.object_meta.location.as_ref(), &unseen);
+    let mut scanned = ParquetAccessPlan::new_all(metadata.num_row_groups());
+    if let Some(predicate) = pruning {
+        let mut filter = RowGroupAccessPlanFilter::new(scanned);
+        filter.prune_by_statistics(
+            scan_schema,
+            schema,
+            metadata.row_groups(),
+            predicate,
+            &metrics,
+        );
+        scanned = filter.build();
+    }
+    if let Some(pages) = page_pruning
+        && metadata.offset_index().is_some()
+    {
+        scanned =
+            pages.prune_plan_with_page_index(scanned, scan_schema, schema, &metadata, &metrics);
+    }
+    let mut changed = false;
+    for (g, group) in metadata.row_groups().iter().enumerate() {
+        if group.num_columns() == 0 || !so_far.worth_it() {
+            continue;
+        }
+        let Ok(rows) = usize::try_from(group.num_rows()) else {
+            continue;
+        };
+        // The row ranges the scan reads, or nothing where it reads the whole row group.
+        let ranges: Option<Vec<(usize, usize)>> = match scanned.inner()[g].clone() {
+            RowGroupAccess::Skip => continue,
+            RowGroupAccess::Scan => None,
+            RowGroupAccess::Selection(selection) => {
+                let mut ranges = Vec::new();
+                let mut at = 0;
+                for s in Vec::<RowSelector>::from(selection) {
+                    if !s.skip {
+                        ranges.push((at, at + s.row_count));
+                    }
+                    at += s.row_count;
+                }
+                Some(ranges)
+            }
+        };
+        // Where the page index leaves the scan little to read, testing costs more than it
+        // could save (a dashboard's few minutes of one GPU).
+        if ranges
+            .as_ref()
+            .is_some_and(|r| r.iter().map(|(s, e)| e - s).sum::<usize>() < rows / 8)
+        {
+            continue;
+        }
+        // Only the row groups this partition's byte range reads (DataFusion's rule: where
+        // its first page is); the others are left for the range to skip.
+        if let Some(range) = &file.range {
+            let first = group.column(0);
+            let offset = first
+                .dictionary_page_offset()
+                .unwrap_or_else(|| first.data_page_offset());
+            if !range.contains(offset) {
+                continue;
+            }
+        }
+        let mut kept: Option<Bits> = None;
+        for &(leaf, test) in &leaves {
+            let chunk = group.column(leaf);
+            let (start, len) = chunk.byte_range();
+            let Some(end) = start.checked_add(len) else {
+                continue;
+            };
+            let Ok(bytes) = store
+                .get_range(&file.object_meta.location, start..end)
+                .await
+            else {
+                continue;
+            };
+            let locations = metadata
+                .offset_index()
+                .and_then(|index| index.get(g)?.get(leaf))
+                .map(|index| index.page_locations().as_slice());
+            let read = locations.zip(ranges.as_deref());
+            let Some(rows_kept) =
+                pages::chunk_rows(bytes, chunk, rows, test.cmp, test.constant, read)
+            else {
+                continue;
+            };
+            match &mut kept {
+                Some(k) => k.and(&rows_kept),
+                None => kept = Some(rows_kept),
+            }
+            if kept.as_ref().is_some_and(Bits::none) {
+                break;
+            }
+        }
+        let Some(kept) = kept else {
+            continue;
+        };
+        counters.tested.add(rows);
+        let (access, selected) = access(&kept, rows, min_run);
+        counters.selected.add(selected);
+        so_far.tested += rows;
+        so_far.selected += selected;
+        plan.set(g, access);
+        changed = true;
+    }
+    changed.then_some(plan)
+}
+
+/// How to read a row group of `rows` rows of which `kept` may pass: the runs of them, joined
+/// across rejected runs shorter than `min_run` rows; and how many rows that reads.
+fn access(kept: &Bits, rows: usize, min_run: usize) -> (RowGroupAccess, usize) {
+    let mut spans: Vec<(usize, usize)> = Vec::new();
+    for (start, end) in kept.runs() {
+        match spans.last_mut() {
+            Some(last) if start - last.1 < min_run => last.1 = end,
+            Some(_) => spans.push((start, end)),
+            // A rejected run at the start, too short to skip, is read with the first.
+            None => spans.push((if start < min_run { 0 } else { start }, end)),
+        }
+    }
+    if let Some(last) = spans.last_mut()
+        && rows - last.1 < min_run
+    {
+        last.1 = rows;
+    }
+    let selected = spans.iter().map(|(s, e)| e - s).sum();
+    if spans.is_empty() {
+        return (RowGroupAccess::Skip, 0);
+    }
+    // Reading half a row group or more run by run costs more than reading all of it.
+    if spans == [(0, rows)] || selected > rows / 2 {
+        return (RowGroupAccess::Scan, rows);
+    }
+    let mut selectors = Vec::with_capacity(spans.len() * 2 + 1);
+    let mut at = 0;
+    for (start, end) in spans {
+        if start > at {
+            selectors.push(RowSelector::skip(start - at));
+        }
+        selectors.push(RowSelector::select(end - start));
+        at = end;
+    }
+    if rows > at {
+        selectors.push(RowSelector::skip(rows - at));
+    }
+    (
+        RowGroupAccess::Selection(RowSelection::from(selectors)),
+        selected,
+    )
+}
+
+/// Puts a [`PrefilterExec`] between each `FilterExec` and the Parquet scan right under it,
+/// where the filter has conjuncts the pages can be tested for and the scan outputs columns
+/// the filter does not read (those are what is saved). See the module's documentation.
+#[derive(Debug, Default)]
+pub struct PrefilterRule;
+
+impl PhysicalOptimizerRule for PrefilterRule {
+    fn optimize(
+        &self,
+        plan: Arc<dyn ExecutionPlan>,
+        _config: &ConfigOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        super::replace_nodes::<FilterExec>(plan, prefiltered)
+    }
+
+    fn name(&self) -> &str {
+        "perch_prefilter"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
+fn prefiltered(filter: &FilterExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+    let scan = filter.input();
+    let Some(config) = scan_config(scan) else {
+        return Ok(None);
+    };
+    let Some(source) = config.file_source().downcast_ref::<ParquetSource>() else {
+        return Ok(None);
+    };
+    if source.table_parquet_options().global.pushdown_filters || config.limit.is_some() {
+        return Ok(None);
+    }
+    // The conjuncts over the scan's own output columns, named as in the files.
+    let tests: Vec<Test> = split_conjunction(filter.predicate())
+        .into_iter()
+        .filter_map(Test::of)
+        .filter(|t| {
+            config
+                .table_partition_cols()
+                .iter()
+                .all(|p| p.name() != &t.column)
+        })
+        .collect();
+    if tests.is_empty() {
+        return Ok(None);
+    }
+    let read_by_filter = columns(filter.predicate());
+    if scan
+        .schema()
+        .fields()
+        .iter()
+        .all(|f| read_by_filter.contains(f.name().as_str()))
+    {
+        return Ok(None);
+    }
+    let page_pruning = Some(Arc::new(PagePruningAccessPlanFilter::new(
+        filter.predicate(),
+        scan.schema(),
+    )))
+    .filter(|p| p.filter_number() > 0);
+    let pruning = PruningPredicateBuilder::new()
+        .with_file_schema(scan.schema())
+        .try_build(filter.predicate().clone())
+        .ok()
+        .filter(|p| !p.always_true())
+        .map(Arc::new);
+    let prefilter: Arc<dyn ExecutionPlan> = Arc::new(PrefilterExec::new(
+        scan.clone(),
+        tests.into(),
+        pruning,
+        page_pruning,
+        MIN_SKIPPED_RUN,
+    ));
+    Ok(Some(replace_children_if_necessary(
+        Arc::new(filter.clone()),
+        vec![prefilter],
+    )?))
+}
+
+/// Names of the columns `expr` reads.
+fn columns(expr: &Arc<dyn PhysicalExpr>) -> HashSet<String> {
+    let mut names = HashSet::new();
+    let _ = expr.apply(|e| {
+        if let Some(c) = e.downcast_ref::<Column>() {
+            names.insert(c.name().to_owned());
+        }
+        Ok(TreeNodeRecursion::Continue)
+    });
+    names
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arrow::array::{ArrayRef, Float64Array, Int32Array, RecordBatch, StringArray};
+    use arrow::util::pretty::pretty_format_batches;
+    use datafusion::execution::session_state::SessionStateBuilder;
+    use datafusion::prelude::{SessionConfig, SessionContext};
+    use parquet::arrow::ArrowWriter;
+    use parquet::file::properties::WriterProperties;
+
+    /// 4 nodes x 4 GPUs x 3,000 samples, sorted by node, GPU and time as the store writes
+    /// them: GPUs busy in long jobs (utilization 91 to 100) between long idle stretches, with
+    /// a busy moment here and there, a few NULLs and a NaN.
+    fn samples(path: &std::path::Path) {
+        let (mut node, mut gpu, mut util, mut power) = (vec![], vec![], vec![], vec![]);
+        for n in 0..4 {
+            for g in 0..4i32 {
+                for t in 0..3_000i32 {
+                    node.push(format!("node-{n}"));
+                    gpu.push(g);
+                    let busy = (t / 700 + g + n) % 5 == 0;
+                    util.push(match t {
+                        _ if t % 1_009 == 0 => None,
+                        _ if t == 1_500 && g == 2 => Some(f64::NAN),
+                        _ if busy => Some(91.0 + f64::from(t % 10)),
+                        _ if t % 1_999 == 0 => Some(95.0),
+                        _ => Some(f64::from(t % 5)),
+                    });
+                    power.push(100.0 + f64::from(t % 300) + f64::from(n * 10 + g));
+                }
+            }
+        }
+        let batch = RecordBatch::try_from_iter([
+            ("node", Arc::new(StringArray::from(node)) as ArrayRef),
+            ("gpu", Arc::new(Int32Array::from(gpu))),
+            ("util", Arc::new(Float64Array::from(util))),
+            ("power", Arc::new(Float64Array::from(power))),
+        ])
+        .expect("batch");
+        let props = WriterProperties::builder()
+            .set_max_row_group_row_count(Some(10_000))
+            .set_data_page_row_count_limit(1_000)
+            .set_write_batch_size(1_000)
+            .build();
+        let file = std::fs::File::create(path).expect("create");
+        let mut writer = ArrowWriter::try_new(file, batch.schema(), Some(props)).expect("writer");
+        writer.write(&batch).expect("write");
+        writer.close().expect("close");
+    }
+
+    fn session(prefilter: bool) -> SessionContext {
+        let rules = crate::optimizer::physical_optimizer_rules()
+            .into_iter()
+            .filter(|r| prefilter || r.name() != "perch_prefilter")
+            .collect();
+        let config = SessionConfig::new()
+            .with_target_partitions(2)
+            .with_repartition_file_min_size(1);
+        SessionContext::new_with_state(
+            SessionStateBuilder::new()
+                .with_config(config)
+                .with_default_features()
+                .with_physical_optimizer_rules(rules)
+                .build(),
+        )
+    }
+
+    async fn answer(ctx: &SessionContext, sql: &str) -> String {
+        let batches = ctx
+            .sql(sql)
+            .await
+            .expect("plan")
+            .collect()
+            .await
+            .expect("run");
+        pretty_format_batches(&batches).expect("format").to_string()
+    }
+
+    /// Filters answer the same with and without the prefilter: selective and not, on both
+    /// sides of a constant, with NULLs and NaN in the column, a conjunct it cannot test, and
+    /// the file split between two partitions by byte range.
+    #[tokio::test]
+    async fn answers_do_not_change() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("samples.parquet");
+        samples(&path);
+        let queries = [
+            "SELECT node, gpu, count(*) AS n, sum(power) AS p FROM s WHERE util > 90 GROUP BY node, gpu ORDER BY node, gpu",
+            "SELECT node, count(*) AS n, max(power) AS p FROM s WHERE util > 90 AND power > 250 GROUP BY node ORDER BY node",
+            "SELECT node, count(DISTINCT gpu) AS g FROM s WHERE util < 1 GROUP BY node ORDER BY node",
+            "SELECT count(*) AS n, sum(power) AS p FROM s WHERE util >= 95 AND node <> 'node-1'",
+            "SELECT count(*) AS n, sum(power) AS p FROM s WHERE 93 = util",
+            "SELECT count(*) AS n, sum(power) AS p FROM s WHERE util != 0",
+            "SELECT count(*) AS n, sum(power) AS p FROM s WHERE gpu = 2 AND util <= 4",
+            "SELECT count(*) AS n FROM s WHERE util > 1000",
+            "SELECT node, gpu, power FROM s WHERE util > 99 AND gpu = 3 ORDER BY node, power LIMIT 5",
+            // Pages of GPUs 0 and 1 are pruned by the page index, in the test too.
+            "SELECT node, gpu, count(*) AS n, sum(power) AS p FROM s WHERE gpu >= 2 AND util > 90 GROUP BY node, gpu ORDER BY node, gpu",
+            "SELECT node, count(*) AS n, sum(power) AS p FROM s WHERE node = 'node-2' AND util < 2 GROUP BY node",
+        ];
+        let with = session(true);
+        let without = session(false);
+        for ctx in [&with, &without] {
+            ctx.register_parquet("s", path.to_str().expect("utf-8"), Default::default())
+                .await
+                .expect("register");
+        }
+        for sql in queries {
+            assert_eq!(
+                answer(&with, sql).await,
+                answer(&without, sql).await,
+                "{sql}"
+            );
+        }
+        // The selective one is prefiltered, and reads only part of the file.
+        let explained = answer(&with, &format!("EXPLAIN ANALYZE {}", queries[0])).await;
+        let line = explained
+            .lines()
+            .find(|l| l.contains("PrefilterExec"))
+            .unwrap_or_else(|| panic!("no prefilter in {explained}"));
+        let metric = |name: &str| -> f64 {
+            let shown = line
+                .split(&format!("{name}="))
+                .nth(1)
+                .and_then(|r| r.split([',', ']']).next())
+                .unwrap_or_else(|| panic!("{name} in {line}"));
+            let (number, scale) = match shown.split_once(' ') {
+                Some((n, "K")) => (n, 1e3),
+                Some((n, "M")) => (n, 1e6),
+                _ => (shown, 1.0),
+            };
+            number
+                .parse::<f64>()
+                .unwrap_or_else(|_| panic!("{name} in {line}"))
+                * scale
+        };
+        assert_eq!(metric("rows_tested"), 48_000.0, "{line}");
+        let selected = metric("rows_selected");
+        assert!(selected > 0.0 && selected < 30_000.0, "{line}");
+    }
+
+    /// No prefilter where the filter reads every column the scan outputs (nothing to skip),
+    /// nor where no conjunct compares a column with a constant.
+    #[tokio::test]
+    async fn only_where_it_can_save() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("samples.parquet");
+        samples(&path);
+        let ctx = session(true);
+        ctx.register_parquet("s", path.to_str().expect("utf-8"), Default::default())
+            .await
+            .expect("register");
+        for (sql, expected) in [
+            ("SELECT count(*) FROM s WHERE util > 90", false),
+            ("SELECT sum(power) FROM s WHERE util + 1 > power", false),
+            ("SELECT sum(power) FROM s WHERE node = 'node-1'", false),
+            ("SELECT sum(power) FROM s WHERE util > 90", true),
+        ] {
+            let plan = answer(&ctx, &format!("EXPLAIN {sql}")).await;
+            assert_eq!(plan.contains("PrefilterExec"), expected, "{sql}: {plan}");
+        }
+    }
+
+    #[test]
+    fn access_joins_short_gaps_and_skips_long_ones() {
+        let bits = |runs: &[(usize, usize)], rows: usize| {
+            let mut b = Bits::default();
+            let mut at = 0;
+            for &(s, e) in runs {
+                b.push_n(false, s - at);
+                b.push_n(true, e - s);
+                at = e;
+            }
+            b.push_n(false, rows - at);
+            b
+        };
+        let selection = |access: RowGroupAccess| match access {
+            RowGroupAccess::Selection(s) => Vec::<RowSelector>::from(s.clone()),
+            other => panic!("{other:?}"),
+        };
+        // Nothing kept: skipped whole.
+        assert!(matches!(
+            access(&bits(&[], 10_000), 10_000, 1_024).0,
+            RowGroupAccess::Skip
+        ));
+        // Short gaps, and short runs at the edges, are read.
+        let (a, selected) = access(
+            &bits(
+                &[(500, 510), (1_000, 1_010), (5_000, 5_001), (9_500, 9_501)],
+                10_000,
+            ),
+            10_000,
+            1_024,
+        );
+        assert_eq!(
+            selection(a),
+            vec![
+                RowSelector::select(1_010),
+                RowSelector::skip(3_990),
+                RowSelector::select(1),
+                RowSelector::skip(4_499),
+                RowSelector::select(500),
+            ]
+        );
+        assert_eq!(selected, 1_511);
+        // Half of it or more kept: read whole.
+        assert!(matches!(
+            access(&bits(&[(0, 5_001)], 10_000), 10_000, 1_024).0,
+            RowGroupAccess::Scan
+        ));
+        assert!(matches!(
+            access(&bits(&[(0, 4_999)], 10_000), 10_000, 1_024).0,
+            RowGroupAccess::Selection(_)
+        ));
+    }
+}
