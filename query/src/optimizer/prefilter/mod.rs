@@ -781,6 +781,12 @@ mod tests {
             // Pages of GPUs 0 and 1 are pruned by the page index, in the test too.
             "SELECT node, gpu, count(*) AS n, sum(power) AS p FROM s WHERE gpu >= 2 AND util > 90 GROUP BY node, gpu ORDER BY node, gpu",
             "SELECT node, count(*) AS n, sum(power) AS p FROM s WHERE node = 'node-2' AND util < 2 GROUP BY node",
+            // Constants a careless or hostile user may write: NaN sorts above every number.
+            "SELECT count(*) AS n, sum(power) AS p FROM s WHERE util > 'NaN'::double",
+            "SELECT count(*) AS n, sum(power) AS p FROM s WHERE util = 'NaN'::double",
+            "SELECT count(*) AS n, sum(power) AS p FROM s WHERE util >= 'NaN'::double",
+            "SELECT count(*) AS n, sum(power) AS p FROM s WHERE util < '-Infinity'::double",
+            "SELECT count(*) AS n, sum(power) AS p FROM s WHERE util <= -0.0",
         ];
         let with = session(true);
         let without = session(false);
