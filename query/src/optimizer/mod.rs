@@ -17,6 +17,8 @@
 //! [`prefilter::PrefilterRule`] runs after all of DataFusion's rules, filter pushdown included:
 //! where a filter sits on a Parquet scan, it tests the filter's comparisons on the columns'
 //! pages first and gives the scan only the runs of rows that may pass (late materialization).
+//! [`float_compare::FloatCompareRule`] then computes filters' float comparisons with a constant
+//! in place.
 //!
 //! [`run_aggregate::RunAggregateRule`] runs after all of DataFusion's rules (before the final
 //! sanity check): it replaces partial hash aggregations with one that looks up each run of
@@ -27,6 +29,7 @@
 
 mod aggregate_build;
 pub mod first_row;
+pub mod float_compare;
 pub mod interval_join;
 pub mod merge_aggregates;
 pub mod prefilter;
@@ -65,6 +68,8 @@ pub fn physical_optimizer_rules() -> Vec<Arc<dyn PhysicalOptimizerRule + Send + 
     rules.insert(at, Arc::new(run_aggregate::RunAggregateRule));
     // After DataFusion's filter pushdown, which gives each scan its copy of the filter.
     rules.insert(at, Arc::new(prefilter::PrefilterRule));
+    // After the prefilter, which reads the comparisons it replaces.
+    rules.insert(at + 1, Arc::new(float_compare::FloatCompareRule));
     rules
 }
 
