@@ -17,7 +17,7 @@ use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::error::Result;
 use datafusion::logical_expr::{ColumnarValue, Operator};
 use datafusion::physical_expr::PhysicalExpr;
-use datafusion::physical_expr::expressions::{BinaryExpr, Column, Literal};
+use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_plan::ExecutionPlan;
 use datafusion::physical_plan::filter::{FilterExec, FilterExecBuilder};
@@ -80,32 +80,9 @@ impl FloatCompare {
     /// `expr` as a float comparison over `schema`, where it compares a Float64 or Float32
     /// column with a non-NULL constant of the column's type (in either order).
     fn of(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> Option<Self> {
-        let binary = expr.downcast_ref::<BinaryExpr>()?;
-        let (left, right) = (binary.left(), binary.right());
-        let (column, constant, op) = match (
-            left.downcast_ref::<Column>(),
-            right.downcast_ref::<Literal>(),
-        ) {
-            (Some(c), Some(l)) => (c, l, *binary.op()),
-            _ => (
-                right.downcast_ref::<Column>()?,
-                left.downcast_ref::<Literal>()?,
-                binary.op().swap()?,
-            ),
-        };
-        if !matches!(
-            op,
-            Operator::Eq
-                | Operator::NotEq
-                | Operator::Lt
-                | Operator::LtEq
-                | Operator::Gt
-                | Operator::GtEq
-        ) {
-            return None;
-        }
+        let (column, op, constant) = super::column_vs_constant(expr)?;
         let field = schema.fields().get(column.index())?;
-        let key = match (field.data_type(), constant.value()) {
+        let key = match (field.data_type(), constant) {
             (DataType::Float64, ScalarValue::Float64(Some(c))) => Key::F64(key64(*c)),
             (DataType::Float32, ScalarValue::Float32(Some(c))) => Key::F32(key32(*c)),
             _ => return None,
@@ -247,6 +224,7 @@ mod tests {
     use super::*;
     use arrow::array::{ArrayRef, Float32Array, Float64Array};
     use arrow::datatypes::Field;
+    use datafusion::physical_expr::expressions::{BinaryExpr, Literal};
 
     fn specials() -> Vec<f64> {
         let nan = f64::NAN;

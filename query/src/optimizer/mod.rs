@@ -91,6 +91,42 @@ fn replace_nodes<T: ExecutionPlan + 'static>(
     .data()
 }
 
+/// `expr` as `column op constant` with `op` a comparison, in either order (`90 < util` reads
+/// as `util > 90`).
+fn column_vs_constant(
+    expr: &Arc<dyn datafusion::physical_expr::PhysicalExpr>,
+) -> Option<(
+    &datafusion::physical_expr::expressions::Column,
+    datafusion::logical_expr::Operator,
+    &datafusion::common::ScalarValue,
+)> {
+    use datafusion::logical_expr::Operator;
+    use datafusion::physical_expr::expressions::{BinaryExpr, Column, Literal};
+    let binary = expr.downcast_ref::<BinaryExpr>()?;
+    let (left, right) = (binary.left(), binary.right());
+    let (column, constant, op) = match (
+        left.downcast_ref::<Column>(),
+        right.downcast_ref::<Literal>(),
+    ) {
+        (Some(c), Some(l)) => (c, l, *binary.op()),
+        _ => (
+            right.downcast_ref::<Column>()?,
+            left.downcast_ref::<Literal>()?,
+            binary.op().swap()?,
+        ),
+    };
+    matches!(
+        op,
+        Operator::Eq
+            | Operator::NotEq
+            | Operator::Lt
+            | Operator::LtEq
+            | Operator::Gt
+            | Operator::GtEq
+    )
+    .then_some((column, op, constant.value()))
+}
+
 /// `expr` without the aliases around it (the logical rules look through them).
 fn strip_alias(expr: &Expr) -> &Expr {
     match expr {

@@ -45,7 +45,7 @@ use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::TaskContext;
 use datafusion::execution::cache::cache_manager::FileMetadataCache;
 use datafusion::logical_expr::Operator;
-use datafusion::physical_expr::expressions::{BinaryExpr, Column, Literal};
+use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::{PhysicalExpr, split_conjunction};
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_optimizer::pruning::{PruningPredicate, PruningPredicateBuilder};
@@ -107,19 +107,7 @@ impl Test {
     /// `expr` as a test, where it compares a column with a non-NULL constant of the column's
     /// own type (in either order), of a type the pages can be read as.
     fn of(expr: &Arc<dyn PhysicalExpr>) -> Option<Self> {
-        let binary = expr.downcast_ref::<BinaryExpr>()?;
-        let (left, right) = (binary.left(), binary.right());
-        let (column, constant, op) = match (
-            left.downcast_ref::<Column>(),
-            right.downcast_ref::<Literal>(),
-        ) {
-            (Some(c), Some(l)) => (c, l, *binary.op()),
-            _ => (
-                right.downcast_ref::<Column>()?,
-                left.downcast_ref::<Literal>()?,
-                binary.op().swap()?,
-            ),
-        };
+        let (column, op, constant) = super::column_vs_constant(expr)?;
         let cmp = match op {
             Operator::Eq => Cmp::Eq,
             Operator::NotEq => Cmp::NotEq,
@@ -129,7 +117,7 @@ impl Test {
             Operator::GtEq => Cmp::GtEq,
             _ => return None,
         };
-        let constant = match constant.value() {
+        let constant = match constant {
             ScalarValue::Float64(Some(c)) => Constant::Double(*c),
             ScalarValue::Float32(Some(c)) => Constant::Float(*c),
             ScalarValue::Int64(Some(c)) => Constant::Int64(*c),
