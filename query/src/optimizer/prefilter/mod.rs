@@ -13,24 +13,30 @@
 //!
 //! [`PrefilterExec`] sits between the `FilterExec` and its scan. For each row group of its
 //! partition it tests the filter's comparisons of a column with a constant on the column's
-//! pages ([`pages`]: once per dictionary entry, then an index lookup per row), and hands the
-//! scan a selection of the rows that may pass: every run of them, with the rejected runs
-//! shorter than [`MIN_SKIPPED_RUN`] read anyway, so the selection is a few long runs to read
-//! and long runs to skip. The scan skips those runs without decoding their values (whole
-//! pages where it can), and still prunes by statistics and page index as before. The
-//! `FilterExec` above, left in place, applies the exact filter to what was read.
+//! pages ([`pages`]: once per dictionary entry, then an index lookup per row), exactly as
+//! DataFusion's filter compares, and hands the scan a selection of the rows that pass: every
+//! run of them, with the rejected runs shorter than [`MIN_SKIPPED_RUN`] read anyway, so the
+//! selection is a few long runs to read and long runs to skip. The scan skips those runs
+//! without decoding their values (whole pages where it can).
 //!
-//! The selection only ever leaves out rows the filter rejects (NULLs, and NaN kept as maybe),
-//! so answers do not change: a conjunct it cannot test (another shape, a type or encoding it
-//! does not read, a column missing from an older file) is left to the `FilterExec`, and a
-//! row group it cannot read at all is scanned whole.
+//! Where nothing above the filter needs the tested columns (`utilization > 90` grouped by
+//! GPU), the prefilter runs in exact mode ([`exact`]): the scan does not read those columns at
+//! all, and the filter above keeps rows by the prefilter's verdicts. Otherwise the scan still
+//! prunes by statistics and page index as before, and the `FilterExec` above applies the
+//! whole filter to what was read; a conjunct the pages cannot be tested for (another shape, a
+//! type or encoding they are not read in, a column missing from an older file) is left to it,
+//! a row group that cannot be read at all is scanned whole, and a partition that keeps over
+//! half of what it tests stops testing after a sample.
 
+mod exact;
 mod pages;
 
-use arrow::datatypes::SchemaRef;
+pub use exact::PASSES;
+
+use arrow::datatypes::{Schema, SchemaRef};
 use datafusion::common::ScalarValue;
 use datafusion::common::config::ConfigOptions;
-use datafusion::common::tree_node::{TreeNode, TreeNodeRecursion};
+use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode, TreeNodeRecursion};
 use datafusion::datasource::listing::PartitionedFile;
 use datafusion::datasource::physical_plan::parquet::metadata::DFParquetMetadata;
 use datafusion::datasource::physical_plan::parquet::{
@@ -38,7 +44,7 @@ use datafusion::datasource::physical_plan::parquet::{
     RowGroupAccessPlanFilter,
 };
 use datafusion::datasource::physical_plan::{
-    FileGroup, FileScanConfig, FileScanConfigBuilder, ParquetSource,
+    FileGroup, FileScanConfig, FileScanConfigBuilder, FileSource, ParquetSource,
 };
 use datafusion::datasource::source::DataSourceExec;
 use datafusion::error::{DataFusionError, Result};
@@ -46,10 +52,12 @@ use datafusion::execution::TaskContext;
 use datafusion::execution::cache::cache_manager::FileMetadataCache;
 use datafusion::logical_expr::Operator;
 use datafusion::physical_expr::expressions::Column;
-use datafusion::physical_expr::{PhysicalExpr, split_conjunction};
+use datafusion::physical_expr::{
+    EquivalenceProperties, PhysicalExpr, conjunction, split_conjunction,
+};
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_optimizer::pruning::{PruningPredicate, PruningPredicateBuilder};
-use datafusion::physical_plan::filter::FilterExec;
+use datafusion::physical_plan::filter::{FilterExec, FilterExecBuilder};
 use datafusion::physical_plan::metrics::{
     Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet, Time,
 };
@@ -139,7 +147,8 @@ impl Test {
 /// documentation.
 #[derive(Debug)]
 pub struct PrefilterExec {
-    /// A `DataSourceExec` of Parquet files.
+    /// A `DataSourceExec` of Parquet files: in exact mode, the filter's scan without the
+    /// columns only the tests read, and without a predicate.
     scan: Arc<dyn ExecutionPlan>,
     tests: Arc<[Test]>,
     /// The whole filter over row groups' statistics: the row groups the scan will prune
@@ -148,6 +157,8 @@ pub struct PrefilterExec {
     /// The whole filter over the page index: pages the scan will skip are not tested.
     page_pruning: Option<Arc<PagePruningAccessPlanFilter>>,
     min_run: usize,
+    exact: Option<Arc<exact::Exact>>,
+    properties: Arc<PlanProperties>,
     metrics: ExecutionPlanMetricsSet,
 }
 
@@ -158,15 +169,46 @@ impl PrefilterExec {
         pruning: Option<Arc<PruningPredicate>>,
         page_pruning: Option<Arc<PagePruningAccessPlanFilter>>,
         min_run: usize,
+        exact: Option<Arc<exact::Exact>>,
     ) -> Self {
+        let properties = match exact {
+            None => Arc::clone(scan.properties()),
+            // The scan's columns and order, and the verdicts after them.
+            Some(_) => {
+                let scan_properties = scan.properties();
+                let orderings = scan_properties.output_ordering().cloned();
+                Arc::new(PlanProperties::new(
+                    EquivalenceProperties::new_with_orderings(
+                        exact::schema(&scan.schema()),
+                        orderings,
+                    ),
+                    scan_properties.output_partitioning().clone(),
+                    scan_properties.emission_type,
+                    scan_properties.boundedness,
+                ))
+            }
+        };
         Self {
             scan,
             tests,
             pruning,
             page_pruning,
             min_run,
+            exact,
+            properties,
             metrics: ExecutionPlanMetricsSet::new(),
         }
+    }
+
+    fn with_scan(&self, scan: Arc<dyn ExecutionPlan>) -> Self {
+        Self::new(
+            scan,
+            self.tests.clone(),
+            self.pruning.clone(),
+            self.page_pruning.clone(),
+            self.min_run,
+            self.exact.clone(),
+        )
     }
 }
 
@@ -175,8 +217,13 @@ impl DisplayAs for PrefilterExec {
         let tests: Vec<String> = self.tests.iter().map(Test::to_string).collect();
         write!(
             f,
-            "PrefilterExec: tests=[{}], skips rejected runs of {}+ rows",
+            "PrefilterExec: tests=[{}]{}, skips rejected runs of {}+ rows",
             tests.join(", "),
+            if self.exact.is_some() {
+                ", exact (the scan reads no tested-only column)"
+            } else {
+                ""
+            },
             self.min_run
         )
     }
@@ -188,7 +235,7 @@ impl ExecutionPlan for PrefilterExec {
     }
 
     fn properties(&self) -> &Arc<PlanProperties> {
-        self.scan.properties()
+        &self.properties
     }
 
     fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
@@ -203,13 +250,7 @@ impl ExecutionPlan for PrefilterExec {
         let [scan] = <[_; 1]>::try_from(children).map_err(|c| {
             DataFusionError::Internal(format!("PrefilterExec has one child, not {}", c.len()))
         })?;
-        Ok(Arc::new(Self::new(
-            scan,
-            self.tests.clone(),
-            self.pruning.clone(),
-            self.page_pruning.clone(),
-            self.min_run,
-        )))
+        Ok(Arc::new(self.with_scan(scan)))
     }
 
     fn with_new_children(
@@ -225,13 +266,7 @@ impl ExecutionPlan for PrefilterExec {
     }
 
     fn reset_state(self: Arc<Self>) -> Result<Arc<dyn ExecutionPlan>> {
-        Ok(Arc::new(Self::new(
-            self.scan.clone(),
-            self.tests.clone(),
-            self.pruning.clone(),
-            self.page_pruning.clone(),
-            self.min_run,
-        )))
+        Ok(Arc::new(self.with_scan(self.scan.clone())))
     }
 
     fn apply_expressions(
@@ -262,6 +297,7 @@ impl ExecutionPlan for PrefilterExec {
         // The same rows come out as from the scan alone, once the filter above has run.
         Ok(input_stats
             .first()
+            .filter(|_| self.exact.is_none())
             .cloned()
             .unwrap_or_else(|| Arc::new(Statistics::new_unknown(&self.schema()))))
     }
@@ -278,8 +314,16 @@ impl ExecutionPlan for PrefilterExec {
         let config = scan_config(&self.scan)
             .ok_or_else(|| DataFusionError::Internal("PrefilterExec over no Parquet scan".into()))?
             .clone();
-        let files = config
-            .file_groups
+        // In exact mode the full scan's groups: the same files as the narrowed one's.
+        let groups = match &self.exact {
+            Some(exact) => {
+                &scan_config(&exact.full)
+                    .ok_or_else(|| DataFusionError::Internal("PrefilterExec over no scan".into()))?
+                    .file_groups
+            }
+            None => &config.file_groups,
+        };
+        let files = groups
             .get(partition)
             .ok_or_else(|| {
                 DataFusionError::Internal(format!("PrefilterExec has no partition {partition}"))
@@ -287,35 +331,33 @@ impl ExecutionPlan for PrefilterExec {
             .files()
             .to_vec();
         let runtime = context.runtime_env();
-        let store = runtime.object_store(&config.object_store_url)?;
-        let cache = runtime.cache_manager.get_file_metadata_cache();
-        let counters = Counters {
-            tested: MetricBuilder::new(&self.metrics).counter("rows_tested", partition),
-            selected: MetricBuilder::new(&self.metrics).counter("rows_selected", partition),
-            time: MetricBuilder::new(&self.metrics).subset_time("prefilter_time", partition),
+        let look = Look {
+            store: runtime.object_store(&config.object_store_url)?,
+            cache: runtime.cache_manager.get_file_metadata_cache(),
+            tests: self.tests.clone(),
+            pruning: self.pruning.clone(),
+            page_pruning: self.page_pruning.clone(),
+            min_run: self.min_run,
+            counters: Counters {
+                tested: MetricBuilder::new(&self.metrics).counter("rows_tested", partition),
+                selected: MetricBuilder::new(&self.metrics).counter("rows_selected", partition),
+                time: MetricBuilder::new(&self.metrics).subset_time("prefilter_time", partition),
+            },
         };
-        let tests = self.tests.clone();
-        let min_run = self.min_run;
-        let pruning = self.pruning.clone();
-        let page_pruning = self.page_pruning.clone();
-        let scan_schema = self.scan.schema();
         let schema: SchemaRef = self.schema();
+        if let Some(exact) = &self.exact {
+            let stream = exact::execute(exact, &config, files, look, schema.clone(), context);
+            return Ok(Box::pin(RecordBatchStreamAdapter::new(
+                schema,
+                stream.boxed(),
+            )));
+        }
         let stream = futures::stream::once(async move {
             let mut planned = Vec::with_capacity(files.len());
             let mut so_far = SoFar::default();
             for file in files {
-                let timer = counters.time.timer();
+                let timer = look.counters.time.timer();
                 let plan = if so_far.worth_it() {
-                    let look = Look {
-                        store: &store,
-                        cache: &cache,
-                        tests: &tests,
-                        pruning: pruning.as_deref(),
-                        page_pruning: page_pruning.as_deref(),
-                        schema: &scan_schema,
-                        min_run,
-                        counters: &counters,
-                    };
                     access_plan(&file, &look, &mut so_far).await
                 } else {
                     None
@@ -359,19 +401,18 @@ impl SoFar {
     }
 }
 
-/// What [`access_plan`] reads with and how.
-struct Look<'a> {
-    store: &'a Arc<dyn ObjectStore>,
-    cache: &'a Arc<FileMetadataCache>,
-    tests: &'a [Test],
-    pruning: Option<&'a PruningPredicate>,
-    page_pruning: Option<&'a PagePruningAccessPlanFilter>,
-    /// The scan's output, which the filter reads.
-    schema: &'a SchemaRef,
+/// What the tests read with and how.
+struct Look {
+    store: Arc<dyn ObjectStore>,
+    cache: Arc<FileMetadataCache>,
+    tests: Arc<[Test]>,
+    pruning: Option<Arc<PruningPredicate>>,
+    page_pruning: Option<Arc<PagePruningAccessPlanFilter>>,
     min_run: usize,
-    counters: &'a Counters,
+    counters: Counters,
 }
 
+#[derive(Clone)]
 struct Counters {
     tested: Count,
     selected: Count,
@@ -384,54 +425,53 @@ fn scan_config(plan: &Arc<dyn ExecutionPlan>) -> Option<&FileScanConfig> {
         .downcast_ref::<FileScanConfig>()
 }
 
-/// The rows of `file` worth reading, by row group; `None` where nothing could be tested (the
-/// file is read as it would have been). A failure to read or decode only means reading more.
-async fn access_plan(
-    file: &PartitionedFile,
-    look: &Look<'_>,
-    so_far: &mut SoFar,
-) -> Option<ParquetAccessPlan> {
-    let Look {
-        store,
-        cache,
-        tests,
-        pruning,
-        page_pruning,
-        schema: scan_schema,
-        min_run,
-        counters,
-    } = *look;
-    if file.extensions.get::<ParquetAccessPlan>().is_some() {
-        return None;
-    }
-    let metadata = DFParquetMetadata::new(store.as_ref(), &file.object_meta)
-        .with_file_metadata_cache(Some(cache.clone()))
+/// A file's footer, read through the session's metadata cache with its page index where it
+/// has one; and the leaf column of each test, where the file has that column.
+struct Footer {
+    metadata: Arc<parquet::file::metadata::ParquetMetaData>,
+    leaves: Vec<Option<usize>>,
+}
+
+async fn footer(file: &PartitionedFile, look: &Look) -> Option<Footer> {
+    let metadata = DFParquetMetadata::new(look.store.as_ref(), &file.object_meta)
+        .with_file_metadata_cache(Some(look.cache.clone()))
         .with_page_index_policy(Some(PageIndexPolicy::Optional))
         .fetch_metadata()
         .await
         .ok()?;
     let schema = metadata.file_metadata().schema_descr();
-    let leaves: Vec<(usize, &Test)> = tests
+    let leaves = look
+        .tests
         .iter()
-        .filter_map(|t| {
+        .map(|t| {
             (0..schema.num_columns())
                 .find(|&i| schema.column(i).path().parts() == [t.column.as_str()])
-                .map(|i| (i, t))
         })
         .collect();
-    if leaves.is_empty() {
-        return None;
-    }
-    let mut plan = ParquetAccessPlan::new_all(metadata.num_row_groups());
-    // What the scan will read, as it prunes: row groups by statistics, then pages by the
-    // page index.
+    Some(Footer { metadata, leaves })
+}
+
+/// What the scan reads of each row group of `footer`'s file, as it prunes with the filter:
+/// row groups by statistics, then pages by the page index. Statistics are found by the
+/// file's own columns, as the scan finds them (the scan's output may be fewer columns, or in
+/// another order); a file whose schema cannot be read is pruned by nothing.
+fn scanned(file: &PartitionedFile, footer: &Footer, look: &Look) -> ParquetAccessPlan {
+    let metadata = &footer.metadata;
+    let schema = metadata.file_metadata().schema_descr();
+    let mut scanned = ParquetAccessPlan::new_all(metadata.num_row_groups());
+    let Ok(file_schema) = parquet::arrow::parquet_to_arrow_schema(
+        schema,
+        metadata.file_metadata().key_value_metadata(),
+    ) else {
+        return scanned;
+    };
+    let file_schema = Arc::new(file_schema);
     let unseen = ExecutionPlanMetricsSet::new();
     let metrics = ParquetFileMetrics::new(0, file.object_meta.location.as_ref(), &unseen);
-    let mut scanned = ParquetAccessPlan::new_all(metadata.num_row_groups());
-    if let Some(predicate) = pruning {
+    if let Some(predicate) = look.pruning.as_deref() {
         let mut filter = RowGroupAccessPlanFilter::new(scanned);
         filter.prune_by_statistics(
-            scan_schema,
+            &file_schema,
             schema,
             metadata.row_groups(),
             predicate,
@@ -439,12 +479,119 @@ async fn access_plan(
         );
         scanned = filter.build();
     }
-    if let Some(pages) = page_pruning
+    if let Some(pages) = look.page_pruning.as_deref()
         && metadata.offset_index().is_some()
     {
         scanned =
-            pages.prune_plan_with_page_index(scanned, scan_schema, schema, &metadata, &metrics);
+            pages.prune_plan_with_page_index(scanned, &file_schema, schema, metadata, &metrics);
     }
+    scanned
+}
+
+/// The row ranges the scan reads of a row group, `None` where it reads all of it.
+fn read_ranges(selection: &RowSelection) -> Vec<(usize, usize)> {
+    let mut ranges = Vec::new();
+    let mut at = 0;
+    for s in Vec::<RowSelector>::from(selection.clone()) {
+        if !s.skip {
+            ranges.push((at, at + s.row_count));
+        }
+        at += s.row_count;
+    }
+    ranges
+}
+
+/// Whether row group `g` of the file is in `file`'s byte range (DataFusion's rule: where its
+/// first page is), or the file is read whole.
+fn in_range(file: &PartitionedFile, group: &parquet::file::metadata::RowGroupMetaData) -> bool {
+    let Some(range) = &file.range else {
+        return true;
+    };
+    let first = group.column(0);
+    let offset = first
+        .dictionary_page_offset()
+        .unwrap_or_else(|| first.data_page_offset());
+    range.contains(offset)
+}
+
+/// The rows of row group `g` that pass every test of a column the file has, read from their
+/// pages; rows outside `ranges` (what the scan reads of it) left out. `None` where no test
+/// could be read; `exact` asks for every test to be read, or `None`.
+async fn test_row_group(
+    file: &PartitionedFile,
+    footer: &Footer,
+    g: usize,
+    ranges: Option<&[(usize, usize)]>,
+    look: &Look,
+    exact: bool,
+) -> Option<Bits> {
+    let group = footer.metadata.row_group(g);
+    let rows = usize::try_from(group.num_rows()).ok()?;
+    let mut kept: Option<Bits> = None;
+    for (&leaf, test) in footer.leaves.iter().zip(look.tests.iter()) {
+        let Some(leaf) = leaf else {
+            if exact {
+                return None;
+            }
+            continue;
+        };
+        let chunk = group.column(leaf);
+        let (start, len) = chunk.byte_range();
+        let read = async {
+            let bytes = look
+                .store
+                .get_range(&file.object_meta.location, start..start.checked_add(len)?)
+                .await
+                .ok()?;
+            let locations = footer
+                .metadata
+                .offset_index()
+                .and_then(|index| index.get(g)?.get(leaf))
+                .map(|index| index.page_locations().as_slice());
+            pages::chunk_rows(
+                bytes,
+                chunk,
+                rows,
+                test.cmp,
+                test.constant,
+                locations.zip(ranges),
+            )
+            .filter(|bits| bits.len() == rows)
+        };
+        let Some(rows_kept) = read.await else {
+            if exact {
+                return None;
+            }
+            continue;
+        };
+        match &mut kept {
+            Some(k) => k.and(&rows_kept),
+            None => kept = Some(rows_kept),
+        }
+        if kept.as_ref().is_some_and(Bits::none) {
+            break;
+        }
+    }
+    kept
+}
+
+/// The rows of `file` worth reading, by row group; `None` where nothing could be tested (the
+/// file is read as it would have been). A failure to read or decode only means reading more.
+async fn access_plan(
+    file: &PartitionedFile,
+    look: &Look,
+    so_far: &mut SoFar,
+) -> Option<ParquetAccessPlan> {
+    if file.extensions.get::<ParquetAccessPlan>().is_some() {
+        return None;
+    }
+    let footer = footer(file, look).await?;
+    if footer.leaves.iter().all(Option::is_none) {
+        return None;
+    }
+    let metadata = &footer.metadata;
+    let mut plan = ParquetAccessPlan::new_all(metadata.num_row_groups());
+    let scanned = scanned(file, &footer, look);
     let mut changed = false;
     for (g, group) in metadata.row_groups().iter().enumerate() {
         if group.num_columns() == 0 || !so_far.worth_it() {
@@ -454,20 +601,10 @@ async fn access_plan(
             continue;
         };
         // The row ranges the scan reads, or nothing where it reads the whole row group.
-        let ranges: Option<Vec<(usize, usize)>> = match scanned.inner()[g].clone() {
+        let ranges = match &scanned.inner()[g] {
             RowGroupAccess::Skip => continue,
             RowGroupAccess::Scan => None,
-            RowGroupAccess::Selection(selection) => {
-                let mut ranges = Vec::new();
-                let mut at = 0;
-                for s in Vec::<RowSelector>::from(selection) {
-                    if !s.skip {
-                        ranges.push((at, at + s.row_count));
-                    }
-                    at += s.row_count;
-                }
-                Some(ranges)
-            }
+            RowGroupAccess::Selection(selection) => Some(read_ranges(selection)),
         };
         // Where the page index leaves the scan little to read, testing costs more than it
         // could save (a dashboard's few minutes of one GPU).
@@ -477,54 +614,18 @@ async fn access_plan(
         {
             continue;
         }
-        // Only the row groups this partition's byte range reads (DataFusion's rule: where
-        // its first page is); the others are left for the range to skip.
-        if let Some(range) = &file.range {
-            let first = group.column(0);
-            let offset = first
-                .dictionary_page_offset()
-                .unwrap_or_else(|| first.data_page_offset());
-            if !range.contains(offset) {
-                continue;
-            }
+        // Only the row groups this partition's byte range reads; the others are left for
+        // the range to skip.
+        if !in_range(file, group) {
+            continue;
         }
-        let mut kept: Option<Bits> = None;
-        for &(leaf, test) in &leaves {
-            let chunk = group.column(leaf);
-            let (start, len) = chunk.byte_range();
-            let Some(end) = start.checked_add(len) else {
-                continue;
-            };
-            let Ok(bytes) = store
-                .get_range(&file.object_meta.location, start..end)
-                .await
-            else {
-                continue;
-            };
-            let locations = metadata
-                .offset_index()
-                .and_then(|index| index.get(g)?.get(leaf))
-                .map(|index| index.page_locations().as_slice());
-            let read = locations.zip(ranges.as_deref());
-            let Some(rows_kept) =
-                pages::chunk_rows(bytes, chunk, rows, test.cmp, test.constant, read)
-            else {
-                continue;
-            };
-            match &mut kept {
-                Some(k) => k.and(&rows_kept),
-                None => kept = Some(rows_kept),
-            }
-            if kept.as_ref().is_some_and(Bits::none) {
-                break;
-            }
-        }
-        let Some(kept) = kept else {
+        let Some(kept) = test_row_group(file, &footer, g, ranges.as_deref(), look, false).await
+        else {
             continue;
         };
-        counters.tested.add(rows);
-        let (access, selected) = access(&kept, rows, min_run);
-        counters.selected.add(selected);
+        look.counters.tested.add(rows);
+        let (access, selected) = access(&kept, rows, look.min_run);
+        look.counters.selected.add(selected);
         so_far.tested += rows;
         so_far.selected += selected;
         plan.set(g, access);
@@ -612,26 +713,20 @@ fn prefiltered(filter: &FilterExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
         return Ok(None);
     }
     // The conjuncts over the scan's own output columns, named as in the files.
-    let tests: Vec<Test> = split_conjunction(filter.predicate())
+    let (tested, rest): (Vec<_>, Vec<_>) = split_conjunction(filter.predicate())
         .into_iter()
-        .filter_map(Test::of)
-        .filter(|t| {
-            config
-                .table_partition_cols()
-                .iter()
-                .all(|p| p.name() != &t.column)
+        .map(|c| {
+            let test = Test::of(c).filter(|t| {
+                config
+                    .table_partition_cols()
+                    .iter()
+                    .all(|p| p.name() != &t.column)
+            });
+            (c, test)
         })
-        .collect();
+        .partition(|(_, t)| t.is_some());
+    let tests: Vec<Test> = tested.iter().filter_map(|(_, t)| t.clone()).collect();
     if tests.is_empty() {
-        return Ok(None);
-    }
-    let read_by_filter = columns(filter.predicate());
-    if scan
-        .schema()
-        .fields()
-        .iter()
-        .all(|f| read_by_filter.contains(f.name().as_str()))
-    {
         return Ok(None);
     }
     let page_pruning = Some(Arc::new(PagePruningAccessPlanFilter::new(
@@ -645,17 +740,132 @@ fn prefiltered(filter: &FilterExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
         .ok()
         .filter(|p| !p.always_true())
         .map(Arc::new);
-    let prefilter: Arc<dyn ExecutionPlan> = Arc::new(PrefilterExec::new(
-        scan.clone(),
-        tests.into(),
-        pruning,
-        page_pruning,
-        MIN_SKIPPED_RUN,
-    ));
+    let tested: Vec<Arc<dyn PhysicalExpr>> = tested.into_iter().map(|(c, _)| c.clone()).collect();
+    let rest: Vec<Arc<dyn PhysicalExpr>> = rest.into_iter().map(|(c, _)| c.clone()).collect();
+    let prefilter = |scan, exact| {
+        Arc::new(PrefilterExec::new(
+            scan,
+            tests.clone().into(),
+            pruning.clone(),
+            page_pruning.clone(),
+            MIN_SKIPPED_RUN,
+            exact,
+        ))
+    };
+    if let Some(plan) = exactly(filter, config, source, tested, &rest, prefilter)? {
+        return Ok(Some(plan));
+    }
+    let read_by_filter = columns(filter.predicate());
+    if scan
+        .schema()
+        .fields()
+        .iter()
+        .all(|f| read_by_filter.contains(f.name().as_str()))
+    {
+        return Ok(None);
+    }
+    let prefilter: Arc<dyn ExecutionPlan> = prefilter(scan.clone(), None);
     Ok(Some(replace_children_if_necessary(
         Arc::new(filter.clone()),
         vec![prefilter],
     )?))
+}
+
+/// The filter in exact mode, where the tested conjuncts read columns nothing above the filter
+/// needs (`exact`'s documentation): the scan without those columns and without a predicate,
+/// the prefilter with its verdicts, and the filter on the verdicts and the untested
+/// conjuncts. `None` where every column is needed, or the scan's output is not plain columns.
+fn exactly(
+    filter: &FilterExec,
+    config: &FileScanConfig,
+    source: &ParquetSource,
+    tested: Vec<Arc<dyn PhysicalExpr>>,
+    rest: &[Arc<dyn PhysicalExpr>],
+    prefilter: impl Fn(Arc<dyn ExecutionPlan>, Option<Arc<exact::Exact>>) -> Arc<PrefilterExec>,
+) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+    let scan = filter.input();
+    let schema = scan.schema();
+    let Some(output) = filter.projection() else {
+        return Ok(None);
+    };
+    let mut needed: HashSet<String> = rest.iter().flat_map(columns).collect();
+    needed.extend(output.iter().map(|&i| schema.field(i).name().clone()));
+    let kept: Vec<usize> = (0..schema.fields().len())
+        .filter(|&i| needed.contains(schema.field(i).name()))
+        .collect();
+    // A column of the verdicts' name (no table of the store has one) would be found in its
+    // place.
+    if kept.len() == schema.fields().len() || schema.field_with_name(PASSES).is_ok() {
+        return Ok(None);
+    }
+    // The scan's output columns as the table's.
+    let Some(projection) = source.projection() else {
+        return Ok(None);
+    };
+    let Some(table_columns) = projection
+        .iter()
+        .map(|p| p.expr.downcast_ref::<Column>().map(Column::index))
+        .collect::<Option<Vec<usize>>>()
+    else {
+        return Ok(None);
+    };
+    if table_columns.len() != schema.fields().len() {
+        return Ok(None);
+    }
+    let mut unfiltered = ParquetSource::new(source.table_schema().clone())
+        .with_table_parquet_options(source.table_parquet_options().clone());
+    if let Some(factory) = source.parquet_file_reader_factory() {
+        unfiltered = unfiltered.with_parquet_file_reader_factory(Arc::clone(factory));
+    }
+    let narrowed = FileScanConfigBuilder::from(config.clone())
+        .with_source(Arc::new(unfiltered))
+        .with_projection_indices(Some(kept.iter().map(|&i| table_columns[i]).collect()))?
+        .build();
+    let narrowed: Arc<dyn ExecutionPlan> = DataSourceExec::from_data_source(narrowed);
+    let names = |s: &Schema, at: &[usize]| -> Vec<String> {
+        at.iter().map(|&i| s.field(i).name().clone()).collect()
+    };
+    if names(&narrowed.schema(), &(0..kept.len()).collect::<Vec<_>>()) != names(&schema, &kept) {
+        return Ok(None);
+    }
+    let exact = exact::Exact {
+        full: Arc::clone(scan),
+        predicate: conjunction(tested),
+        kept: kept.clone(),
+    };
+    let prefilter = prefilter(narrowed, Some(Arc::new(exact)));
+    let out = prefilter.schema();
+    // The filter's columns, found by name in the prefilter's output.
+    let renamed = |expr: &Arc<dyn PhysicalExpr>| -> Result<Arc<dyn PhysicalExpr>> {
+        Arc::clone(expr)
+            .transform(|e| {
+                Ok(match e.downcast_ref::<Column>() {
+                    Some(c) => {
+                        Transformed::yes(Arc::new(Column::new(c.name(), out.index_of(c.name())?))
+                            as Arc<dyn PhysicalExpr>)
+                    }
+                    None => Transformed::no(e),
+                })
+            })
+            .data()
+    };
+    let passes: Arc<dyn PhysicalExpr> = Arc::new(Column::new(PASSES, kept.len()));
+    let predicate = conjunction(
+        std::iter::once(Ok(passes))
+            .chain(rest.iter().map(renamed))
+            .collect::<Result<Vec<_>>>()?,
+    );
+    let projection = output
+        .iter()
+        .map(|&i| out.index_of(schema.field(i).name()))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let filter = FilterExecBuilder::new(predicate, prefilter)
+        .with_default_selectivity(filter.default_selectivity())
+        .with_batch_size(filter.batch_size())
+        .with_fetch(filter.fetch())
+        .apply_projection(Some(projection))?
+        .build()?;
+    Ok(Some(Arc::new(filter)))
 }
 
 /// Names of the columns `expr` reads.
@@ -684,6 +894,21 @@ mod tests {
     /// them: GPUs busy in long jobs (utilization 91 to 100) between long idle stretches, with
     /// a busy moment here and there, a few NULLs and a NaN.
     fn samples(path: &std::path::Path) {
+        samples_as(path, Layout::Store);
+    }
+
+    /// How a file of samples is written.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Layout {
+        /// As the store writes them: dictionaries, PLAIN where they overflow.
+        Store,
+        /// `util` in BYTE_STREAM_SPLIT, an encoding the pages are not read in.
+        SplitUtil,
+        /// Without a `util` column (a file written before it was added).
+        NoUtil,
+    }
+
+    fn samples_as(path: &std::path::Path, layout: Layout) {
         let (mut node, mut gpu, mut util, mut power) = (vec![], vec![], vec![], vec![]);
         for n in 0..4 {
             for g in 0..4i32 {
@@ -702,18 +927,27 @@ mod tests {
                 }
             }
         }
-        let batch = RecordBatch::try_from_iter([
+        let mut columns = vec![
             ("node", Arc::new(StringArray::from(node)) as ArrayRef),
             ("gpu", Arc::new(Int32Array::from(gpu))),
             ("util", Arc::new(Float64Array::from(util))),
             ("power", Arc::new(Float64Array::from(power))),
-        ])
-        .expect("batch");
-        let props = WriterProperties::builder()
+        ];
+        if layout == Layout::NoUtil {
+            columns.remove(2);
+        }
+        let batch = RecordBatch::try_from_iter(columns).expect("batch");
+        let mut props = WriterProperties::builder()
             .set_max_row_group_row_count(Some(10_000))
             .set_data_page_row_count_limit(1_000)
-            .set_write_batch_size(1_000)
-            .build();
+            .set_write_batch_size(1_000);
+        if layout == Layout::SplitUtil {
+            let util = parquet::schema::types::ColumnPath::from("util");
+            props = props
+                .set_column_dictionary_enabled(util.clone(), false)
+                .set_column_encoding(util, parquet::basic::Encoding::BYTE_STREAM_SPLIT);
+        }
+        let props = props.build();
         let file = std::fs::File::create(path).expect("create");
         let mut writer = ArrowWriter::try_new(file, batch.schema(), Some(props)).expect("writer");
         writer.write(&batch).expect("write");
@@ -748,14 +982,23 @@ mod tests {
         pretty_format_batches(&batches).expect("format").to_string()
     }
 
-    /// Filters answer the same with and without the prefilter: selective and not, on both
-    /// sides of a constant, with NULLs and NaN in the column, a conjunct it cannot test, and
-    /// the file split between two partitions by byte range.
+    /// Filters answer the same with and without the prefilter, in exact mode and not:
+    /// selective and not, on both sides of a constant, with NULLs and NaN in the column, a
+    /// conjunct it cannot test, and the file split between two partitions by byte range. And
+    /// over a table of three files whose second cannot be tested on its pages (`util` in an
+    /// encoding they are not read in) and whose third has no `util` column, which exact mode
+    /// reads whole and tests row by row, between files it tested.
     #[tokio::test]
     async fn answers_do_not_change() {
         let dir = tempfile::tempdir().expect("dir");
         let path = dir.path().join("samples.parquet");
         samples(&path);
+        let mixed = dir.path().join("mixed");
+        std::fs::create_dir(&mixed).expect("dir");
+        samples_as(&mixed.join("1.parquet"), Layout::Store);
+        samples_as(&mixed.join("2.parquet"), Layout::SplitUtil);
+        samples_as(&mixed.join("3.parquet"), Layout::NoUtil);
+        samples_as(&mixed.join("4.parquet"), Layout::Store);
         let queries = [
             "SELECT node, gpu, count(*) AS n, sum(power) AS p FROM s WHERE util > 90 GROUP BY node, gpu ORDER BY node, gpu",
             "SELECT node, count(*) AS n, max(power) AS p FROM s WHERE util > 90 AND power > 250 GROUP BY node ORDER BY node",
@@ -775,6 +1018,10 @@ mod tests {
             "SELECT count(*) AS n, sum(power) AS p FROM s WHERE util >= 'NaN'::double",
             "SELECT count(*) AS n, sum(power) AS p FROM s WHERE util < '-Infinity'::double",
             "SELECT count(*) AS n, sum(power) AS p FROM s WHERE util <= -0.0",
+            // No column read but the tested one: exact mode reads none.
+            "SELECT count(*) AS n FROM s WHERE util > 90",
+            // The tested column is an output: the scan reads it, the filter tests it again.
+            "SELECT node, gpu, util, power FROM s WHERE util > 98 ORDER BY node, gpu, power, util",
         ];
         let with = session(true);
         let without = session(false);
@@ -782,14 +1029,30 @@ mod tests {
             ctx.register_parquet("s", path.to_str().expect("utf-8"), Default::default())
                 .await
                 .expect("register");
+            let mixed = format!("{}/", mixed.to_str().expect("utf-8"));
+            ctx.register_parquet("m", &mixed, Default::default())
+                .await
+                .expect("register");
         }
         for sql in queries {
-            assert_eq!(
-                answer(&with, sql).await,
-                answer(&without, sql).await,
-                "{sql}"
-            );
+            for sql in [sql.to_owned(), sql.replace("FROM s ", "FROM m ")] {
+                assert_eq!(
+                    answer(&with, &sql).await,
+                    answer(&without, &sql).await,
+                    "{sql}"
+                );
+            }
         }
+        // Exact mode over the mixed table: the files it could not test were read whole.
+        let explained = answer(
+            &with,
+            &format!(
+                "EXPLAIN ANALYZE {}",
+                queries[0].replace("FROM s ", "FROM m ")
+            ),
+        )
+        .await;
+        assert!(explained.contains("exact"), "{explained}");
         // The selective one is prefiltered, and reads only part of the file.
         let explained = answer(&with, &format!("EXPLAIN ANALYZE {}", queries[0])).await;
         let line = explained
@@ -817,8 +1080,9 @@ mod tests {
         assert!(selected > 0.0 && selected < 30_000.0, "{line}");
     }
 
-    /// No prefilter where the filter reads every column the scan outputs (nothing to skip),
-    /// nor where no conjunct compares a column with a constant.
+    /// No prefilter where the filter reads every column the scan outputs and needs them all
+    /// after (nothing to skip), nor where no conjunct compares a column with a constant.
+    /// Exact mode where the tested columns are needed only by the filter.
     #[tokio::test]
     async fn only_where_it_can_save() {
         let dir = tempfile::tempdir().expect("dir");
@@ -829,13 +1093,23 @@ mod tests {
             .await
             .expect("register");
         for (sql, expected) in [
-            ("SELECT count(*) FROM s WHERE util > 90", false),
-            ("SELECT sum(power) FROM s WHERE util + 1 > power", false),
-            ("SELECT sum(power) FROM s WHERE node = 'node-1'", false),
-            ("SELECT sum(power) FROM s WHERE util > 90", true),
+            ("SELECT sum(util) FROM s WHERE util > 90", None),
+            ("SELECT sum(power) FROM s WHERE util + 1 > power", None),
+            ("SELECT sum(power) FROM s WHERE node = 'node-1'", None),
+            ("SELECT util, power FROM s WHERE util > 90", Some(false)),
+            ("SELECT count(*) FROM s WHERE util > 90", Some(true)),
+            ("SELECT sum(power) FROM s WHERE util > 90", Some(true)),
+            (
+                "SELECT sum(util) FROM s WHERE util > 90 AND gpu = 1",
+                Some(true),
+            ),
         ] {
             let plan = answer(&ctx, &format!("EXPLAIN {sql}")).await;
-            assert_eq!(plan.contains("PrefilterExec"), expected, "{sql}: {plan}");
+            let found = plan
+                .lines()
+                .find(|l| l.contains("PrefilterExec"))
+                .map(|l| l.contains("exact"));
+            assert_eq!(found, expected, "{sql}: {plan}");
         }
     }
 

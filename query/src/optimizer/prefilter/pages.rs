@@ -9,7 +9,8 @@
 //! Supported: a flat column (no repetition), optional or required, of a physical type that
 //! matches the constant (DOUBLE, FLOAT, INT64, INT32), in data pages of version 1 or 2,
 //! PLAIN or dictionary encoded. Anything else answers `None`, and the caller reads the chunk
-//! in full as before: this is only ever a way to skip rows, never to decide an answer.
+//! through the Parquet reader instead. Where it answers, a row passes exactly where
+//! DataFusion's filter keeps it: floats compared in DataFusion's total order, NULLs never.
 
 use bytes::Bytes;
 use parquet::basic::{ConvertedType, Encoding, IntType, LogicalType, Type as PhysicalType};
@@ -19,6 +20,8 @@ use parquet::file::page_index::offset_index::PageLocation;
 use parquet::file::reader::{ChunkReader, Length};
 use parquet::file::serialized_reader::SerializedPageReader;
 use std::sync::Arc;
+
+use crate::optimizer::float_compare::{key32, key64};
 
 /// A constant of one of the physical types this reads.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -43,21 +46,17 @@ pub(crate) enum Cmp {
 }
 
 impl Cmp {
-    /// Whether a value passes, or may pass: NaN always may (DataFusion orders NaN above
-    /// every number, and a negative NaN below), and `-0.0` compares equal to `0.0` as in
-    /// DataFusion.
+    /// `v cmp c`, on values in a total order: integers as they are, floats by their
+    /// total-order keys, so a row passes exactly where DataFusion's comparison passes it.
     #[inline]
-    fn keeps<T: PartialOrd + Copy>(self, v: T, c: T) -> bool {
-        use std::cmp::Ordering::{Equal, Greater, Less};
-        // NaN compares as `None`: kept by all but `!=`, where it is kept anyway.
-        let order = v.partial_cmp(&c);
+    fn holds<T: Ord>(self, v: T, c: T) -> bool {
         match self {
-            Cmp::Eq => matches!(order, Some(Equal)) || v.partial_cmp(&v).is_none(),
-            Cmp::NotEq => !matches!(order, Some(Equal)),
-            Cmp::Lt => !matches!(order, Some(Greater | Equal)),
-            Cmp::LtEq => !matches!(order, Some(Greater)),
-            Cmp::Gt => !matches!(order, Some(Less | Equal)),
-            Cmp::GtEq => !matches!(order, Some(Less)),
+            Cmp::Eq => v == c,
+            Cmp::NotEq => v != c,
+            Cmp::Lt => v < c,
+            Cmp::LtEq => v <= c,
+            Cmp::Gt => v > c,
+            Cmp::GtEq => v >= c,
         }
     }
 }
@@ -142,6 +141,31 @@ impl Bits {
         self.len
     }
 
+    /// Appends bits `start..end` of `other`.
+    pub(crate) fn append(&mut self, other: &Bits, start: usize, end: usize) {
+        let mut at = start;
+        while at + 64 <= end {
+            let (word, shift) = (at / 64, at % 64);
+            let low = other.words[word] >> shift;
+            let high = if shift == 0 {
+                0
+            } else {
+                other.words.get(word + 1).map_or(0, |w| w << (64 - shift))
+            };
+            self.push_word(low | high);
+            at += 64;
+        }
+        for i in at..end {
+            self.push(other.get(i));
+        }
+    }
+
+    /// The words, bit `i` as bit `i % 64` of word `i / 64` (Arrow's bitmap layout, in
+    /// little-endian words).
+    pub(crate) fn into_words(self) -> Vec<u64> {
+        self.words
+    }
+
     fn count(&self) -> usize {
         self.words.iter().map(|w| w.count_ones() as usize).sum()
     }
@@ -217,8 +241,8 @@ impl Chunk {
     }
 }
 
-/// The rows of the chunk (`rows` of them) that may pass `value cmp constant`: NULL rows never
-/// do. `bytes` is the chunk as read from the file at `meta.byte_range()`. `None` where the
+/// The rows of the chunk (`rows` of them) that pass `value cmp constant`, as DataFusion's
+/// filter decides: NULL rows never do. `bytes` is the chunk as read from the file at `meta.byte_range()`. `None` where the
 /// chunk is of a shape this does not read, or does not decode.
 ///
 /// `read`, where given, is the chunk's page locations and the row ranges worth testing (those
@@ -269,24 +293,28 @@ pub(crate) fn chunk_rows(
         )
     });
     match (meta.column_type(), constant) {
+        // DataFusion orders floats totally, NaN above every number (a negative NaN below),
+        // with `-0.0` equal to `0.0`: compared on the same keys as its filters are.
         (PhysicalType::DOUBLE, Constant::Double(c)) => {
-            decode(pages, rows, optional, |v: f64| cmp.keeps(v, c))
+            let c = key64(c);
+            decode(pages, rows, optional, |v: f64| cmp.holds(key64(v), c))
         }
         (PhysicalType::FLOAT, Constant::Float(c)) => {
-            decode(pages, rows, optional, |v: f32| cmp.keeps(v, c))
+            let c = key32(c);
+            decode(pages, rows, optional, |v: f32| cmp.holds(key32(v), c))
         }
         (PhysicalType::INT64, Constant::Int64(c)) if plain_integer && !unsigned => {
-            decode(pages, rows, optional, |v: i64| cmp.keeps(v, c))
+            decode(pages, rows, optional, |v: i64| cmp.holds(v, c))
         }
         (PhysicalType::INT32, Constant::Int32(c)) if plain_integer && !unsigned => {
-            decode(pages, rows, optional, |v: i32| cmp.keeps(v, c))
+            decode(pages, rows, optional, |v: i32| cmp.holds(v, c))
         }
         // Unsigned values are stored in the signed type's bits.
         (PhysicalType::INT64, Constant::UInt64(c)) if unsigned => {
-            decode(pages, rows, optional, |v: i64| cmp.keeps(v as u64, c))
+            decode(pages, rows, optional, |v: i64| cmp.holds(v as u64, c))
         }
         (PhysicalType::INT32, Constant::UInt32(c)) if unsigned => {
-            decode(pages, rows, optional, |v: i32| cmp.keeps(v as u32, c))
+            decode(pages, rows, optional, |v: i32| cmp.holds(v as u32, c))
         }
         _ => None,
     }
@@ -797,11 +825,10 @@ mod tests {
         }
     }
 
-    /// Every column, comparison and constant, in every layout: the rows kept are exactly
-    /// those whose value passes by IEEE 754 plus every NaN, and never miss a row DataFusion's
-    /// own comparison keeps.
+    /// Every column, comparison and constant (NaN, both zeros and infinity among them), in
+    /// every layout: the rows kept are exactly those DataFusion's own comparison keeps.
     #[test]
-    fn keeps_every_row_the_filter_keeps_and_only_nan_besides() {
+    fn keeps_exactly_the_rows_the_filter_keeps() {
         let batch = batch();
         let layouts = [
             (true, 1 << 20, false),
@@ -869,32 +896,38 @@ mod tests {
                             .as_any()
                             .downcast_ref::<BooleanArray>()
                             .expect("booleans");
-                        let values = batch.column(index);
                         for row in 0..batch.num_rows() {
-                            let nan = values.is_valid(row)
-                                && match field.name().as_str() {
-                                    "f64" | "required" => values
-                                        .as_any()
-                                        .downcast_ref::<Float64Array>()
-                                        .is_some_and(|a| a.value(row).is_nan()),
-                                    "f32" => values
-                                        .as_any()
-                                        .downcast_ref::<Float32Array>()
-                                        .is_some_and(|a| a.value(row).is_nan()),
-                                    _ => false,
-                                };
                             let passes = exact.is_valid(row) && exact.value(row);
-                            assert!(
-                                !passes || kept.get(row),
-                                "{layout}: row {row} passes but was left out"
-                            );
-                            // Against a NaN constant every comparison but `=` keeps
-                            // everything: only the superset is checked.
-                            if !nan && !c.is_nan() {
-                                assert_eq!(kept.get(row), passes, "{layout}: row {row}");
-                            }
+                            assert_eq!(kept.get(row), passes, "{layout}: row {row}");
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// Bits appended from any offset to any other, across word boundaries, are the same bits.
+    #[test]
+    fn append_copies_any_range() {
+        let mut source = Bits::default();
+        for i in 0..300 {
+            source.push(i % 3 == 0 || i % 7 == 0);
+        }
+        for lead in [0, 1, 63, 64, 65] {
+            for (start, end) in [(0, 300), (1, 299), (63, 130), (64, 128), (5, 5), (200, 300)] {
+                let mut out = Bits::default();
+                out.push_n(true, lead);
+                out.append(&source, start, end);
+                assert_eq!(out.len(), lead + end - start);
+                for i in 0..lead {
+                    assert!(out.get(i));
+                }
+                for i in start..end {
+                    assert_eq!(
+                        out.get(lead + i - start),
+                        source.get(i),
+                        "{lead} {start}..{end} at {i}"
+                    );
                 }
             }
         }
