@@ -21,6 +21,7 @@
 
 mod cluster;
 mod error;
+mod gittins;
 mod history;
 mod ids;
 mod job;

@@ -97,6 +97,27 @@ impl Scheduler {
         f64::from(j.spec.gpu_hundredths()) / 100.0 * (j.progress + running).max(0) as f64 / 1000.0
     }
 
+    /// The job's Gittins index over the service of finished jobs; before enough have finished,
+    /// LAS's two queues below any index (-1 for the first, -2 for the second).
+    pub(crate) fn gittins(&self, j: &Job, now: Time) -> f64 {
+        match self.service.index(self.attained(j, now)) {
+            Some(index) => index,
+            None if self.least_served(j, now) => -1.0,
+            None => -2.0,
+        }
+    }
+
+    /// Whether the job may preempt as LAS's first queue does: under LAS, where it has attained
+    /// less than the threshold; under Gittins, the same before there is an index (after, an
+    /// index does not preempt: with the preemption cost on, preempting for a higher index lost
+    /// more than it won on the scorecard, scheduler/BENCHMARKS.md).
+    pub(crate) fn las_phase(&self, j: &Job, now: Time) -> bool {
+        match self.config.kind {
+            PolicyKind::Gittins => self.gittins(j, now) == -1.0,
+            _ => self.least_served(j, now),
+        }
+    }
+
     /// Whether LAS puts the job in its first queue (it has attained less than the threshold).
     pub(crate) fn least_served(&self, j: &Job, now: Time) -> bool {
         self.attained(j, now) < self.config.las_threshold_gpu_seconds
@@ -125,6 +146,11 @@ impl Scheduler {
                 Some(wait) => 1.0 + wait / 1000.0,
                 None if self.least_served(j, now) => 0.0,
                 None => -1.0,
+            },
+            // Starved jobs first (an index is at most 1), then by index.
+            PolicyKind::Gittins => match self.starved_wait(j, now) {
+                Some(wait) => 2.0 + wait / 1000.0,
+                None => self.gittins(j, now),
             },
             PolicyKind::Perch => {
                 let c = &self.config;
@@ -165,10 +191,13 @@ impl Scheduler {
     /// Every `priority_period`: decays usage, charges running jobs, recomputes priorities and
     /// re-sorts the queue. In between, only drops jobs that left the queue.
     fn refresh_priorities(&mut self, now: Time) {
-        // Only perch's and LAS's priorities move with time (LAS's starvation bound); the others
-        // are fixed at submission.
+        // Only perch's, LAS's and Gittins' priorities move with time (attained service, the
+        // starvation bound); the others are fixed at submission.
         if now < self.next_priority_at
-            || !matches!(self.config.kind, PolicyKind::Perch | PolicyKind::Las)
+            || !matches!(
+                self.config.kind,
+                PolicyKind::Perch | PolicyKind::Las | PolicyKind::Gittins
+            )
         {
             if self.queue.len() > 2 * self.pending_len() + 64 {
                 self.queue.retain(|id| {
@@ -322,7 +351,7 @@ impl Scheduler {
         let preempting = match kind {
             PolicyKind::Srtf => true,
             PolicyKind::Perch => (quotas && self.config.reclaim) || starved_waiting,
-            PolicyKind::Las => true,
+            PolicyKind::Las | PolicyKind::Gittins => true,
             PolicyKind::Fifo | PolicyKind::Backfill => false,
         };
         for &id in &order {
@@ -406,7 +435,8 @@ impl Scheduler {
                 && (quota_reclaim
                     || starved
                     || kind == PolicyKind::Srtf
-                    || (kind == PolicyKind::Las && self.least_served(j, now)));
+                    || (matches!(kind, PolicyKind::Las | PolicyKind::Gittins)
+                        && self.las_phase(j, now)));
             let ends_by = |r: &Reservation| now + j.run_limit() <= r.at;
             let placed = match &reservation {
                 _ if free < shape.gpus() => None,
@@ -435,6 +465,7 @@ impl Scheduler {
                 let mut preempted = match kind {
                     PolicyKind::Srtf => self.preempt_longer(now, id),
                     PolicyKind::Las => self.preempt_more_served(now, id),
+                    PolicyKind::Gittins => self.preempt_more_served(now, id),
                     _ if quota_reclaim => self.reclaim_quota(now, id, models),
                     _ => Vec::new(),
                 };

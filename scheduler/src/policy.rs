@@ -18,6 +18,12 @@
 //!   first, the others after them, first come first served within each of the two queues, with
 //!   EASY backfill. A waiting job of the first queue preempts running jobs of the second (most
 //!   served first), each at most [`Config::las_max_preemptions`] times.
+//! - [`PolicyKind::Gittins`]: Tiresias' 2D-Gittins with the distribution learned online: the
+//!   job with the highest Gittins index of its attained GPU-time over the GPU-time finished
+//!   jobs used runs first (`gittins.rs`), with EASY backfill. Before 20 jobs have finished it
+//!   runs as LAS, preemption included; after, a higher index does not preempt (with the
+//!   preemption cost on, preempting for an index under half, or an eighth, of the waiting
+//!   job's lost more than it won on the scorecard).
 //!
 //! Perch priority (each factor in `[0, 1]`, weighted and summed, higher runs first):
 //! `age = min(wait / age_max, 1)`; `fairshare = 2^(-(usage_a / usage_total) / share_a)` with
@@ -41,6 +47,9 @@ pub enum PolicyKind {
     Perch,
     /// Discretized two-dimensional least attained service (Tiresias), preemptive.
     Las,
+    /// The Gittins index of attained service over the service of finished jobs (Tiresias'
+    /// 2D-Gittins, learned as jobs finish).
+    Gittins,
 }
 
 impl PolicyKind {
@@ -52,6 +61,7 @@ impl PolicyKind {
             PolicyKind::Srtf => "srtf",
             PolicyKind::Perch => "perch",
             PolicyKind::Las => "las",
+            PolicyKind::Gittins => "gittins",
         }
     }
 }
@@ -222,6 +232,14 @@ impl Config {
     /// starvation bound of perch.
     pub fn las() -> Self {
         let mut c = Self::base(PolicyKind::Las);
+        c.starved_after_limits = 4.0;
+        c
+    }
+
+    /// 2D-Gittins learned online: the Gittins index of attained GPU-time, EASY backfill, the
+    /// starvation bound of perch.
+    pub fn gittins() -> Self {
+        let mut c = Self::base(PolicyKind::Gittins);
         c.starved_after_limits = 4.0;
         c
     }

@@ -256,6 +256,8 @@ pub struct Scheduler {
     pub(crate) usage_decayed_at: Option<Time>,
     /// Each user's recent finished runs ([`Config::predict_from_history`]).
     pub(crate) history: crate::history::History,
+    /// The GPU-time finished jobs used ([`crate::PolicyKind::Gittins`]).
+    pub(crate) service: crate::gittins::Service,
 }
 
 impl Scheduler {
@@ -276,6 +278,7 @@ impl Scheduler {
             reserved_for: None,
             usage_decayed_at: None,
             history: crate::history::History::default(),
+            service: crate::gittins::Service::default(),
         };
         let config = s.config.clone();
         s.reconfigure(config);
@@ -874,6 +877,8 @@ impl Scheduler {
     pub fn remember_finished(&mut self, spec: &JobSpec, ran: Millis) {
         self.history
             .record(&spec.user, spec.gpu_hundredths(), ran, spec.time_limit);
+        self.service
+            .record(f64::from(spec.gpu_hundredths()) / 100.0 * ran as f64 / 1000.0);
     }
 
     /// Adds a finished job's run time (all its runs) to its user's history.
@@ -885,6 +890,8 @@ impl Scheduler {
                 j.progress,
                 j.run_limit(),
             );
+            self.service
+                .record(f64::from(j.spec.gpu_hundredths()) / 100.0 * j.progress as f64 / 1000.0);
         }
     }
 

@@ -66,6 +66,7 @@ fn configs() -> impl Strategy<Value = Config> {
         Just(Config::backfill()),
         Just(Config::srtf()),
         Just(Config::las()),
+        Just(Config::gittins()),
         Just(Config::perch(vec![])),
         Just({
             let mut c = Config::perch(vec![]);

@@ -524,6 +524,74 @@ fn las_preempts_the_most_served_once() {
     assert!(preempted(&a).is_empty() && started(&a).is_empty(), "{a:?}");
 }
 
+/// 2D-Gittins runs as LAS until 20 jobs have finished (a job past LAS's threshold gives way to
+/// a newcomer); after, the queue is ordered by index and a higher index does not preempt: once
+/// 20 one-GPU jobs of a minute have ended, a newcomer waits for the end of an 8-GPU job that
+/// has run far past them.
+#[test]
+fn gittins_runs_as_las_until_it_has_an_index() {
+    let mut config = Config::gittins();
+    config.las_threshold_gpu_seconds = 3600.0;
+    let mut s = sched(1, config);
+    step(&mut s, 0, Event::Submit(one(900, 8, "x", 3_600, 0)));
+    step(&mut s, 0, Event::Submit(one(901, 8, "y", 3_600, 0)));
+    // 8 GPUs x 10 min is past the threshold: as LAS, job 900 gives way.
+    let a = step(&mut s, 10 * MINUTE, Event::Tick);
+    assert_eq!(
+        (preempted(&a), started(&a)),
+        (vec![900], vec![901]),
+        "{a:?}"
+    );
+    step(
+        &mut s,
+        11 * MINUTE,
+        Event::JobExited {
+            job: JobId(901),
+            code: 0,
+        },
+    );
+    step(
+        &mut s,
+        12 * MINUTE,
+        Event::JobExited {
+            job: JobId(900),
+            code: 0,
+        },
+    );
+    let mut t = 12 * MINUTE;
+    for k in 1..=20u64 {
+        step(&mut s, t, Event::Submit(one(k, 1, "a", 600, t)));
+        t += MINUTE;
+        step(
+            &mut s,
+            t,
+            Event::JobExited {
+                job: JobId(k),
+                code: 0,
+            },
+        );
+    }
+    let a = step(&mut s, t, Event::Submit(one(100, 8, "b", 3_600, t)));
+    assert_eq!(started(&a), vec![100]);
+    step(
+        &mut s,
+        t + MINUTE,
+        Event::Submit(one(102, 8, "d", 3_600, t + MINUTE)),
+    );
+    // Past the threshold and far past what finished jobs used: it keeps its GPUs.
+    let a = step(&mut s, t + 20 * MINUTE, Event::Tick);
+    assert!(preempted(&a).is_empty(), "{a:?}");
+    let a = step(
+        &mut s,
+        t + 30 * MINUTE,
+        Event::JobExited {
+            job: JobId(100),
+            code: 0,
+        },
+    );
+    assert_eq!(started(&a), vec![102], "{a:?}");
+}
+
 #[test]
 fn bad_input_is_an_error() {
     let mut s = sched(1, Config::fifo());

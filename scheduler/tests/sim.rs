@@ -36,6 +36,7 @@ fn every_policy_finishes_every_job_and_conserves_gpu_time() {
         SimPolicy::Srtf,
         SimPolicy::Perch,
         SimPolicy::Las,
+        SimPolicy::Gittins,
     ] {
         // Allocated GPU-time is the work plus what preemptions wasted, to the GPU-second;
         // with preemption free, the work alone.

@@ -31,6 +31,8 @@ pub enum SimPolicy {
     PerchIdleReclaim,
     /// Tiresias' discretized two-dimensional least attained service (no durations needed).
     Las,
+    /// Tiresias' 2D-Gittins, the distribution of service learned as jobs finish.
+    Gittins,
     /// perch without quotas and without history prediction: its size factor reads the
     /// declared time limits alone (the default before 2026-11-26; the scorecard's ablation).
     PerchLimitsOnly,
@@ -38,7 +40,7 @@ pub enum SimPolicy {
 
 impl SimPolicy {
     /// Every policy, in table order.
-    pub const ALL: [SimPolicy; 8] = [
+    pub const ALL: [SimPolicy; 9] = [
         SimPolicy::Fifo,
         SimPolicy::Backfill,
         SimPolicy::Srtf,
@@ -46,6 +48,7 @@ impl SimPolicy {
         SimPolicy::PerchNoQuotas,
         SimPolicy::PerchIdleReclaim,
         SimPolicy::Las,
+        SimPolicy::Gittins,
         SimPolicy::PerchLimitsOnly,
     ];
 
@@ -59,6 +62,7 @@ impl SimPolicy {
             SimPolicy::PerchNoQuotas => "perch-noquota",
             SimPolicy::PerchIdleReclaim => "perch+idle-reclaim",
             SimPolicy::Las => "las",
+            SimPolicy::Gittins => "gittins",
             SimPolicy::PerchLimitsOnly => "perch-limits",
         }
     }
@@ -560,6 +564,7 @@ pub fn policy_config(policy: SimPolicy, jobs: &[TraceJob], opts: &SimOptions) ->
         SimPolicy::Backfill => Config::backfill(),
         SimPolicy::Srtf => Config::srtf(),
         SimPolicy::Las => Config::las(),
+        SimPolicy::Gittins => Config::gittins(),
         SimPolicy::Perch | SimPolicy::PerchIdleReclaim => {
             let quotas = trace_quotas(jobs, opts.cluster.total_gpus());
             let mut c = Config::perch(quotas);
