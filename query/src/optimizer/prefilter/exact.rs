@@ -131,6 +131,7 @@ pub(super) fn execute(
                         with_verdicts(scan, mask, schema).boxed()
                     }
                     None => {
+                        look.counters.untested_files.add(1);
                         let full = super::scan_config(&exact.full).ok_or_else(|| {
                             DataFusionError::Internal("exact prefilter over no scan".into())
                         })?;

@@ -342,6 +342,8 @@ impl ExecutionPlan for PrefilterExec {
                 tested: MetricBuilder::new(&self.metrics).counter("rows_tested", partition),
                 selected: MetricBuilder::new(&self.metrics).counter("rows_selected", partition),
                 time: MetricBuilder::new(&self.metrics).subset_time("prefilter_time", partition),
+                untested_files: MetricBuilder::new(&self.metrics)
+                    .counter("files_read_whole", partition),
             },
         };
         let schema: SchemaRef = self.schema();
@@ -417,6 +419,9 @@ struct Counters {
     tested: Count,
     selected: Count,
     time: Time,
+    /// Exact mode: files (or byte ranges of them) whose pages could not be tested, read with
+    /// every column and tested row by row.
+    untested_files: Count,
 }
 
 fn scan_config(plan: &Arc<dyn ExecutionPlan>) -> Option<&FileScanConfig> {
@@ -1043,7 +1048,8 @@ mod tests {
                 );
             }
         }
-        // Exact mode over the mixed table: the files it could not test were read whole.
+        // Exact mode over the mixed table: the files it could not test (the one in
+        // BYTE_STREAM_SPLIT, split in two ranges, and the one without `util`) were read whole.
         let explained = answer(
             &with,
             &format!(
@@ -1052,7 +1058,14 @@ mod tests {
             ),
         )
         .await;
-        assert!(explained.contains("exact"), "{explained}");
+        let line = explained
+            .lines()
+            .find(|l| l.contains("PrefilterExec"))
+            .unwrap_or_else(|| panic!("no prefilter in {explained}"));
+        assert!(
+            line.contains("exact") && line.contains("files_read_whole=3"),
+            "{line}"
+        );
         // The selective one is prefiltered, and reads only part of the file.
         let explained = answer(&with, &format!("EXPLAIN ANALYZE {}", queries[0])).await;
         let line = explained
