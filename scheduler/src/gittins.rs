@@ -66,12 +66,17 @@ impl Service {
         self.total += 1;
     }
 
+    /// Whether enough jobs have finished for an index.
+    pub(crate) fn learned(&self) -> bool {
+        self.total >= AT_LEAST
+    }
+
     /// The Gittins index of a job that has attained `attained` GPU-seconds, in finishes per
     /// GPU-second (between 0 and 1); `None` before [`AT_LEAST`] jobs have finished. A job that has outlived
     /// every finished one is taken to need as much again as it has had (at least the longest
     /// ones' mean): the older, the lower.
     pub(crate) fn index(&self, attained: f64) -> Option<f64> {
-        if self.total < AT_LEAST {
+        if !self.learned() {
             return None;
         }
         let a = attained.max(0.0);

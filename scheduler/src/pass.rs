@@ -113,7 +113,7 @@ impl Scheduler {
     /// more than it won on the scorecard, scheduler/BENCHMARKS.md).
     pub(crate) fn las_phase(&self, j: &Job, now: Time) -> bool {
         match self.config.kind {
-            PolicyKind::Gittins => self.gittins(j, now) == -1.0,
+            PolicyKind::Gittins => !self.service.learned() && self.least_served(j, now),
             _ => self.least_served(j, now),
         }
     }
