@@ -119,6 +119,21 @@ async fn queries_racing_flushes_never_miss_or_double_a_row() {
             before <= seen && seen <= after,
             "saw {seen} rows, acknowledged between {before} and {after}"
         );
+        // GPU 1's rows (utilization 1), through the prefilter in exact mode over files and
+        // buffered rows as flushes publish new files: never one missed or doubled.
+        let before = acked.load(Ordering::SeqCst) as i64;
+        let busy = count(
+            &sql,
+            "SELECT count(*) FROM gpu_samples WHERE utilization_gpu_pct > 0.5",
+        )
+        .await;
+        let after = acked.load(Ordering::SeqCst) as i64;
+        assert!(
+            before / 2 <= busy && busy <= after / 2,
+            "saw {busy} of GPU 1's rows, acknowledged between {} and {}",
+            before / 2,
+            after / 2
+        );
         checks += 1;
     }
     writer.await.expect("writer");
@@ -129,6 +144,9 @@ async fn queries_racing_flushes_never_miss_or_double_a_row() {
         count(&sql, "SELECT count(DISTINCT sm_clock_mhz) FROM gpu_samples").await,
         300
     );
+    let busy = "SELECT count(*) FROM gpu_samples WHERE utilization_gpu_pct > 0.5";
+    assert!(explain(&sql, busy).await.contains("exact"));
+    assert_eq!(count(&sql, busy).await, 300);
 }
 
 #[tokio::test]

@@ -56,7 +56,7 @@ use datafusion::physical_expr::{
     EquivalenceProperties, PhysicalExpr, conjunction, split_conjunction,
 };
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
-use datafusion::physical_optimizer::pruning::{PruningPredicate, PruningPredicateBuilder};
+use datafusion::physical_optimizer::pruning::PruningPredicateBuilder;
 use datafusion::physical_plan::filter::{FilterExec, FilterExecBuilder};
 use datafusion::physical_plan::metrics::{
     Count, ExecutionPlanMetricsSet, MetricBuilder, MetricsSet, Time,
@@ -151,11 +151,9 @@ pub struct PrefilterExec {
     /// columns only the tests read, and without a predicate.
     scan: Arc<dyn ExecutionPlan>,
     tests: Arc<[Test]>,
-    /// The whole filter over row groups' statistics: the row groups the scan will prune
-    /// (a dashboard's node and time range) are not worth testing.
-    pruning: Option<Arc<PruningPredicate>>,
-    /// The whole filter over the page index: pages the scan will skip are not tested.
-    page_pruning: Option<Arc<PagePruningAccessPlanFilter>>,
+    /// The whole filter, to prune as the scan does: the row groups and pages it will skip (a
+    /// dashboard's node and time range) are not worth testing.
+    pruning: Arc<Pruning>,
     min_run: usize,
     exact: Option<Arc<exact::Exact>>,
     properties: Arc<PlanProperties>,
@@ -166,8 +164,7 @@ impl PrefilterExec {
     fn new(
         scan: Arc<dyn ExecutionPlan>,
         tests: Arc<[Test]>,
-        pruning: Option<Arc<PruningPredicate>>,
-        page_pruning: Option<Arc<PagePruningAccessPlanFilter>>,
+        pruning: Arc<Pruning>,
         min_run: usize,
         exact: Option<Arc<exact::Exact>>,
     ) -> Self {
@@ -192,7 +189,6 @@ impl PrefilterExec {
             scan,
             tests,
             pruning,
-            page_pruning,
             min_run,
             exact,
             properties,
@@ -205,7 +201,6 @@ impl PrefilterExec {
             scan,
             self.tests.clone(),
             self.pruning.clone(),
-            self.page_pruning.clone(),
             self.min_run,
             self.exact.clone(),
         )
@@ -336,7 +331,6 @@ impl ExecutionPlan for PrefilterExec {
             cache: runtime.cache_manager.get_file_metadata_cache(),
             tests: self.tests.clone(),
             pruning: self.pruning.clone(),
-            page_pruning: self.page_pruning.clone(),
             min_run: self.min_run,
             counters: Counters {
                 tested: MetricBuilder::new(&self.metrics).counter("rows_tested", partition),
@@ -408,8 +402,7 @@ struct Look {
     store: Arc<dyn ObjectStore>,
     cache: Arc<FileMetadataCache>,
     tests: Arc<[Test]>,
-    pruning: Option<Arc<PruningPredicate>>,
-    page_pruning: Option<Arc<PagePruningAccessPlanFilter>>,
+    pruning: Arc<Pruning>,
     min_run: usize,
     counters: Counters,
 }
@@ -456,10 +449,54 @@ async fn footer(file: &PartitionedFile, look: &Look) -> Option<Footer> {
     Some(Footer { metadata, leaves })
 }
 
+/// A filter over the scan's output, for pruning a file as the scan prunes it.
+#[derive(Debug)]
+struct Pruning {
+    filter: Arc<dyn PhysicalExpr>,
+    schema: SchemaRef,
+}
+
+impl Pruning {
+    /// The filter's conjuncts over `file`'s own columns, as the scan's opener rewrites them
+    /// (DataFusion's pruning finds statistics, and checks types, by the file schema's column
+    /// indices): a conjunct reading a column the file lacks, or has in another type, is left
+    /// out, which only prunes less.
+    fn on_file(&self, file: &Schema) -> Option<Arc<dyn PhysicalExpr>> {
+        let conjuncts: Vec<Arc<dyn PhysicalExpr>> = split_conjunction(&self.filter)
+            .into_iter()
+            .filter_map(|c| {
+                Arc::clone(c)
+                    .transform(|e| {
+                        let Some(column) = e.downcast_ref::<Column>() else {
+                            return Ok(Transformed::no(e));
+                        };
+                        let (at, field) =
+                            file.column_with_name(column.name()).ok_or_else(|| {
+                                DataFusionError::Plan(format!("{} not in the file", column.name()))
+                            })?;
+                        let ours = self.schema.field_with_name(column.name())?;
+                        if field.data_type() != ours.data_type() {
+                            return Err(DataFusionError::Plan(format!(
+                                "{} of another type in the file",
+                                column.name()
+                            )));
+                        }
+                        Ok(Transformed::yes(
+                            Arc::new(Column::new(column.name(), at)) as Arc<dyn PhysicalExpr>
+                        ))
+                    })
+                    .data()
+                    .ok()
+            })
+            .collect();
+        (!conjuncts.is_empty()).then(|| conjunction(conjuncts))
+    }
+}
+
 /// What the scan reads of each row group of `footer`'s file, as it prunes with the filter:
-/// row groups by statistics, then pages by the page index. Statistics are found by the
-/// file's own columns, as the scan finds them (the scan's output may be fewer columns, or in
-/// another order); a file whose schema cannot be read is pruned by nothing.
+/// row groups by statistics, then pages by the page index, with the filter rewritten onto
+/// the file's own columns as the scan's opener does (the scan's output may be fewer columns,
+/// or in another order). A file whose schema cannot be read is pruned by nothing.
 fn scanned(file: &PartitionedFile, footer: &Footer, look: &Look) -> ParquetAccessPlan {
     let metadata = &footer.metadata;
     let schema = metadata.file_metadata().schema_descr();
@@ -471,22 +508,28 @@ fn scanned(file: &PartitionedFile, footer: &Footer, look: &Look) -> ParquetAcces
         return scanned;
     };
     let file_schema = Arc::new(file_schema);
+    let Some(filter) = look.pruning.on_file(&file_schema) else {
+        return scanned;
+    };
     let unseen = ExecutionPlanMetricsSet::new();
     let metrics = ParquetFileMetrics::new(0, file.object_meta.location.as_ref(), &unseen);
-    if let Some(predicate) = look.pruning.as_deref() {
-        let mut filter = RowGroupAccessPlanFilter::new(scanned);
-        filter.prune_by_statistics(
+    if let Ok(predicate) = PruningPredicateBuilder::new()
+        .with_file_schema(Arc::clone(&file_schema))
+        .try_build(Arc::clone(&filter))
+        && !predicate.always_true()
+    {
+        let mut row_groups = RowGroupAccessPlanFilter::new(scanned);
+        row_groups.prune_by_statistics(
             &file_schema,
             schema,
             metadata.row_groups(),
-            predicate,
+            &predicate,
             &metrics,
         );
-        scanned = filter.build();
+        scanned = row_groups.build();
     }
-    if let Some(pages) = look.page_pruning.as_deref()
-        && metadata.offset_index().is_some()
-    {
+    let pages = PagePruningAccessPlanFilter::new(&filter, Arc::clone(&file_schema));
+    if pages.filter_number() > 0 && metadata.offset_index().is_some() {
         scanned =
             pages.prune_plan_with_page_index(scanned, &file_schema, schema, metadata, &metrics);
     }
@@ -734,17 +777,10 @@ fn prefiltered(filter: &FilterExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
     if tests.is_empty() {
         return Ok(None);
     }
-    let page_pruning = Some(Arc::new(PagePruningAccessPlanFilter::new(
-        filter.predicate(),
-        scan.schema(),
-    )))
-    .filter(|p| p.filter_number() > 0);
-    let pruning = PruningPredicateBuilder::new()
-        .with_file_schema(scan.schema())
-        .try_build(filter.predicate().clone())
-        .ok()
-        .filter(|p| !p.always_true())
-        .map(Arc::new);
+    let pruning = Arc::new(Pruning {
+        filter: Arc::clone(filter.predicate()),
+        schema: scan.schema(),
+    });
     let tested: Vec<Arc<dyn PhysicalExpr>> = tested.into_iter().map(|(c, _)| c.clone()).collect();
     let rest: Vec<Arc<dyn PhysicalExpr>> = rest.into_iter().map(|(c, _)| c.clone()).collect();
     let prefilter = |scan, exact| {
@@ -752,7 +788,6 @@ fn prefiltered(filter: &FilterExec) -> Result<Option<Arc<dyn ExecutionPlan>>> {
             scan,
             tests.clone().into(),
             pruning.clone(),
-            page_pruning.clone(),
             MIN_SKIPPED_RUN,
             exact,
         ))
