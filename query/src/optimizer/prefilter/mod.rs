@@ -52,8 +52,12 @@ use datafusion::execution::TaskContext;
 use datafusion::execution::cache::cache_manager::FileMetadataCache;
 use datafusion::logical_expr::Operator;
 use datafusion::physical_expr::expressions::Column;
+use datafusion::physical_expr::simplifier::PhysicalExprSimplifier;
 use datafusion::physical_expr::{
     EquivalenceProperties, PhysicalExpr, conjunction, split_conjunction,
+};
+use datafusion::physical_expr_adapter::{
+    DefaultPhysicalExprAdapterFactory, PhysicalExprAdapterFactory,
 };
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_optimizer::pruning::PruningPredicateBuilder;
@@ -457,39 +461,17 @@ struct Pruning {
 }
 
 impl Pruning {
-    /// The filter's conjuncts over `file`'s own columns, as the scan's opener rewrites them
-    /// (DataFusion's pruning finds statistics, and checks types, by the file schema's column
-    /// indices): a conjunct reading a column the file lacks, or has in another type, is left
-    /// out, which only prunes less.
-    fn on_file(&self, file: &Schema) -> Option<Arc<dyn PhysicalExpr>> {
-        let conjuncts: Vec<Arc<dyn PhysicalExpr>> = split_conjunction(&self.filter)
-            .into_iter()
-            .filter_map(|c| {
-                Arc::clone(c)
-                    .transform(|e| {
-                        let Some(column) = e.downcast_ref::<Column>() else {
-                            return Ok(Transformed::no(e));
-                        };
-                        let (at, field) =
-                            file.column_with_name(column.name()).ok_or_else(|| {
-                                DataFusionError::Plan(format!("{} not in the file", column.name()))
-                            })?;
-                        let ours = self.schema.field_with_name(column.name())?;
-                        if field.data_type() != ours.data_type() {
-                            return Err(DataFusionError::Plan(format!(
-                                "{} of another type in the file",
-                                column.name()
-                            )));
-                        }
-                        Ok(Transformed::yes(
-                            Arc::new(Column::new(column.name(), at)) as Arc<dyn PhysicalExpr>
-                        ))
-                    })
-                    .data()
-                    .ok()
-            })
-            .collect();
-        (!conjuncts.is_empty()).then(|| conjunction(conjuncts))
+    /// The filter rewritten onto `file`'s own columns, by DataFusion's expression adapter and
+    /// simplifier, as the scan's opener rewrites its predicate (DataFusion's pruning finds
+    /// statistics, and checks types, by the file schema's column indices): columns found by
+    /// name, casts inserted where the file's type differs, a missing column a NULL. `None`
+    /// where it cannot be rewritten (the file is then pruned by nothing).
+    fn on_file(&self, file: &SchemaRef) -> Option<Arc<dyn PhysicalExpr>> {
+        let rewriter = DefaultPhysicalExprAdapterFactory
+            .create(Arc::clone(&self.schema), Arc::clone(file))
+            .ok()?;
+        let rewritten = rewriter.rewrite(Arc::clone(&self.filter)).ok()?;
+        PhysicalExprSimplifier::new(file).simplify(rewritten).ok()
     }
 }
 
