@@ -1143,6 +1143,44 @@ mod tests {
         }
     }
 
+    /// A table with a column of the verdicts' name (no table of the store has one, a foreign
+    /// file might) is not run in exact mode, where that name would be found in the verdicts'
+    /// place; its answers do not change.
+    #[tokio::test]
+    async fn a_column_named_like_the_verdicts_is_left_alone() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("odd.parquet");
+        let rows = 5_000;
+        let batch = RecordBatch::try_from_iter([
+            (
+                "util",
+                Arc::new(Float64Array::from_iter_values(
+                    (0..rows).map(|i| f64::from(i % 100)),
+                )) as ArrayRef,
+            ),
+            (
+                PASSES,
+                Arc::new(Int32Array::from_iter_values((0..rows).map(|i| i % 7))),
+            ),
+        ])
+        .expect("batch");
+        let file = std::fs::File::create(&path).expect("create");
+        let mut writer = ArrowWriter::try_new(file, batch.schema(), None).expect("writer");
+        writer.write(&batch).expect("write");
+        writer.close().expect("close");
+        let sql = format!("SELECT count(*) AS n, sum({PASSES}) AS s FROM t WHERE util > 90");
+        let with = session(true);
+        let without = session(false);
+        for ctx in [&with, &without] {
+            ctx.register_parquet("t", path.to_str().expect("utf-8"), Default::default())
+                .await
+                .expect("register");
+        }
+        assert_eq!(answer(&with, &sql).await, answer(&without, &sql).await);
+        let plan = answer(&with, &format!("EXPLAIN {sql}")).await;
+        assert!(!plan.contains("exact"), "{plan}");
+    }
+
     #[test]
     fn access_joins_short_gaps_and_skips_long_ones() {
         let bits = |runs: &[(usize, usize)], rows: usize| {
