@@ -252,7 +252,7 @@ impl Store {
         }
         let wal_dir = dir.join("wal");
         let records = wal::replay(&wal_dir, manifest.wal_flushed_through)?;
-        let wal = Wal::open(&wal_dir)?;
+        let wal = Wal::open(&wal_dir, manifest.wal_flushed_through)?;
         let node_seq = manifest.node_seq.clone().into_iter().collect();
         let store = Store {
             dir,

@@ -127,10 +127,29 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
 }
 
 impl Wal {
-    /// Opens a fresh segment after every existing one and starts the writer thread.
-    pub fn open(dir: &Path) -> Result<Wal> {
+    /// Opens a fresh segment after every existing one and after `flushed_through` (the last
+    /// segment whose records are in Parquet), and starts the writer thread. Empty segments
+    /// after `flushed_through` hold no records, so they are removed first: without that every
+    /// start that wrote nothing would leave one behind, and restarts would pile them up.
+    pub fn open(dir: &Path, flushed_through: u64) -> Result<Wal> {
         fs::create_dir_all(dir).map_err(Error::io("creating directory", dir))?;
-        let next = segments(dir)?.last().map_or(1, |id| id + 1);
+        let mut last = flushed_through;
+        for id in segments(dir)?
+            .into_iter()
+            .filter(|&id| id > flushed_through)
+        {
+            let path = segment_path(dir, id);
+            let len = fs::metadata(&path)
+                .map_err(Error::io("reading write-ahead log segment", &path))?
+                .len();
+            if len == 0 {
+                fs::remove_file(&path)
+                    .map_err(Error::io("removing empty write-ahead log segment", &path))?;
+            } else {
+                last = id;
+            }
+        }
+        let next = last + 1;
         let writer = Writer::create(dir.to_path_buf(), next)?;
         let stats = writer.stats.clone();
         let (tx, rx) = mpsc::channel();
@@ -315,7 +334,7 @@ mod tests {
     fn appends_replay_in_order_and_rotation_bounds_them() {
         let dir = tempfile::tempdir().expect("tempdir");
         rt().block_on(async {
-            let wal = Wal::open(dir.path()).expect("open");
+            let wal = Wal::open(dir.path(), 0).expect("open");
             wal.append(Bytes::from_static(b"one"))
                 .await
                 .expect("append");
@@ -340,10 +359,33 @@ mod tests {
     }
 
     #[test]
+    fn starts_that_write_nothing_leave_no_segments_behind() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for _ in 0..5 {
+            let _wal = Wal::open(dir.path(), 7).expect("open");
+        }
+        // Each start removed the empty segment of the one before; ids stay after the flushed one.
+        assert_eq!(segments(dir.path()).expect("segments"), vec![8]);
+        rt().block_on(async {
+            let wal = Wal::open(dir.path(), 7).expect("open");
+            wal.append(Bytes::from_static(b"kept"))
+                .await
+                .expect("append");
+        });
+        drop(Wal::open(dir.path(), 7).expect("reopen"));
+        let _wal = Wal::open(dir.path(), 7).expect("reopen");
+        assert_eq!(segments(dir.path()).expect("segments"), vec![8, 9]);
+        assert_eq!(
+            replay(dir.path(), 7).expect("replay"),
+            vec![Bytes::from_static(b"kept")]
+        );
+    }
+
+    #[test]
     fn torn_tail_is_ignored_and_next_start_uses_a_new_segment() {
         let dir = tempfile::tempdir().expect("tempdir");
         rt().block_on(async {
-            let wal = Wal::open(dir.path()).expect("open");
+            let wal = Wal::open(dir.path(), 0).expect("open");
             wal.append(Bytes::from_static(b"kept"))
                 .await
                 .expect("append");
@@ -366,7 +408,7 @@ mod tests {
         fs::write(&seg, data).expect("write");
         assert!(replay(dir.path(), 0).expect("replay").is_empty());
         rt().block_on(async {
-            let _wal = Wal::open(dir.path()).expect("reopen");
+            let _wal = Wal::open(dir.path(), 0).expect("reopen");
         });
         assert_eq!(segments(dir.path()).expect("segments"), vec![1, 2]);
     }
