@@ -10,9 +10,9 @@
 //! Each query runs once per engine to warm up, then `--runs` times per engine, alternating, so
 //! a noisy neighbour slows both alike; the medians are compared. The results must agree (row
 //! for row, numbers within a float tolerance) or the benchmark fails. Before the warm runs each
-//! query also runs once cold, as the first query of a freshly started engine: perch with a new
-//! store and session template (what a server builds before it listens), DuckDB with a new
-//! database. The dashboard sends its panels at once and times the last answer.
+//! query also runs cold, as the first query of a freshly started engine, `--runs` starts per
+//! engine alternating (medians compared): perch with a new store and session template (what a
+//! server builds before it listens), DuckDB with a new database. The dashboard sends its panels at once and times the last answer.
 
 use super::dataset::{self, Dataset, Spec};
 use super::duckdb::DuckDb;
@@ -44,7 +44,8 @@ pub(super) struct QueryArgs {
     /// Seed of the generated workload.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Timed runs of each query in each engine, after one warm-up run.
+    /// Timed runs of each query in each engine, after one warm-up run; also the number of
+    /// cold starts per engine.
     #[arg(long, default_value_t = 5)]
     runs: u32,
     /// Run only these queries (a to t, and `dashboard` for the 20 panels refreshed together).
@@ -400,15 +401,19 @@ pub(super) fn query(args: QueryArgs) -> Result<()> {
     // for both alike). perch opens the store and builds its session template as the server
     // does before it listens (`check_views`); DuckDB opens a new in-memory database and
     // creates its views. Neither start is timed, only the query.
+    // One start is one sample of a few milliseconds' noise: each query starts `--runs` times
+    // per engine, alternating, and the medians are compared.
     let mut cold = Vec::new();
     for q in &selected {
-        let (perch, _) = {
+        let (mut perch, mut duck) = (Vec::new(), Vec::new());
+        for _ in 0..args.runs {
             let engine = engine_on(Store::open(data.store_config())?);
             rt.block_on(engine.check_views())?;
-            run_perch(&rt, &engine, q)?
-        };
-        duckdb.reconnect()?;
-        let (duck, _) = duckdb.run(&q.sql)?;
+            perch.push(run_perch(&rt, &engine, q)?.0);
+            drop(engine);
+            duckdb.reconnect()?;
+            duck.push(duckdb.run(&q.sql)?.0);
+        }
         cold.push((q.name, perch, duck));
     }
 
@@ -625,25 +630,26 @@ fn verdict(slower: &[&str]) -> String {
     }
 }
 
-fn print_cold(cold: &[(&str, Duration, Duration)]) {
+fn print_cold(cold: &[(&str, Vec<Duration>, Vec<Duration>)]) {
+    let starts = cold.first().map_or(0, |(_, p, _)| p.len());
     println!(
-        "cold: each query as the first after a start (perch: a new store and session template, as a server starts; DuckDB: a new database and its views), one run each, ms"
+        "cold: each query as the first after a start (perch: a new store and session template, as a server starts; DuckDB: a new database and its views), {starts} starts per engine, alternating, ms, median (min-max)"
     );
     println!(
-        "{:<4}{:>10}  {:>10}  {:>8}",
+        "{:<4}{:>24}  {:>24}  {:>8}",
         "", "perch", "DuckDB", "perch/D"
     );
     for (name, perch, duckdb) in cold {
         println!(
-            "({name}) {:>10.1}  {:>10.1}  {:>8.2}",
-            ms(*perch),
-            ms(*duckdb),
-            ms(*perch) / ms(*duckdb).max(1e-9)
+            "({name}) {:>24}  {:>24}  {:>8.2}",
+            span(perch),
+            span(duckdb),
+            ms(median(perch)) / ms(median(duckdb)).max(1e-9)
         );
     }
     let slower: Vec<&str> = cold
         .iter()
-        .filter(|(_, p, d)| p > d)
+        .filter(|(_, p, d)| median(p) > median(d))
         .map(|(name, _, _)| *name)
         .collect();
     println!("cold: no query slower than DuckDB: {}", verdict(&slower));
