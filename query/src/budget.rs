@@ -117,6 +117,12 @@ impl Budget {
         Ok(self.runtimes[index].get_or_init(|| built).handle().clone())
     }
 
+    /// Which slots' runtimes have started.
+    #[cfg(test)]
+    pub(crate) fn started_runtimes(&self) -> Vec<bool> {
+        self.runtimes.iter().map(|r| r.get().is_some()).collect()
+    }
+
     async fn permit(
         &self,
         deadline: tokio::time::Instant,

@@ -128,7 +128,8 @@ impl SqlEngine {
         self
     }
 
-    /// Plans every view once, so a broken definition is found at startup, not by a user.
+    /// Plans every view once, so a broken definition is found at startup, not by a user, and
+    /// starts the runtime the first query runs on.
     ///
     /// This and the other entry points return a boxed future from a function that is never
     /// inlined. A small `async fn` is inlined into the crates that await it, and with it every
@@ -143,8 +144,12 @@ impl SqlEngine {
 
     async fn check_views_inner(&self) -> Result<()> {
         self.session(self.budget.pool(self.limits.memory_bytes))
-            .await
-            .map(|_| ())
+            .await?;
+        // Start the runtime of the slot the first query gets (slots are reused last freed
+        // first), so that query does not wait for its threads to start.
+        let deadline = tokio::time::Instant::now() + self.limits.timeout;
+        drop(self.budget.slot(deadline, || self.timeout()).await?);
+        Ok(())
     }
 
     /// The names of the tables and views SQL can read, stored tables first (each rollup
@@ -638,4 +643,34 @@ fn clean_message(e: &DataFusionError, names: &[String]) -> String {
         }
     }
     root
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::StoreConfig;
+
+    #[test]
+    fn the_start_starts_the_runtime_the_first_query_runs_on() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(StoreConfig::new(dir.path())).expect("open");
+        let limits = QueryLimits {
+            max_concurrent: 3,
+            ..QueryLimits::default()
+        };
+        let engine = SqlEngine::new(store, limits);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        assert_eq!(engine.budget.started_runtimes(), vec![false; 3]);
+        rt.block_on(engine.check_views()).expect("views");
+        assert_eq!(engine.budget.started_runtimes(), vec![true, false, false]);
+        rt.block_on(engine.query("SELECT 1")).expect("query");
+        assert_eq!(
+            engine.budget.started_runtimes(),
+            vec![true, false, false],
+            "the first query ran on the runtime the start started"
+        );
+    }
 }
