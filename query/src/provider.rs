@@ -70,7 +70,15 @@ impl StoreTable {
         }
     }
 
-    fn listing(&self, files: &Arc<Vec<FileEntry>>) -> Result<Arc<ListingTable>> {
+    /// The listing table over `files`. Its file statistics (which DataFusion reads from each
+    /// file's footer to plan) go to the engine's statistics cache, shared by every query's
+    /// runtime: a query that keeps some of the files by time gets a new listing table, and
+    /// without the shared cache each one read every file's statistics again.
+    fn listing(
+        &self,
+        files: &Arc<Vec<FileEntry>>,
+        state: &dyn Session,
+    ) -> Result<Arc<ListingTable>> {
         let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((cached_files, table)) = cache.as_ref()
             && std::ptr::eq(cached_files.as_ptr(), Arc::as_ptr(files))
@@ -93,7 +101,10 @@ impl StoreTable {
         let config = ListingTableConfig::new_with_multi_paths(urls)
             .with_listing_options(options)
             .with_schema(self.schema.clone());
-        let table = Arc::new(ListingTable::try_new(config)?);
+        let table = Arc::new(
+            ListingTable::try_new(config)?
+                .with_cache(state.runtime_env().cache_manager.get_file_statistic_cache()),
+        );
         *cache = Some((Arc::downgrade(files), table.clone()));
         Ok(table)
     }
@@ -158,7 +169,7 @@ impl TableProvider for StoreTable {
         let mut inputs = Vec::with_capacity(2);
         if !files.is_empty() {
             let scan = self
-                .listing(&files)?
+                .listing(&files, state)?
                 .scan(state, projection, filters, limit)
                 .await?;
             inputs.push(split_one_file(scan, state).await?);

@@ -651,6 +651,58 @@ mod tests {
     use crate::StoreConfig;
 
     #[test]
+    fn file_statistics_are_read_once_across_queries() {
+        const DAY_MS: i64 = 86_400_000;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(StoreConfig::new(dir.path())).expect("open");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let day0 = 1_800_000_000_000 / DAY_MS * DAY_MS;
+        rt.block_on(async {
+            for day in 0..3 {
+                let batch = perch_model::Batch {
+                    node: perch_model::NodeId::new("n1").expect("node"),
+                    seq: day + 1,
+                    gpus: vec![perch_model::GpuSample {
+                        time_ms: day0 + i64::try_from(day).expect("day") * DAY_MS,
+                        uuid: "GPU-0".into(),
+                        model: "Test".into(),
+                        ..perch_model::GpuSample::default()
+                    }],
+                    hosts: vec![],
+                    nics: vec![],
+                    gpu_events: vec![],
+                    gpu_processes: vec![],
+                    ib_ports: vec![],
+                    jobs: vec![],
+                    job_metrics: vec![],
+                };
+                let raw = bytes::Bytes::from(serde_json::to_vec(&batch).expect("json"));
+                store.ingest(raw, &batch).await.expect("ingest");
+                store.flush().await.expect("flush");
+            }
+        });
+        let engine = SqlEngine::new(store, QueryLimits::default());
+        let statistics = engine
+            .caches
+            .as_ref()
+            .and_then(|c| c.get_file_statistic_cache())
+            .expect("a statistics cache");
+        // A time filter keeps two of the three files: each query plans a new listing table.
+        let sql = format!(
+            "SELECT count(*) FROM gpu_samples WHERE time >= to_timestamp_millis({})",
+            day0 + DAY_MS
+        );
+        for _ in 0..2 {
+            let out = rt.block_on(engine.query(&sql)).expect("query");
+            assert_eq!(out.rows, 1);
+            assert_eq!(statistics.len(), 2, "each file's statistics read once");
+        }
+    }
+
+    #[test]
     fn the_start_starts_the_runtime_the_first_query_runs_on() {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = Store::open(StoreConfig::new(dir.path())).expect("open");
