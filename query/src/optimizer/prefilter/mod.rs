@@ -33,7 +33,7 @@ mod pages;
 
 pub use exact::PASSES;
 
-use arrow::datatypes::{Schema, SchemaRef};
+use arrow::datatypes::{Schema, SchemaRef, TimeUnit};
 use datafusion::common::ScalarValue;
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode, TreeNodeRecursion};
@@ -110,6 +110,7 @@ impl fmt::Display for Test {
             Constant::Int32(c) => c.to_string(),
             Constant::UInt64(c) => c.to_string(),
             Constant::UInt32(c) => c.to_string(),
+            Constant::Timestamp { value, .. } => value.to_string(),
         };
         write!(f, "{} {op} {constant}", self.column)
     }
@@ -136,6 +137,16 @@ impl Test {
             ScalarValue::Int32(Some(c)) => Constant::Int32(*c),
             ScalarValue::UInt64(Some(c)) => Constant::UInt64(*c),
             ScalarValue::UInt32(Some(c)) => Constant::UInt32(*c),
+            ScalarValue::TimestampSecond(Some(c), tz) => timestamp(*c, TimeUnit::Second, tz),
+            ScalarValue::TimestampMillisecond(Some(c), tz) => {
+                timestamp(*c, TimeUnit::Millisecond, tz)
+            }
+            ScalarValue::TimestampMicrosecond(Some(c), tz) => {
+                timestamp(*c, TimeUnit::Microsecond, tz)
+            }
+            ScalarValue::TimestampNanosecond(Some(c), tz) => {
+                timestamp(*c, TimeUnit::Nanosecond, tz)
+            }
             _ => return None,
         };
         Some(Self {
@@ -143,6 +154,15 @@ impl Test {
             cmp,
             constant,
         })
+    }
+}
+
+/// A timestamp constant: its value counts `unit`s, an instant where it has a time zone.
+fn timestamp(value: i64, unit: TimeUnit, tz: &Option<Arc<str>>) -> Constant {
+    Constant::Timestamp {
+        value,
+        unit,
+        utc: tz.is_some(),
     }
 }
 
@@ -905,12 +925,15 @@ fn columns(expr: &Arc<dyn PhysicalExpr>) -> HashSet<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use arrow::array::{ArrayRef, Float64Array, Int32Array, RecordBatch, StringArray};
+    use arrow::array::{
+        ArrayRef, Float64Array, Int32Array, RecordBatch, StringArray, TimestampMillisecondArray,
+    };
     use arrow::util::pretty::pretty_format_batches;
     use datafusion::execution::session_state::SessionStateBuilder;
     use datafusion::prelude::{SessionConfig, SessionContext};
     use parquet::arrow::ArrowWriter;
     use parquet::file::properties::WriterProperties;
+    use parquet::schema::types::ColumnPath;
 
     /// 4 nodes x 4 GPUs x 3,000 samples, sorted by node, GPU and time as the store writes
     /// them: GPUs busy in long jobs (utilization 91 to 100) between long idle stretches, with
@@ -932,11 +955,14 @@ mod tests {
 
     fn samples_as(path: &std::path::Path, layout: Layout) {
         let (mut node, mut gpu, mut util, mut power) = (vec![], vec![], vec![], vec![]);
+        let mut time = vec![];
         for n in 0..4 {
             for g in 0..4i32 {
                 for t in 0..3_000i32 {
                     node.push(format!("node-{n}"));
                     gpu.push(g);
+                    // Every 10 s from 2025-06-08 00:00 UTC.
+                    time.push(1_749_340_800_000 + i64::from(t) * 10_000);
                     let busy = (t / 700 + g + n) % 5 == 0;
                     util.push(match t {
                         _ if t % 1_009 == 0 => None,
@@ -954,6 +980,10 @@ mod tests {
             ("gpu", Arc::new(Int32Array::from(gpu))),
             ("util", Arc::new(Float64Array::from(util))),
             ("power", Arc::new(Float64Array::from(power))),
+            (
+                "time",
+                Arc::new(TimestampMillisecondArray::from(time).with_timezone("UTC")),
+            ),
         ];
         if layout == Layout::NoUtil {
             columns.remove(2);
@@ -962,9 +992,15 @@ mod tests {
         let mut props = WriterProperties::builder()
             .set_max_row_group_row_count(Some(10_000))
             .set_data_page_row_count_limit(1_000)
-            .set_write_batch_size(1_000);
+            .set_write_batch_size(1_000)
+            // As the store writes `time`.
+            .set_column_dictionary_enabled(ColumnPath::from("time"), false)
+            .set_column_encoding(
+                ColumnPath::from("time"),
+                parquet::basic::Encoding::DELTA_BINARY_PACKED,
+            );
         if layout == Layout::SplitUtil {
-            let util = parquet::schema::types::ColumnPath::from("util");
+            let util = ColumnPath::from("util");
             props = props
                 .set_column_dictionary_enabled(util.clone(), false)
                 .set_column_encoding(util, parquet::basic::Encoding::BYTE_STREAM_SPLIT);
@@ -1044,6 +1080,15 @@ mod tests {
             "SELECT count(*) AS n FROM s WHERE util > 90",
             // The tested column is an output: the scan reads it, the filter tests it again.
             "SELECT node, gpu, util, power FROM s WHERE util > 98 ORDER BY node, gpu, power, util",
+            // Time windows inside each series (pages span several): tested on `time`'s
+            // DELTA_BINARY_PACKED pages, read whole (exact mode) or tested again.
+            "SELECT node, gpu, count(*) AS n, sum(power) AS p FROM s WHERE time >= TIMESTAMP '2025-06-08 08:00:00' GROUP BY node, gpu ORDER BY node, gpu",
+            "SELECT count(*) AS n, sum(power) AS p FROM s WHERE time >= TIMESTAMP '2025-06-08 02:00:00' AND time < TIMESTAMP '2025-06-08 03:00:00' AND util > 90",
+            "SELECT node, gpu, max(time) AS t, min(time) AS f, count(*) AS n FROM s WHERE time > to_timestamp_millis(1749350000000) GROUP BY node, gpu ORDER BY node, gpu",
+            "SELECT node, gpu, time, util FROM (SELECT node, gpu, time, util, row_number() OVER (PARTITION BY node, gpu ORDER BY time DESC, util DESC NULLS LAST) AS newest FROM s WHERE time >= TIMESTAMP '2025-06-08 08:00:00') WHERE newest = 1 ORDER BY node, gpu",
+            "SELECT count(*) AS n FROM s WHERE time <= TIMESTAMP '2025-06-08 00:00:00'",
+            "SELECT count(*) AS n FROM s WHERE time = TIMESTAMP '2025-06-08 01:00:00+00:00'",
+            "SELECT count(*) AS n FROM s WHERE time != TIMESTAMP '2025-06-08 01:00:00' AND time > TIMESTAMP '1970-01-01 00:00:00'",
         ];
         let with = session(true);
         let without = session(false);
@@ -1089,25 +1134,45 @@ mod tests {
             .lines()
             .find(|l| l.contains("PrefilterExec"))
             .unwrap_or_else(|| panic!("no prefilter in {explained}"));
-        let metric = |name: &str| -> f64 {
-            let shown = line
-                .split(&format!("{name}="))
-                .nth(1)
-                .and_then(|r| r.split([',', ']']).next())
-                .unwrap_or_else(|| panic!("{name} in {line}"));
-            let (number, scale) = match shown.split_once(' ') {
-                Some((n, "K")) => (n, 1e3),
-                Some((n, "M")) => (n, 1e6),
-                _ => (shown, 1.0),
-            };
-            number
-                .parse::<f64>()
-                .unwrap_or_else(|_| panic!("{name} in {line}"))
-                * scale
-        };
+        let metric = |name: &str| metric_of(line, name);
         assert_eq!(metric("rows_tested"), 48_000.0, "{line}");
         let selected = metric("rows_selected");
         assert!(selected > 0.0 && selected < 30_000.0, "{line}");
+        // The latest samples of each GPU (a window over `time`, needed above the filter):
+        // `time` is tested on its pages, and a third of each series is read.
+        let window = queries
+            .iter()
+            .find(|q| q.contains("row_number"))
+            .expect("the window query");
+        let explained = answer(&with, &format!("EXPLAIN ANALYZE {window}")).await;
+        let line = explained
+            .lines()
+            .find(|l| l.contains("PrefilterExec"))
+            .unwrap_or_else(|| panic!("no prefilter in {explained}"));
+        assert!(
+            line.contains("tests=[time >= ") && !line.contains("exact"),
+            "{line}"
+        );
+        let selected = metric_of(line, "rows_selected");
+        assert!(selected < 20_000.0, "{line}");
+    }
+
+    /// A prefilter's metric `name` from its line of EXPLAIN ANALYZE.
+    fn metric_of(line: &str, name: &str) -> f64 {
+        let shown = line
+            .split(&format!("{name}="))
+            .nth(1)
+            .and_then(|r| r.split([',', ']']).next())
+            .unwrap_or_else(|| panic!("{name} in {line}"));
+        let (number, scale) = match shown.split_once(' ') {
+            Some((n, "K")) => (n, 1e3),
+            Some((n, "M")) => (n, 1e6),
+            _ => (shown, 1.0),
+        };
+        number
+            .parse::<f64>()
+            .unwrap_or_else(|_| panic!("{name} in {line}"))
+            * scale
     }
 
     /// No prefilter where the filter reads every column the scan outputs and needs them all
