@@ -33,7 +33,7 @@ mod pages;
 
 pub use exact::PASSES;
 
-use arrow::datatypes::{Schema, SchemaRef, TimeUnit};
+use arrow::datatypes::{Schema, SchemaRef};
 use datafusion::common::ScalarValue;
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode, TreeNodeRecursion};
@@ -110,7 +110,6 @@ impl fmt::Display for Test {
             Constant::Int32(c) => c.to_string(),
             Constant::UInt64(c) => c.to_string(),
             Constant::UInt32(c) => c.to_string(),
-            Constant::Timestamp { value, .. } => value.to_string(),
         };
         write!(f, "{} {op} {constant}", self.column)
     }
@@ -137,16 +136,6 @@ impl Test {
             ScalarValue::Int32(Some(c)) => Constant::Int32(*c),
             ScalarValue::UInt64(Some(c)) => Constant::UInt64(*c),
             ScalarValue::UInt32(Some(c)) => Constant::UInt32(*c),
-            ScalarValue::TimestampSecond(Some(c), tz) => timestamp(*c, TimeUnit::Second, tz),
-            ScalarValue::TimestampMillisecond(Some(c), tz) => {
-                timestamp(*c, TimeUnit::Millisecond, tz)
-            }
-            ScalarValue::TimestampMicrosecond(Some(c), tz) => {
-                timestamp(*c, TimeUnit::Microsecond, tz)
-            }
-            ScalarValue::TimestampNanosecond(Some(c), tz) => {
-                timestamp(*c, TimeUnit::Nanosecond, tz)
-            }
             _ => return None,
         };
         Some(Self {
@@ -154,15 +143,6 @@ impl Test {
             cmp,
             constant,
         })
-    }
-}
-
-/// A timestamp constant: its value counts `unit`s, an instant where it has a time zone.
-fn timestamp(value: i64, unit: TimeUnit, tz: &Option<Arc<str>>) -> Constant {
-    Constant::Timestamp {
-        value,
-        unit,
-        utc: tz.is_some(),
     }
 }
 
@@ -1080,8 +1060,7 @@ mod tests {
             "SELECT count(*) AS n FROM s WHERE util > 90",
             // The tested column is an output: the scan reads it, the filter tests it again.
             "SELECT node, gpu, util, power FROM s WHERE util > 98 ORDER BY node, gpu, power, util",
-            // Time windows inside each series (pages span several): tested on `time`'s
-            // DELTA_BINARY_PACKED pages, read whole (exact mode) or tested again.
+            // Time windows inside each series (pages span several), alone and with a test.
             "SELECT node, gpu, count(*) AS n, sum(power) AS p FROM s WHERE time >= TIMESTAMP '2025-06-08 08:00:00' GROUP BY node, gpu ORDER BY node, gpu",
             "SELECT count(*) AS n, sum(power) AS p FROM s WHERE time >= TIMESTAMP '2025-06-08 02:00:00' AND time < TIMESTAMP '2025-06-08 03:00:00' AND util > 90",
             "SELECT node, gpu, max(time) AS t, min(time) AS f, count(*) AS n FROM s WHERE time > to_timestamp_millis(1749350000000) GROUP BY node, gpu ORDER BY node, gpu",
@@ -1134,45 +1113,25 @@ mod tests {
             .lines()
             .find(|l| l.contains("PrefilterExec"))
             .unwrap_or_else(|| panic!("no prefilter in {explained}"));
-        let metric = |name: &str| metric_of(line, name);
+        let metric = |name: &str| -> f64 {
+            let shown = line
+                .split(&format!("{name}="))
+                .nth(1)
+                .and_then(|r| r.split([',', ']']).next())
+                .unwrap_or_else(|| panic!("{name} in {line}"));
+            let (number, scale) = match shown.split_once(' ') {
+                Some((n, "K")) => (n, 1e3),
+                Some((n, "M")) => (n, 1e6),
+                _ => (shown, 1.0),
+            };
+            number
+                .parse::<f64>()
+                .unwrap_or_else(|_| panic!("{name} in {line}"))
+                * scale
+        };
         assert_eq!(metric("rows_tested"), 48_000.0, "{line}");
         let selected = metric("rows_selected");
         assert!(selected > 0.0 && selected < 30_000.0, "{line}");
-        // The latest samples of each GPU (a window over `time`, needed above the filter):
-        // `time` is tested on its pages, and a third of each series is read.
-        let window = queries
-            .iter()
-            .find(|q| q.contains("row_number"))
-            .expect("the window query");
-        let explained = answer(&with, &format!("EXPLAIN ANALYZE {window}")).await;
-        let line = explained
-            .lines()
-            .find(|l| l.contains("PrefilterExec"))
-            .unwrap_or_else(|| panic!("no prefilter in {explained}"));
-        assert!(
-            line.contains("tests=[time >= ") && !line.contains("exact"),
-            "{line}"
-        );
-        let selected = metric_of(line, "rows_selected");
-        assert!(selected < 20_000.0, "{line}");
-    }
-
-    /// A prefilter's metric `name` from its line of EXPLAIN ANALYZE.
-    fn metric_of(line: &str, name: &str) -> f64 {
-        let shown = line
-            .split(&format!("{name}="))
-            .nth(1)
-            .and_then(|r| r.split([',', ']']).next())
-            .unwrap_or_else(|| panic!("{name} in {line}"));
-        let (number, scale) = match shown.split_once(' ') {
-            Some((n, "K")) => (n, 1e3),
-            Some((n, "M")) => (n, 1e6),
-            _ => (shown, 1.0),
-        };
-        number
-            .parse::<f64>()
-            .unwrap_or_else(|_| panic!("{name} in {line}"))
-            * scale
     }
 
     /// No prefilter where the filter reads every column the scan outputs and needs them all
