@@ -205,16 +205,8 @@ mod tests {
         }
         assert!(hot_busy > 5.0 * idle_busy, "{idle_busy} vs {hot_busy}");
         let batch = perch_model::Batch {
-            node: node(),
-            seq: 1,
             hosts: vec![prev],
-            gpus: vec![],
-            nics: vec![],
-            gpu_events: vec![],
-            gpu_processes: vec![],
-            ib_ports: vec![],
-            jobs: vec![],
-            job_metrics: vec![],
+            ..perch_model::Batch::new(node(), 1)
         };
         assert_eq!(batch.validate(T0 + 200_000), Ok(()));
     }

@@ -86,11 +86,6 @@ mod tests {
 
     fn check(mutate: impl FnOnce(&mut Batch), want: Option<&str>) {
         let mut b = Batch {
-            node: NodeId::new("n1").expect("valid"),
-            seq: 1,
-            hosts: vec![],
-            gpus: vec![],
-            nics: vec![],
             gpu_events: vec![GpuEvent {
                 time_ms: NOW,
                 gpu: GpuIndex(0),
@@ -118,7 +113,7 @@ mod tests {
                 source: "proc".into(),
                 ..JobSample::default()
             }],
-            job_metrics: vec![],
+            ..Batch::new(NodeId::new("n1").expect("valid"), 1)
         };
         mutate(&mut b);
         let got = b.validate(NOW).err().map(|e| e.to_string());
@@ -165,21 +160,13 @@ mod tests {
     #[test]
     fn absent_extras_stay_out_of_the_json() {
         let b = Batch {
-            node: NodeId::new("n1").expect("valid"),
-            seq: 1,
-            hosts: vec![],
             gpus: vec![crate::GpuSample {
                 time_ms: NOW,
                 uuid: "GPU-1".into(),
                 model: "X".into(),
                 ..crate::GpuSample::default()
             }],
-            nics: vec![],
-            gpu_events: vec![],
-            gpu_processes: vec![],
-            ib_ports: vec![],
-            jobs: vec![],
-            job_metrics: vec![],
+            ..Batch::new(NodeId::new("n1").expect("valid"), 1)
         };
         let json = serde_json::to_string(&b).expect("serializes");
         assert!(

@@ -113,16 +113,8 @@ mod tests {
         };
         mutate(&mut s);
         let b = Batch {
-            node: NodeId::new("otlp").expect("valid"),
-            seq: 1,
-            hosts: vec![],
-            gpus: vec![],
-            nics: vec![],
-            gpu_events: vec![],
-            gpu_processes: vec![],
-            ib_ports: vec![],
-            jobs: vec![],
             job_metrics: vec![s],
+            ..Batch::new(NodeId::new("otlp").expect("valid"), 1)
         };
         match (b.validate(NOW), want) {
             (Ok(()), None) => {}

@@ -290,6 +290,22 @@ pub(crate) fn check_label(field: &str, value: &str) -> Result<(), BatchError> {
 }
 
 impl Batch {
+    /// A batch from `node` numbered `seq`, with nothing in it yet.
+    pub fn new(node: NodeId, seq: u64) -> Batch {
+        Batch {
+            node,
+            seq,
+            hosts: vec![],
+            gpus: vec![],
+            nics: vec![],
+            gpu_events: vec![],
+            gpu_processes: vec![],
+            ib_ports: vec![],
+            jobs: vec![],
+            job_metrics: vec![],
+        }
+    }
+
     /// Number of samples of every kind.
     pub fn sample_count(&self) -> usize {
         self.hosts.len()
@@ -389,16 +405,8 @@ mod tests {
 
     fn batch(gpus: Vec<GpuSample>) -> Batch {
         Batch {
-            node: NodeId::new("n1").expect("valid"),
-            seq: 1,
-            hosts: vec![],
             gpus,
-            nics: vec![],
-            gpu_events: vec![],
-            gpu_processes: vec![],
-            ib_ports: vec![],
-            jobs: vec![],
-            job_metrics: vec![],
+            ..Batch::new(NodeId::new("n1").expect("valid"), 1)
         }
     }
 

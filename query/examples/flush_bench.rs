@@ -44,16 +44,8 @@ fn batch(node: u32, seq: u64, t0: i64) -> Result<Batch, Box<dyn std::error::Erro
         }
     }
     Ok(Batch {
-        node: NodeId::new(name)?,
-        seq,
-        hosts: vec![],
         gpus,
-        nics: vec![],
-        gpu_events: vec![],
-        gpu_processes: vec![],
-        ib_ports: vec![],
-        jobs: vec![],
-        job_metrics: vec![],
+        ..Batch::new(NodeId::new(name)?, seq)
     })
 }
 

@@ -663,21 +663,16 @@ mod tests {
         rt.block_on(async {
             for day in 0..3 {
                 let batch = perch_model::Batch {
-                    node: perch_model::NodeId::new("n1").expect("node"),
-                    seq: day + 1,
                     gpus: vec![perch_model::GpuSample {
                         time_ms: day0 + i64::try_from(day).expect("day") * DAY_MS,
                         uuid: "GPU-0".into(),
                         model: "Test".into(),
                         ..perch_model::GpuSample::default()
                     }],
-                    hosts: vec![],
-                    nics: vec![],
-                    gpu_events: vec![],
-                    gpu_processes: vec![],
-                    ib_ports: vec![],
-                    jobs: vec![],
-                    job_metrics: vec![],
+                    ..perch_model::Batch::new(
+                        perch_model::NodeId::new("n1").expect("node"),
+                        day + 1,
+                    )
                 };
                 let raw = bytes::Bytes::from(serde_json::to_vec(&batch).expect("json"));
                 store.ingest(raw, &batch).await.expect("ingest");

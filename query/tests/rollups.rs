@@ -88,16 +88,9 @@ fn gpu_sample(s: &Sample) -> GpuSample {
 
 fn batch(node: usize, seq: u64, gpus: Vec<GpuSample>, hosts: Vec<HostSample>) -> (Bytes, Batch) {
     let b = Batch {
-        node: NodeId::new(node_name(node)).expect("node"),
-        seq,
         hosts,
         gpus,
-        nics: vec![],
-        gpu_events: vec![],
-        gpu_processes: vec![],
-        ib_ports: vec![],
-        jobs: vec![],
-        job_metrics: vec![],
+        ..Batch::new(NodeId::new(node_name(node)).expect("node"), seq)
     };
     (Bytes::from(serde_json::to_vec(&b).expect("json")), b)
 }

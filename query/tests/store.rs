@@ -12,9 +12,6 @@ const DAY_MS: i64 = 86_400_000;
 
 fn batch(node: &str, seq: u64, time_ms: i64, gpus: u32) -> (Bytes, Batch) {
     let b = Batch {
-        node: NodeId::new(node).expect("node"),
-        seq,
-        hosts: vec![],
         gpus: (0..gpus)
             .map(|g| GpuSample {
                 time_ms,
@@ -34,12 +31,7 @@ fn batch(node: &str, seq: u64, time_ms: i64, gpus: u32) -> (Bytes, Batch) {
                 ..GpuSample::default()
             })
             .collect(),
-        nics: vec![],
-        gpu_events: vec![],
-        gpu_processes: vec![],
-        ib_ports: vec![],
-        jobs: vec![],
-        job_metrics: vec![],
+        ..Batch::new(NodeId::new(node).expect("node"), seq)
     };
     (Bytes::from(serde_json::to_vec(&b).expect("json")), b)
 }

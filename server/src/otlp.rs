@@ -300,16 +300,8 @@ async fn store(
             let mut last = LAST_SEQ.lock().await;
             let seq = (*last + 1).max(now_micros);
             let batch = Batch {
-                node: node.clone(),
-                seq,
-                hosts: vec![],
-                gpus: vec![],
-                nics: vec![],
-                gpu_events: vec![],
-                gpu_processes: vec![],
-                ib_ports: vec![],
-                jobs: vec![],
                 job_metrics: chunk.to_vec(),
+                ..Batch::new(node.clone(), seq)
             };
             batch.validate(now).map_err(|e| {
                 ApiError::bad_request(

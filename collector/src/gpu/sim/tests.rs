@@ -45,16 +45,8 @@ fn values_are_in_range_and_labelled() {
 fn a_batch_of_simulated_samples_passes_server_validation() {
     let samples = run(1, 4, 10, 1000).concat();
     let batch = perch_model::Batch {
-        node: node("sim-node-1"),
-        seq: 1,
-        hosts: vec![],
         gpus: samples,
-        nics: vec![],
-        gpu_events: vec![],
-        gpu_processes: vec![],
-        ib_ports: vec![],
-        jobs: vec![],
-        job_metrics: vec![],
+        ..perch_model::Batch::new(node("sim-node-1"), 1)
     };
     assert_eq!(batch.validate(T0 + 10_000), Ok(()));
 }
