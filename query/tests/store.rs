@@ -141,6 +141,39 @@ async fn queries_racing_flushes_never_miss_or_double_a_row() {
     assert_eq!(count(&sql, busy).await, 300);
 }
 
+/// A server restarted again and again without a write (a crash loop, a careless operator)
+/// keeps its write-ahead log to the segments that hold rows and the one it writes, and loses
+/// none of the rows only the log holds.
+#[tokio::test]
+async fn restarts_without_writes_leave_no_segments_behind_and_lose_no_row() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let store = Store::open(config(dir.path())).expect("open");
+        let (raw, b) = batch("n1", 1, 1_800_000_000_000, 3);
+        store.ingest(raw, &b).await.expect("ingest");
+        // Dropped without a flush: the rows live only in the write-ahead log.
+    }
+    for _ in 0..20 {
+        drop(Store::open(config(dir.path())).expect("reopen"));
+    }
+    let segments = std::fs::read_dir(dir.path().join("wal"))
+        .expect("wal")
+        .count();
+    assert_eq!(
+        segments, 2,
+        "the segment with the rows and the last start's"
+    );
+    let store = Store::open(config(dir.path())).expect("reopen");
+    let sql = SqlEngine::new(store.clone(), QueryLimits::default());
+    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 3);
+    store.flush().await.expect("flush");
+    drop(sql);
+    drop(store);
+    let store = Store::open(config(dir.path())).expect("reopen after the flush");
+    let sql = SqlEngine::new(store, QueryLimits::default());
+    assert_eq!(count(&sql, "SELECT count(*) FROM gpu_samples").await, 3);
+}
+
 #[tokio::test]
 async fn restart_keeps_flushed_and_logged_rows_once_and_remembers_sequences() {
     let dir = tempfile::tempdir().expect("tempdir");
