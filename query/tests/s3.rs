@@ -137,9 +137,6 @@ async fn keys(store: &Arc<dyn ObjectStore>, under: &str) -> Vec<String> {
 
 fn batch(seq: u64, time_ms: i64) -> (Bytes, Batch) {
     let b = Batch {
-        node: NodeId::new("n1").expect("node"),
-        seq,
-        hosts: vec![],
         gpus: (0..2)
             .map(|g| GpuSample {
                 time_ms,
@@ -151,12 +148,7 @@ fn batch(seq: u64, time_ms: i64) -> (Bytes, Batch) {
                 ..GpuSample::default()
             })
             .collect(),
-        nics: vec![],
-        gpu_events: vec![],
-        gpu_processes: vec![],
-        ib_ports: vec![],
-        jobs: vec![],
-        job_metrics: vec![],
+        ..Batch::new(NodeId::new("n1").expect("node"), seq)
     };
     (Bytes::from(serde_json::to_vec(&b).expect("json")), b)
 }

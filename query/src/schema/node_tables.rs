@@ -164,9 +164,6 @@ mod tests {
     #[test]
     fn every_new_row_kind_lands_in_its_table() {
         let batch = Batch {
-            node: NodeId::new("n1").expect("valid"),
-            seq: 1,
-            hosts: vec![],
             gpus: vec![GpuSample {
                 time_ms: T,
                 uuid: "GPU-1".into(),
@@ -174,7 +171,6 @@ mod tests {
                 throttle_reasons: Some(0x4 | 0x40),
                 ..GpuSample::default()
             }],
-            nics: vec![],
             gpu_events: vec![GpuEvent {
                 time_ms: T,
                 gpu: GpuIndex(3),
@@ -205,7 +201,7 @@ mod tests {
                 gpus: vec![GpuIndex(0), GpuIndex(2)],
                 ..JobSample::default()
             }],
-            job_metrics: vec![],
+            ..Batch::new(NodeId::new("n1").expect("valid"), 1)
         };
         let out = convert(&batch).expect("converts");
         let tables: Vec<Table> = out.iter().map(|(t, _)| *t).collect();
