@@ -554,8 +554,8 @@ impl Default for IdleSection {
 impl SchedulerSection {
     /// The section that describes `policy` (`perch simulate --show-config`: start a config from
     /// what a replay ran); `None` for the simulator's reference policies: SRTF, which needs
-    /// true durations no server has, and LAS and Gittins, the duration-free anchors of the
-    /// scorecard.
+    /// true durations no server has, and the scorecard's anchors: LAS and Gittins, which need
+    /// no duration, and Themis' finish-time fairness.
     pub fn from_policy(policy: &perch_scheduler::Config) -> Option<SchedulerSection> {
         use perch_scheduler::{IdleAction, PolicyKind};
         let human = perch_alerts::HumanDuration::from_ms;
@@ -563,7 +563,9 @@ impl SchedulerSection {
             PolicyKind::Perch => "perch",
             PolicyKind::Backfill => "backfill",
             PolicyKind::Fifo => "fifo",
-            PolicyKind::Srtf | PolicyKind::Las | PolicyKind::Gittins => return None,
+            PolicyKind::Srtf | PolicyKind::Las | PolicyKind::Gittins | PolicyKind::Themis => {
+                return None;
+            }
         };
         Some(SchedulerSection {
             policy: name.into(),

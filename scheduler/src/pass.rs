@@ -9,7 +9,7 @@
 //! overruns... it cannot: time limits are enforced).
 
 use crate::cluster::{Cluster, NodeState, Placement};
-use crate::ids::{JobId, Time, User};
+use crate::ids::{JobId, Millis, SECOND, Time, User};
 use crate::job::{GpuShare, PendingReason, PreemptReason, Qos, Shape};
 use crate::placement::find;
 use crate::policy::{Config, IdleAction, PolicyKind, fairshare_factor, size_factor};
@@ -123,6 +123,43 @@ impl Scheduler {
         self.attained(j, now) < self.config.las_threshold_gpu_seconds
     }
 
+    /// The run the job is expected to need: its time limit, or, with
+    /// [`crate::Config::predict_from_history`], the shorter run its user's recent finished jobs
+    /// predict (`history.rs`).
+    pub(crate) fn expected_run(&self, j: &Job) -> Millis {
+        let limit = j.run_limit();
+        match self.config.predict_from_history {
+            true => self
+                .history
+                .predict(&j.spec.user, j.spec.gpu_hundredths(), limit)
+                .map_or(limit, |p| p.min(limit)),
+            false => limit,
+        }
+    }
+
+    /// Themis' finish-time fairness `rho = T_shared / T_ideal` of the job now: the time since
+    /// its submission plus what is left of its expected run, over that run stretched by how
+    /// far its GPUs exceed an equal part of the cluster (`fair_gpus`). Above 1, the
+    /// job is behind the finish an equal part would have given it.
+    pub(crate) fn finish_time_fairness(&self, j: &Job, now: Time) -> f64 {
+        let expected = self.expected_run(j).max(SECOND) as f64;
+        let running = match j.state {
+            JobState::Running { start, .. } => now - start,
+            JobState::Pending(_) => 0,
+        };
+        let left = (expected - (j.progress + running) as f64).max(0.0);
+        let since_submit = (now - j.spec.submit).max(0) as f64;
+        let gpus = f64::from(j.spec.gpu_hundredths()) / 100.0;
+        let ideal = expected * (gpus / self.fair_gpus.max(1e-9)).max(1.0);
+        (since_submit + left) / ideal
+    }
+
+    /// Each unfinished job's equal part of the cluster's GPUs (Themis' `1/N` of the cluster,
+    /// N the jobs pending or running).
+    pub(crate) fn equal_part(&self, extra_jobs: usize) -> f64 {
+        f64::from(self.cluster.total_gpus()) / (self.jobs.len() + extra_jobs).max(1) as f64
+    }
+
     /// How long the job has waited, when that is past the starvation bound (perch, LAS): a
     /// job that has waited longer than `starved_after_limits` times its time limit, twice that
     /// for Low QOS (scavenger work waits behind the rest, but not without end).
@@ -152,6 +189,12 @@ impl Scheduler {
                 Some(wait) => 2.0 + wait / 1000.0,
                 None => self.gittins(j, now),
             },
+            // Starved jobs first, then by finish-time fairness (a ratio is under 1e12 for any
+            // job submitted less than 30,000 years ago: its expected run is at least a second).
+            PolicyKind::Themis => match self.starved_wait(j, now) {
+                Some(wait) => 1e12 + wait / 1000.0,
+                None => self.finish_time_fairness(j, now),
+            },
             PolicyKind::Perch => {
                 let c = &self.config;
                 let w = c.weights;
@@ -166,13 +209,7 @@ impl Scheduler {
                 let share = self.share(j.account);
                 let fs = fairshare_factor(self.accounts[j.account].usage, total, share);
                 let gpus = j.spec.gpu_hundredths();
-                let mut run = j.run_limit();
-                if c.predict_from_history
-                    && let Some(p) = self.history.predict(&j.spec.user, gpus, run)
-                {
-                    run = run.min(p);
-                }
-                let req = f64::from(gpus) / 100.0 * run as f64 / 1000.0;
+                let req = f64::from(gpus) / 100.0 * self.expected_run(j) as f64 / 1000.0;
                 let size = size_factor(req, c.size_max_gpu_seconds);
                 w.age * age + w.fairshare * fs + w.qos * j.spec.qos.factor() + w.size * size
             }
@@ -191,12 +228,12 @@ impl Scheduler {
     /// Every `priority_period`: decays usage, charges running jobs, recomputes priorities and
     /// re-sorts the queue. In between, only drops jobs that left the queue.
     fn refresh_priorities(&mut self, now: Time) {
-        // Only perch's, LAS's and Gittins' priorities move with time (attained service, the
-        // starvation bound); the others are fixed at submission.
+        // Only perch's, LAS's, Gittins' and Themis' priorities move with time (attained
+        // service, waiting, the starvation bound); the others are fixed at submission.
         if now < self.next_priority_at
             || !matches!(
                 self.config.kind,
-                PolicyKind::Perch | PolicyKind::Las | PolicyKind::Gittins
+                PolicyKind::Perch | PolicyKind::Las | PolicyKind::Gittins | PolicyKind::Themis
             )
         {
             if self.queue.len() > 2 * self.pending_len() + 64 {
@@ -210,6 +247,9 @@ impl Scheduler {
             return;
         }
         self.next_priority_at = now + self.config.priority_period;
+        if self.config.kind == PolicyKind::Themis {
+            self.fair_gpus = self.equal_part(0);
+        }
         if let Some(last) = self.usage_decayed_at {
             let factor =
                 (-((now - last) as f64) / self.config.usage_half_life.max(1) as f64).exp2();
@@ -352,7 +392,7 @@ impl Scheduler {
             PolicyKind::Srtf => true,
             PolicyKind::Perch => (quotas && self.config.reclaim) || starved_waiting,
             PolicyKind::Las | PolicyKind::Gittins => true,
-            PolicyKind::Fifo | PolicyKind::Backfill => false,
+            PolicyKind::Fifo | PolicyKind::Backfill | PolicyKind::Themis => false,
         };
         for &id in &order {
             // Nothing more can start: later jobs keep their last reason.

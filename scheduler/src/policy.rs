@@ -24,6 +24,14 @@
 //!   runs as LAS, preemption included; after, a higher index does not preempt (with the
 //!   preemption cost on, preempting for an index under half, or an eighth, of the waiting
 //!   job's lost more than it won on the scorecard).
+//! - [`PolicyKind::Themis`]: Themis' finish-time fairness (Mahajan et al., NSDI'20) over jobs:
+//!   the job with the highest `rho = T_shared / T_ideal` runs first, where `T_shared` is the
+//!   time since its submission plus what is left of its expected run, and `T_ideal` its
+//!   expected run on an equal part of the cluster (the GPUs over the unfinished jobs; a job
+//!   asking for more than that part is slowed in proportion, as Themis' linear model has it).
+//!   The expected run is what perch's size factor reads (the time limit, or the shorter run
+//!   the user's recent jobs predict), so the two differ in order alone; EASY backfill and the
+//!   starvation bound as perch's, and no lease preemption (scheduler/BENCHMARKS.md).
 //!
 //! Perch priority (each factor in `[0, 1]`, weighted and summed, higher runs first):
 //! `age = min(wait / age_max, 1)`; `fairshare = 2^(-(usage_a / usage_total) / share_a)` with
@@ -50,6 +58,9 @@ pub enum PolicyKind {
     /// The Gittins index of attained service over the service of finished jobs (Tiresias'
     /// 2D-Gittins, learned as jobs finish).
     Gittins,
+    /// Themis' finish-time fairness: the job furthest behind the finish an equal part of the
+    /// cluster would give it runs first.
+    Themis,
 }
 
 impl PolicyKind {
@@ -62,6 +73,7 @@ impl PolicyKind {
             PolicyKind::Perch => "perch",
             PolicyKind::Las => "las",
             PolicyKind::Gittins => "gittins",
+            PolicyKind::Themis => "themis",
         }
     }
 }
@@ -241,6 +253,15 @@ impl Config {
     pub fn gittins() -> Self {
         let mut c = Self::base(PolicyKind::Gittins);
         c.starved_after_limits = 4.0;
+        c
+    }
+
+    /// Themis' finish-time fairness over jobs, on the run perch expects (history prediction),
+    /// EASY backfill, the starvation bound of perch.
+    pub fn themis() -> Self {
+        let mut c = Self::base(PolicyKind::Themis);
+        c.starved_after_limits = 4.0;
+        c.predict_from_history = true;
         c
     }
 

@@ -9,7 +9,7 @@ use crate::cluster::{Cluster, GpuHealth, NodeSpec, NodeState, Placement};
 use crate::error::{Error, Result};
 use crate::ids::{Account, GpuModel, JobId, Millis, NodeId, Time};
 use crate::job::{EndState, JobSpec, PendingReason, PreemptReason, RequeueReason};
-use crate::policy::{Config, IdleAction};
+use crate::policy::{Config, IdleAction, PolicyKind};
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap};
@@ -258,6 +258,9 @@ pub struct Scheduler {
     pub(crate) history: crate::history::History,
     /// The GPU-time finished jobs used ([`crate::PolicyKind::Gittins`]).
     pub(crate) service: crate::gittins::Service,
+    /// [`crate::PolicyKind::Themis`]: each unfinished job's equal part of the cluster's GPUs,
+    /// as of the last priority refresh or submission.
+    pub(crate) fair_gpus: f64,
 }
 
 impl Scheduler {
@@ -279,6 +282,7 @@ impl Scheduler {
             usage_decayed_at: None,
             history: crate::history::History::default(),
             service: crate::gittins::Service::default(),
+            fair_gpus: 0.0,
         };
         let config = s.config.clone();
         s.reconfigure(config);
@@ -777,6 +781,9 @@ impl Scheduler {
             charged_until: now,
             rescued: false,
         };
+        if self.config.kind == PolicyKind::Themis {
+            self.fair_gpus = self.equal_part(1);
+        }
         job.priority = self.priority_of(&job, now);
         self.jobs.insert(id, job);
         self.enqueue(id);

@@ -67,6 +67,7 @@ fn configs() -> impl Strategy<Value = Config> {
         Just(Config::srtf()),
         Just(Config::las()),
         Just(Config::gittins()),
+        Just(Config::themis()),
         Just(Config::perch(vec![])),
         Just({
             let mut c = Config::perch(vec![]);

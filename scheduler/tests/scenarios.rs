@@ -1332,3 +1332,55 @@ fn a_user_cannot_chain_starved_jobs_to_stop_many_jobs_at_once() {
     assert_eq!(started(&a), vec![12, 13], "{a:?}");
     assert_eq!(preempted(&a).len(), 1, "{a:?}");
 }
+
+/// Themis' finish-time fairness runs first the job furthest behind the finish an equal part of
+/// the cluster would give it: a 10-minute job that has waited 30 minutes goes before a
+/// 5-hour job that has waited an hour (ratios 4 and 1.2), but a 10-minute job that has just
+/// come waits behind it (1.1 against 1.2), where perch's size factor would start the short job
+/// whatever the waits.
+#[test]
+fn themis_runs_the_job_furthest_behind_its_fair_finish_first() {
+    let first = |short_submit: i64, config: Config| {
+        let mut s = sched(1, config);
+        step(&mut s, 0, Event::Submit(one(1, 8, "a", 60, 0)));
+        step(&mut s, 1, Event::Submit(one(2, 8, "b", 300, 1)));
+        step(
+            &mut s,
+            short_submit,
+            Event::Submit(one(3, 8, "c", 10, short_submit)),
+        );
+        let a = step(
+            &mut s,
+            60 * MINUTE,
+            Event::JobExited {
+                job: JobId(1),
+                code: 0,
+            },
+        );
+        started(&a)
+    };
+    assert_eq!(first(30 * MINUTE, Config::themis()), vec![3]);
+    assert_eq!(first(59 * MINUTE, Config::themis()), vec![2]);
+    assert_eq!(first(59 * MINUTE, Config::perch(vec![])), vec![3]);
+}
+
+/// A job asking for more than an equal part of the cluster is stretched by how far it exceeds
+/// that part: on 16 GPUs held by one job, a 16-GPU gang and a one-GPU job, both of an hour and
+/// the gang submitted first, the one-GPU job starts first (its ideal finish is an hour, the
+/// gang's three: 16 GPUs over three jobs is 5.3 each).
+#[test]
+fn themis_stretches_a_job_bigger_than_an_equal_part() {
+    let mut s = sched(2, Config::themis());
+    step(&mut s, 0, Event::Submit(spec(1, 2, 8, "a", 60 * MINUTE, 0)));
+    step(&mut s, 1, Event::Submit(spec(2, 2, 8, "b", 60 * MINUTE, 1)));
+    step(&mut s, 2, Event::Submit(one(3, 1, "c", 60, 2)));
+    let a = step(
+        &mut s,
+        60 * MINUTE,
+        Event::JobExited {
+            job: JobId(1),
+            code: 0,
+        },
+    );
+    assert_eq!(started(&a), vec![3], "{a:?}");
+}

@@ -37,6 +37,7 @@ fn every_policy_finishes_every_job_and_conserves_gpu_time() {
         SimPolicy::Perch,
         SimPolicy::Las,
         SimPolicy::Gittins,
+        SimPolicy::Themis,
     ] {
         // Allocated GPU-time is the work plus what preemptions wasted, to the GPU-second;
         // with preemption free, the work alone.

@@ -40,7 +40,7 @@ pub struct SimulateArgs {
     /// Nodes per rack label.
     #[arg(long, default_value_t = 8)]
     pub nodes_per_rack: u32,
-    /// `fifo`, `backfill`, `srtf`, `las`, `gittins`, `perch`, `perch-noquota`,
+    /// `fifo`, `backfill`, `srtf`, `las`, `gittins`, `themis`, `perch`, `perch-noquota`,
     /// `perch+idle-reclaim`, `perch-limits` (no quotas, the size factor reading the declared
     /// limits alone), or `all`; several with commas.
     /// Default: `all`, or with `--config` only the file's `[scheduler]`.
@@ -74,7 +74,7 @@ pub struct SimulateArgs {
     /// Seconds a preempted job spends restarting (holding its GPUs, making no progress).
     #[arg(long, default_value_t = 60)]
     pub restart_delay_s: i64,
-    /// Run the scorecard: fifo, backfill, srtf, las, gittins and perch (with and without trace
+    /// Run the scorecard: fifo, backfill, srtf, las, gittins, themis and perch (with and without trace
     /// quotas) on the built-in matrix of traces, cluster sizes and seeds; a table per perch
     /// variant, issue 19's targets checked per case.
     #[arg(long, conflicts_with_all = ["policy", "plot", "show_config", "cluster"])]
@@ -260,7 +260,7 @@ pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> 
                 );
             }
             None => println!(
-                "# {name}: a reference policy of the simulator (srtf needs true job durations, las and gittins are the duration-free anchors); no server runs it"
+                "# {name}: a reference policy of the simulator (srtf needs true job durations, las and gittins are the duration-free anchors, themis the finish-time-fairness anchor); no server runs it"
             ),
         }
     }
@@ -368,7 +368,12 @@ mod tests {
             let back = Config::parse(&text).expect("parses").scheduler.policy();
             assert_eq!(back.expect("policy"), c, "{}: {text}", p.name());
         }
-        for reference in [SimPolicy::Srtf, SimPolicy::Las, SimPolicy::Gittins] {
+        for reference in [
+            SimPolicy::Srtf,
+            SimPolicy::Las,
+            SimPolicy::Gittins,
+            SimPolicy::Themis,
+        ] {
             let c = sim::policy_config(reference, &jobs, &opts);
             assert!(SchedulerSection::from_policy(&c).is_none());
         }

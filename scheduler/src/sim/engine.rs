@@ -33,6 +33,8 @@ pub enum SimPolicy {
     Las,
     /// Tiresias' 2D-Gittins, the distribution of service learned as jobs finish.
     Gittins,
+    /// Themis' finish-time fairness over jobs, on the run perch expects.
+    Themis,
     /// perch without quotas and without history prediction: its size factor reads the
     /// declared time limits alone (the default before 2026-11-26; the scorecard's ablation).
     PerchLimitsOnly,
@@ -40,7 +42,7 @@ pub enum SimPolicy {
 
 impl SimPolicy {
     /// Every policy, in table order.
-    pub const ALL: [SimPolicy; 9] = [
+    pub const ALL: [SimPolicy; 10] = [
         SimPolicy::Fifo,
         SimPolicy::Backfill,
         SimPolicy::Srtf,
@@ -49,6 +51,7 @@ impl SimPolicy {
         SimPolicy::PerchIdleReclaim,
         SimPolicy::Las,
         SimPolicy::Gittins,
+        SimPolicy::Themis,
         SimPolicy::PerchLimitsOnly,
     ];
 
@@ -63,6 +66,7 @@ impl SimPolicy {
             SimPolicy::PerchIdleReclaim => "perch+idle-reclaim",
             SimPolicy::Las => "las",
             SimPolicy::Gittins => "gittins",
+            SimPolicy::Themis => "themis",
             SimPolicy::PerchLimitsOnly => "perch-limits",
         }
     }
@@ -565,6 +569,7 @@ pub fn policy_config(policy: SimPolicy, jobs: &[TraceJob], opts: &SimOptions) ->
         SimPolicy::Srtf => Config::srtf(),
         SimPolicy::Las => Config::las(),
         SimPolicy::Gittins => Config::gittins(),
+        SimPolicy::Themis => Config::themis(),
         SimPolicy::Perch | SimPolicy::PerchIdleReclaim => {
             let quotas = trace_quotas(jobs, opts.cluster.total_gpus());
             let mut c = Config::perch(quotas);

@@ -20,7 +20,7 @@ use crate::error::Result;
 pub const PREEMPTIONS_PER_JOB: f64 = 0.5;
 
 /// The policies a scorecard compares (the idle-reclaim variant answers another question).
-pub const POLICIES: [SimPolicy; 8] = [
+pub const POLICIES: [SimPolicy; 9] = [
     SimPolicy::Fifo,
     SimPolicy::Backfill,
     SimPolicy::Srtf,
@@ -28,6 +28,7 @@ pub const POLICIES: [SimPolicy; 8] = [
     SimPolicy::Perch,
     SimPolicy::Las,
     SimPolicy::Gittins,
+    SimPolicy::Themis,
     SimPolicy::PerchLimitsOnly,
 ];
 
@@ -35,14 +36,16 @@ pub const POLICIES: [SimPolicy; 8] = [
 pub const SCORED: [SimPolicy; 2] = [SimPolicy::PerchNoQuotas, SimPolicy::Perch];
 
 /// The policies whose standing on the targets the closing table compares: perch's two rows,
-/// the duration-free anchors (Tiresias' LAS, and 2D-Gittins over the service jobs used), perch without its history prediction (the
+/// the duration-free anchors (Tiresias' LAS, and 2D-Gittins over the service jobs used), Themis'
+/// finish-time fairness on perch's expected runs, perch without its history prediction (the
 /// declared limits alone) and the oracle itself, which shows what the targets ask of a policy
 /// that knows every duration.
-pub const COMPARED: [SimPolicy; 6] = [
+pub const COMPARED: [SimPolicy; 7] = [
     SimPolicy::PerchNoQuotas,
     SimPolicy::Perch,
     SimPolicy::Las,
     SimPolicy::Gittins,
+    SimPolicy::Themis,
     SimPolicy::PerchLimitsOnly,
     SimPolicy::Srtf,
 ];
