@@ -471,7 +471,7 @@ pub struct SchedulerSection {
     /// An account past its quota does not reclaim this way, and a user has one run begun this
     /// way at a time.
     pub starved_reclaim: bool,
-    /// The size factor reads a job's time limit scaled by the part of their limits its user's
+    /// The finish factor reads a job's time limit scaled by the part of their limits its user's
     /// recent finished jobs ran (their median, over the user's last 32 completed or timed-out
     /// runs of the same GPU request, or of any, from 3 on), so a user who always declares the
     /// maximum is not ranked by it. The limit itself still ends the run and bounds backfill.
@@ -489,6 +489,8 @@ pub struct WeightsSection {
     pub fairshare: f64,
     pub qos: f64,
     pub size: f64,
+    /// Finish-time fairness (Themis' `rho`, scheduler/README.md).
+    pub finish: f64,
 }
 
 /// `[scheduler.idle]`: a job whose GPUs all stay below `below_percent` for `after` is
@@ -515,6 +517,7 @@ impl Default for SchedulerSection {
                 fairshare: perch.weights.fairshare,
                 qos: perch.weights.qos,
                 size: perch.weights.size,
+                finish: perch.weights.finish,
             },
             age_max: human(perch.age_max),
             usage_half_life: human(perch.usage_half_life),
@@ -574,6 +577,7 @@ impl SchedulerSection {
                 fairshare: policy.weights.fairshare,
                 qos: policy.weights.qos,
                 size: policy.weights.size,
+                finish: policy.weights.finish,
             },
             age_max: human(policy.age_max),
             usage_half_life: human(policy.usage_half_life),
@@ -645,6 +649,7 @@ impl SchedulerSection {
             ("fairshare", self.weights.fairshare),
             ("qos", self.weights.qos),
             ("size", self.weights.size),
+            ("finish", self.weights.finish),
         ] {
             if !(w.is_finite() && w >= 0.0) {
                 return Err(bad(
@@ -658,6 +663,7 @@ impl SchedulerSection {
             fairshare: self.weights.fairshare,
             qos: self.weights.qos,
             size: self.weights.size,
+            finish: self.weights.finish,
         };
         for (key, d) in [
             ("age_max", self.age_max),
@@ -1292,7 +1298,7 @@ mod tests {
         assert_eq!(p.priority_period, MINUTE);
         assert!(!p.borrowing);
         assert_eq!(p.weights.age, 5.0);
-        assert_eq!(p.weights.size, 3000.0, "unset weights keep their default");
+        assert_eq!(p.weights.finish, 4000.0, "unset weights keep their default");
         assert_eq!(
             p.quotas,
             vec![(Account("nlp".into()), 16), (Account("vision".into()), 32)]
@@ -1446,6 +1452,10 @@ mod tests {
                 "scheduler.policy: srtf needs",
             ),
             ("[scheduler.weights]\nage = -1.0", "scheduler.weights.age"),
+            (
+                "[scheduler.weights]\nfinish = -1.0",
+                "scheduler.weights.finish",
+            ),
             (
                 "[scheduler.weights]\nfairshare = nan",
                 "scheduler.weights.fairshare",

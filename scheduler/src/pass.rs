@@ -141,8 +141,8 @@ impl Scheduler {
     /// its submission plus what is left of its expected run, over that run stretched by how
     /// far its GPUs exceed an equal part of the cluster (`fair_gpus`). Above 1, the
     /// job is behind the finish an equal part would have given it.
-    pub(crate) fn finish_time_fairness(&self, j: &Job, now: Time) -> f64 {
-        let expected = self.expected_run(j).max(SECOND) as f64;
+    pub(crate) fn finish_time_fairness(&self, j: &Job, now: Time, expected: Millis) -> f64 {
+        let expected = expected.max(SECOND) as f64;
         let running = match j.state {
             JobState::Running { start, .. } => now - start,
             JobState::Pending(_) => 0,
@@ -193,7 +193,7 @@ impl Scheduler {
             // job submitted less than 30,000 years ago: its expected run is at least a second).
             PolicyKind::Themis => match self.starved_wait(j, now) {
                 Some(wait) => 1e12 + wait / 1000.0,
-                None => self.finish_time_fairness(j, now),
+                None => self.finish_time_fairness(j, now, self.expected_run(j)),
             },
             PolicyKind::Perch => {
                 let c = &self.config;
@@ -201,17 +201,23 @@ impl Scheduler {
                 if let Some(wait) = self.starved_wait(j, now) {
                     // Starved: above every job that is not (the weights bound the others),
                     // the longest-waiting first.
-                    return w.age + w.fairshare + w.qos + w.size + 1.0 + wait / 1000.0;
+                    return w.age + w.fairshare + w.qos + w.size + w.finish + 1.0 + wait / 1000.0;
                 }
                 let wait = (now - j.spec.submit).max(0) as f64;
                 let age = (wait / c.age_max.max(1) as f64).min(1.0);
                 let total: f64 = self.accounts.iter().map(|a| a.usage).sum();
                 let share = self.share(j.account);
                 let fs = fairshare_factor(self.accounts[j.account].usage, total, share);
-                let gpus = j.spec.gpu_hundredths();
-                let req = f64::from(gpus) / 100.0 * self.expected_run(j) as f64 / 1000.0;
-                let size = size_factor(req, c.size_max_gpu_seconds);
-                w.age * age + w.fairshare * fs + w.qos * j.spec.qos.factor() + w.size * size
+                let expected = self.expected_run(j);
+                let gpus = f64::from(j.spec.gpu_hundredths()) / 100.0;
+                let size = size_factor(gpus * expected as f64 / 1000.0, c.size_max_gpu_seconds);
+                let rho = self.finish_time_fairness(j, now, expected);
+                let finish = rho / (1.0 + rho);
+                w.age * age
+                    + w.fairshare * fs
+                    + w.qos * j.spec.qos.factor()
+                    + w.size * size
+                    + w.finish * finish
             }
         }
     }
@@ -247,7 +253,7 @@ impl Scheduler {
             return;
         }
         self.next_priority_at = now + self.config.priority_period;
-        if self.config.kind == PolicyKind::Themis {
+        if matches!(self.config.kind, PolicyKind::Perch | PolicyKind::Themis) {
             self.fair_gpus = self.equal_part(0);
         }
         if let Some(last) = self.usage_decayed_at {

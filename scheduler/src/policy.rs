@@ -29,15 +29,17 @@
 //!   time since its submission plus what is left of its expected run, and `T_ideal` its
 //!   expected run on an equal part of the cluster (the GPUs over the unfinished jobs; a job
 //!   asking for more than that part is slowed in proportion, as Themis' linear model has it).
-//!   The expected run is what perch's size factor reads (the time limit, or the shorter run
-//!   the user's recent jobs predict), so the two differ in order alone; EASY backfill and the
-//!   starvation bound as perch's, and no lease preemption (scheduler/BENCHMARKS.md).
+//!   The expected run is the time limit, or the shorter run the user's recent jobs predict
+//!   (perch's `finish` factor reads the same ratio); EASY backfill and the starvation bound as
+//!   perch's, and no lease preemption (scheduler/BENCHMARKS.md).
 //!
 //! Perch priority (each factor in `[0, 1]`, weighted and summed, higher runs first):
-//! `age = min(wait / age_max, 1)`; `fairshare = 2^(-(usage_a / usage_total) / share_a)` with
-//! usage decayed with a half-life (Slurm's classic formula); `qos` from [`crate::Qos`];
-//! `size = 1 - ln(1 + gpu_seconds_requested) / ln(1 + size_max)`, favouring small and short
-//! requests (declared GPUs x declared time limit, never the true duration).
+//! `finish = rho / (1 + rho)`, Themis' finish-time fairness above (the weight perch leans on
+//! by default: it ranks short requests first and raises a waiting job in proportion to what it
+//! asked for); `fairshare = 2^(-(usage_a / usage_total) / share_a)` with usage decayed with a
+//! half-life (Slurm's classic formula); `qos` from [`crate::Qos`]; and, weighted 0 by default,
+//! `age = min(wait / age_max, 1)` and `size = 1 - ln(1 + gpu_seconds_expected) / ln(1 +
+//! size_max)`. Every duration read is declared or predicted, never the true one.
 
 use crate::ids::{Account, DAY, GpuModel, MINUTE, Millis};
 use serde::{Deserialize, Serialize};
@@ -89,6 +91,9 @@ pub struct Weights {
     pub qos: f64,
     /// Weight of (small) size.
     pub size: f64,
+    /// Weight of finish-time fairness: Themis' `rho` as `rho / (1 + rho)`.
+    #[serde(default)]
+    pub finish: f64,
 }
 
 /// What to do with a job whose GPUs are measured idle.
@@ -152,7 +157,8 @@ pub struct Config {
     pub max_reclaims_per_pass: usize,
     /// Starvation bound (perch, LAS): a waiting job that has waited longer than this many
     /// times its time limit (twice that at Low QOS) goes before every job that has not, the
-    /// longest-waiting first, so the size factor cannot hold a large job back without end.
+    /// longest-waiting first, so a stream of smaller jobs cannot hold a large one back without
+    /// end.
     /// 0: never.
     pub starved_after_limits: f64,
     /// LAS: attained service (GPU-seconds) at which a job moves from the first queue to the
@@ -169,9 +175,9 @@ pub struct Config {
     /// user has one such rescued run at a time: their other starved jobs wait for it to end.
     #[serde(default)]
     pub starved_reclaim: bool,
-    /// perch: the size factor reads the run time predicted from the user's recent finished
-    /// jobs where that is shorter than the time limit (`history.rs`); the limit still bounds
-    /// the run and every reservation.
+    /// perch (and Themis): the finish and size factors read the run time predicted from the
+    /// user's recent finished jobs where that is shorter than the time limit (`history.rs`);
+    /// the limit still bounds the run and every reservation.
     #[serde(default)]
     pub predict_from_history: bool,
 }
@@ -197,10 +203,11 @@ impl Config {
         Config {
             kind,
             weights: Weights {
-                age: 1000.0,
+                age: 0.0,
                 fairshare: 1000.0,
                 qos: 1000.0,
-                size: 3000.0,
+                size: 0.0,
+                finish: 4000.0,
             },
             age_max: 7 * DAY,
             usage_half_life: 7 * DAY,

@@ -258,8 +258,9 @@ pub struct Scheduler {
     pub(crate) history: crate::history::History,
     /// The GPU-time finished jobs used ([`crate::PolicyKind::Gittins`]).
     pub(crate) service: crate::gittins::Service,
-    /// [`crate::PolicyKind::Themis`]: each unfinished job's equal part of the cluster's GPUs,
-    /// as of the last priority refresh or submission.
+    /// Each unfinished job's equal part of the cluster's GPUs, as of the last priority refresh
+    /// or submission (finish-time fairness: perch's `finish` factor and
+    /// [`crate::PolicyKind::Themis`]).
     pub(crate) fair_gpus: f64,
 }
 
@@ -781,7 +782,7 @@ impl Scheduler {
             charged_until: now,
             rescued: false,
         };
-        if self.config.kind == PolicyKind::Themis {
+        if matches!(self.config.kind, PolicyKind::Perch | PolicyKind::Themis) {
             self.fair_gpus = self.equal_part(1);
         }
         job.priority = self.priority_of(&job, now);

@@ -1039,13 +1039,23 @@ fn a_requeued_job_gets_its_whole_time_limit_on_the_next_run() {
 }
 
 /// The starvation bound: an 8-GPU job that has waited more than four times its time limit
-/// goes before a one-GPU job that the size factor favours; with the bound off (0) the small
-/// job goes first, and a Low-QOS job is promoted only after twice the bound.
+/// goes before a one-GPU job that the size factor favours (weighted as an operator may set it);
+/// with the bound off (0) the small job goes first, and a Low-QOS job is promoted only after
+/// twice the bound. With the default weights finish-time fairness has already raised the big
+/// job by then.
 #[test]
 fn a_job_waiting_past_four_time_limits_goes_first() {
-    use perch_scheduler::Qos;
-    let run = |starved_after_limits: f64, qos: Qos| {
+    use perch_scheduler::{Qos, Weights};
+    let size_order = Weights {
+        age: 1000.0,
+        fairshare: 1000.0,
+        qos: 1000.0,
+        size: 3000.0,
+        finish: 0.0,
+    };
+    let run_with = |weights: Weights, starved_after_limits: f64, qos: Qos| {
         let mut config = Config::perch(vec![]);
+        config.weights = weights;
         config.starved_after_limits = starved_after_limits;
         // The order alone: B must not take the node from X before X ends.
         config.starved_reclaim = false;
@@ -1069,6 +1079,7 @@ fn a_job_waiting_past_four_time_limits_goes_first() {
         };
         started(&step(&mut s, 260 * MINUTE, exited))
     };
+    let run = |starved_after_limits: f64, qos: Qos| run_with(size_order, starved_after_limits, qos);
     assert_eq!(run(4.0, Qos::Normal), vec![2], "B waited 259 min > 4 x 60");
     assert_eq!(
         run(0.0, Qos::Normal),
@@ -1087,6 +1098,12 @@ fn a_job_waiting_past_four_time_limits_goes_first() {
     );
     // A job that has not waited that long is not promoted either.
     assert_eq!(run(5.0, Qos::Normal), vec![3]);
+    let finish = Config::perch(vec![]).weights;
+    assert_eq!(
+        run_with(finish, 0.0, Qos::Normal),
+        vec![2],
+        "no bound, default weights: B's finish-time ratio (319 / 120 min) is above C's (20 / 10)"
+    );
 }
 
 /// The job a pass reserved GPUs for, overtaken by a higher-priority job in a later pass that
@@ -1120,7 +1137,7 @@ fn an_overtaken_job_no_longer_shows_a_reservation() {
 }
 
 /// History prediction: user a's last three 8-GPU jobs ran 1 minute of their 600-minute limits,
-/// so a's next 8-GPU job of a 600-minute limit counts as 1 minute for the size factor and goes
+/// so a's next 8-GPU job of a 600-minute limit counts as 1 minute for the finish factor and goes
 /// before b's 8-GPU job of 120 minutes (no history); without prediction, b's first. Jobs that
 /// failed are not history. (Runs of the same request: runs of another vouch only for the
 /// GPU-time they used, `history.rs`.)
@@ -1336,8 +1353,9 @@ fn a_user_cannot_chain_starved_jobs_to_stop_many_jobs_at_once() {
 /// Themis' finish-time fairness runs first the job furthest behind the finish an equal part of
 /// the cluster would give it: a 10-minute job that has waited 30 minutes goes before a
 /// 5-hour job that has waited an hour (ratios 4 and 1.2), but a 10-minute job that has just
-/// come waits behind it (1.1 against 1.2), where perch's size factor would start the short job
-/// whatever the waits.
+/// come waits behind it (1.1 against 1.2), where a size factor (perch's order before its
+/// finish factor) would start the short job whatever the waits. perch's default weights lean
+/// on the same ratio and agree.
 #[test]
 fn themis_runs_the_job_furthest_behind_its_fair_finish_first() {
     let first = |short_submit: i64, config: Config| {
@@ -1361,7 +1379,12 @@ fn themis_runs_the_job_furthest_behind_its_fair_finish_first() {
     };
     assert_eq!(first(30 * MINUTE, Config::themis()), vec![3]);
     assert_eq!(first(59 * MINUTE, Config::themis()), vec![2]);
-    assert_eq!(first(59 * MINUTE, Config::perch(vec![])), vec![3]);
+    let mut by_size = Config::perch(vec![]);
+    by_size.weights.finish = 0.0;
+    by_size.weights.size = 3000.0;
+    assert_eq!(first(59 * MINUTE, by_size), vec![3]);
+    assert_eq!(first(59 * MINUTE, Config::perch(vec![])), vec![2]);
+    assert_eq!(first(30 * MINUTE, Config::perch(vec![])), vec![3]);
 }
 
 /// A job asking for more than an equal part of the cluster is stretched by how far it exceeds

@@ -41,7 +41,7 @@ pub struct SimulateArgs {
     #[arg(long, default_value_t = 8)]
     pub nodes_per_rack: u32,
     /// `fifo`, `backfill`, `srtf`, `las`, `gittins`, `themis`, `perch`, `perch-noquota`,
-    /// `perch+idle-reclaim`, `perch-limits` (no quotas, the size factor reading the declared
+    /// `perch+idle-reclaim`, `perch-limits` (no quotas, the finish factor reading the declared
     /// limits alone), or `all`; several with commas.
     /// Default: `all`, or with `--config` only the file's `[scheduler]`.
     #[arg(long)]

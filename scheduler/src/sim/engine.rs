@@ -35,8 +35,9 @@ pub enum SimPolicy {
     Gittins,
     /// Themis' finish-time fairness over jobs, on the run perch expects.
     Themis,
-    /// perch without quotas and without history prediction: its size factor reads the
-    /// declared time limits alone (the default before 2026-11-26; the scorecard's ablation).
+    /// perch without quotas and without history prediction: its finish factor reads the
+    /// declared time limits alone (history prediction is the default since 2026-11-26; the
+    /// scorecard's ablation).
     PerchLimitsOnly,
 }
 
