@@ -1,7 +1,9 @@
 //! Builders shared by the scenario and property tests.
 #![allow(dead_code)]
 
-use perch_scheduler::{Account, Action, JobId, JobSpec, MINUTE, Millis, Qos, Shape, Time, User};
+use perch_scheduler::{
+    Account, Action, Event, JobId, JobSpec, MINUTE, Millis, Qos, Shape, Time, User,
+};
 
 pub fn spec(
     id: u64,
@@ -33,6 +35,14 @@ pub fn spec(
 
 pub fn one(id: u64, gpus: u32, account: &str, limit_min: i64, submit: Time) -> JobSpec {
     spec(id, 1, gpus, account, limit_min * MINUTE, submit)
+}
+
+/// Job `id`'s process exits with code 0.
+pub fn exit(id: u64) -> Event {
+    Event::JobExited {
+        job: JobId(id),
+        code: 0,
+    }
 }
 
 pub fn started(actions: &[Action]) -> Vec<u64> {
