@@ -664,6 +664,10 @@ impl Scheduler {
                 .set_features(node, nvlink_islands, sharing, rack)?,
             Event::AddNode(spec) => {
                 self.cluster.add_node(spec)?;
+                // More GPUs make a larger equal part of the cluster (the finish factor): every
+                // priority is recomputed at the next pass, so a job queued before the node came
+                // is not ranked against the cluster it was queued on.
+                self.next_priority_at = Time::MIN;
                 // Jobs asking for a model no node had are satisfiable now if this node has it.
                 for job in self.jobs.values_mut() {
                     if job.model == Some(usize::MAX) {

@@ -1467,3 +1467,22 @@ fn a_stream_of_small_jobs_does_not_hold_a_big_one_back() {
     );
     assert_eq!(with(false, 0.0, 0.0), None, "size alone: never, in a day");
 }
+
+/// A server starts before its agents: a one-GPU job queued while no node was known must not
+/// rank below a two-GPU job queued after the node came (its finish-time ratio was worked out
+/// against a cluster of no GPUs). Found by `jobs_survive_a_server_kill_9_and_keep_running_through_it`
+/// (tests/jobs.rs), where the two-GPU job took the node first.
+#[test]
+fn a_job_queued_before_any_node_is_ranked_against_the_cluster_that_came() {
+    use perch_scheduler::NodeSpec;
+    let mut s = Scheduler::new(Cluster::new(), Config::perch(vec![]));
+    step(&mut s, 1_000, Event::Submit(one(1, 1, "a", 60, 1_000)));
+    // As a server batches events: the node comes without a pass of its own.
+    let added = s.handle(
+        2_000,
+        Event::AddNode(NodeSpec::new("gpu-a", 2, "H100", "r1")),
+    );
+    assert!(added.is_ok(), "{added:?}");
+    let a = step(&mut s, 2_100, Event::Submit(one(2, 2, "a", 60, 2_100)));
+    assert_eq!(started(&a), vec![1], "{a:?}");
+}
