@@ -1072,7 +1072,9 @@ async fn a_users_history_survives_a_restart() {
         let two_hours = json!({ "command": ["y"], "user": "bob", "time_limit_secs": 7200 });
         let bob = submit(&jobs, two_hours, at).await;
         let alice = submit(&jobs, week, at).await;
-        at += SECOND;
+        // Past a priority refresh: the finish factor ranks the two as they wait (both came
+        // at a ratio of 1), alice's against the seconds her history predicts.
+        at += 6 * 60 * SECOND;
         sync(&jobs, "a", at, &[(blocker, 1)], &[]).await;
         let r = sync(&jobs, "a", at + SECOND, &[], &[(blocker, 1, 0)]).await;
         let started: Vec<u64> = r.start.iter().map(|l| l.job).collect();
