@@ -216,6 +216,8 @@ pub struct Cluster {
     /// `hist[model][k]`: nodes of that model with exactly `k` usable free GPUs.
     pub(crate) hist: Vec<Vec<u32>>,
     pub(crate) max_gpus: u32,
+    /// All GPUs of all nodes.
+    pub(crate) gpus: u32,
     /// Nodes that take shared jobs (a pass looks for room on shared GPUs only when some do).
     pub(crate) sharing_nodes: u32,
 }
@@ -282,6 +284,7 @@ impl Cluster {
         let islands = island_masks(&spec, all)?;
         let n = spec.gpus as usize;
         self.max_gpus = self.max_gpus.max(spec.gpus);
+        self.gpus += spec.gpus;
         self.sharing_nodes += u32::from(spec.sharing);
         self.nodes.push(Node {
             spec,
@@ -426,7 +429,7 @@ impl Cluster {
 
     /// All GPUs of all nodes.
     pub fn total_gpus(&self) -> u32 {
-        self.nodes.iter().map(|n| n.spec.gpus).sum()
+        self.gpus
     }
 
     pub(crate) fn model_index(&self, model: Option<&GpuModel>) -> Option<Option<usize>> {

@@ -18,6 +18,11 @@ use crate::share::find_share;
 use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::cmp::Ordering;
 
+/// The size factor's weight under perch's own: among jobs whose factors tie (jobs submitted
+/// since the last refresh that fit their account's equal part all have a finish-time ratio of
+/// 1), the smaller request in GPU-time goes first. Too small to outweigh any other factor.
+const SIZE_TIE_BREAK: f64 = 1e-6;
+
 /// Queue order: higher priority first, then earlier submission, then lower id.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct OrderKey(f64, Time, JobId);
@@ -68,6 +73,44 @@ fn find_share_among(
     models
         .iter()
         .find_map(|&m| find_share(cluster, share, m, &cap))
+}
+
+/// What a placement lookup in a pass depends on besides the cluster and the reservation: the
+/// gang or share, the models it may go on, and whether the reservation caps it.
+type LookupKey = (Shape, Option<GpuShare>, Vec<Option<usize>>, bool);
+
+/// Placement lookups that found nothing since the pass last changed the cluster. Every change
+/// a pass makes (a start, a preemption) adds an action, and the reservation is set once,
+/// before any capped lookup, so until the action count moves the same lookup finds nothing
+/// again: a pass behind a blocked gang answers a queue of similar jobs from here instead of
+/// scanning every node for each (the pass costs about the same in any queue order).
+#[derive(Default)]
+struct Misses {
+    keys: HashSet<LookupKey>,
+    actions: usize,
+}
+
+impl Misses {
+    /// `lookup()`, unless the same key found nothing with `actions` actions taken.
+    fn find<T>(
+        &mut self,
+        actions: usize,
+        key: LookupKey,
+        lookup: impl FnOnce() -> Option<T>,
+    ) -> Option<T> {
+        if actions != self.actions {
+            self.keys.clear();
+            self.actions = actions;
+        }
+        if self.keys.contains(&key) {
+            return None;
+        }
+        let found = lookup();
+        if found.is_none() {
+            self.keys.insert(key);
+        }
+        found
+    }
 }
 
 /// A reservation for the first blocked job.
@@ -154,10 +197,11 @@ impl Scheduler {
         (since_submit + left) / ideal
     }
 
-    /// Each unfinished job's equal part of the cluster's GPUs (Themis' `1/N` of the cluster,
-    /// N the jobs pending or running).
-    pub(crate) fn equal_part(&self, extra_jobs: usize) -> f64 {
-        f64::from(self.cluster.total_gpus()) / (self.jobs.len() + extra_jobs).max(1) as f64
+    /// Each active account's equal part of the cluster's GPUs (Themis' `1/N` of the cluster,
+    /// N the accounts with a job pending or running, as Themis divides among apps: an account
+    /// that floods the queue with small jobs does not shrink another's part).
+    pub(crate) fn equal_part(&self) -> f64 {
+        f64::from(self.cluster.total_gpus()) / self.active_accounts.max(1) as f64
     }
 
     /// How long the job has waited, when that is past the starvation bound (perch, LAS): a
@@ -216,7 +260,7 @@ impl Scheduler {
                 w.age * age
                     + w.fairshare * fs
                     + w.qos * j.spec.qos.factor()
-                    + w.size * size
+                    + (w.size + SIZE_TIE_BREAK) * size
                     + w.finish * finish
             }
         }
@@ -254,7 +298,7 @@ impl Scheduler {
         }
         self.next_priority_at = now + self.config.priority_period;
         if matches!(self.config.kind, PolicyKind::Perch | PolicyKind::Themis) {
-            self.fair_gpus = self.equal_part(0);
+            self.fair_gpus = self.equal_part();
         }
         if let Some(last) = self.usage_decayed_at {
             let factor =
@@ -366,6 +410,7 @@ impl Scheduler {
         let kind = self.config.kind;
         let quotas = self.config.has_quotas();
         let mut reservation: Option<Reservation> = None;
+        let mut misses = Misses::default();
         let mut holder: Option<JobId> = None;
         let mut fifo_blocked = false;
         let mut reclaims_left = self.config.max_reclaims_per_pass;
@@ -440,12 +485,14 @@ impl Scheduler {
                 // A shared job fits on part of one GPU: it neither preempts nor reserves (a
                 // fraction of a GPU frees up far more often than a whole gang).
                 let ends_by = |r: &Reservation| now + j.run_limit() <= r.at;
-                let placed = match &reservation {
-                    Some(r) if !ends_by(r) => find_share_among(&self.cluster, share, models, |i| {
+                let capped = reservation.as_ref().filter(|r| !ends_by(r));
+                let key = (shape, Some(share), models.to_vec(), capped.is_some());
+                let placed = misses.find(out.len(), key, || match capped {
+                    Some(r) => find_share_among(&self.cluster, share, models, |i| {
                         r.spare.get(&i).copied().unwrap_or(u32::MAX)
                     }),
-                    _ => find_share_among(&self.cluster, share, models, |_| u32::MAX),
-                };
+                    None => find_share_among(&self.cluster, share, models, |_| u32::MAX),
+                });
                 if let Some((alloc, fresh)) = placed {
                     if fresh {
                         free = free.saturating_sub(1);
@@ -484,13 +531,25 @@ impl Scheduler {
                     || (matches!(kind, PolicyKind::Las | PolicyKind::Gittins)
                         && self.las_phase(j, now)));
             let ends_by = |r: &Reservation| now + j.run_limit() <= r.at;
-            let placed = match &reservation {
+            let capped = reservation.as_ref().filter(|r| !ends_by(r));
+            let key = (shape, None, models.to_vec(), capped.is_some());
+            let placed = match capped {
                 _ if free < shape.gpus() => None,
-                None => find_among(&self.cluster, shape, models, |_| u32::MAX),
-                Some(r) if ends_by(r) => find_among(&self.cluster, shape, models, |_| u32::MAX),
-                Some(r) => find_among(&self.cluster, shape, models, |i| {
-                    r.spare.get(&i).copied().unwrap_or(u32::MAX)
+                None => misses.find(out.len(), key, || {
+                    find_among(&self.cluster, shape, models, |_| u32::MAX)
                 }),
+                Some(r) => misses.find(out.len(), key, || {
+                    find_among(&self.cluster, shape, models, |i| {
+                        r.spare.get(&i).copied().unwrap_or(u32::MAX)
+                    })
+                }),
+            };
+            let fits_now = |misses: &mut Misses, cluster: &Cluster, actions: usize| {
+                misses
+                    .find(actions, (shape, None, models.to_vec(), false), || {
+                        find_among(cluster, shape, models, |_| u32::MAX)
+                    })
+                    .is_some()
             };
             if let Some(p) = placed {
                 if let Some(r) = &mut reservation
@@ -506,7 +565,7 @@ impl Scheduler {
                 out.push(self.start(now, id, p));
                 continue;
             }
-            if may_preempt && find_among(&self.cluster, shape, models, |_| u32::MAX).is_none() {
+            if may_preempt && !fits_now(&mut misses, &self.cluster, out.len()) {
                 reclaims_left -= 1;
                 let mut preempted = match kind {
                     PolicyKind::Srtf => self.preempt_longer(now, id),
@@ -534,7 +593,7 @@ impl Scheduler {
                 }
             }
             if let Some(requeue) = idle_reclaim
-                && find_among(&self.cluster, shape, models, |_| u32::MAX).is_none()
+                && !fits_now(&mut misses, &self.cluster, out.len())
             {
                 let preempted = self.reclaim_idle_for(now, id, models, requeue);
                 if !preempted.is_empty() {

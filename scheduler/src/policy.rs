@@ -27,8 +27,9 @@
 //! - [`PolicyKind::Themis`]: Themis' finish-time fairness (Mahajan et al., NSDI'20) over jobs:
 //!   the job with the highest `rho = T_shared / T_ideal` runs first, where `T_shared` is the
 //!   time since its submission plus what is left of its expected run, and `T_ideal` its
-//!   expected run on an equal part of the cluster (the GPUs over the unfinished jobs; a job
-//!   asking for more than that part is slowed in proportion, as Themis' linear model has it).
+//!   expected run on an equal part of the cluster (the GPUs over the accounts with unfinished
+//!   jobs, as Themis divides among apps; a job asking for more than that part is slowed in
+//!   proportion, as Themis' linear model has it).
 //!   The expected run is the time limit, or the shorter run the user's recent jobs predict
 //!   (perch's `finish` factor reads the same ratio); EASY backfill and the starvation bound as
 //!   perch's, and no lease preemption (scheduler/BENCHMARKS.md).

@@ -217,6 +217,8 @@ pub(crate) struct AccountState {
     pub(crate) model_alloc: Vec<u32>,
     /// GPU-milliseconds, decayed.
     pub(crate) usage: f64,
+    /// Its jobs pending or running.
+    pub(crate) unfinished: u32,
 }
 
 impl AccountState {
@@ -258,7 +260,9 @@ pub struct Scheduler {
     pub(crate) history: crate::history::History,
     /// The GPU-time finished jobs used ([`crate::PolicyKind::Gittins`]).
     pub(crate) service: crate::gittins::Service,
-    /// Each unfinished job's equal part of the cluster's GPUs, as of the last priority refresh
+    /// Accounts with a job pending or running.
+    pub(crate) active_accounts: u32,
+    /// Each active account's equal part of the cluster's GPUs, as of the last priority refresh
     /// or submission (finish-time fairness: perch's `finish` factor and
     /// [`crate::PolicyKind::Themis`]).
     pub(crate) fair_gpus: f64,
@@ -283,6 +287,7 @@ impl Scheduler {
             usage_decayed_at: None,
             history: crate::history::History::default(),
             service: crate::gittins::Service::default(),
+            active_accounts: 0,
             fair_gpus: 0.0,
         };
         let config = s.config.clone();
@@ -505,6 +510,7 @@ impl Scheduler {
             model_alloc: Vec::new(),
             alloc: 0,
             usage: 0.0,
+            unfinished: 0,
         });
         self.account_names.push(a.clone());
         self.account_index
@@ -523,7 +529,7 @@ impl Scheduler {
                 if matches!(j.state, JobState::Running { .. }) {
                     self.stop_running(now, job);
                 }
-                self.jobs.remove(&job);
+                self.forget(job);
                 out.push(Action::End {
                     job,
                     state: EndState::Cancelled,
@@ -538,7 +544,7 @@ impl Scheduler {
                 if code == 0 {
                     self.remember_run(job);
                 }
-                self.jobs.remove(&job);
+                self.forget(job);
                 let state = if code == 0 {
                     EndState::Completed
                 } else {
@@ -752,7 +758,7 @@ impl Scheduler {
                 reason: RequeueReason::NodeFail,
             })
         } else {
-            self.jobs.remove(&job);
+            self.forget(job);
             Some(Action::End {
                 job,
                 state: EndState::NodeFail,
@@ -786,13 +792,29 @@ impl Scheduler {
             charged_until: now,
             rescued: false,
         };
+        let a = &mut self.accounts[account];
+        a.unfinished += 1;
+        if a.unfinished == 1 {
+            self.active_accounts += 1;
+        }
         if matches!(self.config.kind, PolicyKind::Perch | PolicyKind::Themis) {
-            self.fair_gpus = self.equal_part(1);
+            self.fair_gpus = self.equal_part();
         }
         job.priority = self.priority_of(&job, now);
         self.jobs.insert(id, job);
         self.enqueue(id);
         Ok(())
+    }
+
+    /// Drops a job that ended (or was cancelled) from the scheduler's books.
+    fn forget(&mut self, id: JobId) {
+        if let Some(j) = self.jobs.remove(&id) {
+            let a = &mut self.accounts[j.account];
+            a.unfinished -= 1;
+            if a.unfinished == 0 {
+                self.active_accounts -= 1;
+            }
+        }
     }
 
     /// Puts a pending job in the queue at its priority's place.
@@ -973,7 +995,7 @@ impl Scheduler {
             }
             self.stop_running(now, job);
             self.remember_run(job);
-            self.jobs.remove(&job);
+            self.forget(job);
             out.push(Action::End {
                 job,
                 state: EndState::Timeout,
@@ -1065,7 +1087,7 @@ impl Scheduler {
         if requeued {
             self.enqueue(job);
         } else {
-            self.jobs.remove(&job);
+            self.forget(job);
         }
         Action::Preempt {
             job,

@@ -1383,7 +1383,7 @@ fn themis_runs_the_job_furthest_behind_its_fair_finish_first() {
 /// A job asking for more than an equal part of the cluster is stretched by how far it exceeds
 /// that part: on 16 GPUs held by one job, a 16-GPU gang and a one-GPU job, both of an hour and
 /// the gang submitted first, the one-GPU job starts first (its ideal finish is an hour, the
-/// gang's three: 16 GPUs over three jobs is 5.3 each).
+/// gang's three: 16 GPUs over three accounts is 5.3 each).
 #[test]
 fn themis_stretches_a_job_bigger_than_an_equal_part() {
     let mut s = sched(2, Config::themis());
@@ -1396,18 +1396,18 @@ fn themis_stretches_a_job_bigger_than_an_equal_part() {
 
 /// A user keeps a node full with one-GPU jobs of 10 minutes (11 declared), eight more every 10
 /// minutes; when does another user's 8-GPU job of an hour, submitted just after the first
-/// eight, start? Each short job's finish-time ratio climbs fast, and the big job's slowly: its
-/// 8 GPUs are far above an equal part of the node, which the stream's jobs shrink (the part
-/// divides the GPUs among the jobs pending or running). Fair share (the stream's account has
-/// all the usage) starts it after 150 minutes (10 with perch's old size and age factors); with
-/// fair share weighted 0, as if the stream came from as many accounts as jobs, the starvation
-/// bound starts it by four limits and a pass (250 minutes), as it did under size and age; with
-/// the bound off as well, finish-time fairness alone starts it after 430 minutes, where size
-/// alone never did. The weakness (150 minutes instead of 10) is measured in
-/// scheduler/BENCHMARKS.md: dividing among accounts instead resists it but slowed the pass.
+/// eight, start? Each short job's finish-time ratio climbs fast, and the big job's slowly when
+/// its 8 GPUs are far above an equal part of the node. The part divides the GPUs among the
+/// accounts with jobs pending or running, so a stream from one account leaves the big job half
+/// the node: it starts at the first pass after the first eight end (10 minutes), with fair
+/// share weighted 0 too (70 minutes), and with the starvation bound off as well (70). Dividing
+/// among jobs instead (perch's first finish-time factor), the stream shrank its part to a GPU
+/// or less: 150 minutes, 250 without fair share (the bound), 430 without either. A stream
+/// from as many accounts as jobs (accounts an operator made) shrinks the part again: fair
+/// share and the bound then start it, as they did for perch's old size and age factors.
 #[test]
 fn a_stream_of_small_jobs_does_not_hold_a_big_one_back() {
-    let big_starts = |config: Config| -> Option<i64> {
+    let big_starts = |config: Config, accounts_per_job: bool| -> Option<i64> {
         let mut s = sched(1, config);
         let mut running: Vec<(i64, u64)> = Vec::new();
         let mut next = 100;
@@ -1415,10 +1415,14 @@ fn a_stream_of_small_jobs_does_not_hold_a_big_one_back() {
             let now = tick * 10 * MINUTE;
             let mut actions = Vec::new();
             for _ in 0..8 {
+                let account = match accounts_per_job {
+                    true => format!("flood{next}"),
+                    false => "flood".to_string(),
+                };
                 actions.extend(step(
                     &mut s,
                     now,
-                    Event::Submit(one(next, 1, "flood", 11, now)),
+                    Event::Submit(one(next, 1, &account, 11, now)),
                 ));
                 next += 1;
             }
@@ -1445,7 +1449,7 @@ fn a_stream_of_small_jobs_does_not_hold_a_big_one_back() {
         }
         None
     };
-    let with = |finish: bool, fairshare: f64, bound: f64| {
+    let with = |finish: bool, fairshare: f64, bound: f64, accounts_per_job: bool| {
         let mut c = Config::perch(vec![]);
         if !finish {
             // perch's order before its finish factor: size and age.
@@ -1453,19 +1457,38 @@ fn a_stream_of_small_jobs_does_not_hold_a_big_one_back() {
         }
         c.weights.fairshare = fairshare;
         c.starved_after_limits = bound;
-        big_starts(c).map(|t| t / MINUTE)
+        big_starts(c, accounts_per_job).map(|t| t / MINUTE)
     };
-    assert_eq!(with(true, 1000.0, 4.0), Some(150), "the defaults");
-    assert_eq!(with(false, 1000.0, 4.0), Some(10), "size and age");
-    // Fair share weighted 0, as if the stream came from as many accounts as jobs.
-    assert_eq!(with(true, 0.0, 4.0), Some(250), "the bound at four limits");
-    assert_eq!(with(false, 0.0, 4.0), Some(250), "the bound, size and age");
+    // A stream from as many accounts as jobs: the bound starts it, under either order.
+    assert_eq!(with(true, 1000.0, 4.0, true), Some(250), "accounts per job");
     assert_eq!(
-        with(true, 0.0, 0.0),
+        with(false, 1000.0, 4.0, true),
+        Some(250),
+        "accounts per job, size and age"
+    );
+    assert_eq!(
+        with(true, 0.0, 0.0, true),
         Some(430),
+        "accounts per job, finish-time fairness alone"
+    );
+    assert_eq!(with(true, 1000.0, 4.0, false), Some(10), "the defaults");
+    assert_eq!(with(false, 1000.0, 4.0, false), Some(10), "size and age");
+    assert_eq!(with(true, 0.0, 4.0, false), Some(70), "without fair share");
+    assert_eq!(
+        with(false, 0.0, 4.0, false),
+        Some(250),
+        "the bound, size and age"
+    );
+    assert_eq!(
+        with(true, 0.0, 0.0, false),
+        Some(70),
         "finish-time fairness alone"
     );
-    assert_eq!(with(false, 0.0, 0.0), None, "size alone: never, in a day");
+    assert_eq!(
+        with(false, 0.0, 0.0, false),
+        None,
+        "size alone: never, in a day"
+    );
 }
 
 /// A server starts before its agents: a one-GPU job queued while no node was known must not
@@ -1485,4 +1508,40 @@ fn a_job_queued_before_any_node_is_ranked_against_the_cluster_that_came() {
     assert!(added.is_ok(), "{added:?}");
     let a = step(&mut s, 2_100, Event::Submit(one(2, 2, "a", 60, 2_100)));
     assert_eq!(started(&a), vec![1], "{a:?}");
+}
+
+/// A pass remembers placement lookups that found nothing, until it changes the cluster: a job
+/// behind one that preempted to start must see the GPUs that preemption freed. Under SRTF, two
+/// 4-GPU jobs of an hour wait behind an 8-GPU job of ten; the first preempts it and the second
+/// takes the other four GPUs in the same pass (with the lookup remembered past the preemption,
+/// it waited for the next).
+#[test]
+fn a_pass_sees_the_gpus_a_preemption_freed() {
+    let mut s = sched(1, Config::srtf());
+    let a = step(&mut s, 0, Event::Submit(one(1, 8, "a", 600, 0)));
+    assert_eq!(started(&a), vec![1]);
+    for id in [2, 3] {
+        s.handle(MINUTE, Event::Submit(one(id, 4, "b", 60, MINUTE)))
+            .expect("submits");
+    }
+    let a = s.schedule(MINUTE);
+    assert_eq!(preempted(&a), vec![1], "{a:?}");
+    assert_eq!(started(&a), vec![2, 3], "{a:?}");
+}
+
+/// Jobs of one account submitted together tie on every factor (a fresh job that fits its
+/// account's equal part has a finish-time ratio of 1, and waiting raises equal runs equally):
+/// the smaller request goes first. Four GPUs free up; a 4-GPU job and a one-GPU job of the
+/// same length wait, the bigger one submitted first: the one-GPU job starts, and the 4-GPU job
+/// no longer fits beside it (in submission order, the 4-GPU job took the four).
+#[test]
+fn among_equal_priorities_the_smaller_request_goes_first() {
+    let mut s = sched(1, Config::perch(vec![]));
+    let a = step(&mut s, 0, Event::Submit(one(1, 4, "x", 600, 0)));
+    let b = step(&mut s, 0, Event::Submit(one(2, 4, "x", 600, 0)));
+    assert_eq!([started(&a), started(&b)].concat(), vec![1, 2]);
+    step(&mut s, MINUTE, Event::Submit(one(3, 4, "a", 1000, MINUTE)));
+    step(&mut s, MINUTE, Event::Submit(one(4, 1, "a", 1000, MINUTE)));
+    let a = step(&mut s, 10 * MINUTE, exit(1));
+    assert_eq!(started(&a), vec![4], "{a:?}");
 }

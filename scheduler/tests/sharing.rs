@@ -167,9 +167,9 @@ fn shares_pack_onto_one_gpu_and_never_meet_whole_gpu_jobs() {
         100
     );
     // An 8-GPU job cannot start while GPUs 0 and 1 hold shares; a 6-GPU job takes 2..8.
-    let a = step(&mut s, 10, Event::Submit(one(10, 8, "a", 60, 10)));
+    let a = step(&mut s, 10, Event::Submit(one(10, 8, "b", 60, 10)));
     assert!(started(&a).is_empty());
-    let a = step(&mut s, 11, Event::Submit(one(11, 6, "b", 60, 11)));
+    let a = step(&mut s, 11, Event::Submit(one(11, 6, "a", 60, 11)));
     assert_eq!(
         placement_of(&a, 11).expect("starts")[0].gpu_indices(),
         vec![2, 3, 4, 5, 6, 7]
