@@ -77,7 +77,24 @@ fn find_share_among(
 
 /// What a placement lookup in a pass depends on besides the cluster and the reservation: the
 /// gang or share, the models it may go on, and whether the reservation caps it.
-type LookupKey = (Shape, Option<GpuShare>, Vec<Option<usize>>, bool);
+type LookupKey = (Shape, Option<GpuShare>, Models, bool);
+
+/// The models a lookup may place on: one (or any), or several (per-model quotas); the common
+/// case allocates nothing.
+#[derive(Clone, PartialEq, Eq, Hash)]
+enum Models {
+    One(Option<usize>),
+    Many(Vec<Option<usize>>),
+}
+
+impl Models {
+    fn of(models: &[Option<usize>]) -> Models {
+        match models {
+            [m] => Models::One(*m),
+            _ => Models::Many(models.to_vec()),
+        }
+    }
+}
 
 /// Placement lookups that found nothing since the pass last changed the cluster. Every change
 /// a pass makes (a start, a preemption) adds an action, and the reservation is set once,
@@ -486,7 +503,7 @@ impl Scheduler {
                 // fraction of a GPU frees up far more often than a whole gang).
                 let ends_by = |r: &Reservation| now + j.run_limit() <= r.at;
                 let capped = reservation.as_ref().filter(|r| !ends_by(r));
-                let key = (shape, Some(share), models.to_vec(), capped.is_some());
+                let key = (shape, Some(share), Models::of(models), capped.is_some());
                 let placed = misses.find(out.len(), key, || match capped {
                     Some(r) => find_share_among(&self.cluster, share, models, |i| {
                         r.spare.get(&i).copied().unwrap_or(u32::MAX)
@@ -532,7 +549,7 @@ impl Scheduler {
                         && self.las_phase(j, now)));
             let ends_by = |r: &Reservation| now + j.run_limit() <= r.at;
             let capped = reservation.as_ref().filter(|r| !ends_by(r));
-            let key = (shape, None, models.to_vec(), capped.is_some());
+            let key = (shape, None, Models::of(models), capped.is_some());
             let placed = match capped {
                 _ if free < shape.gpus() => None,
                 None => misses.find(out.len(), key, || {
@@ -546,7 +563,7 @@ impl Scheduler {
             };
             let fits_now = |misses: &mut Misses, cluster: &Cluster, actions: usize| {
                 misses
-                    .find(actions, (shape, None, models.to_vec(), false), || {
+                    .find(actions, (shape, None, Models::of(models), false), || {
                         find_among(cluster, shape, models, |_| u32::MAX)
                     })
                     .is_some()

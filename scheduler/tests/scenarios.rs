@@ -1545,3 +1545,39 @@ fn among_equal_priorities_the_smaller_request_goes_first() {
     let a = step(&mut s, 10 * MINUTE, exit(1));
     assert_eq!(started(&a), vec![4], "{a:?}");
 }
+
+/// A user who fills the cluster and queues more does not keep another user's job behind his
+/// queue once GPUs free up. On a fresh cluster (no usage yet) bob's eight 10-minute jobs hold
+/// the node and sixteen more wait; alice's one-GPU job comes after them and ties with his at
+/// submission (usage is charged at a priority refresh; until then no account has any), so the
+/// tie-break puts it behind his shorter ones. The refresh at the first pass past 5 minutes
+/// charges bob's running jobs, and when they end alice's job is among the eight that start.
+/// (Seen running the release binary as a newcomer: `perch queue` lists alice's job behind
+/// bob's for the first minutes.)
+#[test]
+fn a_user_who_fills_the_cluster_does_not_keep_anothers_job_behind_his_queue() {
+    let mut s = sched(1, Config::perch(vec![]));
+    let mut first = Vec::new();
+    for id in 1..=24 {
+        first.extend(started(&step(
+            &mut s,
+            0,
+            Event::Submit(one(id, 1, "bob", 11, 0)),
+        )));
+    }
+    assert_eq!(first, (1..=8).collect::<Vec<_>>());
+    step(
+        &mut s,
+        MINUTE,
+        Event::Submit(one(100, 1, "alice", 60, MINUTE)),
+    );
+    let mut next = Vec::new();
+    for id in 1..=8 {
+        next.extend(started(&step(&mut s, 10 * MINUTE, exit(id))));
+    }
+    assert!(
+        next.contains(&100),
+        "alice's job waits behind bob's: {next:?}"
+    );
+    assert_eq!(next.len(), 8);
+}
