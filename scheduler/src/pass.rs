@@ -414,6 +414,7 @@ impl Scheduler {
     /// Runs one scheduling pass at `now`.
     pub fn schedule(&mut self, now: Time) -> Vec<Action> {
         let mut out = Vec::new();
+        self.passes += 1;
         self.refresh_priorities(now);
         self.fifo_blocked = false;
         // Idle reclaim frees GPUs for one waiting job at a time, inside the pass (below), so the

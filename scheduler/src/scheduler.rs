@@ -193,6 +193,9 @@ pub(crate) struct Job {
     /// Its current run began by starvation reclaim: while it runs, its user's other starved
     /// jobs stop nobody (one such run per user at a time).
     pub(crate) rescued: bool,
+    /// [`Scheduler::passes`] when it was last queued: a pass after that one may have stopped
+    /// before reaching it (the cluster full and the reservation taken).
+    pub(crate) queued_in: u64,
 }
 
 impl Job {
@@ -262,6 +265,8 @@ pub struct Scheduler {
     pub(crate) service: crate::gittins::Service,
     /// Accounts with a job pending or running.
     pub(crate) active_accounts: u32,
+    /// Scheduling passes run so far.
+    pub(crate) passes: u64,
     /// Each active account's equal part of the cluster's GPUs, as of the last priority refresh
     /// or submission (finish-time fairness: perch's `finish` factor and
     /// [`crate::PolicyKind::Themis`]).
@@ -288,6 +293,7 @@ impl Scheduler {
             history: crate::history::History::default(),
             service: crate::gittins::Service::default(),
             active_accounts: 0,
+            passes: 0,
             fair_gpus: 0.0,
         };
         let config = s.config.clone();
@@ -313,7 +319,7 @@ impl Scheduler {
             .filter_map(|(id, j)| match j.state {
                 JobState::Pending(reason) => Some(QueueEntry {
                     job: *id,
-                    reason: self.shown_reason(reason),
+                    reason: self.shown_reason(j, reason),
                     priority: j.priority,
                 }),
                 JobState::Running { .. } => None,
@@ -362,16 +368,19 @@ impl Scheduler {
     /// Why a pending job waits, or `None` when it is not pending.
     pub fn pending_reason(&self, job: JobId) -> Option<PendingReason> {
         match self.jobs.get(&job)?.state {
-            JobState::Pending(r) => Some(self.shown_reason(r)),
+            JobState::Pending(r) => Some(self.shown_reason(self.jobs.get(&job)?, r)),
             JobState::Running { .. } => None,
         }
     }
 
-    fn shown_reason(&self, r: PendingReason) -> PendingReason {
-        if self.fifo_blocked && r == PendingReason::New {
-            PendingReason::FifoBlocked
-        } else {
-            r
+    /// The reason a user is shown. A pass stops where nothing more can start, so a job queued
+    /// before it that it did not reach still says `New`: it waits behind the jobs the pass
+    /// did reach (or, under strict FIFO, behind the blocked one).
+    fn shown_reason(&self, j: &Job, r: PendingReason) -> PendingReason {
+        match r {
+            PendingReason::New if self.fifo_blocked => PendingReason::FifoBlocked,
+            PendingReason::New if j.queued_in < self.passes => PendingReason::Priority,
+            r => r,
         }
     }
 
@@ -791,6 +800,7 @@ impl Scheduler {
             idle_reported: false,
             charged_until: now,
             rescued: false,
+            queued_in: 0,
         };
         let a = &mut self.accounts[account];
         a.unfinished += 1;
@@ -823,6 +833,7 @@ impl Scheduler {
             return;
         };
         j.state = JobState::Pending(PendingReason::New);
+        j.queued_in = self.passes;
         j.idle_since = None;
         j.idle_reported = false;
         self.idle.remove(&id);

@@ -1581,3 +1581,28 @@ fn a_user_who_fills_the_cluster_does_not_keep_anothers_job_behind_his_queue() {
     );
     assert_eq!(next.len(), 8);
 }
+
+/// A pass stops where nothing more can start (the cluster full and the reservation taken), so
+/// it never reaches the jobs behind: they are shown waiting behind higher-priority jobs, not
+/// "waiting for the next scheduling pass", which is only true until a pass runs. (Seen running
+/// the release binary: `perch queue` said so of every job behind the reserved one, for good.)
+#[test]
+fn a_job_a_pass_did_not_reach_waits_behind_higher_priority_ones() {
+    let mut s = sched(1, Config::perch(vec![]));
+    step(&mut s, 0, Event::Submit(one(1, 8, "a", 600, 0)));
+    step(&mut s, 1, Event::Submit(one(2, 8, "b", 60, 1)));
+    assert!(matches!(
+        s.pending_reason(JobId(2)),
+        Some(PendingReason::Reserved { .. })
+    ));
+    // Queued with no pass since: not yet considered.
+    s.handle(2, Event::Submit(one(3, 8, "b", 600, 2)))
+        .expect("submits");
+    assert_eq!(s.pending_reason(JobId(3)), Some(PendingReason::New));
+    // A pass that stops at the reserved job before reaching it.
+    s.schedule(3);
+    assert_eq!(s.pending_reason(JobId(3)), Some(PendingReason::Priority));
+    let shown: Vec<(u64, PendingReason)> = s.queue().iter().map(|e| (e.job.0, e.reason)).collect();
+    assert_eq!(shown.len(), 2, "{shown:?}");
+    assert!(shown.contains(&(3, PendingReason::Priority)), "{shown:?}");
+}
