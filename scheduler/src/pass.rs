@@ -218,7 +218,8 @@ impl Scheduler {
     /// N the accounts with a job pending or running, as Themis divides among apps: an account
     /// that floods the queue with small jobs does not shrink another's part).
     pub(crate) fn equal_part(&self) -> f64 {
-        f64::from(self.cluster.total_gpus()) / self.active_accounts.max(1) as f64
+        let active = self.accounts.iter().filter(|a| a.unfinished > 0).count();
+        f64::from(self.cluster.total_gpus()) / active.max(1) as f64
     }
 
     /// How long the job has waited, when that is past the starvation bound (perch, LAS): a

@@ -263,8 +263,6 @@ pub struct Scheduler {
     pub(crate) history: crate::history::History,
     /// The GPU-time finished jobs used ([`crate::PolicyKind::Gittins`]).
     pub(crate) service: crate::gittins::Service,
-    /// Accounts with a job pending or running.
-    pub(crate) active_accounts: u32,
     /// Scheduling passes run so far.
     pub(crate) passes: u64,
     /// Each active account's equal part of the cluster's GPUs, as of the last priority refresh
@@ -292,7 +290,6 @@ impl Scheduler {
             usage_decayed_at: None,
             history: crate::history::History::default(),
             service: crate::gittins::Service::default(),
-            active_accounts: 0,
             passes: 0,
             fair_gpus: 0.0,
         };
@@ -367,8 +364,9 @@ impl Scheduler {
 
     /// Why a pending job waits, or `None` when it is not pending.
     pub fn pending_reason(&self, job: JobId) -> Option<PendingReason> {
-        match self.jobs.get(&job)?.state {
-            JobState::Pending(r) => Some(self.shown_reason(self.jobs.get(&job)?, r)),
+        let j = self.jobs.get(&job)?;
+        match j.state {
+            JobState::Pending(r) => Some(self.shown_reason(j, r)),
             JobState::Running { .. } => None,
         }
     }
@@ -802,11 +800,7 @@ impl Scheduler {
             rescued: false,
             queued_in: 0,
         };
-        let a = &mut self.accounts[account];
-        a.unfinished += 1;
-        if a.unfinished == 1 {
-            self.active_accounts += 1;
-        }
+        self.accounts[account].unfinished += 1;
         if matches!(self.config.kind, PolicyKind::Perch | PolicyKind::Themis) {
             self.fair_gpus = self.equal_part();
         }
@@ -819,11 +813,7 @@ impl Scheduler {
     /// Drops a job that ended (or was cancelled) from the scheduler's books.
     fn forget(&mut self, id: JobId) {
         if let Some(j) = self.jobs.remove(&id) {
-            let a = &mut self.accounts[j.account];
-            a.unfinished -= 1;
-            if a.unfinished == 0 {
-                self.active_accounts -= 1;
-            }
+            self.accounts[j.account].unfinished -= 1;
         }
     }
 

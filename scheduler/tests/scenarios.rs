@@ -1459,36 +1459,44 @@ fn a_stream_of_small_jobs_does_not_hold_a_big_one_back() {
         c.starved_after_limits = bound;
         big_starts(c, accounts_per_job).map(|t| t / MINUTE)
     };
-    // A stream from as many accounts as jobs: the bound starts it, under either order.
-    assert_eq!(with(true, 1000.0, 4.0, true), Some(250), "accounts per job");
-    assert_eq!(
-        with(false, 1000.0, 4.0, true),
-        Some(250),
-        "accounts per job, size and age"
-    );
-    assert_eq!(
-        with(true, 0.0, 0.0, true),
-        Some(430),
-        "accounts per job, finish-time fairness alone"
-    );
-    assert_eq!(with(true, 1000.0, 4.0, false), Some(10), "the defaults");
-    assert_eq!(with(false, 1000.0, 4.0, false), Some(10), "size and age");
-    assert_eq!(with(true, 0.0, 4.0, false), Some(70), "without fair share");
-    assert_eq!(
-        with(false, 0.0, 4.0, false),
-        Some(250),
-        "the bound, size and age"
-    );
-    assert_eq!(
-        with(true, 0.0, 0.0, false),
-        Some(70),
-        "finish-time fairness alone"
-    );
-    assert_eq!(
-        with(false, 0.0, 0.0, false),
-        None,
-        "size alone: never, in a day"
-    );
+    // (finish factor, fair share weight, bound, an account per stream job): when the big
+    // job starts, in minutes.
+    let cases = [
+        (true, 1000.0, 4.0, false, Some(10), "the defaults"),
+        (false, 1000.0, 4.0, false, Some(10), "size and age"),
+        (true, 0.0, 4.0, false, Some(70), "without fair share"),
+        (false, 0.0, 4.0, false, Some(250), "the bound, size and age"),
+        (
+            true,
+            0.0,
+            0.0,
+            false,
+            Some(70),
+            "finish-time fairness alone",
+        ),
+        (false, 0.0, 0.0, false, None, "size alone: never, in a day"),
+        // A stream from as many accounts as jobs: the bound starts it, under either order.
+        (true, 1000.0, 4.0, true, Some(250), "accounts per job"),
+        (
+            false,
+            1000.0,
+            4.0,
+            true,
+            Some(250),
+            "accounts per job, size and age",
+        ),
+        (
+            true,
+            0.0,
+            0.0,
+            true,
+            Some(430),
+            "accounts per job, finish-time fairness alone",
+        ),
+    ];
+    for (finish, fairshare, bound, per_job, want, what) in cases {
+        assert_eq!(with(finish, fairshare, bound, per_job), want, "{what}");
+    }
 }
 
 /// A server starts before its agents: a one-GPU job queued while no node was known must not
