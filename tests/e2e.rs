@@ -659,7 +659,7 @@ fn simulate_takes_cluster_files_warns_about_columns_and_scores_the_suite() {
         "{card}"
     );
     assert!(
-        err.contains("[14/14]") && err.contains("habits limits), 9 policies"),
+        err.contains("[14/14]") && err.contains("habits limits), 10 policies"),
         "{err}"
     );
 }

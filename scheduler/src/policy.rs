@@ -11,13 +11,15 @@
 //!   with borrowing of idle GPUs and gang-aware reclaim + idle detection + starvation reclaim
 //!   ([`Config::starved_reclaim`]).
 //! - [`PolicyKind::Srtf`]: shortest remaining (oracle) time first, preemptive, greedy fill; a
-//!   reference point that needs true durations, so only simulators can run it.
+//!   reference point that needs true durations, so only simulators can run it. Unbounded by
+//!   default ([`Config::srtf`]); [`Config::srtf_once`] preempts each job at most once, the
+//!   oracle held to the preemption bound the scorecard holds perch to.
 //! - [`PolicyKind::Las`]: Tiresias' discretized two-dimensional least attained service, which
 //!   needs no duration at all: a job's attained service is the GPU-time it has run so far
 //!   (GPUs x run time, over all its runs); jobs under [`Config::las_threshold_gpu_seconds`] go
 //!   first, the others after them, first come first served within each of the two queues, with
 //!   EASY backfill. A waiting job of the first queue preempts running jobs of the second (most
-//!   served first), each at most [`Config::las_max_preemptions`] times.
+//!   served first), each at most [`Config::max_order_preemptions`] times.
 //! - [`PolicyKind::Gittins`]: Tiresias' 2D-Gittins with the distribution learned online: the
 //!   job with the highest Gittins index of its attained GPU-time over the GPU-time finished
 //!   jobs used runs first (`gittins.rs`), with EASY backfill. Before 20 jobs have finished it
@@ -166,10 +168,14 @@ pub struct Config {
     /// second.
     #[serde(default = "default_las_threshold")]
     pub las_threshold_gpu_seconds: f64,
-    /// LAS: how many times one job may be preempted for a less-served one; after that it runs
-    /// to its end.
-    #[serde(default = "default_las_max_preemptions")]
-    pub las_max_preemptions: u32,
+    /// SRTF, LAS (and Gittins before it has an index): how many times one job may be
+    /// preempted for a job ahead of it in the policy's order (a shorter one, a less-served
+    /// one); after that it runs to its end. 1 by default; plain SRTF, `u32::MAX`.
+    #[serde(
+        default = "default_max_order_preemptions",
+        alias = "las_max_preemptions"
+    )]
+    pub max_order_preemptions: u32,
     /// perch: a one-node job past its starvation bound that cannot fit preempts running jobs
     /// that declared a longer time limit, are not starved themselves and are on their first
     /// run (so each job is stopped this way at most once), the least work at stake first. A
@@ -189,7 +195,7 @@ fn default_las_threshold() -> f64 {
     16.0 * 3600.0
 }
 
-fn default_las_max_preemptions() -> u32 {
+fn default_max_order_preemptions() -> u32 {
     1
 }
 
@@ -227,7 +233,7 @@ impl Config {
             max_reclaims_per_pass: 8,
             starved_after_limits: 0.0,
             las_threshold_gpu_seconds: default_las_threshold(),
-            las_max_preemptions: default_las_max_preemptions(),
+            max_order_preemptions: default_max_order_preemptions(),
             starved_reclaim: false,
             predict_from_history: false,
         }
@@ -243,8 +249,17 @@ impl Config {
         Self::base(PolicyKind::Backfill)
     }
 
-    /// Preemptive SRTF with oracle durations.
+    /// Preemptive SRTF with oracle durations, as often as it gains.
     pub fn srtf() -> Self {
+        let mut c = Self::base(PolicyKind::Srtf);
+        c.max_order_preemptions = u32::MAX;
+        c
+    }
+
+    /// Preemptive SRTF with oracle durations, each job preempted at most once: the oracle
+    /// within the bound of half a preemption per job the scorecard holds perch to (plain SRTF
+    /// preempts about once per job on the `gangs` trace, scheduler/BENCHMARKS.md).
+    pub fn srtf_once() -> Self {
         Self::base(PolicyKind::Srtf)
     }
 

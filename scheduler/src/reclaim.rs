@@ -233,7 +233,8 @@ impl Scheduler {
         }
     }
 
-    /// SRTF: preempt running jobs with more remaining time than `id`, longest first.
+    /// SRTF: preempt running jobs with more remaining time than `id`, longest first, each at
+    /// most `max_order_preemptions` times in its life.
     pub(crate) fn preempt_longer(&mut self, now: Time, id: JobId) -> Vec<Action> {
         let Some(mine) = self.jobs.get(&id).map(|j| self.remaining(j, now)) else {
             return Vec::new();
@@ -242,18 +243,27 @@ impl Scheduler {
             .deadlines
             .iter()
             .filter_map(|&(_, v)| self.jobs.get(&v).map(|j| (v, j)))
-            .filter(|(_, j)| j.spec.preemptible)
+            .filter(|(_, j)| {
+                j.spec.preemptible && j.order_preemptions < self.config.max_order_preemptions
+            })
             .map(|(v, j)| (std::cmp::Reverse(self.remaining(j, now)), v))
             .filter(|(r, _)| r.0 > mine)
             .collect();
         cands.sort_unstable();
         let ordered: Vec<JobId> = cands.into_iter().map(|(_, v)| v).collect();
         let model = self.jobs.get(&id).and_then(|j| j.model);
-        match self.select_victims(id, model, &ordered, None) {
-            Some(victims) => {
-                self.preempt_for(now, victims, PreemptReason::ShorterJob { for_job: id })
+        let Some(victims) = self.select_victims(id, model, &ordered, None) else {
+            return Vec::new();
+        };
+        self.count_order_preemptions(&victims);
+        self.preempt_for(now, victims, PreemptReason::ShorterJob { for_job: id })
+    }
+
+    fn count_order_preemptions(&mut self, victims: &[JobId]) {
+        for v in victims {
+            if let Some(j) = self.jobs.get_mut(v) {
+                j.order_preemptions += 1;
             }
-            None => Vec::new(),
         }
     }
 
@@ -302,7 +312,7 @@ impl Scheduler {
     }
 
     /// LAS: preempt running jobs of the second queue (attained service past the threshold)
-    /// for `id`, most served first, each at most `las_max_preemptions` times in its life.
+    /// for `id`, most served first, each at most `max_order_preemptions` times in its life.
     pub(crate) fn preempt_more_served(&mut self, now: Time, id: JobId) -> Vec<Action> {
         let mut cands: Vec<(std::cmp::Reverse<u64>, JobId)> = self
             .deadlines
@@ -310,7 +320,7 @@ impl Scheduler {
             .filter_map(|&(_, v)| self.jobs.get(&v).map(|j| (v, j)))
             .filter(|(_, j)| {
                 j.spec.preemptible
-                    && j.las_preemptions < self.config.las_max_preemptions
+                    && j.order_preemptions < self.config.max_order_preemptions
                     && !self.least_served(j, now)
             })
             .map(|(v, j)| (std::cmp::Reverse(self.attained(j, now) as u64), v))
@@ -321,11 +331,7 @@ impl Scheduler {
         let Some(victims) = self.select_victims(id, model, &ordered, None) else {
             return Vec::new();
         };
-        for v in &victims {
-            if let Some(j) = self.jobs.get_mut(v) {
-                j.las_preemptions += 1;
-            }
-        }
+        self.count_order_preemptions(&victims);
         self.preempt_for(now, victims, PreemptReason::LessServed { for_job: id })
     }
 

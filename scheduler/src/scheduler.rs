@@ -183,8 +183,9 @@ pub(crate) struct Job {
     pub(crate) requeues: u32,
     /// Run time accumulated over earlier runs.
     pub(crate) progress: Millis,
-    /// Times LAS preempted it for a less-served job (`Config::las_max_preemptions` bounds them).
-    pub(crate) las_preemptions: u32,
+    /// Times SRTF or LAS preempted it for a job ahead in their order
+    /// (`Config::max_order_preemptions` bounds them).
+    pub(crate) order_preemptions: u32,
     pub(crate) priority: f64,
     pub(crate) idle_since: Option<Time>,
     pub(crate) idle_reported: bool,
@@ -792,7 +793,7 @@ impl Scheduler {
             state: JobState::Pending(PendingReason::New),
             requeues: 0,
             progress: 0,
-            las_preemptions: 0,
+            order_preemptions: 0,
             priority: 0.0,
             idle_since: None,
             idle_reported: false,

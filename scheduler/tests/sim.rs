@@ -296,13 +296,19 @@ fn the_quick_scorecard_scores_every_case() {
         let numbers: Vec<&str> = line.split_whitespace().skip(2).take(5).collect();
         let met: Vec<String> = t.met.iter().map(|n| n.to_string()).collect();
         assert_eq!(numbers, met, "{line}");
+        let within_once: Vec<&str> = line.split_whitespace().skip(9).take(1).collect();
+        assert_eq!(within_once, [t.within_srtf_once.to_string()], "{line}");
     }
     let oracle = sim::suite::tally(&results, SimPolicy::Srtf);
     assert_eq!(oracle.jct_over_srtf, 1.0);
     assert_eq!(oracle.met[0], queued, "SRTF is within 1.25x of itself");
+    // The bounded oracle: within 1.25x of itself, and within the preemption bound everywhere.
+    let once = sim::suite::tally(&results, SimPolicy::SrtfOnce);
+    assert_eq!(once.jct_over_srtf_once, 1.0);
+    assert_eq!((once.within_srtf_once, once.met[4]), (queued, queued));
     for scored in sim::suite::SCORED {
         let card = sim::suite::scorecard(&results, scored);
-        assert_eq!(card.lines().count(), 2 + 14 + 4, "{card}");
+        assert_eq!(card.lines().count(), 2 + 14 + 5, "{card}");
         assert!(
             card.contains(&format!(
                 "{} meets, of {queued} cases where queues form",

@@ -40,7 +40,8 @@ pub struct SimulateArgs {
     /// Nodes per rack label.
     #[arg(long, default_value_t = 8)]
     pub nodes_per_rack: u32,
-    /// `fifo`, `backfill`, `srtf`, `las`, `gittins`, `themis`, `perch`, `perch-noquota`,
+    /// `fifo`, `backfill`, `srtf`, `srtf-once` (the oracle preempting each job at most once),
+    /// `las`, `gittins`, `themis`, `perch`, `perch-noquota`,
     /// `perch+idle-reclaim`, `perch-limits` (no quotas, the finish factor reading the declared
     /// limits alone), or `all`; several with commas.
     /// Default: `all`, or with `--config` only the file's `[scheduler]`.

@@ -2,7 +2,7 @@
 //! core as events; the core's actions come back as scheduled exits and utilization changes.
 
 use super::cluster::SimCluster;
-use super::metrics::{Recorder, Sample, Summary};
+use super::metrics::{JobOutcome, Recorder, Sample, Summary};
 use super::trace::{LimitModel, TraceJob, user_time_limit};
 use crate::PolicyKind;
 use crate::error::{Error, Result};
@@ -22,6 +22,9 @@ pub enum SimPolicy {
     Backfill,
     /// Preemptive SRTF on true durations (oracle).
     Srtf,
+    /// The same oracle preempting each job at most once: within the scorecard's preemption
+    /// bound.
+    SrtfOnce,
     /// perch default (idle GPUs reported, not reclaimed), with quotas from the trace (each
     /// account's part of its GPU-time) and so quota reclaim.
     Perch,
@@ -43,10 +46,11 @@ pub enum SimPolicy {
 
 impl SimPolicy {
     /// Every policy, in table order.
-    pub const ALL: [SimPolicy; 10] = [
+    pub const ALL: [SimPolicy; 11] = [
         SimPolicy::Fifo,
         SimPolicy::Backfill,
         SimPolicy::Srtf,
+        SimPolicy::SrtfOnce,
         SimPolicy::Perch,
         SimPolicy::PerchNoQuotas,
         SimPolicy::PerchIdleReclaim,
@@ -62,6 +66,7 @@ impl SimPolicy {
             SimPolicy::Fifo => "fifo",
             SimPolicy::Backfill => "backfill",
             SimPolicy::Srtf => "srtf",
+            SimPolicy::SrtfOnce => "srtf-once",
             SimPolicy::Perch => "perch",
             SimPolicy::PerchNoQuotas => "perch-noquota",
             SimPolicy::PerchIdleReclaim => "perch+idle-reclaim",
@@ -160,6 +165,8 @@ pub struct SimReport {
     pub summary: Summary,
     /// Queue length and utilization over time, one sample per event time.
     pub series: Vec<Sample>,
+    /// Each job's start and end, in trace order.
+    pub jobs: Vec<JobOutcome>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -382,9 +389,11 @@ pub fn simulate_with(
         rec.sample(now, sched.pending_len());
     }
     let summary = rec.summary(name);
+    let outcomes = rec.outcomes();
     Ok(SimReport {
         summary,
         series: rec.series,
+        jobs: outcomes,
     })
 }
 
@@ -568,6 +577,7 @@ pub fn policy_config(policy: SimPolicy, jobs: &[TraceJob], opts: &SimOptions) ->
         SimPolicy::Fifo => Config::fifo(),
         SimPolicy::Backfill => Config::backfill(),
         SimPolicy::Srtf => Config::srtf(),
+        SimPolicy::SrtfOnce => Config::srtf_once(),
         SimPolicy::Las => Config::las(),
         SimPolicy::Gittins => Config::gittins(),
         SimPolicy::Themis => Config::themis(),
@@ -591,7 +601,9 @@ pub fn policy_config(policy: SimPolicy, jobs: &[TraceJob], opts: &SimOptions) ->
         c.idle.action = IdleAction::Reclaim { requeue: false };
         c.idle.grace = 0;
     }
-    debug_assert!(c.kind != PolicyKind::Srtf || policy == SimPolicy::Srtf);
+    debug_assert!(
+        c.kind != PolicyKind::Srtf || matches!(policy, SimPolicy::Srtf | SimPolicy::SrtfOnce)
+    );
     c
 }
 
@@ -661,6 +673,31 @@ mod tests {
         };
         let r = simulate(&jobs, SimPolicy::Srtf, &on_signal)?.summary;
         assert!((r.wasted_gpu_h - 8.0 / 60.0).abs() < 1e-9, "{r:?}");
+        Ok(())
+    }
+
+    /// The bounded oracle stops a job at most once: a second short job that plain SRTF would
+    /// stop the long one for again waits for it instead.
+    #[test]
+    fn srtf_once_stops_each_job_at_most_once() -> Result<()> {
+        let at = |i: u64, submit: Millis, duration: Millis| {
+            let mut j = TraceJob::new(submit, duration, 8, "a", "a");
+            j.id = i;
+            j
+        };
+        let jobs = vec![
+            at(0, 0, 120 * MINUTE),
+            at(1, 45 * MINUTE, 10 * MINUTE),
+            at(2, 75 * MINUTE, 10 * MINUTE),
+        ];
+        let opts = SimOptions::uniform(1, 8);
+        let plain = simulate(&jobs, SimPolicy::Srtf, &opts)?.summary;
+        let once = simulate(&jobs, SimPolicy::SrtfOnce, &opts)?.summary;
+        assert_eq!((plain.preemptions, once.preemptions), (2, 1));
+        assert_eq!((plain.incomplete, once.incomplete), (0, 0));
+        // The long job was stopped once, so the second short one waits for its end.
+        let third = simulate(&jobs, SimPolicy::SrtfOnce, &opts)?.jobs[2];
+        assert!(third.first_start > Some(120 * MINUTE), "{third:?}");
         Ok(())
     }
 

@@ -68,6 +68,15 @@ pub struct Summary {
     pub wasted_gpu_h: f64,
 }
 
+/// What became of one job of a replay.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct JobOutcome {
+    /// When it first started; `None`: never.
+    pub first_start: Option<Time>,
+    /// When it ended; `None`: still pending or running when the replay ran out of events.
+    pub end: Option<Time>,
+}
+
 pub(crate) struct Recorder {
     total: u32,
     submit: Vec<Time>,
@@ -189,6 +198,14 @@ impl Recorder {
             Some(last) if last.t == now => *last = s,
             _ => self.series.push(s),
         }
+    }
+
+    pub(crate) fn outcomes(&self) -> Vec<JobOutcome> {
+        self.first_start
+            .iter()
+            .zip(&self.end)
+            .map(|(&first_start, &end)| JobOutcome { first_start, end })
+            .collect()
     }
 
     pub(crate) fn summary(&self, policy: &str) -> Summary {

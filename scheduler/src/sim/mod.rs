@@ -22,7 +22,7 @@ pub use engine::{
     PreemptionCost, SimOptions, SimPolicy, SimReport, policy_config, simulate, simulate_with,
     trace_quotas,
 };
-pub use metrics::{Sample, Summary, format_table};
+pub use metrics::{JobOutcome, Sample, Summary, format_table};
 pub use plot::write_svg;
 pub use synth::{MIXED_CLUSTER, SynthKind};
 pub use trace::{LimitModel, Trace, TraceFormat, TraceJob};

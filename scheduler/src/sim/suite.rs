@@ -8,6 +8,10 @@
 //! backfill's; allocation no lower than backfill's (to the printed tenth of a point);
 //! preemptions at most [`PREEMPTIONS_PER_JOB`] per job. A case where backfill's average wait
 //! is under a minute has no queue to speak of and is shown but not scored.
+//!
+//! Beside the first target, each policy's average JCT is also set against `srtf-once`, the
+//! oracle that preempts each job at most once: plain SRTF preempts about once per job where
+//! gangs queue, twice the bound perch is held to, and this is the oracle within it.
 
 use super::cluster::SimCluster;
 use super::engine::{SimOptions, SimPolicy, simulate};
@@ -20,10 +24,11 @@ use crate::error::Result;
 pub const PREEMPTIONS_PER_JOB: f64 = 0.5;
 
 /// The policies a scorecard compares (the idle-reclaim variant answers another question).
-pub const POLICIES: [SimPolicy; 9] = [
+pub const POLICIES: [SimPolicy; 10] = [
     SimPolicy::Fifo,
     SimPolicy::Backfill,
     SimPolicy::Srtf,
+    SimPolicy::SrtfOnce,
     SimPolicy::PerchNoQuotas,
     SimPolicy::Perch,
     SimPolicy::Las,
@@ -38,9 +43,9 @@ pub const SCORED: [SimPolicy; 2] = [SimPolicy::PerchNoQuotas, SimPolicy::Perch];
 /// The policies whose standing on the targets the closing table compares: perch's two rows,
 /// the duration-free anchors (Tiresias' LAS, and 2D-Gittins over the service jobs used), Themis'
 /// finish-time fairness on perch's expected runs, perch without its history prediction (the
-/// declared limits alone) and the oracle itself, which shows what the targets ask of a policy
-/// that knows every duration.
-pub const COMPARED: [SimPolicy; 7] = [
+/// declared limits alone) and the oracle itself, unbounded and preempting each job at most
+/// once, which shows what the targets ask of a policy that knows every duration.
+pub const COMPARED: [SimPolicy; 8] = [
     SimPolicy::PerchNoQuotas,
     SimPolicy::Perch,
     SimPolicy::Las,
@@ -48,6 +53,7 @@ pub const COMPARED: [SimPolicy; 7] = [
     SimPolicy::Themis,
     SimPolicy::PerchLimitsOnly,
     SimPolicy::Srtf,
+    SimPolicy::SrtfOnce,
 ];
 
 /// The names of the targets, in [`CaseResult::targets`] order.
@@ -66,8 +72,12 @@ pub struct Tally {
     pub cases: usize,
     /// Of those, how many meet each target, in [`TARGETS`] order.
     pub met: [usize; 5],
+    /// Of those, how many have an average JCT at most 1.25x `srtf-once`'s.
+    pub within_srtf_once: usize,
     /// Geometric mean of its average JCT over SRTF's.
     pub jct_over_srtf: f64,
+    /// Geometric mean of its average JCT over `srtf-once`'s.
+    pub jct_over_srtf_once: f64,
     /// Geometric mean of its p99 JCT over backfill's.
     pub p99_over_backfill: f64,
 }
@@ -81,14 +91,19 @@ pub fn tally(results: &[CaseResult], p: SimPolicy) -> Tally {
     let mut t = Tally {
         cases: 0,
         met: [0; 5],
+        within_srtf_once: 0,
         jct_over_srtf: 1.0,
+        jct_over_srtf_once: 1.0,
         p99_over_backfill: 1.0,
     };
-    let (mut log_srtf, mut log_p99) = (0.0, 0.0);
+    let (mut log_srtf, mut log_once, mut log_p99) = (0.0, 0.0, 0.0);
     for r in results.iter().filter(|r| r.queued()) {
         let (b, s, x) = (r.get(SimPolicy::Backfill), r.get(SimPolicy::Srtf), r.get(p));
+        let once = r.get(SimPolicy::SrtfOnce);
         t.cases += 1;
         log_srtf += ratio(x.avg_jct_s, s.avg_jct_s).ln();
+        log_once += ratio(x.avg_jct_s, once.avg_jct_s).ln();
+        t.within_srtf_once += usize::from(x.avg_jct_s <= 1.25 * once.avg_jct_s);
         log_p99 += ratio(x.p99_jct_s, b.p99_jct_s).ln();
         for (i, (_, ok)) in r.targets(p).into_iter().enumerate() {
             t.met[i] += usize::from(ok);
@@ -96,6 +111,7 @@ pub fn tally(results: &[CaseResult], p: SimPolicy) -> Tally {
     }
     if t.cases > 0 {
         t.jct_over_srtf = (log_srtf / t.cases as f64).exp();
+        t.jct_over_srtf_once = (log_once / t.cases as f64).exp();
         t.p99_over_backfill = (log_p99 / t.cases as f64).exp();
     }
     t
@@ -111,18 +127,22 @@ pub fn comparison(results: &[CaseResult]) -> String {
     for name in TARGETS {
         out += &format!(" {name:>14}");
     }
-    out += "  JCT/SRTF  p99/BF\n";
+    out += "  JCT/SRTF  p99/BF JCT<=1.25xSRTF1 JCT/SRTF1\n";
     for p in COMPARED {
         let t = tally(results, p);
         out += &format!("{:<14} {:>5}", p.name(), t.cases);
         for n in t.met {
             out += &format!(" {n:>14}");
         }
-        out += &format!("  {:>8.3}  {:>6.3}\n", t.jct_over_srtf, t.p99_over_backfill);
+        out += &format!(
+            "  {:>8.3}  {:>6.3} {:>14} {:>9.3}\n",
+            t.jct_over_srtf, t.p99_over_backfill, t.within_srtf_once, t.jct_over_srtf_once
+        );
     }
     out += "(JCT/SRTF, p99/BF: geometric means of the average JCT over SRTF's and the p99 JCT over \
-            backfill's; srtf knows every duration, las none, perch the declared time limits \
-            scaled by the part of its limits each user's recent jobs ran, perch-limits the limits alone)\n";
+            backfill's; SRTF1: srtf-once, the oracle preempting each job at most once; srtf knows \
+            every duration, las none, perch the declared time limits scaled by the part of its \
+            limits each user's recent jobs ran, perch-limits the limits alone)\n";
     out
 }
 
@@ -295,7 +315,7 @@ pub fn scorecards(results: &[CaseResult]) -> String {
 pub fn scorecard(results: &[CaseResult], scored: SimPolicy) -> String {
     let mut out = format!("{}:\n", scored.name());
     out += &format!(
-        "{:<14} {:>5} {:>4} {:>5} {:>9} {:>9} {:>9} {:>9} {:>7} {:>6} {:>7} {:>7} {:>7} {:>6} {:>7} {:>5}  {}\n",
+        "{:<14} {:>5} {:>4} {:>5} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>6} {:>7} {:>7} {:>7} {:>6} {:>7} {:>5}  {}\n",
         "trace",
         "GPUs",
         "seed",
@@ -305,6 +325,7 @@ pub fn scorecard(results: &[CaseResult], scored: SimPolicy) -> String {
         "srtf JCT",
         "JCT",
         "p/srtf",
+        "p/srtf1",
         "p/bf",
         "p99 p/bf",
         "alloc-bf",
@@ -338,7 +359,7 @@ pub fn scorecard(results: &[CaseResult], scored: SimPolicy) -> String {
             "(no queue: not scored)".to_string()
         };
         out += &format!(
-            "{:<14} {:>5} {:>4} {:>5} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>7.2} {:>6.2} {:>8.2} {:>+7.1} {:>7.2} {:>6.1} {:>7.3} {:>5.3}  {}\n",
+            "{:<14} {:>5} {:>4} {:>5} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>7.2} {:>7.2} {:>6.2} {:>8.2} {:>+7.1} {:>7.2} {:>6.1} {:>7.3} {:>5.3}  {}\n",
             r.trace,
             p.gpus,
             r.seed,
@@ -348,6 +369,7 @@ pub fn scorecard(results: &[CaseResult], scored: SimPolicy) -> String {
             s.avg_jct_s,
             p.avg_jct_s,
             ratio(p.avg_jct_s, s.avg_jct_s),
+            ratio(p.avg_jct_s, r.get(SimPolicy::SrtfOnce).avg_jct_s),
             ratio(p.avg_jct_s, b.avg_jct_s),
             ratio(p.p99_jct_s, b.p99_jct_s),
             p.alloc_pct - b.alloc_pct,
@@ -374,13 +396,15 @@ pub fn scorecard(results: &[CaseResult], scored: SimPolicy) -> String {
     out.pop();
     if count > 0 {
         out += &format!(
-            "\ngeometric means over those cases: average JCT {:.3}x SRTF's, p99 JCT {:.3}x backfill's",
-            t.jct_over_srtf, t.p99_over_backfill
+            "\ngeometric means over those cases: average JCT {:.3}x SRTF's, p99 JCT {:.3}x backfill's\n\
+             against srtf-once (the oracle preempting each job at most once): average JCT within \
+             1.25x its {}/{count}, {:.3}x its in geometric mean",
+            t.jct_over_srtf, t.p99_over_backfill, t.within_srtf_once, t.jct_over_srtf_once
         );
     }
     out += &format!(
         "\n(JCT in seconds, the last one {0}'s; p/srtf, p/bf: {0}'s average JCT over SRTF's and \
-         backfill's; alloc-bf: its allocation minus backfill's, points; pre/job: its preemptions \
+         backfill's; p/srtf1: over srtf-once's; alloc-bf: its allocation minus backfill's, points; pre/job: its preemptions \
          per job (bound {PREEMPTIONS_PER_JOB}); waste%: its GPU-time lost to preemption, of its \
          allocation; Jain: fairness across accounts of each one's mean run time / JCT, 1 = equal)\n",
         scored.name()
