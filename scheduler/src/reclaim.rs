@@ -3,9 +3,10 @@
 //! preemption, and idle reclaim.
 //!
 //! Victims are always whole jobs (every GPU of a gang is freed together). Candidates are taken
-//! cheapest first (jobs idle for the idle window before busy ones, then the fewest GPU-milliseconds
-//! of work at stake) until the waiting gang would fit; then every victim that turns out not to be needed
-//! is dropped again, most expensive first, so the set is small and cheap.
+//! cheapest first (jobs idle for the idle window before busy ones, then, for quota reclaim, the
+//! jobs it has stopped least often, then the fewest GPU-milliseconds of work at stake) until the
+//! waiting gang would fit; then every victim that turns out not to be needed is dropped again,
+//! most expensive first, so the set is small and cheap.
 
 use crate::cluster::NodeState;
 use crate::ids::{JobId, Time};
@@ -16,9 +17,9 @@ use rustc_hash::FxHashMap as HashMap;
 /// What quota reclaim may take from an account: in all (`None`) or on one model.
 type BudgetKey = (usize, Option<usize>);
 
-/// A reclaim candidate's preference key: not idle for the window, GPU-milliseconds at stake,
-/// the later start first.
-type VictimKey = (bool, i64, std::cmp::Reverse<Time>);
+/// A reclaim candidate's preference key: not idle for the window, times quota reclaim stopped
+/// it before, GPU-milliseconds at stake, the later start first.
+type VictimKey = (bool, u32, i64, std::cmp::Reverse<Time>);
 
 /// Hundredths of a GPU each account may still give up: which allowance each candidate draws
 /// on, with that allowance's size (by the candidates' order), and what is left of those used.
@@ -212,8 +213,12 @@ impl Scheduler {
             let idle = job
                 .idle_since
                 .is_some_and(|s| s + self.config.idle.window <= now);
-            // Equal cost: the job started last loses the least.
-            cands.push(((!idle, cost, std::cmp::Reverse(start)), v, allowance));
+            // The job stopped least often first: by work at stake alone, a borrower that just
+            // restarted is always the cheapest, and on Philly at 384 GPUs with trace quotas one
+            // job was stopped 240 times (scheduler/BENCHMARKS.md). Equal cost: the job started
+            // last loses the least.
+            let key = (!idle, job.reclaim_stops, cost, std::cmp::Reverse(start));
+            cands.push((key, v, allowance));
         }
         cands.sort_unstable();
         let ordered: Vec<JobId> = cands.iter().map(|&(_, v, _)| v).collect();
@@ -225,12 +230,15 @@ impl Scheduler {
             };
             self.select_victims(id, m, &ordered, Some(budget))
         });
-        match victims {
-            Some(victims) => {
-                self.preempt_for(now, victims, PreemptReason::QuotaReclaim { for_job: id })
+        let Some(victims) = victims else {
+            return Vec::new();
+        };
+        for v in &victims {
+            if let Some(j) = self.jobs.get_mut(v) {
+                j.reclaim_stops += 1;
             }
-            None => Vec::new(),
         }
+        self.preempt_for(now, victims, PreemptReason::QuotaReclaim { for_job: id })
     }
 
     /// SRTF: preempt running jobs with more remaining time than `id`, longest first, each at

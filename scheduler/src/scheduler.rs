@@ -186,6 +186,8 @@ pub(crate) struct Job {
     /// Times SRTF or LAS preempted it for a job ahead in their order
     /// (`Config::max_order_preemptions` bounds them).
     pub(crate) order_preemptions: u32,
+    /// Times quota reclaim stopped it (the victims stopped least often go first).
+    pub(crate) reclaim_stops: u32,
     pub(crate) priority: f64,
     pub(crate) idle_since: Option<Time>,
     pub(crate) idle_reported: bool,
@@ -794,6 +796,7 @@ impl Scheduler {
             requeues: 0,
             progress: 0,
             order_preemptions: 0,
+            reclaim_stops: 0,
             priority: 0.0,
             idle_since: None,
             idle_reported: false,

@@ -199,6 +199,41 @@ fn one_low_reading_does_not_make_a_busy_job_the_reclaim_victim() {
     assert_eq!(started(&a), vec![3]);
 }
 
+/// Found on the scorecard (Philly at 384 GPUs, trace quotas): by work at stake alone, the
+/// borrower that just restarted is always the cheapest victim, so quota reclaim stopped one job
+/// 240 times while others it could have stopped ran on. The job stopped least often goes
+/// first: here the two borrowers take turns.
+#[test]
+fn quota_reclaim_does_not_stop_the_same_borrower_over_and_over() {
+    let quotas = vec![(Account("a".into()), 8), (Account("b".into()), 0)];
+    let mut s = sched(1, Config::perch(quotas));
+    assert_eq!(
+        started(&step(&mut s, 0, Event::Submit(one(1, 4, "b", 600, 0)))),
+        vec![1]
+    );
+    let a = step(&mut s, MINUTE, Event::Submit(one(2, 4, "b", 600, MINUTE)));
+    assert_eq!(started(&a), vec![2]);
+    // Six rounds: a's 4-GPU job of five minutes takes back half the node, ends, and the
+    // borrower it stopped comes back.
+    let mut stops = [0u32; 2];
+    for round in 0..6 {
+        let t = (10 + 10 * round) * MINUTE;
+        let id = 10 + round as u64;
+        let a = step(&mut s, t, Event::Submit(one(id, 4, "a", 5, t)));
+        let victims = preempted(&a);
+        assert_eq!(victims.len(), 1, "round {round}: {a:?}");
+        stops[victims[0] as usize - 1] += 1;
+        assert_eq!(started(&a), vec![id], "round {round}");
+        let back = step(&mut s, t + 5 * MINUTE, exit(id));
+        assert_eq!(
+            started(&back),
+            victims,
+            "round {round}: the borrower restarts"
+        );
+    }
+    assert_eq!(stops, [3, 3], "each borrower stopped as often as the other");
+}
+
 #[test]
 fn reclaim_preempts_whole_gangs_cheapest_first() {
     let quotas = vec![(Account("a".into()), 16), (Account("b".into()), 0)];
