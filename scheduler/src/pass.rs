@@ -486,11 +486,7 @@ impl Scheduler {
             let capped = self.quota_models(j);
             let within = self.accounts[j.account].within(j.spec.gpu_hundredths())
                 && capped.as_ref().is_none_or(|room| !room.is_empty());
-            // Borrowed GPUs must come back when their owner needs them, so only a job that may
-            // be preempted borrows: a job that may not, past its account's quota, would hold
-            // another account's guaranteed GPUs until its time limit (found running the
-            // release binary: the CLI submits jobs not preemptible by default).
-            if quotas && !within && (!self.config.borrowing || !j.spec.preemptible) {
+            if quotas && !within && !self.config.borrowing {
                 self.set_reason(id, PendingReason::QuotaExceeded);
                 continue;
             }

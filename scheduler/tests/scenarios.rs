@@ -199,38 +199,6 @@ fn one_low_reading_does_not_make_a_busy_job_the_reclaim_victim() {
     assert_eq!(started(&a), vec![3]);
 }
 
-/// Found running the release binary (jobs the CLI submits are not preemptible by default): a
-/// job of an account past its quota that may not be preempted borrowed idle GPUs, and the
-/// account whose quota they were could not take them back until its time limit. Only
-/// preemptible jobs borrow.
-#[test]
-fn a_job_that_may_not_be_preempted_does_not_borrow() {
-    let quotas = vec![(Account("a".into()), 8), (Account("b".into()), 0)];
-    let mut s = sched(1, Config::perch(quotas));
-    let mut fixed = one(1, 4, "b", 600, 0);
-    fixed.preemptible = false;
-    let a = step(&mut s, 0, Event::Submit(fixed));
-    assert!(started(&a).is_empty(), "{a:?}");
-    assert_eq!(
-        s.pending_reason(JobId(1)),
-        Some(PendingReason::QuotaExceeded)
-    );
-    // The same request, preemptible, borrows the idle GPUs...
-    let a = step(&mut s, MINUTE, Event::Submit(one(2, 4, "b", 600, MINUTE)));
-    assert_eq!(started(&a), vec![2]);
-    // ...and the account whose quota they are takes them back at once.
-    let a = step(
-        &mut s,
-        2 * MINUTE,
-        Event::Submit(one(3, 8, "a", 60, 2 * MINUTE)),
-    );
-    assert_eq!((preempted(&a), started(&a)), (vec![2], vec![3]));
-    assert_eq!(
-        s.pending_reason(JobId(1)),
-        Some(PendingReason::QuotaExceeded)
-    );
-}
-
 /// Found on the scorecard (Philly at 384 GPUs, trace quotas): by work at stake alone, the
 /// borrower that just restarted is always the cheapest victim, so quota reclaim stopped one job
 /// 240 times while others it could have stopped ran on. The job stopped least often goes

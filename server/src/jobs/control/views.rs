@@ -96,13 +96,10 @@ impl Control {
                     "account {} holds {}{}",
                     account.0,
                     held.join(", "),
-                    if !self.config.policy.borrowing {
-                        " (borrowing is off)"
-                    } else if !job.request.preemptible {
-                        "; only preemptible jobs borrow idle GPUs (an account within its quota \
-                         takes them back): resubmit with --preemptible to borrow"
-                    } else {
+                    if self.config.policy.borrowing {
                         "; no idle GPUs to borrow"
+                    } else {
+                        " (borrowing is off)"
                     }
                 ))
             }
