@@ -260,7 +260,9 @@ impl Config {
     /// within the bound of half a preemption per job the scorecard holds perch to (plain SRTF
     /// preempts about once per job on the `gangs` trace, scheduler/BENCHMARKS.md).
     pub fn srtf_once() -> Self {
-        Self::base(PolicyKind::Srtf)
+        let mut c = Self::base(PolicyKind::Srtf);
+        c.max_order_preemptions = 1;
+        c
     }
 
     /// Tiresias' 2D-LAS: two queues by attained GPU-time, preemptive, EASY backfill, the

@@ -233,11 +233,7 @@ impl Scheduler {
         let Some(victims) = victims else {
             return Vec::new();
         };
-        for v in &victims {
-            if let Some(j) = self.jobs.get_mut(v) {
-                j.reclaim_stops += 1;
-            }
-        }
+        self.count_stops(&victims, |j| &mut j.reclaim_stops);
         self.preempt_for(now, victims, PreemptReason::QuotaReclaim { for_job: id })
     }
 
@@ -263,14 +259,15 @@ impl Scheduler {
         let Some(victims) = self.select_victims(id, model, &ordered, None) else {
             return Vec::new();
         };
-        self.count_order_preemptions(&victims);
+        self.count_stops(&victims, |j| &mut j.order_preemptions);
         self.preempt_for(now, victims, PreemptReason::ShorterJob { for_job: id })
     }
 
-    fn count_order_preemptions(&mut self, victims: &[JobId]) {
+    /// Adds one to the counter `field` picks of each victim.
+    fn count_stops(&mut self, victims: &[JobId], field: impl Fn(&mut Job) -> &mut u32) {
         for v in victims {
             if let Some(j) = self.jobs.get_mut(v) {
-                j.order_preemptions += 1;
+                *field(j) += 1;
             }
         }
     }
@@ -339,7 +336,7 @@ impl Scheduler {
         let Some(victims) = self.select_victims(id, model, &ordered, None) else {
             return Vec::new();
         };
-        self.count_order_preemptions(&victims);
+        self.count_stops(&victims, |j| &mut j.order_preemptions);
         self.preempt_for(now, victims, PreemptReason::LessServed { for_job: id })
     }
 
