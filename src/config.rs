@@ -454,10 +454,13 @@ pub struct SchedulerSection {
     /// shows it), within its quota in all if it has one. Models not named are limited only by
     /// that quota; a job without a model constraint goes to the models where it has room.
     pub model_quotas: std::collections::BTreeMap<String, std::collections::BTreeMap<String, u32>>,
-    /// An account at its quota may use idle GPUs; its jobs there can be reclaimed.
+    /// An account at its quota may run preemptible jobs on idle GPUs; they can be reclaimed.
+    /// A job that may not be preempted never borrows, and one that asks for more than its
+    /// account's quota on its own is refused unless it may be (always, borrowing off).
     pub borrowing: bool,
     /// An account within its quota preempts borrowers (their checkpoint signal, then their
-    /// grace) to get its GPUs back.
+    /// grace) to get its GPUs back: those it has stopped least often first, then the least
+    /// work at stake.
     pub reclaim: bool,
     /// Most running jobs one scheduling pass may examine as reclaim victims.
     pub max_reclaims_per_pass: usize,

@@ -105,6 +105,72 @@ fn an_account_over_its_quota_borrows_idle_gpus_and_gives_them_back_with_a_checkp
     assert_eq!(perch.job(borrowed)["state"], "pending");
 }
 
+/// Found running the release binary, whose CLI submits jobs not preemptible unless told: an
+/// account with no quota borrowed every GPU with jobs that may not be preempted, and the
+/// account whose quota they were waited until their time limits. A job that can only ever run
+/// on borrowed GPUs is refused unless it is preemptible, and a job that may not be preempted
+/// never borrows (it waits for its account's quota, and says how to borrow).
+#[test]
+fn a_job_that_may_not_be_preempted_never_holds_another_accounts_quota() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = common::server_with_config(
+        dir.path(),
+        "[server]\npg_listen = \"\"\n[scheduler.quotas]\nalice = 2\nbob = 2\n",
+        &[],
+    );
+    let _a = agent(&perch, dir.path(), "gpu-a", 4, "r1");
+    perch.wait_nodes_up(1);
+    let client = reqwest::blocking::Client::new();
+    let job = |user: &str, preemptible: bool| {
+        json!({
+            "command": ["sleep", "600"], "user": user, "gpus_per_node": 2,
+            "preemptible": preemptible, "grace_secs": 1, "max_requeues": 3,
+        })
+    };
+    // carol's account is not listed, so its quota is 0: a job of hers that may not be
+    // preempted could only ever run on borrowed GPUs, and is refused with what to change.
+    let r = client
+        .post(format!("{}/v1/jobs", perch.url))
+        .json(&job("carol", false))
+        .send()
+        .expect("submit");
+    let status = r.status().as_u16();
+    let text = r.text().unwrap_or_default();
+    assert_eq!(status, 400, "{text}");
+    assert!(
+        text.contains("quota of 0") && text.contains("--preemptible"),
+        "{text}"
+    );
+    // alice within her quota runs; past it, a job that may not be preempted waits although
+    // two GPUs are idle, and says how it could borrow them.
+    let own = post_job(&perch, job("alice", false));
+    wait_state(&perch, own, "running");
+    let fixed = post_job(&perch, job("alice", false));
+    let j = wait_for("the quota reason", || {
+        let j = perch.job(fixed);
+        j["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("quota"))
+            .then_some(j)
+    });
+    let reason = j["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("holds 2 of its quota of 2") && reason.contains("--preemptible"),
+        "{reason}"
+    );
+    // The same job preemptible borrows bob's idle GPUs...
+    let borrower = post_job(&perch, job("alice", true));
+    wait_state(&perch, borrower, "running");
+    assert_eq!(perch.job(fixed)["state"], "pending");
+    // ...and bob, within his quota, takes them back at once with a job of his that may not
+    // be preempted.
+    let bobs = post_job(&perch, job("bob", false));
+    wait_state(&perch, bobs, "running");
+    assert_eq!(perch.job(borrower)["state"], "pending");
+    assert_eq!(perch.job(own)["state"], "running");
+    assert_eq!(perch.job(fixed)["state"], "pending");
+}
+
 #[test]
 fn an_idle_job_is_warned_then_requeued_after_its_grace_and_the_waiting_job_starts() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -183,7 +183,8 @@ pub enum PendingReason {
     },
     /// Not enough free GPUs of the right shape, model and health.
     Resources,
-    /// The account is at its quota and borrowing is off or nothing is idle to borrow.
+    /// The account is at its quota and borrowing is off, nothing is idle to borrow, or the
+    /// job may not be preempted (only preemptible jobs borrow: borrowed GPUs are reclaimed).
     QuotaExceeded,
     /// Strict FIFO: a job ahead of it is blocked.
     FifoBlocked,

@@ -46,4 +46,4 @@ pub use job::{
 };
 pub use plan::StartPlan;
 pub use policy::{Config, IdleAction, IdlePolicy, PolicyKind, Weights};
-pub use scheduler::{Action, Event, QueueEntry, Scheduler};
+pub use scheduler::{Action, BeyondQuota, Event, QueueEntry, QuotaLimit, Scheduler};

@@ -486,7 +486,12 @@ impl Scheduler {
             let capped = self.quota_models(j);
             let within = self.accounts[j.account].within(j.spec.gpu_hundredths())
                 && capped.as_ref().is_none_or(|room| !room.is_empty());
-            if quotas && !within && !self.config.borrowing {
+            // Borrowed GPUs must come back when their owner needs them, so only a job that may
+            // be preempted borrows: one that may not, past its account's quota, held another
+            // account's guaranteed GPUs until its time limit (found running the release
+            // binary, whose CLI submits jobs not preemptible unless told). A server refuses a
+            // job that could only ever borrow unless it is preemptible (`beyond_quota`).
+            if quotas && !within && (!self.config.borrowing || !j.spec.preemptible) {
                 self.set_reason(id, PendingReason::QuotaExceeded);
                 continue;
             }

@@ -241,6 +241,59 @@ impl AccountState {
     }
 }
 
+/// A job that asks, on its own, for more than its account may hold (see
+/// [`Scheduler::beyond_quota`]). It can only ever run on GPUs borrowed from other accounts,
+/// which take them back when they need them: so it must be preemptible, and borrowing on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BeyondQuota {
+    /// Its account.
+    pub account: Account,
+    /// What it asks for, in hundredths of a GPU.
+    pub asks: u32,
+    /// The quota it asks past.
+    pub limit: QuotaLimit,
+}
+
+/// Which of an account's quotas a job asks past, in GPUs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum QuotaLimit {
+    /// Its quota in all.
+    Total(u32),
+    /// Its cap on the model the job is constrained to.
+    Model(GpuModel, u32),
+    /// Its caps on every model of the cluster (the job takes any model): the largest.
+    EveryModel(u32),
+}
+
+impl std::fmt::Display for BeyondQuota {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let asks = if self.asks.is_multiple_of(100) {
+            format!("{} GPU(s)", self.asks / 100)
+        } else {
+            format!("{:.2} of a GPU", f64::from(self.asks) / 100.0)
+        };
+        let account = &self.account.0;
+        match &self.limit {
+            QuotaLimit::Total(q) => {
+                write!(
+                    f,
+                    "asks for {asks}, more than account {account}'s quota of {q} GPU(s)"
+                )
+            }
+            QuotaLimit::Model(m, q) => write!(
+                f,
+                "asks for {asks} of model {}, more than account {account}'s cap of {q} on it",
+                m.0
+            ),
+            QuotaLimit::EveryModel(q) => write!(
+                f,
+                "asks for {asks}, more than account {account}'s cap on any model of this \
+                 cluster (at most {q})"
+            ),
+        }
+    }
+}
+
 /// The scheduling core. See the crate docs for how a server drives it.
 #[derive(Clone, Debug)]
 pub struct Scheduler {
@@ -363,6 +416,44 @@ impl Scheduler {
                 .find(|(a, _)| a == account)
                 .map_or(0, |(_, q)| *q),
         )
+    }
+
+    /// The quota `spec` asks past on its own, when quotas are in force: its account's quota in
+    /// all, its cap on the model it is constrained to, or (a job free to take any model) its
+    /// caps on every model the cluster has. Such a job can only ever run on borrowed GPUs, so
+    /// a server refuses it unless it may be preempted and borrowing is on (see
+    /// [`BeyondQuota`]); once accepted it waits `QuotaExceeded` until it may borrow.
+    pub fn beyond_quota(&self, spec: &JobSpec) -> Option<BeyondQuota> {
+        let asks = spec.gpu_hundredths();
+        let past = |cap: u32| u64::from(asks) > u64::from(cap) * 100;
+        let account = &spec.account;
+        let beyond = |limit| BeyondQuota {
+            account: account.clone(),
+            asks,
+            limit,
+        };
+        if let Some(quota) = self.account_quota(account)
+            && past(quota)
+        {
+            return Some(beyond(QuotaLimit::Total(quota)));
+        }
+        let cap = |model: &GpuModel| {
+            self.config
+                .model_quotas
+                .iter()
+                .find(|(a, m, _)| a == account && m == model)
+                .map(|(_, _, q)| *q)
+        };
+        match &spec.gpu_model {
+            Some(model) => cap(model)
+                .filter(|&q| past(q))
+                .map(|q| beyond(QuotaLimit::Model(model.clone(), q))),
+            None => {
+                let caps: Option<Vec<u32>> = self.cluster.models.iter().map(cap).collect();
+                let largest = caps?.into_iter().max()?;
+                past(largest).then(|| beyond(QuotaLimit::EveryModel(largest)))
+            }
+        }
     }
 
     /// Why a pending job waits, or `None` when it is not pending.

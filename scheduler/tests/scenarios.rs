@@ -199,6 +199,110 @@ fn one_low_reading_does_not_make_a_busy_job_the_reclaim_victim() {
     assert_eq!(started(&a), vec![3]);
 }
 
+/// Found running the release binary (jobs the CLI submits are not preemptible by default): a
+/// job of an account past its quota that may not be preempted borrowed idle GPUs, and the
+/// account whose quota they were could not take them back until its time limit. Only
+/// preemptible jobs borrow.
+#[test]
+fn a_job_that_may_not_be_preempted_does_not_borrow() {
+    let quotas = vec![(Account("a".into()), 8), (Account("b".into()), 0)];
+    let mut s = sched(1, Config::perch(quotas));
+    let mut fixed = one(1, 4, "b", 600, 0);
+    fixed.preemptible = false;
+    let a = step(&mut s, 0, Event::Submit(fixed));
+    assert!(started(&a).is_empty(), "{a:?}");
+    assert_eq!(
+        s.pending_reason(JobId(1)),
+        Some(PendingReason::QuotaExceeded)
+    );
+    // The same request, preemptible, borrows the idle GPUs...
+    let a = step(&mut s, MINUTE, Event::Submit(one(2, 4, "b", 600, MINUTE)));
+    assert_eq!(started(&a), vec![2]);
+    // ...and the account whose quota they are takes them back at once.
+    let a = step(
+        &mut s,
+        2 * MINUTE,
+        Event::Submit(one(3, 8, "a", 60, 2 * MINUTE)),
+    );
+    assert_eq!((preempted(&a), started(&a)), (vec![2], vec![3]));
+    assert_eq!(
+        s.pending_reason(JobId(1)),
+        Some(PendingReason::QuotaExceeded)
+    );
+}
+
+/// A job that asks, on its own, for more than its account may hold can only ever borrow: the
+/// core names the quota it asks past (in all, on its model, or on every model it could take),
+/// so a server refuses it unless it is preemptible; without quotas nothing is past one.
+#[test]
+fn the_core_names_the_quota_a_job_asks_past_on_its_own() {
+    use perch_scheduler::{BeyondQuota, GpuModel, NodeSpec, QuotaLimit};
+    let h100 = GpuModel("H100".into());
+    let with = |gpus: u32, account: &str, model: Option<&GpuModel>| {
+        let mut j = one(1, gpus, account, 60, 0);
+        j.gpu_model = model.cloned();
+        j
+    };
+    let s = sched(2, Config::perch(vec![]));
+    assert_eq!(s.beyond_quota(&with(16, "b", None)), None, "no quotas");
+
+    let mut config = Config::perch(vec![(Account("a".into()), 8)]);
+    config.model_quotas = vec![
+        (Account("a".into()), h100.clone(), 4),
+        (Account("c".into()), h100.clone(), 2),
+        (Account("c".into()), GpuModel("A100".into()), 6),
+    ];
+    let mut s = Scheduler::new(Cluster::new(), config);
+    for (name, model) in [("h1", "H100"), ("a1", "A100")] {
+        step(
+            &mut s,
+            0,
+            Event::AddNode(NodeSpec::new(name, 8, model, "r1")),
+        );
+    }
+    let past = |account: &str, asks: u32, limit| BeyondQuota {
+        account: Account(account.into()),
+        asks: asks * 100,
+        limit,
+    };
+    assert_eq!(s.beyond_quota(&with(8, "a", None)), None, "at its quota");
+    assert_eq!(
+        s.beyond_quota(&with(9, "a", None)),
+        Some(past("a", 9, QuotaLimit::Total(8)))
+    );
+    // An unlisted account's quota is 0 once quotas are in force.
+    let got = s.beyond_quota(&with(1, "b", None));
+    assert_eq!(got, Some(past("b", 1, QuotaLimit::Total(0))));
+    assert_eq!(
+        got.map(|b| b.to_string()).unwrap_or_default(),
+        "asks for 1 GPU(s), more than account b's quota of 0 GPU(s)"
+    );
+    // Constrained to H100, account a may hold 4 of them; unconstrained, it may take A100s.
+    assert_eq!(
+        s.beyond_quota(&with(5, "a", Some(&h100))),
+        Some(past("a", 5, QuotaLimit::Model(h100.clone(), 4)))
+    );
+    assert_eq!(s.beyond_quota(&with(5, "a", None)), None);
+    // c is not listed among the quotas in all, so its quota is 0: named before its caps.
+    assert_eq!(
+        s.beyond_quota(&with(1, "c", None)).map(|b| b.limit),
+        Some(QuotaLimit::Total(0))
+    );
+    // Caps alone: a job free to take any model asks past the largest.
+    let mut config = Config::perch(vec![]);
+    config.model_quotas = vec![
+        (Account("c".into()), h100.clone(), 2),
+        (Account("c".into()), GpuModel("A100".into()), 6),
+    ];
+    s.reconfigure(config);
+    assert_eq!(s.beyond_quota(&with(6, "c", None)), None);
+    assert_eq!(
+        s.beyond_quota(&with(7, "c", None)),
+        Some(past("c", 7, QuotaLimit::EveryModel(6)))
+    );
+    assert_eq!(s.beyond_quota(&with(7, "d", None)), None, "d has no cap");
+}
+
 /// Found on the scorecard (Philly at 384 GPUs, trace quotas): by work at stake alone, the
 /// borrower that just restarted is always the cheapest victim, so quota reclaim stopped one job
 /// 240 times while others it could have stopped ran on. The job stopped least often goes

@@ -182,6 +182,46 @@ fn a_job_larger_than_the_cluster_is_refused_naming_it() {
     }
 }
 
+/// A job the trace marks not preemptible that asks for more than its account's quota on its
+/// own could only ever run on borrowed GPUs: a server refuses it, so the replay runs it
+/// preemptible (as its user would resubmit it) and counts it, and it finishes. With borrowing
+/// off it could never start: the replay refuses the trace, naming the job.
+#[test]
+fn a_job_that_could_only_borrow_is_replayed_preemptible_or_refused_without_borrowing() {
+    use perch_scheduler::{Account, Config};
+    let trace = "submit,duration,gpus,account,preemptible\n\
+                 0,3600,8,a,false\n\
+                 0,600,4,b,false\n\
+                 60,600,4,b,true\n\
+                 120,600,8,a,false\n";
+    let jobs = sim::trace::parse("t.csv", trace, None).expect("trace").jobs;
+    let opts = SimOptions::uniform(2, 8);
+    let config = Config::perch(vec![(Account("a".into()), 8), (Account("b".into()), 2)]);
+    let r = sim::simulate_with(&jobs, config.clone(), "perch", &opts).expect("replays");
+    assert_eq!(r.made_preemptible, 1, "job 1 asks 4 GPUs, b's quota is 2");
+    assert_eq!((r.summary.finished, r.summary.unfinished), (4, 0));
+    // a's second 8-GPU job, no larger than a's quota but a at it, waits for a's first: it
+    // may not be preempted, so it does not borrow the GPUs b left idle at 660 s.
+    assert_eq!(r.jobs[3].first_start, Some(3_600_000), "{:?}", r.jobs);
+    let mut off = config;
+    off.borrowing = false;
+    let err = match sim::simulate_with(&jobs, off, "perch", &opts) {
+        Ok(r) => panic!(
+            "replayed with a job that could never start: {:?}",
+            r.summary
+        ),
+        Err(e) => e.to_string(),
+    };
+    for part in [
+        "job 1",
+        "asks for 4 GPU(s)",
+        "quota of 2",
+        "borrowing is off",
+    ] {
+        assert!(err.contains(part), "{part:?} missing from: {err}");
+    }
+}
+
 /// When no job ever waits there is no allocation-while-waiting to speak of: the table says
 /// `-`, not 0.0%.
 #[test]

@@ -241,6 +241,15 @@ pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> 
             i + 1,
             started.elapsed().as_secs_f64()
         );
+        if report.made_preemptible > 0 {
+            eprintln!(
+                "note: {name}: {} job(s) the trace marks not preemptible ask for more than their \
+                 account's quota on their own; a server refuses them (they could only ever run \
+                 on borrowed GPUs, which their owners take back), so they were replayed \
+                 preemptible, as their users would resubmit them",
+                report.made_preemptible
+            );
+        }
         rows.push(report.summary);
         series.push((name, gpus, report.series));
     }

@@ -167,6 +167,11 @@ pub struct SimReport {
     pub series: Vec<Sample>,
     /// Each job's start and end, in trace order.
     pub jobs: Vec<JobOutcome>,
+    /// Jobs the trace marks not preemptible that ask, on their own, for more than their
+    /// account's quota ([`Scheduler::beyond_quota`]): a server refuses them (they could only
+    /// ever run on borrowed GPUs), so they are replayed preemptible, as their users would
+    /// resubmit them.
+    pub made_preemptible: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -285,10 +290,12 @@ pub fn simulate_with(
     check_fits(jobs, opts)?;
     let oracle = config.kind == PolicyKind::Srtf;
     let total_gpus = opts.cluster.total_gpus();
+    let borrowing = config.borrowing;
     let mut sched = Scheduler::new(opts.cluster.build()?, config);
     for ev in opts.cluster.memory_events() {
         sched.handle(0, ev)?;
     }
+    let beyond = beyond_quota(jobs, &sched, borrowing, opts)?;
     let mut heap: BinaryHeap<Reverse<(Time, Ev)>> = jobs
         .iter()
         .enumerate()
@@ -323,8 +330,11 @@ pub fn simulate_with(
         let mut actions = Vec::new();
         for &ev in &batch {
             match ev {
-                Ev::Submit { job } => actions
-                    .extend(sched.handle(now, Event::Submit(spec(&jobs[job], oracle, opts)))?),
+                Ev::Submit { job } => {
+                    let mut spec = spec(&jobs[job], oracle, opts);
+                    spec.preemptible |= beyond[job];
+                    actions.extend(sched.handle(now, Event::Submit(spec))?);
+                }
                 Ev::Exit { job, generation }
                     if runs[job].generation == generation && runs[job].start.is_some() =>
                 {
@@ -394,7 +404,40 @@ pub fn simulate_with(
         summary,
         series: rec.series,
         jobs: outcomes,
+        made_preemptible: beyond.iter().filter(|b| **b).count(),
     })
+}
+
+/// Which jobs the trace marks not preemptible yet ask for more than their account's quota on
+/// their own: a server refuses them, and their users resubmit them preemptible, so the replay
+/// runs them so. With borrowing off such a job could never start, preemptible or not: an
+/// error, as a server refuses it.
+fn beyond_quota(
+    jobs: &[TraceJob],
+    sched: &Scheduler,
+    borrowing: bool,
+    opts: &SimOptions,
+) -> Result<Vec<bool>> {
+    let mut beyond = Vec::with_capacity(jobs.len());
+    for t in jobs {
+        let over = sched.beyond_quota(&spec(t, false, opts));
+        if let Some(over) = &over
+            && !borrowing
+        {
+            return Err(Error::SimConfig {
+                option: "quotas",
+                message: format!(
+                    "job {} (the trace's {}th by submission) {over}, and borrowing is off, so it \
+                     could never start: raise the quota, turn borrowing on, or leave the job \
+                     out of the trace",
+                    t.id,
+                    t.id + 1
+                ),
+            });
+        }
+        beyond.push(over.is_some() && !t.preemptible);
+    }
+    Ok(beyond)
 }
 
 /// A job's utilization steps; a trace that gives none means busy throughout.

@@ -116,6 +116,7 @@ impl Control {
                 }));
             }
         }
+        self.check_quota(request, now)?;
         let adding = request.array.map_or(1, |n| n as usize);
         let user = request.user();
         let pending = self.pending.of(user) + self.reserved.get(user).copied().unwrap_or(0);
@@ -128,6 +129,39 @@ impl Control {
             });
         }
         Ok(())
+    }
+
+    /// Refuses a job that asks, on its own, for more than its account's quota unless it can
+    /// borrow: it could only ever run on other accounts' idle GPUs, which they take back when
+    /// they need them, so it must be preemptible and borrowing on. Accepted, a job that may
+    /// not be preempted and borrowed anyway held another account's guaranteed GPUs until its
+    /// time limit (the CLI submits jobs not preemptible unless told).
+    fn check_quota(&self, request: &JobRequest, now: i64) -> Result<(), ControlError> {
+        let Some(over) = self.scheduler.beyond_quota(&spec_of(0, request, now)) else {
+            return Ok(());
+        };
+        let (field, message) = if !self.config.policy.borrowing {
+            (
+                "gpus_per_node",
+                format!(
+                    "the job {over}, and borrowing is off (scheduler.borrowing), so it could \
+                     never start: ask for fewer GPUs, or ask an operator to raise the quota"
+                ),
+            )
+        } else if !request.preemptible {
+            (
+                "preemptible",
+                format!(
+                    "the job {over}, so it can only run on idle GPUs borrowed from other \
+                     accounts, which take them back when they need them: resubmit it \
+                     preemptible (`perch submit --preemptible`, or \"preemptible\": true), or \
+                     ask for fewer GPUs, or ask an operator to raise the quota"
+                ),
+            )
+        } else {
+            return Ok(());
+        };
+        Err(ControlError::Invalid(FieldError { field, message }))
     }
 
     /// Whether a job's dependencies allow it to be scheduled.

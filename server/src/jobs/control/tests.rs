@@ -1087,3 +1087,57 @@ async fn a_users_history_survives_a_restart() {
     assert_eq!(first_after_the_blocker(true).await, "alice");
     assert_eq!(first_after_the_blocker(false).await, "bob");
 }
+
+/// A job that asks, on its own, for more than its account's quota could only ever run on
+/// borrowed GPUs: the submission is refused, naming the field to change, unless the job is
+/// preemptible and borrowing is on (an array of them too, reserving no ids). Accepted, a job
+/// that may not be preempted held another account's guaranteed GPUs until its time limit.
+#[tokio::test]
+async fn a_job_that_could_only_borrow_is_refused_unless_it_may_be_preempted() {
+    use perch_scheduler::Account;
+    for borrowing in [true, false] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (tx, _rx) = JobService::event_channel();
+        let mut config = JobsConfig::default();
+        config.policy.quotas = vec![(Account("alice".into()), 2)];
+        config.policy.borrowing = borrowing;
+        let jobs = JobService::open(dir.path(), config, tx).expect("jobs");
+        sync(&jobs, "a", T0, &[], &[]).await;
+        let attempt = |request: serde_json::Value| async {
+            let request: crate::jobs::spec::JobRequest =
+                serde_json::from_value(request).expect("request");
+            jobs.run(move |c, _| Ok(c.submit(request, T0 + SECOND)))
+                .await
+                .expect("run")
+        };
+        let asks = |gpus: u32, preemptible: bool, array: Option<u32>| {
+            json!({ "command": ["train"], "user": "alice", "gpus_per_node": gpus,
+                    "preemptible": preemptible, "array": array })
+        };
+        for array in [None, Some(3)] {
+            let refused = attempt(asks(4, false, array)).await;
+            let Err(e) = refused else {
+                panic!("accepted: {refused:?}")
+            };
+            let text = e.to_string();
+            let field = if borrowing {
+                "field `preemptible`"
+            } else {
+                "field `gpus_per_node`"
+            };
+            assert!(
+                text.contains(field) && text.contains("asks for 4 GPU(s)"),
+                "{text}"
+            );
+            assert!(text.contains("quota of 2 GPU(s)"), "{text}");
+        }
+        // Preemptible, it is accepted where it can borrow; within the quota, always.
+        let borrower = attempt(asks(4, true, None)).await;
+        assert_eq!(borrower.is_ok(), borrowing, "{borrower:?}");
+        let own = attempt(asks(2, false, None))
+            .await
+            .expect("within the quota");
+        // Ids are handed out in order: nothing was reserved for the refused ones.
+        assert_eq!(own[0].id, if borrowing { 2 } else { 1 });
+    }
+}

@@ -96,10 +96,13 @@ impl Control {
                     "account {} holds {}{}",
                     account.0,
                     held.join(", "),
-                    if self.config.policy.borrowing {
-                        "; no idle GPUs to borrow"
-                    } else {
+                    if !self.config.policy.borrowing {
                         " (borrowing is off)"
+                    } else if !job.request.preemptible {
+                        "; only preemptible jobs borrow idle GPUs (the accounts they belong to \
+                         take them back): cancel it and resubmit it with --preemptible to borrow"
+                    } else {
+                        "; no idle GPUs to borrow"
                     }
                 ))
             }
