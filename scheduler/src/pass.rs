@@ -478,7 +478,9 @@ impl Scheduler {
             let Some(j) = self.jobs.get(&id) else {
                 continue;
             };
-            if !matches!(j.state, JobState::Pending(_)) {
+            // A job this pass stopped (its entry from before it started is still in `order`)
+            // waits for the next pass at its new place.
+            if !matches!(j.state, JobState::Pending(_)) || j.queued_in == self.passes {
                 continue;
             }
             let shape = j.spec.shape;

@@ -925,8 +925,14 @@ impl Scheduler {
         self.insert_in_queue(id);
     }
 
-    /// Inserts a pending job into the queue at its priority's place.
+    /// Inserts a pending job into the queue at its priority's place, in place of any entry it
+    /// still has there: a job that started keeps its entry until the queue is next cleaned, so
+    /// one requeued before that (a borrower reclaimed, say) was listed twice by `perch queue`
+    /// and reached twice by a pass, once at its old place (found running the release binary).
     pub(crate) fn insert_in_queue(&mut self, id: JobId) {
+        if let Some(at) = self.queue.iter().position(|&q| q == id) {
+            self.queue.remove(at);
+        }
         let key = self.order_key(id);
         let jobs = &self.jobs;
         let this = &self.config;

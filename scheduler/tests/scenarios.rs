@@ -303,6 +303,26 @@ fn the_core_names_the_quota_a_job_asks_past_on_its_own() {
     assert_eq!(s.beyond_quota(&with(7, "d", None)), None, "d has no cap");
 }
 
+/// Found running the release binary: a job that started keeps its queue entry until the queue
+/// is next cleaned, so borrowers reclaimed before then were listed twice by `perch queue`
+/// (and reached twice by a pass, once at their old place). Each pending job is in line once.
+#[test]
+fn a_requeued_job_is_in_line_once() {
+    let quotas = vec![(Account("a".into()), 8), (Account("b".into()), 0)];
+    let mut s = sched(1, Config::perch(quotas));
+    step(&mut s, 0, Event::Submit(one(1, 4, "b", 600, 0)));
+    let a = step(&mut s, 1, Event::Submit(one(2, 4, "b", 600, 1)));
+    assert_eq!(started(&a), vec![2]);
+    let a = step(&mut s, 2, Event::Submit(one(3, 8, "a", 60, 2)));
+    assert_eq!((preempted(&a).len(), started(&a)), (2, vec![3]), "{a:?}");
+    let mut line: Vec<u64> = s.queue().iter().map(|q| q.job.0).collect();
+    line.sort_unstable();
+    assert_eq!(line, vec![1, 2]);
+    // The same after a pass with nothing to start.
+    step(&mut s, 3, Event::Tick);
+    assert_eq!(s.queue().len(), 2, "{:?}", s.queue());
+}
+
 /// Found on the scorecard (Philly at 384 GPUs, trace quotas): by work at stake alone, the
 /// borrower that just restarted is always the cheapest victim, so quota reclaim stopped one job
 /// 240 times while others it could have stopped ran on. The job stopped least often goes

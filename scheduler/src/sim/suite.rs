@@ -18,7 +18,7 @@ use super::engine::{SimOptions, SimPolicy, simulate};
 use super::metrics::Summary;
 use super::synth::{MIXED_CLUSTER, SynthKind, generate};
 use super::trace::{LimitModel, Trace, TraceJob, parse};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// The preemption bound perch is held to: preemptions per job of the trace, on average.
 pub const PREEMPTIONS_PER_JOB: f64 = 0.5;
@@ -271,6 +271,23 @@ pub fn run_case(case: &Case) -> Result<CaseResult> {
         .iter()
         .map(|&p| simulate(&case.jobs, p, &case.opts).map(|r| r.summary))
         .collect::<Result<Vec<_>>>()?;
+    // The averages count finished jobs only: a policy that never starts (or never ends) some
+    // jobs would look better for it, so the scorecard refuses to score it.
+    if let Some(s) = rows.iter().find(|s| s.unfinished > 0) {
+        return Err(Error::SimConfig {
+            option: "suite",
+            message: format!(
+                "{} seed {} on {} GPUs: {} left {} of {} jobs unfinished (never started or \
+                 never ended); its averages would count only the others",
+                case.trace,
+                case.opts.seed,
+                s.gpus,
+                s.policy,
+                s.unfinished,
+                case.jobs.len()
+            ),
+        });
+    }
     Ok(CaseResult {
         trace: case.trace.clone(),
         seed: case.opts.seed,
