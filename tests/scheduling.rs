@@ -141,6 +141,9 @@ fn a_job_that_may_not_be_preempted_never_holds_another_accounts_quota() {
         text.contains("quota of 0") && text.contains("--preemptible"),
         "{text}"
     );
+    // The CLI (whose jobs are not preemptible unless told) says the same and fails.
+    let (ok, _, err) = perch.cli_as("carol", &["submit", "-g", "2", "--", "sleep", "60"]);
+    assert!(!ok && err.contains("--preemptible"), "{err}");
     // alice within her quota runs; past it, a job that may not be preempted waits although
     // two GPUs are idle, and says how it could borrow them.
     let own = post_job(&perch, job("alice", false));
@@ -169,6 +172,27 @@ fn a_job_that_may_not_be_preempted_never_holds_another_accounts_quota() {
     assert_eq!(perch.job(borrower)["state"], "pending");
     assert_eq!(perch.job(own)["state"], "running");
     assert_eq!(perch.job(fixed)["state"], "pending");
+    // `perch jobs` shows the requeued borrower running nowhere and for no time (it showed its
+    // last run's GPUs and a clock still ticking), and `perch queue` lists it once.
+    let (ok, out, err) = perch.cli_as("alice", &["jobs"]);
+    assert!(ok, "{err}");
+    let row = out
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(&borrower.to_string()))
+        .unwrap_or_default();
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(
+        cells.get(4..8),
+        Some(&["pending", "2", "-", "-"][..]),
+        "{out}"
+    );
+    let (ok, out, err) = perch.cli_as("alice", &["queue"]);
+    assert!(ok, "{err}");
+    let listed = out
+        .lines()
+        .filter(|l| l.split_whitespace().nth(1) == Some(&borrower.to_string()))
+        .count();
+    assert_eq!(listed, 1, "{out}");
 }
 
 #[test]

@@ -545,8 +545,9 @@
     { title: 'state', html: (j) => badge(j.state) },
     { title: 'GPUs', num: true, text: (j) => gpusOf(j.request) },
     { title: 'submitted', text: (j) => when(j.submit_ms) },
-    { title: 'ran', num: true, text: (j) => (j.start_ms ? span(((j.end_ms || Date.now()) - j.start_ms) / 1000) : '–') },
-    { title: 'where / why', html: (j) => (j.placement.length
+    // A requeued job keeps its last run's start and placement: pending, it runs nowhere.
+    { title: 'ran', num: true, text: (j) => (j.start_ms && j.state !== 'pending' ? span(((j.end_ms || Date.now()) - j.start_ms) / 1000) : '–') },
+    { title: 'where / why', html: (j) => (j.placement.length && j.state !== 'pending'
       ? j.placement.map((p) => `<a href="#/nodes/${encodeURIComponent(p.node)}">${esc(p.node)}</a>[${esc(p.gpus.join(','))}]`).join(' ')
       : esc(j.reason || '')) },
   ];
@@ -701,7 +702,7 @@
         <dt>state</dt><dd>${badge(job.state)}${job.exit_code != null ? ` exit ${esc(job.exit_code)}` : ''}</dd>
         ${job.reason ? `<dt>reason</dt><dd>${esc(job.reason)}</dd>` : ''}
         ${job.estimated_start_ms ? `<dt>estimated start</dt><dd>${when(job.estimated_start_ms)}</dd>` : ''}
-        <dt>placement</dt><dd>${job.placement.map((p) => `<a href="#/nodes/${encodeURIComponent(p.node)}">${esc(p.node)}</a> GPUs ${esc(p.gpus.join(', '))}`).join('<br>') || '–'}</dd>
+        <dt>${job.state === 'pending' && job.placement.length ? 'last run on' : 'placement'}</dt><dd>${job.placement.map((p) => `<a href="#/nodes/${encodeURIComponent(p.node)}">${esc(p.node)}</a> GPUs ${esc(p.gpus.join(', '))}`).join('<br>') || '–'}</dd>
         <dt>submitted</dt><dd>${when(job.submit_ms)}</dd><dt>started</dt><dd>${when(job.start_ms)}</dd><dt>ended</dt><dd>${when(job.end_ms)}</dd>
         <dt>attempts</dt><dd>${job.attempts} (preempted ${job.preemptions}, requeued ${job.requeues})</dd>`;
       const u = job.usage;

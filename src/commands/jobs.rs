@@ -512,6 +512,7 @@ pub fn jobs(args: JobsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
         })
         .map(|j| {
             let r = &j["request"];
+            let pending = j["state"] == "pending";
             vec![
                 s(&j["id"]),
                 s(&r["name"]),
@@ -519,8 +520,10 @@ pub fn jobs(args: JobsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
                 s(&r["account"]),
                 s(&j["state"]),
                 gpu_count(r),
-                elapsed(j),
-                gpus_of(j),
+                // A requeued job keeps its last run's start and placement: pending, it runs
+                // nowhere and for no time.
+                if pending { "-".into() } else { elapsed(j) },
+                if pending { "-".into() } else { gpus_of(j) },
                 s(&j["reason"]),
             ]
         })
@@ -591,7 +594,11 @@ pub fn show(args: JobIdArgs, config_file: Option<&ConfigFile>) -> Result<()> {
     if !r["cpus"].is_null() || !r["memory_mb"].is_null() {
         println!("   CPUs={} MemoryMiB={}", s(&r["cpus"]), s(&r["memory_mb"]));
     }
-    println!("   Placement={}", gpus_of(&j));
+    if j["state"] == "pending" && j["placement"].as_array().is_some_and(|p| !p.is_empty()) {
+        println!("   Placement=- (last run: {})", gpus_of(&j));
+    } else {
+        println!("   Placement={}", gpus_of(&j));
+    }
     if let Some(ranks) = j["placement"].as_array().filter(|p| p.len() > 1) {
         // A job on several nodes: how far each rank got (rank = position in the placement).
         let each: Vec<String> = ranks
