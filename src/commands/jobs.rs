@@ -66,15 +66,22 @@ pub struct SubmitArgs {
     /// token's user.
     #[arg(long)]
     user: Option<String>,
+    /// The account charged (default: the user's own).
     #[arg(long, short = 'A')]
     account: Option<String>,
     /// low, normal or high.
     #[arg(long)]
     qos: Option<String>,
+    /// Only GPUs of this model (as `perch nodes` names it).
     #[arg(long)]
     gpu_model: Option<String>,
+    /// The scheduler may stop the job (checkpoint signal, then its grace) and requeue it: for
+    /// a higher-priority job, to give an account its quota back, or when it sits idle. Only
+    /// preemptible jobs run past their account's GPU quota on idle GPUs; a job asking for more
+    /// than its account's quota is refused without it.
     #[arg(long)]
     preemptible: bool,
+    /// Times the job may be requeued (after a preemption or a node failure) before it ends.
     #[arg(long)]
     max_requeues: Option<u32>,
     /// Signal sent first when the job must stop: SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP.
