@@ -464,6 +464,11 @@ pub struct SchedulerSection {
     pub reclaim: bool,
     /// Most running jobs one scheduling pass may examine as reclaim victims.
     pub max_reclaims_per_pass: usize,
+    /// The longest checkpoint grace a job gets when the scheduler stops it for another job
+    /// (quota reclaim, the starvation bound, idle reclaim, an eviction): its own `grace_secs`,
+    /// at most this, so a borrower declaring an hour's grace cannot hold an account's
+    /// guaranteed GPUs for that hour. A cancel or a time limit keeps the job's own grace.
+    pub preemption_grace_max: perch_alerts::HumanDuration,
     /// A job that has waited longer than this many times its time limit (twice that for QOS
     /// low) goes before every job that has not, the longest-waiting first (policy `perch`);
     /// 0: never.
@@ -531,6 +536,7 @@ impl Default for SchedulerSection {
             borrowing: perch.borrowing,
             reclaim: perch.reclaim,
             max_reclaims_per_pass: perch.max_reclaims_per_pass,
+            preemption_grace_max: human(perch.preemption_grace_max),
             starved_after_limits: perch.starved_after_limits,
             starved_reclaim: perch.starved_reclaim,
             predict_from_history: perch.predict_from_history,
@@ -603,6 +609,7 @@ impl SchedulerSection {
             borrowing: policy.borrowing,
             reclaim: policy.reclaim,
             max_reclaims_per_pass: policy.max_reclaims_per_pass,
+            preemption_grace_max: human(policy.preemption_grace_max),
             starved_after_limits: policy.starved_after_limits,
             starved_reclaim: policy.starved_reclaim,
             predict_from_history: policy.predict_from_history,
@@ -764,6 +771,13 @@ impl SchedulerSection {
             ));
         }
         c.max_reclaims_per_pass = self.max_reclaims_per_pass;
+        if self.preemption_grace_max.as_ms() > 3600 * 1000 {
+            return Err(bad(
+                "preemption_grace_max",
+                "must be at most \"1h\", the longest grace a job may declare".into(),
+            ));
+        }
+        c.preemption_grace_max = self.preemption_grace_max.as_ms();
         let idle = &self.idle;
         c.idle.action = match idle.action.as_str() {
             "off" => IdleAction::Off,
@@ -1488,6 +1502,10 @@ mod tests {
             (
                 "[scheduler]\nmax_reclaims_per_pass = 0",
                 "scheduler.max_reclaims_per_pass",
+            ),
+            (
+                "[scheduler]\npreemption_grace_max = \"2h\"",
+                "scheduler.preemption_grace_max: must be at most \"1h\"",
             ),
             (
                 "[scheduler.idle]\naction = \"kill\"",

@@ -195,6 +195,59 @@ fn a_job_that_may_not_be_preempted_never_holds_another_accounts_quota() {
     assert_eq!(listed, 1, "{out}");
 }
 
+/// A borrower that declares an hour's grace and ignores its checkpoint signal would hold the
+/// reclaiming account's GPUs for that hour (the agent starts the new job only once the old
+/// one's processes are gone): stopped for another job it gets `preemption_grace_max`, and the
+/// account's job runs seconds later.
+#[test]
+fn a_borrower_cannot_hold_a_reclaimed_quota_for_its_own_long_grace() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = common::server_with_config(
+        dir.path(),
+        "[server]\npg_listen = \"\"\n[scheduler]\npreemption_grace_max = \"2s\"\n\
+         [scheduler.quotas]\nalice = 2\n",
+        &[],
+    );
+    let _a = agent(&perch, dir.path(), "gpu-a", 2, "r1");
+    perch.wait_nodes_up(1);
+    let marks = dir.path().join("marks");
+    std::fs::create_dir_all(&marks).expect("mkdir");
+    let stubborn = format!(
+        "trap '' TERM; echo started > {}; while true; do sleep 0.1; done",
+        marks.join("bob").display()
+    );
+    let borrower = post_job(
+        &perch,
+        json!({
+            "command": ["sh", "-c", stubborn], "user": "bob", "gpus_per_node": 2,
+            "preemptible": true, "grace_secs": 3600, "max_requeues": 3,
+        }),
+    );
+    wait_state(&perch, borrower, "running");
+    wait_for("bob's process", || {
+        std::fs::read_to_string(marks.join("bob")).ok()
+    });
+    let started = std::time::Instant::now();
+    let own = post_job(
+        &perch,
+        json!({
+            "command": ["sh", "-c", format!("touch {}; sleep 600", marks.join("alice").display())],
+            "user": "alice", "gpus_per_node": 2,
+        }),
+    );
+    wait_for("alice's process, once bob's is killed", || {
+        marks.join("alice").exists().then_some(())
+    });
+    let waited = started.elapsed();
+    assert!(waited < std::time::Duration::from_secs(30), "{waited:?}");
+    assert_eq!(perch.job(own)["state"], "running");
+    let timeline = perch.job(borrower)["timeline"].to_string();
+    assert!(
+        timeline.contains("grace 2 s, not its own 3600 s"),
+        "{timeline}"
+    );
+}
+
 #[test]
 fn an_idle_job_is_warned_then_requeued_after_its_grace_and_the_waiting_job_starts() {
     let dir = tempfile::tempdir().expect("tempdir");

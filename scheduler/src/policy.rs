@@ -187,6 +187,13 @@ pub struct Config {
     /// the limit still bounds the run and every reservation.
     #[serde(default)]
     pub predict_from_history: bool,
+    /// The longest checkpoint grace a job the scheduler stops for another job gets (quota
+    /// reclaim, the starvation bound, idle reclaim, an eviction): a server caps the job's own
+    /// grace at it, so a borrower that declares an hour's grace cannot hold an account's
+    /// guaranteed GPUs for that hour (Slurm's `GraceTime`, set by the operator). The replay
+    /// does not model graces.
+    #[serde(default = "default_preemption_grace_max")]
+    pub preemption_grace_max: Millis,
 }
 
 /// 16 GPU-hours: the best of 0.25 to 64 GPU-hours on the scorecard's synthetic matrix
@@ -197,6 +204,12 @@ fn default_las_threshold() -> f64 {
 
 fn default_max_order_preemptions() -> u32 {
     1
+}
+
+/// 5 minutes: long enough to save a large model's checkpoint to a parallel file system, short
+/// enough that an account's quota comes back within minutes.
+fn default_preemption_grace_max() -> Millis {
+    5 * MINUTE
 }
 
 impl Config {
@@ -220,6 +233,7 @@ impl Config {
             usage_half_life: 7 * DAY,
             size_max_gpu_seconds: 64.0 * 30.0 * 86_400.0,
             priority_period: 5 * MINUTE,
+            preemption_grace_max: default_preemption_grace_max(),
             quotas: Vec::new(),
             model_quotas: Vec::new(),
             borrowing: true,

@@ -4,15 +4,25 @@
 use super::*;
 
 impl Control {
-    pub(super) fn stop_everywhere(&mut self, id: u64) {
+    /// The longest grace a job stopped for another job's sake gets, in seconds.
+    pub(super) fn preemption_grace_max_secs(&self) -> u64 {
+        u64::try_from(self.config.policy.preemption_grace_max / 1000).unwrap_or(0)
+    }
+
+    /// Sends the stop of job `id`'s current attempt to each of its nodes: its checkpoint
+    /// signal, then SIGKILL after its grace, at most `grace_max_secs` when given.
+    pub(super) fn stop_everywhere(&mut self, id: u64, grace_max_secs: Option<u64>) {
         let Some(job) = self.jobs.get(&id) else {
             return;
         };
+        let grace_secs = grace_max_secs.map_or(job.request.grace_secs, |max| {
+            job.request.grace_secs.min(max)
+        });
         let stop = JobStop {
             job: id,
             attempt: job.attempts,
             signal: signal_of(&job.request),
-            grace_secs: job.request.grace_secs,
+            grace_secs,
         };
         let nodes: Vec<usize> = job
             .placement
@@ -100,13 +110,25 @@ impl Control {
                     reason,
                     requeued,
                 } => {
-                    self.stop_everywhere(job.0);
+                    // The GPUs go to another job: the job's own grace, at most the operator's
+                    // `preemption_grace_max` (a borrower declaring an hour's grace held an
+                    // account's guaranteed GPUs for that hour).
+                    let max = self.preemption_grace_max_secs();
+                    self.stop_everywhere(job.0, Some(max));
                     if let Some(j) = self.jobs.get_mut(&job.0) {
                         j.preemptions += 1;
+                        let capped = if j.request.grace_secs > max {
+                            format!(
+                                "; grace {max} s, not its own {} s (scheduler.preemption_grace_max)",
+                                j.request.grace_secs
+                            )
+                        } else {
+                            String::new()
+                        };
                         j.note(
                             now,
                             format!(
-                                "preempted ({reason:?}){}",
+                                "preempted ({reason:?}){}{capped}",
                                 if requeued { ", requeued" } else { "" }
                             ),
                         );
@@ -141,7 +163,7 @@ impl Control {
                     }
                 }
                 Action::Requeue { job, reason } => {
-                    self.stop_everywhere(job.0);
+                    self.stop_everywhere(job.0, None);
                     if let Some(j) = self.jobs.get_mut(&job.0) {
                         j.requeues += 1;
                         j.state = JobState::Pending;
@@ -164,7 +186,7 @@ impl Control {
                         .get(&job.0)
                         .is_some_and(|j| j.state == JobState::Running);
                     if was_running {
-                        self.stop_everywhere(job.0);
+                        self.stop_everywhere(job.0, None);
                     }
                     if let Some(j) = self.jobs.get_mut(&job.0) {
                         let (s, reason, code) = match state {

@@ -220,9 +220,13 @@ impl Control {
                     && self.jobs.get(&run.job).map(|j| j.attempts) == Some(run.attempt))
             })
             .map(|run| {
+                // Its GPUs may be another job's now: at most the preemption grace.
                 let (signal, grace) = self.jobs.get(&run.job).map_or_else(
                     || ("SIGTERM".to_owned(), 10),
-                    |j| (signal_of(&j.request), j.request.grace_secs),
+                    |j| {
+                        let max = self.preemption_grace_max_secs();
+                        (signal_of(&j.request), j.request.grace_secs.min(max))
+                    },
                 );
                 JobStop {
                     job: run.job,

@@ -1141,3 +1141,54 @@ async fn a_job_that_could_only_borrow_is_refused_unless_it_may_be_preempted() {
         assert_eq!(own[0].id, if borrowing { 2 } else { 1 });
     }
 }
+
+/// A borrower that declares an hour's grace would hold the GPUs of the account reclaiming
+/// them for that hour (the agent starts the new job once the old one is gone): stopped for
+/// another job's sake it gets at most `preemption_grace_max`, and its timeline says so; a
+/// cancel keeps its own grace.
+#[tokio::test]
+async fn a_job_stopped_for_another_gets_at_most_the_preemption_grace() {
+    use perch_scheduler::Account;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (tx, _rx) = JobService::event_channel();
+    let mut config = JobsConfig::default();
+    config.policy.quotas = vec![(Account("alice".into()), 1)];
+    config.policy.preemption_grace_max = 120 * SECOND;
+    let jobs = JobService::open(dir.path(), config, tx).expect("jobs");
+    let mut at = T0;
+    sync(&jobs, "a", at, &[], &[]).await;
+    let hour = |user: &str| {
+        json!({ "command": ["train"], "user": user, "gpus_per_node": 1, "preemptible": true,
+                "grace_secs": 3600, "max_requeues": 3 })
+    };
+    // bob (no quota) borrows the node's one GPU.
+    let borrower = submit(&jobs, hour("bob"), at).await;
+    at += SECOND;
+    assert_eq!(sync(&jobs, "a", at, &[], &[]).await.start.len(), 1);
+    at += SECOND;
+    sync(&jobs, "a", at, &[(borrower, 1)], &[]).await;
+    // alice, within her quota, takes it back: bob's run is stopped with 120 s, not 3600.
+    let own = submit(&jobs, hour("alice"), at).await;
+    at += SECOND;
+    let r = sync(&jobs, "a", at, &[(borrower, 1)], &[]).await;
+    let grace: Vec<(u64, u64)> = r.stop.iter().map(|s| (s.job, s.grace_secs)).collect();
+    assert_eq!(grace, vec![(borrower, 120)]);
+    // alice's launch comes with it: the agent starts it once bob's processes are gone.
+    assert_eq!(r.start.iter().map(|l| l.job).collect::<Vec<_>>(), vec![own]);
+    let notes = format!("{:?}", job(&jobs, borrower).await.timeline);
+    assert!(notes.contains("grace 120 s, not its own 3600 s"), "{notes}");
+    // Cancelled, alice's job keeps its own hour.
+    at += SECOND;
+    sync(&jobs, "a", at, &[(own, 1)], &[(borrower, 1, 143)]).await;
+    jobs.run(move |c, _| c.cancel(own, "alice", at))
+        .await
+        .expect("cancel");
+    at += SECOND;
+    let r = sync(&jobs, "a", at, &[(own, 1)], &[]).await;
+    let grace: Vec<(u64, u32, u64)> = r
+        .stop
+        .iter()
+        .map(|s| (s.job, s.attempt, s.grace_secs))
+        .collect();
+    assert_eq!(grace, vec![(own, 1, 3600)]);
+}
