@@ -27,6 +27,16 @@ fn wait_state(perch: &Perch, id: u64, state: &str) -> Value {
     })
 }
 
+/// A server with `[server] pg_listen = ""` and `config`, and one agent `gpu-a` with `gpus`
+/// simulated GPUs on rack `r1`, up.
+fn one_node(dir: &Path, config: &str, gpus: u32) -> (Perch, Agent) {
+    let perch =
+        common::server_with_config(dir, &format!("[server]\npg_listen = \"\"\n{config}"), &[]);
+    let a = agent(&perch, dir, "gpu-a", gpus, "r1");
+    perch.wait_nodes_up(1);
+    (perch, a)
+}
+
 fn agent(perch: &Perch, dir: &Path, node: &str, gpus: u32, rack: &str) -> Agent {
     agent_with(perch, dir, node, gpus, &["--rack", rack])
 }
@@ -54,13 +64,7 @@ fn checkpointing(file: &Path) -> Vec<String> {
 #[test]
 fn an_account_over_its_quota_borrows_idle_gpus_and_gives_them_back_with_a_checkpoint() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let perch = common::server_with_config(
-        dir.path(),
-        "[server]\npg_listen = \"\"\n[scheduler.quotas]\nalice = 2\nbob = 2\n",
-        &[],
-    );
-    let _a = agent(&perch, dir.path(), "gpu-a", 4, "r1");
-    perch.wait_nodes_up(1);
+    let (perch, _a) = one_node(dir.path(), "[scheduler.quotas]\nalice = 2\nbob = 2\n", 4);
     let marks = dir.path().join("marks");
     let job = |user: &str, file: &Path| {
         json!({
@@ -113,13 +117,7 @@ fn an_account_over_its_quota_borrows_idle_gpus_and_gives_them_back_with_a_checkp
 #[test]
 fn a_job_that_may_not_be_preempted_never_holds_another_accounts_quota() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let perch = common::server_with_config(
-        dir.path(),
-        "[server]\npg_listen = \"\"\n[scheduler.quotas]\nalice = 2\nbob = 2\n",
-        &[],
-    );
-    let _a = agent(&perch, dir.path(), "gpu-a", 4, "r1");
-    perch.wait_nodes_up(1);
+    let (perch, _a) = one_node(dir.path(), "[scheduler.quotas]\nalice = 2\nbob = 2\n", 4);
     let client = reqwest::blocking::Client::new();
     let job = |user: &str, preemptible: bool| {
         json!({
@@ -202,14 +200,11 @@ fn a_job_that_may_not_be_preempted_never_holds_another_accounts_quota() {
 #[test]
 fn a_borrower_cannot_hold_a_reclaimed_quota_for_its_own_long_grace() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let perch = common::server_with_config(
+    let (perch, _a) = one_node(
         dir.path(),
-        "[server]\npg_listen = \"\"\n[scheduler]\npreemption_grace_max = \"2s\"\n\
-         [scheduler.quotas]\nalice = 2\n",
-        &[],
+        "[scheduler]\npreemption_grace_max = \"2s\"\n[scheduler.quotas]\nalice = 2\n",
+        2,
     );
-    let _a = agent(&perch, dir.path(), "gpu-a", 2, "r1");
-    perch.wait_nodes_up(1);
     let marks = dir.path().join("marks");
     std::fs::create_dir_all(&marks).expect("mkdir");
     let stubborn = format!(
@@ -251,15 +246,12 @@ fn a_borrower_cannot_hold_a_reclaimed_quota_for_its_own_long_grace() {
 #[test]
 fn an_idle_job_is_warned_then_requeued_after_its_grace_and_the_waiting_job_starts() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let perch = common::server_with_config(
+    let (perch, _a) = one_node(
         dir.path(),
-        "[server]\npg_listen = \"\"\n\
-         [alerts]\nevaluation_interval = \"1s\"\n\
+        "[alerts]\nevaluation_interval = \"1s\"\n\
          [scheduler.idle]\naction = \"requeue\"\nbelow_percent = 5.0\nafter = \"10s\"\ngrace = \"4s\"\n",
-        &[],
+        2,
     );
-    let _a = agent(&perch, dir.path(), "gpu-a", 2, "r1");
-    perch.wait_nodes_up(1);
     let marks = dir.path().join("marks");
     std::fs::create_dir_all(&marks).expect("mkdir");
     let idle = post_job(
@@ -367,9 +359,7 @@ fn a_two_node_gang_lands_on_one_rack_when_it_can() {
 #[test]
 fn sighup_puts_a_new_policy_in_force_and_keeps_every_job() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let perch = common::server_with_config(dir.path(), "[server]\npg_listen = \"\"\n", &[]);
-    let _a = agent(&perch, dir.path(), "gpu-a", 2, "r1");
-    perch.wait_nodes_up(1);
+    let (perch, _a) = one_node(dir.path(), "", 2);
     let sleep = json!({ "command": ["sleep", "300"], "user": "alice", "gpus_per_node": 2 });
     let running = post_job(&perch, sleep.clone());
     wait_state(&perch, running, "running");
@@ -418,9 +408,7 @@ fn sighup_puts_a_new_policy_in_force_and_keeps_every_job() {
 #[test]
 fn a_waiting_job_says_when_it_should_start_and_why_it_waits_in_words() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let perch = common::server_with_config(dir.path(), "[server]\npg_listen = \"\"\n", &[]);
-    let _a = agent(&perch, dir.path(), "gpu-a", 2, "r1");
-    perch.wait_nodes_up(1);
+    let (perch, _a) = one_node(dir.path(), "", 2);
     let running = post_job(
         &perch,
         json!({ "command": ["sleep", "300"], "user": "alice", "gpus_per_node": 2, "time_limit_secs": 600 }),
@@ -467,14 +455,12 @@ fn a_waiting_job_says_when_it_should_start_and_why_it_waits_in_words() {
 #[test]
 fn a_per_model_quota_holds_an_account_at_its_cap_and_says_so() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let perch = common::server_with_config(
+    let (perch, _a) = one_node(
         dir.path(),
-        "[server]\npg_listen = \"\"\n[scheduler]\nborrowing = false\n\
+        "[scheduler]\nborrowing = false\n\
          [scheduler.model_quotas.alice]\n\"Simulated H100 80GB\" = 2\n",
-        &[],
+        4,
     );
-    let _a = agent(&perch, dir.path(), "gpu-a", 4, "r1");
-    perch.wait_nodes_up(1);
     let job = |user: &str| json!({ "command": ["sleep", "300"], "user": user, "gpus_per_node": 2 });
     let first = post_job(&perch, job("alice"));
     wait_state(&perch, first, "running");
