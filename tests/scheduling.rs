@@ -93,7 +93,7 @@ fn an_account_over_its_quota_borrows_idle_gpus_and_gives_them_back_with_a_checkp
     let j = perch.job(borrowed);
     assert_eq!(j["preemptions"], 1, "{j}");
     assert!(
-        j["timeline"].to_string().contains("QuotaReclaim"),
+        j["timeline"].to_string().contains("quota reclaim for job"),
         "{}",
         j["timeline"]
     );
@@ -294,7 +294,9 @@ fn an_idle_job_is_warned_then_requeued_after_its_grace_and_the_waiting_job_start
     assert_eq!(j["state"], "pending", "{j}");
     assert_eq!(j["preemptions"], 1);
     assert!(
-        j["timeline"].to_string().contains("Idle"),
+        j["timeline"]
+            .to_string()
+            .contains("idle while other jobs waited"),
         "{}",
         j["timeline"]
     );

@@ -243,9 +243,33 @@ pub enum PreemptReason {
     Evicted,
 }
 
+/// In words, as a job's timeline shows it ("preempted (quota reclaim for job 7)").
+impl std::fmt::Display for PreemptReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PreemptReason::QuotaReclaim { for_job } => write!(f, "quota reclaim for job {for_job}"),
+            PreemptReason::Idle => f.write_str("its GPUs idle while other jobs waited"),
+            PreemptReason::ShorterJob { for_job } => write!(f, "for job {for_job}, shorter"),
+            PreemptReason::LessServed { for_job } => write!(f, "for job {for_job}, less served"),
+            PreemptReason::Starved { for_job } => {
+                write!(f, "for job {for_job}, past its starvation bound")
+            }
+            PreemptReason::Evicted => f.write_str("evicted from its node"),
+        }
+    }
+}
+
 /// Why a job was put back in the queue without the user asking.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum RequeueReason {
     /// Its node went down.
     NodeFail,
+}
+
+impl std::fmt::Display for RequeueReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RequeueReason::NodeFail => f.write_str("its node failed"),
+        }
+    }
 }

@@ -128,7 +128,7 @@ impl Control {
                         j.note(
                             now,
                             format!(
-                                "preempted ({reason:?}){}{capped}",
+                                "preempted ({reason}){}{capped}",
                                 if requeued { ", requeued" } else { "" }
                             ),
                         );
@@ -137,7 +137,7 @@ impl Control {
                         } else {
                             j.state = JobState::Preempted;
                             j.end_ms = Some(now);
-                            j.reason = Some(format!("preempted: {reason:?}"));
+                            j.reason = Some(format!("preempted: {reason}"));
                         }
                     }
                     self.dirty_jobs.insert(job.0);
@@ -149,7 +149,7 @@ impl Control {
                         "job_preempted",
                         "perch",
                         Some(outcome),
-                        format!("job {} preempted ({reason:?}), {outcome}", job.0),
+                        format!("job {} preempted ({reason}), {outcome}", job.0),
                     );
                     if !requeued {
                         self.job_event(
@@ -158,7 +158,7 @@ impl Control {
                             "job_ended",
                             "perch",
                             Some(JobState::Preempted.as_str()),
-                            format!("job {} ended: preempted ({reason:?})", job.0),
+                            format!("job {} ended: preempted ({reason})", job.0),
                         );
                     }
                 }
@@ -167,7 +167,7 @@ impl Control {
                     if let Some(j) = self.jobs.get_mut(&job.0) {
                         j.requeues += 1;
                         j.state = JobState::Pending;
-                        j.note(now, format!("requeued ({reason:?})"));
+                        j.note(now, format!("requeued ({reason})"));
                     }
                     self.dirty_jobs.insert(job.0);
                     self.close_allocations(job.0, now);
@@ -177,7 +177,7 @@ impl Control {
                         "job_requeued",
                         "perch",
                         None,
-                        format!("job {} requeued ({reason:?})", job.0),
+                        format!("job {} requeued ({reason})", job.0),
                     );
                 }
                 Action::End { job, state } => {
