@@ -679,6 +679,7 @@ impl Scheduler {
         self.fifo_blocked = fifo_blocked;
         let requeued = std::mem::replace(&mut self.queue, order);
         for id in requeued {
+            self.drop_stale_entry(id);
             self.insert_in_queue(id);
         }
         out

@@ -893,7 +893,7 @@ impl Scheduler {
             idle_reported: false,
             charged_until: now,
             rescued: false,
-            queued_in: 0,
+            queued_in: self.passes,
         };
         self.accounts[account].unfinished += 1;
         if matches!(self.config.kind, PolicyKind::Perch | PolicyKind::Themis) {
@@ -901,7 +901,7 @@ impl Scheduler {
         }
         job.priority = self.priority_of(&job, now);
         self.jobs.insert(id, job);
-        self.enqueue(id);
+        self.insert_in_queue(id);
         Ok(())
     }
 
@@ -912,7 +912,8 @@ impl Scheduler {
         }
     }
 
-    /// Puts a pending job in the queue at its priority's place.
+    /// Puts a job that ran back in the queue at its priority's place (a new one goes in
+    /// through [`Scheduler::insert_in_queue`]: it has no entry to replace).
     pub(crate) fn enqueue(&mut self, id: JobId) {
         let Some(j) = self.jobs.get_mut(&id) else {
             return;
@@ -922,17 +923,24 @@ impl Scheduler {
         j.idle_since = None;
         j.idle_reported = false;
         self.idle.remove(&id);
+        // During a pass its old entry is in the pass's order: the pass drops it then.
+        self.drop_stale_entry(id);
         self.insert_in_queue(id);
     }
 
-    /// Inserts a pending job into the queue at its priority's place, in place of any entry it
-    /// still has there: a job that started keeps its entry until the queue is next cleaned, so
-    /// one requeued before that (a borrower reclaimed, say) was listed twice by `perch queue`
-    /// and reached twice by a pass, once at its old place (found running the release binary).
-    pub(crate) fn insert_in_queue(&mut self, id: JobId) {
+    /// Drops the entry a requeued job kept in the queue: a job that started keeps its entry
+    /// until the queue is next cleaned, so one requeued before that (a borrower reclaimed,
+    /// say) was listed twice by `perch queue` and reached twice by a pass, once at its old
+    /// place (found running the release binary). A scan, so only for requeued jobs: a fresh
+    /// submission has no entry.
+    pub(crate) fn drop_stale_entry(&mut self, id: JobId) {
         if let Some(at) = self.queue.iter().position(|&q| q == id) {
             self.queue.remove(at);
         }
+    }
+
+    /// Inserts a pending job into the queue at its priority's place.
+    pub(crate) fn insert_in_queue(&mut self, id: JobId) {
         let key = self.order_key(id);
         let jobs = &self.jobs;
         let this = &self.config;

@@ -87,7 +87,8 @@ pub struct SubmitArgs {
     /// Signal sent first when the job must stop: SIGTERM, SIGINT, SIGUSR1, SIGUSR2, SIGHUP.
     #[arg(long)]
     signal: Option<String>,
-    /// Seconds between that signal and SIGKILL.
+    /// Seconds between that signal and SIGKILL (at most 3600; when the scheduler stops the job
+    /// for another job, at most the server's scheduler.preemption_grace_max, 5 min by default).
     #[arg(long)]
     grace: Option<u64>,
     /// On simulated GPUs, the load the job shows: idle, steady or bursty.
