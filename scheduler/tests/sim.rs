@@ -338,6 +338,43 @@ fn the_quick_scorecard_scores_every_case() {
         assert_eq!(numbers, met, "{line}");
         let within_once: Vec<&str> = line.split_whitespace().skip(9).take(1).collect();
         assert_eq!(within_once, [t.within_srtf_once.to_string()], "{line}");
+        // The last column: the cases it meets every target in at once.
+        let all = results
+            .iter()
+            .filter(|r| r.queued() && r.meets_all(p))
+            .count();
+        assert_eq!(t.all_met, all);
+        assert_eq!(
+            line.split_whitespace().last(),
+            Some(all.to_string().as_str())
+        );
+        assert!(all <= t.met.into_iter().min().unwrap_or(0), "{line}");
+    }
+    // Some policy meets every target at once in as many cases as the line says: at least as
+    // many as any one policy, at most the cases with a queue.
+    let reachable = sim::suite::reachable(&results);
+    let best = sim::suite::POLICIES
+        .iter()
+        .map(|&p| {
+            results
+                .iter()
+                .filter(|r| r.queued() && r.meets_all(p))
+                .count()
+        })
+        .max()
+        .unwrap_or(0);
+    assert!(
+        best <= reachable && reachable <= queued,
+        "{best} {reachable} {queued}"
+    );
+    assert!(
+        table.contains(&format!("in {reachable} of {queued} cases")),
+        "{table}"
+    );
+    for r in &results {
+        for p in sim::suite::POLICIES {
+            assert_eq!(r.all_met_by().contains(&p), r.meets_all(p), "{}", r.trace);
+        }
     }
     let oracle = sim::suite::tally(&results, SimPolicy::Srtf);
     assert_eq!(oracle.jct_over_srtf, 1.0);

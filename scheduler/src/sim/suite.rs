@@ -80,6 +80,8 @@ pub struct Tally {
     pub jct_over_srtf_once: f64,
     /// Geometric mean of its p99 JCT over backfill's.
     pub p99_over_backfill: f64,
+    /// Of those cases, how many it meets every target in at once.
+    pub all_met: usize,
 }
 
 fn ratio(a: f64, b: f64) -> f64 {
@@ -95,6 +97,7 @@ pub fn tally(results: &[CaseResult], p: SimPolicy) -> Tally {
         jct_over_srtf: 1.0,
         jct_over_srtf_once: 1.0,
         p99_over_backfill: 1.0,
+        all_met: 0,
     };
     let (mut log_srtf, mut log_once, mut log_p99) = (0.0, 0.0, 0.0);
     for r in results.iter().filter(|r| r.queued()) {
@@ -105,9 +108,11 @@ pub fn tally(results: &[CaseResult], p: SimPolicy) -> Tally {
         log_once += ratio(x.avg_jct_s, once.avg_jct_s).ln();
         t.within_srtf_once += usize::from(x.avg_jct_s <= 1.25 * once.avg_jct_s);
         log_p99 += ratio(x.p99_jct_s, b.p99_jct_s).ln();
-        for (i, (_, ok)) in r.targets(p).into_iter().enumerate() {
+        let targets = r.targets(p);
+        for (i, (_, ok)) in targets.into_iter().enumerate() {
             t.met[i] += usize::from(ok);
         }
+        t.all_met += usize::from(r.meets_all(p));
     }
     if t.cases > 0 {
         t.jct_over_srtf = (log_srtf / t.cases as f64).exp();
@@ -127,7 +132,7 @@ pub fn comparison(results: &[CaseResult]) -> String {
     for name in TARGETS {
         out += &format!(" {name:>14}");
     }
-    out += "  JCT/SRTF  p99/BF JCT<=1.25xSRTF1 JCT/SRTF1\n";
+    out += "  JCT/SRTF  p99/BF JCT<=1.25xSRTF1 JCT/SRTF1   all\n";
     for p in COMPARED {
         let t = tally(results, p);
         out += &format!("{:<14} {:>5}", p.name(), t.cases);
@@ -135,15 +140,35 @@ pub fn comparison(results: &[CaseResult]) -> String {
             out += &format!(" {n:>14}");
         }
         out += &format!(
-            "  {:>8.3}  {:>6.3} {:>14} {:>9.3}\n",
-            t.jct_over_srtf, t.p99_over_backfill, t.within_srtf_once, t.jct_over_srtf_once
+            "  {:>8.3}  {:>6.3} {:>14} {:>9.3} {:>5}\n",
+            t.jct_over_srtf,
+            t.p99_over_backfill,
+            t.within_srtf_once,
+            t.jct_over_srtf_once,
+            t.all_met
         );
     }
+    let queued = results.iter().filter(|r| r.queued()).count();
+    out += &format!(
+        "every target at once: met by some policy of the harness (the oracles and backfill \
+         included) in {} of {queued} cases\n",
+        reachable(results)
+    );
     out += "(JCT/SRTF, p99/BF: geometric means of the average JCT over SRTF's and the p99 JCT over \
-            backfill's; SRTF1: srtf-once, the oracle preempting each job at most once; srtf knows \
-            every duration, las none, perch the declared time limits scaled by the part of its \
+            backfill's; SRTF1: srtf-once, the oracle preempting each job at most once; all: cases \
+            where the policy meets every target at once; srtf knows every duration, las none, perch the declared time limits scaled by the part of its \
             limits each user's recent jobs ran, perch-limits the limits alone)\n";
     out
+}
+
+/// Of the cases where queues form, how many some policy of [`POLICIES`] (the oracles and
+/// backfill included) meets every target in at once: what the targets ask is reachable there,
+/// by one policy or another.
+pub fn reachable(results: &[CaseResult]) -> usize {
+    results
+        .iter()
+        .filter(|r| r.queued() && !r.all_met_by().is_empty())
+        .count()
 }
 
 /// One cell of the matrix: a trace on a cluster under a seed.
@@ -182,6 +207,19 @@ impl CaseResult {
     /// Whether queues formed (backfill's average wait is a minute or more).
     pub fn queued(&self) -> bool {
         self.get(SimPolicy::Backfill).avg_wait_s >= 60.0
+    }
+
+    /// Whether `p` meets every target at once in this case.
+    pub fn meets_all(&self, p: SimPolicy) -> bool {
+        self.targets(p).iter().all(|(_, ok)| *ok)
+    }
+
+    /// The policies of [`POLICIES`] that meet every target at once in this case.
+    pub fn all_met_by(&self) -> Vec<SimPolicy> {
+        POLICIES
+            .into_iter()
+            .filter(|&p| self.meets_all(p))
+            .collect()
     }
 
     /// Each target and whether `scored` meets it, in table order.
@@ -367,10 +405,11 @@ pub fn scorecard(results: &[CaseResult], scored: SimPolicy) -> String {
                 .filter(|(_, ok)| !ok)
                 .map(|(name, _)| name)
                 .collect();
-            if names.is_empty() {
-                "none".to_string()
-            } else {
-                names.join(" ")
+            let by: Vec<&str> = r.all_met_by().into_iter().map(SimPolicy::name).collect();
+            match (names.is_empty(), by.is_empty()) {
+                (true, _) => "none".to_string(),
+                (false, true) => format!("{} (no policy meets all)", names.join(" ")),
+                (false, false) => format!("{} (all met by {})", names.join(" "), by.join(", ")),
             }
         } else {
             "(no queue: not scored)".to_string()
@@ -423,7 +462,9 @@ pub fn scorecard(results: &[CaseResult], scored: SimPolicy) -> String {
         "\n(JCT in seconds, the last one {0}'s; p/srtf, p/bf: {0}'s average JCT over SRTF's and \
          backfill's; p/srtf1: over srtf-once's; alloc-bf: its allocation minus backfill's, points; pre/job: its preemptions \
          per job (bound {PREEMPTIONS_PER_JOB}); waste%: its GPU-time lost to preemption, of its \
-         allocation; Jain: fairness across accounts of each one's mean run time / JCT, 1 = equal)\n",
+         allocation; Jain: fairness across accounts of each one's mean run time / JCT, 1 = equal; \
+         after the targets missed, the policies of the harness that meet every target in that \
+         case, if any)\n",
         scored.name()
     );
     out
