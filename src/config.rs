@@ -977,6 +977,16 @@ impl Config {
         if !(1..=1024).contains(&self.query.max_concurrent) {
             return bad("query.max_concurrent", "must be between 1 and 1024");
         }
+        if self.agent.simulate_gpus > perch_scheduler::MAX_GPUS_PER_NODE {
+            return bad(
+                "agent.simulate_gpus",
+                &format!(
+                    "must be 0 (none) to {}, the most GPUs a node may have, got {}",
+                    perch_scheduler::MAX_GPUS_PER_NODE,
+                    self.agent.simulate_gpus
+                ),
+            );
+        }
         if self.agent.interval_ms < 10 {
             return bad(
                 "agent.interval_ms",
@@ -1412,6 +1422,10 @@ mod tests {
             ),
             ("[agent]\ncgroups = \"on\"", "agent.cgroups"),
             ("[agent]\nmin_uid = 0", "agent.min_uid: must be at least 1"),
+            (
+                "[agent]\nsimulate_gpus = 65",
+                "agent.simulate_gpus: must be 0 (none) to 64, the most GPUs a node may have, got 65",
+            ),
             (
                 "[accounts.vision]\nqos = [\"urgent\"]",
                 "accounts.vision.qos: \"urgent\" is not one of low, normal, high",

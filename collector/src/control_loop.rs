@@ -135,12 +135,15 @@ pub async fn run_control(
             if let Some(token) = config.token.as_deref().filter(|t| !t.is_empty()) {
                 post = post.bearer_auth(token);
             }
-            let r = post.send().await.map_err(|e| e.to_string())?;
+            let r = post.send().await.map_err(|e| (false, e.to_string()))?;
             let status = r.status();
             if !status.is_success() {
-                return Err(format!("{status}: {}", r.text().await.unwrap_or_default()));
+                let text = r.text().await.unwrap_or_default();
+                return Err((status.is_client_error(), format!("{status}: {text}")));
             }
-            r.json::<SyncResponse>().await.map_err(|e| e.to_string())
+            r.json::<SyncResponse>()
+                .await
+                .map_err(|e| (false, e.to_string()))
         }
         .await;
         match answer {
@@ -169,7 +172,7 @@ pub async fn run_control(
                     });
                 }
             }
-            Err(e) => {
+            Err((refused, e)) => {
                 // The notes were not delivered: send them with the next sync.
                 lock(&launcher).restore_notes(request.notes);
                 results
@@ -177,7 +180,12 @@ pub async fn run_control(
                     .unwrap_or_else(|p| p.into_inner())
                     .extend(request.command_results);
                 if !unreachable {
-                    tracing::warn!(error = %e, "job control cannot reach the server; jobs keep running, exits wait to be reported");
+                    if refused {
+                        // Not the network: the server read the sync and said what to change.
+                        tracing::error!(error = %e, "the server refused this node's sync (the error says what to change in the agent's configuration); jobs keep running, exits wait to be reported");
+                    } else {
+                        tracing::warn!(error = %e, "job control cannot reach the server; jobs keep running, exits wait to be reported");
+                    }
                     unreachable = true;
                 }
             }

@@ -138,8 +138,9 @@ struct AgentFlags {
     /// NVML: auto, off, or the path of an NVML library.
     #[arg(long, env = "PERCH_NVML")]
     nvml: Option<String>,
-    /// Add this many simulated GPUs (labelled simulated in every table, series and message).
-    #[arg(long, env = "PERCH_SIMULATE_GPUS")]
+    /// Add this many simulated GPUs (labelled simulated in every table, series and message):
+    /// 0 (none) to 64, the most GPUs a node may have.
+    #[arg(long, env = "PERCH_SIMULATE_GPUS", value_parser = clap::value_parser!(u32).range(0..=i64::from(perch_scheduler::MAX_GPUS_PER_NODE)))]
     simulate_gpus: Option<u32>,
     /// Take jobs that ask for a part of a GPU (run the NVIDIA MPS daemon to enforce shares).
     #[arg(long, env = "PERCH_GPU_SHARING", num_args = 0..=1, default_missing_value = "true")]

@@ -12,6 +12,10 @@
 
 use crate::config::{ConfigFile, SchedulerSection};
 use anyhow::{Context, bail};
+
+/// The most nodes `--nodes` builds: 800,000 GPUs at 8 a node, far past any cluster a replay
+/// models, and a bound on the memory one flag can ask for.
+const MAX_SIM_NODES: i64 = 100_000;
 use perch_scheduler::sim::{
     self, PreemptionCost, SimCluster, SimOptions, SimPolicy, SynthKind, TraceFormat,
 };
@@ -31,14 +35,14 @@ pub struct SimulateArgs {
     /// heterogeneous fleet, instead of `--nodes` identical nodes.
     #[arg(long, conflicts_with_all = ["nodes", "gpus_per_node", "nodes_per_rack"])]
     pub cluster: Option<String>,
-    /// Nodes in the simulated cluster.
-    #[arg(long, default_value_t = 64)]
+    /// Nodes in the simulated cluster (1 to 100,000).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=MAX_SIM_NODES))]
     pub nodes: u32,
-    /// GPUs per node.
-    #[arg(long, default_value_t = 8)]
+    /// GPUs per node (1 to 64).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=i64::from(perch_scheduler::MAX_GPUS_PER_NODE)))]
     pub gpus_per_node: u32,
     /// Nodes per rack label.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=MAX_SIM_NODES))]
     pub nodes_per_rack: u32,
     /// `fifo`, `backfill`, `srtf`, `srtf-once` (the oracle preempting each job at most once),
     /// `las`, `gittins`, `themis`, `perch`, `perch-noquota`,

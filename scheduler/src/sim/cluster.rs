@@ -166,7 +166,9 @@ impl SimCluster {
 
     /// `64 x 8 GPUs`, or `12 nodes, 64 GPUs (A100 48, T4 16)` for a mixed fleet.
     pub fn describe(&self) -> String {
-        let first = &self.nodes[0];
+        let Some(first) = self.nodes.first() else {
+            return "no nodes".into();
+        };
         if self
             .nodes
             .iter()

@@ -349,6 +349,11 @@ impl From<ControlError> for crate::ApiError {
             ControlError::Scheduler(perch_scheduler::Error::InvalidJob { .. }) => {
                 crate::ApiError::bad_request(crate::ErrorCode::InvalidJob, message)
             }
+            // What an agent said of its node (an impossible GPU count, say): the agent's
+            // configuration is to change, not the server.
+            ControlError::Scheduler(perch_scheduler::Error::InvalidNode { .. }) => {
+                crate::ApiError::bad_request(crate::ErrorCode::InvalidSync, message)
+            }
             ControlError::NoSuchJob(_) | ControlError::NoSuchNode(_) => {
                 crate::ApiError::new(StatusCode::NOT_FOUND, crate::ErrorCode::NotFound, message)
             }

@@ -516,6 +516,17 @@ pub async fn sync(
         ApiError::bad_request(crate::ErrorCode::InvalidSync, format!("field `node`: {e}"))
     })?;
     who.may_speak_for(request.node.as_str())?;
+    if request.gpus > perch_scheduler::MAX_GPUS_PER_NODE {
+        return Err(ApiError::bad_request(
+            crate::ErrorCode::InvalidSync,
+            format!(
+                "field `gpus`: {} GPUs on one node, more than the {} a node may have; if they \
+                 are simulated, give the agent fewer (agent.simulate_gpus, --simulate-gpus)",
+                request.gpus,
+                perch_scheduler::MAX_GPUS_PER_NODE
+            ),
+        ));
+    }
     let node = request.node.as_str().to_owned();
     state
         .node_commands
