@@ -807,3 +807,79 @@ fn a_multi_node_job_gets_its_peers_and_a_rendezvous() {
     });
     assert!(started.elapsed() < std::time::Duration::from_secs(30));
 }
+
+/// A careless user's submissions, each found on the release binary: `-D project` (relative)
+/// ran the job in the agent's own directory's `project`, or failed as "cannot run \"pwd\": No
+/// such file or directory"; a working directory missing on the node failed with that same
+/// misleading error; `--gpu-fraction nan` reached the server as `null`; an empty `--gpu-model`
+/// (an unset shell variable) waited for ever for a model no node has.
+#[test]
+fn careless_submissions_are_fixed_or_refused_naming_what_to_change() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = Perch::start(
+        &dir.path().join("perch"),
+        &["up", "--simulate-gpus", "2", "--interval-ms", "200"],
+    );
+    let project = dir.path().join("project");
+    std::fs::create_dir(&project).expect("mkdir");
+    let submit = |args: &[&str]| {
+        let out = common::client()
+            .arg("submit")
+            .args(args)
+            .current_dir(dir.path())
+            .env("PERCH_SERVER", &perch.url)
+            .env("USER", "alice")
+            .output()
+            .expect("run perch submit");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // As sbatch --chdir: relative to where the user submits.
+    let (ok, _, err) = submit(&["-D", "project", "--", "pwd"]);
+    assert!(ok, "{err}");
+    let j = wait_state(&perch, 1, "completed");
+    assert_eq!(j["request"]["workdir"], project.to_str().expect("utf-8"));
+    let logs = wait_for("its output", || {
+        let (_, out, _) = cli(&perch, &["logs", "1"]);
+        (!out.is_empty()).then_some(out)
+    });
+    assert_eq!(logs.trim(), project.to_str().expect("utf-8"));
+    // Missing on the node: the reason names the directory, not the program.
+    let (ok, _, err) = submit(&["-D", "/nonexistent/perch-dir", "--", "pwd"]);
+    assert!(ok, "{err}");
+    let j = wait_state(&perch, 2, "failed");
+    let reason = j["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("working directory \"/nonexistent/perch-dir\" is not a directory"),
+        "{j}"
+    );
+    // Refused before anything is kept, naming the flag or the field.
+    let (ok, _, err) = submit(&[
+        "--gpu-fraction",
+        "nan",
+        "--gpu-memory-gb",
+        "1",
+        "--",
+        "true",
+    ]);
+    assert!(
+        !ok && err.contains("'--gpu-fraction <GPU_FRACTION>': must be a finite number"),
+        "{err}"
+    );
+    let (ok, _, err) = submit(&["--gpu-model", "", "--", "true"]);
+    assert!(!ok && err.contains("field `gpu_model`: is empty"), "{err}");
+    let (ok, _, err) = submit(&["--mem", "18446744073709551615", "--", "true"]);
+    assert!(
+        !ok && err.contains("field `memory_mb`: must be 1 to 67108864"),
+        "{err}"
+    );
+    let (_, listed, _) = cli(&perch, &["jobs", "--all"]);
+    assert_eq!(
+        listed.lines().count(),
+        3,
+        "two jobs kept, none of the refused: {listed}"
+    );
+}

@@ -718,6 +718,16 @@ impl Launcher {
             code: 127,
             why: format!("{what}: {e}"),
         };
+        // A missing working directory fails the spawn with the same error as a missing
+        // program ("cannot run \"python\": No such file or directory"): name it instead.
+        if let Some(w) = l.workdir.as_deref()
+            && !Path::new(w).is_dir()
+        {
+            return Err(NotStarted {
+                code: 127,
+                why: format!("its working directory {w:?} is not a directory on this node"),
+            });
+        }
         let dir = self.job_dir(l.job);
         fs::create_dir_all(&dir).map_err(|e| io(&format!("creating {}", dir.display()), e))?;
         // A new attempt starts new output; the server's copy is kept per job. The agent reads

@@ -46,10 +46,10 @@ pub struct SubmitArgs {
     nodes: Option<u32>,
     /// Part of one GPU instead of whole GPUs, 0.01 to 0.99 (on nodes with agent.gpu_sharing);
     /// needs --gpu-memory-gb.
-    #[arg(long, requires = "gpu_memory_gb", conflicts_with = "gpus")]
+    #[arg(long, requires = "gpu_memory_gb", conflicts_with = "gpus", value_parser = finite)]
     gpu_fraction: Option<f64>,
     /// GPU memory a shared job needs, GiB.
-    #[arg(long, requires = "gpu_fraction")]
+    #[arg(long, requires = "gpu_fraction", value_parser = finite)]
     gpu_memory_gb: Option<f64>,
     /// CPUs (the job's cgroup cpu.max, where the node can set one).
     #[arg(long, short = 'c')]
@@ -111,6 +111,15 @@ pub struct SubmitArgs {
     /// Program and arguments (after --).
     #[arg(last = true)]
     command: Vec<String>,
+}
+
+/// A number that is one (not NaN or infinite, which JSON cannot carry).
+fn finite(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        Ok(_) => Err("must be a finite number, such as 0.25".into()),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 #[derive(Debug, Args)]
@@ -381,7 +390,16 @@ pub fn submit(args: SubmitArgs, config_file: Option<&ConfigFile>) -> Result<()> 
         set("after_any", args.after_any.clone().into());
     }
     if let Some(v) = &args.workdir {
-        set("workdir", v.clone().into());
+        // As sbatch --chdir: a relative directory is the one under where you submit.
+        let dir = std::path::Path::new(v);
+        let dir = if dir.is_absolute() {
+            dir.to_path_buf()
+        } else {
+            std::env::current_dir()
+                .context("reading the current directory, to make --workdir absolute")?
+                .join(dir)
+        };
+        set("workdir", dir.to_string_lossy().into_owned().into());
     }
     if !args.env.is_empty() {
         let mut env = BTreeMap::new();

@@ -306,7 +306,7 @@ impl JobCgroups {
         limit(
             "memory",
             "memory.max",
-            memory_mb.map(|m| (m << 20).to_string()),
+            memory_mb.map(memory_max),
             format!("memory {} MiB", memory_mb.unwrap_or(0)),
         );
         limit(
@@ -370,3 +370,9 @@ impl JobCgroup {
 
 #[cfg(test)]
 mod tests;
+
+/// `memory.max` for a limit of `mb` MiB, in bytes. Saturating: a limit too large to write in
+/// bytes is no limit at all, never a wrapped small one (`(2^44 + 1) << 20` is 1 MiB).
+fn memory_max(mb: u64) -> String {
+    mb.saturating_mul(1 << 20).to_string()
+}

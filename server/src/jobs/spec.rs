@@ -23,6 +23,11 @@ fn thirty() -> u64 {
 
 /// The most bytes of environment (names and values) one job may carry.
 pub const MAX_ENV_BYTES: usize = 64 << 10;
+/// The most host memory a job may ask for, MiB (64 TiB): past any node, and far from the
+/// bytes (`MiB << 20`) a cgroup limit is written in overflowing.
+pub const MAX_MEMORY_MB: u64 = 64 << 20;
+/// The most CPUs a job may ask for.
+pub const MAX_CPUS: u32 = 65_536;
 
 /// The most bytes of command and environment one submission may make the server keep, over
 /// all its array tasks.
@@ -290,8 +295,50 @@ impl JobRequest {
         if self.cpus == Some(0) {
             return Err(err("cpus", "must be at least 1 when given"));
         }
+        if let Some(c) = self.cpus
+            && c > MAX_CPUS
+        {
+            return Err(err(
+                "cpus",
+                format!("must be 1 to {MAX_CPUS} when given, got {c}"),
+            ));
+        }
         if self.memory_mb == Some(0) {
             return Err(err("memory_mb", "must be at least 1 when given"));
+        }
+        if let Some(m) = self.memory_mb
+            && m > MAX_MEMORY_MB
+        {
+            return Err(err(
+                "memory_mb",
+                format!("must be 1 to {MAX_MEMORY_MB} (64 TiB) when given, got {m}"),
+            ));
+        }
+        if let Some(m) = &self.gpu_model {
+            if m.trim().is_empty() {
+                return Err(err(
+                    "gpu_model",
+                    "is empty: leave it out to run on any model, or name one as `perch nodes` shows it",
+                ));
+            }
+            if m.len() > 128 || m.chars().any(char::is_control) {
+                return Err(err(
+                    "gpu_model",
+                    "must be 1 to 128 characters without control characters, as `perch nodes` shows it",
+                ));
+            }
+        }
+        if let Some(w) = &self.workdir
+            && (!w.starts_with('/') || w.len() > 4096 || w.contains('\0'))
+        {
+            return Err(err(
+                "workdir",
+                format!(
+                    "{w:?} must be an absolute path on the nodes (such as /home/alice/project), \
+                     at most 4096 bytes; `perch submit -D` makes a relative one absolute from the \
+                     directory you submit in"
+                ),
+            ));
         }
         if !(1..=MAX_TIME_LIMIT_SECS).contains(&self.time_limit_secs) {
             return Err(err(
@@ -428,6 +475,39 @@ mod tests {
             Some("field `gpus_per_node`: must be between 1 and 64"),
         );
         check(r#"{"command": ["x"], "nodes": 0}"#, Some("field `nodes`"));
+        // Sizes past any node: a memory limit in MiB that overflowed the cgroup's bytes
+        // (2^44 + 1 MiB wrapped to 1 MiB), a CPU count no node has.
+        check(
+            r#"{"command": ["x"], "memory_mb": 17592186044417}"#,
+            Some("field `memory_mb`: must be 1 to 67108864 (64 TiB)"),
+        );
+        check(r#"{"command": ["x"], "memory_mb": 67108864}"#, None);
+        check(
+            r#"{"command": ["x"], "cpus": 4294967295}"#,
+            Some("field `cpus`: must be 1 to 65536"),
+        );
+        // A model left empty by an unset shell variable waited for ever on no node.
+        check(
+            r#"{"command": ["x"], "gpu_model": ""}"#,
+            Some("field `gpu_model`: is empty: leave it out"),
+        );
+        check(
+            r#"{"command": ["x"], "gpu_model": "A\u0007"}"#,
+            Some("field `gpu_model`: must be 1 to 128 characters"),
+        );
+        check(
+            r#"{"command": ["x"], "gpu_model": "NVIDIA H100 80GB HBM3"}"#,
+            None,
+        );
+        // A relative directory is relative to the agent's own, which no user means.
+        check(
+            r#"{"command": ["x"], "workdir": "project"}"#,
+            Some("field `workdir`: \"project\" must be an absolute path"),
+        );
+        check(
+            r#"{"command": ["x"], "workdir": "/home/alice/project"}"#,
+            None,
+        );
         check(
             r#"{"command": ["x"], "qos": "urgent"}"#,
             Some("not one of low, normal, high"),

@@ -39,6 +39,19 @@ fn a_job_gets_its_memory_and_cpus_as_limits() {
     assert_eq!(read(&job.path.join("cgroup.procs")), "4242");
 }
 
+/// A limit in MiB too large for bytes (a server before the 64 TiB bound took any u64):
+/// `(2^44 + 1) << 20` wrapped to a 1 MiB limit that killed the job at once; it saturates to
+/// no limit now.
+#[test]
+fn a_huge_memory_limit_saturates_instead_of_wrapping() {
+    let base = fixture("cpu memory");
+    let cgroups = JobCgroups::open(base.path(), "n1-0").expect("usable");
+    let job = cgroups
+        .create(8, Some((1 << 44) + 1), None)
+        .expect("created");
+    assert_eq!(read(&job.path.join("memory.max")), u64::MAX.to_string());
+}
+
 #[test]
 fn no_request_sets_no_limit() {
     let base = fixture("cpu memory");
