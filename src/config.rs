@@ -868,6 +868,98 @@ impl Config {
                 ),
             );
         }
+        // Durations and sizes a server adds to clocks and multiplies into bytes: bounded, so a
+        // careless value is named here, not met as a panic on the first idle connection
+        // (`idle_timeout_secs = 9223372036854775807` overflowed `Instant`) or as a server that
+        // refuses every request (`max_body_mb = 0`) or marks every node down (a node goes
+        // stale within `node_stale_after_secs = 0`).
+        const DAY: u64 = 86_400;
+        const WEEK: u64 = 7 * DAY;
+        // Sizes in MiB become bytes (`<< 20`): a pebibyte at most, far from wrapping.
+        const PIB: u64 = 1 << 30;
+        let within = |key: &str, value: u64, min: u64, max: u64, unit: &str| -> Result<()> {
+            if (min..=max).contains(&value) {
+                return Ok(());
+            }
+            bad(key, &format!("must be {min} to {max} {unit}, got {value}"))
+        };
+        let (srv, secs, mib) = (&self.server, "seconds", "MiB");
+        within(
+            "server.flush_interval_secs",
+            srv.flush_interval_secs,
+            1,
+            DAY,
+            secs,
+        )?;
+        within(
+            "server.node_stale_after_secs",
+            srv.node_stale_after_secs,
+            2,
+            DAY,
+            secs,
+        )?;
+        within("server.node_lease_secs", srv.node_lease_secs, 3, WEEK, secs)?;
+        within(
+            "server.idle_timeout_secs",
+            srv.idle_timeout_secs,
+            1,
+            WEEK,
+            secs,
+        )?;
+        within(
+            "server.maintenance_interval_secs",
+            srv.maintenance_interval_secs,
+            1,
+            DAY,
+            secs,
+        )?;
+        within("server.max_body_mb", srv.max_body_mb as u64, 1, 4096, mib)?;
+        within("server.compact_below_mb", srv.compact_below_mb, 0, PIB, mib)?;
+        within("query.memory_mb", self.query.memory_mb as u64, 0, PIB, mib)?;
+        within(
+            "query.total_memory_mb",
+            self.query.total_memory_mb as u64,
+            0,
+            PIB,
+            mib,
+        )?;
+        within("query.spill_mb", self.query.spill_mb, 0, PIB, mib)?;
+        within("agent.spool_max_mb", self.agent.spool_max_mb, 0, PIB, mib)?;
+        within(
+            "agent.interval_ms",
+            self.agent.interval_ms,
+            10,
+            3_600_000,
+            "milliseconds",
+        )?;
+        let acct = &self.accounting;
+        within(
+            "accounting.fold_interval_secs",
+            acct.fold_interval_secs,
+            1,
+            DAY,
+            secs,
+        )?;
+        within("accounting.settle_secs", acct.settle_secs, 0, WEEK, secs)?;
+        let export = self.telemetry.export_interval_secs;
+        within("telemetry.export_interval_secs", export, 1, DAY, secs)?;
+        for (table, days) in &self.server.retention_days {
+            if *days > 36_500 {
+                return bad(
+                    &format!("server.retention_days.{table}"),
+                    &format!("must be at most 36500 days (100 years), got {days}"),
+                );
+            }
+        }
+        if !(self.query.timeout_secs > 0.0 && self.query.timeout_secs <= DAY as f64) {
+            return bad(
+                "query.timeout_secs",
+                &format!(
+                    "must be above 0 and at most {DAY} seconds, got {}",
+                    self.query.timeout_secs
+                ),
+            );
+        }
         if self.server.node_lease_secs <= self.server.node_stale_after_secs {
             return bad(
                 "server.node_lease_secs",
@@ -1422,6 +1514,33 @@ mod tests {
             ),
             ("[agent]\ncgroups = \"on\"", "agent.cgroups"),
             ("[agent]\nmin_uid = 0", "agent.min_uid: must be at least 1"),
+            // Values a careless operator types, each once met as a panic or a useless
+            // server: an Instant overflow on the first idle connection, every body refused,
+            // every node marked down, sizes wrapping when made bytes.
+            (
+                "[server]\nidle_timeout_secs = 9223372036854775807",
+                "server.idle_timeout_secs: must be 1 to 604800 seconds, got 9223372036854775807",
+            ),
+            (
+                "[server]\nmax_body_mb = 0",
+                "server.max_body_mb: must be 1 to 4096 MiB, got 0",
+            ),
+            (
+                "[server]\nnode_stale_after_secs = 0",
+                "server.node_stale_after_secs: must be 2 to 86400 seconds, got 0",
+            ),
+            (
+                "[query]\nspill_mb = 9223372036854775807",
+                "query.spill_mb: must be 0 to 1073741824 MiB",
+            ),
+            (
+                "[query]\ntimeout_secs = inf",
+                "query.timeout_secs: must be above 0 and at most 86400 seconds, got inf",
+            ),
+            (
+                "[server.retention_days]\ngpu_samples = 9223372036854775807",
+                "server.retention_days.gpu_samples: must be at most 36500 days",
+            ),
             (
                 "[agent]\nsimulate_gpus = 65",
                 "agent.simulate_gpus: must be 0 (none) to 64, the most GPUs a node may have, got 65",
