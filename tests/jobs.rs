@@ -882,4 +882,16 @@ fn careless_submissions_are_fixed_or_refused_naming_what_to_change() {
         3,
         "two jobs kept, none of the refused: {listed}"
     );
+    // A node name that is no node's goes into no URL: `../jobs/1/cancel` would have posted
+    // to another endpoint.
+    let (ok, _, err) = cli(&perch, &["drain", "../jobs/1/cancel"]);
+    assert!(
+        !ok && err.contains("node name") && err.contains("perch nodes"),
+        "{err}"
+    );
+    let (ok, _, err) = cli(&perch, &["resume", ".."]);
+    assert!(!ok && err.contains("cannot address the node"), "{err}");
+    // Attempts count from 1: attempt 0 printed nothing and succeeded.
+    let (ok, _, err) = cli(&perch, &["logs", "1", "--attempt", "0"]);
+    assert!(!ok && err.contains("attempts count from 1"), "{err}");
 }

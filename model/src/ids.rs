@@ -29,6 +29,13 @@ impl NodeId {
                 name.len()
             ));
         }
+        // A name is a path segment of the API (`/v1/nodes/{name}/drain`): "." and ".." would
+        // name another path, so no request could ever reach such a node.
+        if name == "." || name == ".." {
+            return Err(format!(
+                "node name {name:?} cannot address the node in a URL; use a hostname"
+            ));
+        }
         if let Some(bad) = name
             .chars()
             .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':')))
@@ -86,5 +93,8 @@ mod tests {
         check("quote\"", false);
         check(&"x".repeat(129), false);
         check(&"x".repeat(128), true);
+        check(".", false);
+        check("..", false);
+        check("...", true);
     }
 }

@@ -898,6 +898,10 @@ fn nvlink_of(islands: &Value, sharing: bool) -> String {
 
 pub fn set_drained(args: NodeArgs, drain: bool, config_file: Option<&ConfigFile>) -> Result<()> {
     let verb = if drain { "drain" } else { "resume" };
+    // The name goes into the URL's path: one that is no node's name (`../jobs/5/cancel`) would
+    // send the request to another endpoint.
+    perch_model::NodeId::new(args.node.as_str())
+        .map_err(|e| anyhow::anyhow!("{e}; `perch nodes` lists the nodes"))?;
     let r = Api::new(&args.server, config_file)?
         .post(&format!("/v1/nodes/{}/{verb}", args.node), &Value::Null)?;
     println!("node {}: {}", args.node, s(&r["state"]));

@@ -81,6 +81,12 @@ impl Control {
         rank: Option<usize>,
     ) -> Result<(Vec<u8>, u32), ControlError> {
         let record = self.jobs.get(&job).ok_or(ControlError::NoSuchJob(job))?;
+        if attempt == Some(0) && record.attempts > 0 {
+            return Err(ControlError::BadRequest(format!(
+                "attempts count from 1; job {job} has run {} attempt(s)",
+                record.attempts
+            )));
+        }
         let attempt = attempt.unwrap_or(record.attempts);
         let rank = rank.unwrap_or(0);
         if attempt > record.attempts {
