@@ -894,4 +894,12 @@ fn careless_submissions_are_fixed_or_refused_naming_what_to_change() {
     // Attempts count from 1: attempt 0 printed nothing and succeeded.
     let (ok, _, err) = cli(&perch, &["logs", "1", "--attempt", "0"]);
     assert!(!ok && err.contains("attempts count from 1"), "{err}");
+    // The same for a silence id; and a missing one points at the command that lists them.
+    let (ok, _, err) = cli(&perch, &["alerts", "silence", "expire", "../../v1/jobs/1"]);
+    assert!(!ok && err.contains("is no silence id"), "{err}");
+    let (ok, _, err) = cli(&perch, &["alerts", "silence", "expire", "s-999"]);
+    assert!(
+        !ok && err.contains("no silence with id `s-999`") && err.contains("`perch alerts silence`"),
+        "{err}"
+    );
 }

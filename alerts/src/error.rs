@@ -35,7 +35,7 @@ pub enum Error {
     #[error("silence: {0}")]
     Silence(String),
     /// No silence has this id.
-    #[error("no silence with id `{0}`; list them with GET /v1/silences or `perch silences`")]
+    #[error("no silence with id `{0}`; list them with GET /v1/silences or `perch alerts silence`")]
     UnknownSilence(String),
     /// Reading or writing a state file failed.
     #[error("{}: {source}", path.display())]

@@ -106,6 +106,17 @@ pub fn run(args: AlertsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
         Some(What::Silence {
             what: Some(SilenceCmd::Expire { id }),
         }) => {
+            // The id goes into the URL's path: one that is no silence's (`../../x`) would send
+            // the request to another endpoint.
+            if id.is_empty()
+                || !id
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+            {
+                anyhow::bail!(
+                    "{id:?} is no silence id (they look like s-3); `perch alerts silence` lists them"
+                );
+            }
             api.delete(&format!("/v1/silences/{id}"))?;
             println!("silence {id} expired");
             Ok(())
