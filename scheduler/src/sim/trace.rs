@@ -225,8 +225,18 @@ pub fn parse(name: &str, text: &str, format: Option<TraceFormat>) -> Result<Trac
                         format!("`{}` is not a number of seconds", f[su]),
                     )
                 })?;
-                if !submit.is_finite() {
-                    return Err(err(line, "submit", "must be finite".into()));
+                // Bounded as durations are: a submission 10^16 s out overflowed the replay's
+                // millisecond clock once a time limit was added to it.
+                if !submit.is_finite() || submit.abs() >= MAX_SECONDS {
+                    return Err(err(
+                        line,
+                        "submit",
+                        format!(
+                            "`{}` must be a number of seconds under 10^12 either side of 0 (any \
+                             origin: the replay starts at the earliest)",
+                            f[su]
+                        ),
+                    ));
                 }
                 let duration =
                     seconds(get(du, "duration")?).map_err(|m| err(line, "duration", m))?;
@@ -331,9 +341,13 @@ fn amount(s: &str) -> std::result::Result<f64, String> {
     }
 }
 
+/// The largest submission time or duration a trace may give, seconds (31,000 years): sums of
+/// them and of time limits stay far inside the replay's millisecond clock.
+const MAX_SECONDS: f64 = 1e12;
+
 fn seconds(s: &str) -> std::result::Result<Millis, String> {
     match s.parse::<f64>() {
-        Ok(v) if v.is_finite() && (0.0..1e12).contains(&v) => {
+        Ok(v) if v.is_finite() && (0.0..MAX_SECONDS).contains(&v) => {
             Ok((v * SECOND as f64).round() as Millis)
         }
         _ => Err(format!("`{s}` is not a non-negative number of seconds")),
@@ -560,6 +574,13 @@ mod tests {
             "utilization",
         );
         check("submit,duration,gpus\n0,10,1\n", 1, "account");
+        // A submission far out overflowed the replay's clock (a panic in the scheduler core).
+        check(
+            "submit,duration,gpus,user\n0,10,1,a\n9223372036854775,10,1,a\n",
+            3,
+            "submit",
+        );
+        check("submit,duration,gpus,user\n1e300,10,1,a\n", 2, "submit");
     }
 
     #[test]
