@@ -398,3 +398,35 @@ fn the_quick_scorecard_scores_every_case() {
     let all = sim::suite::scorecards(&results);
     assert!(all.contains("== time limits: uniform") && all.contains("== time limits: habits"));
 }
+
+/// Limits declared absurdly far past the run: refused naming the option, where a factor of
+/// 1e308 (or infinity) overflowed the replay's millisecond clock and panicked.
+#[test]
+fn an_absurd_limit_factor_is_refused_naming_the_option() {
+    let jobs = vec![sim::TraceJob::new(0, 10_000, 1, "a", "a")];
+    for high in [1e308, f64::INFINITY, 1000.5] {
+        let err = sim::simulate(
+            &jobs,
+            SimPolicy::Perch,
+            &SimOptions {
+                limit_factor: (1.5, high),
+                ..SimOptions::uniform(1, 8)
+            },
+        )
+        .expect_err("refused");
+        assert!(
+            err.to_string().contains("limit_factor") && err.to_string().contains("<= 1000"),
+            "{err}"
+        );
+    }
+    let r = sim::simulate(
+        &jobs,
+        SimPolicy::Perch,
+        &SimOptions {
+            limit_factor: (1000.0, 1000.0),
+            ..SimOptions::uniform(1, 8)
+        },
+    )
+    .expect("replays at the bound");
+    assert_eq!(r.summary.finished, 1);
+}

@@ -231,10 +231,14 @@ fn check(opts: &SimOptions) -> Result<()> {
             message: "checkpoint interval and restart delay cannot be negative".into(),
         });
     }
-    if !(opts.limit_factor.0 >= 1.0 && opts.limit_factor.1 >= opts.limit_factor.0) {
+    // At most 1,000: a limit of 1e308 runs overflowed the millisecond clock (a panic).
+    if !(opts.limit_factor.0 >= 1.0
+        && opts.limit_factor.1 >= opts.limit_factor.0
+        && opts.limit_factor.1 <= 1000.0)
+    {
         return Err(Error::SimConfig {
             option: "limit_factor",
-            message: "need 1 <= low <= high".into(),
+            message: "need 1 <= low <= high <= 1000".into(),
         });
     }
     Ok(())

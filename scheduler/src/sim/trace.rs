@@ -477,7 +477,7 @@ fn user_key(user: &str) -> u64 {
 pub fn user_time_limit(job: &TraceJob, seed: u64, lo: f64, hi: f64, model: LimitModel) -> Millis {
     let f = lo + (hi - lo) * unit(seed, job.id, 1);
     let raw = ((job.duration as f64 * f).ceil() as Millis).max(5 * MINUTE);
-    let minutes = (raw + MINUTE - 1) / MINUTE * MINUTE;
+    let minutes = raw.saturating_add(MINUTE - 1) / MINUTE * MINUTE;
     match model {
         LimitModel::Uniform => minutes,
         LimitModel::Habits => {
