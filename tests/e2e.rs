@@ -370,6 +370,52 @@ fn bad_input_gets_a_4xx_that_says_what_to_change_and_the_server_keeps_serving() 
         .expect("send");
     assert_eq!(r.status().as_u16(), 400);
 
+    // What the web framework answers itself (a path segment that is not a number, a query
+    // string that does not parse, a method a route lacks) had a plain-text body, or none:
+    // every API error is the same JSON now, with a code.
+    let framework = |method: reqwest::Method, path: &str, status: u16, code: &str, says: &str| {
+        let r = client
+            .request(method.clone(), format!("{}{path}", perch.url))
+            .send()
+            .expect("send");
+        assert_eq!(r.status().as_u16(), status, "{method} {path}");
+        let allow = r.headers().get("allow").cloned();
+        let json: serde_json::Value = r.json().expect("JSON error body");
+        assert_eq!(json["error"]["code"], code, "{method} {path}: {json}");
+        let message = json["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(says), "{method} {path}: {message}");
+        allow
+    };
+    framework(
+        reqwest::Method::GET,
+        "/v1/jobs/abc",
+        400,
+        "bad_parameters",
+        "abc",
+    );
+    framework(
+        reqwest::Method::GET,
+        "/v1/queue?start=yes",
+        400,
+        "bad_parameters",
+        "start",
+    );
+    let allow = framework(
+        reqwest::Method::GET,
+        "/v1/sql",
+        405,
+        "method_not_allowed",
+        "/v1/sql does not take this method; it takes POST",
+    );
+    assert_eq!(allow.as_ref().and_then(|a| a.to_str().ok()), Some("POST"));
+    framework(
+        reqwest::Method::DELETE,
+        "/v1/jobs",
+        405,
+        "method_not_allowed",
+        "GET,HEAD,POST",
+    );
+
     // Still serving, and a good batch still lands.
     assert!(
         reqwest::blocking::get(format!("{}/healthz", perch.url))

@@ -61,6 +61,8 @@ error_codes! {
     MalformedOtlp => "malformed_otlp",
     /// A body that does not parse as the route expects.
     MalformedRequest => "malformed_request",
+    /// A method the route does not take (405; the `Allow` header lists those it does).
+    MethodNotAllowed => "method_not_allowed",
     /// No silence with that id (404).
     NoSuchSilence => "no_such_silence",
     /// No such route, job or node (404).
@@ -196,4 +198,63 @@ pub async fn not_found(uri: axum::http::Uri) -> ApiError {
         crate::ErrorCode::NotFound,
         format!("no endpoint at {uri}; GET / lists the endpoints"),
     )
+}
+
+/// Errors the web framework answers itself (a path segment that is not a number, a query
+/// string that does not parse, a method the route does not take) come as plain text, or with
+/// no body at all for a 405: under `/v1/` they get the JSON shape every other API error has,
+/// with a code from the status, so a client reads one format. Other paths (`/metrics`,
+/// `/readyz`, the web view) keep their own.
+pub async fn json_errors(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let api = request.uri().path().starts_with("/v1/");
+    let allowed_on = request.uri().path().to_owned();
+    let response = next.run(request).await;
+    let status = response.status();
+    let json = response
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !api || json || !(status.is_client_error() || status.is_server_error()) {
+        return response;
+    }
+    let (parts, body) = response.into_parts();
+    // The framework's own messages are a line; anything longer is cut, not buffered.
+    let text = axum::body::to_bytes(body, 16 << 10)
+        .await
+        .unwrap_or_default();
+    let text = String::from_utf8_lossy(&text).trim().to_owned();
+    let code = match status {
+        StatusCode::NOT_FOUND => ErrorCode::NotFound,
+        StatusCode::METHOD_NOT_ALLOWED => ErrorCode::MethodNotAllowed,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => ErrorCode::UnsupportedMediaType,
+        StatusCode::PAYLOAD_TOO_LARGE => ErrorCode::UnreadableBody,
+        StatusCode::UNAUTHORIZED => ErrorCode::Unauthenticated,
+        StatusCode::FORBIDDEN => ErrorCode::Forbidden,
+        s if s.is_server_error() => ErrorCode::Internal,
+        _ => ErrorCode::BadParameters,
+    };
+    let message = match (text.is_empty(), status) {
+        (false, _) => text,
+        (true, StatusCode::METHOD_NOT_ALLOWED) => {
+            let allow = parts
+                .headers
+                .get(axum::http::header::ALLOW)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default();
+            format!("{allowed_on} does not take this method; it takes {allow}")
+        }
+        (true, s) => s.canonical_reason().unwrap_or("error").to_owned(),
+    };
+    let mut response = ApiError::new(status, code, message).into_response();
+    // Allow, WWW-Authenticate, Retry-After: what the framework said besides its text.
+    for (name, value) in &parts.headers {
+        if name != axum::http::header::CONTENT_TYPE && name != axum::http::header::CONTENT_LENGTH {
+            response.headers_mut().insert(name.clone(), value.clone());
+        }
+    }
+    response
 }

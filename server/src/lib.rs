@@ -233,6 +233,7 @@ pub fn router(state: AppState) -> Router {
             axum::routing::delete(alerting::routes::expire_silence),
         )
         .fallback(error::not_found)
+        .layer(axum::middleware::from_fn(error::json_errors))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::middleware,
