@@ -230,6 +230,94 @@ fn an_agent_killed_and_restarted_within_the_lease_takes_its_job_over() {
     );
 }
 
+/// A second agent claiming a node that its own agent serves: one started by mistake with
+/// another data directory (or a machine cloned with the same hostname), and one started on the
+/// same data directory. The first reported the node running nothing, and the server took the
+/// job for lost and had it killed (found by trying it on `perch up`: "processes lost on vm",
+/// node_fail, exit 143). Now its syncs are refused with 409 `node_claimed`, the second on the
+/// same directory does not start, and the job runs on, the same attempt; the node's own agent,
+/// restarted after `kill -9`, is still taken at once.
+#[test]
+fn a_second_agent_claiming_a_node_kills_no_job() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = server(dir.path(), 30, "", &[]);
+    let mut a = agent(&perch.url, "gpu-a", dir.path(), None);
+    let file = dir.path().join("runs");
+    let (id, _) = start_job(&perch, &file);
+
+    // Another machine, or another data directory, under the same name.
+    let impostor_dir = dir.path().join("impostor");
+    let log = dir.path().join("impostor.log");
+    let mut impostor = Command::new(common::PERCH)
+        .args([
+            "agent", "--server", &perch.url, "--node", "gpu-a", "--nvml", "off",
+        ])
+        .args(["--simulate-gpus", "1", "--interval-ms", "200", "--data-dir"])
+        .arg(&impostor_dir)
+        .env("PERCH_RUN_AS_USER", "never")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("log"))
+        .spawn()
+        .expect("spawn the second agent");
+    wait_for("the second agent refused", || {
+        let text = std::fs::read_to_string(&log).ok()?;
+        text.contains("node_claimed").then_some(text)
+    });
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        text.contains("refused this node's sync")
+            && text.contains("served by another agent")
+            && text.contains("agent.node"),
+        "{text}"
+    );
+    // A direct sync under the name, with another id: refused, naming the node.
+    let sync = reqwest::blocking::Client::new()
+        .post(format!("{}/v1/agent/sync", perch.url))
+        .json(&serde_json::json!({"node": "gpu-a", "gpus": 1, "gpu_model": "sim", "agent_id": "00112233445566778899aabbccddeeff"}))
+        .send()
+        .expect("sync");
+    assert_eq!(sync.status().as_u16(), 409);
+    std::thread::sleep(Duration::from_secs(3));
+    let j = job(&perch, id);
+    assert_eq!(
+        (j["state"].as_str(), j["attempts"].as_u64()),
+        (Some("running"), Some(1)),
+        "{j}"
+    );
+    assert!(
+        last_line_age(&file) < Duration::from_secs(1),
+        "the job runs on"
+    );
+    let _ = impostor.kill();
+    let _ = impostor.wait();
+
+    // The same data directory: that agent does not start.
+    let out = Command::new(common::PERCH)
+        .args([
+            "agent", "--server", &perch.url, "--node", "gpu-a", "--nvml", "off",
+        ])
+        .args(["--simulate-gpus", "1", "--data-dir"])
+        .arg(dir.path().join("gpu-a"))
+        .env("PERCH_RUN_AS_USER", "never")
+        .output()
+        .expect("run a second agent on the same data directory");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("another perch agent runs node gpu-a's jobs"),
+        "{err}"
+    );
+
+    // The node's own agent, killed and restarted: the same id, taken at once.
+    a.kill();
+    let _a = take_over(&perch, dir.path(), id, &file);
+    assert!(
+        last_line_age(&file) < Duration::from_secs(1),
+        "still running"
+    );
+    cancel_and_see_it_end(&perch, id, &file);
+}
+
 /// A graceful stop of the agent (SIGTERM: `systemctl restart` for an upgrade) stops no job:
 /// the job runs on while no agent runs, and the next agent takes it over, same attempt.
 #[test]

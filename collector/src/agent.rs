@@ -422,6 +422,16 @@ pub async fn run_agent_with(
     counters: Arc<AgentCounters>,
 ) -> Result<AgentStats> {
     config.check()?;
+    // A second agent for a node that runs jobs stops before it sends anything in the node's
+    // name ([`crate::agent_claim`]).
+    let jobs_dir = config.data_dir.join("jobs").join(config.node.as_str());
+    let mut claim = match config.run_jobs {
+        true => Some(Arc::new(crate::agent_claim::claim(
+            &jobs_dir,
+            config.node.as_str(),
+        )?)),
+        false => None,
+    };
     let sender = Sender::new(
         &config.server,
         config.request_timeout,
@@ -493,7 +503,8 @@ pub async fn run_agent_with(
                 root: config.root.clone(),
                 uids: config.uids.clone(),
             },
-            jobs_dir: config.data_dir.join("jobs").join(config.node.as_str()),
+            jobs_dir,
+            claim: claim.take(),
             interval: config.sync_interval,
             request_timeout: config.request_timeout,
             shutdown_grace: config.drain_timeout,

@@ -11,6 +11,7 @@
 //! types of `perch-model`.
 
 pub mod agent;
+pub mod agent_claim;
 pub mod control_loop;
 mod error;
 pub mod gpu;

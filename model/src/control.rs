@@ -36,6 +36,13 @@ pub struct SyncRequest {
     /// Whether this node takes jobs asking for a part of a GPU (`agent.gpu_sharing`).
     #[serde(default)]
     pub gpu_sharing: bool,
+    /// Which agent speaks for the node: an id its agent keeps in its data directory, the same
+    /// across its restarts. While one agent syncs for a node, the server refuses another that
+    /// claims the same name (a second agent started by mistake, a machine cloned with the same
+    /// hostname), which would otherwise report the node's jobs gone and have them killed.
+    /// `None` (agents before it): not checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_id: Option<String>,
     /// Jobs whose processes are running now, with the attempt each is.
     #[serde(default)]
     pub running: Vec<JobAttempt>,

@@ -65,6 +65,8 @@ error_codes! {
     MethodNotAllowed => "method_not_allowed",
     /// No silence with that id (404).
     NoSuchSilence => "no_such_silence",
+    /// Another agent serves the node this agent claims (409).
+    NodeClaimed => "node_claimed",
     /// No such route, job or node (404).
     NotFound => "not_found",
     /// The server is still starting (503).

@@ -63,6 +63,16 @@ pub enum ControlError {
         adding: usize,
         limit: usize,
     },
+    #[error(
+        "node {node} is served by another agent{}, which synced {silent_secs:.1} s ago: two agents under one node name would each report what runs there and have the other's jobs killed. Give this agent a name of its own (agent.node, --node), or stop the other one; if it is gone for good, this agent takes the node once the other has been silent for {timeout_secs} s (server.node_stale_after_secs)",
+        other.as_deref().map(|a| format!(" (at {a})")).unwrap_or_default()
+    )]
+    NodeClaimed {
+        node: String,
+        other: Option<String>,
+        silent_secs: f64,
+        timeout_secs: i64,
+    },
     #[error("scheduler: {0}")]
     Scheduler(#[from] perch_scheduler::Error),
     #[error("{0}")]
@@ -141,6 +151,9 @@ struct Node {
     /// The address its agent advertises to peers (a multi-node job's `MASTER_ADDR`); `None`
     /// until it says, then its name is used.
     addr: Option<String>,
+    /// The id of the agent that last synced for it (`SyncRequest::agent_id`): while that agent
+    /// syncs, another claiming the node is refused.
+    agent_id: Option<String>,
 }
 
 impl Node {

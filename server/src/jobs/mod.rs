@@ -365,6 +365,9 @@ impl From<ControlError> for crate::ApiError {
                 crate::ErrorCode::TooManyPending,
                 message,
             ),
+            ControlError::NodeClaimed { .. } => {
+                crate::ApiError::new(StatusCode::CONFLICT, crate::ErrorCode::NodeClaimed, message)
+            }
             ControlError::AlreadyEnded { .. } => crate::ApiError::new(
                 StatusCode::CONFLICT,
                 crate::ErrorCode::AlreadyEnded,

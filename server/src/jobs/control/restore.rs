@@ -182,6 +182,7 @@ impl Control {
             lease_expired: false,
             reporting_since_ms: now_ms,
             addr: None,
+            agent_id: None,
         });
         Ok(idx)
     }

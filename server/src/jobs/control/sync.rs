@@ -14,6 +14,7 @@ impl Control {
     ) -> Result<SyncResponse, ControlError> {
         self.now = now;
         let name = req.node.as_str().to_owned();
+        self.check_claim(&req, now)?;
         let mut response = SyncResponse::default();
         if let Err(e) = self.store_logs(&name, &req.logs, &mut response) {
             // Job output is kept by the agent and sent again (it moves on only when the answer
@@ -61,6 +62,30 @@ impl Control {
         Ok(response)
     }
 
+    /// Refuses a sync from an agent other than the one that serves the node, while that one
+    /// syncs: two agents under one name would each report what runs there, and the one that
+    /// runs nothing had the other's jobs taken for lost and killed. The node's own agent keeps
+    /// its id across restarts; a new one (a reinstalled machine) takes the node once the old
+    /// has been silent for the heartbeat timeout.
+    fn check_claim(&self, req: &SyncRequest, now: i64) -> Result<(), ControlError> {
+        let (Some(id), Some(&idx)) = (&req.agent_id, self.node_index.get(req.node.as_str())) else {
+            return Ok(());
+        };
+        let node = &self.nodes[idx];
+        let silent_ms = now - node.last_sync_ms;
+        let timeout_ms =
+            i64::try_from(self.config.heartbeat_timeout.as_millis()).unwrap_or(i64::MAX);
+        match &node.agent_id {
+            Some(held) if held != id && silent_ms < timeout_ms => Err(ControlError::NodeClaimed {
+                node: req.node.as_str().to_owned(),
+                other: node.addr.clone(),
+                silent_secs: silent_ms.max(0) as f64 / 1000.0,
+                timeout_secs: timeout_ms / 1000,
+            }),
+            _ => Ok(()),
+        }
+    }
+
     /// The node that syncs, added on its first sync; its lease renewed, its reported features
     /// followed, and back up if it had been silent. Returns its index.
     fn node_reports(&mut self, req: &SyncRequest, now: i64) -> Result<usize, ControlError> {
@@ -90,6 +115,7 @@ impl Control {
         };
         self.nodes[idx].last_sync_ms = now;
         self.nodes[idx].lease_expired = false;
+        self.nodes[idx].agent_id = req.agent_id.clone();
         self.nodes[idx].addr = req
             .advertise_addr
             .clone()
