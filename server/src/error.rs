@@ -212,7 +212,7 @@ pub async fn json_errors(
     next: axum::middleware::Next,
 ) -> Response {
     let api = request.uri().path().starts_with("/v1/");
-    let allowed_on = request.uri().path().to_owned();
+    let (path, method) = (request.uri().path().to_owned(), request.method().clone());
     let response = next.run(request).await;
     let status = response.status();
     let json = response
@@ -241,13 +241,9 @@ pub async fn json_errors(
     };
     let message = match (text.is_empty(), status) {
         (false, _) => text,
+        // The router adds the `Allow` header outside this layer: point at it.
         (true, StatusCode::METHOD_NOT_ALLOWED) => {
-            let allow = parts
-                .headers
-                .get(axum::http::header::ALLOW)
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or_default();
-            format!("{allowed_on} does not take this method; it takes {allow}")
+            format!("{path} does not take {method}; the Allow header lists the methods it takes")
         }
         (true, s) => s.canonical_reason().unwrap_or("error").to_owned(),
     };
