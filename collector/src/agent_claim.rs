@@ -62,7 +62,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let first = claim(dir.path(), "n1").expect("claimed");
         assert_eq!(first.id.len(), 32);
-        let err = claim(dir.path(), "n1").err().expect("locked").to_string();
+        let err = claim(dir.path(), "n1").expect_err("locked").to_string();
         assert!(
             err.contains("another perch agent runs node n1's jobs"),
             "{err}"
