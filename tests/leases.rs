@@ -184,6 +184,17 @@ fn cancel_and_see_it_end(perch: &Perch, id: u64, file: &Path) {
     });
 }
 
+/// The job is still running its first attempt, and ticking: `why` says what it survived.
+fn runs_on_as_attempt_1(perch: &Perch, id: u64, file: &Path, why: &str) {
+    let j = job(perch, id);
+    assert_eq!(
+        (j["state"].as_str(), j["attempts"].as_u64()),
+        (Some("running"), Some(1)),
+        "{j}"
+    );
+    assert!(last_line_age(file) < Duration::from_secs(1), "{why}");
+}
+
 fn start_job(perch: &Perch, file: &Path) -> (u64, Value) {
     let id = submit(perch, file, &[]);
     let j = running_attempt(perch, id, 1);
@@ -206,16 +217,7 @@ fn an_agent_killed_and_restarted_within_the_lease_takes_its_job_over() {
         let (_, out, _) = perch.cli_as("alice", &["nodes"]);
         out.contains("down").then_some(())
     });
-    let j = job(&perch, id);
-    assert_eq!(
-        (j["state"].as_str(), j["attempts"].as_u64()),
-        (Some("running"), Some(1)),
-        "{j}"
-    );
-    assert!(
-        last_line_age(&file) < Duration::from_secs(1),
-        "the job runs on without its agent"
-    );
+    runs_on_as_attempt_1(&perch, id, &file, "the job runs on without its agent");
     let _a = take_over(&perch, dir.path(), id, &file);
     assert!(
         last_line_age(&file) < Duration::from_secs(1),
@@ -278,16 +280,7 @@ fn a_second_agent_claiming_a_node_kills_no_job() {
         .expect("sync");
     assert_eq!(sync.status().as_u16(), 409);
     std::thread::sleep(Duration::from_secs(3));
-    let j = job(&perch, id);
-    assert_eq!(
-        (j["state"].as_str(), j["attempts"].as_u64()),
-        (Some("running"), Some(1)),
-        "{j}"
-    );
-    assert!(
-        last_line_age(&file) < Duration::from_secs(1),
-        "the job runs on"
-    );
+    runs_on_as_attempt_1(&perch, id, &file, "the job runs on");
     let _ = impostor.kill();
     let _ = impostor.wait();
 
