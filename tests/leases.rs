@@ -254,7 +254,7 @@ fn a_second_agent_claiming_a_node_kills_no_job() {
         .args([
             "agent", "--server", &perch.url, "--node", "gpu-a", "--nvml", "off",
         ])
-        .args(["--simulate-gpus", "1", "--interval-ms", "200", "--data-dir"])
+        .args(["--simulate-gpus", "3", "--interval-ms", "200", "--data-dir"])
         .arg(&impostor_dir)
         .env("PERCH_RUN_AS_USER", "never")
         .stdout(std::process::Stdio::null())
@@ -263,11 +263,11 @@ fn a_second_agent_claiming_a_node_kills_no_job() {
         .expect("spawn the second agent");
     wait_for("the second agent refused", || {
         let text = std::fs::read_to_string(&log).ok()?;
-        text.contains("node_claimed").then_some(text)
+        text.contains("refused this node's sync").then_some(text)
     });
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(
-        text.contains("refused this node's sync")
+        text.contains("node_claimed")
             && text.contains("served by another agent")
             && text.contains("agent.node"),
         "{text}"
@@ -283,6 +283,18 @@ fn a_second_agent_claiming_a_node_kills_no_job() {
     runs_on_as_attempt_1(&perch, id, &file, "the job runs on");
     let _ = impostor.kill();
     let _ = impostor.wait();
+    // Its telemetry is refused as well: one batch of it, numbered from its later start, made
+    // every later batch of the node's own agent a duplicate, dropped (the node's samples
+    // stopped for good). None of its GPU 2 is stored, and the node's own samples go on.
+    let samples = || perch.scalar("SELECT count(*) FROM gpu_samples WHERE node = 'gpu-a'");
+    assert_eq!(
+        perch.scalar("SELECT count(*) FROM gpu_samples WHERE node = 'gpu-a' AND gpu = 2"),
+        0
+    );
+    let before = samples();
+    wait_for("the node's own samples to go on", || {
+        (samples() > before + 3).then_some(())
+    });
 
     // The same data directory: that agent does not start.
     let out = Command::new(common::PERCH)

@@ -422,22 +422,17 @@ pub async fn run_agent_with(
     counters: Arc<AgentCounters>,
 ) -> Result<AgentStats> {
     config.check()?;
-    // A second agent for a node that runs jobs stops before it sends anything in the node's
-    // name ([`crate::agent_claim`]).
+    // A second agent on this data directory for the node stops before it sends anything in
+    // the node's name; the id goes with every sync and batch ([`crate::agent_claim`]).
     let jobs_dir = config.data_dir.join("jobs").join(config.node.as_str());
-    let mut claim = match config.run_jobs {
-        true => Some(Arc::new(crate::agent_claim::claim(
-            &jobs_dir,
-            config.node.as_str(),
-        )?)),
-        false => None,
-    };
+    let claim = Arc::new(crate::agent_claim::claim(&jobs_dir, config.node.as_str())?);
     let sender = Sender::new(
         &config.server,
         config.request_timeout,
         config.ca_file.as_deref(),
     )?
-    .with_token(config.token.clone());
+    .with_token(config.token.clone())
+    .with_agent_id(claim.id.clone());
     // Loading NVML can take a second on a big node: keep it off the async threads. Later NVML
     // calls and /proc reads block well under a millisecond per source, so each round runs
     // inline on this task rather than paying a thread hop.
@@ -504,7 +499,7 @@ pub async fn run_agent_with(
                 uids: config.uids.clone(),
             },
             jobs_dir,
-            claim: claim.take(),
+            claim: Some(claim.clone()),
             interval: config.sync_interval,
             request_timeout: config.request_timeout,
             shutdown_grace: config.drain_timeout,

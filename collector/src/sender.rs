@@ -76,6 +76,8 @@ pub struct Sender {
     url: String,
     /// Bearer token for servers that require one (the `agent` role).
     token: Option<String>,
+    /// The agent's id ([`crate::agent_claim`]), sent with every batch.
+    agent_id: Option<String>,
 }
 
 /// Serializes and compresses a batch the way the server expects it.
@@ -105,12 +107,19 @@ impl Sender {
             client,
             url: format!("{base}/v1/ingest"),
             token: None,
+            agent_id: None,
         })
     }
 
     /// Sends `Authorization: Bearer <token>` with every batch.
     pub fn with_token(mut self, token: Option<String>) -> Self {
         self.token = token.filter(|t| !t.is_empty());
+        self
+    }
+
+    /// Sends the agent's id ([`crate::agent_claim`]) with every batch, in `x-perch-agent`.
+    pub fn with_agent_id(mut self, id: String) -> Self {
+        self.agent_id = Some(id);
         self
     }
 
@@ -139,6 +148,9 @@ impl Sender {
             .header(CONTENT_ENCODING, "zstd");
         if let Some(token) = &self.token {
             request = request.bearer_auth(token);
+        }
+        if let Some(id) = &self.agent_id {
+            request = request.header("x-perch-agent", id);
         }
         let response = request.body(body).send().await;
         let response = match response {

@@ -17,12 +17,17 @@ use perch_model::Batch;
 use perch_query::IngestOutcome;
 use std::sync::atomic::Ordering;
 
+/// The header an agent sends its id in ([`crate::jobs::JobService::claim_node`]).
+pub const AGENT_HEADER: &str = "x-perch-agent";
+
 pub async fn ingest(
     State(state): State<AppState>,
     Extension(who): Extension<Identity>,
+    headers: axum::http::HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let result = handle(&state, &who, body).await;
+    let agent = headers.get(AGENT_HEADER).and_then(|v| v.to_str().ok());
+    let result = handle(&state, &who, agent, body).await;
     let outcome = match &result {
         Ok(v) if v["duplicate"] == true => "duplicate",
         Ok(_) => "stored",
@@ -36,6 +41,7 @@ pub async fn ingest(
 async fn handle(
     state: &AppState,
     who: &Identity,
+    agent: Option<&str>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<serde_json::Value, ApiError> {
     if !state.ready.load(Ordering::Relaxed) {
@@ -59,6 +65,11 @@ async fn handle(
         )
     })?;
     who.may_speak_for(batch.node.as_str())?;
+    // Before the store sees its sequence number: one batch of a second agent under the node's
+    // name, numbered from that agent's later start, made the node's own batches duplicates.
+    if let Some(agent) = agent {
+        state.jobs.claim_node(batch.node.as_str(), agent)?;
+    }
     let now = state.now_ms();
     batch.validate(now).map_err(|e| {
         ApiError::bad_request(

@@ -151,9 +151,6 @@ struct Node {
     /// The address its agent advertises to peers (a multi-node job's `MASTER_ADDR`); `None`
     /// until it says, then its name is used.
     addr: Option<String>,
-    /// The id of the agent that last synced for it (`SyncRequest::agent_id`): while that agent
-    /// syncs, another claiming the node is refused.
-    agent_id: Option<String>,
 }
 
 impl Node {
@@ -191,6 +188,8 @@ pub(crate) struct Control {
     /// Names of the nodes the scheduler knows, readable without the control lock (ingest
     /// checks it before handing telemetry over).
     pub(crate) known_nodes: Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
+    /// Which agent speaks for each node ([`super::claims`]), shared with ingest.
+    pub(crate) claims: Arc<super::claims::NodeClaims>,
     /// The time of the latest operation, for texts relative to now.
     now: i64,
     logs_dir: PathBuf,

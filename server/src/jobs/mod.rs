@@ -2,6 +2,7 @@
 //! users submit ([`spec`]) and the HTTP routes ([`routes`]).
 
 pub mod accounts;
+mod claims;
 pub mod control;
 pub mod db;
 pub mod job_token;
@@ -30,6 +31,7 @@ pub struct JobService {
     control: Arc<Mutex<Control>>,
     commits: Arc<Commits>,
     known_nodes: Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
+    claims: Arc<claims::NodeClaims>,
     /// Start-time estimates made at once ([`JobService::estimated_starts`]): a client asking
     /// again and again waits its turn instead of taking every core.
     plans: Arc<tokio::sync::Semaphore>,
@@ -153,9 +155,11 @@ impl JobService {
             done: Condvar::new(),
         };
         let known_nodes = control.known_nodes.clone();
+        let claims = control.claims.clone();
         Ok(JobService {
             clock,
             known_nodes,
+            claims,
             control: Arc::new(Mutex::new(control)),
             commits: Arc::new(commits),
             plans: Arc::new(tokio::sync::Semaphore::new(CONCURRENT_PLANS)),
@@ -220,6 +224,14 @@ impl JobService {
     pub fn job_of_token(&self, token: &str) -> Option<(u64, String)> {
         let now = self.now_ms();
         self.read(|c| c.job_of_token(token, now))
+    }
+
+    /// Takes or renews node `name` for agent `agent` (telemetry carries the agent's id too):
+    /// refused while another agent's claim is fresh ([`claims`]).
+    pub fn claim_node(&self, name: &str, agent: &str) -> Result<(), crate::ApiError> {
+        self.claims
+            .claim(name, agent, self.now_ms(), None)
+            .map_err(crate::ApiError::from)
     }
 
     /// Whether the scheduler knows node `name` (cheap: no control lock).

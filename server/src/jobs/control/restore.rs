@@ -30,6 +30,9 @@ impl Control {
             held: BTreeSet::new(),
             stopping_jobs: BTreeSet::new(),
             known_nodes: Arc::default(),
+            claims: Arc::new(super::super::claims::NodeClaims::new(
+                config.heartbeat_timeout,
+            )),
             now: now_ms,
             logs_dir: dir.join("logs"),
             config,
@@ -182,7 +185,6 @@ impl Control {
             lease_expired: false,
             reporting_since_ms: now_ms,
             addr: None,
-            agent_id: None,
         });
         Ok(idx)
     }

@@ -62,27 +62,17 @@ impl Control {
         Ok(response)
     }
 
-    /// Refuses a sync from an agent other than the one that serves the node, while that one
-    /// syncs: two agents under one name would each report what runs there, and the one that
-    /// runs nothing had the other's jobs taken for lost and killed. The node's own agent keeps
-    /// its id across restarts; a new one (a reinstalled machine) takes the node once the old
-    /// has been silent for the heartbeat timeout.
+    /// Refuses a sync from an agent other than the one that serves the node, while that one's
+    /// claim is fresh ([`super::super::claims`]): two agents under one name would each report
+    /// what runs there, and the one that runs nothing had the other's jobs taken for lost and
+    /// killed.
     fn check_claim(&self, req: &SyncRequest, now: i64) -> Result<(), ControlError> {
-        let (Some(id), Some(&idx)) = (&req.agent_id, self.node_index.get(req.node.as_str())) else {
-            return Ok(());
-        };
-        let node = &self.nodes[idx];
-        let silent_ms = now - node.last_sync_ms;
-        let timeout_ms =
-            i64::try_from(self.config.heartbeat_timeout.as_millis()).unwrap_or(i64::MAX);
-        match &node.agent_id {
-            Some(held) if held != id && silent_ms < timeout_ms => Err(ControlError::NodeClaimed {
-                node: req.node.as_str().to_owned(),
-                other: node.addr.clone(),
-                silent_secs: silent_ms.max(0) as f64 / 1000.0,
-                timeout_secs: timeout_ms / 1000,
-            }),
-            _ => Ok(()),
+        match &req.agent_id {
+            Some(id) => {
+                self.claims
+                    .claim(req.node.as_str(), id, now, req.advertise_addr.as_deref())
+            }
+            None => Ok(()),
         }
     }
 
@@ -115,7 +105,6 @@ impl Control {
         };
         self.nodes[idx].last_sync_ms = now;
         self.nodes[idx].lease_expired = false;
-        self.nodes[idx].agent_id = req.agent_id.clone();
         self.nodes[idx].addr = req
             .advertise_addr
             .clone()
