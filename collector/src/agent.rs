@@ -499,7 +499,7 @@ pub async fn run_agent_with(
                 uids: config.uids.clone(),
             },
             jobs_dir,
-            claim: Some(claim.clone()),
+            claim: claim.clone(),
             interval: config.sync_interval,
             request_timeout: config.request_timeout,
             shutdown_grace: config.drain_timeout,

@@ -43,9 +43,8 @@ pub struct ControlConfig {
     /// `None` runs jobs as the agent's own children, with no supervisor to stop them when the
     /// agent dies (see [`crate::launcher`]).
     pub supervisor: Option<PathBuf>,
-    /// The node claimed for this agent ([`crate::agent_claim`]); `None`: claimed when the loop
-    /// starts.
-    pub claim: Option<Arc<crate::agent_claim::AgentClaim>>,
+    /// The node claimed for this agent ([`crate::agent_claim`]), before it sampled anything.
+    pub claim: Arc<crate::agent_claim::AgentClaim>,
     /// Leave supervised jobs running on a graceful stop ([`crate::AgentConfig::keep_jobs_on_exit`]).
     pub keep_jobs_on_exit: bool,
 }
@@ -60,14 +59,6 @@ pub async fn run_control(
     config: ControlConfig,
     shutdown: impl Future<Output = ()> + Send,
 ) -> crate::Result<()> {
-    // Held while the loop runs; an agent claims it before it samples anything (`run_agent`).
-    let claim = match &config.claim {
-        Some(claim) => claim.clone(),
-        None => Arc::new(crate::agent_claim::claim(
-            &config.jobs_dir,
-            config.node.as_str(),
-        )?),
-    };
     let mut launcher =
         Launcher::with_registry(&config.jobs_dir, config.registry.clone()).map_err(|e| {
             crate::CollectorError::Io {
@@ -130,7 +121,7 @@ pub async fn run_control(
                 advertise_addr: advertise.clone(),
                 nvlink_islands: config.nvlink_islands.clone(),
                 gpu_sharing: config.gpu_sharing,
-                agent_id: Some(claim.id.clone()),
+                agent_id: Some(config.claim.id.clone()),
                 running: l.running(),
                 master_ports: l.master_ports(),
                 exited: l.exited(),

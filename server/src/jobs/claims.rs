@@ -33,7 +33,9 @@ impl NodeClaims {
     }
 
     /// Takes or renews `node` for `agent` at `now`; refused while another agent's claim is
-    /// fresh. `addr`: where the agent says it is, for the message another agent gets.
+    /// fresh. `addr`: where the agent says it is, for the message another agent gets. An id
+    /// is what agents make (8 to 64 hex digits): anything else is refused, so a request cannot
+    /// park kilobytes per node here.
     pub(crate) fn claim(
         &self,
         node: &str,
@@ -41,10 +43,23 @@ impl NodeClaims {
         now: i64,
         addr: Option<&str>,
     ) -> Result<(), ControlError> {
+        if !(8..=64).contains(&agent.len()) || !agent.chars().all(|c| c.is_ascii_hexdigit()) {
+            return Err(ControlError::BadRequest(format!(
+                "agent id {:?} is not 8 to 64 hex digits, as perch agents make them (in \
+                 <data_dir>/jobs/<node>/agent-id)",
+                agent.chars().take(80).collect::<String>()
+            )));
+        }
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = held.get_mut(node) {
-            let silent = now - c.seen_ms;
-            if c.agent != agent && silent < self.stale_ms {
+        let fresh = Claim {
+            agent: agent.to_owned(),
+            seen_ms: now,
+            addr: None,
+        };
+        let c = held.entry(node.to_owned()).or_insert(fresh);
+        let silent = now - c.seen_ms;
+        if c.agent != agent {
+            if silent < self.stale_ms {
                 return Err(ControlError::NodeClaimed {
                     node: node.to_owned(),
                     other: c.addr.clone(),
@@ -52,25 +67,17 @@ impl NodeClaims {
                     timeout_secs: self.stale_ms / 1000,
                 });
             }
-            c.seen_ms = c.seen_ms.max(now);
-            if c.agent != agent {
-                c.agent = agent.to_owned();
-                c.seen_ms = now;
-                c.addr = None;
-            }
-            if let Some(a) = addr {
-                c.addr = Some(a.to_owned());
-            }
-            return Ok(());
-        }
-        held.insert(
-            node.to_owned(),
-            Claim {
+            // The old agent has been silent for the timeout: the node is this one's now.
+            *c = Claim {
                 agent: agent.to_owned(),
                 seen_ms: now,
-                addr: addr.map(str::to_owned),
-            },
-        );
+                addr: None,
+            };
+        }
+        c.seen_ms = c.seen_ms.max(now);
+        if let Some(a) = addr {
+            c.addr = Some(a.to_owned());
+        }
         Ok(())
     }
 }
@@ -82,19 +89,29 @@ mod tests {
     #[test]
     fn a_fresh_claim_keeps_another_agent_out_until_it_lapses() {
         let claims = NodeClaims::new(Duration::from_secs(60));
-        claims.claim("n1", "a", 0, Some("10.0.0.1")).expect("first");
+        let (a, b) = ("aaaaaaaa", "bbbbbbbb");
+        claims.claim("n1", a, 0, Some("10.0.0.1")).expect("first");
         claims
-            .claim("n1", "a", 30_000, None)
+            .claim("n1", a, 30_000, None)
             .expect("its own agent, again");
-        let err = claims.claim("n1", "b", 50_000, None).expect_err("refused");
+        let err = claims.claim("n1", b, 50_000, None).expect_err("refused");
         assert!(
             err.to_string()
                 .contains("node n1 is served by another agent (at 10.0.0.1)"),
             "{err}"
         );
-        claims.claim("n2", "b", 50_000, None).expect("another node");
+        claims.claim("n2", b, 50_000, None).expect("another node");
         // Silent for the timeout: the newcomer takes it, and the old agent is refused.
-        claims.claim("n1", "b", 90_000, None).expect("lapsed");
-        assert!(claims.claim("n1", "a", 91_000, None).is_err());
+        claims.claim("n1", b, 90_000, None).expect("lapsed");
+        let err = claims
+            .claim("n1", a, 91_000, None)
+            .expect_err("the old agent");
+        assert!(matches!(err, ControlError::NodeClaimed { .. }), "{err}");
+        // Only ids as agents make them: no kilobytes parked per node.
+        let err = claims
+            .claim("n3", &"x".repeat(4096), 0, None)
+            .expect_err("not an id");
+        assert!(matches!(err, ControlError::BadRequest(_)), "{err}");
+        assert!(claims.claim("n3", "abc", 0, None).is_err());
     }
 }
