@@ -268,6 +268,8 @@ fn a_second_agent_claiming_a_node_kills_no_job() {
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(
         text.contains("node_claimed")
+            && text.contains("telemetry is kept")
+            && !text.contains("dropping it")
             && text.contains("served by another agent")
             && text.contains("agent.node"),
         "{text}"

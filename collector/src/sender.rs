@@ -186,6 +186,17 @@ impl Sender {
                 ),
                 after,
             }
+        } else if status.as_u16() == 409 && text.contains("\"node_claimed\"") {
+            // Another agent serves this node name now. Kept, not dropped: a reinstalled node
+            // whose old agent has just gone takes the name once that one has been silent for
+            // the server's timeout, and its samples of the wait are delivered then.
+            SendOutcome::Retry {
+                reason: format!(
+                    "another agent serves this node's name; telemetry is kept (in memory, then in the disk spool) until the node is this agent's (HTTP {status}: {})",
+                    text.chars().take(400).collect::<String>()
+                ),
+                after,
+            }
         } else if status.is_client_error() && status.as_u16() != 408 && status.as_u16() != 429 {
             let mut message = text;
             if message.len() > MAX_LOGGED_BODY {

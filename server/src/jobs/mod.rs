@@ -379,6 +379,7 @@ impl From<ControlError> for crate::ApiError {
             ),
             ControlError::NodeClaimed { .. } => {
                 crate::ApiError::new(StatusCode::CONFLICT, crate::ErrorCode::NodeClaimed, message)
+                    .retry_after(5)
             }
             ControlError::AlreadyEnded { .. } => crate::ApiError::new(
                 StatusCode::CONFLICT,
