@@ -250,6 +250,9 @@ pub struct AgentSection {
     pub max_queue_batches: usize,
     pub max_batch_rounds: usize,
     pub spool_max_mb: u64,
+    /// Most output (stdout and stderr together) one job may write on the node, MiB: the agent
+    /// stops a job that writes more, so a print in a tight loop cannot fill the node's disk.
+    pub max_job_output_mb: u64,
     /// On a graceful stop, leave running jobs to the next agent (within the lease).
     pub keep_jobs_on_exit: bool,
     /// Bearer token (role agent) for a server that requires authentication.
@@ -288,6 +291,7 @@ impl Default for AgentSection {
             max_queue_batches: 60,
             max_batch_rounds: 60,
             spool_max_mb: 256,
+            max_job_output_mb: perch_collector::launcher::DEFAULT_OUTPUT_LIMIT >> 20,
             keep_jobs_on_exit: true,
             token: String::new(),
             ca_file: PathBuf::new(),
@@ -925,6 +929,8 @@ impl Config {
         )?;
         within("query.spill_mb", self.query.spill_mb, 0, PIB, mib)?;
         within("agent.spool_max_mb", self.agent.spool_max_mb, 0, PIB, mib)?;
+        let output = self.agent.max_job_output_mb;
+        within("agent.max_job_output_mb", output, 1, PIB, mib)?;
         within(
             "agent.interval_ms",
             self.agent.interval_ms,
@@ -1295,6 +1301,7 @@ impl Config {
         config.max_queue_batches = a.max_queue_batches.max(1);
         config.max_batch_rounds = a.max_batch_rounds.max(1);
         config.spool_max_bytes = a.spool_max_mb << 20;
+        config.max_job_output_bytes = a.max_job_output_mb << 20;
         config.keep_jobs_on_exit = a.keep_jobs_on_exit;
         config.token = Some(a.token.clone()).filter(|t| !t.is_empty());
         config.ca_file = Some(a.ca_file.clone()).filter(|p| !p.as_os_str().is_empty());

@@ -808,6 +808,97 @@ fn a_multi_node_job_gets_its_peers_and_a_rendezvous() {
     assert!(started.elapsed() < std::time::Duration::from_secs(30));
 }
 
+/// A job's output is the job's, whatever its pace (session 47, on the binary):
+/// - a job that printed 6.9 MB and exited kept 512 KiB on the server, cut mid-line, and
+///   `perch logs` said nothing: the agent dropped what it had not sent when the exit was
+///   acknowledged. Now it ships the rest after the exit, `perch logs` says how much is still to
+///   come, `perch logs -f` waits for it, and the server answers in pages, not the whole file;
+/// - `yes` filled the node's disk at about 375 MB/s (7.5 GB in 20 s) and its output stayed on
+///   the node for ever. Past `agent.max_job_output_mb` it is stopped and fails naming the key,
+///   and the node's copy of a job's output goes once the server holds all of it.
+#[test]
+fn a_jobs_output_arrives_whole_and_a_flood_is_stopped_at_the_nodes_limit() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("perch.toml");
+    std::fs::write(&config, "[agent]\nmax_job_output_mb = 8\n").expect("config");
+    let data = dir.path().join("perch");
+    let perch = Perch::start(
+        &data,
+        &[
+            "--config",
+            config.to_str().expect("utf-8"),
+            "up",
+            "--simulate-gpus",
+            "2",
+            "--interval-ms",
+            "200",
+        ],
+    );
+    let expected: String = (1..=1_000_000).map(|i| format!("{i}\n")).collect();
+    let (ok, _, err) = cli(&perch, &["submit", "--", "seq", "1", "1000000"]);
+    assert!(ok, "{err}");
+    wait_state(&perch, 1, "completed");
+    // At once: what the server holds, and a word on what is still to come.
+    let (ok, out, err) = cli(&perch, &["logs", "1"]);
+    assert!(ok, "{err}");
+    assert!(expected.starts_with(&out), "a prefix of the output");
+    if out.len() < expected.len() {
+        assert!(
+            err.contains("more bytes of job 1's output are still to come from its node; `perch logs -f 1` waits for them"),
+            "{} of {} bytes, and: {err}",
+            out.len(),
+            expected.len()
+        );
+    }
+    let (ok, out, err) = cli(&perch, &["logs", "-f", "1"]);
+    assert!(ok, "{err}");
+    assert!(
+        out == expected,
+        "the whole output: {} of {} bytes",
+        out.len(),
+        expected.len()
+    );
+    let (_, again, err) = cli(&perch, &["logs", "1"]);
+    assert!(again == expected && err.is_empty(), "{err}");
+
+    let (ok, _, err) = cli(&perch, &["submit", "--", "yes", "perch-flood"]);
+    assert!(ok, "{err}");
+    let j = wait_state(&perch, 2, "failed");
+    let reason = j["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("its output (stdout and stderr) passed 8 MiB")
+            && reason.contains("agent.max_job_output_mb"),
+        "{j}"
+    );
+    // The node ships what it kept, then keeps no copy.
+    let (ok, flood, err) = cli(&perch, &["logs", "-f", "2"]);
+    assert!(ok, "{err}");
+    // Every line whole but the last, which the stop may have cut.
+    let mut lines: Vec<&str> = flood.lines().collect();
+    let last = lines.pop().unwrap_or_default();
+    assert!(
+        flood.len() > 8 << 20
+            && lines.iter().all(|l| *l == "perch-flood")
+            && "perch-flood".starts_with(last),
+        "{} bytes, ending {last:?}",
+        flood.len()
+    );
+    let jobs = data.join("jobs");
+    let nodes: Vec<_> = std::fs::read_dir(&jobs)
+        .expect("the agent's jobs directory")
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert!(!nodes.is_empty(), "{}", jobs.display());
+    wait_for("the node's copies to go", || {
+        nodes
+            .iter()
+            .flat_map(|n| [n.join("1"), n.join("2")])
+            .all(|job| !job.join("stdout").exists() && !job.join("stderr").exists())
+            .then_some(())
+    });
+}
+
 /// A careless user's submissions, each found on the release binary: `-D project` (relative)
 /// ran the job in the agent's own directory's `project`, or failed as "cannot run \"pwd\": No
 /// such file or directory"; a working directory missing on the node failed with that same

@@ -97,6 +97,9 @@ pub struct AgentConfig {
     pub keep_jobs_on_exit: bool,
     /// Time between syncs with the server's control plane (reports, orders, lease renewal).
     pub sync_interval: Duration,
+    /// Most output (stdout and stderr together) a job may write on this node, bytes; the
+    /// agent stops a job that writes more (`agent.max_job_output_mb`, default 4 GiB).
+    pub max_job_output_bytes: u64,
 }
 
 impl AgentConfig {
@@ -133,6 +136,7 @@ impl AgentConfig {
             cgroups: crate::launcher::CgroupMode::Auto,
             keep_jobs_on_exit: false,
             sync_interval: Duration::from_millis(500),
+            max_job_output_bytes: crate::launcher::DEFAULT_OUTPUT_LIMIT,
             uids: crate::launcher::UidPolicy::default(),
             supervisor: None,
             jobs: JobRegistry::default(),
@@ -509,6 +513,7 @@ pub async fn run_agent_with(
             advertise_addr: config.advertise_addr.clone(),
             supervisor: config.supervisor.clone(),
             keep_jobs_on_exit: config.keep_jobs_on_exit,
+            max_job_output_bytes: config.max_job_output_bytes,
         };
         let mut stopped = control_stopped.clone();
         tokio::spawn(crate::control_loop::run_control(control, async move {

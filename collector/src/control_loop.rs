@@ -47,7 +47,12 @@ pub struct ControlConfig {
     pub claim: Arc<crate::agent_claim::AgentClaim>,
     /// Leave supervised jobs running on a graceful stop ([`crate::AgentConfig::keep_jobs_on_exit`]).
     pub keep_jobs_on_exit: bool,
+    /// Most output a job may write on this node ([`crate::AgentConfig::max_job_output_bytes`]).
+    pub max_job_output_bytes: u64,
 }
+
+/// How often the agent checks its jobs' output against the node's limit between syncs.
+const OUTPUT_CHECK: Duration = Duration::from_millis(100);
 
 fn lock(l: &Mutex<Launcher>) -> std::sync::MutexGuard<'_, Launcher> {
     l.lock().unwrap_or_else(|p| p.into_inner())
@@ -75,6 +80,7 @@ pub async fn run_control(
         node: config.node.as_str().to_owned(),
     });
     launcher.set_isolation(&config.isolation);
+    launcher.set_output_limit(config.max_job_output_bytes);
     if let Some(program) = &config.supervisor {
         launcher.set_supervisor(program.clone());
     }
@@ -100,6 +106,9 @@ pub async fn run_control(
     };
     let mut tick = tokio::time::interval(config.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Output limits between syncs: a job printing in a loop writes hundreds of MB a second.
+    let mut limits = tokio::time::interval(OUTPUT_CHECK);
+    limits.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut unreachable = false;
     // Results of the server's node commands, waiting for the next sync.
     let results: Arc<Mutex<Vec<CommandResult>>> = Arc::default();
@@ -109,6 +118,10 @@ pub async fn run_control(
             biased;
             () = &mut shutdown => break,
             _ = tick.tick() => {}
+            _ = limits.tick() => {
+                lock(&launcher).limit_outputs();
+                continue;
+            }
         }
         let request = {
             let mut l = lock(&launcher);

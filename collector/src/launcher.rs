@@ -1,9 +1,9 @@
 //! Runs the jobs the server places on this node.
 //!
 //! Each job runs in its own process group with `CUDA_VISIBLE_DEVICES` set to its GPUs, its
-//! output in `<data-dir>/jobs/<id>/{stdout,stderr}`. Stopping a job (cancel, preemption, time
-//! limit) sends its checkpoint signal to the whole group, waits its grace period, then sends
-//! SIGKILL. The agent enforces the time limit itself too, so a job cannot outrun it while the
+//! output in `<data-dir>/jobs/<id>/{stdout,stderr}` until the server holds it ([`output`]).
+//! Stopping a job (cancel, preemption, time limit, too much output) sends its checkpoint signal
+//! to the whole group, waits its grace period, then sends SIGKILL. The agent enforces the time limit itself too, so a job cannot outrun it while the
 //! server is away. Every order and exit names the job's attempt, so a stop meant for an old
 //! attempt never touches a new one.
 //!
@@ -31,6 +31,7 @@ pub mod groups;
 pub mod identity;
 pub mod lease;
 mod otel;
+mod output;
 pub mod shim;
 mod tree;
 
@@ -42,8 +43,9 @@ use crate::jobs::{JobRegistry, JobSpec, JobTarget};
 use cgroup::{JobCgroup, JobCgroups};
 use groups::{GroupState, RunRecord};
 use identity::{Decision, Identity};
+use output::Outputs;
 use perch_model::control::{
-    JobAttempt, JobExit, JobLaunch, JobNote, JobStop, LogChunk, LogStream, MasterPort, SyncResponse,
+    JobAttempt, JobExit, JobLaunch, JobNote, JobStop, LogChunk, MasterPort, SyncResponse,
 };
 use rustix::process::{Pid, Signal, kill_process_group};
 use shim::{ExitRecord, ShimArgs};
@@ -56,8 +58,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-/// Most bytes of one stream of one job sent per sync.
-const LOG_CHUNK: u64 = 256 << 10;
+/// Most bytes of output (stdout and stderr together) a job may write on a node unless the agent
+/// is told otherwise ([`Launcher::set_output_limit`], `agent.max_job_output_mb`): 4 GiB.
+pub const DEFAULT_OUTPUT_LIMIT: u64 = 4 << 30;
+/// Output a job stopped for its output may still write during its grace period before the
+/// agent kills it at once.
+const OUTPUT_SLACK: u64 = 256 << 20;
 /// Extra time past the limit before the agent acts on its own (the server normally acts first).
 const LIMIT_MARGIN: Duration = Duration::from_secs(5);
 
@@ -111,6 +117,8 @@ struct Running {
     grace: Duration,
     stopping: Option<Stopping>,
     stopped_by_perch: bool,
+    /// Why the agent stopped it on its own accord, beyond its time limit (its output).
+    stopped_for: Option<String>,
     /// The rendezvous port picked here for the job's ranks ([`JobLaunch::pick_master_port`]).
     master_port: Option<u16>,
 }
@@ -128,11 +136,11 @@ pub struct Launcher {
     exited: BTreeMap<JobAttempt, JobExit>,
     /// The program that supervises each job (`perch`, run as `perch __job-shim`).
     supervisor: Option<PathBuf>,
-    /// Each job's stdout and stderr as the agent created them, read until its exit is
-    /// acknowledged (never reopened by path: the job's user owns the directory).
-    outputs: HashMap<u64, [File; 2]>,
-    /// Where each job's streams continue from, as the server last said.
-    sent: HashMap<(u64, LogStream), u64>,
+    /// Each job's stdout and stderr as the agent created them, shipped until the server holds
+    /// all of it ([`output`]).
+    outputs: Outputs,
+    /// Most bytes of output a job may write here before the agent stops it.
+    output_limit: u64,
     /// Where the agent's sampler learns which processes and GPUs belong to which job.
     registry: JobRegistry,
     /// Launches waiting for a stopping job to release their GPUs (the server frees a job's
@@ -227,24 +235,6 @@ fn file_id(f: &File) -> (u64, u64) {
     f.metadata().map_or((0, 0), |m| (m.dev(), m.ino()))
 }
 
-/// Up to `max` bytes of `f` from `offset`, without moving the offset the job writes at.
-fn read_from(f: &File, offset: u64, max: u64) -> std::io::Result<Vec<u8>> {
-    use std::os::unix::fs::FileExt;
-    let len = f.metadata()?.len();
-    let want = usize::try_from(len.saturating_sub(offset).min(max)).unwrap_or(0);
-    let mut buf = vec![0; want];
-    let mut got = 0;
-    while got < want {
-        let n = f.read_at(&mut buf[got..], offset + got as u64)?;
-        if n == 0 {
-            break;
-        }
-        got += n;
-    }
-    buf.truncate(got);
-    Ok(buf)
-}
-
 /// The job's cgroup as the usage sampler reads it (`/sys/fs/cgroup`-relative, memory
 /// accounted), or `None` to sample its process tree instead.
 fn sampled_cgroup(cg: &JobCgroup) -> Option<JobTarget> {
@@ -252,32 +242,6 @@ fn sampled_cgroup(cg: &JobCgroup) -> Option<JobTarget> {
     let unified = Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
     (unified && cg.path.join("memory.current").exists())
         .then(|| JobTarget::Cgroup(Path::new("/").join(rel)))
-}
-
-/// Text that keeps every byte's place: invalid UTF-8 becomes one '?' per byte, so the server's
-/// copy has the same length and offsets stay aligned. An incomplete character at the very end
-/// is held back (returns fewer bytes) unless `final_` is set.
-fn text_of(bytes: &[u8], final_: bool) -> (String, usize) {
-    let mut out = String::with_capacity(bytes.len());
-    let mut used = 0;
-    let chunks: Vec<_> = bytes.utf8_chunks().collect();
-    for (i, chunk) in chunks.iter().enumerate() {
-        out.push_str(chunk.valid());
-        used += chunk.valid().len();
-        let invalid = chunk.invalid();
-        let last = i + 1 == chunks.len();
-        if last
-            && !final_
-            && !invalid.is_empty()
-            && used + invalid.len() == bytes.len()
-            && invalid.len() < 4
-        {
-            break;
-        }
-        out.extend(std::iter::repeat_n('?', invalid.len()));
-        used += invalid.len();
-    }
-    (out, used)
 }
 
 impl Launcher {
@@ -304,8 +268,8 @@ impl Launcher {
             running: HashMap::new(),
             exited: BTreeMap::new(),
             supervisor: None,
-            outputs: HashMap::new(),
-            sent: HashMap::new(),
+            outputs: Outputs::new(dir),
+            output_limit: DEFAULT_OUTPUT_LIMIT,
             registry,
             waiting: Vec::new(),
             otel: None,
@@ -357,6 +321,9 @@ impl Launcher {
                     code = exit.code,
                     "a job ended while the agent was away"
                 );
+                if let Some(logs) = logs {
+                    self.outputs.insert(job, rec.attempt, logs);
+                }
                 self.exited.insert(
                     run,
                     JobExit {
@@ -366,11 +333,10 @@ impl Launcher {
                         stopped: exit.fenced,
                         fenced: exit.fenced,
                         error: None,
+                        reason: None,
+                        output_bytes: self.outputs.lengths(job),
                     },
                 );
-                if let Some(logs) = logs {
-                    self.outputs.insert(job, logs);
-                }
                 kept.insert(job);
                 continue;
             }
@@ -408,7 +374,7 @@ impl Launcher {
                 self.note(job, "its output before the agent restarted is all the server has: its log files were replaced".into());
             }
             if let Some(logs) = logs {
-                self.outputs.insert(job, logs);
+                self.outputs.insert(job, rec.attempt, logs);
             }
             let cgroup = rec.cgroup.clone().map(|path| JobCgroup {
                 path,
@@ -445,6 +411,7 @@ impl Launcher {
                     grace: Duration::from_secs(rec.grace_secs),
                     stopping: None,
                     stopped_by_perch: false,
+                    stopped_for: None,
                     master_port: rec.master_port,
                 },
             );
@@ -625,9 +592,7 @@ impl Launcher {
                 ) {
                     (Ok(out), Ok(mut err)) => {
                         let _ = writeln!(err, "perch: job not started: {why}");
-                        self.sent.insert((l.job, LogStream::Stdout), 0);
-                        self.sent.insert((l.job, LogStream::Stderr), 0);
-                        self.outputs.insert(l.job, [out, err]);
+                        self.outputs.insert(l.job, l.attempt, [out, err]);
                     }
                     (Err(e), _) | (_, Err(e)) => {
                         tracing::warn!(job = l.job, error = %e, "cannot write why the job did not start to its log");
@@ -642,6 +607,8 @@ impl Launcher {
                         stopped: false,
                         fenced: false,
                         error: Some(why),
+                        reason: None,
+                        output_bytes: self.outputs.lengths(l.job),
                     },
                 );
             }
@@ -743,9 +710,7 @@ impl Launcher {
                 .try_clone()
                 .map_err(|e| io("keeping its stderr", e))?,
         ];
-        self.outputs.insert(l.job, readers);
-        self.sent.insert((l.job, LogStream::Stdout), 0);
-        self.sent.insert((l.job, LogStream::Stderr), 0);
+        self.outputs.insert(l.job, l.attempt, readers);
         let user = self.identity(l)?;
         let hostfile = if l.hosts.is_empty() {
             None
@@ -915,6 +880,7 @@ impl Launcher {
             grace: Duration::from_secs(l.grace_secs),
             stopping: None,
             stopped_by_perch: false,
+            stopped_for: None,
             master_port,
         };
         if let Some(r) = &mut record {
@@ -979,6 +945,8 @@ impl Launcher {
                     stopped: true,
                     fenced: false,
                     error: None,
+                    reason: None,
+                    output_bytes: None,
                 },
             );
             return;
@@ -1042,6 +1010,61 @@ impl Launcher {
         Some((128 + 9, false))
     }
 
+    /// Sends a job its checkpoint signal, to be killed after its grace period.
+    fn start_stopping(r: &mut Running, now: Instant) {
+        signal_group(r.pgid, signal_named(&r.signal));
+        r.stopping = Some(Stopping {
+            kill_at: now + r.grace,
+        });
+        r.stopped_by_perch = true;
+    }
+
+    /// Stops a job whose output passed the node's limit (checkpoint signal, then SIGKILL after
+    /// its grace), and kills it at once if it goes on writing [`OUTPUT_SLACK`] more.
+    fn limit_output(&self, job: u64, r: &mut Running, now: Instant) {
+        let written = self.outputs.lengths(job).map_or(0, |[o, e]| o + e);
+        if written <= self.output_limit {
+            return;
+        }
+        if r.stopped_for.is_none() {
+            let limit_mib = self.output_limit >> 20;
+            tracing::warn!(
+                job,
+                written,
+                limit_mib,
+                "job wrote more output than the node keeps; stopping it"
+            );
+            r.stopped_for = Some(format!(
+                "its output (stdout and stderr) passed {limit_mib} MiB, the most this node keeps per job (agent.max_job_output_mb); print less, or write large output to files in its working directory"
+            ));
+            if r.stopping.is_none() {
+                Self::start_stopping(r, now);
+            }
+        }
+        // Still pouring out during its grace period: no more of the node's disk.
+        if written > self.output_limit.saturating_add(OUTPUT_SLACK) {
+            Self::kill_all(r);
+        }
+    }
+
+    /// Applies the output limit to every running job (between syncs too: a job can write
+    /// hundreds of MB in one sync interval).
+    pub fn limit_outputs(&mut self) {
+        let now = Instant::now();
+        let ids: Vec<u64> = self.running.keys().copied().collect();
+        for job in ids {
+            if let Some(mut r) = self.running.remove(&job) {
+                self.limit_output(job, &mut r, now);
+                self.running.insert(job, r);
+            }
+        }
+    }
+
+    /// Sets the most output a job may write here, bytes, before the agent stops it.
+    pub fn set_output_limit(&mut self, bytes: u64) {
+        self.output_limit = bytes.max(1);
+    }
+
     /// SIGKILL to everything of a job: its group, its cgroup, and (supervised) every process
     /// under its supervisor, whatever group it moved to.
     fn kill_all(r: &Running) {
@@ -1074,6 +1097,8 @@ impl Launcher {
                         stopped: r.stopped_by_perch || fenced,
                         fenced,
                         error: None,
+                        reason: r.stopped_for.take(),
+                        output_bytes: self.outputs.lengths(job),
                     },
                     r.cgroup.take(),
                 ));
@@ -1081,12 +1106,9 @@ impl Launcher {
             }
             if r.stopping.is_none() && now.duration_since(r.started) > r.limit + LIMIT_MARGIN {
                 tracing::warn!(job, "job ran past its time limit; stopping it");
-                signal_group(r.pgid, signal_named(&r.signal));
-                r.stopping = Some(Stopping {
-                    kill_at: now + r.grace,
-                });
-                r.stopped_by_perch = true;
+                Self::start_stopping(&mut r, now);
             }
+            self.limit_output(job, &mut r, now);
             if r.stopping.as_ref().is_some_and(|s| now >= s.kill_at) {
                 Self::kill_all(&r);
             }
@@ -1160,70 +1182,26 @@ impl Launcher {
         self.exited.values().cloned().collect()
     }
 
-    /// New output of every job with unsent output.
+    /// New output of every job with unsent output, ended jobs' included.
     pub fn logs(&self) -> Vec<LogChunk> {
-        let mut chunks = Vec::new();
-        let mut jobs: Vec<u64> = self
-            .running
-            .keys()
-            .copied()
-            .chain(self.exited.keys().map(|a| a.job))
-            .collect();
-        jobs.sort_unstable();
-        jobs.dedup();
-        for job in jobs {
-            let final_ = !self.running.contains_key(&job);
-            // The output kept is the latest attempt's: the one running, else the last to end.
-            let attempt = self.running.get(&job).map(|r| r.attempt).or_else(|| {
-                self.exited
-                    .keys()
-                    .filter(|a| a.job == job)
-                    .map(|a| a.attempt)
-                    .max()
-            });
-            for stream in [LogStream::Stdout, LogStream::Stderr] {
-                let offset = self.sent.get(&(job, stream)).copied().unwrap_or(0);
-                let Some(f) = self.outputs.get(&job).map(|o| match stream {
-                    LogStream::Stdout => &o[0],
-                    LogStream::Stderr => &o[1],
-                }) else {
-                    continue;
-                };
-                let Ok(buf) = read_from(f, offset, LOG_CHUNK) else {
-                    continue;
-                };
-                if buf.is_empty() {
-                    continue;
-                }
-                let (data, used) = text_of(&buf, final_ && (buf.len() as u64) < LOG_CHUNK);
-                if used > 0 {
-                    chunks.push(LogChunk {
-                        job,
-                        attempt: attempt.unwrap_or(0),
-                        stream,
-                        offset,
-                        data,
-                    });
-                }
-            }
-        }
-        chunks
+        self.outputs.chunks(|job| self.running.contains_key(&job))
     }
 
     /// Applies the server's answer: forget acknowledged exits, move log offsets, stop and start.
     pub fn apply(&mut self, response: &SyncResponse) {
         for &(job, stream, offset) in &response.log_offsets {
-            self.sent.insert((job, stream), offset);
+            self.outputs.sent(job, stream, offset);
         }
         for run in &response.acknowledged {
             self.exited.remove(run);
             if !self.running.contains_key(&run.job) {
-                self.outputs.remove(&run.job);
+                self.outputs.acknowledged(run.job, run.attempt);
                 let state = self.groups.dir();
                 RunRecord::remove(state, run.job);
                 ExitRecord::remove(state, run.job);
             }
         }
+        self.outputs.remove_shipped();
         for s in &response.stop {
             self.stop(s);
         }
@@ -1270,6 +1248,7 @@ impl Launcher {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use perch_model::control::LogStream;
 
     fn launch(job: u64, script: &str) -> JobLaunch {
         JobLaunch {
@@ -1336,6 +1315,101 @@ mod tests {
             l.logs().iter().all(|c| c.stream != LogStream::Stdout),
             "stdout fully sent"
         );
+    }
+
+    /// Output the job wrote faster than a sync carries is still shipped after its exit is
+    /// acknowledged (it was dropped there: a job that printed 6.9 MB and exited kept 512 KiB on
+    /// the server), the exit says how much there is, and the node's copy goes once all is sent.
+    #[test]
+    fn output_is_shipped_whole_after_the_exit_and_then_removed_from_the_node() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut l = Launcher::new(dir.path()).expect("launcher");
+        l.launch(&launch(1, "seq 1 300000")); // 1,988,895 bytes: 8 chunks
+        let exit = wait_exit(&mut l, 1);
+        let total = 1_988_895;
+        assert_eq!(exit.output_bytes, Some([total, 0]));
+        let mut server = Vec::new();
+        for round in 0..20 {
+            let chunks = l.logs();
+            let mut offsets = Vec::new();
+            for c in &chunks {
+                assert_eq!(
+                    (c.stream, c.offset),
+                    (LogStream::Stdout, server.len() as u64)
+                );
+                server.extend_from_slice(c.data.as_bytes());
+                offsets.push((1, LogStream::Stdout, server.len() as u64));
+            }
+            // The first answer acknowledges the exit, with a quarter of the output sent.
+            let acknowledged = if round == 0 {
+                vec![JobAttempt { job: 1, attempt: 1 }]
+            } else {
+                Vec::new()
+            };
+            l.apply(&SyncResponse {
+                acknowledged,
+                log_offsets: offsets,
+                ..Default::default()
+            });
+            if chunks.is_empty() {
+                break;
+            }
+        }
+        assert_eq!(server.len() as u64, total);
+        let expected: String = (1..=300_000).map(|i| format!("{i}\n")).collect();
+        assert!(
+            server == expected.as_bytes(),
+            "the server's copy is the job's output"
+        );
+        assert!(l.logs().is_empty(), "nothing left to send");
+        assert!(
+            !dir.path().join("1").exists(),
+            "the node's copy is removed once the server holds it"
+        );
+        // What a job without a working directory writes beside its output is its user's.
+        l.launch(&launch(2, "echo done; echo model > weights.pt"));
+        let exit = wait_exit(&mut l, 2);
+        assert_eq!(exit.output_bytes, Some([5, 0]));
+        l.apply(&SyncResponse {
+            acknowledged: vec![JobAttempt { job: 2, attempt: 1 }],
+            log_offsets: vec![(2, LogStream::Stdout, 5)],
+            ..Default::default()
+        });
+        let job_dir = dir.path().join("2");
+        assert!(!job_dir.join("stdout").exists() && !job_dir.join("stderr").exists());
+        assert_eq!(
+            std::fs::read_to_string(job_dir.join("weights.pt")).expect("kept"),
+            "model\n"
+        );
+    }
+
+    /// A job printing in a tight loop filled a node's disk (7.5 GB in 20 s): past the node's
+    /// limit the agent stops it, names why, and kills it at once if it keeps writing.
+    #[test]
+    fn a_job_writing_past_the_output_limit_is_stopped_and_says_why() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut l = Launcher::new(dir.path()).expect("launcher");
+        l.set_output_limit(1 << 20);
+        // Ignores its checkpoint signal and goes on writing through its grace period.
+        let mut job = launch(1, "trap '' TERM; yes perch-flood");
+        job.grace_secs = 3600;
+        l.launch(&job);
+        let exit = wait_exit(&mut l, 1);
+        assert!(exit.stopped, "{exit:?}");
+        let reason = exit.reason.clone().expect("a reason");
+        assert!(
+            reason.contains("passed 1 MiB") && reason.contains("agent.max_job_output_mb"),
+            "{reason}"
+        );
+        let [out, _] = exit.output_bytes.expect("output lengths");
+        assert!(
+            out > 1 << 20 && out < (1 << 20) + OUTPUT_SLACK + (256 << 20),
+            "{out} bytes"
+        );
+        // A job under the limit is not touched.
+        l.launch(&launch(2, "seq 1 1000"));
+        let exit = wait_exit(&mut l, 2);
+        assert_eq!((exit.code, exit.stopped, exit.reason), (0, false, None));
     }
 
     /// Rank 0 gets a port free on this node (a port taken by someone else is skipped) and
@@ -1512,14 +1586,14 @@ mod tests {
 
     #[test]
     fn text_keeps_byte_offsets() {
-        assert_eq!(text_of(b"ab\xffc", true), ("ab?c".into(), 4));
-        assert_eq!(text_of("é".as_bytes(), false), ("é".into(), 2));
+        assert_eq!(output::text_of(b"ab\xffc", true), ("ab?c".into(), 4));
+        assert_eq!(output::text_of("é".as_bytes(), false), ("é".into(), 2));
         assert_eq!(
-            text_of(&"é".as_bytes()[..1], false),
+            output::text_of(&"é".as_bytes()[..1], false),
             (String::new(), 0),
             "held back until complete"
         );
-        assert_eq!(text_of(&"é".as_bytes()[..1], true), ("?".into(), 1));
+        assert_eq!(output::text_of(&"é".as_bytes()[..1], true), ("?".into(), 1));
     }
 }
 

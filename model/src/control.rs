@@ -150,6 +150,15 @@ pub struct JobExit {
     /// the node, its program cannot be run); the server makes this the job's reason.
     #[serde(default)]
     pub error: Option<String>,
+    /// Why the agent stopped it on its own, when it did (its output passed the node's limit,
+    /// `agent.max_job_output_mb`); the server makes this the job's reason.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Its stdout's and stderr's final lengths on the node, bytes. The agent ships the output
+    /// it has not sent yet after the exit; the server's copy is complete once it holds this
+    /// much, and `perch logs` says so until then.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_bytes: Option<[u64; 2]>,
 }
 
 impl JobExit {

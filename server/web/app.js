@@ -605,6 +605,7 @@
       <h2>Timeline</h2><ul class="timeline" id="timeline"></ul>`;
     const charts = {};
     const log = { offset: 0, attempt: null, decoder: new TextDecoder(), done: false };
+    const LOG_TAIL_BYTES = 1 << 20;
     let job = null;
 
     const followLog = async () => {
@@ -625,6 +626,14 @@
         return followLog();
       }
       log.attempt = attempt;
+      const size = Number(res.headers.get('x-perch-log-size') || 0);
+      if (log.offset === 0 && size > LOG_TAIL_BYTES) {
+        // A large log: show its tail (the whole of it: perch logs).
+        document.getElementById('log').textContent = `… ${size - LOG_TAIL_BYTES} earlier bytes: perch logs ${id}\n`;
+        log.offset = size - LOG_TAIL_BYTES;
+        log.decoder = new TextDecoder();
+        return followLog();
+      }
       const bytes = new Uint8Array(await res.arrayBuffer());
       log.offset += bytes.length;
       const pre = document.getElementById('log');
@@ -636,8 +645,11 @@
         if (atEnd) pre.scrollTop = pre.scrollHeight;
       }
       const finished = res.headers.get('x-perch-job-finished') === 'true';
-      document.getElementById('log-note').textContent = `attempt ${attempt || '–'}, ${finished ? 'finished' : 'following'}`;
-      if (finished && !bytes.length) log.done = true;
+      const pending = Number(res.headers.get('x-perch-log-pending') || 0);
+      document.getElementById('log-note').textContent = `attempt ${attempt || '–'}, ${
+        finished && pending ? `finished, ${pending} bytes still to come from its node` : finished ? 'finished' : 'following'}`;
+      if (res.headers.get('x-perch-log-more') === 'true') return followLog();
+      if (finished && !bytes.length && !pending) log.done = true;
     };
 
     const drawCharts = async () => {

@@ -165,8 +165,8 @@ pub struct LogsArgs {
     /// Show standard error instead of standard output.
     #[arg(long)]
     stderr: bool,
-    /// Keep printing new output until the job ends (across requeues: each new attempt's
-    /// output follows a line on standard error).
+    /// Keep printing new output until the job ends and its node has sent all of it (across
+    /// requeues: each new attempt's output follows a line on standard error).
     #[arg(long, short = 'f')]
     follow: bool,
     /// Which node of a multi-node job, by rank (0 is where MASTER_ADDR points).
@@ -710,8 +710,10 @@ pub fn logs(args: LogsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
     use std::io::Write;
     let api = Api::new(&args.server, config_file)?;
     let stream = if args.stderr { "stderr" } else { "stdout" };
-    let mut offset = 0usize;
+    let mut offset = 0u64;
     let mut shown: Option<u32> = None;
+    // When output last arrived: a follower of an ended job whose node stopped sending gives up.
+    let mut progress = std::time::Instant::now();
     loop {
         let attempt = args
             .attempt
@@ -721,14 +723,21 @@ pub fn logs(args: LogsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
             "{}/v1/jobs/{}/logs?stream={stream}&offset={offset}&rank={}{attempt}",
             api.config.server, args.id, args.rank
         )))?;
-        let finished = response
-            .headers()
-            .get("x-perch-job-finished")
-            .is_some_and(|v| v == "true");
-        let now_attempt = response
-            .headers()
-            .get("x-perch-attempt")
-            .and_then(|v| v.to_str().ok()?.parse::<u32>().ok());
+        let header = |name: &str| {
+            response
+                .headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        let finished = header("x-perch-job-finished").is_some_and(|v| v == "true");
+        // The server answers a page at a time: more is stored past this one.
+        let more = header("x-perch-log-more").is_some_and(|v| v == "true");
+        // What the job's node has yet to send (it ships output on after the job ends).
+        let pending = header("x-perch-log-pending")
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+        let now_attempt = header("x-perch-attempt").and_then(|v| v.parse::<u32>().ok());
         if let (Some(before), Some(now)) = (shown, now_attempt)
             && now != before
         {
@@ -740,10 +749,28 @@ pub fn logs(args: LogsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
         }
         shown = shown.or(now_attempt);
         let data = response.bytes()?;
-        offset += data.len();
+        offset += data.len() as u64;
         std::io::stdout().write_all(&data)?;
         std::io::stdout().flush()?;
-        if !args.follow || (finished && data.is_empty()) {
+        if !data.is_empty() {
+            progress = std::time::Instant::now();
+        }
+        if more {
+            continue;
+        }
+        let stalled = progress.elapsed() > LOGS_STALL;
+        if !args.follow || (finished && data.is_empty() && (pending == 0 || stalled)) {
+            if finished && pending > 0 {
+                eprintln!(
+                    "perch: {pending} more bytes of job {}'s output are still to come from its node{}",
+                    args.id,
+                    if args.follow {
+                        format!(" (none arrived for {} s)", LOGS_STALL.as_secs())
+                    } else {
+                        format!("; `perch logs -f {}` waits for them", args.id)
+                    }
+                );
+            }
             if offset == 0 && finished && !args.stderr {
                 // A job that failed before printing anything said why on standard error.
                 let probe = api.send(api.client.get(format!(
@@ -764,6 +791,9 @@ pub fn logs(args: LogsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
         }
     }
 }
+
+/// How long `perch logs -f` waits for the rest of an ended job's output before it gives up.
+const LOGS_STALL: std::time::Duration = std::time::Duration::from_secs(60);
 
 #[derive(Debug, Args)]
 pub struct QueueArgs {

@@ -9,6 +9,7 @@ mod apply;
 mod fleet_model;
 mod ledger;
 mod logs;
+pub(crate) use logs::LOG_PAGE;
 mod observe;
 mod remediation;
 mod restore;

@@ -125,6 +125,10 @@ pub struct Allocation {
     pub folded_until_ms: i64,
     /// One entry per GPU of `gpus`, in the same order.
     pub usage: Vec<GpuUsage>,
+    /// The final lengths of its stdout and stderr on the node, bytes, once it ended there and
+    /// the agent said (the server's copy is complete when it holds this much).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_bytes: Option<[u64; 2]>,
 }
 
 impl Allocation {
@@ -148,6 +152,7 @@ impl Allocation {
             share_percent: None,
             folded_until_ms: start_ms,
             usage,
+            output_bytes: None,
         }
     }
 

@@ -1,6 +1,6 @@
 //! HTTP routes for jobs, the queue, nodes, and agents' sync. See `GET /` for the list.
 
-use super::control::NodeDetail;
+use super::control::{self, ControlError, NodeDetail};
 use super::record::JobState;
 use super::spec::JobRequest;
 use crate::auth::{Identity, Role};
@@ -262,14 +262,19 @@ pub async fn logs(
     let stream = p.stream.unwrap_or(LogStream::Stdout);
     let offset = p.offset.unwrap_or(0);
     let (attempt, rank) = (p.attempt, p.rank);
-    let ((data, attempt), finished) = state
+    let (source, finished) = state
         .jobs
         .run(move |c, _| {
             c.check_owner(id, &who)?;
-            let data = c.read_log(id, stream, offset, attempt, rank)?;
-            Ok((data, c.job(id).is_some_and(|j| j.state.is_final())))
+            let source = c.log_source(id, stream, attempt, rank)?;
+            Ok((source, c.job(id).is_some_and(|j| j.state.is_final())))
         })
         .await?;
+    // Read outside the control plane, a page at a time: a job's output may be gigabytes.
+    let page = tokio::task::spawn_blocking(move || source.read(offset, control::LOG_PAGE))
+        .await
+        .map_err(|e| ControlError::TaskFailed(e.to_string()))?
+        .map_err(ControlError::Logs)?;
     let mut headers = axum::http::HeaderMap::new();
     headers.insert(
         axum::http::header::CONTENT_TYPE,
@@ -280,8 +285,27 @@ pub async fn logs(
         axum::http::HeaderValue::from_static(if finished { "true" } else { "false" }),
     );
     // A follower sees a requeue here: the new attempt's output starts again at offset 0.
-    headers.insert("x-perch-attempt", axum::http::HeaderValue::from(attempt));
-    Ok((headers, data))
+    headers.insert(
+        "x-perch-attempt",
+        axum::http::HeaderValue::from(page.attempt),
+    );
+    // More is stored past this page: read on from `offset` + its length.
+    headers.insert(
+        "x-perch-log-more",
+        axum::http::HeaderValue::from_static(if page.more { "true" } else { "false" }),
+    );
+    headers.insert(
+        "x-perch-log-size",
+        axum::http::HeaderValue::from(page.stored),
+    );
+    // Bytes the node has yet to send (it ships a job's output on after the job ends).
+    if let Some(pending) = page.pending {
+        headers.insert(
+            "x-perch-log-pending",
+            axum::http::HeaderValue::from(pending),
+        );
+    }
+    Ok((headers, page.data))
 }
 
 /// `estimated_start_ms` and `estimated_start` (RFC 3339) of a pending job, `null` without one.

@@ -30,7 +30,10 @@ impl Control {
     ) -> Result<(), ControlError> {
         let mut offsets: BTreeMap<(u64, LogStream), u64> = BTreeMap::new();
         for c in chunks {
+            let end = c.offset.saturating_add(c.data.len() as u64);
             let Some(job) = self.jobs.get(&c.job) else {
+                // Nothing to keep it for: the agent may move on (and free its disk).
+                offsets.insert((c.job, c.stream), end);
                 continue;
             };
             let attempt = if c.attempt == 0 {
@@ -44,6 +47,7 @@ impl Control {
                 .iter()
                 .any(|a| a.attempt == attempt && a.node == node);
             if !ran_here {
+                offsets.insert((c.job, c.stream), end);
                 continue;
             }
             let path = self.log_path(c.job, attempt, node, c.stream);
@@ -52,7 +56,6 @@ impl Control {
             }
             let have = std::fs::metadata(&path).map_or(0, |m| m.len());
             let data = c.data.as_bytes();
-            let end = c.offset + data.len() as u64;
             if c.offset <= have && end > have {
                 let skip = usize::try_from(have - c.offset).unwrap_or(0);
                 let mut f = std::fs::OpenOptions::new()
@@ -70,16 +73,15 @@ impl Control {
         Ok(())
     }
 
-    /// `offset..` of a job's stream as stored on the server: rank `rank` (default 0) of attempt
-    /// `attempt` (default the latest). Returns the bytes and the attempt they are from.
-    pub(crate) fn read_log(
+    /// Where rank `rank` (default 0) of attempt `attempt` (default the latest) of a job's
+    /// stream is stored, found under the control lock; [`LogSource::read`] reads it outside.
+    pub(crate) fn log_source(
         &self,
         job: u64,
         stream: LogStream,
-        offset: u64,
         attempt: Option<u32>,
         rank: Option<usize>,
-    ) -> Result<(Vec<u8>, u32), ControlError> {
+    ) -> Result<LogSource, ControlError> {
         let record = self.jobs.get(&job).ok_or(ControlError::NoSuchJob(job))?;
         if attempt == Some(0) && record.attempts > 0 {
             return Err(ControlError::BadRequest(format!(
@@ -95,36 +97,98 @@ impl Control {
                 record.attempts
             )));
         }
-        let nodes: Vec<&str> = record
+        let ran: Vec<&super::super::record::Allocation> = record
             .allocations
             .iter()
             .filter(|a| a.attempt == attempt)
-            .map(|a| a.node.as_str())
             .collect();
-        let path = match nodes.get(rank) {
-            Some(node) => self.log_path(job, attempt, node, stream),
-            None if attempt == 0 => return Ok((Vec::new(), 0)),
-            None => {
-                return Err(ControlError::BadRequest(format!(
-                    "attempt {attempt} of job {job} ran on {} node(s): ranks 0 to {}",
-                    nodes.len(),
-                    nodes.len().saturating_sub(1)
-                )));
+        let Some(alloc) = ran.get(rank) else {
+            if attempt == 0 {
+                return Ok(LogSource {
+                    paths: Vec::new(),
+                    attempt: 0,
+                    expected: None,
+                });
             }
+            return Err(ControlError::BadRequest(format!(
+                "attempt {attempt} of job {job} ran on {} node(s): ranks 0 to {}",
+                ran.len(),
+                ran.len().saturating_sub(1)
+            )));
         };
-        // Output stored before logs were kept per attempt and node: one file per stream.
-        let legacy = self.logs_dir.join(job.to_string()).join(stream.as_str());
-        let data = match std::fs::read(&path) {
-            Ok(d) => d,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match std::fs::read(&legacy) {
-                Ok(d) if rank == 0 && attempt == record.attempts => d,
-                _ => Vec::new(),
-            },
-            Err(e) => return Err(ControlError::Logs(e)),
+        let mut paths = vec![self.log_path(job, attempt, &alloc.node, stream)];
+        if rank == 0 && attempt == record.attempts {
+            // Output stored before logs were kept per attempt and node: one file per stream.
+            paths.push(self.logs_dir.join(job.to_string()).join(stream.as_str()));
+        }
+        let expected = alloc.output_bytes.map(|b| match stream {
+            LogStream::Stdout => b[0],
+            LogStream::Stderr => b[1],
+        });
+        Ok(LogSource {
+            paths,
+            attempt,
+            expected,
+        })
+    }
+}
+
+/// Most bytes of output one `GET /v1/jobs/{id}/logs` answers; readers page with `offset`.
+pub const LOG_PAGE: u64 = 4 << 20;
+
+/// Where one stream of one rank of one attempt of a job is stored ([`Control::log_source`]).
+#[derive(Debug, Clone)]
+pub(crate) struct LogSource {
+    /// The file, then where older servers kept it; the first that exists is read.
+    paths: Vec<PathBuf>,
+    /// The attempt the output is from.
+    pub attempt: u32,
+    /// The stream's final length on its node, once the attempt ended there and its agent said.
+    expected: Option<u64>,
+}
+
+/// One page of stored output.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct LogPage {
+    pub data: Vec<u8>,
+    /// The attempt it is from.
+    pub attempt: u32,
+    /// The server holds more after this page.
+    pub more: bool,
+    /// Bytes of the stream the server holds.
+    pub stored: u64,
+    /// Bytes the node has yet to send, once it said how much there is (0: the copy is whole).
+    pub pending: Option<u64>,
+}
+
+impl LogSource {
+    /// At most `max` bytes from `offset`: a page, never the whole of a large file in memory.
+    pub(crate) fn read(&self, offset: u64, max: u64) -> std::io::Result<LogPage> {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut page = LogPage {
+            data: Vec::new(),
+            attempt: self.attempt,
+            more: false,
+            stored: 0,
+            pending: None,
         };
-        let start = usize::try_from(offset)
-            .unwrap_or(usize::MAX)
-            .min(data.len());
-        Ok((data[start..].to_vec(), attempt))
+        let mut stored = 0;
+        for path in &self.paths {
+            let mut f = match std::fs::File::open(path) {
+                Ok(f) => f,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e),
+            };
+            stored = f.metadata()?.len();
+            if offset < stored {
+                f.seek(SeekFrom::Start(offset))?;
+                f.take(max).read_to_end(&mut page.data)?;
+            }
+            break;
+        }
+        page.more = offset.saturating_add(page.data.len() as u64) < stored;
+        page.stored = stored;
+        page.pending = self.expected.map(|e| e.saturating_sub(stored));
+        Ok(page)
     }
 }

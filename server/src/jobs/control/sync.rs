@@ -142,7 +142,19 @@ impl Control {
             stopped,
             fenced,
             error,
+            reason,
+            output_bytes,
         } = exit;
+        if let Some(bytes) = output_bytes
+            && let Some(j) = self.jobs.get_mut(job)
+            && let Some(a) = j
+                .allocations
+                .iter_mut()
+                .find(|a| a.attempt == *attempt && a.node == name)
+        {
+            a.output_bytes = Some(*bytes);
+            self.dirty_jobs.insert(*job);
+        }
         let current = self.runs_here(*job, &name).then(|| self.jobs[job].attempts);
         if current != Some(*attempt) || !self.delivered.contains(&(*job, idx)) {
             // An earlier attempt's exit (it was stopped after the job was requeued): it
@@ -199,9 +211,10 @@ impl Control {
             } else {
                 failed_rank = Some(format!(
                     "rank {rank} of {ranks} (on {name}) {}; perch stopped the other ranks",
-                    match error {
-                        Some(why) => format!("could not start: {why}"),
-                        None => format!("exited with code {code}"),
+                    match (error, reason) {
+                        (Some(why), _) => format!("could not start: {why}"),
+                        (None, Some(why)) => format!("was stopped: {why}"),
+                        (None, None) => format!("exited with code {code}"),
                     }
                 ));
             }
@@ -220,6 +233,8 @@ impl Control {
                 j.reason = Some(why);
             } else if let Some(why) = error {
                 j.reason = Some(format!("could not start on {name}: {why}"));
+            } else if let Some(why) = reason {
+                j.reason = Some(format!("stopped on {name}: {why}"));
             }
         }
         Ok(())

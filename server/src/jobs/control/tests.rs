@@ -2,6 +2,8 @@
 //! only to the attempt that ran, a report of any other attempt gets a stop for that attempt,
 //! and a silent node's jobs are requeued only once its lease has run out.
 
+use crate::jobs::ControlError;
+use crate::jobs::control::LOG_PAGE;
 use crate::jobs::record::{JobRecord, JobState};
 use crate::jobs::{JobService, JobsConfig};
 use perch_model::control::{JobAttempt, SyncRequest, SyncResponse};
@@ -719,21 +721,111 @@ async fn output_is_kept_per_attempt_and_rank() {
     let read = |attempt: Option<u32>, rank: Option<usize>| {
         let jobs = jobs.clone();
         async move {
-            jobs.run(move |c, _| c.read_log(id, LogStream::Stdout, 0, attempt, rank))
-                .await
+            let source = jobs
+                .run(move |c, _| c.log_source(id, LogStream::Stdout, attempt, rank))
+                .await?;
+            Ok::<_, ControlError>(source.read(0, LOG_PAGE).expect("read"))
         }
     };
-    let (latest, at) = read(None, None).await.expect("latest");
+    let latest = read(None, None).await.expect("latest");
     assert_eq!(
-        (String::from_utf8_lossy(&latest).as_ref(), at),
+        (
+            String::from_utf8_lossy(&latest.data).as_ref(),
+            latest.attempt
+        ),
         ("two\n", 2)
     );
-    let (first, _) = read(Some(1), None).await.expect("first");
-    assert_eq!(String::from_utf8_lossy(&first), long);
+    let first = read(Some(1), None).await.expect("first");
+    assert_eq!(String::from_utf8_lossy(&first.data), long);
     let err = read(None, Some(1)).await.expect_err("one node only");
     assert!(format!("{err:?}").contains("ranks 0 to 0"), "{err:?}");
     let err = read(Some(7), None).await.expect_err("no such attempt");
     assert!(format!("{err:?}").contains("no attempt 7"), "{err:?}");
+}
+
+/// An agent ships a job's output on after its exit: the exit says how long each stream is, so
+/// a reader learns what is still to come; a page never holds more than [`LOG_PAGE`]; a reason
+/// the agent gives for stopping the job becomes its reason; and a chunk the server does not keep
+/// (a job it does not know) is answered with its end, so the agent moves on rather than sending
+/// it for ever.
+#[tokio::test]
+async fn output_after_the_exit_is_paged_and_counted_until_whole() {
+    use perch_model::control::LogStream;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    sync(&jobs, "a", T0, &[], &[]).await;
+    let id = submit(
+        &jobs,
+        json!({ "command": ["train"], "user": "bob" }),
+        T0 + SECOND,
+    )
+    .await;
+    sync(&jobs, "a", T0 + 2 * SECOND, &[], &[]).await;
+    let big = "x".repeat(usize::try_from(LOG_PAGE).expect("page") + 10);
+    let chunk = |offset: usize, data: &str| json!({ "job": id, "attempt": 1, "stream": "stdout", "offset": offset, "data": data });
+    let total = big.len() + 5;
+    let r = sync_with(
+        &jobs,
+        "a",
+        T0 + 3 * SECOND,
+        &[],
+        &[],
+        json!({
+            "exited": [{ "job": id, "attempt": 1, "code": 143, "stopped": true,
+                         "reason": "its output passed 1 MiB", "output_bytes": [total, 0] }],
+            "logs": [chunk(0, &big), { "job": 999, "attempt": 1, "stream": "stdout", "offset": 7, "data": "abc" }],
+        }),
+    )
+    .await;
+    assert_eq!(
+        r.log_offsets,
+        vec![
+            (id, LogStream::Stdout, big.len() as u64),
+            (999, LogStream::Stdout, 10)
+        ],
+        "the unknown job's chunk is answered with its end"
+    );
+    let record = job(&jobs, id).await;
+    assert_eq!(record.state, JobState::Failed);
+    assert_eq!(
+        record.reason.as_deref(),
+        Some("stopped on a: its output passed 1 MiB")
+    );
+    let read = |offset: u64| {
+        let jobs = jobs.clone();
+        async move {
+            let source = jobs
+                .run(move |c, _| c.log_source(id, LogStream::Stdout, None, None))
+                .await
+                .expect("source");
+            source.read(offset, LOG_PAGE).expect("read")
+        }
+    };
+    let first = read(0).await;
+    assert_eq!(first.data.len() as u64, LOG_PAGE);
+    assert!(first.more);
+    assert_eq!(first.pending, Some(5));
+    let second = read(LOG_PAGE).await;
+    assert_eq!((second.data.len(), second.more), (10, false));
+    // The rest arrives after the exit: the copy is whole.
+    sync_with(
+        &jobs,
+        "a",
+        T0 + 4 * SECOND,
+        &[],
+        &[],
+        json!({ "logs": [chunk(big.len(), "tail\n")] }),
+    )
+    .await;
+    let last = read(LOG_PAGE).await;
+    assert_eq!(
+        (
+            String::from_utf8_lossy(&last.data).as_ref(),
+            last.pending,
+            last.stored
+        ),
+        ("xxxxxxxxxxtail\n", Some(0), total as u64)
+    );
 }
 
 /// The scheduler takes a GPU out on the XIDs NVIDIA's catalog resolves by a reset or a reboot,
