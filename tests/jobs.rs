@@ -808,6 +808,60 @@ fn a_multi_node_job_gets_its_peers_and_a_rendezvous() {
     assert!(started.elapsed() < std::time::Duration::from_secs(30));
 }
 
+/// A sync carries up to 8 MiB of output, which JSON makes six times larger when it is control
+/// bytes (`\u0001`): with `server.max_body_mb = 1`, a job printing such bytes had every sync of
+/// its node refused as too large, so the node could report nothing (not even the job's exit) and
+/// its lease ran out. The sync route takes 64 MiB whatever the limit; other routes keep it.
+#[test]
+fn binary_output_never_makes_a_nodes_syncs_too_large() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("perch.toml");
+    std::fs::write(&config, "[server]\nmax_body_mb = 1\n").expect("config");
+    let perch = Perch::start(
+        &dir.path().join("perch"),
+        &[
+            "--config",
+            config.to_str().expect("utf-8"),
+            "up",
+            "--simulate-gpus",
+            "1",
+            "--interval-ms",
+            "200",
+        ],
+    );
+    let (ok, _, err) = cli(
+        &perch,
+        &[
+            "submit",
+            "--",
+            "sh",
+            "-c",
+            "head -c 3000000 /dev/zero | tr '\\0' '\\1'",
+        ],
+    );
+    assert!(ok, "{err}");
+    wait_state(&perch, 1, "completed");
+    let (ok, out, err) = cli(&perch, &["logs", "-f", "1"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.len() == 3_000_000 && out.bytes().all(|b| b == 1),
+        "{} bytes",
+        out.len()
+    );
+    // Elsewhere the operator's limit holds.
+    let big = format!("{{\"command\": [\"{}\"]}}", "x".repeat(2 << 20));
+    let answer = reqwest::blocking::Client::new()
+        .post(format!("{}/v1/jobs", perch.url))
+        .header("content-type", "application/json")
+        .body(big)
+        .send()
+        .expect("post");
+    // It was 400 "not a valid job request".
+    assert_eq!(answer.status().as_u16(), 413);
+    let text = answer.text().expect("body");
+    assert!(text.contains("server.max_body_mb"), "{text}");
+}
+
 /// A job's output is the job's, whatever its pace (session 47, on the binary):
 /// - a job that printed 6.9 MB and exited kept 512 KiB on the server, cut mid-line, and
 ///   `perch logs` said nothing: the agent dropped what it had not sent when the exit was

@@ -281,6 +281,7 @@ impl Launcher {
             notes: Vec::new(),
             leftover_cgroups: Vec::new(),
         };
+        l.set_output_limit(DEFAULT_OUTPUT_LIMIT);
         let keep = l.take_over();
         for (job, pgid) in l.groups.take_provable(&keep) {
             if let Some(pgid) = Pid::from_raw(pgid) {
@@ -334,7 +335,7 @@ impl Launcher {
                         fenced: exit.fenced,
                         error: None,
                         reason: None,
-                        output_bytes: self.outputs.lengths(job),
+                        output_bytes: self.outputs.to_ship(job),
                     },
                 );
                 kept.insert(job);
@@ -608,7 +609,7 @@ impl Launcher {
                         fenced: false,
                         error: Some(why),
                         reason: None,
-                        output_bytes: self.outputs.lengths(l.job),
+                        output_bytes: self.outputs.to_ship(l.job),
                     },
                 );
             }
@@ -1063,6 +1064,8 @@ impl Launcher {
     /// Sets the most output a job may write here, bytes, before the agent stops it.
     pub fn set_output_limit(&mut self, bytes: u64) {
         self.output_limit = bytes.max(1);
+        self.outputs
+            .set_cap(self.output_limit.saturating_add(OUTPUT_SLACK));
     }
 
     /// SIGKILL to everything of a job: its group, its cgroup, and (supervised) every process
@@ -1098,7 +1101,7 @@ impl Launcher {
                         fenced,
                         error: None,
                         reason: r.stopped_for.take(),
-                        output_bytes: self.outputs.lengths(job),
+                        output_bytes: self.outputs.to_ship(job),
                     },
                     r.cgroup.take(),
                 ));
@@ -1410,6 +1413,39 @@ mod tests {
         l.launch(&launch(2, "seq 1 1000"));
         let exit = wait_exit(&mut l, 2);
         assert_eq!((exit.code, exit.stopped, exit.reason), (0, false, None));
+    }
+
+    /// A job can make its output look terabytes long without using the disk (a write after a
+    /// seek); the agent ships no more than the node's limit and the slack past it.
+    #[test]
+    fn a_sparse_output_file_is_shipped_only_up_to_the_cap() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut l = Launcher::new(dir.path()).expect("launcher");
+        l.set_output_limit(1 << 20);
+        let cap = (1 << 20) + OUTPUT_SLACK;
+        l.launch(&launch(
+            1,
+            "dd if=/dev/zero of=/dev/stdout bs=1 count=1 seek=1099511627776 conv=notrunc 2>/dev/null",
+        ));
+        let exit = wait_exit(&mut l, 1);
+        assert_eq!(exit.output_bytes, Some([cap, 0]), "{exit:?}");
+        l.apply(&SyncResponse {
+            acknowledged: vec![JobAttempt { job: 1, attempt: 1 }],
+            log_offsets: vec![(1, LogStream::Stdout, cap - 10)],
+            ..Default::default()
+        });
+        let chunks = l.logs();
+        assert_eq!(chunks.len(), 1);
+        assert_eq!((chunks[0].offset, chunks[0].data.len()), (cap - 10, 10));
+        l.apply(&SyncResponse {
+            log_offsets: vec![(1, LogStream::Stdout, cap)],
+            ..Default::default()
+        });
+        assert!(l.logs().is_empty(), "nothing past the cap");
+        assert!(
+            !dir.path().join("1").exists(),
+            "and the sparse file is gone"
+        );
     }
 
     /// Rank 0 gets a port free on this node (a port taken by someone else is skipped) and

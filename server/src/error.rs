@@ -124,6 +124,27 @@ impl ApiError {
     pub fn bad_request(code: ErrorCode, message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, code, message)
     }
+
+    /// A JSON body the framework could not take: 413 when it is larger than the server's limit
+    /// (a submission of a 2 MiB command was answered 400 "malformed"), else 400 with `code` and
+    /// `message`.
+    pub fn json_body(
+        e: &axum::extract::rejection::JsonRejection,
+        code: ErrorCode,
+        message: impl Into<String>,
+    ) -> Self {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            return Self::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                ErrorCode::UnreadableBody,
+                format!(
+                    "the body is larger than this server takes ({}); send less, or ask its operator to raise server.max_body_mb",
+                    e.body_text()
+                ),
+            );
+        }
+        Self::bad_request(code, message)
+    }
 }
 
 impl IntoResponse for ApiError {

@@ -218,7 +218,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/nodes", get(jobs::routes::nodes))
         .route("/v1/nodes/{name}/drain", post(jobs::routes::drain))
         .route("/v1/nodes/{name}/resume", post(jobs::routes::resume))
-        .route("/v1/agent/sync", post(jobs::routes::sync))
+        .route(
+            "/v1/agent/sync",
+            post(jobs::routes::sync).layer(DefaultBodyLimit::max(limit.max(SYNC_BODY_MIN))),
+        )
         .route("/v1/alerts", get(alerting::routes::alerts))
         .route(
             "/v1/alerts/breaker/reset",
@@ -254,6 +257,12 @@ pub fn router(state: AppState) -> Router {
         )
         .with_state(state)
 }
+
+/// The least body an agent's sync is allowed, whatever `server.max_body_mb` says: a sync carries
+/// up to 8 MiB of job output, which JSON can make 48 MiB (a control byte is written `\u0001`).
+/// Refusing it would refuse the node's lease renewal, and its supervisors would stop every job
+/// of the node. With tokens only agents reach this route (the check comes before the body).
+pub const SYNC_BODY_MIN: usize = 64 << 20;
 
 /// One span per request, named as OpenTelemetry names HTTP server spans: method and route
 /// (`POST /v1/jobs/{id}/cancel`), never the raw path, so span names stay few. Handlers' own

@@ -19,8 +19,8 @@ use std::path::{Path, PathBuf};
 pub(super) const CHUNK: u64 = 256 << 10;
 /// Most bytes of one stream of an ended job sent per sync: its backlog goes faster.
 const ENDED_CHUNK: u64 = 4 << 20;
-/// Most bytes of output of all jobs together in one sync (JSON may escape a byte into six, and
-/// the server's default body limit is 64 MiB).
+/// Most bytes of output of all jobs together in one sync: JSON may escape a byte into six, and
+/// the server takes syncs of 64 MiB whatever its body limit (`perch_server::SYNC_BODY_MIN`).
 const SYNC_BUDGET: u64 = 8 << 20;
 
 const STREAMS: [LogStream; 2] = [LogStream::Stdout, LogStream::Stderr];
@@ -47,6 +47,9 @@ pub(super) struct Outputs {
     /// The jobs directory (`<dir>/<job>/{stdout,stderr}`).
     dir: PathBuf,
     by_job: HashMap<u64, Output>,
+    /// Most bytes of a stream ever shipped: a job can make its file look terabytes long
+    /// without using the disk (a write after a seek), and the server must not store that.
+    cap: u64,
 }
 
 impl Outputs {
@@ -54,7 +57,13 @@ impl Outputs {
         Outputs {
             dir: dir.to_path_buf(),
             by_job: HashMap::new(),
+            cap: u64::MAX,
         }
+    }
+
+    /// Ships at most `cap` bytes of any stream; the rest stays unsent.
+    pub(super) fn set_cap(&mut self, cap: u64) {
+        self.cap = cap;
     }
 
     /// Starts following attempt `attempt`'s files (a new attempt replaces the job's earlier
@@ -79,6 +88,11 @@ impl Outputs {
         Some([len(&o.files[0]), len(&o.files[1])])
     }
 
+    /// How much of a job's stdout and stderr the server is to get: their lengths, up to the cap.
+    pub(super) fn to_ship(&self, job: u64) -> Option<[u64; 2]> {
+        self.lengths(job).map(|l| l.map(|len| len.min(self.cap)))
+    }
+
     /// The next chunk of every stream with unsent output. `running(job)` says whether the job
     /// still writes: a character split at the end of a running job's output waits for its rest.
     pub(super) fn chunks(&self, running: impl Fn(u64) -> bool) -> Vec<LogChunk> {
@@ -93,7 +107,7 @@ impl Outputs {
             let most = if o.acknowledged { ENDED_CHUNK } else { CHUNK };
             for stream in STREAMS {
                 let offset = o.sent[index(stream)];
-                let max = most.min(budget);
+                let max = most.min(budget).min(self.cap.saturating_sub(offset));
                 let Ok(buf) = read_from(&o.files[index(stream)], offset, max) else {
                     continue;
                 };
@@ -142,7 +156,7 @@ impl Outputs {
                 o.acknowledged
                     && STREAMS.iter().all(|&s| {
                         let i = index(s);
-                        o.files[i].metadata().map_or(0, |m| m.len()) <= o.sent[i]
+                        o.files[i].metadata().map_or(0, |m| m.len()).min(self.cap) <= o.sent[i]
                     })
             })
             .map(|(&job, _)| job)

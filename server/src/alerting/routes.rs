@@ -87,7 +87,8 @@ pub async fn add_silence(
     body: Result<Json<NewSilence>, JsonRejection>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let Json(body) = body.map_err(|e| {
-        ApiError::bad_request(
+        ApiError::json_body(
+            &e,
             crate::ErrorCode::BadSilence,
             format!(
                 "{}; send {{\"matchers\": [{{\"name\": \"node\", \"value\": \"gpu-07\"}}], \"duration\": \"2h\", \"comment\": \"why\"}}",

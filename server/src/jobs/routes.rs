@@ -15,7 +15,8 @@ use serde::Deserialize;
 
 fn body<T>(payload: Result<Json<T>, JsonRejection>, what: &str) -> Result<T, ApiError> {
     payload.map(|Json(v)| v).map_err(|e| {
-        ApiError::bad_request(
+        ApiError::json_body(
+            &e,
             crate::ErrorCode::MalformedRequest,
             format!("the body is not a valid {what}: {}", e.body_text()),
         )
