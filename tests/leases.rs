@@ -232,6 +232,55 @@ fn an_agent_killed_and_restarted_within_the_lease_takes_its_job_over() {
     );
 }
 
+/// An agent killed while it still ships an ended job's output (that goes on after the exit, 4
+/// MiB a sync) lost the rest, and the node kept the files for ever: the records that let a
+/// restarted agent find the job went when the exit was acknowledged. They now stay until the
+/// server holds all of the output: the restarted agent reports the exit again, ships the rest
+/// and removes the node's copy.
+#[test]
+fn an_agent_killed_while_shipping_an_ended_jobs_output_ships_the_rest_when_restarted() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = server(dir.path(), 30, "", &[]);
+    let mut a = agent(&perch.url, "gpu-a", dir.path(), None);
+    // 60 MB: seconds of shipping after the exit.
+    let (ok, out, err) = perch.cli_as(
+        "alice",
+        &[
+            "submit",
+            "--gpus",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            "yes perch-line | head -c 60000000",
+        ],
+    );
+    assert!(ok, "{err}");
+    let id = out.trim().strip_prefix("Submitted job ").expect("an id");
+    wait_for("the job to complete", || {
+        (job(&perch, id.parse().expect("id"))["state"] == "completed").then_some(())
+    });
+    a.kill();
+    let (_, partial, err) = perch.cli_as("alice", &["logs", id]);
+    assert!(
+        partial.len() < 60_000_000 && err.contains("still to come from its node"),
+        "{} bytes when the agent died; {err}",
+        partial.len()
+    );
+    let _a = agent(&perch.url, "gpu-a", dir.path(), None);
+    let (ok, whole, err) = perch.cli_as("alice", &["logs", "-f", id]);
+    assert!(ok, "{err}");
+    assert!(
+        whole.len() == 60_000_000 && whole.lines().take(1000).all(|l| l == "perch-line"),
+        "{} bytes",
+        whole.len()
+    );
+    let job_dir = dir.path().join("gpu-a/jobs/gpu-a").join(id);
+    wait_for("the node's copy to go", || {
+        (!job_dir.join("stdout").exists()).then_some(())
+    });
+}
+
 /// A second agent claiming a node that its own agent serves: one started by mistake with
 /// another data directory (or a machine cloned with the same hostname), and one started on the
 /// same data directory. The first reported the node running nothing, and the server took the

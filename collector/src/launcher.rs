@@ -1199,12 +1199,18 @@ impl Launcher {
             self.exited.remove(run);
             if !self.running.contains_key(&run.job) {
                 self.outputs.acknowledged(run.job, run.attempt);
-                let state = self.groups.dir();
-                RunRecord::remove(state, run.job);
-                ExitRecord::remove(state, run.job);
             }
         }
-        self.outputs.remove_shipped();
+        // A job's records go with its output: an agent restarted before all of it was sent
+        // finds the job ended while it was away, reports it again and ships the rest.
+        let shipped = self.outputs.remove_shipped();
+        let state = self.groups.dir();
+        for job in response.acknowledged.iter().map(|r| r.job).chain(shipped) {
+            if !self.running.contains_key(&job) && !self.outputs.holds(job) {
+                RunRecord::remove(state, job);
+                ExitRecord::remove(state, job);
+            }
+        }
         for s in &response.stop {
             self.stop(s);
         }

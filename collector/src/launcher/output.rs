@@ -146,9 +146,14 @@ impl Outputs {
         }
     }
 
+    /// Whether some of `job`'s output is still to be sent.
+    pub(super) fn holds(&self, job: u64) -> bool {
+        self.by_job.contains_key(&job)
+    }
+
     /// Forgets and removes from the node the output of every acknowledged exit that the
-    /// server now holds whole.
-    pub(super) fn remove_shipped(&mut self) {
+    /// server now holds whole; returns those jobs.
+    pub(super) fn remove_shipped(&mut self) -> Vec<u64> {
         let done: Vec<u64> = self
             .by_job
             .iter()
@@ -161,11 +166,12 @@ impl Outputs {
             })
             .map(|(&job, _)| job)
             .collect();
-        for job in done {
+        for &job in &done {
             if let Some(o) = self.by_job.remove(&job) {
                 self.remove_files(job, &o);
             }
         }
+        done
     }
 
     /// Removes the output files the agent created for `job` (the server holds them now), each
