@@ -3,8 +3,8 @@
 //! Each job runs in its own process group with `CUDA_VISIBLE_DEVICES` set to its GPUs, its
 //! output in `<data-dir>/jobs/<id>/{stdout,stderr}` until the server holds it ([`output`]).
 //! Stopping a job (cancel, preemption, time limit, too much output) sends its checkpoint signal
-//! to the whole group, waits its grace period, then sends SIGKILL. The agent enforces the time limit itself too, so a job cannot outrun it while the
-//! server is away. Every order and exit names the job's attempt, so a stop meant for an old
+//! to the whole group, waits its grace period, then sends SIGKILL. The agent enforces the time
+//! limit itself too, so a job cannot outrun it while the server is away. Every order and exit names the job's attempt, so a stop meant for an old
 //! attempt never touches a new one.
 //!
 //! **Supervised jobs** (the agent binary given as [`Launcher::set_supervisor`], as `perch agent`
@@ -281,7 +281,6 @@ impl Launcher {
             notes: Vec::new(),
             leftover_cgroups: Vec::new(),
         };
-        l.set_output_limit(DEFAULT_OUTPUT_LIMIT);
         let keep = l.take_over();
         for (job, pgid) in l.groups.take_provable(&keep) {
             if let Some(pgid) = Pid::from_raw(pgid) {
@@ -335,7 +334,7 @@ impl Launcher {
                         fenced: exit.fenced,
                         error: None,
                         reason: None,
-                        output_bytes: self.outputs.to_ship(job),
+                        output_bytes: self.outputs.lengths(job, self.ship_cap()),
                     },
                 );
                 kept.insert(job);
@@ -609,7 +608,7 @@ impl Launcher {
                         fenced: false,
                         error: Some(why),
                         reason: None,
-                        output_bytes: self.outputs.to_ship(l.job),
+                        output_bytes: self.outputs.lengths(l.job, self.ship_cap()),
                     },
                 );
             }
@@ -1021,13 +1020,17 @@ impl Launcher {
     }
 
     /// Stops a job whose output passed the node's limit (checkpoint signal, then SIGKILL after
-    /// its grace), and kills it at once if it goes on writing [`OUTPUT_SLACK`] more.
+    /// its grace), and kills it at once if it goes on writing [`OUTPUT_SLACK`] more. A job
+    /// already stopping (cancelled, preempted) keeps its reason; only the kill applies.
     fn limit_output(&self, job: u64, r: &mut Running, now: Instant) {
-        let written = self.outputs.lengths(job).map_or(0, |[o, e]| o + e);
+        let written = self
+            .outputs
+            .lengths(job, u64::MAX)
+            .map_or(0, |[o, e]| o.saturating_add(e));
         if written <= self.output_limit {
             return;
         }
-        if r.stopped_for.is_none() {
+        if r.stopping.is_none() {
             let limit_mib = self.output_limit >> 20;
             tracing::warn!(
                 job,
@@ -1038,9 +1041,7 @@ impl Launcher {
             r.stopped_for = Some(format!(
                 "its output (stdout and stderr) passed {limit_mib} MiB, the most this node keeps per job (agent.max_job_output_mb); print less, or write large output to files in its working directory"
             ));
-            if r.stopping.is_none() {
-                Self::start_stopping(r, now);
-            }
+            Self::start_stopping(r, now);
         }
         // Still pouring out during its grace period: no more of the node's disk.
         if written > self.output_limit.saturating_add(OUTPUT_SLACK) {
@@ -1064,8 +1065,11 @@ impl Launcher {
     /// Sets the most output a job may write here, bytes, before the agent stops it.
     pub fn set_output_limit(&mut self, bytes: u64) {
         self.output_limit = bytes.max(1);
-        self.outputs
-            .set_cap(self.output_limit.saturating_add(OUTPUT_SLACK));
+    }
+
+    /// Most bytes of one stream ever shipped: the limit and the slack past it.
+    fn ship_cap(&self) -> u64 {
+        self.output_limit.saturating_add(OUTPUT_SLACK)
     }
 
     /// SIGKILL to everything of a job: its group, its cgroup, and (supervised) every process
@@ -1101,7 +1105,7 @@ impl Launcher {
                         fenced,
                         error: None,
                         reason: r.stopped_for.take(),
-                        output_bytes: self.outputs.to_ship(job),
+                        output_bytes: self.outputs.lengths(job, self.ship_cap()),
                     },
                     r.cgroup.take(),
                 ));
@@ -1187,7 +1191,8 @@ impl Launcher {
 
     /// New output of every job with unsent output, ended jobs' included.
     pub fn logs(&self) -> Vec<LogChunk> {
-        self.outputs.chunks(|job| self.running.contains_key(&job))
+        self.outputs
+            .chunks(|job| self.running.contains_key(&job), self.ship_cap())
     }
 
     /// Applies the server's answer: forget acknowledged exits, move log offsets, stop and start.
@@ -1203,7 +1208,7 @@ impl Launcher {
         }
         // A job's records go with its output: an agent restarted before all of it was sent
         // finds the job ended while it was away, reports it again and ships the rest.
-        let shipped = self.outputs.remove_shipped();
+        let shipped = self.outputs.remove_shipped(self.ship_cap());
         let state = self.groups.dir();
         for job in response.acknowledged.iter().map(|r| r.job).chain(shipped) {
             if !self.running.contains_key(&job) && !self.outputs.holds(job) {

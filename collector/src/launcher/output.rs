@@ -47,9 +47,15 @@ pub(super) struct Outputs {
     /// The jobs directory (`<dir>/<job>/{stdout,stderr}`).
     dir: PathBuf,
     by_job: HashMap<u64, Output>,
-    /// Most bytes of a stream ever shipped: a job can make its file look terabytes long
-    /// without using the disk (a write after a seek), and the server must not store that.
-    cap: u64,
+}
+
+impl Output {
+    /// Its streams' lengths now, each at most `cap`: what the server is to get of them.
+    fn ends(&self, cap: u64) -> [u64; 2] {
+        self.files
+            .each_ref()
+            .map(|f| f.metadata().map_or(0, |m| m.len()).min(cap))
+    }
 }
 
 impl Outputs {
@@ -57,18 +63,12 @@ impl Outputs {
         Outputs {
             dir: dir.to_path_buf(),
             by_job: HashMap::new(),
-            cap: u64::MAX,
         }
     }
 
-    /// Ships at most `cap` bytes of any stream; the rest stays unsent.
-    pub(super) fn set_cap(&mut self, cap: u64) {
-        self.cap = cap;
-    }
-
     /// Starts following attempt `attempt`'s files (a new attempt replaces the job's earlier
-    /// one), shipping from `sent` (0 for new files; a taken-over job's server copy may hold more,
-    /// which the server's answer corrects).
+    /// one), shipping from offset 0: a taken-over job's server copy may hold more, and the
+    /// server's answer to the first chunk says where it ends.
     pub(super) fn insert(&mut self, job: u64, attempt: u32, files: [File; 2]) {
         self.by_job.insert(
             job,
@@ -81,21 +81,17 @@ impl Outputs {
         );
     }
 
-    /// The lengths of a job's stdout and stderr now.
-    pub(super) fn lengths(&self, job: u64) -> Option<[u64; 2]> {
-        let o = self.by_job.get(&job)?;
-        let len = |f: &File| f.metadata().map_or(0, |m| m.len());
-        Some([len(&o.files[0]), len(&o.files[1])])
+    /// The lengths of a job's stdout and stderr, each at most `cap` (pass `u64::MAX` for the
+    /// whole): a job can make its file look terabytes long without using the disk (a write after
+    /// a seek), and no more than `cap` of a stream is ever shipped.
+    pub(super) fn lengths(&self, job: u64, cap: u64) -> Option<[u64; 2]> {
+        self.by_job.get(&job).map(|o| o.ends(cap))
     }
 
-    /// How much of a job's stdout and stderr the server is to get: their lengths, up to the cap.
-    pub(super) fn to_ship(&self, job: u64) -> Option<[u64; 2]> {
-        self.lengths(job).map(|l| l.map(|len| len.min(self.cap)))
-    }
-
-    /// The next chunk of every stream with unsent output. `running(job)` says whether the job
-    /// still writes: a character split at the end of a running job's output waits for its rest.
-    pub(super) fn chunks(&self, running: impl Fn(u64) -> bool) -> Vec<LogChunk> {
+    /// The next chunk of every stream with unsent output below `cap`. `running(job)` says
+    /// whether the job still writes: a character split at the end of a running job's output
+    /// waits for its rest.
+    pub(super) fn chunks(&self, running: impl Fn(u64) -> bool, cap: u64) -> Vec<LogChunk> {
         // Running jobs first: an ended job's backlog never holds up live output.
         let mut jobs: Vec<u64> = self.by_job.keys().copied().collect();
         jobs.sort_unstable_by_key(|job| (self.by_job[job].acknowledged, *job));
@@ -107,7 +103,7 @@ impl Outputs {
             let most = if o.acknowledged { ENDED_CHUNK } else { CHUNK };
             for stream in STREAMS {
                 let offset = o.sent[index(stream)];
-                let max = most.min(budget).min(self.cap.saturating_sub(offset));
+                let max = most.min(budget).min(cap.saturating_sub(offset));
                 let Ok(buf) = read_from(&o.files[index(stream)], offset, max) else {
                     continue;
                 };
@@ -152,17 +148,14 @@ impl Outputs {
     }
 
     /// Forgets and removes from the node the output of every acknowledged exit that the
-    /// server now holds whole; returns those jobs.
-    pub(super) fn remove_shipped(&mut self) -> Vec<u64> {
+    /// server now holds whole (up to `cap` a stream); returns those jobs.
+    pub(super) fn remove_shipped(&mut self, cap: u64) -> Vec<u64> {
         let done: Vec<u64> = self
             .by_job
             .iter()
             .filter(|(_, o)| {
-                o.acknowledged
-                    && STREAMS.iter().all(|&s| {
-                        let i = index(s);
-                        o.files[i].metadata().map_or(0, |m| m.len()).min(self.cap) <= o.sent[i]
-                    })
+                let ends = o.ends(cap);
+                o.acknowledged && ends[0] <= o.sent[0] && ends[1] <= o.sent[1]
             })
             .map(|(&job, _)| job)
             .collect();
@@ -183,11 +176,10 @@ impl Outputs {
         let dir = self.dir.join(job.to_string());
         for (name, file) in [("stdout", &o.files[0]), ("stderr", &o.files[1])] {
             let path = dir.join(name);
-            let (Ok(named), Ok(held)) = (std::fs::symlink_metadata(&path), file.metadata()) else {
+            let Ok(named) = std::fs::symlink_metadata(&path) else {
                 continue;
             };
-            if named.dev() == held.dev()
-                && named.ino() == held.ino()
+            if (named.dev(), named.ino()) == super::file_id(file)
                 && let Err(e) = std::fs::remove_file(&path)
             {
                 tracing::warn!(job, path = %path.display(), error = %e, "cannot remove a job's output after it was sent");

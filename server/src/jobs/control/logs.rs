@@ -165,13 +165,7 @@ impl LogSource {
     /// At most `max` bytes from `offset`: a page, never the whole of a large file in memory.
     pub(crate) fn read(&self, offset: u64, max: u64) -> std::io::Result<LogPage> {
         use std::io::{Read, Seek, SeekFrom};
-        let mut page = LogPage {
-            data: Vec::new(),
-            attempt: self.attempt,
-            more: false,
-            stored: 0,
-            pending: None,
-        };
+        let mut data = Vec::new();
         let mut stored = 0;
         for path in &self.paths {
             let mut f = match std::fs::File::open(path) {
@@ -182,13 +176,16 @@ impl LogSource {
             stored = f.metadata()?.len();
             if offset < stored {
                 f.seek(SeekFrom::Start(offset))?;
-                f.take(max).read_to_end(&mut page.data)?;
+                f.take(max).read_to_end(&mut data)?;
             }
             break;
         }
-        page.more = offset.saturating_add(page.data.len() as u64) < stored;
-        page.stored = stored;
-        page.pending = self.expected.map(|e| e.saturating_sub(stored));
-        Ok(page)
+        Ok(LogPage {
+            more: offset.saturating_add(data.len() as u64) < stored,
+            data,
+            attempt: self.attempt,
+            stored,
+            pending: self.expected.map(|e| e.saturating_sub(stored)),
+        })
     }
 }
