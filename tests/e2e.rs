@@ -10,6 +10,60 @@ fn stdout(o: &std::process::Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
+/// A newcomer's config for `perch up` that moves only the server's data directory: the local
+/// agent's spool and its jobs' directories go there too, not into `./perch-data` of whatever
+/// directory perch was started from (under systemd, `/`). A file that names the agent's own
+/// directory keeps it.
+#[test]
+fn up_keeps_the_local_agents_data_where_the_config_puts_the_servers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let started_in = dir.path().join("cwd");
+    std::fs::create_dir_all(&started_in).expect("cwd");
+    let up = |config: &str, wait_in: &std::path::Path| {
+        let file = dir.path().join("perch.toml");
+        std::fs::write(&file, config).expect("config");
+        let mut child = Command::new(common::PERCH)
+            .args(["up", "--config", file.to_str().expect("utf-8")])
+            .args(["--simulate-gpus", "1", "--interval-ms", "200"])
+            .current_dir(&started_in)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("perch up");
+        let spool = wait_in.join("agent-spool");
+        let start = std::time::Instant::now();
+        while !spool.is_dir() && start.elapsed() < common::PATIENCE {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(spool.is_dir(), "no agent spool in {}", wait_in.display());
+    };
+    let data = dir.path().join("data");
+    up(
+        &format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\npg_listen = \"\"\ndata_dir = {:?}\n",
+            data.to_str().expect("utf-8")
+        ),
+        &data,
+    );
+    assert!(
+        !started_in.join("perch-data").exists(),
+        "the agent wrote into the directory perch up was started from"
+    );
+    let agent = dir.path().join("agent");
+    up(
+        &format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\npg_listen = \"\"\ndata_dir = {:?}\n\
+             [agent]\ndata_dir = {:?}\n",
+            data.to_str().expect("utf-8"),
+            agent.to_str().expect("utf-8")
+        ),
+        &agent,
+    );
+    assert!(!started_in.join("perch-data").exists());
+}
+
 #[test]
 fn up_with_simulated_gpus_counts_gpu_and_host_rows_from_the_cli() {
     let dir = tempfile::tempdir().expect("tempdir");

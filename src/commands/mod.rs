@@ -360,6 +360,12 @@ pub fn run(cli: Cli) -> Result<()> {
             serve::agent(config)
         }
         Command::Up(args) => {
+            // One machine, one data directory: the local agent keeps its spool and its jobs'
+            // directories beside the server's data unless the file names another place (a
+            // config that moved only the server's would leave them in the working directory).
+            if file.is_some_and(|f| !f.sets("agent", "data_dir")) {
+                config.agent.data_dir = config.server.data_dir.clone();
+            }
             args.server.apply(&mut config);
             args.agent.apply(&mut config);
             args.telemetry.apply(&mut config);
