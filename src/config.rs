@@ -107,6 +107,8 @@ pub struct ServerSection {
     /// Days of data kept per table, over the store's defaults (raw GPU and host samples 30,
     /// their 1-minute rollups 180, their 1-hour rollups 1095); 0 keeps a table forever.
     pub retention_days: std::collections::BTreeMap<String, u64>,
+    /// Days a job's stored output (`perch logs`) is kept after the job ended; 0: for ever.
+    pub job_output_days: u64,
     /// Where the Parquet files and the manifest live.
     pub storage: StorageSection,
     /// Address of the PostgreSQL-protocol SQL listener; empty turns it off. With a tokens file
@@ -142,6 +144,7 @@ impl Default for ServerSection {
             compact_below_mb: 64,
             compact_min_files: 8,
             retention_days: Default::default(),
+            job_output_days: perch_server::jobs::DEFAULT_OUTPUT_RETENTION.as_secs() / 86_400,
             storage: StorageSection::default(),
             pg_listen: "127.0.0.1:7432".into(),
             tokens_file: PathBuf::new(),
@@ -949,6 +952,15 @@ impl Config {
         within("accounting.settle_secs", acct.settle_secs, 0, WEEK, secs)?;
         let export = self.telemetry.export_interval_secs;
         within("telemetry.export_interval_secs", export, 1, DAY, secs)?;
+        if self.server.job_output_days > 36_500 {
+            return bad(
+                "server.job_output_days",
+                &format!(
+                    "must be at most 36500 days (100 years; 0 keeps output for ever), got {}",
+                    self.server.job_output_days
+                ),
+            );
+        }
         for (table, days) in &self.server.retention_days {
             if *days > 36_500 {
                 return bad(
@@ -1187,6 +1199,8 @@ impl Config {
         config.jobs.lease = Duration::from_secs(s.node_lease_secs);
         config.jobs.accounts = self.accounts.clone();
         config.jobs.max_pending_per_user = s.max_pending_jobs_per_user;
+        config.jobs.output_retention =
+            (s.job_output_days > 0).then(|| Duration::from_secs(s.job_output_days * 86_400));
         config.jobs.policy = self.scheduler.policy()?;
         if let Some(path) = self.source.clone() {
             config.policy_source = Some(perch_server::PolicySource::new(move || {
@@ -1543,6 +1557,10 @@ mod tests {
             (
                 "[query]\ntimeout_secs = inf",
                 "query.timeout_secs: must be above 0 and at most 86400 seconds, got inf",
+            ),
+            (
+                "[server]\njob_output_days = 18446744073709551615",
+                "server.job_output_days: must be at most 36500 days (100 years; 0 keeps output for ever)",
             ),
             (
                 "[server.retention_days]\ngpu_samples = 9223372036854775807",

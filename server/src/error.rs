@@ -71,6 +71,8 @@ error_codes! {
     NotFound => "not_found",
     /// The server is still starting (503).
     NotReady => "not_ready",
+    /// The job's stored output was deleted, `server.job_output_days` after it ended (410).
+    OutputDeleted => "output_deleted",
     /// The query needed more memory than its limit.
     QueryMemoryLimit => "query_memory_limit",
     /// The query ran past its time limit.

@@ -83,6 +83,10 @@ pub enum ControlError {
     /// A request that cannot be answered as asked (the message says what to change).
     #[error("{0}")]
     BadRequest(String),
+    #[error(
+        "the output of job {job} was deleted {days} days after the job ended (server.job_output_days); `perch show {job}` still has its record"
+    )]
+    OutputDeleted { job: u64, days: i64 },
     /// The blocking task running an operation failed (it panicked or was cancelled).
     #[error("the control plane's task failed: {0}")]
     TaskFailed(String),
@@ -114,6 +118,9 @@ pub struct JobsConfig {
     pub max_pending_per_user: usize,
     /// The clock every operation and tick reads "now" from.
     pub clock: crate::clock::Clock,
+    /// How long after a job ended its stored output is kept (`server.job_output_days`);
+    /// `None`: for ever.
+    pub output_retention: Option<Duration>,
 }
 
 impl Default for JobsConfig {
@@ -125,9 +132,13 @@ impl Default for JobsConfig {
             accounts: Default::default(),
             max_pending_per_user: DEFAULT_MAX_PENDING_PER_USER,
             clock: crate::clock::Clock::system(),
+            output_retention: Some(DEFAULT_OUTPUT_RETENTION),
         }
     }
 }
+
+/// The default of [`JobsConfig::output_retention`]: 30 days, as the store keeps raw samples.
+pub const DEFAULT_OUTPUT_RETENTION: Duration = Duration::from_secs(30 * 86_400);
 
 /// The default of [`JobsConfig::max_pending_per_user`].
 pub const DEFAULT_MAX_PENDING_PER_USER: usize = 10_000;

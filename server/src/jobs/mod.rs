@@ -14,7 +14,7 @@ pub mod spec;
 use control::Control;
 pub use control::{
     AllocationView, ControlError, ControlSnapshot, DEFAULT_LEASE, DEFAULT_MAX_PENDING_PER_USER,
-    JobsConfig, NodeView, PendingView, UsageView,
+    DEFAULT_OUTPUT_RETENTION, JobsConfig, NodeView, PendingView, UsageView,
 };
 use record::JobRecord;
 use spec::JobRequest;
@@ -65,6 +65,9 @@ struct CommitState {
     committing: bool,
     failed: Option<String>,
 }
+
+/// How often stored job output past `server.job_output_days` is looked for.
+pub const OUTPUT_EXPIRY_PERIOD: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Array tasks added to the control plane in one step (one lock hold, one commit).
 pub(crate) const ARRAY_STEP: u32 = 500;
@@ -331,17 +334,66 @@ impl JobService {
         .map_err(crate::ApiError::from)
     }
 
-    /// Ticks the control plane every second until `shutdown`.
+    /// Deletes the stored output of jobs that ended longer than `server.job_output_days` ago
+    /// (their records stay, marked, so `perch logs` says so): the job directories are listed
+    /// and removed outside the control lock, only the marking takes it. Returns how many
+    /// directories were removed.
+    pub async fn expire_output(&self) -> Result<usize, ControlError> {
+        let dir = lock(&self.control).logs_dir();
+        let present = tokio::task::spawn_blocking(move || -> std::io::Result<Vec<u64>> {
+            match std::fs::read_dir(&dir) {
+                Ok(entries) => Ok(entries
+                    .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                    .collect()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+                Err(e) => Err(e),
+            }
+        })
+        .await
+        .map_err(|e| ControlError::TaskFailed(e.to_string()))?
+        .map_err(ControlError::Logs)?;
+        if present.is_empty() {
+            return Ok(0);
+        }
+        let remove = self
+            .run(move |c, now| Ok(c.expire_output(now, &present)))
+            .await?;
+        tokio::task::spawn_blocking(move || {
+            let mut removed = 0;
+            for path in remove {
+                match std::fs::remove_dir_all(&path) {
+                    Ok(()) => removed += 1,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => {
+                        tracing::warn!(path = %path.display(), error = %e, "could not delete a job's expired output; trying again at the next check")
+                    }
+                }
+            }
+            removed
+        })
+        .await
+        .map_err(|e| ControlError::TaskFailed(e.to_string()))
+    }
+
+    /// Ticks the control plane every second until `shutdown`, and deletes expired job output
+    /// every [`OUTPUT_EXPIRY_PERIOD`] (first at start).
     pub async fn run_ticker(self, shutdown: impl std::future::Future<Output = ()>) {
         let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+        let mut expiry = tokio::time::interval(OUTPUT_EXPIRY_PERIOD);
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
                 _ = &mut shutdown => break,
-                _ = tick.tick() => {}
-            }
-            if let Err(e) = self.run(|c, now| c.tick(now)).await {
-                tracing::error!(error = %e, "job control tick failed");
+                _ = tick.tick() => {
+                    if let Err(e) = self.run(|c, now| c.tick(now)).await {
+                        tracing::error!(error = %e, "job control tick failed");
+                    }
+                }
+                _ = expiry.tick() => match self.expire_output().await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(jobs = n, "deleted the stored output of jobs that ended longer ago than server.job_output_days"),
+                    Err(e) => tracing::error!(error = %e, "deleting expired job output failed"),
+                },
             }
         }
     }
@@ -380,6 +432,9 @@ impl From<ControlError> for crate::ApiError {
             ControlError::NodeClaimed { .. } => {
                 crate::ApiError::new(StatusCode::CONFLICT, crate::ErrorCode::NodeClaimed, message)
                     .retry_after(5)
+            }
+            ControlError::OutputDeleted { .. } => {
+                crate::ApiError::new(StatusCode::GONE, crate::ErrorCode::OutputDeleted, message)
             }
             ControlError::AlreadyEnded { .. } => crate::ApiError::new(
                 StatusCode::CONFLICT,

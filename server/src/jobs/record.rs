@@ -94,6 +94,10 @@ pub struct JobRecord {
     /// launches wait for them, so the job never runs twice (on the old node and the new).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub stopping: Vec<StoppingRun>,
+    /// When the server deleted the job's stored output, `server.job_output_days` after the
+    /// job ended; the record itself stays.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_deleted_ms: Option<i64>,
 }
 
 /// An attempt of a job told to stop on a node, not yet confirmed gone there.

@@ -31,8 +31,13 @@ impl Control {
         let mut offsets: BTreeMap<(u64, LogStream), u64> = BTreeMap::new();
         for c in chunks {
             let end = c.offset.saturating_add(c.data.len() as u64);
-            let Some(job) = self.jobs.get(&c.job) else {
-                // Nothing to keep it for: the agent may move on (and free its disk).
+            // Nothing to keep it for (no such job, or its output was deleted after the
+            // retention): the agent may move on and free its disk.
+            let Some(job) = self
+                .jobs
+                .get(&c.job)
+                .filter(|j| j.output_deleted_ms.is_none())
+            else {
                 offsets.insert((c.job, c.stream), end);
                 continue;
             };
@@ -83,6 +88,13 @@ impl Control {
         rank: Option<usize>,
     ) -> Result<LogSource, ControlError> {
         let record = self.jobs.get(&job).ok_or(ControlError::NoSuchJob(job))?;
+        if let Some(deleted) = record.output_deleted_ms {
+            let ended = record.end_ms.unwrap_or(deleted);
+            return Err(ControlError::OutputDeleted {
+                job,
+                days: (deleted - ended).max(0) / DAY_MS,
+            });
+        }
         if attempt == Some(0) && record.attempts > 0 {
             return Err(ControlError::BadRequest(format!(
                 "attempts count from 1; job {job} has run {} attempt(s)",
@@ -132,6 +144,49 @@ impl Control {
         })
     }
 }
+
+impl Control {
+    /// Retention of job output: of the jobs in `present` (those with a directory of stored
+    /// output), marks those that ended longer than [`JobsConfig::output_retention`] ago as
+    /// deleted, with a note on their timeline, and returns the directories to remove: theirs,
+    /// and those of jobs marked before (a server stopped between marking and removing).
+    /// The caller removes them outside the control lock; the records stay.
+    pub(crate) fn expire_output(&mut self, now: i64, present: &[u64]) -> Vec<PathBuf> {
+        let Some(keep) = self.config.output_retention else {
+            return Vec::new();
+        };
+        let cutoff = now.saturating_sub(millis(keep));
+        let mut remove = Vec::new();
+        for &id in present {
+            let Some(job) = self.jobs.get_mut(&id) else {
+                continue;
+            };
+            if job.output_deleted_ms.is_none() {
+                let Some(ended) = job.end_ms.filter(|&e| job.state.is_final() && e < cutoff) else {
+                    continue;
+                };
+                job.output_deleted_ms = Some(now);
+                job.note(
+                    now,
+                    format!(
+                        "its stored output was deleted, {} days after the job ended (server.job_output_days)",
+                        (now - ended) / DAY_MS
+                    ),
+                );
+                self.dirty_jobs.insert(id);
+            }
+            remove.push(self.logs_dir.join(id.to_string()));
+        }
+        remove
+    }
+
+    /// Where job output is stored: one directory per job, named by its id.
+    pub(crate) fn logs_dir(&self) -> PathBuf {
+        self.logs_dir.clone()
+    }
+}
+
+const DAY_MS: i64 = 86_400_000;
 
 /// Most bytes of output one `GET /v1/jobs/{id}/logs` answers; readers page with `offset`.
 pub const LOG_PAGE: u64 = 4 << 20;

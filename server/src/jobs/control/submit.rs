@@ -253,6 +253,7 @@ impl Control {
             allocations: Vec::new(),
             master_port: None,
             stopping: Vec::new(),
+            output_deleted_ms: None,
         };
         record.note(now, "submitted");
         let waits = self.dependencies(&record.request) != Deps::Met;

@@ -1284,3 +1284,149 @@ async fn a_job_stopped_for_another_gets_at_most_the_preemption_grace() {
         .collect();
     assert_eq!(grace, vec![(own, 1, 3600)]);
 }
+
+/// Job output is kept `server.job_output_days` after the job ended, then deleted by the
+/// server's own ticker (virtual time): the directory goes, the record stays and says so on its
+/// timeline, `perch logs` is answered "deleted" (not an empty log), a restarted server still
+/// knows, and output an agent ships for the job afterwards is not stored again. A job still
+/// running, however old, and one that ended within the retention keep theirs.
+#[tokio::test(start_paused = true)]
+async fn output_is_deleted_after_the_retention_and_the_record_says_so() {
+    use perch_model::control::LogStream;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let clock = crate::clock::Clock::manual(T0);
+    let open = || {
+        let (tx, _rx) = JobService::event_channel();
+        let config = JobsConfig {
+            clock: clock.clone(),
+            output_retention: Some(Duration::from_secs(30 * 86_400)),
+            ..JobsConfig::default()
+        };
+        JobService::open(dir.path(), config, tx).expect("jobs")
+    };
+    let jobs = open();
+    let sync_now = |jobs: &JobService, extra: serde_json::Value| {
+        let jobs = jobs.clone();
+        async move {
+            let mut req = json!({ "node": "a", "gpus": 2, "gpu_model": "Test H100" });
+            if let (Some(r), Some(e)) = (req.as_object_mut(), extra.as_object()) {
+                r.extend(e.clone());
+            }
+            let req: SyncRequest = serde_json::from_value(req).expect("sync request");
+            jobs.run(move |c, now| c.sync(req, now))
+                .await
+                .expect("sync")
+        }
+    };
+    let submit_now = |jobs: &JobService| {
+        let jobs = jobs.clone();
+        async move {
+            let request: crate::jobs::spec::JobRequest = serde_json::from_value(
+                json!({ "command": ["train"], "user": "bob", "gpus_per_node": 1 }),
+            )
+            .expect("request");
+            jobs.run(move |c, now| c.submit(request, now))
+                .await
+                .expect("submit")[0]
+                .id
+        }
+    };
+    let chunk = |id: u64, data: &str| json!({ "job": id, "attempt": 1, "stream": "stdout", "offset": 0, "data": data });
+    sync_now(&jobs, json!({})).await;
+    let (old, running) = (submit_now(&jobs).await, submit_now(&jobs).await);
+    assert_eq!(sync_now(&jobs, json!({})).await.start.len(), 2);
+    clock.advance(SECOND);
+    sync_now(
+        &jobs,
+        json!({
+            "running": [{ "job": running, "attempt": 1 }],
+            "exited": [{ "job": old, "attempt": 1, "code": 0, "output_bytes": [6, 0] }],
+            "logs": [chunk(old, "hello\n"), chunk(running, "still\n")],
+        }),
+    )
+    .await;
+    let read = |jobs: &JobService, id: u64| {
+        let jobs = jobs.clone();
+        async move {
+            jobs.run(move |c, _| c.log_source(id, LogStream::Stdout, None, None))
+                .await
+                .map(|s| s.read(0, LOG_PAGE).expect("read").data)
+        }
+    };
+    assert_eq!(read(&jobs, old).await.expect("kept"), b"hello\n");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let ticker = tokio::spawn(jobs.clone().run_ticker(async {
+        let _ = stopped.await;
+    }));
+    // 29 days on: within the retention, the output stays.
+    let keep_running = |jobs: &JobService| {
+        sync_now(
+            jobs,
+            json!({ "running": [{ "job": running, "attempt": 1 }] }),
+        )
+    };
+    clock.advance(29 * 86_400 * SECOND);
+    keep_running(&jobs).await;
+    let recent = submit_now(&jobs).await;
+    tokio::time::sleep(crate::jobs::OUTPUT_EXPIRY_PERIOD + Duration::from_secs(1)).await;
+    assert_eq!(read(&jobs, old).await.expect("kept"), b"hello\n");
+    // The third job runs and ends now, with output of its own.
+    assert_eq!(sync_now(&jobs, json!({})).await.start.len(), 1);
+    sync_now(
+        &jobs,
+        json!({
+            "running": [{ "job": running, "attempt": 1 }],
+            "exited": [{ "job": recent, "attempt": 1, "code": 0 }],
+            "logs": [chunk(recent, "fresh\n")],
+        }),
+    )
+    .await;
+    // Past 30 days after the first job ended: its output is deleted at the next check.
+    clock.advance(2 * 86_400 * SECOND);
+    keep_running(&jobs).await;
+    tokio::time::sleep(crate::jobs::OUTPUT_EXPIRY_PERIOD + Duration::from_secs(1)).await;
+    let logs = dir.path().join("logs");
+    assert!(
+        !logs.join(old.to_string()).exists(),
+        "the directory is gone"
+    );
+    match read(&jobs, old).await {
+        Err(e @ ControlError::OutputDeleted { days: 31, .. }) => {
+            let says = e.to_string();
+            assert!(says.contains("server.job_output_days"), "{says}");
+            let api = crate::ApiError::from(e);
+            assert_eq!(
+                (api.status.as_u16(), api.code.as_str()),
+                (410, "output_deleted")
+            );
+        }
+        other => panic!("expected output_deleted, got {other:?}"),
+    }
+    let record = job(&jobs, old).await;
+    assert_eq!(record.state, JobState::Completed, "the record stays");
+    assert!(record.output_deleted_ms.is_some());
+    assert!(
+        record
+            .timeline
+            .iter()
+            .any(|t| t.event.contains("output was deleted, 31 days after")),
+        "{:?}",
+        record.timeline
+    );
+    assert_eq!(read(&jobs, running).await.expect("running"), b"still\n");
+    assert_eq!(read(&jobs, recent).await.expect("recent"), b"fresh\n");
+    // Output the agent ships for it now is answered (it may free its disk) and not stored.
+    let late = sync_now(&jobs, json!({ "logs": [chunk(old, "late!!\n")] })).await;
+    assert_eq!(late.log_offsets, vec![(old, LogStream::Stdout, 7)]);
+    assert!(!logs.join(old.to_string()).exists(), "not stored again");
+    let _ = stop.send(());
+    ticker.await.expect("ticker");
+    // A restarted server knows it was deleted.
+    drop(jobs);
+    let jobs = open();
+    assert!(matches!(
+        read(&jobs, old).await,
+        Err(ControlError::OutputDeleted { .. })
+    ));
+    assert_eq!(read(&jobs, recent).await.expect("recent"), b"fresh\n");
+}
