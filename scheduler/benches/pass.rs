@@ -218,3 +218,49 @@ fn start_plan(bencher: divan::Bencher) {
     println!("start_plan: {estimated} of the first 1,000 pending jobs get an estimate");
     bencher.bench_local(|| divan::black_box(s.start_plan(now, 1_000, None).estimate().len()));
 }
+
+/// A pass over a queue no node can serve: 20,000 pending jobs asking 16 GPUs of one node on
+/// the 4,000 nodes of 8 (an array submitted with a typo), beside half the cluster's GPUs free.
+/// No reservation forms, so the pass reaches every one of them.
+#[divan::bench(sample_count = 20)]
+fn unsatisfiable_queue(bencher: divan::Bencher) {
+    let mut cluster = Cluster::new();
+    for i in 0..4_000u32 {
+        let _ = cluster.add_node(NodeSpec::new(
+            &format!("node{:04}", i + 1),
+            8,
+            "H100",
+            &format!("rack{:03}", i / 32),
+        ));
+    }
+    let mut s = Scheduler::new(cluster, Config::perch(Vec::new()));
+    let one_node = |gpus_per_node| Shape {
+        nodes: 1,
+        gpus_per_node,
+    };
+    for id in 1..=4_000u64 {
+        let _ = s.handle(0, Event::Submit(job(id, one_node(4), id % 40, 600, 0)));
+    }
+    let _ = s.schedule(0);
+    for id in 4_001..=24_000u64 {
+        let _ = s.handle(
+            MINUTE,
+            Event::Submit(job(id, one_node(16), id % 40, 600, MINUTE)),
+        );
+    }
+    let now = 2 * MINUTE;
+    let _ = s.schedule(now);
+    println!(
+        "unsatisfiable_queue: {} running, {} pending, {} free GPUs",
+        s.running_len(),
+        s.pending_len(),
+        s.cluster().free_gpus()
+    );
+    bencher
+        .with_inputs(|| s.clone())
+        .bench_local_values(|mut s| {
+            let actions = s.schedule(now + MINUTE);
+            divan::black_box(actions.len());
+            s
+        });
+}

@@ -6,8 +6,8 @@ mod common;
 
 use common::{exit, one, preempted, spec, started};
 use perch_scheduler::{
-    Account, Action, Cluster, Config, EndState, Event, GpuHealth, IdleAction, JobId, MINUTE,
-    NodeId, PendingReason, PreemptReason, RequeueReason, Scheduler,
+    Account, Action, Cluster, Config, EndState, Event, GpuHealth, GpuModel, IdleAction, JobId,
+    MINUTE, NodeId, NodeSpec, PendingReason, PreemptReason, RequeueReason, Scheduler,
 };
 
 fn sched(nodes: u32, config: Config) -> Scheduler {
@@ -616,6 +616,55 @@ fn impossible_gangs_do_not_block_fifo() {
     assert_eq!(started(&a), vec![2]);
     assert_eq!(
         s.pending_reason(JobId(1)),
+        Some(PendingReason::Unsatisfiable)
+    );
+}
+
+/// Whether any node could ever run a job is worked out once per pass for each kind of request
+/// (its gang, its model, its share's memory), and requests that differ in any of them get
+/// their own answer: on a full cluster, hundreds of 16-GPU tasks on 8-GPU nodes and a job
+/// for a model the fleet lacks can never run, while the same gang on the fleet's model waits
+/// for GPUs with a reservation; a node of 16 GPUs joining makes the first kind runnable.
+#[test]
+fn what_no_node_can_run_is_known_per_kind_of_request() {
+    let mut s = sched(2, Config::backfill());
+    let a = step(&mut s, 0, Event::Submit(one(1, 8, "a", 60, 0)));
+    let b = step(&mut s, 0, Event::Submit(one(2, 8, "a", 60, 0)));
+    assert_eq!([started(&a), started(&b)], [vec![1], vec![2]]);
+    let too_big = 3..203;
+    for id in too_big.clone() {
+        step(&mut s, 1, Event::Submit(one(id, 16, "a", 60, 1)));
+    }
+    let on_model = |id, model: &str| {
+        let mut j = one(id, 8, "a", 60, 2);
+        j.gpu_model = Some(GpuModel(model.into()));
+        j
+    };
+    step(&mut s, 2, Event::Submit(on_model(203, "A100")));
+    step(&mut s, 2, Event::Submit(on_model(204, "H100")));
+    for job in [too_big.start, too_big.end - 1, 203] {
+        assert_eq!(
+            s.pending_reason(JobId(job)),
+            Some(PendingReason::Unsatisfiable),
+            "job {job}"
+        );
+    }
+    assert!(
+        matches!(
+            s.pending_reason(JobId(204)),
+            Some(PendingReason::Reserved { .. })
+        ),
+        "{:?}",
+        s.pending_reason(JobId(204))
+    );
+    let a = step(
+        &mut s,
+        3,
+        Event::AddNode(NodeSpec::new("big", 16, "H100", "r9")),
+    );
+    assert_eq!(started(&a), vec![too_big.start]);
+    assert_eq!(
+        s.pending_reason(JobId(203)),
         Some(PendingReason::Unsatisfiable)
     );
 }

@@ -187,9 +187,11 @@ impl Control {
     }
 
     /// Hands held jobs whose dependencies are now met to the scheduler, and cancels those
-    /// whose dependencies can never be met.
+    /// whose dependencies can never be met. One scheduling pass for all it hands over: an
+    /// array of 10,000 tasks waiting on one job is released at once.
     pub(super) fn release_held(&mut self, now: i64) -> Result<(), ControlError> {
         let held: Vec<u64> = self.held.iter().copied().collect();
+        let mut released = false;
         for id in held {
             let Some(job) = self.jobs.get(&id) else {
                 continue;
@@ -202,8 +204,9 @@ impl Control {
                     if let Some(j) = self.jobs.get_mut(&id) {
                         j.note(now, "dependencies met");
                     }
-                    let actions = self.scheduler.step(now, Event::Submit(spec))?;
+                    let actions = self.scheduler.handle(now, Event::Submit(spec))?;
                     self.apply(now, actions);
+                    released = true;
                 }
                 Deps::Never(why) => {
                     self.held.remove(&id);
@@ -217,6 +220,10 @@ impl Control {
                     self.job_ended_event(now, id, false);
                 }
             }
+        }
+        if released {
+            let actions = self.scheduler.schedule(now);
+            self.apply(now, actions);
         }
         Ok(())
     }
@@ -313,7 +320,11 @@ impl Control {
             self.dirty_jobs.insert(id);
             self.job_ended_event(now, id, true);
         } else {
-            let actions = self.scheduler.step(now, Event::Cancel(JobId(id)))?;
+            // No pass of its own: the ticker's, within a second, gives the GPUs of a job that
+            // ran to the next. A pass reaches every pending job, so cancelling an array of
+            // 100,000 pending tasks one by one took a pass each, and minutes of the control
+            // plane.
+            let actions = self.scheduler.handle(now, Event::Cancel(JobId(id)))?;
             self.apply(now, actions);
         }
         self.release_held(now)?;

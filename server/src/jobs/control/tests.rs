@@ -1430,3 +1430,93 @@ async fn output_is_deleted_after_the_retention_and_the_record_says_so() {
     ));
     assert_eq!(read(&jobs, recent).await.expect("recent"), b"fresh\n");
 }
+
+/// A cancel runs no scheduling pass of its own (a pass reaches every pending job, so
+/// cancelling 100,000 pending tasks one by one cost minutes of the control plane): the
+/// ticker's next pass, within a second, gives a cancelled job's GPU to the next job. And the
+/// tasks of an array held on another job's success are handed to the scheduler together when
+/// it succeeds, and start in one pass.
+#[tokio::test]
+async fn a_cancelled_jobs_gpu_goes_to_the_next_job_at_the_next_tick() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    sync(&jobs, "a", T0, &[], &[]).await;
+    let first = submit(&jobs, json!({ "command": ["train"], "user": "bob" }), T0).await;
+    let array = json!({ "command": ["eval"], "user": "bob", "array": 3, "after_ok": [first] });
+    let held = submit(&jobs, array, T0).await;
+    let second = submit(&jobs, json!({ "command": ["train"], "user": "bob" }), T0).await;
+    assert_eq!(sync(&jobs, "a", T0 + SECOND, &[], &[]).await.start.len(), 1);
+    jobs.run(move |c, _| c.cancel(second, "bob", T0 + 2 * SECOND))
+        .await
+        .expect("cancel the pending one");
+    assert_eq!(job(&jobs, second).await.state, JobState::Cancelled);
+    // The running one: cancelled at once, its GPU handed on by the next tick's pass.
+    jobs.run(move |c, _| c.cancel(first, "bob", T0 + 3 * SECOND))
+        .await
+        .expect("cancel the running one");
+    assert_eq!(job(&jobs, first).await.state, JobState::Cancelled);
+    // Its array, held on its success, can never run now.
+    for task in held..held + 3 {
+        assert_eq!(job(&jobs, task).await.state, JobState::Cancelled);
+    }
+    let again = submit(
+        &jobs,
+        json!({ "command": ["train"], "user": "bob" }),
+        T0 + 4 * SECOND,
+    )
+    .await;
+    let r = sync(&jobs, "a", T0 + 4 * SECOND, &[], &[(first, 1, 143)]).await;
+    assert_eq!(
+        r.start.iter().map(|s| s.job).collect::<Vec<_>>(),
+        vec![again],
+        "the submission's own pass starts it"
+    );
+    // Three tasks held on a job that succeeds start together on a node of three GPUs.
+    sync_with(&jobs, "b", T0 + 5 * SECOND, &[], &[], json!({ "gpus": 3 })).await;
+    let gate = submit(
+        &jobs,
+        json!({ "command": ["prep"], "user": "bob" }),
+        T0 + 5 * SECOND,
+    )
+    .await;
+    let array = json!({ "command": ["eval"], "user": "bob", "array": 3, "after_ok": [gate] });
+    let tasks = submit(&jobs, array, T0 + 5 * SECOND).await;
+    let on_b = sync_with(&jobs, "b", T0 + 6 * SECOND, &[], &[], json!({ "gpus": 3 })).await;
+    assert_eq!(
+        on_b.start.iter().map(|s| s.job).collect::<Vec<_>>(),
+        vec![gate]
+    );
+    sync_with(
+        &jobs,
+        "b",
+        T0 + 7 * SECOND,
+        &[],
+        &[(gate, 1, 0)],
+        json!({ "gpus": 3 }),
+    )
+    .await;
+    let on_b = sync_with(&jobs, "b", T0 + 8 * SECOND, &[], &[], json!({ "gpus": 3 })).await;
+    assert_eq!(
+        on_b.start.iter().map(|s| s.job).collect::<Vec<_>>(),
+        (tasks..tasks + 3).collect::<Vec<_>>()
+    );
+    // A running job cancelled with a pending one behind it: the tick hands its GPU on.
+    let waiting = submit(
+        &jobs,
+        json!({ "command": ["train"], "user": "bob" }),
+        T0 + 9 * SECOND,
+    )
+    .await;
+    assert_eq!(job(&jobs, waiting).await.state, JobState::Pending);
+    jobs.run(move |c, _| c.cancel(again, "bob", T0 + 10 * SECOND))
+        .await
+        .expect("cancel");
+    sync(&jobs, "a", T0 + 10 * SECOND, &[], &[(again, 1, 143)]).await;
+    assert_eq!(job(&jobs, waiting).await.state, JobState::Pending);
+    tick(&jobs, T0 + 11 * SECOND).await;
+    let r = sync(&jobs, "a", T0 + 11 * SECOND, &[], &[]).await;
+    assert_eq!(
+        r.start.iter().map(|s| s.job).collect::<Vec<_>>(),
+        vec![waiting]
+    );
+}
