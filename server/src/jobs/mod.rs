@@ -339,8 +339,9 @@ impl JobService {
     /// and removed outside the control lock, only the marking takes it. Returns how many
     /// directories were removed.
     pub async fn expire_output(&self) -> Result<usize, ControlError> {
-        let dir = lock(&self.control).logs_dir();
+        let control = self.control.clone();
         let present = tokio::task::spawn_blocking(move || -> std::io::Result<Vec<u64>> {
+            let dir = lock(&control).logs_dir();
             match std::fs::read_dir(&dir) {
                 Ok(entries) => Ok(entries
                     .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
@@ -376,10 +377,13 @@ impl JobService {
     }
 
     /// Ticks the control plane every second until `shutdown`, and deletes expired job output
-    /// every [`OUTPUT_EXPIRY_PERIOD`] (first at start).
+    /// every [`OUTPUT_EXPIRY_PERIOD`] (first at start) in a task of its own, one at a time: a
+    /// server upgraded with years of output to delete keeps ticking (time limits, silent
+    /// nodes) while it does.
     pub async fn run_ticker(self, shutdown: impl std::future::Future<Output = ()>) {
         let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
         let mut expiry = tokio::time::interval(OUTPUT_EXPIRY_PERIOD);
+        let expiring = Arc::new(std::sync::atomic::AtomicBool::new(false));
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
@@ -389,11 +393,20 @@ impl JobService {
                         tracing::error!(error = %e, "job control tick failed");
                     }
                 }
-                _ = expiry.tick() => match self.expire_output().await {
-                    Ok(0) => {}
-                    Ok(n) => tracing::info!(jobs = n, "deleted the stored output of jobs that ended longer ago than server.job_output_days"),
-                    Err(e) => tracing::error!(error = %e, "deleting expired job output failed"),
-                },
+                _ = expiry.tick() => {
+                    use std::sync::atomic::Ordering;
+                    if !expiring.swap(true, Ordering::AcqRel) {
+                        let (service, expiring) = (self.clone(), expiring.clone());
+                        tokio::spawn(async move {
+                            match service.expire_output().await {
+                                Ok(0) => {}
+                                Ok(n) => tracing::info!(jobs = n, "deleted the stored output of jobs that ended longer ago than server.job_output_days"),
+                                Err(e) => tracing::error!(error = %e, "deleting expired job output failed"),
+                            }
+                            expiring.store(false, Ordering::Release);
+                        });
+                    }
+                }
             }
         }
     }

@@ -150,13 +150,16 @@ impl Control {
     /// output), marks those that ended longer than [`JobsConfig::output_retention`] ago as
     /// deleted, with a note on their timeline, and returns the directories to remove: theirs,
     /// and those of jobs marked before (a server stopped between marking and removing).
-    /// The caller removes them outside the control lock; the records stay.
+    /// The caller removes them outside the control lock; the records stay. It marks at most
+    /// [`EXPIRED_PER_CHECK`] a call, so a backlog (a server upgraded with years of output) is
+    /// worked off over several checks instead of in one lock hold and one commit.
     pub(crate) fn expire_output(&mut self, now: i64, present: &[u64]) -> Vec<PathBuf> {
         let Some(keep) = self.config.output_retention else {
             return Vec::new();
         };
         let cutoff = now.saturating_sub(millis(keep));
         let mut remove = Vec::new();
+        let mut marked = 0;
         for &id in present {
             let Some(job) = self.jobs.get_mut(&id) else {
                 continue;
@@ -165,6 +168,10 @@ impl Control {
                 let Some(ended) = job.end_ms.filter(|&e| job.state.is_final() && e < cutoff) else {
                     continue;
                 };
+                if marked == EXPIRED_PER_CHECK {
+                    continue;
+                }
+                marked += 1;
                 job.output_deleted_ms = Some(now);
                 job.note(
                     now,
@@ -187,6 +194,9 @@ impl Control {
 }
 
 const DAY_MS: i64 = 86_400_000;
+
+/// Most jobs whose output one check deletes ([`Control::expire_output`]).
+pub(crate) const EXPIRED_PER_CHECK: usize = 1_000;
 
 /// Most bytes of output one `GET /v1/jobs/{id}/logs` answers; readers page with `offset`.
 pub const LOG_PAGE: u64 = 4 << 20;

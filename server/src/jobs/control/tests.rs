@@ -1520,3 +1520,52 @@ async fn a_cancelled_jobs_gpu_goes_to_the_next_job_at_the_next_tick() {
         vec![waiting]
     );
 }
+
+/// A backlog of expired output (a server upgraded with years of it) is worked off at most
+/// `EXPIRED_PER_CHECK` jobs a check, so no check holds the control lock for all of it; a job
+/// marked before whose directory is still there is removed again without counting.
+#[tokio::test]
+async fn expired_output_is_worked_off_a_bounded_number_of_jobs_a_check() {
+    use super::logs::EXPIRED_PER_CHECK;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    let count = EXPIRED_PER_CHECK as u64 + 1;
+    let first = submit(
+        &jobs,
+        json!({ "command": ["train"], "user": "bob", "array": count }),
+        T0,
+    )
+    .await;
+    let ids: Vec<u64> = (first..first + count).collect();
+    for &id in &ids {
+        jobs.run(move |c, _| c.cancel(id, "bob", T0 + SECOND))
+            .await
+            .expect("cancel");
+    }
+    let later = T0 + 31 * 86_400 * SECOND;
+    let check = |ids: Vec<u64>| {
+        let jobs = jobs.clone();
+        async move {
+            jobs.run(move |c, _| Ok(c.expire_output(later, &ids)))
+                .await
+                .expect("expire")
+        }
+    };
+    assert_eq!(check(ids.clone()).await.len(), EXPIRED_PER_CHECK);
+    assert!(job(&jobs, ids[0]).await.output_deleted_ms.is_some());
+    assert!(
+        job(&jobs, ids[ids.len() - 1])
+            .await
+            .output_deleted_ms
+            .is_none()
+    );
+    // The first check's directories still there (say their removal failed): removed again,
+    // and the last job is marked now.
+    assert_eq!(check(ids.clone()).await.len(), ids.len());
+    assert!(
+        job(&jobs, ids[ids.len() - 1])
+            .await
+            .output_deleted_ms
+            .is_some()
+    );
+}
