@@ -383,7 +383,7 @@ impl JobService {
     pub async fn run_ticker(self, shutdown: impl std::future::Future<Output = ()>) {
         let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
         let mut expiry = tokio::time::interval(OUTPUT_EXPIRY_PERIOD);
-        let expiring = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut expiring: Option<tokio::task::JoinHandle<()>> = None;
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
@@ -394,17 +394,16 @@ impl JobService {
                     }
                 }
                 _ = expiry.tick() => {
-                    use std::sync::atomic::Ordering;
-                    if !expiring.swap(true, Ordering::AcqRel) {
-                        let (service, expiring) = (self.clone(), expiring.clone());
-                        tokio::spawn(async move {
+                    // One at a time: a check still deleting a backlog is not joined by another.
+                    if expiring.as_ref().is_none_or(|task| task.is_finished()) {
+                        let service = self.clone();
+                        expiring = Some(tokio::spawn(async move {
                             match service.expire_output().await {
                                 Ok(0) => {}
                                 Ok(n) => tracing::info!(jobs = n, "deleted the stored output of jobs that ended longer ago than server.job_output_days"),
                                 Err(e) => tracing::error!(error = %e, "deleting expired job output failed"),
                             }
-                            expiring.store(false, Ordering::Release);
-                        });
+                        }));
                     }
                 }
             }
