@@ -187,6 +187,127 @@ fn tokens_decide_who_may_do_what() {
     );
 }
 
+/// A batch cancel (`perch cancel` with several ids or filters) as a hostile user and a
+/// careless one: another user's array or ids are never cancelled, whatever the filters say;
+/// an operator's filters that would reach every user are refused; each refusal says what to
+/// change.
+#[test]
+fn a_batch_cancel_reaches_only_the_callers_jobs() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = common::server_with_tokens(dir.path(), &common::role_tokens("gpu-a"));
+    let url = server.url.clone();
+    let (ok, out, err) = cli(&url, Some(ALICE), &["submit", "--array", "4", "--", "true"]);
+    assert!(ok, "{err}");
+    assert_eq!(out.trim(), "Submitted array job 1 (tasks 1-4)");
+    let (ok, out, err) = cli(&url, Some(BOB), &["submit", "--", "true"]);
+    assert!(ok && out.trim() == "Submitted job 5", "{out}{err}");
+    let state = |id: u64| -> String {
+        let (_, out, _) = cli(&url, Some(OPERATOR), &["show", &id.to_string()]);
+        out.lines()
+            .find_map(|l| l.trim().strip_prefix("State="))
+            .and_then(|l| l.split_whitespace().next())
+            .unwrap_or_default()
+            .to_owned()
+    };
+
+    // Bob names Alice's array, her user, her ids among his own and a missing one.
+    let (ok, _, err) = cli(&url, Some(BOB), &["cancel", "--array", "1"]);
+    assert!(!ok && err.contains("array 1 belongs to alice"), "{err}");
+    let (ok, _, err) = cli(&url, Some(BOB), &["cancel", "--user", "alice"]);
+    assert!(
+        !ok && err.contains("bob may cancel only their own jobs"),
+        "{err}"
+    );
+    let (ok, out, err) = cli(&url, Some(BOB), &["cancel", "1", "2", "5", "999"]);
+    assert!(!ok, "{out}");
+    assert_eq!(out.trim(), "job 5: cancelled");
+    for said in [
+        "job 1: belongs to alice",
+        "job 2: belongs to alice",
+        "job 999: no job 999",
+        "3 of 4 jobs not cancelled",
+    ] {
+        assert!(err.contains(said), "{said:?} in {err}");
+    }
+    assert_eq!(
+        (state(1), state(2), state(5)),
+        ("pending".into(), "pending".into(), "cancelled".into())
+    );
+    // His filters reach his own jobs only: none are left.
+    let (ok, out, err) = cli(&url, Some(BOB), &["cancel", "--state", "pending"]);
+    assert!(
+        ok && out.is_empty() && err.contains("no unfinished job matched"),
+        "{out}{err}"
+    );
+    assert_eq!(state(3), "pending");
+
+    // Careless: an operator's filters that would reach everyone, a finished state, nothing
+    // named, ids with filters, a body the server cannot read.
+    let (ok, _, err) = cli(&url, Some(OPERATOR), &["cancel", "--state", "pending"]);
+    assert!(
+        !ok && err.contains("would cancel every user's jobs"),
+        "{err}"
+    );
+    let (ok, _, err) = cli(&url, Some(ALICE), &["cancel", "--state", "completed"]);
+    assert!(!ok && err.contains("only pending or running jobs"), "{err}");
+    let (ok, _, err) = cli(&url, Some(ALICE), &["cancel"]);
+    assert!(!ok && err.contains("required"), "{err}");
+    let (ok, _, err) = cli(&url, Some(ALICE), &["cancel", "2", "--array", "1"]);
+    assert!(!ok && err.contains("cannot be used with"), "{err}");
+    let (ok, _, err) = cli(&url, Some(ALICE), &["cancel", "--array", "2"]);
+    assert!(!ok && err.contains("job 2 is not an array"), "{err}");
+    let post = |body: &str| {
+        let r = reqwest::blocking::Client::new()
+            .post(format!("{url}/v1/jobs/cancel"))
+            .bearer_auth(ALICE)
+            .header("content-type", "application/json")
+            .body(body.to_owned())
+            .send()
+            .expect("post");
+        (r.status().as_u16(), r.text().expect("text"))
+    };
+    for (body, said) in [
+        (r#"{"idz": [1]}"#, "unknown field `idz`"),
+        (r#"{"ids": "1"}"#, "ids"),
+        (r#"{"ids": [1], "user": "alice"}"#, "not both"),
+        (r#"{"state": "asleep"}"#, "unknown variant"),
+    ] {
+        let (status, text) = post(body);
+        assert!(
+            status == 400 && text.contains(said),
+            "{body}: {status} {text}"
+        );
+    }
+    // 100,000 ids no job has: each reported, none cancelled, nothing else touched.
+    let many: Vec<u64> = (1_000_000..1_100_000).collect();
+    let (status, text) = post(&serde_json::json!({ "ids": many }).to_string());
+    assert_eq!(status, 200, "{text}");
+    let out: serde_json::Value = serde_json::from_str(&text).expect("json");
+    assert_eq!(out["not_found"].as_array().map(Vec::len), Some(100_000));
+    assert_eq!(out["cancelled"], serde_json::json!([]));
+
+    // Alice cancels her whole array in one command; a task names its array.
+    let (ok, shown, _) = cli(&url, Some(ALICE), &["show", "3"]);
+    assert!(
+        ok && shown.contains("ArrayJobId=1 ArrayTaskId=2"),
+        "{shown}"
+    );
+    let (ok, out, err) = cli(&url, Some(ALICE), &["cancel", "--array", "1"]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        [
+            "job 1: cancelled",
+            "job 2: cancelled",
+            "job 3: cancelled",
+            "job 4: cancelled"
+        ]
+    );
+    for id in 1..=4 {
+        assert_eq!(state(id), "cancelled");
+    }
+}
+
 #[test]
 fn open_mode_refuses_to_listen_beyond_loopback() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -523,6 +644,12 @@ fn every_role_reaches_exactly_the_routes_the_table_gives() {
             [false, true, true, false],
         ),
         ("GET", "/v1/jobs/999/logs", "", [false, true, true, false]),
+        (
+            "POST",
+            "/v1/jobs/cancel",
+            r#"{"ids": [999]}"#,
+            [false, true, true, false],
+        ),
         ("GET", "/v1/queue", "", [false, true, true, false]),
         ("GET", "/v1/nodes", "", [false, true, true, false]),
         (

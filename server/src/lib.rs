@@ -211,6 +211,7 @@ pub fn router(state: AppState) -> Router {
             "/v1/jobs",
             post(jobs::routes::submit).get(jobs::routes::list),
         )
+        .route("/v1/jobs/cancel", post(jobs::routes::cancel_many))
         .route("/v1/jobs/{id}", get(jobs::routes::show))
         .route("/v1/jobs/{id}/cancel", post(jobs::routes::cancel))
         .route("/v1/jobs/{id}/logs", get(jobs::routes::logs))
@@ -336,6 +337,11 @@ pub const ROUTES: &[(&str, &str, &str)] = &[
         "one job: state, reason, placement, timeline, live GPU use",
     ),
     ("POST", "/v1/jobs/{id}/cancel", "cancel a job"),
+    (
+        "POST",
+        "/v1/jobs/cancel",
+        "cancel many jobs: body {\"ids\": [...]} or filters {\"array\", \"user\", \"account\", \"name\", \"state\"}",
+    ),
     (
         "GET",
         "/v1/jobs/{id}/logs",

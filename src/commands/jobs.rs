@@ -149,12 +149,32 @@ pub struct JobIdArgs {
 }
 
 #[derive(Debug, Args)]
+#[command(group(
+    clap::ArgGroup::new("which")
+        .required(true)
+        .multiple(true)
+        .args(["ids", "array", "user", "account", "name", "state"])
+))]
 pub struct CancelArgs {
     #[command(flatten)]
     server: ServerArg,
-    /// Job ids.
-    #[arg(required = true)]
+    /// Job ids (or filters instead: every unfinished job that matches all of them).
+    #[arg(conflicts_with_all = ["array", "user", "account", "name", "state"])]
     ids: Vec<u64>,
+    /// Every unfinished task of this array (its id, as `perch submit --array` printed it).
+    #[arg(long)]
+    array: Option<u64>,
+    /// This user's jobs (yours unless you are an operator).
+    #[arg(long, short = 'u')]
+    user: Option<String>,
+    #[arg(long, short = 'A')]
+    account: Option<String>,
+    /// Jobs of this name (an array's tasks answer to their array's name).
+    #[arg(long, short = 'n')]
+    name: Option<String>,
+    /// pending or running.
+    #[arg(long, short = 't')]
+    state: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -581,6 +601,13 @@ pub fn show(args: JobIdArgs, config_file: Option<&ConfigFile>) -> Result<()> {
         s(&r["user"]),
         s(&r["account"])
     );
+    if let Some(task) = j["array"].as_object() {
+        // Slurm's ArrayJobId and ArrayTaskId.
+        println!(
+            "   ArrayJobId={} ArrayTaskId={}",
+            task["job_id"], task["task_id"]
+        );
+    }
     println!(
         "   State={} Reason={} ExitCode={}",
         s(&j["state"]),
@@ -697,13 +724,107 @@ pub fn show(args: JobIdArgs, config_file: Option<&ConfigFile>) -> Result<()> {
     Ok(())
 }
 
+/// Cancels in one request (`POST /v1/jobs/cancel`), then says what became of each job: one
+/// line a job for a few, a count and the ids for many. Fails if a named job was not found,
+/// was not the caller's or had ended: the others are cancelled all the same.
 pub fn cancel(args: CancelArgs, config_file: Option<&ConfigFile>) -> Result<()> {
     let api = Api::new(&args.server, config_file)?;
-    for id in args.ids {
-        let j = api.post(&format!("/v1/jobs/{id}/cancel"), &Value::Null)?;
-        println!("job {id}: {}", s(&j["state"]));
+    let mut body = serde_json::Map::new();
+    if !args.ids.is_empty() {
+        body.insert("ids".into(), args.ids.clone().into());
+    }
+    let filters = [
+        ("array", args.array.map(Value::from)),
+        ("user", args.user.map(Value::from)),
+        ("account", args.account.map(Value::from)),
+        ("name", args.name.map(Value::from)),
+        ("state", args.state.map(Value::from)),
+    ];
+    for (key, value) in filters {
+        if let Some(v) = value {
+            body.insert(key.into(), v);
+        }
+    }
+    let out = api.post("/v1/jobs/cancel", &Value::Object(body))?;
+    let ids = |key: &str| -> Vec<u64> {
+        out[key]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_u64)
+            .collect()
+    };
+    let cancelled = ids("cancelled");
+    if cancelled.len() <= 20 {
+        for id in &cancelled {
+            println!("job {id}: cancelled");
+        }
+    } else {
+        println!(
+            "cancelled {} jobs: {}",
+            cancelled.len(),
+            id_ranges(&cancelled)
+        );
+    }
+    let mut failed = 0;
+    for ended in out["already_ended"].as_array().into_iter().flatten() {
+        eprintln!(
+            "job {}: already ended ({})",
+            ended["id"],
+            s(&ended["state"])
+        );
+        failed += 1;
+    }
+    for id in ids("not_found") {
+        eprintln!("job {id}: no job {id}; `perch jobs --all` lists them");
+        failed += 1;
+    }
+    for job in out["forbidden"].as_array().into_iter().flatten() {
+        eprintln!(
+            "job {}: belongs to {}; only its owner or an operator may cancel it",
+            job["id"],
+            s(&job["user"])
+        );
+        failed += 1;
+    }
+    if args.ids.is_empty() {
+        if cancelled.is_empty() && failed == 0 {
+            eprintln!("no unfinished job matched; `perch jobs` lists yours");
+        }
+        // Filters name no ended job: one that ended while the cancel ran is not a failure.
+        return Ok(());
+    }
+    if failed > 0 {
+        bail!("{failed} of {} jobs not cancelled", args.ids.len());
     }
     Ok(())
+}
+
+/// Ids as ranges: `3-7, 9, 12-40`, at most ten ranges (then how many more ids).
+fn id_ranges(ids: &[u64]) -> String {
+    let mut ranges: Vec<(u64, u64)> = Vec::new();
+    for &id in ids {
+        match ranges.last_mut() {
+            Some((_, end)) if id == *end + 1 => *end = id,
+            _ => ranges.push((id, id)),
+        }
+    }
+    let mut text: Vec<String> = ranges
+        .iter()
+        .take(10)
+        .map(|&(a, b)| {
+            if a == b {
+                a.to_string()
+            } else {
+                format!("{a}-{b}")
+            }
+        })
+        .collect();
+    if ranges.len() > 10 {
+        let shown: u64 = ranges[..10].iter().map(|(a, b)| b - a + 1).sum();
+        text.push(format!("and {} more", ids.len() as u64 - shown));
+    }
+    text.join(", ")
 }
 
 pub fn logs(args: LogsArgs, config_file: Option<&ConfigFile>) -> Result<()> {

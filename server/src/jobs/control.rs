@@ -5,6 +5,7 @@
 //! database before it returns. The core itself stays pure; this module is its I/O.
 
 mod apply;
+mod cancel;
 #[cfg(test)]
 mod fleet_model;
 mod ledger;
@@ -20,12 +21,13 @@ mod sync;
 mod tests;
 mod views;
 
+pub use cancel::{CancelOutcome, CancelSelection, EndedJob, OwnedJob};
 pub use scrape::{AllocationView, ControlSnapshot, NodeView, PendingView, UsageView};
 pub(crate) use views::NodeDetail;
 
 use super::db::{Dirty, Loaded, NodeRecord};
 use super::job_token::JobTokens;
-use super::record::{JobRecord, JobState, NodeGpus, StoppingRun};
+use super::record::{ArrayTask, JobRecord, JobState, NodeGpus, StoppingRun};
 use super::spec::{FieldError, JobRequest};
 use perch_model::AgentLiveness;
 use perch_model::control::{
@@ -49,6 +51,10 @@ pub enum ControlError {
     Invalid(#[from] FieldError),
     #[error("no job {0}; `perch jobs` lists them")]
     NoSuchJob(u64),
+    #[error(
+        "job {0} is not an array: an array's id is its first task's, as `perch submit --array` printed it (`perch show` gives a task's array)"
+    )]
+    NoSuchArray(u64),
     #[error("job {id} already ended ({state})")]
     AlreadyEnded { id: u64, state: &'static str },
     #[error("no node {0:?}; `perch nodes` lists them")]

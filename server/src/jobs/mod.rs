@@ -13,8 +13,9 @@ pub mod spec;
 
 use control::Control;
 pub use control::{
-    AllocationView, ControlError, ControlSnapshot, DEFAULT_LEASE, DEFAULT_MAX_PENDING_PER_USER,
-    DEFAULT_OUTPUT_RETENTION, JobsConfig, NodeView, PendingView, UsageView,
+    AllocationView, CancelOutcome, CancelSelection, ControlError, ControlSnapshot, DEFAULT_LEASE,
+    DEFAULT_MAX_PENDING_PER_USER, DEFAULT_OUTPUT_RETENTION, JobsConfig, NodeView, PendingView,
+    UsageView,
 };
 use record::JobRecord;
 use spec::JobRequest;
@@ -71,6 +72,9 @@ pub const OUTPUT_EXPIRY_PERIOD: std::time::Duration = std::time::Duration::from_
 
 /// Array tasks added to the control plane in one step (one lock hold, one commit).
 pub(crate) const ARRAY_STEP: u32 = 500;
+
+/// Jobs cancelled in one step of a batch cancel (one lock hold, one commit).
+pub(crate) const CANCEL_STEP: usize = 1_000;
 
 /// A control-plane task that panicked or was cancelled, as the HTTP edge answers it.
 fn task_failed(e: tokio::task::JoinError) -> crate::ApiError {
@@ -334,6 +338,38 @@ impl JobService {
         .map_err(crate::ApiError::from)
     }
 
+    /// Cancels the jobs `selection` names for `who` ([`Control::cancel_targets`]),
+    /// [`CANCEL_STEP`] at a time, each step committed on its own, so agents' syncs and other
+    /// requests get the control plane between steps. Like a submission, the steps run in a
+    /// task of their own: a client that hangs up does not leave the cancel half done.
+    pub(crate) async fn cancel_many(
+        &self,
+        selection: CancelSelection,
+        who: crate::auth::Identity,
+    ) -> Result<CancelOutcome, crate::ApiError> {
+        let service = self.clone();
+        tokio::spawn(async move {
+            let who = Arc::new(who);
+            let w = who.clone();
+            let targets = service
+                .run(move |c, _| c.cancel_targets(&selection, &w))
+                .await?;
+            let mut outcome = CancelOutcome::default();
+            for step in targets.chunks(CANCEL_STEP) {
+                let (step, w) = (step.to_vec(), who.clone());
+                let done = service
+                    .run(move |c, now| c.cancel_many(&step, &w, now))
+                    .await?;
+                outcome.extend(done);
+            }
+            outcome.sort();
+            Ok::<_, ControlError>(outcome)
+        })
+        .await
+        .map_err(task_failed)?
+        .map_err(crate::ApiError::from)
+    }
+
     /// Deletes the stored output of jobs that ended longer than `server.job_output_days` ago
     /// (their records stay, marked, so `perch logs` says so): the job directories are listed
     /// and removed outside the control lock, only the marking takes it. Returns how many
@@ -430,7 +466,9 @@ impl From<ControlError> for crate::ApiError {
             ControlError::Scheduler(perch_scheduler::Error::InvalidNode { .. }) => {
                 crate::ApiError::bad_request(crate::ErrorCode::InvalidSync, message)
             }
-            ControlError::NoSuchJob(_) | ControlError::NoSuchNode(_) => {
+            ControlError::NoSuchJob(_)
+            | ControlError::NoSuchNode(_)
+            | ControlError::NoSuchArray(_) => {
                 crate::ApiError::new(StatusCode::NOT_FOUND, crate::ErrorCode::NotFound, message)
             }
             ControlError::Forbidden(_) => {

@@ -98,6 +98,17 @@ pub struct JobRecord {
     /// job ended; the record itself stays.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_deleted_ms: Option<i64>,
+    /// The array this job is a task of (`perch submit --array`), `None` for a job of its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub array: Option<ArrayTask>,
+}
+
+/// A task's place in its array: the array's id (its first task's, `PERCH_ARRAY_JOB_ID`) and
+/// the task's index (`PERCH_ARRAY_TASK_ID`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArrayTask {
+    pub job_id: u64,
+    pub task_id: u32,
 }
 
 /// An attempt of a job told to stop on a node, not yet confirmed gone there.

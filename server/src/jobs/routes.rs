@@ -234,6 +234,43 @@ pub async fn cancel(
     Ok(Json(serde_json::to_value(job).unwrap_or_default()))
 }
 
+/// A batch cancel (`POST /v1/jobs/cancel`): job ids, or filters that every job to cancel
+/// matches.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CancelRequest {
+    #[serde(default)]
+    ids: Vec<u64>,
+    /// An array's id (its first task's).
+    array: Option<u64>,
+    user: Option<String>,
+    account: Option<String>,
+    name: Option<String>,
+    /// `pending` or `running`.
+    state: Option<JobState>,
+}
+
+pub async fn cancel_many(
+    State(state): State<AppState>,
+    Extension(who): Extension<Identity>,
+    payload: Result<Json<CancelRequest>, JsonRejection>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let r = body(
+        payload,
+        "cancel request (ids, or array, user, account, name, state)",
+    )?;
+    let selection = control::CancelSelection {
+        ids: r.ids,
+        array: r.array,
+        user: r.user,
+        account: r.account,
+        name: r.name,
+        state: r.state,
+    };
+    let outcome = state.jobs.cancel_many(selection, who).await?;
+    Ok(Json(serde_json::to_value(outcome).unwrap_or_default()))
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LogParams {

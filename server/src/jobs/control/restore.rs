@@ -13,10 +13,11 @@ impl Control {
         loaded: Loaded,
     ) -> Result<Control, ControlError> {
         let Loaded {
-            jobs,
+            mut jobs,
             nodes,
             node_spans,
         } = loaded;
+        let migrated = restore_arrays(&mut jobs);
         let mut c = Control {
             scheduler: Scheduler::new(Cluster::new(), config.policy.clone()),
             jobs: BTreeMap::new(),
@@ -117,6 +118,7 @@ impl Control {
                 c.queue_launches(id);
             }
         }
+        c.dirty_jobs.extend(migrated);
         c.refresh_fair_share(now_ms)?;
         for job in c.jobs.values() {
             c.pending.update(job);
@@ -201,5 +203,102 @@ impl Control {
                 })
             })
             .collect()
+    }
+}
+
+/// Gives the array tasks of a job database written before records named their array their
+/// [`ArrayTask`], from what those tasks were submitted with: `PERCH_ARRAY_JOB_ID` and
+/// `PERCH_ARRAY_TASK_ID` in their environment and `name[task]` as their name. A user may set
+/// those in a job of their own, so a task counts only where the server's ids agree (its id is
+/// the array's plus its index) and the array's first task is the same user's. Returns the
+/// jobs given one.
+fn restore_arrays(jobs: &mut [JobRecord]) -> Vec<u64> {
+    let claimed = |j: &JobRecord| -> Option<ArrayTask> {
+        let env = |k: &str| j.request.env.get(k).map(String::as_str);
+        let task = ArrayTask {
+            job_id: env("PERCH_ARRAY_JOB_ID")?.parse().ok()?,
+            task_id: env("PERCH_ARRAY_TASK_ID")?.parse().ok()?,
+        };
+        let name = j.request.name.as_deref()?;
+        (j.array.is_none()
+            && task.job_id.checked_add(u64::from(task.task_id)) == Some(j.id)
+            && name.ends_with(&format!("[{}]", task.task_id)))
+        .then_some(task)
+    };
+    let firsts: HashMap<u64, String> = jobs
+        .iter()
+        .filter(|j| claimed(j).is_some_and(|t| t.task_id == 0))
+        .map(|j| (j.id, j.request.user().to_owned()))
+        .collect();
+    let mut migrated = Vec::new();
+    for job in jobs.iter_mut() {
+        if let Some(task) = claimed(job)
+            && firsts.get(&task.job_id).map(String::as_str) == Some(job.request.user())
+        {
+            job.array = Some(task);
+            migrated.push(job.id);
+        }
+    }
+    migrated
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(id: u64, user: &str, name: &str, env: &[(&str, &str)]) -> JobRecord {
+        let env: BTreeMap<&str, &str> = env.iter().copied().collect();
+        serde_json::from_value(serde_json::json!({
+            "id": id, "state": "pending", "reason": null, "submit_ms": 0, "start_ms": null,
+            "end_ms": null, "placement": [], "attempts": 0, "requeues": 0, "preemptions": 0,
+            "exit_code": null, "timeline": [],
+            "request": { "command": ["x"], "user": user, "name": name, "env": env },
+        }))
+        .expect("record")
+    }
+
+    /// Records written before tasks named their array get it from their environment and
+    /// name, only where the server's ids agree and the array's first task is the same user's:
+    /// a job of one's own that claims to be a task of another user's array is not one.
+    #[test]
+    fn array_tasks_of_an_older_database_are_known_by_what_the_server_gave_them() {
+        let task = |id: u64, user: &str, array: u64, task: u32| {
+            let (a, t) = (array.to_string(), task.to_string());
+            let env = [
+                ("PERCH_ARRAY_JOB_ID", a.as_str()),
+                ("PERCH_ARRAY_TASK_ID", t.as_str()),
+            ];
+            record(id, user, &format!("sweep[{task}]"), &env)
+        };
+        let mut jobs = vec![
+            task(10, "alice", 10, 0),
+            task(11, "alice", 10, 1),
+            task(12, "alice", 10, 2),
+            // Claims a place its id does not have.
+            task(13, "alice", 10, 5),
+            // Another user's job dressed as a task of alice's array.
+            task(15, "bob", 10, 5),
+            // A single job with no array variables.
+            record(16, "bob", "plain", &[]),
+        ];
+        let migrated = restore_arrays(&mut jobs);
+        assert_eq!(migrated, vec![10, 11, 12]);
+        let arrays: Vec<Option<(u64, u32)>> = jobs
+            .iter()
+            .map(|j| j.array.map(|t| (t.job_id, t.task_id)))
+            .collect();
+        assert_eq!(
+            arrays,
+            vec![
+                Some((10, 0)),
+                Some((10, 1)),
+                Some((10, 2)),
+                None,
+                None,
+                None
+            ]
+        );
+        // Run again (the next start), nothing more is given one.
+        assert!(restore_arrays(&mut jobs).is_empty());
     }
 }

@@ -17,7 +17,7 @@ impl Control {
         let Some(count) = request.array else {
             self.check_submission(&request, now)?;
             let id = self.next_id;
-            self.submit_one(request, id, now, Pass::Now)?;
+            self.submit_one(request, id, None, now, Pass::Now)?;
             self.next_id += 1;
             self.release_held(now)?;
             return Ok(self.view(id).into_iter().collect());
@@ -72,7 +72,7 @@ impl Control {
             let mut r = request.clone();
             let added = if r.array.take().is_none() {
                 // A single job: no array variables, no task name.
-                self.submit_one(r, first, now, Pass::Later)
+                self.submit_one(r, first, None, now, Pass::Later)
             } else {
                 r.env.insert("PERCH_ARRAY_JOB_ID".into(), first.to_string());
                 r.env.insert("PERCH_ARRAY_TASK_ID".into(), task.to_string());
@@ -80,7 +80,11 @@ impl Control {
                     "{}[{task}]",
                     request.name.as_deref().unwrap_or("array")
                 ));
-                self.submit_one(r, first + u64::from(task), now, Pass::Later)
+                let array = ArrayTask {
+                    job_id: first,
+                    task_id: task,
+                };
+                self.submit_one(r, first + u64::from(task), Some(array), now, Pass::Later)
             };
             match added {
                 // Pending now (counted once this operation's changes are taken).
@@ -228,11 +232,12 @@ impl Control {
         Ok(())
     }
 
-    /// Adds one job with id `id` (reserved by the caller).
+    /// Adds one job with id `id` (reserved by the caller), task `array` of an array.
     pub(super) fn submit_one(
         &mut self,
         mut request: JobRequest,
         id: u64,
+        array: Option<ArrayTask>,
         now: i64,
         pass: Pass,
     ) -> Result<(), ControlError> {
@@ -261,6 +266,7 @@ impl Control {
             master_port: None,
             stopping: Vec::new(),
             output_deleted_ms: None,
+            array,
         };
         record.note(now, "submitted");
         let waits = self.dependencies(&record.request) != Deps::Met;
@@ -282,53 +288,6 @@ impl Control {
             self.apply(now, actions);
         }
         Ok(())
-    }
-
-    /// Cancels job `id` at the request of user `by` (who is named in the audit trail).
-    pub(crate) fn cancel(
-        &mut self,
-        id: u64,
-        by: &str,
-        now: i64,
-    ) -> Result<JobRecord, ControlError> {
-        self.acting = Some(by.to_owned());
-        let result = self.cancel_as_acting(id, now);
-        self.acting = None;
-        result
-    }
-
-    pub(super) fn cancel_as_acting(
-        &mut self,
-        id: u64,
-        now: i64,
-    ) -> Result<JobRecord, ControlError> {
-        self.now = now;
-        let job = self.jobs.get(&id).ok_or(ControlError::NoSuchJob(id))?;
-        if job.state.is_final() {
-            return Err(ControlError::AlreadyEnded {
-                id,
-                state: job.state.as_str(),
-            });
-        }
-        if self.held.remove(&id) {
-            if let Some(j) = self.jobs.get_mut(&id) {
-                j.state = JobState::Cancelled;
-                j.reason = Some("cancelled".into());
-                j.end_ms = Some(now);
-                j.note(now, "cancelled");
-            }
-            self.dirty_jobs.insert(id);
-            self.job_ended_event(now, id, true);
-        } else {
-            // No pass of its own: the ticker's, within a second, gives the GPUs of a job that
-            // ran to the next. A pass reaches every pending job, so cancelling an array of
-            // 100,000 pending tasks one by one took a pass each, and minutes of the control
-            // plane.
-            let actions = self.scheduler.handle(now, Event::Cancel(JobId(id)))?;
-            self.apply(now, actions);
-        }
-        self.release_held(now)?;
-        self.view(id).ok_or(ControlError::NoSuchJob(id))
     }
 
     /// Whether the request's user (not an operator) may charge its account at its QOS

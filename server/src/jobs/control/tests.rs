@@ -1569,3 +1569,190 @@ async fn expired_output_is_worked_off_a_bounded_number_of_jobs_a_check() {
             .is_some()
     );
 }
+
+fn identity(user: &str, role: crate::auth::Role) -> crate::auth::Identity {
+    crate::auth::Identity {
+        user: user.into(),
+        role,
+        nodes: None,
+        job: None,
+    }
+}
+
+fn selection(value: serde_json::Value) -> crate::jobs::CancelSelection {
+    let state = value["state"]
+        .as_str()
+        .map(|s| JobState::parse(s).expect("state"));
+    crate::jobs::CancelSelection {
+        ids: serde_json::from_value(value["ids"].clone()).unwrap_or_default(),
+        array: value["array"].as_u64(),
+        user: value["user"].as_str().map(str::to_owned),
+        account: value["account"].as_str().map(str::to_owned),
+        name: value["name"].as_str().map(str::to_owned),
+        state,
+    }
+}
+
+/// A batch cancel (`POST /v1/jobs/cancel`): a whole array in one request by its owner, with
+/// its pending tasks cancelled before its running ones; another user's ids reported, not
+/// cancelled; filters that name nothing, or everyone's jobs, refused.
+#[tokio::test]
+async fn a_whole_array_is_cancelled_at_once_by_its_owner_and_by_no_one_else() {
+    use crate::auth::Role;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let clock = crate::clock::Clock::manual(T0);
+    let (tx, _rx) = JobService::event_channel();
+    let config = JobsConfig {
+        clock: clock.clone(),
+        ..JobsConfig::default()
+    };
+    let jobs = JobService::open(dir.path(), config, tx).expect("jobs");
+    sync_with(&jobs, "a", T0, &[], &[], json!({ "gpus": 2 })).await;
+    let sweep = json!({ "command": ["eval"], "user": "bob", "array": 5, "name": "sweep" });
+    let first = submit(&jobs, sweep, T0).await;
+    let mine = submit(&jobs, json!({ "command": ["x"], "user": "alice" }), T0).await;
+    let lone = json!({ "command": ["x"], "user": "bob", "name": "sweep[7]" });
+    let lone = submit(&jobs, lone, T0).await;
+    let r = sync_with(&jobs, "a", T0 + SECOND, &[], &[], json!({ "gpus": 2 })).await;
+    let running: Vec<u64> = r.start.iter().map(|s| s.job).collect();
+    assert_eq!(running, vec![first, first + 1]);
+    clock.set(T0 + 2 * SECOND);
+    let (alice, bob) = (identity("alice", Role::User), identity("bob", Role::User));
+    let ops = identity("ops", Role::Operator);
+    let cancel = |sel: serde_json::Value, who: &crate::auth::Identity| {
+        jobs.cancel_many(selection(sel), who.clone())
+    };
+
+    // Alice names bob's array, then some of its tasks among her own job and a missing one.
+    let refused = cancel(json!({ "array": first }), &alice).await.unwrap_err();
+    assert_eq!(
+        refused.status,
+        axum::http::StatusCode::FORBIDDEN,
+        "{refused:?}"
+    );
+    let out = cancel(json!({ "ids": [9999, first + 1, mine, first] }), &alice)
+        .await
+        .expect("ids");
+    assert_eq!(out.cancelled, vec![mine]);
+    let forbidden: Vec<(u64, &str)> = out
+        .forbidden
+        .iter()
+        .map(|f| (f.id, f.user.as_str()))
+        .collect();
+    assert_eq!(forbidden, vec![(first, "bob"), (first + 1, "bob")]);
+    assert_eq!(out.not_found, vec![9999]);
+    let again = cancel(json!({ "ids": [mine, mine] }), &alice)
+        .await
+        .expect("ids");
+    assert_eq!(again.already_ended.len(), 1, "{again:?}");
+    assert_eq!(again.already_ended[0].state, "cancelled");
+    assert_eq!(job(&jobs, first).await.state, JobState::Running);
+
+    // Selections that name nothing, or every user's jobs, or mix ids and filters.
+    for (sel, who) in [
+        (json!({}), &bob),
+        (json!({ "state": "pending" }), &ops),
+        (json!({ "name": "sweep" }), &ops),
+        (json!({ "ids": [first], "name": "sweep" }), &bob),
+        (json!({ "state": "completed" }), &bob),
+        (json!({ "user": "bob" }), &alice),
+        (json!({ "array": mine }), &alice),
+        (json!({ "array": first + 1 }), &bob),
+    ] {
+        let e = cancel(sel.clone(), who).await.unwrap_err();
+        assert!(e.status.is_client_error(), "{sel} by {}: {e:?}", who.user);
+    }
+    assert_eq!(job(&jobs, first + 2).await.state, JobState::Pending);
+
+    // Bob's array: pending tasks first, so no pass between two steps starts one of them on
+    // the GPUs its running tasks just gave up.
+    let sel = selection(json!({ "array": first }));
+    let order = jobs
+        .run(move |c, _| c.cancel_targets(&sel, &identity("bob", Role::User)))
+        .await
+        .expect("targets");
+    assert_eq!(
+        order,
+        vec![first + 2, first + 3, first + 4, first, first + 1]
+    );
+    let out = cancel(json!({ "array": first }), &bob)
+        .await
+        .expect("array");
+    assert_eq!(out.cancelled, (first..first + 5).collect::<Vec<_>>());
+    assert!(out.forbidden.is_empty() && out.not_found.is_empty());
+    for id in first..first + 5 {
+        let j = job(&jobs, id).await;
+        assert_eq!(j.state, JobState::Cancelled);
+        assert_eq!(j.end_ms, Some(T0 + 2 * SECOND));
+    }
+    assert_eq!(
+        job(&jobs, lone).await.state,
+        JobState::Pending,
+        "not a task"
+    );
+    let r = sync_with(
+        &jobs,
+        "a",
+        T0 + 3 * SECOND,
+        &[(first, 1), (first + 1, 1)],
+        &[],
+        json!({ "gpus": 2 }),
+    )
+    .await;
+    let mut stopped: Vec<u64> = r.stop.iter().map(|s| s.job).collect();
+    stopped.sort_unstable();
+    assert_eq!(stopped, vec![first, first + 1]);
+    assert!(r.start.is_empty(), "{:?}", r.start);
+    // At the next tick the lone job gets a GPU they gave up; no task of the array does.
+    tick(&jobs, T0 + 3 * SECOND).await;
+    let r = sync_with(&jobs, "a", T0 + 4 * SECOND, &[], &[], json!({ "gpus": 2 })).await;
+    assert_eq!(
+        r.start.iter().map(|s| s.job).collect::<Vec<_>>(),
+        vec![lone]
+    );
+
+    // By name: an array's tasks answer to their array's name, a lone job to its own.
+    let more = json!({ "command": ["eval"], "user": "bob", "array": 2, "name": "sweep" });
+    let more = submit(&jobs, more, T0 + 3 * SECOND).await;
+    let out = cancel(json!({ "name": "sweep" }), &bob)
+        .await
+        .expect("name");
+    assert_eq!(out.cancelled, vec![more, more + 1]);
+    let out = cancel(json!({ "name": "sweep[7]", "state": "running" }), &bob)
+        .await
+        .expect("name and state");
+    assert_eq!(out.cancelled, vec![lone]);
+    // An operator cancels another user's jobs by naming the user.
+    let theirs = submit(&jobs, json!({ "command": ["x"], "user": "carol" }), T0).await;
+    let out = cancel(json!({ "user": "carol" }), &ops)
+        .await
+        .expect("operator");
+    assert_eq!(out.cancelled, vec![theirs]);
+}
+
+/// A batch cancel larger than a step ([`crate::jobs::CANCEL_STEP`]) is worked through step by
+/// step and cancels every task, and the user's pending count comes back to zero.
+#[tokio::test]
+async fn an_array_larger_than_a_step_is_cancelled_whole() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    let n = crate::jobs::CANCEL_STEP as u64 * 2 + 500;
+    let array = json!({ "command": ["eval"], "user": "bob", "array": n });
+    let first = submit(&jobs, array, T0).await;
+    let bob = identity("bob", crate::auth::Role::User);
+    let out = jobs
+        .cancel_many(selection(json!({ "array": first })), bob)
+        .await
+        .expect("cancel");
+    assert_eq!(out.cancelled, (first..first + n).collect::<Vec<_>>());
+    let left = jobs
+        .run(|c, _| Ok(c.list(|j| j.state == JobState::Pending, usize::MAX).len()))
+        .await
+        .expect("list");
+    assert_eq!(left, 0);
+    let pending = jobs
+        .run(|c, _| Ok(c.pending.of("bob")))
+        .await
+        .expect("count");
+    assert_eq!(pending, 0);
+}
