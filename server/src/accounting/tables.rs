@@ -7,7 +7,6 @@
 use super::daily::{self, Availability, Held, Span};
 use super::{AccountingConfig, GpuFigures, gpu_figures};
 use crate::jobs::JobService;
-use crate::jobs::control::Control;
 use crate::jobs::db::NodeRecord;
 use crate::jobs::record::{JobRecord, NodeSpan, NodeState};
 use arrow::array::{
@@ -165,63 +164,97 @@ pub struct JobsTable {
     config: Arc<AccountingConfig>,
 }
 
+/// What the `jobs` table shows of a record: only that is copied under the control lock (a
+/// whole record, command, environment and timeline, cost ten times as much).
 struct JobRow {
-    record: JobRecord,
+    id: u64,
+    name: Option<String>,
+    user: String,
+    account: String,
+    queue: Option<String>,
+    qos: Option<String>,
+    state: &'static str,
+    exit_code: Option<i32>,
+    reason: Option<String>,
+    submit_ms: i64,
+    start_ms: Option<i64>,
+    end_ms: Option<i64>,
+    node_count: u32,
+    gpus_per_node: u32,
+    attempts: u32,
+    preemptions: u32,
+    requeues: u32,
+    time_limit_secs: u64,
+    accounted_until: Option<i64>,
+    simulated: bool,
     totals: Totals,
     elapsed_seconds: Option<f64>,
     nodes: String,
     gpu_model: Option<String>,
 }
 
-fn job_rows(c: &Control, config: &AccountingConfig, now: i64) -> Vec<JobRow> {
-    c.records()
-        .map(|j| JobRow {
-            record: j.clone(),
-            totals: job_totals(j, now, &config.prices),
-            elapsed_seconds: j
-                .start_ms
-                .map(|s| (j.end_ms.unwrap_or(now) - s).max(0) as f64 / 1000.0),
-            nodes: j.node_list(),
-            gpu_model: j
-                .allocations
-                .last()
-                .map(|a| a.gpu_model.clone())
-                .or_else(|| j.request.gpu_model.clone()),
-        })
-        .collect()
+fn job_row(j: &JobRecord, config: &AccountingConfig, now: i64) -> JobRow {
+    let r = &j.request;
+    JobRow {
+        id: j.id,
+        name: r.name.clone(),
+        user: r.user().to_owned(),
+        account: r.account().to_owned(),
+        queue: r.queue.clone(),
+        qos: r.qos.clone(),
+        state: j.state.as_str(),
+        exit_code: j.exit_code,
+        reason: j.reason.clone(),
+        submit_ms: j.submit_ms,
+        start_ms: j.start_ms,
+        end_ms: j.end_ms,
+        node_count: r.nodes,
+        gpus_per_node: r.gpus_per_node,
+        attempts: j.attempts,
+        preemptions: j.preemptions,
+        requeues: j.requeues,
+        time_limit_secs: r.time_limit_secs,
+        accounted_until: accounted_until(j),
+        simulated: j.allocations.iter().any(|a| a.simulated),
+        totals: job_totals(j, now, &config.prices),
+        elapsed_seconds: j
+            .start_ms
+            .map(|s| (j.end_ms.unwrap_or(now) - s).max(0) as f64 / 1000.0),
+        nodes: j.node_list(),
+        gpu_model: j
+            .allocations
+            .last()
+            .map(|a| a.gpu_model.clone())
+            .or_else(|| r.gpu_model.clone()),
+    }
 }
 
 impl JobsTable {
     fn columns(rows: &[JobRow]) -> Columns<'_, JobRow> {
         Columns::new(rows)
-            .u64("job", false, |r| Some(r.record.id))
-            .str("name", true, |r| r.record.request.name.as_deref())
-            .str("user_name", false, |r| Some(r.record.request.user()))
-            .str("account", false, |r| Some(r.record.request.account()))
-            .str("queue", true, |r| r.record.request.queue.as_deref())
-            .str("qos", false, |r| {
-                Some(r.record.request.qos.as_deref().unwrap_or("normal"))
-            })
-            .str("state", false, |r| Some(r.record.state.as_str()))
-            .i32("exit_code", true, |r| r.record.exit_code)
-            .str("reason", true, |r| r.record.reason.as_deref())
-            .time("submit_time", false, |r| Some(r.record.submit_ms))
-            .time("start_time", true, |r| r.record.start_ms)
-            .time("end_time", true, |r| r.record.end_ms)
+            .u64("job", false, |r| Some(r.id))
+            .str("name", true, |r| r.name.as_deref())
+            .str("user_name", false, |r| Some(r.user.as_str()))
+            .str("account", false, |r| Some(r.account.as_str()))
+            .str("queue", true, |r| r.queue.as_deref())
+            .str("qos", false, |r| Some(r.qos.as_deref().unwrap_or("normal")))
+            .str("state", false, |r| Some(r.state))
+            .i32("exit_code", true, |r| r.exit_code)
+            .str("reason", true, |r| r.reason.as_deref())
+            .time("submit_time", false, |r| Some(r.submit_ms))
+            .time("start_time", true, |r| r.start_ms)
+            .time("end_time", true, |r| r.end_ms)
             .f64("elapsed_seconds", true, |r| r.elapsed_seconds)
             .str("nodes", false, |r| Some(r.nodes.as_str()))
-            .u32("node_count", false, |r| Some(r.record.request.nodes))
+            .u32("node_count", false, |r| Some(r.node_count))
             .u32("gpus", false, |r| {
-                let request = &r.record.request;
-                Some(request.nodes.saturating_mul(request.gpus_per_node))
+                Some(r.node_count.saturating_mul(r.gpus_per_node))
             })
             .str("gpu_model", true, |r| r.gpu_model.as_deref())
-            .u32("attempts", false, |r| Some(r.record.attempts))
-            .u32("preemptions", false, |r| Some(r.record.preemptions))
-            .u32("requeues", false, |r| Some(r.record.requeues))
-            .u64("time_limit_seconds", false, |r| {
-                Some(r.record.request.time_limit_secs)
-            })
+            .u32("attempts", false, |r| Some(r.attempts))
+            .u32("preemptions", false, |r| Some(r.preemptions))
+            .u32("requeues", false, |r| Some(r.requeues))
+            .u64("time_limit_seconds", false, |r| Some(r.time_limit_secs))
             .f64("gpu_seconds_allocated", false, |r| Some(r.totals.allocated))
             .f64("gpu_seconds_accounted", true, |r| r.totals.accounted)
             .f64("gpu_seconds_used", true, |r| r.totals.used)
@@ -231,10 +264,8 @@ impl JobsTable {
             .f64("energy_joules", true, |r| r.totals.energy)
             .f64("cost_allocated", false, |r| Some(r.totals.cost_allocated))
             .f64("cost_used", true, |r| r.totals.cost_used)
-            .time("accounted_until", true, |r| accounted_until(&r.record))
-            .bool("simulated", false, |r| {
-                Some(r.record.allocations.iter().any(|a| a.simulated))
-            })
+            .time("accounted_until", true, |r| r.accounted_until)
+            .bool("simulated", false, |r| Some(r.simulated))
     }
 }
 
@@ -246,7 +277,9 @@ impl LiveTable for JobsTable {
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
         let now = self.jobs.now_ms();
-        let rows = self.jobs.read(|c| job_rows(c, &self.config, now));
+        let mut rows = Vec::new();
+        self.jobs
+            .scan_jobs(|j| rows.push(job_row(j, &self.config, now)));
         Self::columns(&rows).batches()
     }
 }
@@ -317,29 +350,26 @@ impl LiveTable for AllocationsTable {
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
         let now = self.jobs.now_ms();
         let prices = &self.config.prices;
-        let rows: Vec<AllocRow> = self.jobs.read(|c| {
-            let mut rows = Vec::new();
-            for j in c.records() {
-                for a in &j.allocations {
-                    for (g, &gpu) in a.gpus.iter().enumerate() {
-                        rows.push(AllocRow {
-                            job: j.id,
-                            attempt: a.attempt,
-                            user: j.request.user().to_owned(),
-                            account: j.request.account().to_owned(),
-                            node: a.node.clone(),
-                            gpu,
-                            model: a.gpu_model.clone(),
-                            start: a.start_ms,
-                            end: a.end_ms,
-                            accounted_until: a.folded_end_ms(),
-                            simulated: a.simulated,
-                            f: gpu_figures(a, g, now, prices),
-                        });
-                    }
+        let mut rows: Vec<AllocRow> = Vec::new();
+        self.jobs.scan_jobs(|j| {
+            for a in &j.allocations {
+                for (g, &gpu) in a.gpus.iter().enumerate() {
+                    rows.push(AllocRow {
+                        job: j.id,
+                        attempt: a.attempt,
+                        user: j.request.user().to_owned(),
+                        account: j.request.account().to_owned(),
+                        node: a.node.clone(),
+                        gpu,
+                        model: a.gpu_model.clone(),
+                        start: a.start_ms,
+                        end: a.end_ms,
+                        accounted_until: a.folded_end_ms(),
+                        simulated: a.simulated,
+                        f: gpu_figures(a, g, now, prices),
+                    });
                 }
             }
-            rows
         });
         Self::columns(&rows).batches()
     }
@@ -457,10 +487,14 @@ impl DailyTable {
     }
 }
 
-/// The days of the control plane's history at `now`.
-pub(crate) fn days(c: &Control, config: &AccountingConfig, now: i64) -> Vec<daily::Day> {
-    let spans: Vec<Span<'_>> = c
-        .node_spans()
+/// The days of the control plane's history at `now`: node spans under one hold of the
+/// control lock, allocations a chunk at a time ([`JobService::scan_jobs`]), the days
+/// themselves worked out with the lock let go.
+pub(crate) fn days(jobs: &JobService, config: &AccountingConfig, now: i64) -> Vec<daily::Day> {
+    let node_spans: Vec<crate::jobs::record::NodeSpan> =
+        jobs.read(|c| c.node_spans().cloned().collect());
+    let spans: Vec<Span<'_>> = node_spans
+        .iter()
         .map(|s| Span {
             node: &s.node,
             gpus: s.gpus,
@@ -473,21 +507,27 @@ pub(crate) fn days(c: &Control, config: &AccountingConfig, now: i64) -> Vec<dail
             end_ms: s.end_ms,
         })
         .collect();
-    let mut held = Vec::new();
-    for j in c.records() {
+    // Each GPU held, with its node's name owned (the records are not held on to).
+    let mut owned: Vec<(String, Held<'static>)> = Vec::new();
+    jobs.scan_jobs(|j| {
         for a in &j.allocations {
             for (g, &gpu) in a.gpus.iter().enumerate() {
-                held.push(Held {
-                    node: &a.node,
+                let held = Held {
+                    node: "",
                     gpu,
                     start_ms: a.start_ms,
                     end_ms: a.end_ms,
                     used_seconds: gpu_figures(a, g, now, &config.prices).used_seconds,
                     used_until_ms: a.folded_end_ms(),
-                });
+                };
+                owned.push((a.node.clone(), held));
             }
         }
-    }
+    });
+    let held: Vec<Held<'_>> = owned
+        .iter()
+        .map(|(node, h)| Held { node, ..h.clone() })
+        .collect();
     daily::daily(&spans, &held, now, daily::DAY_MS)
 }
 
@@ -499,7 +539,7 @@ impl LiveTable for DailyTable {
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
         let now = self.jobs.now_ms();
-        let days = self.jobs.read(|c| days(c, &self.config, now));
+        let days = days(&self.jobs, &self.config, now);
         Self::columns(&days).batches()
     }
 }

@@ -473,3 +473,48 @@ async fn node_states_and_events_follow_drain_down_and_requeue() {
         "{ended:?}"
     );
 }
+
+/// The `jobs` and `job_allocations` tables and `/metrics`' usage read the history a chunk at
+/// a time ([`crate::jobs::SCAN_CHUNK`]), letting the control lock go between chunks: across
+/// chunks every job is still in them exactly once, each with its own figures.
+#[tokio::test]
+async fn the_history_is_read_a_chunk_at_a_time_and_every_job_is_in_it_once() {
+    let h = Harness::open(tempfile::tempdir().expect("tempdir"));
+    let n = crate::jobs::SCAN_CHUNK as u64 * 2 + 5;
+    h.sync(T0, &[], &[]).await;
+    for (user, count) in [("alice", n - 3), ("bob", 3)] {
+        let request: crate::jobs::spec::JobRequest = serde_json::from_value(
+            json!({ "command": ["x"], "user": user, "array": count, "time_limit_secs": 7200 }),
+        )
+        .expect("request");
+        h.jobs
+            .run(move |c, _| c.submit(request, T0))
+            .await
+            .expect("submit");
+    }
+    // Jobs 1 and 2 get the node's two GPUs and run an hour.
+    h.sync(T0, &[], &[]).await;
+    h.sync(T0 + HOUR, &[], &[1, 2]).await;
+    let row = h
+        .row(
+            "SELECT count(*) AS n, count(DISTINCT job) AS d, min(job) AS lo, max(job) AS hi, \
+              sum(CASE WHEN state = 'completed' THEN 1 ELSE 0 END) AS done FROM jobs",
+        )
+        .await;
+    assert_eq!(row, json!({ "n": n, "d": n, "lo": 1, "hi": n, "done": 2 }));
+    // Two of bob's (fair share puts them first, in the last chunk) took the GPUs next and
+    // still run.
+    let row = h
+        .row(
+            "SELECT count(*) AS n, sum(CASE WHEN job <= 2 THEN gpu_seconds_allocated END) AS s \
+              FROM job_allocations",
+        )
+        .await;
+    assert_eq!(row, json!({ "n": 4, "s": 7200.0 }));
+    let usage = h.jobs.usage(&crate::accounting::Prices::default());
+    let users: Vec<(&str, bool)> = usage
+        .iter()
+        .map(|u| (u.user.as_str(), u.gpu_seconds_allocated >= 7200.0))
+        .collect();
+    assert_eq!(users, vec![("alice", true), ("bob", true)]);
+}

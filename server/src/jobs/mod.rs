@@ -76,6 +76,9 @@ pub(crate) const ARRAY_STEP: u32 = 500;
 /// Jobs cancelled in one step of a batch cancel (one lock hold, one commit).
 pub(crate) const CANCEL_STEP: usize = 1_000;
 
+/// Job records read under one hold of the control lock by [`JobService::scan_jobs`].
+pub(crate) const SCAN_CHUNK: usize = 2_000;
+
 /// A control-plane task that panicked or was cancelled, as the HTTP edge answers it.
 fn task_failed(e: tokio::task::JoinError) -> crate::ApiError {
     crate::ApiError::new(
@@ -225,6 +228,27 @@ impl JobService {
     /// Reads the control plane under its lock (for SQL's live tables: keep `f` short).
     pub(crate) fn read<T>(&self, f: impl FnOnce(&Control) -> T) -> T {
         f(&lock(&self.control))
+    }
+
+    /// Visits every job record in id order, [`SCAN_CHUNK`] at a time under the control lock,
+    /// which is let go between chunks: SQL over the `jobs` table of a long history held the
+    /// lock, and every agent's sync behind it, for the whole history (160 ms at 20,000 jobs,
+    /// growing with every job ever run). Each record is visited once, as it was when its chunk
+    /// was read.
+    pub(crate) fn scan_jobs(&self, mut visit: impl FnMut(&JobRecord)) {
+        let mut from = 0;
+        loop {
+            let control = lock(&self.control);
+            let mut seen = 0;
+            for job in control.records_from(from).take(SCAN_CHUNK) {
+                visit(job);
+                from = job.id + 1;
+                seen += 1;
+            }
+            if seen < SCAN_CHUNK {
+                return;
+            }
+        }
     }
 
     /// The job and user a job metrics token speaks for, if it is valid now.

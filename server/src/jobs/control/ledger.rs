@@ -303,9 +303,9 @@ impl Control {
         Ok(())
     }
 
-    /// Every job record, for the accounting tables.
-    pub(crate) fn records(&self) -> impl Iterator<Item = &JobRecord> {
-        self.jobs.values()
+    /// The job records from id `from` on, in id order ([`crate::jobs::JobService::scan_jobs`]).
+    pub(crate) fn records_from(&self, from: u64) -> impl Iterator<Item = &JobRecord> {
+        self.jobs.range(from..).map(|(_, j)| j)
     }
 
     /// Every node: its record, its state, and when its agent last synced.

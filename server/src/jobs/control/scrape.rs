@@ -230,22 +230,23 @@ impl crate::jobs::JobService {
     /// and `account_usage` tables.
     pub fn usage(&self, prices: &crate::accounting::Prices) -> Vec<UsageView> {
         let now = self.now_ms();
-        self.read(|control| {
-            let mut by: BTreeMap<(&str, &str), UsageView> = BTreeMap::new();
-            for job in control.records() {
-                let (account, user) = (job.request.account(), job.request.user());
-                let t = crate::accounting::tables::job_totals(job, now, prices);
-                let u = by.entry((account, user)).or_insert_with(|| UsageView {
-                    account: account.to_owned(),
-                    user: user.to_owned(),
-                    ..UsageView::default()
-                });
-                u.gpu_seconds_allocated += t.allocated;
-                u.gpu_seconds_used += t.used.unwrap_or(0.0);
-                u.cost_allocated += t.cost_allocated;
-                u.cost_used += t.cost_used.unwrap_or(0.0);
-            }
-            by.into_values().collect()
-        })
+        // A chunk of the history at a time: a scrape every 15 s must not hold agents' syncs
+        // for the whole of it.
+        let mut by: BTreeMap<(String, String), UsageView> = BTreeMap::new();
+        self.scan_jobs(|job| {
+            let (account, user) = (job.request.account(), job.request.user());
+            let t = crate::accounting::tables::job_totals(job, now, prices);
+            let key = (account.to_owned(), user.to_owned());
+            let u = by.entry(key).or_insert_with(|| UsageView {
+                account: account.to_owned(),
+                user: user.to_owned(),
+                ..UsageView::default()
+            });
+            u.gpu_seconds_allocated += t.allocated;
+            u.gpu_seconds_used += t.used.unwrap_or(0.0);
+            u.cost_allocated += t.cost_allocated;
+            u.cost_used += t.cost_used.unwrap_or(0.0);
+        });
+        by.into_values().collect()
     }
 }

@@ -1624,7 +1624,9 @@ async fn a_whole_array_is_cancelled_at_once_by_its_owner_and_by_no_one_else() {
     };
 
     // Alice names bob's array, then some of its tasks among her own job and a missing one.
-    let refused = cancel(json!({ "array": first }), &alice).await.unwrap_err();
+    let refused = cancel(json!({ "array": first }), &alice)
+        .await
+        .expect_err("alice may not cancel bob's array");
     assert_eq!(
         refused.status,
         axum::http::StatusCode::FORBIDDEN,
@@ -1659,7 +1661,7 @@ async fn a_whole_array_is_cancelled_at_once_by_its_owner_and_by_no_one_else() {
         (json!({ "array": mine }), &alice),
         (json!({ "array": first + 1 }), &bob),
     ] {
-        let e = cancel(sel.clone(), who).await.unwrap_err();
+        let e = cancel(sel.clone(), who).await.expect_err("refused");
         assert!(e.status.is_client_error(), "{sel} by {}: {e:?}", who.user);
     }
     assert_eq!(job(&jobs, first + 2).await.state, JobState::Pending);

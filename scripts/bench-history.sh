@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# A server with a long history: JOBS one-GPU jobs (default 100,000) run and completed on 100
+# fake nodes of 8 GPUs (this script syncs as their agents), then SQL over the live tables
+# (`jobs`, `job_allocations`, `cluster_utilization_daily`) and a /metrics scrape, one at a time, while a
+# client times GET /v1/nodes every 20 ms: the slowest of those is how long the query held the
+# control plane, which agents' syncs wait for. Results go in BENCHMARKS.md ("Control plane
+# under load").
+#
+#   PERCH=target/release/perch scripts/bench-history.sh [PORT] [JOBS]
+#
+# Needs python3. Listens on 127.0.0.1:PORT (default 7397).
+set -euo pipefail
+PERCH=$(realpath "${PERCH:-target/release/perch}")
+PORT=${1:-7397}
+JOBS=${2:-100000}
+work=$(mktemp -d)
+stop() {
+  if [ -f "$work/server.pid" ]; then
+    kill "$(cat "$work/server.pid")" 2>/dev/null || true
+    wait 2>/dev/null || true
+  fi
+  rm -rf "$work"
+}
+trap stop EXIT
+cat > "$work/perch.toml" <<EOT
+[server]
+listen = "127.0.0.1:$PORT"
+data_dir = "$work/data"
+pg_listen = ""
+max_pending_jobs_per_user = 200000
+EOT
+"$PERCH" --config "$work/perch.toml" server > "$work/server.log" 2>&1 &
+echo $! > "$work/server.pid"
+python3 - "$PORT" "$JOBS" "$(cat "$work/server.pid")" <<'PY'
+import json, sys, threading, time, urllib.request
+base, jobs, pid = f"http://127.0.0.1:{sys.argv[1]}", int(sys.argv[2]), sys.argv[3]
+for _ in range(100):
+    try:
+        urllib.request.urlopen(base + "/healthz")
+        break
+    except OSError:
+        time.sleep(0.1)
+def post(path, body, timeout=600):
+    r = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                               headers={"content-type": "application/json"}, method="POST")
+    return json.load(urllib.request.urlopen(r, timeout=timeout))
+nodes = [f"fake-{i:03}" for i in range(100)]
+def sync(node, exited):
+    return post("/v1/agent/sync", {"node": node, "gpus": 8, "gpu_model": "Fake H100",
+                                   "exited": exited})
+for n in nodes:
+    sync(n, [])
+t = time.time()
+for first in range(0, jobs, 10000):
+    post("/v1/jobs", {"command": ["python3", "train.py"], "user": f"user{first // 10000 % 7}",
+                      "account": f"team{first // 10000 % 3}", "gpus_per_node": 1,
+                      "array": min(10000, jobs - first)})
+print(f"submitted {jobs} jobs in {time.time() - t:.1f} s", flush=True)
+t, running, done = time.time(), {n: [] for n in nodes}, 0
+while done < jobs:
+    for n in nodes:
+        exited = [{"job": j, "attempt": a, "code": 0} for j, a in running[n]]
+        done += len(exited)
+        r = sync(n, exited)
+        running[n] = [(s["job"], s["attempt"]) for s in r["start"]]
+    print(f"  {done} done, {sum(map(len, running.values()))} running, {time.time() - t:.1f} s", file=sys.stderr, flush=True)
+    if not any(running.values()) and done < jobs:
+        time.sleep(1.1)  # the next pass (the ticker's) hands out the GPUs
+print(f"ran and completed them in {time.time() - t:.1f} s", flush=True)
+def timed(what, call):
+    gaps, stop = [], threading.Event()
+    def poll():
+        while not stop.is_set():
+            s = time.time()
+            urllib.request.urlopen(base + "/v1/nodes").read()
+            gaps.append(time.time() - s)
+            time.sleep(0.02)
+    poller = threading.Thread(target=poll)
+    poller.start()
+    time.sleep(0.1)
+    s = time.time()
+    out = call()
+    took = time.time() - s
+    time.sleep(0.1)
+    stop.set()
+    poller.join()
+    print(f"{what}: {took:.2f} s ({out}); GET /v1/nodes meanwhile: slowest {max(gaps) * 1000:.0f} ms "
+          f"of {len(gaps)}", flush=True)
+def sql(q):
+    return lambda: post("/v1/sql", {"sql": q})["rows"][0]
+timed("SELECT count(*) FROM jobs", sql("SELECT count(*) AS n FROM jobs"))
+timed("GPU-hours by account from jobs",
+      sql("SELECT account, sum(gpu_seconds_allocated) / 3600 AS h FROM jobs GROUP BY account ORDER BY account"))
+timed("SELECT count(*) FROM job_allocations", sql("SELECT count(*) AS n FROM job_allocations"))
+timed("SELECT count(*) FROM cluster_utilization_daily", sql("SELECT count(*) AS n FROM cluster_utilization_daily"))
+timed("GET /metrics", lambda: len(urllib.request.urlopen(base + "/metrics").read()))
+with open(f"/proc/{pid}/status") as f:
+    rss = [l.split()[1] for l in f if l.startswith("VmHWM")][0]
+print(f"server peak RSS: {int(rss) // 1024} MB", flush=True)
+PY
