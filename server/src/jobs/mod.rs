@@ -29,7 +29,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 pub struct JobService {
     /// The server's clock: every operation's "now".
     clock: crate::clock::Clock,
-    control: Arc<Mutex<Control>>,
+    /// A fair lock where it matters: a long scan hands it on between chunks
+    /// ([`JobService::scan_jobs`]) instead of taking it straight back.
+    control: Arc<parking_lot::Mutex<Control>>,
     commits: Arc<Commits>,
     known_nodes: Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
     claims: Arc<claims::NodeClaims>,
@@ -170,7 +172,7 @@ impl JobService {
             clock,
             known_nodes,
             claims,
-            control: Arc::new(Mutex::new(control)),
+            control: Arc::new(parking_lot::Mutex::new(control)),
             commits: Arc::new(commits),
             plans: Arc::new(tokio::sync::Semaphore::new(CONCURRENT_PLANS)),
         })
@@ -227,7 +229,7 @@ impl JobService {
 
     /// Reads the control plane under its lock (for SQL's live tables: keep `f` short).
     pub(crate) fn read<T>(&self, f: impl FnOnce(&Control) -> T) -> T {
-        f(&lock(&self.control))
+        f(&self.control.lock())
     }
 
     /// Visits every job record in id order, [`SCAN_CHUNK`] at a time under the control lock,
@@ -238,7 +240,7 @@ impl JobService {
     pub(crate) fn scan_jobs(&self, mut visit: impl FnMut(&JobRecord)) {
         let mut from = 0;
         loop {
-            let control = lock(&self.control);
+            let control = self.control.lock();
             let mut seen = 0;
             for job in control.records_from(from).take(SCAN_CHUNK) {
                 visit(job);
@@ -248,6 +250,9 @@ impl JobService {
             if seen < SCAN_CHUNK {
                 return;
             }
+            // To whoever waits (an agent's sync), not back to this scan at once, as an
+            // unfair unlock would.
+            parking_lot::MutexGuard::unlock_fair(control);
         }
     }
 
@@ -285,7 +290,7 @@ impl JobService {
         let clock = self.clock.clone();
         tokio::task::spawn_blocking(move || {
             let (result, seq) = {
-                let mut c = lock(&control);
+                let mut c = control.lock();
                 let result = f(&mut c, clock.now_ms());
                 let dirty = c.take_dirty();
                 let seq = (!dirty.is_empty()).then(|| commits.queue(dirty));
@@ -401,7 +406,7 @@ impl JobService {
     pub async fn expire_output(&self) -> Result<usize, ControlError> {
         let control = self.control.clone();
         let present = tokio::task::spawn_blocking(move || -> std::io::Result<Vec<u64>> {
-            let dir = lock(&control).logs_dir();
+            let dir = control.lock().logs_dir();
             match std::fs::read_dir(&dir) {
                 Ok(entries) => Ok(entries
                     .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
