@@ -164,3 +164,65 @@ fn clean_shutdown_flushes_and_restart_keeps_every_row_once() {
         .expect("json");
     assert_eq!(dup["duplicate"], true);
 }
+
+/// A batch cancel of a 10,000-task array cut by SIGKILL part way: what it committed stays
+/// cancelled, the rest is still pending (nothing lost, nothing half-written), and the same
+/// command after the restart cancels the rest.
+#[test]
+fn a_batch_cancel_cut_by_sigkill_keeps_its_steps_and_finishes_when_asked_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut server = Perch::start(dir.path(), &["server"]);
+    let client = reqwest::blocking::Client::new();
+    let submitted: serde_json::Value = client
+        .post(format!("{}/v1/jobs", server.url))
+        .json(&serde_json::json!({ "command": ["true"], "array": 10000 }))
+        .send()
+        .expect("submit")
+        .json()
+        .expect("json");
+    let array = submitted["id"].as_u64().expect("array id");
+    let cancel = {
+        let url = server.url.clone();
+        std::thread::spawn(move || {
+            reqwest::blocking::Client::new()
+                .post(format!("{url}/v1/jobs/cancel"))
+                .json(&serde_json::json!({ "array": array }))
+                .send()
+        })
+    };
+    // Cut it once the second step has begun: the first is then durable, since a step starts
+    // only when the one before it is committed (SQL reads the control plane as it is, so a
+    // step it shows may not be yet). A fast machine may finish the whole cancel first.
+    wait_for("the second step of the cancel", || {
+        let n = server.scalar("SELECT count(*) FROM jobs WHERE state = 'cancelled'");
+        (n > 1_000).then_some(())
+    });
+    server.kill();
+    let _ = cancel.join().expect("cancel thread");
+    server = Perch::start(dir.path(), &["server"]);
+    let states = |server: &Perch| {
+        (
+            server.scalar("SELECT count(*) FROM jobs WHERE state = 'cancelled'"),
+            server.scalar("SELECT count(*) FROM jobs WHERE state = 'pending'"),
+        )
+    };
+    let (c, p) = states(&server);
+    assert_eq!(c + p, 10_000, "every task cancelled or pending");
+    assert!(c >= 1_000, "at least the first step stayed cancelled: {c}");
+    let out = common::client()
+        .args([
+            "cancel",
+            "--server",
+            &server.url,
+            "--array",
+            &array.to_string(),
+        ])
+        .output()
+        .expect("perch cancel");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(states(&server), (10_000, 0));
+}
