@@ -14,8 +14,19 @@ use std::time::Duration;
 /// The claims, and how long one lasts without a sync or a batch.
 pub(crate) struct NodeClaims {
     stale_ms: i64,
-    held: Mutex<HashMap<String, Claim>>,
+    held: Mutex<Held>,
 }
+
+#[derive(Default)]
+struct Held {
+    claims: HashMap<String, Claim>,
+    /// How many claims were left at the last sweep: the next comes when there are twice as
+    /// many, so sweeping costs O(1) a claim.
+    after_sweep: usize,
+}
+
+/// Claims kept at least, however stale (below this a sweep is not worth it).
+const SWEEP_FROM: usize = 1_024;
 
 struct Claim {
     agent: String,
@@ -51,12 +62,23 @@ impl NodeClaims {
             )));
         }
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        if held.claims.len() >= SWEEP_FROM.max(2 * held.after_sweep)
+            && !held.claims.contains_key(node)
+        {
+            // One entry per node name ever reported would grow for ever (nodes renamed,
+            // replaced, or made up by an agent token bound to no node). A lapsed claim keeps
+            // no one out, so dropping it changes no answer.
+            let stale_ms = self.stale_ms;
+            held.claims
+                .retain(|_, c| now.saturating_sub(c.seen_ms) < stale_ms);
+            held.after_sweep = held.claims.len();
+        }
         let fresh = Claim {
             agent: agent.to_owned(),
             seen_ms: now,
             addr: None,
         };
-        let c = held.entry(node.to_owned()).or_insert(fresh);
+        let c = held.claims.entry(node.to_owned()).or_insert(fresh);
         let silent = now - c.seen_ms;
         if c.agent != agent {
             if silent < self.stale_ms {
@@ -113,5 +135,38 @@ mod tests {
             .expect_err("not an id");
         assert!(matches!(err, ControlError::BadRequest(_)), "{err}");
         assert!(claims.claim("n3", "abc", 0, None).is_err());
+    }
+
+    /// Lapsed claims are swept whenever the registry has doubled since the last sweep: one
+    /// entry per node name ever reported no longer grows for ever, and a fresh claim still
+    /// keeps other agents out.
+    #[test]
+    fn lapsed_claims_are_swept_and_fresh_ones_kept() {
+        let claims = NodeClaims::new(Duration::from_secs(60));
+        let a = "aaaaaaaa";
+        for i in 0..10_000 {
+            claims
+                .claim(&format!("made-up-{i}"), a, 0, None)
+                .expect("claim");
+        }
+        for i in 0..7_000 {
+            claims
+                .claim(&format!("later-{i}"), a, 200_000, None)
+                .expect("claim");
+        }
+        let held = claims.held.lock().expect("lock");
+        assert!(
+            held.claims.len() <= 7_000,
+            "{} claims kept",
+            held.claims.len()
+        );
+        assert!(!held.claims.contains_key("made-up-0"));
+        assert!(held.claims.contains_key("later-6999"));
+        drop(held);
+        claims.claim("later-0", a, 210_000, None).expect("renew");
+        let err = claims
+            .claim("later-0", "bbbbbbbb", 220_000, None)
+            .expect_err("fresh claim");
+        assert!(matches!(err, ControlError::NodeClaimed { .. }), "{err}");
     }
 }

@@ -144,6 +144,10 @@ pub struct Allocation {
     /// the agent said (the server's copy is complete when it holds this much).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_bytes: Option<[u64; 2]>,
+    /// The exit code its node reported, once it has: an exit sent again (its acknowledgement
+    /// lost, or the agent restarted before it came) is then known as one already taken.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
 }
 
 impl Allocation {
@@ -168,6 +172,7 @@ impl Allocation {
             folded_until_ms: start_ms,
             usage,
             output_bytes: None,
+            exit_code: None,
         }
     }
 

@@ -145,14 +145,21 @@ impl Control {
             reason,
             output_bytes,
         } = exit;
-        if let Some(bytes) = output_bytes
-            && let Some(j) = self.jobs.get_mut(job)
+        if let Some(j) = self.jobs.get_mut(job)
             && let Some(a) = j
                 .allocations
                 .iter_mut()
                 .find(|a| a.attempt == *attempt && a.node == name)
         {
-            a.output_bytes = Some(*bytes);
+            if a.exit_code.is_some() {
+                // Taken already: sent again because the acknowledgement was lost or the agent
+                // restarted before it came. Acknowledged, and nothing else.
+                return Ok(());
+            }
+            a.exit_code = Some(*code);
+            if let Some(bytes) = output_bytes {
+                a.output_bytes = Some(*bytes);
+            }
             self.dirty_jobs.insert(*job);
         }
         let current = self.runs_here(*job, &name).then(|| self.jobs[job].attempts);

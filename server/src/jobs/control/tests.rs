@@ -1758,3 +1758,46 @@ async fn an_array_larger_than_a_step_is_cancelled_whole() {
         .expect("count");
     assert_eq!(pending, 0);
 }
+
+/// An exit sent again (its acknowledgement lost, or the agent restarted before it came) is
+/// acknowledged again and taken once: one note in the job's timeline, whether the exit ended
+/// the job or came after a cancel had.
+#[tokio::test]
+async fn an_exit_sent_again_is_acknowledged_and_noted_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    sync_with(&jobs, "a", T0, &[], &[], json!({ "gpus": 2 })).await;
+    let done = submit(&jobs, json!({ "command": ["x"], "user": "bob" }), T0).await;
+    let cancelled = submit(&jobs, json!({ "command": ["x"], "user": "bob" }), T0).await;
+    let r = sync_with(&jobs, "a", T0 + SECOND, &[], &[], json!({ "gpus": 2 })).await;
+    assert_eq!(r.start.len(), 2);
+    jobs.run(move |c, _| c.cancel(cancelled, "bob", T0 + 2 * SECOND))
+        .await
+        .expect("cancel");
+    let exits = [(done, 1, 0), (cancelled, 1, 143)];
+    for at in [3, 4, 5] {
+        let r = sync_with(
+            &jobs,
+            "a",
+            T0 + at * SECOND,
+            &[],
+            &exits,
+            json!({ "gpus": 2 }),
+        )
+        .await;
+        assert_eq!(r.acknowledged.len(), 2, "acknowledged every time");
+    }
+    let exit_notes = |j: &JobRecord| {
+        j.timeline
+            .iter()
+            .filter(|e| e.event.contains("with code"))
+            .map(|e| e.event.clone())
+            .collect::<Vec<_>>()
+    };
+    let j = job(&jobs, done).await;
+    assert_eq!(j.state, JobState::Completed);
+    assert_eq!(exit_notes(&j), vec!["exited with code 0 on a"]);
+    let j = job(&jobs, cancelled).await;
+    assert_eq!(j.state, JobState::Cancelled);
+    assert_eq!(exit_notes(&j), vec!["attempt 1 ended on a with code 143"]);
+}
