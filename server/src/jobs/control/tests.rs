@@ -23,6 +23,16 @@ fn service(dir: &std::path::Path) -> JobService {
     JobService::open(dir, config, tx).expect("jobs")
 }
 
+/// A service whose every "now" is `clock`'s (virtual time).
+fn service_on(dir: &std::path::Path, clock: &crate::clock::Clock) -> JobService {
+    let (tx, _rx) = JobService::event_channel();
+    let config = JobsConfig {
+        clock: clock.clone(),
+        ..JobsConfig::default()
+    };
+    JobService::open(dir, config, tx).expect("jobs")
+}
+
 async fn sync(
     jobs: &JobService,
     node: &str,
@@ -850,12 +860,7 @@ fn the_xids_that_quarantine_a_gpu_are_the_alerts_reset_and_reboot_classes() {
 async fn the_ticker_keeps_the_servers_clock_so_time_limits_run_in_virtual_time() {
     let dir = tempfile::tempdir().expect("tempdir");
     let clock = crate::clock::Clock::manual(T0);
-    let (tx, _rx) = JobService::event_channel();
-    let config = JobsConfig {
-        clock: clock.clone(),
-        ..JobsConfig::default()
-    };
-    let jobs = JobService::open(dir.path(), config, tx).expect("jobs");
+    let jobs = service_on(dir.path(), &clock);
     let sync_now = |running: Vec<(u64, u32)>| {
         let jobs = jobs.clone();
         async move {
@@ -1601,12 +1606,7 @@ async fn a_whole_array_is_cancelled_at_once_by_its_owner_and_by_no_one_else() {
     use crate::auth::Role;
     let dir = tempfile::tempdir().expect("tempdir");
     let clock = crate::clock::Clock::manual(T0);
-    let (tx, _rx) = JobService::event_channel();
-    let config = JobsConfig {
-        clock: clock.clone(),
-        ..JobsConfig::default()
-    };
-    let jobs = JobService::open(dir.path(), config, tx).expect("jobs");
+    let jobs = service_on(dir.path(), &clock);
     sync_with(&jobs, "a", T0, &[], &[], json!({ "gpus": 2 })).await;
     let sweep = json!({ "command": ["eval"], "user": "bob", "array": 5, "name": "sweep" });
     let first = submit(&jobs, sweep, T0).await;
