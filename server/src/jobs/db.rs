@@ -8,6 +8,11 @@ use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 const JOBS: TableDefinition<u64, &[u8]> = TableDefinition::new("jobs");
+
+/// redb's page cache for the job database. Its default, 1 GiB, filled with copies of records
+/// the control plane already holds in memory: the database is read once, at start, and
+/// written after. This holds the B-tree's inner pages many times over and a commit's writes.
+const CACHE_BYTES: usize = 64 * 1024 * 1024;
 const NODES: TableDefinition<u64, &[u8]> = TableDefinition::new("nodes");
 const NODE_SPANS: TableDefinition<u64, &[u8]> = TableDefinition::new("node_spans");
 
@@ -92,7 +97,10 @@ pub struct JobDb {
 
 impl JobDb {
     pub fn open(path: &Path) -> Result<JobDb, DbError> {
-        let db = Database::create(path).map_err(e)?;
+        let db = redb::Builder::new()
+            .set_cache_size(CACHE_BYTES)
+            .create(path)
+            .map_err(e)?;
         let tx = db.begin_write().map_err(e)?;
         tx.open_table(JOBS).map_err(e)?;
         tx.open_table(NODES).map_err(e)?;
