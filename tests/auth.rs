@@ -285,6 +285,13 @@ fn a_batch_cancel_reaches_only_the_callers_jobs() {
     let out: serde_json::Value = serde_json::from_str(&text).expect("json");
     assert_eq!(out["not_found"].as_array().map(Vec::len), Some(100_000));
     assert_eq!(out["cancelled"], serde_json::json!([]));
+    // One more is refused, saying how to cancel more (a 64 MiB body holds millions).
+    let too_many: Vec<u64> = (1_000_000..1_100_001).collect();
+    let (status, text) = post(&serde_json::json!({ "ids": too_many }).to_string());
+    assert!(
+        status == 400 && text.contains("at most 100000"),
+        "{status} {text}"
+    );
 
     // Alice cancels her whole array in one command; a task names its array.
     let (ok, shown, _) = cli(&url, Some(ALICE), &["show", "3"]);

@@ -78,6 +78,10 @@ pub(crate) const ARRAY_STEP: u32 = 500;
 /// Jobs cancelled in one step of a batch cancel (one lock hold, one commit).
 pub(crate) const CANCEL_STEP: usize = 1_000;
 
+/// Job ids one batch cancel may name (filters reach any number of jobs): a 64 MiB body holds
+/// millions, and sorting them and answering for each held the control plane for seconds.
+pub const MAX_CANCEL_IDS: usize = 100_000;
+
 /// Job records read under one hold of the control lock by [`JobService::scan_jobs`].
 pub(crate) const SCAN_CHUNK: usize = 2_000;
 
@@ -373,9 +377,20 @@ impl JobService {
     /// task of their own: a client that hangs up does not leave the cancel half done.
     pub(crate) async fn cancel_many(
         &self,
-        selection: CancelSelection,
+        mut selection: CancelSelection,
         who: crate::auth::Identity,
     ) -> Result<CancelOutcome, crate::ApiError> {
+        if selection.ids.len() > MAX_CANCEL_IDS {
+            return Err(ControlError::BadRequest(format!(
+                "{} job ids in one cancel; at most {MAX_CANCEL_IDS}: send them in parts, or \
+                 name them by array, user, account or name",
+                selection.ids.len()
+            ))
+            .into());
+        }
+        // Off the control lock: under it, only what needs the jobs.
+        selection.ids.sort_unstable();
+        selection.ids.dedup();
         let service = self.clone();
         tokio::spawn(async move {
             let who = Arc::new(who);

@@ -106,7 +106,8 @@ impl Control {
         Ok(())
     }
 
-    /// The jobs `selection` names for `who`, in the order to cancel them: pending ones first,
+    /// The jobs `selection` names for `who` (its ids sorted and without repeats, as
+    /// `JobService::cancel_many` makes them), in the order to cancel them: pending ones first,
     /// then running ones, so that no pass between two steps starts a task of an array whose
     /// running tasks were just stopped. Named ids are returned whatever they are (each is
     /// checked as it is cancelled); filters match unfinished jobs only, and only `who`'s own
@@ -137,8 +138,6 @@ impl Control {
         }
         if !ids.is_empty() {
             let mut ids = ids.clone();
-            ids.sort_unstable();
-            ids.dedup();
             let running = |id: &u64| {
                 self.jobs
                     .get(id)
