@@ -108,6 +108,12 @@ impl Commits {
         s.queued_seq
     }
 
+    /// The sequence number of the last change set queued. Read under the control lock, it
+    /// covers every change an operation holding the lock can see.
+    fn seen(&self) -> u64 {
+        lock(&self.state).queued_seq
+    }
+
     /// Returns once change set `seq` is durable (committing it, and everything queued with
     /// it, if no one else is).
     fn wait(&self, seq: u64) -> Result<(), ControlError> {
@@ -282,8 +288,11 @@ impl JobService {
             .contains(name)
     }
 
-    /// Runs `f` on the control plane off the async threads and returns once its changes are
-    /// durable. Its errors are the control plane's; the HTTP edge maps them
+    /// Runs `f` on the control plane off the async threads and returns once its changes, and
+    /// every change it could see, are durable: an operation that changes nothing (a view, an
+    /// agent's sync with nothing new) may read another's changes queued but not yet committed,
+    /// and its answer (a job shown, a launch order handed out) must not outlive a crash that
+    /// loses them. Its errors are the control plane's; the HTTP edge maps them
     /// (`From<ControlError> for ApiError`).
     pub(crate) async fn run<T: Send + 'static>(
         &self,
@@ -297,12 +306,14 @@ impl JobService {
                 let mut c = control.lock();
                 let result = f(&mut c, clock.now_ms());
                 let dirty = c.take_dirty();
-                let seq = (!dirty.is_empty()).then(|| commits.queue(dirty));
+                let seq = if dirty.is_empty() {
+                    commits.seen()
+                } else {
+                    commits.queue(dirty)
+                };
                 (result, seq)
             };
-            if let Some(seq) = seq {
-                commits.wait(seq)?;
-            }
+            commits.wait(seq)?;
             result
         })
         .await

@@ -1801,3 +1801,45 @@ async fn an_exit_sent_again_is_acknowledged_and_noted_once() {
     assert_eq!(j.state, JobState::Cancelled);
     assert_eq!(exit_notes(&j), vec!["attempt 1 ended on a with code 143"]);
 }
+
+/// An operation that changes nothing, a view or an agent's sync, can read another
+/// operation's changes after they are queued and before they are committed (that one's
+/// thread between the control lock and the commit). Its answer waits until they are durable:
+/// a job shown to a user, or a launch handed to an agent, is never lost by a crash after.
+#[tokio::test]
+async fn no_answer_shows_a_change_a_crash_could_still_lose() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // A submission whose thread has queued its changes and not yet waited for their commit.
+    let queued_not_waited = |jobs: &JobService, at: i64| {
+        let request: crate::jobs::spec::JobRequest =
+            serde_json::from_value(json!({ "command": ["x"], "user": "bob" })).expect("request");
+        let mut c = jobs.control.lock();
+        let id = c.submit(request, at).expect("submit")[0].id;
+        jobs.commits.queue(c.take_dirty());
+        id
+    };
+    let shown = {
+        let jobs = service(dir.path());
+        sync(&jobs, "a", T0, &[], &[]).await;
+        let id = queued_not_waited(&jobs, T0);
+        assert_eq!(job(&jobs, id).await.id, id, "a view shows the job");
+        id
+    };
+    // The server dies now, with no commit after the answer: reopened, the job database has
+    // the job the answer showed.
+    let jobs = service(dir.path());
+    assert_eq!(job(&jobs, shown).await.id, shown);
+    // The submission's pass placed the next job: the agent's sync hands out its launch.
+    let launched = {
+        let id = queued_not_waited(&jobs, T0 + SECOND);
+        let r = sync(&jobs, "a", T0 + 2 * SECOND, &[], &[]).await;
+        assert_eq!(r.start.len(), 1);
+        assert_eq!((r.start[0].job, r.start[0].attempt), (shown, 1));
+        id
+    };
+    drop(jobs);
+    let jobs = service(dir.path());
+    let j = job(&jobs, shown).await;
+    assert_eq!((j.state, j.attempts), (JobState::Running, 1), "{j:?}");
+    assert_eq!(job(&jobs, launched).await.state, JobState::Pending);
+}
