@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A server with a long history: JOBS one-GPU jobs (default 100,000) run and completed on 100
 # fake nodes of 8 GPUs (this script syncs as their agents), then SQL over the live tables
-# (`jobs`, `job_allocations`, `cluster_utilization_daily`) and a /metrics scrape, one at a time, while a
+# (`jobs`, `job_allocations`, `cluster_utilization_daily`), a /metrics scrape and job listings
+# (GET /v1/jobs, one page, then four at once), one at a time, while a
 # client times GET /v1/nodes every 20 ms: the slowest of those is how long the query held the
 # control plane, which agents' syncs wait for. Results go in BENCHMARKS.md ("Control plane
 # under load").
@@ -32,7 +33,7 @@ EOT
 "$PERCH" --config "$work/perch.toml" server > "$work/server.log" 2>&1 &
 echo $! > "$work/server.pid"
 python3 - "$PORT" "$JOBS" "$(cat "$work/server.pid")" <<'PY'
-import json, sys, threading, time, urllib.request
+import json, sys, threading, time, urllib.error, urllib.request
 base, jobs, pid = f"http://127.0.0.1:{sys.argv[1]}", int(sys.argv[2]), sys.argv[3]
 for _ in range(100):
     try:
@@ -94,7 +95,26 @@ timed("GPU-hours by account from jobs",
 timed("SELECT count(*) FROM job_allocations", sql("SELECT count(*) AS n FROM job_allocations"))
 timed("SELECT count(*) FROM cluster_utilization_daily", sql("SELECT count(*) AS n FROM cluster_utilization_daily"))
 timed("GET /metrics", lambda: len(urllib.request.urlopen(base + "/metrics").read()))
-with open(f"/proc/{pid}/status") as f:
-    rss = [l.split()[1] for l in f if l.startswith("VmHWM")][0]
-print(f"server peak RSS: {int(rss) // 1024} MB", flush=True)
+def listings(n, limit):
+    def one(out):
+        try:
+            out.append(len(urllib.request.urlopen(base + f"/v1/jobs?limit={limit}", timeout=600).read()))
+        except urllib.error.HTTPError as e:
+            out.append(f"HTTP {e.code}")
+    def call():
+        out = []
+        threads = [threading.Thread(target=one, args=(out,)) for _ in range(n)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        return ", ".join(map(str, out))
+    return call
+def peak(what):
+    with open(f"/proc/{pid}/status") as f:
+        rss = [l.split()[1] for l in f if l.startswith("VmHWM")][0]
+    print(f"server peak RSS{what}: {int(rss) // 1024} MB", flush=True)
+peak(" before the listings")
+timed("GET /v1/jobs?limit=10000", listings(1, 10000))
+timed("4 x GET /v1/jobs?limit=10000 at once", listings(4, 10000))
+timed("4 x GET /v1/jobs?limit=100000 at once", listings(4, 100000))
+peak("")
 PY

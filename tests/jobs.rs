@@ -1048,3 +1048,93 @@ fn careless_submissions_are_fixed_or_refused_naming_what_to_change() {
         "{err}"
     );
 }
+
+/// A running job stays in `perch jobs` however many jobs ended after it (the CLI asked for the
+/// newest 100 of any state and kept the pending and running ones, so 100 jobs cancelled
+/// after a training run hid it), and listings come in pages: a page larger than 10,000 jobs
+/// is refused naming how to page, each job is on exactly one page.
+#[test]
+fn listings_page_and_perch_jobs_shows_a_running_job_behind_any_history() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = Perch::start(
+        dir.path(),
+        &["up", "--simulate-gpus", "2", "--interval-ms", "200"],
+    );
+    cli(&perch, &["submit", "--gpus", "1", "--", "sleep", "600"]); // 1
+    wait_state(&perch, 1, "running");
+    let (ok, _, err) = cli(
+        &perch,
+        &["submit", "--gpus", "2", "--array", "150", "--", "true"],
+    ); // 2-151
+    assert!(ok, "{err}");
+    let (ok, _, err) = cli(&perch, &["cancel", "--array", "2"]);
+    assert!(ok, "{err}");
+    cli(
+        &perch,
+        &["submit", "--gpus", "2", "--array", "20", "--", "true"],
+    ); // 152-171, pending behind job 1
+    let (ok, listing, err) = cli(&perch, &["jobs"]);
+    assert!(ok, "{err}");
+    let ids: Vec<&str> = listing
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert_eq!(ids.len(), 21, "{listing}");
+    assert_eq!(
+        ids.last(),
+        Some(&"1"),
+        "the running job is listed:\n{listing}"
+    );
+    assert!(!listing.contains("cancelled"), "{listing}");
+    // More than one page's worth through the CLI, with a word on what is left.
+    let (ok, listing, err) = cli(&perch, &["jobs", "--all", "--limit", "120"]);
+    assert!(ok, "{err}");
+    assert_eq!(listing.lines().count(), 121, "{listing}");
+    assert!(
+        err.contains("the newest 120 shown; more with --limit"),
+        "{err}"
+    );
+    let (ok, queue, err) = cli(&perch, &["queue", "--limit", "5"]);
+    assert!(ok, "{err}");
+    assert_eq!(queue.lines().count(), 6, "{queue}");
+    assert!(
+        err.contains("the first 5 of 20 pending jobs shown"),
+        "{err}"
+    );
+    // The API: pages of 60 cover the 171 jobs once each, newest first.
+    let (mut seen, mut before) = (Vec::new(), String::new());
+    loop {
+        let page = perch.get(&format!("/v1/jobs?limit=60{before}"));
+        let jobs = page["jobs"].as_array().expect("jobs");
+        assert!(jobs.len() <= 60);
+        seen.extend(jobs.iter().map(|j| j["id"].as_u64().expect("id")));
+        match page["next_before"].as_u64() {
+            Some(next) => before = format!("&before={next}"),
+            None => break,
+        }
+    }
+    assert_eq!(seen, (1..=171).rev().collect::<Vec<u64>>());
+    let states = perch.get("/v1/jobs?state=running,pending&limit=10000");
+    assert_eq!(states["jobs"].as_array().map(Vec::len), Some(21));
+    assert_eq!(states["next_before"], Value::Null);
+    // A careless or hostile page size, and a state that does not exist, are refused with
+    // what to change.
+    for (query, says) in [
+        ("/v1/jobs?limit=100000", "limit 100000 is above 10000"),
+        ("/v1/jobs?limit=0", "limit must be at least 1"),
+        (
+            "/v1/jobs?state=running,sleeping",
+            "\"sleeping\" is not one of",
+        ),
+        ("/v1/queue?limit=20000", "the queue is shown from its head"),
+        ("/v1/jobs?before=-1", "before"),
+    ] {
+        let r = reqwest::blocking::get(format!("{}{query}", perch.url)).expect("GET");
+        assert_eq!(r.status(), 400, "{query}");
+        let body: Value = r.json().expect("JSON");
+        let message = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(says), "{query}: {message}");
+        assert_eq!(body["error"]["code"], "bad_parameters", "{query}");
+    }
+}

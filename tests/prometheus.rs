@@ -119,7 +119,7 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
     let node = "sim-node-000";
     // Every job perch knows: one Prometheus still shows may have ended since.
     let jobs = || -> Vec<String> {
-        perch.get("/v1/jobs?limit=100000")["jobs"]
+        perch.get("/v1/jobs?limit=10000")["jobs"]
             .as_array()
             .expect("jobs")
             .iter()

@@ -575,7 +575,8 @@
   async function queueView(v) {
     main.innerHTML = `<h1>Queue</h1><p class="muted">Pending jobs in the order the scheduler considers them, why each waits and when it should start.</p><div id="queue-table"></div>`;
     await v.every(10000, async () => {
-      const q = (await api('/v1/queue?start=true')).queue;
+      const r = await api('/v1/queue?start=true');
+      const q = r.queue;
       document.getElementById('queue-table').innerHTML = table([
         { title: '#', num: true, text: (e) => q.indexOf(e) + 1 },
         { title: 'job', html: (e) => `<a href="#/jobs/${e.job.id}">${e.job.id}</a>` },
@@ -586,7 +587,8 @@
         { title: 'waited', num: true, text: (e) => span((Date.now() - e.job.submit_ms) / 1000) },
         { title: 'estimated start', text: (e) => (e.estimated_start_ms ? when(e.estimated_start_ms) : 'unknown') },
         { title: 'why it waits', text: (e) => e.job.reason || '' },
-      ], q, { id: 'queue', empty: 'Nothing waits.' });
+      ], q, { id: 'queue', empty: 'Nothing waits.' })
+        + (r.total > q.length ? `<p class="muted">the first ${q.length} of ${r.total} pending jobs</p>` : '');
       v.ready();
     });
   }

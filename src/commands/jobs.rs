@@ -136,6 +136,7 @@ pub struct JobsArgs {
     /// Include ended jobs (by default only pending and running ones are listed).
     #[arg(long, short = 'a')]
     all: bool,
+    /// List at most this many, newest first (fetched 10,000 a request).
     #[arg(long, default_value_t = 100)]
     limit: usize,
 }
@@ -252,6 +253,15 @@ impl Api {
         Ok(self
             .send(self.client.get(format!("{}{path}", self.config.server)))?
             .json()?)
+    }
+
+    /// GET `path` with `query`'s pairs, encoded.
+    pub(crate) fn get_query(&self, path: &str, query: &[(&str, String)]) -> Result<Value> {
+        let mut url = reqwest::Url::parse(&format!("{}{path}", self.config.server))
+            .with_context(|| format!("{}{path} is not a URL", self.config.server))?;
+        url.query_pairs_mut()
+            .extend_pairs(query.iter().map(|(k, v)| (k, v)));
+        Ok(self.send(self.client.get(url))?.json()?)
     }
 
     pub(crate) fn delete(&self, path: &str) -> Result<Value> {
@@ -534,28 +544,53 @@ pub(crate) fn s(v: &Value) -> String {
     }
 }
 
+/// Jobs the server returns in one page at most (its `MAX_PAGE`).
+const MAX_PAGE: usize = 10_000;
+
 pub fn jobs(args: JobsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
-    let mut query = vec![format!("limit={}", args.limit)];
+    // The server filters: a running job older than the last `--limit` jobs that ended is
+    // still listed.
+    let state = match (&args.state, args.all) {
+        (Some(state), _) => Some(state.as_str()),
+        (None, false) => Some("pending,running"),
+        (None, true) => None,
+    };
+    let mut query = Vec::new();
     for (k, v) in [
-        ("state", &args.state),
-        ("user", &args.user),
-        ("account", &args.account),
+        ("state", state),
+        ("user", args.user.as_deref()),
+        ("account", args.account.as_deref()),
     ] {
         if let Some(v) = v {
-            query.push(format!("{k}={v}"));
+            query.push((k, v.to_owned()));
         }
     }
-    let listed =
-        Api::new(&args.server, config_file)?.get(&format!("/v1/jobs?{}", query.join("&")))?;
-    let rows = listed["jobs"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|j| {
-            args.all
-                || args.state.is_some()
-                || matches!(j["state"].as_str(), Some("pending" | "running"))
-        })
+    let api = Api::new(&args.server, config_file)?;
+    let (mut listed, mut before) = (Vec::new(), None::<u64>);
+    let more = loop {
+        let want = (args.limit - listed.len()).min(MAX_PAGE);
+        if want == 0 {
+            break before.is_some();
+        }
+        let mut page_query = query.clone();
+        page_query.push(("limit", want.to_string()));
+        if let Some(before) = before {
+            page_query.push(("before", before.to_string()));
+        }
+        let mut page = api.get_query("/v1/jobs", &page_query)?;
+        if let Some(jobs) = page["jobs"].as_array_mut() {
+            listed.append(jobs);
+        }
+        before = page["next_before"].as_u64();
+        if before.is_none() {
+            break false;
+        }
+    };
+    if more {
+        eprintln!("the newest {} shown; more with --limit", listed.len());
+    }
+    let rows = listed
+        .iter()
         .map(|j| {
             let r = &j["request"];
             let pending = j["state"] == "pending";
@@ -925,15 +960,21 @@ pub struct QueueArgs {
     /// time limit if running jobs run to theirs.
     #[arg(long)]
     start: bool,
+    /// Show the first this many in line (at most 10,000).
+    #[arg(long, default_value_t = 1000)]
+    limit: usize,
 }
 
 pub fn queue(args: QueueArgs, config_file: Option<&ConfigFile>) -> Result<()> {
-    let path = if args.start {
-        "/v1/queue?start=true"
-    } else {
-        "/v1/queue"
-    };
-    let q = Api::new(&args.server, config_file)?.get(path)?;
+    let query = [
+        ("start", args.start.to_string()),
+        ("limit", args.limit.to_string()),
+    ];
+    let q = Api::new(&args.server, config_file)?.get_query("/v1/queue", &query)?;
+    let shown = q["queue"].as_array().map_or(0, Vec::len);
+    if let Some(total) = q["total"].as_u64().filter(|&t| t > shown as u64) {
+        eprintln!("the first {shown} of {total} pending jobs shown; more with --limit");
+    }
     let rows = q["queue"]
         .as_array()
         .into_iter()

@@ -59,10 +59,83 @@ pub async fn submit(
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ListParams {
+    /// One state or several, comma-separated (`pending,running`).
     state: Option<String>,
     user: Option<String>,
     account: Option<String>,
     limit: Option<usize>,
+    /// Only jobs with a smaller id: the `next_before` of the previous page.
+    before: Option<u64>,
+}
+
+/// Jobs a page holds unless the request says.
+const DEFAULT_PAGE: usize = 1_000;
+
+/// `limit`, checked: at least 1 and at most [`super::MAX_PAGE`] (`hint` says what to do then).
+fn page_limit(limit: Option<usize>, hint: &str) -> Result<usize, ApiError> {
+    match limit.unwrap_or(DEFAULT_PAGE) {
+        0 => Err(ApiError::bad_request(
+            crate::ErrorCode::BadParameters,
+            "limit must be at least 1",
+        )),
+        n if n > super::MAX_PAGE => Err(ApiError::bad_request(
+            crate::ErrorCode::BadParameters,
+            format!("limit {n} is above {}{hint}", super::MAX_PAGE),
+        )),
+        n => Ok(n),
+    }
+}
+
+/// The states named in `states` (comma-separated).
+fn parse_states(states: &str) -> Result<Vec<JobState>, ApiError> {
+    states
+        .split(',')
+        .map(|s| {
+            JobState::parse(s.trim()).ok_or_else(|| {
+                ApiError::bad_request(
+                    crate::ErrorCode::BadParameters,
+                    format!("state {s:?} is not one of pending, running, completed, failed, cancelled, timeout, preempted, node_fail (several: comma-separated)"),
+                )
+            })
+        })
+        .collect()
+}
+
+/// A JSON object written straight into bytes: `{"<key>": [<items>], <tail fields>}`, each item
+/// serialized and dropped in turn, so a page of 10,000 jobs is held once, as its text.
+fn json_page(
+    key: &str,
+    items: impl IntoIterator<Item = serde_json::Value>,
+    tail: serde_json::Map<String, serde_json::Value>,
+) -> Result<axum::response::Response, ApiError> {
+    use axum::response::IntoResponse;
+    let failed = |e: serde_json::Error| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            crate::ErrorCode::Internal,
+            format!("writing the page failed: {e}"),
+        )
+    };
+    let mut out = format!("{{{}:[", serde_json::Value::from(key)).into_bytes();
+    for (i, item) in items.into_iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        serde_json::to_writer(&mut out, &item).map_err(failed)?;
+    }
+    out.push(b']');
+    for (k, v) in tail {
+        out.push(b',');
+        serde_json::to_writer(&mut out, &k).map_err(failed)?;
+        out.push(b':');
+        serde_json::to_writer(&mut out, &v).map_err(failed)?;
+    }
+    out.push(b'}');
+    Ok((
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        out,
+    )
+        .into_response())
 }
 
 /// A job as `who` may see it: everything for its owner and operators; for other users the
@@ -88,40 +161,34 @@ pub async fn list(
     State(state): State<AppState>,
     Extension(who): Extension<Identity>,
     params: Result<Query<ListParams>, axum::extract::rejection::QueryRejection>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<axum::response::Response, ApiError> {
     let Query(p) = params.map_err(|e| {
         ApiError::bad_request(
             crate::ErrorCode::BadParameters,
-            format!("{}; use state, user, account, limit", e.body_text()),
+            format!("{}; use state, user, account, limit, before", e.body_text()),
         )
     })?;
-    let wanted = match p.state.as_deref() {
-        None => None,
-        Some(s) => Some(JobState::parse(s).ok_or_else(|| {
-            ApiError::bad_request(
-                crate::ErrorCode::BadParameters,
-                format!("state {s:?} is not one of pending, running, completed, failed, cancelled, timeout, preempted, node_fail"),
-            )
-        })?),
-    };
-    let limit = p.limit.unwrap_or(1000).min(100_000);
-    let jobs = state
+    let wanted = p.state.as_deref().map(parse_states).transpose()?;
+    let limit = page_limit(
+        p.limit,
+        " and page with before=<the last page's next_before>",
+    )?;
+    let before = p.before.unwrap_or(u64::MAX);
+    state
         .jobs
-        .run(move |c, _| {
-            Ok(c.list(
-                |j| {
-                    wanted.is_none_or(|w| j.state == w)
-                        && p.user.as_deref().is_none_or(|u| j.request.user() == u)
-                        && p.account
-                            .as_deref()
-                            .is_none_or(|a| j.request.account() == a)
-                },
-                limit,
-            ))
+        .listing(move |jobs| {
+            let (page, next) = jobs.list_jobs(before, limit, |j| {
+                wanted.as_ref().is_none_or(|w| w.contains(&j.state))
+                    && p.user.as_deref().is_none_or(|u| j.request.user() == u)
+                    && p.account
+                        .as_deref()
+                        .is_none_or(|a| j.request.account() == a)
+            })?;
+            let mut tail = serde_json::Map::new();
+            tail.insert("next_before".into(), next.into());
+            json_page("jobs", page.iter().map(|j| as_seen_by(j, &who)), tail)
         })
-        .await?;
-    let jobs: Vec<_> = jobs.iter().map(|j| as_seen_by(j, &who)).collect();
-    Ok(Json(serde_json::json!({ "jobs": jobs })))
+        .await
 }
 
 fn live_utilization(state: &AppState, job: &super::record::JobRecord) -> serde_json::Value {
@@ -353,41 +420,54 @@ fn put_estimate(value: &mut serde_json::Value, at: Option<i64>) {
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct QueueParams {
     /// Estimate each job's start (`squeue --start`).
     #[serde(default)]
     start: bool,
+    /// The first this many of the queue (`total` says how long it is).
+    limit: Option<usize>,
 }
 
 pub async fn queue(
     State(state): State<AppState>,
     Extension(who): Extension<Identity>,
-    Query(params): Query<QueueParams>,
-) -> Result<Json<serde_json::Value>, ApiError> {
-    let entries = state.jobs.run(|c, _| Ok(c.queue())).await?;
+    params: Result<Query<QueueParams>, axum::extract::rejection::QueryRejection>,
+) -> Result<axum::response::Response, ApiError> {
+    let Query(params) = params.map_err(|e| {
+        ApiError::bad_request(
+            crate::ErrorCode::BadParameters,
+            format!("{}; use start, limit", e.body_text()),
+        )
+    })?;
+    let limit = page_limit(params.limit, ": the queue is shown from its head")?;
+    let (entries, total) = state.jobs.run(move |c, _| Ok(c.queue(limit))).await?;
     let estimates = if params.start {
         Some(state.jobs.estimated_starts(None).await?)
     } else {
         None
     };
-    // Held jobs (waiting for dependencies) have no place in line yet: position and priority
-    // are null.
-    let entries: Vec<_> = entries
-        .into_iter()
-        .enumerate()
-        .map(|(i, (job, priority))| {
-            let position = priority.map(|_| i + 1);
-            let id = job.id;
-            let job = as_seen_by(&job, &who);
-            let mut entry =
-                serde_json::json!({"position": position, "priority": priority, "job": job});
-            if let Some(estimates) = &estimates {
-                put_estimate(&mut entry, estimates.get(&id).copied());
-            }
-            entry
+    state
+        .jobs
+        .listing(move |_| {
+            // Held jobs (waiting for dependencies) have no place in line yet: position and
+            // priority are null.
+            let entries = entries.into_iter().enumerate().map(|(i, (job, priority))| {
+                let position = priority.map(|_| i + 1);
+                let id = job.id;
+                let job = as_seen_by(&job, &who);
+                let mut entry =
+                    serde_json::json!({"position": position, "priority": priority, "job": job});
+                if let Some(estimates) = &estimates {
+                    put_estimate(&mut entry, estimates.get(&id).copied());
+                }
+                entry
+            });
+            let mut tail = serde_json::Map::new();
+            tail.insert("total".into(), total.into());
+            json_page("queue", entries, tail)
         })
-        .collect();
-    Ok(Json(serde_json::json!({ "queue": entries })))
+        .await
 }
 
 /// Every node, sorted by name: those whose agents sync (nodes with GPUs) and those that only

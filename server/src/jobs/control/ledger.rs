@@ -308,6 +308,11 @@ impl Control {
         self.jobs.range(from..).map(|(_, j)| j)
     }
 
+    /// The job records below id `before`, newest first ([`crate::jobs::JobService::list_jobs`]).
+    pub(crate) fn records_before(&self, before: u64) -> impl Iterator<Item = &JobRecord> {
+        self.jobs.range(..before).rev().map(|(_, j)| j)
+    }
+
     /// Every node: its record, its state, and when its agent last synced.
     pub(crate) fn node_records(&self) -> impl Iterator<Item = (&NodeRecord, NodeState, i64)> {
         self.nodes

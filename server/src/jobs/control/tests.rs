@@ -1748,9 +1748,10 @@ async fn an_array_larger_than_a_step_is_cancelled_whole() {
         .expect("cancel");
     assert_eq!(out.cancelled, (first..first + n).collect::<Vec<_>>());
     let left = jobs
-        .run(|c, _| Ok(c.list(|j| j.state == JobState::Pending, usize::MAX).len()))
-        .await
-        .expect("list");
+        .list_jobs(u64::MAX, usize::MAX, |j| j.state == JobState::Pending)
+        .expect("list")
+        .0
+        .len();
     assert_eq!(left, 0);
     let pending = jobs
         .run(|c, _| Ok(c.pending.of("bob")))
@@ -1842,4 +1843,45 @@ async fn no_answer_shows_a_change_a_crash_could_still_lose() {
     let j = job(&jobs, shown).await;
     assert_eq!((j.state, j.attempts), (JobState::Running, 1), "{j:?}");
     assert_eq!(job(&jobs, launched).await.state, JobState::Pending);
+}
+
+/// `GET /v1/jobs` pages: the newest first, at most `limit` a page, read a chunk of the
+/// history at a time, each job on exactly one page, and a filter few jobs match still finds
+/// them across chunks.
+#[tokio::test]
+async fn a_listing_pages_through_the_history_newest_first() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    let alice_first = submit(&jobs, json!({ "command": ["x"], "user": "alice" }), T0).await;
+    let n = crate::jobs::SCAN_CHUNK as u64 * 2 + 700;
+    let array = json!({ "command": ["x"], "user": "bob", "array": n });
+    let first = submit(&jobs, array, T0).await;
+    let alice_last = submit(&jobs, json!({ "command": ["x"], "user": "alice" }), T0).await;
+    let (mut seen, mut before, mut pages) = (Vec::new(), u64::MAX, 0);
+    loop {
+        let (page, next) = jobs.list_jobs(before, 1_500, |_| true).expect("list");
+        assert!(page.len() <= 1_500);
+        seen.extend(page.iter().map(|j| j.id));
+        pages += 1;
+        match next {
+            Some(next) => before = next,
+            None => break,
+        }
+    }
+    let all: Vec<u64> = (alice_first..=alice_last).rev().collect();
+    assert_eq!(seen, all, "every job once, newest first");
+    assert_eq!(pages, all.len().div_ceil(1_500));
+    assert_eq!(all.len() as u64, n + 2);
+    let (alice, next) = jobs
+        .list_jobs(u64::MAX, 1_000, |j| j.request.user() == "alice")
+        .expect("list");
+    let ids: Vec<u64> = alice.iter().map(|j| j.id).collect();
+    assert_eq!((ids, next), (vec![alice_last, alice_first], None));
+    let (one, next) = jobs
+        .list_jobs(u64::MAX, 1, |j| j.request.user() == "bob")
+        .expect("list");
+    assert_eq!(one[0].id, first + n - 1);
+    assert_eq!(next, Some(first + n - 1));
+    // A pending job's reason is filled in, as `perch show` has it.
+    assert!(one[0].reason.is_some(), "{:?}", one[0].reason);
 }

@@ -136,16 +136,6 @@ impl Control {
         }
     }
 
-    pub(crate) fn list(&self, filter: impl Fn(&JobRecord) -> bool, limit: usize) -> Vec<JobRecord> {
-        self.jobs
-            .values()
-            .rev()
-            .filter(|j| filter(j))
-            .take(limit)
-            .filter_map(|j| self.view(j.id))
-            .collect()
-    }
-
     /// The job and user a job metrics token speaks for: the token must be this server's, for
     /// the job's current attempt, and the job running or ended less than a minute ago.
     pub(crate) fn job_of_token(&self, token: &str, now: i64) -> Option<(u64, String)> {
@@ -198,18 +188,18 @@ impl Control {
 
     /// The queue in the scheduler's order with each job's priority, then the jobs held back
     /// for their dependencies (not in line yet, so no priority), oldest first: every pending
-    /// job `perch jobs` shows.
-    pub(crate) fn queue(&self) -> Vec<(JobRecord, Option<f64>)> {
-        let in_line = self
-            .scheduler
-            .queue()
-            .into_iter()
-            .filter_map(|q| self.view(q.job.0).map(|j| (j, Some(q.priority))));
-        let held = self
-            .held
-            .iter()
-            .filter_map(|&id| self.view(id).map(|j| (j, None)));
-        in_line.chain(held).collect()
+    /// job `perch jobs` shows. The first `limit` of them, and how many there are.
+    pub(crate) fn queue(&self, limit: usize) -> (Vec<(JobRecord, Option<f64>)>, usize) {
+        let in_line = self.scheduler.queue();
+        let total = in_line.len() + self.held.len();
+        let in_line = in_line.into_iter().map(|q| (q.job.0, Some(q.priority)));
+        let held = self.held.iter().map(|&id| (id, None));
+        let entries = in_line
+            .chain(held)
+            .take(limit)
+            .filter_map(|(id, priority)| self.view(id).map(|j| (j, priority)))
+            .collect();
+        (entries, total)
     }
 
     /// Node `idx`'s GPUs held by at least one job, and the jobs holding them: one reading of
