@@ -105,6 +105,20 @@ fn task_failed(e: tokio::task::JoinError) -> crate::ApiError {
     )
 }
 
+/// A turn from `slots`, waited for; closed (at shutdown), a 503 saying `what` cannot be done.
+async fn turn<'a>(
+    slots: &'a tokio::sync::Semaphore,
+    what: &str,
+) -> Result<tokio::sync::SemaphorePermit<'a>, crate::ApiError> {
+    slots.acquire().await.map_err(|e| {
+        crate::ApiError::new(
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            crate::ErrorCode::ShuttingDown,
+            format!("{what} now: {e}"),
+        )
+    })
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -207,13 +221,7 @@ impl JobService {
         &self,
         upto: Option<u64>,
     ) -> Result<std::collections::HashMap<u64, i64>, crate::ApiError> {
-        let _turn = self.plans.acquire().await.map_err(|e| {
-            crate::ApiError::new(
-                axum::http::StatusCode::SERVICE_UNAVAILABLE,
-                crate::ErrorCode::ShuttingDown,
-                format!("start times cannot be estimated now: {e}"),
-            )
-        })?;
+        let _turn = turn(&self.plans, "start times cannot be estimated").await?;
         // A read: the snapshot changes nothing, so nothing waits for a commit.
         let jobs = self.clone();
         let estimates = tokio::task::spawn_blocking(move || {
@@ -321,13 +329,7 @@ impl JobService {
         &self,
         make: impl FnOnce(&JobService) -> Result<T, crate::ApiError> + Send + 'static,
     ) -> Result<T, crate::ApiError> {
-        let _turn = self.listings.acquire().await.map_err(|e| {
-            crate::ApiError::new(
-                axum::http::StatusCode::SERVICE_UNAVAILABLE,
-                crate::ErrorCode::ShuttingDown,
-                format!("jobs cannot be listed now: {e}"),
-            )
-        })?;
+        let _turn = turn(&self.listings, "jobs cannot be listed").await?;
         let jobs = self.clone();
         tokio::task::spawn_blocking(move || make(&jobs))
             .await
