@@ -92,6 +92,10 @@ pub(crate) const SCAN_CHUNK: usize = 2_000;
 /// agent's sync for 10 s and took the server from 0.4 to 3.7 GB.
 pub const MAX_PAGE: usize = 10_000;
 
+/// Bytes of jobs one page holds at most, roughly ([`JobRecord::weight`]): 10,000 jobs with
+/// a 64 KiB environment each would be 640 MB. A page ends at the job that passes it.
+pub const MAX_PAGE_BYTES: usize = 32 << 20;
+
 /// Job listings (`GET /v1/jobs`, `GET /v1/queue`) selected and written at the same time, at
 /// most: more wait their turn instead of taking every core and the memory of their pages.
 const CONCURRENT_LISTINGS: usize = 2;
@@ -287,7 +291,8 @@ impl JobService {
     }
 
     /// The newest `limit` jobs below id `before` that `keep` accepts, newest first, as
-    /// [`Control::view`] shows them, and the `before` of the next page when this one is full.
+    /// [`Control::view`] shows them (fewer if they pass [`MAX_PAGE_BYTES`]), and the `before`
+    /// of the next page when this one is full.
     /// The records are visited [`SCAN_CHUNK`] at a time under the control lock, handed on
     /// fairly between chunks, as [`JobService::scan_jobs`] does: a filter few jobs match reads
     /// the whole history. Returns once every change it saw is durable. Blocking: call it off
@@ -299,6 +304,7 @@ impl JobService {
         keep: impl Fn(&JobRecord) -> bool,
     ) -> Result<(Vec<JobRecord>, Option<u64>), ControlError> {
         let (mut jobs, mut from, mut seen) = (Vec::new(), before, 0);
+        let (mut bytes, mut full) = (0, false);
         loop {
             let control = self.control.lock();
             seen = seen.max(self.commits.seen());
@@ -307,20 +313,21 @@ impl JobService {
                 visited += 1;
                 from = job.id;
                 if keep(job) {
+                    bytes += job.weight();
                     jobs.extend(control.view(job.id));
-                    if jobs.len() == limit {
+                    full = jobs.len() == limit || bytes >= MAX_PAGE_BYTES;
+                    if full {
                         break;
                     }
                 }
             }
-            if visited < SCAN_CHUNK || jobs.len() == limit {
+            if visited < SCAN_CHUNK || full {
                 break;
             }
             parking_lot::MutexGuard::unlock_fair(control);
         }
         self.commits.wait(seen)?;
-        let next = (jobs.len() == limit).then_some(from);
-        Ok((jobs, next))
+        Ok((jobs, full.then_some(from)))
     }
 
     /// Runs `make` (a job listing and its rendering) off the async threads, at most

@@ -103,6 +103,18 @@ pub struct JobRecord {
     pub array: Option<ArrayTask>,
 }
 
+impl JobRecord {
+    /// About how many bytes the job's text takes in an answer: command, environment and
+    /// timeline, and a kilobyte for the rest.
+    pub fn weight(&self) -> usize {
+        let r = &self.request;
+        let command: usize = r.command.iter().map(String::len).sum();
+        let env: usize = r.env.iter().map(|(k, v)| k.len() + v.len()).sum();
+        let timeline: usize = self.timeline.iter().map(|e| e.event.len() + 32).sum();
+        command + env + timeline + 1024
+    }
+}
+
 /// A task's place in its array: the array's id (its first task's, `PERCH_ARRAY_JOB_ID`) and
 /// the task's index (`PERCH_ARRAY_TASK_ID`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -29,6 +29,14 @@ pub const MAX_MEMORY_MB: u64 = 64 << 20;
 /// The most CPUs a job may ask for.
 pub const MAX_CPUS: u32 = 65_536;
 
+/// The most bytes of command line one job may carry: an exec takes about 2 MiB of arguments
+/// and environment in all, and a 16 MiB command (which no exec takes) was kept in memory for
+/// every job of a loop of submissions.
+pub const MAX_COMMAND_BYTES: usize = 256 << 10;
+/// The longest argument the kernel passes to a program (`MAX_ARG_STRLEN`, 32 pages, with the
+/// terminating NUL).
+pub const MAX_ARG_BYTES: usize = (128 << 10) - 1;
+
 /// The most bytes of command and environment one submission may make the server keep, over
 /// all its array tasks.
 pub const MAX_SUBMISSION_BYTES: usize = 16 << 20;
@@ -272,6 +280,29 @@ impl JobRequest {
         if self.command.iter().any(|a| a.contains('\0')) {
             return Err(err("command", "arguments cannot contain NUL bytes"));
         }
+        if let Some((i, a)) = self
+            .command
+            .iter()
+            .enumerate()
+            .find(|(_, a)| a.len() > MAX_ARG_BYTES)
+        {
+            return Err(err(
+                "command",
+                format!(
+                    "argument {i} is {} bytes; the kernel passes at most {MAX_ARG_BYTES} in one argument: pass large values in a file the job reads",
+                    a.len()
+                ),
+            ));
+        }
+        let command_bytes: usize = self.command.iter().map(String::len).sum();
+        if command_bytes > MAX_COMMAND_BYTES {
+            return Err(err(
+                "command",
+                format!(
+                    "holds {command_bytes} bytes; the limit is {MAX_COMMAND_BYTES}: pass large values in a file the job reads"
+                ),
+            ));
+        }
         if let Some(name) = &self.name
             && (name.is_empty() || name.len() > 128 || name.chars().any(char::is_control))
         {
@@ -402,7 +433,6 @@ impl JobRequest {
                 ),
             ));
         }
-        let command_bytes: usize = self.command.iter().map(String::len).sum();
         let tasks = self.array.unwrap_or(1) as usize;
         let total = (env_bytes + command_bytes).saturating_mul(tasks);
         if total > MAX_SUBMISSION_BYTES {
@@ -466,6 +496,18 @@ mod tests {
             None,
         );
         check(r#"{"command": []}"#, Some("field `command`"));
+        // A command no exec takes, kept for every job of a loop of submissions.
+        let arg = "a".repeat(100 << 10);
+        check(
+            &format!(r#"{{"command": ["x", "{arg}", "{arg}", "{arg}"]}}"#),
+            Some("field `command`: holds 307201 bytes; the limit is 262144"),
+        );
+        check(&format!(r#"{{"command": ["x", "{arg}", "{arg}"]}}"#), None);
+        let arg = "a".repeat(128 << 10);
+        check(
+            &format!(r#"{{"command": ["x", "{arg}"]}}"#),
+            Some("field `command`: argument 1 is 131072 bytes; the kernel passes at most 131071"),
+        );
         check(
             r#"{"comand": ["x"]}"#,
             Some("unknown field `comand`, expected one of"),

@@ -1885,3 +1885,28 @@ async fn a_listing_pages_through_the_history_newest_first() {
     // A pending job's reason is filled in, as `perch show` has it.
     assert!(one[0].reason.is_some(), "{:?}", one[0].reason);
 }
+
+/// A page also ends at [`crate::jobs::MAX_PAGE_BYTES`] of jobs: 10,000 jobs with a 64 KiB
+/// environment each would be 640 MB in one answer.
+#[tokio::test]
+async fn a_page_of_large_jobs_ends_at_the_byte_limit_and_the_next_goes_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    let value = "v".repeat(60 << 10);
+    for at in 0..3 {
+        let array = json!({ "command": ["x"], "user": "bob", "array": 250, "env": { "A": value } });
+        submit(&jobs, array, T0 + at).await;
+    }
+    let (first, next) = jobs.list_jobs(u64::MAX, 10_000, |_| true).expect("list");
+    let bytes: usize = first.iter().map(JobRecord::weight).sum();
+    assert!(first.len() < 750, "{}", first.len());
+    assert!(
+        bytes >= crate::jobs::MAX_PAGE_BYTES && bytes < crate::jobs::MAX_PAGE_BYTES + (62 << 10)
+    );
+    let next = next.expect("a next page");
+    assert_eq!(next, first.last().expect("a job").id);
+    let (rest, end) = jobs.list_jobs(next, 10_000, |_| true).expect("list");
+    assert_eq!((first.len() + rest.len(), end), (750, None));
+    let (queue, total) = jobs.run(|c, _| Ok(c.queue(10_000))).await.expect("queue");
+    assert_eq!((queue.len(), total), (first.len(), 750));
+}

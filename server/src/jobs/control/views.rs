@@ -188,17 +188,23 @@ impl Control {
 
     /// The queue in the scheduler's order with each job's priority, then the jobs held back
     /// for their dependencies (not in line yet, so no priority), oldest first: every pending
-    /// job `perch jobs` shows. The first `limit` of them, and how many there are.
+    /// job `perch jobs` shows. The first `limit` of them (fewer if they pass
+    /// [`crate::jobs::MAX_PAGE_BYTES`]), and how many there are.
     pub(crate) fn queue(&self, limit: usize) -> (Vec<(JobRecord, Option<f64>)>, usize) {
         let in_line = self.scheduler.queue();
         let total = in_line.len() + self.held.len();
         let in_line = in_line.into_iter().map(|q| (q.job.0, Some(q.priority)));
         let held = self.held.iter().map(|&id| (id, None));
-        let entries = in_line
-            .chain(held)
-            .take(limit)
-            .filter_map(|(id, priority)| self.view(id).map(|j| (j, priority)))
-            .collect();
+        let (mut entries, mut bytes) = (Vec::new(), 0);
+        for (id, priority) in in_line.chain(held) {
+            if entries.len() == limit || bytes >= crate::jobs::MAX_PAGE_BYTES {
+                break;
+            }
+            if let Some(job) = self.view(id) {
+                bytes += job.weight();
+                entries.push((job, priority));
+            }
+        }
         (entries, total)
     }
 
