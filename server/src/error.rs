@@ -55,6 +55,9 @@ error_codes! {
     InvalidOtlp => "invalid_otlp",
     /// An agent sync whose fields are not valid.
     InvalidSync => "invalid_sync",
+    /// Job listings made and not yet read by their clients hold all the memory they may;
+    /// retry (503).
+    ListingBusy => "listing_busy",
     /// A telemetry batch that does not parse.
     MalformedBatch => "malformed_batch",
     /// OTLP data that does not parse.

@@ -17,6 +17,7 @@ pub use control::{
     DEFAULT_MAX_PENDING_PER_USER, DEFAULT_OUTPUT_RETENTION, JobsConfig, NodeView, PendingView,
     UsageView,
 };
+use futures::StreamExt;
 use record::JobRecord;
 use spec::JobRequest;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -40,6 +41,10 @@ pub struct JobService {
     plans: Arc<tokio::sync::Semaphore>,
     /// Job listings made at once ([`JobService::listing`]).
     listings: Arc<tokio::sync::Semaphore>,
+    /// KiB of pages not yet read by their clients ([`PAGES_IN_FLIGHT_BYTES`]).
+    pages_in_flight: Arc<tokio::sync::Semaphore>,
+    /// Each user's share of them, KiB ([`USER_PAGES_IN_FLIGHT_BYTES`]).
+    user_pages: Arc<Mutex<std::collections::HashMap<String, Arc<tokio::sync::Semaphore>>>>,
 }
 
 /// Start-time estimates computed at the same time, at most.
@@ -100,6 +105,29 @@ pub const MAX_PAGE_BYTES: usize = 32 << 20;
 /// most: more wait their turn instead of taking every core and the memory of their pages.
 const CONCURRENT_LISTINGS: usize = 2;
 
+/// Bytes of job pages made and not yet read by their clients, at most: a page stays in memory
+/// until its client has read it, and a client reading a byte at a time on each of its 256
+/// connections held 256 pages. A listing past it waits for room, then is refused (503).
+pub const PAGES_IN_FLIGHT_BYTES: usize = 256 << 20;
+
+/// What one page may take of [`PAGES_IN_FLIGHT_BYTES`] while it is made: its text ends at the
+/// job that passes [`MAX_PAGE_BYTES`], and one job's text is under 2 MiB (320 KiB of command
+/// and environment, escaped).
+pub(crate) const PAGE_RESERVE: usize = MAX_PAGE_BYTES + (4 << 20);
+
+/// Of [`PAGES_IN_FLIGHT_BYTES`], what one user's pages may hold: one whose clients read
+/// slowly waits for their own pages, not everyone's.
+pub const USER_PAGES_IN_FLIGHT_BYTES: usize = 64 << 20;
+
+/// Users' shares kept before those with nothing in flight are forgotten.
+const USER_SHARES_KEPT: usize = 1024;
+
+/// How long a listing waits for room among the pages in flight before it is refused.
+const PAGE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The pieces a page is sent in.
+const PAGE_PIECE: usize = 64 << 10;
+
 /// A control-plane task that panicked or was cancelled, as the HTTP edge answers it.
 fn task_failed(e: tokio::task::JoinError) -> crate::ApiError {
     crate::ApiError::new(
@@ -121,6 +149,37 @@ async fn turn<'a>(
             format!("{what} now: {e}"),
         )
     })
+}
+
+/// KiB, rounded up: the unit of the pages-in-flight semaphores.
+fn kib(bytes: usize) -> u32 {
+    u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX)
+}
+
+/// Room for one page being made ([`PAGE_RESERVE`]) among `rooms` (`limit` bytes of `what` in
+/// all), waited for up to [`PAGE_WAIT`]; then a 503 saying why.
+async fn page_room(
+    rooms: Arc<tokio::sync::Semaphore>,
+    limit: usize,
+    what: &str,
+) -> Result<tokio::sync::OwnedSemaphorePermit, crate::ApiError> {
+    match tokio::time::timeout(PAGE_WAIT, rooms.acquire_many_owned(kib(PAGE_RESERVE))).await {
+        Ok(Ok(room)) => Ok(room),
+        Ok(Err(e)) => Err(crate::ApiError::new(
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            crate::ErrorCode::ShuttingDown,
+            format!("jobs cannot be listed now: {e}"),
+        )),
+        Err(_) => Err(crate::ApiError::new(
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            crate::ErrorCode::ListingBusy,
+            format!(
+                "{what} not yet read by their clients hold {} MiB, all there may be: try again in a moment, or ask for a smaller limit",
+                limit >> 20
+            ),
+        )
+        .retry_after(1)),
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -215,6 +274,8 @@ impl JobService {
             commits: Arc::new(commits),
             plans: Arc::new(tokio::sync::Semaphore::new(CONCURRENT_PLANS)),
             listings: Arc::new(tokio::sync::Semaphore::new(CONCURRENT_LISTINGS)),
+            pages_in_flight: Arc::new(tokio::sync::Semaphore::new(PAGES_IN_FLIGHT_BYTES >> 10)),
+            user_pages: Arc::default(),
         })
     }
 
@@ -330,17 +391,70 @@ impl JobService {
         Ok((jobs, full.then_some(from)))
     }
 
-    /// Runs `make` (a job listing and its rendering) off the async threads, at most
-    /// [`CONCURRENT_LISTINGS`] at a time.
-    pub(crate) async fn listing<T: Send + 'static>(
+    /// Runs `make` (a job listing written as JSON for `user`) off the async threads, at most
+    /// [`CONCURRENT_LISTINGS`] at a time, and answers with its text, which holds its size of
+    /// [`USER_PAGES_IN_FLIGHT_BYTES`] and of [`PAGES_IN_FLIGHT_BYTES`] until the client has
+    /// read it (or gone).
+    pub(crate) async fn listing(
         &self,
-        make: impl FnOnce(&JobService) -> Result<T, crate::ApiError> + Send + 'static,
-    ) -> Result<T, crate::ApiError> {
-        let _turn = turn(&self.listings, "jobs cannot be listed").await?;
-        let jobs = self.clone();
-        tokio::task::spawn_blocking(move || make(&jobs))
-            .await
-            .map_err(task_failed)?
+        user: &str,
+        make: impl FnOnce(&JobService) -> Result<Vec<u8>, crate::ApiError> + Send + 'static,
+    ) -> Result<axum::response::Response, crate::ApiError> {
+        let theirs = self.user_pages(user);
+        let mut rooms = [
+            page_room(theirs, USER_PAGES_IN_FLIGHT_BYTES, "your job listings").await?,
+            page_room(
+                self.pages_in_flight.clone(),
+                PAGES_IN_FLIGHT_BYTES,
+                "job listings",
+            )
+            .await?,
+        ];
+        let page = {
+            let _turn = turn(&self.listings, "jobs cannot be listed").await?;
+            let jobs = self.clone();
+            tokio::task::spawn_blocking(move || make(&jobs))
+                .await
+                .map_err(task_failed)??
+        };
+        // Give back what the page does not take.
+        let spare = kib(PAGE_RESERVE).saturating_sub(kib(page.len()));
+        for room in &mut rooms {
+            drop(room.split(spare as usize));
+        }
+        let page = bytes::Bytes::from(page);
+        let pieces: Vec<bytes::Bytes> = (0..page.len())
+            .step_by(PAGE_PIECE)
+            .map(|at| page.slice(at..page.len().min(at + PAGE_PIECE)))
+            .collect();
+        let body = futures::stream::iter(pieces).map(move |piece| {
+            // The rooms go with the stream: when the client has read the last piece, or
+            // has gone.
+            let _held = &rooms;
+            Ok::<_, std::convert::Infallible>(piece)
+        });
+        Ok(axum::response::IntoResponse::into_response((
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            axum::body::Body::from_stream(body),
+        )))
+    }
+
+    /// `user`'s share of the pages in flight ([`USER_PAGES_IN_FLIGHT_BYTES`]).
+    fn user_pages(&self, user: &str) -> Arc<tokio::sync::Semaphore> {
+        let mut shares = lock(&self.user_pages);
+        if shares.len() >= USER_SHARES_KEPT {
+            // Shares with nothing in flight are as good as new.
+            let whole = USER_PAGES_IN_FLIGHT_BYTES >> 10;
+            shares.retain(|_, s| s.available_permits() < whole);
+        }
+        shares
+            .entry(user.to_owned())
+            .or_insert_with(|| {
+                Arc::new(tokio::sync::Semaphore::new(
+                    USER_PAGES_IN_FLIGHT_BYTES >> 10,
+                ))
+            })
+            .clone()
     }
 
     /// The job and user a job metrics token speaks for, if it is valid now.

@@ -102,13 +102,14 @@ fn parse_states(states: &str) -> Result<Vec<JobState>, ApiError> {
 }
 
 /// A JSON object written straight into bytes: `{"<key>": [<items>], <tail fields>}`, each item
-/// serialized and dropped in turn, so a page of 10,000 jobs is held once, as its text.
-fn json_page(
+/// serialized and dropped in turn, so a page is held once, as its text. The items end with the
+/// one that takes the text past [`super::MAX_PAGE_BYTES`] (a job's environment full of
+/// characters JSON escapes is six times its size); `tail` is told how many were written.
+fn write_page(
     key: &str,
     items: impl IntoIterator<Item = serde_json::Value>,
-    tail: serde_json::Map<String, serde_json::Value>,
-) -> Result<axum::response::Response, ApiError> {
-    use axum::response::IntoResponse;
+    tail: impl FnOnce(usize) -> serde_json::Map<String, serde_json::Value>,
+) -> Result<Vec<u8>, ApiError> {
     let failed = |e: serde_json::Error| {
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -117,25 +118,26 @@ fn json_page(
         )
     };
     let mut out = format!("{{{}:[", serde_json::Value::from(key)).into_bytes();
-    for (i, item) in items.into_iter().enumerate() {
-        if i > 0 {
+    let mut written = 0;
+    for item in items {
+        if written > 0 {
             out.push(b',');
         }
         serde_json::to_writer(&mut out, &item).map_err(failed)?;
+        written += 1;
+        if out.len() >= super::MAX_PAGE_BYTES {
+            break;
+        }
     }
     out.push(b']');
-    for (k, v) in tail {
+    for (k, v) in tail(written) {
         out.push(b',');
         serde_json::to_writer(&mut out, &k).map_err(failed)?;
         out.push(b':');
         serde_json::to_writer(&mut out, &v).map_err(failed)?;
     }
     out.push(b'}');
-    Ok((
-        [(axum::http::header::CONTENT_TYPE, "application/json")],
-        out,
-    )
-        .into_response())
+    Ok(out)
 }
 
 /// A job as `who` may see it: everything for its owner and operators; for other users the
@@ -174,9 +176,10 @@ pub async fn list(
         " and page with before=<the last page's next_before>",
     )?;
     let before = p.before.unwrap_or(u64::MAX);
+    let user = who.user.clone();
     state
         .jobs
-        .listing(move |jobs| {
+        .listing(&user, move |jobs| {
             let (page, next) = jobs.list_jobs(before, limit, |j| {
                 wanted.as_ref().is_none_or(|w| w.contains(&j.state))
                     && p.user.as_deref().is_none_or(|u| j.request.user() == u)
@@ -184,9 +187,20 @@ pub async fn list(
                         .as_deref()
                         .is_none_or(|a| j.request.account() == a)
             })?;
-            let mut tail = serde_json::Map::new();
-            tail.insert("next_before".into(), next.into());
-            json_page("jobs", page.iter().map(|j| as_seen_by(j, &who)), tail)
+            let ids: Vec<u64> = page.iter().map(|j| j.id).collect();
+            write_page(
+                "jobs",
+                page.iter().map(|j| as_seen_by(j, &who)),
+                |written| {
+                    // A page cut short by its text goes on after its last job.
+                    let next = if written < ids.len() {
+                        Some(ids[written - 1])
+                    } else {
+                        next
+                    };
+                    serde_json::Map::from_iter([("next_before".into(), next.into())])
+                },
+            )
         })
         .await
 }
@@ -447,9 +461,10 @@ pub async fn queue(
     } else {
         None
     };
+    let user = who.user.clone();
     state
         .jobs
-        .listing(move |_| {
+        .listing(&user, move |_| {
             // Held jobs (waiting for dependencies) have no place in line yet: position and
             // priority are null.
             let entries = entries.into_iter().enumerate().map(|(i, (job, priority))| {
@@ -463,9 +478,9 @@ pub async fn queue(
                 }
                 entry
             });
-            let mut tail = serde_json::Map::new();
-            tail.insert("total".into(), total.into());
-            json_page("queue", entries, tail)
+            write_page("queue", entries, |_| {
+                serde_json::Map::from_iter([("total".into(), total.into())])
+            })
         })
         .await
 }

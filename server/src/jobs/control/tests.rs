@@ -1910,3 +1910,67 @@ async fn a_page_of_large_jobs_ends_at_the_byte_limit_and_the_next_goes_on() {
     let (queue, total) = jobs.run(|c, _| Ok(c.queue(10_000))).await.expect("queue");
     assert_eq!((queue.len(), total), (first.len(), 750));
 }
+
+/// Pages made and not yet read hold their memory until their clients have read them: a client
+/// reading slowly on each of many connections held a page on each. Past a user's share
+/// ([`crate::jobs::USER_PAGES_IN_FLIGHT_BYTES`]) that user's listings wait, then are refused
+/// with 503 saying why, and other users' are not; past the whole
+/// ([`crate::jobs::PAGES_IN_FLIGHT_BYTES`]) everyone's are. A page read to its end, or whose
+/// client went away, gives its room back.
+#[tokio::test(start_paused = true)]
+async fn pages_not_yet_read_hold_their_room_until_read_or_dropped() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let jobs = service(dir.path());
+    let page = 20 << 20;
+    // A page is made only where the largest page fits beside those in flight.
+    let fit = |limit: usize| (limit - crate::jobs::PAGE_RESERVE) / page + 1;
+    let list = |user: &str| {
+        let user = user.to_owned();
+        let jobs = jobs.clone();
+        async move { jobs.listing(&user, move |_| Ok(vec![b' '; page])).await }
+    };
+    let share = fit(crate::jobs::USER_PAGES_IN_FLIGHT_BYTES);
+    let mut held = Vec::new();
+    for _ in 0..share {
+        held.push(list("mallory").await.expect("room in mallory's share"));
+    }
+    let refused = list("mallory").await.expect_err("mallory's share is full");
+    assert_eq!(refused.status, axum::http::StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(refused.code, crate::ErrorCode::ListingBusy);
+    assert_eq!(refused.retry_after_secs, Some(1));
+    assert!(
+        refused
+            .message
+            .contains("your job listings not yet read by their clients hold 64 MiB"),
+        "{}",
+        refused.message
+    );
+    // Others still list, until the whole is taken.
+    let users = ["a", "b", "c", "d", "e", "f", "g"];
+    let whole = fit(crate::jobs::PAGES_IN_FLIGHT_BYTES);
+    for user in users.iter().cycle().take(whole - share) {
+        held.push(list(user).await.expect("room in the whole"));
+    }
+    let refused = list("h").await.expect_err("the whole is full");
+    assert!(
+        refused
+            .message
+            .starts_with("job listings not yet read by their clients hold 256 MiB"),
+        "{}",
+        refused.message
+    );
+    // A client that reads its page to the end gives its room back.
+    let read = held.pop().expect("a page").into_body();
+    let text = axum::body::to_bytes(read, usize::MAX)
+        .await
+        .expect("the page");
+    assert_eq!(text.len(), page);
+    held.push(list("h").await.expect("room after a page was read"));
+    // So do clients that go away: mallory's two.
+    held.drain(..share);
+    held.push(
+        list("mallory")
+            .await
+            .expect("room after the clients went away"),
+    );
+}
