@@ -1121,7 +1121,10 @@ fn listings_page_and_perch_jobs_shows_a_running_job_behind_any_history() {
     // A careless or hostile page size, and a state that does not exist, are refused with
     // what to change.
     for (query, says) in [
-        ("/v1/jobs?limit=100000", "limit 100000 is above 10000"),
+        (
+            "/v1/jobs?limit=100000",
+            "limit 100000 is above 10000: ask for pages of at most that many, each with before=",
+        ),
         ("/v1/jobs?limit=0", "limit must be at least 1"),
         (
             "/v1/jobs?state=running,sleeping",

@@ -173,7 +173,7 @@ pub async fn list(
     let wanted = p.state.as_deref().map(parse_states).transpose()?;
     let limit = page_limit(
         p.limit,
-        " and page with before=<the last page's next_before>",
+        ": ask for pages of at most that many, each with before=<the last page's next_before>",
     )?;
     let before = p.before.unwrap_or(u64::MAX);
     let user = who.user.clone();
