@@ -95,6 +95,8 @@ pub struct ServerSection {
     pub node_lease_secs: u64,
     /// Most pending jobs one user may have (array tasks count one each).
     pub max_pending_jobs_per_user: usize,
+    /// Most MiB of command and environment one user's pending jobs may hold.
+    pub max_pending_job_mb_per_user: usize,
     /// Most HTTP connections open at once; more wait in the kernel's backlog.
     pub max_connections: usize,
     /// Most HTTP connections open at once from one address; more are closed at once.
@@ -135,6 +137,8 @@ impl Default for ServerSection {
             node_stale_after_secs: 60,
             node_lease_secs: perch_server::jobs::DEFAULT_LEASE.as_secs(),
             max_pending_jobs_per_user: perch_server::jobs::DEFAULT_MAX_PENDING_PER_USER,
+            max_pending_job_mb_per_user: perch_server::jobs::DEFAULT_MAX_PENDING_BYTES_PER_USER
+                >> 20,
             max_connections: perch_server::listener::ConnectionLimits::default().max_connections,
             max_connections_per_ip: perch_server::listener::ConnectionLimits::default().max_per_ip,
             idle_timeout_secs: perch_server::listener::ConnectionLimits::default()
@@ -1005,6 +1009,12 @@ impl Config {
         if self.server.max_pending_jobs_per_user == 0 {
             return bad("server.max_pending_jobs_per_user", "must be at least 1");
         }
+        if !(1..=1 << 20).contains(&self.server.max_pending_job_mb_per_user) {
+            return bad(
+                "server.max_pending_job_mb_per_user",
+                "must be 1 to 1048576 (MiB of command and environment of one user's pending jobs)",
+            );
+        }
         if let Err(e) = perch_server::jobs::accounts::validate(&self.accounts) {
             anyhow::bail!("config key {e}");
         }
@@ -1199,6 +1209,7 @@ impl Config {
         config.jobs.lease = Duration::from_secs(s.node_lease_secs);
         config.jobs.accounts = self.accounts.clone();
         config.jobs.max_pending_per_user = s.max_pending_jobs_per_user;
+        config.jobs.max_pending_bytes_per_user = s.max_pending_job_mb_per_user << 20;
         config.jobs.output_retention =
             (s.job_output_days > 0).then(|| Duration::from_secs(s.job_output_days * 86_400));
         config.jobs.policy = self.scheduler.policy()?;

@@ -71,6 +71,15 @@ pub enum ControlError {
         limit: usize,
     },
     #[error(
+        "{user}'s pending jobs hold {pending} bytes of command and environment and this submission adds {adding}: at most {limit} per user (server.max_pending_job_mb_per_user); wait for some to start, cancel some, or move large values into files the jobs read"
+    )]
+    TooManyPendingBytes {
+        user: String,
+        pending: usize,
+        adding: usize,
+        limit: usize,
+    },
+    #[error(
         "node {node} is served by another agent{}, which synced {silent_secs:.1} s ago: two agents under one node name would each report what runs there and have the other's jobs killed. Give this agent a name of its own (agent.node, --node), or stop the other one; if it is gone for good, this agent takes the node once the other has been silent for {timeout_secs} s (server.node_stale_after_secs)",
         other.as_deref().map(|a| format!(" (at {a})")).unwrap_or_default()
     )]
@@ -122,6 +131,9 @@ pub struct JobsConfig {
     pub accounts: super::accounts::AccountRules,
     /// Most pending (and held) jobs one user may have; a submission past it is refused whole.
     pub max_pending_per_user: usize,
+    /// Most bytes of command and environment one user's pending (and held) jobs may hold; a
+    /// submission past it is refused whole.
+    pub max_pending_bytes_per_user: usize,
     /// The clock every operation and tick reads "now" from.
     pub clock: crate::clock::Clock,
     /// How long after a job ended its stored output is kept (`server.job_output_days`);
@@ -137,6 +149,7 @@ impl Default for JobsConfig {
             policy: Config::perch(vec![]),
             accounts: Default::default(),
             max_pending_per_user: DEFAULT_MAX_PENDING_PER_USER,
+            max_pending_bytes_per_user: DEFAULT_MAX_PENDING_BYTES_PER_USER,
             clock: crate::clock::Clock::system(),
             output_retention: Some(DEFAULT_OUTPUT_RETENTION),
         }
@@ -148,6 +161,11 @@ pub const DEFAULT_OUTPUT_RETENTION: Duration = Duration::from_secs(30 * 86_400);
 
 /// The default of [`JobsConfig::max_pending_per_user`].
 pub const DEFAULT_MAX_PENDING_PER_USER: usize = 10_000;
+
+/// The default of [`JobsConfig::max_pending_bytes_per_user`]: 256 MiB. 10,000 pending jobs
+/// (the count cap) of 320 KiB of command and environment each (the most one job may carry)
+/// were 3.2 GB of one user's in memory; a typical job carries a few hundred bytes.
+pub const DEFAULT_MAX_PENDING_BYTES_PER_USER: usize = 256 << 20;
 
 /// The default node lease: minutes, so that a server restart or a short network cut stops no
 /// job, at the price of a dead node's jobs waiting that long to be requeued.
@@ -221,16 +239,25 @@ pub(crate) struct Control {
     /// Pending jobs per user, for the pending cap without a scan of every job: kept in step
     /// by [`Control::take_dirty`], through which every change of a job passes.
     pending: PendingCount,
-    /// Array tasks checked against the pending cap and not added yet (an array is added in
-    /// steps), per user: counted by the cap, so concurrent arrays cannot each pass it.
-    reserved: HashMap<String, usize>,
+    /// Array tasks checked against the pending caps and not added yet (an array is added in
+    /// steps), per user, with their bytes: counted by the caps, so concurrent arrays cannot
+    /// each pass them.
+    reserved: HashMap<String, Held>,
 }
 
-/// Which jobs are pending, and how many per user.
+/// Which jobs are pending, and how many per user, with the bytes of command and environment
+/// they hold.
 #[derive(Default)]
 struct PendingCount {
     jobs: HashSet<u64>,
-    by_user: HashMap<String, usize>,
+    by_user: HashMap<String, Held>,
+}
+
+/// Jobs, and their bytes of command and environment ([`JobRequest::kept_bytes`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Held {
+    pub jobs: usize,
+    pub bytes: usize,
 }
 
 impl PendingCount {
@@ -241,22 +268,26 @@ impl PendingCount {
             return;
         }
         let user = job.request.user();
+        let bytes = job.request.kept_bytes();
         if pending {
             self.jobs.insert(job.id);
-            *self.by_user.entry(user.to_owned()).or_default() += 1;
+            let held = self.by_user.entry(user.to_owned()).or_default();
+            held.jobs += 1;
+            held.bytes += bytes;
         } else {
             self.jobs.remove(&job.id);
-            if let Some(n) = self.by_user.get_mut(user) {
-                *n -= 1;
-                if *n == 0 {
+            if let Some(held) = self.by_user.get_mut(user) {
+                held.jobs -= 1;
+                held.bytes = held.bytes.saturating_sub(bytes);
+                if held.jobs == 0 {
                     self.by_user.remove(user);
                 }
             }
         }
     }
 
-    fn of(&self, user: &str) -> usize {
-        self.by_user.get(user).copied().unwrap_or(0)
+    fn of(&self, user: &str) -> Held {
+        self.by_user.get(user).copied().unwrap_or_default()
     }
 }
 

@@ -14,8 +14,8 @@ pub mod spec;
 use control::Control;
 pub use control::{
     AllocationView, CancelOutcome, CancelSelection, ControlError, ControlSnapshot, DEFAULT_LEASE,
-    DEFAULT_MAX_PENDING_PER_USER, DEFAULT_OUTPUT_RETENTION, JobsConfig, NodeView, PendingView,
-    UsageView,
+    DEFAULT_MAX_PENDING_BYTES_PER_USER, DEFAULT_MAX_PENDING_PER_USER, DEFAULT_OUTPUT_RETENTION,
+    JobsConfig, NodeView, PendingView, UsageView,
 };
 use futures::StreamExt;
 use record::JobRecord;
@@ -548,10 +548,10 @@ impl JobService {
                     .await;
                 if let Err(e) = added {
                     // The later steps will not be added: their tasks stop counting.
-                    let (user, left) = (request.user().to_owned(), (count - done) as usize);
+                    let (r, left) = (request.clone(), (count - done) as usize);
                     let _ = service
                         .run(move |c, _| {
-                            c.release_reservation(&user, left);
+                            c.release_reservation(&r, left);
                             Ok(())
                         })
                         .await;
@@ -720,11 +720,13 @@ impl From<ControlError> for crate::ApiError {
             ControlError::Forbidden(_) => {
                 crate::ApiError::new(StatusCode::FORBIDDEN, crate::ErrorCode::Forbidden, message)
             }
-            ControlError::TooManyPending { .. } => crate::ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                crate::ErrorCode::TooManyPending,
-                message,
-            ),
+            ControlError::TooManyPending { .. } | ControlError::TooManyPendingBytes { .. } => {
+                crate::ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    crate::ErrorCode::TooManyPending,
+                    message,
+                )
+            }
             ControlError::NodeClaimed { .. } => {
                 crate::ApiError::new(StatusCode::CONFLICT, crate::ErrorCode::NodeClaimed, message)
                     .retry_after(5)

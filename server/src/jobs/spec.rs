@@ -264,6 +264,18 @@ fn check_env_name(key: &str) -> Result<(), FieldError> {
 }
 
 impl JobRequest {
+    /// Bytes of command and environment: what the server keeps of the job beyond a fixed size.
+    pub fn kept_bytes(&self) -> usize {
+        let env: usize = self.env.iter().map(|(k, v)| k.len() + v.len()).sum();
+        env + self.command.iter().map(String::len).sum::<usize>()
+    }
+
+    /// [`JobRequest::kept_bytes`] of each of its array tasks, with the variables a task adds
+    /// (`PERCH_ARRAY_JOB_ID`, `PERCH_ARRAY_TASK_ID`).
+    pub fn task_bytes(&self) -> usize {
+        self.kept_bytes() + if self.array.is_some() { 64 } else { 0 }
+    }
+
     /// Checks every field; the first wrong one is named.
     /// Checks every field; the error names the field and says what to change.
     pub fn validate(&self) -> Result<(), FieldError> {

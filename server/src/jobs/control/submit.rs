@@ -39,19 +39,23 @@ impl Control {
         now: i64,
     ) -> Result<u64, ControlError> {
         self.check_submission(request, now)?;
-        let count = request.array.unwrap_or(1);
-        *self.reserved.entry(request.user().to_owned()).or_default() += count as usize;
+        let count = request.array.unwrap_or(1) as usize;
+        let reserved = self.reserved.entry(request.user().to_owned()).or_default();
+        reserved.jobs += count;
+        reserved.bytes += count * request.task_bytes();
+        let count = count as u32;
         let first = self.next_id;
         self.next_id += u64::from(count);
         Ok(first)
     }
 
-    /// Gives back `n` of `user`'s reserved array tasks (added, or never to be).
-    pub(crate) fn release_reservation(&mut self, user: &str, n: usize) {
-        if let Some(r) = self.reserved.get_mut(user) {
-            *r = r.saturating_sub(n);
-            if *r == 0 {
-                self.reserved.remove(user);
+    /// Gives back `n` of the reserved array tasks of `request`'s user (added, or never to be).
+    pub(crate) fn release_reservation(&mut self, request: &JobRequest, n: usize) {
+        if let Some(r) = self.reserved.get_mut(request.user()) {
+            r.jobs = r.jobs.saturating_sub(n);
+            r.bytes = r.bytes.saturating_sub(n * request.task_bytes());
+            if r.jobs == 0 {
+                self.reserved.remove(request.user());
             }
         }
     }
@@ -67,7 +71,6 @@ impl Control {
         now: i64,
     ) -> Result<(), ControlError> {
         self.now = now;
-        let user = request.user().to_owned();
         for task in tasks.clone() {
             let mut r = request.clone();
             let added = if r.array.take().is_none() {
@@ -88,9 +91,9 @@ impl Control {
             };
             match added {
                 // Pending now (counted once this operation's changes are taken).
-                Ok(()) => self.release_reservation(&user, 1),
+                Ok(()) => self.release_reservation(request, 1),
                 Err(e) => {
-                    self.release_reservation(&user, (tasks.end - task) as usize);
+                    self.release_reservation(request, (tasks.end - task) as usize);
                     return Err(e);
                 }
             }
@@ -123,13 +126,27 @@ impl Control {
         self.check_quota(request, now)?;
         let adding = request.array.map_or(1, |n| n as usize);
         let user = request.user();
-        let pending = self.pending.of(user) + self.reserved.get(user).copied().unwrap_or(0);
-        if pending + adding > self.config.max_pending_per_user {
+        let (pending, reserved) = (self.pending.of(user), self.reserved.get(user));
+        let reserved = reserved.copied().unwrap_or_default();
+        let jobs = pending.jobs + reserved.jobs;
+        if jobs + adding > self.config.max_pending_per_user {
             return Err(ControlError::TooManyPending {
                 user: user.to_owned(),
-                pending,
+                pending: jobs,
                 adding,
                 limit: self.config.max_pending_per_user,
+            });
+        }
+        let (bytes, adding) = (
+            pending.bytes + reserved.bytes,
+            adding * request.task_bytes(),
+        );
+        if bytes + adding > self.config.max_pending_bytes_per_user {
+            return Err(ControlError::TooManyPendingBytes {
+                user: user.to_owned(),
+                pending: bytes,
+                adding,
+                limit: self.config.max_pending_bytes_per_user,
             });
         }
         Ok(())
