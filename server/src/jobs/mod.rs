@@ -333,62 +333,85 @@ impl JobService {
     /// growing with every job ever run). Each record is visited once, as it was when its chunk
     /// was read.
     pub(crate) fn scan_jobs(&self, mut visit: impl FnMut(&JobRecord)) {
-        let mut from = 0;
+        self.walk_jobs(0, false, |_, job| {
+            visit(job);
+            true
+        });
+    }
+
+    /// Walks the job records [`SCAN_CHUNK`] at a time under the control lock, handed on
+    /// fairly between chunks (to whoever waits, an agent's sync, not back to this walk at
+    /// once, as an unfair unlock would): from id `from` up, or (`newest_first`) from below it
+    /// down. `visit` sees each record once, as its chunk found it, and returns false to stop.
+    /// Returns the last change set queued while it walked ([`Commits::seen`]).
+    fn walk_jobs(
+        &self,
+        from: u64,
+        newest_first: bool,
+        mut visit: impl FnMut(&Control, &JobRecord) -> bool,
+    ) -> u64 {
+        let (mut cursor, mut seen) = (from, 0);
         loop {
             let control = self.control.lock();
-            let mut seen = 0;
-            for job in control.records_from(from).take(SCAN_CHUNK) {
-                visit(job);
-                from = job.id + 1;
-                seen += 1;
+            seen = seen.max(self.commits.seen());
+            let chunk: Box<dyn Iterator<Item = &JobRecord>> = if newest_first {
+                Box::new(control.records_before(cursor))
+            } else {
+                Box::new(control.records_from(cursor))
+            };
+            let mut visited = 0;
+            for job in chunk.take(SCAN_CHUNK) {
+                visited += 1;
+                cursor = if newest_first { job.id } else { job.id + 1 };
+                if !visit(&control, job) {
+                    return seen;
+                }
             }
-            if seen < SCAN_CHUNK {
-                return;
+            if visited < SCAN_CHUNK {
+                return seen;
             }
-            // To whoever waits (an agent's sync), not back to this scan at once, as an
-            // unfair unlock would.
             parking_lot::MutexGuard::unlock_fair(control);
         }
     }
 
     /// The newest `limit` jobs below id `before` that `keep` accepts, newest first, as
     /// [`Control::view`] shows them (fewer if they pass [`MAX_PAGE_BYTES`]), and the `before`
-    /// of the next page when this one is full.
-    /// The records are visited [`SCAN_CHUNK`] at a time under the control lock, handed on
-    /// fairly between chunks, as [`JobService::scan_jobs`] does: a filter few jobs match reads
-    /// the whole history. Returns once every change it saw is durable. Blocking: call it off
-    /// the async threads ([`JobService::listing`]).
+    /// of the next page when this one is full. A filter few jobs match reads the whole
+    /// history, a chunk at a time ([`JobService::walk_jobs`]). Returns once every change it
+    /// saw is durable. Blocking: call it off the async threads ([`JobService::listing`]).
     pub(crate) fn list_jobs(
         &self,
         before: u64,
         limit: usize,
         keep: impl Fn(&JobRecord) -> bool,
     ) -> Result<(Vec<JobRecord>, Option<u64>), ControlError> {
-        let (mut jobs, mut from, mut seen) = (Vec::new(), before, 0);
-        let (mut bytes, mut full) = (0, false);
-        loop {
-            let control = self.control.lock();
-            seen = seen.max(self.commits.seen());
-            let mut visited = 0;
-            for job in control.records_before(from).take(SCAN_CHUNK) {
-                visited += 1;
-                from = job.id;
-                if keep(job) {
-                    bytes += job.weight();
-                    jobs.extend(control.view(job.id));
-                    full = jobs.len() == limit || bytes >= MAX_PAGE_BYTES;
-                    if full {
-                        break;
-                    }
-                }
+        let (mut jobs, mut last, mut bytes, mut full) = (Vec::new(), before, 0, false);
+        let seen = self.walk_jobs(before, true, |control, job| {
+            last = job.id;
+            if keep(job) {
+                bytes += job.weight();
+                jobs.extend(control.view(job.id));
+                full = jobs.len() == limit || bytes >= MAX_PAGE_BYTES;
             }
-            if visited < SCAN_CHUNK || full {
-                break;
-            }
-            parking_lot::MutexGuard::unlock_fair(control);
-        }
+            !full
+        });
         self.commits.wait(seen)?;
-        Ok((jobs, full.then_some(from)))
+        Ok((jobs, full.then_some(last)))
+    }
+
+    /// The first `limit` jobs of the queue ([`Control::queue`]) and its length, once every
+    /// change it saw is durable. Blocking: call it off the async threads
+    /// ([`JobService::listing`]).
+    pub(crate) fn queue_page(
+        &self,
+        limit: usize,
+    ) -> Result<(Vec<(JobRecord, Option<f64>)>, usize), ControlError> {
+        let (page, seen) = {
+            let control = self.control.lock();
+            (control.queue(limit), self.commits.seen())
+        };
+        self.commits.wait(seen)?;
+        Ok(page)
     }
 
     /// Runs `make` (a job listing written as JSON for `user`) off the async threads, at most

@@ -104,14 +104,11 @@ pub struct JobRecord {
 }
 
 impl JobRecord {
-    /// About how many bytes the job's text takes in an answer: command, environment and
-    /// timeline, and a kilobyte for the rest.
+    /// About how many bytes the job's text takes in an answer: command and environment
+    /// ([`JobRequest::kept_bytes`]), timeline, and a kilobyte for the rest.
     pub fn weight(&self) -> usize {
-        let r = &self.request;
-        let command: usize = r.command.iter().map(String::len).sum();
-        let env: usize = r.env.iter().map(|(k, v)| k.len() + v.len()).sum();
         let timeline: usize = self.timeline.iter().map(|e| e.event.len() + 32).sum();
-        command + env + timeline + 1024
+        self.request.kept_bytes() + timeline + 1024
     }
 }
 

@@ -86,19 +86,22 @@ fn page_limit(limit: Option<usize>, hint: &str) -> Result<usize, ApiError> {
     }
 }
 
-/// The states named in `states` (comma-separated).
+/// The states named in `states` (comma-separated), each once: a list of thousands of
+/// repeats was compared against every job of the history.
 fn parse_states(states: &str) -> Result<Vec<JobState>, ApiError> {
-    states
-        .split(',')
-        .map(|s| {
-            JobState::parse(s.trim()).ok_or_else(|| {
-                ApiError::bad_request(
-                    crate::ErrorCode::BadParameters,
-                    format!("state {s:?} is not one of pending, running, completed, failed, cancelled, timeout, preempted, node_fail (several: comma-separated)"),
-                )
-            })
-        })
-        .collect()
+    let mut wanted = Vec::new();
+    for s in states.split(',') {
+        let state = JobState::parse(s.trim()).ok_or_else(|| {
+            ApiError::bad_request(
+                crate::ErrorCode::BadParameters,
+                format!("state {s:?} is not one of pending, running, completed, failed, cancelled, timeout, preempted, node_fail (several: comma-separated)"),
+            )
+        })?;
+        if !wanted.contains(&state) {
+            wanted.push(state);
+        }
+    }
+    Ok(wanted)
 }
 
 /// A JSON object written straight into bytes: `{"<key>": [<items>], <tail fields>}`, each item
@@ -455,7 +458,6 @@ pub async fn queue(
         )
     })?;
     let limit = page_limit(params.limit, ": the queue is shown from its head")?;
-    let (entries, total) = state.jobs.run(move |c, _| Ok(c.queue(limit))).await?;
     let estimates = if params.start {
         Some(state.jobs.estimated_starts(None).await?)
     } else {
@@ -464,7 +466,9 @@ pub async fn queue(
     let user = who.user.clone();
     state
         .jobs
-        .listing(&user, move |_| {
+        .listing(&user, move |jobs| {
+            // Made within the listing's room: the copies of the jobs are the page's memory.
+            let (entries, total) = jobs.queue_page(limit)?;
             // Held jobs (waiting for dependencies) have no place in line yet: position and
             // priority are null.
             let entries = entries.into_iter().enumerate().map(|(i, (job, priority))| {
@@ -696,6 +700,21 @@ pub async fn sync(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A state list is each state once however often it is named (thousands of repeats were
+    /// each compared against every job of the history); a wrong name is refused.
+    #[test]
+    fn states_are_each_taken_once() {
+        let many = "pending,running,".repeat(4_000);
+        let states = parse_states(many.trim_end_matches(',')).expect("states");
+        assert_eq!(states, vec![JobState::Pending, JobState::Running]);
+        let e = parse_states("running,sleeping").expect_err("no such state");
+        assert!(
+            e.message.contains("\"sleeping\" is not one of"),
+            "{}",
+            e.message
+        );
+    }
 
     /// A node that only sends telemetry lists the GPUs it sampled, however their indices run:
     /// an agent reporting GPU 4,000,000,000 gets one entry, not four billion.

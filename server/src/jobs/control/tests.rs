@@ -1960,7 +1960,7 @@ async fn a_page_of_large_jobs_ends_at_the_byte_limit_and_the_next_goes_on() {
     assert_eq!(next, first.last().expect("a job").id);
     let (rest, end) = jobs.list_jobs(next, 10_000, |_| true).expect("list");
     assert_eq!((first.len() + rest.len(), end), (750, None));
-    let (queue, total) = jobs.run(|c, _| Ok(c.queue(10_000))).await.expect("queue");
+    let (queue, total) = jobs.queue_page(10_000).expect("queue");
     assert_eq!((queue.len(), total), (first.len(), 750));
 }
 
