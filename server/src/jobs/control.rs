@@ -23,7 +23,7 @@ mod views;
 
 pub use cancel::{CancelOutcome, CancelSelection, EndedJob, OwnedJob};
 pub use scrape::{AllocationView, ControlSnapshot, NodeView, PendingView, UsageView};
-pub(crate) use views::NodeDetail;
+pub(crate) use views::{NodeDetail, QueuePage};
 
 use super::db::{Dirty, Loaded, NodeRecord};
 use super::job_token::JobTokens;

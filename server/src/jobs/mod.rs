@@ -402,10 +402,7 @@ impl JobService {
     /// The first `limit` jobs of the queue ([`Control::queue`]) and its length, once every
     /// change it saw is durable. Blocking: call it off the async threads
     /// ([`JobService::listing`]).
-    pub(crate) fn queue_page(
-        &self,
-        limit: usize,
-    ) -> Result<(Vec<(JobRecord, Option<f64>)>, usize), ControlError> {
+    pub(crate) fn queue_page(&self, limit: usize) -> Result<control::QueuePage, ControlError> {
         let (page, seen) = {
             let control = self.control.lock();
             (control.queue(limit), self.commits.seen())

@@ -40,6 +40,10 @@ pub(crate) struct GpuHolder {
     pub share_percent: Option<u32>,
 }
 
+/// The head of the queue, each job with its priority (`None`: held for dependencies), and
+/// how many jobs are pending in all ([`Control::queue`]).
+pub(crate) type QueuePage = (Vec<(JobRecord, Option<f64>)>, usize);
+
 impl Control {
     /// A record with its live pending reason filled in.
     pub(crate) fn view(&self, id: u64) -> Option<JobRecord> {
@@ -190,7 +194,7 @@ impl Control {
     /// for their dependencies (not in line yet, so no priority), oldest first: every pending
     /// job `perch jobs` shows. The first `limit` of them (fewer if they pass
     /// [`crate::jobs::MAX_PAGE_BYTES`]), and how many there are.
-    pub(crate) fn queue(&self, limit: usize) -> (Vec<(JobRecord, Option<f64>)>, usize) {
+    pub(crate) fn queue(&self, limit: usize) -> QueuePage {
         let in_line = self.scheduler.queue();
         let total = in_line.len() + self.held.len();
         let in_line = in_line.into_iter().map(|q| (q.job.0, Some(q.priority)));
