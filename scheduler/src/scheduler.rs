@@ -1019,10 +1019,21 @@ impl Scheduler {
     /// the jobs of its database, oldest end first, so history prediction
     /// ([`Config::predict_from_history`]) survives a restart.
     pub fn remember_finished(&mut self, spec: &JobSpec, ran: Millis) {
-        self.history
-            .record(&spec.user, spec.gpu_hundredths(), ran, spec.time_limit);
+        self.remember_finished_run(&spec.user, spec.gpu_hundredths(), ran, spec.time_limit);
+    }
+
+    /// [`Scheduler::remember_finished`] from a job's user, GPUs (in hundredths,
+    /// [`JobSpec::gpu_hundredths`]) and time limit alone.
+    pub fn remember_finished_run(
+        &mut self,
+        user: &crate::User,
+        gpu_hundredths: u32,
+        ran: Millis,
+        limit: Millis,
+    ) {
+        self.history.record(user, gpu_hundredths, ran, limit);
         self.service
-            .record(f64::from(spec.gpu_hundredths()) / 100.0 * ran as f64 / 1000.0);
+            .record(f64::from(gpu_hundredths) / 100.0 * ran as f64 / 1000.0);
     }
 
     /// Adds a finished job's run time (all its runs) to its user's history.

@@ -279,7 +279,8 @@ impl LiveTable for JobsTable {
         let now = self.jobs.now_ms();
         let mut rows = Vec::new();
         self.jobs
-            .scan_jobs(|j| rows.push(job_row(j, &self.config, now)));
+            .scan_jobs(|j| rows.push(job_row(j, &self.config, now)))
+            .map_err(|e| e.to_string())?;
         Self::columns(&rows).batches()
     }
 }
@@ -351,26 +352,28 @@ impl LiveTable for AllocationsTable {
         let now = self.jobs.now_ms();
         let prices = &self.config.prices;
         let mut rows: Vec<AllocRow> = Vec::new();
-        self.jobs.scan_jobs(|j| {
-            for a in &j.allocations {
-                for (g, &gpu) in a.gpus.iter().enumerate() {
-                    rows.push(AllocRow {
-                        job: j.id,
-                        attempt: a.attempt,
-                        user: j.request.user().to_owned(),
-                        account: j.request.account().to_owned(),
-                        node: a.node.clone(),
-                        gpu,
-                        model: a.gpu_model.clone(),
-                        start: a.start_ms,
-                        end: a.end_ms,
-                        accounted_until: a.folded_end_ms(),
-                        simulated: a.simulated,
-                        f: gpu_figures(a, g, now, prices),
-                    });
+        self.jobs
+            .scan_jobs(|j| {
+                for a in &j.allocations {
+                    for (g, &gpu) in a.gpus.iter().enumerate() {
+                        rows.push(AllocRow {
+                            job: j.id,
+                            attempt: a.attempt,
+                            user: j.request.user().to_owned(),
+                            account: j.request.account().to_owned(),
+                            node: a.node.clone(),
+                            gpu,
+                            model: a.gpu_model.clone(),
+                            start: a.start_ms,
+                            end: a.end_ms,
+                            accounted_until: a.folded_end_ms(),
+                            simulated: a.simulated,
+                            f: gpu_figures(a, g, now, prices),
+                        });
+                    }
                 }
-            }
-        });
+            })
+            .map_err(|e| e.to_string())?;
         Self::columns(&rows).batches()
     }
 }
@@ -490,7 +493,11 @@ impl DailyTable {
 /// The days of the control plane's history at `now`: node spans under one hold of the
 /// control lock, allocations a chunk at a time ([`JobService::scan_jobs`]), the days
 /// themselves worked out with the lock let go.
-pub(crate) fn days(jobs: &JobService, config: &AccountingConfig, now: i64) -> Vec<daily::Day> {
+pub(crate) fn days(
+    jobs: &JobService,
+    config: &AccountingConfig,
+    now: i64,
+) -> Result<Vec<daily::Day>, String> {
     let node_spans: Vec<crate::jobs::record::NodeSpan> =
         jobs.read(|c| c.node_spans().cloned().collect());
     let spans: Vec<Span<'_>> = node_spans
@@ -523,12 +530,13 @@ pub(crate) fn days(jobs: &JobService, config: &AccountingConfig, now: i64) -> Ve
                 owned.push((a.node.clone(), held));
             }
         }
-    });
+    })
+    .map_err(|e| e.to_string())?;
     let held: Vec<Held<'_>> = owned
         .iter()
         .map(|(node, h)| Held { node, ..h.clone() })
         .collect();
-    daily::daily(&spans, &held, now, daily::DAY_MS)
+    Ok(daily::daily(&spans, &held, now, daily::DAY_MS))
 }
 
 impl LiveTable for DailyTable {
@@ -539,7 +547,7 @@ impl LiveTable for DailyTable {
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
         let now = self.jobs.now_ms();
-        let days = days(&self.jobs, &self.config, now);
+        let days = days(&self.jobs, &self.config, now)?;
         Self::columns(&days).batches()
     }
 }

@@ -5,6 +5,8 @@
 //! database before it returns. The core itself stays pure; this module is its I/O.
 
 mod apply;
+mod archive;
+pub(crate) use archive::{Brief, Found};
 mod cancel;
 #[cfg(test)]
 mod fleet_model;
@@ -243,6 +245,10 @@ pub(crate) struct Control {
     /// steps), per user, with their bytes: counted by the caps, so concurrent arrays cannot
     /// each pass them.
     reserved: HashMap<String, Held>,
+    /// Settled jobs, whose records are read back from the job database ([`archive`]).
+    archive: archive::Archive,
+    /// Settled jobs whose stored output was deleted, for the next commit.
+    deleted_output: Vec<(u64, i64)>,
 }
 
 /// Which jobs are pending, and how many per user, with the bytes of command and environment
@@ -352,7 +358,9 @@ pub(crate) fn reason_text(reason: &PendingReason, now: i64) -> String {
 impl Control {
     /// The records changed since the last call, for the job service to commit.
     pub(crate) fn take_dirty(&mut self) -> Dirty {
-        let jobs: Vec<JobRecord> = std::mem::take(&mut self.dirty_jobs)
+        let changed = std::mem::take(&mut self.dirty_jobs);
+        self.unmark(&changed);
+        let jobs: Vec<JobRecord> = changed
             .into_iter()
             .filter_map(|id| self.jobs.get(&id).cloned())
             .collect();
@@ -368,6 +376,7 @@ impl Control {
             nodes,
             node_spans: self.ledger.take_spans(),
             events: std::mem::take(&mut self.ledger.events),
+            output_deleted: std::mem::take(&mut self.deleted_output),
         }
     }
 

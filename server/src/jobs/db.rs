@@ -6,12 +6,14 @@ use super::record::{JobRecord, NodeSpan};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
+use std::sync::Arc;
 
 const JOBS: TableDefinition<u64, &[u8]> = TableDefinition::new("jobs");
 
 /// redb's page cache for the job database. Its default, 1 GiB, filled with copies of records
-/// the control plane already holds in memory: the database is read once, at start, and
-/// written after. This holds the B-tree's inner pages many times over and a commit's writes.
+/// the control plane already holds in memory: only settled jobs' records are read back (a
+/// view, a listing, SQL). This holds the B-tree's inner pages many times over and a commit's
+/// writes.
 const CACHE_BYTES: usize = 64 * 1024 * 1024;
 const NODES: TableDefinition<u64, &[u8]> = TableDefinition::new("nodes");
 const NODE_SPANS: TableDefinition<u64, &[u8]> = TableDefinition::new("node_spans");
@@ -53,11 +55,16 @@ pub struct Dirty {
     pub nodes: Vec<(u64, NodeRecord)>,
     pub node_spans: Vec<(u64, NodeSpan)>,
     pub events: Vec<perch_model::ClusterEvent>,
+    /// Settled jobs (not held whole in memory) whose stored output was deleted, and when:
+    /// their records are read, marked ([`JobRecord::delete_output`]) and written back in the
+    /// commit, after every change queued before.
+    pub output_deleted: Vec<(u64, i64)>,
 }
 
 impl Dirty {
     pub fn is_empty(&self) -> bool {
         self.jobs.is_empty()
+            && self.output_deleted.is_empty()
             && self.nodes.is_empty()
             && self.node_spans.is_empty()
             && self.events.is_empty()
@@ -66,16 +73,17 @@ impl Dirty {
     /// Adds a later change set: later records replace earlier ones when written in order.
     pub fn extend(&mut self, later: Dirty) {
         self.jobs.extend(later.jobs);
+        self.output_deleted.extend(later.output_deleted);
         self.nodes.extend(later.nodes);
         self.node_spans.extend(later.node_spans);
         self.events.extend(later.events);
     }
 }
 
-/// Everything the job database holds, as loaded at startup.
+/// The job database's nodes and their history, as loaded at startup (jobs are visited one at
+/// a time, [`JobDb::for_each_job`]).
 #[derive(Debug, Default)]
 pub struct Loaded {
-    pub jobs: Vec<JobRecord>,
     pub nodes: Vec<NodeRecord>,
     /// Node state history by id (ids give the order spans were opened in).
     pub node_spans: Vec<(u64, NodeSpan)>,
@@ -92,7 +100,32 @@ fn e(x: impl std::fmt::Display) -> DbError {
 }
 
 pub struct JobDb {
-    db: Database,
+    db: Arc<Database>,
+}
+
+/// Reads job records back from the job database (settled jobs, whose records the control
+/// plane does not hold whole). A read sees what is committed.
+#[derive(Clone)]
+pub struct Reader {
+    db: Arc<Database>,
+}
+
+impl Reader {
+    /// The stored records of `ids`, in their order; a missing one is an error (the control
+    /// plane only asks for records it committed).
+    pub fn get(&self, ids: &[u64]) -> Result<Vec<JobRecord>, DbError> {
+        let tx = self.db.begin_read().map_err(e)?;
+        let table = tx.open_table(JOBS).map_err(e)?;
+        ids.iter()
+            .map(|&id| {
+                let v = table
+                    .get(id)
+                    .map_err(e)?
+                    .ok_or_else(|| DbError(format!("job {id} is not in the job database")))?;
+                serde_json::from_slice(v.value()).map_err(e)
+            })
+            .collect()
+    }
 }
 
 impl JobDb {
@@ -101,6 +134,7 @@ impl JobDb {
             .set_cache_size(CACHE_BYTES)
             .create(path)
             .map_err(e)?;
+        let db = Arc::new(db);
         let tx = db.begin_write().map_err(e)?;
         tx.open_table(JOBS).map_err(e)?;
         tx.open_table(NODES).map_err(e)?;
@@ -109,10 +143,21 @@ impl JobDb {
         Ok(JobDb { db })
     }
 
+    /// A reader of committed job records.
+    pub fn reader(&self) -> Reader {
+        Reader {
+            db: self.db.clone(),
+        }
+    }
+
     /// Writes the given records and nodes, in order, in one durable transaction.
     pub fn save(&self, dirty: &Dirty) -> Result<(), DbError> {
         let (jobs, nodes, spans) = (&dirty.jobs, &dirty.nodes, &dirty.node_spans);
-        if jobs.is_empty() && nodes.is_empty() && spans.is_empty() {
+        if jobs.is_empty()
+            && nodes.is_empty()
+            && spans.is_empty()
+            && dirty.output_deleted.is_empty()
+        {
             return Ok(());
         }
         let tx = self.db.begin_write().map_err(e)?;
@@ -121,6 +166,15 @@ impl JobDb {
             for job in jobs {
                 let bytes = serde_json::to_vec(job).map_err(e)?;
                 table.insert(job.id, bytes.as_slice()).map_err(e)?;
+            }
+            for &(id, at) in &dirty.output_deleted {
+                let stored = table.get(id).map_err(e)?.map(|v| v.value().to_vec());
+                let Some(stored) = stored else { continue };
+                let mut job: JobRecord = serde_json::from_slice(&stored).map_err(e)?;
+                if job.delete_output(at) {
+                    let bytes = serde_json::to_vec(&job).map_err(e)?;
+                    table.insert(id, bytes.as_slice()).map_err(e)?;
+                }
             }
             let mut table = tx.open_table(NODES).map_err(e)?;
             for (id, node) in nodes {
@@ -136,13 +190,18 @@ impl JobDb {
         tx.commit().map_err(e)
     }
 
-    pub fn load(&self) -> Result<Loaded, DbError> {
+    /// Visits every job record, in id order.
+    pub fn for_each_job(&self, mut visit: impl FnMut(JobRecord)) -> Result<(), DbError> {
         let tx = self.db.begin_read().map_err(e)?;
-        let mut jobs = Vec::new();
         for row in tx.open_table(JOBS).map_err(e)?.iter().map_err(e)? {
             let (_, v) = row.map_err(e)?;
-            jobs.push(serde_json::from_slice(v.value()).map_err(e)?);
+            visit(serde_json::from_slice(v.value()).map_err(e)?);
         }
+        Ok(())
+    }
+
+    pub fn load(&self) -> Result<Loaded, DbError> {
+        let tx = self.db.begin_read().map_err(e)?;
         let mut nodes = Vec::new();
         for row in tx.open_table(NODES).map_err(e)?.iter().map_err(e)? {
             let (_, v) = row.map_err(e)?;
@@ -153,10 +212,6 @@ impl JobDb {
             let (k, v) = row.map_err(e)?;
             node_spans.push((k.value(), serde_json::from_slice(v.value()).map_err(e)?));
         }
-        Ok(Loaded {
-            jobs,
-            nodes,
-            node_spans,
-        })
+        Ok(Loaded { nodes, node_spans })
     }
 }

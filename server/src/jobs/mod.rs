@@ -11,12 +11,12 @@ pub mod record;
 pub mod routes;
 pub mod spec;
 
-use control::Control;
 pub use control::{
     AllocationView, CancelOutcome, CancelSelection, ControlError, ControlSnapshot, DEFAULT_LEASE,
     DEFAULT_MAX_PENDING_BYTES_PER_USER, DEFAULT_MAX_PENDING_PER_USER, DEFAULT_OUTPUT_RETENTION,
     JobsConfig, NodeView, PendingView, UsageView,
 };
+use control::{Brief, Control, Found};
 use futures::StreamExt;
 use record::JobRecord;
 use spec::JobRequest;
@@ -91,6 +91,10 @@ pub const MAX_CANCEL_IDS: usize = 100_000;
 
 /// Job records read under one hold of the control lock by [`JobService::scan_jobs`].
 pub(crate) const SCAN_CHUNK: usize = 2_000;
+
+/// Settled jobs' records a walk reads from the job database without letting go of the
+/// control lock (a page of a few jobs); more are read after it.
+const SETTLED_UNDER_LOCK: usize = 16;
 
 /// Jobs one page of `GET /v1/jobs` or `GET /v1/queue` holds at most: 100,000 full records
 /// were about 70 MB of JSON and 5 s of a core each, and four such requests at once held every
@@ -202,6 +206,12 @@ impl Commits {
         lock(&self.state).queued_seq
     }
 
+    /// The last change set queued ([`Commits::seen`]) and the last one committed.
+    fn seqs(&self) -> (u64, u64) {
+        let s = lock(&self.state);
+        (s.queued_seq, s.committed_seq)
+    }
+
     /// Returns once change set `seq` is durable (committing it, and everything queued with
     /// it, if no one else is).
     fn wait(&self, seq: u64) -> Result<(), ControlError> {
@@ -252,7 +262,7 @@ impl JobService {
         let db = db::JobDb::open(&dir.join("jobs.redb"))?;
         let loaded = db.load()?;
         let clock = config.clock.clone();
-        let mut control = Control::open(dir, config, clock.now_ms(), loaded)?;
+        let mut control = Control::open(dir, config, clock.now_ms(), loaded, &db)?;
         let mut dirty = control.take_dirty();
         db.save(&dirty)?;
         if !dirty.events.is_empty() {
@@ -330,47 +340,121 @@ impl JobService {
     /// Visits every job record in id order, [`SCAN_CHUNK`] at a time under the control lock,
     /// which is let go between chunks: SQL over the `jobs` table of a long history held the
     /// lock, and every agent's sync behind it, for the whole history (160 ms at 20,000 jobs,
-    /// growing with every job ever run). Each record is visited once, as it was when its chunk
-    /// was read.
-    pub(crate) fn scan_jobs(&self, mut visit: impl FnMut(&JobRecord)) {
-        self.walk_jobs(0, false, |_, job| {
-            visit(job);
-            true
-        });
+    /// growing with every job ever run). Settled jobs' records are read from the job database
+    /// outside the lock. Each record is visited once, as it was when its chunk was read.
+    pub(crate) fn scan_jobs(&self, mut visit: impl FnMut(&JobRecord)) -> Result<(), ControlError> {
+        self.walk_jobs(
+            0,
+            false,
+            usize::MAX,
+            |_| true,
+            false,
+            |job| {
+                visit(&job);
+                true
+            },
+        )
+        .map(|_| ())
     }
 
-    /// Walks the job records [`SCAN_CHUNK`] at a time under the control lock, handed on
-    /// fairly between chunks (to whoever waits, an agent's sync, not back to this walk at
-    /// once, as an unfair unlock would): from id `from` up, or (`newest_first`) from below it
-    /// down. `visit` sees each record once, as its chunk found it, and returns false to stop.
-    /// Returns the last change set queued while it walked ([`Commits::seen`]).
+    /// Walks the jobs [`SCAN_CHUNK`] ids at a time under the control lock, handed on fairly
+    /// between chunks (to whoever waits, an agent's sync, not back to this walk at once, as an
+    /// unfair unlock would): from id `from` up, or (`newest_first`) from below it down. Of
+    /// those `keep` accepts, at most `want`, `visit` sees each record once, as its chunk found
+    /// it (as [`Control::view`] shows it, with `view`), and returns false to stop. Records
+    /// held whole are copied under the lock; settled jobs' are read from the job database
+    /// after it (they are durable and do not change, [`control`]'s `archive`). Returns the
+    /// last change set queued while it walked ([`Commits::seen`]).
     fn walk_jobs(
         &self,
         from: u64,
         newest_first: bool,
-        mut visit: impl FnMut(&Control, &JobRecord) -> bool,
-    ) -> u64 {
+        mut want: usize,
+        keep: impl Fn(Brief<'_>) -> bool,
+        view: bool,
+        mut visit: impl FnMut(JobRecord) -> bool,
+    ) -> Result<u64, ControlError> {
+        /// A job taken under the lock: its record, or a settled job's id and output deletion.
+        enum Walked {
+            Whole(Box<JobRecord>),
+            Settled(u64),
+        }
         let (mut cursor, mut seen) = (from, 0);
         loop {
             let control = self.control.lock();
             seen = seen.max(self.commits.seen());
-            let chunk: Box<dyn Iterator<Item = &JobRecord>> = if newest_first {
-                Box::new(control.records_before(cursor))
+            let range = if newest_first {
+                0..cursor
             } else {
-                Box::new(control.records_from(cursor))
+                cursor..u64::MAX
             };
-            let mut visited = 0;
-            for job in chunk.take(SCAN_CHUNK) {
-                visited += 1;
-                cursor = if newest_first { job.id } else { job.id + 1 };
-                if !visit(&control, job) {
-                    return seen;
+            let ids = control.ids_in(range, newest_first, SCAN_CHUNK);
+            let mut done = ids.len() < SCAN_CHUNK;
+            let mut items = Vec::new();
+            for &id in &ids {
+                cursor = if newest_first { id } else { id + 1 };
+                match control.find(id) {
+                    Some(found) if keep(found.brief()) => items.push(match found {
+                        Found::Live(job) if view => Walked::Whole(Box::new(
+                            control
+                                .view(id)
+                                .ok()
+                                .flatten()
+                                .unwrap_or_else(|| job.clone()),
+                        )),
+                        Found::Live(job) => Walked::Whole(Box::new(job.clone())),
+                        Found::Settled(..) => Walked::Settled(id),
+                    }),
+                    _ => {}
+                }
+                if items.len() == want {
+                    done = true;
+                    break;
                 }
             }
-            if visited < SCAN_CHUNK {
-                return seen;
-            }
+            want -= items.len();
+            let settled: Vec<u64> = items
+                .iter()
+                .filter_map(|w| match w {
+                    Walked::Settled(id) => Some(*id),
+                    Walked::Whole(_) => None,
+                })
+                .collect();
+            // A few are read at once; many after letting go of the lock.
+            let under_lock = settled.len() <= SETTLED_UNDER_LOCK;
+            let read_now = if under_lock {
+                control.settled_records(&settled)?
+            } else {
+                Vec::new()
+            };
+            let later =
+                (!under_lock).then(|| (control.reader(), control.output_deletions(&settled)));
             parking_lot::MutexGuard::unlock_fair(control);
+            let read = match later {
+                None => read_now,
+                Some((reader, deleted)) => {
+                    let mut read = reader.get(&settled)?;
+                    for (job, at) in read.iter_mut().zip(deleted) {
+                        if let Some(at) = at {
+                            job.delete_output(at);
+                        }
+                    }
+                    read
+                }
+            };
+            let mut read = read.into_iter();
+            for item in items {
+                let job = match item {
+                    Walked::Whole(job) => *job,
+                    Walked::Settled(_) => read.next().expect("one record per settled id"),
+                };
+                if !visit(job) {
+                    return Ok(seen);
+                }
+            }
+            if done {
+                return Ok(seen);
+            }
         }
     }
 
@@ -383,20 +467,18 @@ impl JobService {
         &self,
         before: u64,
         limit: usize,
-        keep: impl Fn(&JobRecord) -> bool,
+        keep: impl Fn(Brief<'_>) -> bool,
     ) -> Result<(Vec<JobRecord>, Option<u64>), ControlError> {
-        let (mut jobs, mut last, mut bytes, mut full) = (Vec::new(), before, 0, false);
-        let seen = self.walk_jobs(before, true, |control, job| {
-            last = job.id;
-            if keep(job) {
-                bytes += job.weight();
-                jobs.extend(control.view(job.id));
-                full = jobs.len() == limit || bytes >= MAX_PAGE_BYTES;
-            }
+        let (mut jobs, mut bytes, mut full) = (Vec::new(), 0, false);
+        let seen = self.walk_jobs(before, true, limit, keep, true, |job| {
+            bytes += job.weight();
+            jobs.push(job);
+            full = jobs.len() == limit || bytes >= MAX_PAGE_BYTES;
             !full
-        });
+        })?;
         self.commits.wait(seen)?;
-        Ok((jobs, full.then_some(last)))
+        let next = full.then(|| jobs.last().map(|j| j.id)).flatten();
+        Ok((jobs, next))
     }
 
     /// The first `limit` jobs of the queue ([`Control::queue`]) and its length, once every
@@ -579,7 +661,7 @@ impl JobService {
                 }
             }
             let record = service
-                .read(|c| c.view(first))
+                .read(|c| c.view(first))?
                 .ok_or(ControlError::NoSuchJob(first))?;
             let ids = if request.array.is_some() {
                 (first..first + u64::from(count)).collect()
@@ -634,6 +716,19 @@ impl JobService {
         .await
         .map_err(task_failed)?
         .map_err(crate::ApiError::from)
+    }
+
+    /// Ticks the control plane ([`Control::tick`]), and takes settled jobs' records out of
+    /// memory once durable ([`Control::archive_settled`]).
+    pub(crate) async fn tick(&self) -> Result<(), ControlError> {
+        let commits = self.commits.clone();
+        self.run(move |c, now| {
+            c.tick(now)?;
+            let (seen, committed) = commits.seqs();
+            c.archive_settled(now, seen, committed);
+            Ok(())
+        })
+        .await
     }
 
     /// Deletes the stored output of jobs that ended longer than `server.job_output_days` ago
@@ -691,7 +786,7 @@ impl JobService {
             tokio::select! {
                 _ = &mut shutdown => break,
                 _ = tick.tick() => {
-                    if let Err(e) = self.run(|c, now| c.tick(now)).await {
+                    if let Err(e) = self.tick().await {
                         tracing::error!(error = %e, "job control tick failed");
                     }
                 }

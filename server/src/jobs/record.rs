@@ -7,7 +7,7 @@ use super::spec::JobRequest;
 use crate::accounting::GpuUsage;
 use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum JobState {
     Pending,
@@ -103,7 +103,38 @@ pub struct JobRecord {
     pub array: Option<ArrayTask>,
 }
 
+/// How long after its end a settled job's record stays in memory before only its summary
+/// does ([`JobRecord::is_settled`], `control/archive.rs`).
+pub const ARCHIVE_AFTER_MS: i64 = 10 * 60 * 1000;
+
 impl JobRecord {
+    /// Ended at or before `before_ms`, with nothing left to change: no earlier attempt
+    /// waiting to be confirmed stopped, and every allocation's accounting final. Only its
+    /// stored output may still be deleted ([`JobRecord::delete_output`]).
+    pub fn is_settled(&self, before_ms: i64) -> bool {
+        self.state.is_final()
+            && self.end_ms.is_some_and(|e| e <= before_ms)
+            && self.stopping.is_empty()
+            && self.allocations.iter().all(Allocation::is_final)
+    }
+
+    /// Marks the job's stored output deleted at `now` (`server.job_output_days` after it
+    /// ended), with a note on its timeline; false if it already was.
+    pub fn delete_output(&mut self, now: i64) -> bool {
+        if self.output_deleted_ms.is_some() {
+            return false;
+        }
+        self.output_deleted_ms = Some(now);
+        let days = (now - self.end_ms.unwrap_or(now)).max(0) / 86_400_000;
+        self.note(
+            now,
+            format!(
+                "its stored output was deleted, {days} days after the job ended (server.job_output_days)"
+            ),
+        );
+        true
+    }
+
     /// About how many bytes the job's text takes in an answer: command and environment
     /// ([`JobRequest::kept_bytes`]), timeline, and a kilobyte for the rest.
     pub fn weight(&self) -> usize {

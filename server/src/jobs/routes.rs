@@ -185,10 +185,8 @@ pub async fn list(
         .listing(&user, move |jobs| {
             let (page, next) = jobs.list_jobs(before, limit, |j| {
                 wanted.as_ref().is_none_or(|w| w.contains(&j.state))
-                    && p.user.as_deref().is_none_or(|u| j.request.user() == u)
-                    && p.account
-                        .as_deref()
-                        .is_none_or(|a| j.request.account() == a)
+                    && p.user.as_deref().is_none_or(|u| j.user == u)
+                    && p.account.as_deref().is_none_or(|a| j.account == a)
             })?;
             let ids: Vec<u64> = page.iter().map(|j| j.id).collect();
             write_page(
@@ -233,7 +231,7 @@ pub async fn show(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let job = state
         .jobs
-        .run(move |c, _| c.view(id).ok_or(super::ControlError::NoSuchJob(id)))
+        .run(move |c, _| c.view(id)?.ok_or(super::ControlError::NoSuchJob(id)))
         .await?;
     let mut value = as_seen_by(&job, &who);
     if job.state == JobState::Running {
@@ -389,7 +387,7 @@ pub async fn logs(
         .run(move |c, _| {
             c.check_owner(id, &who)?;
             let source = c.log_source(id, stream, attempt, rank)?;
-            Ok((source, c.job(id).is_some_and(|j| j.state.is_final())))
+            Ok((source, c.find(id).is_some_and(|j| j.state().is_final())))
         })
         .await?;
     // Read outside the control plane, a page at a time: a job's output may be gigabytes.

@@ -75,7 +75,7 @@ impl Control {
             .and_then(|()| self.release_held(now));
         self.acting = None;
         result?;
-        self.view(id).ok_or(ControlError::NoSuchJob(id))
+        self.view(id)?.ok_or(ControlError::NoSuchJob(id))
     }
 
     /// Ends job `id` as cancelled, without a scheduling pass: the ticker's, within a second,
@@ -83,11 +83,11 @@ impl Control {
     /// cancelling an array of 100,000 pending tasks one by one took a pass each, and minutes
     /// of the control plane. Jobs held on it are not looked at ([`Control::release_held`]).
     fn cancel_one(&mut self, id: u64, now: i64) -> Result<(), ControlError> {
-        let job = self.jobs.get(&id).ok_or(ControlError::NoSuchJob(id))?;
-        if job.state.is_final() {
+        let state = self.find(id).ok_or(ControlError::NoSuchJob(id))?.state();
+        if state.is_final() {
             return Err(ControlError::AlreadyEnded {
                 id,
-                state: job.state.as_str(),
+                state: state.as_str(),
             });
         }
         if self.held.remove(&id) {
@@ -179,16 +179,14 @@ impl Control {
             );
         }
         if let Some(a) = *array {
-            let Some(first) = self.jobs.get(&a).filter(|j| {
-                j.array
-                    == Some(ArrayTask {
-                        job_id: a,
-                        task_id: 0,
-                    })
-            }) else {
+            let first_task = Some(ArrayTask {
+                job_id: a,
+                task_id: 0,
+            });
+            let Some(first) = self.find(a).filter(|j| j.array() == first_task) else {
                 return Err(ControlError::NoSuchArray(a));
             };
-            let owner = first.request.user();
+            let owner = first.user();
             if !who.may_act_on(owner) {
                 return Err(ControlError::Forbidden(format!(
                     "array {a} belongs to {owner}; only its owner or an operator may cancel it"
@@ -230,12 +228,12 @@ impl Control {
         let mut out = CancelOutcome::default();
         let mut failed = None;
         for &id in ids {
-            let Some(job) = self.jobs.get(&id) else {
+            let Some(job) = self.find(id) else {
                 out.not_found.push(id);
                 continue;
             };
-            if !who.may_act_on(job.request.user()) {
-                let user = job.request.user().to_owned();
+            if !who.may_act_on(job.user()) {
+                let user = job.user().to_owned();
                 out.forbidden.push(OwnedJob { id, user });
                 continue;
             }

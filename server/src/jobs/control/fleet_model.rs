@@ -199,7 +199,7 @@ impl Fleet {
                 let id = start.job;
                 let placed = self
                     .jobs()
-                    .run(move |c, _| Ok(c.view(id)))
+                    .run(move |c, _| c.view(id))
                     .await
                     .expect("view")
                     .and_then(|j| j.start_ms);
@@ -318,7 +318,13 @@ impl Fleet {
     async fn records(&self) -> Vec<JobRecord> {
         let ids = self.submitted.clone();
         self.jobs()
-            .run(move |c, _| Ok(ids.iter().filter_map(|id| c.view(*id)).collect()))
+            .run(move |c, _| {
+                let mut jobs = Vec::new();
+                for &id in &ids {
+                    jobs.extend(c.view(id)?);
+                }
+                Ok(jobs)
+            })
             .await
             .expect("view")
     }

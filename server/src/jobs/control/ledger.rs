@@ -10,9 +10,8 @@
 
 use super::Control;
 use crate::accounting::fold::{FoldWindow, Folded};
-use crate::accounting::usage::decayed_gpu_ms;
 use crate::jobs::db::NodeRecord;
-use crate::jobs::record::{Allocation, JobRecord, JobState, NodeSpan, NodeState};
+use crate::jobs::record::{Allocation, JobState, NodeSpan, NodeState};
 use perch_model::ClusterEvent;
 use perch_scheduler::{Account, Event};
 use std::collections::BTreeMap;
@@ -278,39 +277,10 @@ impl Control {
     /// decayed with the policy's half-life, up to `now`. Fair share thus reflects the real
     /// history, across restarts, instead of only what the core saw since it started.
     pub(super) fn refresh_fair_share(&mut self, now: i64) -> Result<(), super::ControlError> {
-        let half_life = self.config.policy.usage_half_life;
-        let mut usage: BTreeMap<&str, f64> = BTreeMap::new();
-        for job in self.jobs.values() {
-            let mut total = 0.0;
-            for a in &job.allocations {
-                total += decayed_gpu_ms(
-                    a.gpus.len() as f64 * a.gpu_fraction(),
-                    a.start_ms,
-                    a.end_or(now),
-                    now,
-                    half_life,
-                );
-            }
-            if total > 0.0 {
-                *usage.entry(job.request.account()).or_default() += total;
-            }
-        }
-        let usage = usage
-            .into_iter()
-            .map(|(a, u)| (Account(a.to_owned()), u))
-            .collect();
+        let usage = self.decayed_usage(now);
+        let usage = usage.into_iter().map(|(a, u)| (Account(a), u)).collect();
         self.scheduler.handle(now, Event::AccountUsage(usage))?;
         Ok(())
-    }
-
-    /// The job records from id `from` on, in id order ([`crate::jobs::JobService::scan_jobs`]).
-    pub(crate) fn records_from(&self, from: u64) -> impl Iterator<Item = &JobRecord> {
-        self.jobs.range(from..).map(|(_, j)| j)
-    }
-
-    /// The job records below id `before`, newest first ([`crate::jobs::JobService::list_jobs`]).
-    pub(crate) fn records_before(&self, before: u64) -> impl Iterator<Item = &JobRecord> {
-        self.jobs.range(..before).rev().map(|(_, j)| j)
     }
 
     /// Every node: its record, its state, and when its agent last synced.

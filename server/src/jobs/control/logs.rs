@@ -29,15 +29,28 @@ impl Control {
         response: &mut SyncResponse,
     ) -> Result<(), ControlError> {
         let mut offsets: BTreeMap<(u64, LogStream), u64> = BTreeMap::new();
+        // Settled jobs' records, read back from the job database: output may come long after
+        // an exit. At most SETTLED_PER_SYNC of them a sync; the rest wait for the next.
+        let mut settled: HashMap<u64, Option<JobRecord>> = HashMap::new();
         for c in chunks {
             let end = c.offset.saturating_add(c.data.len() as u64);
+            let job = match self.find(c.job) {
+                Some(Found::Live(job)) => Some(job),
+                Some(Found::Settled(..)) => {
+                    if !settled.contains_key(&c.job) {
+                        if settled.len() == SETTLED_PER_SYNC {
+                            continue;
+                        }
+                        let read = self.record(c.job)?.map(|j| j.into_owned());
+                        settled.insert(c.job, read);
+                    }
+                    settled[&c.job].as_ref()
+                }
+                None => None,
+            };
             // Nothing to keep it for (no such job, or its output was deleted after the
             // retention): the agent may move on and free its disk.
-            let Some(job) = self
-                .jobs
-                .get(&c.job)
-                .filter(|j| j.output_deleted_ms.is_none())
-            else {
+            let Some(job) = job.filter(|j| j.output_deleted_ms.is_none()) else {
                 offsets.insert((c.job, c.stream), end);
                 continue;
             };
@@ -87,7 +100,7 @@ impl Control {
         attempt: Option<u32>,
         rank: Option<usize>,
     ) -> Result<LogSource, ControlError> {
-        let record = self.jobs.get(&job).ok_or(ControlError::NoSuchJob(job))?;
+        let record = self.record(job)?.ok_or(ControlError::NoSuchJob(job))?;
         if let Some(deleted) = record.output_deleted_ms {
             let ended = record.end_ms.unwrap_or(deleted);
             return Err(ControlError::OutputDeleted {
@@ -161,26 +174,28 @@ impl Control {
         let mut remove = Vec::new();
         let mut marked = 0;
         for &id in present {
-            let Some(job) = self.jobs.get_mut(&id) else {
-                continue;
+            let (ended, deleted) = match self.find(id) {
+                Some(Found::Live(job)) => (
+                    job.end_ms.filter(|_| job.state.is_final()),
+                    job.output_deleted_ms,
+                ),
+                Some(Found::Settled(..)) => match self.settled_times(id) {
+                    Some((end, deleted)) => (Some(end), deleted),
+                    None => continue,
+                },
+                None => continue,
             };
-            if job.output_deleted_ms.is_none() {
-                let Some(ended) = job.end_ms.filter(|&e| job.state.is_final() && e < cutoff) else {
-                    continue;
-                };
-                if marked == EXPIRED_PER_CHECK {
+            if deleted.is_none() {
+                if ended.is_none_or(|e| e >= cutoff) || marked == EXPIRED_PER_CHECK {
                     continue;
                 }
                 marked += 1;
-                job.output_deleted_ms = Some(now);
-                job.note(
-                    now,
-                    format!(
-                        "its stored output was deleted, {} days after the job ended (server.job_output_days)",
-                        (now - ended) / DAY_MS
-                    ),
-                );
-                self.dirty_jobs.insert(id);
+                if let Some(job) = self.jobs.get_mut(&id) {
+                    job.delete_output(now);
+                    self.dirty_jobs.insert(id);
+                } else {
+                    self.delete_settled_output(id, now);
+                }
             }
             remove.push(self.logs_dir.join(id.to_string()));
         }
@@ -194,6 +209,12 @@ impl Control {
 }
 
 const DAY_MS: i64 = 86_400_000;
+
+/// Settled jobs whose output one sync may store ([`Control::store_logs`]): each is read back
+/// from the job database under the control lock, and a sync of a million tiny chunks, each
+/// for another old job, would hold it for seconds. An agent sends what was not acknowledged
+/// again.
+const SETTLED_PER_SYNC: usize = 64;
 
 /// Most jobs whose output one check deletes ([`Control::expire_output`]).
 pub(crate) const EXPIRED_PER_CHECK: usize = 1_000;

@@ -5,19 +5,17 @@
 use super::*;
 
 impl Control {
-    /// Rebuilds the control plane from the records of the job database; `dir` holds job logs.
+    /// Rebuilds the control plane from the records of the job database `db` (its nodes and
+    /// their history `loaded` from it); `dir` holds job logs. Settled jobs are read one at a
+    /// time and only their summaries kept ([`archive`]).
     pub(crate) fn open(
         dir: &std::path::Path,
         config: JobsConfig,
         now_ms: i64,
         loaded: Loaded,
+        db: &crate::jobs::db::JobDb,
     ) -> Result<Control, ControlError> {
-        let Loaded {
-            mut jobs,
-            nodes,
-            node_spans,
-        } = loaded;
-        let migrated = restore_arrays(&mut jobs);
+        let Loaded { nodes, node_spans } = loaded;
         let mut c = Control {
             scheduler: Scheduler::new(Cluster::new(), config.policy.clone()),
             jobs: BTreeMap::new(),
@@ -42,13 +40,30 @@ impl Control {
             job_tokens: JobTokens::load_or_create(dir).map_err(ControlError::Logs)?,
             pending: PendingCount::default(),
             reserved: HashMap::new(),
+            archive: archive::Archive::new(db.reader()),
+            deleted_output: Vec::new(),
         };
         for record in nodes {
             // Agents get one heartbeat timeout from now to come back.
             c.add_node(record, now_ms)?;
         }
         c.restore_spans(node_spans);
-        c.restore_history(&jobs);
+        let settled_before = now_ms.saturating_sub(crate::jobs::record::ARCHIVE_AFTER_MS);
+        let (mut jobs, mut migrated, mut finished) = (Vec::new(), Vec::new(), History::default());
+        let mut arrays = ArrayMigration::default();
+        db.for_each_job(|mut job| {
+            c.next_id = c.next_id.max(job.id + 1);
+            finished.add(&job);
+            if arrays.visit(&mut job) {
+                migrated.push(job.id);
+                jobs.push(job);
+            } else if job.is_settled(settled_before) {
+                c.archive.insert(&job);
+            } else {
+                jobs.push(job);
+            }
+        })?;
+        finished.replay(&mut c.scheduler);
         for idx in 0..c.nodes.len() {
             // Up from now (the state the control plane starts them in), unless already so.
             c.track_node_state(idx, now_ms);
@@ -126,36 +141,6 @@ impl Control {
         Ok(c)
     }
 
-    /// The run times of jobs that completed or ended at their limit, oldest end first, for the
-    /// core's history prediction: each run's span (its first start to its last end over its
-    /// nodes), summed over the runs.
-    fn restore_history(&mut self, jobs: &[JobRecord]) {
-        let mut finished: Vec<(i64, &JobRecord, i64)> = jobs
-            .iter()
-            .filter(|j| matches!(j.state, JobState::Completed | JobState::Timeout))
-            .filter_map(|j| {
-                let ran = j
-                    .allocations
-                    .iter()
-                    .fold(BTreeMap::<u32, (i64, i64)>::new(), |mut runs, a| {
-                        let end = a.end_ms.or(j.end_ms).unwrap_or(a.start_ms);
-                        let r = runs.entry(a.attempt).or_insert((a.start_ms, end));
-                        *r = (r.0.min(a.start_ms), r.1.max(end));
-                        runs
-                    })
-                    .values()
-                    .map(|(start, end)| (end - start).max(0))
-                    .sum();
-                Some((j.end_ms?, j, ran))
-            })
-            .collect();
-        finished.sort_by_key(|(end, j, _)| (*end, j.id));
-        for (_, j, ran) in finished {
-            let spec = spec_of(j.id, &j.request, j.submit_ms);
-            self.scheduler.remember_finished(&spec, ran);
-        }
-    }
-
     pub(super) fn add_node(
         &mut self,
         record: NodeRecord,
@@ -206,40 +191,104 @@ impl Control {
     }
 }
 
+/// The run times of jobs that completed or ended at their limit, for the core's history
+/// prediction, replayed oldest end first: each run's span (its first start to its last end
+/// over its nodes), summed over the runs. Kept small: a job database holds every job ever run.
+#[derive(Default)]
+struct History {
+    users: Vec<User>,
+    user_ids: HashMap<String, u32>,
+    /// (end, job, user, GPUs in hundredths, run time, time limit).
+    runs: Vec<(i64, u64, u32, u32, i64, i64)>,
+}
+
+impl History {
+    fn add(&mut self, j: &JobRecord) {
+        if !matches!(j.state, JobState::Completed | JobState::Timeout) {
+            return;
+        }
+        let Some(end) = j.end_ms else { return };
+        let ran = j
+            .allocations
+            .iter()
+            .fold(BTreeMap::<u32, (i64, i64)>::new(), |mut runs, a| {
+                let end = a.end_ms.or(j.end_ms).unwrap_or(a.start_ms);
+                let r = runs.entry(a.attempt).or_insert((a.start_ms, end));
+                *r = (r.0.min(a.start_ms), r.1.max(end));
+                runs
+            })
+            .values()
+            .map(|(start, end)| (end - start).max(0))
+            .sum();
+        let spec = spec_of(j.id, &j.request, j.submit_ms);
+        let next = self.users.len() as u32;
+        let user = *self
+            .user_ids
+            .entry(spec.user.0.clone())
+            .or_insert_with(|| next);
+        if user == next {
+            self.users.push(spec.user.clone());
+        }
+        self.runs
+            .push((end, j.id, user, spec.gpu_hundredths(), ran, spec.time_limit));
+    }
+
+    fn replay(mut self, scheduler: &mut Scheduler) {
+        self.runs.sort_unstable_by_key(|&(end, id, ..)| (end, id));
+        for (_, _, user, gpus, ran, limit) in self.runs {
+            scheduler.remember_finished_run(&self.users[user as usize], gpus, ran, limit);
+        }
+    }
+}
+
 /// Gives the array tasks of a job database written before records named their array their
 /// [`ArrayTask`], from what those tasks were submitted with: `PERCH_ARRAY_JOB_ID` and
 /// `PERCH_ARRAY_TASK_ID` in their environment and `name[task]` as their name. A user may set
 /// those in a job of their own, so a task counts only where the server's ids agree (its id is
-/// the array's plus its index) and the array's first task is the same user's. Returns the
-/// jobs given one.
-fn restore_arrays(jobs: &mut [JobRecord]) -> Vec<u64> {
-    let claimed = |j: &JobRecord| -> Option<ArrayTask> {
-        let env = |k: &str| j.request.env.get(k).map(String::as_str);
-        let task = ArrayTask {
-            job_id: env("PERCH_ARRAY_JOB_ID")?.parse().ok()?,
-            task_id: env("PERCH_ARRAY_TASK_ID")?.parse().ok()?,
+/// the array's plus its index) and the array's first task is the same user's. Jobs are
+/// visited in id order, so an array's first task comes before the others.
+#[derive(Default)]
+struct ArrayMigration {
+    /// The first tasks seen, and their users.
+    firsts: HashMap<u64, String>,
+}
+
+impl ArrayMigration {
+    /// Gives `job` its task if it is one; true if it was given one.
+    fn visit(&mut self, job: &mut JobRecord) -> bool {
+        let claimed = || -> Option<ArrayTask> {
+            let env = |k: &str| job.request.env.get(k).map(String::as_str);
+            let task = ArrayTask {
+                job_id: env("PERCH_ARRAY_JOB_ID")?.parse().ok()?,
+                task_id: env("PERCH_ARRAY_TASK_ID")?.parse().ok()?,
+            };
+            let name = job.request.name.as_deref()?;
+            (job.array.is_none()
+                && task.job_id.checked_add(u64::from(task.task_id)) == Some(job.id)
+                && name.ends_with(&format!("[{}]", task.task_id)))
+            .then_some(task)
         };
-        let name = j.request.name.as_deref()?;
-        (j.array.is_none()
-            && task.job_id.checked_add(u64::from(task.task_id)) == Some(j.id)
-            && name.ends_with(&format!("[{}]", task.task_id)))
-        .then_some(task)
-    };
-    let firsts: HashMap<u64, String> = jobs
-        .iter()
-        .filter(|j| claimed(j).is_some_and(|t| t.task_id == 0))
-        .map(|j| (j.id, j.request.user().to_owned()))
-        .collect();
-    let mut migrated = Vec::new();
-    for job in jobs.iter_mut() {
-        if let Some(task) = claimed(job)
-            && firsts.get(&task.job_id).map(String::as_str) == Some(job.request.user())
-        {
-            job.array = Some(task);
-            migrated.push(job.id);
+        let Some(task) = claimed() else {
+            return false;
+        };
+        if task.task_id == 0 {
+            self.firsts.insert(job.id, job.request.user().to_owned());
         }
+        if self.firsts.get(&task.job_id).map(String::as_str) == Some(job.request.user()) {
+            job.array = Some(task);
+            return true;
+        }
+        false
     }
-    migrated
+}
+
+/// [`ArrayMigration`] over `jobs` (in id order); returns the jobs given a task.
+#[cfg(test)]
+fn restore_arrays(jobs: &mut [JobRecord]) -> Vec<u64> {
+    let mut arrays = ArrayMigration::default();
+    jobs.iter_mut()
+        .filter_map(|j| arrays.visit(j).then_some(j.id))
+        .collect()
 }
 
 #[cfg(test)]

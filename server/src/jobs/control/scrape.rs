@@ -157,6 +157,9 @@ impl Control {
         let mut jobs_by_state: BTreeMap<&'static str, u64> =
             STATES.iter().map(|s| (s.as_str(), 0)).collect();
         let mut allocations = Vec::new();
+        for (state, n) in self.settled_by_state() {
+            *jobs_by_state.entry(state.as_str()).or_default() += n;
+        }
         for job in self.jobs.values() {
             *jobs_by_state.entry(job.state.as_str()).or_default() += 1;
             if job.state == JobState::Running {
@@ -230,23 +233,27 @@ impl crate::jobs::JobService {
     /// and `account_usage` tables.
     pub fn usage(&self, prices: &crate::accounting::Prices) -> Vec<UsageView> {
         let now = self.now_ms();
-        // A chunk of the history at a time: a scrape every 15 s must not hold agents' syncs
-        // for the whole of it.
-        let mut by: BTreeMap<(String, String), UsageView> = BTreeMap::new();
-        self.scan_jobs(|job| {
-            let (account, user) = (job.request.account(), job.request.user());
-            let t = crate::accounting::tables::job_totals(job, now, prices);
-            let key = (account.to_owned(), user.to_owned());
-            let u = by.entry(key).or_insert_with(|| UsageView {
-                account: account.to_owned(),
-                user: user.to_owned(),
-                ..UsageView::default()
-            });
-            u.gpu_seconds_allocated += t.allocated;
-            u.gpu_seconds_used += t.used.unwrap_or(0.0);
-            u.cost_allocated += t.cost_allocated;
-            u.cost_used += t.cost_used.unwrap_or(0.0);
-        });
-        by.into_values().collect()
+        // Settled jobs from their running totals: a scrape every 15 s reads no history.
+        self.read(|c| {
+            let mut by: BTreeMap<(String, String), UsageView> = BTreeMap::new();
+            for u in c.settled_usage(prices) {
+                by.insert((u.account.clone(), u.user.clone()), u);
+            }
+            for job in c.jobs.values().filter(|j| !j.allocations.is_empty()) {
+                let (account, user) = (job.request.account(), job.request.user());
+                let t = crate::accounting::tables::job_totals(job, now, prices);
+                let key = (account.to_owned(), user.to_owned());
+                let u = by.entry(key).or_insert_with(|| UsageView {
+                    account: account.to_owned(),
+                    user: user.to_owned(),
+                    ..UsageView::default()
+                });
+                u.gpu_seconds_allocated += t.allocated;
+                u.gpu_seconds_used += t.used.unwrap_or(0.0);
+                u.cost_allocated += t.cost_allocated;
+                u.cost_used += t.cost_used.unwrap_or(0.0);
+            }
+            by.into_values().collect()
+        })
     }
 }

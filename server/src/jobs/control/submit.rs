@@ -20,13 +20,15 @@ impl Control {
             self.submit_one(request, id, None, now, Pass::Now)?;
             self.next_id += 1;
             self.release_held(now)?;
-            return Ok(self.view(id).into_iter().collect());
+            return Ok(self.view(id)?.into_iter().collect());
         };
         let first = self.start_array(&request, now)?;
         self.submit_array_tasks(&request, first, 0..count, now)?;
-        Ok((first..first + u64::from(count))
-            .filter_map(|id| self.view(id))
-            .collect())
+        let mut jobs = Vec::new();
+        for id in first..first + u64::from(count) {
+            jobs.extend(self.view(id)?);
+        }
+        Ok(jobs)
     }
 
     /// Checks a submission of `request` (and all its array tasks) and reserves ids for it;
@@ -116,7 +118,7 @@ impl Control {
             ("after_ok", &request.after_ok),
             ("after_any", &request.after_any),
         ] {
-            if let Some(missing) = deps.iter().find(|d| !self.jobs.contains_key(d)) {
+            if let Some(missing) = deps.iter().find(|&&d| self.find(d).is_none()) {
                 return Err(ControlError::Invalid(FieldError {
                     field,
                     message: format!("no job {missing}; `perch jobs --all` lists them"),
@@ -187,7 +189,7 @@ impl Control {
 
     /// Whether a job's dependencies allow it to be scheduled.
     pub(super) fn dependencies(&self, request: &JobRequest) -> Deps {
-        let state = |id: &u64| self.jobs.get(id).map(|j| j.state);
+        let state = |&id: &u64| self.find(id).map(Found::state);
         for id in &request.after_ok {
             match state(id) {
                 Some(JobState::Completed) => {}

@@ -83,7 +83,7 @@ async fn start_gang(jobs: &JobService, id: u64, mut at: i64) -> (String, String,
 }
 
 async fn job(jobs: &JobService, id: u64) -> JobRecord {
-    jobs.run(move |c, _| Ok(c.view(id)))
+    jobs.run(move |c, _| c.view(id))
         .await
         .expect("view")
         .expect("job")
@@ -374,7 +374,7 @@ async fn a_user_cannot_queue_past_the_pending_bytes_cap() {
         .expect("held");
     let (bobs, _) = jobs
         .list_jobs(u64::MAX, 100, |j| {
-            j.request.user() == "bob" && j.state == JobState::Pending
+            j.user == "bob" && j.state == JobState::Pending
         })
         .expect("list");
     assert_eq!(held.jobs, 17);
@@ -1926,12 +1926,12 @@ async fn a_listing_pages_through_the_history_newest_first() {
     assert_eq!(pages, all.len().div_ceil(1_500));
     assert_eq!(all.len() as u64, n + 2);
     let (alice, next) = jobs
-        .list_jobs(u64::MAX, 1_000, |j| j.request.user() == "alice")
+        .list_jobs(u64::MAX, 1_000, |j| j.user == "alice")
         .expect("list");
     let ids: Vec<u64> = alice.iter().map(|j| j.id).collect();
     assert_eq!((ids, next), (vec![alice_last, alice_first], None));
     let (one, next) = jobs
-        .list_jobs(u64::MAX, 1, |j| j.request.user() == "bob")
+        .list_jobs(u64::MAX, 1, |j| j.user == "bob")
         .expect("list");
     assert_eq!(one[0].id, first + n - 1);
     assert_eq!(next, Some(first + n - 1));
@@ -2026,4 +2026,249 @@ async fn pages_not_yet_read_hold_their_room_until_read_or_dropped() {
             .await
             .expect("room after the clients went away"),
     );
+}
+
+/// Ten minutes after its end a settled job's record leaves memory ([`ARCHIVE_AFTER_MS`]):
+/// a server kept every record whole for ever (about 7 KB a job). Everything that reads jobs
+/// sees the same after as before (views, pages, scans for SQL, usage on `/metrics`, fair share,
+/// job counts, logs), late output is still stored, ownership, cancels, arrays and dependencies
+/// still know the job, and output expiry and a restart keep it all so.
+///
+/// [`ARCHIVE_AFTER_MS`]: crate::jobs::record::ARCHIVE_AFTER_MS
+#[tokio::test]
+async fn settled_jobs_leave_memory_and_read_back_as_they_were() {
+    use crate::accounting::GpuUsage;
+    use crate::accounting::fold::Folded;
+    use crate::auth::Role;
+    use crate::jobs::CancelSelection;
+    use perch_model::control::LogStream;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let clock = crate::clock::Clock::manual(T0);
+    let jobs = service_on(dir.path(), &clock);
+    let at = |s: i64| T0 + s * SECOND;
+    let req = |user: &str| json!({ "command": ["train"], "user": user, "gpus_per_node": 1 });
+    sync(&jobs, "a", at(0), &[], &[]).await;
+    let done = submit(&jobs, req("bob"), at(1)).await;
+    let failed = submit(&jobs, req("alice"), at(1)).await;
+    let mut array = req("alice");
+    array["array"] = json!(2);
+    array["name"] = json!("sweep");
+    let first_task = submit(&jobs, array, at(1)).await;
+    let ended = [done, failed, first_task, first_task + 1];
+    // One GPU: each job starts at one sync and exits, with its output, at the next.
+    let mut running: Vec<(u64, u32)> = Vec::new();
+    for s in 2..12 {
+        let exited: Vec<(u64, u32, i32)> = running
+            .iter()
+            .map(|&(j, a)| (j, a, i32::from(j == failed)))
+            .collect();
+        let logs: Vec<_> = running
+            .iter()
+            .map(|&(j, a)| json!({ "job": j, "attempt": a, "stream": "stdout", "offset": 0, "data": format!("out {j}\n") }))
+            .collect();
+        let r = sync_with(&jobs, "a", at(s), &[], &exited, json!({ "logs": logs })).await;
+        running = r.start.iter().map(|l| (l.job, l.attempt)).collect();
+        tick(&jobs, at(s)).await;
+    }
+    for id in ended {
+        assert!(job(&jobs, id).await.state.is_final(), "job {id} ended");
+    }
+    // Accounting folds every allocation to its end: nothing is left to change.
+    jobs.run(move |c, now| {
+        let folded = c
+            .fold_windows(at(60))
+            .into_iter()
+            .map(|w| Folded {
+                usage: vec![
+                    GpuUsage {
+                        samples: 5,
+                        util_samples: 5,
+                        util_sum: 400.0,
+                        util_max: Some(90.0),
+                        memory_max_bytes: Some(1 << 30),
+                        energy_min_joules: Some(10.0),
+                        energy_max_joules: Some(510.0),
+                        power_samples: 5,
+                        power_sum_watts: 1000.0,
+                    };
+                    w.gpus.len()
+                ],
+                window: w,
+                simulated: false,
+            })
+            .collect();
+        c.apply_fold(folded, now)
+    })
+    .await
+    .expect("fold");
+    let prices = crate::accounting::Prices {
+        energy_per_kwh: 0.3,
+        ..Default::default()
+    };
+    // Everything that reads jobs, as it reads them.
+    let seen = |jobs: &JobService| {
+        let (jobs, prices) = (jobs.clone(), prices.clone());
+        async move {
+            let mut views = Vec::new();
+            for id in ended {
+                views.push(job(&jobs, id).await);
+            }
+            let (page, next) = jobs.list_jobs(u64::MAX, 3, |_| true).expect("page");
+            let (rest, _) = jobs
+                .list_jobs(next.expect("more"), 10, |_| true)
+                .expect("page");
+            let mut scanned = Vec::new();
+            jobs.scan_jobs(|j| scanned.push(j.clone())).expect("scan");
+            let mut usage = jobs.usage(&prices);
+            usage.sort_by(|a, b| (&a.account, &a.user).cmp(&(&b.account, &b.user)));
+            let (fair, counts) = jobs
+                .run(|c, now| Ok((c.decayed_usage(now), c.snapshot(now).jobs_by_state)))
+                .await
+                .expect("read");
+            (views, page, rest, scanned, usage, fair, counts)
+        }
+    };
+    let later = at(12) + 11 * 60 * SECOND;
+    clock.set(later);
+    let before = seen(&jobs).await;
+    assert_eq!(jobs.read(|c| c.settled_count()), 0);
+    // Found settled at one tick, out of memory at the next (once durable).
+    jobs.tick().await.expect("tick");
+    assert_eq!(jobs.read(|c| c.settled_count()), 0, "marked, not yet moved");
+    jobs.tick().await.expect("tick");
+    assert_eq!(jobs.read(|c| c.settled_count()), ended.len());
+    let after = seen(&jobs).await;
+    assert_eq!(before.0, after.0, "views");
+    assert_eq!((&before.1, &before.2), (&after.1, &after.2), "pages");
+    assert_eq!(before.3, after.3, "scans");
+    assert_eq!(before.6, after.6, "counts by state");
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0);
+    assert_eq!(before.4.len(), after.4.len());
+    for (b, a) in before.4.iter().zip(&after.4) {
+        assert_eq!((&b.account, &b.user), (&a.account, &a.user));
+        assert!(
+            close(b.gpu_seconds_allocated, a.gpu_seconds_allocated),
+            "{b:?} {a:?}"
+        );
+        assert!(close(b.gpu_seconds_used, a.gpu_seconds_used), "{b:?} {a:?}");
+        assert!(close(b.cost_allocated, a.cost_allocated), "{b:?} {a:?}");
+        assert!(close(b.cost_used, a.cost_used), "{b:?} {a:?}");
+        assert!(b.gpu_seconds_used > 0.0 && b.cost_used > 0.0);
+    }
+    assert_eq!(
+        before.5.keys().collect::<Vec<_>>(),
+        after.5.keys().collect::<Vec<_>>()
+    );
+    for (account, v) in &before.5 {
+        assert!(close(*v, after.5[account]), "fair share of {account}");
+    }
+    // Ownership, cancels and arrays know a settled job.
+    let (bob, alice) = (identity("bob", Role::User), identity("alice", Role::User));
+    let refused = jobs
+        .run(move |c, now| c.cancel(done, "bob", now).map(|_| ()))
+        .await;
+    assert!(
+        matches!(refused, Err(ControlError::AlreadyEnded { .. })),
+        "{refused:?}"
+    );
+    let a = alice.clone();
+    let forbidden = jobs.run(move |c, _| c.check_owner(done, &a)).await;
+    assert!(matches!(forbidden, Err(ControlError::Forbidden(_))));
+    let (b, a) = (bob.clone(), alice.clone());
+    let (mine, theirs) = jobs
+        .run(move |c, now| {
+            Ok((
+                c.cancel_many(&[done], &b, now)?,
+                c.cancel_many(&[done], &a, now)?,
+            ))
+        })
+        .await
+        .expect("cancel");
+    assert_eq!((mine.already_ended.len(), theirs.forbidden.len()), (1, 1));
+    let sweep = CancelSelection {
+        array: Some(first_task),
+        ..CancelSelection::default()
+    };
+    let targets = jobs
+        .run(move |c, _| c.cancel_targets(&sweep, &alice))
+        .await
+        .expect("a settled first task still names its array");
+    assert!(targets.is_empty());
+    // Dependencies on settled jobs.
+    let mut after_ok = req("bob");
+    after_ok["after_ok"] = json!([done]);
+    let waits = submit(&jobs, after_ok, later).await;
+    let mut never = req("bob");
+    never["after_ok"] = json!([failed]);
+    let never = submit(&jobs, never, later).await;
+    let w = job(&jobs, waits).await;
+    assert_eq!(w.state, JobState::Pending);
+    assert!(!w.reason.unwrap_or_default().contains("dependencies"));
+    let n = job(&jobs, never).await;
+    assert_eq!(n.state, JobState::Cancelled);
+    assert!(
+        n.reason
+            .unwrap_or_default()
+            .contains(&format!("job {failed} ended failed"))
+    );
+    // Logs of a settled job, and output that comes late.
+    let read = |jobs: &JobService, id: u64| {
+        let jobs = jobs.clone();
+        async move {
+            jobs.run(move |c, _| c.log_source(id, LogStream::Stdout, None, None))
+                .await
+                .map(|s| s.read(0, LOG_PAGE).expect("read").data)
+        }
+    };
+    let out = format!("out {done}\n");
+    assert_eq!(read(&jobs, done).await.expect("logs"), out.as_bytes());
+    let late = json!({ "logs": [{ "job": done, "attempt": 1, "stream": "stdout", "offset": out.len(), "data": "late\n" }] });
+    sync_with(&jobs, "a", later, &[], &[], late).await;
+    assert_eq!(
+        read(&jobs, done).await.expect("logs"),
+        format!("{out}late\n").as_bytes()
+    );
+    // Thirty-one days on, its output is deleted; the record says so, after a restart too.
+    clock.set(later + 31 * 86_400 * SECOND);
+    assert!(jobs.expire_output().await.expect("expiry") >= ended.len());
+    let deleted = read(&jobs, done).await;
+    assert!(
+        matches!(deleted, Err(ControlError::OutputDeleted { .. })),
+        "{deleted:?}"
+    );
+    let mut views = Vec::new();
+    for id in ended {
+        views.push(job(&jobs, id).await);
+    }
+    assert!(views.iter().all(|j| {
+        j.output_deleted_ms.is_some()
+            && j.timeline
+                .last()
+                .is_some_and(|e| e.event.contains("stored output was deleted"))
+    }));
+    drop(jobs);
+    let jobs = service_on(dir.path(), &clock);
+    // The dependent job that could never run has settled too.
+    assert_eq!(jobs.read(|c| c.settled_count()), ended.len() + 1);
+    for (id, was) in ended.into_iter().zip(views) {
+        assert_eq!(job(&jobs, id).await, was, "job {id} after a restart");
+    }
+    let reopened = seen(&jobs).await;
+    assert_eq!(reopened.6, {
+        let mut counts = before.6.clone();
+        // The job after `done` started at the late sync.
+        *counts.get_mut("running").expect("running") += 1;
+        *counts.get_mut("cancelled").expect("cancelled") += 1;
+        counts
+    });
+    // alice's jobs have all ended (bob's latest has run for 31 days).
+    assert!(reopened.5.contains_key("alice"));
+    for (account, v) in reopened.5.iter().filter(|(a, _)| *a == "alice") {
+        let expect =
+            before.5[account] * (-((31 * 86_400 * SECOND) as f64) / (7.0 * 86_400_000.0)).exp2();
+        assert!(
+            (v - expect).abs() <= 1e-6 * expect,
+            "fair share of {account} decays: {v} {expect}"
+        );
+    }
 }

@@ -45,9 +45,13 @@ pub(crate) struct GpuHolder {
 pub(crate) type QueuePage = (Vec<(JobRecord, Option<f64>)>, usize);
 
 impl Control {
-    /// A record with its live pending reason filled in.
-    pub(crate) fn view(&self, id: u64) -> Option<JobRecord> {
-        let mut job = self.jobs.get(&id)?.clone();
+    /// A record with its live pending reason filled in; a settled job's is read from the
+    /// job database.
+    pub(crate) fn view(&self, id: u64) -> Result<Option<JobRecord>, ControlError> {
+        let Some(job) = self.jobs.get(&id) else {
+            return Ok(self.record(id)?.map(|job| job.into_owned()));
+        };
+        let mut job = job.clone();
         if self.held.contains(&id) {
             let r = &job.request;
             job.reason = Some(format!(
@@ -72,7 +76,7 @@ impl Control {
                     }
                 });
         }
-        Some(job)
+        Ok(Some(job))
     }
 
     /// What a pending job waits for, in numbers ("needs 2 nodes x 8 GPUs; 1 node has 8 free,
@@ -204,7 +208,8 @@ impl Control {
             if entries.len() == limit || bytes >= crate::jobs::MAX_PAGE_BYTES {
                 break;
             }
-            if let Some(job) = self.view(id) {
+            // Pending jobs are held whole: no database read here.
+            if let Ok(Some(job)) = self.view(id) {
                 bytes += job.weight();
                 entries.push((job, priority));
             }
@@ -322,18 +327,13 @@ impl Control {
         }
     }
 
-    pub(crate) fn job(&self, id: u64) -> Option<&JobRecord> {
-        self.jobs.get(&id)
-    }
-
     /// Refuses unless `who` owns job `id` or is an operator.
     pub(crate) fn check_owner(
         &self,
         id: u64,
         who: &crate::auth::Identity,
     ) -> Result<(), ControlError> {
-        let job = self.jobs.get(&id).ok_or(ControlError::NoSuchJob(id))?;
-        let owner = job.request.user();
+        let owner = self.find(id).ok_or(ControlError::NoSuchJob(id))?.user();
         if who.may_act_on(owner) {
             Ok(())
         } else {
