@@ -9,11 +9,17 @@
 #
 #   PERCH=target/release/perch scripts/bench-history.sh [PORT] [JOBS]
 #
+# With SETTLE_WAIT=SECONDS (say 780), it then waits that long, until the jobs have settled and
+# their records left memory (ten minutes after their end, once accounting has folded them:
+# every 60 s here), measures again, and restarts the server on the same history (its memory
+# then, and the time it took to start).
+#
 # Needs python3. Listens on 127.0.0.1:PORT (default 7397).
 set -euo pipefail
 PERCH=$(realpath "${PERCH:-target/release/perch}")
 PORT=${1:-7397}
 JOBS=${2:-100000}
+SETTLE_WAIT=${SETTLE_WAIT:-0}
 work=$(mktemp -d)
 stop() {
   if [ -f "$work/server.pid" ]; then
@@ -29,18 +35,24 @@ listen = "127.0.0.1:$PORT"
 data_dir = "$work/data"
 pg_listen = ""
 max_pending_jobs_per_user = 200000
+[accounting]
+fold_interval_secs = 60
+settle_secs = 5
 EOT
 "$PERCH" --config "$work/perch.toml" server > "$work/server.log" 2>&1 &
 echo $! > "$work/server.pid"
-python3 - "$PORT" "$JOBS" "$(cat "$work/server.pid")" <<'PY'
-import json, sys, threading, time, urllib.error, urllib.request
+python3 - "$PORT" "$JOBS" "$(cat "$work/server.pid")" "$SETTLE_WAIT" "$PERCH" "$work" <<'PY'
+import json, subprocess, sys, threading, time, urllib.error, urllib.request
 base, jobs, pid = f"http://127.0.0.1:{sys.argv[1]}", int(sys.argv[2]), sys.argv[3]
-for _ in range(100):
-    try:
-        urllib.request.urlopen(base + "/healthz")
-        break
-    except OSError:
-        time.sleep(0.1)
+settle_wait, perch, work = int(sys.argv[4]), sys.argv[5], sys.argv[6]
+def healthy():
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(base + "/healthz")
+            return
+        except OSError:
+            time.sleep(0.1)
+healthy()
 def post(path, body, timeout=600):
     r = urllib.request.Request(base + path, data=json.dumps(body).encode(),
                                headers={"content-type": "application/json"}, method="POST")
@@ -89,12 +101,15 @@ def timed(what, call):
           f"of {len(gaps)}", flush=True)
 def sql(q):
     return lambda: post("/v1/sql", {"sql": q})["rows"][0]
-timed("SELECT count(*) FROM jobs", sql("SELECT count(*) AS n FROM jobs"))
-timed("GPU-hours by account from jobs",
-      sql("SELECT account, sum(gpu_seconds_allocated) / 3600 AS h FROM jobs GROUP BY account ORDER BY account"))
-timed("SELECT count(*) FROM job_allocations", sql("SELECT count(*) AS n FROM job_allocations"))
-timed("SELECT count(*) FROM cluster_utilization_daily", sql("SELECT count(*) AS n FROM cluster_utilization_daily"))
-timed("GET /metrics", lambda: len(urllib.request.urlopen(base + "/metrics").read()))
+def queries():
+    timed("SELECT count(*) FROM jobs", sql("SELECT count(*) AS n FROM jobs"))
+    timed("GPU-hours by account from jobs",
+          sql("SELECT account, sum(gpu_seconds_allocated) / 3600 AS h FROM jobs GROUP BY account ORDER BY account"))
+    timed("SELECT count(*) FROM job_allocations", sql("SELECT count(*) AS n FROM job_allocations"))
+    timed("SELECT count(*) FROM cluster_utilization_daily", sql("SELECT count(*) AS n FROM cluster_utilization_daily"))
+    timed("GET /metrics", lambda: len(urllib.request.urlopen(base + "/metrics").read()))
+    timed(f"GET /v1/jobs/1", lambda: len(urllib.request.urlopen(base + "/v1/jobs/1").read()))
+queries()
 def listings(n, limit):
     def one(out):
         try:
@@ -108,13 +123,38 @@ def listings(n, limit):
         [t.join() for t in threads]
         return ", ".join(map(str, out))
     return call
-def peak(what):
+def memory(what, field="VmHWM"):
     with open(f"/proc/{pid}/status") as f:
-        rss = [l.split()[1] for l in f if l.startswith("VmHWM")][0]
-    print(f"server peak RSS{what}: {int(rss) // 1024} MB", flush=True)
-peak(" before the listings")
-timed("GET /v1/jobs?limit=10000", listings(1, 10000))
-timed("4 x GET /v1/jobs?limit=10000 at once", listings(4, 10000))
-timed("4 x GET /v1/jobs?limit=100000 at once", listings(4, 100000))
-peak("")
+        rss = [l.split()[1] for l in f if l.startswith(field)][0]
+    name = "peak RSS" if field == "VmHWM" else "RSS"
+    print(f"server {name}{what}: {int(rss) // 1024} MB", flush=True)
+def pages():
+    timed("GET /v1/jobs?limit=10000", listings(1, 10000))
+    timed("4 x GET /v1/jobs?limit=10000 at once", listings(4, 10000))
+    timed("4 x GET /v1/jobs?limit=100000 at once", listings(4, 100000))
+memory(" before the listings")
+pages()
+memory("")
+if settle_wait:
+    memory(" now", "VmRSS")
+    print(f"waiting {settle_wait} s for the jobs to settle", flush=True)
+    time.sleep(settle_wait)
+    memory(" once settled", "VmRSS")
+    queries()
+    pages()
+    memory(" once settled, after the listings", "VmRSS")
+    subprocess.run(["kill", pid])
+    while subprocess.run(["kill", "-0", pid], capture_output=True).returncode == 0:
+        time.sleep(0.1)
+    t = time.time()
+    server = subprocess.Popen([perch, "--config", f"{work}/perch.toml", "server"],
+                              stdout=open(f"{work}/server2.log", "w"), stderr=subprocess.STDOUT)
+    pid = str(server.pid)
+    open(f"{work}/server.pid", "w").write(pid)
+    healthy()
+    print(f"restarted on the history in {time.time() - t:.1f} s", flush=True)
+    time.sleep(5)
+    memory(" after the restart", "VmRSS")
+    queries()
+    memory(" after the restart, peak")
 PY

@@ -2272,3 +2272,68 @@ async fn settled_jobs_leave_memory_and_read_back_as_they_were() {
         );
     }
 }
+
+/// A sync stores the output of at most 64 settled jobs (each record is read back from the job
+/// database under the control lock): an agent sending tiny chunks for thousands of old jobs
+/// cannot hold the control plane for seconds. What is not acknowledged comes again with the
+/// next sync, and is stored then.
+#[tokio::test]
+async fn a_sync_reads_back_a_bounded_number_of_settled_jobs() {
+    use crate::accounting::fold::Folded;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let clock = crate::clock::Clock::manual(T0);
+    let jobs = service_on(dir.path(), &clock);
+    let at = |s: i64| T0 + s * SECOND;
+    let eight = json!({ "gpus": 8 });
+    sync_with(&jobs, "a", at(0), &[], &[], eight.clone()).await;
+    let first = submit(
+        &jobs,
+        json!({ "command": ["x"], "user": "bob", "gpus_per_node": 1, "array": 70 }),
+        at(1),
+    )
+    .await;
+    let mut running: Vec<(u64, u32)> = Vec::new();
+    for s in 2..40 {
+        let exited: Vec<(u64, u32, i32)> = running.iter().map(|&(j, a)| (j, a, 0)).collect();
+        let r = sync_with(&jobs, "a", at(s), &[], &exited, eight.clone()).await;
+        running = r.start.iter().map(|l| (l.job, l.attempt)).collect();
+        tick(&jobs, at(s)).await;
+    }
+    jobs.run(move |c, now| {
+        let folded = c
+            .fold_windows(at(60))
+            .into_iter()
+            .map(|w| Folded {
+                usage: vec![Default::default(); w.gpus.len()],
+                window: w,
+                simulated: false,
+            })
+            .collect();
+        c.apply_fold(folded, now)
+    })
+    .await
+    .expect("fold");
+    clock.set(at(60) + 11 * 60 * SECOND);
+    jobs.tick().await.expect("tick");
+    jobs.tick().await.expect("tick");
+    assert_eq!(jobs.read(|c| c.settled_count()), 70);
+    let chunks = |ids: &[u64]| {
+        let logs: Vec<_> = ids
+            .iter()
+            .map(|j| json!({ "job": j, "attempt": 1, "stream": "stdout", "offset": 0, "data": "late\n" }))
+            .collect();
+        json!({ "gpus": 8, "logs": logs })
+    };
+    let all: Vec<u64> = (first..first + 70).collect();
+    let r = sync_with(&jobs, "a", clock.now_ms(), &[], &[], chunks(&all)).await;
+    let acked: Vec<u64> = r.log_offsets.iter().map(|&(j, _, _)| j).collect();
+    assert_eq!(acked.len(), 64);
+    assert!(r.log_offsets.iter().all(|&(_, _, offset)| offset == 5));
+    let rest: Vec<u64> = all.iter().copied().filter(|j| !acked.contains(j)).collect();
+    let r = sync_with(&jobs, "a", clock.now_ms(), &[], &[], chunks(&rest)).await;
+    assert_eq!(
+        r.log_offsets.len(),
+        6,
+        "the rest are stored with the next sync"
+    );
+}
