@@ -12,7 +12,8 @@
 # With SETTLE_WAIT=SECONDS (say 780), it then waits that long, until the jobs have settled and
 # their records left memory (ten minutes after their end, once accounting has folded them:
 # every 60 s here), measures again, and restarts the server on the same history (its memory
-# then, and the time it took to start).
+# then, and the time it took to start). With WAVES=N as well, N - 1 more waves of JOBS jobs run
+# after that measure, each followed by the same wait (the server's memory after each).
 #
 # Needs python3. Listens on 127.0.0.1:PORT (default 7397).
 set -euo pipefail
@@ -20,6 +21,7 @@ PERCH=$(realpath "${PERCH:-target/release/perch}")
 PORT=${1:-7397}
 JOBS=${2:-100000}
 SETTLE_WAIT=${SETTLE_WAIT:-0}
+WAVES=${WAVES:-1}
 work=$(mktemp -d)
 stop() {
   if [ -f "$work/server.pid" ]; then
@@ -41,10 +43,11 @@ settle_secs = 5
 EOT
 "$PERCH" --config "$work/perch.toml" server > "$work/server.log" 2>&1 &
 echo $! > "$work/server.pid"
-python3 - "$PORT" "$JOBS" "$(cat "$work/server.pid")" "$SETTLE_WAIT" "$PERCH" "$work" <<'PY'
+python3 - "$PORT" "$JOBS" "$(cat "$work/server.pid")" "$SETTLE_WAIT" "$PERCH" "$work" "$WAVES" <<'PY'
 import json, subprocess, sys, threading, time, urllib.error, urllib.request
 base, jobs, pid = f"http://127.0.0.1:{sys.argv[1]}", int(sys.argv[2]), sys.argv[3]
 settle_wait, perch, work = int(sys.argv[4]), sys.argv[5], sys.argv[6]
+waves = int(sys.argv[7])
 def healthy():
     for _ in range(600):
         try:
@@ -63,23 +66,25 @@ def sync(node, exited):
                                    "exited": exited})
 for n in nodes:
     sync(n, [])
-t = time.time()
-for first in range(0, jobs, 10000):
-    post("/v1/jobs", {"command": ["python3", "train.py"], "user": f"user{first // 10000 % 7}",
-                      "account": f"team{first // 10000 % 3}", "gpus_per_node": 1,
-                      "array": min(10000, jobs - first)})
-print(f"submitted {jobs} jobs in {time.time() - t:.1f} s", flush=True)
-t, running, done = time.time(), {n: [] for n in nodes}, 0
-while done < jobs:
-    for n in nodes:
-        exited = [{"job": j, "attempt": a, "code": 0} for j, a in running[n]]
-        done += len(exited)
-        r = sync(n, exited)
-        running[n] = [(s["job"], s["attempt"]) for s in r["start"]]
-    print(f"  {done} done, {sum(map(len, running.values()))} running, {time.time() - t:.1f} s", file=sys.stderr, flush=True)
-    if not any(running.values()) and done < jobs:
-        time.sleep(1.1)  # the next pass (the ticker's) hands out the GPUs
-print(f"ran and completed them in {time.time() - t:.1f} s", flush=True)
+def run_jobs():
+    t = time.time()
+    for first in range(0, jobs, 10000):
+        post("/v1/jobs", {"command": ["python3", "train.py"], "user": f"user{first // 10000 % 7}",
+                          "account": f"team{first // 10000 % 3}", "gpus_per_node": 1,
+                          "array": min(10000, jobs - first)})
+    print(f"submitted {jobs} jobs in {time.time() - t:.1f} s", flush=True)
+    t, running, done = time.time(), {n: [] for n in nodes}, 0
+    while done < jobs:
+        for n in nodes:
+            exited = [{"job": j, "attempt": a, "code": 0} for j, a in running[n]]
+            done += len(exited)
+            r = sync(n, exited)
+            running[n] = [(s["job"], s["attempt"]) for s in r["start"]]
+        print(f"  {done} done, {sum(map(len, running.values()))} running, {time.time() - t:.1f} s", file=sys.stderr, flush=True)
+        if not any(running.values()) and done < jobs:
+            time.sleep(1.1)  # the next pass (the ticker's) hands out the GPUs
+    print(f"ran and completed them in {time.time() - t:.1f} s", flush=True)
+run_jobs()
 def timed(what, call):
     gaps, stop = [], threading.Event()
     def poll():
@@ -143,6 +148,11 @@ if settle_wait:
     queries()
     pages()
     memory(" once settled, after the listings", "VmRSS")
+    for wave in range(2, waves + 1):
+        run_jobs()
+        memory(f" after wave {wave}", "VmRSS")
+        time.sleep(settle_wait)
+        memory(f" after wave {wave}, settled", "VmRSS")
     subprocess.run(["kill", pid])
     while subprocess.run(["kill", "-0", pid], capture_output=True).returncode == 0:
         time.sleep(0.1)

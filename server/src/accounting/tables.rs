@@ -269,6 +269,33 @@ impl JobsTable {
     }
 }
 
+/// Job `j`'s row of the `jobs` table as JSON (the one definition, without a scan of every
+/// job: `GET /v1/jobs/{id}` ran `SELECT ... FROM jobs WHERE job = N`, which read the whole
+/// history, settled jobs' records from the job database, for one row).
+pub(crate) fn job_json(
+    j: &JobRecord,
+    config: &AccountingConfig,
+    now: i64,
+) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    let rows = [job_row(j, config, now)];
+    let batches = JobsTable::columns(&rows).batches()?;
+    let mut buf = Vec::new();
+    {
+        let mut writer = arrow::json::WriterBuilder::new()
+            .with_explicit_nulls(true)
+            .build::<_, arrow::json::writer::JsonArray>(&mut buf);
+        for batch in &batches {
+            writer.write(batch).map_err(|e| e.to_string())?;
+        }
+        writer.finish().map_err(|e| e.to_string())?;
+    }
+    let rows: Vec<serde_json::Map<String, serde_json::Value>> =
+        serde_json::from_slice(&buf).map_err(|e| e.to_string())?;
+    rows.into_iter()
+        .next()
+        .ok_or_else(|| "no row for the job".to_owned())
+}
+
 impl LiveTable for JobsTable {
     fn schema(&self) -> SchemaRef {
         static SCHEMA: LazyLock<SchemaRef> = LazyLock::new(|| JobsTable::columns(&[]).schema());

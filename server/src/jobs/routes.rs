@@ -247,7 +247,7 @@ pub async fn show(
         put_estimate(&mut value, at);
     }
     if job.attempts > 0 {
-        value["usage"] = usage(&state, id, job.state == JobState::Running).await;
+        value["usage"] = usage(&state, &job);
     }
     Ok(Json(value))
 }
@@ -255,17 +255,34 @@ pub async fn show(
 /// The job's accounting as the `jobs` table has it (the one definition), with a note while
 /// its telemetry figures lag behind: they are folded every `fold_interval` from samples at
 /// least `settle` old, so a job's first figures come minutes after it starts.
-async fn usage(state: &AppState, id: u64, running: bool) -> serde_json::Value {
-    let sql = format!(
-        "SELECT gpu_seconds_allocated, gpu_seconds_accounted, gpu_seconds_used, \
-         utilization_mean_pct, energy_joules, cost_allocated, cost_used, accounted_until, \
-         end_time, elapsed_seconds FROM jobs WHERE job = {id}"
-    );
-    let mut usage = match crate::alerting::sql_rows(state, &sql).await {
-        Ok(rows) => rows
-            .into_iter()
-            .next()
-            .map_or(serde_json::Value::Null, serde_json::Value::Object),
+fn usage(state: &AppState, job: &super::record::JobRecord) -> serde_json::Value {
+    const FIELDS: [&str; 10] = [
+        "gpu_seconds_allocated",
+        "gpu_seconds_accounted",
+        "gpu_seconds_used",
+        "utilization_mean_pct",
+        "energy_joules",
+        "cost_allocated",
+        "cost_used",
+        "accounted_until",
+        "end_time",
+        "elapsed_seconds",
+    ];
+    let (id, running) = (job.id, job.state == JobState::Running);
+    let row =
+        crate::accounting::tables::job_json(job, &state.config.accounting, state.jobs.now_ms());
+    let mut usage = match row {
+        Ok(mut row) => serde_json::Value::Object(
+            FIELDS
+                .iter()
+                .map(|&f| {
+                    (
+                        f.to_owned(),
+                        row.remove(f).unwrap_or(serde_json::Value::Null),
+                    )
+                })
+                .collect(),
+        ),
         Err(e) => {
             tracing::warn!(job = id, error = %e, "could not read the job's accounting");
             return serde_json::Value::Null;
