@@ -2028,6 +2028,25 @@ async fn pages_not_yet_read_hold_their_room_until_read_or_dropped() {
     );
 }
 
+/// Folds the telemetry of every allocation up to `until` (its end, if sooner), `usage` per GPU:
+/// nothing is left to account.
+async fn fold_all(jobs: &JobService, until: i64, usage: crate::accounting::GpuUsage) {
+    jobs.run(move |c, now| {
+        let folded = c
+            .fold_windows(until)
+            .into_iter()
+            .map(|w| crate::accounting::fold::Folded {
+                usage: vec![usage.clone(); w.gpus.len()],
+                window: w,
+                simulated: false,
+            })
+            .collect();
+        c.apply_fold(folded, now)
+    })
+    .await
+    .expect("fold");
+}
+
 /// Ten minutes after its end a settled job's record leaves memory ([`ARCHIVE_AFTER_MS`]):
 /// a server kept every record whole for ever (about 7 KB a job). Everything that reads jobs
 /// sees the same after as before (views, pages, scans for SQL, usage on `/metrics`, fair share,
@@ -2038,7 +2057,6 @@ async fn pages_not_yet_read_hold_their_room_until_read_or_dropped() {
 #[tokio::test]
 async fn settled_jobs_leave_memory_and_read_back_as_they_were() {
     use crate::accounting::GpuUsage;
-    use crate::accounting::fold::Folded;
     use crate::auth::Role;
     use crate::jobs::CancelSelection;
     use perch_model::control::LogStream;
@@ -2074,33 +2092,18 @@ async fn settled_jobs_leave_memory_and_read_back_as_they_were() {
         assert!(job(&jobs, id).await.state.is_final(), "job {id} ended");
     }
     // Accounting folds every allocation to its end: nothing is left to change.
-    jobs.run(move |c, now| {
-        let folded = c
-            .fold_windows(at(60))
-            .into_iter()
-            .map(|w| Folded {
-                usage: vec![
-                    GpuUsage {
-                        samples: 5,
-                        util_samples: 5,
-                        util_sum: 400.0,
-                        util_max: Some(90.0),
-                        memory_max_bytes: Some(1 << 30),
-                        energy_min_joules: Some(10.0),
-                        energy_max_joules: Some(510.0),
-                        power_samples: 5,
-                        power_sum_watts: 1000.0,
-                    };
-                    w.gpus.len()
-                ],
-                window: w,
-                simulated: false,
-            })
-            .collect();
-        c.apply_fold(folded, now)
-    })
-    .await
-    .expect("fold");
+    let usage = GpuUsage {
+        samples: 5,
+        util_samples: 5,
+        util_sum: 400.0,
+        util_max: Some(90.0),
+        memory_max_bytes: Some(1 << 30),
+        energy_min_joules: Some(10.0),
+        energy_max_joules: Some(510.0),
+        power_samples: 5,
+        power_sum_watts: 1000.0,
+    };
+    fold_all(&jobs, at(60), usage).await;
     let prices = crate::accounting::Prices {
         energy_per_kwh: 0.3,
         ..Default::default()
@@ -2279,7 +2282,6 @@ async fn settled_jobs_leave_memory_and_read_back_as_they_were() {
 /// next sync, and is stored then.
 #[tokio::test]
 async fn a_sync_reads_back_a_bounded_number_of_settled_jobs() {
-    use crate::accounting::fold::Folded;
     let dir = tempfile::tempdir().expect("tempdir");
     let clock = crate::clock::Clock::manual(T0);
     let jobs = service_on(dir.path(), &clock);
@@ -2299,23 +2301,10 @@ async fn a_sync_reads_back_a_bounded_number_of_settled_jobs() {
         running = r.start.iter().map(|l| (l.job, l.attempt)).collect();
         tick(&jobs, at(s)).await;
     }
-    jobs.run(move |c, now| {
-        let folded = c
-            .fold_windows(at(60))
-            .into_iter()
-            .map(|w| Folded {
-                usage: vec![Default::default(); w.gpus.len()],
-                window: w,
-                simulated: false,
-            })
-            .collect();
-        c.apply_fold(folded, now)
-    })
-    .await
-    .expect("fold");
+    fold_all(&jobs, at(60), Default::default()).await;
     clock.set(at(60) + 11 * 60 * SECOND);
-    jobs.tick().await.expect("tick");
-    jobs.tick().await.expect("tick");
+    jobs.tick().await.expect("marked");
+    jobs.tick().await.expect("moved");
     assert_eq!(jobs.read(|c| c.settled_count()), 70);
     let chunks = |ids: &[u64]| {
         let logs: Vec<_> = ids
