@@ -92,10 +92,6 @@ pub const MAX_CANCEL_IDS: usize = 100_000;
 /// Job records read under one hold of the control lock by [`JobService::scan_jobs`].
 pub(crate) const SCAN_CHUNK: usize = 2_000;
 
-/// Settled jobs' records a walk reads from the job database without letting go of the
-/// control lock (a page of a few jobs); more are read after it.
-const SETTLED_UNDER_LOCK: usize = 16;
-
 /// Jobs one page of `GET /v1/jobs` or `GET /v1/queue` holds at most: 100,000 full records
 /// were about 70 MB of JSON and 5 s of a core each, and four such requests at once held every
 /// agent's sync for 10 s and took the server from 0.4 to 3.7 GB.
@@ -374,7 +370,8 @@ impl JobService {
         view: bool,
         mut visit: impl FnMut(JobRecord) -> bool,
     ) -> Result<u64, ControlError> {
-        /// A job taken under the lock: its record, or a settled job's id and output deletion.
+        /// A job taken under the lock: its record, or a settled job's id (its record is read
+        /// after letting go of the lock).
         enum Walked {
             Whole(Box<JobRecord>),
             Settled(u64),
@@ -395,13 +392,7 @@ impl JobService {
                 cursor = if newest_first { id } else { id + 1 };
                 match control.find(id) {
                     Some(found) if keep(found.brief()) => items.push(match found {
-                        Found::Live(job) if view => Walked::Whole(Box::new(
-                            control
-                                .view(id)
-                                .ok()
-                                .flatten()
-                                .unwrap_or_else(|| job.clone()),
-                        )),
+                        Found::Live(job) if view => Walked::Whole(Box::new(control.view_of(job))),
                         Found::Live(job) => Walked::Whole(Box::new(job.clone())),
                         Found::Settled(..) => Walked::Settled(id),
                     }),
@@ -420,29 +411,9 @@ impl JobService {
                     Walked::Whole(_) => None,
                 })
                 .collect();
-            // A few are read at once; many after letting go of the lock.
-            let under_lock = settled.len() <= SETTLED_UNDER_LOCK;
-            let read_now = if under_lock {
-                control.settled_records(&settled)?
-            } else {
-                Vec::new()
-            };
-            let later =
-                (!under_lock).then(|| (control.reader(), control.output_deletions(&settled)));
+            let reads = control.settled_reads(settled);
             parking_lot::MutexGuard::unlock_fair(control);
-            let read = match later {
-                None => read_now,
-                Some((reader, deleted)) => {
-                    let mut read = reader.get(&settled)?;
-                    for (job, at) in read.iter_mut().zip(deleted) {
-                        if let Some(at) = at {
-                            job.delete_output(at);
-                        }
-                    }
-                    read
-                }
-            };
-            let mut read = read.into_iter();
+            let mut read = reads.read()?.into_iter();
             for item in items {
                 let job = match item {
                     Walked::Whole(job) => *job,

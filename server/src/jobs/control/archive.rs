@@ -297,35 +297,26 @@ impl Control {
         Ok(read.pop().map(Cow::Owned))
     }
 
-    /// The stored records of settled jobs `ids`, as memory knows them (a deletion of their
-    /// output not yet committed included). Reads the job database: keep `ids` short under the
-    /// control lock.
+    /// The stored records of settled jobs `ids`, as memory knows them. Reads the job
+    /// database: keep `ids` short under the control lock ([`Control::settled_reads`] reads
+    /// after it).
     pub(crate) fn settled_records(&self, ids: &[u64]) -> Result<Vec<JobRecord>, ControlError> {
-        let mut records = self.archive.reader.get(ids)?;
-        for job in &mut records {
-            if let Some(at) = self
-                .archive
-                .jobs
-                .get(&job.id)
-                .and_then(|a| a.output_deleted_ms)
-            {
-                job.delete_output(at);
-            }
-        }
-        Ok(records)
+        self.settled_reads(ids.to_vec()).read()
     }
 
-    /// When each of settled jobs `ids` had its stored output deleted, if it has.
-    pub(crate) fn output_deletions(&self, ids: &[u64]) -> Vec<Option<i64>> {
-        ids.iter()
+    /// What reading settled jobs `ids` back takes, to be read after letting go of the control
+    /// lock: their records are durable and change only by the deletion of their output, which
+    /// memory knows first (its commit may still be under way).
+    pub(crate) fn settled_reads(&self, ids: Vec<u64>) -> SettledReads {
+        let deleted = ids
+            .iter()
             .map(|id| self.archive.jobs.get(id).and_then(|a| a.output_deleted_ms))
-            .collect()
-    }
-
-    /// A reader of settled jobs' records, for walks that read them outside the control lock
-    /// ([`Control::settled_records`] under it).
-    pub(crate) fn reader(&self) -> Reader {
-        self.archive.reader.clone()
+            .collect();
+        SettledReads {
+            reader: self.archive.reader.clone(),
+            ids,
+            deleted,
+        }
     }
 
     /// Marks settled job `id`'s stored output deleted at `now`: in its summary at once, in the
@@ -482,6 +473,30 @@ impl Control {
     #[cfg(test)]
     pub(crate) fn settled_count(&self) -> usize {
         self.archive.jobs.len()
+    }
+}
+
+/// Settled jobs' records to read back ([`Control::settled_reads`]).
+pub(crate) struct SettledReads {
+    reader: Reader,
+    ids: Vec<u64>,
+    /// When each one's stored output was deleted, if it was.
+    deleted: Vec<Option<i64>>,
+}
+
+impl SettledReads {
+    /// The records, in the order of their ids.
+    pub(crate) fn read(self) -> Result<Vec<JobRecord>, ControlError> {
+        if self.ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut records = self.reader.get(&self.ids)?;
+        for (job, at) in records.iter_mut().zip(self.deleted) {
+            if let Some(at) = at {
+                job.delete_output(at);
+            }
+        }
+        Ok(records)
     }
 }
 

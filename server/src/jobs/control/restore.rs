@@ -69,7 +69,6 @@ impl Control {
             c.track_node_state(idx, now_ms);
         }
         for mut job in jobs {
-            c.next_id = c.next_id.max(job.id + 1);
             let mut spec = spec_of(job.id, &job.request, job.submit_ms);
             // Runs before this one (a running job's own run is not an earlier one).
             spec.earlier_runs = match job.state {
@@ -221,14 +220,15 @@ impl History {
             .map(|(start, end)| (end - start).max(0))
             .sum();
         let spec = spec_of(j.id, &j.request, j.submit_ms);
-        let next = self.users.len() as u32;
-        let user = *self
-            .user_ids
-            .entry(spec.user.0.clone())
-            .or_insert_with(|| next);
-        if user == next {
-            self.users.push(spec.user.clone());
-        }
+        let user = match self.user_ids.get(&spec.user.0) {
+            Some(&user) => user,
+            None => {
+                let user = self.users.len() as u32;
+                self.user_ids.insert(spec.user.0.clone(), user);
+                self.users.push(spec.user.clone());
+                user
+            }
+        };
         self.runs
             .push((end, j.id, user, spec.gpu_hundredths(), ran, spec.time_limit));
     }

@@ -48,9 +48,15 @@ impl Control {
     /// A record with its live pending reason filled in; a settled job's is read from the
     /// job database.
     pub(crate) fn view(&self, id: u64) -> Result<Option<JobRecord>, ControlError> {
-        let Some(job) = self.jobs.get(&id) else {
-            return Ok(self.record(id)?.map(|job| job.into_owned()));
-        };
+        match self.jobs.get(&id) {
+            Some(job) => Ok(Some(self.view_of(job))),
+            None => Ok(self.record(id)?.map(|job| job.into_owned())),
+        }
+    }
+
+    /// A copy of `job`, held in memory, with its live pending reason filled in.
+    pub(crate) fn view_of(&self, job: &JobRecord) -> JobRecord {
+        let id = job.id;
         let mut job = job.clone();
         if self.held.contains(&id) {
             let r = &job.request;
@@ -76,7 +82,7 @@ impl Control {
                     }
                 });
         }
-        Ok(Some(job))
+        job
     }
 
     /// What a pending job waits for, in numbers ("needs 2 nodes x 8 GPUs; 1 node has 8 free,
