@@ -13,6 +13,7 @@
 
 pub mod daily;
 pub mod fold;
+pub(crate) mod settled;
 pub mod tables;
 pub mod usage;
 
@@ -78,6 +79,24 @@ impl Prices {
             .copied()
             .unwrap_or(self.default_gpu_per_hour)
     }
+
+    /// What one GPU of `model` cost, allocated and used, given its figures: the one
+    /// definition, for figures worked out from a record ([`gpu_figures`]) and for those read
+    /// back from the settled rows ([`settled`]), which are stored unpriced.
+    pub fn gpu_costs(
+        &self,
+        model: &str,
+        allocated_seconds: f64,
+        used_seconds: Option<f64>,
+        energy_joules: Option<f64>,
+    ) -> (f64, Option<f64>) {
+        let price = self.gpu_hour(model);
+        let energy_cost = energy_joules.unwrap_or(0.0) / 3.6e6 * self.energy_per_kwh;
+        (
+            allocated_seconds / 3600.0 * price + energy_cost,
+            used_seconds.map(|s| s / 3600.0 * price + energy_cost),
+        )
+    }
 }
 
 /// One GPU of one allocation, as the tables show it.
@@ -103,12 +122,12 @@ pub struct GpuFigures {
 /// cannot be split among them.
 pub fn gpu_figures(a: &Allocation, g: usize, now_ms: i64, prices: &Prices) -> GpuFigures {
     let allocated_seconds = a.held_ms(now_ms) as f64 / 1000.0 * a.gpu_fraction();
-    let price = prices.gpu_hour(&a.gpu_model);
     if a.share_percent.is_some() {
+        let (cost_allocated, _) = prices.gpu_costs(&a.gpu_model, allocated_seconds, None, None);
         return GpuFigures {
             allocated_seconds,
             samples: a.usage.get(g).map_or(0, |u| u.samples),
-            cost_allocated: allocated_seconds / 3600.0 * price,
+            cost_allocated,
             ..GpuFigures::default()
         };
     }
@@ -116,7 +135,8 @@ pub fn gpu_figures(a: &Allocation, g: usize, now_ms: i64, prices: &Prices) -> Gp
     let folded = a.folded_ms() as f64 / 1000.0;
     let used_seconds = u.used_seconds(folded);
     let energy_joules = u.energy_joules(folded);
-    let energy_cost = energy_joules.unwrap_or(0.0) / 3.6e6 * prices.energy_per_kwh;
+    let (cost_allocated, cost_used) =
+        prices.gpu_costs(&a.gpu_model, allocated_seconds, used_seconds, energy_joules);
     GpuFigures {
         allocated_seconds,
         accounted_seconds: used_seconds.map(|_| folded),
@@ -125,8 +145,8 @@ pub fn gpu_figures(a: &Allocation, g: usize, now_ms: i64, prices: &Prices) -> Gp
         memory_peak_bytes: u.memory_max_bytes,
         energy_joules,
         samples: u.samples,
-        cost_allocated: allocated_seconds / 3600.0 * price + energy_cost,
-        cost_used: used_seconds.map(|s| s / 3600.0 * price + energy_cost),
+        cost_allocated,
+        cost_used,
     }
 }
 

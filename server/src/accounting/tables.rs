@@ -5,13 +5,13 @@
 //! are SQL views over `jobs`. Columns are documented in `docs/schema.md`.
 
 use super::daily::{self, Availability, Held, Span};
-use super::{AccountingConfig, GpuFigures, gpu_figures};
+use super::{AccountingConfig, GpuFigures, Prices, gpu_figures};
 use crate::jobs::JobService;
 use crate::jobs::db::NodeRecord;
 use crate::jobs::record::{JobRecord, NodeSpan, NodeState};
 use arrow::array::{
     Array, ArrayRef, BooleanArray, Float64Array, Int32Array, RecordBatch, StringArray,
-    TimestampMillisecondArray, UInt32Array, UInt64Array,
+    TimestampMillisecondArray, UInt32Array, UInt64Array, downcast_array,
 };
 use arrow::datatypes::{Field, Schema, SchemaRef};
 use perch_query::{LiveTable, SqlEngine};
@@ -193,7 +193,7 @@ struct JobRow {
     gpu_model: Option<String>,
 }
 
-fn job_row(j: &JobRecord, config: &AccountingConfig, now: i64) -> JobRow {
+fn job_row(j: &JobRecord, prices: &Prices, now: i64) -> JobRow {
     let r = &j.request;
     JobRow {
         id: j.id,
@@ -216,7 +216,7 @@ fn job_row(j: &JobRecord, config: &AccountingConfig, now: i64) -> JobRow {
         time_limit_secs: r.time_limit_secs,
         accounted_until: accounted_until(j),
         simulated: j.allocations.iter().any(|a| a.simulated),
-        totals: job_totals(j, now, &config.prices),
+        totals: job_totals(j, now, prices),
         elapsed_seconds: j
             .start_ms
             .map(|s| (j.end_ms.unwrap_or(now) - s).max(0) as f64 / 1000.0),
@@ -277,7 +277,7 @@ pub(crate) fn job_json(
     config: &AccountingConfig,
     now: i64,
 ) -> Result<serde_json::Map<String, serde_json::Value>, String> {
-    let rows = [job_row(j, config, now)];
+    let rows = [job_row(j, &config.prices, now)];
     let batches = JobsTable::columns(&rows).batches()?;
     let mut buf = Vec::new();
     {
@@ -304,12 +304,65 @@ impl LiveTable for JobsTable {
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
         let now = self.jobs.now_ms();
+        let prices = &self.config.prices;
         let mut rows = Vec::new();
-        self.jobs
-            .scan_jobs(|j| rows.push(job_row(j, &self.config, now)))
+        let settled = self
+            .jobs
+            .scan_accounting(|j| rows.push(job_row(j, prices, now)))
             .map_err(|e| e.to_string())?;
-        Self::columns(&rows).batches()
+        let mut batches = settled.jobs(prices, &self.schema())?;
+        batches.extend(Self::columns(&rows).batches()?);
+        Ok(batches)
     }
+}
+
+/// The columns of a table that hold prices: settled rows are stored without them
+/// ([`super::settled`]) and priced when read.
+const PRICED: [&str; 2] = ["cost_allocated", "cost_used"];
+
+/// `batch` less its priced columns.
+fn unpriced(batch: &RecordBatch) -> Result<RecordBatch, String> {
+    let keep: Vec<usize> = (0..batch.num_columns())
+        .filter(|&i| !PRICED.contains(&batch.schema().field(i).name().as_str()))
+        .collect();
+    batch.project(&keep).map_err(|e| e.to_string())
+}
+
+/// The schema of settled `jobs` rows as stored.
+pub(crate) fn stored_jobs_schema() -> SchemaRef {
+    static SCHEMA: LazyLock<SchemaRef> = LazyLock::new(|| {
+        let empty = JobsTable::columns(&[]).batches().expect("an empty batch");
+        unpriced(&empty[0]).expect("project").schema()
+    });
+    SCHEMA.clone()
+}
+
+/// The schema of settled `job_allocations` rows as stored.
+pub(crate) fn stored_allocations_schema() -> SchemaRef {
+    static SCHEMA: LazyLock<SchemaRef> = LazyLock::new(|| {
+        let empty = AllocationsTable::columns(&[])
+            .batches()
+            .expect("an empty batch");
+        unpriced(&empty[0]).expect("project").schema()
+    });
+    SCHEMA.clone()
+}
+
+/// The `jobs` and `job_allocations` rows of settled jobs `records`, unpriced: what
+/// [`settled`] stores.
+pub(crate) fn stored_batches(records: &[JobRecord]) -> Result<(RecordBatch, RecordBatch), String> {
+    let prices = Prices::default();
+    let mut jobs = Vec::with_capacity(records.len());
+    let mut allocations = Vec::new();
+    for j in records {
+        // Settled: ended, every allocation too, so `now` changes nothing; their end it is.
+        let now = j.end_ms.unwrap_or(j.submit_ms);
+        jobs.push(job_row(j, &prices, now));
+        allocation_rows(j, &prices, now, &mut allocations);
+    }
+    let jobs = JobsTable::columns(&jobs).batches()?;
+    let allocations = AllocationsTable::columns(&allocations).batches()?;
+    Ok((unpriced(&jobs[0])?, unpriced(&allocations[0])?))
 }
 
 /// `job_allocations`: one row per GPU per allocation (attempt and node) of every job.
@@ -368,6 +421,28 @@ impl AllocationsTable {
     }
 }
 
+/// Job `j`'s rows of `job_allocations` at `now`, onto `rows`.
+fn allocation_rows(j: &JobRecord, prices: &Prices, now: i64, rows: &mut Vec<AllocRow>) {
+    for a in &j.allocations {
+        for (g, &gpu) in a.gpus.iter().enumerate() {
+            rows.push(AllocRow {
+                job: j.id,
+                attempt: a.attempt,
+                user: j.request.user().to_owned(),
+                account: j.request.account().to_owned(),
+                node: a.node.clone(),
+                gpu,
+                model: a.gpu_model.clone(),
+                start: a.start_ms,
+                end: a.end_ms,
+                accounted_until: a.folded_end_ms(),
+                simulated: a.simulated,
+                f: gpu_figures(a, g, now, prices),
+            });
+        }
+    }
+}
+
 impl LiveTable for AllocationsTable {
     fn schema(&self) -> SchemaRef {
         static SCHEMA: LazyLock<SchemaRef> =
@@ -379,29 +454,13 @@ impl LiveTable for AllocationsTable {
         let now = self.jobs.now_ms();
         let prices = &self.config.prices;
         let mut rows: Vec<AllocRow> = Vec::new();
-        self.jobs
-            .scan_jobs(|j| {
-                for a in &j.allocations {
-                    for (g, &gpu) in a.gpus.iter().enumerate() {
-                        rows.push(AllocRow {
-                            job: j.id,
-                            attempt: a.attempt,
-                            user: j.request.user().to_owned(),
-                            account: j.request.account().to_owned(),
-                            node: a.node.clone(),
-                            gpu,
-                            model: a.gpu_model.clone(),
-                            start: a.start_ms,
-                            end: a.end_ms,
-                            accounted_until: a.folded_end_ms(),
-                            simulated: a.simulated,
-                            f: gpu_figures(a, g, now, prices),
-                        });
-                    }
-                }
-            })
+        let settled = self
+            .jobs
+            .scan_accounting(|j| allocation_rows(j, prices, now, &mut rows))
             .map_err(|e| e.to_string())?;
-        Self::columns(&rows).batches()
+        let mut batches = settled.allocations(prices, &self.schema())?;
+        batches.extend(Self::columns(&rows).batches()?);
+        Ok(batches)
     }
 }
 
@@ -543,22 +602,51 @@ pub(crate) fn days(
         .collect();
     // Each GPU held, with its node's name owned (the records are not held on to).
     let mut owned: Vec<(String, Held<'static>)> = Vec::new();
-    jobs.scan_jobs(|j| {
-        for a in &j.allocations {
-            for (g, &gpu) in a.gpus.iter().enumerate() {
-                let held = Held {
-                    node: "",
-                    gpu,
-                    start_ms: a.start_ms,
-                    end_ms: a.end_ms,
-                    used_seconds: gpu_figures(a, g, now, &config.prices).used_seconds,
-                    used_until_ms: a.folded_end_ms(),
-                };
-                owned.push((a.node.clone(), held));
+    let settled = jobs
+        .scan_accounting(|j| {
+            for a in &j.allocations {
+                for (g, &gpu) in a.gpus.iter().enumerate() {
+                    let held = Held {
+                        node: "",
+                        gpu,
+                        start_ms: a.start_ms,
+                        end_ms: a.end_ms,
+                        used_seconds: gpu_figures(a, g, now, &config.prices).used_seconds,
+                        used_until_ms: a.folded_end_ms(),
+                    };
+                    owned.push((a.node.clone(), held));
+                }
             }
+        })
+        .map_err(|e| e.to_string())?;
+    let columns = [
+        "node",
+        "gpu",
+        "start_time",
+        "end_time",
+        "gpu_seconds_used",
+        "accounted_until",
+    ];
+    for batch in settled.allocation_columns(&columns)? {
+        let [node, gpu, start, end, used, until] =
+            columns.map(|name| batch.column_by_name(name).expect("projected").clone());
+        let node: StringArray = downcast_array(node.as_ref());
+        let gpu: UInt32Array = downcast_array(gpu.as_ref());
+        let [start, end, until]: [TimestampMillisecondArray; 3] =
+            [start, end, until].map(|c| downcast_array(c.as_ref()));
+        let used: Float64Array = downcast_array(used.as_ref());
+        for i in 0..batch.num_rows() {
+            let held = Held {
+                node: "",
+                gpu: gpu.value(i),
+                start_ms: start.value(i),
+                end_ms: end.is_valid(i).then(|| end.value(i)),
+                used_seconds: used.is_valid(i).then(|| used.value(i)),
+                used_until_ms: until.value(i),
+            };
+            owned.push((node.value(i).to_owned(), held));
         }
-    })
-    .map_err(|e| e.to_string())?;
+    }
     let held: Vec<Held<'_>> = owned
         .iter()
         .map(|(node, h)| Held { node, ..h.clone() })

@@ -518,3 +518,167 @@ async fn the_history_is_read_a_chunk_at_a_time_and_every_job_is_in_it_once() {
         .collect();
     assert_eq!(users, vec![("alice", true), ("bob", true)]);
 }
+
+/// Settled jobs' rows, once in the settled rows' files, answer SQL as their records did:
+/// every accounting table and view, the same after a restart, and again after an interrupted
+/// write (half a pair of files), whose jobs are read from the job database and recorded
+/// anew; costs follow the prices of the moment, not those of the write.
+#[tokio::test]
+async fn settled_rows_answer_sql_as_the_records_did() {
+    use crate::clock::Clock;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let clock = Clock::manual(T0);
+    let prices = |gpu_hour: f64| Prices {
+        gpu_per_hour: [("Test H100".to_owned(), gpu_hour)].into(),
+        energy_per_kwh: 0.3,
+        ..Prices::default()
+    };
+    let open = |prices: Prices| {
+        let store = Store::open(StoreConfig::new(dir.path())).expect("store");
+        let (tx, _events) = JobService::event_channel();
+        let config = JobsConfig {
+            clock: clock.clone(),
+            ..JobsConfig::default()
+        };
+        let jobs = JobService::open(&dir.path().join("control"), config, tx).expect("jobs");
+        let accounting = AccountingConfig {
+            prices,
+            ..AccountingConfig::default()
+        };
+        let sql = tables::register(
+            SqlEngine::new(store, QueryLimits::default()),
+            &jobs,
+            accounting,
+        );
+        (jobs, sql)
+    };
+    let answers = |sql: SqlEngine| async move {
+        let mut out = Vec::new();
+        for query in [
+            "SELECT * FROM jobs ORDER BY job",
+            "SELECT count(*) AS n, count(DISTINCT job) AS d FROM jobs",
+            "SELECT * FROM job_allocations ORDER BY job, attempt, node, gpu",
+            "SELECT * FROM cluster_utilization_daily ORDER BY day",
+            "SELECT * FROM job_costs ORDER BY job",
+            "SELECT * FROM account_usage ORDER BY account, user_name",
+        ] {
+            let result = sql.query(query).await.expect("query");
+            let mut w = arrow::json::ArrayWriter::new(Vec::new());
+            for b in &result.batches {
+                w.write(b).expect("write");
+            }
+            w.finish().expect("finish");
+            out.push(String::from_utf8(w.into_inner()).expect("utf-8"));
+        }
+        out
+    };
+    let (jobs, sql) = open(prices(2.5));
+    let sync = |at: i64, exited: Vec<(u64, i32)>| {
+        let req: SyncRequest = serde_json::from_value(json!({
+            "node": NODE, "gpus": 2, "gpu_model": "Test H100", "running": [],
+            "exited": exited.iter().map(|(j, c)| json!({"job": j, "attempt": 1, "code": c})).collect::<Vec<_>>(),
+        }))
+        .expect("sync request");
+        let jobs = jobs.clone();
+        async move { jobs.run(move |c, _| c.sync(req, at)).await.expect("sync") }
+    };
+    sync(T0, vec![]).await;
+    let submit = |user: &str, account: &str, gpus: u32| {
+        let request: crate::jobs::spec::JobRequest = serde_json::from_value(json!({
+            "command": ["x"], "user": user, "account": account, "gpus_per_node": gpus,
+            "time_limit_secs": 7200,
+        }))
+        .expect("request");
+        let jobs = jobs.clone();
+        async move {
+            jobs.run(move |c, _| c.submit(request, T0))
+                .await
+                .expect("submit")[0]
+                .id
+        }
+    };
+    let (one, failed) = (
+        submit("alice", "nlp", 1).await,
+        submit("alice", "nlp", 1).await,
+    );
+    let (two, never) = (
+        submit("bob", "vision", 2).await,
+        submit("bob", "vision", 2).await,
+    );
+    jobs.run(move |c, now| c.cancel(never, "bob", now).map(|_| ()))
+        .await
+        .expect("cancel");
+    sync(T0 + 1000, vec![]).await;
+    sync(T0 + HOUR, vec![(one, 0), (failed, 1)]).await;
+    sync(T0 + 2 * HOUR, vec![(two, 0)]).await;
+    let usage = GpuUsage {
+        samples: 5,
+        util_samples: 5,
+        util_sum: 400.0,
+        util_max: Some(90.0),
+        memory_max_bytes: Some(1 << 30),
+        energy_min_joules: Some(10.0),
+        energy_max_joules: Some(510_000.0),
+        power_samples: 5,
+        power_sum_watts: 1000.0,
+    };
+    let until = T0 + 3 * HOUR;
+    jobs.run(move |c, now| {
+        let folded = c
+            .fold_windows(until)
+            .into_iter()
+            .map(|w| fold::Folded {
+                usage: vec![usage.clone(); w.gpus.len()],
+                window: w,
+                simulated: false,
+            })
+            .collect();
+        c.apply_fold(folded, now)
+    })
+    .await
+    .expect("fold");
+    clock.set(until + 11 * 60 * 1000);
+    let held = answers(sql.clone()).await;
+    assert!(held[0].contains("\"state\":\"failed\""), "{}", held[0]);
+    assert!(held[1].contains("\"n\":4,\"d\":4"), "{}", held[1]);
+    // Out of memory (read from the job database), then recorded (read from the files).
+    jobs.tick().await.expect("tick");
+    jobs.tick().await.expect("tick");
+    assert_eq!(jobs.read(|c| c.settled_count()), 4);
+    assert_eq!(
+        answers(sql.clone()).await,
+        held,
+        "read from the job database"
+    );
+    assert_eq!(jobs.record_settled().expect("record"), 4);
+    assert_eq!(jobs.record_settled().expect("record"), 0, "each job once");
+    assert_eq!(
+        answers(sql.clone()).await,
+        held,
+        "read from the settled rows"
+    );
+    drop((jobs, sql));
+    let (jobs, sql) = open(prices(2.5));
+    assert_eq!(jobs.record_settled().expect("record"), 0, "found at start");
+    assert_eq!(answers(sql.clone()).await, held, "after a restart");
+    drop((jobs, sql));
+    // An interrupted write: the jobs file without its allocations.
+    let settled = dir.path().join("control/settled");
+    for entry in std::fs::read_dir(&settled).expect("dir") {
+        let path = entry.expect("entry").path();
+        if path.to_string_lossy().ends_with(".allocations.parquet") {
+            std::fs::remove_file(path).expect("remove");
+        }
+    }
+    let (jobs, sql) = open(prices(4.0));
+    let repriced = answers(sql.clone()).await;
+    assert_ne!(
+        repriced[0], held[0],
+        "costs follow the prices of the moment"
+    );
+    assert_eq!(repriced[1], held[1]);
+    assert_ne!(repriced[2], held[2], "allocations' costs too");
+    assert_eq!(repriced[3], held[3]);
+    assert_eq!(jobs.record_settled().expect("record"), 4, "recorded anew");
+    assert_eq!(answers(sql.clone()).await, repriced, "priced when read");
+}

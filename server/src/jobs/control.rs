@@ -104,6 +104,8 @@ pub enum ControlError {
         "the output of job {job} was deleted {days} days after the job ended (server.job_output_days); `perch show {job}` still has its record"
     )]
     OutputDeleted { job: u64, days: i64 },
+    #[error("settled jobs' rows: {0}")]
+    SettledRows(String),
     /// The blocking task running an operation failed (it panicked or was cancelled).
     #[error("the control plane's task failed: {0}")]
     TaskFailed(String),

@@ -11,6 +11,7 @@ pub mod record;
 pub mod routes;
 pub mod spec;
 
+use crate::accounting::settled::{self, SettledRows};
 pub use control::{
     AllocationView, CancelOutcome, CancelSelection, ControlError, ControlSnapshot, DEFAULT_LEASE,
     DEFAULT_MAX_PENDING_BYTES_PER_USER, DEFAULT_MAX_PENDING_PER_USER, DEFAULT_OUTPUT_RETENTION,
@@ -45,6 +46,8 @@ pub struct JobService {
     pages_in_flight: Arc<tokio::sync::Semaphore>,
     /// Each user's share of them, KiB ([`USER_PAGES_IN_FLIGHT_BYTES`]).
     user_pages: Arc<Mutex<std::collections::HashMap<String, Arc<tokio::sync::Semaphore>>>>,
+    /// Settled jobs' rows for SQL ([`crate::accounting::settled`]).
+    settled: Arc<SettledRows>,
 }
 
 /// Start-time estimates computed at the same time, at most.
@@ -88,6 +91,9 @@ pub(crate) const CANCEL_STEP: usize = 1_000;
 /// Job ids one batch cancel may name (filters reach any number of jobs): a 64 MiB body holds
 /// millions, and sorting them and answering for each held the control plane for seconds.
 pub const MAX_CANCEL_IDS: usize = 100_000;
+
+/// Settled jobs whose rows one step of [`JobService::record_settled`] writes, at most.
+const RECORD_STEP: usize = 10_000;
 
 /// Job records read under one hold of the control lock by [`JobService::scan_jobs`].
 pub(crate) const SCAN_CHUNK: usize = 2_000;
@@ -259,6 +265,9 @@ impl JobService {
         let loaded = db.load()?;
         let clock = config.clock.clone();
         let mut control = Control::open(dir, config, clock.now_ms(), loaded, &db)?;
+        let (settled, recorded) =
+            SettledRows::open(&dir.join("settled")).map_err(ControlError::SettledRows)?;
+        control.note_recorded(recorded);
         let mut dirty = control.take_dirty();
         db.save(&dirty)?;
         if !dirty.events.is_empty() {
@@ -282,6 +291,7 @@ impl JobService {
             listings: Arc::new(tokio::sync::Semaphore::new(CONCURRENT_LISTINGS)),
             pages_in_flight: Arc::new(tokio::sync::Semaphore::new(PAGES_IN_FLIGHT_BYTES >> 10)),
             user_pages: Arc::default(),
+            settled: Arc::new(settled),
         })
     }
 
@@ -333,11 +343,56 @@ impl JobService {
         f(&self.control.lock())
     }
 
+    /// Visits the records SQL's accounting tables read from the control plane, as
+    /// [`JobService::scan_jobs`] does: jobs held whole, and settled jobs whose rows are not yet
+    /// in the settled rows' files; then returns those files' rows for the rest, less the jobs
+    /// visited. A job's rows are written there before it counts as recorded, and the files are
+    /// opened after the walk, so each job is in the answer once.
+    pub(crate) fn scan_accounting(
+        &self,
+        mut visit: impl FnMut(&JobRecord),
+    ) -> Result<settled::View, ControlError> {
+        let mut seen = std::collections::HashSet::new();
+        self.walk_jobs(
+            0,
+            false,
+            usize::MAX,
+            |b| !b.recorded,
+            false,
+            |job| {
+                seen.insert(job.id);
+                visit(&job);
+                true
+            },
+        )?;
+        self.settled.view(seen).map_err(ControlError::SettledRows)
+    }
+
+    /// Writes the rows of up to [`RECORD_STEP`] settled jobs not yet in the settled rows'
+    /// files: their records are read from the job database after letting go of the control
+    /// lock, and they count as recorded only once written. Returns how many were. Blocking:
+    /// the ticker runs it on the blocking pool, one at a time.
+    pub(crate) fn record_settled(&self) -> Result<usize, ControlError> {
+        let reads = self.control.lock().unrecorded(RECORD_STEP);
+        let records = reads.read()?;
+        if records.is_empty() {
+            return Ok(0);
+        }
+        self.settled
+            .append(&records)
+            .map_err(ControlError::SettledRows)?;
+        self.control
+            .lock()
+            .note_recorded(records.iter().map(|j| j.id));
+        Ok(records.len())
+    }
+
     /// Visits every job record in id order, [`SCAN_CHUNK`] at a time under the control lock,
     /// which is let go between chunks: SQL over the `jobs` table of a long history held the
     /// lock, and every agent's sync behind it, for the whole history (160 ms at 20,000 jobs,
     /// growing with every job ever run). Settled jobs' records are read from the job database
     /// outside the lock. Each record is visited once, as it was when its chunk was read.
+    #[cfg(test)]
     pub(crate) fn scan_jobs(&self, mut visit: impl FnMut(&JobRecord)) -> Result<(), ControlError> {
         self.walk_jobs(
             0,
@@ -752,6 +807,7 @@ impl JobService {
         let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
         let mut expiry = tokio::time::interval(OUTPUT_EXPIRY_PERIOD);
         let mut expiring: Option<tokio::task::JoinHandle<()>> = None;
+        let mut recording: Option<tokio::task::JoinHandle<()>> = None;
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
@@ -759,6 +815,16 @@ impl JobService {
                 _ = tick.tick() => {
                     if let Err(e) = self.tick().await {
                         tracing::error!(error = %e, "job control tick failed");
+                    }
+                    // Settled jobs' rows are written beside the ticks, one step at a time: a
+                    // server upgraded with a long history writes it while it goes on ticking.
+                    if recording.as_ref().is_none_or(|task| task.is_finished()) {
+                        let service = self.clone();
+                        recording = Some(tokio::task::spawn_blocking(move || {
+                            if let Err(e) = service.record_settled() {
+                                tracing::error!(error = %e, "writing settled jobs' rows failed; SQL reads them from the job database until a later try works");
+                            }
+                        }));
                     }
                 }
                 _ = expiry.tick() => {
@@ -828,6 +894,7 @@ impl From<ControlError> for crate::ApiError {
             ControlError::Scheduler(_)
             | ControlError::Db(_)
             | ControlError::Logs(_)
+            | ControlError::SettledRows(_)
             | ControlError::TaskFailed(_) => crate::ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 crate::ErrorCode::Internal,

@@ -42,7 +42,9 @@ pub(crate) struct Archived {
 #[derive(Clone, Copy)]
 pub(crate) enum Found<'a> {
     Live(&'a JobRecord),
-    Settled(&'a Archived, &'a Names),
+    /// A settled job's summary, and whether its rows are in the settled rows' files
+    /// ([`crate::accounting::settled`]).
+    Settled(&'a Archived, &'a Names, bool),
 }
 
 /// What listings filter on.
@@ -51,34 +53,36 @@ pub(crate) struct Brief<'a> {
     pub state: JobState,
     pub user: &'a str,
     pub account: &'a str,
+    /// A settled job whose rows SQL reads from the settled rows' files.
+    pub recorded: bool,
 }
 
 impl<'a> Found<'a> {
     pub(crate) fn state(self) -> JobState {
         match self {
             Found::Live(j) => j.state,
-            Found::Settled(a, _) => a.state,
+            Found::Settled(a, ..) => a.state,
         }
     }
 
     pub(crate) fn user(self) -> &'a str {
         match self {
             Found::Live(j) => j.request.user(),
-            Found::Settled(a, names) => names.get(a.user),
+            Found::Settled(a, names, _) => names.get(a.user),
         }
     }
 
     pub(crate) fn account(self) -> &'a str {
         match self {
             Found::Live(j) => j.request.account(),
-            Found::Settled(a, names) => names.get(a.account),
+            Found::Settled(a, names, _) => names.get(a.account),
         }
     }
 
     pub(crate) fn array(self) -> Option<ArrayTask> {
         match self {
             Found::Live(j) => j.array,
-            Found::Settled(a, _) => a.array,
+            Found::Settled(a, ..) => a.array,
         }
     }
 
@@ -87,6 +91,7 @@ impl<'a> Found<'a> {
             state: self.state(),
             user: self.user(),
             account: self.account(),
+            recorded: matches!(self, Found::Settled(.., true)),
         }
     }
 }
@@ -151,6 +156,11 @@ pub(crate) struct Archive {
     runs: Vec<PastRun>,
     decayed: Option<Decayed>,
     usage: HashMap<(u32, u32, u32), UsageSums>,
+    /// Settled jobs whose rows are not yet in the settled rows' files
+    /// ([`crate::accounting::settled`]): SQL reads their records from the job database.
+    unrecorded: BTreeSet<u64>,
+    /// Jobs held whole whose rows are in those files already (found there at start).
+    recorded_live: HashSet<u64>,
     /// Jobs found settled, and the last change set queued when they were: they leave memory
     /// once it is committed, unless they changed since ([`Control::take_dirty`] drops those).
     marked: Option<(u64, BTreeSet<u64>)>,
@@ -169,6 +179,8 @@ impl Archive {
             runs: Vec::new(),
             decayed: None,
             usage: HashMap::new(),
+            unrecorded: BTreeSet::new(),
+            recorded_live: HashSet::new(),
             marked: None,
             next_look_ms: i64::MIN,
             reader,
@@ -192,6 +204,9 @@ impl Archive {
             },
         );
         *self.by_state.entry(job.state).or_default() += 1;
+        if !self.recorded_live.remove(&job.id) {
+            self.unrecorded.insert(job.id);
+        }
         for a in &job.allocations {
             let run = PastRun {
                 account,
@@ -277,11 +292,10 @@ impl Control {
     pub(crate) fn find(&self, id: u64) -> Option<Found<'_>> {
         match self.jobs.get(&id) {
             Some(job) => Some(Found::Live(job)),
-            None => self
-                .archive
-                .jobs
-                .get(&id)
-                .map(|a| Found::Settled(a, &self.archive.names)),
+            None => self.archive.jobs.get(&id).map(|a| {
+                let recorded = !self.archive.unrecorded.contains(&id);
+                Found::Settled(a, &self.archive.names, recorded)
+            }),
         }
     }
 
@@ -467,6 +481,22 @@ impl Control {
     /// Settled jobs by state.
     pub(super) fn settled_by_state(&self) -> impl Iterator<Item = (JobState, u64)> + '_ {
         self.archive.by_state.iter().map(|(&s, &n)| (s, n))
+    }
+
+    /// The first `max` settled jobs whose rows are not yet in the settled rows' files, to be
+    /// read after letting go of the control lock.
+    pub(crate) fn unrecorded(&self, max: usize) -> SettledReads {
+        self.settled_reads(self.archive.unrecorded.iter().take(max).copied().collect())
+    }
+
+    /// Jobs `ids` have their rows in the settled rows' files (written, or found there at
+    /// start): SQL reads them from there from now on.
+    pub(crate) fn note_recorded(&mut self, ids: impl IntoIterator<Item = u64>) {
+        for id in ids {
+            if !self.archive.unrecorded.remove(&id) && self.jobs.contains_key(&id) {
+                self.archive.recorded_live.insert(id);
+            }
+        }
     }
 
     /// Settled jobs.

@@ -1,0 +1,608 @@
+//! Settled jobs' rows of the `jobs` and `job_allocations` tables, in Parquet files under
+//! `<data_dir>/control/settled/`: written once when a job has settled and left memory, so SQL
+//! over a long history reads columns, not every record back from the job database (1.7 s for
+//! `SELECT count(*) FROM jobs` at 100,000 settled jobs read from it).
+//!
+//! The job database stays the truth; these files are a copy of what it holds that can always
+//! be made again. A settled job is *recorded* once its rows are here
+//! ([`crate::jobs::JobService::record_settled`]); until then SQL reads its record from the job
+//! database as before. The rows are stored unpriced: cost columns are worked out when read,
+//! at the prices of the moment ([`super::Prices::gpu_costs`]), as for jobs held in memory.
+//!
+//! Files come in pairs, `<lo>-<hi>.jobs.parquet` and `<lo>-<hi>.allocations.parquet`, over
+//! the chunks numbered `lo` to `hi`. A chunk is written allocations first; its jobs file,
+//! renamed into place, commits it. Chunks are merged two at a time, the newest with the one
+//! before while it is at least half that one's size ([`MAX_CHUNK_JOBS`] at most), so a history
+//! of `n` jobs is a handful of files whatever the pace it settled at; a merged pair replaces
+//! the two it covers, which are deleted. At start ([`SettledRows::open`]) whatever an
+//! interrupted write or merge left is put right: a pair covered by a larger one, or half a
+//! pair, is deleted, and the jobs it held are recorded again from the job database.
+
+use super::Prices;
+use super::tables;
+use crate::jobs::record::JobRecord;
+use arrow::array::{Array, ArrayRef, BooleanArray, Float64Array, RecordBatch, StringArray};
+use arrow::array::{UInt64Array, downcast_array};
+use arrow::datatypes::SchemaRef;
+use parquet::arrow::ArrowWriter;
+use parquet::arrow::ProjectionMask;
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::properties::WriterProperties;
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Jobs in one pair of files, at most: a merge reads and writes two pairs a batch at a time,
+/// so this bounds the time one takes, not its memory.
+const MAX_CHUNK_JOBS: u64 = 1_000_000;
+
+/// Rows per batch read.
+const BATCH_ROWS: usize = 8_192;
+
+/// A chunk's two files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Jobs,
+    Allocations,
+}
+
+impl Kind {
+    fn suffix(self) -> &'static str {
+        match self {
+            Kind::Jobs => ".jobs.parquet",
+            Kind::Allocations => ".allocations.parquet",
+        }
+    }
+
+    fn schema(self) -> SchemaRef {
+        match self {
+            Kind::Jobs => tables::stored_jobs_schema(),
+            Kind::Allocations => tables::stored_allocations_schema(),
+        }
+    }
+}
+
+/// A pair of files: chunks `lo` to `hi`, holding `jobs` jobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Chunk {
+    lo: u64,
+    hi: u64,
+    jobs: u64,
+}
+
+impl Chunk {
+    fn path(&self, dir: &Path, kind: Kind) -> PathBuf {
+        dir.join(format!("{:010}-{:010}{}", self.lo, self.hi, kind.suffix()))
+    }
+}
+
+struct State {
+    /// In the order they were written (merges keep it).
+    chunks: Vec<Chunk>,
+    next: u64,
+}
+
+/// The settled rows' files ([`self`]).
+pub(crate) struct SettledRows {
+    dir: PathBuf,
+    state: parking_lot::Mutex<State>,
+}
+
+impl std::fmt::Debug for SettledRows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SettledRows")
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `lo-hi` and the kind of a file's name.
+fn parse(name: &str) -> Option<(u64, u64, Kind)> {
+    let (stem, kind) = [Kind::Jobs, Kind::Allocations]
+        .into_iter()
+        .find_map(|k| name.strip_suffix(k.suffix()).map(|s| (s, k)))?;
+    let (lo, hi) = stem.split_once('-')?;
+    Some((lo.parse().ok()?, hi.parse().ok()?, kind))
+}
+
+fn remove(path: &Path) {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot delete a settled rows file")
+        }
+    }
+}
+
+impl SettledRows {
+    /// Opens (or makes) the files under `dir`, putting right what an interrupted write or
+    /// merge left, and returns the ids of the jobs they hold.
+    pub(crate) fn open(dir: &Path) -> Result<(SettledRows, Vec<u64>), String> {
+        let fail = |e: &dyn std::fmt::Display| format!("{}: {e}", dir.display());
+        std::fs::create_dir_all(dir).map_err(|e| fail(&e))?;
+        let mut jobs_files = Vec::new();
+        let mut allocation_files = HashSet::new();
+        let mut next = 0;
+        for entry in std::fs::read_dir(dir).map_err(|e| fail(&e))? {
+            let entry = entry.map_err(|e| fail(&e))?;
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if name.starts_with(".tmp-") {
+                remove(&entry.path());
+                continue;
+            }
+            let Some((lo, hi, kind)) = parse(name) else {
+                continue;
+            };
+            next = next.max(hi + 1);
+            match kind {
+                Kind::Jobs => jobs_files.push((lo, hi)),
+                Kind::Allocations => {
+                    allocation_files.insert((lo, hi));
+                }
+            }
+        }
+        // The widest first: a pair within another's range was merged into it.
+        jobs_files.sort_by_key(|&(lo, hi)| (lo, std::cmp::Reverse(hi)));
+        let mut chunks = Vec::new();
+        let mut covered_to: Option<u64> = None;
+        for (lo, hi) in jobs_files {
+            let chunk = Chunk { lo, hi, jobs: 0 };
+            let whole = allocation_files.remove(&(lo, hi));
+            if !whole || covered_to.is_some_and(|to| lo <= to) {
+                remove(&chunk.path(dir, Kind::Jobs));
+                remove(&chunk.path(dir, Kind::Allocations));
+                continue;
+            }
+            covered_to = Some(hi);
+            chunks.push(chunk);
+        }
+        // Allocations whose jobs file was never written, or that a merge covered.
+        for (lo, hi) in allocation_files {
+            remove(&Chunk { lo, hi, jobs: 0 }.path(dir, Kind::Allocations));
+        }
+        let mut ids = Vec::new();
+        for chunk in &mut chunks {
+            let path = chunk.path(dir, Kind::Jobs);
+            let file = File::open(&path).map_err(|e| fail(&e))?;
+            let before = ids.len();
+            for batch in read(file, Some(&["job"])).map_err(|e| fail(&e))? {
+                let column: UInt64Array = downcast_array(batch.column(0).as_ref());
+                ids.extend(column.values().iter().copied());
+            }
+            chunk.jobs = (ids.len() - before) as u64;
+        }
+        let rows = SettledRows {
+            dir: dir.to_owned(),
+            state: parking_lot::Mutex::new(State { chunks, next }),
+        };
+        Ok((rows, ids))
+    }
+
+    /// Writes the rows of settled jobs `records` (durable in the job database) as a chunk of
+    /// their own, then merges chunks as [`self`] says. Once it returns, [`SettledRows::view`]
+    /// shows them.
+    pub(crate) fn append(&self, records: &[JobRecord]) -> Result<(), String> {
+        if records.is_empty() {
+            return Ok(());
+        }
+        let (jobs, allocations) = tables::stored_batches(records)?;
+        let seq = {
+            let mut state = self.state.lock();
+            state.next += 1;
+            state.next - 1
+        };
+        let chunk = Chunk {
+            lo: seq,
+            hi: seq,
+            jobs: records.len() as u64,
+        };
+        self.write(&chunk, Kind::Allocations, vec![Ok(allocations)].into_iter())?;
+        self.write(&chunk, Kind::Jobs, vec![Ok(jobs)].into_iter())?;
+        self.state.lock().chunks.push(chunk);
+        self.merge()
+    }
+
+    /// Merges the newest chunk into the one before while it is at least half that one's size.
+    fn merge(&self) -> Result<(), String> {
+        loop {
+            let (a, b) = {
+                let state = self.state.lock();
+                match state.chunks.as_slice() {
+                    [.., a, b] => (*a, *b),
+                    _ => return Ok(()),
+                }
+            };
+            if b.jobs * 2 < a.jobs || a.jobs + b.jobs > MAX_CHUNK_JOBS {
+                return Ok(());
+            }
+            let merged = Chunk {
+                lo: a.lo,
+                hi: b.hi,
+                jobs: a.jobs + b.jobs,
+            };
+            for kind in [Kind::Allocations, Kind::Jobs] {
+                let batches = [a, b]
+                    .into_iter()
+                    .map(|c| File::open(c.path(&self.dir, kind)).map_err(|e| e.to_string()))
+                    .map(|file| file.and_then(|f| reader(f, None)))
+                    .collect::<Result<Vec<_>, String>>()?;
+                let rows = batches
+                    .into_iter()
+                    .flatten()
+                    .map(|b| b.map_err(|e| e.to_string()));
+                self.write(&merged, kind, rows)?;
+            }
+            let mut state = self.state.lock();
+            let n = state.chunks.len();
+            state.chunks.splice(n - 2.., [merged]);
+            // Under the lock: a view has opened both old pairs, or will open the new one.
+            for c in [a, b] {
+                remove(&c.path(&self.dir, Kind::Jobs));
+                remove(&c.path(&self.dir, Kind::Allocations));
+            }
+        }
+    }
+
+    /// Writes `batches` as `chunk`'s file of `kind`: to a temporary file, synced, renamed.
+    fn write(
+        &self,
+        chunk: &Chunk,
+        kind: Kind,
+        batches: impl Iterator<Item = Result<RecordBatch, String>>,
+    ) -> Result<(), String> {
+        let path = chunk.path(&self.dir, kind);
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        let tmp = self.dir.join(format!(".tmp-{name}"));
+        let fail = |e: &dyn std::fmt::Display| format!("writing {}: {e}", path.display());
+        let result = (|| {
+            let file = File::create(&tmp).map_err(|e| fail(&e))?;
+            let props = WriterProperties::builder()
+                .set_compression(Compression::ZSTD(
+                    ZstdLevel::try_new(3).map_err(|e| fail(&e))?,
+                ))
+                .build();
+            let mut writer =
+                ArrowWriter::try_new(file, kind.schema(), Some(props)).map_err(|e| fail(&e))?;
+            for batch in batches {
+                writer.write(&batch?).map_err(|e| fail(&e))?;
+            }
+            let file = writer.into_inner().map_err(|e| fail(&e))?;
+            file.sync_all().map_err(|e| fail(&e))?;
+            std::fs::rename(&tmp, &path).map_err(|e| fail(&e))?;
+            File::open(&self.dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| fail(&e))
+        })();
+        if result.is_err() {
+            remove(&tmp);
+        }
+        result
+    }
+
+    /// The rows as they are now, less those of jobs in `skip` (read elsewhere): each chunk's
+    /// files are opened here, so a merge after this cannot take them away.
+    pub(crate) fn view(&self, skip: HashSet<u64>) -> Result<View, String> {
+        let state = self.state.lock();
+        let files = state
+            .chunks
+            .iter()
+            .map(|c| {
+                let open = |kind| {
+                    let path = c.path(&self.dir, kind);
+                    File::open(&path).map_err(|e| format!("{}: {e}", path.display()))
+                };
+                Ok((open(Kind::Jobs)?, open(Kind::Allocations)?))
+            })
+            .collect::<Result<_, String>>()?;
+        Ok(View { files, skip })
+    }
+
+    /// The number of pairs of files.
+    #[cfg(test)]
+    pub(crate) fn chunk_count(&self) -> usize {
+        self.state.lock().chunks.len()
+    }
+}
+
+/// A batch reader over `file`, of the columns named in `columns` (all if `None`).
+fn reader(
+    file: File,
+    columns: Option<&[&str]>,
+) -> Result<parquet::arrow::arrow_reader::ParquetRecordBatchReader, String> {
+    let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| e.to_string())?;
+    let builder = match columns {
+        Some(columns) => {
+            let mask = ProjectionMask::columns(builder.parquet_schema(), columns.iter().copied());
+            builder.with_projection(mask)
+        }
+        None => builder,
+    };
+    builder
+        .with_batch_size(BATCH_ROWS)
+        .build()
+        .map_err(|e| e.to_string())
+}
+
+fn read(file: File, columns: Option<&[&str]>) -> Result<Vec<RecordBatch>, String> {
+    reader(file, columns)?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())
+}
+
+/// The settled rows one query reads ([`SettledRows::view`]).
+pub(crate) struct View {
+    files: Vec<(File, File)>,
+    skip: HashSet<u64>,
+}
+
+/// Two float columns of `batch`, by name.
+fn floats(batch: &RecordBatch, name: &str) -> Result<Float64Array, String> {
+    let column = batch
+        .column_by_name(name)
+        .ok_or_else(|| format!("settled rows lack column {name}"))?;
+    Ok(downcast_array(column.as_ref()))
+}
+
+/// What each allocation row of `batch` cost at `prices`.
+fn costs(batch: &RecordBatch, prices: &Prices) -> Result<(Vec<f64>, Vec<Option<f64>>), String> {
+    let model: StringArray = downcast_array(
+        batch
+            .column_by_name("gpu_model")
+            .ok_or("settled rows lack column gpu_model")?
+            .as_ref(),
+    );
+    let allocated = floats(batch, "gpu_seconds_allocated")?;
+    let used = floats(batch, "gpu_seconds_used")?;
+    let energy = floats(batch, "energy_joules")?;
+    let value = |a: &Float64Array, i: usize| a.is_valid(i).then(|| a.value(i));
+    let (mut all, mut use_) = (Vec::new(), Vec::new());
+    for i in 0..batch.num_rows() {
+        let (c, u) = prices.gpu_costs(
+            model.value(i),
+            allocated.value(i),
+            value(&used, i),
+            value(&energy, i),
+        );
+        all.push(c);
+        use_.push(u);
+    }
+    Ok((all, use_))
+}
+
+/// `batch`'s job ids.
+fn job_ids(batch: &RecordBatch) -> UInt64Array {
+    downcast_array(batch.column(0).as_ref())
+}
+
+impl View {
+    /// The rows of jobs not skipped, with `costs` as the cost columns, in `schema`'s order.
+    fn finish(
+        &self,
+        batch: &RecordBatch,
+        schema: &SchemaRef,
+        cost_allocated: Vec<f64>,
+        cost_used: Vec<Option<f64>>,
+    ) -> Result<Option<RecordBatch>, String> {
+        let priced: [(&str, ArrayRef); 2] = [
+            (
+                "cost_allocated",
+                Arc::new(Float64Array::from(cost_allocated)),
+            ),
+            ("cost_used", Arc::new(Float64Array::from(cost_used))),
+        ];
+        let columns = schema
+            .fields()
+            .iter()
+            .map(|f| {
+                priced
+                    .iter()
+                    .find(|(name, _)| name == f.name())
+                    .map(|(_, a)| a.clone())
+                    .or_else(|| batch.column_by_name(f.name()).cloned())
+                    .ok_or_else(|| format!("settled rows lack column {}", f.name()))
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        self.kept(RecordBatch::try_new(schema.clone(), columns).map_err(|e| e.to_string())?)
+    }
+
+    /// Rows of jobs not skipped.
+    fn kept(&self, batch: RecordBatch) -> Result<Option<RecordBatch>, String> {
+        if self.skip.is_empty() {
+            return Ok(Some(batch));
+        }
+        let keep: BooleanArray = job_ids(&batch)
+            .values()
+            .iter()
+            .map(|id| Some(!self.skip.contains(id)))
+            .collect();
+        let kept = arrow::compute::filter_record_batch(&batch, &keep).map_err(|e| e.to_string())?;
+        Ok((kept.num_rows() > 0).then_some(kept))
+    }
+
+    /// The `job_allocations` rows' `job` and `columns` (unpriced ones), as stored.
+    pub(crate) fn allocation_columns(&self, columns: &[&str]) -> Result<Vec<RecordBatch>, String> {
+        let columns: Vec<&str> = std::iter::once("job")
+            .chain(columns.iter().copied())
+            .collect();
+        let mut out = Vec::new();
+        for (_, file) in &self.files {
+            let file = file.try_clone().map_err(|e| e.to_string())?;
+            for batch in read(file, Some(&columns))? {
+                out.extend(self.kept(batch)?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The `job_allocations` rows, priced at `prices`, in `schema` (the table's).
+    pub(crate) fn allocations(
+        &self,
+        prices: &Prices,
+        schema: &SchemaRef,
+    ) -> Result<Vec<RecordBatch>, String> {
+        let mut out = Vec::new();
+        for (_, file) in &self.files {
+            let file = file.try_clone().map_err(|e| e.to_string())?;
+            for batch in read(file, None)? {
+                let (all, used) = costs(&batch, prices)?;
+                out.extend(self.finish(&batch, schema, all, used)?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The `jobs` rows, priced at `prices` (a job's cost is its GPUs', added in the order
+    /// [`tables::job_totals`] adds them), in `schema` (the table's).
+    pub(crate) fn jobs(
+        &self,
+        prices: &Prices,
+        schema: &SchemaRef,
+    ) -> Result<Vec<RecordBatch>, String> {
+        let mut out = Vec::new();
+        for (jobs, allocations) in &self.files {
+            let allocations = allocations.try_clone().map_err(|e| e.to_string())?;
+            let wanted = [
+                "job",
+                "gpu_model",
+                "gpu_seconds_allocated",
+                "gpu_seconds_used",
+                "energy_joules",
+            ];
+            let mut by_job: HashMap<u64, (f64, Option<f64>)> = HashMap::new();
+            for batch in read(allocations, Some(&wanted))? {
+                let (all, used) = costs(&batch, prices)?;
+                for (i, job) in job_ids(&batch).values().iter().enumerate() {
+                    let sum = by_job.entry(*job).or_insert((0.0, None));
+                    sum.0 += all[i];
+                    sum.1 = match (sum.1, used[i]) {
+                        (Some(x), Some(y)) => Some(x + y),
+                        (x, y) => x.or(y),
+                    };
+                }
+            }
+            let jobs = jobs.try_clone().map_err(|e| e.to_string())?;
+            for batch in read(jobs, None)? {
+                let (all, used): (Vec<f64>, Vec<Option<f64>>) = job_ids(&batch)
+                    .values()
+                    .iter()
+                    .map(|id| by_job.get(id).copied().unwrap_or((0.0, None)))
+                    .unzip();
+                out.extend(self.finish(&batch, schema, all, used)?);
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::jobs::record::Allocation;
+
+    fn job(id: u64) -> JobRecord {
+        let mut job: JobRecord = serde_json::from_value(serde_json::json!({
+            "id": id,
+            "request": { "command": ["x"], "user": "alice" },
+            "state": "completed",
+            "reason": null,
+            "submit_ms": 0,
+            "start_ms": 0,
+            "end_ms": 1000,
+            "placement": [],
+            "attempts": 1,
+            "requeues": 0,
+            "preemptions": 0,
+            "exit_code": 0,
+            "timeline": [],
+        }))
+        .expect("record");
+        let mut a = Allocation::new(1, "n".into(), vec![0], "H100".into(), 0, false);
+        a.end_ms = Some(1000);
+        job.allocations.push(a);
+        job
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .expect("dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// Jobs settling one at a time leave a handful of files, each job in one of them.
+    #[test]
+    fn chunks_merge_to_a_few_files_and_hold_each_job_once() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (rows, ids) = SettledRows::open(dir.path()).expect("open");
+        assert!(ids.is_empty());
+        for id in 1..=200 {
+            rows.append(&[job(id)]).expect("append");
+            let n = rows.chunk_count();
+            // Sizes at least halve from one chunk to the next.
+            assert!(
+                n as f64 <= 2.0 + (id as f64).log2() * 2.0,
+                "{n} chunks for {id} jobs"
+            );
+        }
+        assert_eq!(names(dir.path()).len(), rows.chunk_count() * 2);
+        drop(rows);
+        let (rows, mut ids) = SettledRows::open(dir.path()).expect("open");
+        ids.sort();
+        assert_eq!(ids, (1..=200).collect::<Vec<_>>());
+        let view = rows.view([7].into()).expect("view");
+        let schema = tables::stored_allocations_schema();
+        let read: usize = view
+            .allocation_columns(&["gpu"])
+            .expect("read")
+            .iter()
+            .map(|b| b.num_rows())
+            .sum();
+        assert_eq!(read, 199, "the skipped job's rows are left out");
+        assert!(
+            schema.field_with_name("cost_used").is_err(),
+            "stored unpriced"
+        );
+    }
+
+    /// What an interrupted merge or write leaves is put right at start: the pairs a merged
+    /// pair covers, half a pair, and temporary files are deleted.
+    #[test]
+    fn an_interrupted_merge_or_write_is_put_right_at_start() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (rows, _) = SettledRows::open(dir.path()).expect("open");
+        rows.append(&[job(1), job(2)]).expect("append");
+        rows.append(&[job(3)]).expect("append");
+        assert_eq!(rows.chunk_count(), 1, "merged");
+        let merged = names(dir.path());
+        assert_eq!(
+            merged,
+            [
+                "0000000000-0000000001.allocations.parquet",
+                "0000000000-0000000001.jobs.parquet"
+            ]
+        );
+        drop(rows);
+        // The merge's inputs still there (deleted after the merged pair is in place), half a
+        // pair (its jobs file never written) and a temporary file.
+        let copy = |from: &str, to: &str| {
+            std::fs::copy(dir.path().join(from), dir.path().join(to)).expect("copy");
+        };
+        copy(&merged[0], "0000000000-0000000000.allocations.parquet");
+        copy(&merged[1], "0000000000-0000000000.jobs.parquet");
+        copy(&merged[0], "0000000002-0000000002.allocations.parquet");
+        copy(&merged[1], ".tmp-0000000002-0000000002.jobs.parquet");
+        let (rows, mut ids) = SettledRows::open(dir.path()).expect("open");
+        ids.sort();
+        assert_eq!(ids, [1, 2, 3], "each job once");
+        assert_eq!(names(dir.path()), merged);
+        // Numbering goes on past every name seen.
+        rows.append(&[job(4)]).expect("append");
+        assert!(names(dir.path()).iter().any(|n| n.contains("0000000003")));
+    }
+}
