@@ -13,7 +13,10 @@
 # their records left memory (ten minutes after their end, once accounting has folded them:
 # every 60 s here), measures again, and restarts the server on the same history (its memory
 # then, and the time it took to start). With WAVES=N as well, N - 1 more waves of JOBS jobs run
-# after that measure, each followed by the same wait (the server's memory after each).
+# after that measure, each followed by the same wait (the server's memory after each). With
+# PEER=/path/to/another/perch as well, that binary is then started on a copy of the same job
+# database (without the settled rows' files, which it would not read) and measured the same way,
+# and then this build again on the peer's copy (as after an upgrade: it writes the files anew).
 #
 # Needs python3. Listens on 127.0.0.1:PORT (default 7397).
 set -euo pipefail
@@ -22,6 +25,7 @@ PORT=${1:-7397}
 JOBS=${2:-100000}
 SETTLE_WAIT=${SETTLE_WAIT:-0}
 WAVES=${WAVES:-1}
+PEER=${PEER:+$(realpath "$PEER")}
 work=$(mktemp -d)
 stop() {
   if [ -f "$work/server.pid" ]; then
@@ -43,11 +47,11 @@ settle_secs = 5
 EOT
 "$PERCH" --config "$work/perch.toml" server > "$work/server.log" 2>&1 &
 echo $! > "$work/server.pid"
-python3 - "$PORT" "$JOBS" "$(cat "$work/server.pid")" "$SETTLE_WAIT" "$PERCH" "$work" "$WAVES" <<'PY'
-import json, subprocess, sys, threading, time, urllib.error, urllib.request
+python3 - "$PORT" "$JOBS" "$(cat "$work/server.pid")" "$SETTLE_WAIT" "$PERCH" "$work" "$WAVES" "$PEER" <<'PY'
+import json, shutil, subprocess, sys, threading, time, urllib.error, urllib.request
 base, jobs, pid = f"http://127.0.0.1:{sys.argv[1]}", int(sys.argv[2]), sys.argv[3]
 settle_wait, perch, work = int(sys.argv[4]), sys.argv[5], sys.argv[6]
-waves = int(sys.argv[7])
+waves, peer = int(sys.argv[7]), sys.argv[8]
 def healthy():
     for _ in range(600):
         try:
@@ -110,6 +114,9 @@ def queries():
     timed("SELECT count(*) FROM jobs", sql("SELECT count(*) AS n FROM jobs"))
     timed("GPU-hours by account from jobs",
           sql("SELECT account, sum(gpu_seconds_allocated) / 3600 AS h FROM jobs GROUP BY account ORDER BY account"))
+    timed("cost by user from jobs",
+          sql("SELECT user_name, sum(cost_allocated) AS c FROM jobs GROUP BY user_name ORDER BY user_name"))
+    timed("every column of one job from jobs", sql(f"SELECT * FROM jobs WHERE job = {jobs // 2}"))
     timed("SELECT count(*) FROM job_allocations", sql("SELECT count(*) AS n FROM job_allocations"))
     timed("SELECT count(*) FROM cluster_utilization_daily", sql("SELECT count(*) AS n FROM cluster_utilization_daily"))
     timed("GET /metrics", lambda: len(urllib.request.urlopen(base + "/metrics").read()))
@@ -153,18 +160,45 @@ if settle_wait:
         memory(f" after wave {wave}", "VmRSS")
         time.sleep(settle_wait)
         memory(f" after wave {wave}, settled", "VmRSS")
-    subprocess.run(["kill", pid])
-    while subprocess.run(["kill", "-0", pid], capture_output=True).returncode == 0:
-        time.sleep(0.1)
-    t = time.time()
-    server = subprocess.Popen([perch, "--config", f"{work}/perch.toml", "server"],
-                              stdout=open(f"{work}/server2.log", "w"), stderr=subprocess.STDOUT)
-    pid = str(server.pid)
-    open(f"{work}/server.pid", "w").write(pid)
-    healthy()
-    print(f"restarted on the history in {time.time() - t:.1f} s", flush=True)
+    def restart(binary, config, log):
+        global pid
+        subprocess.run(["kill", pid], capture_output=True)
+        while subprocess.run(["kill", "-0", pid], capture_output=True).returncode == 0:
+            time.sleep(0.1)
+        t = time.time()
+        server = subprocess.Popen([binary, "--config", config, "server"],
+                                  stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        pid = str(server.pid)
+        open(f"{work}/server.pid", "w").write(pid)
+        healthy()
+        return time.time() - t
+    took = restart(perch, f"{work}/perch.toml", f"{work}/server2.log")
+    print(f"restarted on the history in {took:.1f} s", flush=True)
     time.sleep(5)
     memory(" after the restart", "VmRSS")
     queries()
     memory(" after the restart, peak")
+    if peer:
+        subprocess.run(["kill", pid])
+        while subprocess.run(["kill", "-0", pid], capture_output=True).returncode == 0:
+            time.sleep(0.1)
+        shutil.copytree(f"{work}/data", f"{work}/peer-data",
+                        ignore=lambda d, names: ["settled"] if d.endswith("/control") else [])
+        config = open(f"{work}/perch.toml").read().replace(f"{work}/data", f"{work}/peer-data")
+        open(f"{work}/peer.toml", "w").write(config)
+        took = restart(peer, f"{work}/peer.toml", f"{work}/peer.log")
+        print(f"PEER {peer} started on a copy of the history in {took:.1f} s", flush=True)
+        time.sleep(5)
+        memory(" (peer) after its start", "VmRSS")
+        queries()
+        memory(" (peer), peak")
+        # This build on the history the peer left (no settled rows' files): it writes them
+        # while it serves, 10,000 jobs a step.
+        took = restart(perch, f"{work}/peer.toml", f"{work}/upgrade.log")
+        print(f"this build started on the peer's history in {took:.1f} s", flush=True)
+        queries()
+        time.sleep(20)
+        print("20 s later:", flush=True)
+        queries()
+        memory(" (upgraded), peak")
 PY

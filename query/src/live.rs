@@ -21,6 +21,22 @@ pub trait LiveTable: Send + Sync + std::fmt::Debug {
     fn schema(&self) -> SchemaRef;
     /// The rows as of now. Called once for each query that reads the table.
     fn snapshot(&self) -> std::result::Result<Vec<RecordBatch>, String>;
+
+    /// The rows as of now, of the columns at `projection` (every column if `None`): what a
+    /// query reads of the table. A table that can make fewer columns for less overrides it.
+    fn snapshot_of(
+        &self,
+        projection: Option<&[usize]>,
+    ) -> std::result::Result<Vec<RecordBatch>, String> {
+        let batches = self.snapshot()?;
+        match projection {
+            None => Ok(batches),
+            Some(p) => batches
+                .iter()
+                .map(|b| b.project(p).map_err(|e| e.to_string()))
+                .collect(),
+        }
+    }
 }
 
 /// The DataFusion face of a [`LiveTable`].
@@ -44,8 +60,15 @@ impl TableProvider for LiveProvider {
         filters: &[Expr],
         limit: Option<usize>,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        let batches = self.0.snapshot().map_err(DataFusionError::Execution)?;
-        let table = MemTable::try_new(self.0.schema(), vec![batches])?;
-        table.scan(state, projection, filters, limit).await
+        let schema = match projection {
+            Some(p) => Arc::new(self.0.schema().project(p)?),
+            None => self.0.schema(),
+        };
+        let batches = self
+            .0
+            .snapshot_of(projection.map(Vec::as_slice))
+            .map_err(DataFusionError::Execution)?;
+        let table = MemTable::try_new(schema, vec![batches])?;
+        table.scan(state, None, filters, limit).await
     }
 }

@@ -21,7 +21,9 @@
 use super::Prices;
 use super::tables;
 use crate::jobs::record::JobRecord;
-use arrow::array::{Array, ArrayRef, BooleanArray, Float64Array, RecordBatch, StringArray};
+use arrow::array::{
+    Array, ArrayRef, BooleanArray, Float64Array, RecordBatch, RecordBatchOptions, StringArray,
+};
 use arrow::array::{UInt64Array, downcast_array};
 use arrow::datatypes::SchemaRef;
 use parquet::arrow::ArrowWriter;
@@ -339,7 +341,7 @@ pub(crate) struct View {
     skip: HashSet<u64>,
 }
 
-/// Two float columns of `batch`, by name.
+/// A float column of `batch`, by name.
 fn floats(batch: &RecordBatch, name: &str) -> Result<Float64Array, String> {
     let column = batch
         .column_by_name(name)
@@ -347,8 +349,18 @@ fn floats(batch: &RecordBatch, name: &str) -> Result<Float64Array, String> {
     Ok(downcast_array(column.as_ref()))
 }
 
-/// What each allocation row of `batch` cost at `prices`.
-fn costs(batch: &RecordBatch, prices: &Prices) -> Result<(Vec<f64>, Vec<Option<f64>>), String> {
+/// The columns of `job_allocations` that what a GPU cost is worked out from.
+const COST_INPUTS: [&str; 4] = [
+    "gpu_model",
+    "gpu_seconds_allocated",
+    "gpu_seconds_used",
+    "energy_joules",
+];
+
+/// What each allocation row of `batch` (with [`COST_INPUTS`]) cost at `prices`.
+type Costs = (Vec<f64>, Vec<Option<f64>>);
+
+fn costs(batch: &RecordBatch, prices: &Prices) -> Result<Costs, String> {
     let model: StringArray = downcast_array(
         batch
             .column_by_name("gpu_model")
@@ -359,68 +371,94 @@ fn costs(batch: &RecordBatch, prices: &Prices) -> Result<(Vec<f64>, Vec<Option<f
     let used = floats(batch, "gpu_seconds_used")?;
     let energy = floats(batch, "energy_joules")?;
     let value = |a: &Float64Array, i: usize| a.is_valid(i).then(|| a.value(i));
-    let (mut all, mut use_) = (Vec::new(), Vec::new());
-    for i in 0..batch.num_rows() {
-        let (c, u) = prices.gpu_costs(
-            model.value(i),
-            allocated.value(i),
-            value(&used, i),
-            value(&energy, i),
-        );
-        all.push(c);
-        use_.push(u);
-    }
-    Ok((all, use_))
+    Ok((0..batch.num_rows())
+        .map(|i| {
+            prices.gpu_costs(
+                model.value(i),
+                allocated.value(i),
+                value(&used, i),
+                value(&energy, i),
+            )
+        })
+        .unzip())
 }
 
-/// `batch`'s job ids.
+/// `batch`'s job ids (its first column, as stored).
 fn job_ids(batch: &RecordBatch) -> UInt64Array {
     downcast_array(batch.column(0).as_ref())
 }
 
-impl View {
-    /// The rows of jobs not skipped, with `costs` as the cost columns, in `schema`'s order.
-    fn finish(
-        &self,
-        batch: &RecordBatch,
-        schema: &SchemaRef,
-        cost_allocated: Vec<f64>,
-        cost_used: Vec<Option<f64>>,
-    ) -> Result<Option<RecordBatch>, String> {
-        let priced: [(&str, ArrayRef); 2] = [
-            (
-                "cost_allocated",
-                Arc::new(Float64Array::from(cost_allocated)),
-            ),
-            ("cost_used", Arc::new(Float64Array::from(cost_used))),
-        ];
-        let columns = schema
-            .fields()
-            .iter()
-            .map(|f| {
-                priced
-                    .iter()
-                    .find(|(name, _)| name == f.name())
-                    .map(|(_, a)| a.clone())
-                    .or_else(|| batch.column_by_name(f.name()).cloned())
-                    .ok_or_else(|| format!("settled rows lack column {}", f.name()))
-            })
-            .collect::<Result<Vec<_>, String>>()?;
-        self.kept(RecordBatch::try_new(schema.clone(), columns).map_err(|e| e.to_string())?)
-    }
+/// Whether `schema` (a table's, or part of it) has priced columns.
+fn priced(schema: &SchemaRef) -> bool {
+    schema
+        .fields()
+        .iter()
+        .any(|f| tables::PRICED.contains(&f.name().as_str()))
+}
 
-    /// Rows of jobs not skipped.
-    fn kept(&self, batch: RecordBatch) -> Result<Option<RecordBatch>, String> {
-        if self.skip.is_empty() {
-            return Ok(Some(batch));
+/// The stored columns `schema` needs, the job id first.
+fn stored_columns(schema: &SchemaRef) -> Vec<&str> {
+    let mut columns = vec!["job"];
+    for f in schema.fields() {
+        let name = f.name().as_str();
+        if !tables::PRICED.contains(&name) && !columns.contains(&name) {
+            columns.push(name);
         }
-        let keep: BooleanArray = job_ids(&batch)
-            .values()
-            .iter()
-            .map(|id| Some(!self.skip.contains(id)))
-            .collect();
-        let kept = arrow::compute::filter_record_batch(&batch, &keep).map_err(|e| e.to_string())?;
-        Ok((kept.num_rows() > 0).then_some(kept))
+    }
+    columns
+}
+
+/// `batch` as `schema` has it, `costs` as its priced columns.
+fn assemble(
+    batch: &RecordBatch,
+    schema: &SchemaRef,
+    costs: Option<Costs>,
+) -> Result<RecordBatch, String> {
+    let (mut allocated, mut used) = costs.map_or((None, None), |(a, u)| (Some(a), Some(u)));
+    let columns = schema
+        .fields()
+        .iter()
+        .map(|f| {
+            let priced: Option<ArrayRef> = match f.name().as_str() {
+                "cost_allocated" => allocated
+                    .take()
+                    .map(|a| Arc::new(Float64Array::from(a)) as ArrayRef),
+                "cost_used" => used
+                    .take()
+                    .map(|u| Arc::new(Float64Array::from(u)) as ArrayRef),
+                _ => None,
+            };
+            priced
+                .or_else(|| batch.column_by_name(f.name()).cloned())
+                .ok_or_else(|| format!("settled rows lack column {}", f.name()))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let options = RecordBatchOptions::new().with_row_count(Some(batch.num_rows()));
+    RecordBatch::try_new_with_options(schema.clone(), columns, &options).map_err(|e| e.to_string())
+}
+
+impl View {
+    /// `file`'s rows of jobs not skipped, of `columns` (the job id first).
+    fn read(&self, file: &File, columns: &[&str]) -> Result<Vec<RecordBatch>, String> {
+        let file = file.try_clone().map_err(|e| e.to_string())?;
+        let mut out = Vec::new();
+        for batch in read(file, Some(columns))? {
+            if self.skip.is_empty() {
+                out.push(batch);
+                continue;
+            }
+            let keep: BooleanArray = job_ids(&batch)
+                .values()
+                .iter()
+                .map(|id| Some(!self.skip.contains(id)))
+                .collect();
+            let kept =
+                arrow::compute::filter_record_batch(&batch, &keep).map_err(|e| e.to_string())?;
+            if kept.num_rows() > 0 {
+                out.push(kept);
+            }
+        }
+        Ok(out)
     }
 
     /// The `job_allocations` rows' `job` and `columns` (unpriced ones), as stored.
@@ -430,68 +468,73 @@ impl View {
             .collect();
         let mut out = Vec::new();
         for (_, file) in &self.files {
-            let file = file.try_clone().map_err(|e| e.to_string())?;
-            for batch in read(file, Some(&columns))? {
-                out.extend(self.kept(batch)?);
-            }
+            out.extend(self.read(file, &columns)?);
         }
         Ok(out)
     }
 
-    /// The `job_allocations` rows, priced at `prices`, in `schema` (the table's).
+    /// The `job_allocations` rows in `schema` (the table's, or the columns a query reads),
+    /// priced at `prices`.
     pub(crate) fn allocations(
         &self,
         prices: &Prices,
         schema: &SchemaRef,
     ) -> Result<Vec<RecordBatch>, String> {
+        let priced = priced(schema);
+        let mut columns = stored_columns(schema);
+        if priced {
+            for input in COST_INPUTS {
+                if !columns.contains(&input) {
+                    columns.push(input);
+                }
+            }
+        }
         let mut out = Vec::new();
         for (_, file) in &self.files {
-            let file = file.try_clone().map_err(|e| e.to_string())?;
-            for batch in read(file, None)? {
-                let (all, used) = costs(&batch, prices)?;
-                out.extend(self.finish(&batch, schema, all, used)?);
+            for batch in self.read(file, &columns)? {
+                let costs = priced.then(|| costs(&batch, prices)).transpose()?;
+                out.push(assemble(&batch, schema, costs)?);
             }
         }
         Ok(out)
     }
 
-    /// The `jobs` rows, priced at `prices` (a job's cost is its GPUs', added in the order
-    /// [`tables::job_totals`] adds them), in `schema` (the table's).
+    /// The `jobs` rows in `schema` (the table's, or the columns a query reads), priced at
+    /// `prices`: a job's cost is its GPUs', added in the order [`tables::job_totals`] adds
+    /// them.
     pub(crate) fn jobs(
         &self,
         prices: &Prices,
         schema: &SchemaRef,
     ) -> Result<Vec<RecordBatch>, String> {
+        let priced = priced(schema);
+        let columns = stored_columns(schema);
         let mut out = Vec::new();
         for (jobs, allocations) in &self.files {
-            let allocations = allocations.try_clone().map_err(|e| e.to_string())?;
-            let wanted = [
-                "job",
-                "gpu_model",
-                "gpu_seconds_allocated",
-                "gpu_seconds_used",
-                "energy_joules",
-            ];
             let mut by_job: HashMap<u64, (f64, Option<f64>)> = HashMap::new();
-            for batch in read(allocations, Some(&wanted))? {
-                let (all, used) = costs(&batch, prices)?;
-                for (i, job) in job_ids(&batch).values().iter().enumerate() {
-                    let sum = by_job.entry(*job).or_insert((0.0, None));
-                    sum.0 += all[i];
-                    sum.1 = match (sum.1, used[i]) {
-                        (Some(x), Some(y)) => Some(x + y),
-                        (x, y) => x.or(y),
-                    };
+            if priced {
+                let inputs: Vec<&str> = std::iter::once("job").chain(COST_INPUTS).collect();
+                for batch in self.read(allocations, &inputs)? {
+                    let (all, used) = costs(&batch, prices)?;
+                    for (i, job) in job_ids(&batch).values().iter().enumerate() {
+                        let sum = by_job.entry(*job).or_insert((0.0, None));
+                        sum.0 += all[i];
+                        sum.1 = match (sum.1, used[i]) {
+                            (Some(x), Some(y)) => Some(x + y),
+                            (x, y) => x.or(y),
+                        };
+                    }
                 }
             }
-            let jobs = jobs.try_clone().map_err(|e| e.to_string())?;
-            for batch in read(jobs, None)? {
-                let (all, used): (Vec<f64>, Vec<Option<f64>>) = job_ids(&batch)
-                    .values()
-                    .iter()
-                    .map(|id| by_job.get(id).copied().unwrap_or((0.0, None)))
-                    .unzip();
-                out.extend(self.finish(&batch, schema, all, used)?);
+            for batch in self.read(jobs, &columns)? {
+                let costs = priced.then(|| {
+                    job_ids(&batch)
+                        .values()
+                        .iter()
+                        .map(|id| by_job.get(id).copied().unwrap_or((0.0, None)))
+                        .unzip()
+                });
+                out.push(assemble(&batch, schema, costs)?);
             }
         }
         Ok(out)

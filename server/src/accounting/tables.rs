@@ -303,6 +303,10 @@ impl LiveTable for JobsTable {
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
+        self.snapshot_of(None)
+    }
+
+    fn snapshot_of(&self, projection: Option<&[usize]>) -> Result<Vec<RecordBatch>, String> {
         let now = self.jobs.now_ms();
         let prices = &self.config.prices;
         let mut rows = Vec::new();
@@ -310,15 +314,37 @@ impl LiveTable for JobsTable {
             .jobs
             .scan_accounting(|j| rows.push(job_row(j, prices, now)))
             .map_err(|e| e.to_string())?;
-        let mut batches = settled.jobs(prices, &self.schema())?;
-        batches.extend(Self::columns(&rows).batches()?);
+        let mut batches = settled.jobs(prices, &projected(&self.schema(), projection)?)?;
+        batches.extend(project(Self::columns(&rows).batches()?, projection)?);
         Ok(batches)
+    }
+}
+
+/// `schema`'s columns at `projection` (all if `None`).
+fn projected(schema: &SchemaRef, projection: Option<&[usize]>) -> Result<SchemaRef, String> {
+    match projection {
+        None => Ok(schema.clone()),
+        Some(p) => schema.project(p).map(Arc::new).map_err(|e| e.to_string()),
+    }
+}
+
+/// `batches`' columns at `projection` (all if `None`).
+fn project(
+    batches: Vec<RecordBatch>,
+    projection: Option<&[usize]>,
+) -> Result<Vec<RecordBatch>, String> {
+    match projection {
+        None => Ok(batches),
+        Some(p) => batches
+            .iter()
+            .map(|b| b.project(p).map_err(|e| e.to_string()))
+            .collect(),
     }
 }
 
 /// The columns of a table that hold prices: settled rows are stored without them
 /// ([`super::settled`]) and priced when read.
-const PRICED: [&str; 2] = ["cost_allocated", "cost_used"];
+pub(crate) const PRICED: [&str; 2] = ["cost_allocated", "cost_used"];
 
 /// `batch` less its priced columns.
 fn unpriced(batch: &RecordBatch) -> Result<RecordBatch, String> {
@@ -451,6 +477,10 @@ impl LiveTable for AllocationsTable {
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
+        self.snapshot_of(None)
+    }
+
+    fn snapshot_of(&self, projection: Option<&[usize]>) -> Result<Vec<RecordBatch>, String> {
         let now = self.jobs.now_ms();
         let prices = &self.config.prices;
         let mut rows: Vec<AllocRow> = Vec::new();
@@ -458,8 +488,8 @@ impl LiveTable for AllocationsTable {
             .jobs
             .scan_accounting(|j| allocation_rows(j, prices, now, &mut rows))
             .map_err(|e| e.to_string())?;
-        let mut batches = settled.allocations(prices, &self.schema())?;
-        batches.extend(Self::columns(&rows).batches()?);
+        let mut batches = settled.allocations(prices, &projected(&self.schema(), projection)?)?;
+        batches.extend(project(Self::columns(&rows).batches()?, projection)?);
         Ok(batches)
     }
 }

@@ -561,6 +561,10 @@ async fn settled_rows_answer_sql_as_the_records_did() {
             "SELECT * FROM cluster_utilization_daily ORDER BY day",
             "SELECT * FROM job_costs ORDER BY job",
             "SELECT * FROM account_usage ORDER BY account, user_name",
+            // Fewer columns than the table's: only those are read.
+            "SELECT count(*) AS n FROM jobs",
+            "SELECT sum(cost_allocated) AS a, sum(cost_used) AS u FROM jobs",
+            "SELECT job, gpu, cost_used FROM job_allocations ORDER BY job, gpu",
         ] {
             let result = sql.query(query).await.expect("query");
             let mut w = arrow::json::ArrayWriter::new(Vec::new());
@@ -652,6 +656,9 @@ async fn settled_rows_answer_sql_as_the_records_did() {
     );
     assert_eq!(jobs.record_settled().expect("record"), 4);
     assert_eq!(jobs.record_settled().expect("record"), 0, "each job once");
+    let mut walked = 0;
+    jobs.scan_accounting(|_| walked += 1).expect("scan");
+    assert_eq!(walked, 0, "no record read back for SQL once recorded");
     assert_eq!(
         answers(sql.clone()).await,
         held,
@@ -679,6 +686,8 @@ async fn settled_rows_answer_sql_as_the_records_did() {
     assert_eq!(repriced[1], held[1]);
     assert_ne!(repriced[2], held[2], "allocations' costs too");
     assert_eq!(repriced[3], held[3]);
+    assert_eq!(repriced[6], held[6]);
+    assert_ne!(repriced[7..], held[7..]);
     assert_eq!(jobs.record_settled().expect("record"), 4, "recorded anew");
     assert_eq!(answers(sql.clone()).await, repriced, "priced when read");
 }

@@ -6,7 +6,7 @@
 
 mod apply;
 mod archive;
-pub(crate) use archive::{Brief, Found};
+pub(crate) use archive::{Brief, Found, Settled};
 mod cancel;
 #[cfg(test)]
 mod fleet_model;

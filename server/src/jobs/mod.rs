@@ -17,7 +17,7 @@ pub use control::{
     DEFAULT_MAX_PENDING_BYTES_PER_USER, DEFAULT_MAX_PENDING_PER_USER, DEFAULT_OUTPUT_RETENTION,
     JobsConfig, NodeView, PendingView, UsageView,
 };
-use control::{Brief, Control, Found};
+use control::{Brief, Control, Found, Settled};
 use futures::StreamExt;
 use record::JobRecord;
 use spec::JobRequest;
@@ -94,6 +94,37 @@ pub const MAX_CANCEL_IDS: usize = 100_000;
 
 /// Settled jobs whose rows one step of [`JobService::record_settled`] writes, at most.
 const RECORD_STEP: usize = 10_000;
+
+/// Which jobs [`JobService::walk_jobs`] takes, from where.
+struct Walk {
+    /// From this id up, or (`newest_first`) from below it down.
+    from: u64,
+    newest_first: bool,
+    /// Jobs visited, at most.
+    want: usize,
+    /// Which settled jobs besides those held whole.
+    settled: Settled,
+    /// Records as [`Control::view`] shows them (the pending reason filled in).
+    view: bool,
+}
+
+impl Walk {
+    /// Every job held whole and the `settled` ones, oldest first, as stored.
+    fn all(settled: Settled) -> Walk {
+        Walk {
+            from: 0,
+            newest_first: false,
+            want: usize::MAX,
+            settled,
+            view: false,
+        }
+    }
+}
+
+/// After a failed write of settled jobs' rows (a full disk, say), the next waits this long,
+/// doubling after each failure up to [`RECORD_RETRY_MAX`].
+const RECORD_RETRY_MIN: std::time::Duration = std::time::Duration::from_secs(1);
+const RECORD_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// Job records read under one hold of the control lock by [`JobService::scan_jobs`].
 pub(crate) const SCAN_CHUNK: usize = 2_000;
@@ -353,12 +384,10 @@ impl JobService {
         mut visit: impl FnMut(&JobRecord),
     ) -> Result<settled::View, ControlError> {
         let mut seen = std::collections::HashSet::new();
+        let walk = Walk::all(Settled::Unrecorded);
         self.walk_jobs(
-            0,
-            false,
-            usize::MAX,
-            |b| !b.recorded,
-            false,
+            walk,
+            |_| true,
             |job| {
                 seen.insert(job.id);
                 visit(&job);
@@ -395,11 +424,8 @@ impl JobService {
     #[cfg(test)]
     pub(crate) fn scan_jobs(&self, mut visit: impl FnMut(&JobRecord)) -> Result<(), ControlError> {
         self.walk_jobs(
-            0,
-            false,
-            usize::MAX,
+            Walk::all(Settled::All),
             |_| true,
-            false,
             |job| {
                 visit(&job);
                 true
@@ -410,21 +436,24 @@ impl JobService {
 
     /// Walks the jobs [`SCAN_CHUNK`] ids at a time under the control lock, handed on fairly
     /// between chunks (to whoever waits, an agent's sync, not back to this walk at once, as an
-    /// unfair unlock would): from id `from` up, or (`newest_first`) from below it down. Of
-    /// those `keep` accepts, at most `want`, `visit` sees each record once, as its chunk found
-    /// it (as [`Control::view`] shows it, with `view`), and returns false to stop. Records
-    /// held whole are copied under the lock; settled jobs' are read from the job database
-    /// after it (they are durable and do not change, [`control`]'s `archive`). Returns the
-    /// last change set queued while it walked ([`Commits::seen`]).
+    /// unfair unlock would), as `walk` says. Of the jobs it takes that `keep` accepts, at most
+    /// `walk.want`, `visit` sees each record once, as its chunk found it, and returns false to
+    /// stop. Records held whole are copied under the lock; settled jobs' are read from the job
+    /// database after it (they are durable and do not change, [`control`]'s `archive`).
+    /// Returns the last change set queued while it walked ([`Commits::seen`]).
     fn walk_jobs(
         &self,
-        from: u64,
-        newest_first: bool,
-        mut want: usize,
+        walk: Walk,
         keep: impl Fn(Brief<'_>) -> bool,
-        view: bool,
         mut visit: impl FnMut(JobRecord) -> bool,
     ) -> Result<u64, ControlError> {
+        let Walk {
+            from,
+            newest_first,
+            mut want,
+            settled,
+            view,
+        } = walk;
         /// A job taken under the lock: its record, or a settled job's id (its record is read
         /// after letting go of the lock).
         enum Walked {
@@ -440,7 +469,7 @@ impl JobService {
             } else {
                 cursor..u64::MAX
             };
-            let ids = control.ids_in(range, newest_first, SCAN_CHUNK);
+            let ids = control.ids_in(range, newest_first, SCAN_CHUNK, settled);
             let mut done = ids.len() < SCAN_CHUNK;
             let mut items = Vec::new();
             for &id in &ids {
@@ -496,7 +525,14 @@ impl JobService {
         keep: impl Fn(Brief<'_>) -> bool,
     ) -> Result<(Vec<JobRecord>, Option<u64>), ControlError> {
         let (mut jobs, mut bytes, mut full) = (Vec::new(), 0, false);
-        let seen = self.walk_jobs(before, true, limit, keep, true, |job| {
+        let walk = Walk {
+            from: before,
+            newest_first: true,
+            want: limit,
+            settled: Settled::All,
+            view: true,
+        };
+        let seen = self.walk_jobs(walk, keep, |job| {
             bytes += job.weight();
             jobs.push(job);
             full = jobs.len() == limit || bytes >= MAX_PAGE_BYTES;
@@ -807,7 +843,9 @@ impl JobService {
         let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
         let mut expiry = tokio::time::interval(OUTPUT_EXPIRY_PERIOD);
         let mut expiring: Option<tokio::task::JoinHandle<()>> = None;
-        let mut recording: Option<tokio::task::JoinHandle<()>> = None;
+        let mut recording: Option<tokio::task::JoinHandle<Result<usize, ControlError>>> = None;
+        let (mut record_after, mut record_backoff) =
+            (tokio::time::Instant::now(), RECORD_RETRY_MIN);
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
@@ -818,13 +856,20 @@ impl JobService {
                     }
                     // Settled jobs' rows are written beside the ticks, one step at a time: a
                     // server upgraded with a long history writes it while it goes on ticking.
-                    if recording.as_ref().is_none_or(|task| task.is_finished()) {
-                        let service = self.clone();
-                        recording = Some(tokio::task::spawn_blocking(move || {
-                            if let Err(e) = service.record_settled() {
-                                tracing::error!(error = %e, "writing settled jobs' rows failed; SQL reads them from the job database until a later try works");
+                    if recording.as_ref().is_some_and(|task| task.is_finished()) {
+                        let done = recording.take().expect("checked").await;
+                        match done.map_err(|e| ControlError::TaskFailed(e.to_string())).and_then(|r| r) {
+                            Ok(_) => record_backoff = RECORD_RETRY_MIN,
+                            Err(e) => {
+                                tracing::error!(error = %e, retry_secs = record_backoff.as_secs(), "writing settled jobs' rows failed; SQL reads them from the job database until a later try works");
+                                record_after = tokio::time::Instant::now() + record_backoff;
+                                record_backoff = (record_backoff * 2).min(RECORD_RETRY_MAX);
                             }
-                        }));
+                        }
+                    }
+                    if recording.is_none() && tokio::time::Instant::now() >= record_after {
+                        let service = self.clone();
+                        recording = Some(tokio::task::spawn_blocking(move || service.record_settled()));
                     }
                 }
                 _ = expiry.tick() => {

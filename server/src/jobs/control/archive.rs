@@ -42,9 +42,16 @@ pub(crate) struct Archived {
 #[derive(Clone, Copy)]
 pub(crate) enum Found<'a> {
     Live(&'a JobRecord),
-    /// A settled job's summary, and whether its rows are in the settled rows' files
+    Settled(&'a Archived, &'a Names),
+}
+
+/// Which settled jobs a walk of ids takes ([`Control::ids_in`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Settled {
+    All,
+    /// Only those whose rows are not yet in the settled rows' files
     /// ([`crate::accounting::settled`]).
-    Settled(&'a Archived, &'a Names, bool),
+    Unrecorded,
 }
 
 /// What listings filter on.
@@ -53,8 +60,6 @@ pub(crate) struct Brief<'a> {
     pub state: JobState,
     pub user: &'a str,
     pub account: &'a str,
-    /// A settled job whose rows SQL reads from the settled rows' files.
-    pub recorded: bool,
 }
 
 impl<'a> Found<'a> {
@@ -68,14 +73,14 @@ impl<'a> Found<'a> {
     pub(crate) fn user(self) -> &'a str {
         match self {
             Found::Live(j) => j.request.user(),
-            Found::Settled(a, names, _) => names.get(a.user),
+            Found::Settled(a, names) => names.get(a.user),
         }
     }
 
     pub(crate) fn account(self) -> &'a str {
         match self {
             Found::Live(j) => j.request.account(),
-            Found::Settled(a, names, _) => names.get(a.account),
+            Found::Settled(a, names) => names.get(a.account),
         }
     }
 
@@ -91,7 +96,6 @@ impl<'a> Found<'a> {
             state: self.state(),
             user: self.user(),
             account: self.account(),
-            recorded: matches!(self, Found::Settled(.., true)),
         }
     }
 }
@@ -292,10 +296,11 @@ impl Control {
     pub(crate) fn find(&self, id: u64) -> Option<Found<'_>> {
         match self.jobs.get(&id) {
             Some(job) => Some(Found::Live(job)),
-            None => self.archive.jobs.get(&id).map(|a| {
-                let recorded = !self.archive.unrecorded.contains(&id);
-                Found::Settled(a, &self.archive.names, recorded)
-            }),
+            None => self
+                .archive
+                .jobs
+                .get(&id)
+                .map(|a| Found::Settled(a, &self.archive.names)),
         }
     }
 
@@ -355,16 +360,20 @@ impl Control {
             .map(|a| (a.end_ms, a.output_deleted_ms))
     }
 
-    /// The ids of jobs in `range` (whole or settled), in id order or (`newest_first`) the
-    /// reverse, at most `max`.
+    /// The ids of jobs in `range` (held whole, and the `settled` ones), in id order or
+    /// (`newest_first`) the reverse, at most `max`.
     pub(crate) fn ids_in(
         &self,
         range: std::ops::Range<u64>,
         newest_first: bool,
         max: usize,
+        settled: Settled,
     ) -> Vec<u64> {
         let live = self.jobs.range(range.clone()).map(|(&id, _)| id);
-        let settled = self.archive.jobs.range(range).map(|(&id, _)| id);
+        let settled: Box<dyn DoubleEndedIterator<Item = u64>> = match settled {
+            Settled::All => Box::new(self.archive.jobs.range(range).map(|(&id, _)| id)),
+            Settled::Unrecorded => Box::new(self.archive.unrecorded.range(range).copied()),
+        };
         if newest_first {
             merge(live.rev(), settled.rev(), |a, b| a > b, max)
         } else {
