@@ -160,11 +160,13 @@ if settle_wait:
         memory(f" after wave {wave}", "VmRSS")
         time.sleep(settle_wait)
         memory(f" after wave {wave}, settled", "VmRSS")
-    def restart(binary, config, log):
-        global pid
+    def stop_server():
         subprocess.run(["kill", pid], capture_output=True)
         while subprocess.run(["kill", "-0", pid], capture_output=True).returncode == 0:
             time.sleep(0.1)
+    def restart(binary, config, log):
+        global pid
+        stop_server()
         t = time.time()
         server = subprocess.Popen([binary, "--config", config, "server"],
                                   stdout=open(log, "w"), stderr=subprocess.STDOUT)
@@ -179,9 +181,7 @@ if settle_wait:
     queries()
     memory(" after the restart, peak")
     if peer:
-        subprocess.run(["kill", pid])
-        while subprocess.run(["kill", "-0", pid], capture_output=True).returncode == 0:
-            time.sleep(0.1)
+        stop_server()
         shutil.copytree(f"{work}/data", f"{work}/peer-data",
                         ignore=lambda d, names: ["settled"] if d.endswith("/control") else [])
         config = open(f"{work}/perch.toml").read().replace(f"{work}/data", f"{work}/peer-data")

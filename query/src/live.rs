@@ -28,14 +28,21 @@ pub trait LiveTable: Send + Sync + std::fmt::Debug {
         &self,
         projection: Option<&[usize]>,
     ) -> std::result::Result<Vec<RecordBatch>, String> {
-        let batches = self.snapshot()?;
-        match projection {
-            None => Ok(batches),
-            Some(p) => batches
-                .iter()
-                .map(|b| b.project(p).map_err(|e| e.to_string()))
-                .collect(),
-        }
+        project(self.snapshot()?, projection)
+    }
+}
+
+/// `batches`' columns at `projection` (all if `None`).
+pub fn project(
+    batches: Vec<RecordBatch>,
+    projection: Option<&[usize]>,
+) -> std::result::Result<Vec<RecordBatch>, String> {
+    match projection {
+        None => Ok(batches),
+        Some(p) => batches
+            .iter()
+            .map(|b| b.project(p).map_err(|e| e.to_string()))
+            .collect(),
     }
 }
 

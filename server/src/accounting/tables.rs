@@ -14,7 +14,7 @@ use arrow::array::{
     TimestampMillisecondArray, UInt32Array, UInt64Array, downcast_array,
 };
 use arrow::datatypes::{Field, Schema, SchemaRef};
-use perch_query::{LiveTable, SqlEngine};
+use perch_query::{LiveTable, SqlEngine, project};
 use std::sync::{Arc, LazyLock};
 
 /// A live table's columns, each declared once: name, nullability and values together (the
@@ -325,20 +325,6 @@ fn projected(schema: &SchemaRef, projection: Option<&[usize]>) -> Result<SchemaR
     match projection {
         None => Ok(schema.clone()),
         Some(p) => schema.project(p).map(Arc::new).map_err(|e| e.to_string()),
-    }
-}
-
-/// `batches`' columns at `projection` (all if `None`).
-fn project(
-    batches: Vec<RecordBatch>,
-    projection: Option<&[usize]>,
-) -> Result<Vec<RecordBatch>, String> {
-    match projection {
-        None => Ok(batches),
-        Some(p) => batches
-            .iter()
-            .map(|b| b.project(p).map_err(|e| e.to_string()))
-            .collect(),
     }
 }
 

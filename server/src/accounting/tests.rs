@@ -627,20 +627,7 @@ async fn settled_rows_answer_sql_as_the_records_did() {
         power_sum_watts: 1000.0,
     };
     let until = T0 + 3 * HOUR;
-    jobs.run(move |c, now| {
-        let folded = c
-            .fold_windows(until)
-            .into_iter()
-            .map(|w| fold::Folded {
-                usage: vec![usage.clone(); w.gpus.len()],
-                window: w,
-                simulated: false,
-            })
-            .collect();
-        c.apply_fold(folded, now)
-    })
-    .await
-    .expect("fold");
+    jobs.fold_all(until, usage).await;
     clock.set(until + 11 * 60 * 1000);
     let held = answers(sql.clone()).await;
     assert!(held[0].contains("\"state\":\"failed\""), "{}", held[0]);

@@ -397,6 +397,26 @@ impl JobService {
         self.settled.view(seen).map_err(ControlError::SettledRows)
     }
 
+    /// Folds the telemetry of every allocation up to `until` (its end, if sooner), `usage`
+    /// per GPU: nothing is left to account (for tests).
+    #[cfg(test)]
+    pub(crate) async fn fold_all(&self, until: i64, usage: crate::accounting::GpuUsage) {
+        self.run(move |c, now| {
+            let folded = c
+                .fold_windows(until)
+                .into_iter()
+                .map(|w| crate::accounting::fold::Folded {
+                    usage: vec![usage.clone(); w.gpus.len()],
+                    window: w,
+                    simulated: false,
+                })
+                .collect();
+            c.apply_fold(folded, now)
+        })
+        .await
+        .expect("fold");
+    }
+
     /// Writes the rows of up to [`RECORD_STEP`] settled jobs not yet in the settled rows'
     /// files: their records are read from the job database after letting go of the control
     /// lock, and they count as recorded only once written. Returns how many were. Blocking:

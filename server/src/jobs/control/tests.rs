@@ -2028,25 +2028,6 @@ async fn pages_not_yet_read_hold_their_room_until_read_or_dropped() {
     );
 }
 
-/// Folds the telemetry of every allocation up to `until` (its end, if sooner), `usage` per GPU:
-/// nothing is left to account.
-async fn fold_all(jobs: &JobService, until: i64, usage: crate::accounting::GpuUsage) {
-    jobs.run(move |c, now| {
-        let folded = c
-            .fold_windows(until)
-            .into_iter()
-            .map(|w| crate::accounting::fold::Folded {
-                usage: vec![usage.clone(); w.gpus.len()],
-                window: w,
-                simulated: false,
-            })
-            .collect();
-        c.apply_fold(folded, now)
-    })
-    .await
-    .expect("fold");
-}
-
 /// Ten minutes after its end a settled job's record leaves memory ([`ARCHIVE_AFTER_MS`]):
 /// a server kept every record whole for ever (about 7 KB a job). Everything that reads jobs
 /// sees the same after as before (views, pages, scans for SQL, usage on `/metrics`, fair share,
@@ -2103,7 +2084,7 @@ async fn settled_jobs_leave_memory_and_read_back_as_they_were() {
         power_samples: 5,
         power_sum_watts: 1000.0,
     };
-    fold_all(&jobs, at(60), usage).await;
+    jobs.fold_all(at(60), usage).await;
     let prices = crate::accounting::Prices {
         energy_per_kwh: 0.3,
         ..Default::default()
@@ -2301,7 +2282,7 @@ async fn a_sync_reads_back_a_bounded_number_of_settled_jobs() {
         running = r.start.iter().map(|l| (l.job, l.attempt)).collect();
         tick(&jobs, at(s)).await;
     }
-    fold_all(&jobs, at(60), Default::default()).await;
+    jobs.fold_all(at(60), Default::default()).await;
     clock.set(at(60) + 11 * 60 * SECOND);
     jobs.tick().await.expect("marked");
     jobs.tick().await.expect("moved");
