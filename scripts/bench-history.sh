@@ -174,24 +174,23 @@ if settle_wait:
         open(f"{work}/server.pid", "w").write(pid)
         healthy()
         return time.time() - t
-    took = restart(perch, f"{work}/perch.toml", f"{work}/server2.log")
-    print(f"restarted on the history in {took:.1f} s", flush=True)
-    time.sleep(5)
-    memory(" after the restart", "VmRSS")
-    queries()
-    memory(" after the restart, peak")
+    def measure_start(binary, config, log, what, label):
+        took = restart(binary, config, log)
+        print(f"{what} in {took:.1f} s", flush=True)
+        time.sleep(5)
+        memory(f"{label} after its start", "VmRSS")
+        queries()
+        memory(f"{label}, peak")
+    measure_start(perch, f"{work}/perch.toml", f"{work}/server2.log",
+                  "restarted on the history", " (restarted)")
     if peer:
         stop_server()
         shutil.copytree(f"{work}/data", f"{work}/peer-data",
                         ignore=lambda d, names: ["settled"] if d.endswith("/control") else [])
         config = open(f"{work}/perch.toml").read().replace(f"{work}/data", f"{work}/peer-data")
         open(f"{work}/peer.toml", "w").write(config)
-        took = restart(peer, f"{work}/peer.toml", f"{work}/peer.log")
-        print(f"PEER {peer} started on a copy of the history in {took:.1f} s", flush=True)
-        time.sleep(5)
-        memory(" (peer) after its start", "VmRSS")
-        queries()
-        memory(" (peer), peak")
+        measure_start(peer, f"{work}/peer.toml", f"{work}/peer.log",
+                      f"PEER {peer} started on a copy of the history", " (peer)")
         # This build on the history the peer left (no settled rows' files): it writes them
         # while it serves, 10,000 jobs a step.
         took = restart(perch, f"{work}/peer.toml", f"{work}/upgrade.log")
