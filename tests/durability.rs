@@ -226,3 +226,22 @@ fn a_batch_cancel_cut_by_sigkill_keeps_its_steps_and_finishes_when_asked_again()
     );
     assert_eq!(states(&server), (10_000, 0));
 }
+
+/// A second server started on a data directory another one serves (a careless restart, a
+/// second unit) is refused before it reads or writes anything there, saying why once, and the
+/// first goes on serving.
+#[test]
+fn a_second_server_on_the_same_data_directory_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let first = Perch::start(dir.path(), &["server"]);
+    let out = common::client()
+        .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .expect("run a second server");
+    assert!(!out.status.success(), "a second server started");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is another perch server using it?"), "{err}");
+    assert_eq!(err.matches("already locked").count(), 1, "said once: {err}");
+    assert_eq!(first.scalar("SELECT count(*) FROM jobs"), 0);
+}
