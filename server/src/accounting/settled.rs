@@ -15,8 +15,9 @@
 //! before while it is at least half that one's size ([`MAX_CHUNK_JOBS`] at most), so a history
 //! of `n` jobs is a handful of files whatever the pace it settled at; a merged pair replaces
 //! the two it covers, which are deleted. At start ([`SettledRows::open`]) whatever an
-//! interrupted write or merge left is put right: a pair covered by a larger one, or half a
-//! pair, is deleted, and the jobs it held are recorded again from the job database.
+//! interrupted write or merge left is put right: a pair covered by a larger one, half a pair,
+//! or a file that cannot be read, is deleted, and the jobs it held are recorded again from the
+//! job database.
 
 use super::Prices;
 use super::tables;
@@ -167,16 +168,38 @@ impl SettledRows {
             remove(&Chunk { lo, hi, jobs: 0 }.path(dir, Kind::Allocations));
         }
         let mut ids = Vec::new();
-        for chunk in &mut chunks {
+        let mut readable = Vec::new();
+        for mut chunk in chunks {
             let path = chunk.path(dir, Kind::Jobs);
-            let file = File::open(&path).map_err(|e| fail(&e))?;
-            let before = ids.len();
-            for batch in read(file, Some(&["job"])).map_err(|e| fail(&e))? {
-                let column: UInt64Array = downcast_array(batch.column(0).as_ref());
-                ids.extend(column.values().iter().copied());
+            let read = File::open(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|file| read(file, Some(&["job"])))
+                .and_then(|batches| {
+                    // The allocations file must open as Parquet too.
+                    File::open(chunk.path(dir, Kind::Allocations))
+                        .map_err(|e| e.to_string())
+                        .and_then(|f| reader(f, Some(&["job"])))?;
+                    Ok(batches)
+                });
+            match read {
+                Ok(batches) => {
+                    let before = ids.len();
+                    for batch in batches {
+                        let column: UInt64Array = downcast_array(batch.column(0).as_ref());
+                        ids.extend(column.values().iter().copied());
+                    }
+                    chunk.jobs = (ids.len() - before) as u64;
+                    readable.push(chunk);
+                }
+                Err(e) => {
+                    // A copy: its jobs are written again from the job database.
+                    tracing::warn!(path = %path.display(), error = %e, "a settled rows file cannot be read; deleting it, its jobs' rows are written again from the job database");
+                    remove(&path);
+                    remove(&chunk.path(dir, Kind::Allocations));
+                }
             }
-            chunk.jobs = (ids.len() - before) as u64;
         }
+        let chunks = readable;
         let rows = SettledRows {
             dir: dir.to_owned(),
             state: parking_lot::Mutex::new(State { chunks, next }),
@@ -647,5 +670,16 @@ mod tests {
         // Numbering goes on past every name seen.
         rows.append(&[job(4)]).expect("append");
         assert!(names(dir.path()).iter().any(|n| n.contains("0000000003")));
+        drop(rows);
+        // A file that is not Parquet (a disk's damage): its pair goes, the rest stays.
+        let newest = names(dir.path())
+            .into_iter()
+            .find(|n| n.starts_with("0000000003") && n.ends_with(".jobs.parquet"))
+            .expect("the newest pair");
+        std::fs::write(dir.path().join(newest), b"not parquet").expect("write");
+        let (_, mut ids) = SettledRows::open(dir.path()).expect("open despite a damaged file");
+        ids.sort();
+        assert_eq!(ids, [1, 2, 3], "job 4 is to be written again");
+        assert_eq!(names(dir.path()), merged);
     }
 }
