@@ -318,7 +318,13 @@ impl SettledRows {
             .map(|c| {
                 let open = |kind| {
                     let path = c.path(&self.dir, kind);
-                    File::open(&path).map_err(|e| format!("{}: {e}", path.display()))
+                    File::open(&path).map_err(|e| match e.kind() {
+                        std::io::ErrorKind::NotFound => format!(
+                            "{} was removed by something other than this server; restart the server: it writes the settled jobs' rows again from the job database (nothing is lost, they are a copy)",
+                            path.display()
+                        ),
+                        _ => format!("{}: {e}", path.display()),
+                    })
                 };
                 Ok((open(Kind::Jobs)?, open(Kind::Allocations)?))
             })
@@ -634,6 +640,12 @@ mod tests {
             schema.field_with_name("cost_used").is_err(),
             "stored unpriced"
         );
+        // Files removed under a running server (an operator's cleanup): SQL says what to do.
+        for name in names(dir.path()) {
+            std::fs::remove_file(dir.path().join(name)).expect("remove");
+        }
+        let said = rows.view(HashSet::new()).err().expect("no files to read");
+        assert!(said.contains("restart the server"), "{said}");
     }
 
     /// What an interrupted merge or write leaves is put right at start: the pairs a merged

@@ -855,7 +855,8 @@ impl JobService {
         .map_err(|e| ControlError::TaskFailed(e.to_string()))
     }
 
-    /// Ticks the control plane every second until `shutdown`, and deletes expired job output
+    /// Ticks the control plane every second until `shutdown`, writes settled jobs' rows
+    /// ([`JobService::record_settled`]) beside it, and deletes expired job output
     /// every [`OUTPUT_EXPIRY_PERIOD`] (first at start) in a task of its own, one at a time: a
     /// server upgraded with years of output to delete keeps ticking (time limits, silent
     /// nodes) while it does.
@@ -906,6 +907,11 @@ impl JobService {
                     }
                 }
             }
+        }
+        // A write of settled rows under way ends before the ticker does: nothing holds the
+        // job database once the server has stopped.
+        if let Some(task) = recording {
+            let _ = task.await;
         }
     }
 }
