@@ -208,8 +208,8 @@ impl SettledRows {
     }
 
     /// Writes the rows of settled jobs `records` (durable in the job database) as a chunk of
-    /// their own, then merges chunks as [`self`] says. Once it returns, [`SettledRows::view`]
-    /// shows them.
+    /// their own, then merges chunks as [`self`] says. Once it returns `Ok`, [`SettledRows::view`]
+    /// shows them; an error means they were not written.
     pub(crate) fn append(&self, records: &[JobRecord]) -> Result<(), String> {
         if records.is_empty() {
             return Ok(());
@@ -228,7 +228,12 @@ impl SettledRows {
         self.write(&chunk, Kind::Allocations, vec![Ok(allocations)].into_iter())?;
         self.write(&chunk, Kind::Jobs, vec![Ok(jobs)].into_iter())?;
         self.state.lock().chunks.push(chunk);
-        self.merge()
+        // The chunk is in place whatever a merge does: a merge that fails (a full disk) must
+        // not have these jobs written again, twice.
+        if let Err(e) = self.merge() {
+            tracing::warn!(error = %e, "merging settled rows files failed; they stay as they are, and the next write tries again");
+        }
+        Ok(())
     }
 
     /// Merges the newest chunk into the one before while it is at least half that one's size.
@@ -468,7 +473,7 @@ fn assemble(
 
 impl View {
     /// `file`'s rows of jobs not skipped, of `columns` (the job id first).
-    fn read(&self, file: &File, columns: &[&str]) -> Result<Vec<RecordBatch>, String> {
+    fn rows(&self, file: &File, columns: &[&str]) -> Result<Vec<RecordBatch>, String> {
         let file = file.try_clone().map_err(|e| e.to_string())?;
         let mut out = Vec::new();
         for batch in read(file, Some(columns))? {
@@ -497,7 +502,7 @@ impl View {
             .collect();
         let mut out = Vec::new();
         for (_, file) in &self.files {
-            out.extend(self.read(file, &columns)?);
+            out.extend(self.rows(file, &columns)?);
         }
         Ok(out)
     }
@@ -520,7 +525,7 @@ impl View {
         }
         let mut out = Vec::new();
         for (_, file) in &self.files {
-            for batch in self.read(file, &columns)? {
+            for batch in self.rows(file, &columns)? {
                 let costs = priced.then(|| costs(&batch, prices)).transpose()?;
                 out.push(assemble(&batch, schema, costs)?);
             }
@@ -543,7 +548,7 @@ impl View {
             let mut by_job: HashMap<u64, (f64, Option<f64>)> = HashMap::new();
             if priced {
                 let inputs: Vec<&str> = std::iter::once("job").chain(COST_INPUTS).collect();
-                for batch in self.read(allocations, &inputs)? {
+                for batch in self.rows(allocations, &inputs)? {
                     let (all, used) = costs(&batch, prices)?;
                     for (i, job) in job_ids(&batch).values().iter().enumerate() {
                         let sum = by_job.entry(*job).or_insert((0.0, None));
@@ -555,7 +560,7 @@ impl View {
                     }
                 }
             }
-            for batch in self.read(jobs, &columns)? {
+            for batch in self.rows(jobs, &columns)? {
                 let costs = priced.then(|| {
                     job_ids(&batch)
                         .values()
@@ -646,6 +651,21 @@ mod tests {
         }
         let said = rows.view(HashSet::new()).err().expect("no files to read");
         assert!(said.contains("restart the server"), "{said}");
+    }
+
+    /// A merge that fails leaves the chunk just written in place and says it was written, so
+    /// its jobs are not written a second time.
+    #[test]
+    fn a_failed_merge_does_not_fail_the_write_before_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (rows, _) = SettledRows::open(dir.path()).expect("open");
+        rows.append(&[job(1), job(2)]).expect("append");
+        // The older pair cannot be read: merging the next one into it fails.
+        std::fs::remove_file(dir.path().join("0000000000-0000000000.allocations.parquet"))
+            .expect("remove");
+        rows.append(&[job(3)]).expect("written, though not merged");
+        assert_eq!(rows.chunk_count(), 2);
+        assert!(names(dir.path()).contains(&"0000000001-0000000001.jobs.parquet".to_owned()));
     }
 
     /// What an interrupted merge or write leaves is put right at start: the pairs a merged

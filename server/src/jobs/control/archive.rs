@@ -66,7 +66,7 @@ impl<'a> Found<'a> {
     pub(crate) fn state(self) -> JobState {
         match self {
             Found::Live(j) => j.state,
-            Found::Settled(a, ..) => a.state,
+            Found::Settled(a, _) => a.state,
         }
     }
 
@@ -87,7 +87,7 @@ impl<'a> Found<'a> {
     pub(crate) fn array(self) -> Option<ArrayTask> {
         match self {
             Found::Live(j) => j.array,
-            Found::Settled(a, ..) => a.array,
+            Found::Settled(a, _) => a.array,
         }
     }
 
