@@ -46,14 +46,33 @@ pub fn project(
     }
 }
 
+/// A [`LiveTable`] that could not make its rows: the server's failure, not the query's
+/// (answered as [`crate::Error::Execution`], not as a bad query).
+#[derive(Debug)]
+pub(crate) struct LiveFailure {
+    pub(crate) table: String,
+    pub(crate) message: String,
+}
+
+impl std::fmt::Display for LiveFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "reading table {}: {}", self.table, self.message)
+    }
+}
+
+impl std::error::Error for LiveFailure {}
+
 /// The DataFusion face of a [`LiveTable`].
 #[derive(Debug)]
-pub(crate) struct LiveProvider(pub(crate) Arc<dyn LiveTable>);
+pub(crate) struct LiveProvider {
+    pub(crate) table: Arc<dyn LiveTable>,
+    pub(crate) name: String,
+}
 
 #[async_trait]
 impl TableProvider for LiveProvider {
     fn schema(&self) -> SchemaRef {
-        self.0.schema()
+        self.table.schema()
     }
 
     fn table_type(&self) -> TableType {
@@ -68,13 +87,18 @@ impl TableProvider for LiveProvider {
         limit: Option<usize>,
     ) -> Result<Arc<dyn ExecutionPlan>> {
         let schema = match projection {
-            Some(p) => Arc::new(self.0.schema().project(p)?),
-            None => self.0.schema(),
+            Some(p) => Arc::new(self.table.schema().project(p)?),
+            None => self.table.schema(),
         };
         let batches = self
-            .0
+            .table
             .snapshot_of(projection.map(Vec::as_slice))
-            .map_err(DataFusionError::Execution)?;
+            .map_err(|message| {
+                DataFusionError::External(Box::new(LiveFailure {
+                    table: self.name.clone(),
+                    message,
+                }))
+            })?;
         let table = MemTable::try_new(schema, vec![batches])?;
         table.scan(state, None, filters, limit).await
     }

@@ -284,8 +284,14 @@ impl SqlEngine {
             }
         }
         for (name, table) in self.live.iter() {
-            ctx.register_table(name.as_str(), Arc::new(LiveProvider(table.clone())))
-                .map_err(|e| Error::Execution(e.to_string()))?;
+            ctx.register_table(
+                name.as_str(),
+                Arc::new(LiveProvider {
+                    table: table.clone(),
+                    name: name.clone(),
+                }),
+            )
+            .map_err(|e| Error::Execution(e.to_string()))?;
         }
         for (name, select) in self.views.iter() {
             let plan = perch_planner::plan(&ctx.state(), select)
@@ -493,6 +499,9 @@ impl From<DataFusionError> for Failure {
 /// naming the tables when one is unknown), the memory limit, or a failure.
 fn map_error(e: DataFusionError, memory_bytes: usize, names: &[String]) -> Error {
     match e.find_root() {
+        DataFusionError::External(inner) if inner.is::<crate::live::LiveFailure>() => {
+            Error::Execution(inner.to_string())
+        }
         DataFusionError::ResourcesExhausted(_) => Error::ResourcesExhausted {
             limit_mb: memory_bytes >> 20,
         },

@@ -183,3 +183,43 @@ async fn live_tables_are_read_fresh_and_views_build_on_them() {
     let err = broken.check_views().await.expect_err("a broken view");
     assert!(err.to_string().contains("view bad"), "{err}");
 }
+
+/// A live table that cannot make its rows (its owner's storage failed).
+#[derive(Debug)]
+struct Broken;
+
+impl LiveTable for Broken {
+    fn schema(&self) -> SchemaRef {
+        Arc::new(Schema::new(vec![Field::new("job", DataType::Int64, false)]))
+    }
+    fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
+        Err("the job database cannot be read".into())
+    }
+}
+
+/// A live table's failure is the server's: answered as a failed execution (HTTP 500), with
+/// the table and the reason, not as a fault in the query (400) its sender would go and fix.
+#[tokio::test]
+async fn a_live_table_that_fails_is_the_servers_failure_not_the_querys() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(StoreConfig::new(dir.path())).expect("open");
+    let sql = SqlEngine::new(store, QueryLimits::default()).with_table("jobs", Arc::new(Broken));
+    for query in [
+        "SELECT count(*) FROM jobs",
+        "SELECT job FROM jobs WHERE job > 3 ORDER BY job",
+    ] {
+        let err = sql.query(query).await.expect_err("the table fails");
+        assert!(
+            matches!(err, perch_query::Error::Execution(_)),
+            "{query}: {err:?}"
+        );
+        let said = err.to_string();
+        assert!(
+            said.contains("reading table jobs: the job database cannot be read"),
+            "{said}"
+        );
+    }
+    // The query's own faults stay the query's.
+    let err = sql.query("SELECT nope FROM jobs").await.expect_err("bad");
+    assert!(matches!(err, perch_query::Error::BadQuery(_)), "{err:?}");
+}

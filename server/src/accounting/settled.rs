@@ -16,8 +16,16 @@
 //! of `n` jobs is a handful of files whatever the pace it settled at; a merged pair replaces
 //! the two it covers, which are deleted. At start ([`SettledRows::open`]) whatever an
 //! interrupted write or merge left is put right: a pair covered by a larger one, half a pair,
-//! or a file that cannot be read, is deleted, and the jobs it held are recorded again from the
-//! job database.
+//! or a file that cannot be read or holds columns other than today's (written by another
+//! version), is deleted, and the jobs it held are recorded again from the job database; so are
+//! they all if two files hold the same job.
+//!
+//! A file removed or damaged under the running server is noticed by the query that fails to
+//! read it ([`SettledRows::lose`]): from then on queries read every settled job from the job
+//! database (slower, but whole), the query itself included, until the recording task has
+//! deleted the files and started writing them again ([`SettledRows::reset`]). Each reset
+//! starts a new *epoch*; a query whose walk of the job database began in an earlier one
+//! walks again, so no job is missed or read twice across a reset.
 
 use super::Prices;
 use super::tables;
@@ -85,6 +93,19 @@ struct State {
     /// In the order they were written (merges keep it).
     chunks: Vec<Chunk>,
     next: u64,
+    /// Bumped by each [`SettledRows::reset`].
+    epoch: u64,
+    /// Why the files cannot be trusted, once a read of them failed, until the next reset.
+    lost: Option<String>,
+}
+
+/// Which files SQL reads settled jobs' rows from now ([`SettledRows::epoch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Epoch {
+    pub(crate) number: u64,
+    /// The files failed a read and are to be written again: read every settled job from
+    /// the job database meanwhile.
+    pub(crate) lost: bool,
 }
 
 /// The settled rows' files ([`self`]).
@@ -173,12 +194,12 @@ impl SettledRows {
             let path = chunk.path(dir, Kind::Jobs);
             let read = File::open(&path)
                 .map_err(|e| e.to_string())
-                .and_then(|file| read(file, Some(&["job"])))
+                .and_then(|file| read(file, Kind::Jobs, Some(&["job"])))
                 .and_then(|batches| {
                     // The allocations file must open as Parquet too.
                     File::open(chunk.path(dir, Kind::Allocations))
                         .map_err(|e| e.to_string())
-                        .and_then(|f| reader(f, Some(&["job"])))?;
+                        .and_then(|f| reader(f, Kind::Allocations, Some(&["job"])))?;
                     Ok(batches)
                 });
             match read {
@@ -199,10 +220,27 @@ impl SettledRows {
                 }
             }
         }
-        let chunks = readable;
+        let mut chunks = readable;
+        // Two files holding the same job (left by something other than this server: a
+        // copy put back, a backup restored over newer files) would make SQL count it twice.
+        let mut sorted = ids.clone();
+        sorted.sort_unstable();
+        if let Some(twice) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            tracing::warn!(dir = %dir.display(), job = twice[0], "two settled rows files hold the same job; deleting them all, the rows are written again from the job database");
+            for chunk in chunks.drain(..) {
+                remove(&chunk.path(dir, Kind::Jobs));
+                remove(&chunk.path(dir, Kind::Allocations));
+            }
+            ids.clear();
+        }
         let rows = SettledRows {
             dir: dir.to_owned(),
-            state: parking_lot::Mutex::new(State { chunks, next }),
+            state: parking_lot::Mutex::new(State {
+                chunks,
+                next,
+                epoch: 0,
+                lost: None,
+            }),
         };
         Ok((rows, ids))
     }
@@ -258,7 +296,7 @@ impl SettledRows {
                 let batches = [a, b]
                     .into_iter()
                     .map(|c| File::open(c.path(&self.dir, kind)).map_err(|e| e.to_string()))
-                    .map(|file| file.and_then(|f| reader(f, None)))
+                    .map(|file| file.and_then(|f| reader(f, kind, None)))
                     .collect::<Result<Vec<_>, String>>()?;
                 let rows = batches
                     .into_iter()
@@ -314,9 +352,13 @@ impl SettledRows {
     }
 
     /// The rows as they are now, less those of jobs in `skip` (read elsewhere): each chunk's
-    /// files are opened here, so a merge after this cannot take them away.
-    pub(crate) fn view(&self, skip: HashSet<u64>) -> Result<View, String> {
+    /// files are opened here, so a merge after this cannot take them away. `None` if the
+    /// files are no longer those of `epoch` (see [`self`]); an error if one cannot be opened.
+    pub(crate) fn view(&self, skip: HashSet<u64>, epoch: Epoch) -> Result<Option<View>, String> {
         let state = self.state.lock();
+        if state.epoch != epoch.number {
+            return Ok(None);
+        }
         let files = state
             .chunks
             .iter()
@@ -325,7 +367,7 @@ impl SettledRows {
                     let path = c.path(&self.dir, kind);
                     File::open(&path).map_err(|e| match e.kind() {
                         std::io::ErrorKind::NotFound => format!(
-                            "{} was removed by something other than this server; restart the server: it writes the settled jobs' rows again from the job database (nothing is lost, they are a copy)",
+                            "{} was removed by something other than this server",
                             path.display()
                         ),
                         _ => format!("{}: {e}", path.display()),
@@ -334,7 +376,45 @@ impl SettledRows {
                 Ok((open(Kind::Jobs)?, open(Kind::Allocations)?))
             })
             .collect::<Result<_, String>>()?;
-        Ok(View { files, skip })
+        Ok(Some(View { files, skip }))
+    }
+
+    /// Which files queries read now.
+    pub(crate) fn epoch(&self) -> Epoch {
+        let state = self.state.lock();
+        Epoch {
+            number: state.epoch,
+            lost: state.lost.is_some(),
+        }
+    }
+
+    /// A read of the files failed (`why`): they are not to be read until written again
+    /// ([`SettledRows::reset`]). True the first time it is said in an epoch.
+    pub(crate) fn lose(&self, why: &str) -> bool {
+        let mut state = self.state.lock();
+        let first = state.lost.is_none();
+        if first {
+            state.lost = Some(why.to_owned());
+        }
+        first
+    }
+
+    /// Why the files are to be written again, if they are.
+    pub(crate) fn lost(&self) -> Option<String> {
+        self.state.lock().lost.clone()
+    }
+
+    /// Deletes every file and starts a new epoch with none: the caller marks every settled
+    /// job unrecorded, under the control lock this is called under, so they are written again.
+    /// A query that opened files before keeps reading them.
+    pub(crate) fn reset(&self) {
+        let mut state = self.state.lock();
+        for chunk in state.chunks.drain(..) {
+            remove(&chunk.path(&self.dir, Kind::Jobs));
+            remove(&chunk.path(&self.dir, Kind::Allocations));
+        }
+        state.epoch += 1;
+        state.lost = None;
     }
 
     /// The number of pairs of files.
@@ -344,12 +424,31 @@ impl SettledRows {
     }
 }
 
-/// A batch reader over `file`, of the columns named in `columns` (all if `None`).
+/// A batch reader over `file`, a `kind` of file, of the columns named in `columns` (all if
+/// `None`). A file whose columns are not those `kind` stores today (another version wrote
+/// it, or it is not one of perch's) is refused.
 fn reader(
     file: File,
+    kind: Kind,
     columns: Option<&[&str]>,
 ) -> Result<parquet::arrow::arrow_reader::ParquetRecordBatchReader, String> {
     let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| e.to_string())?;
+    let (found, expected) = (builder.schema().fields(), kind.schema());
+    let same = found.len() == expected.fields().len()
+        && found.iter().zip(expected.fields()).all(|(a, b)| {
+            a.name() == b.name()
+                && a.data_type() == b.data_type()
+                && a.is_nullable() == b.is_nullable()
+        });
+    if !same {
+        return Err(format!(
+            "its columns are not those of {} rows this version of perch writes",
+            match kind {
+                Kind::Jobs => "jobs",
+                Kind::Allocations => "job_allocations",
+            }
+        ));
+    }
     let builder = match columns {
         Some(columns) => {
             let mask = ProjectionMask::columns(builder.parquet_schema(), columns.iter().copied());
@@ -363,8 +462,8 @@ fn reader(
         .map_err(|e| e.to_string())
 }
 
-fn read(file: File, columns: Option<&[&str]>) -> Result<Vec<RecordBatch>, String> {
-    reader(file, columns)?
+fn read(file: File, kind: Kind, columns: Option<&[&str]>) -> Result<Vec<RecordBatch>, String> {
+    reader(file, kind, columns)?
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| e.to_string())
 }
@@ -473,10 +572,10 @@ fn assemble(
 
 impl View {
     /// `file`'s rows of jobs not skipped, of `columns` (the job id first).
-    fn rows(&self, file: &File, columns: &[&str]) -> Result<Vec<RecordBatch>, String> {
+    fn rows(&self, file: &File, kind: Kind, columns: &[&str]) -> Result<Vec<RecordBatch>, String> {
         let file = file.try_clone().map_err(|e| e.to_string())?;
         let mut out = Vec::new();
-        for batch in read(file, Some(columns))? {
+        for batch in read(file, kind, Some(columns))? {
             if self.skip.is_empty() {
                 out.push(batch);
                 continue;
@@ -502,7 +601,7 @@ impl View {
             .collect();
         let mut out = Vec::new();
         for (_, file) in &self.files {
-            out.extend(self.rows(file, &columns)?);
+            out.extend(self.rows(file, Kind::Allocations, &columns)?);
         }
         Ok(out)
     }
@@ -525,7 +624,7 @@ impl View {
         }
         let mut out = Vec::new();
         for (_, file) in &self.files {
-            for batch in self.rows(file, &columns)? {
+            for batch in self.rows(file, Kind::Allocations, &columns)? {
                 let costs = priced.then(|| costs(&batch, prices)).transpose()?;
                 out.push(assemble(&batch, schema, costs)?);
             }
@@ -548,7 +647,7 @@ impl View {
             let mut by_job: HashMap<u64, (f64, Option<f64>)> = HashMap::new();
             if priced {
                 let inputs: Vec<&str> = std::iter::once("job").chain(COST_INPUTS).collect();
-                for batch in self.rows(allocations, &inputs)? {
+                for batch in self.rows(allocations, Kind::Allocations, &inputs)? {
                     let (all, used) = costs(&batch, prices)?;
                     for (i, job) in job_ids(&batch).values().iter().enumerate() {
                         let sum = by_job.entry(*job).or_insert((0.0, None));
@@ -560,7 +659,7 @@ impl View {
                     }
                 }
             }
-            for batch in self.rows(jobs, &columns)? {
+            for batch in self.rows(jobs, Kind::Jobs, &columns)? {
                 let costs = priced.then(|| {
                     job_ids(&batch)
                         .values()
@@ -632,7 +731,10 @@ mod tests {
         let (rows, mut ids) = SettledRows::open(dir.path()).expect("open");
         ids.sort();
         assert_eq!(ids, (1..=200).collect::<Vec<_>>());
-        let view = rows.view([7].into()).expect("view");
+        let view = rows
+            .view([7].into(), rows.epoch())
+            .expect("view")
+            .expect("this epoch");
         let schema = tables::stored_allocations_schema();
         let read: usize = view
             .allocation_columns(&["gpu"])
@@ -645,12 +747,27 @@ mod tests {
             schema.field_with_name("cost_used").is_err(),
             "stored unpriced"
         );
-        // Files removed under a running server (an operator's cleanup): SQL says what to do.
+        // Files removed under a running server (an operator's cleanup): a view says which.
         for name in names(dir.path()) {
             std::fs::remove_file(dir.path().join(name)).expect("remove");
         }
-        let said = rows.view(HashSet::new()).err().expect("no files to read");
-        assert!(said.contains("restart the server"), "{said}");
+        let epoch = rows.epoch();
+        let said = rows
+            .view(HashSet::new(), epoch)
+            .err()
+            .expect("no files to read");
+        assert!(said.contains("removed by something other than"), "{said}");
+        assert!(rows.lose(&said), "said once");
+        assert!(!rows.lose(&said));
+        assert!(rows.epoch().lost);
+        // Written again: a new epoch; a view of the old one is refused, so its query walks
+        // the job database again rather than miss the jobs it took as recorded.
+        rows.reset();
+        assert!(names(dir.path()).is_empty());
+        assert!(!rows.epoch().lost);
+        assert!(rows.view(HashSet::new(), epoch).expect("view").is_none());
+        rows.append(&[job(1)]).expect("append");
+        assert_eq!(rows.chunk_count(), 1);
     }
 
     /// A merge that fails leaves the chunk just written in place and says it was written, so
@@ -713,5 +830,12 @@ mod tests {
         ids.sort();
         assert_eq!(ids, [1, 2, 3], "job 4 is to be written again");
         assert_eq!(names(dir.path()), merged);
+        // A pair copied back beside itself under another name (a backup restored): each of
+        // its jobs in two files, so none is trusted.
+        copy(&merged[0], "0000000009-0000000009.allocations.parquet");
+        copy(&merged[1], "0000000009-0000000009.jobs.parquet");
+        let (_, ids) = SettledRows::open(dir.path()).expect("open");
+        assert!(ids.is_empty(), "{ids:?}");
+        assert!(names(dir.path()).is_empty());
     }
 }

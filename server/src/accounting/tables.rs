@@ -309,12 +309,17 @@ impl LiveTable for JobsTable {
     fn snapshot_of(&self, projection: Option<&[usize]>) -> Result<Vec<RecordBatch>, String> {
         let now = self.jobs.now_ms();
         let prices = &self.config.prices;
-        let mut rows = Vec::new();
-        let settled = self
+        let schema = projected(&self.schema(), projection)?;
+        let (rows, mut batches) = self
             .jobs
-            .scan_accounting(|j| rows.push(job_row(j, prices, now)))
+            .accounting(
+                |(rows, _): &mut (Vec<_>, Vec<_>), j| rows.push(job_row(j, prices, now)),
+                |(_, batches), settled| {
+                    *batches = settled.jobs(prices, &schema)?;
+                    Ok(())
+                },
+            )
             .map_err(|e| e.to_string())?;
-        let mut batches = settled.jobs(prices, &projected(&self.schema(), projection)?)?;
         batches.extend(project(Self::columns(&rows).batches()?, projection)?);
         Ok(batches)
     }
@@ -469,12 +474,17 @@ impl LiveTable for AllocationsTable {
     fn snapshot_of(&self, projection: Option<&[usize]>) -> Result<Vec<RecordBatch>, String> {
         let now = self.jobs.now_ms();
         let prices = &self.config.prices;
-        let mut rows: Vec<AllocRow> = Vec::new();
-        let settled = self
+        let schema = projected(&self.schema(), projection)?;
+        let (rows, mut batches) = self
             .jobs
-            .scan_accounting(|j| allocation_rows(j, prices, now, &mut rows))
+            .accounting(
+                |(rows, _): &mut (Vec<AllocRow>, Vec<_>), j| allocation_rows(j, prices, now, rows),
+                |(_, batches), settled| {
+                    *batches = settled.allocations(prices, &schema)?;
+                    Ok(())
+                },
+            )
             .map_err(|e| e.to_string())?;
-        let mut batches = settled.allocations(prices, &projected(&self.schema(), projection)?)?;
         batches.extend(project(Self::columns(&rows).batches()?, projection)?);
         Ok(batches)
     }
@@ -616,25 +626,6 @@ pub(crate) fn days(
             end_ms: s.end_ms,
         })
         .collect();
-    // Each GPU held, with its node's name owned (the records are not held on to).
-    let mut owned: Vec<(String, Held<'static>)> = Vec::new();
-    let settled = jobs
-        .scan_accounting(|j| {
-            for a in &j.allocations {
-                for (g, &gpu) in a.gpus.iter().enumerate() {
-                    let held = Held {
-                        node: "",
-                        gpu,
-                        start_ms: a.start_ms,
-                        end_ms: a.end_ms,
-                        used_seconds: gpu_figures(a, g, now, &config.prices).used_seconds,
-                        used_until_ms: a.folded_end_ms(),
-                    };
-                    owned.push((a.node.clone(), held));
-                }
-            }
-        })
-        .map_err(|e| e.to_string())?;
     let columns = [
         "node",
         "gpu",
@@ -643,26 +634,49 @@ pub(crate) fn days(
         "gpu_seconds_used",
         "accounted_until",
     ];
-    for batch in settled.allocation_columns(&columns)? {
-        let [node, gpu, start, end, used, until] =
-            columns.map(|name| batch.column_by_name(name).expect("projected").clone());
-        let node: StringArray = downcast_array(node.as_ref());
-        let gpu: UInt32Array = downcast_array(gpu.as_ref());
-        let [start, end, until]: [TimestampMillisecondArray; 3] =
-            [start, end, until].map(|c| downcast_array(c.as_ref()));
-        let used: Float64Array = downcast_array(used.as_ref());
-        for i in 0..batch.num_rows() {
-            let held = Held {
-                node: "",
-                gpu: gpu.value(i),
-                start_ms: start.value(i),
-                end_ms: end.is_valid(i).then(|| end.value(i)),
-                used_seconds: used.is_valid(i).then(|| used.value(i)),
-                used_until_ms: until.value(i),
-            };
-            owned.push((node.value(i).to_owned(), held));
-        }
-    }
+    // Each GPU held, with its node's name owned (the records are not held on to).
+    let owned: Vec<(String, Held<'static>)> = jobs
+        .accounting(
+            |owned: &mut Vec<_>, j| {
+                for a in &j.allocations {
+                    for (g, &gpu) in a.gpus.iter().enumerate() {
+                        let held = Held {
+                            node: "",
+                            gpu,
+                            start_ms: a.start_ms,
+                            end_ms: a.end_ms,
+                            used_seconds: gpu_figures(a, g, now, &config.prices).used_seconds,
+                            used_until_ms: a.folded_end_ms(),
+                        };
+                        owned.push((a.node.clone(), held));
+                    }
+                }
+            },
+            |owned, settled| {
+                for batch in settled.allocation_columns(&columns)? {
+                    let [node, gpu, start, end, used, until] =
+                        columns.map(|name| batch.column_by_name(name).expect("projected").clone());
+                    let node: StringArray = downcast_array(node.as_ref());
+                    let gpu: UInt32Array = downcast_array(gpu.as_ref());
+                    let [start, end, until]: [TimestampMillisecondArray; 3] =
+                        [start, end, until].map(|c| downcast_array(c.as_ref()));
+                    let used: Float64Array = downcast_array(used.as_ref());
+                    for i in 0..batch.num_rows() {
+                        let held = Held {
+                            node: "",
+                            gpu: gpu.value(i),
+                            start_ms: start.value(i),
+                            end_ms: end.is_valid(i).then(|| end.value(i)),
+                            used_seconds: used.is_valid(i).then(|| used.value(i)),
+                            used_until_ms: until.value(i),
+                        };
+                        owned.push((node.value(i).to_owned(), held));
+                    }
+                }
+                Ok(())
+            },
+        )
+        .map_err(|e| e.to_string())?;
     let held: Vec<Held<'_>> = owned
         .iter()
         .map(|(node, h)| Held { node, ..h.clone() })

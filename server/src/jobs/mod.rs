@@ -92,6 +92,10 @@ pub(crate) const CANCEL_STEP: usize = 1_000;
 /// millions, and sorting them and answering for each held the control plane for seconds.
 pub const MAX_CANCEL_IDS: usize = 100_000;
 
+/// How many times [`JobService::accounting`] begins an answer before it gives up: a read
+/// of lost files, then the job database's.
+const ACCOUNTING_TRIES: usize = 3;
+
 /// Settled jobs whose rows one step of [`JobService::record_settled`] writes, at most.
 const RECORD_STEP: usize = 10_000;
 
@@ -374,27 +378,60 @@ impl JobService {
         f(&self.control.lock())
     }
 
-    /// Visits the records SQL's accounting tables read from the control plane, as
-    /// [`JobService::scan_jobs`] does: jobs held whole, and settled jobs whose rows are not yet
-    /// in the settled rows' files; then returns those files' rows for the rest, less the jobs
-    /// visited. A job's rows are written there before it counts as recorded, and the files are
-    /// opened after the walk, so each job is in the answer once.
-    pub(crate) fn scan_accounting(
+    /// What SQL's accounting tables read: `visit` sees the records of jobs held whole and of
+    /// settled jobs whose rows are not yet in the settled rows' files, then `read` the files'
+    /// rows of the rest (less the jobs visited), both adding to one answer. A job's rows are
+    /// written there before it counts as recorded, and the files are opened after the walk,
+    /// so each job is in the answer once.
+    ///
+    /// Files removed or damaged under the running server fail a read: the answer is begun
+    /// again reading every settled job from the job database (the truth the files copy), and
+    /// the recording task writes the files again ([`JobService::record_settled`]); until then
+    /// every query reads the job database, as before the files existed. An answer whose walk
+    /// began before the files were written again is begun again too.
+    pub(crate) fn accounting<A: Default>(
         &self,
-        mut visit: impl FnMut(&JobRecord),
-    ) -> Result<settled::View, ControlError> {
-        let mut seen = std::collections::HashSet::new();
-        let walk = Walk::all(Settled::Unrecorded);
-        self.walk_jobs(
-            walk,
-            |_| true,
-            |job| {
-                seen.insert(job.id);
-                visit(&job);
-                true
-            },
-        )?;
-        self.settled.view(seen).map_err(ControlError::SettledRows)
+        mut visit: impl FnMut(&mut A, &JobRecord),
+        mut read: impl FnMut(&mut A, &settled::View) -> Result<(), String>,
+    ) -> Result<A, ControlError> {
+        let mut failure = String::new();
+        for _ in 0..ACCOUNTING_TRIES {
+            let mut answer = A::default();
+            let epoch = self.settled.epoch();
+            let mut seen = std::collections::HashSet::new();
+            let walk = Walk::all(if epoch.lost {
+                Settled::All
+            } else {
+                Settled::Unrecorded
+            });
+            self.walk_jobs(
+                walk,
+                |_| true,
+                |job| {
+                    if !epoch.lost {
+                        seen.insert(job.id);
+                    }
+                    visit(&mut answer, &job);
+                    true
+                },
+            )?;
+            if epoch.lost {
+                return Ok(answer);
+            }
+            failure = match self.settled.view(seen, epoch) {
+                Ok(Some(view)) => match read(&mut answer, &view) {
+                    Ok(()) => return Ok(answer),
+                    Err(e) => e,
+                },
+                // Written again since the walk began: walk again.
+                Ok(None) => continue,
+                Err(e) => e,
+            };
+            if self.settled.lose(&failure) {
+                tracing::error!(error = %failure, "a settled rows file was removed or damaged under the running server; SQL reads settled jobs from the job database while the server writes the files again");
+            }
+        }
+        Err(ControlError::SettledRows(failure))
     }
 
     /// Folds the telemetry of every allocation up to `until` (its end, if sooner), `usage`
@@ -421,7 +458,17 @@ impl JobService {
     /// files: their records are read from the job database after letting go of the control
     /// lock, and they count as recorded only once written. Returns how many were. Blocking:
     /// the ticker runs it on the blocking pool, one at a time.
+    ///
+    /// Files a query found removed or damaged ([`settled::SettledRows::lose`]) are deleted
+    /// first, and every settled job marked unrecorded, under the control lock.
     pub(crate) fn record_settled(&self) -> Result<usize, ControlError> {
+        if let Some(why) = self.settled.lost() {
+            let mut control = self.control.lock();
+            self.settled.reset();
+            let jobs = control.forget_recorded();
+            drop(control);
+            tracing::warn!(jobs, reason = %why, "deleted the settled rows files; writing them again from the job database");
+        }
         let reads = self.control.lock().unrecorded(RECORD_STEP);
         let records = reads.read()?;
         if records.is_empty() {

@@ -508,6 +508,14 @@ impl Control {
         }
     }
 
+    /// Every settled job is to be written to the settled rows' files again (they were lost):
+    /// none counts as recorded. Returns how many there are.
+    pub(crate) fn forget_recorded(&mut self) -> usize {
+        self.archive.recorded_live.clear();
+        self.archive.unrecorded = self.archive.jobs.keys().copied().collect();
+        self.archive.unrecorded.len()
+    }
+
     /// Settled jobs.
     #[cfg(test)]
     pub(crate) fn settled_count(&self) -> usize {
