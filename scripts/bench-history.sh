@@ -17,6 +17,8 @@
 # PEER=/path/to/another/perch as well, that binary is then started on a copy of the same job
 # database (without the settled rows' files, which it would not read) and measured the same way,
 # and then this build again on the peer's copy (as after an upgrade: it writes the files anew).
+# Each of those starts ends with the server's memory after the queries and 40 s later, idle
+# (freed memory handed back, src/memory.rs).
 #
 # Needs python3. Listens on 127.0.0.1:PORT (default 7397).
 set -euo pipefail
@@ -160,6 +162,11 @@ if settle_wait:
         memory(f" after wave {wave}", "VmRSS")
         time.sleep(settle_wait)
         memory(f" after wave {wave}, settled", "VmRSS")
+    def idle():
+        # Freed memory handed back (a build that trims does so every 30 s).
+        memory(" after the queries", "VmRSS")
+        time.sleep(40)
+        memory(" 40 s later, idle", "VmRSS")
     def stop_server():
         subprocess.run(["kill", pid], capture_output=True)
         while subprocess.run(["kill", "-0", pid], capture_output=True).returncode == 0:
@@ -181,6 +188,7 @@ if settle_wait:
         memory(f"{label} after its start", "VmRSS")
         queries()
         memory(f"{label}, peak")
+        idle()
     measure_start(perch, f"{work}/perch.toml", f"{work}/server2.log",
                   "restarted on the history", " (restarted)")
     if peer:
@@ -200,4 +208,5 @@ if settle_wait:
         print("20 s later:", flush=True)
         queries()
         memory(" (upgraded), peak")
+        idle()
 PY

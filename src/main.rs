@@ -3,6 +3,7 @@
 mod client;
 mod commands;
 mod config;
+mod memory;
 mod telemetry;
 
 use clap::Parser;

@@ -10,7 +10,10 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+/// The long-running commands' runtime; they hand freed memory back as they run
+/// ([`crate::memory`]).
 fn runtime() -> Result<tokio::runtime::Runtime> {
+    crate::memory::start_trimming();
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
