@@ -333,7 +333,9 @@ pub fn observe_server(state: &perch_server::AppState) {
         .u64_observable_gauge("perch_jobs")
         .with_description("Jobs the server knows, by state")
         .with_callback(move |o| {
-            for (state, n) in jobs.snapshot().jobs_by_state {
+            // Nothing to report while the job database has failed (the server refuses
+            // everything then, and says so).
+            for (state, n) in jobs.snapshot().map(|s| s.jobs_by_state).unwrap_or_default() {
                 o.observe(n, &[KeyValue::new("state", state)]);
             }
         })

@@ -527,7 +527,18 @@ fn render(state: AppState, headers: axum::http::HeaderMap) -> Response {
     let mut scrape = Scrape::default();
     let now = state.now_ms();
     let latest = state.latest.snapshot();
-    let control = state.jobs.snapshot();
+    // Usage first: the snapshot then waits for every change either could see to be durable.
+    let usage = state.jobs.usage(&state.config.accounting.prices);
+    let control = match state.jobs.snapshot() {
+        Ok(control) => control,
+        Err(e) => {
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("the control plane cannot answer: {e}"),
+            )
+                .into_response();
+        }
+    };
     let last_samples = latest
         .iter()
         .map(|(node, l)| (node.clone(), l.last_seen_ms))
@@ -542,10 +553,7 @@ fn render(state: AppState, headers: axum::http::HeaderMap) -> Response {
     fleet(&mut scrape, &latest);
     store_series(&mut scrape, &state);
     scheduler::scheduler(&mut scrape, &control);
-    scheduler::usage(
-        &mut scrape,
-        &state.jobs.usage(&state.config.accounting.prices),
-    );
+    scheduler::usage(&mut scrape, &usage);
     alerts::alerts(&mut scrape, &state.alerts, now);
     extended::pushed(&mut scrape, &state.latest.job_metrics(now));
     scrape.counter(

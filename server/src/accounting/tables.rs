@@ -524,26 +524,31 @@ impl LiveTable for NodesTable {
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
         let now = self.jobs.now_ms();
-        let rows: Vec<NodeRow> = self.jobs.read(|c| {
-            c.node_records()
-                .map(|(n, state, last)| {
-                    let reason = match state {
-                        NodeState::Up => None,
-                        NodeState::Down => Some(format!(
-                            "its agent has not synced for {} s",
-                            (now - last).max(0) / 1000
-                        )),
-                        NodeState::Drained => Some(n.drain_reason.clone().unwrap_or_else(|| {
-                            format!(
-                                "drained by {}",
-                                n.drained_by.as_deref().unwrap_or("an operator")
-                            )
-                        })),
-                    };
-                    (n.clone(), state, last, reason)
-                })
-                .collect()
-        });
+        let rows: Vec<NodeRow> = self
+            .jobs
+            .read_durable(|c| {
+                c.node_records()
+                    .map(|(n, state, last)| {
+                        let reason = match state {
+                            NodeState::Up => None,
+                            NodeState::Down => Some(format!(
+                                "its agent has not synced for {} s",
+                                (now - last).max(0) / 1000
+                            )),
+                            NodeState::Drained => {
+                                Some(n.drain_reason.clone().unwrap_or_else(|| {
+                                    format!(
+                                        "drained by {}",
+                                        n.drained_by.as_deref().unwrap_or("an operator")
+                                    )
+                                }))
+                            }
+                        };
+                        (n.clone(), state, last, reason)
+                    })
+                    .collect()
+            })
+            .map_err(|e| e.to_string())?;
         Self::columns(&rows).batches()
     }
 }
@@ -573,7 +578,10 @@ impl LiveTable for NodeStatesTable {
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
-        let spans: Vec<NodeSpan> = self.jobs.read(|c| c.node_spans().cloned().collect());
+        let spans: Vec<NodeSpan> = self
+            .jobs
+            .read_durable(|c| c.node_spans().cloned().collect())
+            .map_err(|e| e.to_string())?;
         Self::columns(&spans).batches()
     }
 }
@@ -603,15 +611,16 @@ impl DailyTable {
 }
 
 /// The days of the control plane's history at `now`: node spans under one hold of the
-/// control lock, allocations a chunk at a time ([`JobService::scan_jobs`]), the days
+/// control lock, allocations a chunk at a time ([`JobService::accounting`]), the days
 /// themselves worked out with the lock let go.
 pub(crate) fn days(
     jobs: &JobService,
     config: &AccountingConfig,
     now: i64,
 ) -> Result<Vec<daily::Day>, String> {
-    let node_spans: Vec<crate::jobs::record::NodeSpan> =
-        jobs.read(|c| c.node_spans().cloned().collect());
+    let node_spans: Vec<crate::jobs::record::NodeSpan> = jobs
+        .read_durable(|c| c.node_spans().cloned().collect())
+        .map_err(|e| e.to_string())?;
     let spans: Vec<Span<'_>> = node_spans
         .iter()
         .map(|s| Span {

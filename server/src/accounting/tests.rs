@@ -721,3 +721,79 @@ async fn settled_rows_answer_sql_as_the_records_did() {
     assert_eq!(jobs.record_settled().expect("record"), 4, "recorded anew");
     assert_eq!(answers(sql.clone()).await, repriced, "priced when read");
 }
+
+/// No answer of SQL's live tables or `/metrics`' snapshot shows a change that a crash could
+/// still lose: a job submitted and a node registered by another request, changed in memory
+/// and queued, are durable before the answer that shows them returns.
+#[tokio::test]
+async fn live_tables_and_metrics_show_only_durable_changes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(StoreConfig::new(dir.path())).expect("store");
+    let (tx, _events) = JobService::event_channel();
+    let jobs =
+        JobService::open(&dir.path().join("control"), JobsConfig::default(), tx).expect("jobs");
+    let sql = tables::register(
+        SqlEngine::new(store, QueryLimits::default()),
+        &jobs,
+        AccountingConfig::default(),
+    );
+    let count = |sql: SqlEngine, query: &'static str| async move {
+        let out = sql.query(query).await.expect(query);
+        let column = out.batches[0].column(0).clone();
+        arrow::array::downcast_array::<arrow::array::Int64Array>(column.as_ref()).value(0)
+    };
+    let request: crate::jobs::spec::JobRequest =
+        serde_json::from_value(json!({"command": ["x"], "user": "alice"})).expect("request");
+    let now = jobs.now_ms();
+    for (query, change) in [
+        (
+            "SELECT count(*) FROM jobs",
+            Box::new(move |c: &mut crate::jobs::control::Control| {
+                c.submit(request, now).expect("submit");
+            }) as Box<dyn FnOnce(&mut crate::jobs::control::Control)>,
+        ),
+        (
+            "SELECT count(*) FROM nodes",
+            Box::new(move |c: &mut crate::jobs::control::Control| {
+                let req: SyncRequest = serde_json::from_value(
+                    json!({"node": NODE, "gpus": 2, "gpu_model": "Test H100", "running": []}),
+                )
+                .expect("sync");
+                c.sync(req, now).expect("sync");
+            }),
+        ),
+    ] {
+        let seq = jobs.change_uncommitted(change);
+        assert!(!jobs.durable(seq));
+        assert_eq!(count(sql.clone(), query).await, 1, "{query}");
+        assert!(jobs.durable(seq), "{query} showed a change not yet durable");
+    }
+    let sync = move |node: String| {
+        move |c: &mut crate::jobs::control::Control| {
+            let req: SyncRequest = serde_json::from_value(
+                json!({"node": node, "gpus": 1, "gpu_model": "Test H100", "running": []}),
+            )
+            .expect("sync");
+            c.sync(req, now).expect("sync");
+        }
+    };
+    for (i, query) in [
+        "SELECT count(*) FROM job_allocations",
+        "SELECT count(*) FROM node_states",
+        "SELECT count(*) FROM cluster_utilization_daily",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let seq = jobs.change_uncommitted(sync(format!("n{i}")));
+        let _ = count(sql.clone(), query).await;
+        assert!(jobs.durable(seq), "{query} read a change not yet durable");
+    }
+    let seq = jobs.change_uncommitted(sync("other".into()));
+    let snapshot = jobs.snapshot().expect("snapshot");
+    assert_eq!(snapshot.nodes.len(), 5);
+    assert!(
+        jobs.durable(seq),
+        "/metrics showed a change not yet durable"
+    );
+}

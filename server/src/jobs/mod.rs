@@ -373,9 +373,38 @@ impl JobService {
         self.clock.now_ms()
     }
 
-    /// Reads the control plane under its lock (for SQL's live tables: keep `f` short).
+    /// Reads the control plane under its lock (keep `f` short). For perch's own rounds: an
+    /// answer to a client reads through [`JobService::read_durable`].
     pub(crate) fn read<T>(&self, f: impl FnOnce(&Control) -> T) -> T {
         f(&self.control.lock())
+    }
+
+    /// Makes a change as an operation would, and queues it for commit without waiting:
+    /// another request's change between the two. Returns its sequence number.
+    #[cfg(test)]
+    pub(crate) fn change_uncommitted(&self, f: impl FnOnce(&mut Control)) -> u64 {
+        let mut control = self.control.lock();
+        f(&mut control);
+        self.commits.queue(control.take_dirty())
+    }
+
+    /// Whether change set `seq` is durable.
+    #[cfg(test)]
+    pub(crate) fn durable(&self, seq: u64) -> bool {
+        self.commits.seqs().1 >= seq
+    }
+
+    /// Reads the control plane under its lock (keep `f` short) and returns once every change
+    /// the read could see is durable, as [`JobService::run`] does: what SQL's live tables and
+    /// `/metrics` show (a job just submitted, a node just drained) does not outlive a crash
+    /// that loses it. Blocking: call it off the async threads.
+    pub(crate) fn read_durable<T>(&self, f: impl FnOnce(&Control) -> T) -> Result<T, ControlError> {
+        let (value, seen) = {
+            let control = self.control.lock();
+            (f(&control), self.commits.seen())
+        };
+        self.commits.wait(seen)?;
+        Ok(value)
     }
 
     /// What SQL's accounting tables read: `visit` sees the records of jobs held whole and of
@@ -404,7 +433,7 @@ impl JobService {
             } else {
                 Settled::Unrecorded
             });
-            self.walk_jobs(
+            let changes = self.walk_jobs(
                 walk,
                 |_| true,
                 |job| {
@@ -415,6 +444,8 @@ impl JobService {
                     true
                 },
             )?;
+            // No answer shows what a crash could lose.
+            self.commits.wait(changes)?;
             if epoch.lost {
                 return Ok(answer);
             }

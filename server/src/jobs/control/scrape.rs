@@ -2,7 +2,7 @@
 //! which job holds which GPU. Taken in one pass under the control lock, so the numbers of one
 //! scrape agree with each other.
 
-use super::Control;
+use super::{Control, ControlError};
 use crate::jobs::record::JobState;
 use perch_model::AgentLiveness;
 use perch_scheduler::PendingReason;
@@ -94,9 +94,9 @@ const STATES: [JobState; 8] = [
 ];
 
 impl crate::jobs::JobService {
-    /// The control plane as it is now, for `/metrics`.
-    pub fn snapshot(&self) -> ControlSnapshot {
-        self.read(|c| c.snapshot(self.now_ms()))
+    /// The control plane as it is now, for `/metrics`, once what it shows is durable.
+    pub fn snapshot(&self) -> Result<ControlSnapshot, ControlError> {
+        self.read_durable(|c| c.snapshot(self.now_ms()))
     }
 
     /// The nodes only, for the alert engine's every-second round.
