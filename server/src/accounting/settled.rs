@@ -365,13 +365,14 @@ impl SettledRows {
             .map(|c| {
                 let open = |kind| {
                     let path = c.path(&self.dir, kind);
-                    File::open(&path).map_err(|e| match e.kind() {
-                        std::io::ErrorKind::NotFound => format!(
+                    match File::open(&path) {
+                        Ok(file) => Ok(Opened { path, file, kind }),
+                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(format!(
                             "{} was removed by something other than this server",
                             path.display()
-                        ),
-                        _ => format!("{}: {e}", path.display()),
-                    })
+                        )),
+                        Err(e) => Err(format!("{}: {e}", path.display())),
+                    }
                 };
                 Ok((open(Kind::Jobs)?, open(Kind::Allocations)?))
             })
@@ -468,9 +469,16 @@ fn read(file: File, kind: Kind, columns: Option<&[&str]>) -> Result<Vec<RecordBa
         .map_err(|e| e.to_string())
 }
 
+/// A file a view opened.
+struct Opened {
+    path: PathBuf,
+    file: File,
+    kind: Kind,
+}
+
 /// The settled rows one query reads ([`SettledRows::view`]).
 pub(crate) struct View {
-    files: Vec<(File, File)>,
+    files: Vec<(Opened, Opened)>,
     skip: HashSet<u64>,
 }
 
@@ -572,10 +580,15 @@ fn assemble(
 
 impl View {
     /// `file`'s rows of jobs not skipped, of `columns` (the job id first).
-    fn rows(&self, file: &File, kind: Kind, columns: &[&str]) -> Result<Vec<RecordBatch>, String> {
-        let file = file.try_clone().map_err(|e| e.to_string())?;
+    fn rows(&self, opened: &Opened, columns: &[&str]) -> Result<Vec<RecordBatch>, String> {
+        let batches = opened
+            .file
+            .try_clone()
+            .map_err(|e| e.to_string())
+            .and_then(|file| read(file, opened.kind, Some(columns)))
+            .map_err(|e| format!("{}: {e}", opened.path.display()))?;
         let mut out = Vec::new();
-        for batch in read(file, kind, Some(columns))? {
+        for batch in batches {
             if self.skip.is_empty() {
                 out.push(batch);
                 continue;
@@ -601,7 +614,7 @@ impl View {
             .collect();
         let mut out = Vec::new();
         for (_, file) in &self.files {
-            out.extend(self.rows(file, Kind::Allocations, &columns)?);
+            out.extend(self.rows(file, &columns)?);
         }
         Ok(out)
     }
@@ -624,7 +637,7 @@ impl View {
         }
         let mut out = Vec::new();
         for (_, file) in &self.files {
-            for batch in self.rows(file, Kind::Allocations, &columns)? {
+            for batch in self.rows(file, &columns)? {
                 let costs = priced.then(|| costs(&batch, prices)).transpose()?;
                 out.push(assemble(&batch, schema, costs)?);
             }
@@ -647,7 +660,7 @@ impl View {
             let mut by_job: HashMap<u64, (f64, Option<f64>)> = HashMap::new();
             if priced {
                 let inputs: Vec<&str> = std::iter::once("job").chain(COST_INPUTS).collect();
-                for batch in self.rows(allocations, Kind::Allocations, &inputs)? {
+                for batch in self.rows(allocations, &inputs)? {
                     let (all, used) = costs(&batch, prices)?;
                     for (i, job) in job_ids(&batch).values().iter().enumerate() {
                         let sum = by_job.entry(*job).or_insert((0.0, None));
@@ -659,7 +672,7 @@ impl View {
                     }
                 }
             }
-            for batch in self.rows(jobs, Kind::Jobs, &columns)? {
+            for batch in self.rows(jobs, &columns)? {
                 let costs = priced.then(|| {
                     job_ids(&batch)
                         .values()
@@ -747,6 +760,18 @@ mod tests {
             schema.field_with_name("cost_used").is_err(),
             "stored unpriced"
         );
+        // A file damaged under a running server: the read names it.
+        let damaged = names(dir.path())
+            .into_iter()
+            .find(|n| n.ends_with(".allocations.parquet"))
+            .expect("a file");
+        std::fs::write(dir.path().join(&damaged), b"damaged").expect("damage");
+        let view = rows
+            .view(HashSet::new(), rows.epoch())
+            .expect("opened")
+            .expect("this epoch");
+        let said = view.allocation_columns(&["gpu"]).err().expect("damaged");
+        assert!(said.contains(&damaged), "{said}");
         // Files removed under a running server (an operator's cleanup): a view says which.
         for name in names(dir.path()) {
             std::fs::remove_file(dir.path().join(name)).expect("remove");
