@@ -770,7 +770,7 @@ mod tests {
             .view(HashSet::new(), rows.epoch())
             .expect("opened")
             .expect("this epoch");
-        let said = view.allocation_columns(&["gpu"]).err().expect("damaged");
+        let said = view.allocation_columns(&["gpu"]).expect_err("damaged");
         assert!(said.contains(&damaged), "{said}");
         // Files removed under a running server (an operator's cleanup): a view says which.
         for name in names(dir.path()) {
