@@ -11,6 +11,7 @@ use async_trait::async_trait;
 use datafusion::catalog::Session;
 use datafusion::datasource::{MemTable, TableProvider, TableType};
 use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::logical_expr::Expr;
 use datafusion::physical_plan::ExecutionPlan;
 use std::sync::Arc;
@@ -23,14 +24,45 @@ pub trait LiveTable: Send + Sync + std::fmt::Debug {
     fn snapshot(&self) -> std::result::Result<Vec<RecordBatch>, String>;
 
     /// The rows as of now, of the columns at `projection` (every column if `None`): what a
-    /// query reads of the table. A table that can make fewer columns for less overrides it.
+    /// query reads of the table, each batch counted in `room` as it is made. A table that
+    /// can make fewer columns for less, or is large, overrides it and counts its batches as
+    /// it goes, so one too big for the query's memory stops being made part way.
     fn snapshot_of(
         &self,
         projection: Option<&[usize]>,
+        room: &mut Room<'_>,
     ) -> std::result::Result<Vec<RecordBatch>, String> {
-        project(self.snapshot()?, projection)
+        let batches = project(self.snapshot()?, projection)?;
+        room.take(&batches)?;
+        Ok(batches)
     }
 }
+
+/// Room in a query's memory for the rows a live table makes for it: counted against the
+/// query's limit (and the server's SQL budget) as they are made and held until the query
+/// ends, as an operator's state is. A table too big for it fails the query with the memory
+/// limit's message, not the server with its memory.
+pub struct Room<'a> {
+    grow: &'a mut dyn FnMut(usize) -> std::result::Result<(), String>,
+}
+
+impl<'a> Room<'a> {
+    /// Room that `grow` grants (an error: no more).
+    pub fn new(grow: &'a mut dyn FnMut(usize) -> std::result::Result<(), String>) -> Self {
+        Room { grow }
+    }
+
+    /// Counts `batches`, made for the query: an error once they pass its room.
+    pub fn take(&mut self, batches: &[RecordBatch]) -> std::result::Result<(), String> {
+        let bytes = batches.iter().map(RecordBatch::get_array_memory_size).sum();
+        (self.grow)(bytes)
+    }
+}
+
+/// The rows' reservations a query's live tables made, held by its session (an extension of
+/// its configuration) until the query ends.
+#[derive(Debug, Default)]
+pub(crate) struct Held(std::sync::Mutex<Vec<MemoryReservation>>);
 
 /// `batches`' columns at `projection` (all if `None`).
 pub fn project(
@@ -90,15 +122,38 @@ impl TableProvider for LiveProvider {
             Some(p) => Arc::new(self.table.schema().project(p)?),
             None => self.table.schema(),
         };
-        let batches = self
-            .table
-            .snapshot_of(projection.map(Vec::as_slice))
-            .map_err(|message| {
-                DataFusionError::External(Box::new(LiveFailure {
+        let reservation = MemoryConsumer::new(format!("live table {}", self.name))
+            .register(&state.runtime_env().memory_pool);
+        let mut refused = None;
+        let made = {
+            let mut grow = |bytes| {
+                reservation.try_grow(bytes).map_err(|e| {
+                    let said = e.to_string();
+                    refused = Some(e);
+                    said
+                })
+            };
+            self.table
+                .snapshot_of(projection.map(Vec::as_slice), &mut Room::new(&mut grow))
+        };
+        let batches = match made {
+            Ok(batches) => batches,
+            // Past the query's memory: that error, which says what to change.
+            Err(_) if refused.is_some() => return Err(refused.expect("checked")),
+            Err(message) => {
+                return Err(DataFusionError::External(Box::new(LiveFailure {
                     table: self.name.clone(),
                     message,
-                }))
-            })?;
+                })));
+            }
+        };
+        // Held while the query runs: the batches are.
+        if let Some(held) = state.config().get_extension::<Held>() {
+            held.0
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(reservation);
+        }
         let table = MemTable::try_new(schema, vec![batches])?;
         table.scan(state, None, filters, limit).await
     }

@@ -226,7 +226,8 @@ impl SqlEngine {
             .config()
             .clone()
             .with_create_default_catalog_and_schema(false)
-            .with_extension(Arc::new(Pins::default()));
+            .with_extension(Arc::new(Pins::default()))
+            .with_extension(Arc::new(crate::live::Held::default()));
         Ok(SessionContext::new_with_state(
             SessionStateBuilder::new_from_existing(template.clone())
                 .with_config(config)

@@ -223,3 +223,90 @@ async fn a_live_table_that_fails_is_the_servers_failure_not_the_querys() {
     let err = sql.query("SELECT nope FROM jobs").await.expect_err("bad");
     assert!(matches!(err, perch_query::Error::BadQuery(_)), "{err:?}");
 }
+
+/// A live table of `batches` batches of 1 MiB (131,072 eight-byte ids each), counting in
+/// `made` how many it made before it stopped.
+#[derive(Debug)]
+struct Big {
+    batches: usize,
+    made: std::sync::atomic::AtomicUsize,
+}
+
+impl Big {
+    fn batch(&self, i: usize) -> RecordBatch {
+        let rows = 131_072;
+        RecordBatch::try_new(
+            self.schema(),
+            vec![Arc::new(Int64Array::from_iter_values(
+                (0..rows).map(|r| (i * rows + r) as i64),
+            ))],
+        )
+        .expect("batch")
+    }
+}
+
+impl LiveTable for Big {
+    fn schema(&self) -> SchemaRef {
+        Arc::new(Schema::new(vec![Field::new("job", DataType::Int64, false)]))
+    }
+    fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
+        Ok((0..self.batches).map(|i| self.batch(i)).collect())
+    }
+    fn snapshot_of(
+        &self,
+        projection: Option<&[usize]>,
+        room: &mut perch_query::Room<'_>,
+    ) -> Result<Vec<RecordBatch>, String> {
+        let mut out = Vec::new();
+        for i in 0..self.batches {
+            let batch = perch_query::project(vec![self.batch(i)], projection)?;
+            self.made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            room.take(&batch)?;
+            out.extend(batch);
+        }
+        Ok(out)
+    }
+}
+
+/// A live table's rows count against the query's memory limit as they are made: a table too
+/// big for it is refused with the limit's message (what to change), having made no more than
+/// the limit allows, and what a query held is given back when it ends. Before, the rows were
+/// made whole outside the limit: `SELECT * FROM job_allocations WHERE gpu = 99` over a long
+/// history held every row in the server's memory, whatever `query.memory_mb` said.
+#[tokio::test]
+async fn a_live_table_too_big_for_the_querys_memory_is_refused_as_it_is_made() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(StoreConfig::new(dir.path())).expect("open");
+    let big = Arc::new(Big {
+        batches: 64,
+        made: Default::default(),
+    });
+    let limits = QueryLimits {
+        memory_bytes: 16 << 20,
+        ..QueryLimits::default()
+    };
+    let sql = SqlEngine::new(store, limits).with_table("jobs", big.clone());
+    let err = sql
+        .query("SELECT count(*) FROM jobs WHERE job % 7 = 0")
+        .await
+        .expect_err("64 MiB of rows for a 16 MiB query");
+    assert!(
+        matches!(err, perch_query::Error::ResourcesExhausted { limit_mb: 16 }),
+        "{err:?}"
+    );
+    let made = big.made.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(made <= 17, "made {made} MiB of rows for a 16 MiB query");
+    assert_eq!(sql.memory_in_use(), 0, "given back");
+    // Within the limit, the same query answers, and gives back what it held.
+    let small = Arc::new(Big {
+        batches: 4,
+        made: Default::default(),
+    });
+    let store = Store::open(StoreConfig::new(dir.path().join("2"))).expect("open");
+    let sql = SqlEngine::new(store, limits).with_table("jobs", small);
+    assert_eq!(
+        scalar(&sql, "SELECT count(*) FROM jobs WHERE job % 2 = 0").await,
+        4 * 131_072 / 2
+    );
+    assert_eq!(sql.memory_in_use(), 0, "given back");
+}

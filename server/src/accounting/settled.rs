@@ -40,6 +40,7 @@ use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
+use perch_query::Room;
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -579,18 +580,21 @@ fn assemble(
 }
 
 impl View {
-    /// `file`'s rows of jobs not skipped, of `columns` (the job id first).
-    fn rows(&self, opened: &Opened, columns: &[&str]) -> Result<Vec<RecordBatch>, String> {
-        let batches = opened
-            .file
-            .try_clone()
-            .map_err(|e| e.to_string())
-            .and_then(|file| read(file, opened.kind, Some(columns)))
-            .map_err(|e| format!("{}: {e}", opened.path.display()))?;
-        let mut out = Vec::new();
-        for batch in batches {
+    /// `opened`'s rows of jobs not skipped, of `columns` (the job id first), a batch at a
+    /// time to `f`.
+    fn each(
+        &self,
+        opened: &Opened,
+        columns: &[&str],
+        mut f: impl FnMut(RecordBatch) -> Result<(), Unread>,
+    ) -> Result<(), Unread> {
+        let unread =
+            |e: &dyn std::fmt::Display| Unread::File(format!("{}: {e}", opened.path.display()));
+        let file = opened.file.try_clone().map_err(|e| unread(&e))?;
+        for batch in reader(file, opened.kind, Some(columns)).map_err(|e| unread(&e))? {
+            let batch = batch.map_err(|e| unread(&e))?;
             if self.skip.is_empty() {
-                out.push(batch);
+                f(batch)?;
                 continue;
             }
             let keep: BooleanArray = job_ids(&batch)
@@ -599,33 +603,44 @@ impl View {
                 .map(|id| Some(!self.skip.contains(id)))
                 .collect();
             let kept =
-                arrow::compute::filter_record_batch(&batch, &keep).map_err(|e| e.to_string())?;
+                arrow::compute::filter_record_batch(&batch, &keep).map_err(|e| unread(&e))?;
             if kept.num_rows() > 0 {
-                out.push(kept);
+                f(kept)?;
             }
         }
-        Ok(out)
+        Ok(())
     }
 
-    /// The `job_allocations` rows' `job` and `columns` (unpriced ones), as stored.
-    pub(crate) fn allocation_columns(&self, columns: &[&str]) -> Result<Vec<RecordBatch>, String> {
+    /// The `job_allocations` rows' `job` and `columns` (unpriced ones), as stored, a batch
+    /// at a time to `f`, each counted in `room` (what `f` keeps of it is about its size).
+    pub(crate) fn allocation_columns(
+        &self,
+        columns: &[&str],
+        room: &mut Room<'_>,
+        mut f: impl FnMut(RecordBatch),
+    ) -> Result<(), Unread> {
         let columns: Vec<&str> = std::iter::once("job")
             .chain(columns.iter().copied())
             .collect();
-        let mut out = Vec::new();
         for (_, file) in &self.files {
-            out.extend(self.rows(file, &columns)?);
+            self.each(file, &columns, |batch| {
+                room.take(std::slice::from_ref(&batch))
+                    .map_err(Unread::Room)?;
+                f(batch);
+                Ok(())
+            })?;
         }
-        Ok(out)
+        Ok(())
     }
 
     /// The `job_allocations` rows in `schema` (the table's, or the columns a query reads),
-    /// priced at `prices`.
+    /// priced at `prices`, each batch counted in `room` as it is made.
     pub(crate) fn allocations(
         &self,
         prices: &Prices,
         schema: &SchemaRef,
-    ) -> Result<Vec<RecordBatch>, String> {
+        room: &mut Room<'_>,
+    ) -> Result<Vec<RecordBatch>, Unread> {
         let priced = priced(schema);
         let mut columns = stored_columns(schema);
         if priced {
@@ -637,22 +652,27 @@ impl View {
         }
         let mut out = Vec::new();
         for (_, file) in &self.files {
-            for batch in self.rows(file, &columns)? {
-                let costs = priced.then(|| costs(&batch, prices)).transpose()?;
-                out.push(assemble(&batch, schema, costs)?);
-            }
+            self.each(file, &columns, |batch| {
+                let costs = priced
+                    .then(|| costs(&batch, prices))
+                    .transpose()
+                    .map_err(Unread::File)?;
+                out.push(keep(room, assemble(&batch, schema, costs))?);
+                Ok(())
+            })?;
         }
         Ok(out)
     }
 
     /// The `jobs` rows in `schema` (the table's, or the columns a query reads), priced at
     /// `prices`: a job's cost is its GPUs', added in the order [`tables::job_totals`] adds
-    /// them.
+    /// them. Each batch is counted in `room` as it is made.
     pub(crate) fn jobs(
         &self,
         prices: &Prices,
         schema: &SchemaRef,
-    ) -> Result<Vec<RecordBatch>, String> {
+        room: &mut Room<'_>,
+    ) -> Result<Vec<RecordBatch>, Unread> {
         let priced = priced(schema);
         let columns = stored_columns(schema);
         let mut out = Vec::new();
@@ -660,8 +680,8 @@ impl View {
             let mut by_job: HashMap<u64, (f64, Option<f64>)> = HashMap::new();
             if priced {
                 let inputs: Vec<&str> = std::iter::once("job").chain(COST_INPUTS).collect();
-                for batch in self.rows(allocations, &inputs)? {
-                    let (all, used) = costs(&batch, prices)?;
+                self.each(allocations, &inputs, |batch| {
+                    let (all, used) = costs(&batch, prices).map_err(Unread::File)?;
                     for (i, job) in job_ids(&batch).values().iter().enumerate() {
                         let sum = by_job.entry(*job).or_insert((0.0, None));
                         sum.0 += all[i];
@@ -670,9 +690,10 @@ impl View {
                             (x, y) => x.or(y),
                         };
                     }
-                }
+                    Ok(())
+                })?;
             }
-            for batch in self.rows(jobs, &columns)? {
+            self.each(jobs, &columns, |batch| {
                 let costs = priced.then(|| {
                     job_ids(&batch)
                         .values()
@@ -680,10 +701,37 @@ impl View {
                         .map(|id| by_job.get(id).copied().unwrap_or((0.0, None)))
                         .unzip()
                 });
-                out.push(assemble(&batch, schema, costs)?);
-            }
+                out.push(keep(room, assemble(&batch, schema, costs))?);
+                Ok(())
+            })?;
         }
         Ok(out)
+    }
+}
+
+/// A batch made for a query, counted in its `room`.
+fn keep(room: &mut Room<'_>, made: Result<RecordBatch, String>) -> Result<RecordBatch, Unread> {
+    let batch = made.map_err(Unread::File)?;
+    room.take(std::slice::from_ref(&batch))
+        .map_err(Unread::Room)?;
+    Ok(batch)
+}
+
+/// Why a view's rows were not made.
+#[derive(Debug)]
+pub(crate) enum Unread {
+    /// A file could not be read (removed or damaged under the running server): the files
+    /// are to be written again.
+    File(String),
+    /// The query has no room in its memory for them: nothing to mend but the query.
+    Room(String),
+}
+
+impl std::fmt::Display for Unread {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unread::File(e) | Unread::Room(e) => f.write_str(e),
+        }
     }
 }
 
@@ -749,13 +797,19 @@ mod tests {
             .expect("view")
             .expect("this epoch");
         let schema = tables::stored_allocations_schema();
-        let read: usize = view
-            .allocation_columns(&["gpu"])
-            .expect("read")
-            .iter()
-            .map(|b| b.num_rows())
-            .sum();
+        let mut unlimited = |_| Ok(());
+        let mut read = 0;
+        view.allocation_columns(&["gpu"], &mut Room::new(&mut unlimited), |b| {
+            read += b.num_rows()
+        })
+        .expect("read");
         assert_eq!(read, 199, "the skipped job's rows are left out");
+        // No more room in the query's memory: the query is refused, the files stay trusted.
+        let mut full = |bytes: usize| Err(format!("no room for {bytes} bytes"));
+        let refused = view
+            .allocations(&Prices::default(), &schema, &mut Room::new(&mut full))
+            .expect_err("no room");
+        assert!(matches!(refused, Unread::Room(_)), "{refused}");
         assert!(
             schema.field_with_name("cost_used").is_err(),
             "stored unpriced"
@@ -770,8 +824,13 @@ mod tests {
             .view(HashSet::new(), rows.epoch())
             .expect("opened")
             .expect("this epoch");
-        let said = view.allocation_columns(&["gpu"]).expect_err("damaged");
-        assert!(said.contains(&damaged), "{said}");
+        let said = view
+            .allocation_columns(&["gpu"], &mut Room::new(&mut unlimited), |_| {})
+            .expect_err("damaged");
+        assert!(
+            matches!(&said, Unread::File(e) if e.contains(&damaged)),
+            "{said}"
+        );
         // Files removed under a running server (an operator's cleanup): a view says which.
         for name in names(dir.path()) {
             std::fs::remove_file(dir.path().join(name)).expect("remove");

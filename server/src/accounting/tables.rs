@@ -14,7 +14,7 @@ use arrow::array::{
     TimestampMillisecondArray, UInt32Array, UInt64Array, downcast_array,
 };
 use arrow::datatypes::{Field, Schema, SchemaRef};
-use perch_query::{LiveTable, SqlEngine, project};
+use perch_query::{LiveTable, Room, SqlEngine, project};
 use std::sync::{Arc, LazyLock};
 
 /// A live table's columns, each declared once: name, nullability and values together (the
@@ -303,10 +303,15 @@ impl LiveTable for JobsTable {
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
-        self.snapshot_of(None)
+        let mut unlimited = |_| Ok(());
+        self.snapshot_of(None, &mut Room::new(&mut unlimited))
     }
 
-    fn snapshot_of(&self, projection: Option<&[usize]>) -> Result<Vec<RecordBatch>, String> {
+    fn snapshot_of(
+        &self,
+        projection: Option<&[usize]>,
+        room: &mut Room<'_>,
+    ) -> Result<Vec<RecordBatch>, String> {
         let now = self.jobs.now_ms();
         let prices = &self.config.prices;
         let schema = projected(&self.schema(), projection)?;
@@ -315,12 +320,14 @@ impl LiveTable for JobsTable {
             .accounting(
                 |(rows, _): &mut (Vec<_>, Vec<_>), j| rows.push(job_row(j, prices, now)),
                 |(_, batches), settled| {
-                    *batches = settled.jobs(prices, &schema)?;
+                    *batches = settled.jobs(prices, &schema, room)?;
                     Ok(())
                 },
             )
             .map_err(|e| e.to_string())?;
-        batches.extend(project(Self::columns(&rows).batches()?, projection)?);
+        let held = project(Self::columns(&rows).batches()?, projection)?;
+        room.take(&held)?;
+        batches.extend(held);
         Ok(batches)
     }
 }
@@ -468,10 +475,15 @@ impl LiveTable for AllocationsTable {
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
-        self.snapshot_of(None)
+        let mut unlimited = |_| Ok(());
+        self.snapshot_of(None, &mut Room::new(&mut unlimited))
     }
 
-    fn snapshot_of(&self, projection: Option<&[usize]>) -> Result<Vec<RecordBatch>, String> {
+    fn snapshot_of(
+        &self,
+        projection: Option<&[usize]>,
+        room: &mut Room<'_>,
+    ) -> Result<Vec<RecordBatch>, String> {
         let now = self.jobs.now_ms();
         let prices = &self.config.prices;
         let schema = projected(&self.schema(), projection)?;
@@ -480,12 +492,14 @@ impl LiveTable for AllocationsTable {
             .accounting(
                 |(rows, _): &mut (Vec<AllocRow>, Vec<_>), j| allocation_rows(j, prices, now, rows),
                 |(_, batches), settled| {
-                    *batches = settled.allocations(prices, &schema)?;
+                    *batches = settled.allocations(prices, &schema, room)?;
                     Ok(())
                 },
             )
             .map_err(|e| e.to_string())?;
-        batches.extend(project(Self::columns(&rows).batches()?, projection)?);
+        let held = project(Self::columns(&rows).batches()?, projection)?;
+        room.take(&held)?;
+        batches.extend(held);
         Ok(batches)
     }
 }
@@ -617,6 +631,7 @@ pub(crate) fn days(
     jobs: &JobService,
     config: &AccountingConfig,
     now: i64,
+    room: &mut Room<'_>,
 ) -> Result<Vec<daily::Day>, String> {
     let node_spans: Vec<crate::jobs::record::NodeSpan> = jobs
         .read_durable(|c| c.node_spans().cloned().collect())
@@ -662,7 +677,7 @@ pub(crate) fn days(
                 }
             },
             |owned, settled| {
-                for batch in settled.allocation_columns(&columns)? {
+                settled.allocation_columns(&columns, room, |batch| {
                     let [node, gpu, start, end, used, until] =
                         columns.map(|name| batch.column_by_name(name).expect("projected").clone());
                     let node: StringArray = downcast_array(node.as_ref());
@@ -681,8 +696,7 @@ pub(crate) fn days(
                         };
                         owned.push((node.value(i).to_owned(), held));
                     }
-                }
-                Ok(())
+                })
             },
         )
         .map_err(|e| e.to_string())?;
@@ -700,9 +714,20 @@ impl LiveTable for DailyTable {
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
+        let mut unlimited = |_| Ok(());
+        self.snapshot_of(None, &mut Room::new(&mut unlimited))
+    }
+
+    fn snapshot_of(
+        &self,
+        projection: Option<&[usize]>,
+        room: &mut Room<'_>,
+    ) -> Result<Vec<RecordBatch>, String> {
         let now = self.jobs.now_ms();
-        let days = days(&self.jobs, &self.config, now)?;
-        Self::columns(&days).batches()
+        let days = days(&self.jobs, &self.config, now, room)?;
+        let batches = project(Self::columns(&days).batches()?, projection)?;
+        room.take(&batches)?;
+        Ok(batches)
     }
 }
 

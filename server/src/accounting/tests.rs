@@ -657,6 +657,32 @@ async fn settled_rows_answer_sql_as_the_records_did() {
         held,
         "read from the settled rows"
     );
+    // A query with no room in its memory for the rows is refused with the limit's message;
+    // the files are not taken for lost.
+    let tight = tables::register(
+        SqlEngine::new(
+            Store::open(StoreConfig::new(&dir.path().join("tight"))).expect("store"),
+            QueryLimits {
+                memory_bytes: 1024,
+                ..QueryLimits::default()
+            },
+        ),
+        &jobs,
+        AccountingConfig::default(),
+    );
+    for query in [
+        "SELECT * FROM jobs",
+        "SELECT * FROM job_allocations",
+        "SELECT * FROM cluster_utilization_daily",
+    ] {
+        let err = tight.query(query).await.expect_err(query);
+        assert!(
+            matches!(err, perch_query::Error::ResourcesExhausted { .. }),
+            "{query}: {err:?}"
+        );
+    }
+    assert_eq!(walked(&jobs), 0, "the files are still read");
+    drop(tight);
     drop((jobs, sql));
     let (jobs, sql) = open(prices(2.5));
     assert_eq!(jobs.record_settled().expect("record"), 0, "found at start");

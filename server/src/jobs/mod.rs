@@ -421,7 +421,7 @@ impl JobService {
     pub(crate) fn accounting<A: Default>(
         &self,
         mut visit: impl FnMut(&mut A, &JobRecord),
-        mut read: impl FnMut(&mut A, &settled::View) -> Result<(), String>,
+        mut read: impl FnMut(&mut A, &settled::View) -> Result<(), settled::Unread>,
     ) -> Result<A, ControlError> {
         let mut failure = String::new();
         for _ in 0..ACCOUNTING_TRIES {
@@ -452,7 +452,9 @@ impl JobService {
             failure = match self.settled.view(seen, epoch) {
                 Ok(Some(view)) => match read(&mut answer, &view) {
                     Ok(()) => return Ok(answer),
-                    Err(e) => e,
+                    Err(settled::Unread::File(e)) => e,
+                    // The query's memory is full: the files are fine.
+                    Err(settled::Unread::Room(e)) => return Err(ControlError::SettledRows(e)),
                 },
                 // Written again since the walk began: walk again.
                 Ok(None) => continue,
