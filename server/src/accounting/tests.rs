@@ -661,7 +661,7 @@ async fn settled_rows_answer_sql_as_the_records_did() {
     // the files are not taken for lost.
     let tight = tables::register(
         SqlEngine::new(
-            Store::open(StoreConfig::new(&dir.path().join("tight"))).expect("store"),
+            Store::open(StoreConfig::new(dir.path().join("tight"))).expect("store"),
             QueryLimits {
                 memory_bytes: 1024,
                 ..QueryLimits::default()
