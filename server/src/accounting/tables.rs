@@ -5,6 +5,7 @@
 //! are SQL views over `jobs`. Columns are documented in `docs/schema.md`.
 
 use super::daily::{self, Availability, Held, Span};
+use super::settled::{Unread, View};
 use super::{AccountingConfig, GpuFigures, Prices, gpu_figures};
 use crate::jobs::JobService;
 use crate::jobs::db::NodeRecord;
@@ -303,8 +304,7 @@ impl LiveTable for JobsTable {
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
-        let mut unlimited = |_| Ok(());
-        self.snapshot_of(None, &mut Room::new(&mut unlimited))
+        Room::unlimited(|room| self.snapshot_of(None, room))
     }
 
     fn snapshot_of(
@@ -312,24 +312,44 @@ impl LiveTable for JobsTable {
         projection: Option<&[usize]>,
         room: &mut Room<'_>,
     ) -> Result<Vec<RecordBatch>, String> {
-        let now = self.jobs.now_ms();
-        let prices = &self.config.prices;
+        let (now, prices) = (self.jobs.now_ms(), &self.config.prices);
         let schema = projected(&self.schema(), projection)?;
-        let (rows, mut batches) = self
-            .jobs
-            .accounting(
-                |(rows, _): &mut (Vec<_>, Vec<_>), j| rows.push(job_row(j, prices, now)),
-                |(_, batches), settled| {
-                    *batches = settled.jobs(prices, &schema, room)?;
-                    Ok(())
-                },
-            )
-            .map_err(|e| e.to_string())?;
-        let held = project(Self::columns(&rows).batches()?, projection)?;
-        room.take(&held)?;
-        batches.extend(held);
-        Ok(batches)
+        history_rows(
+            &self.jobs,
+            projection,
+            room,
+            |j, rows| rows.push(job_row(j, prices, now)),
+            |view, room| view.jobs(prices, &schema, room),
+            |rows| Self::columns(rows).batches(),
+        )
     }
+}
+
+/// A table of the job history (`jobs`, `job_allocations`): `rows` of the jobs the walk
+/// visits ([`JobService::accounting`]), made into `batches`, after `settled`'s rows of the
+/// rest read from the settled rows' files; the columns at `projection`, each batch counted in
+/// `room` as it is made.
+fn history_rows<R>(
+    jobs: &JobService,
+    projection: Option<&[usize]>,
+    room: &mut Room<'_>,
+    mut rows: impl FnMut(&JobRecord, &mut Vec<R>),
+    mut settled: impl FnMut(&View, &mut Room<'_>) -> Result<Vec<RecordBatch>, Unread>,
+    batches: impl Fn(&[R]) -> Result<Vec<RecordBatch>, String>,
+) -> Result<Vec<RecordBatch>, String> {
+    let (made, mut out) = jobs
+        .accounting(
+            |(made, _): &mut (Vec<R>, Vec<RecordBatch>), j| rows(j, made),
+            |(_, out), view| {
+                *out = settled(view, room)?;
+                Ok(())
+            },
+        )
+        .map_err(|e| e.to_string())?;
+    let held = project(batches(&made)?, projection)?;
+    room.take(&held)?;
+    out.extend(held);
+    Ok(out)
 }
 
 /// `schema`'s columns at `projection` (all if `None`).
@@ -475,8 +495,7 @@ impl LiveTable for AllocationsTable {
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
-        let mut unlimited = |_| Ok(());
-        self.snapshot_of(None, &mut Room::new(&mut unlimited))
+        Room::unlimited(|room| self.snapshot_of(None, room))
     }
 
     fn snapshot_of(
@@ -484,23 +503,16 @@ impl LiveTable for AllocationsTable {
         projection: Option<&[usize]>,
         room: &mut Room<'_>,
     ) -> Result<Vec<RecordBatch>, String> {
-        let now = self.jobs.now_ms();
-        let prices = &self.config.prices;
+        let (now, prices) = (self.jobs.now_ms(), &self.config.prices);
         let schema = projected(&self.schema(), projection)?;
-        let (rows, mut batches) = self
-            .jobs
-            .accounting(
-                |(rows, _): &mut (Vec<AllocRow>, Vec<_>), j| allocation_rows(j, prices, now, rows),
-                |(_, batches), settled| {
-                    *batches = settled.allocations(prices, &schema, room)?;
-                    Ok(())
-                },
-            )
-            .map_err(|e| e.to_string())?;
-        let held = project(Self::columns(&rows).batches()?, projection)?;
-        room.take(&held)?;
-        batches.extend(held);
-        Ok(batches)
+        history_rows(
+            &self.jobs,
+            projection,
+            room,
+            |j, rows| allocation_rows(j, prices, now, rows),
+            |view, room| view.allocations(prices, &schema, room),
+            |rows| Self::columns(rows).batches(),
+        )
     }
 }
 
@@ -714,8 +726,7 @@ impl LiveTable for DailyTable {
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
-        let mut unlimited = |_| Ok(());
-        self.snapshot_of(None, &mut Room::new(&mut unlimited))
+        Room::unlimited(|room| self.snapshot_of(None, room))
     }
 
     fn snapshot_of(
