@@ -333,9 +333,9 @@ pub fn observe_server(state: &perch_server::AppState) {
         .u64_observable_gauge("perch_jobs")
         .with_description("Jobs the server knows, by state")
         .with_callback(move |o| {
-            // Nothing to report while the job database has failed (the server refuses
-            // everything then, and says so).
-            for (state, n) in jobs.snapshot().map(|s| s.jobs_by_state).unwrap_or_default() {
+            // Once the job database has failed nothing is durable again: as memory holds it.
+            let snapshot = jobs.snapshot().unwrap_or_else(|_| jobs.snapshot_held());
+            for (state, n) in snapshot.jobs_by_state {
                 o.observe(n, &[KeyValue::new("state", state)]);
             }
         })

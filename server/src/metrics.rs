@@ -529,16 +529,13 @@ fn render(state: AppState, headers: axum::http::HeaderMap) -> Response {
     let latest = state.latest.snapshot();
     // Usage first: the snapshot then waits for every change either could see to be durable.
     let usage = state.jobs.usage(&state.config.accounting.prices);
-    let control = match state.jobs.snapshot() {
-        Ok(control) => control,
-        Err(e) => {
-            return (
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("the control plane cannot answer: {e}"),
-            )
-                .into_response();
-        }
-    };
+    let control = state.jobs.snapshot().unwrap_or_else(|e| {
+        // The job database has failed: the server refuses every change and says so. The
+        // fleet's telemetry is still worth scraping (dashboards going blank is the last thing
+        // an operator needs then), with the control plane as memory holds it.
+        tracing::warn!(error = %e, "the job database has failed; /metrics shows the control plane as held in memory");
+        state.jobs.snapshot_held()
+    });
     let last_samples = latest
         .iter()
         .map(|(node, l)| (node.clone(), l.last_seen_ms))
@@ -689,6 +686,44 @@ mod tests {
              g{x=\"-\"} -Inf\n\
              # HELP c A counter.\n# TYPE c counter\nc_total{node=\"a\",gpu=\"0\"} 7.0\n"
         );
+    }
+
+    /// A failed job database does not blind the fleet's telemetry: `/metrics` still answers,
+    /// with the GPUs' series and the nodes as memory holds them.
+    #[tokio::test]
+    async fn a_failed_job_database_still_lets_the_fleet_be_scraped() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let state = crate::AppState::open(crate::ServerConfig::new(perch_query::StoreConfig::new(
+            dir.path(),
+        )))
+        .expect("open");
+        let req: perch_model::control::SyncRequest = serde_json::from_value(serde_json::json!({
+            "node": "gpu-a", "gpus": 2, "gpu_model": "Test H100", "running": []
+        }))
+        .expect("sync");
+        state
+            .jobs
+            .run(move |c, now| c.sync(req, now))
+            .await
+            .expect("sync");
+        state.jobs.fail_commits("disk full");
+        let jobs = state.jobs.clone();
+        assert!(
+            tokio::task::spawn_blocking(move || jobs.snapshot())
+                .await
+                .expect("task")
+                .is_err(),
+            "the durable snapshot says the database failed"
+        );
+        let response = tokio::task::spawn_blocking(move || render(state, Default::default()))
+            .await
+            .expect("render");
+        assert_eq!(response.status(), StatusCode::OK);
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .expect("body");
+        let text = String::from_utf8_lossy(&body);
+        assert!(text.contains("node=\"gpu-a\""), "{text}");
     }
 
     #[test]

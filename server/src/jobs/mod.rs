@@ -388,6 +388,12 @@ impl JobService {
         self.commits.queue(control.take_dirty())
     }
 
+    /// The job database fails (`why`), as a commit that cannot be written makes it.
+    #[cfg(test)]
+    pub(crate) fn fail_commits(&self, why: &str) {
+        lock(&self.commits.state).failed = Some(why.to_owned());
+    }
+
     /// Whether change set `seq` is durable.
     #[cfg(test)]
     pub(crate) fn durable(&self, seq: u64) -> bool {

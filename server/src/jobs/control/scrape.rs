@@ -99,6 +99,12 @@ impl crate::jobs::JobService {
         self.read_durable(|c| c.snapshot(self.now_ms()))
     }
 
+    /// The control plane as memory holds it, durable or not: for `/metrics` once the job
+    /// database has failed (nothing will be durable again).
+    pub fn snapshot_held(&self) -> ControlSnapshot {
+        self.read(|c| c.snapshot(self.now_ms()))
+    }
+
     /// The nodes only, for the alert engine's every-second round.
     pub fn node_views(&self) -> Vec<NodeView> {
         self.read(Control::node_views)
