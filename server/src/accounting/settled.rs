@@ -355,7 +355,7 @@ impl SettledRows {
     /// The rows as they are now, less those of jobs in `skip` (read elsewhere): each chunk's
     /// files are opened here, so a merge after this cannot take them away. `None` if the
     /// files are no longer those of `epoch` (see [`self`]); an error if one cannot be opened.
-    pub(crate) fn view(&self, skip: HashSet<u64>, epoch: Epoch) -> Result<Option<View>, String> {
+    pub(crate) fn view(&self, skip: HashSet<u64>, epoch: Epoch) -> Result<Option<View>, Unread> {
         let state = self.state.lock();
         if state.epoch != epoch.number {
             return Ok(None);
@@ -368,16 +368,12 @@ impl SettledRows {
                     let path = c.path(&self.dir, kind);
                     match File::open(&path) {
                         Ok(file) => Ok(Opened { path, file, kind }),
-                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(format!(
-                            "{} was removed by something other than this server",
-                            path.display()
-                        )),
-                        Err(e) => Err(format!("{}: {e}", path.display())),
+                        Err(e) => Err(unopened(&path, &e)),
                     }
                 };
                 Ok((open(Kind::Jobs)?, open(Kind::Allocations)?))
             })
-            .collect::<Result<_, String>>()?;
+            .collect::<Result<_, Unread>>()?;
         Ok(Some(View { files, skip }))
     }
 
@@ -590,7 +586,10 @@ impl View {
     ) -> Result<(), Unread> {
         let unread =
             |e: &dyn std::fmt::Display| Unread::File(format!("{}: {e}", opened.path.display()));
-        let file = opened.file.try_clone().map_err(|e| unread(&e))?;
+        let file = opened
+            .file
+            .try_clone()
+            .map_err(|e| unopened(&opened.path, &e))?;
         for batch in reader(file, opened.kind, Some(columns)).map_err(|e| unread(&e))? {
             let batch = batch.map_err(|e| unread(&e))?;
             if self.skip.is_empty() {
@@ -725,13 +724,38 @@ pub(crate) enum Unread {
     File(String),
     /// The query has no room in its memory for them: nothing to mend but the query.
     Room(String),
+    /// The server could not open or read a file now for a reason that is not the file's (no
+    /// file descriptors left, no memory): the query fails, the files are not written again.
+    /// Taking them for lost would have let a flood of connections that used up the server's
+    /// descriptors make it rewrite the whole history.
+    Now(String),
 }
 
 impl std::fmt::Display for Unread {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Unread::File(e) | Unread::Room(e) => f.write_str(e),
+            Unread::File(e) | Unread::Room(e) | Unread::Now(e) => f.write_str(e),
         }
+    }
+}
+
+/// Why `path` could not be opened (or its descriptor copied): gone, or the server's state
+/// of the moment.
+fn unopened(path: &Path, e: &std::io::Error) -> Unread {
+    use std::io::ErrorKind as K;
+    match e.kind() {
+        K::NotFound => Unread::File(format!(
+            "{} was removed by something other than this server",
+            path.display()
+        )),
+        // EMFILE, ENFILE, ENOMEM, EINTR: nothing wrong with the file.
+        K::OutOfMemory | K::Interrupted | K::WouldBlock => {
+            Unread::Now(format!("{}: {e}", path.display()))
+        }
+        _ if matches!(e.raw_os_error(), Some(23 | 24)) => {
+            Unread::Now(format!("{}: {e}", path.display()))
+        }
+        _ => Unread::File(format!("{}: {e}", path.display())),
     }
 }
 
@@ -836,13 +860,22 @@ mod tests {
             std::fs::remove_file(dir.path().join(name)).expect("remove");
         }
         let epoch = rows.epoch();
-        let said = rows
-            .view(HashSet::new(), epoch)
-            .err()
-            .expect("no files to read");
+        let Err(Unread::File(said)) = rows.view(HashSet::new(), epoch) else {
+            panic!("no files to read");
+        };
         assert!(said.contains("removed by something other than"), "{said}");
         assert!(rows.lose(&said), "said once");
         assert!(!rows.lose(&said));
+        // The server out of descriptors or memory: nothing wrong with the files.
+        for (errno, lost) in [(24, false), (23, false), (12, false), (5, true), (2, true)] {
+            let e = std::io::Error::from_raw_os_error(errno);
+            let unread = unopened(Path::new("f"), &e);
+            assert_eq!(
+                matches!(unread, Unread::File(_)),
+                lost,
+                "errno {errno}: {unread}"
+            );
+        }
         assert!(rows.epoch().lost);
         // Written again: a new epoch; a view of the old one is refused, so its query walks
         // the job database again rather than miss the jobs it took as recorded.

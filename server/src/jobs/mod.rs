@@ -455,16 +455,21 @@ impl JobService {
             if epoch.lost {
                 return Ok(answer);
             }
-            failure = match self.settled.view(seen, epoch) {
+            let unread = match self.settled.view(seen, epoch) {
                 Ok(Some(view)) => match read(&mut answer, &view) {
                     Ok(()) => return Ok(answer),
-                    Err(settled::Unread::File(e)) => e,
-                    // The query's memory is full: the files are fine.
-                    Err(settled::Unread::Room(e)) => return Err(ControlError::SettledRows(e)),
+                    Err(e) => e,
                 },
                 // Written again since the walk began: walk again.
                 Ok(None) => continue,
                 Err(e) => e,
+            };
+            failure = match unread {
+                settled::Unread::File(e) => e,
+                // The query's memory is full, or the server's descriptors: the files are fine.
+                settled::Unread::Room(e) | settled::Unread::Now(e) => {
+                    return Err(ControlError::SettledRows(e));
+                }
             };
             if self.settled.lose(&failure) {
                 tracing::error!(error = %failure, "a settled rows file was removed or damaged under the running server; SQL reads settled jobs from the job database while the server writes the files again");
