@@ -522,8 +522,9 @@ async fn the_history_is_read_a_chunk_at_a_time_and_every_job_is_in_it_once() {
 /// Settled jobs' rows, once in the settled rows' files, answer SQL as their records did:
 /// every accounting table and view, the same after a restart, and again after an interrupted
 /// write (half a pair of files), whose jobs are read from the job database and recorded
-/// anew; costs follow the prices of the moment, not those of the write.
-#[tokio::test]
+/// anew; costs follow the prices of the moment, not those of the write. Queries running
+/// while files are removed, damaged and written again answer as before, each of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn settled_rows_answer_sql_as_the_records_did() {
     use crate::clock::Clock;
     let dir = tempfile::tempdir().expect("tempdir");
@@ -710,6 +711,11 @@ async fn settled_rows_answer_sql_as_the_records_did() {
         held,
         "from the files written again"
     );
+    // The files deleted and every job marked unwritten after a query's walk took them as
+    // written: the query walks again (the four settled jobs, from the job database) rather
+    // than open the new, empty files and miss them all.
+    assert_eq!(jobs.accounting_across_a_start_over().expect("scan"), 4);
+    assert_eq!(jobs.record_settled().expect("record"), 4, "written again");
     for path in files(".allocations.parquet") {
         std::fs::write(path, b"damaged").expect("damage");
     }
@@ -717,6 +723,50 @@ async fn settled_rows_answer_sql_as_the_records_did() {
     assert_eq!(jobs.record_settled().expect("record"), 4, "written again");
     assert_eq!(answers(sql.clone()).await, held);
     assert_eq!(files(".parquet").len(), 2, "the damaged pair deleted");
+    // The same while queries run: two loops of the nine queries, each answer compared, while
+    // the files are removed, then damaged, and written again under them (the epoch moves
+    // under a query's walk; a query reads a pair a rewrite deletes).
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let loops: Vec<_> = (0..2)
+        .map(|_| {
+            let (sql, held, stop) = (sql.clone(), held.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut asked = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    assert_eq!(answers(sql.clone()).await, held, "while attacked");
+                    asked += 1;
+                }
+                asked
+            })
+        })
+        .collect();
+    for round in 0..6 {
+        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+        for path in files(".parquet") {
+            if round % 2 == 0 {
+                std::fs::remove_file(path).expect("remove");
+            } else {
+                std::fs::write(path, b"damaged").expect("damage");
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+        let writer = jobs.clone();
+        tokio::task::spawn_blocking(move || writer.record_settled())
+            .await
+            .expect("task")
+            .expect("record");
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for asked in loops {
+        assert!(asked.await.expect("a query loop") > 0);
+    }
+    assert_eq!(
+        jobs.record_settled().expect("record"),
+        0,
+        "all written again"
+    );
+    assert_eq!(walked(&jobs), 0);
     drop((jobs, sql));
     // Files another version wrote (other columns): deleted at start, written again.
     let (jobs_file, allocations_file) = (files(".jobs.parquet"), files(".allocations.parquet"));

@@ -388,6 +388,30 @@ impl JobService {
         self.commits.queue(control.take_dirty())
     }
 
+    /// The jobs SQL's accounting tables see, counted, while the settled rows' files are found
+    /// lost and deleted between the walk and the files' opening: what a query meets when the
+    /// recording task starts over under it.
+    #[cfg(test)]
+    pub(crate) fn accounting_across_a_start_over(&self) -> Result<usize, ControlError> {
+        let mut once = true;
+        let read = |n: &mut usize, view: &settled::View| {
+            let mut unlimited = |_| Ok(());
+            view.allocation_columns(&[], &mut perch_query::Room::new(&mut unlimited), |b| {
+                *n += b.num_rows()
+            })
+        };
+        self.accounting_between(
+            |n: &mut usize, _| *n += 1,
+            read,
+            || {
+                if std::mem::take(&mut once) {
+                    self.settled.lose("deleted by a test");
+                    self.start_over_if_lost();
+                }
+            },
+        )
+    }
+
     /// The job database fails (`why`), as a commit that cannot be written makes it.
     #[cfg(test)]
     pub(crate) fn fail_commits(&self, why: &str) {
@@ -426,8 +450,19 @@ impl JobService {
     /// began before the files were written again is begun again too.
     pub(crate) fn accounting<A: Default>(
         &self,
+        visit: impl FnMut(&mut A, &JobRecord),
+        read: impl FnMut(&mut A, &settled::View) -> Result<(), settled::Unread>,
+    ) -> Result<A, ControlError> {
+        self.accounting_between(visit, read, || {})
+    }
+
+    /// [`JobService::accounting`], calling `between` after each walk and before the files are
+    /// opened (for tests: what the recording task may do there).
+    fn accounting_between<A: Default>(
+        &self,
         mut visit: impl FnMut(&mut A, &JobRecord),
         mut read: impl FnMut(&mut A, &settled::View) -> Result<(), settled::Unread>,
+        mut between: impl FnMut(),
     ) -> Result<A, ControlError> {
         let mut failure = String::new();
         for _ in 0..ACCOUNTING_TRIES {
@@ -455,6 +490,7 @@ impl JobService {
             if epoch.lost {
                 return Ok(answer);
             }
+            between();
             let unread = match self.settled.view(seen, epoch) {
                 Ok(Some(view)) => match read(&mut answer, &view) {
                     Ok(()) => return Ok(answer),
@@ -506,13 +542,7 @@ impl JobService {
     /// Files a query found removed or damaged ([`settled::SettledRows::lose`]) are deleted
     /// first, and every settled job marked unrecorded, under the control lock.
     pub(crate) fn record_settled(&self) -> Result<usize, ControlError> {
-        if let Some(why) = self.settled.lost() {
-            let mut control = self.control.lock();
-            self.settled.reset();
-            let jobs = control.forget_recorded();
-            drop(control);
-            tracing::warn!(jobs, reason = %why, "deleted the settled rows files; writing them again from the job database");
-        }
+        self.start_over_if_lost();
         let reads = self.control.lock().unrecorded(RECORD_STEP);
         let records = reads.read()?;
         if records.is_empty() {
@@ -525,6 +555,18 @@ impl JobService {
             .lock()
             .note_recorded(records.iter().map(|j| j.id));
         Ok(records.len())
+    }
+
+    /// If a query found the settled rows' files lost: deletes them and marks every settled job
+    /// unrecorded, in a new epoch, under the control lock.
+    fn start_over_if_lost(&self) {
+        if let Some(why) = self.settled.lost() {
+            let mut control = self.control.lock();
+            self.settled.reset();
+            let jobs = control.forget_recorded();
+            drop(control);
+            tracing::warn!(jobs, reason = %why, "deleted the settled rows files; writing them again from the job database");
+        }
     }
 
     /// Visits every job record in id order, [`SCAN_CHUNK`] at a time under the control lock,
