@@ -14,10 +14,12 @@ pub enum Error {
     ReadOnly(String),
     #[error("query ran longer than the {limit_s} s limit; narrow the time range or aggregate more")]
     Timeout { limit_s: f64 },
-    #[error(
-        "query needs more memory than the {limit_mb} MiB limit; narrow the time range, select fewer columns, or aggregate"
-    )]
-    ResourcesExhausted { limit_mb: usize },
+    #[error("query needs more memory than the {limit_mb} MiB limit; {}", room_advice(table.as_deref()))]
+    ResourcesExhausted {
+        limit_mb: usize,
+        /// The live table whose rows passed it, if they did.
+        table: Option<String>,
+    },
     /// The server's SQL capacity (running queries, memory budget) is taken; retrying later
     /// works.
     #[error("{0}")]
@@ -60,5 +62,17 @@ impl Error {
     ) -> impl FnOnce(std::io::Error) -> Self {
         let path = path.into();
         move |source| Error::Io { what, path, source }
+    }
+}
+
+/// What to change when a query needs more memory than its limit: a live table (`jobs`,
+/// `job_allocations`, ...) reads every row it holds whatever the query's filters, so only
+/// fewer of its columns help there.
+fn room_advice(table: Option<&str>) -> String {
+    match table {
+        None => "narrow the time range, select fewer columns, or aggregate".into(),
+        Some(t) => format!(
+            "the rows of {t} it reads pass it: select fewer of that table's columns (a filter on {t} does not reduce what is read of it)"
+        ),
     }
 }

@@ -101,6 +101,21 @@ impl std::fmt::Display for LiveFailure {
 
 impl std::error::Error for LiveFailure {}
 
+/// A [`LiveTable`]'s rows passed the query's memory ([`Room`]).
+#[derive(Debug)]
+pub(crate) struct NoRoom {
+    pub(crate) table: String,
+    pub(crate) refused: DataFusionError,
+}
+
+impl std::fmt::Display for NoRoom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "rows of table {}: {}", self.table, self.refused)
+    }
+}
+
+impl std::error::Error for NoRoom {}
+
 /// The DataFusion face of a [`LiveTable`].
 #[derive(Debug)]
 pub(crate) struct LiveProvider {
@@ -146,7 +161,12 @@ impl TableProvider for LiveProvider {
         let batches = match made {
             Ok(batches) => batches,
             // Past the query's memory: that error, which says what to change.
-            Err(_) if refused.is_some() => return Err(refused.expect("checked")),
+            Err(_) if refused.is_some() => {
+                return Err(DataFusionError::External(Box::new(NoRoom {
+                    table: self.name.clone(),
+                    refused: refused.expect("checked"),
+                })));
+            }
             Err(message) => {
                 return Err(DataFusionError::External(Box::new(LiveFailure {
                     table: self.name.clone(),

@@ -503,8 +503,17 @@ fn map_error(e: DataFusionError, memory_bytes: usize, names: &[String]) -> Error
         DataFusionError::External(inner) if inner.is::<crate::live::LiveFailure>() => {
             Error::Execution(inner.to_string())
         }
+        DataFusionError::External(inner) if inner.is::<crate::live::NoRoom>() => {
+            Error::ResourcesExhausted {
+                limit_mb: memory_bytes >> 20,
+                table: inner
+                    .downcast_ref::<crate::live::NoRoom>()
+                    .map(|r| r.table.clone()),
+            }
+        }
         DataFusionError::ResourcesExhausted(_) => Error::ResourcesExhausted {
             limit_mb: memory_bytes >> 20,
+            table: None,
         },
         DataFusionError::SQL(..)
         | DataFusionError::Plan(_)

@@ -291,8 +291,12 @@ async fn a_live_table_too_big_for_the_querys_memory_is_refused_as_it_is_made() {
         .await
         .expect_err("64 MiB of rows for a 16 MiB query");
     assert!(
-        matches!(err, perch_query::Error::ResourcesExhausted { limit_mb: 16 }),
+        matches!(err, perch_query::Error::ResourcesExhausted { limit_mb: 16, table: Some(ref t) } if t == "jobs"),
         "{err:?}"
+    );
+    assert!(
+        err.to_string().contains("the rows of jobs it reads pass it: select fewer of that table's columns"),
+        "says what helps: {err}"
     );
     let made = big.made.load(std::sync::atomic::Ordering::Relaxed);
     assert!(made <= 17, "made {made} MiB of rows for a 16 MiB query");
