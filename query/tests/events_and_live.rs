@@ -295,7 +295,8 @@ async fn a_live_table_too_big_for_the_querys_memory_is_refused_as_it_is_made() {
         "{err:?}"
     );
     assert!(
-        err.to_string().contains("the rows of jobs it reads pass it: select fewer of that table's columns"),
+        err.to_string()
+            .contains("the rows of jobs it reads pass it: select fewer of that table's columns"),
         "says what helps: {err}"
     );
     let made = big.made.load(std::sync::atomic::Ordering::Relaxed);
