@@ -8,7 +8,7 @@ use super::*;
 use crate::jobs::{JobService, JobsConfig};
 use perch_model::Batch;
 use perch_model::control::SyncRequest;
-use perch_query::{QueryLimits, StoreConfig, Table};
+use perch_query::{QueryLimits, Room, StoreConfig, Table};
 use serde_json::json;
 
 /// Every column of every accounting table and view is documented in docs/schema.md under its
@@ -796,6 +796,37 @@ async fn settled_rows_answer_sql_as_the_records_did() {
     assert_ne!(repriced[7..], held[7..]);
     assert_eq!(jobs.record_settled().expect("record"), 4, "recorded anew");
     assert_eq!(answers(sql.clone()).await, repriced, "priced when read");
+    drop((jobs, sql));
+    // The files beside a job database that has not run those jobs (one restored from an
+    // older copy, here an empty one): not shown as jobs, deleted at start.
+    let other = tempfile::tempdir().expect("tempdir");
+    let copied = other.path().join("control/settled");
+    std::fs::create_dir_all(&copied).expect("dir");
+    for path in files(".parquet") {
+        std::fs::copy(&path, copied.join(path.file_name().expect("name"))).expect("copy");
+    }
+    let (tx, _events) = JobService::event_channel();
+    let fresh =
+        JobService::open(&other.path().join("control"), JobsConfig::default(), tx).expect("jobs");
+    assert_eq!(
+        std::fs::read_dir(&copied).expect("dir").count(),
+        0,
+        "another database's rows deleted"
+    );
+    assert_eq!(
+        fresh
+            .accounting(
+                |n: &mut usize, _| *n += 1,
+                |n, view| {
+                    let mut unlimited = |_| Ok(());
+                    view.allocation_columns(&[], &mut Room::new(&mut unlimited), |b| {
+                        *n += b.num_rows()
+                    })
+                }
+            )
+            .expect("scan"),
+        0
+    );
 }
 
 /// No answer of SQL's live tables or `/metrics`' snapshot shows a change that a crash could

@@ -302,7 +302,16 @@ impl JobService {
         let mut control = Control::open(dir, config, clock.now_ms(), loaded, &db)?;
         let (settled, recorded) =
             SettledRows::open(&dir.join("settled")).map_err(ControlError::SettledRows)?;
-        control.note_recorded(recorded);
+        match control.first_foreign(&recorded) {
+            None => control.note_recorded(recorded),
+            Some(job) => {
+                tracing::warn!(
+                    job,
+                    "the settled rows files hold a job this job database has not ended (the database was restored from an older copy?); deleting them, the rows are written again from the job database"
+                );
+                settled.reset();
+            }
+        }
         let mut dirty = control.take_dirty();
         db.save(&dirty)?;
         if !dirty.events.is_empty() {

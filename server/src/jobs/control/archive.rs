@@ -508,6 +508,17 @@ impl Control {
         }
     }
 
+    /// The first of `ids` (found in the settled rows' files) that is no ended job of this job
+    /// database: files another database's jobs filled (a job database restored from an older
+    /// backup beside newer files), whose rows SQL would show as jobs that never ran here, or
+    /// twice once the ids are given again.
+    pub(crate) fn first_foreign(&self, ids: &[u64]) -> Option<u64> {
+        ids.iter().copied().find(|id| {
+            !self.archive.jobs.contains_key(id)
+                && !self.jobs.get(id).is_some_and(|j| j.state.is_final())
+        })
+    }
+
     /// Every settled job is to be written to the settled rows' files again (they were lost):
     /// none counts as recorded. Returns how many there are.
     pub(crate) fn forget_recorded(&mut self) -> usize {
