@@ -24,15 +24,17 @@ pub(crate) fn start_trimming() {
             .spawn(|| {
                 loop {
                     std::thread::sleep(TRIM_PERIOD);
-                    let started = std::time::Instant::now();
-                    let (before, after) = (resident_bytes(), {
+                    if !tracing::enabled!(tracing::Level::DEBUG) {
                         trim();
-                        resident_bytes()
-                    });
+                        continue;
+                    }
+                    let (before, started) = (resident_bytes(), std::time::Instant::now());
+                    trim();
+                    let took_ms = started.elapsed().as_secs_f64() * 1e3;
                     tracing::debug!(
                         before_mb = before >> 20,
-                        after_mb = after >> 20,
-                        took_ms = started.elapsed().as_secs_f64() * 1e3,
+                        after_mb = resident_bytes() >> 20,
+                        took_ms,
                         "handed freed memory back"
                     );
                 }
@@ -58,12 +60,22 @@ pub(crate) fn trim() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 pub(crate) fn trim() {}
 
-/// The process's resident memory, in bytes (0 where `/proc` cannot tell).
+/// The process's resident memory, in bytes (0 where `/proc` cannot tell): `VmRSS`, in KiB
+/// whatever the machine's page size.
 pub(crate) fn resident_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/statm")
+    std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
-        .map_or(0, |pages| pages * 4096)
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("VmRSS:")?
+                    .trim()
+                    .strip_suffix("kB")?
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            })
+        })
+        .map_or(0, |kib| kib << 10)
 }
 
 #[cfg(test)]

@@ -85,36 +85,29 @@ pub fn project(
     }
 }
 
-/// A [`LiveTable`] that could not make its rows: the server's failure, not the query's
-/// (answered as [`crate::Error::Execution`], not as a bad query).
+/// Why a [`LiveTable`] made no rows for a query.
 #[derive(Debug)]
-pub(crate) struct LiveFailure {
-    pub(crate) table: String,
-    pub(crate) message: String,
+pub(crate) enum LiveError {
+    /// It could not: the server's failure, not the query's (answered as
+    /// [`crate::Error::Execution`], not as a bad query).
+    Failed { table: String, message: String },
+    /// Its rows passed the query's memory ([`Room`]).
+    NoRoom {
+        table: String,
+        refused: DataFusionError,
+    },
 }
 
-impl std::fmt::Display for LiveFailure {
+impl std::fmt::Display for LiveError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "reading table {}: {}", self.table, self.message)
+        match self {
+            LiveError::Failed { table, message } => write!(f, "reading table {table}: {message}"),
+            LiveError::NoRoom { table, refused } => write!(f, "rows of table {table}: {refused}"),
+        }
     }
 }
 
-impl std::error::Error for LiveFailure {}
-
-/// A [`LiveTable`]'s rows passed the query's memory ([`Room`]).
-#[derive(Debug)]
-pub(crate) struct NoRoom {
-    pub(crate) table: String,
-    pub(crate) refused: DataFusionError,
-}
-
-impl std::fmt::Display for NoRoom {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "rows of table {}: {}", self.table, self.refused)
-    }
-}
-
-impl std::error::Error for NoRoom {}
+impl std::error::Error for LiveError {}
 
 /// The DataFusion face of a [`LiveTable`].
 #[derive(Debug)]
@@ -158,22 +151,14 @@ impl TableProvider for LiveProvider {
             self.table
                 .snapshot_of(projection.map(Vec::as_slice), &mut Room::new(&mut grow))
         };
-        let batches = match made {
-            Ok(batches) => batches,
-            // Past the query's memory: that error, which says what to change.
-            Err(_) if refused.is_some() => {
-                return Err(DataFusionError::External(Box::new(NoRoom {
-                    table: self.name.clone(),
-                    refused: refused.expect("checked"),
-                })));
-            }
-            Err(message) => {
-                return Err(DataFusionError::External(Box::new(LiveFailure {
-                    table: self.name.clone(),
-                    message,
-                })));
-            }
-        };
+        let table = self.name.clone();
+        let batches = made.map_err(|message| {
+            DataFusionError::External(Box::new(match refused {
+                // Past the query's memory: that error, which says what to change.
+                Some(refused) => LiveError::NoRoom { table, refused },
+                None => LiveError::Failed { table, message },
+            }))
+        })?;
         // Held while the query runs: the batches are.
         if let Some(held) = state.config().get_extension::<Held>() {
             held.0

@@ -499,16 +499,15 @@ impl From<DataFusionError> for Failure {
 /// DataFusion's error as perch's: a user's mistake (with a message that says what to change,
 /// naming the tables when one is unknown), the memory limit, or a failure.
 fn map_error(e: DataFusionError, memory_bytes: usize, names: &[String]) -> Error {
+    use crate::live::LiveError;
     match e.find_root() {
-        DataFusionError::External(inner) if inner.is::<crate::live::LiveFailure>() => {
-            Error::Execution(inner.to_string())
-        }
-        DataFusionError::External(inner) if inner.is::<crate::live::NoRoom>() => {
-            Error::ResourcesExhausted {
-                limit_mb: memory_bytes >> 20,
-                table: inner
-                    .downcast_ref::<crate::live::NoRoom>()
-                    .map(|r| r.table.clone()),
+        DataFusionError::External(inner) if inner.is::<LiveError>() => {
+            match inner.downcast_ref::<LiveError>() {
+                Some(LiveError::NoRoom { table, .. }) => Error::ResourcesExhausted {
+                    limit_mb: memory_bytes >> 20,
+                    table: Some(table.clone()),
+                },
+                _ => Error::Execution(inner.to_string()),
             }
         }
         DataFusionError::ResourcesExhausted(_) => Error::ResourcesExhausted {

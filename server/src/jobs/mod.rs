@@ -506,7 +506,10 @@ impl JobService {
                     Err(e) => e,
                 },
                 // Written again since the walk began: walk again.
-                Ok(None) => continue,
+                Ok(None) => {
+                    failure = "the settled rows' files were written again while this query read them, each time it tried; retry it".into();
+                    continue;
+                }
                 Err(e) => e,
             };
             failure = match unread {
