@@ -66,13 +66,13 @@ impl Error {
 }
 
 /// What to change when a query needs more memory than its limit: a live table (`jobs`,
-/// `job_allocations`, ...) reads every row it holds whatever the query's filters, so only
-/// fewer of its columns help there.
+/// `job_allocations`, ...) holds the rows of the columns a query reads that its filters on
+/// that table keep ([`crate::Room::keep`]), so fewer columns or narrower filters on it help.
 fn room_advice(table: Option<&str>) -> String {
     match table {
         None => "narrow the time range, select fewer columns, or aggregate".into(),
         Some(t) => format!(
-            "the rows of {t} it reads pass it: select fewer of that table's columns (a filter on {t} does not reduce what is read of it)"
+            "the rows of {t} it keeps pass it: select fewer of that table's columns, or filter its rows more narrowly in WHERE (by time, job, user or account)"
         ),
     }
 }

@@ -5,14 +5,20 @@
 //! scans it, so `jobs` joined with `gpu_samples` sees the jobs as they are now. A view is a
 //! named SELECT over any of the tables, planned in each query's session like a table.
 
+use arrow::array::AsArray;
 use arrow::array::RecordBatch;
+use arrow::compute::filter_record_batch;
 use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use datafusion::catalog::Session;
+use datafusion::common::tree_node::{Transformed, TreeNode};
+use datafusion::common::{Column, DFSchema};
 use datafusion::datasource::{MemTable, TableProvider, TableType};
 use datafusion::error::{DataFusionError, Result};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
-use datafusion::logical_expr::Expr;
+use datafusion::logical_expr::utils::conjunction;
+use datafusion::logical_expr::{Expr, TableProviderFilterPushDown};
+use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::ExecutionPlan;
 use std::sync::Arc;
 
@@ -32,9 +38,7 @@ pub trait LiveTable: Send + Sync + std::fmt::Debug {
         projection: Option<&[usize]>,
         room: &mut Room<'_>,
     ) -> std::result::Result<Vec<RecordBatch>, String> {
-        let batches = project(self.snapshot()?, projection)?;
-        room.take(&batches)?;
-        Ok(batches)
+        room.keep(project(self.snapshot()?, projection)?)
     }
 }
 
@@ -42,14 +46,26 @@ pub trait LiveTable: Send + Sync + std::fmt::Debug {
 /// query's limit (and the server's SQL budget) as they are made and held until the query
 /// ends, as an operator's state is. A table too big for it fails the query with the memory
 /// limit's message, not the server with its memory.
+///
+/// It also carries the query's filters on the table ([`Room::keep`]): a row they reject is
+/// dropped as soon as it is made, so it is never held, and a table that can tell from its
+/// storage that rows cannot match ([`Room::filters`]) need not make them at all. A query
+/// that selects a day of a long history then holds that day, not the history.
 pub struct Room<'a> {
     grow: &'a mut dyn FnMut(usize) -> std::result::Result<(), String>,
+    rows: Option<Rows>,
+}
+
+/// The query's filters on a live table, and their conjunction over the columns it reads.
+struct Rows {
+    filters: Vec<Expr>,
+    predicate: Arc<dyn PhysicalExpr>,
 }
 
 impl<'a> Room<'a> {
-    /// Room that `grow` grants (an error: no more).
+    /// Room that `grow` grants (an error: no more), for every row.
     pub fn new(grow: &'a mut dyn FnMut(usize) -> std::result::Result<(), String>) -> Self {
-        Room { grow }
+        Room { grow, rows: None }
     }
 
     /// `f` with room that is never short: for reads outside a query's memory (a table's
@@ -59,11 +75,81 @@ impl<'a> Room<'a> {
         f(&mut Room::new(&mut grant))
     }
 
+    /// The same room, for the rows `filters` keep of a table whose batches have `schema`
+    /// (the columns the query reads, which include every column its filters name): `None`
+    /// when they cannot be evaluated here (every row is kept; the query still filters).
+    fn for_rows(mut self, filters: &[Expr], schema: &SchemaRef, state: &dyn Session) -> Self {
+        let filters: Vec<Expr> = filters
+            .iter()
+            .filter(|e| !e.is_volatile())
+            .filter_map(|e| unqualified(e.clone()))
+            .collect();
+        let predicate = conjunction(filters.iter().cloned()).and_then(|p| {
+            let schema = DFSchema::try_from(schema.as_ref().clone()).ok()?;
+            state.create_physical_expr(p, &schema).ok()
+        });
+        self.rows = predicate.map(|predicate| Rows { filters, predicate });
+        self
+    }
+
+    /// The query's filters on the table (volatile ones left out, columns unqualified): a
+    /// table may skip what its storage says cannot match them. Empty: every row may.
+    pub fn filters(&self) -> &[Expr] {
+        self.rows.as_ref().map_or(&[], |r| r.filters.as_slice())
+    }
+
     /// Counts `batches`, made for the query: an error once they pass its room.
     pub fn take(&mut self, batches: &[RecordBatch]) -> std::result::Result<(), String> {
         let bytes = batches.iter().map(RecordBatch::get_array_memory_size).sum();
         (self.grow)(bytes)
     }
+
+    /// What the query keeps of `batches` (rows of the table's columns it reads, as the
+    /// table's schema has them): the rows its filters may pass, counted as [`Room::take`]
+    /// counts. A filter that fails on a batch keeps all of it, for the query to judge.
+    pub fn keep(
+        &mut self,
+        batches: Vec<RecordBatch>,
+    ) -> std::result::Result<Vec<RecordBatch>, String> {
+        let kept: Vec<RecordBatch> = match &self.rows {
+            None => batches,
+            Some(rows) => batches
+                .into_iter()
+                .map(|b| rows.apply(b))
+                .filter(|b| b.num_rows() > 0)
+                .collect(),
+        };
+        self.take(&kept)?;
+        Ok(kept)
+    }
+}
+
+impl Rows {
+    fn apply(&self, batch: RecordBatch) -> RecordBatch {
+        let mask = self
+            .predicate
+            .evaluate(&batch)
+            .and_then(|v| v.into_array(batch.num_rows()));
+        match mask.as_ref().ok().and_then(|m| m.as_boolean_opt()) {
+            Some(mask) => filter_record_batch(&batch, mask).unwrap_or(batch),
+            None => batch,
+        }
+    }
+}
+
+/// `expr` with its columns' table names taken off: a live table's batches name their
+/// columns alone.
+fn unqualified(expr: Expr) -> Option<Expr> {
+    expr.transform(|e| {
+        Ok(match e {
+            Expr::Column(c) if c.relation.is_some() => {
+                Transformed::yes(Expr::Column(Column::new_unqualified(c.name)))
+            }
+            e => Transformed::no(e),
+        })
+    })
+    .map(|t| t.data)
+    .ok()
 }
 
 /// The rows' reservations a query's live tables made, held by its session (an extension of
@@ -126,6 +212,21 @@ impl TableProvider for LiveProvider {
         TableType::Base
     }
 
+    /// Every filter that gives the same answer each time it is evaluated is applied to the
+    /// rows as the table makes them ([`Room::keep`]), and again by the query.
+    fn supports_filters_pushdown(
+        &self,
+        filters: &[&Expr],
+    ) -> Result<Vec<TableProviderFilterPushDown>> {
+        Ok(filters
+            .iter()
+            .map(|e| match e.is_volatile() {
+                true => TableProviderFilterPushDown::Unsupported,
+                false => TableProviderFilterPushDown::Inexact,
+            })
+            .collect())
+    }
+
     async fn scan(
         &self,
         state: &dyn Session,
@@ -148,8 +249,9 @@ impl TableProvider for LiveProvider {
                     said
                 })
             };
+            let mut room = Room::new(&mut grow).for_rows(filters, &schema, state);
             self.table
-                .snapshot_of(projection.map(Vec::as_slice), &mut Room::new(&mut grow))
+                .snapshot_of(projection.map(Vec::as_slice), &mut room)
         };
         let table = self.name.clone();
         let batches = made.map_err(|message| {

@@ -656,7 +656,7 @@ impl View {
                     .then(|| costs(&batch, prices))
                     .transpose()
                     .map_err(Unread::File)?;
-                out.push(keep(room, assemble(&batch, schema, costs))?);
+                out.extend(keep(room, assemble(&batch, schema, costs))?);
                 Ok(())
             })?;
         }
@@ -700,7 +700,7 @@ impl View {
                         .map(|id| by_job.get(id).copied().unwrap_or((0.0, None)))
                         .unzip()
                 });
-                out.push(keep(room, assemble(&batch, schema, costs))?);
+                out.extend(keep(room, assemble(&batch, schema, costs))?);
                 Ok(())
             })?;
         }
@@ -708,12 +708,13 @@ impl View {
     }
 }
 
-/// A batch made for a query, counted in its `room`.
-fn keep(room: &mut Room<'_>, made: Result<RecordBatch, String>) -> Result<RecordBatch, Unread> {
-    let batch = made.map_err(Unread::File)?;
-    room.take(std::slice::from_ref(&batch))
-        .map_err(Unread::Room)?;
-    Ok(batch)
+/// What the query keeps of a batch made for it ([`Room::keep`]), counted in its `room`.
+fn keep(
+    room: &mut Room<'_>,
+    made: Result<RecordBatch, String>,
+) -> Result<Vec<RecordBatch>, Unread> {
+    room.keep(vec![made.map_err(Unread::File)?])
+        .map_err(Unread::Room)
 }
 
 /// Why a view's rows were not made.

@@ -346,9 +346,7 @@ fn history_rows<R>(
             },
         )
         .map_err(|e| e.to_string())?;
-    let held = project(batches(&made)?, projection)?;
-    room.take(&held)?;
-    out.extend(held);
+    out.extend(room.keep(project(batches(&made)?, projection)?)?);
     Ok(out)
 }
 
@@ -736,9 +734,7 @@ impl LiveTable for DailyTable {
     ) -> Result<Vec<RecordBatch>, String> {
         let now = self.jobs.now_ms();
         let days = days(&self.jobs, &self.config, now, room)?;
-        let batches = project(Self::columns(&days).batches()?, projection)?;
-        room.take(&batches)?;
-        Ok(batches)
+        room.keep(project(Self::columns(&days).batches()?, projection)?)
     }
 }
 

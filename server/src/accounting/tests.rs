@@ -566,6 +566,12 @@ async fn settled_rows_answer_sql_as_the_records_did() {
             "SELECT count(*) AS n FROM jobs",
             "SELECT sum(cost_allocated) AS a, sum(cost_used) AS u FROM jobs",
             "SELECT job, gpu, cost_used FROM job_allocations ORDER BY job, gpu",
+            // Filters, judged as each table's rows are made (and again by the query), on
+            // stored columns, priced ones and a qualified name.
+            "SELECT job, state FROM jobs WHERE user_name = 'bob' ORDER BY job",
+            "SELECT j.job FROM jobs AS j WHERE j.job IN (1, 3) OR j.state = 'failed' ORDER BY 1",
+            "SELECT job, gpu FROM job_allocations WHERE cost_allocated > 1 AND gpu = 1 ORDER BY job",
+            "SELECT day, allocated_pct FROM cluster_utilization_daily WHERE allocated_pct > 0",
         ] {
             let result = sql.query(query).await.expect("query");
             let mut w = arrow::json::ArrayWriter::new(Vec::new());
@@ -681,6 +687,15 @@ async fn settled_rows_answer_sql_as_the_records_did() {
             matches!(err, perch_query::Error::ResourcesExhausted { .. }),
             "{query}: {err:?}"
         );
+    }
+    // The rows a filter rejects are dropped as they are made: a query that keeps none of
+    // them answers within the same 1 KiB.
+    for query in [
+        "SELECT * FROM jobs WHERE user_name = 'nobody'",
+        "SELECT * FROM job_allocations WHERE job > 1000000",
+    ] {
+        let result = tight.query(query).await.expect(query);
+        assert_eq!(result.rows, 0, "{query}");
     }
     assert_eq!(walked(&jobs), 0, "the files are still read");
     drop(tight);
