@@ -31,7 +31,7 @@ mod strings;
 pub mod wal;
 
 pub use error::{Error, Result};
-pub use live::{LiveTable, Room, project};
+pub use live::{LiveTable, Pruning, Room, project};
 pub use maintenance::MaintenanceStats;
 pub use schema::Table;
 pub use sql::{QueryLimits, QueryOutput, SqlEngine, check_read_only};

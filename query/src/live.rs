@@ -13,13 +13,22 @@ use async_trait::async_trait;
 use datafusion::catalog::Session;
 use datafusion::common::tree_node::{Transformed, TreeNode};
 use datafusion::common::{Column, DFSchema};
+use datafusion::datasource::physical_plan::parquet::{
+    ParquetAccessPlan, ParquetFileMetrics, RowGroupAccessPlanFilter,
+};
 use datafusion::datasource::{MemTable, TableProvider, TableType};
 use datafusion::error::{DataFusionError, Result};
+use datafusion::execution::context::ExecutionProps;
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
-use datafusion::logical_expr::utils::conjunction;
+use datafusion::logical_expr::physical_planning_context::PhysicalPlanningContext;
+use datafusion::logical_expr::utils::{conjunction, split_conjunction};
 use datafusion::logical_expr::{Expr, TableProviderFilterPushDown};
 use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_expr::create_physical_expr;
+use datafusion::physical_optimizer::pruning::PruningPredicateBuilder;
 use datafusion::physical_plan::ExecutionPlan;
+use datafusion::physical_plan::metrics::ExecutionPlanMetricsSet;
+use parquet::file::metadata::ParquetMetaData;
 use std::sync::Arc;
 
 /// Rows owned outside the store, exposed to SQL as a table.
@@ -60,6 +69,8 @@ pub struct Room<'a> {
 struct Rows {
     filters: Vec<Expr>,
     predicate: Arc<dyn PhysicalExpr>,
+    /// The query's (its start time, for any `now()` left in a filter).
+    props: ExecutionProps,
 }
 
 impl<'a> Room<'a> {
@@ -78,7 +89,12 @@ impl<'a> Room<'a> {
     /// The same room, for the rows `filters` keep of a table whose batches have `schema`
     /// (the columns the query reads, which include every column its filters name): `None`
     /// when they cannot be evaluated here (every row is kept; the query still filters).
-    fn for_rows(mut self, filters: &[Expr], schema: &SchemaRef, state: &dyn Session) -> Self {
+    pub fn with_filters(
+        mut self,
+        filters: &[Expr],
+        schema: &SchemaRef,
+        state: &dyn Session,
+    ) -> Self {
         let filters: Vec<Expr> = filters
             .iter()
             .filter(|e| !e.is_volatile())
@@ -88,7 +104,11 @@ impl<'a> Room<'a> {
             let schema = DFSchema::try_from(schema.as_ref().clone()).ok()?;
             state.create_physical_expr(p, &schema).ok()
         });
-        self.rows = predicate.map(|predicate| Rows { filters, predicate });
+        self.rows = predicate.map(|predicate| Rows {
+            filters,
+            predicate,
+            props: state.execution_props().clone(),
+        });
         self
     }
 
@@ -96,6 +116,15 @@ impl<'a> Room<'a> {
     /// table may skip what its storage says cannot match them. Empty: every row may.
     pub fn filters(&self) -> &[Expr] {
         self.rows.as_ref().map_or(&[], |r| r.filters.as_slice())
+    }
+
+    /// What of the query's filters a table can judge its stored files by
+    /// ([`Pruning::row_groups`]): `None` when the query filters nothing.
+    pub fn pruning(&self) -> Option<Pruning> {
+        self.rows.as_ref().map(|rows| Pruning {
+            filters: rows.filters.clone(),
+            props: rows.props.clone(),
+        })
     }
 
     /// Counts `batches`, made for the query: an error once they pass its room.
@@ -121,6 +150,84 @@ impl<'a> Room<'a> {
         };
         self.take(&kept)?;
         Ok(kept)
+    }
+}
+
+/// A query's filters on a live table, to judge the table's stored files by ([`Room::pruning`]).
+#[derive(Debug, Clone)]
+pub struct Pruning {
+    filters: Vec<Expr>,
+    props: ExecutionProps,
+}
+
+impl Pruning {
+    /// Only the filters on `columns` (conjuncts naming no other column): to judge another
+    /// table's files by the columns the two share the meaning of (a job id). `None` if none.
+    pub fn on(&self, columns: &[&str]) -> Option<Pruning> {
+        let filters: Vec<Expr> = self
+            .filters
+            .iter()
+            .flat_map(split_conjunction)
+            .filter(|e| {
+                e.column_refs()
+                    .iter()
+                    .all(|c| columns.contains(&c.name.as_str()))
+            })
+            .cloned()
+            .collect();
+        (!filters.is_empty()).then(|| Pruning {
+            filters,
+            props: self.props.clone(),
+        })
+    }
+
+    /// Of a Parquet file whose footer is `metadata` and columns `schema`, the row groups that
+    /// may hold rows the query's filters keep, by each row group's statistics (min, max,
+    /// nulls): `None` to read them all (no filter on the file's own columns, or none that
+    /// statistics can judge). A table whose files are ordered by a column the query filters
+    /// on (job id, time) reads a part of them.
+    pub fn row_groups(&self, metadata: &ParquetMetaData, schema: &SchemaRef) -> Option<Vec<usize>> {
+        // The conjuncts on the file's columns alone: a column worked out when read (a
+        // price) is judged later, on the rows made.
+        let on_file: Vec<Expr> = self
+            .filters
+            .iter()
+            .flat_map(split_conjunction)
+            .filter(|e| {
+                e.column_refs()
+                    .iter()
+                    .all(|c| schema.field_with_name(&c.name).is_ok())
+            })
+            .cloned()
+            .collect();
+        let on_file = conjunction(on_file)?;
+        let columns = DFSchema::try_from(schema.as_ref().clone()).ok()?;
+        let physical = create_physical_expr(
+            &on_file,
+            &columns,
+            &self.props,
+            &PhysicalPlanningContext::default(),
+        )
+        .ok()?;
+        let predicate = PruningPredicateBuilder::new()
+            .with_file_schema(Arc::clone(schema))
+            .try_build(physical)
+            .ok()?;
+        if predicate.always_true() {
+            return None;
+        }
+        let unseen = ExecutionPlanMetricsSet::new();
+        let metrics = ParquetFileMetrics::new(0, "live table", &unseen);
+        let mut plan =
+            RowGroupAccessPlanFilter::new(ParquetAccessPlan::new_all(metadata.num_row_groups()));
+        plan.prune_by_statistics(
+            schema,
+            metadata.file_metadata().schema_descr(),
+            metadata.row_groups(),
+            &predicate,
+            &metrics,
+        );
+        Some(plan.build().row_group_indexes())
     }
 }
 
@@ -249,7 +356,7 @@ impl TableProvider for LiveProvider {
                     said
                 })
             };
-            let mut room = Room::new(&mut grow).for_rows(filters, &schema, state);
+            let mut room = Room::new(&mut grow).with_filters(filters, &schema, state);
             self.table
                 .snapshot_of(projection.map(Vec::as_slice), &mut room)
         };

@@ -40,7 +40,7 @@ use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
-use perch_query::Room;
+use perch_query::{Pruning, Room};
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -52,6 +52,12 @@ const MAX_CHUNK_JOBS: u64 = 1_000_000;
 
 /// Rows per batch read.
 const BATCH_ROWS: usize = 8_192;
+
+/// Rows per row group written: each row group's statistics (its least and greatest job id,
+/// submit, start and end times, ...) let a query that filters on them skip it
+/// ([`perch_query::Pruning`]); files are written in job order, so a query for a job or a
+/// recent week reads a few row groups of a long history.
+const ROW_GROUP_ROWS: usize = 4 * BATCH_ROWS;
 
 /// A chunk's two files.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -330,6 +336,7 @@ impl SettledRows {
         let result = (|| {
             let file = File::create(&tmp).map_err(|e| fail(&e))?;
             let props = WriterProperties::builder()
+                .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
                 .set_compression(Compression::ZSTD(
                     ZstdLevel::try_new(3).map_err(|e| fail(&e))?,
                 ))
@@ -374,7 +381,11 @@ impl SettledRows {
                 Ok((open(Kind::Jobs)?, open(Kind::Allocations)?))
             })
             .collect::<Result<_, Unread>>()?;
-        Ok(Some(View { files, skip }))
+        Ok(Some(View {
+            files,
+            skip,
+            read: Default::default(),
+        }))
     }
 
     /// Which files queries read now.
@@ -430,6 +441,17 @@ fn reader(
     kind: Kind,
     columns: Option<&[&str]>,
 ) -> Result<parquet::arrow::arrow_reader::ParquetRecordBatchReader, String> {
+    pruned_reader(file, kind, columns, None)
+}
+
+/// [`reader`], of the row groups whose statistics say they may hold rows a query's filters
+/// keep (all of them without `pruning`).
+fn pruned_reader(
+    file: File,
+    kind: Kind,
+    columns: Option<&[&str]>,
+    pruning: Option<&Pruning>,
+) -> Result<parquet::arrow::arrow_reader::ParquetRecordBatchReader, String> {
     let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| e.to_string())?;
     let (found, expected) = (builder.schema().fields(), kind.schema());
     let same = found.len() == expected.fields().len()
@@ -447,6 +469,11 @@ fn reader(
             }
         ));
     }
+    let row_groups = pruning.and_then(|p| p.row_groups(builder.metadata(), builder.schema()));
+    let builder = match row_groups {
+        Some(row_groups) => builder.with_row_groups(row_groups),
+        None => builder,
+    };
     let builder = match columns {
         Some(columns) => {
             let mask = ProjectionMask::columns(builder.parquet_schema(), columns.iter().copied());
@@ -477,6 +504,8 @@ struct Opened {
 pub(crate) struct View {
     files: Vec<(Opened, Opened)>,
     skip: HashSet<u64>,
+    /// Rows read from the files so far (what the row groups' statistics did not skip).
+    read: std::cell::Cell<usize>,
 }
 
 /// A float column of `batch`, by name.
@@ -576,12 +605,19 @@ fn assemble(
 }
 
 impl View {
+    /// Rows read from the files so far.
+    #[cfg(test)]
+    pub(crate) fn rows_read(&self) -> usize {
+        self.read.get()
+    }
+
     /// `opened`'s rows of jobs not skipped, of `columns` (the job id first), a batch at a
     /// time to `f`.
     fn each(
         &self,
         opened: &Opened,
         columns: &[&str],
+        pruning: Option<&Pruning>,
         mut f: impl FnMut(RecordBatch) -> Result<(), Unread>,
     ) -> Result<(), Unread> {
         let unread =
@@ -590,8 +626,11 @@ impl View {
             .file
             .try_clone()
             .map_err(|e| unopened(&opened.path, &e))?;
-        for batch in reader(file, opened.kind, Some(columns)).map_err(|e| unread(&e))? {
+        let batches =
+            pruned_reader(file, opened.kind, Some(columns), pruning).map_err(|e| unread(&e))?;
+        for batch in batches {
             let batch = batch.map_err(|e| unread(&e))?;
+            self.read.set(self.read.get() + batch.num_rows());
             if self.skip.is_empty() {
                 f(batch)?;
                 continue;
@@ -622,7 +661,7 @@ impl View {
             .chain(columns.iter().copied())
             .collect();
         for (_, file) in &self.files {
-            self.each(file, &columns, |batch| {
+            self.each(file, &columns, None, |batch| {
                 room.take(std::slice::from_ref(&batch))
                     .map_err(Unread::Room)?;
                 f(batch);
@@ -649,9 +688,9 @@ impl View {
                 }
             }
         }
-        let mut out = Vec::new();
+        let (mut out, pruning) = (Vec::new(), room.pruning());
         for (_, file) in &self.files {
-            self.each(file, &columns, |batch| {
+            self.each(file, &columns, pruning.as_ref(), |batch| {
                 let costs = priced
                     .then(|| costs(&batch, prices))
                     .transpose()
@@ -674,12 +713,15 @@ impl View {
     ) -> Result<Vec<RecordBatch>, Unread> {
         let priced = priced(schema);
         let columns = stored_columns(schema);
-        let mut out = Vec::new();
+        let (mut out, pruning) = (Vec::new(), room.pruning());
         for (jobs, allocations) in &self.files {
             let mut by_job: HashMap<u64, (f64, Option<f64>)> = HashMap::new();
             if priced {
                 let inputs: Vec<&str> = std::iter::once("job").chain(COST_INPUTS).collect();
-                self.each(allocations, &inputs, |batch| {
+                // The GPUs' costs of the jobs the query may keep: its filters are on jobs,
+                // and only a job id means the same in both files.
+                let by_id = pruning.as_ref().and_then(|p| p.on(&["job"]));
+                self.each(allocations, &inputs, by_id.as_ref(), |batch| {
                     let (all, used) = costs(&batch, prices).map_err(Unread::File)?;
                     for (i, job) in job_ids(&batch).values().iter().enumerate() {
                         let sum = by_job.entry(*job).or_insert((0.0, None));
@@ -692,7 +734,7 @@ impl View {
                     Ok(())
                 })?;
             }
-            self.each(jobs, &columns, |batch| {
+            self.each(jobs, &columns, pruning.as_ref(), |batch| {
                 let costs = priced.then(|| {
                     job_ids(&batch)
                         .values()
@@ -886,6 +928,94 @@ mod tests {
         assert!(rows.view(HashSet::new(), epoch).expect("view").is_none());
         rows.append(&[job(1)]).expect("append");
         assert_eq!(rows.chunk_count(), 1);
+    }
+
+    /// A query's filters on job id or time skip the row groups whose statistics say they
+    /// hold no row it keeps: a query for the last jobs of a long history reads their row
+    /// group, not the history. The rows are the same as read whole.
+    #[test]
+    fn a_query_reads_only_the_row_groups_its_filters_may_keep() {
+        use datafusion::prelude::{SessionContext, col, lit};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (rows, _) = SettledRows::open(dir.path()).expect("open");
+        let n = 3 * ROW_GROUP_ROWS as u64;
+        let base = job(0);
+        let jobs: Vec<JobRecord> = (1..=n)
+            .map(|id| {
+                let mut j = base.clone();
+                j.id = id;
+                j.submit_ms = id as i64 * 1000;
+                j
+            })
+            .collect();
+        rows.append(&jobs).expect("append");
+        let state = SessionContext::new().state();
+        let read = |filters: Vec<datafusion::prelude::Expr>, table: Kind| {
+            let view = rows
+                .view(HashSet::new(), rows.epoch())
+                .expect("view")
+                .expect("this epoch");
+            let schema = match table {
+                Kind::Jobs => tables::jobs_schema(),
+                Kind::Allocations => tables::allocations_schema(),
+            };
+            let mut unlimited = |_| Ok(());
+            let mut room = Room::new(&mut unlimited).with_filters(&filters, &schema, &state);
+            let made = match table {
+                Kind::Jobs => view.jobs(&Prices::default(), &schema, &mut room),
+                Kind::Allocations => view.allocations(&Prices::default(), &schema, &mut room),
+            }
+            .expect("read");
+            let ids: Vec<u64> = made
+                .iter()
+                .flat_map(|b| job_ids(b).values().to_vec())
+                .collect();
+            (ids, view.rows_read())
+        };
+        let last = n - 10;
+        for table in [Kind::Jobs, Kind::Allocations] {
+            // The priced jobs read their allocations' costs as well: one row each here.
+            let files = match table {
+                Kind::Jobs => 2,
+                Kind::Allocations => 1,
+            };
+            let (all, whole) = read(vec![], table);
+            assert_eq!(
+                (all.len(), whole),
+                (n as usize, files * n as usize),
+                "{table:?}"
+            );
+            let (ids, part) = read(vec![col("job").gt(lit(last))], table);
+            assert_eq!(ids, (last + 1..=n).collect::<Vec<_>>(), "{table:?}");
+            assert_eq!(
+                part,
+                files * ROW_GROUP_ROWS,
+                "{table:?}: one row group of three read"
+            );
+            // A filter on a column the file does not hold (a price) is judged on the rows.
+            let (ids, part) = read(
+                vec![col("job").lt(lit(5u64)).and(col("cost_used").is_null())],
+                table,
+            );
+            assert_eq!(ids, (1..5).collect::<Vec<_>>(), "{table:?}");
+            assert_eq!(part, files * ROW_GROUP_ROWS, "{table:?}");
+        }
+        // On time: the jobs submitted in the last 100 seconds.
+        let (ids, part) = read(
+            vec![col("submit_time").gt(lit(
+                datafusion::scalar::ScalarValue::TimestampMillisecond(
+                    Some((n as i64 - 100) * 1000),
+                    Some("UTC".into()),
+                ),
+            ))],
+            Kind::Jobs,
+        );
+        assert_eq!(ids, (n - 99..=n).collect::<Vec<_>>());
+        assert_eq!(
+            part,
+            ROW_GROUP_ROWS + n as usize,
+            "no job id to judge the costs' rows by"
+        );
     }
 
     /// A merge that fails leaves the chunk just written in place and says it was written, so

@@ -299,8 +299,7 @@ pub(crate) fn job_json(
 
 impl LiveTable for JobsTable {
     fn schema(&self) -> SchemaRef {
-        static SCHEMA: LazyLock<SchemaRef> = LazyLock::new(|| JobsTable::columns(&[]).schema());
-        SCHEMA.clone()
+        jobs_schema()
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
@@ -368,6 +367,18 @@ fn unpriced(batch: &RecordBatch) -> Result<RecordBatch, String> {
         .filter(|&i| !PRICED.contains(&batch.schema().field(i).name().as_str()))
         .collect();
     batch.project(&keep).map_err(|e| e.to_string())
+}
+
+/// The `jobs` table's columns, priced ones included.
+pub(crate) fn jobs_schema() -> SchemaRef {
+    static SCHEMA: LazyLock<SchemaRef> = LazyLock::new(|| JobsTable::columns(&[]).schema());
+    SCHEMA.clone()
+}
+
+/// The `job_allocations` table's columns, priced ones included.
+pub(crate) fn allocations_schema() -> SchemaRef {
+    static SCHEMA: LazyLock<SchemaRef> = LazyLock::new(|| AllocationsTable::columns(&[]).schema());
+    SCHEMA.clone()
 }
 
 /// The schema of settled `jobs` rows as stored.
@@ -487,9 +498,7 @@ fn allocation_rows(j: &JobRecord, prices: &Prices, now: i64, rows: &mut Vec<Allo
 
 impl LiveTable for AllocationsTable {
     fn schema(&self) -> SchemaRef {
-        static SCHEMA: LazyLock<SchemaRef> =
-            LazyLock::new(|| AllocationsTable::columns(&[]).schema());
-        SCHEMA.clone()
+        allocations_schema()
     }
 
     fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
