@@ -58,17 +58,18 @@ pub trait LiveTable: Send + Sync + std::fmt::Debug {
 ///
 /// It also carries the query's filters on the table ([`Room::keep`]): a row they reject is
 /// dropped as soon as it is made, so it is never held, and a table that can tell from its
-/// storage that rows cannot match ([`Room::filters`]) need not make them at all. A query
+/// storage that rows cannot match ([`Room::pruning`]) need not make them at all. A query
 /// that selects a day of a long history then holds that day, not the history.
 pub struct Room<'a> {
     grow: &'a mut dyn FnMut(usize) -> std::result::Result<(), String>,
     rows: Option<Rows>,
 }
 
-/// The query's filters on a live table, and their conjunction over the columns it reads.
+/// The query's filters on a live table, and those of them that can be evaluated over the
+/// columns it reads.
 struct Rows {
     filters: Vec<Expr>,
-    predicate: Arc<dyn PhysicalExpr>,
+    predicates: Vec<Arc<dyn PhysicalExpr>>,
     /// The query's (its start time, for any `now()` left in a filter).
     props: ExecutionProps,
 }
@@ -87,8 +88,9 @@ impl<'a> Room<'a> {
     }
 
     /// The same room, for the rows `filters` keep of a table whose batches have `schema`
-    /// (the columns the query reads, which include every column its filters name): `None`
-    /// when they cannot be evaluated here (every row is kept; the query still filters).
+    /// (the columns the query reads, which include every column its filters name). A filter
+    /// that cannot be evaluated here is left to the query, as a volatile one is (`random()`:
+    /// judged twice, a row would be drawn twice).
     pub fn with_filters(
         mut self,
         filters: &[Expr],
@@ -100,22 +102,19 @@ impl<'a> Room<'a> {
             .filter(|e| !e.is_volatile())
             .filter_map(|e| unqualified(e.clone()))
             .collect();
-        let predicate = conjunction(filters.iter().cloned()).and_then(|p| {
-            let schema = DFSchema::try_from(schema.as_ref().clone()).ok()?;
-            state.create_physical_expr(p, &schema).ok()
-        });
-        self.rows = predicate.map(|predicate| Rows {
+        let predicates = match DFSchema::try_from(schema.as_ref().clone()) {
+            Ok(columns) => filters
+                .iter()
+                .filter_map(|f| state.create_physical_expr(f.clone(), &columns).ok())
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        self.rows = (!filters.is_empty()).then(|| Rows {
             filters,
-            predicate,
+            predicates,
             props: state.execution_props().clone(),
         });
         self
-    }
-
-    /// The query's filters on the table (volatile ones left out, columns unqualified): a
-    /// table may skip what its storage says cannot match them. Empty: every row may.
-    pub fn filters(&self) -> &[Expr] {
-        self.rows.as_ref().map_or(&[], |r| r.filters.as_slice())
     }
 
     /// What of the query's filters a table can judge its stored files by
@@ -232,15 +231,20 @@ impl Pruning {
 }
 
 impl Rows {
+    /// The rows of `batch` every predicate passes (a predicate that fails on it passes all).
     fn apply(&self, batch: RecordBatch) -> RecordBatch {
-        let mask = self
-            .predicate
-            .evaluate(&batch)
-            .and_then(|v| v.into_array(batch.num_rows()));
-        match mask.as_ref().ok().and_then(|m| m.as_boolean_opt()) {
-            Some(mask) => filter_record_batch(&batch, mask).unwrap_or(batch),
-            None => batch,
-        }
+        self.predicates.iter().fold(batch, |batch, predicate| {
+            if batch.num_rows() == 0 {
+                return batch;
+            }
+            let mask = predicate
+                .evaluate(&batch)
+                .and_then(|v| v.into_array(batch.num_rows()));
+            match mask.as_ref().ok().and_then(|m| m.as_boolean_opt()) {
+                Some(mask) => filter_record_batch(&batch, mask).unwrap_or(batch),
+                None => batch,
+            }
+        })
     }
 }
 
