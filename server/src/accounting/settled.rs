@@ -604,6 +604,14 @@ fn assemble(
     RecordBatch::try_new_with_options(schema.clone(), columns, &options).map_err(|e| e.to_string())
 }
 
+impl Drop for View {
+    fn drop(&mut self) {
+        // What a query's filters left to read ([`perch_query::Pruning`]), for an operator
+        // asking why a query over the history is slow.
+        tracing::debug!(rows = self.read.get(), "settled rows read for a query");
+    }
+}
+
 impl View {
     /// Rows read from the files so far.
     #[cfg(test)]
