@@ -38,7 +38,9 @@ use arrow::datatypes::SchemaRef;
 use parquet::arrow::ArrowWriter;
 use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::arrow::arrow_reader::statistics::StatisticsConverter;
 use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::metadata::ParquetMetaData;
 use parquet::file::properties::WriterProperties;
 use perch_query::{Pruning, Room};
 use std::collections::{HashMap, HashSet};
@@ -441,16 +443,15 @@ fn reader(
     kind: Kind,
     columns: Option<&[&str]>,
 ) -> Result<parquet::arrow::arrow_reader::ParquetRecordBatchReader, String> {
-    pruned_reader(file, kind, columns, None)
+    pruned_reader(file, kind, columns, &Pick::default())
 }
 
-/// [`reader`], of the row groups whose statistics say they may hold rows a query's filters
-/// keep (all of them without `pruning`).
+/// [`reader`], of the row groups `pick` keeps.
 fn pruned_reader(
     file: File,
     kind: Kind,
     columns: Option<&[&str]>,
-    pruning: Option<&Pruning>,
+    pick: &Pick<'_>,
 ) -> Result<parquet::arrow::arrow_reader::ParquetRecordBatchReader, String> {
     let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| e.to_string())?;
     let (found, expected) = (builder.schema().fields(), kind.schema());
@@ -469,7 +470,7 @@ fn pruned_reader(
             }
         ));
     }
-    let row_groups = pruning.and_then(|p| p.row_groups(builder.metadata(), builder.schema()));
+    let row_groups = pick.row_groups(builder.metadata(), builder.schema());
     let builder = match row_groups {
         Some(row_groups) => builder.with_row_groups(row_groups),
         None => builder,
@@ -485,6 +486,75 @@ fn pruned_reader(
         .with_batch_size(BATCH_ROWS)
         .build()
         .map_err(|e| e.to_string())
+}
+
+/// Which row groups of a file a query reads: those whose statistics say they may hold a row
+/// its filters keep ([`Pruning::row_groups`]) and, where `jobs` bounds them, a job id from
+/// `lo` to `hi`. Default: every row group.
+#[derive(Default, Clone, Copy)]
+struct Pick<'a> {
+    pruning: Option<&'a Pruning>,
+    jobs: Option<(u64, u64)>,
+}
+
+impl Pick<'_> {
+    /// The row groups to read of a file with footer `metadata` and columns `schema` (`None`:
+    /// all of them).
+    fn row_groups(&self, metadata: &ParquetMetaData, schema: &SchemaRef) -> Option<Vec<usize>> {
+        let chosen = self.pruning.and_then(|p| p.row_groups(metadata, schema));
+        let Some((lo, hi)) = self.jobs else {
+            return chosen;
+        };
+        let bounds = job_bounds(metadata, schema);
+        let all: Vec<usize> = (0..metadata.num_row_groups()).collect();
+        Some(
+            chosen
+                .unwrap_or(all)
+                .into_iter()
+                .filter(|&i| bounds[i].is_none_or(|(min, max)| max >= lo && min <= hi))
+                .collect(),
+        )
+    }
+}
+
+/// Each row group's least and greatest job id, from its statistics (`None` where it has
+/// none).
+fn job_bounds(metadata: &ParquetMetaData, schema: &SchemaRef) -> Vec<Option<(u64, u64)>> {
+    let unknown = vec![None; metadata.num_row_groups()];
+    let parquet_schema = metadata.file_metadata().schema_descr();
+    let Ok(converter) = StatisticsConverter::try_new("job", schema, parquet_schema) else {
+        return unknown;
+    };
+    let (Ok(mins), Ok(maxes)) = (
+        converter.row_group_mins(metadata.row_groups()),
+        converter.row_group_maxes(metadata.row_groups()),
+    ) else {
+        return unknown;
+    };
+    let (Some(mins), Some(maxes)) = (
+        mins.as_any().downcast_ref::<UInt64Array>(),
+        maxes.as_any().downcast_ref::<UInt64Array>(),
+    ) else {
+        return unknown;
+    };
+    (0..metadata.num_row_groups())
+        .map(|i| (mins.is_valid(i) && maxes.is_valid(i)).then(|| (mins.value(i), maxes.value(i))))
+        .collect()
+}
+
+/// The least and greatest job id in the row groups of `file` (a `kind` of file) that `pick`
+/// keeps: `None` when it keeps none.
+fn jobs_picked(file: File, pick: &Pick<'_>) -> Result<Option<(u64, u64)>, String> {
+    let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| e.to_string())?;
+    let (metadata, schema) = (builder.metadata(), builder.schema());
+    let chosen = pick
+        .row_groups(metadata, schema)
+        .unwrap_or_else(|| (0..metadata.num_row_groups()).collect());
+    let bounds = job_bounds(metadata, schema);
+    Ok(chosen
+        .into_iter()
+        .map(|i| bounds[i].unwrap_or((0, u64::MAX)))
+        .reduce(|(a, b), (c, d)| (a.min(c), b.max(d))))
 }
 
 fn read(file: File, kind: Kind, columns: Option<&[&str]>) -> Result<Vec<RecordBatch>, String> {
@@ -625,7 +695,7 @@ impl View {
         &self,
         opened: &Opened,
         columns: &[&str],
-        pruning: Option<&Pruning>,
+        pick: Pick<'_>,
         mut f: impl FnMut(RecordBatch) -> Result<(), Unread>,
     ) -> Result<(), Unread> {
         let unread =
@@ -635,7 +705,7 @@ impl View {
             .try_clone()
             .map_err(|e| unopened(&opened.path, &e))?;
         let batches =
-            pruned_reader(file, opened.kind, Some(columns), pruning).map_err(|e| unread(&e))?;
+            pruned_reader(file, opened.kind, Some(columns), &pick).map_err(|e| unread(&e))?;
         for batch in batches {
             let batch = batch.map_err(|e| unread(&e))?;
             self.read.set(self.read.get() + batch.num_rows());
@@ -669,7 +739,7 @@ impl View {
             .chain(columns.iter().copied())
             .collect();
         for (_, file) in &self.files {
-            self.each(file, &columns, None, |batch| {
+            self.each(file, &columns, Pick::default(), |batch| {
                 room.take(std::slice::from_ref(&batch))
                     .map_err(Unread::Room)?;
                 f(batch);
@@ -697,8 +767,12 @@ impl View {
             }
         }
         let (mut out, pruning) = (Vec::new(), room.pruning());
+        let pick = Pick {
+            pruning: pruning.as_ref(),
+            jobs: None,
+        };
         for (_, file) in &self.files {
-            self.each(file, &columns, pruning.as_ref(), |batch| {
+            self.each(file, &columns, pick, |batch| {
                 let costs = priced
                     .then(|| costs(&batch, prices))
                     .transpose()
@@ -722,14 +796,32 @@ impl View {
         let priced = priced(schema);
         let columns = stored_columns(schema);
         let (mut out, pruning) = (Vec::new(), room.pruning());
+        let pick = Pick {
+            pruning: pruning.as_ref(),
+            jobs: None,
+        };
         for (jobs, allocations) in &self.files {
             let mut by_job: HashMap<u64, (f64, Option<f64>)> = HashMap::new();
             if priced {
-                let inputs: Vec<&str> = std::iter::once("job").chain(COST_INPUTS).collect();
-                // The GPUs' costs of the jobs the query may keep: its filters are on jobs,
-                // and only a job id means the same in both files.
+                // The GPUs' costs of the jobs the query may keep: the job ids in the row
+                // groups of jobs it reads, and its filters on job ids (only a job id means
+                // the same in both files).
+                let file = jobs
+                    .file
+                    .try_clone()
+                    .map_err(|e| unopened(&jobs.path, &e))?;
+                let picked = jobs_picked(file, &pick)
+                    .map_err(|e| Unread::File(format!("{}: {e}", jobs.path.display())))?;
+                let Some(range) = picked else {
+                    continue;
+                };
                 let by_id = pruning.as_ref().and_then(|p| p.on(&["job"]));
-                self.each(allocations, &inputs, by_id.as_ref(), |batch| {
+                let pick = Pick {
+                    pruning: by_id.as_ref(),
+                    jobs: Some(range),
+                };
+                let inputs: Vec<&str> = std::iter::once("job").chain(COST_INPUTS).collect();
+                self.each(allocations, &inputs, pick, |batch| {
                     let (all, used) = costs(&batch, prices).map_err(Unread::File)?;
                     for (i, job) in job_ids(&batch).values().iter().enumerate() {
                         let sum = by_job.entry(*job).or_insert((0.0, None));
@@ -742,7 +834,7 @@ impl View {
                     Ok(())
                 })?;
             }
-            self.each(jobs, &columns, pruning.as_ref(), |batch| {
+            self.each(jobs, &columns, pick, |batch| {
                 let costs = priced.then(|| {
                     job_ids(&batch)
                         .values()
@@ -1021,9 +1113,12 @@ mod tests {
         assert_eq!(ids, (n - 99..=n).collect::<Vec<_>>());
         assert_eq!(
             part,
-            ROW_GROUP_ROWS + n as usize,
-            "no job id to judge the costs' rows by"
+            2 * ROW_GROUP_ROWS,
+            "the costs' rows of those jobs' ids alone"
         );
+        // No row group of jobs may hold a match: neither file is read.
+        let (ids, part) = read(vec![col("user_name").eq(lit("nobody"))], Kind::Jobs);
+        assert_eq!((ids.len(), part), (0, 0));
     }
 
     /// A merge that fails leaves the chunk just written in place and says it was written, so
