@@ -20,6 +20,9 @@
 # Each of those starts ends with the server's memory after the queries and 40 s later, idle
 # (freed memory handed back, src/memory.rs).
 #
+# With KEEP_DATA=DIR, the history's data directory is copied to DIR before the script ends (for
+# scripts/bench-filters.sh).
+#
 # Needs python3. Listens on 127.0.0.1:PORT (default 7397).
 set -euo pipefail
 PERCH=$(realpath "${PERCH:-target/release/perch}")
@@ -33,6 +36,9 @@ stop() {
   if [ -f "$work/server.pid" ]; then
     kill "$(cat "$work/server.pid")" 2>/dev/null || true
     wait 2>/dev/null || true
+  fi
+  if [ -n "${KEEP_DATA:-}" ]; then
+    rm -rf "$KEEP_DATA" && cp -r "$work/data" "$KEEP_DATA"
   fi
   rm -rf "$work"
 }

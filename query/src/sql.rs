@@ -239,7 +239,12 @@ impl SqlEngine {
     /// The template session: functions, planners and rules, every table, and every view
     /// planned. Its own runtime is never used: each query's session replaces it.
     async fn build_template(&self) -> Result<SessionState> {
-        let config = SessionConfig::new().with_information_schema(true);
+        let mut config = SessionConfig::new().with_information_schema(true);
+        // Each sort sets this aside for its merge before it sorts a row (DataFusion's default
+        // 10 MiB): under a query limit below it every ORDER BY was refused, however few its
+        // rows. An eighth of the query's memory at most.
+        let merge = &mut config.options_mut().execution.sort_spill_reservation_bytes;
+        *merge = (*merge).min(self.limits.memory_bytes / 8);
         let ctx = SessionContext::new_with_state(
             SessionStateBuilder::new()
                 .with_config(config)

@@ -349,5 +349,31 @@ async fn a_live_table_too_big_for_the_querys_memory_is_refused_as_it_is_made() {
     // not a quarter (a row drawn twice).
     let half = scalar(&sql, "SELECT count(*) FROM jobs WHERE random() < 0.5").await;
     assert!((220_000..300_000).contains(&half), "{half}");
+    // A sort under a query limit below the 10 MiB DataFusion sets aside for each sort's
+    // merge: every ORDER BY was refused under `query.memory_mb = 8`, however few its rows.
+    let one = Arc::new(Big {
+        batches: 1,
+        made: Default::default(),
+    });
+    let store = Store::open(StoreConfig::new(dir.path().join("3"))).expect("open");
+    let limits = QueryLimits {
+        memory_bytes: 4 << 20,
+        ..QueryLimits::default()
+    };
+    let sql = SqlEngine::new(store, limits).with_table("jobs", one);
+    assert_eq!(
+        scalar(
+            &sql,
+            "SELECT job FROM jobs WHERE job < 1000 ORDER BY job DESC LIMIT 1"
+        )
+        .await,
+        999
+    );
+    let sorted = sql
+        .query("SELECT job FROM jobs WHERE job < 20000 ORDER BY job DESC")
+        .await
+        .expect("20,000 rows sorted within 4 MiB");
+    assert_eq!(sorted.rows, 20_000);
+    drop(sorted);
     assert_eq!(sql.memory_in_use(), 0, "given back");
 }
