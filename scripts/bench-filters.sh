@@ -25,7 +25,7 @@ queries=(
   "SELECT * FROM job_allocations WHERE end_time >= ${SINCE:-now() - INTERVAL '1 hour'} ORDER BY job, gpu"
   "SELECT * FROM jobs WHERE user_name = 'nobody'"
   "SELECT user_name, sum(gpu_seconds_allocated) AS s FROM jobs WHERE job BETWEEN 50000 AND 50999 GROUP BY user_name ORDER BY 1"
-  "SELECT * FROM jobs"
+  "SELECT * FROM jobs ORDER BY job"
 )
 for b in 0 1; do
   bin=${bins[$b]}
@@ -67,9 +67,12 @@ PY
   mkdir -p "${TMPDIR:-/tmp}/bench-filters"; cp "$work"/answer*.json "${TMPDIR:-/tmp}/bench-filters/"
   rm -rf "$work"
 done
-echo "== answers, the build before against this one (both answered):"
+echo "== answers, the build before against this one:"
 for n in $(seq ${#queries[@]}); do
   a=${TMPDIR:-/tmp}/bench-filters/answer0-$n.json; b=${TMPDIR:-/tmp}/bench-filters/answer1-$n.json
-  if cmp -s "$a" "$b"; then echo "  query $n: same ($(wc -c < "$b") bytes)"; else echo "  query $n: differ"; fi
+  if cmp -s "$a" "$b"; then echo "  query $n: same ($(wc -c < "$b") bytes)"
+  elif grep -q '"error"' "$a" || grep -q '"error"' "$b"; then
+    echo "  query $n: $(grep -q '"error"' "$a" && echo refused || echo answered) before, $(grep -q '"error"' "$b" && echo refused || echo answered) now"
+  else echo "  query $n: DIFFER"; fi
 done
 rm -rf "${TMPDIR:-/tmp}/bench-filters"
