@@ -572,6 +572,14 @@ async fn settled_rows_answer_sql_as_the_records_did() {
             "SELECT j.job FROM jobs AS j WHERE j.job IN (1, 3) OR j.state = 'failed' ORDER BY 1",
             "SELECT job, gpu FROM job_allocations WHERE cost_allocated > 1 AND gpu = 1 ORDER BY job",
             "SELECT day, allocated_pct FROM cluster_utilization_daily WHERE allocated_pct > 0",
+            // Filters the files' statistics judge (a literal of another type, NULLs, a range,
+            // a join's side, a subquery) and one they cannot (a cast, a volatile function).
+            "SELECT count(*) AS n FROM jobs WHERE job = -1 OR job > 18446744073709551615",
+            "SELECT count(*) AS n FROM jobs WHERE NOT (job > 2) OR end_time IS NULL",
+            "SELECT count(*) AS n FROM job_allocations WHERE end_time IS NOT NULL AND gpu BETWEEN 0 AND 1",
+            "SELECT j.job, a.gpu FROM jobs j JOIN job_allocations a ON a.job = j.job WHERE j.job < 3 AND a.gpu = 1 ORDER BY 1",
+            "SELECT count(*) AS n FROM jobs WHERE job IN (SELECT job FROM job_allocations WHERE gpu = 1)",
+            "SELECT count(*) AS n FROM jobs WHERE job::VARCHAR LIKE '2%' AND random() < 2",
         ] {
             let result = sql.query(query).await.expect("query");
             let mut w = arrow::json::ArrayWriter::new(Vec::new());
