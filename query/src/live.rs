@@ -160,20 +160,20 @@ pub struct Pruning {
 }
 
 impl Pruning {
+    /// The conjuncts of the filters that name only columns `has`.
+    fn conjuncts_on(&self, has: impl Fn(&str) -> bool) -> Vec<Expr> {
+        self.filters
+            .iter()
+            .flat_map(split_conjunction)
+            .filter(|e| e.column_refs().iter().all(|c| has(&c.name)))
+            .cloned()
+            .collect()
+    }
+
     /// Only the filters on `columns` (conjuncts naming no other column): to judge another
     /// table's files by the columns the two share the meaning of (a job id). `None` if none.
     pub fn on(&self, columns: &[&str]) -> Option<Pruning> {
-        let filters: Vec<Expr> = self
-            .filters
-            .iter()
-            .flat_map(split_conjunction)
-            .filter(|e| {
-                e.column_refs()
-                    .iter()
-                    .all(|c| columns.contains(&c.name.as_str()))
-            })
-            .cloned()
-            .collect();
+        let filters = self.conjuncts_on(|name| columns.contains(&name));
         (!filters.is_empty()).then(|| Pruning {
             filters,
             props: self.props.clone(),
@@ -188,18 +188,7 @@ impl Pruning {
     pub fn row_groups(&self, metadata: &ParquetMetaData, schema: &SchemaRef) -> Option<Vec<usize>> {
         // The conjuncts on the file's columns alone: a column worked out when read (a
         // price) is judged later, on the rows made.
-        let on_file: Vec<Expr> = self
-            .filters
-            .iter()
-            .flat_map(split_conjunction)
-            .filter(|e| {
-                e.column_refs()
-                    .iter()
-                    .all(|c| schema.field_with_name(&c.name).is_ok())
-            })
-            .cloned()
-            .collect();
-        let on_file = conjunction(on_file)?;
+        let on_file = conjunction(self.conjuncts_on(|name| schema.field_with_name(name).is_ok()))?;
         let columns = DFSchema::try_from(schema.as_ref().clone()).ok()?;
         let physical = create_physical_expr(
             &on_file,
