@@ -57,8 +57,8 @@ const BATCH_ROWS: usize = 8_192;
 
 /// Rows per row group written: each row group's statistics (its least and greatest job id,
 /// submit, start and end times, ...) let a query that filters on them skip it
-/// ([`perch_query::Pruning`]); files are written in job order, so a query for a job or a
-/// recent week reads a few row groups of a long history.
+/// ([`perch_query::Pruning`]); files are written in the order jobs settled (as they ended),
+/// so a query for a recent week reads a few row groups of a long history.
 const ROW_GROUP_ROWS: usize = 4 * BATCH_ROWS;
 
 /// A chunk's two files.
@@ -542,8 +542,8 @@ fn job_bounds(metadata: &ParquetMetaData, schema: &SchemaRef) -> Vec<Option<(u64
         .collect()
 }
 
-/// The least and greatest job id in the row groups of `file` (a `kind` of file) that `pick`
-/// keeps: `None` when it keeps none.
+/// The least and greatest job id in the row groups of `file` that `pick` keeps: `None` when
+/// it keeps none.
 fn jobs_picked(file: File, pick: &Pick<'_>) -> Result<Option<(u64, u64)>, String> {
     let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| e.to_string())?;
     let (metadata, schema) = (builder.metadata(), builder.schema());
