@@ -12,7 +12,7 @@ use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use datafusion::catalog::Session;
 use datafusion::common::tree_node::{Transformed, TreeNode};
-use datafusion::common::{Column, DFSchema};
+use datafusion::common::{Column, DFSchema, ScalarValue};
 use datafusion::datasource::physical_plan::parquet::{
     ParquetAccessPlan, ParquetFileMetrics, RowGroupAccessPlanFilter,
 };
@@ -22,7 +22,7 @@ use datafusion::execution::context::ExecutionProps;
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::logical_expr::physical_planning_context::PhysicalPlanningContext;
 use datafusion::logical_expr::utils::{conjunction, split_conjunction};
-use datafusion::logical_expr::{Expr, TableProviderFilterPushDown};
+use datafusion::logical_expr::{Expr, Operator, TableProviderFilterPushDown};
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_expr::create_physical_expr;
 use datafusion::physical_optimizer::pruning::PruningPredicateBuilder;
@@ -180,6 +180,21 @@ impl Pruning {
         })
     }
 
+    /// The least and greatest value of `column` that a row the filters keep can hold, from
+    /// the filters that compare the column itself with a whole number (`=`, `<`, `<=`, `>`,
+    /// `>=`, `BETWEEN`), each a conjunct of the query's filters (any other filter narrows
+    /// nothing here): `None` when they bound neither end; a range with `lo > hi` when no
+    /// value can pass.
+    pub fn range_u64(&self, column: &str) -> Option<(u64, u64)> {
+        let (mut lo, mut hi) = (0u64, u64::MAX);
+        for e in self.filters.iter().flat_map(split_conjunction) {
+            if let Some((from, to)) = bound(e, column) {
+                (lo, hi) = (lo.max(from), hi.min(to));
+            }
+        }
+        (lo > 0 || hi < u64::MAX).then_some((lo, hi))
+    }
+
     /// Of a Parquet file whose footer is `metadata` and columns `schema`, the row groups that
     /// may hold rows the query's filters keep, by each row group's statistics (min, max,
     /// nulls): `None` to read them all (no filter on the file's own columns, or none that
@@ -235,6 +250,47 @@ impl Rows {
             }
         })
     }
+}
+
+/// The values of `column` that `e` lets through, where `e` compares the column itself with a
+/// whole number: `(lo, hi)` (`lo > hi`: none). `None` for anything else.
+fn bound(e: &Expr, column: &str) -> Option<(u64, u64)> {
+    let number = |e: &Expr| -> Option<i128> {
+        match e {
+            Expr::Literal(ScalarValue::UInt64(Some(v)), _) => Some(i128::from(*v)),
+            Expr::Literal(ScalarValue::Int64(Some(v)), _) => Some(i128::from(*v)),
+            Expr::Literal(ScalarValue::UInt32(Some(v)), _) => Some(i128::from(*v)),
+            Expr::Literal(ScalarValue::Int32(Some(v)), _) => Some(i128::from(*v)),
+            _ => None,
+        }
+    };
+    let is_column = |e: &Expr| matches!(e, Expr::Column(c) if c.name == column);
+    // Whole numbers in i128, then clamped to u64: a bound past either end lets nothing (or
+    // everything) through on that side.
+    let (lo, hi): (i128, i128) = match e {
+        Expr::BinaryExpr(b) => {
+            let (op, v) = match (is_column(&b.left), is_column(&b.right)) {
+                (true, false) => (b.op, number(&b.right)?),
+                (false, true) => (b.op.swap()?, number(&b.left)?),
+                _ => return None,
+            };
+            match op {
+                Operator::Eq => (v, v),
+                Operator::Lt => (i128::MIN, v - 1),
+                Operator::LtEq => (i128::MIN, v),
+                Operator::Gt => (v + 1, i128::MAX),
+                Operator::GtEq => (v, i128::MAX),
+                _ => return None,
+            }
+        }
+        Expr::Between(b) if !b.negated && is_column(&b.expr) => (number(&b.low)?, number(&b.high)?),
+        _ => return None,
+    };
+    let max = i128::from(u64::MAX);
+    if lo > max || hi < 0 || lo > hi {
+        return Some((1, 0));
+    }
+    Some((lo.clamp(0, max) as u64, hi.clamp(0, max) as u64))
 }
 
 /// `expr` with its columns' table names taken off: a live table's batches name their
@@ -370,5 +426,62 @@ impl TableProvider for LiveProvider {
         }
         let table = MemTable::try_new(schema, vec![batches])?;
         table.scan(state, None, filters, limit).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use datafusion::prelude::{col, lit};
+
+    fn range(filters: Vec<Expr>) -> Option<(u64, u64)> {
+        Pruning {
+            filters,
+            props: ExecutionProps::new(),
+        }
+        .range_u64("job")
+    }
+
+    /// The job ids a query's filters can keep, from the comparisons of `job` with a number
+    /// alone: what a table may skip without looking at a row. Anything it cannot read
+    /// narrows nothing, so the range is never narrower than the filters.
+    #[test]
+    fn a_range_of_job_ids_is_read_from_comparisons_alone() {
+        let job = || col("job");
+        assert_eq!(range(vec![job().eq(lit(5u64))]), Some((5, 5)));
+        assert_eq!(
+            range(vec![job().gt(lit(10u64)).and(job().lt_eq(lit(20u64)))]),
+            Some((11, 20))
+        );
+        assert_eq!(range(vec![lit(10u64).lt(job())]), Some((11, u64::MAX)));
+        assert_eq!(
+            range(vec![job().between(lit(3u64), lit(7u64))]),
+            Some((3, 7))
+        );
+        // Two filters (two conjuncts) narrow each other; another column's does not count.
+        assert_eq!(
+            range(vec![
+                job().gt_eq(lit(4u64)),
+                col("gpu").eq(lit(1u32)),
+                job().lt(lit(9i64))
+            ]),
+            Some((4, 8))
+        );
+        // Nothing can pass.
+        let (lo, hi) = range(vec![job().eq(lit(-1i64))]).expect("bounded");
+        assert!(lo > hi);
+        let (lo, hi) = range(vec![job().gt(lit(5u64)).and(job().lt(lit(3u64)))]).expect("bounded");
+        assert!(lo > hi);
+        // What it cannot read bounds nothing.
+        for e in [
+            job().gt(lit(5u64)).or(job().lt(lit(2u64))),
+            job().in_list(vec![lit(1u64), lit(3u64)], false),
+            job().not_eq(lit(5u64)),
+            job().not_between(lit(3u64), lit(7u64)),
+            (job() + lit(1u64)).eq(lit(5u64)),
+            col("gpu").eq(lit(5u32)),
+        ] {
+            assert_eq!(range(vec![e.clone()]), None, "{e}");
+        }
     }
 }

@@ -336,8 +336,12 @@ fn history_rows<R>(
     mut settled: impl FnMut(&View, &mut Room<'_>) -> Result<Vec<RecordBatch>, Unread>,
     batches: impl Fn(&[R]) -> Result<Vec<RecordBatch>, String>,
 ) -> Result<Vec<RecordBatch>, String> {
+    // The job ids the query's filters can keep: jobs held in memory outside them are not
+    // made into rows at all.
+    let ids = room.pruning().and_then(|p| p.range_u64("job"));
     let (made, mut out) = jobs
-        .accounting(
+        .accounting_of(
+            ids,
             |(made, _): &mut (Vec<R>, Vec<RecordBatch>), j| rows(j, made),
             |(_, out), view| {
                 *out = settled(view, room)?;

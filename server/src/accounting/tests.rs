@@ -580,6 +580,10 @@ async fn settled_rows_answer_sql_as_the_records_did() {
             "SELECT j.job, a.gpu FROM jobs j JOIN job_allocations a ON a.job = j.job WHERE j.job < 3 AND a.gpu = 1 ORDER BY 1",
             "SELECT count(*) AS n FROM jobs WHERE job IN (SELECT job FROM job_allocations WHERE gpu = 1)",
             "SELECT count(*) AS n FROM jobs WHERE job::VARCHAR LIKE '2%' AND random() < 2",
+            // A range of job ids: jobs outside it are not made into rows at all.
+            "SELECT job, state FROM jobs WHERE job BETWEEN 2 AND 3 AND user_name <> '' ORDER BY job",
+            "SELECT job, gpu FROM job_allocations WHERE 3 <= job ORDER BY job, gpu",
+            "SELECT count(*) AS n FROM jobs WHERE job > 2 AND job < 2",
         ] {
             let result = sql.query(query).await.expect("query");
             let mut w = arrow::json::ArrayWriter::new(Vec::new());
@@ -647,9 +651,22 @@ async fn settled_rows_answer_sql_as_the_records_did() {
     let held = answers(sql.clone()).await;
     assert!(held[0].contains("\"state\":\"failed\""), "{}", held[0]);
     assert!(held[1].contains("\"n\":4,\"d\":4"), "{}", held[1]);
+    // A walk bounded to ids 2 to 3 visits those two of the four held in memory.
+    let bounded = |jobs: &crate::jobs::JobService, ids| {
+        jobs.accounting_of(ids, |n: &mut Vec<u64>, j| n.push(j.id), |_, _| Ok(()))
+            .expect("scan")
+    };
+    assert_eq!(bounded(&jobs, Some((2, 3))), [2, 3]);
+    assert_eq!(bounded(&jobs, Some((3, 2))), Vec::<u64>::new());
+    assert_eq!(bounded(&jobs, None), [1, 2, 3, 4]);
     // Out of memory (read from the job database), then recorded (read from the files).
     jobs.tick().await.expect("tick");
     jobs.tick().await.expect("tick");
+    assert_eq!(
+        bounded(&jobs, Some((2, 3))),
+        [2, 3],
+        "read from the job database"
+    );
     assert_eq!(jobs.read(|c| c.settled_count()), 4);
     assert_eq!(
         answers(sql.clone()).await,
@@ -667,6 +684,8 @@ async fn settled_rows_answer_sql_as_the_records_did() {
         0,
         "no record read back for SQL once recorded"
     );
+    // The files hold them all now; the walk over memory and the job database visits none.
+    // Before they were written, one bounded to ids 2 to 3 visited those two alone (below).
     assert_eq!(
         answers(sql.clone()).await,
         held,

@@ -410,6 +410,7 @@ impl JobService {
             })
         };
         self.accounting_between(
+            None,
             |n: &mut usize, _| *n += 1,
             read,
             || {
@@ -462,31 +463,53 @@ impl JobService {
         visit: impl FnMut(&mut A, &JobRecord),
         read: impl FnMut(&mut A, &settled::View) -> Result<(), settled::Unread>,
     ) -> Result<A, ControlError> {
-        self.accounting_between(visit, read, || {})
+        self.accounting_between(None, visit, read, || {})
     }
 
-    /// [`JobService::accounting`], calling `between` after each walk and before the files are
-    /// opened (for tests: what the recording task may do there).
+    /// [`JobService::accounting`] for an answer that holds no job outside ids `lo` to `hi`
+    /// (a query's filters on the job id, [`perch_query::Pruning::range_u64`]): the walk
+    /// visits only those. `read` still sees every file; its rows of other jobs are for the
+    /// query's filters to drop, as they do.
+    pub(crate) fn accounting_of<A: Default>(
+        &self,
+        ids: Option<(u64, u64)>,
+        visit: impl FnMut(&mut A, &JobRecord),
+        read: impl FnMut(&mut A, &settled::View) -> Result<(), settled::Unread>,
+    ) -> Result<A, ControlError> {
+        self.accounting_between(ids, visit, read, || {})
+    }
+
+    /// [`JobService::accounting_of`], calling `between` after each walk and before the files
+    /// are opened (for tests: what the recording task may do there).
     fn accounting_between<A: Default>(
         &self,
+        ids: Option<(u64, u64)>,
         mut visit: impl FnMut(&mut A, &JobRecord),
         mut read: impl FnMut(&mut A, &settled::View) -> Result<(), settled::Unread>,
         mut between: impl FnMut(),
     ) -> Result<A, ControlError> {
+        let (lo, hi) = ids.unwrap_or((0, u64::MAX));
         let mut failure = String::new();
         for _ in 0..ACCOUNTING_TRIES {
             let mut answer = A::default();
             let epoch = self.settled.epoch();
             let mut seen = std::collections::HashSet::new();
-            let walk = Walk::all(if epoch.lost {
-                Settled::All
-            } else {
-                Settled::Unrecorded
-            });
+            let walk = Walk {
+                from: lo,
+                ..Walk::all(if epoch.lost {
+                    Settled::All
+                } else {
+                    Settled::Unrecorded
+                })
+            };
             let changes = self.walk_jobs(
                 walk,
                 |_| true,
                 |job| {
+                    // In id order: past `hi`, no job is for this answer.
+                    if job.id > hi {
+                        return false;
+                    }
                     if !epoch.lost {
                         seen.insert(job.id);
                     }
