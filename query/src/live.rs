@@ -68,10 +68,8 @@ pub struct Room<'a> {
 /// The query's filters on a live table, and those of them that can be evaluated over the
 /// columns it reads.
 struct Rows {
-    filters: Vec<Expr>,
+    filters: Pruning,
     predicates: Vec<Arc<dyn PhysicalExpr>>,
-    /// The query's (its start time, for any `now()` left in a filter).
-    props: ExecutionProps,
 }
 
 impl<'a> Room<'a> {
@@ -110,9 +108,11 @@ impl<'a> Room<'a> {
             Err(_) => Vec::new(),
         };
         self.rows = (!filters.is_empty()).then(|| Rows {
-            filters,
+            filters: Pruning {
+                filters,
+                props: state.execution_props().clone(),
+            },
             predicates,
-            props: state.execution_props().clone(),
         });
         self
     }
@@ -120,10 +120,7 @@ impl<'a> Room<'a> {
     /// What of the query's filters a table can judge its stored files by
     /// ([`Pruning::row_groups`]): `None` when the query filters nothing.
     pub fn pruning(&self) -> Option<Pruning> {
-        self.rows.as_ref().map(|rows| Pruning {
-            filters: rows.filters.clone(),
-            props: rows.props.clone(),
-        })
+        self.rows.as_ref().map(|rows| rows.filters.clone())
     }
 
     /// Counts `batches`, made for the query: an error once they pass its room.
@@ -156,6 +153,7 @@ impl<'a> Room<'a> {
 #[derive(Debug, Clone)]
 pub struct Pruning {
     filters: Vec<Expr>,
+    /// The query's (its start time, for any `now()` left in a filter).
     props: ExecutionProps,
 }
 
@@ -440,6 +438,59 @@ mod tests {
             props: ExecutionProps::new(),
         }
         .range_u64("job")
+    }
+
+    /// The rows a query's filters keep are judged as they are made, by every filter that
+    /// gives the same answer each time and can be evaluated on the columns read; the others
+    /// keep every row (the query judges them once, after).
+    #[test]
+    fn rows_are_judged_by_the_filters_that_can_judge_them_alone() {
+        use arrow::array::{Int64Array, StringArray};
+        use arrow::datatypes::{DataType, Field, Schema};
+        use datafusion::functions::math::expr_fn::random;
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("job", DataType::Int64, false),
+            Field::new("user_name", DataType::Utf8, false),
+        ]));
+        let batch = RecordBatch::try_new(
+            schema.clone(),
+            vec![
+                Arc::new(Int64Array::from_iter_values(0..10)),
+                Arc::new(StringArray::from_iter_values(
+                    (0..10).map(|i| format!("u{}", i % 2)),
+                )),
+            ],
+        )
+        .expect("batch");
+        let state = datafusion::prelude::SessionContext::new().state();
+        let kept = |filters: Vec<Expr>| {
+            let mut grant = |_| Ok(());
+            Room::new(&mut grant)
+                .with_filters(&filters, &schema, &state)
+                .keep(vec![batch.clone()])
+                .expect("room")
+                .iter()
+                .map(RecordBatch::num_rows)
+                .sum::<usize>()
+        };
+        assert_eq!(kept(vec![col("job").lt(lit(4i64))]), 4);
+        assert_eq!(
+            kept(vec![
+                col("job").lt(lit(4i64)),
+                col("user_name").eq(lit("u1"))
+            ]),
+            2
+        );
+        // Qualified as the query names them.
+        assert_eq!(kept(vec![col("jobs.job").gt_eq(lit(7i64))]), 3);
+        // `random()` drawn here and again by the query would keep a row half as often.
+        assert_eq!(kept(vec![random().lt(lit(0.0))]), 10);
+        // A column the rows do not have: left to the query, the other filter still judged.
+        assert_eq!(
+            kept(vec![col("gpu").eq(lit(1i64)), col("job").lt(lit(4i64))]),
+            4
+        );
+        assert_eq!(kept(vec![]), 10);
     }
 
     /// The job ids a query's filters can keep, from the comparisons of `job` with a number
