@@ -641,6 +641,37 @@ impl Launcher {
         }
     }
 
+    /// Whether `dir` is a directory the job's user (`user`, else the agent's) can enter: tried by
+    /// `sh -c 'cd -P'` switched to the user exactly as the job is (uid, gid and supplementary
+    /// groups), the path in its environment, not on a command line others can read.
+    fn can_enter(&self, dir: &str, user: Option<&Identity>) -> bool {
+        let Some(id) = user else {
+            return Path::new(dir).is_dir();
+        };
+        let mut cmd = match &self.setpriv {
+            Some(setpriv) => {
+                let args = identity::setpriv_args(setpriv, id);
+                let mut c = std::process::Command::new(&args[0]);
+                c.args(&args[1..]).arg("/bin/sh");
+                c
+            }
+            None => {
+                let mut c = std::process::Command::new("/bin/sh");
+                c.uid(id.uid).gid(id.gid);
+                c
+            }
+        };
+        cmd.args(["-c", "cd -P -- \"$PERCH_WORKDIR\""])
+            .env_clear()
+            .env("PATH", command::PREFIX_PATH)
+            .env("PERCH_WORKDIR", dir)
+            .current_dir("/")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        cmd.status().is_ok_and(|s| s.success())
+    }
+
     /// The job's cgroup, when it gets one; notes limits not enforced, in its log too.
     fn cgroup(&mut self, l: &JobLaunch, log: &mut File) -> Option<JobCgroup> {
         let asked = l.memory_mb.is_some() || l.cpus.is_some();
@@ -685,16 +716,6 @@ impl Launcher {
             code: 127,
             why: format!("{what}: {e}"),
         };
-        // A missing working directory fails the spawn with the same error as a missing
-        // program ("cannot run \"python\": No such file or directory"): name it instead.
-        if let Some(w) = l.workdir.as_deref()
-            && !Path::new(w).is_dir()
-        {
-            return Err(NotStarted {
-                code: 127,
-                why: format!("its working directory {w:?} is not a directory on this node"),
-            });
-        }
         let dir = self.job_dir(l.job);
         fs::create_dir_all(&dir).map_err(|e| io(&format!("creating {}", dir.display()), e))?;
         // A new attempt starts new output; the server's copy is kept per job. The agent reads
@@ -712,6 +733,23 @@ impl Launcher {
         ];
         self.outputs.insert(l.job, l.attempt, readers);
         let user = self.identity(l)?;
+        // A missing working directory fails the spawn with the same error as a missing
+        // program ("cannot run \"python\": No such file or directory"): name it instead. Tried
+        // as the job's user, so that one it may not enter fails alike whether or not it exists
+        // (as root, the check would tell the user what a root-only directory holds).
+        if let Some(w) = l.workdir.as_deref()
+            && !self.can_enter(w, user.as_ref())
+        {
+            let who = user
+                .as_ref()
+                .map_or(self.agent_user.1.as_str(), |id| &id.name);
+            return Err(NotStarted {
+                code: 127,
+                why: format!(
+                    "its working directory {w:?} is not a directory on this node that {who} can enter"
+                ),
+            });
+        }
         let hostfile = if l.hosts.is_empty() {
             None
         } else {

@@ -476,3 +476,61 @@ fn a_link_left_where_the_hostfile_goes_is_not_followed() {
     assert!(meta.is_file());
     assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), uid);
 }
+
+#[test]
+fn a_workdir_the_user_cannot_enter_fails_alike_whether_it_exists_or_not() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .expect("chmod");
+    let mut l = Launcher::new(&dir.path().join("jobs")).expect("launcher");
+    l.set_isolation(&Isolation {
+        run_as_user: RunAsUser::IfPossible,
+        cgroups: CgroupMode::Off,
+        root: PathBuf::new(),
+        uids: UidPolicy::default(),
+    });
+    // A directory of root's (the agent's, when not root) that only its owner may enter.
+    let secret = dir.path().join("secret");
+    fs::create_dir_all(secret.join("inner")).expect("mkdir");
+    fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+        .expect("chmod");
+    let user = is_root().then(|| TestUser::create("wd"));
+    let name = user.as_ref().map_or("somebody", |u| u.name.as_str());
+    let mut run = |job: u64, workdir: &Path| {
+        let mut launch = launch(job, name, "pwd");
+        launch.workdir = Some(workdir.display().to_string());
+        l.launch(&launch);
+        let exit = wait_exit(&mut l, job);
+        let why = exit.error.unwrap_or_default();
+        (
+            exit.code,
+            why.replace(&workdir.display().to_string(), "<dir>"),
+        )
+    };
+    let missing = run(1, &secret.join("missing"));
+    assert_eq!(missing.0, 127);
+    assert!(
+        missing
+            .1
+            .contains("working directory \"<dir>\" is not a directory"),
+        "{missing:?}"
+    );
+    if user.is_none() {
+        // The agent's own user can enter its own directory: nothing is hidden from it.
+        eprintln!("not root: the check runs as the agent's user");
+        let entered = run(2, &secret.join("inner"));
+        assert_eq!(entered.0, 0, "{entered:?}");
+        return;
+    }
+    // Inside the root-only directory, existing or not, and the directory itself.
+    assert_eq!(run(2, &secret.join("inner")), missing);
+    assert_eq!(run(3, &secret), missing);
+    // A directory the user may enter still works.
+    fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    let entered = run(4, &secret.join("inner"));
+    assert_eq!(entered.0, 0, "{entered:?}");
+}

@@ -8,8 +8,10 @@
 //! - it starts the job in a process group of its own and records the group in the root-only
 //!   state directory ([`super::groups`]), where the agent (this one or a restarted one) finds it;
 //! - it is a child subreaper, so whatever the job leaves behind (a `setsid` daemon, a double
-//!   fork) is re-parented to it: when the job's first process exits, or the lease runs out,
-//!   every descendant is killed ([`super::tree`]), and the job's cgroup with `cgroup.kill`;
+//!   fork, a chain of processes that each fork and exit at once) is re-parented to it: when the
+//!   job's first process exits (cancelled, or at its time limit, too), every descendant gets
+//!   SIGTERM, then SIGKILL after the job's grace (at most [`LEFTOVER_GRACE_MAX`]), the job's
+//!   cgroup `cgroup.kill`, and the supervisor reaps until it has no child left ([`super::tree`]);
 //! - it reads the node's lease ([`super::lease`]) once a second: when the agent has not renewed
 //!   it in time, it sends the job's checkpoint signal and, at the deadline, SIGKILLs everything,
 //!   before the server may start the job elsewhere;
@@ -23,11 +25,12 @@
 use super::groups::GroupState;
 use super::lease::{Lease, boot_ms};
 use rustix::process::{Pid, Signal, WaitOptions};
+use std::collections::HashSet;
 use std::ffi::OsString;
 use std::fs;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The hidden subcommand of the `perch` binary that runs [`main`].
 pub const SUBCOMMAND: &str = "__job-shim";
@@ -194,6 +197,83 @@ fn kill_all(pgid: Pid, cgroup: Option<&Path>) {
     super::tree::kill_descendants(rustix::process::getpid().as_raw_nonzero().get());
 }
 
+/// The most a process the job left gets between SIGTERM and SIGKILL once the job's first
+/// process ended, whatever the job's grace (which its first process had when it was stopped).
+const LEFTOVER_GRACE_MAX: Duration = Duration::from_secs(10);
+
+/// How long the supervisor waits for SIGKILLed processes to go: one in uninterruptible sleep
+/// (a hung file system, a device) dies only when it wakes.
+const KILL_WAIT: Duration = Duration::from_secs(10);
+
+/// Ends what the job left once its first process exited: SIGTERM to its group and to every
+/// descendant of this process (a child subreaper, so every orphan of the job is one, whatever
+/// group or session it moved to), SIGKILL to all of them, its cgroup too, after `grace` or once
+/// `lease_out` says the lease's kill deadline passed; and reaps until this process has no
+/// child at all (`ECHILD`). Each round looks again, so a process that forks and exits at once,
+/// over and over, is caught when it next shows up. Gives up [`KILL_WAIT`] after the SIGKILL,
+/// saying so in the job's log.
+fn end_leftovers(pgid: Pid, cgroup: Option<&Path>, grace: Duration, lease_out: impl Fn() -> bool) {
+    let me = rustix::process::getpid().as_raw_nonzero().get();
+    let start = Instant::now();
+    let mut kill_from = start + grace;
+    let mut termed = HashSet::new();
+    let mut kill_started = None;
+    loop {
+        if reap_all() {
+            return;
+        }
+        let now = Instant::now();
+        if kill_started.is_none() && now < kill_from && lease_out() {
+            kill_from = now;
+        }
+        let left = super::tree::descendants(Path::new("/proc"), me);
+        if now < kill_from {
+            if termed.is_empty() {
+                let _ = rustix::process::kill_process_group(pgid, Signal::TERM);
+            }
+            for pid in left {
+                if termed.insert(pid)
+                    && let Some(pid) = Pid::from_raw(pid)
+                {
+                    let _ = rustix::process::kill_process(pid, Signal::TERM);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        }
+        let since = *kill_started.get_or_insert(now);
+        let _ = rustix::process::kill_process_group(pgid, Signal::KILL);
+        if let Some(cg) = cgroup {
+            let _ = fs::write(cg.join("cgroup.kill"), "1");
+        }
+        for pid in &left {
+            if let Some(pid) = Pid::from_raw(*pid) {
+                let _ = rustix::process::kill_process(pid, Signal::KILL);
+            }
+        }
+        if now.duration_since(since) >= KILL_WAIT {
+            eprintln!(
+                "perch: {} process(es) of the job did not die within {} s of SIGKILL (in uninterruptible sleep?): {left:?}; recording the job's end, they die when they wake",
+                left.len(),
+                KILL_WAIT.as_secs()
+            );
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Reaps every exited child without blocking; true once this process has no child left.
+fn reap_all() -> bool {
+    loop {
+        match rustix::process::wait(WaitOptions::NOHANG) {
+            Ok(Some(_)) => {}
+            Ok(None) => return false,
+            Err(e) => return e == rustix::io::Errno::CHILD,
+        }
+    }
+}
+
 /// Reaps every exited child without blocking; returns the leader's code once it exited.
 fn reap(leader: Pid) -> Option<i32> {
     let mut code = None;
@@ -285,15 +365,16 @@ pub fn main(args: &[OsString]) -> i32 {
         }
         std::thread::sleep(Duration::from_millis(if fenced { 100 } else { 500 }));
     };
-    // The job's first process ended: whatever it left goes too, then the record.
-    kill_all(leader, a.cgroup.as_deref());
-    for _ in 0..100 {
-        let _ = reap(leader);
-        if super::tree::descendants(Path::new("/proc"), me.as_raw_nonzero().get()).is_empty() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    // The job's first process ended: whatever it left goes too, then the record. Left over
+    // after a SIGKILL of everything (the lease ran out) it gets no grace.
+    let grace = if killed {
+        Duration::ZERO
+    } else {
+        Duration::from_secs(a.grace_secs).min(LEFTOVER_GRACE_MAX)
+    };
+    end_leftovers(leader, a.cgroup.as_deref(), grace, || {
+        Lease::read(&a.state).is_none_or(|l| boot_ms() >= l.deadlines(grace_ms).kill_at)
+    });
     let rec = ExitRecord {
         attempt: a.attempt,
         code,
