@@ -97,12 +97,16 @@ pub struct ServerSection {
     pub max_pending_jobs_per_user: usize,
     /// Most MiB of command and environment one user's pending jobs may hold.
     pub max_pending_job_mb_per_user: usize,
-    /// Most HTTP connections open at once; more wait in the kernel's backlog.
+    /// Most HTTP connections open at once; past it the one idle longest is closed for a new one,
+    /// which waits when none is idle.
     pub max_connections: usize,
-    /// Most HTTP connections open at once from one address; more are closed at once.
+    /// Most HTTP connections open at once from one address; past it one idle of its own is
+    /// closed for a new one, else 16 more are served on probation for agents' routes only.
     pub max_connections_per_ip: usize,
     /// An HTTP connection on which nothing moves this long is closed.
     pub idle_timeout_secs: u64,
+    /// The most a request's head and body may take from their first byte (s).
+    pub request_timeout_secs: u64,
     pub maintenance_interval_secs: u64,
     pub compact_below_mb: u64,
     pub compact_min_files: usize,
@@ -111,6 +115,12 @@ pub struct ServerSection {
     pub retention_days: std::collections::BTreeMap<String, u64>,
     /// Days a job's stored output (`perch logs`) is kept after the job ended; 0: for ever.
     pub job_output_days: u64,
+    /// Most MiB of the server's disk one user's jobs' stored output may occupy; past it their
+    /// new output is not stored (the job's timeline says so). 0: no bound.
+    pub max_job_output_mb_per_user: u64,
+    /// Most MiB of the server's disk all stored job output may occupy; past it no new output
+    /// is stored. 0: no bound.
+    pub max_job_output_total_mb: u64,
     /// Where the Parquet files and the manifest live.
     pub storage: StorageSection,
     /// Address of the PostgreSQL-protocol SQL listener; empty turns it off. With a tokens file
@@ -144,11 +154,20 @@ impl Default for ServerSection {
             idle_timeout_secs: perch_server::listener::ConnectionLimits::default()
                 .idle_timeout
                 .as_secs(),
+            request_timeout_secs: perch_server::listener::ConnectionLimits::default()
+                .request_timeout
+                .as_secs(),
             maintenance_interval_secs: 300,
             compact_below_mb: 64,
             compact_min_files: 8,
             retention_days: Default::default(),
             job_output_days: perch_server::jobs::DEFAULT_OUTPUT_RETENTION.as_secs() / 86_400,
+            max_job_output_mb_per_user: perch_server::jobs::JobsConfig::default()
+                .max_output_bytes_per_user
+                .map_or(0, |b| b >> 20),
+            max_job_output_total_mb: perch_server::jobs::JobsConfig::default()
+                .max_output_bytes_total
+                .map_or(0, |b| b >> 20),
             storage: StorageSection::default(),
             pg_listen: "127.0.0.1:7432".into(),
             tokens_file: PathBuf::new(),
@@ -219,6 +238,11 @@ pub struct QuerySection {
     pub max_concurrent: usize,
     /// Temporary files all queries together may spill to (MiB); 0 turns spilling off.
     pub spill_mb: u64,
+    /// The longest statement taken (KiB).
+    pub max_statement_kb: usize,
+    /// The deepest statement taken: operators chained, brackets, CASE and UNION nested
+    /// (`perch_query::guard`).
+    pub max_expression_depth: usize,
 }
 
 impl Default for QuerySection {
@@ -230,6 +254,8 @@ impl Default for QuerySection {
             total_memory_mb: 2048,
             max_concurrent: 4,
             spill_mb: 4096,
+            max_statement_kb: perch_query::guard::DEFAULT_MAX_BYTES >> 10,
+            max_expression_depth: perch_query::guard::DEFAULT_MAX_DEPTH,
         }
     }
 }
@@ -918,6 +944,13 @@ impl Config {
             secs,
         )?;
         within(
+            "server.request_timeout_secs",
+            srv.request_timeout_secs,
+            1,
+            DAY,
+            secs,
+        )?;
+        within(
             "server.maintenance_interval_secs",
             srv.maintenance_interval_secs,
             1,
@@ -964,6 +997,23 @@ impl Config {
                     self.server.job_output_days
                 ),
             );
+        }
+        for (key, mb) in [
+            (
+                "server.max_job_output_mb_per_user",
+                self.server.max_job_output_mb_per_user,
+            ),
+            (
+                "server.max_job_output_total_mb",
+                self.server.max_job_output_total_mb,
+            ),
+        ] {
+            if mb > 1 << 30 {
+                return bad(
+                    key,
+                    &format!("must be at most 1073741824 MiB (1 PiB; 0 is no bound), got {mb}"),
+                );
+            }
         }
         for (table, days) in &self.server.retention_days {
             if *days > 36_500 {
@@ -1094,6 +1144,21 @@ impl Config {
                 ),
             );
         }
+        if !(1..=64 << 10).contains(&self.query.max_statement_kb) {
+            return bad(
+                "query.max_statement_kb",
+                "must be between 1 and 65536 (64 MiB)",
+            );
+        }
+        if !(16..=perch_query::guard::MAX_MAX_DEPTH).contains(&self.query.max_expression_depth) {
+            return bad(
+                "query.max_expression_depth",
+                &format!(
+                    "must be between 16 and {}: the SQL threads' stacks grow with it",
+                    perch_query::guard::MAX_MAX_DEPTH
+                ),
+            );
+        }
         if !(1..=1024).contains(&self.query.max_concurrent) {
             return bad("query.max_concurrent", "must be between 1 and 1024");
         }
@@ -1202,6 +1267,8 @@ impl Config {
             total_memory_bytes: self.query.total_memory_mb << 20,
             max_concurrent: self.query.max_concurrent,
             spill_bytes: self.query.spill_mb << 20,
+            max_statement_bytes: self.query.max_statement_kb << 10,
+            max_expression_depth: self.query.max_expression_depth,
         };
         config.max_body_bytes = s.max_body_mb << 20;
         config.node_stale_after = Duration::from_secs(s.node_stale_after_secs);
@@ -1212,6 +1279,10 @@ impl Config {
         config.jobs.max_pending_bytes_per_user = s.max_pending_job_mb_per_user << 20;
         config.jobs.output_retention =
             (s.job_output_days > 0).then(|| Duration::from_secs(s.job_output_days * 86_400));
+        config.jobs.max_output_bytes_per_user =
+            (s.max_job_output_mb_per_user > 0).then_some(s.max_job_output_mb_per_user << 20);
+        config.jobs.max_output_bytes_total =
+            (s.max_job_output_total_mb > 0).then_some(s.max_job_output_total_mb << 20);
         config.jobs.policy = self.scheduler.policy()?;
         if let Some(path) = self.source.clone() {
             config.policy_source = Some(perch_server::PolicySource::new(move || {
@@ -1224,6 +1295,7 @@ impl Config {
             max_connections: s.max_connections,
             max_per_ip: s.max_connections_per_ip,
             idle_timeout: Duration::from_secs(s.idle_timeout_secs),
+            request_timeout: Duration::from_secs(s.request_timeout_secs),
         };
         config.pg_listen = Some(s.pg_listen.clone()).filter(|a| !a.is_empty());
         config.accounting = self.accounting.server_config();
@@ -1576,6 +1648,10 @@ mod tests {
             (
                 "[server.retention_days]\ngpu_samples = 9223372036854775807",
                 "server.retention_days.gpu_samples: must be at most 36500 days",
+            ),
+            (
+                "[server]\nmax_job_output_mb_per_user = 18446744073709551615",
+                "server.max_job_output_mb_per_user: must be at most 1073741824 MiB (1 PiB; 0 is no bound)",
             ),
             (
                 "[agent]\nsimulate_gpus = 65",

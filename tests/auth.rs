@@ -718,3 +718,35 @@ fn every_role_reaches_exactly_the_routes_the_table_gives() {
         wrong.join("\n")
     );
 }
+
+/// Issue 55: an agent token's sync without its agent's id skipped the node's claim check, so
+/// a second sender could report the node's jobs as gone and have them killed. It is refused,
+/// saying what to send; with the id it is served.
+#[test]
+fn an_agent_tokens_sync_must_carry_its_agent_id() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = common::server_with_tokens(dir.path(), &common::role_tokens("gpu-a"));
+    let client = reqwest::blocking::Client::new();
+    let sync = |body: &str| {
+        client
+            .post(format!("{}/v1/agent/sync", server.url))
+            .bearer_auth(AGENT)
+            .header("content-type", "application/json")
+            .body(body.to_owned())
+            .send()
+            .expect("sync")
+    };
+    let refused = sync(r#"{"node": "gpu-a", "gpus": 1, "gpu_model": "T"}"#);
+    assert_eq!(refused.status().as_u16(), 400);
+    let body: serde_json::Value = refused.json().expect("JSON");
+    assert_eq!(body["error"]["code"], "invalid_sync", "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("agent_id")
+    );
+    let served =
+        sync(r#"{"node": "gpu-a", "gpus": 1, "gpu_model": "T", "agent_id": "0123456789abcdef"}"#);
+    assert!(served.status().is_success(), "{:?}", served.text());
+}

@@ -111,3 +111,152 @@ fn a_full_disk_loses_no_acknowledged_sample_and_perch_recovers_by_itself() {
     );
     assert!(count(&perch, 0, full_to) >= acknowledged);
 }
+
+/// Issue 55: with the data directory full, a commit of the job database failed and every
+/// later submit, listing and agent sync answered 500, even after space returned, while
+/// `/readyz` said ready; agents could not renew their leases. Now: refusals are 503
+/// `job_db_unavailable`, `/readyz` and the built-in alert `JobDatabaseFailing` say why, agents'
+/// syncs renew their leases (the running job outlives its 5 s lease several times over), and
+/// once there is room the job database is reopened by itself: submissions work again, the job
+/// still runs its first attempt, and no refused submission became a job.
+#[test]
+fn a_full_disk_refuses_job_changes_keeps_leases_and_the_job_database_recovers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("server");
+    std::fs::create_dir_all(&data).expect("mkdir");
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=24m", "tmpfs"])
+        .arg(&data)
+        .status()
+        .expect("mount");
+    assert!(mounted.success(), "mounting a tmpfs needs root");
+    let _mount = Mount(data.clone());
+    let perch = common::server_with_config(
+        dir.path(),
+        "[server]\npg_listen = \"\"\nnode_stale_after_secs = 2\nnode_lease_secs = 5\n\
+         [alerts]\nevaluation_interval = \"1s\"\n",
+        &[],
+    );
+    let _agent = Agent::start(
+        &perch.url,
+        "gpu-a",
+        &dir.path().join("agent"),
+        1,
+        None,
+        &["--interval-ms", "200"],
+    );
+    let client = reqwest::blocking::Client::new();
+    let submit = |command: Vec<&str>, pad: usize| {
+        // Up to 180 KiB a job: the environment's limit is 64 KiB, an argument's 128 KiB.
+        let env = serde_json::json!({ "PAD": "x".repeat(pad.min(60 << 10)) });
+        let mut command: Vec<String> = command.into_iter().map(str::to_owned).collect();
+        if pad > 0 {
+            command.push("x".repeat(pad.saturating_sub(60 << 10).min(120 << 10)));
+        }
+        client
+            .post(format!("{}/v1/jobs", perch.url))
+            .json(&serde_json::json!({
+                "name": "pad", "command": command, "gpus_per_node": 1,
+                "env": env, "time_limit_secs": 3600
+            }))
+            .send()
+            .expect("submit")
+    };
+    let marker = format!("sleep {}", 600 + std::process::id() % 300);
+    let first = submit(vec!["sh", "-c", &marker], 0);
+    assert!(first.status().is_success(), "{:?}", first.text());
+    let running = || {
+        let job = perch.get("/v1/jobs/1");
+        (job["state"] == "running").then_some(job)
+    };
+    wait_for("the job to run", running);
+    let alive = || {
+        Command::new("pgrep")
+            .args(["-f", &marker])
+            .stdout(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    wait_for("its process", || alive().then_some(()));
+
+    // Fill the disk to the last byte, then submit until a commit cannot be written.
+    let filler = data.join("filler");
+    let _ = Command::new("dd")
+        .args(["if=/dev/zero", "bs=64k"])
+        .arg(format!("of={}", filler.display()))
+        .output()
+        .expect("dd");
+    let mut accepted = 1;
+    let refused = loop {
+        let response = submit(vec!["true"], 180 << 10);
+        let status = response.status().as_u16();
+        let body: serde_json::Value = response.json().expect("JSON");
+        match status {
+            201 | 200 => accepted += 1,
+            503 => break body,
+            other => panic!("a submission on a full disk answered {other}: {body}"),
+        }
+        assert!(accepted < 200, "24 MiB never filled");
+    };
+    assert_eq!(refused["error"]["code"], "job_db_unavailable", "{refused}");
+    let full_since = std::time::Instant::now();
+    let ready = || {
+        client
+            .get(format!("{}/readyz", perch.url))
+            .send()
+            .expect("readyz")
+    };
+    let not_ready = ready();
+    assert_eq!(not_ready.status().as_u16(), 503);
+    assert!(
+        not_ready
+            .text()
+            .unwrap_or_default()
+            .contains("job database")
+    );
+    wait_for("JobDatabaseFailing firing", || {
+        let alerts = perch.get("/v1/alerts");
+        alerts["alerts"]
+            .as_array()?
+            .iter()
+            .any(|a| a["labels"]["alertname"] == "JobDatabaseFailing" && a["state"] == "firing")
+            .then_some(())
+    });
+    // Three leases long: without renewals the agent would have stopped the job.
+    while full_since.elapsed() < Duration::from_secs(15) {
+        assert!(
+            alive(),
+            "the job was stopped while the job database could not commit"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let still = submit(vec!["true"], 0);
+    assert_eq!(still.status().as_u16(), 503);
+
+    // Room again: the job database comes back by itself.
+    std::fs::remove_file(&filler).expect("free the disk");
+    wait_for("/readyz ready again", || {
+        (ready().status().as_u16() == 200).then_some(())
+    });
+    let again = submit(vec!["true"], 0);
+    assert!(again.status().is_success(), "{:?}", again.text());
+    let job = perch.get("/v1/jobs/1");
+    assert_eq!(job["state"], "running", "{job}");
+    assert_eq!(job["attempts"], 1, "{job}");
+    assert!(alive());
+    // Every accepted job is there, and nothing refused became one: ids run 1..=accepted, then
+    // the one submitted since.
+    let listed = perch.get("/v1/jobs?limit=1000");
+    let mut ids: Vec<u64> = listed["jobs"]
+        .as_array()
+        .expect("jobs")
+        .iter()
+        .filter_map(|j| j["id"].as_u64())
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(ids.len(), accepted + 1, "{ids:?}");
+    assert_eq!(
+        ids[..accepted],
+        (1..=accepted as u64).collect::<Vec<_>>()[..]
+    );
+}

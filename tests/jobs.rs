@@ -1141,3 +1141,53 @@ fn listings_page_and_perch_jobs_shows_a_running_job_behind_any_history() {
         assert_eq!(body["error"]["code"], "bad_parameters", "{query}");
     }
 }
+
+/// Issue 55: an agent token's batch with the largest sequence number and no agent-id header
+/// went past the node's claim (checked only when the header was there), and every later batch
+/// of the node's own agent was a duplicate: its telemetry stopped. Now such a batch is refused
+/// (400, saying to send the header), and the node's samples keep arriving.
+#[test]
+fn an_agent_token_without_its_agent_id_cannot_stop_its_nodes_telemetry() {
+    use common::{AGENT, OPERATOR};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = common::server_with_tokens(dir.path(), &common::role_tokens("gpu-a"));
+    let _agent = common::Agent::start(
+        &perch.url,
+        "gpu-a",
+        &dir.path().join("agent"),
+        1,
+        Some(AGENT),
+        &["--interval-ms", "200"],
+    );
+    let client = reqwest::blocking::Client::new();
+    let samples = || -> i64 {
+        let r: Value = client
+            .post(format!("{}/v1/sql", perch.url))
+            .bearer_auth(OPERATOR)
+            .json(&serde_json::json!({"sql": "SELECT count(*) AS n FROM gpu_samples WHERE node = 'gpu-a'"}))
+            .send()
+            .expect("sql")
+            .json()
+            .expect("json");
+        r["rows"][0]["n"].as_i64().unwrap_or(0)
+    };
+    wait_for("the agent's first samples", || {
+        (samples() > 0).then_some(())
+    });
+    let mut last = common::marked_batch("gpu-a", 1);
+    last["seq"] = u64::MAX.into();
+    let r = client
+        .post(format!("{}/v1/ingest", perch.url))
+        .bearer_auth(AGENT)
+        .json(&last)
+        .send()
+        .expect("ingest");
+    let status = r.status().as_u16();
+    let body = r.text().expect("text");
+    let before = samples();
+    wait_for("the agent's samples to keep arriving", || {
+        (samples() >= before + 5).then_some(())
+    });
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("x-perch-agent"), "{body}");
+}

@@ -414,16 +414,10 @@ fn with_tokens_a_job_pushes_with_its_own_token_and_nobody_pushes_for_others() {
     assert_eq!(push(None, "1", "alice"), 401, "anonymous");
     // The job's token (within its grace after the end) files a forged claim under its own job.
     assert_eq!(push(Some(&token), "99", "bob"), 200);
-    // Bob's token cannot push as alice.
-    assert_eq!(push(Some(BOB), "1", "alice"), 200);
+    // Bob's token can neither push as alice nor into her job.
+    assert_eq!(push(Some(BOB), "1", "alice"), 403);
     let rows = sql("SELECT job, user_name FROM job_metrics WHERE value = 9.0 ORDER BY user_name");
-    assert_eq!(
-        rows,
-        vec![
-            json!({"job": "1", "user_name": "alice"}),
-            json!({"job": "1", "user_name": "bob"})
-        ]
-    );
+    assert_eq!(rows, vec![json!({"job": "1", "user_name": "alice"})]);
     // The job's token opens nothing else; a made-up one nothing at all.
     let r = client
         .get(format!("{}/v1/jobs", perch.url))
@@ -433,4 +427,110 @@ fn with_tokens_a_job_pushes_with_its_own_token_and_nobody_pushes_for_others() {
     assert_eq!(r.status().as_u16(), 403);
     let forged = format!("perch-job.1.1.{}", "0".repeat(64));
     assert_eq!(push(Some(&forged), "1", "alice"), 401);
+}
+
+/// Issue 55: alice's token naming bob's job (`perch.job.id`) filed rows under it, and 210
+/// metric names filled its series limit, so bob's own metric was dropped. Now points for a job
+/// are taken only from its owner (or an operator, or the job's own token): alice's are refused,
+/// 403 when nothing of her export is left and as a partial success when some is, and nothing of
+/// hers lands under bob's job, while bob's own points do.
+#[test]
+fn a_users_token_cannot_write_metrics_into_another_users_job() {
+    use common::{ALICE, BOB, OPERATOR};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = common::server_with_tokens(dir.path(), &common::role_tokens("gpu-a"));
+    let client = reqwest::blocking::Client::new();
+    let submit = |token: &str| -> String {
+        let r = client
+            .post(format!("{}/v1/jobs", perch.url))
+            .bearer_auth(token)
+            .json(&json!({"command": ["true"]}))
+            .send()
+            .expect("submit");
+        assert_eq!(r.status().as_u16(), 201);
+        r.json::<Value>().expect("json")["id"].to_string()
+    };
+    let bobs = submit(BOB);
+    let alices = submit(ALICE);
+    let export = |token: &str, body: &Value| -> (u16, Value) {
+        let r = client
+            .post(format!("{}/v1/metrics", perch.url))
+            .bearer_auth(token)
+            .json(body)
+            .send()
+            .expect("POST /v1/metrics");
+        (r.status().as_u16(), r.json().unwrap_or(Value::Null))
+    };
+    let count = |job: &str| -> i64 {
+        let r: Value = client
+            .post(format!("{}/v1/sql", perch.url))
+            .bearer_auth(OPERATOR)
+            .json(&json!({"sql": format!("SELECT count(*) AS n FROM job_metrics WHERE job = '{job}'")}))
+            .send()
+            .expect("sql")
+            .json()
+            .expect("json");
+        r["rows"][0]["n"].as_i64().unwrap_or_else(|| panic!("{r}"))
+    };
+    // 210 metric names from alice, naming bob's job.
+    let mut flood = gauge(&bobs, 1.0);
+    let one = flood["resourceMetrics"][0]["scopeMetrics"][0]["metrics"][0].clone();
+    flood["resourceMetrics"][0]["scopeMetrics"][0]["metrics"] = (0..210)
+        .map(|i| {
+            let mut m = one.clone();
+            m["name"] = format!("alice_{i}").into();
+            m
+        })
+        .collect();
+    let (status, answer) = export(ALICE, &flood);
+    assert_eq!(status, 403, "{answer}");
+    let message = answer["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(&format!(
+            "210 data point(s) refused: job \"{bobs}\" belongs to bob, not alice"
+        )),
+        "{answer}"
+    );
+    // A job that does not exist yet cannot be filled ahead of its owner either.
+    let (status, answer) = export(ALICE, &gauge("999", 1.0));
+    assert_eq!(status, 403, "{answer}");
+    assert!(
+        answer.to_string().contains("names no job of this server"),
+        "{answer}"
+    );
+    // One export with a resource for each job: hers is stored, the other refused and said so.
+    let mut both = gauge(&alices, 2.0);
+    let theirs = gauge(&bobs, 2.0)["resourceMetrics"][0].clone();
+    both["resourceMetrics"]
+        .as_array_mut()
+        .expect("resources")
+        .push(theirs);
+    let (status, answer) = export(ALICE, &both);
+    assert_eq!(status, 200, "{answer}");
+    // An int64, which OTLP/JSON may write as a string.
+    assert_eq!(
+        answer["partialSuccess"]["rejectedDataPoints"]
+            .to_string()
+            .trim_matches('"'),
+        "1",
+        "{answer}"
+    );
+    assert!(
+        answer["partialSuccess"]["errorMessage"]
+            .as_str()
+            .is_some_and(|m| m.contains("belongs to bob")),
+        "{answer}"
+    );
+    assert_eq!(count(&bobs), 0, "alice's points landed under bob's job");
+    assert_eq!(count(&alices), 1);
+    // Bob's own points, and an operator's, land.
+    let (status, answer) = export(BOB, &gauge(&bobs, 3.0));
+    assert_eq!(
+        (status, answer.get("partialSuccess")),
+        (200, None),
+        "{answer}"
+    );
+    let (status, _) = export(OPERATOR, &gauge(&bobs, 4.0));
+    assert_eq!(status, 200);
+    assert_eq!(count(&bobs), 2);
 }

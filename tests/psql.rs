@@ -725,3 +725,68 @@ fn every_documented_query_runs_through_psql() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "1|alice|alice|perch");
 }
+
+/// One statement must not end the server (issue 55): `SELECT 1+1+...+1` with 2,000 terms or
+/// an `OR` chain of 2,500 overflowed a SQL thread's stack and aborted `perch up`, its agent
+/// with it. Now both are refused before they are parsed, over HTTP (400 `query_too_complex`)
+/// and psql (SQLSTATE 54001), on the plain and the extended protocol; a statement at the
+/// bound is answered; the server and its agent go on.
+#[test]
+fn deep_statements_are_refused_and_the_server_lives() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut perch, addr) = up_with_psql(dir.path());
+    perch.wait_nodes_up(1);
+    let plus = |n: usize| format!("SELECT {}", vec!["1"; n].join("+"));
+    let ors = (0..2_500)
+        .map(|i| format!("gpu = {i}"))
+        .collect::<Vec<_>>()
+        .join(" OR ");
+    let ors = format!("SELECT count(*) FROM gpu_samples WHERE {ors}");
+    let client = reqwest::blocking::Client::new();
+    for sql in [plus(2_000), ors.clone(), plus(100_000)] {
+        let response = client
+            .post(format!("{}/v1/sql", perch.url))
+            .json(&serde_json::json!({ "sql": sql }))
+            .send()
+            .expect("POST /v1/sql");
+        assert_eq!(response.status().as_u16(), 400);
+        let body: serde_json::Value = response.json().expect("JSON");
+        assert_eq!(body["error"]["code"], "query_too_complex", "{body}");
+        let message = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("query.max_expression_depth"), "{message}");
+    }
+    for sql in [plus(2_000), ors] {
+        let (host, port) = addr.rsplit_once(':').expect("host:port");
+        let out = Command::new("psql")
+            .args(["-h", host, "-p", port, "-U", "perch", "-d", "perch", "-w"])
+            .args(["-X", "-A", "-t", "-v", "VERBOSITY=verbose", "-c", &sql])
+            .output()
+            .expect("run psql");
+        assert!(!out.status.success());
+        assert!(text(&out.stderr).contains("54001"), "{}", text(&out.stderr));
+    }
+    // The extended protocol (Parse, Describe) is refused the same way.
+    let out = Command::new("python3")
+        .args(["-c", PSYCOPG_DEEP, &addr])
+        .output()
+        .expect("run python3");
+    assert_eq!(text(&out.stdout), "54001", "{}", text(&out.stderr));
+    // At the bound: answered.
+    assert_eq!(perch.scalar(&plus(1_000)), 1_000);
+    perch.assert_running();
+    let before = perch.scalar("SELECT count(*) FROM gpu_samples");
+    wait_for("the agent still reporting", || {
+        (perch.scalar("SELECT count(*) FROM gpu_samples") > before).then_some(())
+    });
+}
+
+/// A 2,000-term sum sent by psycopg with the extended protocol; prints the SQLSTATE.
+const PSYCOPG_DEEP: &str = r#"
+import sys, psycopg
+host, port = sys.argv[1].rsplit(":", 1)
+with psycopg.connect(host=host, port=int(port), user="perch", dbname="perch", sslmode="disable") as conn:
+    try:
+        conn.execute("SELECT " + "+".join(["1"] * 2000), prepare=True)
+    except psycopg.Error as e:
+        print(e.sqlstate)
+"#;

@@ -17,7 +17,7 @@ mod typed;
 
 pub use typed::{
     IdleJob, NodeHeartbeat, NodeTelemetry, StoreFlush, disk_instances, flush_instances,
-    heartbeat_instances, idle_job_instances, telemetry_instances,
+    heartbeat_instances, idle_job_instances, job_db_instances, telemetry_instances,
 };
 
 /// Every built-in rule's name, in the order [`builtin_rules`] returns them.
@@ -41,6 +41,7 @@ pub const BUILTIN_RULE_NAMES: &[&str] = &[
     "IbErrorsRising",
     "StoreDiskFull",
     "StoreFlushFailing",
+    "JobDatabaseFailing",
     "JobIdle",
 ];
 
@@ -456,6 +457,20 @@ fn specs(cfg: &BuiltinConfig) -> Vec<Spec> {
                           (server.max_buffered_rows) ingest is answered 503 and agents keep their data \
                           until a flush works. Free disk space or fix the bucket; flushes are retried \
                           with backoff up to every 5 minutes.",
+            actions: Vec::new(),
+        },
+        Spec {
+            name: "JobDatabaseFailing",
+            source: RuleSource::Builtin(BuiltinKind::JobDatabaseFailing),
+            for_ms: 0,
+            severity: Severity::Critical,
+            labels: &[],
+            summary: "perch's job database cannot commit: job operations are refused",
+            description: "A commit to the job database failed ({{ labels.error }}). Submissions, \
+                          cancels and listings are answered 503 job_db_unavailable and /readyz is \
+                          not ready; agents' leases are still renewed, so running jobs go on. perch \
+                          reopens the database by itself once its disk has room: free space on the \
+                          data directory's filesystem.",
             actions: Vec::new(),
         },
         Spec {

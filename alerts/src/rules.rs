@@ -120,6 +120,9 @@ pub enum BuiltinKind {
     /// The store's flushes to Parquet have failed at least twice in a row (a full disk, an
     /// unwritable bucket): rows pile up in memory until ingest is refused.
     StoreFlushFailing,
+    /// The job database cannot commit (a full disk): job operations are refused until perch
+    /// has reopened it.
+    JobDatabaseFailing,
     /// The scheduler has reported a running job's GPUs idle for its idle window
     /// (`[scheduler.idle]`): the warning to its user before any reclaim.
     JobIdle,

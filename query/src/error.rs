@@ -9,6 +9,10 @@ pub enum Error {
     /// The SQL text or plan is at fault: the message says what to change.
     #[error("{0}")]
     BadQuery(String),
+    /// The statement is longer or nests deeper than perch plans ([`crate::guard`]): the
+    /// message says what to change.
+    #[error("{0}")]
+    TooComplex(String),
     /// The statement tries to change something; the SQL interface is read-only.
     #[error("{0}")]
     ReadOnly(String),

@@ -8,7 +8,7 @@
 //! A timeout covers planning and the whole result stream, and results are capped at a row
 //! limit with a flag saying so.
 
-use crate::budget::{Budget, QueryPool, Slot};
+use crate::budget::{Asker, Budget, QueryPool, Slot};
 use crate::live::{LiveProvider, LiveTable};
 use crate::provider::{Pins, StoreTable};
 use crate::{Error, Result, Store, Table};
@@ -38,10 +38,16 @@ pub struct QueryLimits {
     /// Memory all users' queries may hold together.
     pub total_memory_bytes: usize,
     /// Users' queries that run at once; more wait (within their own timeout), up to eight
-    /// per slot, and beyond that are refused as busy.
+    /// per slot, and beyond that are refused as busy. The slots are shared by user, and from
+    /// three up one is kept for operators ([`SqlEngine::query_as`]).
     pub max_concurrent: usize,
     /// Temporary files all queries together may spill to (bytes); 0 turns spilling off.
     pub spill_bytes: u64,
+    /// The longest statement taken, in bytes ([`crate::guard`]).
+    pub max_statement_bytes: usize,
+    /// The deepest statement taken ([`crate::guard::expression_depth`]); the SQL threads'
+    /// stacks are sized for it ([`crate::guard::stack_bytes`]).
+    pub max_expression_depth: usize,
 }
 
 impl Default for QueryLimits {
@@ -53,6 +59,8 @@ impl Default for QueryLimits {
             total_memory_bytes: 2 << 30,
             max_concurrent: 4,
             spill_bytes: 4 << 30,
+            max_statement_bytes: crate::guard::DEFAULT_MAX_BYTES,
+            max_expression_depth: crate::guard::DEFAULT_MAX_DEPTH,
         }
     }
 }
@@ -148,7 +156,11 @@ impl SqlEngine {
         // Start the runtime of the slot the first query gets (slots are reused last freed
         // first), so that query does not wait for its threads to start.
         let deadline = tokio::time::Instant::now() + self.limits.timeout;
-        drop(self.budget.slot(deadline, || self.timeout()).await?);
+        drop(
+            self.budget
+                .slot(Asker::anyone(), deadline, || self.timeout())
+                .await?,
+        );
         Ok(())
     }
 
@@ -312,18 +324,32 @@ impl SqlEngine {
         Ok(ctx.state())
     }
 
-    /// Runs one read-only statement for a user: it waits for one of the server's SQL slots
-    /// (the wait counts against its timeout) and its memory counts against the server's
+    /// Runs one read-only statement for `user` (an operator when `operator`): it waits for
+    /// one of the server's SQL slots (the wait counts against its timeout), within the user's
+    /// share of them ([`budget`](crate::budget)), and its memory counts against the server's
     /// budget as well as its own limit.
     #[inline(never)]
+    pub fn query_as<'a>(
+        &'a self,
+        sql: &'a str,
+        user: &'a str,
+        operator: bool,
+    ) -> BoxFuture<'a, Result<QueryOutput>> {
+        Box::pin(self.query_inner(sql, Asker::user(user, operator)))
+    }
+
+    /// [`SqlEngine::query_as`] for no user in particular (tests, benchmarks): held only to
+    /// the cap on all queries, not to a user's share. Front ends that answer users call
+    /// `query_as`.
+    #[inline(never)]
     pub fn query<'a>(&'a self, sql: &'a str) -> BoxFuture<'a, Result<QueryOutput>> {
-        Box::pin(self.query_inner(sql))
+        Box::pin(self.query_inner(sql, Asker::anyone()))
     }
 
     #[tracing::instrument(name = "sql.query", skip_all, fields(db.query.text = &sql[..sql.floor_char_boundary(2048)]))]
-    async fn query_inner(&self, sql: &str) -> Result<QueryOutput> {
+    async fn query_inner(&self, sql: &str, asker: Asker) -> Result<QueryOutput> {
         let deadline = tokio::time::Instant::now() + self.limits.timeout;
-        let slot = self.budget.slot(deadline, || self.timeout()).await?;
+        let slot = self.budget.slot(asker, deadline, || self.timeout()).await?;
         self.run(sql, deadline, Some(slot)).await
     }
 
@@ -418,19 +444,31 @@ impl SqlEngine {
     }
 
     /// The columns `sql` would return, without running it: planned in a fresh session and
-    /// checked read-only exactly like [`SqlEngine::query`], under the same timeout. Clients of
-    /// the PostgreSQL protocol ask for this before they execute (Parse, Describe).
+    /// checked read-only exactly like [`SqlEngine::query_as`], under the same timeout. Clients
+    /// of the PostgreSQL protocol ask for this before they execute (Parse, Describe).
     ///
-    /// Like a query it takes one of the users' slots and runs on its runtime, so a client
-    /// that only ever asks to describe (psql's Parse) is held to the same cap.
+    /// Like a query it takes one of the users' slots, within `user`'s share, and runs on its
+    /// runtime, so a client that only ever asks to describe (psql's Parse) is held to the same
+    /// cap.
     #[inline(never)]
-    pub fn describe<'a>(&'a self, sql: &'a str) -> BoxFuture<'a, Result<SchemaRef>> {
-        Box::pin(self.describe_inner(sql))
+    pub fn describe_as<'a>(
+        &'a self,
+        sql: &'a str,
+        user: &'a str,
+        operator: bool,
+    ) -> BoxFuture<'a, Result<SchemaRef>> {
+        Box::pin(self.describe_inner(sql, Asker::user(user, operator)))
     }
 
-    async fn describe_inner(&self, sql: &str) -> Result<SchemaRef> {
+    /// [`SqlEngine::describe_as`] for no user in particular, like [`SqlEngine::query`].
+    #[inline(never)]
+    pub fn describe<'a>(&'a self, sql: &'a str) -> BoxFuture<'a, Result<SchemaRef>> {
+        Box::pin(self.describe_inner(sql, Asker::anyone()))
+    }
+
+    async fn describe_inner(&self, sql: &str, asker: Asker) -> Result<SchemaRef> {
         let deadline = tokio::time::Instant::now() + self.limits.timeout;
-        let slot = self.budget.slot(deadline, || self.timeout()).await?;
+        let slot = self.budget.slot(asker, deadline, || self.timeout()).await?;
         let runtime = slot.runtime().clone();
         let engine = self.clone();
         let sql = sql.to_owned();
@@ -455,6 +493,17 @@ impl SqlEngine {
         }
     }
 
+    /// Refuses a statement longer or deeper than [`QueryLimits`] allow ([`crate::guard`]),
+    /// before anything parses it. Every query is checked; a front end that parses the text
+    /// itself (the PostgreSQL catalog rewrite) checks first, and parses on [`sql_runtime`].
+    pub fn check(&self, sql: &str) -> Result<()> {
+        crate::guard::check_statement(
+            sql,
+            self.limits.max_statement_bytes,
+            self.limits.max_expression_depth,
+        )
+    }
+
     async fn plan(&self, ctx: &SessionContext, sql: &str) -> Result<LogicalPlan, Failure> {
         let shown;
         let sql = if is_show_tables(sql) {
@@ -463,8 +512,11 @@ impl SqlEngine {
         } else {
             sql
         };
+        self.check(sql).map_err(Failure::Perch)?;
         let plan = perch_planner::plan(&ctx.state(), sql).await?;
         check_read_only(&plan).map_err(Failure::Perch)?;
+        crate::guard::plan_depth(&plan, self.limits.max_expression_depth)
+            .map_err(Failure::Perch)?;
         Ok(plan)
     }
 
@@ -555,6 +607,9 @@ pub fn sql_runtime() -> &'static tokio::runtime::Handle {
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(threads)
                 .thread_name("perch-sql")
+                // Perch's own statements are bounded like users' (`query.max_expression_depth`,
+                // at most its largest setting).
+                .thread_stack_size(crate::guard::stack_bytes(crate::guard::MAX_MAX_DEPTH))
                 .enable_all()
                 .build()
                 .unwrap_or_else(|e| panic!("cannot start the SQL runtime: {e}"))

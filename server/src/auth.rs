@@ -7,8 +7,12 @@
 //! - `agent`: only what node agents do (`/v1/ingest`, `/v1/agent/sync`).
 //!
 //! Liveness, readiness, `/metrics` (for Prometheus) and the OTLP receiver (jobs push with no
-//! token) need none. With no tokens file the server runs open, as operator for everyone, and
-//! refuses to listen on anything but a loopback address in that mode.
+//! token) need none. With no tokens file the server runs open: it listens on loopback only and
+//! identifies each caller by the local uid that owns its connection ([`peer`]); root and the
+//! server's own user are operators, every other local user a `user` under their login name,
+//! and a caller it cannot identify is refused.
+
+pub mod peer;
 
 use crate::jobs::job_token::JobTokens;
 use crate::{ApiError, AppState};
@@ -179,7 +183,8 @@ pub fn token_hash(token: &str) -> String {
 }
 
 impl Tokens {
-    /// No authentication: everyone is an operator. Only for loopback listeners.
+    /// No tokens: callers are identified by the local user owning their connection
+    /// ([`peer`]). Only for loopback listeners.
     pub fn open() -> Tokens {
         Tokens {
             map: None,
@@ -334,12 +339,12 @@ impl Tokens {
         now_ms: i64,
     ) -> Result<Identity, ApiError> {
         if self.map.is_none() {
-            return Ok(Identity {
-                user: "local".into(),
-                role: Role::Operator,
-                nodes: None,
-                job: None,
-            });
+            // Open mode names callers by their connection ([`peer`]), never by what they send.
+            return Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                crate::ErrorCode::Unauthenticated,
+                "this server runs open (no tokens file) and identifies callers by the local user that owns their connection",
+            ));
         }
         let token = header
             .and_then(|h| h.strip_prefix("Bearer "))
@@ -525,17 +530,35 @@ pub async fn middleware(
         return ApiError::new(StatusCode::FORBIDDEN, crate::ErrorCode::Forbidden, refusal)
             .into_response();
     }
-    let header = request
-        .headers()
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
-    let identity = match state.tokens.lookup(
-        header,
-        &|token| state.jobs.job_of_token(token),
-        state.now_ms(),
-    ) {
-        Ok(i) => i,
-        Err(e) => return e.into_response(),
+    let identity = if state.tokens.is_open() {
+        let from = request
+            .extensions()
+            .get::<axum::extract::ConnectInfo<crate::listener::Peer>>()
+            .map(|info| info.0.clone());
+        match peer::of_request(from.as_ref()).await {
+            Ok(who) => who,
+            Err(why) => {
+                return ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    crate::ErrorCode::Unauthenticated,
+                    why,
+                )
+                .into_response();
+            }
+        }
+    } else {
+        let header = request
+            .headers()
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
+        match state.tokens.lookup(
+            header,
+            &|token| state.jobs.job_of_token(token),
+            state.now_ms(),
+        ) {
+            Ok(i) => i,
+            Err(e) => return e.into_response(),
+        }
     };
     // A job's token pushes that job's metrics and does nothing else.
     if identity.job.is_some() && path != "/v1/metrics" {
@@ -726,7 +749,10 @@ mod tests {
             let err = Tokens::parse(text).expect_err(text);
             assert!(err.contains(want), "{err}");
         }
-        assert!(Tokens::open().lookup(None, &|_| None, 0).is_ok());
+        assert!(
+            Tokens::open().lookup(None, &|_| None, 0).is_err(),
+            "open mode identifies callers by their connection, not by what they send"
+        );
     }
 
     #[test]

@@ -55,6 +55,9 @@ error_codes! {
     InvalidOtlp => "invalid_otlp",
     /// An agent sync whose fields are not valid.
     InvalidSync => "invalid_sync",
+    /// The job database cannot commit (a full disk); nothing was changed, and perch reopens
+    /// it by itself: retry (503).
+    JobDbUnavailable => "job_db_unavailable",
     /// Job listings made and not yet read by their clients hold all the memory they may;
     /// retry (503).
     ListingBusy => "listing_busy",
@@ -80,6 +83,9 @@ error_codes! {
     QueryMemoryLimit => "query_memory_limit",
     /// The query ran past its time limit.
     QueryTimeout => "query_timeout",
+    /// The statement is longer or nests deeper than the server plans
+    /// (`query.max_statement_kb`, `query.max_expression_depth`).
+    QueryTooComplex => "query_too_complex",
     /// SQL that would change data; perch's SQL is read-only.
     ReadOnly => "read_only",
     /// The server is shutting down (503).
@@ -90,6 +96,9 @@ error_codes! {
     StorageUnavailable => "storage_unavailable",
     /// The store holds too many unflushed rows; retry (503).
     StoreBusy => "store_busy",
+    /// The client's address holds all the connections it may; only agents' routes are served
+    /// beyond them (429).
+    TooManyConnections => "too_many_connections",
     /// The user is at the pending-jobs cap (429).
     TooManyPending => "too_many_pending",
     /// No token, or one the server does not accept (401).
@@ -175,6 +184,7 @@ impl From<perch_query::Error> for ApiError {
         let message = e.to_string();
         match e {
             E::BadQuery(_) => ApiError::bad_request(crate::ErrorCode::BadQuery, message),
+            E::TooComplex(_) => ApiError::bad_request(crate::ErrorCode::QueryTooComplex, message),
             E::ReadOnly(_) => {
                 ApiError::new(StatusCode::FORBIDDEN, crate::ErrorCode::ReadOnly, message)
             }

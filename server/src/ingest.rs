@@ -4,9 +4,11 @@
 //! is 200 only once the batch is durable: `{"accepted": true, "duplicate": false, "samples": N}`.
 //! A batch already accepted (same node, `seq` not above the last) is answered 200 with
 //! `"duplicate": true` and stored nowhere. A malformed or invalid batch gets 400 with a message
-//! naming the field; the agent must not resend it. 503 means try again later.
+//! naming the field; the agent must not resend it. 503 means try again later. An agent token's
+//! batch carries its agent's id in `x-perch-agent`, checked against the node's claim before
+//! its sequence number counts; without it the batch is refused (400).
 
-use crate::auth::Identity;
+use crate::auth::{Identity, Role};
 use crate::{ApiError, AppState};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -67,8 +69,21 @@ async fn handle(
     who.may_speak_for(batch.node.as_str())?;
     // Before the store sees its sequence number: one batch of a second agent under the node's
     // name, numbered from that agent's later start, made the node's own batches duplicates.
-    if let Some(agent) = agent {
-        state.jobs.claim_node(batch.node.as_str(), agent)?;
+    match agent {
+        Some(agent) => state.jobs.claim_node(batch.node.as_str(), agent)?,
+        // Without an id the claim cannot be checked, and one batch numbered u64::MAX would
+        // make every later batch of the node's own agent a duplicate: an agent token must
+        // say which agent it is. Operators (and open mode) may still post by hand.
+        None if who.role == Role::Agent => {
+            return Err(ApiError::bad_request(
+                crate::ErrorCode::InvalidBatch,
+                format!(
+                    "batch {} from node {}: an agent token's batch must carry its agent's id in the {AGENT_HEADER} header (as perch agents send it); upgrade this node's agent",
+                    batch.seq, batch.node
+                ),
+            ));
+        }
+        None => {}
     }
     let now = state.now_ms();
     batch.validate(now).map_err(|e| {

@@ -256,6 +256,8 @@ pub fn router(state: AppState) -> Router {
                     },
                 ),
         )
+        // Outermost: a request's connection is busy from the moment its head is in.
+        .layer(axum::middleware::from_fn(listener::track_requests))
         .with_state(state)
 }
 
@@ -421,11 +423,21 @@ async fn openapi() -> ([(axum::http::HeaderName, &'static str); 1], &'static str
 
 async fn readyz(
     axum::extract::State(state): axum::extract::State<AppState>,
-) -> (axum::http::StatusCode, &'static str) {
-    if state.ready.load(Ordering::Relaxed) {
-        (axum::http::StatusCode::OK, "ready\n")
-    } else {
-        (axum::http::StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+) -> (axum::http::StatusCode, String) {
+    if !state.ready.load(Ordering::Relaxed) {
+        return (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            "not ready\n".into(),
+        );
+    }
+    match state.jobs.failing() {
+        None => (axum::http::StatusCode::OK, "ready\n".into()),
+        Some(why) => (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "not ready: the job database cannot commit ({why}); perch reopens it by itself once its disk has room\n"
+            ),
+        ),
     }
 }
 
@@ -511,11 +523,14 @@ pub async fn serve(
     let limits = listener::fit_descriptor_limit(state.config.connections);
     let listener =
         listener::LimitedListener::new(listener, limits, tls_acceptor(&state, &[b"http/1.1"])?);
-    let result = axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-        })
-        .await;
+    let result = axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<listener::Peer>(),
+    )
+    .with_graceful_shutdown(async move {
+        shutdown.await;
+    })
+    .await;
     state.ready.store(false, Ordering::Relaxed);
     let _ = stop_tx.send(true);
     if let Err(e) = flusher.await {

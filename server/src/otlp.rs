@@ -8,6 +8,11 @@
 //! `ExportMetricsServiceResponse` in the request's encoding; exponential histograms and
 //! summaries are counted as rejected in its partial success.
 //!
+//! With tokens, a point is stored only for a job its caller may write: a job's token files
+//! everything under its own job, a user's token may name (`perch.job.id`) only that user's own
+//! jobs, operators any. Points naming another user's job, or no job of this server, are refused
+//! and named in the answer: 403 when nothing of the request is left, else a partial success.
+//!
 //! The store drops a batch whose `seq` is not above the last one of its sequence stream, so the
 //! receiver numbers its batches itself, on a stream of its own ([`Source::Otlp`]) that no
 //! agent's batches share: a job's export filed under its node's name never makes that node's
@@ -77,12 +82,29 @@ pub async fn metrics(
     })?;
     let request = decode(encoding, &body)?;
     let mut converted = convert(&request);
-    attribute_to(&who, &mut converted.samples);
+    let owners = owners(&state, &who, &converted.samples);
+    let refused = admit(&who, &mut converted.samples, &owners);
+    if refused.points > 0 && converted.samples.values().all(Vec::is_empty) {
+        // Nothing of it is stored: a refusal every SDK logs, and does not retry.
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            crate::ErrorCode::Forbidden,
+            refused.message(),
+        ));
+    }
     store(&state, converted.samples).await?;
+    let mut reasons = Vec::new();
+    if converted.rejected > 0 {
+        reasons.push("perch stores gauges, sums and histograms; exponential histograms and summaries were dropped".to_owned());
+    }
+    if refused.points > 0 {
+        reasons.push(refused.message());
+    }
+    let rejected = converted.rejected + refused.points;
     let response = ExportMetricsServiceResponse {
-        partial_success: (converted.rejected > 0).then(|| ExportMetricsPartialSuccess {
-            rejected_data_points: converted.rejected,
-            error_message: "perch stores gauges, sums and histograms; exponential histograms and summaries were dropped".into(),
+        partial_success: (rejected > 0).then(|| ExportMetricsPartialSuccess {
+            rejected_data_points: rejected,
+            error_message: reasons.join("; "),
         }),
     };
     let bytes = match encoding {
@@ -273,19 +295,103 @@ fn convert(request: &ExportMetricsServiceRequest) -> Converted {
     out
 }
 
-/// Files the points under who sent them, whatever their resource attributes claim: a job's
-/// token speaks for its job and user only, a user's token for that user; operators (and open
-/// mode) push as the attributes say.
-fn attribute_to(who: &Identity, samples: &mut BTreeMap<NodeId, Vec<JobMetricSample>>) {
-    if who.role == Role::Operator && who.job.is_none() {
-        return;
+/// The owner of each job the points name, for a user's token ([`admit`] needs them): one
+/// look-up under the control lock for the whole request. `None`: no job of that id.
+fn owners(
+    state: &AppState,
+    who: &Identity,
+    samples: &BTreeMap<NodeId, Vec<JobMetricSample>>,
+) -> BTreeMap<u64, Option<String>> {
+    if who.role == Role::Operator || who.job.is_some() {
+        return BTreeMap::new();
     }
-    for sample in samples.values_mut().flatten() {
-        if let Some(job) = who.job {
-            sample.job = job.to_string();
+    let ids: std::collections::BTreeSet<u64> = samples
+        .values()
+        .flatten()
+        .filter_map(|s| s.job.parse().ok())
+        .collect();
+    if ids.is_empty() {
+        return BTreeMap::new();
+    }
+    state.jobs.read(|c| {
+        ids.into_iter()
+            .map(|id| (id, c.find(id).map(|f| f.user().to_owned())))
+            .collect()
+    })
+}
+
+/// Points [`admit`] refused, and why.
+#[derive(Debug, Default, PartialEq)]
+struct Refused {
+    points: i64,
+    /// Each refused `perch.job.id` and why (the first few, for the message).
+    jobs: BTreeMap<String, String>,
+}
+
+/// Jobs named in a refusal's message at most.
+const NAMED_JOBS: usize = 5;
+
+impl Refused {
+    fn message(&self) -> String {
+        let mut named: Vec<String> = self
+            .jobs
+            .iter()
+            .take(NAMED_JOBS)
+            .map(|(job, why)| {
+                let shown: String = job.chars().take(40).collect();
+                format!("job {shown:?} {why}")
+            })
+            .collect();
+        if self.jobs.len() > NAMED_JOBS {
+            named.push("and other jobs".to_owned());
         }
-        sample.user.clone_from(&who.user);
+        format!(
+            "{} data point(s) refused: {}; a user's token pushes metrics for that user's own jobs only (or for none: leave perch.job.id out), and a job pushes its own with the token perch gives it in OTEL_EXPORTER_OTLP_HEADERS",
+            self.points,
+            named.join(", ")
+        )
     }
+}
+
+/// Files the points under who sent them, whatever their resource attributes claim, and keeps
+/// only those the caller may write: a job's token speaks for its job and user only; a user's
+/// token for that user, and for a job (`perch.job.id`) only when it is one of the user's own
+/// (`owners`), so no one fills another's job's series or charts; operators (and open mode)
+/// push as the attributes say. Returns what was refused.
+fn admit(
+    who: &Identity,
+    samples: &mut BTreeMap<NodeId, Vec<JobMetricSample>>,
+    owners: &BTreeMap<u64, Option<String>>,
+) -> Refused {
+    let mut refused = Refused::default();
+    if who.role == Role::Operator && who.job.is_none() {
+        return refused;
+    }
+    for points in samples.values_mut() {
+        points.retain_mut(|sample| {
+            if let Some(job) = who.job {
+                sample.job = job.to_string();
+            } else if !sample.job.is_empty() {
+                let why = match sample.job.parse::<u64>().ok().map(|id| owners.get(&id)) {
+                    Some(Some(Some(owner))) if who.may_act_on(owner) => None,
+                    Some(Some(Some(owner))) => {
+                        Some(format!("belongs to {owner}, not {}", who.user))
+                    }
+                    _ => Some("names no job of this server".to_owned()),
+                };
+                if let Some(why) = why {
+                    refused.points += 1;
+                    if refused.jobs.len() <= NAMED_JOBS {
+                        refused.jobs.entry(sample.job.clone()).or_insert(why);
+                    }
+                    return false;
+                }
+            }
+            sample.user.clone_from(&who.user);
+            true
+        });
+    }
+    refused
 }
 
 /// Stores the data points, one batch per node (split at the batch size limit).
@@ -417,6 +523,63 @@ mod tests {
             (rows[1].value, rows[1].count, rows[1].sum),
             (Some(0.5), Some(4), Some(2.0))
         );
+    }
+
+    /// A user's token may name its own jobs only; a job's token and an operator are not
+    /// limited by the attributes.
+    #[test]
+    fn a_users_token_writes_only_its_own_jobs() {
+        let node = NodeId::new("gpu-01").expect("valid");
+        let point = |job: &str| JobMetricSample {
+            job: job.into(),
+            user: "claimed".into(),
+            metric: "loss".into(),
+            ..JobMetricSample::default()
+        };
+        let points =
+            || BTreeMap::from([(node.clone(), ["1", "2", "", "99", "x"].map(point).to_vec())]);
+        let owners = BTreeMap::from([
+            (1, Some("alice".to_owned())),
+            (2, Some("bob".to_owned())),
+            (99, None),
+        ]);
+        let who = |user: &str, role, job| Identity {
+            user: user.into(),
+            role,
+            nodes: None,
+            job,
+        };
+        let kept = |s: &BTreeMap<NodeId, Vec<JobMetricSample>>| -> Vec<(String, String)> {
+            s.values()
+                .flatten()
+                .map(|p| (p.job.clone(), p.user.clone()))
+                .collect()
+        };
+        let pair = |j: &str, u: &str| (j.to_owned(), u.to_owned());
+
+        let mut s = points();
+        let refused = admit(&who("alice", Role::User, None), &mut s, &owners);
+        assert_eq!(kept(&s), vec![pair("1", "alice"), pair("", "alice")]);
+        assert_eq!(refused.points, 3);
+        let message = refused.message();
+        for part in [
+            "3 data point(s) refused",
+            "job \"2\" belongs to bob, not alice",
+            "job \"99\" names no job of this server",
+            "job \"x\" names no job",
+        ] {
+            assert!(message.contains(part), "{message}");
+        }
+
+        let mut s = points();
+        let refused = admit(&who("bob", Role::User, Some(2)), &mut s, &BTreeMap::new());
+        assert_eq!(refused, Refused::default());
+        assert_eq!(kept(&s), vec![pair("2", "bob"); 5]);
+
+        let mut s = points();
+        let refused = admit(&who("ops", Role::Operator, None), &mut s, &BTreeMap::new());
+        assert_eq!(refused, Refused::default());
+        assert_eq!(kept(&s)[1], pair("2", "claimed"));
     }
 
     #[test]

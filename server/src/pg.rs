@@ -309,8 +309,13 @@ impl PgHandler {
     /// tokens file, the token the connection logged in with is checked again first: one that
     /// has expired or been revoked since ends the connection (FATAL), as a new login would be
     /// refused.
-    fn session<C: ClientInfo>(&self, client: &C) -> PgWireResult<catalog::Session> {
+    ///
+    /// Whether the token is an operator's is read then too, so a role changed since login
+    /// (SIGHUP) holds from the next statement. In trust mode everyone is an operator, as on
+    /// HTTP without a tokens file.
+    fn session<C: ClientInfo>(&self, client: &C) -> PgWireResult<Caller> {
         let meta = client.metadata();
+        let mut operator = true;
         if !self.tokens.is_open() {
             let checked = match meta.get(METADATA_PERCH_TOKEN) {
                 Some(token) => match self.tokens.identify(token, self.clock.now_ms()) {
@@ -318,7 +323,10 @@ impl PgHandler {
                         "the token of {} now has role agent, which may not run SQL",
                         identity.user
                     )),
-                    Ok(_) => Ok(()),
+                    Ok(identity) => {
+                        operator = identity.is_some_and(|i| i.role == Role::Operator);
+                        Ok(())
+                    }
                     Err(why) => Err(why),
                 },
                 None => Err("the connection logged in without a token".to_owned()),
@@ -330,7 +338,7 @@ impl PgHandler {
                 ));
             }
         }
-        Ok(catalog::Session {
+        let session = catalog::Session {
             user: meta
                 .get(METADATA_PERCH_USER)
                 .cloned()
@@ -339,8 +347,16 @@ impl PgHandler {
                 .get(METADATA_DATABASE)
                 .cloned()
                 .unwrap_or_else(|| "perch".to_owned()),
-        })
+        };
+        Ok(Caller { session, operator })
     }
+}
+
+/// Who runs a statement: the catalog's view of the connection, and whether its token is an
+/// operator's. The engine shares its SQL slots by user and keeps one for operators.
+struct Caller {
+    session: catalog::Session,
+    operator: bool,
 }
 
 fn user_error(e: perch_query::Error) -> PgWireError {
@@ -348,6 +364,8 @@ fn user_error(e: perch_query::Error) -> PgWireError {
     let code = match &e {
         E::ReadOnly(_) => "25006",
         E::BadQuery(_) => "42000",
+        // statement_too_complex, as Postgres answers a statement past its stack depth.
+        E::TooComplex(_) => "54001",
         E::Timeout { .. } => "57014",
         E::ResourcesExhausted { .. } => "53200",
         E::Busy(_) => "53000",
@@ -551,21 +569,33 @@ fn client_command(sql: &str) -> Option<Response> {
 }
 
 impl PgHandler {
-    async fn run(
-        &self,
-        sql: &str,
-        session: &catalog::Session,
-        format: &Format,
-    ) -> PgWireResult<Response> {
+    /// [`catalog::rewrite`] of a statement the engine's limits take, on the SQL runtime:
+    /// parsing, visiting, printing and dropping a syntax tree recurse as deep as the statement
+    /// nests, which the limits bound and the SQL threads' stacks are sized for, and this
+    /// connection's task is not.
+    async fn rewrite(&self, sql: &str, session: &catalog::Session) -> PgWireResult<Option<String>> {
+        self.sql.check(sql).map_err(user_error)?;
+        let (sql, session) = (sql.to_owned(), session.clone());
+        perch_query::sql_runtime()
+            .spawn(async move { catalog::rewrite(&sql, &session) })
+            .await
+            .map_err(|e| PgWireError::ApiError(Box::new(e)))
+    }
+
+    async fn run(&self, sql: &str, caller: &Caller, format: &Format) -> PgWireResult<Response> {
         if let Some(response) = client_command(sql) {
             return Ok(response);
         }
-        let rewritten = catalog::rewrite(sql, session);
+        let rewritten = self.rewrite(sql, &caller.session).await?;
         if let Some(rewritten) = &rewritten {
             tracing::debug!(sql, rewritten, "PostgreSQL catalog query rewritten");
         }
         let sql = rewritten.as_deref().unwrap_or(sql);
-        let out = self.sql.query(sql).await.map_err(user_error)?;
+        let out = self
+            .sql
+            .query_as(sql, &caller.session.user, caller.operator)
+            .await
+            .map_err(user_error)?;
         let fields = Arc::new(fields(&out.schema, format));
         let mut rows = Vec::with_capacity(out.rows);
         for batch in &out.batches {
@@ -585,8 +615,8 @@ impl SimpleQueryHandler for PgHandler {
         C: ClientInfo + pgwire::api::ClientPortalStore + Unpin + Send + Sync,
         C::PortalStore: pgwire::api::store::PortalStore,
     {
-        let session = self.session(client)?;
-        Ok(vec![self.run(query, &session, &Format::UnifiedText).await?])
+        let caller = self.session(client)?;
+        Ok(vec![self.run(query, &caller, &Format::UnifiedText).await?])
     }
 }
 
@@ -599,13 +629,16 @@ pub struct PgStatement {
 
 impl PgHandler {
     /// The columns `sql` returns, planned like [`PgHandler::run`] would run it.
-    async fn describe(&self, sql: &str, session: &catalog::Session) -> PgWireResult<Arc<Schema>> {
+    async fn describe(&self, sql: &str, caller: &Caller) -> PgWireResult<Arc<Schema>> {
         if client_command(sql).is_some() {
             return Ok(Arc::new(Schema::empty()));
         }
-        let rewritten = catalog::rewrite(sql, session);
+        let rewritten = self.rewrite(sql, &caller.session).await?;
         let sql = rewritten.as_deref().unwrap_or(sql);
-        self.sql.describe(sql).await.map_err(user_error)
+        self.sql
+            .describe_as(sql, &caller.session.user, caller.operator)
+            .await
+            .map_err(user_error)
     }
 }
 
@@ -671,10 +704,10 @@ impl ExtendedQueryHandler for PgHandler {
         C::Error: std::fmt::Debug,
         PgWireError: From<<C as futures::Sink<pgwire::messages::PgWireBackendMessage>>::Error>,
     {
-        let session = self.session(client)?;
+        let caller = self.session(client)?;
         self.run(
             &portal.statement.statement.sql,
-            &session,
+            &caller,
             &portal.result_column_format,
         )
         .await

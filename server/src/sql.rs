@@ -6,7 +6,9 @@
 //! has a header line; `arrow` is an Arrow IPC stream. Every format reports the row count and a
 //! cut result in the `x-perch-row-count` and `x-perch-truncated` headers.
 
+use crate::auth::{Identity, Role};
 use crate::{ApiError, AppState};
+use axum::Extension;
 use axum::body::{Body, Bytes};
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, HeaderValue, header};
@@ -50,18 +52,20 @@ fn parse_format(s: &str) -> Result<Format, ApiError> {
 
 pub async fn sql(
     State(state): State<AppState>,
+    Extension(who): Extension<Identity>,
     Query(params): Query<Params>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let started = std::time::Instant::now();
-    let result = handle(&state, params, &headers, &body).await;
+    let result = handle(&state, &who, params, &headers, &body).await;
     state.metrics.sql_query(result.is_ok(), started.elapsed());
     result
 }
 
 async fn handle(
     state: &AppState,
+    who: &Identity,
     params: Params,
     headers: &HeaderMap,
     body: &Bytes,
@@ -90,7 +94,11 @@ async fn handle(
             )
         })?
     };
-    let output = state.sql.query(&text).await?;
+    // The user's share of the SQL slots; an operator may also take the one kept for operators.
+    let output = state
+        .sql
+        .query_as(&text, &who.user, who.role == Role::Operator)
+        .await?;
     let max_rows = state.sql.limits().max_rows;
     // Encoding up to max_rows rows is CPU work: off the runtime that answers agents' syncs.
     tokio::task::spawn_blocking(move || render(output, format.unwrap_or_default(), max_rows))

@@ -660,11 +660,14 @@
       const start = Math.min(...allocs.map((a) => a.start_ms));
       const end = Math.max(...allocs.map((a) => a.end_ms || Date.now()));
       const bucket = Math.max(1, Math.round((end - start) / 1000 / 300));
-      const where = allocs.map((a) => `(node = ${sqlStr(a.node)} AND gpu IN (${a.gpus.map(Number).join(',')})`
-        + ` AND time >= to_timestamp_millis(${Math.floor(a.start_ms)}) AND time <= to_timestamp_millis(${Math.floor(a.end_ms || Date.now())}))`).join(' OR ');
-      const data = await rows(`SELECT node, gpu, date_bin(INTERVAL '${bucket} seconds', time, TIMESTAMP '1970-01-01') AS t,
-        avg(utilization_gpu_pct) AS u, max(memory_used_bytes) / 1073741824.0 AS m, avg(power_watts) AS p
-        FROM gpu_samples WHERE ${where} GROUP BY 1, 2, 3 ORDER BY 3`);
+      // The samples of the job's GPUs while it held them: a join on its allocations, one
+      // statement however many it has (a term per allocation made thousands-deep statements).
+      const data = await rows(`SELECT s.node, s.gpu, date_bin(INTERVAL '${bucket} seconds', s.time, TIMESTAMP '1970-01-01') AS t,
+        avg(s.utilization_gpu_pct) AS u, max(s.memory_used_bytes) / 1073741824.0 AS m, avg(s.power_watts) AS p
+        FROM gpu_samples s JOIN job_allocations a
+          ON s.node = a.node AND s.gpu = a.gpu AND s.time >= a.start_time AND s.time <= coalesce(a.end_time, now())
+        WHERE a.job = ${Number(id)} AND s.time >= to_timestamp_millis(${Math.floor(start)})
+          AND s.time <= to_timestamp_millis(${Math.floor(end)}) GROUP BY 1, 2, 3 ORDER BY 3`);
       const key = (r) => `${r.node}/${r.gpu}`;
       charts.u = drawLines(v, charts.u, document.getElementById('c-util'), data, key, 'u', '%');
       charts.m = drawLines(v, charts.m, document.getElementById('c-mem'), data, key, 'm', '');

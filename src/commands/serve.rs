@@ -6,6 +6,7 @@ use crate::config::Config;
 use anyhow::{Context, Result};
 use perch_collector::{AgentHandle, NvmlMode, detect_gpus, spawn_agent};
 use perch_server::AppState;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -126,11 +127,83 @@ async fn stop_all(
 /// GPUs `perch up` simulates when it finds none and none were asked for.
 const UP_SIMULATED_GPUS: u32 = 4;
 
+/// How long a starting `perch up` waits for a predecessor still stopping on its data directory.
+const PREDECESSOR_WAIT: Duration = Duration::from_secs(60);
+
+/// Waits until no other process holds `locks` (a `perch up` still stopping holds its store's
+/// and its agent's for as long as its jobs' grace and its agent's last deliveries take),
+/// saying so in the log; fails naming them after [`PREDECESSOR_WAIT`]. So a new `perch up`
+/// never serves while its agent, refused the node's lock, has stopped.
+async fn wait_for_predecessor(locks: &[PathBuf]) -> Result<()> {
+    let started = std::time::Instant::now();
+    let mut waiting = false;
+    loop {
+        let held: Vec<String> = locks
+            .iter()
+            .filter(|path| held_elsewhere(path))
+            .map(|path| path.display().to_string())
+            .collect();
+        if held.is_empty() {
+            if waiting {
+                tracing::info!("the previous perch has let go of this data directory; starting");
+            }
+            return Ok(());
+        }
+        if started.elapsed() >= PREDECESSOR_WAIT {
+            anyhow::bail!(
+                "{} still locked after {} s: another perch uses this data directory (one still stopping its jobs, or a second perch up); stop it, or give this one its own --data-dir",
+                held.join(" and "),
+                PREDECESSOR_WAIT.as_secs()
+            );
+        }
+        if !waiting {
+            tracing::warn!(
+                locks = %held.join(", "),
+                "another perch holds this data directory (one still stopping?); waiting up to {} s for it to exit",
+                PREDECESSOR_WAIT.as_secs()
+            );
+            waiting = true;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Whether another open file holds the lock on `path` (a file that is not there is free).
+fn held_elsewhere(path: &Path) -> bool {
+    std::fs::File::open(path)
+        .is_ok_and(|file| matches!(file.try_lock(), Err(std::fs::TryLockError::WouldBlock)))
+}
+
+/// What the banners say about access to an open server (no tokens file).
+fn open_access(addr: std::net::SocketAddr) -> String {
+    let me = nix::unistd::User::from_uid(nix::unistd::geteuid())
+        .ok()
+        .flatten()
+        .map_or_else(|| "this server's user".to_owned(), |u| u.name);
+    let operators = if me == "root" {
+        "root is an operator".to_owned()
+    } else {
+        format!("root and {me} are operators")
+    };
+    format!(
+        "open, no tokens: it listens on {addr} only and local callers are identified by their uid: {operators}, every other local user acts only as themselves; remote callers need a tokens file (server.tokens_file)"
+    )
+}
+
 pub fn up(config: Config) -> Result<()> {
     let mut agent_config = config.agent_config()?;
     // Its server stops too: Ctrl-C ends the whole machine's perch, jobs included.
     agent_config.keep_jobs_on_exit = false;
     runtime()?.block_on(async {
+        wait_for_predecessor(&[
+            config.server.data_dir.join("LOCK"),
+            agent_config
+                .data_dir
+                .join("jobs")
+                .join(agent_config.node.as_str())
+                .join("agent.lock"),
+        ])
+        .await?;
         let (listener, state) = bind(&config).await?;
         let addr = listener.local_addr()?;
         let (stop, stop_rx) = watch::channel(false);
@@ -165,10 +238,15 @@ pub fn up(config: Config) -> Result<()> {
             (_, 0) => detection.message.clone(),
             (_, n) => format!("{}, plus {n} SIMULATED GPUs (labelled simulated everywhere).", detection.message),
         };
-        let agent = spawn_agent(agent_config.clone(), stopped(&stop_rx));
-        crate::telemetry::observe_agent(&agent_config.node, agent.counters());
+        let counters = std::sync::Arc::new(perch_collector::AgentCounters::default());
+        crate::telemetry::observe_agent(&agent_config.node, counters.clone());
+        let mut agent = tokio::spawn(perch_collector::agent::run_agent_with(
+            agent_config.clone(),
+            stopped(&stop_rx),
+            counters,
+        ));
         let access = if config.server.tokens_file.as_os_str().is_empty() {
-            format!("open, no authentication: it listens on {addr} only")
+            open_access(addr)
         } else {
             "bearer tokens required (PERCH_TOKEN)".to_owned()
         };
@@ -200,8 +278,37 @@ pub fn up(config: Config) -> Result<()> {
             node = agent_config.node,
             data = config.server.data_dir.display(),
         );
-        terminate().await;
-        stop_all(vec![agent], stop, server).await
+        // `up` is a server and its agent: when the agent stops on its own (its node's lock
+        // taken after all, a configuration it refuses), the whole of it stops, saying why.
+        let ended = tokio::select! {
+            () = terminate() => None,
+            ended = &mut agent => Some(ended),
+        };
+        let _ = stop.send(true);
+        let agent_error = match ended {
+            None => match agent.await {
+                Ok(Ok(_)) => None,
+                Ok(Err(e)) => Some(e.to_string()),
+                Err(e) => Some(e.to_string()),
+            },
+            Some(ended) => {
+                let why = match ended {
+                    Ok(Ok(_)) => "it stopped".to_owned(),
+                    Ok(Err(e)) => e.to_string(),
+                    Err(e) => e.to_string(),
+                };
+                if let Err(e) = server.await.context("server task")? {
+                    tracing::error!(error = %e, "serving HTTP");
+                }
+                anyhow::bail!(
+                    "the node's agent stopped while perch up ran: {why}; perch up stops too rather than serve without it"
+                );
+            }
+        };
+        if let Some(e) = agent_error {
+            tracing::warn!(error = %e, "agent stopped with an error");
+        }
+        server.await.context("server task")?.context("serving HTTP")
     })
 }
 
@@ -276,13 +383,14 @@ pub fn demo(config: Config, nodes: u32, gpus_per_node: u32, seed: u64) -> Result
              \x20             loss and throughput over OpenTelemetry (perch jobs --all, perch queue)\n\
              \x20 pace:       each node samples every {sample:?} and syncs every {sync:?} (all {nodes} share this machine)\n\
              \x20 jobs:       {supervision}\n\
-             \x20 server:     http://{addr}  (open, no authentication)\n\
+             \x20 server:     http://{addr}  ({access})\n\
              \x20 web view:   http://{addr}/  (open it in a browser)\n\
              \x20 data:       {data}\n\
              \x20 query:      perch sql --server http://{addr} \"SELECT node, avg(utilization_gpu_pct) AS util FROM gpu_samples GROUP BY node ORDER BY node\"\n\
              \x20 metrics:    curl -s http://{addr}/metrics\n\
              \x20 stop:       Ctrl-C",
             data = config.server.data_dir.display(),
+            access = open_access(addr),
             sample = pace.sample,
             sync = pace.sync,
             supervision = if pace.supervised {

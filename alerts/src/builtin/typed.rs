@@ -131,6 +131,20 @@ pub fn flush_instances(kind: &BuiltinKind, flush: &StoreFlush<'_>) -> Vec<Instan
     ]
 }
 
+/// JobDatabaseFailing's instance: one while the job database cannot commit (`error`: why, its
+/// first 200 characters).
+pub fn job_db_instances(kind: &BuiltinKind, error: Option<&str>) -> Vec<Instance> {
+    match error {
+        Some(error) if *kind == BuiltinKind::JobDatabaseFailing => {
+            vec![Instance::with_labels([(
+                "error",
+                &error[..error.floor_char_boundary(200)],
+            )])]
+        }
+        _ => Vec::new(),
+    }
+}
+
 /// A running job the scheduler has reported idle, for JobIdle.
 #[derive(Debug, Clone, PartialEq)]
 pub struct IdleJob<'a> {
@@ -241,6 +255,17 @@ mod tests {
         assert!(!fired[1].values.contains_key("seconds_since_sample"));
         let other = BuiltinKind::StoreDiskFull { free_percent: 5.0 };
         assert!(telemetry_instances(&other, &nodes, 241_000).is_empty());
+    }
+
+    #[test]
+    fn a_job_database_that_cannot_commit_is_one_alert_with_the_error() {
+        let kind = BuiltinKind::JobDatabaseFailing;
+        let got = job_db_instances(&kind, Some("No space left on device (os error 28)"));
+        assert_eq!(got.len(), 1);
+        assert!(got[0].labels["error"].contains("No space left"));
+        assert!(job_db_instances(&kind, None).is_empty());
+        let other = BuiltinKind::StoreFlushFailing;
+        assert!(job_db_instances(&other, Some("full")).is_empty());
     }
 
     #[test]

@@ -9,6 +9,15 @@
 //! The files are read through the descriptors the agent created, never reopened by path (the
 //! job's user owns the directory); removing them unlinks names in that directory, which never
 //! follows a link the user may have put there.
+//!
+//! Holes are not shipped: a job that seeks its stdout (or extends it) makes a file that looks
+//! long and uses no disk, and its holes would reach the server as bytes of zeros. Where the
+//! server's copy ends in a hole of the node's, the agent sends an empty chunk at that end (the
+//! anchor: it says where it believes the copy ends) and then the next data at its real offset;
+//! the server writes it there, leaving a hole in its copy too, and answers the new end. A hole
+//! at the end of an ended job's stream is sent as an empty chunk at the stream's length. A
+//! server that does not take a chunk past its copy's end answers its copy's end again; the
+//! agent then sends that stream's holes as zeros, as before.
 
 use perch_model::control::{LogChunk, LogStream};
 use std::collections::HashMap;
@@ -36,6 +45,12 @@ fn index(stream: LogStream) -> usize {
 struct Output {
     attempt: u32,
     files: [File; 2],
+    /// Each stream opened again (through `/proc/self/fd`), for finding holes: `SEEK_DATA`
+    /// moves the offset of the description it is asked on, and `files` share theirs with the
+    /// job's stdout and stderr. `None`: holes are shipped as zeros.
+    seekers: [Option<File>; 2],
+    /// Whether each stream's holes are skipped: until a server does not take a skip.
+    skip_holes: [bool; 2],
     /// Where each stream continues from, as the server last said.
     sent: [u64; 2],
     /// The attempt ended here and the server recorded its exit: the files go once all is sent.
@@ -70,11 +85,14 @@ impl Outputs {
     /// one), shipping from offset 0: a taken-over job's server copy may hold more, and the
     /// server's answer to the first chunk says where it ends.
     pub(super) fn insert(&mut self, job: u64, attempt: u32, files: [File; 2]) {
+        let seekers = files.each_ref().map(seeker);
         self.by_job.insert(
             job,
             Output {
                 attempt,
                 files,
+                skip_holes: seekers.each_ref().map(Option::is_some),
+                seekers,
                 sent: [0, 0],
                 acknowledged: false,
             },
@@ -102,9 +120,38 @@ impl Outputs {
             let final_ = !running(job);
             let most = if o.acknowledged { ENDED_CHUNK } else { CHUNK };
             for stream in STREAMS {
-                let offset = o.sent[index(stream)];
-                let max = most.min(budget).min(cap.saturating_sub(offset));
-                let Ok(buf) = read_from(&o.files[index(stream)], offset, max) else {
+                let i = index(stream);
+                let offset = o.sent[i];
+                if offset >= cap {
+                    continue;
+                }
+                let room = most.min(budget);
+                let (from, upto) = match o.skip_holes[i].then(|| o.seekers[i].as_ref()).flatten() {
+                    Some(seeker) => data_at(seeker, offset, final_),
+                    None => (offset, u64::MAX),
+                };
+                if from > offset {
+                    // A hole: the anchor, then the data after it (possibly none yet).
+                    let from = from.min(cap);
+                    let max = room.min(cap - from).min(upto.saturating_sub(from));
+                    let buf = read_from(&o.files[i], from, max).unwrap_or_default();
+                    budget -= buf.len() as u64;
+                    let (data, _) = text_of(&buf, final_ && (buf.len() as u64) < max);
+                    for (offset, data) in [(offset, String::new()), (from, data)] {
+                        chunks.push(LogChunk {
+                            job,
+                            attempt: o.attempt,
+                            stream,
+                            offset,
+                            data,
+                        });
+                    }
+                    continue;
+                }
+                let max = room
+                    .min(cap.saturating_sub(offset))
+                    .min(upto.saturating_sub(offset));
+                let Ok(buf) = read_from(&o.files[i], offset, max) else {
                     continue;
                 };
                 if buf.is_empty() {
@@ -129,7 +176,22 @@ impl Outputs {
     /// The server's copy of `job`'s `stream` now ends at `offset`.
     pub(super) fn sent(&mut self, job: u64, stream: LogStream, offset: u64) {
         if let Some(o) = self.by_job.get_mut(&job) {
-            o.sent[index(stream)] = offset;
+            let i = index(stream);
+            // Its copy still ends in a hole of ours after we skipped it: a server that does
+            // not take a chunk past its copy's end. Send the holes as they read (zeros).
+            if offset == o.sent[i]
+                && let Some(seeker) = o.seekers[i].as_ref().filter(|_| o.skip_holes[i])
+                && data_at(seeker, offset, true).0 > offset
+            {
+                tracing::info!(
+                    job,
+                    stream = stream.as_str(),
+                    offset,
+                    "the server did not take output past a hole; sending the holes as zeros"
+                );
+                o.skip_holes[i] = false;
+            }
+            o.sent[i] = offset;
         }
     }
 
@@ -190,6 +252,43 @@ impl Outputs {
     }
 }
 
+/// `f` opened again, as a description of its own, for `SEEK_DATA` and `SEEK_HOLE`.
+fn seeker(f: &File) -> Option<File> {
+    use rustix::fs::{Mode, OFlags};
+    use std::os::fd::AsRawFd;
+    let path = format!("/proc/self/fd/{}", f.as_raw_fd());
+    let fd = rustix::fs::open(path, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty()).ok()?;
+    let reopened = File::from(fd);
+    let same = |m: std::fs::Metadata| {
+        use std::os::unix::fs::MetadataExt;
+        (m.dev(), m.ino())
+    };
+    (reopened.metadata().ok().map(same) == f.metadata().ok().map(same)).then_some(reopened)
+}
+
+/// Where the data at or after `offset` starts, and where it ends (the next hole): `(offset,
+/// end)` when `offset` is in data. A hole that runs to the end of the file is skipped (to the
+/// file's length) only when `to_end`, the job ended; a running job may still write there, so
+/// until then there is nothing to send (`(offset, offset)`). Where the file system cannot
+/// say, the bytes from `offset` count as data.
+fn data_at(f: &File, offset: u64, to_end: bool) -> (u64, u64) {
+    use rustix::fs::{SeekFrom, seek};
+    let len = f.metadata().map_or(0, |m| m.len());
+    if offset >= len {
+        return (offset, u64::MAX);
+    }
+    let start = match seek(f, SeekFrom::Data(offset)) {
+        Ok(start) => start,
+        Err(rustix::io::Errno::NXIO) if to_end => return (len, len),
+        Err(rustix::io::Errno::NXIO) => return (offset, offset),
+        Err(_) => return (offset, u64::MAX),
+    };
+    match seek(f, SeekFrom::Hole(start)) {
+        Ok(end) if end > start => (start, end),
+        _ => (start, u64::MAX),
+    }
+}
+
 /// Up to `max` bytes of `f` from `offset`, without moving the offset the job writes at.
 fn read_from(f: &File, offset: u64, max: u64) -> std::io::Result<Vec<u8>> {
     use std::os::unix::fs::FileExt;
@@ -232,4 +331,84 @@ pub(super) fn text_of(bytes: &[u8], final_: bool) -> (String, usize) {
         used += invalid.len();
     }
     (out, used)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::FileExt;
+
+    const MIB: u64 = 1 << 20;
+
+    fn summary(chunks: &[LogChunk]) -> Vec<(LogStream, u64, usize)> {
+        chunks
+            .iter()
+            .map(|c| (c.stream, c.offset, c.data.len()))
+            .collect()
+    }
+
+    /// A stdout of 4 KiB of data, a 600 MiB hole, `end`: the agent ships the data, then an
+    /// anchor at the hole and `end` at its real offset, never the hole's zeros; a hole to the
+    /// end of the file waits while the job runs and is sent as its length once it ended. A
+    /// server that does not take the skip (it answers the same end again) gets zeros.
+    #[test]
+    fn holes_are_skipped_and_the_data_after_them_shipped_at_its_offset() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let open = |name: &str| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(dir.path().join(name))
+                .expect("file")
+        };
+        let (out, err) = (open("stdout"), open("stderr"));
+        out.write_all_at(&[b'a'; 4096], 0).expect("write");
+        let hole_end = 600 * MIB;
+        out.write_all_at(b"end\n", hole_end).expect("write");
+        let mut o = Outputs::new(dir.path());
+        o.insert(1, 1, [out.try_clone().expect("clone"), err]);
+        let running = |_| true;
+        let first = o.chunks(running, u64::MAX);
+        assert_eq!(summary(&first), vec![(LogStream::Stdout, 0, 4096)]);
+        o.sent(1, LogStream::Stdout, 4096);
+        let next = o.chunks(running, u64::MAX);
+        assert_eq!(
+            summary(&next),
+            vec![
+                (LogStream::Stdout, 4096, 0),
+                (LogStream::Stdout, hole_end, 4)
+            ]
+        );
+        assert_eq!(next[1].data, "end\n");
+        o.sent(1, LogStream::Stdout, hole_end + 4);
+        assert!(o.chunks(running, u64::MAX).is_empty());
+        // A hole to the end: nothing while the job runs, its length once it ended. (The rest
+        // of the block `end` is in reads as data: holes are whole blocks.)
+        out.set_len(hole_end + 8 * MIB).expect("extend");
+        let block = o.chunks(running, u64::MAX);
+        assert_eq!(
+            summary(&block),
+            vec![(LogStream::Stdout, hole_end + 4, 4092)]
+        );
+        o.sent(1, LogStream::Stdout, hole_end + 4096);
+        assert!(o.chunks(running, u64::MAX).is_empty());
+        let ended = o.chunks(|_| false, u64::MAX);
+        assert_eq!(
+            summary(&ended),
+            vec![
+                (LogStream::Stdout, hole_end + 4096, 0),
+                (LogStream::Stdout, hole_end + 8 * MIB, 0)
+            ]
+        );
+        // An older server answers its copy's end again: the holes go as zeros from then on.
+        o.sent(1, LogStream::Stdout, hole_end + 4096);
+        let zeros = o.chunks(|_| false, u64::MAX);
+        assert_eq!(
+            summary(&zeros),
+            vec![(LogStream::Stdout, hole_end + 4096, CHUNK as usize)]
+        );
+        assert!(zeros[0].data.bytes().all(|b| b == 0));
+    }
 }

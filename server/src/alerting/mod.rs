@@ -279,6 +279,9 @@ fn builtin(state: &AppState, kind: &BuiltinKind, now: i64) -> Vec<perch_alerts::
                 .collect();
             perch_alerts::builtin::idle_job_instances(kind, &jobs, now)
         }
+        BuiltinKind::JobDatabaseFailing => {
+            perch_alerts::builtin::job_db_instances(kind, state.jobs.failing().as_deref())
+        }
         BuiltinKind::StoreFlushFailing => {
             let store = &state.store;
             let error = store.flush_error();

@@ -14,6 +14,7 @@ mod ledger;
 mod logs;
 pub(crate) use logs::LOG_PAGE;
 mod observe;
+mod output_usage;
 mod remediation;
 mod restore;
 mod scrape;
@@ -41,7 +42,6 @@ use perch_scheduler::{
     JobSpec, NodeAlloc, NodeId, NodeName, NodeSpec, PendingReason, Qos, Scheduler, Shape, User,
 };
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -95,6 +95,12 @@ pub enum ControlError {
     Scheduler(#[from] perch_scheduler::Error),
     #[error("{0}")]
     Db(#[from] super::db::DbError),
+    /// A commit failed (a full disk): nothing changes until the job database is reopened
+    /// ([`super::JobService::recover`]).
+    #[error(
+        "the job database cannot be written now ({0}); nothing was changed. perch reopens it by itself once its disk has room again: try again in a moment"
+    )]
+    Unavailable(String),
     #[error("job logs: {0}")]
     Logs(std::io::Error),
     /// A request that cannot be answered as asked (the message says what to change).
@@ -143,6 +149,13 @@ pub struct JobsConfig {
     /// How long after a job ended its stored output is kept (`server.job_output_days`);
     /// `None`: for ever.
     pub output_retention: Option<Duration>,
+    /// Most bytes of disk one user's jobs' stored output may occupy
+    /// (`server.max_job_output_mb_per_user`); past it, new output of their jobs is not stored.
+    /// `None`: no bound.
+    pub max_output_bytes_per_user: Option<u64>,
+    /// Most bytes of disk all stored job output may occupy (`server.max_job_output_total_mb`);
+    /// past it, no new output is stored. `None`: no bound.
+    pub max_output_bytes_total: Option<u64>,
 }
 
 impl Default for JobsConfig {
@@ -156,12 +169,24 @@ impl Default for JobsConfig {
             max_pending_bytes_per_user: DEFAULT_MAX_PENDING_BYTES_PER_USER,
             clock: crate::clock::Clock::system(),
             output_retention: Some(DEFAULT_OUTPUT_RETENTION),
+            max_output_bytes_per_user: Some(DEFAULT_MAX_OUTPUT_BYTES_PER_USER),
+            max_output_bytes_total: Some(DEFAULT_MAX_OUTPUT_BYTES_TOTAL),
         }
     }
 }
 
 /// The default of [`JobsConfig::output_retention`]: 30 days, as the store keeps raw samples.
 pub const DEFAULT_OUTPUT_RETENTION: Duration = Duration::from_secs(30 * 86_400);
+
+/// The default of [`JobsConfig::max_output_bytes_per_user`]: 10 GiB, two jobs' worth at the
+/// agents' default per-job limit (`agent.max_job_output_mb`, 4 GiB plus its slack), kept for
+/// `server.job_output_days`.
+pub const DEFAULT_MAX_OUTPUT_BYTES_PER_USER: u64 = 10 << 30;
+
+/// The default of [`JobsConfig::max_output_bytes_total`]: 100 GiB, ten users at their bound. A
+/// fixed size, not a share of the disk: the disk holds the store and the job database too,
+/// and a bound that moves with what else is there could not be planned for.
+pub const DEFAULT_MAX_OUTPUT_BYTES_TOTAL: u64 = 100 << 30;
 
 /// The default of [`JobsConfig::max_pending_per_user`].
 pub const DEFAULT_MAX_PENDING_PER_USER: usize = 10_000;
@@ -233,7 +258,7 @@ pub(crate) struct Control {
     /// The time of the latest operation, for texts relative to now.
     now: i64,
     logs_dir: PathBuf,
-    config: JobsConfig,
+    pub(crate) config: JobsConfig,
     /// Node state history, allocations' bookkeeping and audit events ([`ledger`]).
     ledger: ledger::Ledger,
     /// Who the current operation acts for, when a person asked for it (a cancel).
@@ -251,6 +276,8 @@ pub(crate) struct Control {
     archive: archive::Archive,
     /// Settled jobs whose stored output was deleted, for the next commit.
     deleted_output: Vec<(u64, i64)>,
+    /// Disk used by stored job output, for its bounds ([`output_usage`]).
+    output_usage: output_usage::OutputUsage,
 }
 
 /// Which jobs are pending, and how many per user, with the bytes of command and environment

@@ -99,22 +99,33 @@ fn e(x: impl std::fmt::Display) -> DbError {
     DbError(x.to_string())
 }
 
+/// The open database, shared by the [`JobDb`] and its [`Reader`]s so that
+/// [`JobDb::reopen`] reaches them all. `None` while it is being reopened.
+type Slot = Arc<parking_lot::RwLock<Option<Arc<Database>>>>;
+
+fn current(slot: &Slot) -> Result<Arc<Database>, DbError> {
+    slot.read()
+        .clone()
+        .ok_or_else(|| DbError("the job database is being reopened".into()))
+}
+
 pub struct JobDb {
-    db: Arc<Database>,
+    path: std::path::PathBuf,
+    slot: Slot,
 }
 
 /// Reads job records back from the job database (settled jobs, whose records the control
 /// plane does not hold whole). A read sees what is committed.
 #[derive(Clone)]
 pub struct Reader {
-    db: Arc<Database>,
+    slot: Slot,
 }
 
 impl Reader {
     /// The stored records of `ids`, in their order; a missing one is an error (the control
     /// plane only asks for records it committed).
     pub fn get(&self, ids: &[u64]) -> Result<Vec<JobRecord>, DbError> {
-        let tx = self.db.begin_read().map_err(e)?;
+        let tx = current(&self.slot)?.begin_read().map_err(e)?;
         let table = tx.open_table(JOBS).map_err(e)?;
         ids.iter()
             .map(|&id| {
@@ -130,24 +141,33 @@ impl Reader {
 
 impl JobDb {
     pub fn open(path: &Path) -> Result<JobDb, DbError> {
-        let db = redb::Builder::new()
-            .set_cache_size(CACHE_BYTES)
-            .create(path)
-            .map_err(e)?;
-        let db = Arc::new(db);
-        let tx = db.begin_write().map_err(e)?;
-        tx.open_table(JOBS).map_err(e)?;
-        tx.open_table(NODES).map_err(e)?;
-        tx.open_table(NODE_SPANS).map_err(e)?;
-        tx.commit().map_err(e)?;
-        Ok(JobDb { db })
+        let db = open_database(path)?;
+        Ok(JobDb {
+            path: path.to_owned(),
+            slot: Arc::new(parking_lot::RwLock::new(Some(db))),
+        })
+    }
+
+    /// Closes the database and opens it again, for every reader too. After a commit failed
+    /// on I/O (a full disk) redb refuses every later transaction until then; opening repairs
+    /// what the failed commit left. Fails while a read begun before still holds the file (it
+    /// is closed; try again later) or while the disk still cannot take the repair.
+    pub fn reopen(&self) -> Result<(), DbError> {
+        let mut slot = self.slot.write();
+        *slot = None;
+        *slot = Some(open_database(&self.path)?);
+        Ok(())
     }
 
     /// A reader of committed job records.
     pub fn reader(&self) -> Reader {
         Reader {
-            db: self.db.clone(),
+            slot: self.slot.clone(),
         }
+    }
+
+    fn db(&self) -> Result<Arc<Database>, DbError> {
+        current(&self.slot)
     }
 
     /// Writes the given records and nodes, in order, in one durable transaction.
@@ -160,7 +180,7 @@ impl JobDb {
         {
             return Ok(());
         }
-        let tx = self.db.begin_write().map_err(e)?;
+        let tx = self.db()?.begin_write().map_err(e)?;
         {
             let mut table = tx.open_table(JOBS).map_err(e)?;
             for job in jobs {
@@ -192,7 +212,7 @@ impl JobDb {
 
     /// Visits every job record, in id order.
     pub fn for_each_job(&self, mut visit: impl FnMut(JobRecord)) -> Result<(), DbError> {
-        let tx = self.db.begin_read().map_err(e)?;
+        let tx = self.db()?.begin_read().map_err(e)?;
         for row in tx.open_table(JOBS).map_err(e)?.iter().map_err(e)? {
             let (_, v) = row.map_err(e)?;
             visit(serde_json::from_slice(v.value()).map_err(e)?);
@@ -201,7 +221,7 @@ impl JobDb {
     }
 
     pub fn load(&self) -> Result<Loaded, DbError> {
-        let tx = self.db.begin_read().map_err(e)?;
+        let tx = self.db()?.begin_read().map_err(e)?;
         let mut nodes = Vec::new();
         for row in tx.open_table(NODES).map_err(e)?.iter().map_err(e)? {
             let (_, v) = row.map_err(e)?;
@@ -214,4 +234,17 @@ impl JobDb {
         }
         Ok(Loaded { nodes, node_spans })
     }
+}
+
+fn open_database(path: &Path) -> Result<Arc<Database>, DbError> {
+    let db = redb::Builder::new()
+        .set_cache_size(CACHE_BYTES)
+        .create(path)
+        .map_err(e)?;
+    let tx = db.begin_write().map_err(e)?;
+    tx.open_table(JOBS).map_err(e)?;
+    tx.open_table(NODES).map_err(e)?;
+    tx.open_table(NODE_SPANS).map_err(e)?;
+    tx.commit().map_err(e)?;
+    Ok(Arc::new(db))
 }

@@ -35,6 +35,9 @@ pub struct JobService {
     /// ([`JobService::scan_jobs`]) instead of taking it straight back.
     control: Arc<parking_lot::Mutex<Control>>,
     commits: Arc<Commits>,
+    /// The job database's directory (job logs beside it), to rebuild from in
+    /// [`JobService::recover`].
+    dir: Arc<std::path::Path>,
     known_nodes: Arc<std::sync::RwLock<std::collections::HashSet<String>>>,
     claims: Arc<claims::NodeClaims>,
     /// Start-time estimates made at once ([`JobService::estimated_starts`]): a client asking
@@ -129,6 +132,11 @@ impl Walk {
 /// doubling after each failure up to [`RECORD_RETRY_MAX`].
 const RECORD_RETRY_MIN: std::time::Duration = std::time::Duration::from_secs(1);
 const RECORD_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// After a failed reopen of the job database ([`JobService::recover`]), the next waits this
+/// long, doubling up to [`RECOVER_RETRY_MAX`]: space that returns is found within seconds.
+const RECOVER_RETRY_MIN: std::time::Duration = std::time::Duration::from_secs(1);
+const RECOVER_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(8);
 
 /// Job records read under one hold of the control lock by [`JobService::scan_jobs`].
 pub(crate) const SCAN_CHUNK: usize = 2_000;
@@ -228,6 +236,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Commits {
+    /// Why the job database cannot commit, while it cannot.
+    fn failed(&self) -> Option<String> {
+        lock(&self.state).failed.clone()
+    }
+
     /// Queues a change set; returns its sequence number. Called under the control lock, so
     /// sequence order is the order of the changes.
     fn queue(&self, dirty: db::Dirty) -> u64 {
@@ -255,7 +268,7 @@ impl Commits {
         let mut s = lock(&self.state);
         loop {
             if let Some(e) = &s.failed {
-                return Err(ControlError::Db(db::DbError::new(e.clone())));
+                return Err(ControlError::Unavailable(e.clone()));
             }
             if s.committed_seq >= seq {
                 return Ok(());
@@ -275,9 +288,14 @@ impl Commits {
                 s.committing = false;
                 match result {
                     Ok(()) => s.committed_seq = upto,
-                    // The job database is unusable: refuse everything from now on rather than
-                    // answer as if changes were durable.
-                    Err(e) => s.failed = Some(e.to_string()),
+                    // The in-memory state is now ahead of the job database, and redb takes no
+                    // transaction until it is reopened: refuse everything rather than answer
+                    // as if changes were durable, until [`JobService::recover`] has reopened
+                    // it and rebuilt the control plane from what it holds.
+                    Err(e) => {
+                        tracing::error!(error = %e, "the job database cannot commit (a full disk?); job operations are refused and agents' leases renewed until it is reopened, tried every few seconds");
+                        s.failed = Some(e.to_string());
+                    }
                 }
                 self.done.notify_all();
                 continue;
@@ -327,6 +345,7 @@ impl JobService {
         let claims = control.claims.clone();
         Ok(JobService {
             clock,
+            dir: dir.into(),
             known_nodes,
             claims,
             control: Arc::new(parking_lot::Mutex::new(control)),
@@ -844,6 +863,10 @@ impl JobService {
         let control = self.control.clone();
         let commits = self.commits.clone();
         let clock = self.clock.clone();
+        if let Some(why) = self.commits.failed() {
+            // Nothing is changed in memory that the job database could not take.
+            return Err(ControlError::Unavailable(why));
+        }
         tokio::task::spawn_blocking(move || {
             let (result, seq) = {
                 let mut c = control.lock();
@@ -858,6 +881,77 @@ impl JobService {
             };
             commits.wait(seq)?;
             result
+        })
+        .await
+        .map_err(|e| ControlError::TaskFailed(e.to_string()))?
+    }
+
+    /// Why the job database cannot commit, while it cannot (`/readyz`, the built-in alert
+    /// `JobDatabaseFailing`).
+    pub fn failing(&self) -> Option<String> {
+        self.commits.failed()
+    }
+
+    /// After a commit failed: reopens the job database and rebuilds the control plane from
+    /// what it holds, as a restart would (the changes refused since were answered as such, and
+    /// agents get a heartbeat timeout from now to report what runs). Agents' claims on their
+    /// nodes are kept. Fails, changing nothing, while the database cannot be reopened or the
+    /// rebuilt state written (the disk still full); the ticker tries again. Blocking.
+    pub(crate) fn recover(&self) -> Result<(), ControlError> {
+        let mut control = self.control.lock();
+        if self.commits.failed().is_none() {
+            return Ok(());
+        }
+        // No commit runs while the control lock is held and the commits failed.
+        self.commits.db.reopen()?;
+        let loaded = self.commits.db.load()?;
+        let config = control.config.clone();
+        let mut rebuilt =
+            Control::open(&self.dir, config, self.now_ms(), loaded, &self.commits.db)?;
+        rebuilt.claims = self.claims.clone();
+        {
+            let mut known = self.known_nodes.write().unwrap_or_else(|p| p.into_inner());
+            *known = rebuilt
+                .known_nodes
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+        }
+        rebuilt.known_nodes = self.known_nodes.clone();
+        // Which settled jobs the rows' files hold is not known to the rebuilt state: they are
+        // written again from the job database (SQL reads it meanwhile).
+        self.settled.reset();
+        rebuilt.forget_recorded();
+        let mut dirty = rebuilt.take_dirty();
+        self.commits.db.save(&dirty)?;
+        if !dirty.events.is_empty() {
+            let _ = self.commits.events.send(std::mem::take(&mut dirty.events));
+        }
+        *control = rebuilt;
+        let mut s = lock(&self.commits.state);
+        s.queued = db::Dirty::default();
+        s.committed_seq = s.queued_seq;
+        s.failed = None;
+        drop(s);
+        tracing::info!(
+            "the job database commits again: reopened, and the control plane rebuilt from it"
+        );
+        Ok(())
+    }
+
+    /// An agent's sync while the job database cannot commit: the node's lease is renewed (no
+    /// job may be requeued meanwhile, and a rebuild gives agents a heartbeat timeout from
+    /// then), and nothing else is taken or handed out: no exit acknowledged, no output stored,
+    /// no order, so the agent keeps all of it for a later sync. A node the control plane does
+    /// not know gets no lease: it runs nothing of perch's.
+    pub(crate) async fn sync_degraded(
+        &self,
+        request: perch_model::control::SyncRequest,
+    ) -> Result<perch_model::control::SyncResponse, ControlError> {
+        let service = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let now = service.now_ms();
+            service.control.lock().renew_only(&request, now)
         })
         .await
         .map_err(|e| ControlError::TaskFailed(e.to_string()))?
@@ -1035,11 +1129,29 @@ impl JobService {
         let mut recording: Option<tokio::task::JoinHandle<Result<usize, ControlError>>> = None;
         let (mut record_after, mut record_backoff) =
             (tokio::time::Instant::now(), RECORD_RETRY_MIN);
+        let (mut recover_after, mut recover_backoff) =
+            (tokio::time::Instant::now(), RECOVER_RETRY_MIN);
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
                 _ = &mut shutdown => break,
                 _ = tick.tick() => {
+                    if self.failing().is_some() {
+                        // Nothing ticks on a state the job database cannot take: reopen it.
+                        if tokio::time::Instant::now() >= recover_after {
+                            let service = self.clone();
+                            let recovered = tokio::task::spawn_blocking(move || service.recover()).await;
+                            match recovered.map_err(|e| ControlError::TaskFailed(e.to_string())).and_then(|r| r) {
+                                Ok(()) => recover_backoff = RECOVER_RETRY_MIN,
+                                Err(e) => {
+                                    tracing::warn!(error = %e, retry_secs = recover_backoff.as_secs(), "the job database cannot be reopened yet");
+                                    recover_after = tokio::time::Instant::now() + recover_backoff;
+                                    recover_backoff = (recover_backoff * 2).min(RECOVER_RETRY_MAX);
+                                }
+                            }
+                        }
+                        continue;
+                    }
                     if let Err(e) = self.tick().await {
                         tracing::error!(error = %e, "job control tick failed");
                     }
@@ -1130,6 +1242,12 @@ impl From<ControlError> for crate::ApiError {
                 crate::ErrorCode::AlreadyEnded,
                 message,
             ),
+            ControlError::Unavailable(_) => crate::ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                crate::ErrorCode::JobDbUnavailable,
+                message,
+            )
+            .retry_after(5),
             ControlError::Scheduler(_)
             | ControlError::Db(_)
             | ControlError::Logs(_)

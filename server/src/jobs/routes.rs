@@ -692,6 +692,14 @@ pub async fn sync(
         ApiError::bad_request(crate::ErrorCode::InvalidSync, format!("field `node`: {e}"))
     })?;
     who.may_speak_for(request.node.as_str())?;
+    if who.role == crate::auth::Role::Agent && request.agent_id.is_none() {
+        // The node's claim is checked against the agent's id: a sync without one would report
+        // the node's jobs as gone, and have the claiming agent's jobs killed.
+        return Err(ApiError::bad_request(
+            crate::ErrorCode::InvalidSync,
+            "field `agent_id`: an agent token's sync must carry its agent's id (perch agents send it); upgrade this node's agent",
+        ));
+    }
     if request.gpus > perch_scheduler::MAX_GPUS_PER_NODE {
         return Err(ApiError::bad_request(
             crate::ErrorCode::InvalidSync,
@@ -704,6 +712,11 @@ pub async fn sync(
         ));
     }
     let node = request.node.as_str().to_owned();
+    if state.jobs.failing().is_some() {
+        // The node's lease is renewed however long the job database takes to come back; the
+        // agent keeps its exits, output and command results for a later sync.
+        return Ok(Json(state.jobs.sync_degraded(request).await?));
+    }
     state
         .node_commands
         .deliver(std::mem::take(&mut request.command_results));

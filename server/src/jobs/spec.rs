@@ -206,6 +206,49 @@ fn check_name(field: &'static str, value: &str) -> Result<(), FieldError> {
     Ok(())
 }
 
+/// Characters that reorder or isolate the text around them (bidirectional overrides,
+/// embeddings, isolates and marks): in a name shown by `perch jobs` or the web view they make
+/// it read as something else (`job\u{202E}txt.exe`), so displayed free text may not hold them.
+pub const REFUSED_DISPLAY_CHARS: [(char, &str); 12] = [
+    ('\u{200E}', "left-to-right mark"),
+    ('\u{200F}', "right-to-left mark"),
+    ('\u{061C}', "Arabic letter mark"),
+    ('\u{202A}', "left-to-right embedding"),
+    ('\u{202B}', "right-to-left embedding"),
+    ('\u{202C}', "pop directional formatting"),
+    ('\u{202D}', "left-to-right override"),
+    ('\u{202E}', "right-to-left override"),
+    ('\u{2066}', "left-to-right isolate"),
+    ('\u{2067}', "right-to-left isolate"),
+    ('\u{2068}', "first strong isolate"),
+    ('\u{2069}', "pop directional isolate"),
+];
+
+/// Refuses a bidirectional control character in displayed free text, naming it and where it is
+/// (counted in characters from 1).
+fn check_display(field: &'static str, value: &str) -> Result<(), FieldError> {
+    let found = value.chars().enumerate().find_map(|(i, c)| {
+        REFUSED_DISPLAY_CHARS
+            .iter()
+            .find(|(bad, _)| *bad == c)
+            .map(|(bad, what)| (i + 1, *bad, *what))
+    });
+    match found {
+        Some((at, c, what)) => Err(err(
+            field,
+            format!(
+                "holds U+{:04X} ({what}) at character {at}: text direction controls make it display as something else; remove it",
+                u32::from(c)
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Accounts no job runs as, though their uid is above `agent.min_uid`: the overflow user
+/// (uid 65534) that NFS maps unknown and root users to, owner of files nobody should share.
+pub const REFUSED_USERS: [&str; 2] = ["nobody", "nfsnobody"];
+
 /// Variables a job's `env` may never set, with why. perch applies a job's environment only
 /// after the switch to its user (the agent's `launcher/command.rs`), so none of these could
 /// reach a program running as root; they are refused anyway, so that no future wrapper, helper
@@ -323,6 +366,9 @@ impl JobRequest {
                 "must be 1 to 128 characters without control characters",
             ));
         }
+        if let Some(name) = &self.name {
+            check_display("name", name)?;
+        }
         for key in self.env.keys() {
             check_env_name(key)?;
         }
@@ -370,6 +416,7 @@ impl JobRequest {
                     "must be 1 to 128 characters without control characters, as `perch nodes` shows it",
                 ));
             }
+            check_display("gpu_model", m)?;
         }
         if let Some(w) = &self.workdir
             && (!w.starts_with('/') || w.len() > 4096 || w.contains('\0'))
@@ -383,6 +430,9 @@ impl JobRequest {
                 ),
             ));
         }
+        if let Some(w) = &self.workdir {
+            check_display("workdir", w)?;
+        }
         if !(1..=MAX_TIME_LIMIT_SECS).contains(&self.time_limit_secs) {
             return Err(err(
                 "time_limit_secs",
@@ -395,6 +445,14 @@ impl JobRequest {
                 return Err(err(
                     "user",
                     "jobs never run as root: every agent refuses users below agent.min_uid (1000 by default), and root cannot be allowed in agent.allowed_system_users; submit as your own user",
+                ));
+            }
+            if REFUSED_USERS.contains(&u.as_str()) {
+                return Err(err(
+                    "user",
+                    format!(
+                        "jobs never run as {u}: it is the overflow account (uid 65534) that NFS maps unknown users to, so its files are everyone's; submit as your own user"
+                    ),
                 ));
             }
         }
@@ -607,6 +665,47 @@ mod tests {
             r#"{"command": ["x"], "gpus_per_node": -1}"#,
             Some("invalid value"),
         );
+    }
+
+    /// `nobody` (uid 65534, above `agent.min_uid`) ran jobs; a right-to-left override made a
+    /// job's name display backwards.
+    #[test]
+    fn nobody_and_text_direction_controls_are_refused() {
+        for user in REFUSED_USERS {
+            check(
+                &format!(r#"{{"command": ["x"], "user": "{user}"}}"#),
+                Some(&format!(
+                    "field `user`: jobs never run as {user}: it is the overflow account (uid 65534)"
+                )),
+            );
+        }
+        check(r#"{"command": ["x"], "user": "nobodyelse"}"#, None);
+        check(
+            r#"{"command": ["x"], "name": "report\u202Efdp.exe"}"#,
+            Some(
+                "field `name`: holds U+202E (right-to-left override) at character 7: text direction controls",
+            ),
+        );
+        for (c, what) in REFUSED_DISPLAY_CHARS {
+            let json = serde_json::json!({"command": ["x"], "name": format!("ab{c}")}).to_string();
+            check(
+                &json,
+                Some(&format!(
+                    "field `name`: holds U+{:04X} ({what}) at character 3",
+                    u32::from(c)
+                )),
+            );
+        }
+        check(
+            r#"{"command": ["x"], "gpu_model": "H100\u2066"}"#,
+            Some("field `gpu_model`: holds U+2066 (left-to-right isolate) at character 5"),
+        );
+        check(
+            r#"{"command": ["x"], "workdir": "/home/a/\u200Fx"}"#,
+            Some("field `workdir`: holds U+200F (right-to-left mark) at character 9"),
+        );
+        // Right-to-left script itself is a name like any other.
+        check(r#"{"command": ["x"], "name": "تدريب-نموذج ✓ 训练"}"#, None);
     }
 
     #[test]

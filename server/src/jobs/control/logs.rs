@@ -20,75 +20,176 @@ impl Control {
             .join(format!("{node}.{}", stream.as_str()))
     }
 
-    /// Stores the output chunks node `node` sent (at the offsets it says, so a chunk sent
-    /// twice is stored once) and tells it where each stream now ends.
+    /// Stores the output chunks node `node` sent, each at its offset (a chunk sent twice is
+    /// stored once), and tells it where each stream now ends.
+    ///
+    /// A chunk that starts past the stored copy's end is the data after a hole of the node's
+    /// file (the agent skips holes, `collector/src/launcher/output.rs`): it is written at its offset, leaving
+    /// a hole here too, but only when the chunk before it in this sync, of the same stream,
+    /// ended exactly at the copy's end (the agent's anchor, an empty chunk). Without one the
+    /// copy lost its tail (a crash before the disk had it) or the agent is an older one: the
+    /// answer is the copy's end, and the agent sends from there again. An empty chunk past the
+    /// end (a hole to the end of the node's file) makes the copy that long.
+    ///
+    /// Output that would take a user's or the server's stored output past its bound
+    /// ([`JobsConfig::max_output_bytes_per_user`], [`JobsConfig::max_output_bytes_total`]) is not
+    /// written: the copy is made as long (a hole, which reads as zero bytes and uses no disk),
+    /// the agent is told it was taken, and the job's timeline says why, once.
     pub(super) fn store_logs(
-        &self,
+        &mut self,
         node: &str,
         chunks: &[LogChunk],
         response: &mut SyncResponse,
     ) -> Result<(), ControlError> {
+        use std::os::unix::fs::FileExt;
         let mut offsets: BTreeMap<(u64, LogStream), u64> = BTreeMap::new();
+        // Where the previous chunk of each stream in this sync left the copy, when it ended
+        // exactly there: a chunk past the end is taken only after one.
+        let mut anchored: HashMap<(u64, LogStream), u64> = HashMap::new();
         // Settled jobs' records, read back from the job database: output may come long after
         // an exit. At most SETTLED_PER_SYNC of them a sync; the rest wait for the next.
         let mut settled: HashMap<u64, Option<JobRecord>> = HashMap::new();
         for c in chunks {
+            let key = (c.job, c.stream);
             let end = c.offset.saturating_add(c.data.len() as u64);
-            let job = match self.find(c.job) {
-                Some(Found::Live(job)) => Some(job),
-                Some(Found::Settled(..)) => {
-                    if !settled.contains_key(&c.job) {
-                        if settled.len() == SETTLED_PER_SYNC {
-                            continue;
+            let target = {
+                let job = match self.find(c.job) {
+                    Some(Found::Live(job)) => Some(job),
+                    Some(Found::Settled(..)) => {
+                        if !settled.contains_key(&c.job) {
+                            if settled.len() == SETTLED_PER_SYNC {
+                                continue;
+                            }
+                            let read = self.record(c.job)?.map(|j| j.into_owned());
+                            settled.insert(c.job, read);
                         }
-                        let read = self.record(c.job)?.map(|j| j.into_owned());
-                        settled.insert(c.job, read);
+                        settled[&c.job].as_ref()
                     }
-                    settled[&c.job].as_ref()
-                }
-                None => None,
+                    None => None,
+                };
+                // Nothing to keep it for (no such job, or its output was deleted after the
+                // retention): the agent may move on and free its disk.
+                job.filter(|j| j.output_deleted_ms.is_none())
+                    .and_then(|job| {
+                        let attempt = if c.attempt == 0 {
+                            job.attempts
+                        } else {
+                            c.attempt
+                        };
+                        // Only attempts that ran here: an agent cannot write another node's output.
+                        job.allocations
+                            .iter()
+                            .any(|a| a.attempt == attempt && a.node == node)
+                            .then(|| (attempt, job.request.user().to_owned()))
+                    })
             };
-            // Nothing to keep it for (no such job, or its output was deleted after the
-            // retention): the agent may move on and free its disk.
-            let Some(job) = job.filter(|j| j.output_deleted_ms.is_none()) else {
-                offsets.insert((c.job, c.stream), end);
+            let Some((attempt, user)) = target else {
+                offsets.insert(key, end);
                 continue;
             };
-            let attempt = if c.attempt == 0 {
-                job.attempts
-            } else {
-                c.attempt
-            };
-            // Only attempts that ran here: an agent cannot write another node's output.
-            let ran_here = job
-                .allocations
-                .iter()
-                .any(|a| a.attempt == attempt && a.node == node);
-            if !ran_here {
-                offsets.insert((c.job, c.stream), end);
-                continue;
-            }
             let path = self.log_path(c.job, attempt, node, c.stream);
             if let Some(dir) = path.parent() {
                 std::fs::create_dir_all(dir).map_err(ControlError::Logs)?;
             }
-            let have = std::fs::metadata(&path).map_or(0, |m| m.len());
+            let (have, before) =
+                std::fs::metadata(&path).map_or((0, 0), |m| (m.len(), output_usage::occupied(&m)));
             let data = c.data.as_bytes();
-            if c.offset <= have && end > have {
-                let skip = usize::try_from(have - c.offset).unwrap_or(0);
-                let mut f = std::fs::OpenOptions::new()
+            // What to write, and where: the part past the copy's end, or all of a chunk after
+            // a hole.
+            let write = if c.offset > have {
+                if anchored.get(&key) != Some(&have) {
+                    anchored.remove(&key);
+                    offsets.insert(key, have);
+                    continue;
+                }
+                Some((c.offset, data))
+            } else if end > have {
+                let skip = usize::try_from(have - c.offset).unwrap_or(usize::MAX);
+                Some((have, data.get(skip..).unwrap_or_default()))
+            } else {
+                None
+            };
+            if let Some((at, mut bytes)) = write {
+                let refused = (!bytes.is_empty())
+                    .then(|| {
+                        self.output_usage.check(
+                            &user,
+                            bytes.len() as u64,
+                            self.config.max_output_bytes_per_user,
+                            self.config.max_output_bytes_total,
+                        )
+                    })
+                    .flatten();
+                if let Some(bound) = refused {
+                    self.refused_output(c.job, &user, node, c.stream, at, bound);
+                    bytes = &[];
+                }
+                let f = std::fs::OpenOptions::new()
                     .create(true)
-                    .append(true)
+                    .write(true)
+                    .truncate(false)
                     .open(&path)
                     .map_err(ControlError::Logs)?;
-                f.write_all(&data[skip.min(data.len())..])
-                    .map_err(ControlError::Logs)?;
+                if bytes.is_empty() {
+                    // A hole to `end` (the node's, or output not kept): no disk.
+                    if end > have {
+                        f.set_len(end).map_err(ControlError::Logs)?;
+                    }
+                } else {
+                    f.write_all_at(bytes, at).map_err(ControlError::Logs)?;
+                }
+                let after = f.metadata().map_or(before, |m| output_usage::occupied(&m));
+                self.output_usage.changed(c.job, &user, before, after);
             }
             let len = std::fs::metadata(&path).map_or(0, |m| m.len());
-            offsets.insert((c.job, c.stream), len);
+            if end == len {
+                anchored.insert(key, len);
+            } else {
+                anchored.remove(&key);
+            }
+            offsets.insert(key, len);
         }
         response.log_offsets = offsets.into_iter().map(|((j, s), o)| (j, s, o)).collect();
         Ok(())
+    }
+
+    /// Output of `job` from `at` was not stored because of `bound`: its timeline says so, once
+    /// (a settled job's record is no longer changed; the server's log says it).
+    fn refused_output(
+        &mut self,
+        job: u64,
+        user: &str,
+        node: &str,
+        stream: LogStream,
+        at: u64,
+        bound: output_usage::Bound,
+    ) {
+        if !self.output_usage.first_refusal(job) {
+            return;
+        }
+        let why = bound.why(user);
+        tracing::warn!(job, user, node, stream = stream.as_str(), at, %why, "job output not stored");
+        let text = format!(
+            "its output on {node} from byte {at} of its {} on was not stored: {why}. The part not stored reads as zero bytes in `perch logs`; output is kept until server.job_output_days after each job ended. Raise the key, or have the job write large output to files of its own",
+            stream.as_str()
+        );
+        let now = self.now;
+        if let Some(j) = self.jobs.get_mut(&job) {
+            j.note(now, text);
+            self.dirty_jobs.insert(job);
+        }
+    }
+
+    /// Measures the stored output (at start): each job's files charged to its user.
+    pub(super) fn measure_output(&mut self) {
+        let usage = output_usage::OutputUsage::scan(&self.logs_dir, |job| {
+            self.find(job).map(|f| f.user().to_owned())
+        });
+        tracing::info!(
+            bytes = usage.total(),
+            "stored job output measured for its bounds"
+        );
+        self.output_usage = usage;
     }
 
     /// Where rank `rank` (default 0) of attempt `attempt` (default the latest) of a job's
@@ -197,6 +298,7 @@ impl Control {
                     self.delete_settled_output(id, now);
                 }
             }
+            self.output_usage.forget(id);
             remove.push(self.logs_dir.join(id.to_string()));
         }
         remove

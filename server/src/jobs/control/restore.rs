@@ -42,6 +42,7 @@ impl Control {
             reserved: HashMap::new(),
             archive: archive::Archive::new(db.reader()),
             deleted_output: Vec::new(),
+            output_usage: Default::default(),
         };
         for record in nodes {
             // Agents get one heartbeat timeout from now to come back.
@@ -137,6 +138,7 @@ impl Control {
         for job in c.jobs.values() {
             c.pending.update(job);
         }
+        c.measure_output();
         Ok(c)
     }
 

@@ -62,6 +62,22 @@ impl Control {
         Ok(response)
     }
 
+    /// A sync while the job database cannot commit ([`super::super::JobService::sync_degraded`]):
+    /// the claim checked and a known node's lease renewed, in memory only; nothing else.
+    pub(crate) fn renew_only(
+        &mut self,
+        req: &SyncRequest,
+        now: i64,
+    ) -> Result<SyncResponse, ControlError> {
+        self.check_claim(req, now)?;
+        let mut response = SyncResponse::default();
+        if let Some(&idx) = self.node_index.get(req.node.as_str()) {
+            self.nodes[idx].last_sync_ms = now;
+            response.lease_ms = self.config.lease.as_millis().try_into().unwrap_or(u64::MAX);
+        }
+        Ok(response)
+    }
+
     /// Refuses a sync from an agent other than the one that serves the node, while that one's
     /// claim is fresh ([`super::super::claims`]): two agents under one name would each report
     /// what runs there, and the one that runs nothing had the other's jobs taken for lost and
