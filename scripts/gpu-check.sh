@@ -16,9 +16,13 @@ R=$(mkdir -p "${2:-./gpu-check}" && realpath "${2:-./gpu-check}")
 PORT=${PORT:-17391}
 BURN_SECONDS=${BURN_SECONDS:-45}
 UP_ARGS=${UP_ARGS:-} # e.g. "--nvml off --simulate-gpus 1" to try the script without GPUs
-# perch never runs a job as root: as root, the job runs as JOB_USER (default nobody).
+# perch never runs a job as root, nor as nobody: as root, the job runs as JOB_USER (default
+# perch-gpu-check, an ordinary user made here if missing).
 JOB_USER=${JOB_USER:-$(id -un)}
-[ "$JOB_USER" = root ] && JOB_USER=nobody
+if [ "$JOB_USER" = root ]; then
+  JOB_USER=perch-gpu-check
+  id -u "$JOB_USER" >/dev/null 2>&1 || useradd --no-create-home --shell /usr/sbin/nologin "$JOB_USER"
+fi
 WORK=$(mktemp -d)
 chmod 755 "$WORK"
 export PERCH_SERVER=http://127.0.0.1:$PORT
