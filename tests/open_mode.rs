@@ -274,3 +274,50 @@ fn a_restarted_up_waits_for_its_predecessor_and_comes_up_with_its_agent() {
     let _ = second.kill();
     let _ = second.wait();
 }
+
+/// Over psql too, an open server takes each local caller as the user owning its connection,
+/// whatever name it claims (issue 55).
+#[test]
+fn an_open_servers_psql_callers_are_the_local_users_they_are() {
+    let alice_ids = alice();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("up");
+    let config = dir.path().join("perch.toml");
+    std::fs::write(&config, "[server]\npg_listen = \"127.0.0.1:0\"\n").expect("config");
+    let _perch = Perch::start(&data, &["up", "--config", &config.to_string_lossy()]);
+    let addr = common::wait_for("pg.addr", || {
+        std::fs::read_to_string(data.join("pg.addr"))
+            .ok()
+            .filter(|s| s.ends_with('\n'))
+    });
+    let (host, port) = addr.trim().rsplit_once(':').expect("host:port");
+    let who = |(uid, gid): (u32, u32)| {
+        let out = Command::new("psql")
+            .args([
+                "-h",
+                host,
+                "-p",
+                port,
+                "-U",
+                "someone_else",
+                "-d",
+                "perch",
+                "-w",
+            ])
+            .args(["-X", "-A", "-t", "-c", "SELECT current_user"])
+            .env("PGCONNECT_TIMEOUT", "10")
+            .uid(uid)
+            .gid(gid)
+            .current_dir("/")
+            .output()
+            .expect("run psql");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    assert_eq!(who(root()), "root");
+    assert_eq!(who(alice_ids), ALICE);
+}

@@ -21,8 +21,10 @@
 //! `POST /v1/sql`. A wrong token is refused with SQLSTATE 28P01. Every statement checks the
 //! login token again: one revoked (SIGHUP) or expired since ends the connection (FATAL 28000). Cleartext passwords are
 //! what every client supports; keep the listener on a trusted network or tunnel it, as with
-//! HTTP. Without a tokens file the listener is in trust mode (any user name, no password) and
-//! config refuses to bind it anywhere but loopback.
+//! HTTP. Without a tokens file the listener takes no password, config refuses to bind it
+//! anywhere but loopback, and a client is the local user owning its connection
+//! ([`crate::auth::peer`], as on HTTP), whatever name it claims: root and the server's user
+//! are operators.
 //!
 //! Catalog questions (`information_schema`, `pg_catalog`, `version()`, `SHOW ...`) are
 //! rewritten into SQL DataFusion can answer; see [`catalog`]. Parameters (`$1`) are not
@@ -70,7 +72,13 @@ pub struct PgHandler {
     /// can send a password (a token) in clear text.
     require_tls: bool,
     pids: Arc<RandomPidSecretKeyGenerator>,
+    /// The listener's address: in open mode a client is identified by the uid owning its
+    /// connection to it ([`crate::auth::peer`]).
+    local: Option<std::net::SocketAddr>,
 }
+
+/// In open mode, whether the connection's owner is an operator (root or the server's user).
+const METADATA_PERCH_ROLE: &str = "perch.role";
 
 /// Where a connection's perch identity is kept (client metadata), once its token is checked.
 const METADATA_PERCH_USER: &str = "perch.user";
@@ -105,7 +113,7 @@ pub async fn start(
     match bound.await {
         Ok((listener, bound)) => {
             if tokens.is_open() {
-                tracing::info!(listen = %bound, "PostgreSQL protocol (read-only SQL) listening in trust mode: any user name, no password (set server.tokens_file to require a token as password)");
+                tracing::info!(listen = %bound, "PostgreSQL protocol (read-only SQL) listening without tokens: no password, each client is the local user owning its connection (set server.tokens_file to require a token as password)");
             } else {
                 tracing::info!(listen = %bound, "PostgreSQL protocol (read-only SQL) listening: clients log in with a perch token as password");
             }
@@ -138,6 +146,7 @@ pub async fn serve_pg(
         clock,
         require_tls: tls.is_some(),
         pids: Arc::new(RandomPidSecretKeyGenerator::default()),
+        local: listener.local_addr().ok(),
     });
     tokio::pin!(shutdown);
     loop {
@@ -274,11 +283,25 @@ impl StartupHandler for PgHandler {
                 }
                 protocol_negotiation(client, startup).await?;
                 save_startup_parameters_to_metadata(client, startup);
-                let claimed = client.metadata().get(METADATA_USER).cloned();
                 if self.tokens.is_open() {
-                    return self
-                        .admit(client, claimed.unwrap_or_else(|| "local".to_owned()), None)
-                        .await;
+                    // Open mode: the caller is the local user owning the connection, whatever
+                    // name it claims, as on HTTP.
+                    let identity = match self.local {
+                        Some(server) => {
+                            crate::auth::peer::local_identity(client.socket_addr(), server).await
+                        }
+                        None => Err("the listener's own address is unknown".to_owned()),
+                    }
+                    .map_err(|why| login_error("28000", why))?;
+                    let role = if identity.role == Role::Operator {
+                        "operator"
+                    } else {
+                        "user"
+                    };
+                    client
+                        .metadata_mut()
+                        .insert(METADATA_PERCH_ROLE.to_owned(), role.to_owned());
+                    return self.admit(client, identity.user, None).await;
                 }
                 client.set_state(PgWireConnectionState::AuthenticationInProgress);
                 client
@@ -311,11 +334,13 @@ impl PgHandler {
     /// refused.
     ///
     /// Whether the token is an operator's is read then too, so a role changed since login
-    /// (SIGHUP) holds from the next statement. In trust mode everyone is an operator, as on
-    /// HTTP without a tokens file.
+    /// (SIGHUP) holds from the next statement. In open mode the connection's owner decided it
+    /// at login: root and the server's user are operators.
     fn session<C: ClientInfo>(&self, client: &C) -> PgWireResult<Caller> {
         let meta = client.metadata();
-        let mut operator = true;
+        let mut operator = meta
+            .get(METADATA_PERCH_ROLE)
+            .is_some_and(|role| role == "operator");
         if !self.tokens.is_open() {
             let checked = match meta.get(METADATA_PERCH_TOKEN) {
                 Some(token) => match self.tokens.identify(token, self.clock.now_ms()) {
