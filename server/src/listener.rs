@@ -92,6 +92,9 @@ pub struct Conn {
     /// Closed to make room: its next read or write fails.
     evicted: AtomicBool,
     waker: futures::task::AtomicWaker,
+    /// In open mode, the local user owning the connection, found once for all its requests
+    /// ([`crate::auth::peer`]): a socket's owner does not change.
+    pub owner: tokio::sync::OnceCell<Result<crate::auth::Identity, String>>,
 }
 
 impl Conn {
@@ -211,6 +214,7 @@ impl Registry {
             kept: AtomicBool::new(false),
             evicted: AtomicBool::new(false),
             waker: futures::task::AtomicWaker::new(),
+            owner: tokio::sync::OnceCell::new(),
         });
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         conns.insert(id, conn.clone());
@@ -562,6 +566,7 @@ fn closed_conn() -> Arc<Conn> {
         kept: AtomicBool::new(false),
         evicted: AtomicBool::new(true),
         waker: futures::task::AtomicWaker::new(),
+        owner: tokio::sync::OnceCell::new(),
     })
 }
 

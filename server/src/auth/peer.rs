@@ -39,19 +39,27 @@ const USE_TOKENS: &str = "remote clients, and local ones that cannot be identifi
 /// The local user behind a request's connection (`None`: the server could not say where it
 /// came from). `Err` says why the caller is refused.
 pub async fn of_request(peer: Option<&crate::listener::Peer>) -> Result<Identity, String> {
-    let (client, server) = match peer {
+    let (client, server, conn) = match peer {
         Some(crate::listener::Peer {
             addr,
             local: Some(local),
-            ..
-        }) => (*addr, *local),
+            conn,
+        }) => (*addr, *local, conn),
         _ => {
             return Err(format!(
                 "this server runs open (no tokens file) and cannot tell where this request came from; {USE_TOKENS}"
             ));
         }
     };
-    local_identity(client, server).await
+    match conn {
+        // Read from /proc once per connection, not once per request.
+        Some(conn) => conn
+            .owner
+            .get_or_init(|| local_identity(client, server))
+            .await
+            .clone(),
+        None => local_identity(client, server).await,
+    }
 }
 
 /// The local user behind a TCP connection from `client` to the server's `server` address
