@@ -17,8 +17,9 @@ impl Drop for Mount {
     }
 }
 
-#[test]
-fn a_full_disk_loses_no_acknowledged_sample_and_perch_recovers_by_itself() {
+/// A temporary directory whose `server` subdirectory (the server's data directory) is a
+/// 24 MiB tmpfs, unmounted when the returned guard drops.
+fn small_disk() -> (tempfile::TempDir, std::path::PathBuf, Mount) {
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("server");
     std::fs::create_dir_all(&data).expect("mkdir");
@@ -31,7 +32,13 @@ fn a_full_disk_loses_no_acknowledged_sample_and_perch_recovers_by_itself() {
         mounted.success(),
         "mounting a tmpfs needs root (CI runs as root)"
     );
-    let _mount = Mount(data.clone());
+    let mount = Mount(data.clone());
+    (dir, data, mount)
+}
+
+#[test]
+fn a_full_disk_loses_no_acknowledged_sample_and_perch_recovers_by_itself() {
+    let (dir, data, _mount) = small_disk();
     let mut perch = common::server_with_config(
         dir.path(),
         "[server]\npg_listen = \"\"\nflush_interval_secs = 2\n[alerts]\nevaluation_interval = \"2s\"\n",
@@ -121,16 +128,7 @@ fn a_full_disk_loses_no_acknowledged_sample_and_perch_recovers_by_itself() {
 /// still runs its first attempt, and no refused submission became a job.
 #[test]
 fn a_full_disk_refuses_job_changes_keeps_leases_and_the_job_database_recovers() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("server");
-    std::fs::create_dir_all(&data).expect("mkdir");
-    let mounted = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=24m", "tmpfs"])
-        .arg(&data)
-        .status()
-        .expect("mount");
-    assert!(mounted.success(), "mounting a tmpfs needs root");
-    let _mount = Mount(data.clone());
+    let (dir, data, _mount) = small_disk();
     let perch = common::server_with_config(
         dir.path(),
         "[server]\npg_listen = \"\"\nnode_stale_after_secs = 2\nnode_lease_secs = 5\n\
