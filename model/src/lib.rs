@@ -2,12 +2,15 @@
 //!
 //! This crate exists because two crates need the same definitions: the collector produces
 //! [`Batch`]es and the server's store consumes them. It holds data and validation only: no I/O,
-//! no clock, no async; and [`tls::use_ring`], the one TLS provider every process installs.
+//! no async; the one injected [`clock::Clock`]; and [`tls::use_ring`], the one TLS provider every process installs.
 
 mod audit;
 pub mod catalogue;
+pub mod clock;
 pub mod control;
+mod error_code;
 mod events;
+pub mod identity;
 mod ids;
 mod infiniband;
 mod job_metrics;
@@ -18,6 +21,7 @@ mod throttle;
 pub mod tls;
 
 pub use audit::ClusterEvent;
+pub use error_code::ErrorCode;
 pub use events::{GpuEvent, GpuEventKind};
 pub use ids::{GpuIndex, NodeId};
 pub use infiniband::IbPortSample;

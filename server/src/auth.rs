@@ -25,49 +25,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    User,
-    Operator,
-    Agent,
-}
-
-/// Who is calling.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Identity {
-    pub user: String,
-    pub role: Role,
-    /// For an agent token: the nodes it may report for and sync as (`nodes` in the tokens
-    /// file); `None` lets it speak for any node.
-    pub nodes: Option<Vec<String>>,
-    /// For a job's metrics token: the job. It may only push that job's metrics.
-    pub job: Option<u64>,
-}
-
-impl Identity {
-    /// May send telemetry for, and sync as, node `node`: an agent bound to other nodes may
-    /// not (one stolen node's token cannot forge another node's data or take its jobs).
-    pub fn may_speak_for(&self, node: &str) -> Result<(), ApiError> {
-        match &self.nodes {
-            Some(nodes) if !nodes.iter().any(|n| n == node) => Err(ApiError::new(
-                StatusCode::FORBIDDEN,
-                crate::ErrorCode::Forbidden,
-                format!(
-                    "this token ({}) is bound to node(s) {}; it may not report as {node}: give this node its own token, or add it to the token's `nodes` in the tokens file",
-                    self.user,
-                    nodes.join(", ")
-                ),
-            )),
-            _ => Ok(()),
-        }
-    }
-
-    /// May act on a job that belongs to `owner`.
-    pub fn may_act_on(&self, owner: &str) -> bool {
-        self.role == Role::Operator || self.user == owner
-    }
-}
+pub use perch_model::identity::{Identity, Role};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -439,11 +397,7 @@ pub async fn whoami(
     axum::extract::State(state): axum::extract::State<crate::AppState>,
     axum::Extension(who): axum::Extension<Identity>,
 ) -> axum::Json<serde_json::Value> {
-    let role = match who.role {
-        Role::User => "user",
-        Role::Operator => "operator",
-        Role::Agent => "agent",
-    };
+    let role = who.role.as_str();
     axum::Json(serde_json::json!({
         "user": who.user,
         "role": role,

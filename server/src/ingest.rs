@@ -66,7 +66,13 @@ async fn handle(
             format!("the body is not a valid telemetry batch: {e}"),
         )
     })?;
-    who.may_speak_for(batch.node.as_str())?;
+    who.may_speak_for(batch.node.as_str()).map_err(|m| {
+        crate::ApiError::new(
+            axum::http::StatusCode::FORBIDDEN,
+            crate::ErrorCode::Forbidden,
+            m,
+        )
+    })?;
     // Before the store sees its sequence number: one batch of a second agent under the node's
     // name, numbered from that agent's later start, made the node's own batches duplicates.
     match agent {

@@ -8,7 +8,7 @@
 pub mod accounting;
 pub mod alerting;
 pub mod auth;
-pub mod clock;
+pub use perch_model::clock;
 mod error;
 mod ingest;
 pub mod jobs;

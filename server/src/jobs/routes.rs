@@ -691,7 +691,13 @@ pub async fn sync(
     request.node.validate().map_err(|e| {
         ApiError::bad_request(crate::ErrorCode::InvalidSync, format!("field `node`: {e}"))
     })?;
-    who.may_speak_for(request.node.as_str())?;
+    who.may_speak_for(request.node.as_str()).map_err(|m| {
+        crate::ApiError::new(
+            axum::http::StatusCode::FORBIDDEN,
+            crate::ErrorCode::Forbidden,
+            m,
+        )
+    })?;
     if who.role == crate::auth::Role::Agent && request.agent_id.is_none() {
         // The node's claim is checked against the agent's id: a sync without one would report
         // the node's jobs as gone, and have the claiming agent's jobs killed.

@@ -1,6 +1,6 @@
-//! The server's one clock. Every "now" the server takes (the control plane's operations and
+//! The one clock of the server and its control plane. Every "now" the server takes (the control plane's operations and
 //! ticks, token expiry, the alert and accounting loops, what `/metrics` and SQL's live tables
-//! report, ingest's receive time) comes from the [`Clock`] in [`crate::ServerConfig`]: the
+//! report, ingest's receive time) comes from the [`Clock`] in `perch_server::ServerConfig`: the
 //! system's by default, a [`Clock::manual`] one in tests, which then run in virtual time.
 
 use std::sync::Arc;
