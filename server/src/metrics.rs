@@ -636,7 +636,12 @@ mod tests {
                     .lines()
                     .find(|l| l.starts_with(&format!("| `{name}` |")))
                     .unwrap_or_else(|| {
-                        panic!("docs/metrics.md has no row for {name}: add {start:?}")
+                        let replaces: Vec<&str> = members.iter().map(|m| m.replaces).collect();
+                        panic!(
+                            "docs/metrics.md has no row for {name}: add \"{start} <what it \
+                             means> | {} |\"",
+                            replaces.join(", ")
+                        )
                     });
                 assert!(
                     row.starts_with(&start),
