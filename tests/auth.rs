@@ -371,13 +371,14 @@ fn accounts_and_qos_are_granted_not_claimed() {
     let mut server = start();
     let url = server.url.clone();
     // The agent's token is not in the tokens file yet.
+    let agent_metrics = format!("127.0.0.1:{}", common::free_port());
     let _agent = common::Agent::start(
         &url,
         "gpu-a",
         &dir.path().join("agent"),
         1,
         Some(AGENT),
-        &["--interval-ms", "200"],
+        &["--interval-ms", "200", "--metrics-listen", &agent_metrics],
     );
     let submit = |token: &str, extra: &[&str]| {
         let mut args = vec!["submit", "--gpus", "1"];
@@ -400,7 +401,22 @@ fn accounts_and_qos_are_granted_not_claimed() {
     assert!(ok, "granted in [accounts.vision]: {err}");
     let (ok, _, err) = submit(OPERATOR, &["--account", "vision", "--qos", "high"]);
     assert!(ok, "operators may: {err}");
-    std::thread::sleep(std::time::Duration::from_secs(2));
+    // The agent measures while the server refuses it: five rounds taken, none delivered.
+    wait_for("five rounds measured while the token is refused", || {
+        let text = reqwest::blocking::get(format!("http://{agent_metrics}/metrics"))
+            .ok()?
+            .text()
+            .ok()?;
+        let counter = |name: &str| common::metric(&text, name);
+        assert_eq!(
+            counter("perch_agent_batches_sent_total"),
+            Some(0.0),
+            "{text}"
+        );
+        (counter("perch_agent_rounds_total")? >= 5.0
+            && counter("perch_agent_send_errors_total")? >= 1.0)
+            .then_some(())
+    });
     // The operator adds the agent's token and restarts the server: what the agent measured
     // while it was refused arrives.
     server.kill();
@@ -505,7 +521,12 @@ fn tokens_are_created_hashed_and_granted_or_revoked_on_sighup() {
     // A broken file on SIGHUP: the server keeps the tokens it had, and keeps running.
     std::fs::write(&file, format!("{text}[[tokens]]\nuser = \"broken\"\n")).expect("write");
     hangup();
-    std::thread::sleep(std::time::Duration::from_millis(500));
+    wait_for("the server to read the broken file and refuse it", || {
+        server
+            .log()
+            .contains("the tokens file was not read again")
+            .then_some(())
+    });
     assert!(
         cli(&url, Some(&alice), &["jobs"]).0,
         "a broken file revoked a token"

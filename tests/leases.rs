@@ -1,7 +1,8 @@
 //! Issue 15: a job never runs twice at once, whatever dies or is cut off.
 //!
 //! Each test runs a job that appends `start`, then a `tick` every 100 ms (and `end` on its
-//! signal), each line with its attempt and the time in nanoseconds, to a file, then attacks
+//! signal), each line with its attempt, the time in nanoseconds and the job shell's pid, to a
+//! file, then attacks
 //! the cluster: `kill -9` of the agent (restarted within the lease, or never), the node cut
 //! from the server by a network namespace, the server killed and restarted. Every test checks
 //! that the attempts' lines never interleave: attempt n+1 starts only after attempt n's last
@@ -9,7 +10,7 @@
 
 mod common;
 
-use common::{Agent, PATIENCE, Perch, wait_for};
+use common::{Agent, Perch, wait_for};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -38,11 +39,12 @@ fn agent(url: &str, node: &str, dir: &Path, token: Option<&str>) -> Agent {
     )
 }
 
-/// The job: its lines go to `file`.
+/// The job: its lines go to `file`. Its `sleep 0.1` is the job's own pace, not a wait of the
+/// test's.
 fn script(file: &Path) -> String {
     let f = file.display();
     format!(
-        "line() {{ echo \"$1 $PERCH_JOB_ATTEMPT $(date +%s%N)\" >> {f}; }}; \
+        "line() {{ echo \"$1 $PERCH_JOB_ATTEMPT $(date +%s%N) $$\" >> {f}; }}; \
          trap 'line end; exit 0' TERM; line start; \
          while :; do line tick; sleep 0.1; done"
     )
@@ -107,14 +109,43 @@ fn assert_one_at_a_time(file: &Path) {
     }
 }
 
+/// The pids of the shells that ran `attempt` (one, unless it ran twice).
+fn shells(file: &Path, attempt: u64) -> Vec<u32> {
+    let text = std::fs::read_to_string(file).unwrap_or_default();
+    let mut pids: Vec<u32> = text
+        .lines()
+        .filter_map(|l| {
+            let parts: Vec<&str> = l.split_whitespace().collect();
+            (parts.get(1)?.parse::<u64>().ok()? == attempt).then_some(parts.get(3)?.parse().ok()?)
+        })
+        .collect();
+    pids.sort_unstable();
+    pids.dedup();
+    pids
+}
+
+/// How many `tick` lines `file` has from after `since_ns` (Unix time in nanoseconds).
+fn ticks_since(file: &Path, since_ns: u128) -> usize {
+    std::fs::read_to_string(file)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("tick "))
+        .filter_map(|l| l.split_whitespace().nth(2)?.parse::<u128>().ok())
+        .filter(|&t| t > since_ns)
+        .count()
+}
+
+fn now_ns() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_nanos()
+}
+
 /// The most recent line's age.
 fn last_line_age(file: &Path) -> Duration {
     let last = attempts(file).iter().map(|r| r.2).max().unwrap_or(0);
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .expect("clock")
-        .as_nanos();
-    Duration::from_nanos(u64::try_from(now.saturating_sub(last)).unwrap_or(u64::MAX))
+    Duration::from_nanos(u64::try_from(now_ns().saturating_sub(last)).unwrap_or(u64::MAX))
 }
 
 fn job(perch: &Perch, id: u64) -> Value {
@@ -152,16 +183,16 @@ fn ticking(file: &Path, attempt: u64) {
     });
 }
 
-/// Submits the job as alice and waits until its first attempt runs and ticks; returns its id
-/// and its record.
-/// A new agent for gpu-a: the node comes back up and the job, still attempt 1, runs on.
+/// A new agent for gpu-a: the node comes back up and the job, still attempt 1, runs on. A
+/// takeover gone wrong shows on the new agent's syncs (it reports the job missing, the server
+/// orders a stop or requeues it), so the check comes after two of them.
 fn take_over(perch: &Perch, dir: &Path, id: u64, file: &Path) -> Agent {
     let a = agent(&perch.url, "gpu-a", dir, None);
     wait_for("the node up again", || {
         let nodes = perch.get("/v1/nodes");
         (nodes["nodes"][0]["state"] == "up").then_some(())
     });
-    std::thread::sleep(Duration::from_secs(2));
+    common::wait_syncs("gpu-a", 2, || perch.get("/v1/nodes"));
     let j = job(perch, id);
     assert_eq!(
         (j["state"].as_str(), j["attempts"].as_u64()),
@@ -169,7 +200,29 @@ fn take_over(perch: &Perch, dir: &Path, id: u64, file: &Path) -> Agent {
         "{j}"
     );
     assert_eq!(attempts(file).len(), 1, "one attempt only");
+    assert!(
+        !std::fs::read_to_string(file)
+            .expect("runs")
+            .contains("end 1 "),
+        "the job got no stop signal"
+    );
     a
+}
+
+/// Waits until the shell that ran `attempt` is gone, then checks that its `end` line is the
+/// last it wrote: nothing of it ran on after its stop.
+fn gone_after_its_end(file: &Path, attempt: u64) {
+    let pids = shells(file, attempt);
+    assert_eq!(pids.len(), 1, "one shell for attempt {attempt}: {pids:?}");
+    wait_for(&format!("attempt {attempt}'s shell to exit"), || {
+        (!alive(pids[0])).then_some(())
+    });
+    let text = std::fs::read_to_string(file).expect("runs");
+    let last = text
+        .lines()
+        .rfind(|l| l.split_whitespace().nth(1) == Some(&attempt.to_string()))
+        .unwrap_or_default();
+    assert!(last.starts_with("end "), "it stopped: {text}");
 }
 
 /// alice cancels the job; its checkpoint signal reaches it (an `end` line).
@@ -225,11 +278,7 @@ fn an_agent_killed_and_restarted_within_the_lease_takes_its_job_over() {
     );
     // The new agent stops it on cancel: its checkpoint signal reaches it (an `end` line).
     cancel_and_see_it_end(&perch, id, &file);
-    std::thread::sleep(Duration::from_millis(500));
-    assert!(
-        last_line_age(&file) > Duration::from_millis(400),
-        "it stopped"
-    );
+    gone_after_its_end(&file, 1);
 }
 
 /// An agent killed while it still ships an ended job's output (that goes on after the exit, 4
@@ -330,8 +379,15 @@ fn a_second_agent_claiming_a_node_kills_no_job() {
         .send()
         .expect("sync");
     assert_eq!(sync.status().as_u16(), 409);
-    std::thread::sleep(Duration::from_secs(3));
+    // A stop the impostor's reports caused would reach the job on its own agent's syncs.
+    common::wait_syncs("gpu-a", 3, || perch.get("/v1/nodes"));
     runs_on_as_attempt_1(&perch, id, &file, "the job runs on");
+    assert!(
+        !std::fs::read_to_string(&file)
+            .expect("runs")
+            .contains("end 1 "),
+        "the job got no stop signal"
+    );
     let _ = impostor.kill();
     let _ = impostor.wait();
     // Its telemetry is refused as well: one batch of it, numbered from its later start, made
@@ -389,11 +445,10 @@ fn an_agent_restarted_gracefully_leaves_its_job_running_for_the_next() {
         .expect("kill");
     assert!(status.success());
     wait_for("the agent to exit", || (!a.is_running()).then_some(()));
-    std::thread::sleep(Duration::from_secs(1));
-    assert!(
-        last_line_age(&file) < Duration::from_secs(1),
-        "the job runs on without its agent"
-    );
+    let exited = now_ns();
+    wait_for("the job to tick on without its agent", || {
+        (ticks_since(&file, exited) >= 3).then_some(())
+    });
     assert!(
         !std::fs::read_to_string(&file)
             .expect("runs")
@@ -573,7 +628,8 @@ fn a_node_cut_from_the_server_stops_its_job_before_it_runs_elsewhere() {
         Some(true),
         "{j}"
     );
-    std::thread::sleep(Duration::from_secs(2));
+    // A stop that exit wrongly ordered would reach attempt 2 on gpu-b's next syncs.
+    common::wait_syncs("gpu-b", 2, || get("/v1/nodes"));
     let j = get_job(id);
     assert_eq!(
         (j["state"].as_str(), j["attempts"].as_u64()),
@@ -583,6 +639,12 @@ fn a_node_cut_from_the_server_stops_its_job_before_it_runs_elsewhere() {
     assert!(
         last_line_age(&file) < Duration::from_secs(1),
         "attempt 2 runs on"
+    );
+    assert!(
+        !std::fs::read_to_string(&file)
+            .expect("runs")
+            .contains("end 2 "),
+        "attempt 2 got no stop signal"
     );
     assert_one_at_a_time(&file);
     as_alice(&["cancel", &id.to_string()]);
@@ -599,14 +661,15 @@ fn a_server_restart_within_the_lease_stops_no_job() {
     let file = dir.path().join("runs");
     let (id, _) = start_job(&perch, &file);
     perch.kill();
-    // Longer than the node timeout, shorter than the lease.
-    std::thread::sleep(Duration::from_secs(4));
-    assert!(
-        last_line_age(&file) < Duration::from_secs(1),
-        "runs on while the server is away"
-    );
+    // Away longer than the node timeout (2 s), shorter than the lease (30 s): the job ticks on
+    // 4 s after the server went. The time is the point of the test; the wait ends on the tick.
+    let killed = now_ns();
+    wait_for("a tick 4 s after the server went away", || {
+        (ticks_since(&file, killed + 4_000_000_000) > 0).then_some(())
+    });
     let perch = server(dir.path(), 30, "", &["--listen", &listen]);
-    std::thread::sleep(Duration::from_secs(3));
+    // A stop or a requeue would follow from the agent's first syncs with the new server.
+    common::wait_syncs("gpu-a", 3, || perch.get("/v1/nodes"));
     let j = job(&perch, id);
     assert_eq!(
         (j["state"].as_str(), j["attempts"].as_u64()),
@@ -755,14 +818,10 @@ fn setsid_does_not_escape_cancel_or_the_end_of_the_job() {
     wait_for("the job to complete", || {
         (job(&perch, ended)["state"] == "completed").then_some(())
     });
-    let deadline = Instant::now() + PATIENCE;
-    while escaped.iter().any(|&p| alive(p)) {
-        assert!(
-            Instant::now() < deadline,
-            "the ended job's daemons live on: {escaped:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for(
+        &format!("the ended job's daemons {escaped:?} to die"),
+        || escaped.iter().all(|&p| !alive(p)).then_some(()),
+    );
 }
 
 /// A network namespace joined to the host by a veth pair: the server listens on the host's

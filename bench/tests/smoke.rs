@@ -1,9 +1,14 @@
 //! Every benchmark in a tiny mode, so that none can silently stop working (issue 21: `perch
 //! bench jobs` had failed after its submission half, unseen, since the probe job began to run
-//! as `nobody`). Each runs the real benchmark with the smallest sizes its flags allow and must
-//! end well and print its table; the figures themselves are BENCHMARKS.md's business. The
+//! as `nobody`). Each runs the real benchmark with the smallest sizes its flags allow, must end
+//! well, and must print figures that can be true: finite (no NaN, no inf), above zero where a
+//! zero means nothing was measured, below bounds no run on any machine reaches, consistent with
+//! each other (a rate with its count and time, a median below its maximum, a ratio with its
+//! parts, a verdict with its figures). How fast they are is BENCHMARKS.md's business. The
 //! scheduler's divan benchmarks run once each in scripts/test.sh; `tests/bench.rs` at the root
 //! checks that `perch bench` hands over to this binary.
+
+use std::ops::RangeInclusive;
 
 /// Runs `perch-bench <args>` with a fresh directory for its data; returns what it printed.
 fn bench(args: &[&str]) -> String {
@@ -25,6 +30,118 @@ fn bench_in(dir: &std::path::Path, args: &[&str]) -> String {
         "perch bench {args:?} failed:\n{stdout}\n{stderr}"
     );
     stdout
+}
+
+/// The numbers of `line` in order, `NaN` and `inf` among them (as Rust prints them), so that
+/// the range checks fail on them. A `-` between digits separates (`47.7-47.7` is two).
+fn numbers(line: &str) -> Vec<f64> {
+    let mut out = Vec::new();
+    let chars: Vec<char> = line.chars().collect();
+    let mut i = 0;
+    while i < chars.len() {
+        let word_start = i == 0 || !chars[i - 1].is_alphanumeric();
+        let word_end = chars.get(i + 3).is_none_or(|c| !c.is_alphanumeric());
+        let rest: String = chars[i..].iter().take(3).collect();
+        if word_start && word_end && (rest == "NaN" || rest == "inf") {
+            out.push(if rest == "NaN" {
+                f64::NAN
+            } else {
+                f64::INFINITY
+            });
+            i += 3;
+        } else if chars[i].is_ascii_digit() {
+            let start = i;
+            let mut point = false;
+            while i < chars.len()
+                && (chars[i].is_ascii_digit()
+                    || (chars[i] == '.'
+                        && !point
+                        && chars.get(i + 1).is_some_and(char::is_ascii_digit)))
+            {
+                point |= chars[i] == '.';
+                i += 1;
+            }
+            let text: String = chars[start..i].iter().collect();
+            out.push(text.parse().unwrap_or(f64::NAN));
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+/// The first line of `out` holding `label`, and its numbers after the label.
+fn figures(out: &str, label: &str) -> Vec<f64> {
+    let line = out
+        .lines()
+        .find(|l| l.contains(label))
+        .unwrap_or_else(|| panic!("no line with {label:?} in:\n{out}"));
+    let after = &line[line.find(label).unwrap_or(0) + label.len()..];
+    numbers(after)
+}
+
+/// Asserts that `value` is finite and in `range`.
+#[track_caller]
+fn sane(what: &str, value: f64, range: RangeInclusive<f64>, out: &str) {
+    assert!(
+        value.is_finite() && range.contains(&value),
+        "{what} = {value}, not in {range:?}:\n{out}"
+    );
+}
+
+/// Asserts that `a` is `b` within `rel` of either: as far as the printed digits of the
+/// figures they come from tell (a time of `1.0 s` is any of 0.95 to 1.05 s).
+#[track_caller]
+fn about(what: &str, a: f64, b: f64, rel: f64, out: &str) {
+    let tolerance = rel * a.abs().max(b.abs()) + 1e-9;
+    assert!(
+        (a - b).abs() <= tolerance,
+        "{what}: {a} against {b} from the figures it is made of:\n{out}"
+    );
+}
+
+/// No `NaN` or `inf` anywhere in what a benchmark printed.
+#[track_caller]
+fn no_nan(out: &str) {
+    for line in out.lines() {
+        assert!(
+            numbers(line).iter().all(|n| n.is_finite()),
+            "a figure that is not a number: {line}\n{out}"
+        );
+    }
+}
+
+/// The `median a ms, p99 b ms, max c ms (n rounds)` of a summary line: each sane, in order.
+#[track_caller]
+fn ordered_latencies(what: &str, values: &[f64], most_ms: f64, out: &str) {
+    assert!(values.len() >= 3, "{what}: {values:?}\n{out}");
+    for (name, v) in ["median", "next", "slowest"].iter().zip(values) {
+        sane(&format!("{what} {name}"), *v, 0.0..=most_ms, out);
+    }
+    assert!(
+        values[0] <= values[1] && values[1] <= values[2] && values[2] > 0.0,
+        "{what}: {values:?} out of order or all zero:\n{out}"
+    );
+}
+
+#[test]
+fn the_checks_refuse_what_cannot_be_true() {
+    assert_eq!(numbers("median 47.7 (47.7-48.1) ms"), [47.7, 47.7, 48.1]);
+    assert!(
+        numbers("values per server CPU-s  NaN")
+            .iter()
+            .any(|n| n.is_nan())
+    );
+    assert!(numbers("perch/D inf").iter().any(|n| n.is_infinite()));
+    assert!(numbers("NaNa and info are words").is_empty());
+    for bad in [f64::NAN, f64::INFINITY, 0.0, 2e10] {
+        let caught = std::panic::catch_unwind(|| sane("x", bad, 1e-9..=1e10, ""));
+        assert!(caught.is_err(), "{bad} passed");
+    }
+    assert!(std::panic::catch_unwind(|| no_nan("a NaN here")).is_err());
+    assert_eq!(numbers("DuckDB 2.0.1 (Python)"), [2.0, 1.0]);
+    assert!(std::panic::catch_unwind(|| about("r", 2.0, 1.0, 0.1, "")).is_err());
+    about("r", 15.42, 18514.0 / 1201.0, 0.01, "");
 }
 
 /// Processes whose working directory lies under `dir`: the jobs of a demo whose data
@@ -69,32 +186,192 @@ fn ingest_in_a_tiny_mode() {
             args.push("--tls");
         }
         let out = bench(&args);
-        assert!(out.contains("values per server CPU-s"), "{out}");
+        no_nan(&out);
+        // 2 rounds x 2 GPUs, 9 values each.
+        let per_batch = figures(&out, "clients, ");
+        assert_eq!(per_batch[..2], [4.0, 9.0], "{out}");
+        let acked = figures(&out, "batches acknowledged");
+        let (batches, wall) = (acked[0], acked[1]);
+        sane("batches acknowledged", batches, 1.0..=1e8, &out);
+        sane("wall seconds", wall, 0.5..=60.0, &out);
+        let per_wall = figures(&out, "values per second (wall)")[0];
+        sane("values per second (wall)", per_wall, 1.0..=1e10, &out);
+        about(
+            "values per second (wall)",
+            per_wall * wall,
+            batches * 36.0,
+            0.05 / wall + 0.01,
+            &out,
+        );
+        let cpu = figures(&out, "server CPU  ")[0];
+        sane("server CPU seconds", cpu, 0.01..=120.0, &out);
+        let per_cpu = figures(&out, "values per server CPU-s")[0];
+        sane("values per server CPU-s", per_cpu, 1.0..=1e10, &out);
+        about(
+            "values per server CPU-s",
+            per_cpu * cpu,
+            batches * 36.0,
+            0.005 / cpu + 0.01,
+            &out,
+        );
+        // "values per second 1201 (11 KiB of Parquet per batch)": the peer's rate.
+        let direct = figures(&out, "values per second        ");
+        sane("arrow-rs values per second", direct[0], 1.0..=1e10, &out);
+        let ratio = figures(&out, "perch per core / arrow-rs direct =")[0];
+        sane("per core / direct", ratio, 1e-4..=1e5, &out);
+        about(
+            "per core / direct",
+            ratio,
+            per_cpu / direct[0],
+            0.005 / ratio + 0.01,
+            &out,
+        );
     }
 }
 
 #[test]
 fn metrics_in_a_tiny_mode() {
     let out = bench(&["metrics", "--nodes", "3", "--gpus", "2", "--scrapes", "2"]);
-    assert!(
-        out.contains("/metrics for 3 nodes") && out.contains("median"),
-        "{out}"
-    );
+    no_nan(&out);
+    // "/metrics for 3 nodes x 2 GPUs (303 series, 28 KiB), 2 scrapes over HTTP"
+    let shape = figures(&out, "/metrics for ");
+    assert_eq!((shape[0], shape[1], shape[4]), (3.0, 2.0, 2.0), "{out}");
+    sane("series", shape[2], 6.0..=1e7, &out);
+    sane("KiB", shape[3], 1.0..=1e6, &out);
+    let times = figures(&out, "median");
+    assert!(times.len() == 2, "{out}");
+    sane("median ms", times[0], 0.0..=60_000.0, &out);
+    sane("slowest ms", times[1], 0.05..=60_000.0, &out);
+    assert!(times[0] <= times[1], "median above slowest:\n{out}");
 }
 
 #[test]
 fn jobs_in_a_tiny_mode() {
     let out = bench(&["jobs", "--seconds", "1", "--clients", "2", "--starts", "2"]);
-    assert!(
-        out.contains("jobs/s") && out.contains("submit-to-start"),
-        "{out}"
+    no_nan(&out);
+    // "65 jobs in 1.0 s = 63 jobs/s"
+    let rate = numbers(
+        out.lines()
+            .find(|l| l.contains("jobs/s"))
+            .unwrap_or_else(|| panic!("{out}")),
     );
+    sane("jobs submitted", rate[0], 1.0..=1e8, &out);
+    sane("seconds", rate[1], 0.5..=60.0, &out);
+    sane("jobs/s", rate[2], 0.01..=1e8, &out);
+    about(
+        "jobs/s",
+        rate[2],
+        rate[0] / rate[1],
+        0.05 / rate[1] + 0.5 / rate[2] + 0.01,
+        &out,
+    );
+    // "median 493 ms, p95 493 ms, slowest 493 ms": each start is waited for 30 s at most.
+    let starts = figures(&out, "submit-to-start on an idle node");
+    assert_eq!(starts.first(), Some(&2.0), "{out}");
+    let latencies: Vec<f64> = numbers(
+        out.lines()
+            .skip_while(|l| !l.contains("submit-to-start"))
+            .nth(1)
+            .unwrap_or_default(),
+    )
+    .into_iter()
+    .filter(|&n| n != 95.0)
+    .collect();
+    ordered_latencies("submit-to-start", &latencies, 30_000.0, &out);
 }
 
 #[test]
 fn freshness_in_a_tiny_mode() {
     let out = bench(&["freshness", "--rounds", "3", "--gpus", "2"]);
-    assert!(out.contains("sample taken -> visible to SQL"), "{out}");
+    no_nan(&out);
+    let mut worst = 0.0;
+    for label in [
+        "sample taken -> visible to SQL",
+        "request sent -> visible to SQL",
+    ] {
+        // "median 117.6 ms, p99 145.8 ms, max 145.8 ms (3 rounds)"; p99 is a label.
+        let values: Vec<f64> = figures(&out, label)
+            .into_iter()
+            .filter(|&n| n != 99.0)
+            .collect();
+        assert_eq!(values.len(), 4, "{label}: {values:?}\n{out}");
+        ordered_latencies(label, &values[..3], 60_000.0, &out);
+        sane(&format!("{label} rounds"), values[3], 1.0..=3.0, &out);
+        if label.starts_with("sample") {
+            worst = values[2];
+        }
+    }
+    let verdict = if worst <= 2000.0 { "met" } else { "missed" };
+    assert!(
+        out.contains(&format!(
+            "target: visible at most 2000 ms after sending: {verdict}"
+        )),
+        "the verdict does not follow from the slowest round ({worst} ms):\n{out}"
+    );
+}
+
+/// The `(x)` rows of the query benchmark's table under the line holding `header` (warm: with
+/// a row count first): (name, perch median, DuckDB median, printed ratio).
+fn query_rows(out: &str, header: &str, warm: bool) -> Vec<(String, f64, f64, f64)> {
+    out.lines()
+        .skip_while(|l| !l.contains(header))
+        .skip(1)
+        .skip_while(|l| !l.starts_with('('))
+        .take_while(|l| l.starts_with('('))
+        .map(|l| {
+            let (name, rest) = l.split_once(' ').unwrap_or((l, ""));
+            let n = numbers(rest);
+            // Warm: rows, perch median (min-max), DuckDB median (min-max), ratio, checksum.
+            let at = if warm { 1 } else { 0 };
+            assert!(n.len() > at + 6, "a row without its figures: {l}\n{out}");
+            (name.to_owned(), n[at], n[at + 3], n[at + 6])
+        })
+        .collect()
+}
+
+/// Checks a table of timings against DuckDB's and the verdict printed under it.
+fn check_against_duckdb(out: &str, rows: &[(String, f64, f64, f64)], verdict_label: &str) {
+    assert!(!rows.is_empty(), "no rows for {verdict_label}:\n{out}");
+    for (name, perch, duckdb, ratio) in rows {
+        sane(&format!("{name} perch ms"), *perch, 0.01..=600_000.0, out);
+        sane(&format!("{name} DuckDB ms"), *duckdb, 0.01..=600_000.0, out);
+        sane(&format!("{name} perch/DuckDB"), *ratio, 1e-4..=1e5, out);
+        about(
+            &format!("{name} perch/DuckDB"),
+            *ratio,
+            perch / duckdb,
+            0.05 / perch + 0.05 / duckdb + 0.005 / ratio + 0.001,
+            out,
+        );
+    }
+    // "met", or "missed on a, c": the queries whose median is above DuckDB's. Medians printed
+    // equal may have gone either way.
+    let said = out
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{verdict_label}: ")))
+        .unwrap_or_else(|| panic!("no verdict line {verdict_label:?}:\n{out}"));
+    let listed: Vec<&str> = match said.strip_prefix("missed on ") {
+        Some(names) => names.split(", ").collect(),
+        None => {
+            assert_eq!(said, "met", "{verdict_label}:\n{out}");
+            Vec::new()
+        }
+    };
+    for (name, perch, duckdb, _) in rows {
+        let name = name.trim_matches(|c| c == '(' || c == ')');
+        let is_listed = listed.contains(&name);
+        assert!(
+            perch == duckdb || is_listed == (perch > duckdb),
+            "{verdict_label}: ({name}) at {perch} ms against {duckdb} ms, yet {}listed in {said:?}:\n{out}",
+            if is_listed { "" } else { "not " }
+        );
+    }
+    assert!(
+        listed
+            .iter()
+            .all(|n| rows.iter().any(|r| r.0 == format!("({n})"))),
+        "{verdict_label}: {said:?} names a query with no row:\n{out}"
+    );
 }
 
 #[test]
@@ -112,12 +389,42 @@ fn query_against_duckdb_in_a_tiny_mode() {
         "--runs",
         "1",
     ]);
+    no_nan(&out);
+    assert!(out.contains("both engines agree"), "{out}");
+    let warm = query_rows(&out, "timed runs per query and engine", true);
+    check_against_duckdb(&out, &warm, "target: no query slower than DuckDB");
+    let cold_rows = query_rows(&out, "starts per engine, alternating", false);
+    assert_eq!(
+        cold_rows.len(),
+        warm.len(),
+        "a cold time for each query:\n{out}"
+    );
+    check_against_duckdb(&out, &cold_rows, "cold: no query slower than DuckDB");
+    // "  perch 1028.4 (1028.4-1028.4)   DuckDB 133.8 (133.8-133.8)   perch/D 7.69"
+    let dashboard = numbers(
+        out.lines()
+            .skip_while(|l| !l.starts_with("dashboard: "))
+            .nth(1)
+            .unwrap_or_else(|| panic!("no dashboard figures:\n{out}")),
+    );
+    assert_eq!(dashboard.len(), 7, "{out}");
+    let (perch, duckdb, ratio) = (dashboard[0], dashboard[3], dashboard[6]);
+    sane("dashboard perch ms", perch, 0.01..=600_000.0, &out);
+    sane("dashboard DuckDB ms", duckdb, 0.01..=600_000.0, &out);
+    about(
+        "dashboard perch/DuckDB",
+        ratio,
+        perch / duckdb,
+        0.05 / perch + 0.05 / duckdb + 0.005 / ratio + 0.001,
+        &out,
+    );
+    let verdict = if perch <= duckdb { "met" } else { "missed" };
     assert!(
-        out.contains("target: no query slower than DuckDB")
-            && out.contains("both engines agree")
-            && out.contains("cold: no query slower than DuckDB")
-            && out.contains("dashboard: refresh no slower than DuckDB's"),
-        "{out}"
+        perch == duckdb
+            || out.contains(&format!(
+                "dashboard: refresh no slower than DuckDB's: {verdict}"
+            )),
+        "the dashboard's verdict does not follow ({verdict}):\n{out}"
     );
 }
 
@@ -138,10 +445,31 @@ fn web_in_a_tiny_mode() {
             "0.05",
         ],
     );
-    assert!(
-        out.contains("first full render of the fleet view") && out.contains("JS heap"),
-        "{out}"
+    no_nan(&out);
+    // "first full render of the fleet view (navigation to painted, 1 loads): median 875 ms (min
+    // 679, max 1726)"
+    let render = figures(&out, "first full render of the fleet view");
+    assert_eq!(render.len(), 4, "{out}");
+    ordered_latencies(
+        "first render",
+        &[render[2], render[1], render[3]],
+        600_000.0,
+        &out,
     );
+    sane("first render ms", render[1], 1.0..=600_000.0, &out);
+    // "JS heap: 3.3 MB at the start, 3.7 MB at the end, 3.7 MB at most; DOM nodes 44363 -> 44333"
+    let heap = figures(&out, "JS heap:");
+    assert_eq!(heap.len(), 5, "{out}");
+    for (what, v) in ["heap at the start", "heap at the end", "heap at most"]
+        .iter()
+        .zip(&heap[..3])
+    {
+        sane(what, *v, 0.01..=100_000.0, &out);
+    }
+    assert!(heap[0] <= heap[2] && heap[1] <= heap[2], "{out}");
+    // 2 nodes x 2 GPUs: at least a cell each.
+    sane("DOM nodes at the start", heap[3], 4.0..=1e8, &out);
+    sane("DOM nodes at the end", heap[4], 4.0..=1e8, &out);
     // The demo it ran was stopped with its jobs: none of them (they start in the demo's data
     // directory, under `dir`) is left. Other processes on the machine do not count.
     let left = processes_under(dir.path());

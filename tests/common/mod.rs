@@ -249,6 +249,46 @@ pub fn wait_for<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
     }
 }
 
+/// The value of the first series of `name` in a Prometheus text exposition (`name` alone or
+/// with labels), if it has one.
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|line| {
+        let rest = line.strip_prefix(name)?;
+        let value = if rest.starts_with('{') {
+            rest.rsplit_once("} ")?.1
+        } else {
+            rest.strip_prefix(' ')?
+        };
+        value.split_whitespace().next()?.parse().ok()
+    })
+}
+
+/// Waits until the server has answered `n` more syncs from `node`'s agent than when called,
+/// as `GET /v1/nodes` (from `nodes`) shows them: each time the node's `last_sync_secs_ago`
+/// drops, a new sync was answered. Tests use it where the thing they check could only go
+/// wrong on a later sync (a stop ordered, an attempt requeued), instead of sleeping.
+pub fn wait_syncs(node: &str, n: usize, mut nodes: impl FnMut() -> serde_json::Value) {
+    let ago = |answer: &serde_json::Value| {
+        answer["nodes"]
+            .as_array()?
+            .iter()
+            .find(|x| x["name"] == node)?["last_sync_secs_ago"]
+            .as_f64()
+    };
+    let mut last = ago(&nodes());
+    let mut seen = 0;
+    wait_for(&format!("{n} more syncs from {node}"), || {
+        let now = ago(&nodes());
+        if let (Some(before), Some(now)) = (last, now)
+            && now < before
+        {
+            seen += 1;
+        }
+        last = now.or(last);
+        (seen >= n).then_some(())
+    });
+}
+
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

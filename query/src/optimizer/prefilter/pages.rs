@@ -558,10 +558,12 @@ fn hybrid(data: &[u8], width: u8, count: usize, verdicts: &[bool], out: &mut Bit
             let mut value = [0u8; 8];
             value[..bytes].copy_from_slice(data.get(at..at + bytes)?);
             at += bytes;
-            if repeat == 0 {
+            let value = u64::from_le_bytes(value);
+            // A repeated value with bits past its width is malformed (readers disagree on it).
+            if repeat == 0 || value & !mask != 0 {
                 return None;
             }
-            out.push_n(verdict(u64::from_le_bytes(value) & mask)?, repeat);
+            out.push_n(verdict(value)?, repeat);
             left -= repeat;
             continue;
         }
@@ -973,46 +975,138 @@ mod tests {
         assert!(read(4, Constant::UInt64(1)).is_some());
     }
 
-    /// Cut short or scrambled, a chunk answers `None` or some rows, and never panics.
+    /// The rows DataFusion keeps for `f64 > 50` when the Parquet reader reads `file` itself;
+    /// `None` where the reader refuses it (or panics on it, as arrow's bitmap code does on
+    /// some damaged pages).
+    fn reader_keeps(file: Bytes) -> Option<Vec<bool>> {
+        std::panic::catch_unwind(|| reader_keeps_or_panics(file)).ok()?
+    }
+
+    fn reader_keeps_or_panics(file: Bytes) -> Option<Vec<bool>> {
+        let reader =
+            parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(file).ok()?;
+        let mask = parquet::arrow::ProjectionMask::roots(reader.parquet_schema(), [0]);
+        let batches = reader
+            .with_projection(mask)
+            .build()
+            .ok()?
+            .collect::<Result<Vec<_>, _>>()
+            .ok()?;
+        let mut kept = Vec::new();
+        for batch in &batches {
+            let passes = BinaryExpr::new(
+                Arc::new(Column::new("f64", 0)),
+                Operator::Gt,
+                Arc::new(Literal::new(ScalarValue::Float64(Some(50.0)))),
+            )
+            .evaluate(batch)
+            .and_then(|v| v.into_array(batch.num_rows()))
+            .ok()?;
+            let passes = passes.as_any().downcast_ref::<BooleanArray>()?;
+            kept.extend((0..passes.len()).map(|r| passes.is_valid(r) && passes.value(r)));
+        }
+        Some(kept)
+    }
+
+    /// A chunk cut short answers `None` (never the rows of the pages it still has, which would
+    /// leave the rest out of the query); a scrambled one answers `None` or a verdict for every
+    /// row, and where the Parquet reader decodes the same bytes, the rows DataFusion keeps from
+    /// what it decodes. Uncompressed layouts let the scrambling reach values and indices, not
+    /// only the compressed stream.
     #[test]
-    fn damaged_chunks_do_not_panic() {
+    fn damaged_chunks_answer_none_or_what_the_reader_reads() {
         let batch = batch();
-        for (dictionary, v2) in [(true, false), (true, true), (false, false)] {
-            let bytes = file(&batch, dictionary, 1 << 20, v2);
+        let rows = batch.num_rows();
+        let (mut refused, mut compared) = (0, 0);
+        for (dictionary, v2, compression) in [
+            (
+                true,
+                false,
+                parquet::basic::Compression::ZSTD(Default::default()),
+            ),
+            (
+                true,
+                true,
+                parquet::basic::Compression::ZSTD(Default::default()),
+            ),
+            (
+                false,
+                false,
+                parquet::basic::Compression::ZSTD(Default::default()),
+            ),
+            (true, false, parquet::basic::Compression::UNCOMPRESSED),
+            (false, false, parquet::basic::Compression::UNCOMPRESSED),
+            (true, true, parquet::basic::Compression::UNCOMPRESSED),
+        ] {
+            let layout = format!("dictionary {dictionary}, v2 {v2}, {compression}");
+            let props = WriterProperties::builder()
+                .set_dictionary_enabled(dictionary)
+                .set_writer_version(if v2 {
+                    WriterVersion::PARQUET_2_0
+                } else {
+                    WriterVersion::PARQUET_1_0
+                })
+                .set_data_page_row_count_limit(300)
+                .set_write_batch_size(300)
+                .set_compression(compression)
+                .build();
+            let mut out = Vec::new();
+            let mut writer =
+                ArrowWriter::try_new(&mut out, batch.schema(), Some(props)).expect("writer");
+            writer.write(&batch).expect("write");
+            writer.close().expect("close");
+            let bytes = Bytes::from(out);
             let meta = ParquetMetaDataReader::new()
                 .parse_and_finish(&bytes)
                 .expect("footer");
             let chunk = meta.row_group(0).column(0);
             let (start, len) = chunk.byte_range();
-            let whole = bytes.slice(start as usize..(start + len) as usize);
-            for cut in (0..whole.len()).step_by(97) {
-                let _ = chunk_rows(
-                    whole.slice(..cut),
-                    chunk,
-                    batch.num_rows(),
-                    Cmp::Gt,
-                    Constant::Double(50.0),
-                    None,
+            let (start, len) = (start as usize, len as usize);
+            let whole = bytes.slice(start..start + len);
+            let read = |b: Bytes| chunk_rows(b, chunk, rows, Cmp::Gt, Constant::Double(50.0), None);
+            let intact = read(whole.clone()).unwrap_or_else(|| panic!("{layout}: not read"));
+            let expected = reader_keeps(bytes.clone()).expect("the reader reads the file");
+            assert_eq!(
+                (0..rows).map(|r| intact.get(r)).collect::<Vec<_>>(),
+                expected
+            );
+            for cut in (0..len).step_by(97) {
+                assert!(
+                    read(whole.slice(..cut)).is_none(),
+                    "{layout}: {cut} of {len} bytes answered"
                 );
+                refused += 1;
             }
             let mut state = 11u64;
-            for _ in 0..300 {
-                let mut scrambled = whole.to_vec();
+            for attempt in 0..300 {
+                let mut file = bytes.to_vec();
                 for _ in 0..4 {
                     state = state.wrapping_mul(6364136223846793005).wrapping_add(1);
-                    let at = (state >> 33) as usize % scrambled.len();
-                    scrambled[at] ^= (state >> 20) as u8 | 1;
+                    let at = start + (state >> 33) as usize % len;
+                    file[at] ^= (state >> 20) as u8 | 1;
                 }
-                let _ = chunk_rows(
-                    Bytes::from(scrambled),
-                    chunk,
-                    batch.num_rows(),
-                    Cmp::Gt,
-                    Constant::Double(50.0),
-                    None,
-                );
+                let file = Bytes::from(file);
+                let Some(kept) = read(file.slice(start..start + len)) else {
+                    refused += 1;
+                    continue;
+                };
+                assert_eq!(kept.len(), rows, "{layout}, scramble {attempt}");
+                let kept: Vec<bool> = (0..rows).map(|r| kept.get(r)).collect();
+                // Where the reader refuses what was answered, the scan fails on it anyway.
+                if let Some(reader) = reader_keeps(file) {
+                    assert!(
+                        kept == reader,
+                        "{layout}, scramble {attempt}: rows differ from the reader's"
+                    );
+                    compared += 1;
+                }
             }
         }
+        eprintln!("{refused} refused, {compared} compared");
+        assert!(
+            refused > 0 && compared > 0,
+            "{refused} refused, {compared} compared"
+        );
     }
 
     /// Given the row ranges worth reading, pages outside them are skipped: their rows are left
