@@ -21,7 +21,7 @@ pub struct Config {
     /// Where the client commands (`sql`, `submit`, `jobs`, ...) send requests, with which token.
     pub client: ClientSection,
     /// Which users may charge which accounts, at which QOS (`[accounts.<name>]`).
-    pub accounts: perch_server::jobs::accounts::AccountRules,
+    pub accounts: perch_control::accounts::AccountRules,
     /// The scheduling policy the server runs and `perch simulate` replays.
     pub scheduler: SchedulerSection,
     /// The file this came from, if any: the server reads its `[scheduler]` again on SIGHUP.
@@ -145,10 +145,9 @@ impl Default for ServerSection {
             max_buffered_rows: 4_000_000,
             max_body_mb: 64,
             node_stale_after_secs: 60,
-            node_lease_secs: perch_server::jobs::DEFAULT_LEASE.as_secs(),
-            max_pending_jobs_per_user: perch_server::jobs::DEFAULT_MAX_PENDING_PER_USER,
-            max_pending_job_mb_per_user: perch_server::jobs::DEFAULT_MAX_PENDING_BYTES_PER_USER
-                >> 20,
+            node_lease_secs: perch_control::DEFAULT_LEASE.as_secs(),
+            max_pending_jobs_per_user: perch_control::DEFAULT_MAX_PENDING_PER_USER,
+            max_pending_job_mb_per_user: perch_control::DEFAULT_MAX_PENDING_BYTES_PER_USER >> 20,
             max_connections: perch_server::listener::ConnectionLimits::default().max_connections,
             max_connections_per_ip: perch_server::listener::ConnectionLimits::default().max_per_ip,
             idle_timeout_secs: perch_server::listener::ConnectionLimits::default()
@@ -161,11 +160,11 @@ impl Default for ServerSection {
             compact_below_mb: 64,
             compact_min_files: 8,
             retention_days: Default::default(),
-            job_output_days: perch_server::jobs::DEFAULT_OUTPUT_RETENTION.as_secs() / 86_400,
-            max_job_output_mb_per_user: perch_server::jobs::JobsConfig::default()
+            job_output_days: perch_control::DEFAULT_OUTPUT_RETENTION.as_secs() / 86_400,
+            max_job_output_mb_per_user: perch_control::JobsConfig::default()
                 .max_output_bytes_per_user
                 .map_or(0, |b| b >> 20),
-            max_job_output_total_mb: perch_server::jobs::JobsConfig::default()
+            max_job_output_total_mb: perch_control::JobsConfig::default()
                 .max_output_bytes_total
                 .map_or(0, |b| b >> 20),
             storage: StorageSection::default(),
@@ -1065,7 +1064,7 @@ impl Config {
                 "must be 1 to 1048576 (MiB of command and environment of one user's pending jobs)",
             );
         }
-        if let Err(e) = perch_server::jobs::accounts::validate(&self.accounts) {
+        if let Err(e) = perch_control::accounts::validate(&self.accounts) {
             anyhow::bail!("config key {e}");
         }
         if self.server.flush_interval_secs == 0 {

@@ -14,12 +14,12 @@
 
 pub mod peer;
 
-use crate::jobs::job_token::JobTokens;
 use crate::{ApiError, AppState};
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use perch_control::job_token::JobTokens;
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -44,7 +44,7 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Nodes silent for longer than this are reported as not reporting on `/metrics`.
     pub node_stale_after: Duration,
-    pub jobs: jobs::JobsConfig,
+    pub jobs: perch_control::JobsConfig,
     /// Accepted bearer tokens; open (no authentication) by default.
     pub tokens: auth::Tokens,
     /// Address of the PostgreSQL-protocol SQL listener, if any.
@@ -94,7 +94,7 @@ impl ServerConfig {
             query: QueryLimits::default(),
             max_body_bytes: 64 << 20,
             node_stale_after: Duration::from_secs(60),
-            jobs: jobs::JobsConfig::default(),
+            jobs: perch_control::JobsConfig::default(),
             tokens: auth::Tokens::open(),
             pg_listen: None,
             tls: None,
@@ -116,12 +116,12 @@ pub struct AppState {
     pub metrics: Arc<metrics::ServerMetrics>,
     pub ready: Arc<AtomicBool>,
     pub config: Arc<ServerConfig>,
-    pub jobs: jobs::JobService,
+    pub jobs: perch_control::JobService,
     pub tokens: Arc<auth::Tokens>,
     /// The alert engine, its senders and its persisted state.
     pub alerts: Arc<alerting::AlertService>,
     /// Commands for agents to run on their nodes (remediation), and their results.
-    pub node_commands: Arc<jobs::node_commands::NodeCommands>,
+    pub node_commands: Arc<perch_control::node_commands::NodeCommands>,
     /// The control plane's audit events on their way to the `events` table; [`serve`] takes
     /// it and appends them.
     events: Arc<std::sync::Mutex<Option<EventReceiver>>>,
@@ -139,19 +139,20 @@ impl AppState {
     /// state.
     pub fn open(config: ServerConfig) -> Result<AppState, OpenError> {
         let store = Store::open(config.store.clone())?;
-        let (events_tx, events_rx) = jobs::JobService::event_channel();
+        let (events_tx, events_rx) = perch_control::JobService::event_channel();
         // The control plane keeps the server's time.
-        let jobs = jobs::JobService::open(
+        let history = accounting::history::History::open(
             &config.store.data_dir.join("control"),
-            jobs::JobsConfig {
+            perch_control::JobsConfig {
                 clock: config.clock.clone(),
                 ..config.jobs.clone()
             },
             events_tx,
         )?;
+        let jobs = history.jobs().clone();
         let sql = Arc::new(accounting::tables::register(
             SqlEngine::new(store.clone(), config.query),
-            &jobs,
+            &history,
             config.accounting.clone(),
         ));
         let (alerts, restored) = alerting::AlertService::open(
@@ -188,7 +189,7 @@ pub enum OpenError {
     #[error("{0}")]
     Store(#[from] perch_query::Error),
     #[error("{0}")]
-    Jobs(#[from] jobs::ControlError),
+    Jobs(#[from] perch_control::ControlError),
     #[error("alerts: {0}")]
     Alerts(String),
 }
@@ -207,21 +208,18 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/sql", post(sql::sql))
         .route("/v1/metrics", post(otlp::metrics))
         .route("/metrics", get(metrics::metrics))
-        .route(
-            "/v1/jobs",
-            post(jobs::routes::submit).get(jobs::routes::list),
-        )
-        .route("/v1/jobs/cancel", post(jobs::routes::cancel_many))
-        .route("/v1/jobs/{id}", get(jobs::routes::show))
-        .route("/v1/jobs/{id}/cancel", post(jobs::routes::cancel))
-        .route("/v1/jobs/{id}/logs", get(jobs::routes::logs))
-        .route("/v1/queue", get(jobs::routes::queue))
-        .route("/v1/nodes", get(jobs::routes::nodes))
-        .route("/v1/nodes/{name}/drain", post(jobs::routes::drain))
-        .route("/v1/nodes/{name}/resume", post(jobs::routes::resume))
+        .route("/v1/jobs", post(jobs::submit).get(jobs::list))
+        .route("/v1/jobs/cancel", post(jobs::cancel_many))
+        .route("/v1/jobs/{id}", get(jobs::show))
+        .route("/v1/jobs/{id}/cancel", post(jobs::cancel))
+        .route("/v1/jobs/{id}/logs", get(jobs::logs))
+        .route("/v1/queue", get(jobs::queue))
+        .route("/v1/nodes", get(jobs::nodes))
+        .route("/v1/nodes/{name}/drain", post(jobs::drain))
+        .route("/v1/nodes/{name}/resume", post(jobs::resume))
         .route(
             "/v1/agent/sync",
-            post(jobs::routes::sync).layer(DefaultBodyLimit::max(limit.max(SYNC_BODY_MIN))),
+            post(jobs::sync).layer(DefaultBodyLimit::max(limit.max(SYNC_BODY_MIN))),
         )
         .route("/v1/alerts", get(alerting::routes::alerts))
         .route(
@@ -575,7 +573,7 @@ async fn reload_on_hangup(
     clock: clock::Clock,
     tokens: Arc<auth::Tokens>,
     tls: Option<Arc<tls::Certificates>>,
-    policy: Option<(PolicySource, jobs::JobService)>,
+    policy: Option<(PolicySource, perch_control::JobService)>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     use tokio::signal::unix::{SignalKind, signal};

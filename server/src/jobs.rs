@@ -1,8 +1,5 @@
 //! HTTP routes for jobs, the queue, nodes, and agents' sync. See `GET /` for the list.
 
-use super::control::{self, ControlError, NodeDetail};
-use super::record::JobState;
-use super::spec::JobRequest;
 use crate::auth::{Identity, Role};
 use crate::{ApiError, AppState};
 use axum::Extension;
@@ -10,6 +7,10 @@ use axum::Json;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
+use perch_control::ControlError;
+use perch_control::control::{self, NodeDetail};
+use perch_control::record::JobState;
+use perch_control::spec::JobRequest;
 use perch_model::control::{LogStream, SyncRequest, SyncResponse};
 use serde::Deserialize;
 
@@ -71,16 +72,16 @@ pub struct ListParams {
 /// Jobs a page holds unless the request says.
 const DEFAULT_PAGE: usize = 1_000;
 
-/// `limit`, checked: at least 1 and at most [`super::MAX_PAGE`] (`hint` says what to do then).
+/// `limit`, checked: at least 1 and at most [`perch_control::MAX_PAGE`] (`hint` says what to do then).
 fn page_limit(limit: Option<usize>, hint: &str) -> Result<usize, ApiError> {
     match limit.unwrap_or(DEFAULT_PAGE) {
         0 => Err(ApiError::bad_request(
             crate::ErrorCode::BadParameters,
             "limit must be at least 1",
         )),
-        n if n > super::MAX_PAGE => Err(ApiError::bad_request(
+        n if n > perch_control::MAX_PAGE => Err(ApiError::bad_request(
             crate::ErrorCode::BadParameters,
-            format!("limit {n} is above {}{hint}", super::MAX_PAGE),
+            format!("limit {n} is above {}{hint}", perch_control::MAX_PAGE),
         )),
         n => Ok(n),
     }
@@ -106,7 +107,7 @@ fn parse_states(states: &str) -> Result<Vec<JobState>, ApiError> {
 
 /// A JSON object written straight into bytes: `{"<key>": [<items>], <tail fields>}`, each item
 /// serialized and dropped in turn, so a page is held once, as its text. The items end with the
-/// one that takes the text past [`super::MAX_PAGE_BYTES`] (a job's environment full of
+/// one that takes the text past [`perch_control::MAX_PAGE_BYTES`] (a job's environment full of
 /// characters JSON escapes is six times its size); `tail` is told how many were written.
 fn write_page(
     key: &str,
@@ -128,7 +129,7 @@ fn write_page(
         }
         serde_json::to_writer(&mut out, &item).map_err(failed)?;
         written += 1;
-        if out.len() >= super::MAX_PAGE_BYTES {
+        if out.len() >= perch_control::MAX_PAGE_BYTES {
             break;
         }
     }
@@ -147,7 +148,7 @@ fn write_page(
 /// scheduling facts (state, placement, timing, user, account) but not what it runs with, since
 /// its command line and environment carry other people's secrets (an API key in `env`, a
 /// `--password=` argument). Its logs are the owner's already.
-fn as_seen_by(job: &super::record::JobRecord, who: &Identity) -> serde_json::Value {
+fn as_seen_by(job: &perch_control::record::JobRecord, who: &Identity) -> serde_json::Value {
     let mut value = serde_json::to_value(job).unwrap_or_default();
     if !who.may_act_on(job.request.user()) {
         let request = &mut value["request"];
@@ -204,9 +205,19 @@ pub async fn list(
             )
         })
         .await
+        .map(page_response)
 }
 
-fn live_utilization(state: &AppState, job: &super::record::JobRecord) -> serde_json::Value {
+/// A job listing's page as the answer: its pieces streamed, holding their room among the pages
+/// in flight until the client has read the last, or has gone.
+fn page_response(page: perch_control::Page) -> axum::response::Response {
+    axum::response::IntoResponse::into_response((
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        axum::body::Body::from_stream(page.into_stream()),
+    ))
+}
+
+fn live_utilization(state: &AppState, job: &perch_control::record::JobRecord) -> serde_json::Value {
     let latest = state.latest.snapshot();
     let mut gpus = Vec::new();
     for p in &job.placement {
@@ -231,7 +242,7 @@ pub async fn show(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let job = state
         .jobs
-        .run(move |c, _| c.view(id)?.ok_or(super::ControlError::NoSuchJob(id)))
+        .run(move |c, _| c.view(id)?.ok_or(ControlError::NoSuchJob(id)))
         .await?;
     let mut value = as_seen_by(&job, &who);
     if job.state == JobState::Running {
@@ -255,7 +266,7 @@ pub async fn show(
 /// The job's accounting as the `jobs` table has it (the one definition), with a note while
 /// its telemetry figures lag behind: they are folded every `fold_interval` from samples at
 /// least `settle` old, so a job's first figures come minutes after it starts.
-fn usage(state: &AppState, job: &super::record::JobRecord) -> serde_json::Value {
+fn usage(state: &AppState, job: &perch_control::record::JobRecord) -> serde_json::Value {
     const FIELDS: [&str; 10] = [
         "gpu_seconds_allocated",
         "gpu_seconds_accounted",
@@ -502,6 +513,7 @@ pub async fn queue(
             })
         })
         .await
+        .map(page_response)
 }
 
 /// Every node, sorted by name: those whose agents sync (nodes with GPUs) and those that only

@@ -3,7 +3,7 @@
 //! Draining and resuming are [`Control::set_drained`], shared with operators.
 
 use super::{Control, ControlError};
-use crate::jobs::record::JobState;
+use crate::record::JobState;
 use perch_scheduler::{Event, GpuHealth, JobId, NodeId};
 
 impl Control {
@@ -17,11 +17,7 @@ impl Control {
     /// Stops every job running on node `name` (checkpoint signal, grace, kill) and puts it
     /// back in the queue, to run elsewhere; returns their ids. A drained node's jobs then
     /// start on other nodes as soon as GPUs allow.
-    pub(crate) fn evict_node_jobs(
-        &mut self,
-        name: &str,
-        now: i64,
-    ) -> Result<Vec<u64>, ControlError> {
+    pub fn evict_node_jobs(&mut self, name: &str, now: i64) -> Result<Vec<u64>, ControlError> {
         self.node_id(name)?;
         let running: Vec<u64> = self
             .jobs
@@ -42,7 +38,7 @@ impl Control {
 
     /// Takes GPU `gpu` of node `name` out of scheduling (`out`) or puts it back. Jobs already
     /// on it keep running; nothing new is placed there while it is out.
-    pub(crate) fn set_gpu_out(
+    pub fn set_gpu_out(
         &mut self,
         name: &str,
         gpu: u32,

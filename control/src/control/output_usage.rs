@@ -22,7 +22,7 @@ struct JobUsage {
 
 /// Which bound a write would pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Bound {
+pub enum Bound {
     /// The user's jobs' stored output is at `server.max_job_output_mb_per_user`.
     User { used: u64, limit: u64 },
     /// All stored output is at `server.max_job_output_total_mb`.
@@ -31,7 +31,7 @@ pub(crate) enum Bound {
 
 impl Bound {
     /// Why output of `user`'s job was not stored, naming the key to change.
-    pub(crate) fn why(self, user: &str) -> String {
+    pub fn why(self, user: &str) -> String {
         let mib = |b: u64| b.div_ceil(1 << 20);
         match self {
             Bound::User { used, limit } => format!(
@@ -50,7 +50,7 @@ impl Bound {
 
 /// Disk used by stored job output.
 #[derive(Debug, Default)]
-pub(crate) struct OutputUsage {
+pub struct OutputUsage {
     jobs: HashMap<u64, JobUsage>,
     users: HashMap<String, u64>,
     total: u64,
@@ -59,7 +59,7 @@ pub(crate) struct OutputUsage {
 }
 
 /// Bytes a file occupies on disk.
-pub(crate) fn occupied(m: &std::fs::Metadata) -> u64 {
+pub fn occupied(m: &std::fs::Metadata) -> u64 {
     m.blocks().saturating_mul(512)
 }
 
@@ -67,7 +67,7 @@ impl OutputUsage {
     /// The usage of every job directory under `dir` (`<dir>/<job>/...`), each charged to
     /// `user_of(job)` (`None`: counted in the total only). Links are not followed; what cannot
     /// be read is skipped with a warning.
-    pub(crate) fn scan(dir: &Path, user_of: impl Fn(u64) -> Option<String>) -> OutputUsage {
+    pub fn scan(dir: &Path, user_of: impl Fn(u64) -> Option<String>) -> OutputUsage {
         let mut usage = OutputUsage::default();
         let entries = match std::fs::read_dir(dir) {
             Ok(entries) => entries,
@@ -93,7 +93,7 @@ impl OutputUsage {
     }
 
     /// Charges `bytes` more to `job` of `user`.
-    pub(crate) fn add(&mut self, job: u64, user: &str, bytes: u64) {
+    pub fn add(&mut self, job: u64, user: &str, bytes: u64) {
         if bytes == 0 {
             return;
         }
@@ -110,7 +110,7 @@ impl OutputUsage {
     }
 
     /// A file of `job` of `user` went from occupying `before` bytes to `after`.
-    pub(crate) fn changed(&mut self, job: u64, user: &str, before: u64, after: u64) {
+    pub fn changed(&mut self, job: u64, user: &str, before: u64, after: u64) {
         if after >= before {
             self.add(job, user, after - before);
         } else {
@@ -139,24 +139,24 @@ impl OutputUsage {
     }
 
     /// `job`'s stored output is being deleted: it counts no more.
-    pub(crate) fn forget(&mut self, job: u64) {
+    pub fn forget(&mut self, job: u64) {
         self.take(job, u64::MAX);
         self.noted.remove(&job);
     }
 
     /// Bytes `user`'s jobs' stored output occupies.
-    pub(crate) fn of_user(&self, user: &str) -> u64 {
+    pub fn of_user(&self, user: &str) -> u64 {
         self.users.get(user).copied().unwrap_or(0)
     }
 
     /// Bytes all stored output occupies.
-    pub(crate) fn total(&self) -> u64 {
+    pub fn total(&self) -> u64 {
         self.total
     }
 
     /// The bound that `bytes` more of `user`'s output would pass, if any: the total first
     /// (it holds everyone's), then the user's. `None` limits are no bound.
-    pub(crate) fn check(
+    pub fn check(
         &self,
         user: &str,
         bytes: u64,
@@ -179,7 +179,7 @@ impl OutputUsage {
     }
 
     /// Whether `job`'s timeline is yet to say that its output was refused (true once).
-    pub(crate) fn first_refusal(&mut self, job: u64) -> bool {
+    pub fn first_refusal(&mut self, job: u64) -> bool {
         self.noted.insert(job)
     }
 }
@@ -208,9 +208,9 @@ fn tree_bytes(path: &Path, depth: usize) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::jobs::control::LOG_PAGE;
-    use crate::jobs::record::JobRecord;
-    use crate::jobs::{JobService, JobsConfig};
+    use crate::control::LOG_PAGE;
+    use crate::record::JobRecord;
+    use crate::{JobService, JobsConfig};
     use perch_model::control::{LogStream, SyncRequest, SyncResponse};
     use serde_json::{Value, json};
 
@@ -224,7 +224,7 @@ mod tests {
             max_output_bytes_per_user: per_user,
             ..JobsConfig::default()
         };
-        JobService::open(dir, config, tx).expect("jobs")
+        JobService::open_embedded(dir, config, tx).expect("jobs")
     }
 
     async fn sync(jobs: &JobService, node: &str, at: i64, extra: Value) -> SyncResponse {
@@ -246,7 +246,7 @@ mod tests {
     /// Submits a one-GPU job of `user` and has it run on node `node` (which has one GPU).
     async fn running_job(jobs: &JobService, user: &str, node: &str, at: i64) -> u64 {
         sync(jobs, node, at, json!({})).await;
-        let request: crate::jobs::spec::JobRequest = serde_json::from_value(
+        let request: crate::spec::JobRequest = serde_json::from_value(
             json!({ "command": ["train"], "user": user, "gpus_per_node": 1 }),
         )
         .expect("request");

@@ -8,8 +8,8 @@ impl Control {
     /// The server submits through [`Control::start_array`] and steps of
     /// [`Control::submit_array_tasks`] (see `JobService::submit`); tests at a chosen time
     /// through this.
-    #[cfg(test)]
-    pub(crate) fn submit(
+    #[cfg(any(test, feature = "testing"))]
+    pub fn submit(
         &mut self,
         request: JobRequest,
         now: i64,
@@ -35,11 +35,7 @@ impl Control {
     /// returns the first. The tasks are then added by [`Control::submit_array_tasks`], in one
     /// or more steps: a 10,000-task array added at once held the control plane, and every
     /// agent's sync, for seconds.
-    pub(crate) fn start_array(
-        &mut self,
-        request: &JobRequest,
-        now: i64,
-    ) -> Result<u64, ControlError> {
+    pub fn start_array(&mut self, request: &JobRequest, now: i64) -> Result<u64, ControlError> {
         self.check_submission(request, now)?;
         let count = request.array.unwrap_or(1) as usize;
         let reserved = self.reserved.entry(request.user().to_owned()).or_default();
@@ -52,7 +48,7 @@ impl Control {
     }
 
     /// Gives back `n` of the reserved array tasks of `request`'s user (added, or never to be).
-    pub(crate) fn release_reservation(&mut self, request: &JobRequest, n: usize) {
+    pub fn release_reservation(&mut self, request: &JobRequest, n: usize) {
         if let Some(r) = self.reserved.get_mut(request.user()) {
             r.jobs = r.jobs.saturating_sub(n);
             r.bytes = r.bytes.saturating_sub(n * request.task_bytes());
@@ -65,7 +61,7 @@ impl Control {
     /// Adds array tasks `tasks` of `request`, whose ids start at `first` (from
     /// [`Control::start_array`]), with one scheduling pass for all of them. A request with no
     /// `array` is one job, task 0.
-    pub(crate) fn submit_array_tasks(
+    pub fn submit_array_tasks(
         &mut self,
         request: &JobRequest,
         first: u64,
@@ -310,10 +306,10 @@ impl Control {
     }
 
     /// Whether the request's user (not an operator) may charge its account at its QOS
-    /// ([`crate::jobs::accounts`]).
-    pub(crate) fn may_charge(&self, request: &JobRequest) -> Result<(), ControlError> {
+    /// ([`crate::accounts`]).
+    pub fn may_charge(&self, request: &JobRequest) -> Result<(), ControlError> {
         let qos = request.qos.as_deref().unwrap_or("normal");
-        crate::jobs::accounts::may_charge(
+        crate::accounts::may_charge(
             &self.config.accounts,
             request.user(),
             request.account(),

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 /// The claims, and how long one lasts without a sync or a batch.
-pub(crate) struct NodeClaims {
+pub struct NodeClaims {
     stale_ms: i64,
     held: Mutex<Held>,
 }
@@ -36,7 +36,7 @@ struct Claim {
 
 impl NodeClaims {
     /// Claims lapse after `stale` without a word from their agent (the heartbeat timeout).
-    pub(crate) fn new(stale: Duration) -> Self {
+    pub fn new(stale: Duration) -> Self {
         NodeClaims {
             stale_ms: i64::try_from(stale.as_millis()).unwrap_or(i64::MAX),
             held: Mutex::default(),
@@ -47,7 +47,7 @@ impl NodeClaims {
     /// fresh. `addr`: where the agent says it is, for the message another agent gets. An id
     /// is what agents make (8 to 64 hex digits): anything else is refused, so a request cannot
     /// park kilobytes per node here.
-    pub(crate) fn claim(
+    pub fn claim(
         &self,
         node: &str,
         agent: &str,

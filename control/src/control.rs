@@ -6,13 +6,13 @@
 
 mod apply;
 mod archive;
-pub(crate) use archive::{Brief, Found, Settled};
+pub use archive::{Brief, Found, Settled};
 mod cancel;
 #[cfg(test)]
 mod fleet_model;
 mod ledger;
 mod logs;
-pub(crate) use logs::LOG_PAGE;
+pub use logs::LOG_PAGE;
 mod observe;
 mod output_usage;
 mod remediation;
@@ -26,7 +26,7 @@ mod views;
 
 pub use cancel::{CancelOutcome, CancelSelection, EndedJob, OwnedJob};
 pub use scrape::{AllocationView, ControlSnapshot, NodeView, PendingView, UsageView};
-pub(crate) use views::{NodeDetail, QueuePage};
+pub use views::{NodeDetail, QueuePage};
 
 use super::db::{Dirty, Loaded, NodeRecord};
 use super::job_token::JobTokens;
@@ -96,7 +96,7 @@ pub enum ControlError {
     #[error("{0}")]
     Db(#[from] super::db::DbError),
     /// A commit failed (a full disk): nothing changes until the job database is reopened
-    /// ([`super::JobService::recover`]).
+    /// ([`crate::JobService::recover`]).
     #[error(
         "the job database cannot be written now ({0}); nothing was changed. perch reopens it by itself once its disk has room again: try again in a moment"
     )]
@@ -115,6 +115,12 @@ pub enum ControlError {
     /// The blocking task running an operation failed (it panicked or was cancelled).
     #[error("the control plane's task failed: {0}")]
     TaskFailed(String),
+    /// The server is shutting down: what was asked cannot be done now.
+    #[error("{0}")]
+    ShuttingDown(String),
+    /// Job listings not yet read by their clients hold all the memory they may: retry.
+    #[error("{0}")]
+    ListingBusy(String),
 }
 
 /// Whether a job's dependencies let it be scheduled.
@@ -145,7 +151,7 @@ pub struct JobsConfig {
     /// submission past it is refused whole.
     pub max_pending_bytes_per_user: usize,
     /// The clock every operation and tick reads "now" from.
-    pub clock: crate::clock::Clock,
+    pub clock: perch_model::clock::Clock,
     /// How long after a job ended its stored output is kept (`server.job_output_days`);
     /// `None`: for ever.
     pub output_retention: Option<Duration>,
@@ -167,7 +173,7 @@ impl Default for JobsConfig {
             accounts: Default::default(),
             max_pending_per_user: DEFAULT_MAX_PENDING_PER_USER,
             max_pending_bytes_per_user: DEFAULT_MAX_PENDING_BYTES_PER_USER,
-            clock: crate::clock::Clock::system(),
+            clock: perch_model::clock::Clock::system(),
             output_retention: Some(DEFAULT_OUTPUT_RETENTION),
             max_output_bytes_per_user: Some(DEFAULT_MAX_OUTPUT_BYTES_PER_USER),
             max_output_bytes_total: Some(DEFAULT_MAX_OUTPUT_BYTES_TOTAL),
@@ -234,7 +240,7 @@ struct Outbox {
     stop: Vec<JobStop>,
 }
 
-pub(crate) struct Control {
+pub struct Control {
     scheduler: Scheduler,
     jobs: BTreeMap<u64, JobRecord>,
     nodes: Vec<Node>,
@@ -290,7 +296,7 @@ struct PendingCount {
 
 /// Jobs, and their bytes of command and environment ([`JobRequest::kept_bytes`]).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Held {
+pub struct Held {
     pub jobs: usize,
     pub bytes: usize,
 }
@@ -364,7 +370,7 @@ fn signal_of(req: &JobRequest) -> String {
         .unwrap_or_else(|| "SIGTERM".into())
 }
 
-pub(crate) fn reason_text(reason: &PendingReason, now: i64) -> String {
+pub fn reason_text(reason: &PendingReason, now: i64) -> String {
     match reason {
         PendingReason::New => "submitted, waiting for the next scheduling pass".into(),
         PendingReason::Priority => "waiting behind higher-priority jobs".into(),
@@ -386,7 +392,7 @@ pub(crate) fn reason_text(reason: &PendingReason, now: i64) -> String {
 
 impl Control {
     /// The records changed since the last call, for the job service to commit.
-    pub(crate) fn take_dirty(&mut self) -> Dirty {
+    pub fn take_dirty(&mut self) -> Dirty {
         let changed = std::mem::take(&mut self.dirty_jobs);
         self.unmark(&changed);
         let jobs: Vec<JobRecord> = changed
@@ -411,7 +417,7 @@ impl Control {
 
     /// Drains node `name` (no new jobs; running ones stay) or resumes it, on behalf of `by`
     /// (a user, or `perch` for automatic remediation), for `reason` when one was given.
-    pub(crate) fn set_drained(
+    pub fn set_drained(
         &mut self,
         name: &str,
         drained: bool,
@@ -456,7 +462,7 @@ impl Control {
 
     /// Puts a new scheduling policy in force (SIGHUP): queued and running jobs stay, and a
     /// pass runs under the new rules at once. Returns whether anything changed.
-    pub(crate) fn set_policy(&mut self, policy: Config, now: i64) -> Result<bool, ControlError> {
+    pub fn set_policy(&mut self, policy: Config, now: i64) -> Result<bool, ControlError> {
         if policy == self.config.policy {
             return Ok(false);
         }
@@ -472,7 +478,7 @@ impl Control {
     /// Marks nodes whose agents went silent as down (no new jobs) and, once their lease has
     /// run out, fails their jobs; then lets time limits act.
     #[tracing::instrument(name = "scheduler.tick", skip_all)]
-    pub(crate) fn tick(&mut self, now: i64) -> Result<(), ControlError> {
+    pub fn tick(&mut self, now: i64) -> Result<(), ControlError> {
         self.now = now;
         let timeout = millis(self.config.heartbeat_timeout);
         let lease = millis(self.config.lease);

@@ -66,7 +66,7 @@ impl JobTokens {
         }
     }
 
-    #[cfg(test)]
+    #[cfg(any(test, feature = "testing"))]
     pub fn with_key(key: [u8; 32]) -> JobTokens {
         JobTokens { key }
     }

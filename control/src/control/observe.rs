@@ -10,11 +10,7 @@ impl Control {
     /// lost GPUs (never placed on until healthy again), and rogue processes (a GPU with one is
     /// not placed on while it is there; it is healthy again once the node's latest sample of
     /// that GPU lists none, unless something else, an XID say, made it unhealthy).
-    pub(crate) fn observe(
-        &mut self,
-        batch: &perch_model::Batch,
-        now: i64,
-    ) -> Result<(), ControlError> {
+    pub fn observe(&mut self, batch: &perch_model::Batch, now: i64) -> Result<(), ControlError> {
         use perch_model::GpuEventKind as Kind;
         use perch_scheduler::GpuHealth;
         self.now = now;
@@ -102,9 +98,9 @@ impl Control {
 }
 
 /// Whether an XID takes its GPU out of scheduling until it is healthy again: NVIDIA's catalog
-/// resolves it by a GPU reset or a reboot. The classes are `perch_alerts::xid`'s, the same
+/// resolves it by a GPU reset or a reboot. The classes are `perch_model::xid`'s, the same
 /// table the XID alert rules use, so the scheduler and the alerts cannot disagree.
 pub(super) fn xid_needs_reset(code: u64) -> bool {
-    use perch_alerts::xid::{XidClass, xid_class};
+    use perch_model::xid::{XidClass, xid_class};
     matches!(xid_class(code), XidClass::ResetGpu | XidClass::Reboot)
 }

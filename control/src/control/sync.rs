@@ -7,11 +7,7 @@ impl Control {
     /// Answers node `req.node`'s sync: stores the output it ships, takes what ended there, stops
     /// what runs there and should not, requeues what it lost, and hands it its orders. Every
     /// step below is one rule of "a job runs at most once, and each exit is charged once".
-    pub(crate) fn sync(
-        &mut self,
-        req: SyncRequest,
-        now: i64,
-    ) -> Result<SyncResponse, ControlError> {
+    pub fn sync(&mut self, req: SyncRequest, now: i64) -> Result<SyncResponse, ControlError> {
         self.now = now;
         let name = req.node.as_str().to_owned();
         self.check_claim(&req, now)?;
@@ -64,7 +60,7 @@ impl Control {
 
     /// A sync while the job database cannot commit ([`super::super::JobService::sync_degraded`]):
     /// the claim checked and a known node's lease renewed, in memory only; nothing else.
-    pub(crate) fn renew_only(
+    pub fn renew_only(
         &mut self,
         req: &SyncRequest,
         now: i64,

@@ -238,7 +238,7 @@ impl Control {
                         continue;
                     };
                     let (next, _) = self.idle_consequence(record, since);
-                    let since_text = perch_alerts::rfc3339(since);
+                    let since_text = perch_model::timefmt::rfc3339(since);
                     let what = format!("all its GPUs idle since {since_text}. {next}");
                     if let Some(j) = self.jobs.get_mut(&job.0) {
                         j.note(now, what.clone());

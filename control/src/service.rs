@@ -1,26 +1,14 @@
-//! Jobs: the control plane ([`control`]), its durable records ([`db`], [`record`]), what
-//! users submit ([`spec`]) and the HTTP routes ([`routes`]).
+//! The job service: the control plane ([`Control`]) behind a lock, its changes committed to
+//! the job store with group commit, and the operations the HTTP edge calls.
 
-pub mod accounts;
-mod claims;
-pub mod control;
-pub mod db;
-pub mod job_token;
-pub mod node_commands;
-pub mod record;
-pub mod routes;
-pub mod spec;
-
-use crate::accounting::settled::{self, SettledRows};
-pub use control::{
-    AllocationView, CancelOutcome, CancelSelection, ControlError, ControlSnapshot, DEFAULT_LEASE,
-    DEFAULT_MAX_PENDING_BYTES_PER_USER, DEFAULT_MAX_PENDING_PER_USER, DEFAULT_OUTPUT_RETENTION,
-    JobsConfig, NodeView, PendingView, UsageView,
+use crate::control::{
+    Brief, CancelOutcome, CancelSelection, Control, ControlError, Found, JobsConfig, Settled,
 };
-use control::{Brief, Control, Found, Settled};
+use crate::record::JobRecord;
+use crate::spec::JobRequest;
+use crate::store::{JobStore, SettledRecords};
+use crate::{claims, control, db};
 use futures::StreamExt;
-use record::JobRecord;
-use spec::JobRequest;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// The control plane behind a lock, with group commit: an operation changes the in-memory
@@ -30,11 +18,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 #[derive(Clone)]
 pub struct JobService {
     /// The server's clock: every operation's "now".
-    clock: crate::clock::Clock,
+    clock: perch_model::clock::Clock,
     /// A fair lock where it matters: a long scan hands it on between chunks
     /// ([`JobService::scan_jobs`]) instead of taking it straight back.
-    control: Arc<parking_lot::Mutex<Control>>,
-    commits: Arc<Commits>,
+    pub(crate) control: Arc<parking_lot::Mutex<Control>>,
+    pub(crate) commits: Arc<Commits>,
     /// The job database's directory (job logs beside it), to rebuild from in
     /// [`JobService::recover`].
     dir: Arc<std::path::Path>,
@@ -49,8 +37,8 @@ pub struct JobService {
     pages_in_flight: Arc<tokio::sync::Semaphore>,
     /// Each user's share of them, KiB ([`USER_PAGES_IN_FLIGHT_BYTES`]).
     user_pages: Arc<Mutex<std::collections::HashMap<String, Arc<tokio::sync::Semaphore>>>>,
-    /// Settled jobs' rows for SQL ([`crate::accounting::settled`]).
-    settled: Arc<SettledRows>,
+    /// Settled jobs' rows for SQL (the server's settled rows (`SettledRecords`)).
+    settled: Arc<dyn SettledRecords>,
 }
 
 /// Start-time estimates computed at the same time, at most.
@@ -65,8 +53,8 @@ impl std::fmt::Debug for JobService {
     }
 }
 
-struct Commits {
-    db: db::JobDb,
+pub(crate) struct Commits {
+    db: Arc<dyn JobStore>,
     events: tokio::sync::mpsc::UnboundedSender<Vec<perch_model::ClusterEvent>>,
     state: Mutex<CommitState>,
     done: Condvar,
@@ -86,18 +74,14 @@ struct CommitState {
 pub const OUTPUT_EXPIRY_PERIOD: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Array tasks added to the control plane in one step (one lock hold, one commit).
-pub(crate) const ARRAY_STEP: u32 = 500;
+pub const ARRAY_STEP: u32 = 500;
 
 /// Jobs cancelled in one step of a batch cancel (one lock hold, one commit).
-pub(crate) const CANCEL_STEP: usize = 1_000;
+pub const CANCEL_STEP: usize = 1_000;
 
 /// Job ids one batch cancel may name (filters reach any number of jobs): a 64 MiB body holds
 /// millions, and sorting them and answering for each held the control plane for seconds.
 pub const MAX_CANCEL_IDS: usize = 100_000;
-
-/// How many times [`JobService::accounting`] begins an answer before it gives up: a read
-/// of lost files, then the job database's.
-const ACCOUNTING_TRIES: usize = 3;
 
 /// Settled jobs whose rows one step of [`JobService::record_settled`] writes, at most.
 const RECORD_STEP: usize = 10_000;
@@ -139,7 +123,7 @@ const RECOVER_RETRY_MIN: std::time::Duration = std::time::Duration::from_secs(1)
 const RECOVER_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(8);
 
 /// Job records read under one hold of the control lock by [`JobService::scan_jobs`].
-pub(crate) const SCAN_CHUNK: usize = 2_000;
+pub const SCAN_CHUNK: usize = 2_000;
 
 /// Jobs one page of `GET /v1/jobs` or `GET /v1/queue` holds at most: 100,000 full records
 /// were about 70 MB of JSON and 5 s of a core each, and four such requests at once held every
@@ -162,7 +146,7 @@ pub const PAGES_IN_FLIGHT_BYTES: usize = 256 << 20;
 /// What one page may take of [`PAGES_IN_FLIGHT_BYTES`] while it is made: its text ends at the
 /// job that passes [`MAX_PAGE_BYTES`], and one job's text is under 2 MiB (320 KiB of command
 /// and environment, escaped).
-pub(crate) const PAGE_RESERVE: usize = MAX_PAGE_BYTES + (4 << 20);
+pub const PAGE_RESERVE: usize = MAX_PAGE_BYTES + (4 << 20);
 
 /// Of [`PAGES_IN_FLIGHT_BYTES`], what one user's pages may hold: one whose clients read
 /// slowly waits for their own pages, not everyone's.
@@ -177,27 +161,48 @@ const PAGE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 /// The pieces a page is sent in.
 const PAGE_PIECE: usize = 64 << 10;
 
-/// A control-plane task that panicked or was cancelled, as the HTTP edge answers it.
-fn task_failed(e: tokio::task::JoinError) -> crate::ApiError {
-    crate::ApiError::new(
-        axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-        crate::ErrorCode::Internal,
-        e.to_string(),
-    )
+/// A job listing made by [`JobService::listing`]: its text in pieces, holding its room among
+/// the pages in flight until the stream of its pieces is dropped (the client has read the
+/// last, or has gone).
+pub struct Page {
+    pieces: Vec<bytes::Bytes>,
+    rooms: [tokio::sync::OwnedSemaphorePermit; 2],
 }
 
-/// A turn from `slots`, waited for; closed (at shutdown), a 503 saying `what` cannot be done.
+impl std::fmt::Debug for Page {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let bytes: usize = self.pieces.iter().map(bytes::Bytes::len).sum();
+        f.debug_struct("Page").field("bytes", &bytes).finish()
+    }
+}
+
+impl Page {
+    /// The pieces to send, in order; the room goes with the stream.
+    pub fn into_stream(
+        self,
+    ) -> impl futures::Stream<Item = Result<bytes::Bytes, std::convert::Infallible>> + Send {
+        let Page { pieces, rooms } = self;
+        futures::stream::iter(pieces).map(move |piece| {
+            let _held = &rooms;
+            Ok(piece)
+        })
+    }
+}
+
+/// A control-plane task that panicked or was cancelled.
+fn task_failed(e: tokio::task::JoinError) -> ControlError {
+    ControlError::TaskFailed(e.to_string())
+}
+
+/// A turn from `slots`, waited for; closed (at shutdown), refused saying `what` cannot be done.
 async fn turn<'a>(
     slots: &'a tokio::sync::Semaphore,
     what: &str,
-) -> Result<tokio::sync::SemaphorePermit<'a>, crate::ApiError> {
-    slots.acquire().await.map_err(|e| {
-        crate::ApiError::new(
-            axum::http::StatusCode::SERVICE_UNAVAILABLE,
-            crate::ErrorCode::ShuttingDown,
-            format!("{what} now: {e}"),
-        )
-    })
+) -> Result<tokio::sync::SemaphorePermit<'a>, ControlError> {
+    slots
+        .acquire()
+        .await
+        .map_err(|e| ControlError::ShuttingDown(format!("{what} now: {e}")))
 }
 
 /// KiB, rounded up: the unit of the pages-in-flight semaphores.
@@ -206,28 +211,21 @@ fn kib(bytes: usize) -> u32 {
 }
 
 /// Room for one page being made ([`PAGE_RESERVE`]) among `rooms` (`limit` bytes of `what` in
-/// all), waited for up to [`PAGE_WAIT`]; then a 503 saying why.
+/// all), waited for up to [`PAGE_WAIT`]; then refused saying why.
 async fn page_room(
     rooms: Arc<tokio::sync::Semaphore>,
     limit: usize,
     what: &str,
-) -> Result<tokio::sync::OwnedSemaphorePermit, crate::ApiError> {
+) -> Result<tokio::sync::OwnedSemaphorePermit, ControlError> {
     match tokio::time::timeout(PAGE_WAIT, rooms.acquire_many_owned(kib(PAGE_RESERVE))).await {
         Ok(Ok(room)) => Ok(room),
-        Ok(Err(e)) => Err(crate::ApiError::new(
-            axum::http::StatusCode::SERVICE_UNAVAILABLE,
-            crate::ErrorCode::ShuttingDown,
-            format!("jobs cannot be listed now: {e}"),
-        )),
-        Err(_) => Err(crate::ApiError::new(
-            axum::http::StatusCode::SERVICE_UNAVAILABLE,
-            crate::ErrorCode::ListingBusy,
-            format!(
-                "{what} not yet read by their clients hold {} MiB, all there may be: try again in a moment, or ask for a smaller limit",
-                limit >> 20
-            ),
-        )
-        .retry_after(1)),
+        Ok(Err(e)) => Err(ControlError::ShuttingDown(format!(
+            "jobs cannot be listed now: {e}"
+        ))),
+        Err(_) => Err(ControlError::ListingBusy(format!(
+            "{what} not yet read by their clients hold {} MiB, all there may be: try again in a moment, or ask for a smaller limit",
+            limit >> 20
+        ))),
     }
 }
 
@@ -243,7 +241,7 @@ impl Commits {
 
     /// Queues a change set; returns its sequence number. Called under the control lock, so
     /// sequence order is the order of the changes.
-    fn queue(&self, dirty: db::Dirty) -> u64 {
+    pub(crate) fn queue(&self, dirty: db::Dirty) -> u64 {
         let mut s = lock(&self.state);
         s.queued.extend(dirty);
         s.queued_seq += 1;
@@ -306,20 +304,38 @@ impl Commits {
 }
 
 impl JobService {
-    /// Opens the job database under `dir` and rebuilds the control plane from it. Audit
-    /// events go to `events` once durable (see [`JobService::event_channel`]).
-    pub fn open(
+    /// Opens the embedded job store (`jobs.redb` under `dir`, [`db::RedbStore`]) with no
+    /// settled rows kept outside it, and rebuilds the control plane from it: for tools and
+    /// tests; the server opens its own with [`JobService::open`].
+    pub fn open_embedded(
         dir: &std::path::Path,
         config: JobsConfig,
         events: tokio::sync::mpsc::UnboundedSender<Vec<perch_model::ClusterEvent>>,
     ) -> Result<JobService, ControlError> {
         std::fs::create_dir_all(dir).map_err(ControlError::Logs)?;
-        let db = db::JobDb::open(&dir.join("jobs.redb"))?;
+        let store = Arc::new(db::RedbStore::open(&dir.join("jobs.redb"))?);
+        let settled = Arc::new(crate::store::NoSettledRecords);
+        JobService::open(dir, config, events, store, settled, Vec::new())
+    }
+
+    /// Rebuilds the control plane from `store`; `dir` holds job output and the job token key.
+    /// `settled` keeps settled jobs' rows for accounting, and holds those of jobs `recorded`
+    /// now (if the store has not ended one of them, it was restored from an older copy: the
+    /// rows are deleted and written again). Audit events go to `events` once durable (see
+    /// [`JobService::event_channel`]).
+    pub fn open(
+        dir: &std::path::Path,
+        config: JobsConfig,
+        events: tokio::sync::mpsc::UnboundedSender<Vec<perch_model::ClusterEvent>>,
+        store: Arc<dyn JobStore>,
+        settled: Arc<dyn SettledRecords>,
+        recorded: Vec<u64>,
+    ) -> Result<JobService, ControlError> {
+        std::fs::create_dir_all(dir).map_err(ControlError::Logs)?;
+        let db = store;
         let loaded = db.load()?;
         let clock = config.clock.clone();
         let mut control = Control::open(dir, config, clock.now_ms(), loaded, &db)?;
-        let (settled, recorded) =
-            SettledRows::open(&dir.join("settled")).map_err(ControlError::SettledRows)?;
         match control.first_foreign(&recorded) {
             None => control.note_recorded(recorded),
             Some(job) => {
@@ -354,7 +370,7 @@ impl JobService {
             listings: Arc::new(tokio::sync::Semaphore::new(CONCURRENT_LISTINGS)),
             pages_in_flight: Arc::new(tokio::sync::Semaphore::new(PAGES_IN_FLIGHT_BYTES >> 10)),
             user_pages: Arc::default(),
-            settled: Arc::new(settled),
+            settled,
         })
     }
 
@@ -364,7 +380,7 @@ impl JobService {
     pub async fn estimated_starts(
         &self,
         upto: Option<u64>,
-    ) -> Result<std::collections::HashMap<u64, i64>, crate::ApiError> {
+    ) -> Result<std::collections::HashMap<u64, i64>, ControlError> {
         let _turn = turn(&self.plans, "start times cannot be estimated").await?;
         // A read: the snapshot changes nothing, so nothing waits for a commit.
         let jobs = self.clone();
@@ -374,13 +390,7 @@ impl JobService {
                 .estimate()
         })
         .await
-        .map_err(|e| {
-            crate::ApiError::new(
-                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-                crate::ErrorCode::Internal,
-                format!("estimating start times failed: {e}"),
-            )
-        })?;
+        .map_err(|e| ControlError::TaskFailed(format!("estimating start times failed: {e}")))?;
         Ok(estimates
             .into_iter()
             .filter_map(|(job, at)| Some((job.0, at?)))
@@ -388,7 +398,7 @@ impl JobService {
     }
 
     /// A channel for [`JobService::open`]: the receiver is drained into the store's `events`
-    /// table by the server (see [`crate::accounting::append_events`]).
+    /// table by the server (see `perch_server::accounting::append_events`).
     pub fn event_channel() -> (
         tokio::sync::mpsc::UnboundedSender<Vec<perch_model::ClusterEvent>>,
         tokio::sync::mpsc::UnboundedReceiver<Vec<perch_model::ClusterEvent>>,
@@ -403,53 +413,28 @@ impl JobService {
 
     /// Reads the control plane under its lock (keep `f` short). For perch's own rounds: an
     /// answer to a client reads through [`JobService::read_durable`].
-    pub(crate) fn read<T>(&self, f: impl FnOnce(&Control) -> T) -> T {
+    pub fn read<T>(&self, f: impl FnOnce(&Control) -> T) -> T {
         f(&self.control.lock())
     }
 
     /// Makes a change as an operation would, and queues it for commit without waiting:
     /// another request's change between the two. Returns its sequence number.
-    #[cfg(test)]
-    pub(crate) fn change_uncommitted(&self, f: impl FnOnce(&mut Control)) -> u64 {
+    #[cfg(any(test, feature = "testing"))]
+    pub fn change_uncommitted(&self, f: impl FnOnce(&mut Control)) -> u64 {
         let mut control = self.control.lock();
         f(&mut control);
         self.commits.queue(control.take_dirty())
     }
 
-    /// The jobs SQL's accounting tables see, counted, while the settled rows' files are found
-    /// lost and deleted between the walk and the files' opening: what a query meets when the
-    /// recording task starts over under it.
-    #[cfg(test)]
-    pub(crate) fn accounting_across_a_start_over(&self) -> Result<usize, ControlError> {
-        let mut once = true;
-        let read = |n: &mut usize, view: &settled::View| {
-            let mut unlimited = |_| Ok(());
-            view.allocation_columns(&[], &mut perch_query::Room::new(&mut unlimited), |b| {
-                *n += b.num_rows()
-            })
-        };
-        self.accounting_between(
-            None,
-            |n: &mut usize, _| *n += 1,
-            read,
-            || {
-                if std::mem::take(&mut once) {
-                    self.settled.lose("deleted by a test");
-                    self.start_over_if_lost();
-                }
-            },
-        )
-    }
-
     /// The job database fails (`why`), as a commit that cannot be written makes it.
-    #[cfg(test)]
-    pub(crate) fn fail_commits(&self, why: &str) {
+    #[cfg(any(test, feature = "testing"))]
+    pub fn fail_commits(&self, why: &str) {
         lock(&self.commits.state).failed = Some(why.to_owned());
     }
 
     /// Whether change set `seq` is durable.
-    #[cfg(test)]
-    pub(crate) fn durable(&self, seq: u64) -> bool {
+    #[cfg(any(test, feature = "testing"))]
+    pub fn durable(&self, seq: u64) -> bool {
         self.commits.seqs().1 >= seq
     }
 
@@ -457,7 +442,7 @@ impl JobService {
     /// the read could see is durable, as [`JobService::run`] does: what SQL's live tables and
     /// `/metrics` show (a job just submitted, a node just drained) does not outlive a crash
     /// that loses it. Blocking: call it off the async threads.
-    pub(crate) fn read_durable<T>(&self, f: impl FnOnce(&Control) -> T) -> Result<T, ControlError> {
+    pub fn read_durable<T>(&self, f: impl FnOnce(&Control) -> T) -> Result<T, ControlError> {
         let (value, seen) = {
             let control = self.control.lock();
             (f(&control), self.commits.seen())
@@ -466,117 +451,47 @@ impl JobService {
         Ok(value)
     }
 
-    /// What SQL's accounting tables read: `visit` sees the records of jobs held whole and of
-    /// settled jobs whose rows are not yet in the settled rows' files, then `read` the files'
-    /// rows of the rest (less the jobs visited), both adding to one answer. A job's rows are
-    /// written there before it counts as recorded, and the files are opened after the walk,
-    /// so each job is in the answer once.
-    ///
-    /// Files removed or damaged under the running server fail a read: the answer is begun
-    /// again reading every settled job from the job database (the truth the files copy), and
-    /// the recording task writes the files again ([`JobService::record_settled`]); until then
-    /// every query reads the job database, as before the files existed. An answer whose walk
-    /// began before the files were written again is begun again too.
-    pub(crate) fn accounting<A: Default>(
+    /// What SQL's accounting tables walk: every job held whole and, with `every_settled`, every
+    /// settled job (else only those whose rows are not yet written, [`SettledRecords`]), from
+    /// id `from` up in id order, a chunk at a time ([`JobService::walk_jobs`]); `visit` returns
+    /// false to stop. Returns the last change set the walk saw: wait for it
+    /// ([`JobService::wait_durable`]) before answering, so no answer shows what a crash could
+    /// lose.
+    pub fn walk_for_accounting(
         &self,
-        visit: impl FnMut(&mut A, &JobRecord),
-        read: impl FnMut(&mut A, &settled::View) -> Result<(), settled::Unread>,
-    ) -> Result<A, ControlError> {
-        self.accounting_between(None, visit, read, || {})
+        from: u64,
+        every_settled: bool,
+        visit: impl FnMut(JobRecord) -> bool,
+    ) -> Result<u64, ControlError> {
+        let settled = if every_settled {
+            Settled::All
+        } else {
+            Settled::Unrecorded
+        };
+        self.walk_jobs(
+            Walk {
+                from,
+                ..Walk::all(settled)
+            },
+            |_| true,
+            visit,
+        )
     }
 
-    /// [`JobService::accounting`] for an answer that holds no job outside ids `lo` to `hi`
-    /// (a query's filters on the job id, [`perch_query::Pruning::range_u64`]): the walk
-    /// visits only those. `read` still sees every file; its rows of other jobs are for the
-    /// query's filters to drop, as they do.
-    pub(crate) fn accounting_of<A: Default>(
-        &self,
-        ids: Option<(u64, u64)>,
-        visit: impl FnMut(&mut A, &JobRecord),
-        read: impl FnMut(&mut A, &settled::View) -> Result<(), settled::Unread>,
-    ) -> Result<A, ControlError> {
-        self.accounting_between(ids, visit, read, || {})
-    }
-
-    /// [`JobService::accounting_of`], calling `between` after each walk and before the files
-    /// are opened (for tests: what the recording task may do there).
-    fn accounting_between<A: Default>(
-        &self,
-        ids: Option<(u64, u64)>,
-        mut visit: impl FnMut(&mut A, &JobRecord),
-        mut read: impl FnMut(&mut A, &settled::View) -> Result<(), settled::Unread>,
-        mut between: impl FnMut(),
-    ) -> Result<A, ControlError> {
-        let (lo, hi) = ids.unwrap_or((0, u64::MAX));
-        let mut failure = String::new();
-        for _ in 0..ACCOUNTING_TRIES {
-            let mut answer = A::default();
-            let epoch = self.settled.epoch();
-            let mut seen = std::collections::HashSet::new();
-            let walk = Walk {
-                from: lo,
-                ..Walk::all(if epoch.lost {
-                    Settled::All
-                } else {
-                    Settled::Unrecorded
-                })
-            };
-            let changes = self.walk_jobs(
-                walk,
-                |_| true,
-                |job| {
-                    // In id order: past `hi`, no job is for this answer.
-                    if job.id > hi {
-                        return false;
-                    }
-                    if !epoch.lost {
-                        seen.insert(job.id);
-                    }
-                    visit(&mut answer, &job);
-                    true
-                },
-            )?;
-            // No answer shows what a crash could lose.
-            self.commits.wait(changes)?;
-            if epoch.lost {
-                return Ok(answer);
-            }
-            between();
-            let unread = match self.settled.view(seen, epoch) {
-                Ok(Some(view)) => match read(&mut answer, &view) {
-                    Ok(()) => return Ok(answer),
-                    Err(e) => e,
-                },
-                // Written again since the walk began: walk again.
-                Ok(None) => {
-                    failure = "the settled rows' files were written again while this query read them, each time it tried; retry it".into();
-                    continue;
-                }
-                Err(e) => e,
-            };
-            failure = match unread {
-                settled::Unread::File(e) => e,
-                // The query's memory is full, or the server's descriptors: the files are fine.
-                settled::Unread::Room(e) | settled::Unread::Now(e) => {
-                    return Err(ControlError::SettledRows(e));
-                }
-            };
-            if self.settled.lose(&failure) {
-                tracing::error!(error = %failure, "a settled rows file was removed or damaged under the running server; SQL reads settled jobs from the job database while the server writes the files again");
-            }
-        }
-        Err(ControlError::SettledRows(failure))
+    /// Returns once change set `seq` (and every one before it) is durable.
+    pub fn wait_durable(&self, seq: u64) -> Result<(), ControlError> {
+        self.commits.wait(seq)
     }
 
     /// Folds the telemetry of every allocation up to `until` (its end, if sooner), `usage`
     /// per GPU: nothing is left to account (for tests).
-    #[cfg(test)]
-    pub(crate) async fn fold_all(&self, until: i64, usage: crate::accounting::GpuUsage) {
+    #[cfg(any(test, feature = "testing"))]
+    pub async fn fold_all(&self, until: i64, usage: crate::usage::GpuUsage) {
         self.run(move |c, now| {
             let folded = c
                 .fold_windows(until)
                 .into_iter()
-                .map(|w| crate::accounting::fold::Folded {
+                .map(|w| crate::cost::Folded {
                     usage: vec![usage.clone(); w.gpus.len()],
                     window: w,
                     simulated: false,
@@ -593,9 +508,9 @@ impl JobService {
     /// lock, and they count as recorded only once written. Returns how many were. Blocking:
     /// the ticker runs it on the blocking pool, one at a time.
     ///
-    /// Files a query found removed or damaged ([`settled::SettledRows::lose`]) are deleted
-    /// first, and every settled job marked unrecorded, under the control lock.
-    pub(crate) fn record_settled(&self) -> Result<usize, ControlError> {
+    /// Rows a query found removed or damaged ([`SettledRecords::lost`]) are deleted first,
+    /// and every settled job marked unrecorded, under the control lock.
+    pub fn record_settled(&self) -> Result<usize, ControlError> {
         self.start_over_if_lost();
         let reads = self.control.lock().unrecorded(RECORD_STEP);
         let records = reads.read()?;
@@ -613,7 +528,7 @@ impl JobService {
 
     /// If a query found the settled rows' files lost: deletes them and marks every settled job
     /// unrecorded, in a new epoch, under the control lock.
-    fn start_over_if_lost(&self) {
+    pub fn start_over_if_lost(&self) {
         if let Some(why) = self.settled.lost() {
             let mut control = self.control.lock();
             self.settled.reset();
@@ -628,8 +543,8 @@ impl JobService {
     /// lock, and every agent's sync behind it, for the whole history (160 ms at 20,000 jobs,
     /// growing with every job ever run). Settled jobs' records are read from the job database
     /// outside the lock. Each record is visited once, as it was when its chunk was read.
-    #[cfg(test)]
-    pub(crate) fn scan_jobs(&self, mut visit: impl FnMut(&JobRecord)) -> Result<(), ControlError> {
+    #[cfg(any(test, feature = "testing"))]
+    pub fn scan_jobs(&self, mut visit: impl FnMut(&JobRecord)) -> Result<(), ControlError> {
         self.walk_jobs(
             Walk::all(Settled::All),
             |_| true,
@@ -725,7 +640,7 @@ impl JobService {
     /// of the next page when this one is full. A filter few jobs match reads the whole
     /// history, a chunk at a time ([`JobService::walk_jobs`]). Returns once every change it
     /// saw is durable. Blocking: call it off the async threads ([`JobService::listing`]).
-    pub(crate) fn list_jobs(
+    pub fn list_jobs(
         &self,
         before: u64,
         limit: usize,
@@ -753,7 +668,7 @@ impl JobService {
     /// The first `limit` jobs of the queue ([`Control::queue`]) and its length, once every
     /// change it saw is durable. Blocking: call it off the async threads
     /// ([`JobService::listing`]).
-    pub(crate) fn queue_page(&self, limit: usize) -> Result<control::QueuePage, ControlError> {
+    pub fn queue_page(&self, limit: usize) -> Result<control::QueuePage, ControlError> {
         let (page, seen) = {
             let control = self.control.lock();
             (control.queue(limit), self.commits.seen())
@@ -765,12 +680,12 @@ impl JobService {
     /// Runs `make` (a job listing written as JSON for `user`) off the async threads, at most
     /// [`CONCURRENT_LISTINGS`] at a time, and answers with its text, which holds its size of
     /// [`USER_PAGES_IN_FLIGHT_BYTES`] and of [`PAGES_IN_FLIGHT_BYTES`] until the client has
-    /// read it (or gone).
-    pub(crate) async fn listing(
+    /// read it (or gone): the [`Page`]'s pieces hold it.
+    pub async fn listing<E: From<ControlError> + Send + 'static>(
         &self,
         user: &str,
-        make: impl FnOnce(&JobService) -> Result<Vec<u8>, crate::ApiError> + Send + 'static,
-    ) -> Result<axum::response::Response, crate::ApiError> {
+        make: impl FnOnce(&JobService) -> Result<Vec<u8>, E> + Send + 'static,
+    ) -> Result<Page, E> {
         let theirs = self.user_pages(user);
         let mut rooms = [
             page_room(theirs, USER_PAGES_IN_FLIGHT_BYTES, "your job listings").await?,
@@ -786,7 +701,7 @@ impl JobService {
             let jobs = self.clone();
             tokio::task::spawn_blocking(move || make(&jobs))
                 .await
-                .map_err(task_failed)??
+                .map_err(|e| E::from(task_failed(e)))??
         };
         // Give back what the page does not take.
         let spare = kib(PAGE_RESERVE).saturating_sub(kib(page.len()));
@@ -798,16 +713,7 @@ impl JobService {
             .step_by(PAGE_PIECE)
             .map(|at| page.slice(at..page.len().min(at + PAGE_PIECE)))
             .collect();
-        let body = futures::stream::iter(pieces).map(move |piece| {
-            // The rooms go with the stream: when the client has read the last piece, or
-            // has gone.
-            let _held = &rooms;
-            Ok::<_, std::convert::Infallible>(piece)
-        });
-        Ok(axum::response::IntoResponse::into_response((
-            [(axum::http::header::CONTENT_TYPE, "application/json")],
-            axum::body::Body::from_stream(body),
-        )))
+        Ok(Page { pieces, rooms })
     }
 
     /// `user`'s share of the pages in flight ([`USER_PAGES_IN_FLIGHT_BYTES`]).
@@ -836,10 +742,8 @@ impl JobService {
 
     /// Takes or renews node `name` for agent `agent` (telemetry carries the agent's id too):
     /// refused while another agent's claim is fresh ([`claims`]).
-    pub fn claim_node(&self, name: &str, agent: &str) -> Result<(), crate::ApiError> {
-        self.claims
-            .claim(name, agent, self.now_ms(), None)
-            .map_err(crate::ApiError::from)
+    pub fn claim_node(&self, name: &str, agent: &str) -> Result<(), ControlError> {
+        self.claims.claim(name, agent, self.now_ms(), None)
     }
 
     /// Whether the scheduler knows node `name` (cheap: no control lock).
@@ -856,7 +760,7 @@ impl JobService {
     /// and its answer (a job shown, a launch order handed out) must not outlive a crash that
     /// loses them. Its errors are the control plane's; the HTTP edge maps them
     /// (`From<ControlError> for ApiError`).
-    pub(crate) async fn run<T: Send + 'static>(
+    pub async fn run<T: Send + 'static>(
         &self,
         f: impl FnOnce(&mut Control, i64) -> Result<T, ControlError> + Send + 'static,
     ) -> Result<T, ControlError> {
@@ -897,7 +801,7 @@ impl JobService {
     /// agents get a heartbeat timeout from now to report what runs). Agents' claims on their
     /// nodes are kept. Fails, changing nothing, while the database cannot be reopened or the
     /// rebuilt state written (the disk still full); the ticker tries again. Blocking.
-    pub(crate) fn recover(&self) -> Result<(), ControlError> {
+    pub fn recover(&self) -> Result<(), ControlError> {
         let mut control = self.control.lock();
         if self.commits.failed().is_none() {
             return Ok(());
@@ -944,7 +848,7 @@ impl JobService {
     /// then), and nothing else is taken or handed out: no exit acknowledged, no output stored,
     /// no order, so the agent keeps all of it for a later sync. A node the control plane does
     /// not know gets no lease: it runs nothing of perch's.
-    pub(crate) async fn sync_degraded(
+    pub async fn sync_degraded(
         &self,
         request: perch_model::control::SyncRequest,
     ) -> Result<perch_model::control::SyncResponse, ControlError> {
@@ -964,11 +868,11 @@ impl JobService {
     /// dies part way keeps the steps committed so far (their ids are the array's first).
     /// Returns the first job and the array's ids, with a warning when no set of today's nodes
     /// could run it.
-    pub(crate) async fn submit(
+    pub async fn submit(
         &self,
         request: JobRequest,
         operator: bool,
-    ) -> Result<(JobRecord, Vec<u64>, Option<String>), crate::ApiError> {
+    ) -> Result<(JobRecord, Vec<u64>, Option<String>), ControlError> {
         let service = self.clone();
         tokio::spawn(async move {
             let request = Arc::new(request);
@@ -1016,25 +920,23 @@ impl JobService {
         })
         .await
         .map_err(task_failed)?
-        .map_err(crate::ApiError::from)
     }
 
     /// Cancels the jobs `selection` names for `who` ([`Control::cancel_targets`]),
     /// [`CANCEL_STEP`] at a time, each step committed on its own, so agents' syncs and other
     /// requests get the control plane between steps. Like a submission, the steps run in a
     /// task of their own: a client that hangs up does not leave the cancel half done.
-    pub(crate) async fn cancel_many(
+    pub async fn cancel_many(
         &self,
         mut selection: CancelSelection,
-        who: crate::auth::Identity,
-    ) -> Result<CancelOutcome, crate::ApiError> {
+        who: perch_model::identity::Identity,
+    ) -> Result<CancelOutcome, ControlError> {
         if selection.ids.len() > MAX_CANCEL_IDS {
             return Err(ControlError::BadRequest(format!(
                 "{} job ids in one cancel; at most {MAX_CANCEL_IDS}: send them in parts, or \
                  name them by array, user, account or name",
                 selection.ids.len()
-            ))
-            .into());
+            )));
         }
         // Off the control lock: under it, only what needs the jobs.
         selection.ids.sort_unstable();
@@ -1059,12 +961,11 @@ impl JobService {
         })
         .await
         .map_err(task_failed)?
-        .map_err(crate::ApiError::from)
     }
 
     /// Ticks the control plane ([`Control::tick`]), and takes settled jobs' records out of
     /// memory once durable ([`Control::archive_settled`]).
-    pub(crate) async fn tick(&self) -> Result<(), ControlError> {
+    pub async fn tick(&self) -> Result<(), ControlError> {
         let commits = self.commits.clone();
         self.run(move |c, now| {
             c.tick(now)?;
@@ -1192,71 +1093,6 @@ impl JobService {
         // job database once the server has stopped.
         if let Some(task) = recording {
             let _ = task.await;
-        }
-    }
-}
-
-impl From<ControlError> for crate::ApiError {
-    fn from(e: ControlError) -> Self {
-        use axum::http::StatusCode;
-        let message = e.to_string();
-        match e {
-            ControlError::Invalid(_) => {
-                crate::ApiError::bad_request(crate::ErrorCode::InvalidJob, message)
-            }
-            ControlError::BadRequest(_) => {
-                crate::ApiError::bad_request(crate::ErrorCode::BadParameters, message)
-            }
-            ControlError::Scheduler(perch_scheduler::Error::InvalidJob { .. }) => {
-                crate::ApiError::bad_request(crate::ErrorCode::InvalidJob, message)
-            }
-            // What an agent said of its node (an impossible GPU count, say): the agent's
-            // configuration is to change, not the server.
-            ControlError::Scheduler(perch_scheduler::Error::InvalidNode { .. }) => {
-                crate::ApiError::bad_request(crate::ErrorCode::InvalidSync, message)
-            }
-            ControlError::NoSuchJob(_)
-            | ControlError::NoSuchNode(_)
-            | ControlError::NoSuchArray(_) => {
-                crate::ApiError::new(StatusCode::NOT_FOUND, crate::ErrorCode::NotFound, message)
-            }
-            ControlError::Forbidden(_) => {
-                crate::ApiError::new(StatusCode::FORBIDDEN, crate::ErrorCode::Forbidden, message)
-            }
-            ControlError::TooManyPending { .. } | ControlError::TooManyPendingBytes { .. } => {
-                crate::ApiError::new(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    crate::ErrorCode::TooManyPending,
-                    message,
-                )
-            }
-            ControlError::NodeClaimed { .. } => {
-                crate::ApiError::new(StatusCode::CONFLICT, crate::ErrorCode::NodeClaimed, message)
-                    .retry_after(5)
-            }
-            ControlError::OutputDeleted { .. } => {
-                crate::ApiError::new(StatusCode::GONE, crate::ErrorCode::OutputDeleted, message)
-            }
-            ControlError::AlreadyEnded { .. } => crate::ApiError::new(
-                StatusCode::CONFLICT,
-                crate::ErrorCode::AlreadyEnded,
-                message,
-            ),
-            ControlError::Unavailable(_) => crate::ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                crate::ErrorCode::JobDbUnavailable,
-                message,
-            )
-            .retry_after(5),
-            ControlError::Scheduler(_)
-            | ControlError::Db(_)
-            | ControlError::Logs(_)
-            | ControlError::SettledRows(_)
-            | ControlError::TaskFailed(_) => crate::ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                crate::ErrorCode::Internal,
-                message,
-            ),
         }
     }
 }

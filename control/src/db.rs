@@ -1,8 +1,11 @@
-//! Durable job and node records in redb: every change is committed before the HTTP answer,
-//! so a `kill -9` of the server loses nothing it acknowledged. Node state history lives here
-//! too, for the down and drained GPU-hours of accounting.
+//! The embedded job store: durable job and node records in one redb file, every change
+//! committed before the HTTP answer, so a `kill -9` of the server loses nothing it
+//! acknowledged. Node state history lives here too, for the down and drained GPU-hours of
+//! accounting. The file's layout and its version are specified in
+//! `docs/format/job-database.md`.
 
-use super::record::{JobRecord, NodeSpan};
+use crate::record::{JobRecord, NodeSpan};
+use crate::store::JobStore;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -17,6 +20,14 @@ const JOBS: TableDefinition<u64, &[u8]> = TableDefinition::new("jobs");
 const CACHE_BYTES: usize = 64 * 1024 * 1024;
 const NODES: TableDefinition<u64, &[u8]> = TableDefinition::new("nodes");
 const NODE_SPANS: TableDefinition<u64, &[u8]> = TableDefinition::new("node_spans");
+/// The file's format version, under [`FORMAT_KEY`].
+const META: TableDefinition<&str, u32> = TableDefinition::new("meta");
+const FORMAT_KEY: &str = "format_version";
+
+/// The job database format this binary writes and reads (`docs/format/job-database.md`).
+/// A database without a version was written before versions were recorded: it is this
+/// version's layout, and is stamped when first opened. One with a newer version is refused.
+pub const FORMAT_VERSION: u32 = 1;
 
 /// A node as the scheduler knows it, in the order nodes joined (their scheduler ids).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -99,79 +110,45 @@ fn e(x: impl std::fmt::Display) -> DbError {
     DbError(x.to_string())
 }
 
-/// The open database, shared by the [`JobDb`] and its [`Reader`]s so that
-/// [`JobDb::reopen`] reaches them all. `None` while it is being reopened.
-type Slot = Arc<parking_lot::RwLock<Option<Arc<Database>>>>;
+/// The open database. `None` while it is being reopened.
+type Slot = parking_lot::RwLock<Option<Arc<Database>>>;
 
-fn current(slot: &Slot) -> Result<Arc<Database>, DbError> {
-    slot.read()
-        .clone()
-        .ok_or_else(|| DbError("the job database is being reopened".into()))
-}
-
-pub struct JobDb {
+/// The embedded [`JobStore`]: one redb file (`jobs.redb` in the server's data directory).
+pub struct RedbStore {
     path: std::path::PathBuf,
     slot: Slot,
 }
 
-/// Reads job records back from the job database (settled jobs, whose records the control
-/// plane does not hold whole). A read sees what is committed.
-#[derive(Clone)]
-pub struct Reader {
-    slot: Slot,
-}
-
-impl Reader {
-    /// The stored records of `ids`, in their order; a missing one is an error (the control
-    /// plane only asks for records it committed).
-    pub fn get(&self, ids: &[u64]) -> Result<Vec<JobRecord>, DbError> {
-        let tx = current(&self.slot)?.begin_read().map_err(e)?;
-        let table = tx.open_table(JOBS).map_err(e)?;
-        ids.iter()
-            .map(|&id| {
-                let v = table
-                    .get(id)
-                    .map_err(e)?
-                    .ok_or_else(|| DbError(format!("job {id} is not in the job database")))?;
-                serde_json::from_slice(v.value()).map_err(e)
-            })
-            .collect()
-    }
-}
-
-impl JobDb {
-    pub fn open(path: &Path) -> Result<JobDb, DbError> {
+impl RedbStore {
+    /// Opens (or creates) the job database at `path`: refused, naming both versions, when a
+    /// newer binary's format is found there.
+    pub fn open(path: &Path) -> Result<RedbStore, DbError> {
         let db = open_database(path)?;
-        Ok(JobDb {
+        Ok(RedbStore {
             path: path.to_owned(),
-            slot: Arc::new(parking_lot::RwLock::new(Some(db))),
+            slot: parking_lot::RwLock::new(Some(db)),
         })
     }
 
-    /// Closes the database and opens it again, for every reader too. After a commit failed
-    /// on I/O (a full disk) redb refuses every later transaction until then; opening repairs
-    /// what the failed commit left. Fails while a read begun before still holds the file (it
-    /// is closed; try again later) or while the disk still cannot take the repair.
-    pub fn reopen(&self) -> Result<(), DbError> {
-        let mut slot = self.slot.write();
-        *slot = None;
-        *slot = Some(open_database(&self.path)?);
-        Ok(())
-    }
-
-    /// A reader of committed job records.
-    pub fn reader(&self) -> Reader {
-        Reader {
-            slot: self.slot.clone(),
-        }
+    /// The format version the file records.
+    pub fn format_version(&self) -> Result<u32, DbError> {
+        let tx = self.db()?.begin_read().map_err(e)?;
+        let meta = tx.open_table(META).map_err(e)?;
+        let version = meta.get(FORMAT_KEY).map_err(e)?.map(|v| v.value());
+        version.ok_or_else(|| DbError("the job database records no format version".into()))
     }
 
     fn db(&self) -> Result<Arc<Database>, DbError> {
-        current(&self.slot)
+        self.slot
+            .read()
+            .clone()
+            .ok_or_else(|| DbError("the job database is being reopened".into()))
     }
+}
 
+impl JobStore for RedbStore {
     /// Writes the given records and nodes, in order, in one durable transaction.
-    pub fn save(&self, dirty: &Dirty) -> Result<(), DbError> {
+    fn save(&self, dirty: &Dirty) -> Result<(), DbError> {
         let (jobs, nodes, spans) = (&dirty.jobs, &dirty.nodes, &dirty.node_spans);
         if jobs.is_empty()
             && nodes.is_empty()
@@ -211,7 +188,7 @@ impl JobDb {
     }
 
     /// Visits every job record, in id order.
-    pub fn for_each_job(&self, mut visit: impl FnMut(JobRecord)) -> Result<(), DbError> {
+    fn for_each_job(&self, visit: &mut dyn FnMut(JobRecord)) -> Result<(), DbError> {
         let tx = self.db()?.begin_read().map_err(e)?;
         for row in tx.open_table(JOBS).map_err(e)?.iter().map_err(e)? {
             let (_, v) = row.map_err(e)?;
@@ -220,7 +197,7 @@ impl JobDb {
         Ok(())
     }
 
-    pub fn load(&self) -> Result<Loaded, DbError> {
+    fn load(&self) -> Result<Loaded, DbError> {
         let tx = self.db()?.begin_read().map_err(e)?;
         let mut nodes = Vec::new();
         for row in tx.open_table(NODES).map_err(e)?.iter().map_err(e)? {
@@ -234,6 +211,33 @@ impl JobDb {
         }
         Ok(Loaded { nodes, node_spans })
     }
+
+    /// Closes the database and opens it again. After a commit failed
+    /// on I/O (a full disk) redb refuses every later transaction until then; opening repairs
+    /// what the failed commit left. Fails while a read begun before still holds the file (it
+    /// is closed; try again later) or while the disk still cannot take the repair.
+    fn reopen(&self) -> Result<(), DbError> {
+        let mut slot = self.slot.write();
+        *slot = None;
+        *slot = Some(open_database(&self.path)?);
+        Ok(())
+    }
+
+    /// The stored records of `ids`, in their order; a missing one is an error (the control
+    /// plane only asks for records it committed).
+    fn get(&self, ids: &[u64]) -> Result<Vec<JobRecord>, DbError> {
+        let tx = self.db()?.begin_read().map_err(e)?;
+        let table = tx.open_table(JOBS).map_err(e)?;
+        ids.iter()
+            .map(|&id| {
+                let v = table
+                    .get(id)
+                    .map_err(e)?
+                    .ok_or_else(|| DbError(format!("job {id} is not in the job database")))?;
+                serde_json::from_slice(v.value()).map_err(e)
+            })
+            .collect()
+    }
 }
 
 fn open_database(path: &Path) -> Result<Arc<Database>, DbError> {
@@ -242,6 +246,23 @@ fn open_database(path: &Path) -> Result<Arc<Database>, DbError> {
         .create(path)
         .map_err(e)?;
     let tx = db.begin_write().map_err(e)?;
+    {
+        let mut meta = tx.open_table(META).map_err(e)?;
+        let found = meta.get(FORMAT_KEY).map_err(e)?.map(|v| v.value());
+        match found {
+            Some(v) if v > FORMAT_VERSION => {
+                return Err(DbError(format!(
+                    "{} is a job database of format version {v}, written by a newer perch; this binary reads version {FORMAT_VERSION} and older: run the newer perch (see docs/format/job-database.md)",
+                    path.display()
+                )));
+            }
+            Some(_) => {}
+            // Written before versions were recorded: today's layout.
+            None => {
+                meta.insert(FORMAT_KEY, FORMAT_VERSION).map_err(e)?;
+            }
+        }
+    }
     tx.open_table(JOBS).map_err(e)?;
     tx.open_table(NODES).map_err(e)?;
     tx.open_table(NODE_SPANS).map_err(e)?;

@@ -8,12 +8,12 @@ impl Control {
     /// Rebuilds the control plane from the records of the job database `db` (its nodes and
     /// their history `loaded` from it); `dir` holds job logs. Settled jobs are read one at a
     /// time and only their summaries kept ([`archive`]).
-    pub(crate) fn open(
+    pub fn open(
         dir: &std::path::Path,
         config: JobsConfig,
         now_ms: i64,
         loaded: Loaded,
-        db: &crate::jobs::db::JobDb,
+        db: &std::sync::Arc<dyn crate::store::JobStore>,
     ) -> Result<Control, ControlError> {
         let Loaded { nodes, node_spans } = loaded;
         let mut c = Control {
@@ -40,7 +40,7 @@ impl Control {
             job_tokens: JobTokens::load_or_create(dir).map_err(ControlError::Logs)?,
             pending: PendingCount::default(),
             reserved: HashMap::new(),
-            archive: archive::Archive::new(db.reader()),
+            archive: archive::Archive::new(db.clone()),
             deleted_output: Vec::new(),
             output_usage: Default::default(),
         };
@@ -49,10 +49,10 @@ impl Control {
             c.add_node(record, now_ms)?;
         }
         c.restore_spans(node_spans);
-        let settled_before = now_ms.saturating_sub(crate::jobs::record::ARCHIVE_AFTER_MS);
+        let settled_before = now_ms.saturating_sub(crate::record::ARCHIVE_AFTER_MS);
         let (mut jobs, mut migrated, mut finished) = (Vec::new(), Vec::new(), History::default());
         let mut arrays = ArrayMigration::default();
-        db.for_each_job(|mut job| {
+        db.for_each_job(&mut |mut job| {
             c.next_id = c.next_id.max(job.id + 1);
             finished.add(&job);
             if arrays.visit(&mut job) {

@@ -194,7 +194,7 @@ impl Control {
 
     /// Where rank `rank` (default 0) of attempt `attempt` (default the latest) of a job's
     /// stream is stored, found under the control lock; [`LogSource::read`] reads it outside.
-    pub(crate) fn log_source(
+    pub fn log_source(
         &self,
         job: u64,
         stream: LogStream,
@@ -267,7 +267,7 @@ impl Control {
     /// The caller removes them outside the control lock; the records stay. It marks at most
     /// [`EXPIRED_PER_CHECK`] a call, so a backlog (a server upgraded with years of output) is
     /// worked off over several checks instead of in one lock hold and one commit.
-    pub(crate) fn expire_output(&mut self, now: i64, present: &[u64]) -> Vec<PathBuf> {
+    pub fn expire_output(&mut self, now: i64, present: &[u64]) -> Vec<PathBuf> {
         let Some(keep) = self.config.output_retention else {
             return Vec::new();
         };
@@ -305,7 +305,7 @@ impl Control {
     }
 
     /// Where job output is stored: one directory per job, named by its id.
-    pub(crate) fn logs_dir(&self) -> PathBuf {
+    pub fn logs_dir(&self) -> PathBuf {
         self.logs_dir.clone()
     }
 }
@@ -319,14 +319,14 @@ const DAY_MS: i64 = 86_400_000;
 const SETTLED_PER_SYNC: usize = 64;
 
 /// Most jobs whose output one check deletes ([`Control::expire_output`]).
-pub(crate) const EXPIRED_PER_CHECK: usize = 1_000;
+pub const EXPIRED_PER_CHECK: usize = 1_000;
 
 /// Most bytes of output one `GET /v1/jobs/{id}/logs` answers; readers page with `offset`.
 pub const LOG_PAGE: u64 = 4 << 20;
 
 /// Where one stream of one rank of one attempt of a job is stored ([`Control::log_source`]).
 #[derive(Debug, Clone)]
-pub(crate) struct LogSource {
+pub struct LogSource {
     /// The file, then where older servers kept it; the first that exists is read.
     paths: Vec<PathBuf>,
     /// The attempt the output is from.
@@ -337,7 +337,7 @@ pub(crate) struct LogSource {
 
 /// One page of stored output.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct LogPage {
+pub struct LogPage {
     pub data: Vec<u8>,
     /// The attempt it is from.
     pub attempt: u32,
@@ -351,7 +351,7 @@ pub(crate) struct LogPage {
 
 impl LogSource {
     /// At most `max` bytes from `offset`: a page, never the whole of a large file in memory.
-    pub(crate) fn read(&self, offset: u64, max: u64) -> std::io::Result<LogPage> {
+    pub fn read(&self, offset: u64, max: u64) -> std::io::Result<LogPage> {
         use std::io::{Read, Seek, SeekFrom};
         let mut data = Vec::new();
         let mut stored = 0;

@@ -5,7 +5,7 @@ use super::*;
 
 /// One node as the control plane sees it (`GET /v1/nodes` adds its state).
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct NodeDetail {
+pub struct NodeDetail {
     pub name: String,
     pub gpus: u32,
     pub gpu_model: String,
@@ -24,7 +24,7 @@ pub(crate) struct NodeDetail {
 
 /// One GPU as the control plane sees it.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct GpuDetail {
+pub struct GpuDetail {
     /// The jobs on it: its whole owner, or its sharers with the percent each was granted.
     pub holders: Vec<GpuHolder>,
     pub health: perch_scheduler::GpuHealth,
@@ -32,7 +32,7 @@ pub(crate) struct GpuDetail {
 
 /// A job holding (part of) a GPU.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct GpuHolder {
+pub struct GpuHolder {
     pub job: u64,
     pub user: String,
     pub account: String,
@@ -42,12 +42,12 @@ pub(crate) struct GpuHolder {
 
 /// The head of the queue, each job with its priority (`None`: held for dependencies), and
 /// how many jobs are pending in all ([`Control::queue`]).
-pub(crate) type QueuePage = (Vec<(JobRecord, Option<f64>)>, usize);
+pub type QueuePage = (Vec<(JobRecord, Option<f64>)>, usize);
 
 impl Control {
     /// A record with its live pending reason filled in; a settled job's is read from the
     /// job database.
-    pub(crate) fn view(&self, id: u64) -> Result<Option<JobRecord>, ControlError> {
+    pub fn view(&self, id: u64) -> Result<Option<JobRecord>, ControlError> {
         match self.jobs.get(&id) {
             Some(job) => Ok(Some(self.view_of(job))),
             None => Ok(self.record(id)?.map(|job| job.into_owned())),
@@ -55,7 +55,7 @@ impl Control {
     }
 
     /// A copy of `job`, held in memory, with its live pending reason filled in.
-    pub(crate) fn view_of(&self, job: &JobRecord) -> JobRecord {
+    pub fn view_of(&self, job: &JobRecord) -> JobRecord {
         let id = job.id;
         let mut job = job.clone();
         if self.held.contains(&id) {
@@ -152,20 +152,20 @@ impl Control {
 
     /// The job and user a job metrics token speaks for: the token must be this server's, for
     /// the job's current attempt, and the job running or ended less than a minute ago.
-    pub(crate) fn job_of_token(&self, token: &str, now: i64) -> Option<(u64, String)> {
+    pub fn job_of_token(&self, token: &str, now: i64) -> Option<(u64, String)> {
         let (id, attempt) = self.job_tokens.verify(token)?;
         let job = self.jobs.get(&id)?;
         let live = job.state == JobState::Running
             || job
                 .end_ms
-                .is_some_and(|end| now - end <= crate::jobs::job_token::GRACE_MS);
+                .is_some_and(|end| now - end <= crate::job_token::GRACE_MS);
         (job.attempts == attempt && live).then(|| (id, job.request.user().to_owned()))
     }
 
     /// Why no set of today's nodes could ever run `req`, naming the largest shape that fits,
     /// or `None` when one could (or no node has joined yet: the cluster is still forming).
     /// Such a job is still accepted (nodes may join), but its submitter is told at once.
-    pub(crate) fn shape_warning(&self, req: &JobRequest) -> Option<String> {
+    pub fn shape_warning(&self, req: &JobRequest) -> Option<String> {
         if self.nodes.is_empty() || req.gpu_share.is_some() {
             return None;
         }
@@ -203,15 +203,15 @@ impl Control {
     /// The queue in the scheduler's order with each job's priority, then the jobs held back
     /// for their dependencies (not in line yet, so no priority), oldest first: every pending
     /// job `perch jobs` shows. The first `limit` of them (fewer if they pass
-    /// [`crate::jobs::MAX_PAGE_BYTES`]), and how many there are.
-    pub(crate) fn queue(&self, limit: usize) -> QueuePage {
+    /// [`crate::MAX_PAGE_BYTES`]), and how many there are.
+    pub fn queue(&self, limit: usize) -> QueuePage {
         let in_line = self.scheduler.queue();
         let total = in_line.len() + self.held.len();
         let in_line = in_line.into_iter().map(|q| (q.job.0, Some(q.priority)));
         let held = self.held.iter().map(|&id| (id, None));
         let (mut entries, mut bytes) = (Vec::new(), 0);
         for (id, priority) in in_line.chain(held) {
-            if entries.len() == limit || bytes >= crate::jobs::MAX_PAGE_BYTES {
+            if entries.len() == limit || bytes >= crate::MAX_PAGE_BYTES {
                 break;
             }
             // Pending jobs are held whole: no database read here.
@@ -240,8 +240,8 @@ impl Control {
     }
 
     /// What the control plane knows of each node; its state needs its telemetry too and is
-    /// [`crate::node_status`]'s to say.
-    pub(crate) fn nodes(&self) -> Vec<NodeDetail> {
+    /// `perch_server::node_status`'s to say.
+    pub fn nodes(&self) -> Vec<NodeDetail> {
         let cluster = self.scheduler.cluster();
         self.nodes
             .iter()
@@ -295,7 +295,7 @@ impl Control {
 
     /// A snapshot for estimating the first `max` pending jobs' starts, off the lock; with
     /// `upto`, only as far as that job.
-    pub(crate) fn start_plan(
+    pub fn start_plan(
         &self,
         now: i64,
         max: usize,
@@ -306,7 +306,7 @@ impl Control {
 
     /// What perch does with job `job`, idle since `since`, under the idle policy: in words, and
     /// when (if it acts at all).
-    pub(crate) fn idle_consequence(&self, job: &JobRecord, since: i64) -> (String, Option<i64>) {
+    pub fn idle_consequence(&self, job: &JobRecord, since: i64) -> (String, Option<i64>) {
         let idle = &self.config.policy.idle;
         match idle.action {
             IdleAction::Reclaim { requeue } if job.request.preemptible => {
@@ -315,7 +315,7 @@ impl Control {
                 (
                     format!(
                         "Unless its GPUs get busy, perch {what} it from {} when other jobs wait ({}, then SIGKILL after {} s).",
-                        perch_alerts::rfc3339(at),
+                        perch_model::timefmt::rfc3339(at),
                         signal_of(&job.request),
                         job.request.grace_secs,
                     ),
@@ -334,10 +334,10 @@ impl Control {
     }
 
     /// Refuses unless `who` owns job `id` or is an operator.
-    pub(crate) fn check_owner(
+    pub fn check_owner(
         &self,
         id: u64,
-        who: &crate::auth::Identity,
+        who: &perch_model::identity::Identity,
     ) -> Result<(), ControlError> {
         let owner = self.find(id).ok_or(ControlError::NoSuchJob(id))?.user();
         if who.may_act_on(owner) {

@@ -3,7 +3,7 @@
 //! (`JobService::cancel_many`).
 
 use super::*;
-use crate::auth::{Identity, Role};
+use perch_model::identity::{Identity, Role};
 
 /// Which jobs a batch cancel names: `ids`, or the unfinished jobs that match every filter
 /// given.
@@ -62,12 +62,7 @@ impl CancelOutcome {
 
 impl Control {
     /// Cancels job `id` at the request of user `by` (who is named in the audit trail).
-    pub(crate) fn cancel(
-        &mut self,
-        id: u64,
-        by: &str,
-        now: i64,
-    ) -> Result<JobRecord, ControlError> {
+    pub fn cancel(&mut self, id: u64, by: &str, now: i64) -> Result<JobRecord, ControlError> {
         self.now = now;
         self.acting = Some(by.to_owned());
         let result = self
@@ -114,7 +109,7 @@ impl Control {
     /// unless an operator. Refused: a selection that names nothing, both ids and filters, a
     /// user's filter naming another user, an operator's filters that would reach every
     /// user's jobs, a state that is not pending or running, and an id that is not an array's.
-    pub(crate) fn cancel_targets(
+    pub fn cancel_targets(
         &self,
         selection: &CancelSelection,
         who: &Identity,
@@ -217,7 +212,7 @@ impl Control {
     /// Cancels `ids` (from [`Control::cancel_targets`]) for `who`, each job that exists, is
     /// theirs to cancel and has not ended; says what became of each. Jobs held on them are
     /// looked at once, after all of them.
-    pub(crate) fn cancel_many(
+    pub fn cancel_many(
         &mut self,
         ids: &[u64],
         who: &Identity,

@@ -1,10 +1,10 @@
 //! What the server remembers about a job, from submission to its final state: the request,
 //! where it runs, its timeline, attempts and exit. This is what `perch show` prints and what
 //! survives a restart. Each run of a job on a node is an [`Allocation`]: the GPUs it held,
-//! from when to when, and what they did (folded from telemetry by [`crate::accounting`]).
+//! from when to when, and what they did (folded from telemetry by the server's accounting).
 
 use super::spec::JobRequest;
-use crate::accounting::GpuUsage;
+use crate::usage::GpuUsage;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

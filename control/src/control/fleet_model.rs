@@ -17,10 +17,10 @@
 //! long silences past the lease, server restarts, quota preemption, two-node gangs, cancels,
 //! time limits and drains.
 
-use crate::clock::Clock;
-use crate::jobs::record::JobRecord;
-use crate::jobs::{JobService, JobsConfig};
+use crate::record::JobRecord;
+use crate::{JobService, JobsConfig};
 use perch_model::ClusterEvent;
+use perch_model::clock::Clock;
 use perch_model::control::SyncRequest;
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -108,7 +108,10 @@ fn open(
         ),
         ..JobsConfig::default()
     };
-    (JobService::open(dir, config, tx).expect("jobs"), rx)
+    (
+        JobService::open_embedded(dir, config, tx).expect("jobs"),
+        rx,
+    )
 }
 
 impl Fleet {
@@ -150,8 +153,7 @@ impl Fleet {
         if rng.chance(20) {
             request["time_limit_secs"] = json!(30 + rng.below(120));
         }
-        let request: crate::jobs::spec::JobRequest =
-            serde_json::from_value(request).expect("request");
+        let request: crate::spec::JobRequest = serde_json::from_value(request).expect("request");
         let at = self.now;
         let id = self
             .jobs()

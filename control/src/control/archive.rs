@@ -12,13 +12,13 @@
 //! later tick once that change set is committed, unless it changed meanwhile. Read back, a
 //! record is therefore what memory held. Its one later change, the deletion of its stored
 //! output, is kept in the summary and written to the database as a patch
-//! ([`crate::jobs::db::Dirty::output_deleted`]).
+//! ([`crate::db::Dirty::output_deleted`]).
 
 use super::*;
-use crate::accounting::usage::decayed_gpu_ms;
-use crate::accounting::{Prices, gpu_figures};
-use crate::jobs::db::Reader;
-use crate::jobs::record::ARCHIVE_AFTER_MS;
+use crate::cost::{Prices, gpu_figures};
+use crate::record::ARCHIVE_AFTER_MS;
+use crate::store::JobStore;
+use crate::usage::decayed_gpu_ms;
 use std::borrow::Cow;
 
 /// Settled jobs found per look, at most (one lock hold moves them out of memory).
@@ -29,7 +29,7 @@ const ARCHIVE_PERIOD_MS: i64 = 30_000;
 
 /// What memory keeps of a settled job.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Archived {
+pub struct Archived {
     state: JobState,
     user: u32,
     account: u32,
@@ -40,58 +40,58 @@ pub(crate) struct Archived {
 
 /// A job as the control plane knows it: its whole record, or a settled job's summary.
 #[derive(Clone, Copy)]
-pub(crate) enum Found<'a> {
+pub enum Found<'a> {
     Live(&'a JobRecord),
     Settled(&'a Archived, &'a Names),
 }
 
 /// Which settled jobs a walk of ids takes ([`Control::ids_in`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Settled {
+pub enum Settled {
     All,
     /// Only those whose rows are not yet in the settled rows' files
-    /// ([`crate::accounting::settled`]).
+    /// (the server's settled rows (`SettledRecords`)).
     Unrecorded,
 }
 
 /// What listings filter on.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Brief<'a> {
+pub struct Brief<'a> {
     pub state: JobState,
     pub user: &'a str,
     pub account: &'a str,
 }
 
 impl<'a> Found<'a> {
-    pub(crate) fn state(self) -> JobState {
+    pub fn state(self) -> JobState {
         match self {
             Found::Live(j) => j.state,
             Found::Settled(a, _) => a.state,
         }
     }
 
-    pub(crate) fn user(self) -> &'a str {
+    pub fn user(self) -> &'a str {
         match self {
             Found::Live(j) => j.request.user(),
             Found::Settled(a, names) => names.get(a.user),
         }
     }
 
-    pub(crate) fn account(self) -> &'a str {
+    pub fn account(self) -> &'a str {
         match self {
             Found::Live(j) => j.request.account(),
             Found::Settled(a, names) => names.get(a.account),
         }
     }
 
-    pub(crate) fn array(self) -> Option<ArrayTask> {
+    pub fn array(self) -> Option<ArrayTask> {
         match self {
             Found::Live(j) => j.array,
             Found::Settled(a, _) => a.array,
         }
     }
 
-    pub(crate) fn brief(self) -> Brief<'a> {
+    pub fn brief(self) -> Brief<'a> {
         Brief {
             state: self.state(),
             user: self.user(),
@@ -102,7 +102,7 @@ impl<'a> Found<'a> {
 
 /// Users' and accounts' names, each kept once.
 #[derive(Default)]
-pub(crate) struct Names {
+pub struct Names {
     names: Vec<String>,
     index: HashMap<String, u32>,
 }
@@ -152,7 +152,7 @@ struct UsageSums {
 }
 
 /// The settled jobs ([`Control::archive_settled`]).
-pub(crate) struct Archive {
+pub struct Archive {
     jobs: BTreeMap<u64, Archived>,
     names: Names,
     models: Names,
@@ -161,7 +161,7 @@ pub(crate) struct Archive {
     decayed: Option<Decayed>,
     usage: HashMap<(u32, u32, u32), UsageSums>,
     /// Settled jobs whose rows are not yet in the settled rows' files
-    /// ([`crate::accounting::settled`]): SQL reads their records from the job database.
+    /// (the server's settled rows (`SettledRecords`)): SQL reads their records from the job database.
     unrecorded: BTreeSet<u64>,
     /// Jobs held whole whose rows are in those files already (found there at start).
     recorded_live: HashSet<u64>,
@@ -170,11 +170,11 @@ pub(crate) struct Archive {
     marked: Option<(u64, BTreeSet<u64>)>,
     /// When to look for settled jobs next.
     next_look_ms: i64,
-    reader: Reader,
+    reader: std::sync::Arc<dyn JobStore>,
 }
 
 impl Archive {
-    pub(crate) fn new(reader: Reader) -> Archive {
+    pub fn new(reader: std::sync::Arc<dyn JobStore>) -> Archive {
         Archive {
             jobs: BTreeMap::new(),
             names: Names::default(),
@@ -192,7 +192,7 @@ impl Archive {
     }
 
     /// Keeps the summary of `job`, whose record is durable and leaves memory.
-    pub(crate) fn insert(&mut self, job: &JobRecord) {
+    pub fn insert(&mut self, job: &JobRecord) {
         let user = self.names.id(job.request.user());
         let account = self.names.id(job.request.account());
         let end_ms = job.end_ms.unwrap_or(job.submit_ms);
@@ -293,7 +293,7 @@ fn advance(d: &mut Decayed, at: i64) {
 
 impl Control {
     /// Job `id`, whole or settled.
-    pub(crate) fn find(&self, id: u64) -> Option<Found<'_>> {
+    pub fn find(&self, id: u64) -> Option<Found<'_>> {
         match self.jobs.get(&id) {
             Some(job) => Some(Found::Live(job)),
             None => self
@@ -305,7 +305,7 @@ impl Control {
     }
 
     /// Job `id`'s record: from memory, or a settled job's from the job database.
-    pub(crate) fn record(&self, id: u64) -> Result<Option<Cow<'_, JobRecord>>, ControlError> {
+    pub fn record(&self, id: u64) -> Result<Option<Cow<'_, JobRecord>>, ControlError> {
         if let Some(job) = self.jobs.get(&id) {
             return Ok(Some(Cow::Borrowed(job)));
         }
@@ -319,14 +319,14 @@ impl Control {
     /// The stored records of settled jobs `ids`, as memory knows them. Reads the job
     /// database: keep `ids` short under the control lock ([`Control::settled_reads`] reads
     /// after it).
-    pub(crate) fn settled_records(&self, ids: &[u64]) -> Result<Vec<JobRecord>, ControlError> {
+    pub fn settled_records(&self, ids: &[u64]) -> Result<Vec<JobRecord>, ControlError> {
         self.settled_reads(ids.to_vec()).read()
     }
 
     /// What reading settled jobs `ids` back takes, to be read after letting go of the control
     /// lock: their records are durable and change only by the deletion of their output, which
     /// memory knows first (its commit may still be under way).
-    pub(crate) fn settled_reads(&self, ids: Vec<u64>) -> SettledReads {
+    pub fn settled_reads(&self, ids: Vec<u64>) -> SettledReads {
         let deleted = ids
             .iter()
             .map(|id| self.archive.jobs.get(id).and_then(|a| a.output_deleted_ms))
@@ -362,7 +362,7 @@ impl Control {
 
     /// The ids of jobs in `range` (held whole, and the `settled` ones), in id order or
     /// (`newest_first`) the reverse, at most `max`.
-    pub(crate) fn ids_in(
+    pub fn ids_in(
         &self,
         range: std::ops::Range<u64>,
         newest_first: bool,
@@ -386,7 +386,7 @@ impl Control {
     /// [`ARCHIVE_STEP`]) and marks them with `seen`, the last change set queued; once
     /// `committed` has reached it, those that have not changed since leave memory. Returns
     /// how many did.
-    pub(crate) fn archive_settled(&mut self, now: i64, seen: u64, committed: u64) -> usize {
+    pub fn archive_settled(&mut self, now: i64, seen: u64, committed: u64) -> usize {
         let before = now.saturating_sub(ARCHIVE_AFTER_MS);
         if let Some((seq, ids)) = self.archive.marked.take() {
             if seq > committed {
@@ -494,13 +494,13 @@ impl Control {
 
     /// The first `max` settled jobs whose rows are not yet in the settled rows' files, to be
     /// read after letting go of the control lock.
-    pub(crate) fn unrecorded(&self, max: usize) -> SettledReads {
+    pub fn unrecorded(&self, max: usize) -> SettledReads {
         self.settled_reads(self.archive.unrecorded.iter().take(max).copied().collect())
     }
 
     /// Jobs `ids` have their rows in the settled rows' files (written, or found there at
     /// start): SQL reads them from there from now on.
-    pub(crate) fn note_recorded(&mut self, ids: impl IntoIterator<Item = u64>) {
+    pub fn note_recorded(&mut self, ids: impl IntoIterator<Item = u64>) {
         for id in ids {
             if !self.archive.unrecorded.remove(&id) && self.jobs.contains_key(&id) {
                 self.archive.recorded_live.insert(id);
@@ -512,7 +512,7 @@ impl Control {
     /// database: files another database's jobs filled (a job database restored from an older
     /// backup beside newer files), whose rows SQL would show as jobs that never ran here, or
     /// twice once the ids are given again.
-    pub(crate) fn first_foreign(&self, ids: &[u64]) -> Option<u64> {
+    pub fn first_foreign(&self, ids: &[u64]) -> Option<u64> {
         ids.iter().copied().find(|id| {
             !self.archive.jobs.contains_key(id)
                 && !self.jobs.get(id).is_some_and(|j| j.state.is_final())
@@ -521,22 +521,22 @@ impl Control {
 
     /// Every settled job is to be written to the settled rows' files again (they were lost):
     /// none counts as recorded. Returns how many there are.
-    pub(crate) fn forget_recorded(&mut self) -> usize {
+    pub fn forget_recorded(&mut self) -> usize {
         self.archive.recorded_live.clear();
         self.archive.unrecorded = self.archive.jobs.keys().copied().collect();
         self.archive.unrecorded.len()
     }
 
     /// Settled jobs.
-    #[cfg(test)]
-    pub(crate) fn settled_count(&self) -> usize {
+    #[cfg(any(test, feature = "testing"))]
+    pub fn settled_count(&self) -> usize {
         self.archive.jobs.len()
     }
 }
 
 /// Settled jobs' records to read back ([`Control::settled_reads`]).
-pub(crate) struct SettledReads {
-    reader: Reader,
+pub struct SettledReads {
+    reader: std::sync::Arc<dyn JobStore>,
     ids: Vec<u64>,
     /// When each one's stored output was deleted, if it was.
     deleted: Vec<Option<i64>>,
@@ -544,7 +544,7 @@ pub(crate) struct SettledReads {
 
 impl SettledReads {
     /// The records, in the order of their ids.
-    pub(crate) fn read(self) -> Result<Vec<JobRecord>, ControlError> {
+    pub fn read(self) -> Result<Vec<JobRecord>, ControlError> {
         if self.ids.is_empty() {
             return Ok(Vec::new());
         }

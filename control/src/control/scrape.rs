@@ -3,7 +3,7 @@
 //! scrape agree with each other.
 
 use super::{Control, ControlError};
-use crate::jobs::record::JobState;
+use crate::record::JobState;
 use perch_model::AgentLiveness;
 use perch_scheduler::PendingReason;
 use std::collections::BTreeMap;
@@ -28,7 +28,7 @@ pub struct IdleJobView {
 pub struct NodeView {
     pub name: String,
     /// Down, drained, and since when it reports. Its state also needs its telemetry:
-    /// [`crate::node_status`] is the one place that puts the two together.
+    /// `perch_server::node_status` is the one place that puts the two together.
     pub liveness: AgentLiveness,
     pub gpus: u32,
     /// GPUs held by a job, whole or shared.
@@ -93,7 +93,7 @@ const STATES: [JobState; 8] = [
     JobState::NodeFail,
 ];
 
-impl crate::jobs::JobService {
+impl crate::JobService {
     /// The control plane as it is now, for `/metrics`, once what it shows is durable.
     pub fn snapshot(&self) -> Result<ControlSnapshot, ControlError> {
         self.read_durable(|c| c.snapshot(self.now_ms()))
@@ -118,7 +118,7 @@ impl crate::jobs::JobService {
 
 impl Control {
     /// Running jobs the scheduler has reported idle, with what comes next.
-    pub(crate) fn idle_jobs(&self) -> Vec<IdleJobView> {
+    pub fn idle_jobs(&self) -> Vec<IdleJobView> {
         self.scheduler
             .idle_jobs()
             .into_iter()
@@ -140,7 +140,7 @@ impl Control {
     }
 
     /// Every node as the scheduler sees it (cheap: no job is visited).
-    pub(crate) fn node_views(&self) -> Vec<NodeView> {
+    pub fn node_views(&self) -> Vec<NodeView> {
         self.nodes
             .iter()
             .enumerate()
@@ -158,7 +158,7 @@ impl Control {
             .collect()
     }
 
-    pub(crate) fn snapshot(&self, now: i64) -> ControlSnapshot {
+    pub fn snapshot(&self, now: i64) -> ControlSnapshot {
         let nodes = self.node_views();
         let mut jobs_by_state: BTreeMap<&'static str, u64> =
             STATES.iter().map(|s| (s.as_str(), 0)).collect();
@@ -234,10 +234,10 @@ impl UsageView {
     }
 }
 
-impl crate::jobs::JobService {
+impl crate::JobService {
     /// Usage and cost per (account, user), for `/metrics`: the same figures as the `jobs`
     /// and `account_usage` tables.
-    pub fn usage(&self, prices: &crate::accounting::Prices) -> Vec<UsageView> {
+    pub fn usage(&self, prices: &crate::cost::Prices) -> Vec<UsageView> {
         let now = self.now_ms();
         // Settled jobs from their running totals: a scrape every 15 s reads no history.
         self.read(|c| {
@@ -247,7 +247,7 @@ impl crate::jobs::JobService {
             }
             for job in c.jobs.values().filter(|j| !j.allocations.is_empty()) {
                 let (account, user) = (job.request.account(), job.request.user());
-                let t = crate::accounting::tables::job_totals(job, now, prices);
+                let t = crate::cost::job_totals(job, now, prices);
                 let key = (account.to_owned(), user.to_owned());
                 let u = by.entry(key).or_insert_with(|| UsageView {
                     account: account.to_owned(),

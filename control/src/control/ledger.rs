@@ -9,16 +9,16 @@
 //! the allocations, at startup and after every fold.
 
 use super::Control;
-use crate::accounting::fold::{FoldWindow, Folded};
-use crate::jobs::db::NodeRecord;
-use crate::jobs::record::{Allocation, JobState, NodeSpan, NodeState};
+use crate::cost::{FoldWindow, Folded};
+use crate::db::NodeRecord;
+use crate::record::{Allocation, JobState, NodeSpan, NodeState};
 use perch_model::ClusterEvent;
 use perch_scheduler::{Account, Event};
 use std::collections::BTreeMap;
 
 impl Control {
     /// The state a node is in now, as accounting and `perch nodes` name it.
-    pub(crate) fn node_state(&self, idx: usize) -> NodeState {
+    pub fn node_state(&self, idx: usize) -> NodeState {
         let n = &self.nodes[idx];
         if n.down {
             NodeState::Down
@@ -205,7 +205,7 @@ impl Control {
 
     /// The windows of telemetry to fold now: for every allocation not yet final, from where
     /// its last fold stopped to `until_ms` (or its end, if sooner).
-    pub(crate) fn fold_windows(&self, until_ms: i64) -> Vec<FoldWindow> {
+    pub fn fold_windows(&self, until_ms: i64) -> Vec<FoldWindow> {
         let mut out = Vec::new();
         for job in self.jobs.values() {
             for a in job.allocations.iter().filter(|a| !a.is_final()) {
@@ -227,7 +227,7 @@ impl Control {
 
     /// When the next ended allocation's telemetry will have settled, `settle_ms` after its
     /// end; `None` when every ended allocation is final.
-    pub(crate) fn next_settled_end(&self, settle_ms: i64) -> Option<i64> {
+    pub fn next_settled_end(&self, settle_ms: i64) -> Option<i64> {
         self.jobs
             .values()
             .flat_map(|j| &j.allocations)
@@ -240,7 +240,7 @@ impl Control {
     /// where the window starts, so a window is never counted twice), then refreshes fair
     /// share. The changed records commit in one transaction: a fold is in the database
     /// whole, or not at all and done again.
-    pub(crate) fn apply_fold(
+    pub fn apply_fold(
         &mut self,
         folded: Vec<Folded>,
         now: i64,
@@ -284,7 +284,7 @@ impl Control {
     }
 
     /// Every node: its record, its state, and when its agent last synced.
-    pub(crate) fn node_records(&self) -> impl Iterator<Item = (&NodeRecord, NodeState, i64)> {
+    pub fn node_records(&self) -> impl Iterator<Item = (&NodeRecord, NodeState, i64)> {
         self.nodes
             .iter()
             .enumerate()
@@ -292,19 +292,19 @@ impl Control {
     }
 
     /// The node state history, oldest span first.
-    pub(crate) fn node_spans(&self) -> impl Iterator<Item = &NodeSpan> {
+    pub fn node_spans(&self) -> impl Iterator<Item = &NodeSpan> {
         self.ledger.spans.values()
     }
 
     /// The wakeup the accounting task waits on besides its interval.
-    pub(crate) fn fold_wakeup(&self) -> std::sync::Arc<tokio::sync::Notify> {
+    pub fn fold_wakeup(&self) -> std::sync::Arc<tokio::sync::Notify> {
         self.ledger.fold_wakeup.clone()
     }
 }
 
 /// The control plane's accounting state beside the records.
 #[derive(Default)]
-pub(crate) struct Ledger {
+pub struct Ledger {
     spans: BTreeMap<u64, NodeSpan>,
     /// Node index -> id of its current span.
     open_spans: std::collections::HashMap<usize, u64>,
