@@ -18,6 +18,7 @@ mod metrics;
 pub mod node_status;
 mod otlp;
 pub mod pg;
+pub mod routes;
 mod sql;
 pub mod tls;
 mod web;
@@ -27,7 +28,6 @@ pub use latest::Latest;
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
-use axum::routing::{get, post};
 use perch_query::{QueryLimits, SqlEngine, Store, StoreConfig};
 use std::future::Future;
 use std::sync::Arc;
@@ -197,43 +197,10 @@ pub enum OpenError {
 /// The HTTP routes.
 pub fn router(state: AppState) -> Router {
     let limit = state.config.max_body_bytes;
-    Router::new()
-        .route("/", get(index))
-        .route("/ui/{file}", get(web::asset))
-        .route("/v1/whoami", get(auth::whoami))
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .route("/v1/openapi.json", get(openapi))
-        .route("/v1/ingest", post(ingest::ingest))
-        .route("/v1/sql", post(sql::sql))
-        .route("/v1/metrics", post(otlp::metrics))
-        .route("/metrics", get(metrics::metrics))
-        .route("/v1/jobs", post(jobs::submit).get(jobs::list))
-        .route("/v1/jobs/cancel", post(jobs::cancel_many))
-        .route("/v1/jobs/{id}", get(jobs::show))
-        .route("/v1/jobs/{id}/cancel", post(jobs::cancel))
-        .route("/v1/jobs/{id}/logs", get(jobs::logs))
-        .route("/v1/queue", get(jobs::queue))
-        .route("/v1/nodes", get(jobs::nodes))
-        .route("/v1/nodes/{name}/drain", post(jobs::drain))
-        .route("/v1/nodes/{name}/resume", post(jobs::resume))
-        .route(
-            "/v1/agent/sync",
-            post(jobs::sync).layer(DefaultBodyLimit::max(limit.max(SYNC_BODY_MIN))),
-        )
-        .route("/v1/alerts", get(alerting::routes::alerts))
-        .route(
-            "/v1/alerts/breaker/reset",
-            post(alerting::routes::reset_breaker),
-        )
-        .route(
-            "/v1/silences",
-            get(alerting::routes::silences).post(alerting::routes::add_silence),
-        )
-        .route(
-            "/v1/silences/{id}",
-            axum::routing::delete(alerting::routes::expire_silence),
-        )
+    let routes = routes::ROUTES.iter().fold(Router::new(), |router, r| {
+        router.route(r.path, r.handler(limit))
+    });
+    routes
         .fallback(error::not_found)
         .layer(axum::middleware::from_fn(error::json_errors))
         .layer(axum::middleware::from_fn_with_state(
@@ -283,122 +250,14 @@ fn http_span(request: &axum::extract::Request) -> tracing::Span {
     )
 }
 
-/// Every HTTP route: method, path and what it is for. `GET /` lists them, and a test checks
-/// that the router serves exactly these paths and `openapi.json` describes exactly these
-/// methods and paths: add a route here, in [`router`] and in `openapi.json`.
-pub const ROUTES: &[(&str, &str, &str)] = &[
-    (
-        "GET",
-        "/",
-        "this index (JSON); a browser asking for HTML gets the web view",
-    ),
-    ("GET", "/ui/{file}", "the web view's files"),
-    (
-        "GET",
-        "/v1/whoami",
-        "the caller's user and role, and whether the server is open (no tokens)",
-    ),
-    ("GET", "/healthz", "liveness"),
-    (
-        "GET",
-        "/readyz",
-        "readiness (the store is open and its log replayed)",
-    ),
-    (
-        "GET",
-        "/v1/openapi.json",
-        "the OpenAPI 3 description of this API",
-    ),
-    (
-        "POST",
-        "/v1/ingest",
-        "agent telemetry batches (JSON, optionally zstd or gzip encoded)",
-    ),
-    (
-        "POST",
-        "/v1/sql",
-        "read-only SQL: body {\"sql\": \"...\", \"format\": \"json|csv|arrow\"} or text/plain",
-    ),
-    ("GET", "/metrics", "Prometheus exposition"),
-    (
-        "POST",
-        "/v1/metrics",
-        "OpenTelemetry metrics (OTLP/HTTP, protobuf or JSON) into the job_metrics table",
-    ),
-    ("POST", "/v1/jobs", "submit a job (JSON job request)"),
-    (
-        "GET",
-        "/v1/jobs",
-        "list jobs (?state=&user=&account=&limit=)",
-    ),
-    (
-        "GET",
-        "/v1/jobs/{id}",
-        "one job: state, reason, placement, timeline, live GPU use",
-    ),
-    ("POST", "/v1/jobs/{id}/cancel", "cancel a job"),
-    (
-        "POST",
-        "/v1/jobs/cancel",
-        "cancel many jobs: body {\"ids\": [...]} or filters {\"array\", \"user\", \"account\", \"name\", \"state\"}",
-    ),
-    (
-        "GET",
-        "/v1/jobs/{id}/logs",
-        "a job's output (?stream=stdout|stderr&offset=N&rank=R&attempt=A: rank R (default 0) of attempt A (default the latest); the x-perch-attempt header says which)",
-    ),
-    (
-        "GET",
-        "/v1/queue",
-        "pending jobs in scheduling order, with the reason each waits; ?start=true adds each one's estimated start (estimated_start, RFC 3339)",
-    ),
-    ("GET", "/v1/nodes", "nodes, their GPUs and jobs"),
-    (
-        "POST",
-        "/v1/nodes/{name}/drain",
-        "stop placing jobs on a node",
-    ),
-    (
-        "POST",
-        "/v1/nodes/{name}/resume",
-        "place jobs on a drained node again",
-    ),
-    (
-        "POST",
-        "/v1/agent/sync",
-        "agents report their jobs and receive launch and stop orders",
-    ),
-    (
-        "GET",
-        "/v1/alerts",
-        "alerts (pending, firing, recently resolved), rule health, remediation and its circuit breaker",
-    ),
-    (
-        "POST",
-        "/v1/alerts/breaker/reset",
-        "close the remediation circuit breaker (operators)",
-    ),
-    ("GET", "/v1/silences", "silences and their state"),
-    (
-        "POST",
-        "/v1/silences",
-        "mute alerts matching label matchers until a time (operators)",
-    ),
-    (
-        "DELETE",
-        "/v1/silences/{id}",
-        "expire a silence now (operators)",
-    ),
-];
-
-async fn index(headers: axum::http::HeaderMap) -> axum::response::Response {
+pub(crate) async fn index(headers: axum::http::HeaderMap) -> axum::response::Response {
     use axum::response::IntoResponse;
     if web::wants_html(&headers) {
         return web::index(&headers);
     }
-    let endpoints: serde_json::Map<String, serde_json::Value> = ROUTES
+    let endpoints: serde_json::Map<String, serde_json::Value> = routes::ROUTES
         .iter()
-        .map(|(method, path, what)| (format!("{method} {path}"), (*what).into()))
+        .map(|r| (format!("{} {}", r.method.as_str(), r.path), r.what.into()))
         .collect();
     axum::Json(serde_json::json!({
         "service": "perch",
@@ -412,14 +271,14 @@ async fn index(headers: axum::http::HeaderMap) -> axum::response::Response {
 /// The OpenAPI 3 description of this server's HTTP API.
 pub const OPENAPI: &str = include_str!("../openapi.json");
 
-async fn openapi() -> ([(axum::http::HeaderName, &'static str); 1], &'static str) {
+pub(crate) async fn openapi() -> ([(axum::http::HeaderName, &'static str); 1], &'static str) {
     (
         [(axum::http::header::CONTENT_TYPE, "application/json")],
         OPENAPI,
     )
 }
 
-async fn readyz(
+pub(crate) async fn readyz(
     axum::extract::State(state): axum::extract::State<AppState>,
 ) -> (axum::http::StatusCode, String) {
     if !state.ready.load(Ordering::Relaxed) {
