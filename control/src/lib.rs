@@ -5,9 +5,12 @@
 //!
 //! It knows nothing of HTTP or SQL: operations answer in [`ControlError`], which the server
 //! maps to HTTP in one place; accounting (the server's SQL tables) reads it through
-//! [`JobService`] and is told of the control plane's changes through [`SettledRecords`].
+//! [`JobService`] and is told of the control plane's changes through [`SettledRecords`]. The
+//! HTTP API's answers about jobs and nodes are typed here ([`api`]), so that the server, which
+//! writes them, and the CLI, which reads them, agree.
 
 pub mod accounts;
+pub mod api;
 pub mod claims;
 pub mod control;
 pub mod cost;

@@ -8,11 +8,16 @@ use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use perch_control::ControlError;
+use perch_control::api::{
+    CancelAnswer, GpuJob, GpuNow, JobUsage, JobView, NodeGpu, NodeInfo, NodeList, NodeStateChange,
+    QueueEntry, StartEstimate, Submitted,
+};
 use perch_control::control::{self, NodeDetail};
-use perch_control::record::JobState;
+use perch_control::record::{JobRecord, JobState, NodeState};
 use perch_control::spec::JobRequest;
 use perch_model::control::{LogStream, SyncRequest, SyncResponse};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 
 fn body<T>(payload: Result<Json<T>, JsonRejection>, what: &str) -> Result<T, ApiError> {
     payload.map(|Json(v)| v).map_err(|e| {
@@ -46,15 +51,31 @@ pub async fn submit(
             _ => request.user = Some(who.user.clone()),
         }
     }
-    let (first, array, warning) = state.jobs.submit(request, operator).await?;
-    let mut value = serde_json::to_value(first).unwrap_or_default();
-    if let Some(w) = warning {
-        value["warning"] = w.into();
-    }
-    if !array.is_empty() {
-        value["array_jobs"] = array.into();
-    }
-    Ok((StatusCode::CREATED, Json(value)))
+    let (job, array_jobs, warning) = state.jobs.submit(request, operator).await?;
+    let answer = Submitted {
+        job,
+        warning,
+        array_jobs,
+    };
+    Ok((StatusCode::CREATED, answer_of(&answer)?))
+}
+
+/// `value` as a JSON answer, written through a `serde_json::Value`: its objects' keys come out
+/// sorted, as the API has always written them, whatever the order of the fields of the types
+/// in `perch_control::api`.
+fn to_json(value: &impl Serialize) -> Result<serde_json::Value, ApiError> {
+    serde_json::to_value(value).map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            crate::ErrorCode::Internal,
+            format!("writing the answer failed: {e}"),
+        )
+    })
+}
+
+/// [`to_json`] as the answer's body.
+fn answer_of(value: &impl Serialize) -> Result<Json<serde_json::Value>, ApiError> {
+    to_json(value).map(Json)
 }
 
 #[derive(Debug, Deserialize)]
@@ -109,9 +130,12 @@ fn parse_states(states: &str) -> Result<Vec<JobState>, ApiError> {
 /// serialized and dropped in turn, so a page is held once, as its text. The items end with the
 /// one that takes the text past [`perch_control::MAX_PAGE_BYTES`] (a job's environment full of
 /// characters JSON escapes is six times its size); `tail` is told how many were written.
-fn write_page(
+/// Each item goes through a `serde_json::Value` ([`to_json`]), whose keys are sorted. The
+/// page's own keys are those of a `perch_control::api` page (its tests read pages back as
+/// one).
+fn write_page<T: Serialize>(
     key: &str,
-    items: impl IntoIterator<Item = serde_json::Value>,
+    items: impl IntoIterator<Item = T>,
     tail: impl FnOnce(usize) -> serde_json::Map<String, serde_json::Value>,
 ) -> Result<Vec<u8>, ApiError> {
     let failed = |e: serde_json::Error| {
@@ -127,7 +151,7 @@ fn write_page(
         if written > 0 {
             out.push(b',');
         }
-        serde_json::to_writer(&mut out, &item).map_err(failed)?;
+        serde_json::to_writer(&mut out, &to_json(&item)?).map_err(failed)?;
         written += 1;
         if out.len() >= perch_control::MAX_PAGE_BYTES {
             break;
@@ -148,16 +172,18 @@ fn write_page(
 /// scheduling facts (state, placement, timing, user, account) but not what it runs with, since
 /// its command line and environment carry other people's secrets (an API key in `env`, a
 /// `--password=` argument). Its logs are the owner's already.
-fn as_seen_by(job: &perch_control::record::JobRecord, who: &Identity) -> serde_json::Value {
-    let mut value = serde_json::to_value(job).unwrap_or_default();
-    if !who.may_act_on(job.request.user()) {
-        let request = &mut value["request"];
-        request["command"] = serde_json::json!([HIDDEN]);
-        request["env"] = serde_json::json!({});
-        request["workdir"] = serde_json::Value::Null;
-        value["private"] = true.into();
+fn as_seen_by<'a>(job: Cow<'a, JobRecord>, who: &Identity) -> JobView<'a> {
+    if who.may_act_on(job.request.user()) {
+        return JobView::of(job);
     }
-    value
+    let mut job = job.into_owned();
+    job.request.command = vec![HIDDEN.to_owned()];
+    job.request.env.clear();
+    job.request.workdir = None;
+    JobView {
+        private: true,
+        ..JobView::of(Cow::Owned(job))
+    }
 }
 
 /// What stands for another user's command line.
@@ -189,23 +215,28 @@ pub async fn list(
                     && p.user.as_deref().is_none_or(|u| j.user == u)
                     && p.account.as_deref().is_none_or(|a| j.account == a)
             })?;
-            let ids: Vec<u64> = page.iter().map(|j| j.id).collect();
-            write_page(
-                "jobs",
-                page.iter().map(|j| as_seen_by(j, &who)),
-                |written| {
-                    // A page cut short by its text goes on after its last job.
-                    let next = if written < ids.len() {
-                        Some(ids[written - 1])
-                    } else {
-                        next
-                    };
-                    serde_json::Map::from_iter([("next_before".into(), next.into())])
-                },
-            )
+            jobs_page(&page, next, &who)
         })
         .await
         .map(page_response)
+}
+
+/// A page of jobs as `who` may see them ([`perch_control::api::JobsPage`]); `next` is the `next_before` of a page
+/// that holds them all.
+fn jobs_page(page: &[JobRecord], next: Option<u64>, who: &Identity) -> Result<Vec<u8>, ApiError> {
+    write_page(
+        "jobs",
+        page.iter().map(|j| as_seen_by(Cow::Borrowed(j), who)),
+        |written| {
+            // A page cut short by its text goes on after its last job.
+            let next = if written < page.len() {
+                Some(page[written - 1].id)
+            } else {
+                next
+            };
+            serde_json::Map::from_iter([("next_before".into(), next.into())])
+        },
+    )
 }
 
 /// A job listing's page as the answer: its pieces streamed, holding their room among the pages
@@ -217,22 +248,23 @@ fn page_response(page: perch_control::Page) -> axum::response::Response {
     ))
 }
 
-fn live_utilization(state: &AppState, job: &perch_control::record::JobRecord) -> serde_json::Value {
+fn live_utilization(state: &AppState, job: &JobRecord) -> Vec<GpuNow> {
     let latest = state.latest.snapshot();
     let mut gpus = Vec::new();
     for p in &job.placement {
-        for g in &p.gpus {
-            let sample = latest.get(&p.node).and_then(|n| n.gpus.get(g));
-            gpus.push(serde_json::json!({
-                "node": p.node, "gpu": g,
-                "utilization_gpu_pct": sample.and_then(|s| s.utilization_gpu_pct),
-                "memory_used_bytes": sample.and_then(|s| s.memory_used_bytes),
-                "power_watts": sample.and_then(|s| s.power_watts),
-                "simulated": sample.map(|s| s.simulated),
-            }));
+        for &gpu in &p.gpus {
+            let sample = latest.get(&p.node).and_then(|n| n.gpus.get(&gpu));
+            gpus.push(GpuNow {
+                node: p.node.clone(),
+                gpu,
+                utilization_gpu_pct: sample.and_then(|s| s.utilization_gpu_pct),
+                memory_used_bytes: sample.and_then(|s| s.memory_used_bytes),
+                power_watts: sample.and_then(|s| s.power_watts),
+                simulated: sample.map(|s| s.simulated),
+            });
         }
     }
-    serde_json::Value::Array(gpus)
+    gpus
 }
 
 pub async fn show(
@@ -244,9 +276,9 @@ pub async fn show(
         .jobs
         .run(move |c, _| c.view(id)?.ok_or(ControlError::NoSuchJob(id)))
         .await?;
-    let mut value = as_seen_by(&job, &who);
+    let mut view = as_seen_by(Cow::Borrowed(&job), &who);
     if job.state == JobState::Running {
-        value["gpus_now"] = live_utilization(&state, &job);
+        view.gpus_now = Some(live_utilization(&state, &job));
     }
     if job.state == JobState::Pending {
         let at = state
@@ -255,55 +287,39 @@ pub async fn show(
             .await?
             .get(&id)
             .copied();
-        put_estimate(&mut value, at);
+        view.estimate = Some(estimate(at));
     }
     if job.attempts > 0 {
-        value["usage"] = usage(&state, &job);
+        view.usage = Some(usage(&state, &job));
     }
-    Ok(Json(value))
+    answer_of(&view)
 }
 
 /// The job's accounting as the `jobs` table has it (the one definition), with a note while
 /// its telemetry figures lag behind: they are folded every `fold_interval` from samples at
-/// least `settle` old, so a job's first figures come minutes after it starts.
-fn usage(state: &AppState, job: &perch_control::record::JobRecord) -> serde_json::Value {
-    const FIELDS: [&str; 10] = [
-        "gpu_seconds_allocated",
-        "gpu_seconds_accounted",
-        "gpu_seconds_used",
-        "utilization_mean_pct",
-        "energy_joules",
-        "cost_allocated",
-        "cost_used",
-        "accounted_until",
-        "end_time",
-        "elapsed_seconds",
-    ];
+/// least `settle` old, so a job's first figures come minutes after it starts. `None` when the
+/// row could not be read.
+fn usage(state: &AppState, job: &JobRecord) -> Option<JobUsage> {
     let (id, running) = (job.id, job.state == JobState::Running);
     let row =
-        crate::accounting::tables::job_json(job, &state.config.accounting, state.jobs.now_ms());
+        crate::accounting::tables::job_json(job, &state.config.accounting, state.jobs.now_ms())
+            .and_then(|row| {
+                // The row's other columns are not part of the answer.
+                serde_json::from_value::<JobUsage>(serde_json::Value::Object(row))
+                    .map_err(|e| e.to_string())
+            });
     let mut usage = match row {
-        Ok(mut row) => serde_json::Value::Object(
-            FIELDS
-                .iter()
-                .map(|&f| {
-                    (
-                        f.to_owned(),
-                        row.remove(f).unwrap_or(serde_json::Value::Null),
-                    )
-                })
-                .collect(),
-        ),
+        Ok(usage) => usage,
         Err(e) => {
             tracing::warn!(job = id, error = %e, "could not read the job's accounting");
-            return serde_json::Value::Null;
+            return None;
         }
     };
     let config = &state.config.accounting;
     let (fold, settle) = (config.fold_interval.as_secs(), config.settle.as_secs());
-    let folded = usage["gpu_seconds_accounted"].as_f64().unwrap_or(0.0) > 0.0;
-    let elapsed = usage["elapsed_seconds"].as_f64().unwrap_or(0.0);
-    let complete = !running && usage["accounted_until"] == usage["end_time"];
+    let folded = usage.gpu_seconds_accounted.unwrap_or(0.0) > 0.0;
+    let elapsed = usage.elapsed_seconds.unwrap_or(0.0);
+    let complete = !running && usage.accounted_until == usage.end_time;
     let note = if running && !folded && elapsed <= (fold + settle) as f64 {
         Some(format!(
             "telemetry figures (GPU-seconds used, utilization, energy, cost by use) are folded every {fold} s from samples at least {settle} s old: the first ones appear within {} s of the job's start",
@@ -323,10 +339,8 @@ fn usage(state: &AppState, job: &perch_control::record::JobRecord) -> serde_json
     } else {
         None
     };
-    if let (Some(note), Some(map)) = (note, usage.as_object_mut()) {
-        map.insert("note".into(), note.into());
-    }
-    usage
+    usage.note = note;
+    Some(usage)
 }
 
 pub async fn cancel(
@@ -378,7 +392,7 @@ pub async fn cancel_many(
         state: r.state,
     };
     let outcome = state.jobs.cancel_many(selection, who).await?;
-    Ok(Json(serde_json::to_value(outcome).unwrap_or_default()))
+    answer_of(&CancelAnswer::from(outcome))
 }
 
 #[derive(Debug, Deserialize)]
@@ -457,9 +471,11 @@ pub async fn logs(
 }
 
 /// `estimated_start_ms` and `estimated_start` (RFC 3339) of a pending job, `null` without one.
-fn put_estimate(value: &mut serde_json::Value, at: Option<i64>) {
-    value["estimated_start_ms"] = at.into();
-    value["estimated_start"] = at.map(perch_alerts::rfc3339).into();
+fn estimate(at: Option<i64>) -> StartEstimate {
+    StartEstimate {
+        estimated_start_ms: at,
+        estimated_start: at.map(perch_alerts::rfc3339),
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -495,25 +511,34 @@ pub async fn queue(
         .listing(&user, move |jobs| {
             // Made within the listing's room: the copies of the jobs are the page's memory.
             let (entries, total) = jobs.queue_page(limit)?;
-            // Held jobs (waiting for dependencies) have no place in line yet: position and
-            // priority are null.
-            let entries = entries.into_iter().enumerate().map(|(i, (job, priority))| {
-                let position = priority.map(|_| i + 1);
-                let id = job.id;
-                let job = as_seen_by(&job, &who);
-                let mut entry =
-                    serde_json::json!({"position": position, "priority": priority, "job": job});
-                if let Some(estimates) = &estimates {
-                    put_estimate(&mut entry, estimates.get(&id).copied());
-                }
-                entry
-            });
-            write_page("queue", entries, |_| {
-                serde_json::Map::from_iter([("total".into(), total.into())])
-            })
+            queue_page(entries, total, estimates.as_ref(), &who)
         })
         .await
         .map(page_response)
+}
+
+/// The head of the queue as `who` may see it ([`perch_control::api::QueueView`]), each job with its estimated
+/// start when `estimates` are given.
+fn queue_page(
+    entries: Vec<(JobRecord, Option<f64>)>,
+    total: usize,
+    estimates: Option<&std::collections::HashMap<u64, i64>>,
+    who: &Identity,
+) -> Result<Vec<u8>, ApiError> {
+    // Held jobs (waiting for dependencies) have no place in line yet: position and priority
+    // are null.
+    let entries = entries
+        .into_iter()
+        .enumerate()
+        .map(|(i, (job, priority))| QueueEntry {
+            position: priority.map(|_| i + 1),
+            priority,
+            estimate: estimates.map(|e| estimate(e.get(&job.id).copied())),
+            job: as_seen_by(Cow::Owned(job), who),
+        });
+    write_page("queue", entries, |_| {
+        serde_json::Map::from_iter([("total".into(), total.into())])
+    })
 }
 
 /// Every node, sorted by name: those whose agents sync (nodes with GPUs) and those that only
@@ -529,7 +554,7 @@ pub async fn nodes(State(state): State<AppState>) -> Result<Json<serde_json::Val
     let now = state.now_ms();
     let secs_ago = |t: i64| (now - t) as f64 / 1000.0;
     let statuses = crate::node_status::current(&state, now);
-    let nodes: Vec<NodeOut> = state.latest.read(|latest| {
+    let nodes: Vec<NodeInfo> = state.latest.read(|latest| {
         statuses
             .into_iter()
             .map(|(name, status)| {
@@ -537,7 +562,7 @@ pub async fn nodes(State(state): State<AppState>) -> Result<Json<serde_json::Val
                 let detail = details.remove(&name);
                 let d = detail.as_ref();
                 let samples = latest.get(&name).map(|n| &n.gpus);
-                NodeOut {
+                NodeInfo {
                     gpu_status: gpu_status(d, samples, now),
                     gpus: d.map_or(0, |d| d.gpus),
                     gpu_model: d.map_or("", |d| &d.gpu_model).to_owned(),
@@ -549,14 +574,14 @@ pub async fn nodes(State(state): State<AppState>) -> Result<Json<serde_json::Val
                     gpu_sharing: d.is_some_and(|d| d.gpu_sharing),
                     nvlink_islands: d.map(|d| d.nvlink_islands.clone()).unwrap_or_default(),
                     last_sync_secs_ago: d.map(|d| secs_ago(d.last_sync_ms)),
-                    state: status.state.as_str(),
+                    state: status.state.as_str().to_owned(),
                     last_sample_secs_ago: status.last_sample_ms.map(secs_ago),
                     name,
                 }
             })
             .collect()
     });
-    Ok(Json(serde_json::json!({ "nodes": nodes })))
+    answer_of(&NodeList { nodes })
 }
 
 /// Each GPU of a node: who holds it and its health from the control plane, what it does from
@@ -566,7 +591,7 @@ fn gpu_status(
     detail: Option<&NodeDetail>,
     samples: Option<&std::collections::BTreeMap<u32, perch_model::GpuSample>>,
     now: i64,
-) -> Vec<GpuOut> {
+) -> Vec<NodeGpu> {
     use perch_scheduler::GpuHealth;
     // The GPUs the control plane knows and those that sent samples, each once. Not a range
     // up to the highest sampled index: an agent may report GPU 4,000,000,000.
@@ -587,12 +612,12 @@ fn gpu_status(
                 GpuHealth::RogueProcess => ("rogue_process", None),
                 GpuHealth::TakenOut => ("taken_out", None),
             };
-            GpuOut {
+            NodeGpu {
                 index,
                 jobs: d.map_or_else(Vec::new, |d| {
                     d.holders
                         .iter()
-                        .map(|h| GpuJobOut {
+                        .map(|h| GpuJob {
                             job: h.job,
                             user: h.user.clone(),
                             account: h.account.clone(),
@@ -600,7 +625,7 @@ fn gpu_status(
                         })
                         .collect()
                 }),
-                health,
+                health: health.to_owned(),
                 xid,
                 uuid: s.map(|s| s.uuid.clone()),
                 simulated: s.map(|s| s.simulated),
@@ -616,53 +641,6 @@ fn gpu_status(
         .collect()
 }
 
-/// A GPU in `GET /v1/nodes`.
-#[derive(serde::Serialize)]
-struct GpuOut {
-    index: u32,
-    jobs: Vec<GpuJobOut>,
-    /// healthy, xid, uncorrectable_ecc, rogue_process or taken_out.
-    health: &'static str,
-    xid: Option<u32>,
-    uuid: Option<String>,
-    simulated: Option<bool>,
-    utilization_gpu_pct: Option<f64>,
-    memory_used_bytes: Option<u64>,
-    memory_total_bytes: Option<u64>,
-    power_watts: Option<f64>,
-    temperature_celsius: Option<f64>,
-    /// When the latest sample was taken (node clock, Unix ms): the `time` of its row in
-    /// `gpu_samples`.
-    sample_ms: Option<i64>,
-    sample_secs_ago: Option<f64>,
-}
-
-/// A job on a GPU in `GET /v1/nodes`.
-#[derive(serde::Serialize)]
-struct GpuJobOut {
-    job: u64,
-    user: String,
-    account: String,
-    share_percent: Option<u32>,
-}
-
-/// A node in `GET /v1/nodes`.
-#[derive(serde::Serialize)]
-struct NodeOut {
-    name: String,
-    gpus: u32,
-    gpu_model: String,
-    rack: String,
-    allocated_gpus: usize,
-    jobs: Vec<u64>,
-    gpu_sharing: bool,
-    nvlink_islands: Vec<Vec<u32>>,
-    last_sync_secs_ago: Option<f64>,
-    state: &'static str,
-    last_sample_secs_ago: Option<f64>,
-    gpu_status: Vec<GpuOut>,
-}
-
 async fn set_drained(
     state: AppState,
     who: Identity,
@@ -674,8 +652,12 @@ async fn set_drained(
         .jobs
         .run(move |c, now| c.set_drained(&n, drained, &who.user, None, now))
         .await?;
-    let shown = if drained { "drained" } else { "up" };
-    Ok(Json(serde_json::json!({"node": name, "state": shown})))
+    let state = if drained {
+        NodeState::Drained
+    } else {
+        NodeState::Up
+    };
+    answer_of(&NodeStateChange { node: name, state })
 }
 
 pub async fn drain(
@@ -746,6 +728,139 @@ pub async fn sync(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::auth::Role;
+    use perch_control::api::{JobsPage, QueueView};
+    use perch_control::record::{Allocation, ArrayTask};
+
+    fn caller(user: &str, role: Role) -> Identity {
+        Identity {
+            user: user.into(),
+            role,
+            nodes: None,
+            job: None,
+        }
+    }
+
+    /// Alice's job `id`, which ran once on `n1`: with an environment, a working directory and
+    /// figures of every kind.
+    fn job(id: u64, state: JobState) -> JobRecord {
+        let mut job: JobRecord = serde_json::from_value(serde_json::json!({
+            "id": id,
+            "request": {
+                "command": ["python", "train.py", "--password=\"s3cret\""],
+                "env": {"API_KEY": "k\u{e9}y\n", "B": "2"},
+                "workdir": "/home/alice/run",
+                "user": "alice",
+                "gpu_share": {"fraction": 0.25, "memory_gb": 10.0},
+                "memory_mb": 2048,
+            },
+            "state": state,
+            "reason": "Priority",
+            "submit_ms": 1_000,
+            "start_ms": 2_000,
+            "end_ms": null,
+            "placement": [{"node": "n1", "gpus": [0], "delivered": true, "exit_code": 0}],
+            "attempts": 1,
+            "requeues": 0,
+            "preemptions": 0,
+            "exit_code": null,
+            "timeline": [{"time_ms": 1_000, "event": "submitted"}],
+            "master_port": 29_500,
+        }))
+        .expect("record");
+        let mut a = Allocation::new(1, "n1".into(), vec![0], "H100".into(), 2_000, true);
+        a.end_ms = Some(62_000);
+        a.folded_until_ms = 62_000;
+        a.share_percent = Some(25);
+        a.output_bytes = Some([10, 0]);
+        a.usage[0].samples = 6;
+        a.usage[0].util_sum = 300.0;
+        a.usage[0].util_max = Some(75.5);
+        job.allocations.push(a);
+        job.array = Some(ArrayTask {
+            job_id: id,
+            task_id: 0,
+        });
+        job
+    }
+
+    /// A page of jobs reads back as the API's page type, another user's job hidden in it.
+    #[test]
+    fn a_page_of_jobs_reads_as_the_api_says() {
+        let jobs = [job(2, JobState::Running), job(1, JobState::Pending)];
+        let text = jobs_page(&jobs, Some(1), &caller("bob", Role::User)).expect("page");
+        let page: JobsPage<'static> = serde_json::from_slice(&text).expect("a JobsPage");
+        assert_eq!(page.next_before, Some(1));
+        assert_eq!(page.jobs.len(), 2);
+        let seen = &page.jobs[0];
+        assert!(seen.private);
+        assert_eq!(seen.record.request.command, [HIDDEN]);
+        assert!(seen.record.request.env.is_empty());
+        assert_eq!(seen.record.request.workdir, None);
+        let hidden = JobRecord {
+            request: seen.record.request.clone(),
+            ..jobs[0].clone()
+        };
+        assert_eq!(*seen.record, hidden, "the rest as it is");
+        let own = jobs_page(&jobs, None, &caller("alice", Role::User)).expect("page");
+        let page: JobsPage<'static> = serde_json::from_slice(&own).expect("a JobsPage");
+        assert!(!page.jobs[1].private);
+        assert_eq!(*page.jobs[1].record, jobs[1]);
+    }
+
+    #[test]
+    fn the_queue_reads_as_the_api_says() {
+        let entries = vec![
+            (job(3, JobState::Pending), Some(0.75)),
+            (job(4, JobState::Pending), None),
+        ];
+        let estimates = std::collections::HashMap::from([(3, 5_000)]);
+        let text =
+            queue_page(entries, 9, Some(&estimates), &caller("ops", Role::Operator)).expect("page");
+        let queue: QueueView<'static> = serde_json::from_slice(&text).expect("a QueueView");
+        assert_eq!(queue.total, 9);
+        let [first, held] = &queue.queue[..] else {
+            panic!("two entries: {queue:?}")
+        };
+        assert_eq!((first.position, first.priority), (Some(1), Some(0.75)));
+        assert_eq!(first.estimate, Some(estimate(Some(5_000))));
+        assert_eq!((held.position, held.priority), (None, None));
+        assert_eq!(held.estimate, Some(estimate(None)));
+        assert!(!first.job.private, "an operator sees every job");
+        let text = queue_page(
+            vec![(job(3, JobState::Pending), Some(0.5))],
+            1,
+            None,
+            &caller("ops", Role::Operator),
+        )
+        .expect("page");
+        let queue: QueueView<'static> = serde_json::from_slice(&text).expect("a QueueView");
+        assert_eq!(queue.queue[0].estimate, None, "estimates only when asked");
+    }
+
+    /// The accounting in `GET /v1/jobs/{id}` is the `jobs` table's row, each figure written as
+    /// the table writes it.
+    #[test]
+    fn usage_holds_the_jobs_rows_figures() {
+        let mut ended = job(5, JobState::Completed);
+        ended.end_ms = Some(62_000);
+        let config = crate::accounting::AccountingConfig::default();
+        let row = crate::accounting::tables::job_json(&ended, &config, 100_000).expect("row");
+        let usage: JobUsage =
+            serde_json::from_value(serde_json::Value::Object(row.clone())).expect("usage");
+        let written = serde_json::to_value(&usage).expect("json");
+        let written = written.as_object().expect("an object");
+        assert_eq!(written.len(), 10);
+        for (key, value) in written {
+            assert_eq!(
+                value.to_string(),
+                row[key].to_string(),
+                "{key}: as the row has it"
+            );
+        }
+        assert_eq!(usage.gpu_seconds_allocated, Some(15.0));
+        assert!(usage.accounted_until.is_some() && usage.accounted_until == usage.end_time);
+    }
 
     /// A state list is each state once however often it is named (thousands of repeats were
     /// each compared against every job of the history); a wrong name is refused.
