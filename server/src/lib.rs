@@ -17,7 +17,7 @@ pub mod listener;
 mod metrics;
 pub mod node_status;
 mod otlp;
-pub mod pg;
+mod pg;
 pub mod routes;
 mod sql;
 pub mod tls;
@@ -350,18 +350,10 @@ pub async fn serve(
     let pg = match &state.config.pg_listen {
         Some(addr) => {
             let mut rx = stop_rx.clone();
-            pg::start(
-                addr,
-                &state.config.store.data_dir,
-                state.sql.clone(),
-                state.tokens.clone(),
-                state.config.clock.clone(),
-                tls_acceptor(&state, &[])?,
-                async move {
-                    let _ = rx.wait_for(|stop| *stop).await;
-                },
-            )
-            .await
+            pg::start(&state, addr, async move {
+                let _ = rx.wait_for(|stop| *stop).await;
+            })
+            .await?
         }
         None => None,
     };

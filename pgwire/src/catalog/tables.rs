@@ -283,7 +283,7 @@ mod tests {
             DataType::Utf8View,
             DataType::Decimal128(10, 2),
         ] {
-            let wire = crate::pg::pg_type(&data_type);
+            let wire = crate::pg_type(&data_type);
             assert!(
                 PG_TYPES
                     .iter()
