@@ -33,6 +33,7 @@ pub mod lease;
 mod otel;
 mod output;
 pub mod shim;
+mod spawn;
 mod tree;
 
 pub use cgroup::CgroupMode;
@@ -42,20 +43,19 @@ pub use otel::OtelTarget;
 use crate::jobs::{JobRegistry, JobSpec, JobTarget};
 use cgroup::{JobCgroup, JobCgroups};
 use groups::{GroupState, RunRecord};
-use identity::{Decision, Identity};
 use output::Outputs;
 use perch_model::control::{
     JobAttempt, JobExit, JobLaunch, JobNote, JobStop, LogChunk, MasterPort, SyncResponse,
 };
 use rustix::process::{Pid, Signal, kill_process_group};
-use shim::{ExitRecord, ShimArgs};
+use shim::ExitRecord;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 /// Most bytes of output (stdout and stderr together) a job may write on a node unless the agent
@@ -179,9 +179,6 @@ fn sim_workload(profile: Option<&str>) -> Option<crate::gpu::sim::Workload> {
         None => None,
     }
 }
-
-/// How long a launch waits for its supervisor to start the job.
-const SUPERVISOR_START: Duration = Duration::from_secs(10);
 
 fn signal_group(pgid: Pid, signal: Signal) {
     if let Err(e) = kill_process_group(pgid, signal)
@@ -615,355 +612,6 @@ impl Launcher {
         }
     }
 
-    /// Whose identity the job runs under, noted in its record unless it is its user's.
-    fn identity(&mut self, l: &JobLaunch) -> Result<Option<Identity>, NotStarted> {
-        let (uid, name) = (self.agent_user.0, self.agent_user.1.clone());
-        match identity::decide(self.run_as_user, &l.user, (uid, &name), &self.uids) {
-            Decision::Switch(id) => {
-                if self.setpriv.is_none() && id.groups.iter().any(|&g| g != id.gid) {
-                    self.note(
-                        l.job,
-                        format!(
-                            "runs as {} without its supplementary groups (setpriv, from util-linux, is not installed)",
-                            id.name
-                        ),
-                    );
-                }
-                Ok(Some(id))
-            }
-            Decision::AsAgent(note) => {
-                if let Some(note) = note {
-                    self.note(l.job, note);
-                }
-                Ok(None)
-            }
-            Decision::Refuse(why) => Err(NotStarted { code: 126, why }),
-        }
-    }
-
-    /// Whether `dir` is a directory the job's user (`user`, else the agent's) can enter: tried by
-    /// `sh -c 'cd -P'` switched to the user exactly as the job is (uid, gid and supplementary
-    /// groups), the path in its environment, not on a command line others can read.
-    fn can_enter(&self, dir: &str, user: Option<&Identity>) -> bool {
-        let Some(id) = user else {
-            return Path::new(dir).is_dir();
-        };
-        let mut cmd = match &self.setpriv {
-            Some(setpriv) => {
-                let args = identity::setpriv_args(setpriv, id);
-                let mut c = std::process::Command::new(&args[0]);
-                c.args(&args[1..]).arg("/bin/sh");
-                c
-            }
-            None => {
-                let mut c = std::process::Command::new("/bin/sh");
-                c.uid(id.uid).gid(id.gid);
-                c
-            }
-        };
-        cmd.args(["-c", "cd -P -- \"$PERCH_WORKDIR\""])
-            .env_clear()
-            .env("PATH", command::PREFIX_PATH)
-            .env("PERCH_WORKDIR", dir)
-            .current_dir("/")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        cmd.status().is_ok_and(|s| s.success())
-    }
-
-    /// The job's cgroup, when it gets one; notes limits not enforced, in its log too.
-    fn cgroup(&mut self, l: &JobLaunch, log: &mut File) -> Option<JobCgroup> {
-        let asked = l.memory_mb.is_some() || l.cpus.is_some();
-        let requested = || {
-            let mut parts = Vec::new();
-            if let Some(m) = l.memory_mb {
-                parts.push(format!("memory {m} MiB"));
-            }
-            if let Some(c) = l.cpus {
-                parts.push(format!("{c} CPUs"));
-            }
-            parts.join(", ")
-        };
-        let (cgroup, line) = match &self.cgroups {
-            Ok(c) => match c.create(l.job, l.memory_mb, l.cpus) {
-                Ok(cg) => {
-                    let line = (asked && !cg.enforced).then(|| cg.note.clone());
-                    if asked && cg.enforced {
-                        self.note(l.job, cg.note.clone());
-                    }
-                    (Some(cg), line)
-                }
-                Err(why) => (
-                    None,
-                    asked.then(|| format!("limits not enforced ({}): {why}", requested())),
-                ),
-            },
-            Err(why) => (
-                None,
-                asked.then(|| format!("limits not enforced ({}): {why}", requested())),
-            ),
-        };
-        if let Some(line) = line {
-            let _ = writeln!(log, "perch: {line}");
-            self.note(l.job, line);
-        }
-        cgroup
-    }
-
-    fn spawn(&mut self, l: &JobLaunch) -> Result<Running, NotStarted> {
-        let io = |what: &str, e: std::io::Error| NotStarted {
-            code: 127,
-            why: format!("{what}: {e}"),
-        };
-        let dir = self.job_dir(l.job);
-        fs::create_dir_all(&dir).map_err(|e| io(&format!("creating {}", dir.display()), e))?;
-        // A new attempt starts new output; the server's copy is kept per job. The agent reads
-        // the output through the descriptors it creates here, never by path again.
-        let stdout = create_log(&dir.join("stdout")).map_err(|e| io("creating its stdout", e))?;
-        let mut stderr =
-            create_log(&dir.join("stderr")).map_err(|e| io("creating its stderr", e))?;
-        let readers = [
-            stdout
-                .try_clone()
-                .map_err(|e| io("keeping its stdout", e))?,
-            stderr
-                .try_clone()
-                .map_err(|e| io("keeping its stderr", e))?,
-        ];
-        self.outputs.insert(l.job, l.attempt, readers);
-        let user = self.identity(l)?;
-        // A missing working directory fails the spawn with the same error as a missing
-        // program ("cannot run \"python\": No such file or directory"): name it instead. Tried
-        // as the job's user, so that one it may not enter fails alike whether or not it exists
-        // (as root, the check would tell the user what a root-only directory holds).
-        if let Some(w) = l.workdir.as_deref()
-            && !self.can_enter(w, user.as_ref())
-        {
-            let who = user
-                .as_ref()
-                .map_or(self.agent_user.1.as_str(), |id| &id.name);
-            return Err(NotStarted {
-                code: 127,
-                why: format!(
-                    "its working directory {w:?} is not a directory on this node that {who} can enter"
-                ),
-            });
-        }
-        let hostfile = if l.hosts.is_empty() {
-            None
-        } else {
-            let path = dir.join("hostfile");
-            let mut f = create_log(&path).map_err(|e| io("creating its hostfile", e))?;
-            for h in &l.hosts {
-                writeln!(f, "{} slots={}", h.addr, h.slots)
-                    .map_err(|e| io("writing its hostfile", e))?;
-            }
-            Some((path, f))
-        };
-        let master_port = l.pick_master_port.then(|| pick_master_port(l));
-        let mut adjusted;
-        let l = if master_port.is_some() || hostfile.is_some() {
-            adjusted = l.clone();
-            if let Some(port) = master_port {
-                for key in ["MASTER_PORT", "PET_MASTER_PORT"] {
-                    adjusted.env.insert(key.into(), port.to_string());
-                }
-            }
-            if let Some((path, _)) = &hostfile {
-                adjusted
-                    .env
-                    .insert("PERCH_HOSTFILE".into(), path.display().to_string());
-            }
-            &adjusted
-        } else {
-            l
-        };
-        if let Some(id) = &user {
-            // The job's directory (its default working directory) and logs are its user's: the
-            // logs through their descriptors, the directory by path (its parent is root's).
-            let (uid, gid) = (
-                Some(rustix::fs::Uid::from_raw(id.uid)),
-                Some(rustix::fs::Gid::from_raw(id.gid)),
-            );
-            let give = |what: &str, r: rustix::io::Result<()>| {
-                r.map_err(|e| io(&format!("giving its {what} to {}", id.name), e.into()))
-            };
-            give("stdout", rustix::fs::fchown(&stdout, uid, gid))?;
-            give("stderr", rustix::fs::fchown(&stderr, uid, gid))?;
-            if let Some((_, f)) = &hostfile {
-                give("hostfile", rustix::fs::fchown(f, uid, gid))?;
-            }
-            give("directory", rustix::fs::chown(&dir, uid, gid))?;
-        }
-        let cgroup = self.cgroup(l, &mut stderr);
-        let logs = [file_id(&stdout), file_id(&stderr)];
-        let state = self.state_dir().to_path_buf();
-        // What an earlier attempt left here is not this attempt's.
-        self.groups.forget(l.job);
-        ExitRecord::remove(&state, l.job);
-        let shim_args = ShimArgs {
-            state: state.clone(),
-            job: l.job,
-            attempt: l.attempt,
-            signal: l.checkpoint_signal.clone(),
-            grace_secs: l.grace_secs,
-            uid_gid: None,
-            cgroup: cgroup.as_ref().map(|c| c.path.clone()),
-        };
-        let shape = command::Shape {
-            user: user.as_ref().map(|id| (id, self.setpriv.as_deref())),
-            wait_for_go: cgroup.is_some(),
-            inherited: command::inherited(std::env::vars_os()),
-            // After the job's own env: `variables` leaves out what the job sets itself.
-            extra: self
-                .otel
-                .as_ref()
-                .map(|target| otel::variables(target, l).into_iter().collect())
-                .unwrap_or_default(),
-            supervisor: self.supervisor.as_deref().map(|p| (p, shim_args)),
-        };
-        let mut cmd = command::build(l, &shape).map_err(|e| io("building its command", e))?;
-        cmd.current_dir(l.workdir.as_deref().map_or(dir.clone(), PathBuf::from))
-            .stdin(if cgroup.is_some() {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
-            .stdout(stdout)
-            .stderr(stderr);
-        if self.supervisor.is_none() {
-            cmd.process_group(0);
-        }
-        let program = l.command.first().map_or("", String::as_str);
-        // Recorded before the supervisor starts, so that an agent that dies at any point from
-        // here on leaves the job to its successor; completed below.
-        let mut record = self.supervisor.is_some().then(|| RunRecord {
-            version: RunRecord::new_version(),
-            attempt: l.attempt,
-            boot_id: groups::boot_id(Path::new("/proc")).unwrap_or_default(),
-            supervisor: None,
-            pgid: None,
-            user: l.user.clone(),
-            gpus: l.gpus.clone(),
-            shared: l.gpu_share.is_some(),
-            sim_profile: l.sim_profile.clone(),
-            time_limit_secs: l.time_limit_secs,
-            started_boot_ms: lease::boot_ms(),
-            signal: l.checkpoint_signal.clone(),
-            grace_secs: l.grace_secs,
-            cgroup: cgroup.as_ref().map(|c| c.path.clone()),
-            logs,
-            master_port,
-        });
-        let write = |record: &RunRecord| {
-            if let Err(e) = record.write(&state, l.job) {
-                tracing::warn!(job = l.job, error = %e, "cannot record the job for a restarted agent; one would not take it over");
-            }
-        };
-        if let Some(r) = &record {
-            write(r);
-        }
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| io(&format!("cannot run {program:?}"), e))?;
-        let (leader, supervisor) = if self.supervisor.is_some() {
-            match self.supervised_group(l, &mut child) {
-                Ok(found) => found,
-                Err(e) => {
-                    if let Some(cg) = &cgroup {
-                        cg.kill();
-                        cg.remove();
-                    }
-                    return Err(e);
-                }
-            }
-        } else {
-            let raw = i32::try_from(child.id())
-                .map_err(|e| io("process id", std::io::Error::other(e)))?;
-            if let Err(e) = self.groups.record(l.job, raw) {
-                tracing::warn!(job = l.job, error = %e, "cannot record the job's process group; a restarted agent will not kill it");
-            }
-            (raw, None)
-        };
-        let pgid =
-            Pid::from_raw(leader).ok_or_else(|| io("process id", std::io::Error::other("0")))?;
-        let mut cgroup = cgroup;
-        if let Some(cg) = &cgroup {
-            // The job waits for this line: it is in its cgroup before it runs.
-            if let Err(e) = cg.add(leader as u32) {
-                let line = format!(
-                    "limits not enforced: cannot move the job into {}: {e}",
-                    cg.path.display()
-                );
-                self.note(l.job, line);
-                cg.remove();
-                cgroup = None;
-            }
-            if let Some(mut go) = child.stdin.take() {
-                let _ = go.write_all(b"go\n");
-            }
-        }
-        let running = Running {
-            attempt: l.attempt,
-            child: Some(child),
-            supervisor,
-            gpus: l.gpus.clone(),
-            shared: l.gpu_share.is_some(),
-            cgroup,
-            pgid,
-            started: Instant::now(),
-            limit: Duration::from_secs(l.time_limit_secs),
-            signal: l.checkpoint_signal.clone(),
-            grace: Duration::from_secs(l.grace_secs),
-            stopping: None,
-            stopped_by_perch: false,
-            stopped_for: None,
-            master_port,
-        };
-        if let Some(r) = &mut record {
-            r.supervisor = supervisor;
-            r.pgid = Some(leader);
-            r.cgroup = running.cgroup.as_ref().map(|c| c.path.clone());
-            write(r);
-        }
-        Ok(running)
-    }
-
-    /// Waits for a just-spawned supervisor to start job `l` and record its process group;
-    /// returns the group and the supervisor's (pid, start time).
-    fn supervised_group(
-        &self,
-        l: &JobLaunch,
-        child: &mut Child,
-    ) -> Result<(i32, Option<(i32, u64)>), NotStarted> {
-        let state = self.state_dir();
-        let pid = i32::try_from(child.id()).unwrap_or(i32::MAX);
-        let deadline = Instant::now() + SUPERVISOR_START;
-        loop {
-            if let Some(pgid) = self.groups.provable(l.job) {
-                let start = groups::group_and_start(Path::new("/proc"), pid).map(|(_, t)| t);
-                return Ok((pgid, start.map(|t| (pid, t))));
-            }
-            if let Some(exit) = ExitRecord::read(state, l.job).filter(|e| e.attempt == l.attempt) {
-                let _ = child.wait();
-                return Err(NotStarted {
-                    code: exit.code,
-                    why: "its program could not be run (its log says why)".into(),
-                });
-            }
-            if matches!(child.try_wait(), Ok(Some(_))) || Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(NotStarted {
-                    code: 127,
-                    why: "its supervisor (perch __job-shim) did not start it".into(),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-    }
-
     /// Starts stopping an attempt of a job: its signal now, SIGKILL after the grace period. An
     /// attempt still waiting for its GPUs is simply dropped (reported as stopped). Another
     /// attempt of the same job is left alone.
@@ -1336,6 +984,27 @@ mod tests {
         panic!("job {job} did not exit");
     }
 
+    /// Polls the job's standard output (as shipped to the server) until it holds `text`.
+    pub(super) fn wait_stdout(l: &mut Launcher, job: u64, text: &str) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let out: String = l
+                .logs()
+                .into_iter()
+                .filter(|c| c.job == job && c.stream == LogStream::Stdout)
+                .map(|c| c.data)
+                .collect();
+            if out.contains(text) {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "job {job} did not print {text:?}: {out:?}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     #[test]
     fn runs_with_its_gpus_and_env_and_reports_exit_and_output() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -1564,8 +1233,12 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut l = Launcher::new(dir.path()).expect("launcher");
         // The child shell ignores SIGTERM (and so does its own child): only SIGKILL ends it.
-        l.launch(&launch(2, "trap '' TERM; sleep 30 & wait; sleep 30"));
-        std::thread::sleep(Duration::from_millis(200));
+        // It says when its trap is set, so the stop cannot come before.
+        l.launch(&launch(
+            2,
+            "trap '' TERM; echo trapped; sleep 30 & wait; sleep 30",
+        ));
+        wait_stdout(&mut l, 2, "trapped");
         l.stop(&JobStop {
             job: 2,
             attempt: 1,
@@ -1582,11 +1255,13 @@ mod tests {
     fn orders_name_attempts_and_a_new_attempt_waits_for_the_old_one() {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut l = Launcher::new(dir.path()).expect("launcher");
+        // The handler's sleep is the job taking its time to checkpoint; the test waits for the
+        // trap to be set, not for time to pass.
         l.launch(&launch(
             5,
-            "trap 'sleep 0.3; exit 0' TERM; while :; do sleep 0.05; done",
+            "trap 'sleep 0.3; exit 0' TERM; echo trapped; while :; do sleep 0.05; done",
         ));
-        std::thread::sleep(Duration::from_millis(200));
+        wait_stdout(&mut l, 5, "trapped");
         l.stop(&JobStop {
             job: 5,
             attempt: 2,
@@ -1699,7 +1374,8 @@ mod gpu_handover_tests {
             command: vec![
                 "sh".into(),
                 "-c".into(),
-                "trap 'sleep 0.5; exit 0' TERM; while true; do sleep 0.05; done".into(),
+                "trap 'sleep 0.5; exit 0' TERM; echo trapped; while true; do sleep 0.05; done"
+                    .into(),
             ],
             env: Default::default(),
             workdir: None,
@@ -1718,7 +1394,7 @@ mod gpu_handover_tests {
             hosts: Vec::new(),
         };
         l.launch(&old);
-        std::thread::sleep(Duration::from_millis(100));
+        super::tests::wait_stdout(&mut l, 1, "trapped");
         l.stop(&JobStop {
             job: 1,
             attempt: 1,

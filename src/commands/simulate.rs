@@ -103,7 +103,57 @@ pub struct SimulateArgs {
 
 /// Runs the replays and prints the table.
 pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> {
-    // A year bounds both (and keeps the milliseconds far from overflowing).
+    let preemption = preemption_cost(&args)?;
+    if let Some(kind) = &args.generate {
+        return generate(kind, args.seed);
+    }
+    if args.suite {
+        return suite(args.trace.as_deref(), args.quick, preemption);
+    }
+    let Some(trace) = args.trace.as_deref() else {
+        bail!("--trace FILE is needed (or --suite, or --generate KIND)");
+    };
+    let (policies, configured) = policies(args.policy.as_deref(), file)?;
+    if !(0.0..=0.9).contains(&args.idle_share) {
+        bail!(
+            "--idle-share must be between 0 and 0.9, got {}",
+            args.idle_share
+        );
+    }
+    let jobs = load_jobs(trace, &args)?;
+    let cluster = cluster(&args)?;
+    println!("cluster: {}", cluster.describe());
+    let opts = SimOptions {
+        cluster,
+        preemption,
+        seed: args.seed,
+        limit_factor: (args.limit_factor_low, args.limit_factor_high),
+        limits: args.limits,
+        idle_window: args.idle_window_min * perch_scheduler::MINUTE,
+        ..SimOptions::default()
+    };
+    let gpus = opts.cluster.total_gpus();
+    let mut runs: Vec<(String, perch_scheduler::Config)> = policies
+        .into_iter()
+        .map(|p| (p.name().to_owned(), sim::policy_config(p, &jobs, &opts)))
+        .collect();
+    if let Some(config) = configured {
+        runs.push(("config".to_owned(), config));
+    }
+    let replayed = replay(&jobs, runs, &opts, args.show_config)?;
+    print!("{}", sim::format_table(&replayed.rows));
+    print_sections(replayed.shown)?;
+    if let Some(path) = &args.plot {
+        let title = format!("{trace} on {gpus} GPUs");
+        sim::write_svg(path, &title, &replayed.series)?;
+        println!("plot written to {path}");
+    }
+    Ok(())
+}
+
+/// What a preempted job loses (`--checkpoint-every-min`, `--restart-delay-s`), each at most a
+/// year (which also keeps the milliseconds far from overflowing).
+fn preemption_cost(args: &SimulateArgs) -> anyhow::Result<PreemptionCost> {
     if !(0..=525_600).contains(&args.checkpoint_every_min) {
         bail!(
             "--checkpoint-every-min must be 0 (jobs save when stopped) to 525600 (a year), got {}",
@@ -116,36 +166,35 @@ pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> 
             args.restart_delay_s
         );
     }
-    let preemption = PreemptionCost {
+    Ok(PreemptionCost {
         checkpoint_every: args.checkpoint_every_min * perch_scheduler::MINUTE,
         restart_delay: args.restart_delay_s * 1000,
-    };
-    if let Some(kind) = &args.generate {
-        if kind == "mixed-cluster" {
-            print!("{}", sim::MIXED_CLUSTER);
-            return Ok(());
-        }
-        let k = SynthKind::parse(kind).with_context(|| {
-            let names: Vec<&str> = SynthKind::ALL.iter().map(|k| k.name()).collect();
-            format!(
-                "--generate `{kind}`: expected one of {} or mixed-cluster",
-                names.join(", ")
-            )
-        })?;
-        print!("{}", sim::synth::generate(k, args.seed));
+    })
+}
+
+/// `--generate KIND`: a synthetic trace (or the cluster file of the fractional one) on stdout.
+fn generate(kind: &str, seed: u64) -> anyhow::Result<()> {
+    if kind == "mixed-cluster" {
+        print!("{}", sim::MIXED_CLUSTER);
         return Ok(());
     }
-    if args.suite {
-        return suite(args.trace.as_deref(), args.quick, preemption);
-    }
-    let Some(trace) = args.trace.as_deref() else {
-        bail!("--trace FILE is needed (or --suite, or --generate KIND)");
-    };
-    let format = match args.format.as_str() {
-        "philly" => Some(TraceFormat::Philly),
-        "generic" => Some(TraceFormat::Generic),
-        _ => None,
-    };
+    let k = SynthKind::parse(kind).with_context(|| {
+        let names: Vec<&str> = SynthKind::ALL.iter().map(|k| k.name()).collect();
+        format!(
+            "--generate `{kind}`: expected one of {} or mixed-cluster",
+            names.join(", ")
+        )
+    })?;
+    print!("{}", sim::synth::generate(k, seed));
+    Ok(())
+}
+
+/// The policies to replay: those `--policy` names (default `all`, or none beside a config
+/// file), and the config file's `[scheduler]`, when one is given.
+fn policies(
+    named: Option<&str>,
+    file: Option<&ConfigFile>,
+) -> anyhow::Result<(Vec<SimPolicy>, Option<perch_scheduler::Config>)> {
     let configured = file
         .map(|f| {
             f.config
@@ -154,8 +203,8 @@ pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> 
                 .with_context(|| format!("in config file {}", f.path.display()))
         })
         .transpose()?;
-    let named = match (&args.policy, &configured) {
-        (Some(p), _) => p.as_str(),
+    let named = match (named, &configured) {
+        (Some(p), _) => p,
         (None, Some(_)) => "",
         (None, None) => "all",
     };
@@ -177,12 +226,17 @@ pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> 
             })
             .collect::<anyhow::Result<_>>()?
     };
-    if !(0.0..=0.9).contains(&args.idle_share) {
-        bail!(
-            "--idle-share must be between 0 and 0.9, got {}",
-            args.idle_share
-        );
-    }
+    Ok((policies, configured))
+}
+
+/// The trace's jobs (`--format`), with idle tails added when `--idle-share` asks; its
+/// warnings go to stderr.
+fn load_jobs(trace: &str, args: &SimulateArgs) -> anyhow::Result<Vec<sim::TraceJob>> {
+    let format = match args.format.as_str() {
+        "philly" => Some(TraceFormat::Philly),
+        "generic" => Some(TraceFormat::Generic),
+        _ => None,
+    };
     let loaded = sim::trace::load(trace, format)?;
     for w in &loaded.warnings {
         eprintln!("warning: {w}");
@@ -196,7 +250,13 @@ pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> 
             got * 100.0
         );
     }
-    let cluster = match &args.cluster {
+    Ok(jobs)
+}
+
+/// The simulated cluster: `--cluster`'s file (its warnings to stderr), else `--nodes`
+/// identical nodes.
+fn cluster(args: &SimulateArgs) -> anyhow::Result<SimCluster> {
+    Ok(match &args.cluster {
         Some(path) => {
             let (cluster, warnings) = SimCluster::load(path)?;
             for w in &warnings {
@@ -205,41 +265,46 @@ pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> 
             cluster
         }
         None => SimCluster::uniform(args.nodes, args.gpus_per_node, args.nodes_per_rack),
-    };
-    println!("cluster: {}", cluster.describe());
-    let opts = SimOptions {
-        cluster,
-        preemption,
-        seed: args.seed,
-        limit_factor: (args.limit_factor_low, args.limit_factor_high),
-        limits: args.limits,
-        idle_window: args.idle_window_min * perch_scheduler::MINUTE,
-        ..SimOptions::default()
-    };
+    })
+}
+
+/// What the replays gave: a table row and a time series per run, and (with `--show-config`)
+/// each run's policy as a `[scheduler]` section, `None` for the simulator's reference
+/// policies.
+struct Replayed {
+    rows: Vec<sim::Summary>,
+    series: Vec<(String, u32, Vec<sim::Sample>)>,
+    shown: Vec<(String, Option<SchedulerSection>)>,
+}
+
+/// Replays `jobs` under each of `runs` in turn, with progress on stderr (the table on stdout
+/// stays clean: a large trace takes minutes).
+fn replay(
+    jobs: &[sim::TraceJob],
+    runs: Vec<(String, perch_scheduler::Config)>,
+    opts: &SimOptions,
+    show_config: bool,
+) -> anyhow::Result<Replayed> {
     let gpus = opts.cluster.total_gpus();
-    let mut rows = Vec::new();
-    let mut series = Vec::new();
-    let mut runs: Vec<(String, perch_scheduler::Config)> = policies
-        .into_iter()
-        .map(|p| (p.name().to_owned(), sim::policy_config(p, &jobs, &opts)))
-        .collect();
-    if let Some(config) = configured {
-        runs.push(("config".to_owned(), config));
-    }
     let count = runs.len();
-    let mut shown = Vec::new();
+    let mut replayed = Replayed {
+        rows: Vec::new(),
+        series: Vec::new(),
+        shown: Vec::new(),
+    };
     for (i, (name, config)) in runs.into_iter().enumerate() {
-        if args.show_config {
-            shown.push((name.clone(), SchedulerSection::from_policy(&config)));
+        if show_config {
+            replayed
+                .shown
+                .push((name.clone(), SchedulerSection::from_policy(&config)));
         }
-        // Progress on stderr (the table on stdout stays clean): a large trace takes minutes.
         eprintln!(
             "[{}/{count}] replaying {} jobs under {name} on {gpus} GPUs...",
             i + 1,
             jobs.len(),
         );
         let started = std::time::Instant::now();
-        let report = sim::simulate_with(&jobs, config, &name, &opts)?;
+        let report = sim::simulate_with(jobs, config, &name, opts)?;
         eprintln!(
             "[{}/{count}] {name} done in {:.1} s",
             i + 1,
@@ -254,10 +319,15 @@ pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> 
                 report.made_preemptible
             );
         }
-        rows.push(report.summary);
-        series.push((name, gpus, report.series));
+        replayed.rows.push(report.summary);
+        replayed.series.push((name, gpus, report.series));
     }
-    print!("{}", sim::format_table(&rows));
+    Ok(replayed)
+}
+
+/// `--show-config`: each replayed policy as a config file's `[scheduler]` section, or why a
+/// reference policy has none.
+fn print_sections(shown: Vec<(String, Option<SchedulerSection>)>) -> anyhow::Result<()> {
     for (name, section) in shown {
         println!();
         match section {
@@ -277,11 +347,6 @@ pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> 
                 "# {name}: a reference policy of the simulator (srtf needs true job durations, las and gittins are the duration-free anchors, themis the finish-time-fairness anchor); no server runs it"
             ),
         }
-    }
-    if let Some(path) = &args.plot {
-        let title = format!("{trace} on {gpus} GPUs");
-        sim::write_svg(path, &title, &series)?;
-        println!("plot written to {path}");
     }
     Ok(())
 }
