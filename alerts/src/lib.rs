@@ -1,6 +1,6 @@
 //! perch's alerting: rules over the store, the Prometheus alert state machine, the
 //! Alertmanager notification pipeline, senders (email, webhooks) and guarded automatic
-//! remediation. Issue 7.
+//! remediation.
 //!
 //! The decision logic is pure and reads no clock: every time-dependent call takes `now_ms`,
 //! so tests run it in virtual time. The crate runs no SQL (the server does and hands over the

@@ -5,7 +5,7 @@
 //! other account must list the user (or `"*"`) in its `users`. An account's jobs may use the
 //! QOS levels in its `qos`, `low` and `normal` unless configured: `high`, which preempts, is
 //! the operator's to grant. Operators may charge any account at any QOS. Without the check, a
-//! user could charge another team's account and jump the queue (issue 16).
+//! user could charge another team's account and jump the queue.
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;

@@ -319,8 +319,7 @@ impl JobRequest {
         self.kept_bytes() + if self.array.is_some() { 64 } else { 0 }
     }
 
-    /// Checks every field; the first wrong one is named.
-    /// Checks every field; the error names the field and says what to change.
+    /// Checks every field; the first wrong one is named, and the error says what to change.
     pub fn validate(&self) -> Result<(), FieldError> {
         match self.command.first() {
             None => {
@@ -550,7 +549,7 @@ mod tests {
     #[test]
     fn every_bad_field_is_named() {
         check(r#"{"command": ["python", "train.py"]}"#, None);
-        // Issue 16: one request for 10,000 tasks with a 100 KB env starved the server.
+        // One request for 10,000 tasks with a 100 KB env starved the server.
         let big = "v".repeat(100 << 10);
         check(
             &format!(r#"{{"command": ["x"], "env": {{"A": "{big}"}}}}"#),

@@ -1,6 +1,6 @@
 //! The HTTP listener's own limits, so that idle or stalled clients cannot exhaust the server's
-//! file descriptors (issue 16: 20,000 half-open connections left SQL unanswered, the built-in
-//! agent unable to read `/proc` and the alert state unsaved):
+//! file descriptors (20,000 half-open connections left SQL unanswered, the built-in agent
+//! unable to read `/proc` and the alert state unsaved):
 //!
 //! - at most `max_connections` connections are open at once; the next waits in the kernel's
 //!   backlog until one closes (a descriptor is only taken once a slot is free);

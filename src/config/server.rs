@@ -76,8 +76,7 @@ impl Default for ServerSection {
             node_stale_after_secs: 60,
             node_lease_secs: perch_control::DEFAULT_LEASE.as_secs(),
             max_pending_jobs_per_user: perch_control::DEFAULT_MAX_PENDING_PER_USER,
-            max_pending_job_mb_per_user: perch_control::DEFAULT_MAX_PENDING_BYTES_PER_USER
-                >> 20,
+            max_pending_job_mb_per_user: perch_control::DEFAULT_MAX_PENDING_BYTES_PER_USER >> 20,
             max_connections: perch_server::listener::ConnectionLimits::default().max_connections,
             max_connections_per_ip: perch_server::listener::ConnectionLimits::default().max_per_ip,
             idle_timeout_secs: perch_server::listener::ConnectionLimits::default()

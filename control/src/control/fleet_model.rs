@@ -1,5 +1,5 @@
 //! The control plane's two job-safety invariants, checked against a model fleet driven by a
-//! seeded random schedule in virtual time (issue 21):
+//! seeded random schedule in virtual time:
 //!
 //! - **a job runs at most once**: across every agent, the processes of a job alive at any
 //!   moment all belong to one attempt, one per node (a gang's ranks);

@@ -1,4 +1,4 @@
-//! The control plane's job-safety invariants in virtual time (issue 15): an exit is charged
+//! The control plane's job-safety invariants in virtual time: an exit is charged
 //! only to the attempt that ran, a report of any other attempt gets a stop for that attempt,
 //! and a silent node's jobs are requeued only once its lease has run out.
 
@@ -240,7 +240,7 @@ async fn an_old_attempts_exit_does_not_end_the_attempt_placed_after_it_on_the_sa
     );
 }
 
-/// Issue 16: a log-store error failed the whole sync, so the node went down and its jobs were
+/// A log-store error failed the whole sync, so the node went down and its jobs were
 /// requeued. Now the sync is answered, without log offsets, and the agent sends again.
 #[tokio::test]
 async fn a_sync_is_answered_when_job_output_cannot_be_stored() {
@@ -274,7 +274,7 @@ async fn a_sync_is_answered_when_job_output_cannot_be_stored() {
     assert_eq!(job(&jobs, id).await.state.as_str(), "running");
 }
 
-/// Issue 16: one user's arrays filled the queue and the job database. Past
+/// One user's arrays filled the queue and the job database. Past
 /// `max_pending_per_user` a submission is refused whole, with what to do; other users are not
 /// affected, and room comes back as jobs start.
 #[tokio::test]
@@ -423,7 +423,7 @@ async fn a_job_fenced_by_its_supervisor_is_requeued_not_completed() {
     assert_eq!(j.exit_code, None);
 }
 
-/// Issue 17: the agent's rack label (`agent.rack`) reaches the node record and the scheduler's
+/// The agent's rack label (`agent.rack`) reaches the node record and the scheduler's
 /// topology, and a changed label is followed at the next sync, with an event.
 #[tokio::test]
 async fn the_rack_an_agent_reports_reaches_the_scheduler_and_follows_changes() {
@@ -466,7 +466,7 @@ async fn the_rack_an_agent_reports_reaches_the_scheduler_and_follows_changes() {
     assert_eq!(rack, "default");
 }
 
-/// Review of issue 16: an array is added in steps, and the pending cap was checked against
+/// An array is added in steps, and the pending cap was checked against
 /// jobs already added only, so two large arrays sent at once could each pass it. The tasks
 /// an array will add count from the moment it is accepted.
 #[tokio::test]
@@ -903,7 +903,7 @@ fn the_xids_that_quarantine_a_gpu_are_the_alerts_reset_and_reboot_classes() {
     }
 }
 
-/// Issue 21: the server read the wall clock in some twenty places, so its ticker could not be
+/// The server read the wall clock in some twenty places, so its ticker could not be
 /// tested in virtual time. With a manual [`perch_model::clock::Clock`] every operation and the real
 /// ticker (`run_ticker`, on tokio's paused time) take "now" from it: a job is ended at its time
 /// limit when the clock says so, and not a moment before.
