@@ -9,7 +9,8 @@
 
 use perch_collector::gpu::NvmlMode;
 use perch_collector::sampler::{Round, Sampler, SamplerConfig};
-use perch_model::{GpuEventKind, NodeId};
+use perch_model::catalogue::{self, Cadence, Column, Read};
+use perch_model::{GpuEventKind, GpuSample, NodeId};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -63,13 +64,19 @@ fn rounds(lib: &Path, n: usize) -> Vec<Round> {
 /// In the child run of `test` (with `fixture`'s scenario loaded): the stand-in library's
 /// path. In the parent: `None`, after running the child and checking that it passed.
 fn in_scenario(test: &str, fixture: &str) -> Option<String> {
+    let scenario = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/nvml")
+        .join(fixture);
+    in_scenario_file(test, || scenario)
+}
+
+/// [`in_scenario`] with the scenario file `scenario` makes (in the parent only).
+fn in_scenario_file(test: &str, scenario: impl FnOnce() -> PathBuf) -> Option<String> {
     if let Ok(lib) = std::env::var(LIB_ENV) {
         return Some(lib);
     }
     let lib = standin_library();
-    let scenario = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/nvml")
-        .join(fixture);
+    let scenario = scenario();
     let exe = std::env::current_exe().expect("own path");
     let status = Command::new(exe)
         .args(["--exact", test, "--nocapture", "--test-threads=1"])
@@ -277,6 +284,125 @@ fn costly_fields_are_read_at_their_own_interval() {
             (7, Some(1_048_576), None),
         ]
     );
+}
+
+/// Whether `row` has a value in `column`.
+fn present<R>(column: &Column<R>, row: &R) -> bool {
+    match &column.read {
+        Read::Text(f) => f(row).is_some(),
+        read => read.number(row).is_some(),
+    }
+}
+
+/// Between slow reads a GPU reports the same columns as at them: each column the catalogue
+/// marks slow is repeated from its last reading, and each it does not is read every round (a
+/// line whose cadence disagrees with the agent's reading of it leaves gaps here).
+#[test]
+fn every_column_is_in_every_round_between_slow_reads() {
+    let Some(lib) = in_scenario(
+        "every_column_is_in_every_round_between_slow_reads",
+        "two_gpus.json",
+    ) else {
+        return;
+    };
+    let rounds = rounds_reading_slow_fields_every(Path::new(&lib), 6, Duration::from_secs(3));
+    let reported = |g: &GpuSample| -> Vec<&str> {
+        catalogue::GPU
+            .iter()
+            .filter(|c| present(c, g))
+            .map(|c| c.name)
+            .collect()
+    };
+    let first = reported(&rounds[0].gpus[0]);
+    for (i, round) in rounds.iter().enumerate() {
+        assert_eq!(reported(&round.gpus[0]), first, "round {}", i + 1);
+    }
+    // The fixture's GPU reports repeated columns, so their repetition is what is checked.
+    let repeated = catalogue::GPU
+        .iter()
+        .filter(|c| c.cadence == Cadence::Slow && c.name != "energy_joules")
+        .filter(|c| first.contains(&c.name))
+        .count();
+    assert!(repeated >= 3, "{first:?}");
+}
+
+mod probe {
+    perch_model::probe_gpu_catalogue!();
+}
+
+/// The scenario a catalogue's NVML fields make: a GPU reporting every field the catalogue
+/// reads, each its own value (2^60 + 1 on, which only an exact integer path keeps) and another
+/// from time 2, and a GPU reporting none. A fixture built from the catalogue: a new line is
+/// in it without an edit.
+fn fields_scenario<R>(columns: &[Column<R>], dir: &Path) -> PathBuf {
+    let fields = |base: u64| -> serde_json::Map<String, serde_json::Value> {
+        columns
+            .iter()
+            .filter_map(|c| c.nvml_field)
+            .zip(base..)
+            .map(|(id, value)| (id.to_string(), value.into()))
+            .collect()
+    };
+    let scenario = serde_json::json!({"gpus": [
+        {
+            "uuid": "GPU-FIELDS", "name": "NVIDIA Fields",
+            "timeline": [
+                {"at": 0, "set": {"fields": fields((1 << 60) + 1)}},
+                {"at": 2, "set": {"fields": fields((1 << 61) + 1)}}
+            ]
+        },
+        {"uuid": "GPU-BARE", "name": "NVIDIA Bare"}
+    ]});
+    let path = dir.join("fields.json");
+    std::fs::write(&path, scenario.to_string()).expect("write the scenario");
+    path
+}
+
+/// One line more in the GPU catalogue, naming an NVML field, is read by the agent through the
+/// stand-in NVML at its own cadence, exactly, with no code of its own in either: the reading
+/// the agent's sampler does for the real catalogue (`gpu::nvml::fields::read`) takes it from
+/// the catalogue, and the stand-in answers the field from a scenario built from the catalogue.
+#[test]
+fn a_gpu_line_with_an_nvml_field_is_read_with_no_code_of_its_own() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some(lib) = in_scenario_file(
+        "a_gpu_line_with_an_nvml_field_is_read_with_no_code_of_its_own",
+        || fields_scenario(probe::GPU, dir.path()),
+    ) else {
+        return;
+    };
+    use perch_collector::gpu::nvml::fields;
+    let nvml = nvml_wrapper::Nvml::builder()
+        .lib_path(std::ffi::OsStr::new(&lib))
+        .init()
+        .expect("the stand-in NVML");
+    // Scenario time 0: the first request for GPU 0's handle.
+    let device = nvml.device_by_index(0).expect("GPU 0");
+    let mut row = probe::GpuSample::default();
+    fields::read(&device, probe::GPU, Cadence::EverySample, &mut row);
+    assert_eq!(
+        row.probe_rollovers_total, None,
+        "a slow line waits for the slow read"
+    );
+    fields::read(&device, probe::GPU, Cadence::Slow, &mut row);
+    assert_eq!(row.probe_rollovers_total, Some((1 << 60) + 1));
+    for _ in 0..2 {
+        nvml.device_by_index(0).expect("GPU 0");
+    }
+    fields::read(&device, probe::GPU, Cadence::Slow, &mut row);
+    assert_eq!(row.probe_rollovers_total, Some((1 << 61) + 1));
+    // Every line of the catalogue that names a field arrives, the probe's and any real one.
+    for c in probe::GPU.iter().filter(|c| c.nvml_field.is_some()) {
+        assert!(present(c, &row), "{} read through the stand-in", c.name);
+    }
+    // A field the GPU does not report is absent, not zero.
+    let bare = nvml.device_by_index(1).expect("GPU 1");
+    let mut row = probe::GpuSample {
+        probe_rollovers_total: Some(7),
+        ..probe::GpuSample::default()
+    };
+    fields::read(&bare, probe::GPU, Cadence::Slow, &mut row);
+    assert_eq!(row.probe_rollovers_total, None);
 }
 
 /// A runtime with a single worker, as a small agent would have: a blocked worker shows.

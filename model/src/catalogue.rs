@@ -1,22 +1,33 @@
 //! The catalogue of measured columns: one declaration per column of each sample type, from
 //! which the rest of perch is derived or checked.
 //!
-//! A [`Column`] says how to read the value from its sample, its unit, what the server refuses
-//! ([`Check`]) and, when it is exported, its Prometheus [`Series`] (name, kind, extra labels,
-//! help, the dcgm-exporter or node_exporter name it replaces, and how the stored value becomes
-//! the exported one). From it:
+//! A [`Column`] says how to read the value from its sample (and, for a column with a field of
+//! its own, how to write it), its unit, what the server refuses ([`Check`]) and, when it is
+//! exported, its Prometheus [`Series`] (name, kind, extra labels, help, the dcgm-exporter or
+//! node_exporter name it replaces, and how the stored value becomes the exported one). It also
+//! says how the rollups summarise it ([`Rollup`]), how often the agent reads it ([`Cadence`]),
+//! the NVML field it is read from when NVML has one ([`Column::nvml_field`]), and the value
+//! perch's GPU simulator reports for it ([`Column::simulated`]). From it:
 //! - `perch-query` builds each table's Arrow schema and record batches (after the table's key
-//!   columns: `time`, `node`, the device keys and `simulated`);
+//!   columns: `time`, `node`, the device keys and `simulated`), and the columns of the 1-minute
+//!   and 1-hour rollups;
 //! - the server's `/metrics` and the agent's node-local `/metrics` render every exported column
 //!   the same way;
 //! - [`crate::Batch::validate`] applies each column's check;
+//! - the agent reads every column with an NVML field in one call per cadence, repeats its slow
+//!   columns between their reads, and its simulator fills the columns it does not model;
 //! - tests hold `docs/schema.md` (type and unit of each column) and `docs/metrics.md` (name,
 //!   kind, labels, replaced names of each series) to it.
 //!
-//! Adding a GPU metric: the field on [`crate::GpuSample`], its line in [`GPU`], and the agent's
-//! reading of it (`collector/src/gpu`); the doc tests then name the two rows to add.
+//! The GPU catalogue ([`GPU`], in `catalogue/gpu.rs`) also declares [`GpuSample`]: each of its
+//! lines is a field of the sample and a column at once, so adding a GPU counter is one line
+//! there (docs/metrics.md, "Adding a GPU counter", lists the other places, at most two).
 
-use crate::{GpuSample, HostSample, IbPortSample, JobSample, NicSample};
+mod gpu;
+mod node;
+
+pub use gpu::{GPU, GpuSample};
+pub use node::{HOST, IB_PORT, JOB, NIC};
 
 /// How a column's value is read from its sample, which also fixes its SQL type.
 pub enum Read<R: 'static> {
@@ -47,6 +58,49 @@ impl<R> Read<R> {
             Read::U32(_) => "uint32",
             Read::Bool(_) => "boolean",
             Read::Text(_) => "string",
+        }
+    }
+}
+
+/// How a value is stored into its field: the same kinds as [`Read`].
+pub enum Write<R: 'static> {
+    F64(fn(&mut R, Option<f64>)),
+    U64(fn(&mut R, Option<u64>)),
+    U32(fn(&mut R, Option<u32>)),
+    Bool(fn(&mut R, Option<bool>)),
+    Text(fn(&mut R, Option<String>)),
+}
+
+/// A value from a source (an NVML field, a simulator constant) before it is stored in its
+/// column's type by [`Column::set`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Number {
+    F64(f64),
+    U64(u64),
+    I64(i64),
+}
+
+impl Number {
+    fn as_f64(self) -> f64 {
+        match self {
+            Number::F64(v) => v,
+            Number::U64(v) => v as f64,
+            Number::I64(v) => v as f64,
+        }
+    }
+
+    /// The value as an unsigned integer, when it is one exactly.
+    fn as_u64(self) -> Option<u64> {
+        match self {
+            Number::U64(v) => Some(v),
+            Number::I64(v) => u64::try_from(v).ok(),
+            // Below 2^64 and integral: it converts exactly.
+            Number::F64(v)
+                if (0.0..18_446_744_073_709_551_616.0).contains(&v) && v.fract() == 0.0 =>
+            {
+                Some(v as u64)
+            }
+            Number::F64(_) => None,
         }
     }
 }
@@ -122,54 +176,94 @@ impl<R> Series<R> {
     }
 }
 
+/// How a rollup summarises a column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Summary {
+    /// A value that goes up and down: count of non-null values, sum, min and max.
+    Gauge,
+    /// A counter or a capacity: min and max (a counter's increase is max - min).
+    Range,
+}
+
+/// A column's place in its table's rollups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rollup {
+    pub summary: Summary,
+    /// Its position among the table's rolled-up columns, which is their order in the stored
+    /// rollup files: 0, 1, 2... A new column takes the next slot, so its columns come after
+    /// every existing one and files written before keep their layout.
+    pub slot: u16,
+}
+
+/// How often the agent reads a column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cadence {
+    /// Every sample.
+    EverySample,
+    /// Costly to read: every `agent.nvml_slow_interval_ms` (30 s); the samples between repeat
+    /// the last reading (the energy counter alone advances by the measured power instead).
+    Slow,
+}
+
 /// One measured column of a sample type.
 pub struct Column<R: 'static> {
     /// Its name in SQL and on the wire.
     pub name: &'static str,
     pub read: Read<R>,
+    /// How a value is stored in its field; `None` for a column computed from other fields
+    /// (`throttle_reason_names`).
+    pub write: Option<Write<R>>,
     /// As `docs/schema.md` gives it; empty for counts and flags without one.
     pub unit: &'static str,
     pub check: Check,
     pub series: Option<Series<R>>,
+    /// How the 1-minute and 1-hour rollups summarise it; `None`: they leave it out.
+    pub rollup: Option<Rollup>,
+    /// How often the agent reads it.
+    pub cadence: Cadence,
+    /// The NVML field (`NVML_FI_DEV_*`, numbered as before driver 580.82; nvml-wrapper
+    /// translates) the agent reads it from with `nvmlDeviceGetFieldValues`, together with the
+    /// other such columns of its cadence, and the stand-in NVML answers from a scenario's
+    /// `fields`; `None`: the agent reads it with code of its own (`collector/src/gpu/nvml*`).
+    pub nvml_field: Option<u32>,
+    /// What perch's GPU simulator reports for it (a healthy GPU's value), when the simulator
+    /// does not model it; `None` and not modelled: simulated GPUs do not report it.
+    pub simulated: Option<f64>,
 }
 
 const fn column<R>(name: &'static str, read: Read<R>, unit: &'static str) -> Column<R> {
     Column {
         name,
         read,
+        write: None,
         unit,
         check: Check::None,
         series: None,
+        rollup: None,
+        cadence: Cadence::EverySample,
+        nvml_field: None,
+        simulated: None,
     }
 }
 
-// One constructor per sample type, so each closure's argument type is known.
-const fn gpu(name: &'static str, read: Read<GpuSample>, unit: &'static str) -> Column<GpuSample> {
-    column(name, read, unit)
-}
-const fn host(
-    name: &'static str,
-    read: Read<HostSample>,
-    unit: &'static str,
-) -> Column<HostSample> {
-    column(name, read, unit)
-}
-const fn nic(name: &'static str, read: Read<NicSample>, unit: &'static str) -> Column<NicSample> {
-    column(name, read, unit)
-}
-const fn ib_port(
-    name: &'static str,
-    read: Read<IbPortSample>,
-    unit: &'static str,
-) -> Column<IbPortSample> {
-    column(name, read, unit)
-}
-const fn job(name: &'static str, read: Read<JobSample>, unit: &'static str) -> Column<JobSample> {
-    column(name, read, unit)
-}
-
+/// The builders a catalogue line is written with: `Column::new(...)` (or the sample type's
+/// shorthand) followed by its attributes. They are `const`, so a mistake in a line (labels
+/// before the series, a text column rolled up) fails the build.
 impl<R> Column<R> {
-    const fn check(mut self, check: Check) -> Self {
+    /// A column named `name`, read by `read`, in `unit`; neither checked, exported, rolled up
+    /// nor simulated until the line says so.
+    pub const fn new(name: &'static str, read: Read<R>, unit: &'static str) -> Self {
+        column(name, read, unit)
+    }
+
+    /// Stores values with `write` (a column with a field of its own).
+    pub const fn writes(mut self, write: Write<R>) -> Self {
+        self.write = Some(write);
+        self
+    }
+
+    /// What the server refuses.
+    pub const fn check(mut self, check: Check) -> Self {
         self.check = check;
         self
     }
@@ -192,15 +286,28 @@ impl<R> Column<R> {
         self
     }
 
-    const fn gauge(self, name: &'static str, help: &'static str, replaces: &'static str) -> Self {
+    /// Exported as the gauge `name` with `help`, replacing `replaces` ("" for none).
+    pub const fn gauge(
+        self,
+        name: &'static str,
+        help: &'static str,
+        replaces: &'static str,
+    ) -> Self {
         self.export(Kind::Gauge, name, help, replaces)
     }
 
-    const fn counter(self, name: &'static str, help: &'static str, replaces: &'static str) -> Self {
+    /// Exported as the counter `name` (ending in `_total`) with `help`, replacing `replaces`.
+    pub const fn counter(
+        self,
+        name: &'static str,
+        help: &'static str,
+        replaces: &'static str,
+    ) -> Self {
         self.export(Kind::Counter, name, help, replaces)
     }
 
-    const fn labels(mut self, labels: &'static [(&'static str, &'static str)]) -> Self {
+    /// The series' own labels, after [`Column::gauge`] or [`Column::counter`].
+    pub const fn labels(mut self, labels: &'static [(&'static str, &'static str)]) -> Self {
         match &mut self.series {
             Some(s) => s.labels = labels,
             None => panic!("labels before gauge or counter"),
@@ -208,7 +315,8 @@ impl<R> Column<R> {
         self
     }
 
-    const fn scaled(mut self, factor: f64) -> Self {
+    /// Exported as the column's number times `factor`.
+    pub const fn scaled(mut self, factor: f64) -> Self {
         match &mut self.series {
             Some(s) => s.value = Value::Scaled(factor),
             None => panic!("scaled before gauge or counter"),
@@ -216,7 +324,8 @@ impl<R> Column<R> {
         self
     }
 
-    const fn divided(mut self, divisor: f64) -> Self {
+    /// Exported as the column's number divided by `divisor`.
+    pub const fn divided(mut self, divisor: f64) -> Self {
         match &mut self.series {
             Some(s) => s.value = Value::Divided(divisor),
             None => panic!("divided before gauge or counter"),
@@ -224,11 +333,49 @@ impl<R> Column<R> {
         self
     }
 
-    const fn computed(mut self, f: fn(&R) -> Option<f64>) -> Self {
+    /// Exported as `f` computes it from the row.
+    pub const fn computed(mut self, f: fn(&R) -> Option<f64>) -> Self {
         match &mut self.series {
             Some(s) => s.value = Value::From(f),
             None => panic!("computed before gauge or counter"),
         }
+        self
+    }
+
+    const fn rolled_up(mut self, summary: Summary, slot: u16) -> Self {
+        match &self.read {
+            Read::Bool(_) | Read::Text(_) => panic!("only a number can be rolled up"),
+            _ => {}
+        }
+        self.rollup = Some(Rollup { summary, slot });
+        self
+    }
+
+    /// Summarised by the rollups as a gauge (count, sum, min, max), in rollup slot `slot`.
+    pub const fn rollup_gauge(self, slot: u16) -> Self {
+        self.rolled_up(Summary::Gauge, slot)
+    }
+
+    /// Summarised by the rollups as a range (min, max), in rollup slot `slot`.
+    pub const fn rollup_range(self, slot: u16) -> Self {
+        self.rolled_up(Summary::Range, slot)
+    }
+
+    /// Read every `agent.nvml_slow_interval_ms` and repeated between ([`Cadence::Slow`]).
+    pub const fn slow(mut self) -> Self {
+        self.cadence = Cadence::Slow;
+        self
+    }
+
+    /// Read from NVML field `id` (see [`Column::nvml_field`]).
+    pub const fn nvml_field(mut self, id: u32) -> Self {
+        self.nvml_field = Some(id);
+        self
+    }
+
+    /// Reported as `value` by perch's GPU simulator.
+    pub const fn simulated(mut self, value: f64) -> Self {
+        self.simulated = Some(value);
         self
     }
 
@@ -259,573 +406,69 @@ impl<R> Column<R> {
             Some(message) => Err(crate::telemetry::field_error(at(self.name), message)),
         }
     }
+
+    /// Stores `value` in the column's field, converted to its type; a value the type cannot
+    /// hold exactly (a negative count, a fraction of an integer, more than `u32::MAX` in a
+    /// `u32`) is stored as absent, never wrapped. Does nothing for a column without a field.
+    pub fn set(&self, row: &mut R, value: Option<Number>) {
+        match &self.write {
+            None => {}
+            Some(Write::F64(w)) => w(row, value.map(Number::as_f64)),
+            Some(Write::U64(w)) => w(row, value.and_then(Number::as_u64)),
+            Some(Write::U32(w)) => w(
+                row,
+                value
+                    .and_then(Number::as_u64)
+                    .and_then(|v| u32::try_from(v).ok()),
+            ),
+            Some(Write::Bool(w)) => w(row, value.map(|v| v.as_f64() != 0.0)),
+            Some(Write::Text(w)) => w(row, None),
+        }
+    }
+
+    /// Copies the column's value from `from` to `to`, exactly (the agent repeating a slow
+    /// column's last reading). Does nothing for a column without a field.
+    pub fn copy(&self, from: &R, to: &mut R) {
+        match (&self.read, &self.write) {
+            (Read::F64(r), Some(Write::F64(w))) => w(to, r(from)),
+            (Read::U64(r), Some(Write::U64(w))) => w(to, r(from)),
+            (Read::U32(r), Some(Write::U32(w))) => w(to, r(from)),
+            (Read::Bool(r), Some(Write::Bool(w))) => w(to, r(from)),
+            (Read::Text(r), Some(Write::Text(w))) => w(to, r(from)),
+            _ => {}
+        }
+    }
 }
 
-use Check::{NonNegative, Percent};
-use Read::{Bool, F64, Text, U32, U64};
+/// The rolled-up columns of `columns` with their summaries, in slot order: the stored order
+/// of the rollup's columns.
+pub fn rolled_up<R>(columns: &[Column<R>]) -> Vec<(&Column<R>, Rollup)> {
+    let mut out: Vec<_> = columns
+        .iter()
+        .filter_map(|c| c.rollup.map(|r| (c, r)))
+        .collect();
+    out.sort_by_key(|(_, r)| r.slot);
+    out
+}
 
-/// `gpu_samples`, after `time`, `node`, `gpu`, `uuid`, `model`, `simulated`.
-pub static GPU: &[Column<GpuSample>] = &[
-    gpu(
-        "utilization_gpu_pct",
-        F64(|r| r.utilization_gpu_pct),
-        "percent",
-    )
-    .check(Percent)
-    .gauge(
-        "perch_gpu_utilization_ratio",
-        "Share of time a kernel ran (dcgm GPU_UTIL / 100)",
-        "`DCGM_FI_DEV_GPU_UTIL` / 100",
-    )
-    .divided(100.0),
-    gpu(
-        "utilization_memory_pct",
-        F64(|r| r.utilization_memory_pct),
-        "percent",
-    )
-    .check(Percent)
-    .gauge(
-        "perch_gpu_memory_utilization_ratio",
-        "Share of time memory was read or written (dcgm MEM_COPY_UTIL / 100)",
-        "`DCGM_FI_DEV_MEM_COPY_UTIL` / 100",
-    )
-    .divided(100.0),
-    gpu("memory_used_bytes", U64(|r| r.memory_used_bytes), "bytes").gauge(
-        "perch_gpu_memory_used_bytes",
-        "Device memory in use (dcgm FB_USED, in bytes)",
-        "`DCGM_FI_DEV_FB_USED` (MiB)",
-    ),
-    gpu("memory_total_bytes", U64(|r| r.memory_total_bytes), "bytes").gauge(
-        "perch_gpu_memory_total_bytes",
-        "Device memory installed",
-        "`FB_USED + FB_FREE` (MiB)",
-    ),
-    gpu("power_watts", F64(|r| r.power_watts), "watts")
-        .check(NonNegative)
-        .gauge(
-            "perch_gpu_power_watts",
-            "Board power draw (dcgm POWER_USAGE)",
-            "`DCGM_FI_DEV_POWER_USAGE`",
-        ),
-    gpu("energy_joules", F64(|r| r.energy_joules), "joules")
-        .check(NonNegative)
-        .counter(
-            "perch_gpu_energy_joules_total",
-            "Energy since the driver loaded (dcgm TOTAL_ENERGY_CONSUMPTION, in joules)",
-            "`DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION` (mJ)",
-        ),
-    gpu("temperature_celsius", F64(|r| r.temperature_celsius), "°C").gauge(
-        "perch_gpu_temperature_celsius",
-        "GPU temperature (dcgm GPU_TEMP)",
-        "`DCGM_FI_DEV_GPU_TEMP`",
-    ),
-    gpu("sm_clock_mhz", U32(|r| r.sm_clock_mhz), "MHz")
-        .gauge(
-            "perch_gpu_sm_clock_hertz",
-            "SM clock (dcgm SM_CLOCK, in hertz)",
-            "`DCGM_FI_DEV_SM_CLOCK` (MHz)",
-        )
-        .scaled(1e6),
-    gpu("memory_clock_mhz", U32(|r| r.memory_clock_mhz), "MHz")
-        .gauge(
-            "perch_gpu_memory_clock_hertz",
-            "Memory clock (dcgm MEM_CLOCK, in hertz)",
-            "`DCGM_FI_DEV_MEM_CLOCK` (MHz)",
-        )
-        .scaled(1e6),
-    gpu("throttle_reasons", U64(|r| r.throttle_reasons), "bitmask").gauge(
-        "perch_gpu_clock_throttle_reasons",
-        "Clock throttle reasons bitmask, nvmlClocksThrottleReason* (dcgm CLOCK_THROTTLE_REASONS)",
-        "`DCGM_FI_DEV_CLOCK_THROTTLE_REASONS`",
-    ),
-    gpu(
-        "throttle_reason_names",
-        Text(|r| r.throttle_reasons.map(crate::throttle_reason_names)),
-        "",
-    ),
-    gpu(
-        "ecc_corrected_volatile",
-        U64(|r| r.ecc_corrected_volatile),
-        "errors",
-    )
-    .counter(ECC, ECC_HELP, "`DCGM_FI_DEV_ECC_SBE_VOL_TOTAL`")
-    .labels(&[("kind", "corrected"), ("scope", "volatile")]),
-    gpu(
-        "ecc_uncorrected_volatile",
-        U64(|r| r.ecc_uncorrected_volatile),
-        "errors",
-    )
-    .counter(ECC, ECC_HELP, "`DCGM_FI_DEV_ECC_DBE_VOL_TOTAL`")
-    .labels(&[("kind", "uncorrected"), ("scope", "volatile")]),
-    gpu(
-        "ecc_corrected_aggregate",
-        U64(|r| r.ecc_corrected_aggregate),
-        "errors",
-    )
-    .counter(ECC, ECC_HELP, "`DCGM_FI_DEV_ECC_SBE_AGG_TOTAL`")
-    .labels(&[("kind", "corrected"), ("scope", "aggregate")]),
-    gpu(
-        "ecc_uncorrected_aggregate",
-        U64(|r| r.ecc_uncorrected_aggregate),
-        "errors",
-    )
-    .counter(ECC, ECC_HELP, "`DCGM_FI_DEV_ECC_DBE_AGG_TOTAL`")
-    .labels(&[("kind", "uncorrected"), ("scope", "aggregate")]),
-    gpu(
-        "retired_pages_single_bit",
-        U32(|r| r.retired_pages_single_bit),
-        "pages",
-    )
-    .gauge(RETIRED, RETIRED_HELP, "`DCGM_FI_DEV_RETIRED_SBE`")
-    .labels(&[("cause", "single_bit")]),
-    gpu(
-        "retired_pages_double_bit",
-        U32(|r| r.retired_pages_double_bit),
-        "pages",
-    )
-    .gauge(RETIRED, RETIRED_HELP, "`DCGM_FI_DEV_RETIRED_DBE`")
-    .labels(&[("cause", "double_bit")]),
-    gpu(
-        "retired_pages_pending",
-        Bool(|r| r.retired_pages_pending),
-        "",
-    )
-    .gauge(
-        "perch_gpu_retired_pages_pending",
-        "1 if pages wait for a reboot to be retired (dcgm RETIRED_PENDING)",
-        "`DCGM_FI_DEV_RETIRED_PENDING`",
-    ),
-    gpu(
-        "pcie_tx_bytes_per_second",
-        F64(|r| r.pcie_tx_bytes_per_second),
-        "bytes/s",
-    )
-    .check(NonNegative)
-    .gauge(PCIE, PCIE_HELP, "`DCGM_FI_DEV_PCIE_TX_THROUGHPUT` (KB/s)")
-    .labels(&[("direction", "transmit")]),
-    gpu(
-        "pcie_rx_bytes_per_second",
-        F64(|r| r.pcie_rx_bytes_per_second),
-        "bytes/s",
-    )
-    .check(NonNegative)
-    .gauge(PCIE, PCIE_HELP, "`DCGM_FI_DEV_PCIE_RX_THROUGHPUT` (KB/s)")
-    .labels(&[("direction", "receive")]),
-    gpu("pcie_replay_total", U64(|r| r.pcie_replay_total), "replays").counter(
-        "perch_gpu_pcie_replays_total",
-        "PCIe replays (dcgm PCIE_REPLAY_COUNTER)",
-        "`DCGM_FI_DEV_PCIE_REPLAY_COUNTER`",
-    ),
-    gpu("nvlink_links", U32(|r| r.nvlink_links), "links").gauge(
-        "perch_gpu_nvlink_links",
-        "NVLinks the GPU has",
-        "",
-    ),
-    gpu("nvlink_links_up", U32(|r| r.nvlink_links_up), "links").gauge(
-        "perch_gpu_nvlink_links_up",
-        "NVLinks that are active",
-        "",
-    ),
-    gpu(
-        "nvlink_errors_total",
-        U64(|r| r.nvlink_errors_total),
-        "errors",
-    )
-    .counter(
-        "perch_gpu_nvlink_errors_total",
-        "NVLink replay, recovery and CRC errors over all links (dcgm NVLINK_*_ERROR_COUNT_TOTAL)",
-        "`DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL`",
-    ),
-    gpu("nvlink_rx_bytes", U64(|r| r.nvlink_rx_bytes), "bytes")
-        .counter(
-            NVLINK_BYTES,
-            NVLINK_BYTES_HELP,
-            "`DCGM_FI_PROF_NVLINK_RX_BYTES`",
-        )
-        .labels(&[("direction", "receive")]),
-    gpu("nvlink_tx_bytes", U64(|r| r.nvlink_tx_bytes), "bytes")
-        .counter(
-            NVLINK_BYTES,
-            NVLINK_BYTES_HELP,
-            "`DCGM_FI_PROF_NVLINK_TX_BYTES`",
-        )
-        .labels(&[("direction", "transmit")]),
-    gpu("processes", U32(|r| r.processes), "").gauge(
-        "perch_gpu_processes",
-        "Compute processes on the GPU",
-        "",
-    ),
-    gpu("mig_enabled", Bool(|r| r.mig_enabled), "").gauge(
-        "perch_gpu_mig_enabled",
-        "1 if MIG mode is on",
-        "`DCGM_FI_DEV_MIG_MODE`",
-    ),
-    gpu("mig_instances", U32(|r| r.mig_instances), "").gauge(
-        "perch_gpu_mig_instances",
-        "MIG devices configured",
-        "",
-    ),
-    gpu("xid_errors_total", U64(|r| r.xid_errors_total), "events").counter(
-        "perch_gpu_xid_errors_total",
-        "XID errors seen since the agent started (dcgm XID_ERRORS is only the last code)",
-        "`DCGM_FI_DEV_XID_ERRORS`",
-    ),
-    gpu(
-        "ecc_error_events_total",
-        U64(|r| r.ecc_error_events_total),
-        "events",
-    )
-    .counter(
-        "perch_gpu_ecc_error_events_total",
-        "ECC error events (single- and double-bit) seen since the agent started",
-        "",
-    ),
-];
+/// A row with every column that has a field set to 1 (`true` for a flag): test fixtures
+/// built from the catalogue, so a new line is in them without an edit.
+pub fn every_value_set<R: Default>(columns: &[Column<R>]) -> R {
+    let mut row = R::default();
+    for c in columns {
+        c.set(&mut row, Some(Number::U64(1)));
+    }
+    row
+}
 
-const ECC: &str = "perch_gpu_ecc_errors_total";
-const ECC_HELP: &str = "ECC errors by kind and scope (dcgm ECC_SBE/DBE_VOL/AGG_TOTAL)";
-const RETIRED: &str = "perch_gpu_retired_pages";
-const RETIRED_HELP: &str = "Retired memory pages by cause (dcgm RETIRED_SBE / RETIRED_DBE)";
-const PCIE: &str = "perch_gpu_pcie_throughput_bytes_per_second";
-const PCIE_HELP: &str =
-    "PCIe throughput over NVML's 20 ms window (dcgm PCIE_TX/RX_THROUGHPUT, in bytes)";
-const NVLINK_BYTES: &str = "perch_gpu_nvlink_bytes_total";
-const NVLINK_BYTES_HELP: &str =
-    "NVLink bytes over all links (dcgm NVLINK_BANDWIDTH_TOTAL, PROF_NVLINK_RX/TX_BYTES)";
-
-const CPU: &str = "perch_node_cpu_seconds_total";
-const CPU_HELP: &str = "CPU time by mode, all cores";
-const CPU_REPLACES: &str = "`node_cpu_seconds_total` (per cpu)";
-
-/// `host_samples`, after `time`, `node`, `simulated`.
-pub static HOST: &[Column<HostSample>] = &[
-    host("cpu_user_seconds", F64(|r| r.cpu_user_seconds), "seconds")
-        .check(NonNegative)
-        .counter(CPU, CPU_HELP, CPU_REPLACES)
-        .labels(&[("mode", "user")]),
-    host("cpu_nice_seconds", F64(|r| r.cpu_nice_seconds), "seconds")
-        .check(NonNegative)
-        .counter(CPU, CPU_HELP, CPU_REPLACES)
-        .labels(&[("mode", "nice")]),
-    host(
-        "cpu_system_seconds",
-        F64(|r| r.cpu_system_seconds),
-        "seconds",
-    )
-    .check(NonNegative)
-    .counter(CPU, CPU_HELP, CPU_REPLACES)
-    .labels(&[("mode", "system")]),
-    host("cpu_idle_seconds", F64(|r| r.cpu_idle_seconds), "seconds")
-        .check(NonNegative)
-        .counter(CPU, CPU_HELP, CPU_REPLACES)
-        .labels(&[("mode", "idle")]),
-    host(
-        "cpu_iowait_seconds",
-        F64(|r| r.cpu_iowait_seconds),
-        "seconds",
-    )
-    .check(NonNegative)
-    .counter(CPU, CPU_HELP, CPU_REPLACES)
-    .labels(&[("mode", "iowait")]),
-    host("cpu_irq_seconds", F64(|r| r.cpu_irq_seconds), "seconds")
-        .check(NonNegative)
-        .counter(CPU, CPU_HELP, CPU_REPLACES)
-        .labels(&[("mode", "irq")]),
-    host(
-        "cpu_softirq_seconds",
-        F64(|r| r.cpu_softirq_seconds),
-        "seconds",
-    )
-    .check(NonNegative)
-    .counter(CPU, CPU_HELP, CPU_REPLACES)
-    .labels(&[("mode", "softirq")]),
-    host("cpu_steal_seconds", F64(|r| r.cpu_steal_seconds), "seconds")
-        .check(NonNegative)
-        .counter(CPU, CPU_HELP, CPU_REPLACES)
-        .labels(&[("mode", "steal")]),
-    host("cpu_count", U32(|r| r.cpu_count), "").gauge(
-        "perch_node_cpus",
-        "Online CPUs",
-        "`count(node_cpu_seconds_total{mode=\"idle\"})`",
-    ),
-    host("memory_total_bytes", U64(|r| r.memory_total_bytes), "bytes").gauge(
-        "perch_node_memory_total_bytes",
-        "Physical memory",
-        "`node_memory_MemTotal_bytes`",
-    ),
-    host(
-        "memory_available_bytes",
-        U64(|r| r.memory_available_bytes),
-        "bytes",
-    )
-    .gauge(
-        "perch_node_memory_available_bytes",
-        "Memory available to new work",
-        "`node_memory_MemAvailable_bytes`",
-    ),
-    host("load1", F64(|r| r.load1), "")
-        .check(NonNegative)
-        .gauge("perch_node_load1", "1-minute load average", "`node_load1`"),
-    host("load5", F64(|r| r.load5), "")
-        .check(NonNegative)
-        .gauge("perch_node_load5", "5-minute load average", "`node_load5`"),
-    host("load15", F64(|r| r.load15), "")
-        .check(NonNegative)
-        .gauge(
-            "perch_node_load15",
-            "15-minute load average",
-            "`node_load15`",
-        ),
-    host("disk_free_bytes", U64(|r| r.disk_free_bytes), "bytes").gauge(
-        "perch_node_data_disk_free_bytes",
-        "Free space on the agent's data filesystem",
-        "`node_filesystem_avail_bytes`",
-    ),
-    host("disk_total_bytes", U64(|r| r.disk_total_bytes), "bytes").gauge(
-        "perch_node_data_disk_size_bytes",
-        "Size of the agent's data filesystem",
-        "`node_filesystem_size_bytes`",
-    ),
-    host("uptime_seconds", F64(|r| r.uptime_seconds), "seconds")
-        .check(NonNegative)
-        .gauge(
-            "perch_node_uptime_seconds",
-            "Time since boot",
-            "`time() - node_boot_time_seconds`",
-        ),
-];
-
-/// `nic_samples`, after `time`, `node`, `device`, `simulated`.
-pub static NIC: &[Column<NicSample>] = &[
-    nic("rx_bytes", U64(|r| r.rx_bytes), "bytes").counter(
-        "perch_network_receive_bytes_total",
-        "Bytes received",
-        "`node_network_receive_bytes_total`",
-    ),
-    nic("rx_packets", U64(|r| r.rx_packets), "packets").counter(
-        "perch_network_receive_packets_total",
-        "Packets received",
-        "`node_network_receive_packets_total`",
-    ),
-    nic("rx_errors", U64(|r| r.rx_errors), "packets").counter(
-        "perch_network_receive_errs_total",
-        "Receive errors",
-        "`node_network_receive_errs_total`",
-    ),
-    nic("rx_dropped", U64(|r| r.rx_dropped), "packets").counter(
-        "perch_network_receive_drop_total",
-        "Received packets dropped",
-        "`node_network_receive_drop_total`",
-    ),
-    nic("tx_bytes", U64(|r| r.tx_bytes), "bytes").counter(
-        "perch_network_transmit_bytes_total",
-        "Bytes sent",
-        "`node_network_transmit_bytes_total`",
-    ),
-    nic("tx_packets", U64(|r| r.tx_packets), "packets").counter(
-        "perch_network_transmit_packets_total",
-        "Packets sent",
-        "`node_network_transmit_packets_total`",
-    ),
-    nic("tx_errors", U64(|r| r.tx_errors), "packets").counter(
-        "perch_network_transmit_errs_total",
-        "Transmit errors",
-        "`node_network_transmit_errs_total`",
-    ),
-    nic("tx_dropped", U64(|r| r.tx_dropped), "packets").counter(
-        "perch_network_transmit_drop_total",
-        "Packets dropped on transmit",
-        "`node_network_transmit_drop_total`",
-    ),
-    nic("link_up", Bool(|r| r.link_up), "").gauge(
-        "perch_network_up",
-        "1 if the interface is operationally up",
-        "`node_network_up`",
-    ),
-    nic("speed_mbps", U64(|r| r.speed_mbps), "Mbit/s")
-        .gauge(
-            "perch_network_speed_bytes",
-            "Negotiated link speed in bytes per second",
-            "`node_network_speed_bytes`",
-        )
-        .scaled(125_000.0),
-];
-
-/// `ib_port_samples`, after `time`, `node`, `device`, `port`, `simulated`.
-pub static IB_PORT: &[Column<IbPortSample>] = &[
-    ib_port("state", Text(|r| r.state.clone()), "")
-        .gauge(
-            "perch_infiniband_up",
-            "1 if the port state is ACTIVE",
-            "`node_infiniband_state_id == 4`",
-        )
-        .computed(|r| r.state.as_ref().map(|s| f64::from(u8::from(s == "ACTIVE")))),
-    ib_port("rate_gbps", F64(|r| r.rate_gbps), "Gbit/s")
-        .check(NonNegative)
-        .gauge(
-            "perch_infiniband_rate_bytes_per_second",
-            "Port signalling rate in bytes per second",
-            "`node_infiniband_rate_bytes_per_second`",
-        )
-        .scaled(1.25e8),
-    ib_port("rx_bytes", U64(|r| r.rx_bytes), "bytes").counter(
-        "perch_infiniband_receive_bytes_total",
-        "Bytes received (port_rcv_data x 4)",
-        "`node_infiniband_port_data_received_bytes_total`",
-    ),
-    ib_port("tx_bytes", U64(|r| r.tx_bytes), "bytes").counter(
-        "perch_infiniband_transmit_bytes_total",
-        "Bytes sent (port_xmit_data x 4)",
-        "`node_infiniband_port_data_transmitted_bytes_total`",
-    ),
-    ib_port("rx_packets", U64(|r| r.rx_packets), "packets").counter(
-        "perch_infiniband_receive_packets_total",
-        "Packets received",
-        "`node_infiniband_port_packets_received_total`",
-    ),
-    ib_port("tx_packets", U64(|r| r.tx_packets), "packets").counter(
-        "perch_infiniband_transmit_packets_total",
-        "Packets sent",
-        "`node_infiniband_port_packets_transmitted_total`",
-    ),
-    ib_port("symbol_errors", U64(|r| r.symbol_errors), "errors").counter(
-        "perch_infiniband_symbol_errors_total",
-        "Symbol errors",
-        "`node_infiniband_symbol_error_total`",
-    ),
-    ib_port("link_downed", U64(|r| r.link_downed), "events").counter(
-        "perch_infiniband_link_downed_total",
-        "Times the link went down",
-        "`node_infiniband_link_downed_total`",
-    ),
-    ib_port("rx_errors", U64(|r| r.rx_errors), "packets").counter(
-        "perch_infiniband_receive_errors_total",
-        "Receive errors",
-        "`node_infiniband_port_errors_received_total`",
-    ),
-    ib_port("tx_wait", U64(|r| r.tx_wait), "ticks").counter(
-        "perch_infiniband_transmit_wait_total",
-        "Ticks with data to send and no credits",
-        "`node_infiniband_port_transmit_wait_total`",
-    ),
-];
-
-/// `job_samples`, after `time`, `node`, `job`, `user_name`, `simulated`, `source`, `gpus`.
-pub static JOB: &[Column<JobSample>] = &[
-    job("cpu_seconds", F64(|r| r.cpu_seconds), "seconds")
-        .check(NonNegative)
-        .counter(
-            "perch_job_cpu_seconds_total",
-            "CPU time of the job",
-            "cAdvisor `container_cpu_usage_seconds_total`",
-        ),
-    job("memory_bytes", U64(|r| r.memory_bytes), "bytes").gauge(
-        "perch_job_memory_bytes",
-        "Memory of the job now",
-        "cAdvisor `container_memory_usage_bytes`",
-    ),
-    job("memory_peak_bytes", U64(|r| r.memory_peak_bytes), "bytes").gauge(
-        "perch_job_memory_peak_bytes",
-        "Peak memory of the job",
-        "cAdvisor `container_memory_max_usage_bytes`",
-    ),
-    job("processes", U32(|r| r.processes), "").gauge(
-        "perch_job_processes",
-        "Processes in the job",
-        "cAdvisor `container_processes`",
-    ),
-    job("gpu_memory_bytes", U64(|r| r.gpu_memory_bytes), "bytes").gauge(
-        "perch_job_gpu_memory_bytes",
-        "GPU memory held by the job's processes",
-        "",
-    ),
-];
+/// What a catalogue line names without a path: the readings, the checks and the GPU series
+/// families several lines share. The GPU catalogue's expansion imports it.
+#[doc(hidden)]
+pub mod prelude {
+    pub use super::Check::{NonNegative, Percent};
+    pub use super::Read::{Bool, F64, Text, U32, U64};
+    pub use super::gpu::families::*;
+}
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::collections::{BTreeMap, BTreeSet};
-
-    fn families<R>(columns: &[Column<R>], out: &mut BTreeMap<&'static str, Vec<&'static str>>) {
-        let mut names = BTreeSet::new();
-        for c in columns {
-            assert!(names.insert(c.name), "column {} declared twice", c.name);
-            if let Some(s) = &c.series {
-                assert!(
-                    s.name.starts_with("perch_"),
-                    "{}: series names start with perch_",
-                    s.name
-                );
-                assert_eq!(
-                    s.kind == Kind::Counter,
-                    s.name.ends_with("_total"),
-                    "{}: a counter's name, and only a counter's, ends in _total",
-                    s.name
-                );
-                if matches!(c.read, Read::Text(_)) {
-                    assert!(
-                        matches!(s.value, Value::From(_)),
-                        "{}: a text column needs its own reading to be exported",
-                        c.name
-                    );
-                }
-                out.entry(s.name).or_default().push(s.help);
-            }
-        }
-    }
-
-    /// Columns are declared once per table, series names follow the conventions, and every
-    /// column of one family agrees on its help (Prometheus takes one per family).
-    #[test]
-    fn each_column_once_and_each_family_one_help() {
-        let mut all = BTreeMap::new();
-        families(GPU, &mut all);
-        families(HOST, &mut all);
-        families(NIC, &mut all);
-        families(IB_PORT, &mut all);
-        families(JOB, &mut all);
-        for (name, helps) in all {
-            assert!(
-                helps.windows(2).all(|w| w[0] == w[1]),
-                "{name}: columns of one family give different helps: {helps:?}"
-            );
-        }
-    }
-
-    #[test]
-    fn exported_values_are_scaled_as_declared() {
-        let g = GpuSample {
-            utilization_gpu_pct: Some(50.0),
-            sm_clock_mhz: Some(1980),
-            mig_enabled: Some(true),
-            ..GpuSample::default()
-        };
-        let value = |name: &str| {
-            let c = GPU.iter().find(|c| c.name == name).expect("column");
-            c.series.as_ref().expect("exported").value(c, &g)
-        };
-        assert_eq!(value("utilization_gpu_pct"), Some(0.5));
-        let g37 = GpuSample {
-            utilization_gpu_pct: Some(37.0),
-            ..GpuSample::default()
-        };
-        let util = &GPU[0];
-        assert_eq!(
-            util.series.as_ref().expect("exported").value(util, &g37),
-            Some(0.37),
-            "a percent divided, not multiplied by 0.01"
-        );
-        assert_eq!(value("sm_clock_mhz"), Some(1.98e9));
-        assert_eq!(value("mig_enabled"), Some(1.0));
-        assert_eq!(value("power_watts"), None, "absent stays absent, never 0");
-        let port = IbPortSample {
-            state: Some("DOWN".into()),
-            ..IbPortSample::default()
-        };
-        let up = &IB_PORT[0];
-        assert_eq!(
-            up.series.as_ref().expect("exported").value(up, &port),
-            Some(0.0)
-        );
-    }
-}
+mod tests;

@@ -4,6 +4,9 @@
 //! [`Batch`]es and the server's store consumes them. It holds data and validation only: no I/O,
 //! no async; the one injected [`clock::Clock`]; and [`tls::use_ring`], the one TLS provider every process installs.
 
+// The GPU catalogue's expansion names this crate by path, in it as in a crate expanding it.
+extern crate self as perch_model;
+
 mod audit;
 pub mod catalogue;
 pub mod clock;
@@ -34,3 +37,10 @@ pub use telemetry::{
     Batch, BatchError, GpuSample, HostSample, MAX_SAMPLES_PER_BATCH, MAX_TIME_SKEW_MS, NicSample,
 };
 pub use throttle::{THROTTLE_REASONS, throttle_reason_names};
+
+/// What the GPU catalogue's expansion needs in a crate that expands it
+/// ([`probe_gpu_catalogue`]).
+#[doc(hidden)]
+pub mod __private {
+    pub use serde;
+}

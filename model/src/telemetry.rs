@@ -8,9 +8,9 @@
 //! Every sample carries `simulated`: true when the value came from perch's GPU or cluster
 //! simulator rather than from hardware, so simulated data can never pass for real data.
 
+pub use crate::catalogue::GpuSample;
 use crate::{
-    GpuEvent, GpuIndex, GpuProcessSample, IbPortSample, JobMetricSample, JobSample, NodeId,
-    catalogue,
+    GpuEvent, GpuProcessSample, IbPortSample, JobMetricSample, JobSample, NodeId, catalogue,
 };
 use serde::{Deserialize, Serialize};
 
@@ -58,98 +58,6 @@ pub struct Batch {
     /// leave it empty).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub job_metrics: Vec<JobMetricSample>,
-}
-
-/// One GPU at one instant.
-///
-/// The fields after `memory_clock_mhz` are health and interconnect counters that many GPUs do
-/// not report; they are left out of the JSON when absent.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct GpuSample {
-    /// Unix time in milliseconds.
-    pub time_ms: i64,
-    pub gpu: GpuIndex,
-    pub uuid: String,
-    pub model: String,
-    pub simulated: bool,
-    /// Percent of time a kernel was running, 0 to 100.
-    #[serde(default)]
-    pub utilization_gpu_pct: Option<f64>,
-    /// Percent of time device memory was read or written, 0 to 100.
-    #[serde(default)]
-    pub utilization_memory_pct: Option<f64>,
-    #[serde(default)]
-    pub memory_used_bytes: Option<u64>,
-    #[serde(default)]
-    pub memory_total_bytes: Option<u64>,
-    #[serde(default)]
-    pub power_watts: Option<f64>,
-    /// Energy since the driver loaded, in joules (Volta and later).
-    #[serde(default)]
-    pub energy_joules: Option<f64>,
-    #[serde(default)]
-    pub temperature_celsius: Option<f64>,
-    #[serde(default)]
-    pub sm_clock_mhz: Option<u32>,
-    #[serde(default)]
-    pub memory_clock_mhz: Option<u32>,
-    /// NVML's clock throttle reasons bitmask (`nvmlClocksThrottleReason*`); see
-    /// [`throttle_reason_names`](crate::throttle_reason_names).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub throttle_reasons: Option<u64>,
-    /// ECC error counts: volatile since the driver loaded, aggregate over the GPU's life.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ecc_corrected_volatile: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ecc_uncorrected_volatile: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ecc_corrected_aggregate: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ecc_uncorrected_aggregate: Option<u64>,
-    /// Pages retired for multiple single-bit / for double-bit ECC errors.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub retired_pages_single_bit: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub retired_pages_double_bit: Option<u32>,
-    /// Pages waiting for a reboot to be retired.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub retired_pages_pending: Option<bool>,
-    /// PCIe throughput over NVML's last 20 ms window, bytes per second.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pcie_tx_bytes_per_second: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pcie_rx_bytes_per_second: Option<f64>,
-    /// PCIe replays (counter).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pcie_replay_total: Option<u64>,
-    /// NVLinks present and active.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nvlink_links: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nvlink_links_up: Option<u32>,
-    /// NVLink CRC, replay and recovery errors over all links (counter).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nvlink_errors_total: Option<u64>,
-    /// NVLink bytes over all links (counter).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nvlink_rx_bytes: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nvlink_tx_bytes: Option<u64>,
-    /// Compute processes on the GPU (see `Batch::gpu_processes` for each).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub processes: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mig_enabled: Option<bool>,
-    /// MIG devices configured, when MIG is on.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mig_instances: Option<u32>,
-    /// XID errors the agent has seen on this GPU since it started (counter).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub xid_errors_total: Option<u64>,
-    /// ECC error events (single- and double-bit) seen since the agent started (counter).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ecc_error_events_total: Option<u64>,
 }
 
 /// The host (CPU, memory, disk) at one instant.
@@ -380,6 +288,7 @@ impl Batch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::GpuIndex;
 
     const NOW: i64 = 1_800_000_000_000;
 
@@ -486,5 +395,17 @@ mod tests {
         let back: Batch = serde_json::from_str(&json).expect("parses");
         assert_eq!(back, b);
         assert_eq!(back.gpus[0].energy_joules, None);
+    }
+
+    /// The sample the catalogue declares is on the wire exactly as before it did: the basic
+    /// fields as `null` when absent, the others left out, in the catalogue's order.
+    #[test]
+    fn the_wire_format_of_a_gpu_sample_is_unchanged() {
+        let empty = r#"{"time_ms":0,"gpu":0,"uuid":"","model":"","simulated":false,"utilization_gpu_pct":null,"utilization_memory_pct":null,"memory_used_bytes":null,"memory_total_bytes":null,"power_watts":null,"energy_joules":null,"temperature_celsius":null,"sm_clock_mhz":null,"memory_clock_mhz":null}"#;
+        let full = r#"{"time_ms":1,"gpu":2,"uuid":"u","model":"m","simulated":true,"utilization_gpu_pct":1.5,"utilization_memory_pct":2.5,"memory_used_bytes":3,"memory_total_bytes":4,"power_watts":5.5,"energy_joules":6.5,"temperature_celsius":7.5,"sm_clock_mhz":8,"memory_clock_mhz":9,"throttle_reasons":10,"ecc_corrected_volatile":11,"ecc_uncorrected_volatile":12,"ecc_corrected_aggregate":13,"ecc_uncorrected_aggregate":14,"retired_pages_single_bit":15,"retired_pages_double_bit":16,"retired_pages_pending":true,"pcie_tx_bytes_per_second":17.5,"pcie_rx_bytes_per_second":18.5,"pcie_replay_total":19,"nvlink_links":20,"nvlink_links_up":21,"nvlink_errors_total":22,"nvlink_rx_bytes":23,"nvlink_tx_bytes":24,"processes":25,"mig_enabled":false,"mig_instances":26,"xid_errors_total":27,"ecc_error_events_total":28}"#;
+        for json in [empty, full] {
+            let sample: GpuSample = serde_json::from_str(json).expect("parses");
+            assert_eq!(serde_json::to_string(&sample).expect("serializes"), json);
+        }
     }
 }

@@ -10,7 +10,10 @@
 //! Handles are not pointers to memory: a device handle is its index plus one, a MIG device
 //! handle is `0x10000 + 256 * gpu + instance`, an event set handle its slot plus one. This file
 //! is the only place with `unsafe`: writes through the caller's out-pointers, each after a null
-//! check, in [`put`], [`put_str`] and [`put_slice`].
+//! check, in [`put`], [`put_str`], [`put_slice`] and [`caller_slice`].
+//!
+//! `nvmlDeviceGetFieldValues` answers every NVML field a scenario sets (`fields`), whatever its
+//! id: a metric the agent's catalogue reads by field id needs no export of its own here.
 // The safety contract of every exported function is NVML's own (valid out-pointers of the
 // documented types); restating it per function adds nothing.
 #![allow(clippy::missing_safety_doc)]
@@ -18,12 +21,13 @@
 pub mod scenario;
 
 use nvml_wrapper_sys::bindings::{
-    nvmlDevice_t, nvmlEventData_t, nvmlEventSet_t, nvmlMemory_v2_t, nvmlProcessInfo_t,
-    nvmlProcessUtilizationSample_t, nvmlReturn_t, nvmlUtilization_t,
+    nvmlDevice_t, nvmlEventData_t, nvmlEventSet_t, nvmlFieldValue_t, nvmlMemory_v2_t,
+    nvmlProcessInfo_t, nvmlProcessUtilizationSample_t, nvmlReturn_t, nvmlUtilization_t,
+    nvmlValue_t,
 };
-use scenario::{Clock, GpuScript, Scenario, Values};
+use scenario::{Clock, FieldValue, GpuScript, Scenario, Values};
 use std::collections::HashSet;
-use std::ffi::{c_char, c_uint, c_ulonglong};
+use std::ffi::{c_char, c_int, c_uint, c_ulonglong};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -99,6 +103,18 @@ fn put_slice<T: Copy>(count: *mut c_uint, out: *mut T, items: &[T]) -> nvmlRetur
     // SAFETY: the caller said `out` has room for `room >= items.len()` entries of T.
     unsafe { std::ptr::copy_nonoverlapping(items.as_ptr(), out, items.len()) };
     SUCCESS
+}
+
+/// The caller's array of `count` entries at `items`, to read and fill in place (NVML's
+/// in-out arrays); `None` for a null pointer or a negative count.
+fn caller_slice<'a, T>(items: *mut T, count: c_int) -> Option<&'a mut [T]> {
+    let count = usize::try_from(count).ok()?;
+    if items.is_null() {
+        return None;
+    }
+    // SAFETY: NVML's contract: a non-null `items` points to `count` initialised, writable
+    // entries of T, which the caller does not touch until the call returns.
+    Some(unsafe { std::slice::from_raw_parts_mut(items, count) })
 }
 
 /// Copies a string with its NUL into a caller's buffer of `len` bytes.
@@ -325,6 +341,42 @@ scalar!(
 );
 scalar!(nvmlDeviceGetPcieReplayCounter, c_uint, pcie_replay_counter);
 
+/// `nvmlValueType_t`: double, unsigned long long, signed long long.
+const VALUE_DOUBLE: c_uint = 0;
+const VALUE_UNSIGNED_LONG_LONG: c_uint = 3;
+const VALUE_SIGNED_LONG_LONG: c_uint = 4;
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetFieldValues(
+    device: nvmlDevice_t,
+    count: c_int,
+    values: *mut nvmlFieldValue_t,
+) -> nvmlReturn_t {
+    with_gpu(device, |_, _, v| {
+        let Some(entries) = caller_slice(values, count) else {
+            return Some(INVALID_ARGUMENT);
+        };
+        for entry in entries {
+            let set = v.fields.as_ref().and_then(|f| f.get(&entry.fieldId));
+            let (value_type, value) = match set {
+                Some(FieldValue::Unsigned(u)) => {
+                    (VALUE_UNSIGNED_LONG_LONG, nvmlValue_t { ullVal: *u })
+                }
+                Some(FieldValue::Signed(i)) => (VALUE_SIGNED_LONG_LONG, nvmlValue_t { sllVal: *i }),
+                Some(FieldValue::Double(d)) => (VALUE_DOUBLE, nvmlValue_t { dVal: *d }),
+                None => {
+                    entry.nvmlReturn = NOT_SUPPORTED;
+                    continue;
+                }
+            };
+            entry.valueType = value_type;
+            entry.value = value;
+            entry.nvmlReturn = SUCCESS;
+        }
+        Some(SUCCESS)
+    })
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetTemperature(
     device: nvmlDevice_t,
@@ -413,6 +465,17 @@ pub unsafe extern "C" fn nvmlDeviceGetRetiredPages_v2(
             }
             other => Some(other),
         }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetRetiredPagesPendingStatus(
+    device: nvmlDevice_t,
+    out: *mut c_uint,
+) -> nvmlReturn_t {
+    // nvmlEnableState_t: 0 disabled, 1 enabled.
+    with_gpu(device, |_, _, v| {
+        Some(put(out, c_uint::from(v.retired_pages_pending?)))
     })
 }
 

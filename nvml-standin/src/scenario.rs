@@ -9,8 +9,14 @@
 //!
 //! A metric that no keyframe up to now has set is unsupported: the library answers
 //! `NVML_ERROR_NOT_SUPPORTED`, as a real GPU without that feature does.
+//!
+//! Besides the values of the calls the agent makes one by one, a keyframe's `fields` sets NVML
+//! field values by field id (`"fields": {"95": 3}`), which `nvmlDeviceGetFieldValues` answers:
+//! a catalogue line that names an NVML field is read that way, so it needs no code here. Tests
+//! build such scenarios from the catalogue.
 
 use serde::Deserialize;
+use std::collections::BTreeMap;
 
 /// How the scenario's clock advances.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -108,6 +114,7 @@ pub struct Values {
     pub ecc_uncorrected_aggregate: Option<u64>,
     pub retired_pages_single_bit: Option<u32>,
     pub retired_pages_double_bit: Option<u32>,
+    pub retired_pages_pending: Option<bool>,
     pub pcie_tx_kbps: Option<u32>,
     pub pcie_rx_kbps: Option<u32>,
     pub pcie_replay_counter: Option<u32>,
@@ -121,6 +128,19 @@ pub struct Values {
     pub processes: Option<Vec<Process>>,
     pub mig_mode: Option<bool>,
     pub mig_instances: Option<u32>,
+    /// NVML field values by field id (`NVML_FI_DEV_*`, numbered as before driver 580.82);
+    /// a later keyframe overrides only the fields it sets.
+    pub fields: Option<BTreeMap<u32, FieldValue>>,
+}
+
+/// An NVML field's value, typed as NVML types it: an integer as an unsigned or signed 64-bit
+/// value, anything else as a double.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum FieldValue {
+    Unsigned(u64),
+    Signed(i64),
+    Double(f64),
 }
 
 impl Values {
@@ -146,6 +166,7 @@ impl Values {
             ecc_uncorrected_aggregate,
             retired_pages_single_bit,
             retired_pages_double_bit,
+            retired_pages_pending,
             pcie_tx_kbps,
             pcie_rx_kbps,
             pcie_replay_counter,
@@ -157,6 +178,11 @@ impl Values {
             mig_mode,
             mig_instances
         );
+        if let Some(later) = &later.fields {
+            self.fields
+                .get_or_insert_with(BTreeMap::new)
+                .extend(later.iter().map(|(id, v)| (*id, *v)));
+        }
     }
 }
 
@@ -242,6 +268,28 @@ mod tests {
         check(2.0, Some(90), Some(100_000), false);
         check(3.0, Some(90), Some(100_000), true);
         assert_eq!(s.clock, Clock::Rounds);
+    }
+
+    #[test]
+    fn field_values_are_typed_and_overridden_one_by_one() {
+        let s = Scenario::parse(
+            r#"{"gpus":[{"uuid":"GPU-1","name":"X",
+                "timeline":[{"at":0,"set":{"fields":{"95":7,"96":-2,"97":1.5}}},
+                            {"at":1,"set":{"fields":{"95":18446744073709551615}}}]}]}"#,
+        )
+        .expect("valid scenario");
+        let fields = |now: f64| s.gpus[0].values_at(now).fields.unwrap_or_default();
+        assert_eq!(
+            fields(0.0),
+            BTreeMap::from([
+                (95, FieldValue::Unsigned(7)),
+                (96, FieldValue::Signed(-2)),
+                (97, FieldValue::Double(1.5))
+            ])
+        );
+        assert_eq!(fields(1.0)[&95], FieldValue::Unsigned(u64::MAX));
+        assert_eq!(fields(1.0)[&97], FieldValue::Double(1.5));
+        assert!(fields(-1.0).is_empty());
     }
 
     #[test]

@@ -6,6 +6,12 @@
 //! a flush or the state after it, never a mix. Parquet files not listed are leftovers of a
 //! flush that did not finish and are removed at start-up; their rows are still in the
 //! write-ahead log.
+//!
+//! Its `version` is the store's format version (`docs/format/manifest.md`): the manifest's
+//! fields, the files' columns, and what the write-ahead log needs of a reader. It is the first
+//! thing a store's open reads, so a perch that does not know the version refuses the store
+//! before it reads anything else; a newer perch upgrades an older store once at start-up
+//! (`upgrade` in `store.rs`).
 
 use crate::{Error, Result};
 use bytes::Bytes;
@@ -38,9 +44,19 @@ pub struct FileEntry {
     pub max_time_ms: i64,
 }
 
-/// The manifest's format, and the files': 2 since `user` columns became `user_name` (files of
-/// version 1 are rewritten once at startup, see `Store::open`).
-pub const CURRENT_VERSION: u32 = 2;
+/// The store's format version this binary writes, and the newest it reads (it reads every
+/// older one, upgrading it at start-up). 2: `user` columns became `user_name` (files of
+/// version 1 are rewritten). 3: write-ahead log segments carry a header
+/// ([`crate::wal::FORMAT_VERSION`] 2), which a perch of version 2 would take for a torn
+/// record.
+pub const CURRENT_VERSION: u32 = 3;
+
+/// The one field every version has, read before the rest: a newer manifest may hold fields
+/// this binary does not know, and its version, not the first unknown field, is what to report.
+#[derive(Deserialize)]
+struct Versioned {
+    version: u32,
+}
 
 impl Manifest {
     /// A new store's manifest.
@@ -53,20 +69,24 @@ impl Manifest {
 
     /// Parses a stored manifest; `location` names it in the error.
     pub fn parse(data: &[u8], location: &str) -> Result<Manifest> {
-        let manifest: Manifest = serde_json::from_slice(data).map_err(|e| Error::Corrupt {
+        let corrupt = |e: serde_json::Error| Error::Corrupt {
             what: "manifest",
             message: format!("{location}: {e}"),
-        })?;
-        if manifest.version > CURRENT_VERSION {
-            return Err(Error::Corrupt {
-                what: "manifest",
-                message: format!(
-                    "{location} is of version {}, written by a newer perch; this one reads up to version {CURRENT_VERSION}: run the newer perch",
-                    manifest.version
+        };
+        let Versioned { version } = serde_json::from_slice(data).map_err(corrupt)?;
+        if version > CURRENT_VERSION {
+            return Err(Error::Io {
+                what: "reading the manifest",
+                path: location.into(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!(
+                        "the store is of format version {version}, written by a newer perch; this one reads versions up to {CURRENT_VERSION}. Run the perch release that wrote it (or a newer one); see docs/format/manifest.md"
+                    ),
                 ),
             });
         }
-        Ok(manifest)
+        serde_json::from_slice(data).map_err(corrupt)
     }
 
     pub fn to_bytes(&self) -> Result<Bytes> {
@@ -76,5 +96,37 @@ impl Manifest {
                 what: "manifest",
                 message: e.to_string(),
             })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_newer_manifest_is_refused_by_its_version_whatever_fields_it_has() {
+        let newer = format!(
+            r#"{{"version": {}, "wal_flushed_through": 0, "node_seq": {{}}, "files": {{}}, "next_file_id": 0, "shards": []}}"#,
+            CURRENT_VERSION + 1
+        );
+        let err = Manifest::parse(newer.as_bytes(), "/data/manifest.json")
+            .expect_err("refused")
+            .to_string();
+        for said in [
+            "/data/manifest.json",
+            &format!("format version {}", CURRENT_VERSION + 1),
+            &format!("reads versions up to {CURRENT_VERSION}"),
+            "newer perch",
+        ] {
+            assert!(err.contains(said), "{said:?} not in {err}");
+        }
+        // Of this version, a field it does not know is damage, said as such.
+        let unknown = newer.replace(
+            &format!("\"version\": {}", CURRENT_VERSION + 1),
+            &format!("\"version\": {CURRENT_VERSION}"),
+        );
+        let err = Manifest::parse(unknown.as_bytes(), "m").expect_err("refused");
+        assert!(matches!(err, Error::Corrupt { .. }), "{err}");
+        assert!(err.to_string().contains("shards"), "{err}");
     }
 }

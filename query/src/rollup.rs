@@ -26,86 +26,125 @@ use arrow::compute::{SortColumn, concat_batches, lexsort_to_indices, take, take_
 use arrow::datatypes::{
     DataType, Field, Float64Type, Schema, SchemaRef, TimestampMillisecondType, UInt64Type,
 };
+use perch_model::catalogue::{self, Column, Read, Summary};
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 pub(crate) const MINUTE_MS: i64 = 60_000;
 pub(crate) const HOUR_MS: i64 = 3_600_000;
 
-/// What a rollup keeps of one kind of source table.
+/// What a rollup keeps of one kind of source table. Which columns it summarises, how and in
+/// what order come from the source's catalogue ([`catalogue::Column::rollup`]); there is no
+/// list of them here.
 #[derive(Debug)]
 pub(crate) struct RollupSpec {
     /// The raw table summarised.
     pub(crate) source: Table,
+    /// Its schema (the rows `of_rows` summarises).
+    raw: SchemaRef,
     /// Key columns the source is sorted by before `time` (`node`, `gpu`).
     pub(crate) sorted: &'static [&'static str],
     /// Further key columns that are constant for a device in practice (`uuid`, `model`,
     /// `simulated`): part of the key, so a GPU swapped within a minute gives two exact rows
     /// rather than one with a made-up label.
     pub(crate) labels: &'static [&'static str],
-    /// Values that go up and down: count of non-null values, sum, min and max (so the mean is
-    /// exact at any coarser grain: sum of sums over sum of counts).
-    pub(crate) gauges: &'static [&'static str],
-    /// Counters and capacities: min and max (a counter's increase over the bucket is
-    /// max - min, when it did not reset).
-    pub(crate) ranges: &'static [&'static str],
+    /// The summarised columns in stored order (their catalogue rollup slots). Gauges (values
+    /// that go up and down) keep the count of non-null values, sum, min and max, so the mean
+    /// is exact at any coarser grain: sum of sums over sum of counts. Ranges (counters and
+    /// capacities) keep min and max: a counter's increase over the bucket is max - min, when
+    /// it did not reset.
+    summarised: Vec<Summarised>,
+    /// The stored (partial) schema, shared by the 1-minute and 1-hour tables.
+    schema: SchemaRef,
 }
 
-pub(crate) static GPU: RollupSpec = RollupSpec {
-    source: Table::GpuSamples,
-    sorted: &["node", "gpu"],
-    labels: &["uuid", "model", "simulated"],
-    gauges: &[
-        "utilization_gpu_pct",
-        "utilization_memory_pct",
-        "memory_used_bytes",
-        "power_watts",
-        "temperature_celsius",
-        "sm_clock_mhz",
-        "memory_clock_mhz",
-        "pcie_tx_bytes_per_second",
-        "pcie_rx_bytes_per_second",
-    ],
-    ranges: &["energy_joules", "memory_total_bytes", "xid_errors_total"],
-};
-
-pub(crate) static HOST: RollupSpec = RollupSpec {
-    source: Table::HostSamples,
-    sorted: &["node"],
-    labels: &["simulated"],
-    gauges: &[
-        "load1",
-        "load5",
-        "load15",
-        "memory_available_bytes",
-        "disk_free_bytes",
-    ],
-    ranges: &[
-        "cpu_user_seconds",
-        "cpu_nice_seconds",
-        "cpu_system_seconds",
-        "cpu_idle_seconds",
-        "cpu_iowait_seconds",
-        "cpu_irq_seconds",
-        "cpu_softirq_seconds",
-        "cpu_steal_seconds",
-        "cpu_count",
-        "memory_total_bytes",
-        "disk_total_bytes",
-        "uptime_seconds",
-    ],
-};
-
-/// A summarised value is either a float or an unsigned integer (every integer metric is
-/// unsigned); integers stay integers so their sums are exact.
-fn value_type(source: &Schema, column: &str) -> DataType {
-    match source.field_with_name(column).map(|f| f.data_type()) {
-        Ok(DataType::Float64) => DataType::Float64,
-        _ => DataType::UInt64,
-    }
+/// One summarised column.
+#[derive(Debug)]
+struct Summarised {
+    name: &'static str,
+    summary: Summary,
+    /// Float64 for float columns, UInt64 for integer ones (every integer metric is unsigned),
+    /// so integer sums stay exact.
+    value_type: DataType,
 }
+
+pub(crate) static GPU: LazyLock<RollupSpec> = LazyLock::new(|| {
+    RollupSpec::of(
+        Table::GpuSamples,
+        Table::GpuSamples.schema(),
+        &["node", "gpu"],
+        &["uuid", "model", "simulated"],
+        catalogue::GPU,
+    )
+});
+
+pub(crate) static HOST: LazyLock<RollupSpec> = LazyLock::new(|| {
+    RollupSpec::of(
+        Table::HostSamples,
+        Table::HostSamples.schema(),
+        &["node"],
+        &["simulated"],
+        catalogue::HOST,
+    )
+});
 
 impl RollupSpec {
+    /// The rollup of `source` (rows of schema `raw`) whose measured columns `columns` (its
+    /// catalogue) describe: the catalogue's rolled-up columns in slot order, typed by their
+    /// reading.
+    pub(crate) fn of<R>(
+        source: Table,
+        raw: SchemaRef,
+        sorted: &'static [&'static str],
+        labels: &'static [&'static str],
+        columns: &[Column<R>],
+    ) -> RollupSpec {
+        let summarised: Vec<Summarised> = catalogue::rolled_up(columns)
+            .into_iter()
+            .map(|(c, r)| Summarised {
+                name: c.name,
+                summary: r.summary,
+                value_type: match c.read {
+                    Read::F64(_) => DataType::Float64,
+                    _ => DataType::UInt64,
+                },
+            })
+            .collect();
+        let mut fields = vec![Field::new("time", crate::schema::time_type(), false)];
+        for key in sorted.iter().chain(labels) {
+            if let Ok(f) = raw.field_with_name(key) {
+                fields.push(f.clone());
+            }
+        }
+        fields.push(Field::new("samples", DataType::UInt64, false));
+        for s in &summarised {
+            let (name, t) = (s.name, &s.value_type);
+            if s.summary == Summary::Gauge {
+                fields.push(Field::new(format!("{name}_count"), DataType::UInt64, false));
+                fields.push(Field::new(format!("{name}_sum"), t.clone(), true));
+            }
+            fields.push(Field::new(format!("{name}_min"), t.clone(), true));
+            fields.push(Field::new(format!("{name}_max"), t.clone(), true));
+        }
+        RollupSpec {
+            source,
+            raw,
+            sorted,
+            labels,
+            summarised,
+            schema: Arc::new(Schema::new(fields)),
+        }
+    }
+
+    /// The summarised columns of `summary`, in stored order (for the documentation test).
+    #[cfg(test)]
+    pub(crate) fn summarised(&self, summary: Summary) -> impl Iterator<Item = &'static str> + '_ {
+        self.summarised
+            .iter()
+            .filter(move |s| s.summary == summary)
+            .map(|s| s.name)
+    }
+
     /// Grouping columns in sort order, `time` standing for the bucket.
     fn group_columns(&self) -> impl Iterator<Item = &'static str> + '_ {
         self.sorted
@@ -115,37 +154,9 @@ impl RollupSpec {
             .chain(self.labels.iter().copied())
     }
 
-    /// The stored schema (cached in [`Table::schema`]).
+    /// The stored (partial) schema, shared by the 1-minute and 1-hour tables.
     pub(crate) fn schema(&self) -> SchemaRef {
-        match self.source {
-            Table::HostSamples => Table::HostSamples1m.schema(),
-            _ => Table::GpuSamples1m.schema(),
-        }
-    }
-
-    /// Builds the stored (partial) schema, shared by the 1-minute and 1-hour tables.
-    pub(crate) fn partial_schema(&self) -> SchemaRef {
-        let source = self.source.schema();
-        let mut fields = vec![Field::new("time", crate::schema::time_type(), false)];
-        for key in self.sorted.iter().chain(self.labels) {
-            if let Ok(f) = source.field_with_name(key) {
-                fields.push(f.clone());
-            }
-        }
-        fields.push(Field::new("samples", DataType::UInt64, false));
-        for g in self.gauges {
-            let t = value_type(&source, g);
-            fields.push(Field::new(format!("{g}_count"), DataType::UInt64, false));
-            fields.push(Field::new(format!("{g}_sum"), t.clone(), true));
-            fields.push(Field::new(format!("{g}_min"), t.clone(), true));
-            fields.push(Field::new(format!("{g}_max"), t, true));
-        }
-        for r in self.ranges {
-            let t = value_type(&source, r);
-            fields.push(Field::new(format!("{r}_min"), t.clone(), true));
-            fields.push(Field::new(format!("{r}_max"), t, true));
-        }
-        Arc::new(Schema::new(fields))
+        self.schema.clone()
     }
 
     /// The columns of the merged view, in order (for the documentation test).
@@ -158,14 +169,14 @@ impl RollupSpec {
             .chain(["samples"])
             .map(str::to_owned)
             .collect();
-        for g in self.gauges {
-            for s in ["avg", "min", "max", "sum", "count"] {
-                out.push(format!("{g}_{s}"));
+        for s in &self.summarised {
+            let suffixes: &[&str] = match s.summary {
+                Summary::Gauge => &["avg", "min", "max", "sum", "count"],
+                Summary::Range => &["min", "max"],
+            };
+            for suffix in suffixes {
+                out.push(format!("{}_{suffix}", s.name));
             }
-        }
-        for r in self.ranges {
-            out.push(format!("{r}_min"));
-            out.push(format!("{r}_max"));
         }
         out
     }
@@ -179,18 +190,23 @@ impl RollupSpec {
             .collect();
         let mut cols: Vec<String> = keys.iter().map(|k| (*k).to_owned()).collect();
         cols.push("sum(samples) AS samples".into());
-        for g in self.gauges {
-            cols.push(format!(
-                "CAST(sum({g}_sum) AS DOUBLE) / CAST(NULLIF(sum({g}_count), 0) AS DOUBLE) AS {g}_avg"
-            ));
-            cols.push(format!("min({g}_min) AS {g}_min"));
-            cols.push(format!("max({g}_max) AS {g}_max"));
-            cols.push(format!("sum({g}_sum) AS {g}_sum"));
-            cols.push(format!("sum({g}_count) AS {g}_count"));
-        }
-        for r in self.ranges {
-            cols.push(format!("min({r}_min) AS {r}_min"));
-            cols.push(format!("max({r}_max) AS {r}_max"));
+        for s in &self.summarised {
+            let c = s.name;
+            match s.summary {
+                Summary::Gauge => {
+                    cols.push(format!(
+                        "CAST(sum({c}_sum) AS DOUBLE) / CAST(NULLIF(sum({c}_count), 0) AS DOUBLE) AS {c}_avg"
+                    ));
+                    cols.push(format!("min({c}_min) AS {c}_min"));
+                    cols.push(format!("max({c}_max) AS {c}_max"));
+                    cols.push(format!("sum({c}_sum) AS {c}_sum"));
+                    cols.push(format!("sum({c}_count) AS {c}_count"));
+                }
+                Summary::Range => {
+                    cols.push(format!("min({c}_min) AS {c}_min"));
+                    cols.push(format!("max({c}_max) AS {c}_max"));
+                }
+            }
         }
         format!(
             "SELECT {} FROM {partial_table} GROUP BY {}",
@@ -258,36 +274,35 @@ pub(crate) fn aggregate(
         }
         Level::Partial => counts_of(column(input, "samples")?, &ranges)?,
     }));
-    for g in spec.gauges {
-        match from {
-            Level::Raw => {
-                let values = column(input, g)?;
+    for s in &spec.summarised {
+        let c = s.name;
+        match (s.summary, from) {
+            (Summary::Gauge, Level::Raw) => {
+                let values = column(input, c)?;
                 columns.push(Arc::new(count_valid(values.as_ref(), &ranges)));
                 columns.push(fold(values, &ranges, Op::Sum)?);
                 columns.push(fold(values, &ranges, Op::Min)?);
                 columns.push(fold(values, &ranges, Op::Max)?);
             }
-            Level::Partial => {
+            (Summary::Gauge, Level::Partial) => {
                 columns.push(Arc::new(counts_of(
-                    column(input, &format!("{g}_count"))?,
+                    column(input, &format!("{c}_count"))?,
                     &ranges,
                 )?));
-                columns.push(fold(column(input, &format!("{g}_sum"))?, &ranges, Op::Sum)?);
-                columns.push(fold(column(input, &format!("{g}_min"))?, &ranges, Op::Min)?);
-                columns.push(fold(column(input, &format!("{g}_max"))?, &ranges, Op::Max)?);
+                columns.push(fold(column(input, &format!("{c}_sum"))?, &ranges, Op::Sum)?);
+                columns.push(fold(column(input, &format!("{c}_min"))?, &ranges, Op::Min)?);
+                columns.push(fold(column(input, &format!("{c}_max"))?, &ranges, Op::Max)?);
+            }
+            (Summary::Range, Level::Raw) => {
+                let values = column(input, c)?;
+                columns.push(fold(values, &ranges, Op::Min)?);
+                columns.push(fold(values, &ranges, Op::Max)?);
+            }
+            (Summary::Range, Level::Partial) => {
+                columns.push(fold(column(input, &format!("{c}_min"))?, &ranges, Op::Min)?);
+                columns.push(fold(column(input, &format!("{c}_max"))?, &ranges, Op::Max)?);
             }
         }
-    }
-    for r in spec.ranges {
-        let (lo, hi) = match from {
-            Level::Raw => (column(input, r)?, column(input, r)?),
-            Level::Partial => (
-                column(input, &format!("{r}_min"))?,
-                column(input, &format!("{r}_max"))?,
-            ),
-        };
-        columns.push(fold(lo, &ranges, Op::Min)?);
-        columns.push(fold(hi, &ranges, Op::Max)?);
     }
     Ok(RecordBatch::try_new(schema, columns)?)
 }
@@ -301,7 +316,7 @@ pub(crate) fn of_rows(
     if batches.iter().all(|b| b.num_rows() == 0) {
         return Ok(None);
     }
-    let all = concat_batches(&spec.source.schema(), batches)?;
+    let all = concat_batches(&spec.raw, batches)?;
     let sorted = sort_by(&all, spec.sorted.iter().copied().chain(["time"]))?;
     aggregate(spec, width_ms, &sorted, Level::Raw).map(Some)
 }
@@ -443,7 +458,7 @@ mod tests {
 
     #[test]
     fn view_sql_names_every_view_column() {
-        for spec in [&GPU, &HOST] {
+        for spec in [&*GPU, &*HOST] {
             let sql = spec.view_sql("t");
             for c in spec
                 .view_columns()
@@ -453,7 +468,7 @@ mod tests {
                 assert!(sql.contains(&format!(" AS {c}")), "{c} missing from {sql}");
             }
             // Every partial column the view reads exists in the stored schema.
-            let schema = spec.partial_schema();
+            let schema = spec.schema();
             for f in schema.fields() {
                 assert!(sql.contains(f.name().as_str()), "{} unused", f.name());
             }

@@ -90,10 +90,10 @@ impl Table {
     /// themselves readable as `<name>_partial`.
     pub(crate) fn rollup(self) -> Option<(&'static RollupSpec, i64)> {
         match self {
-            Table::GpuSamples1m => Some((&rollup::GPU, rollup::MINUTE_MS)),
-            Table::GpuSamples1h => Some((&rollup::GPU, rollup::HOUR_MS)),
-            Table::HostSamples1m => Some((&rollup::HOST, rollup::MINUTE_MS)),
-            Table::HostSamples1h => Some((&rollup::HOST, rollup::HOUR_MS)),
+            Table::GpuSamples1m => Some((&*rollup::GPU, rollup::MINUTE_MS)),
+            Table::GpuSamples1h => Some((&*rollup::GPU, rollup::HOUR_MS)),
+            Table::HostSamples1m => Some((&*rollup::HOST, rollup::MINUTE_MS)),
+            Table::HostSamples1h => Some((&*rollup::HOST, rollup::HOUR_MS)),
             _ => None,
         }
     }
@@ -137,7 +137,7 @@ impl Table {
     }
 
     pub fn schema(self) -> SchemaRef {
-        static GPU: LazyLock<SchemaRef> = LazyLock::new(gpu_schema);
+        static GPU: LazyLock<SchemaRef> = LazyLock::new(|| gpu_schema(catalogue::GPU));
         static HOST: LazyLock<SchemaRef> = LazyLock::new(host_schema);
         static NIC: LazyLock<SchemaRef> = LazyLock::new(nic_schema);
         static EVENTS: LazyLock<SchemaRef> = LazyLock::new(node_tables::gpu_event_schema);
@@ -146,8 +146,6 @@ impl Table {
         static JOBS: LazyLock<SchemaRef> = LazyLock::new(node_tables::job_schema);
         static JOB_METRICS: LazyLock<SchemaRef> = LazyLock::new(job_metrics::job_metric_schema);
         static CLUSTER_EVENTS: LazyLock<SchemaRef> = LazyLock::new(events::event_schema);
-        static GPU_ROLLUP: LazyLock<SchemaRef> = LazyLock::new(|| rollup::GPU.partial_schema());
-        static HOST_ROLLUP: LazyLock<SchemaRef> = LazyLock::new(|| rollup::HOST.partial_schema());
         match self {
             Table::GpuSamples => GPU.clone(),
             Table::HostSamples => HOST.clone(),
@@ -158,8 +156,8 @@ impl Table {
             Table::JobSamples => JOBS.clone(),
             Table::JobMetrics => JOB_METRICS.clone(),
             Table::Events => CLUSTER_EVENTS.clone(),
-            Table::GpuSamples1m | Table::GpuSamples1h => GPU_ROLLUP.clone(),
-            Table::HostSamples1m | Table::HostSamples1h => HOST_ROLLUP.clone(),
+            Table::GpuSamples1m | Table::GpuSamples1h => rollup::GPU.schema(),
+            Table::HostSamples1m | Table::HostSamples1h => rollup::HOST.schema(),
         }
     }
 
@@ -233,14 +231,15 @@ pub(crate) fn measured_arrays<R>(rows: &[R], columns: &[Column<R>], out: &mut Ve
     }));
 }
 
-fn gpu_schema() -> SchemaRef {
+/// `gpu_samples`' schema: its keys, then a column per line of the GPU catalogue `columns`.
+pub(crate) fn gpu_schema<R>(columns: &[Column<R>]) -> SchemaRef {
     let mut fields = vec![
         Field::new("gpu", DataType::UInt32, false),
         Field::new("uuid", DataType::Utf8, false),
         Field::new("model", DataType::Utf8, false),
         Field::new("simulated", DataType::Boolean, false),
     ];
-    fields.extend(measured(catalogue::GPU));
+    fields.extend(measured(columns));
     common(fields)
 }
 
@@ -352,6 +351,7 @@ pub fn to_record_batches(batch: &Batch) -> crate::Result<Vec<(Table, RecordBatch
 #[cfg(test)]
 mod tests {
     use super::*;
+    use perch_model::catalogue::{Cadence, Summary};
 
     /// The section of docs/schema.md whose `## ` heading names `table`.
     fn doc_section<'a>(doc: &'a str, table: &str) -> &'a str {
@@ -365,20 +365,51 @@ mod tests {
         &section[..section[1..].find("\n## ").map_or(section.len(), |e| e + 1)]
     }
 
-    /// Each catalogued column's row in docs/schema.md gives the catalogue's type and unit.
+    /// Each catalogued column's row in docs/schema.md gives the catalogue's type and unit (and,
+    /// for a column read at the slow cadence, says so), and each rolled-up column has its row
+    /// in the rollups' table, as a gauge or a range. A missing row is named as it should begin.
     #[test]
     fn schema_doc_gives_each_catalogued_columns_type_and_unit() {
+        fn row_of<'a>(section: &'a str, table: &str, name: &str, start: &str) -> &'a str {
+            let row = section
+                .lines()
+                .find(|l| l.starts_with(&format!("| `{name}` |")))
+                .unwrap_or_else(|| {
+                    panic!("docs/schema.md, {table}: add the row \"{start} <what it is> |\"")
+                });
+            assert!(
+                row.starts_with(start),
+                "docs/schema.md, {table}: the row of {name} must begin {start:?} (perch_model::catalogue)"
+            );
+            row
+        }
         fn check<R>(doc: &str, table: Table, columns: &[Column<R>]) {
             let section = doc_section(doc, table.name());
             for c in columns {
-                let row = format!("| `{}` | {} | {} |", c.name, c.read.type_name(), c.unit)
+                let start = format!("| `{}` | {} | {} |", c.name, c.read.type_name(), c.unit)
                     .replace("|  |", "| |");
+                let row = row_of(section, table.name(), c.name, &start);
                 assert!(
-                    section.contains(&row),
-                    "docs/schema.md, {}: the row of {} must begin {row:?} (perch_model::catalogue)",
+                    c.cadence == Cadence::EverySample
+                        || row.contains("agent.nvml_slow_interval_ms"),
+                    "docs/schema.md, {}: the row of {} must say it is read every \
+                     `agent.nvml_slow_interval_ms` (its catalogue line is slow)",
                     table.name(),
                     c.name
                 );
+            }
+            let Some(rollup) = table.rollups().first() else {
+                return;
+            };
+            let section = doc_section(doc, rollup.name());
+            for (c, r) in catalogue::rolled_up(columns) {
+                let summary = match r.summary {
+                    Summary::Gauge => "gauge",
+                    Summary::Range => "range",
+                };
+                let start =
+                    format!("| `{}` | {summary} | {} |", c.name, c.unit).replace("|  |", "| |");
+                row_of(section, "the rollups' table", c.name, &start);
             }
         }
         let doc = include_str!("../../docs/schema.md");
@@ -414,7 +445,11 @@ mod tests {
                         let base = ["_avg", "_min", "_max", "_sum", "_count"]
                             .iter()
                             .find_map(|s| column.strip_suffix(s))
-                            .filter(|b| spec.gauges.contains(b) || spec.ranges.contains(b))
+                            .filter(|b| {
+                                spec.summarised(Summary::Gauge)
+                                    .chain(spec.summarised(Summary::Range))
+                                    .any(|s| s == *b)
+                            })
                             .unwrap_or(&column);
                         assert!(
                             documented(base),
@@ -431,5 +466,102 @@ mod tests {
                 }
             }
         }
+    }
+
+    mod probe {
+        perch_model::probe_gpu_catalogue!();
+    }
+
+    /// One line more in the GPU catalogue is a column of `gpu_samples` after every other, its
+    /// values are in the record batches, and the GPU rollups summarise it after every other
+    /// column, as its line says (a range): the schema, the batches and the rollups are made
+    /// from the catalogue alone, with no list of columns of their own.
+    #[test]
+    fn a_gpu_line_alone_makes_its_column_and_its_rollup() {
+        use arrow::array::AsArray;
+        use arrow::datatypes::UInt64Type;
+
+        // The real table is what the same function makes of the real catalogue.
+        assert_eq!(gpu_schema(catalogue::GPU), Table::GpuSamples.schema());
+        let real = Table::GpuSamples.schema();
+        let probed = gpu_schema(probe::GPU);
+        let n = real.fields().len();
+        assert_eq!(probed.fields().len(), n + 1);
+        assert_eq!(&probed.fields()[..n], &real.fields()[..]);
+        let field = probed.field(n);
+        assert_eq!(
+            (
+                field.name().as_str(),
+                field.data_type(),
+                field.is_nullable()
+            ),
+            ("probe_rollovers_total", &DataType::UInt64, true)
+        );
+
+        const T: i64 = 1_800_000_000_000;
+        let rows: Vec<probe::GpuSample> = [(T, 5), (T + 20_000, 9)]
+            .into_iter()
+            .map(|(time_ms, value)| probe::GpuSample {
+                time_ms,
+                uuid: "GPU-1".into(),
+                model: "Probe".into(),
+                probe_rollovers_total: Some(value),
+                ..catalogue::every_value_set(probe::GPU)
+            })
+            .collect();
+        let mut columns = vec![
+            times(&rows, |r| r.time_ms),
+            nodes(&rows, "n1"),
+            Arc::new(UInt32Array::from_iter_values(rows.iter().map(|r| r.gpu.0))) as ArrayRef,
+            Arc::new(StringArray::from_iter_values(
+                rows.iter().map(|r| r.uuid.as_str()),
+            )),
+            Arc::new(StringArray::from_iter_values(
+                rows.iter().map(|r| r.model.as_str()),
+            )),
+            bools(&rows, |r| r.simulated),
+        ];
+        measured_arrays(&rows, probe::GPU, &mut columns);
+        let raw = RecordBatch::try_new(probed.clone(), columns).expect("the probe's rows");
+        let values = raw
+            .column_by_name("probe_rollovers_total")
+            .expect("column")
+            .as_primitive::<UInt64Type>();
+        assert_eq!(values.values().to_vec(), [5, 9]);
+
+        let spec = RollupSpec::of(
+            Table::GpuSamples,
+            probed,
+            rollup::GPU.sorted,
+            rollup::GPU.labels,
+            probe::GPU,
+        );
+        let stored = spec.schema();
+        let real_stored = Table::GpuSamples1m.schema();
+        let m = real_stored.fields().len();
+        assert_eq!(&stored.fields()[..m], &real_stored.fields()[..]);
+        let added: Vec<&str> = stored.fields()[m..]
+            .iter()
+            .map(|f| f.name().as_str())
+            .collect();
+        assert_eq!(
+            added,
+            ["probe_rollovers_total_min", "probe_rollovers_total_max"]
+        );
+        assert!(
+            spec.view_sql("p")
+                .ends_with("min(probe_rollovers_total_min) AS probe_rollovers_total_min, max(probe_rollovers_total_max) AS probe_rollovers_total_max FROM p GROUP BY time, node, gpu, uuid, model, simulated")
+        );
+        let minute = rollup::of_rows(&spec, rollup::MINUTE_MS, &[raw])
+            .expect("summarised")
+            .expect("rows");
+        let range = |suffix: &str| {
+            minute
+                .column_by_name(&format!("probe_rollovers_total_{suffix}"))
+                .expect("column")
+                .as_primitive::<UInt64Type>()
+                .value(0)
+        };
+        assert_eq!((minute.num_rows(), range("min"), range("max")), (1, 5, 9));
     }
 }

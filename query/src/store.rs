@@ -20,7 +20,7 @@ use crate::files::{NewFile, flush_files};
 use crate::manifest::{FileEntry, Manifest};
 use crate::schema::{self, Table};
 use crate::storage::{self, Storage, StorageConfig};
-use crate::wal::{self, Wal, WalStats};
+use crate::wal::{self, RecordKind, Wal, WalStats};
 use crate::{Error, Result, rollup};
 use arrow::array::RecordBatch;
 use arrow::compute::concat_batches;
@@ -112,6 +112,14 @@ impl Source {
             Source::Otlp => OTLP_STREAM.to_owned(),
         }
     }
+
+    /// How the write-ahead log tags its batches.
+    fn record_kind(self) -> RecordKind {
+        match self {
+            Source::Agent => RecordKind::AgentBatch,
+            Source::Otlp => RecordKind::OtlpBatch,
+        }
+    }
 }
 
 /// The OTLP receiver's sequence stream (see [`Source::stream`]).
@@ -138,6 +146,9 @@ pub struct StoreStats {
     pub batches_duplicate: AtomicU64,
     pub samples_stored: AtomicU64,
     pub batches_replayed: AtomicU64,
+    /// Write-ahead log records replay skipped at start-up: torn tails a crash left (never
+    /// acknowledged) and records damaged on disk ([`wal::Replayed::skipped`]).
+    pub wal_records_skipped: AtomicU64,
     pub flushes: AtomicU64,
     pub flush_failures: AtomicU64,
     /// Flushes failed in a row since the last that worked (0 when the last one worked).
@@ -228,11 +239,17 @@ impl Store {
         let manifest = storage::at_startup(&config.storage, &dir, async |storage| {
             let manifest = match storage.read_manifest().await? {
                 Some(data) => {
-                    Manifest::parse(&data, &storage.file_url(crate::manifest::FILE_NAME))?
+                    let url = storage.file_url(crate::manifest::FILE_NAME);
+                    upgrade(&storage, Manifest::parse(&data, &url)?).await?
                 }
-                None => Manifest::empty(),
+                None => {
+                    // A new store records its version before it writes a log segment, so an
+                    // older perch refuses it rather than misread the log.
+                    let manifest = Manifest::empty();
+                    storage.write_manifest(manifest.to_bytes()?).await?;
+                    manifest
+                }
             };
-            let manifest = upgrade(&storage, manifest).await?;
             remove_orphans(&storage, &manifest).await?;
             Ok(manifest)
         })?;
@@ -251,71 +268,40 @@ impl Store {
             }
         }
         let wal_dir = dir.join("wal");
-        let records = wal::replay(&wal_dir, manifest.wal_flushed_through)?;
-        let wal = Wal::open(&wal_dir, manifest.wal_flushed_through)?;
-        let node_seq = manifest.node_seq.clone().into_iter().collect();
-        let store = Store {
+        let replayed = wal::replay(&wal_dir, manifest.wal_flushed_through)?;
+        let mut inner = Inner {
+            tables,
+            node_seq: manifest.node_seq.clone().into_iter().collect(),
+            duplicate_runs: HashMap::new(),
+            in_flight: HashSet::new(),
+            manifest,
+            graveyard: Vec::new(),
+            flush_error: None,
+        };
+        let batches_replayed = replay(&mut inner, replayed.records)?;
+        if batches_replayed > 0 {
+            tracing::info!(batches = batches_replayed, "replayed write-ahead log");
+        }
+        // Only once every record is read: a store refused leaves no new segment behind.
+        let wal = Wal::open(&wal_dir, inner.manifest.wal_flushed_through)?;
+        let stats = StoreStats::default();
+        stats
+            .batches_replayed
+            .store(batches_replayed, Ordering::Relaxed);
+        stats
+            .wal_records_skipped
+            .store(replayed.skipped, Ordering::Relaxed);
+        Ok(Arc::new(Store {
             dir,
             storage,
             config,
             wal,
             gate: tokio::sync::RwLock::new(()),
             manifest_lock: tokio::sync::Mutex::new(()),
-            inner: Mutex::new(Inner {
-                tables,
-                node_seq,
-                duplicate_runs: HashMap::new(),
-                in_flight: HashSet::new(),
-                manifest,
-                graveyard: Vec::new(),
-                flush_error: None,
-            }),
+            inner: Mutex::new(inner),
             _lock_file: lock_file,
-            stats: StoreStats::default(),
-        };
-        let mut replayed = 0u64;
-        for record in records {
-            if let Some(json) = record.strip_prefix(&[EVENTS_RECORD]) {
-                match serde_json::from_slice::<Vec<ClusterEvent>>(json) {
-                    Ok(events) => {
-                        let rb = schema::events::to_record_batch(&events)?;
-                        push(&mut store.lock(), Table::Events, rb);
-                        replayed += 1;
-                    }
-                    Err(e) => {
-                        tracing::error!(error = %e, "skipping an unreadable write-ahead log record of events");
-                    }
-                }
-                continue;
-            }
-            let (source, json) = match record.strip_prefix(&[OTLP_RECORD]) {
-                Some(json) => (Source::Otlp, json),
-                None => (Source::Agent, &record[..]),
-            };
-            let batch: Batch = match serde_json::from_slice(json) {
-                Ok(b) => b,
-                Err(e) => {
-                    tracing::error!(error = %e, "skipping an unreadable write-ahead log record");
-                    continue;
-                }
-            };
-            let parts = schema::to_record_batches(&batch)?;
-            let stream = source.stream(batch.node.as_str());
-            let mut inner = store.lock();
-            if inner.node_seq.get(&stream).is_some_and(|&s| batch.seq <= s) {
-                continue;
-            }
-            apply(&mut inner, stream, &batch, parts);
-            replayed += 1;
-        }
-        store
-            .stats
-            .batches_replayed
-            .store(replayed, Ordering::Relaxed);
-        if replayed > 0 {
-            tracing::info!(batches = replayed, "replayed write-ahead log");
-        }
-        Ok(Arc::new(store))
+            stats,
+        }))
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -389,16 +375,7 @@ impl Store {
                 key: Some(key),
             }
         };
-        let raw = match source {
-            Source::Agent => raw,
-            Source::Otlp => {
-                let mut tagged = Vec::with_capacity(raw.len() + 1);
-                tagged.push(OTLP_RECORD);
-                tagged.extend_from_slice(&raw);
-                Bytes::from(tagged)
-            }
-        };
-        let written = self.wal.append(raw).await;
+        let written = self.wal.append(source.record_kind(), raw).await;
         let mut inner = self.lock();
         claim.release(&mut inner);
         written?;
@@ -418,11 +395,12 @@ impl Store {
             return Ok(());
         }
         let rb = schema::events::to_record_batch(events)?;
-        let mut raw = vec![EVENTS_RECORD];
-        serde_json::to_writer(&mut raw, events)
+        let raw = serde_json::to_vec(events)
             .map_err(|e| Error::Execution(format!("encoding events: {e}")))?;
         let _gate = self.gate.read().await;
-        self.wal.append(Bytes::from(raw)).await?;
+        self.wal
+            .append(RecordKind::Events, Bytes::from(raw))
+            .await?;
         push(&mut self.lock(), Table::Events, rb);
         Ok(())
     }
@@ -712,18 +690,41 @@ impl Store {
     }
 }
 
-/// Removes files under `tables/` that the manifest does not list: left by a flush or a
-/// compaction that did not commit (their rows are in the log or in the files they were to
-/// replace), or replaced files a crash kept from being deleted.
-/// Rewrites the files of a store written by an older perch in today's format, once, before
-/// anything reads them: columns renamed since ([`schema::RENAMED_COLUMNS`]) get their new
-/// names. The new files are written first and the manifest last, so a crash in between leaves
-/// the old manifest and files (the new ones are orphans `remove_orphans` deletes) and the
-/// next start tries again; the old files become orphans once the new manifest is saved.
+/// Brings a store written by an older perch to today's format ([`manifest`]'s versions), once,
+/// before anything reads it. Version 1 to 2 rewrites the files whose columns were renamed
+/// since ([`schema::RENAMED_COLUMNS`]). Version 2 to 3 changes no file: the write-ahead log's
+/// segments gained a header, and the new version keeps a perch that does not know it (and
+/// would take the header for a torn record) off the store. The new files are written first and
+/// the manifest last, so a crash in between leaves the old manifest and files (the new ones are
+/// orphans `remove_orphans` deletes) and the next start tries again; the old files become
+/// orphans once the new manifest is saved.
 async fn upgrade(storage: &Storage, mut manifest: Manifest) -> Result<Manifest> {
     if manifest.version >= crate::manifest::CURRENT_VERSION {
         return Ok(manifest);
     }
+    let from = manifest.version;
+    if from < 2 {
+        let rewritten = rename_columns(storage, &mut manifest).await?;
+        if rewritten > 0 {
+            tracing::info!(
+                files = rewritten,
+                "rewrote files written by an older perch in today's format (user columns are now user_name)"
+            );
+        }
+    }
+    manifest.version = crate::manifest::CURRENT_VERSION;
+    storage.write_manifest(manifest.to_bytes()?).await?;
+    tracing::info!(
+        from,
+        to = manifest.version,
+        "upgraded the store's format; perch releases before this version refuse it from now on"
+    );
+    Ok(manifest)
+}
+
+/// Rewrites the files of the tables with renamed columns under their new names; returns how
+/// many it rewrote.
+async fn rename_columns(storage: &Storage, manifest: &mut Manifest) -> Result<usize> {
     let renamed = |t: &Table| {
         t.schema().fields().iter().any(|f| {
             schema::RENAMED_COLUMNS
@@ -757,17 +758,12 @@ async fn upgrade(storage: &Storage, mut manifest: Manifest) -> Result<Manifest> 
         }
         manifest.files.insert(table.name().to_owned(), entries);
     }
-    manifest.version = crate::manifest::CURRENT_VERSION;
-    storage.write_manifest(manifest.to_bytes()?).await?;
-    if rewritten > 0 {
-        tracing::info!(
-            files = rewritten,
-            "rewrote files written by an older perch in today's format (user columns are now user_name)"
-        );
-    }
-    Ok(manifest)
+    Ok(rewritten)
 }
 
+/// Removes files under `tables/` that the manifest does not list: left by a flush or a
+/// compaction that did not commit (their rows are in the log or in the files they were to
+/// replace), or replaced files a crash kept from being deleted.
 async fn remove_orphans(storage: &Storage, manifest: &Manifest) -> Result<()> {
     let known: HashSet<&str> = manifest
         .files
@@ -784,12 +780,37 @@ async fn remove_orphans(storage: &Storage, manifest: &Manifest) -> Result<()> {
     Ok(())
 }
 
-/// Write-ahead log records are an agent's `Batch` as JSON (so they start with `{`), or this tag
-/// byte followed by a JSON array of the server's [`ClusterEvent`]s...
-const EVENTS_RECORD: u8 = b'E';
-
-/// Or this tag byte followed by a `Batch` the OTLP receiver numbered ([`Source::Otlp`]).
-const OTLP_RECORD: u8 = b'O';
+/// Applies the write-ahead log's records to `inner`, in order; returns how many were applied
+/// (batches already in the files, by their stream's sequence, are not). A record that cannot
+/// be decoded refuses the store ([`wal::Record::unreadable`]): it was acknowledged.
+fn replay(inner: &mut Inner, records: Vec<wal::Record>) -> Result<u64> {
+    let mut applied = 0u64;
+    for record in records {
+        let source = match record.kind {
+            RecordKind::Events => {
+                let events: Vec<ClusterEvent> =
+                    serde_json::from_slice(&record.body).map_err(|e| record.unreadable(e))?;
+                let rb =
+                    schema::events::to_record_batch(&events).map_err(|e| record.unreadable(e))?;
+                push(inner, Table::Events, rb);
+                applied += 1;
+                continue;
+            }
+            RecordKind::AgentBatch => Source::Agent,
+            RecordKind::OtlpBatch => Source::Otlp,
+        };
+        let batch: Batch =
+            serde_json::from_slice(&record.body).map_err(|e| record.unreadable(e))?;
+        let parts = schema::to_record_batches(&batch).map_err(|e| record.unreadable(e))?;
+        let stream = source.stream(batch.node.as_str());
+        if inner.node_seq.get(&stream).is_some_and(|&s| batch.seq <= s) {
+            continue;
+        }
+        apply(inner, stream, &batch, parts);
+        applied += 1;
+    }
+    Ok(applied)
+}
 
 fn push(inner: &mut Inner, table: Table, rb: RecordBatch) {
     if let Some(data) = inner.tables.get_mut(&table) {

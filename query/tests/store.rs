@@ -871,7 +871,10 @@ async fn files_of_an_older_perch_keep_their_users_under_the_new_column_name() {
     }
     let manifest: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&manifest_path).expect("manifest")).expect("json");
-    assert_eq!(manifest["version"], 2);
+    assert_eq!(
+        manifest["version"], 3,
+        "upgraded through version 2 to today's"
+    );
     // A manifest from a newer perch is refused with a message that says so.
     let mut newer = manifest.clone();
     newer["version"] = 99.into();

@@ -477,6 +477,12 @@ fn store_series(s: &mut Scrape, state: &AppState) {
         &none,
         load(&wal.bytes),
     );
+    s.counter(
+        "perch_wal_records_skipped",
+        "Write-ahead log records skipped at start-up: torn tails a crash left (never acknowledged) and records damaged on disk",
+        &none,
+        load(&st.wal_records_skipped),
+    );
 }
 
 /// Rewrites prometheus-client's OpenMetrics text as the classic Prometheus text format
@@ -630,7 +636,12 @@ mod tests {
                     .lines()
                     .find(|l| l.starts_with(&format!("| `{name}` |")))
                     .unwrap_or_else(|| {
-                        panic!("docs/metrics.md has no row for {name}: add {start:?}")
+                        let replaces: Vec<&str> = members.iter().map(|m| m.replaces).collect();
+                        panic!(
+                            "docs/metrics.md has no row for {name}: add \"{start} <what it \
+                             means> | {} |\"",
+                            replaces.join(", ")
+                        )
                     });
                 assert!(
                     row.starts_with(&start),

@@ -9,10 +9,14 @@
 //! total-energy counter 4.2-4.8 ms of CPU, per-process utilization 1.8-2.5 ms, PCIe throughput
 //! 0.6-0.8 ms of CPU and 20 ms of waiting each way, the PCIe replay counter and the MIG mode
 //! 0.15 ms each, against about 0.2 ms for all the others together. Read every second they cost
-//! 0.9% of a core per GPU. Between reads, PCIe throughput, replays and MIG repeat their last
-//! reading ([`extended::SlowFields`]), per-process utilization is absent, and the energy counter
-//! ([`EnergyCounter`]) advances by the measured power, so a job's energy stays exact to the
-//! sample at its start and end.
+//! 0.9% of a core per GPU. Which columns are slow is their catalogue line's
+//! ([`Cadence::Slow`]); between reads they repeat their last reading, per-process utilization is
+//! absent, and the energy counter ([`EnergyCounter`]) advances by the measured power instead,
+//! so a job's energy stays exact to the sample at its start and end.
+//!
+//! A column whose catalogue line names an NVML field
+//! ([`perch_model::catalogue::Column::nvml_field`]) needs no code here: [`fields`] reads all of
+//! them in one call per cadence.
 //!
 //! Any call a device or driver does not support (`NotSupported`, `FunctionNotFound`, ...) leaves
 //! that one field absent: a missing metric is never reported as zero. A device that cannot be
@@ -22,6 +26,7 @@
 //! `CUDA_VISIBLE_DEVICES` names) and reported the same way from the first sample.
 
 mod extended;
+pub mod fields;
 
 use super::NvmlMode;
 use crate::error::{CollectorError, Result};
@@ -31,6 +36,7 @@ use nvml_wrapper::enum_wrappers::device::{Clock, TemperatureSensor};
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::event::EventSet;
+use perch_model::catalogue::{self, Cadence};
 use perch_model::{GpuEvent, GpuEventKind, GpuIndex, GpuProcessSample, GpuSample};
 use std::collections::HashSet;
 
@@ -61,11 +67,20 @@ struct DeviceState {
     ecc_events_total: u64,
     /// NVML's timestamp of the last process utilization sample read (µs).
     last_process_sample: Option<u64>,
-    /// When the slow fields were last read.
+    /// When the slow columns were last read.
     slow_read_ms: Option<i64>,
     energy: EnergyCounter,
-    /// The slow fields' last reading.
-    slow: extended::SlowFields,
+    /// The sample of the last slow read; the samples until the next one repeat its slow columns.
+    slow: GpuSample,
+}
+
+/// Repeats the slow columns' last reading in `sample`: the columns the catalogue marks slow,
+/// whatever reads them (see the module's documentation). A column read slowly without its
+/// line saying so is absent between reads, which the stand-in tests show.
+fn repeat_slow(last: &GpuSample, sample: &mut GpuSample) {
+    for column in catalogue::GPU.iter().filter(|c| c.cadence == Cadence::Slow) {
+        column.copy(last, sample);
+    }
 }
 
 /// The GPU's total-energy counter as the agent reports it: the driver's counter where it was
@@ -372,7 +387,6 @@ impl NvmlGpus {
             let power_watts = device.power_usage().ok().map(|mw| f64::from(mw) / 1000.0);
             let energy_joules = if slow {
                 state.slow_read_ms = Some(now_ms);
-                state.slow = extended::SlowFields::read(&device);
                 let counter = device.total_energy_consumption().ok();
                 state
                     .energy
@@ -391,7 +405,6 @@ impl NvmlGpus {
                 memory_used_bytes: memory.as_ref().map(|m| m.used.min(m.total)),
                 memory_total_bytes: memory.as_ref().map(|m| m.total),
                 power_watts,
-                energy_joules,
                 temperature_celsius: device
                     .temperature(TemperatureSensor::Gpu)
                     .ok()
@@ -403,7 +416,16 @@ impl NvmlGpus {
                 ..GpuSample::default()
             };
             extended::fill(&device, &mut sample);
-            state.slow.apply(&mut sample);
+            fields::read(&device, catalogue::GPU, Cadence::EverySample, &mut sample);
+            if slow {
+                extended::read_slow(&device, &mut sample);
+                fields::read(&device, catalogue::GPU, Cadence::Slow, &mut sample);
+                state.slow = sample.clone();
+            } else {
+                repeat_slow(&state.slow, &mut sample);
+            }
+            // Slow too, but between reads advanced by the power rather than repeated.
+            sample.energy_joules = energy_joules;
             let last_seen = slow.then_some(&mut state.last_process_sample);
             if let Some(procs) = extended::processes(&device, &sample, last_seen) {
                 sample.processes = Some(procs.len() as u32);

@@ -5,10 +5,14 @@
 //! lagging temperature) over the sequence of sample times. Each GPU moves through phases of a few
 //! minutes: idle, steady training (90-100% utilization), bursty, and allocated-but-idle (0%
 //! utilization with memory held), the pattern that makes up about a third of GPU time in public
-//! traces. Power follows utilization from ~70 W to ~700 W like an H100 SXM. Every sample says
-//! `simulated: true`, its UUID starts with `GPU-SIM-` and its model with `Simulated`.
+//! traces. Power follows utilization from ~70 W to ~700 W like an H100 SXM. The columns the model
+//! does not compute take the value their catalogue line gives simulated GPUs, if any. Every
+//! sample says `simulated: true`, its UUID starts with `GPU-SIM-` and its model with
+//! `Simulated`.
 
+use perch_model::catalogue::{self, Number};
 use perch_model::{GpuIndex, GpuSample, NodeId};
+use std::sync::LazyLock;
 
 /// The model name every simulated GPU reports.
 pub const SIM_MODEL: &str = "Simulated H100 80GB";
@@ -17,6 +21,19 @@ const IDLE_WATTS: f64 = 70.0;
 const MAX_WATTS: f64 = 700.0;
 /// Thermal time constant of the temperature lag, in seconds.
 const THERMAL_TAU_S: f64 = 30.0;
+
+/// The sample with the value of each catalogue line that gives one for simulated GPUs
+/// ([`catalogue::Column::simulated`]: zero errors, all NVLinks up...); the lines the model
+/// computes are set over it, and the others stay absent.
+static HEALTHY: LazyLock<GpuSample> = LazyLock::new(|| {
+    let mut sample = GpuSample::default();
+    for column in catalogue::GPU {
+        if let Some(value) = column.simulated {
+            column.set(&mut sample, Some(Number::F64(value)));
+        }
+    }
+    sample
+});
 
 /// What a simulated GPU is doing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -220,29 +237,15 @@ impl SimGpu {
                 345
             }),
             memory_clock_mhz: Some(2619),
-            // Health and interconnect: a healthy GPU whose traffic follows its load. NVLink
-            // bytes grow with the energy integrator, so they are counters like the real ones.
+            // Traffic follows the load. NVLink bytes grow with the energy integrator, so they
+            // are counters like the real ones.
             throttle_reasons: Some(if busy { 0 } else { 0x1 }),
-            ecc_corrected_volatile: Some(0),
-            ecc_uncorrected_volatile: Some(0),
-            ecc_corrected_aggregate: Some(0),
-            ecc_uncorrected_aggregate: Some(0),
-            retired_pages_single_bit: Some(0),
-            retired_pages_double_bit: Some(0),
-            retired_pages_pending: Some(false),
             pcie_tx_bytes_per_second: Some((now.util * 2.0e8).round()),
             pcie_rx_bytes_per_second: Some((now.util * 3.0e8).round()),
-            pcie_replay_total: Some(0),
-            nvlink_links: Some(18),
-            nvlink_links_up: Some(18),
-            nvlink_errors_total: Some(0),
             nvlink_rx_bytes: Some((self.energy_joules * 1.0e8) as u64),
             nvlink_tx_bytes: Some((self.energy_joules * 1.0e8) as u64),
-            processes: None,
-            mig_enabled: Some(false),
-            mig_instances: None,
-            xid_errors_total: Some(0),
-            ecc_error_events_total: Some(0),
+            // The rest is a healthy GPU's, as the catalogue gives it.
+            ..HEALTHY.clone()
         }
     }
 }

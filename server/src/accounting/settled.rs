@@ -16,9 +16,15 @@
 //! of `n` jobs is a handful of files whatever the pace it settled at; a merged pair replaces
 //! the two it covers, which are deleted. At start ([`SettledRows::open`]) whatever an
 //! interrupted write or merge left is put right: a pair covered by a larger one, half a pair,
-//! or a file that cannot be read or holds columns other than today's (written by another
-//! version), is deleted, and the jobs it held are recorded again from the job database; so are
-//! they all if two files hold the same job.
+//! or a file that cannot be read or is not of today's format (written by another version), is
+//! deleted, and the jobs it held are recorded again from the job database; so are they all if
+//! two files hold the same job.
+//!
+//! Each file records its format version ([`FORMAT_VERSION`]) in the Parquet key-value metadata
+//! under [`VERSION_KEY`] (specified in `docs/format/settled-rows.md`). A file is read only if
+//! it is of this version (one with no version was written before versions were recorded, and
+//! is version 1) and holds exactly today's columns; any other is put right as above, from the
+//! job database, whichever perch wrote it.
 //!
 //! A file removed or damaged under the running server is noticed by the query that fails to
 //! read it ([`SettledRows::lose`]): from then on queries read every settled job from the job
@@ -39,7 +45,7 @@ use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::arrow::arrow_reader::statistics::StatisticsConverter;
 use parquet::basic::{Compression, ZstdLevel};
-use parquet::file::metadata::ParquetMetaData;
+use parquet::file::metadata::{KeyValue, ParquetMetaData};
 use parquet::file::properties::WriterProperties;
 use perch_control::record::JobRecord;
 use perch_query::{Pruning, Room};
@@ -47,6 +53,14 @@ use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+/// The format version of the files this binary writes, and the only one it reads: bump it
+/// with any change to the files' columns or to what a column means.
+pub(crate) const FORMAT_VERSION: u32 = 1;
+
+/// The Parquet key-value metadata key holding a file's format version (decimal). A file
+/// without it was written before versions were recorded, and is version 1.
+pub(crate) const VERSION_KEY: &str = "perch.settled_rows.format_version";
 
 /// Jobs in one pair of files, at most: a merge reads and writes two pairs a batch at a time,
 /// so this bounds the time one takes, not its memory.
@@ -338,6 +352,10 @@ impl SettledRows {
         let result = (|| {
             let file = File::create(&tmp).map_err(|e| fail(&e))?;
             let props = WriterProperties::builder()
+                .set_key_value_metadata(Some(vec![KeyValue::new(
+                    VERSION_KEY.to_owned(),
+                    FORMAT_VERSION.to_string(),
+                )]))
                 .set_max_row_group_row_count(Some(ROW_GROUP_ROWS))
                 .set_compression(Compression::ZSTD(
                     ZstdLevel::try_new(3).map_err(|e| fail(&e))?,
@@ -436,8 +454,8 @@ impl SettledRows {
 }
 
 /// A batch reader over `file`, a `kind` of file, of the columns named in `columns` (all if
-/// `None`). A file whose columns are not those `kind` stores today (another version wrote
-/// it, or it is not one of perch's) is refused.
+/// `None`). A file of another format version, or whose columns are not those `kind` stores
+/// today (another version wrote it, or it is not one of perch's), is refused.
 fn reader(
     file: File,
     kind: Kind,
@@ -454,6 +472,12 @@ fn pruned_reader(
     pick: &Pick<'_>,
 ) -> Result<parquet::arrow::arrow_reader::ParquetRecordBatchReader, String> {
     let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| e.to_string())?;
+    let version = format_version(builder.metadata())?;
+    if version != FORMAT_VERSION {
+        return Err(format!(
+            "it is of settled rows format version {version}; this perch reads and writes version {FORMAT_VERSION}"
+        ));
+    }
     let (found, expected) = (builder.schema().fields(), kind.schema());
     let same = found.len() == expected.fields().len()
         && found.iter().zip(expected.fields()).all(|(a, b)| {
@@ -486,6 +510,21 @@ fn pruned_reader(
         .with_batch_size(BATCH_ROWS)
         .build()
         .map_err(|e| e.to_string())
+}
+
+/// The format version a file's footer records ([`VERSION_KEY`]); 1 when it records none.
+fn format_version(metadata: &ParquetMetaData) -> Result<u32, String> {
+    let recorded = metadata
+        .file_metadata()
+        .key_value_metadata()
+        .and_then(|kv| kv.iter().find(|e| e.key == VERSION_KEY))
+        .map(|e| e.value.as_deref().unwrap_or(""));
+    match recorded {
+        None => Ok(1),
+        Some(v) => v
+            .parse()
+            .map_err(|_| format!("its {VERSION_KEY} is {v:?}, not a version number")),
+    }
 }
 
 /// Which row groups of a file a query reads: those whose statistics say they may hold a row
@@ -1203,5 +1242,139 @@ mod tests {
         let (_, ids) = SettledRows::open(dir.path()).expect("open");
         assert!(ids.is_empty(), "{ids:?}");
         assert!(names(dir.path()).is_empty());
+    }
+
+    /// Copies the directory `from` into a new temporary one.
+    fn copied(from: &Path) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for entry in std::fs::read_dir(from).expect("fixture") {
+            let entry = entry.expect("entry");
+            std::fs::copy(entry.path(), dir.path().join(entry.file_name())).expect("copy");
+        }
+        dir
+    }
+
+    /// The settled rows files the release before formats were versioned wrote (see
+    /// `query/tests/fixtures/format/README.md`): jobs 1 (alice, H100) and 2 (bob, A100).
+    fn previous_release_files() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../query/tests/fixtures/format/dc15fd0/settled")
+    }
+
+    fn recorded_version(path: &Path) -> Option<String> {
+        let builder = ParquetRecordBatchReaderBuilder::try_new(File::open(path).expect("open"))
+            .expect("parquet");
+        builder
+            .metadata()
+            .file_metadata()
+            .key_value_metadata()
+            .and_then(|kv| kv.iter().find(|e| e.key == VERSION_KEY))
+            .and_then(|e| e.value.clone())
+    }
+
+    #[test]
+    fn the_previous_releases_files_are_read_with_their_rows() {
+        let dir = copied(&previous_release_files());
+        let before = names(dir.path());
+        let jobs_file = dir.path().join("0000000000-0000000000.jobs.parquet");
+        assert_eq!(
+            recorded_version(&jobs_file),
+            None,
+            "written before versions"
+        );
+        let (rows, mut ids) = SettledRows::open(dir.path()).expect("open");
+        ids.sort();
+        assert_eq!(ids, [1, 2]);
+        assert_eq!(names(dir.path()), before, "kept, not written again");
+        let view = rows
+            .view(HashSet::new(), rows.epoch())
+            .expect("view")
+            .expect("this epoch");
+        let mut unlimited = |_| Ok(());
+        let mut models = Vec::new();
+        view.allocation_columns(&["gpu_model"], &mut Room::new(&mut unlimited), |b| {
+            let ids = job_ids(&b);
+            let column: StringArray = downcast_array(b.column(1).as_ref());
+            for i in 0..b.num_rows() {
+                models.push((ids.value(i), column.value(i).to_owned()));
+            }
+        })
+        .expect("read");
+        models.sort();
+        assert_eq!(models, [(1, "H100".to_owned()), (2, "A100".to_owned())]);
+        let users = read(
+            File::open(&jobs_file).expect("open"),
+            Kind::Jobs,
+            Some(&["job", "user_name"]),
+        )
+        .expect("read");
+        let users: StringArray = downcast_array(users[0].column(1).as_ref());
+        assert_eq!(users.iter().flatten().collect::<Vec<_>>(), ["alice", "bob"]);
+    }
+
+    #[test]
+    fn files_record_their_version_and_another_version_is_written_again() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (rows, _) = SettledRows::open(dir.path()).expect("open");
+        rows.append(&[job(1), job(2)]).expect("append");
+        drop(rows);
+        let jobs_file = dir.path().join("0000000000-0000000000.jobs.parquet");
+        assert_eq!(
+            recorded_version(&jobs_file),
+            Some(FORMAT_VERSION.to_string())
+        );
+        // The same rows, as a perch of the next version would label them.
+        let batches = read(File::open(&jobs_file).expect("open"), Kind::Jobs, None).expect("read");
+        let props = WriterProperties::builder()
+            .set_key_value_metadata(Some(vec![KeyValue::new(
+                VERSION_KEY.to_owned(),
+                (FORMAT_VERSION + 1).to_string(),
+            )]))
+            .build();
+        let mut writer = ArrowWriter::try_new(
+            File::create(&jobs_file).expect("create"),
+            Kind::Jobs.schema(),
+            Some(props),
+        )
+        .expect("writer");
+        for b in &batches {
+            writer.write(b).expect("write");
+        }
+        writer.close().expect("close");
+        let Err(said) = reader(File::open(&jobs_file).expect("open"), Kind::Jobs, None) else {
+            panic!("a file of another version is refused");
+        };
+        assert!(
+            said.contains(&format!("format version {}", FORMAT_VERSION + 1)),
+            "{said}"
+        );
+        // At start the pair goes, and its jobs are to be recorded again from the job database.
+        let (_, ids) = SettledRows::open(dir.path()).expect("open");
+        assert!(ids.is_empty(), "{ids:?}");
+        assert!(names(dir.path()).is_empty());
+    }
+
+    /// `docs/format/settled-rows.md` and the index of formats name the version written.
+    #[test]
+    fn the_document_names_the_version_written() {
+        let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/format");
+        let doc = std::fs::read_to_string(docs.join("settled-rows.md")).expect("doc");
+        let current = doc
+            .lines()
+            .find_map(|l| l.strip_prefix("Current version: "))
+            .expect("a `Current version:` line");
+        assert_eq!(
+            current.trim_matches(|c: char| !c.is_ascii_digit()),
+            FORMAT_VERSION.to_string()
+        );
+        assert!(doc.contains(&format!("`{VERSION_KEY}`")), "names the key");
+        let index = std::fs::read_to_string(docs.join("README.md")).expect("index");
+        let row = index
+            .lines()
+            .find(|l| l.starts_with('|') && l.contains("(settled-rows.md)"))
+            .expect("a row for settled-rows.md");
+        assert_eq!(
+            row.split('|').nth(2).map(str::trim),
+            Some(FORMAT_VERSION.to_string().as_str())
+        );
     }
 }

@@ -107,43 +107,14 @@ mod tests {
     #[test]
     fn every_family_is_exported_and_documented() {
         let mut latest = NodeLatest::default();
+        // Every catalogued value set: a fixture built from the catalogue.
         latest.gpus.insert(
             0,
             GpuSample {
                 time_ms: 1,
                 uuid: "GPU-1".into(),
                 model: "X".into(),
-                utilization_gpu_pct: Some(1.0),
-                utilization_memory_pct: Some(1.0),
-                memory_used_bytes: Some(1),
-                memory_total_bytes: Some(2),
-                power_watts: Some(1.0),
-                energy_joules: Some(1.0),
-                temperature_celsius: Some(1.0),
-                sm_clock_mhz: Some(1),
-                memory_clock_mhz: Some(1),
-                throttle_reasons: Some(4),
-                ecc_corrected_volatile: Some(1),
-                ecc_uncorrected_volatile: Some(1),
-                ecc_corrected_aggregate: Some(1),
-                ecc_uncorrected_aggregate: Some(1),
-                retired_pages_single_bit: Some(1),
-                retired_pages_double_bit: Some(1),
-                retired_pages_pending: Some(false),
-                pcie_tx_bytes_per_second: Some(1.0),
-                pcie_rx_bytes_per_second: Some(1.0),
-                pcie_replay_total: Some(1),
-                nvlink_links: Some(2),
-                nvlink_links_up: Some(2),
-                nvlink_errors_total: Some(1),
-                nvlink_rx_bytes: Some(1),
-                nvlink_tx_bytes: Some(1),
-                processes: Some(1),
-                mig_enabled: Some(false),
-                mig_instances: Some(0),
-                xid_errors_total: Some(1),
-                ecc_error_events_total: Some(1),
-                ..GpuSample::default()
+                ..catalogue::every_value_set(catalogue::GPU)
             },
         );
         latest.gpu_processes.push(GpuProcessSample {
@@ -220,5 +191,40 @@ mod tests {
                 "docs/metrics.md lacks {family}"
             );
         }
+    }
+
+    mod probe {
+        perch_model::probe_gpu_catalogue!();
+    }
+
+    /// One line more in the GPU catalogue is exported as its line says, and every other line
+    /// renders exactly as from the real catalogue: `/metrics` has no list of GPU series of its
+    /// own (nor the agent's, which renders the same lines).
+    #[test]
+    fn a_gpu_line_alone_is_exported() {
+        let labels: Labels = vec![
+            ("node", "n1".to_owned()),
+            ("gpu", "0".to_owned()),
+            ("simulated", "false".to_owned()),
+        ];
+        let render = |write: &dyn Fn(&mut Scrape)| {
+            let mut s = Scrape::default();
+            write(&mut s);
+            let mut text = String::new();
+            s.encode(&mut text);
+            text
+        };
+        let real: GpuSample = catalogue::every_value_set(catalogue::GPU);
+        let probed = probe::GpuSample {
+            probe_rollovers_total: Some(42),
+            ..catalogue::every_value_set(probe::GPU)
+        };
+        let real = render(&|s| catalogued(s, catalogue::GPU, &real, &labels));
+        let probed = render(&|s| catalogued(s, probe::GPU, &probed, &labels));
+        let added = "# HELP perch_gpu_probe_rollovers PCIe replay counter rollovers (a test-only line).\n\
+             # TYPE perch_gpu_probe_rollovers counter\n\
+             perch_gpu_probe_rollovers_total{node=\"n1\",gpu=\"0\",simulated=\"false\"} 42.0\n";
+        assert!(probed.contains(added), "{probed}");
+        assert_eq!(probed.replace(added, ""), real);
     }
 }

@@ -67,50 +67,30 @@ pub(super) fn fill(device: &Device<'_>, s: &mut GpuSample) {
     }
 }
 
-/// The fields read every slow interval and repeated in the samples between: PCIe throughput
-/// (NVML measures it over a 20 ms window each way, which the call waits for), the PCIe replay
-/// counter and the MIG mode (each 0.15 ms of CPU on an H200, and rarely changing).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub(super) struct SlowFields {
-    pcie_tx: Option<f64>,
-    pcie_rx: Option<f64>,
-    pcie_replay_total: Option<u64>,
-    mig_enabled: Option<bool>,
-    mig_instances: Option<u32>,
-}
-
-impl SlowFields {
-    pub(super) fn read(device: &Device<'_>) -> Self {
-        // NVML reports KB/s.
-        let pcie = |c| {
-            device
-                .pcie_throughput(c)
-                .ok()
-                .map(|kb| f64::from(kb) * 1024.0)
-        };
-        let mig = device.mig_mode().ok().map(|mode| mode.current == 1);
-        let mig_instances = mig.filter(|on| *on).map(|_| {
-            let max = device.mig_device_count().unwrap_or(0);
-            (0..max)
-                .filter(|i| device.mig_device_by_index(*i).is_ok())
-                .count() as u32
-        });
-        SlowFields {
-            pcie_tx: pcie(PcieUtilCounter::Send),
-            pcie_rx: pcie(PcieUtilCounter::Receive),
-            pcie_replay_total: device.pcie_replay_counter().ok().map(u64::from),
-            mig_enabled: mig,
-            mig_instances,
-        }
-    }
-
-    pub(super) fn apply(&self, s: &mut GpuSample) {
-        s.pcie_tx_bytes_per_second = self.pcie_tx;
-        s.pcie_rx_bytes_per_second = self.pcie_rx;
-        s.pcie_replay_total = self.pcie_replay_total;
-        s.mig_enabled = self.mig_enabled;
-        s.mig_instances = self.mig_instances;
-    }
+/// Reads into `s`, on the rounds that make the slow reads, the columns the catalogue marks
+/// slow ([`Cadence::Slow`](perch_model::catalogue::Cadence)) that have code of their own here:
+/// PCIe throughput (NVML measures it over a 20 ms window each way, which the call waits for),
+/// the PCIe replay counter and the MIG mode (each 0.15 ms of CPU on an H200, and rarely
+/// changing). The samples between repeat them; the energy counter, slow too, is the caller's.
+pub(super) fn read_slow(device: &Device<'_>, s: &mut GpuSample) {
+    // NVML reports KB/s.
+    let pcie = |c| {
+        device
+            .pcie_throughput(c)
+            .ok()
+            .map(|kb| f64::from(kb) * 1024.0)
+    };
+    let mig = device.mig_mode().ok().map(|mode| mode.current == 1);
+    s.mig_instances = mig.filter(|on| *on).map(|_| {
+        let max = device.mig_device_count().unwrap_or(0);
+        (0..max)
+            .filter(|i| device.mig_device_by_index(*i).is_ok())
+            .count() as u32
+    });
+    s.pcie_tx_bytes_per_second = pcie(PcieUtilCounter::Send);
+    s.pcie_rx_bytes_per_second = pcie(PcieUtilCounter::Receive);
+    s.pcie_replay_total = device.pcie_replay_counter().ok().map(u64::from);
+    s.mig_enabled = mig;
 }
 
 /// The compute processes on `device` with their memory and, when `last_seen` is given (NVML's

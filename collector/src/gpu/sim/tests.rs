@@ -133,3 +133,49 @@ fn indices_follow_real_gpus() {
     assert_eq!(s.iter().map(|g| g.gpu.0).collect::<Vec<_>>(), [4, 5]);
     assert_eq!(s[1].uuid, "GPU-SIM-n-5");
 }
+
+/// What the model does not compute comes from the catalogue: each line that gives simulated
+/// GPUs a value has it in every sample, and a line that gives none, and that the model does not
+/// compute, is absent (a new line needs no edit here).
+#[test]
+fn the_values_the_model_does_not_compute_come_from_the_catalogue() {
+    use perch_model::catalogue::{self, Number};
+    let modelled = [
+        "utilization_gpu_pct",
+        "utilization_memory_pct",
+        "memory_used_bytes",
+        "memory_total_bytes",
+        "power_watts",
+        "energy_joules",
+        "temperature_celsius",
+        "sm_clock_mhz",
+        "memory_clock_mhz",
+        "throttle_reasons",
+        "throttle_reason_names",
+        "pcie_tx_bytes_per_second",
+        "pcie_rx_bytes_per_second",
+        "nvlink_rx_bytes",
+        "nvlink_tx_bytes",
+    ];
+    for s in run(5, 2, 30, 1000).concat() {
+        for c in catalogue::GPU {
+            let mut expected = GpuSample::default();
+            c.set(&mut expected, c.simulated.map(Number::F64));
+            match (c.simulated, modelled.contains(&c.name)) {
+                (Some(_), true) => panic!("{}: the model computes it; drop .simulated()", c.name),
+                (Some(_), false) => assert_eq!(
+                    c.read.number(&s),
+                    c.read.number(&expected),
+                    "{}: the catalogue's value",
+                    c.name
+                ),
+                (None, true) => assert!(
+                    c.read.number(&s).is_some() || matches!(c.read, catalogue::Read::Text(_)),
+                    "{}: modelled",
+                    c.name
+                ),
+                (None, false) => assert_eq!(c.read.number(&s), None, "{}: not simulated", c.name),
+            }
+        }
+    }
+}
