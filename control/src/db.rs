@@ -252,7 +252,7 @@ fn open_database(path: &Path) -> Result<Arc<Database>, DbError> {
         match found {
             Some(v) if v > FORMAT_VERSION => {
                 return Err(DbError(format!(
-                    "{} is a job database of format version {v}, written by a newer perch; this binary reads version {FORMAT_VERSION} and older: run the newer perch (see docs/format/job-database.md)",
+                    "job database {} is of format version {v}; this perch reads versions up to {FORMAT_VERSION}: run the perch release that wrote it (or a newer one); see docs/format/job-database.md",
                     path.display()
                 )));
             }

@@ -90,9 +90,9 @@ fn a_job_database_of_a_newer_format_is_refused_naming_both_versions() {
     };
     for says in [
         format!("format version {}", FORMAT_VERSION + 1),
-        format!("reads version {FORMAT_VERSION}"),
+        format!("reads versions up to {FORMAT_VERSION}"),
         path.display().to_string(),
-        "run the newer perch".to_owned(),
+        "run the perch release that wrote it".to_owned(),
     ] {
         assert!(refused.contains(&says), "{refused} does not say {says}");
     }
@@ -170,4 +170,31 @@ fn the_embedded_store_keeps_the_job_store_contract() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = RedbStore::open(&dir.path().join("jobs.redb")).expect("open");
     keeps_the_contract(&store, &sample);
+}
+
+/// The format document names the version this binary writes: the two cannot drift apart.
+#[test]
+fn the_format_document_names_the_version_written() {
+    let doc = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/format/job-database.md"
+    ))
+    .expect("docs/format/job-database.md");
+    let says = format!("Current version: **{FORMAT_VERSION}**");
+    assert!(
+        doc.contains(&says),
+        "docs/format/job-database.md must say {says}"
+    );
+    for name in [
+        "`meta`",
+        "`format_version`",
+        "`jobs`",
+        "`nodes`",
+        "`node_spans`",
+    ] {
+        assert!(
+            doc.contains(name),
+            "docs/format/job-database.md does not name {name}"
+        );
+    }
 }
