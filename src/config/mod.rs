@@ -6,7 +6,7 @@
 //! One module per section owns its struct, its defaults and its `check`, whose message names
 //! the key and what to change: `server` (with `[server.storage]`), `query`, `agent`,
 //! `telemetry`, `accounting`, `client` and `scheduler`. `[alerts]` and `[accounts.<name>]` are
-//! the alerts crate's and the server's own types, checked by them. [`Config::check`] runs every
+//! the alerts crate's and the control plane's own types, checked by them. [`Config::check`] runs every
 //! section's check, then those that read keys of two sections (`check_across_sections`).
 
 mod accounting;
