@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The control plane under load (issue 16): how fast a node's sync and a health probe are
+# The control plane under load: how fast a node's sync and a health probe are
 # answered, idle and while one user runs a CPU-heavy query, two memory-heavy queries and a
 # maximal array submission (10,000 tasks), all over TLS with tokens. Results go in
 # BENCHMARKS.md ("Control plane under load").

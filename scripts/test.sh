@@ -95,20 +95,26 @@ allow perch-alerts "perch-model"
 allow perch-planner ""
 allow perch-query "perch-model perch-planner"
 allow perch-collector "perch-model"
+allow perch-control "perch-model perch-scheduler"
 allow perch-pgwire "perch-model perch-query"
-allow perch-server "perch-model perch-query perch-scheduler perch-alerts perch-pgwire"
+allow perch-server "perch-model perch-query perch-scheduler perch-control perch-alerts perch-pgwire"
 # The benchmarks are their own binary (perch bench runs it), never built into perch.
-allow perch "perch-model perch-collector perch-query perch-scheduler perch-alerts perch-server"
+allow perch "perch-model perch-collector perch-query perch-scheduler perch-control perch-alerts perch-server"
 allow perch-bench "perch-model perch-collector perch-query perch-server"
 for crate in $(cargo metadata --locked --no-deps --format-version 1 |
                  grep -o '"name":"[a-z-]*","version"' | cut -d'"' -f4); do
-  case " perch-model nvml-standin perch-scheduler perch-alerts perch-planner perch-query perch-collector perch-pgwire perch-server perch perch-bench " in
+  case " perch-model nvml-standin perch-scheduler perch-control perch-alerts perch-planner perch-query perch-collector perch-pgwire perch-server perch perch-bench " in
     *" $crate "*) ;;
     *) echo "dependency rules: $crate has none; add an allow line in scripts/test.sh" >&2; exit 1 ;;
   esac
 done
 forbid perch-model tokio
 forbid perch-scheduler tokio
+# The control plane knows nothing of HTTP or SQL: the server maps its errors and serves it.
+forbid perch-control axum
+forbid perch-control hyper
+forbid perch-control datafusion
+forbid perch-control arrow
 forbid perch-scheduler datafusion
 forbid perch-alerts datafusion
 forbid perch-collector datafusion

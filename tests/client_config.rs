@@ -1,4 +1,4 @@
-//! The client commands find their server as the server's own config says (issue 14): `perch
+//! The client commands find their server as the server's own config says: `perch
 //! submit`, `jobs` and `sql` with `--config` or `PERCH_CONFIG` reach the server that file makes
 //! listen, not the default 127.0.0.1:7300 (on a shared host, someone else's); the per-user file
 //! `$XDG_CONFIG_HOME/perch/config.toml` gives server and token, a `--config` file wins over it,

@@ -1,4 +1,4 @@
-//! Issue 16: idle half-open connections stayed open forever; at 20,000 of them the server ran
+//! Idle half-open connections stayed open forever; at 20,000 of them the server ran
 //! out of descriptors and stopped answering. Here a few hundred connections that send nothing
 //! neither slow SQL and agent syncs nor outlive `server.idle_timeout_secs`.
 
@@ -89,7 +89,7 @@ fn connect_from(ip: &str, addr: &str) -> TcpStream {
     })
 }
 
-/// Issue 55: 4,250 connections from 17 loopback addresses stalled new clients (`/healthz` took
+/// 4,250 connections from 17 loopback addresses stalled new clients (`/healthz` took
 /// 19.5 s), a request sent a byte at a time stayed open past 150 s, and an unprivileged
 /// reconnect loop from the agent's own address locked the restarted agent out until its node
 /// went down. Here, with small caps: new clients are served at once past the global cap (the

@@ -1,4 +1,4 @@
-//! Issue 16: a full disk must not lose acknowledged telemetry, and perch must recover by itself
+//! A full disk must not lose acknowledged telemetry, and perch must recover by itself
 //! once there is room again. The server's data directory is a small tmpfs (a real filesystem
 //! that fills up); the test fills it while an agent streams samples, then frees it.
 
@@ -119,7 +119,7 @@ fn a_full_disk_loses_no_acknowledged_sample_and_perch_recovers_by_itself() {
     assert!(count(&perch, 0, full_to) >= acknowledged);
 }
 
-/// Issue 55: with the data directory full, a commit of the job database failed and every
+/// With the data directory full, a commit of the job database failed and every
 /// later submit, listing and agent sync answered 500, even after space returned, while
 /// `/readyz` said ready; agents could not renew their leases. Now: refusals are 503
 /// `job_db_unavailable`, `/readyz` and the built-in alert `JobDatabaseFailing` say why, agents'

@@ -1,4 +1,4 @@
-//! Attacks on a node by the holder of an ordinary user token (issue 15), each run against the
+//! Attacks on a node by the holder of an ordinary user token, each run against the
 //! real binary with the agent running as root and `run_as_user = required`, jobs running as a
 //! user created with `useradd`. Each test asserts that the attack fails with a clear error and
 //! that nothing else on the node was affected. They need root, as CI has; none skips.
@@ -197,7 +197,7 @@ fn a_job_sees_nothing_of_the_agents_environment() {
             "PWD",
             "CUDA_VISIBLE_DEVICES",
             "CUDA_DEVICE_ORDER",
-            // perch's distributed-training variables (issue 17)
+            // perch's distributed-training variables
             "MASTER_ADDR",
             "MASTER_PORT",
             "WORLD_SIZE",

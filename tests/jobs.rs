@@ -172,7 +172,7 @@ fn a_waiting_job_says_why_and_starts_when_a_cancel_frees_its_gpus() {
     );
     let (ok, _, err) = cli(&perch, &["cancel", "99"]);
     assert!(!ok && err.contains("no job 99"), "{err}");
-    // Issue 14: a gang wider than the cluster was accepted in silence and waited forever.
+    // A gang wider than the cluster was accepted in silence and waited forever.
     let r = reqwest::blocking::Client::new()
         .post(format!("{}/v1/jobs", perch.url))
         .json(&serde_json::json!({"command": ["true"], "nodes": 3, "gpus_per_node": 2}))
@@ -199,7 +199,7 @@ fn a_waiting_job_says_why_and_starts_when_a_cancel_frees_its_gpus() {
         err.starts_with("warning: ") && err.contains("largest has 2"),
         "{err}"
     );
-    // Issue 14: errors in a --file request spoke of a "JSON body" the user never wrote.
+    // Errors in a --file request spoke of a "JSON body" the user never wrote.
     let file = perch.data_dir.join("job.toml");
     std::fs::write(&file, "command = [\"true\"]\ngpus_per_node = \"two\"\n").expect("write");
     let (ok, _, err) = cli(&perch, &["submit", "--file", file.to_str().expect("utf-8")]);
@@ -359,7 +359,7 @@ fn dependencies_and_arrays() {
             .contains("waiting for dependencies"),
         "{held}"
     );
-    // Issue 14: `perch queue` left out jobs held for a dependency that `perch jobs` shows.
+    // `perch queue` left out jobs held for a dependency that `perch jobs` shows.
     let queue = perch.get("/v1/queue");
     let entry = queue["queue"]
         .as_array()
@@ -375,7 +375,7 @@ fn dependencies_and_arrays() {
                 && l.contains("waiting for dependencies")),
         "{listed}"
     );
-    // Issue 14: a running job's accounting columns were empty for minutes with no word why.
+    // A running job's accounting columns were empty for minutes with no word why.
     wait_state(&perch, 1, "running");
     let (ok, shown, err) = cli(&perch, &["show", "1"]);
     assert!(ok, "{err}");
@@ -603,7 +603,7 @@ fn ends_at_once(perch: &Perch, state: &str) {
     );
 }
 
-/// Issue 14: a job whose processes died while perch (server and agent) was down showed
+/// A job whose processes died while perch (server and agent) was down showed
 /// `running` for minutes and then ended `timeout`, a limit it never reached. Its supervisor saw
 /// it die: when the agent comes back it reports the exit, and the job ends at once, `failed`
 /// with the code it died with (SIGKILL: 137).
@@ -671,7 +671,7 @@ fn a_job_that_died_while_the_server_was_down_ends_at_once_when_it_returns() {
     ends_at_once(&server, "failed");
 }
 
-/// Issue 17: a gang on several nodes gets what `torch.distributed`, `torchrun`, DeepSpeed and
+/// A gang on several nodes gets what `torch.distributed`, `torchrun`, DeepSpeed and
 /// Horovod read, without a wrapper: rank 0's advertised address and one port, the world size
 /// in GPUs, each node's rank and first global rank, its GPU count, the node list, and
 /// torchrun's `PET_*` defaults. Two agents on this machine, each advertising its own loopback
@@ -862,7 +862,7 @@ fn binary_output_never_makes_a_nodes_syncs_too_large() {
     assert!(text.contains("server.max_body_mb"), "{text}");
 }
 
-/// A job's output is the job's, whatever its pace (session 47, on the binary):
+/// A job's output is the job's, whatever its pace (both found on the binary):
 /// - a job that printed 6.9 MB and exited kept 512 KiB on the server, cut mid-line, and
 ///   `perch logs` said nothing: the agent dropped what it had not sent when the exit was
 ///   acknowledged. Now it ships the rest after the exit, `perch logs` says how much is still to
@@ -1142,7 +1142,7 @@ fn listings_page_and_perch_jobs_shows_a_running_job_behind_any_history() {
     }
 }
 
-/// Issue 55: an agent token's batch with the largest sequence number and no agent-id header
+/// An agent token's batch with the largest sequence number and no agent-id header
 /// went past the node's claim (checked only when the header was there), and every later batch
 /// of the node's own agent was a duplicate: its telemetry stopped. Now such a batch is refused
 /// (400, saying to send the header), and the node's samples keep arriving.

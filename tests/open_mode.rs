@@ -276,7 +276,7 @@ fn a_restarted_up_waits_for_its_predecessor_and_comes_up_with_its_agent() {
 }
 
 /// Over psql too, an open server takes each local caller as the user owning its connection,
-/// whatever name it claims (issue 55).
+/// whatever name it claims.
 #[test]
 fn an_open_servers_psql_callers_are_the_local_users_they_are() {
     let alice_ids = alice();

@@ -119,7 +119,7 @@ while time.time() - start < 60:
 provider.shutdown()
 "#;
 
-/// Issue 14: one OTLP export from a job stopped its node's telemetry for good (the receiver's
+/// One OTLP export from a job stopped its node's telemetry for good (the receiver's
 /// clock-sized batch numbers shadowed the agent's). While a job exports every second for a
 /// minute, the node's GPU samples must keep growing, every 5 s, and the node must stay up in
 /// `perch nodes` and on `/metrics`, with no batch answered as a duplicate.
@@ -312,7 +312,7 @@ fn otlp_json_is_stored_and_malformed_bodies_get_400() {
     assert_eq!(response.status(), 415);
 }
 
-/// Issue 16: with tokens configured, `POST /v1/metrics` took anyone's points (an anonymous
+/// With tokens configured, `POST /v1/metrics` took anyone's points (an anonymous
 /// caller stored a forged `job_metrics` row). Now a job pushes with the token perch hands it in
 /// `OTEL_EXPORTER_OTLP_HEADERS` (the SDK sends it unasked), its points are filed under its job
 /// and user whatever its attributes claim, the token opens nothing else, and a user's token
@@ -429,7 +429,7 @@ fn with_tokens_a_job_pushes_with_its_own_token_and_nobody_pushes_for_others() {
     assert_eq!(push(Some(&forged), "1", "alice"), 401);
 }
 
-/// Issue 55: alice's token naming bob's job (`perch.job.id`) filed rows under it, and 210
+/// Alice's token naming bob's job (`perch.job.id`) filed rows under it, and 210
 /// metric names filled its series limit, so bob's own metric was dropped. Now points for a job
 /// are taken only from its owner (or an operator, or the job's own token): alice's are refused,
 /// 403 when nothing of her export is left and as a partial success when some is, and nothing of

@@ -178,7 +178,7 @@ fn every_dashboard_query_returns_data_from_a_real_prometheus() {
                 .collect();
             let name = var["name"].as_str().expect("variable name");
             if name == "job" {
-                // Issue 14: with a `job` label, Prometheus offered its scrape job, `perch`.
+                // With a `job` label, Prometheus offered its scrape job, `perch`.
                 let known = jobs();
                 for v in &values {
                     assert!(

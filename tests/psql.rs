@@ -602,7 +602,7 @@ fn psql_logs_in_with_a_token() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "timestamp with time zone\nalice");
 
-    // Issue 16: a session opened with a token outlived it. Revoked (the file rewritten and
+    // A session opened with a token outlived it. Revoked (the file rewritten and
     // SIGHUP), the token ends the session at its next statement, not only later logins; a
     // token that expires takes the same check.
     let mut session = Command::new("python3")
@@ -693,7 +693,7 @@ fn documented_queries() -> Vec<(String, String)> {
     out
 }
 
-/// Issue 14: in psql and Grafana's PostgreSQL source, the README's cost query returned the
+/// In psql and Grafana's PostgreSQL source, the README's cost query returned the
 /// login name on every row (an unquoted `user` is PostgreSQL's `current_user`), and
 /// `SELECT job, user, "user"` failed as ambiguous. The columns are `user_name` now, and every
 /// query of the README and the docs runs through the real psql.
@@ -734,7 +734,7 @@ fn every_documented_query_runs_through_psql() {
     assert_eq!(text(&out.stdout), format!("1|alice|alice|{}", login_name()));
 }
 
-/// One statement must not end the server (issue 55): `SELECT 1+1+...+1` with 2,000 terms or
+/// One statement must not end the server: `SELECT 1+1+...+1` with 2,000 terms or
 /// an `OR` chain of 2,500 overflowed a SQL thread's stack and aborted `perch up`, its agent
 /// with it. Now both are refused before they are parsed, over HTTP (400 `query_too_complex`)
 /// and psql (SQLSTATE 54001), on the plain and the extended protocol; a statement at the

@@ -1,4 +1,4 @@
-//! Issue 16: one user's heavy request made the server fail everyone's jobs. A CPU-heavy query
+//! One user's heavy request made the server fail everyone's jobs. A CPU-heavy query
 //! left health probes unanswered for 36 s, and a maximal array submission held agent syncs for
 //! 55 s, so the server marked nodes down and requeued their jobs. Here a CPU-heavy query, two
 //! memory-heavy ones and a maximal array submission run at once while a probe syncs as a node

@@ -1,4 +1,4 @@
-//! Issue 16: there was no TLS on HTTP or on the PostgreSQL listener, whose password is the
+//! There was no TLS on HTTP or on the PostgreSQL listener, whose password is the
 //! token. With `server.tls_cert` and `server.tls_key` both listeners speak TLS; the CLI and
 //! the agent trust an in-house CA through `PERCH_CA_FILE` (`[client]` and `[agent] ca_file`);
 //! SIGHUP installs a renewed certificate without a restart; a stalled handshake holds up no
@@ -253,7 +253,7 @@ fn bad_tls_settings_are_refused_at_startup_naming_the_key() {
     }
 }
 
-/// Issue 16: `perch up` with TLS made its own agent speak HTTPS without trusting anything, so
+/// `perch up` with TLS made its own agent speak HTTPS without trusting anything, so
 /// no telemetry arrived until an operator also set `agent.ca_file`. With a self-signed
 /// certificate and nothing else, the built-in agent trusts the server's own certificate.
 #[test]

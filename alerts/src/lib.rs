@@ -1,6 +1,6 @@
 //! perch's alerting: rules over the store, the Prometheus alert state machine, the
 //! Alertmanager notification pipeline, senders (email, webhooks) and guarded automatic
-//! remediation. Issue 7.
+//! remediation.
 //!
 //! The decision logic is pure and reads no clock: every time-dependent call takes `now_ms`,
 //! so tests run it in virtual time. The crate runs no SQL (the server does and hands over the
@@ -33,8 +33,7 @@ mod rules;
 mod silence;
 mod state;
 pub mod template;
-mod timefmt;
-pub mod xid;
+pub use perch_model::{timefmt, xid};
 
 pub use alert::{Alert, AlertKey, AlertState};
 pub use config::AlertsConfig;
@@ -45,10 +44,10 @@ pub use engine::{
 };
 pub use error::{Error, Result};
 pub use matcher::{MatchOp, Matcher};
+pub use perch_model::timefmt::{rfc3339, rfc3339_seconds, utc};
 pub use rules::{
     ActionSpec, BuiltinKind, DEFAULT_LABEL_COLUMNS, Instance, Rule, RuleSource, Severity,
     instances_from_rows,
 };
 pub use silence::{Silence, SilenceRequest, SilenceState, Silences};
 pub use state::{AlertTable, RESOLVED_RETENTION_MS, Transition};
-pub use timefmt::{rfc3339, rfc3339_seconds, utc};

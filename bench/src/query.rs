@@ -83,9 +83,9 @@ impl Query {
     }
 }
 
-/// The four accounting queries of issue 4, two small dashboard lookups on the second day
+/// The four accounting queries (a to d), two small dashboard lookups on the second day
 /// (where a query's fixed cost, its session and planning, is most of its time), then shapes
-/// operators write (issue 20): a selective filter, an exact median, a count distinct, a
+/// operators write: a selective filter, an exact median, a count distinct, a
 /// window over each GPU's series, top-k, one job's samples, a time filter over the fleet and
 /// a sum over the week.
 /// `iv` is the sampling interval in seconds, so one sample of

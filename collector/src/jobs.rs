@@ -1,7 +1,8 @@
-//! The jobs running on this node and what they use. A job launcher (issue 5) registers each job
-//! in the shared [`JobRegistry`] with its GPUs and either its root PID or its cgroup; every round
-//! the [`JobSampler`] reads each job's CPU, memory and process count ([`usage`]) and attributes
-//! the processes NVML sees on each GPU to jobs.
+//! The jobs running on this node and what they use. A job launcher (the agent's
+//! [`crate::launcher`]) registers each job in the shared [`JobRegistry`] with its GPUs and
+//! either its root PID or its cgroup; every round the [`JobSampler`] reads each job's CPU,
+//! memory and process count ([`usage`]) and attributes the processes NVML sees on each GPU to
+//! jobs.
 //!
 //! Attribution: a GPU process belongs to the job whose PIDs include it. It is **rogue** when its
 //! job was not allocated that GPU, or when it belongs to no job while the GPU is allocated to

@@ -492,7 +492,7 @@ async fn batches_spooled_while_the_server_is_down_are_replayed_in_order_after_a_
     );
 }
 
-/// Issue 16: a server that is busy (SQL slots, back-pressure) says when to come back with
+/// A server that is busy (SQL slots, back-pressure) says when to come back with
 /// `Retry-After`; the agent waits at least that long (at most a minute) before it retries,
 /// whatever its own backoff says, and keeps the batch meanwhile.
 #[tokio::test]

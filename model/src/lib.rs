@@ -21,7 +21,9 @@ mod jobs;
 mod node_state;
 mod telemetry;
 mod throttle;
+pub mod timefmt;
 pub mod tls;
+pub mod xid;
 
 pub use audit::ClusterEvent;
 pub use error_code::ErrorCode;

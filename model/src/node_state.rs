@@ -110,7 +110,7 @@ mod tests {
 
     #[test]
     fn an_agent_that_syncs_without_telemetry_is_not_up() {
-        // Issue 14: `perch nodes` said up while perch_node_up said 0.
+        // `perch nodes` said up while perch_node_up said 0.
         let s = node_state(
             agent(false, false, NOW - 600_000),
             Some(NOW - 240_000),
@@ -157,7 +157,7 @@ mod tests {
 
     #[test]
     fn a_telemetry_only_node_is_up_while_it_sends() {
-        // Issue 14: a node without GPUs (no control plane entry) was `down` in one view and 1
+        // A node without GPUs (no control plane entry) was `down` in one view and 1
         // in the other.
         assert_eq!(
             node_state(None, Some(NOW - 1_000), NOW, STALE),

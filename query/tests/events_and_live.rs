@@ -133,7 +133,7 @@ async fn live_tables_are_read_fresh_and_views_build_on_them() {
     assert_eq!(scalar(&sql, "SELECT jobs FROM busiest_account").await, 2);
     assert!(sql.query("SELECT * FROM passwd").await.is_err());
 
-    // Issue 14: SHOW TABLES listed the rollups' stored `_partial` rows in no particular order,
+    // SHOW TABLES listed the rollups' stored `_partial` rows in no particular order,
     // and the unknown-table hint named only the stored tables, not live tables and views.
     let out = sql.query("show  TABLES;").await.expect("SHOW TABLES");
     let mut listed = Vec::new();

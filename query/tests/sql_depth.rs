@@ -3,7 +3,7 @@
 //! overflow a thread's stack, which aborts the whole process (and fails this test binary).
 //!
 //! `SELECT 1+1+...+1` with 2,000 terms, or an `OR` chain of 2,500, aborted the server before
-//! statements were bounded (issue 55).
+//! statements were bounded.
 
 use perch_query::guard::{DEFAULT_MAX_DEPTH, check_statement};
 use perch_query::{Error, QueryLimits, SqlEngine, Store, StoreConfig};

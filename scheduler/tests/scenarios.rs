@@ -528,7 +528,7 @@ fn unhealthy_gpus_and_drained_nodes_get_no_work() {
     assert_eq!(started(&a), vec![1]);
 }
 
-/// Issue 16: a drained node that went down and came back took jobs again (the drain was
+/// A drained node that went down and came back took jobs again (the drain was
 /// lost), and resuming a node that was down marked it up while its agent was silent.
 #[test]
 fn a_drain_outlives_the_node_going_down_and_resume_does_not_revive_a_down_node() {
@@ -557,7 +557,7 @@ fn a_drain_outlives_the_node_going_down_and_resume_does_not_revive_a_down_node()
     assert!(both.contains(&2), "{a:?}");
 }
 
-/// Issue 15: a node that stops reporting keeps its jobs until its lease runs out (they may
+/// A node that stops reporting keeps its jobs until its lease runs out (they may
 /// still run there; requeueing them at once could run them twice) but takes no new ones.
 #[test]
 fn a_silent_node_keeps_its_jobs_takes_no_new_ones_and_fails_them_only_when_down() {

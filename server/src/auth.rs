@@ -14,12 +14,12 @@
 
 pub mod peer;
 
-use crate::jobs::job_token::JobTokens;
 use crate::{ApiError, AppState};
 use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use perch_control::job_token::JobTokens;
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -385,13 +385,6 @@ fn parse_hash(text: &str) -> Option<[u8; 32]> {
 
 /// Paths anyone may call: the web view's files carry no data (the page signs in to call the
 /// API).
-fn public(path: &str) -> bool {
-    matches!(
-        path,
-        "/" | "/healthz" | "/readyz" | "/metrics" | "/v1/openapi.json"
-    ) || path.starts_with("/ui/")
-}
-
 /// `GET /v1/whoami`: who the token is, for the web view's sign-in and `perch` scripts.
 pub async fn whoami(
     axum::extract::State(state): axum::extract::State<crate::AppState>,
@@ -455,27 +448,13 @@ fn browser_checks(
 }
 
 /// Which roles may call `path` (before per-job ownership checks in the handlers).
-fn allowed(role: Role, method: &axum::http::Method, path: &str) -> bool {
-    let agent_path = path == "/v1/ingest" || path.starts_with("/v1/agent/");
-    let operator_path = (method == axum::http::Method::POST
-        && path.starts_with("/v1/nodes/")
-        && (path.ends_with("/drain") || path.ends_with("/resume")))
-        || (method != axum::http::Method::GET && path.starts_with("/v1/silences"))
-        || path == "/v1/alerts/breaker/reset";
-    match role {
-        Role::Operator => true,
-        Role::Agent => agent_path,
-        Role::User => !agent_path && !operator_path,
-    }
-}
-
 pub async fn middleware(
     State(state): State<AppState>,
     mut request: Request,
     next: Next,
 ) -> Response {
     let path = request.uri().path().to_owned();
-    if public(&path) {
+    if crate::routes::public(&path) {
         return next.run(request).await;
     }
     if let Err(refusal) =
@@ -515,7 +494,8 @@ pub async fn middleware(
         }
     };
     // A job's token pushes that job's metrics and does nothing else.
-    if identity.job.is_some() && path != "/v1/metrics" {
+    let route = crate::routes::find(request.method(), &path);
+    if identity.job.is_some() && !route.is_some_and(|r| r.job_token) {
         return ApiError::new(
             StatusCode::FORBIDDEN,
             crate::ErrorCode::Forbidden,
@@ -523,7 +503,8 @@ pub async fn middleware(
         )
         .into_response();
     }
-    if !allowed(identity.role, request.method(), &path) {
+    // A request no route matches reaches no handler: the router answers 404 or 405.
+    if route.is_some_and(|r| !r.allows(identity.role)) {
         return ApiError::new(
             StatusCode::FORBIDDEN,
             crate::ErrorCode::Forbidden,
@@ -612,30 +593,6 @@ mod tests {
             assert!(
                 browser_checks(&headers(&[("host", host)]), &Method::GET, true).is_ok(),
                 "{host}"
-            );
-        }
-    }
-
-    #[test]
-    fn roles_reach_what_they_should() {
-        let cases = [
-            (Role::User, Method::POST, "/v1/jobs", true),
-            (Role::User, Method::POST, "/v1/sql", true),
-            (Role::User, Method::POST, "/v1/nodes/n1/drain", false),
-            (Role::User, Method::POST, "/v1/ingest", false),
-            (Role::User, Method::POST, "/v1/agent/sync", false),
-            (Role::Agent, Method::POST, "/v1/ingest", true),
-            (Role::Agent, Method::POST, "/v1/agent/sync", true),
-            (Role::Agent, Method::POST, "/v1/jobs", false),
-            (Role::Agent, Method::POST, "/v1/sql", false),
-            (Role::Operator, Method::POST, "/v1/nodes/n1/drain", true),
-            (Role::Operator, Method::POST, "/v1/ingest", true),
-        ];
-        for (role, method, path, want) in cases {
-            assert_eq!(
-                allowed(role, &method, path),
-                want,
-                "{role:?} {method} {path}"
             );
         }
     }
@@ -760,45 +717,6 @@ mod tests {
 
 #[cfg(test)]
 mod openapi_tests {
-    /// The route table ([`crate::ROUTES`]) is the router's and `openapi.json`'s: every path
-    /// the router serves is in it, and the OpenAPI document describes exactly its methods and
-    /// paths.
-    #[test]
-    fn one_route_table_for_the_router_the_index_and_openapi() {
-        use std::collections::BTreeSet;
-        let doc: serde_json::Value =
-            serde_json::from_str(crate::OPENAPI).expect("openapi.json is JSON");
-        let documented: BTreeSet<(String, String)> = doc["paths"]
-            .as_object()
-            .expect("paths")
-            .iter()
-            .flat_map(|(path, ops)| {
-                ops.as_object()
-                    .expect("operations")
-                    .keys()
-                    .filter(|m| ["get", "post", "put", "delete", "patch"].contains(&m.as_str()))
-                    .map(|m| (m.to_uppercase(), path.clone()))
-                    .collect::<Vec<_>>()
-            })
-            .collect();
-        let table: BTreeSet<(String, String)> = crate::ROUTES
-            .iter()
-            .map(|(m, p, _)| ((*m).to_owned(), (*p).to_owned()))
-            .collect();
-        assert_eq!(table.len(), crate::ROUTES.len(), "a route twice in ROUTES");
-        assert_eq!(documented, table, "openapi.json against ROUTES");
-        let source = include_str!("lib.rs");
-        let router = &source[source.find("pub fn router(").expect("router")..];
-        let mut routed = BTreeSet::new();
-        for piece in router.split(".route(").skip(1) {
-            let path = piece.trim_start().trim_start_matches('"');
-            routed.insert(path.split('"').next().unwrap_or_default().to_owned());
-        }
-        let paths: BTreeSet<String> = table.into_iter().map(|(_, p)| p).collect();
-        assert!(routed.len() > 10, "found the routes: {routed:?}");
-        assert_eq!(routed, paths, "router against ROUTES");
-    }
-
     /// `openapi.json` lists exactly the error codes [`crate::ErrorCode`] has, in its order.
     #[test]
     fn openapi_lists_every_error_code() {

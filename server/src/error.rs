@@ -5,6 +5,7 @@ use axum::Json;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
+use perch_control::ControlError;
 pub use perch_model::ErrorCode;
 
 #[derive(Debug)]
@@ -189,4 +190,73 @@ pub async fn json_errors(
         }
     }
     response
+}
+
+/// The one mapping from the control plane's errors to HTTP answers.
+impl From<ControlError> for ApiError {
+    fn from(e: ControlError) -> Self {
+        let message = e.to_string();
+        match e {
+            ControlError::Invalid(_) => ApiError::bad_request(ErrorCode::InvalidJob, message),
+            ControlError::BadRequest(_) => ApiError::bad_request(ErrorCode::BadParameters, message),
+            ControlError::Scheduler(perch_scheduler::Error::InvalidJob { .. }) => {
+                ApiError::bad_request(ErrorCode::InvalidJob, message)
+            }
+            // What an agent said of its node (an impossible GPU count, say): the agent's
+            // configuration is to change, not the server.
+            ControlError::Scheduler(perch_scheduler::Error::InvalidNode { .. }) => {
+                ApiError::bad_request(ErrorCode::InvalidSync, message)
+            }
+            ControlError::NoSuchJob(_)
+            | ControlError::NoSuchNode(_)
+            | ControlError::NoSuchArray(_) => {
+                ApiError::new(StatusCode::NOT_FOUND, ErrorCode::NotFound, message)
+            }
+            ControlError::Forbidden(_) => {
+                ApiError::new(StatusCode::FORBIDDEN, ErrorCode::Forbidden, message)
+            }
+            ControlError::TooManyPending { .. } | ControlError::TooManyPendingBytes { .. } => {
+                ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    ErrorCode::TooManyPending,
+                    message,
+                )
+            }
+            ControlError::NodeClaimed { .. } => {
+                ApiError::new(StatusCode::CONFLICT, ErrorCode::NodeClaimed, message).retry_after(5)
+            }
+            ControlError::OutputDeleted { .. } => {
+                ApiError::new(StatusCode::GONE, ErrorCode::OutputDeleted, message)
+            }
+            ControlError::AlreadyEnded { .. } => {
+                ApiError::new(StatusCode::CONFLICT, ErrorCode::AlreadyEnded, message)
+            }
+            ControlError::Unavailable(_) => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                ErrorCode::JobDbUnavailable,
+                message,
+            )
+            .retry_after(5),
+            ControlError::ShuttingDown(_) => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                ErrorCode::ShuttingDown,
+                message,
+            ),
+            ControlError::ListingBusy(_) => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                ErrorCode::ListingBusy,
+                message,
+            )
+            .retry_after(1),
+            ControlError::Scheduler(_)
+            | ControlError::Db(_)
+            | ControlError::Logs(_)
+            | ControlError::SettledRows(_)
+            | ControlError::TaskFailed(_) => ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                ErrorCode::Internal,
+                message,
+            ),
+        }
+    }
 }

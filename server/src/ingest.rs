@@ -19,7 +19,7 @@ use perch_model::Batch;
 use perch_query::IngestOutcome;
 use std::sync::atomic::Ordering;
 
-/// The header an agent sends its id in ([`crate::jobs::JobService::claim_node`]).
+/// The header an agent sends its id in ([`perch_control::JobService::claim_node`]).
 pub const AGENT_HEADER: &str = "x-perch-agent";
 
 pub async fn ingest(

@@ -18,6 +18,7 @@ mod metrics;
 pub mod node_status;
 mod otlp;
 mod pg;
+pub mod routes;
 mod sql;
 pub mod tls;
 mod web;
@@ -27,7 +28,6 @@ pub use latest::Latest;
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
-use axum::routing::{get, post};
 use perch_query::{QueryLimits, SqlEngine, Store, StoreConfig};
 use std::future::Future;
 use std::sync::Arc;
@@ -44,7 +44,7 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Nodes silent for longer than this are reported as not reporting on `/metrics`.
     pub node_stale_after: Duration,
-    pub jobs: jobs::JobsConfig,
+    pub jobs: perch_control::JobsConfig,
     /// Accepted bearer tokens; open (no authentication) by default.
     pub tokens: auth::Tokens,
     /// Address of the PostgreSQL-protocol SQL listener, if any.
@@ -94,7 +94,7 @@ impl ServerConfig {
             query: QueryLimits::default(),
             max_body_bytes: 64 << 20,
             node_stale_after: Duration::from_secs(60),
-            jobs: jobs::JobsConfig::default(),
+            jobs: perch_control::JobsConfig::default(),
             tokens: auth::Tokens::open(),
             pg_listen: None,
             tls: None,
@@ -116,12 +116,12 @@ pub struct AppState {
     pub metrics: Arc<metrics::ServerMetrics>,
     pub ready: Arc<AtomicBool>,
     pub config: Arc<ServerConfig>,
-    pub jobs: jobs::JobService,
+    pub jobs: perch_control::JobService,
     pub tokens: Arc<auth::Tokens>,
     /// The alert engine, its senders and its persisted state.
     pub alerts: Arc<alerting::AlertService>,
     /// Commands for agents to run on their nodes (remediation), and their results.
-    pub node_commands: Arc<jobs::node_commands::NodeCommands>,
+    pub node_commands: Arc<perch_control::node_commands::NodeCommands>,
     /// The control plane's audit events on their way to the `events` table; [`serve`] takes
     /// it and appends them.
     events: Arc<std::sync::Mutex<Option<EventReceiver>>>,
@@ -139,19 +139,20 @@ impl AppState {
     /// state.
     pub fn open(config: ServerConfig) -> Result<AppState, OpenError> {
         let store = Store::open(config.store.clone())?;
-        let (events_tx, events_rx) = jobs::JobService::event_channel();
+        let (events_tx, events_rx) = perch_control::JobService::event_channel();
         // The control plane keeps the server's time.
-        let jobs = jobs::JobService::open(
+        let history = accounting::history::History::open(
             &config.store.data_dir.join("control"),
-            jobs::JobsConfig {
+            perch_control::JobsConfig {
                 clock: config.clock.clone(),
                 ..config.jobs.clone()
             },
             events_tx,
         )?;
+        let jobs = history.jobs().clone();
         let sql = Arc::new(accounting::tables::register(
             SqlEngine::new(store.clone(), config.query),
-            &jobs,
+            &history,
             config.accounting.clone(),
         ));
         let (alerts, restored) = alerting::AlertService::open(
@@ -188,7 +189,7 @@ pub enum OpenError {
     #[error("{0}")]
     Store(#[from] perch_query::Error),
     #[error("{0}")]
-    Jobs(#[from] jobs::ControlError),
+    Jobs(#[from] perch_control::ControlError),
     #[error("alerts: {0}")]
     Alerts(String),
 }
@@ -196,46 +197,10 @@ pub enum OpenError {
 /// The HTTP routes.
 pub fn router(state: AppState) -> Router {
     let limit = state.config.max_body_bytes;
-    Router::new()
-        .route("/", get(index))
-        .route("/ui/{file}", get(web::asset))
-        .route("/v1/whoami", get(auth::whoami))
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .route("/v1/openapi.json", get(openapi))
-        .route("/v1/ingest", post(ingest::ingest))
-        .route("/v1/sql", post(sql::sql))
-        .route("/v1/metrics", post(otlp::metrics))
-        .route("/metrics", get(metrics::metrics))
-        .route(
-            "/v1/jobs",
-            post(jobs::routes::submit).get(jobs::routes::list),
-        )
-        .route("/v1/jobs/cancel", post(jobs::routes::cancel_many))
-        .route("/v1/jobs/{id}", get(jobs::routes::show))
-        .route("/v1/jobs/{id}/cancel", post(jobs::routes::cancel))
-        .route("/v1/jobs/{id}/logs", get(jobs::routes::logs))
-        .route("/v1/queue", get(jobs::routes::queue))
-        .route("/v1/nodes", get(jobs::routes::nodes))
-        .route("/v1/nodes/{name}/drain", post(jobs::routes::drain))
-        .route("/v1/nodes/{name}/resume", post(jobs::routes::resume))
-        .route(
-            "/v1/agent/sync",
-            post(jobs::routes::sync).layer(DefaultBodyLimit::max(limit.max(SYNC_BODY_MIN))),
-        )
-        .route("/v1/alerts", get(alerting::routes::alerts))
-        .route(
-            "/v1/alerts/breaker/reset",
-            post(alerting::routes::reset_breaker),
-        )
-        .route(
-            "/v1/silences",
-            get(alerting::routes::silences).post(alerting::routes::add_silence),
-        )
-        .route(
-            "/v1/silences/{id}",
-            axum::routing::delete(alerting::routes::expire_silence),
-        )
+    let routes = routes::ROUTES.iter().fold(Router::new(), |router, r| {
+        router.route(r.path, r.handler(limit))
+    });
+    routes
         .fallback(error::not_found)
         .layer(axum::middleware::from_fn(error::json_errors))
         .layer(axum::middleware::from_fn_with_state(
@@ -285,122 +250,14 @@ fn http_span(request: &axum::extract::Request) -> tracing::Span {
     )
 }
 
-/// Every HTTP route: method, path and what it is for. `GET /` lists them, and a test checks
-/// that the router serves exactly these paths and `openapi.json` describes exactly these
-/// methods and paths: add a route here, in [`router`] and in `openapi.json`.
-pub const ROUTES: &[(&str, &str, &str)] = &[
-    (
-        "GET",
-        "/",
-        "this index (JSON); a browser asking for HTML gets the web view",
-    ),
-    ("GET", "/ui/{file}", "the web view's files"),
-    (
-        "GET",
-        "/v1/whoami",
-        "the caller's user and role, and whether the server is open (no tokens)",
-    ),
-    ("GET", "/healthz", "liveness"),
-    (
-        "GET",
-        "/readyz",
-        "readiness (the store is open and its log replayed)",
-    ),
-    (
-        "GET",
-        "/v1/openapi.json",
-        "the OpenAPI 3 description of this API",
-    ),
-    (
-        "POST",
-        "/v1/ingest",
-        "agent telemetry batches (JSON, optionally zstd or gzip encoded)",
-    ),
-    (
-        "POST",
-        "/v1/sql",
-        "read-only SQL: body {\"sql\": \"...\", \"format\": \"json|csv|arrow\"} or text/plain",
-    ),
-    ("GET", "/metrics", "Prometheus exposition"),
-    (
-        "POST",
-        "/v1/metrics",
-        "OpenTelemetry metrics (OTLP/HTTP, protobuf or JSON) into the job_metrics table",
-    ),
-    ("POST", "/v1/jobs", "submit a job (JSON job request)"),
-    (
-        "GET",
-        "/v1/jobs",
-        "list jobs (?state=&user=&account=&limit=)",
-    ),
-    (
-        "GET",
-        "/v1/jobs/{id}",
-        "one job: state, reason, placement, timeline, live GPU use",
-    ),
-    ("POST", "/v1/jobs/{id}/cancel", "cancel a job"),
-    (
-        "POST",
-        "/v1/jobs/cancel",
-        "cancel many jobs: body {\"ids\": [...]} or filters {\"array\", \"user\", \"account\", \"name\", \"state\"}",
-    ),
-    (
-        "GET",
-        "/v1/jobs/{id}/logs",
-        "a job's output (?stream=stdout|stderr&offset=N&rank=R&attempt=A: rank R (default 0) of attempt A (default the latest); the x-perch-attempt header says which)",
-    ),
-    (
-        "GET",
-        "/v1/queue",
-        "pending jobs in scheduling order, with the reason each waits; ?start=true adds each one's estimated start (estimated_start, RFC 3339)",
-    ),
-    ("GET", "/v1/nodes", "nodes, their GPUs and jobs"),
-    (
-        "POST",
-        "/v1/nodes/{name}/drain",
-        "stop placing jobs on a node",
-    ),
-    (
-        "POST",
-        "/v1/nodes/{name}/resume",
-        "place jobs on a drained node again",
-    ),
-    (
-        "POST",
-        "/v1/agent/sync",
-        "agents report their jobs and receive launch and stop orders",
-    ),
-    (
-        "GET",
-        "/v1/alerts",
-        "alerts (pending, firing, recently resolved), rule health, remediation and its circuit breaker",
-    ),
-    (
-        "POST",
-        "/v1/alerts/breaker/reset",
-        "close the remediation circuit breaker (operators)",
-    ),
-    ("GET", "/v1/silences", "silences and their state"),
-    (
-        "POST",
-        "/v1/silences",
-        "mute alerts matching label matchers until a time (operators)",
-    ),
-    (
-        "DELETE",
-        "/v1/silences/{id}",
-        "expire a silence now (operators)",
-    ),
-];
-
-async fn index(headers: axum::http::HeaderMap) -> axum::response::Response {
+pub(crate) async fn index(headers: axum::http::HeaderMap) -> axum::response::Response {
     use axum::response::IntoResponse;
     if web::wants_html(&headers) {
         return web::index(&headers);
     }
-    let endpoints: serde_json::Map<String, serde_json::Value> = ROUTES
+    let endpoints: serde_json::Map<String, serde_json::Value> = routes::ROUTES
         .iter()
-        .map(|(method, path, what)| (format!("{method} {path}"), (*what).into()))
+        .map(|r| (format!("{} {}", r.method.as_str(), r.path), r.what.into()))
         .collect();
     axum::Json(serde_json::json!({
         "service": "perch",
@@ -414,14 +271,14 @@ async fn index(headers: axum::http::HeaderMap) -> axum::response::Response {
 /// The OpenAPI 3 description of this server's HTTP API.
 pub const OPENAPI: &str = include_str!("../openapi.json");
 
-async fn openapi() -> ([(axum::http::HeaderName, &'static str); 1], &'static str) {
+pub(crate) async fn openapi() -> ([(axum::http::HeaderName, &'static str); 1], &'static str) {
     (
         [(axum::http::header::CONTENT_TYPE, "application/json")],
         OPENAPI,
     )
 }
 
-async fn readyz(
+pub(crate) async fn readyz(
     axum::extract::State(state): axum::extract::State<AppState>,
 ) -> (axum::http::StatusCode, String) {
     if !state.ready.load(Ordering::Relaxed) {
@@ -567,7 +424,7 @@ async fn reload_on_hangup(
     clock: clock::Clock,
     tokens: Arc<auth::Tokens>,
     tls: Option<Arc<tls::Certificates>>,
-    policy: Option<(PolicySource, jobs::JobService)>,
+    policy: Option<(PolicySource, perch_control::JobService)>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     use tokio::signal::unix::{SignalKind, signal};

@@ -1,6 +1,6 @@
 //! The HTTP listener's own limits, so that idle or stalled clients cannot exhaust the server's
-//! file descriptors (issue 16: 20,000 half-open connections left SQL unanswered, the built-in
-//! agent unable to read `/proc` and the alert state unsaved):
+//! file descriptors (20,000 half-open connections left SQL unanswered, the built-in agent
+//! unable to read `/proc` and the alert state unsaved):
 //!
 //! - at most `max_connections` connections are open at once; the next waits in the kernel's
 //!   backlog until one closes (a descriptor is only taken once a slot is free);
@@ -62,11 +62,8 @@ impl Default for ConnectionLimits {
 }
 
 /// Connections an address may open past `max_per_ip`, on probation: each is served only for
-/// agents' routes ([`AGENT_ROUTES`]).
+/// agents' routes ([`crate::routes::for_agents`]).
 pub const PROBATION_PER_IP: usize = 16;
-
-/// The routes a connection on probation may call: an agent's.
-pub const AGENT_ROUTES: [&str; 2] = ["/v1/agent/sync", "/v1/ingest"];
 
 /// "None" in the millisecond fields of [`Conn`].
 const NEVER: u64 = u64::MAX;
@@ -736,13 +733,13 @@ pub async fn track_requests(
     let deadline = conn.request_deadline();
     let _busy = conn.begin_request();
     let path = request.uri().path().to_owned();
-    if conn.on_probation() && !AGENT_ROUTES.contains(&path.as_str()) {
+    if conn.on_probation() && !crate::routes::for_agents(&path) {
         let mut refused = crate::ApiError::new(
             axum::http::StatusCode::TOO_MANY_REQUESTS,
             crate::ErrorCode::TooManyConnections,
             format!(
                 "this address holds server.max_connections_per_ip connections already; beyond them only agents' syncs and telemetry ({}) are served: close idle connections, or reuse one",
-                AGENT_ROUTES.join(", ")
+                crate::routes::agent_paths().join(", ")
             ),
         )
         .retry_after(1)
@@ -758,7 +755,7 @@ pub async fn track_requests(
         None => request,
     };
     let response = next.run(request).await;
-    if AGENT_ROUTES.contains(&path.as_str()) && response.status().is_success() {
+    if crate::routes::for_agents(&path) && response.status().is_success() {
         conn.keep();
     }
     response

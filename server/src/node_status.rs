@@ -4,7 +4,7 @@
 //! the alert engine all read it from here.
 
 use crate::AppState;
-use crate::jobs::NodeView;
+use perch_control::NodeView;
 use perch_model::{NodeState, node_state};
 use std::collections::BTreeMap;
 

@@ -1,7 +1,7 @@
 //! `perch alerts`: what fires and what perch did about it; silences; the remediation circuit
 //! breaker. A client of `GET /v1/alerts`, `/v1/silences` and `/v1/alerts/breaker/reset`.
 
-use super::jobs::{Api, ServerArg, parse_duration, print_table, s};
+use super::jobs::{Api, ServerArg, parse_duration, print_table};
 use crate::config::ConfigFile;
 use anyhow::Result;
 use clap::{Args, Subcommand};
@@ -95,7 +95,7 @@ pub fn run(args: AlertsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
                 "duration": format!("{secs}s"),
                 "comment": comment,
             });
-            let v = api.post("/v1/silences", &body)?;
+            let v: Value = api.post("/v1/silences", &body)?;
             println!(
                 "silence {} for {duration}: alerts matching {} are not notified",
                 s(&v["silence"]["id"]),
@@ -117,12 +117,12 @@ pub fn run(args: AlertsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
                     "{id:?} is no silence id (they look like s-3); `perch alerts silence` lists them"
                 );
             }
-            api.delete(&format!("/v1/silences/{id}"))?;
+            api.delete::<Value>(&format!("/v1/silences/{id}"))?;
             println!("silence {id} expired");
             Ok(())
         }
         Some(What::Breaker { what: None }) => {
-            let v = api.get("/v1/alerts")?;
+            let v: Value = api.get("/v1/alerts")?;
             let r = &v["remediation"];
             match r["circuit_breaker"].as_object() {
                 Some(trip) => println!(
@@ -144,7 +144,7 @@ pub fn run(args: AlertsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
         Some(What::Breaker {
             what: Some(BreakerCmd::Reset),
         }) => {
-            let v = api.post("/v1/alerts/breaker/reset", &json!({}))?;
+            let v: Value = api.post("/v1/alerts/breaker/reset", &json!({}))?;
             if v["was_open"] == true {
                 println!("circuit breaker closed: automatic remediation resumes");
             } else {
@@ -156,7 +156,7 @@ pub fn run(args: AlertsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
 }
 
 fn list(api: &Api, all: bool) -> Result<()> {
-    let v = api.get("/v1/alerts")?;
+    let v: Value = api.get("/v1/alerts")?;
     let rows: Vec<Vec<String>> = v["alerts"]
         .as_array()
         .into_iter()
@@ -207,7 +207,7 @@ fn list(api: &Api, all: bool) -> Result<()> {
 }
 
 fn rules(api: &Api, all: bool) -> Result<()> {
-    let v = api.get("/v1/alerts")?;
+    let v: Value = api.get("/v1/alerts")?;
     let rows = v["rules"]
         .as_array()
         .into_iter()
@@ -246,7 +246,7 @@ fn rules(api: &Api, all: bool) -> Result<()> {
 }
 
 fn silences(api: &Api, all: bool) -> Result<()> {
-    let v = api.get("/v1/silences")?;
+    let v: Value = api.get("/v1/silences")?;
     let rows: Vec<Vec<String>> = v["silences"]
         .as_array()
         .into_iter()
@@ -274,4 +274,13 @@ fn silences(api: &Api, all: bool) -> Result<()> {
         print_table(&["ID", "STATE", "MATCHERS", "BY", "COMMENT"], rows);
     }
     Ok(())
+}
+
+/// A JSON value as a cell: a string as itself, `-` for null, anything else as JSON.
+fn s(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".into(),
+        other => other.to_string(),
+    }
 }

@@ -6,6 +6,14 @@ use crate::client::ClientConfig;
 use crate::config::ConfigFile;
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use perch_control::api::{
+    CancelAnswer, ErrorBody, JobView, JobsPage, NodeList, NodeStateChange, QueueView, Submitted,
+};
+use perch_control::record::{JobRecord, JobState};
+use perch_control::spec::JobRequest;
+use perch_model::ErrorCode;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -212,6 +220,50 @@ pub struct NodeArgs {
     node: String,
 }
 
+/// The server's answer to a request it refused: its status, and the code and message of
+/// its error body (`{"error": {"code", "message"}}`).
+#[derive(Debug)]
+pub(crate) struct Refused {
+    status: reqwest::StatusCode,
+    /// `None` when the body names no code this build knows, or is not the API's error body
+    /// (a proxy's page, which is then the message).
+    code: Option<ErrorCode>,
+    message: String,
+    /// For a 401 or 403: which server refused, and which token was sent.
+    credentials: Option<String>,
+}
+
+impl Refused {
+    /// The refusal `body` says, with `status`, from the server `config` names.
+    pub(crate) fn new(status: reqwest::StatusCode, body: &[u8], config: &ClientConfig) -> Refused {
+        let (code, message) = match serde_json::from_slice::<ErrorBody>(body) {
+            Ok(ErrorBody { error }) => (error.code, error.message),
+            Err(_) => (None, String::from_utf8_lossy(body).into_owned()),
+        };
+        let credentials = matches!(status.as_u16(), 401 | 403).then(|| config.refused());
+        Refused {
+            status,
+            code,
+            message,
+            credentials,
+        }
+    }
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (message, status) = (&self.message, self.status);
+        match &self.credentials {
+            Some(credentials) => write!(f, "{message} (HTTP {status}; {credentials})"),
+            None => write!(f, "{message} (HTTP {status})"),
+        }
+    }
+}
+
+impl std::error::Error for Refused {}
+
+/// A client of the server's HTTP API: each call answers the type `perch_control::api` says
+/// the route answers, or [`Refused`].
 pub(crate) struct Api {
     client: reqwest::blocking::Client,
     config: ClientConfig,
@@ -238,46 +290,53 @@ impl Api {
             return Ok(response);
         }
         let status = response.status();
-        let body = response.text().unwrap_or_default();
-        let message = serde_json::from_str::<Value>(&body)
-            .ok()
-            .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
-            .unwrap_or(body);
-        if matches!(status.as_u16(), 401 | 403) {
-            bail!("{message} (HTTP {status}; {})", self.config.refused())
-        }
-        bail!("{message} (HTTP {status})")
+        let body = response.bytes().unwrap_or_default();
+        Err(Refused::new(status, &body, &self.config).into())
     }
 
-    pub(crate) fn get(&self, path: &str) -> Result<Value> {
-        Ok(self
-            .send(self.client.get(format!("{}{path}", self.config.server)))?
-            .json()?)
+    /// The answer to `request` (`what` names it in errors), read as a `T`.
+    fn answer<T: DeserializeOwned>(
+        &self,
+        request: reqwest::blocking::RequestBuilder,
+        what: &str,
+    ) -> Result<T> {
+        let body = self.send(request)?.bytes()?;
+        serde_json::from_slice(&body).with_context(|| {
+            format!(
+                "the server's answer to {what} is not what this perch expects; is the server another version of perch?"
+            )
+        })
+    }
+
+    /// GET `path`.
+    pub(crate) fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T> {
+        let url = format!("{}{path}", self.config.server);
+        self.answer(self.client.get(url), &format!("GET {path}"))
     }
 
     /// GET `path` with `query`'s pairs, encoded.
-    pub(crate) fn get_query(&self, path: &str, query: &[(&str, String)]) -> Result<Value> {
+    pub(crate) fn get_query<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        query: &[(&str, String)],
+    ) -> Result<T> {
         let mut url = reqwest::Url::parse(&format!("{}{path}", self.config.server))
             .with_context(|| format!("{}{path} is not a URL", self.config.server))?;
         url.query_pairs_mut()
             .extend_pairs(query.iter().map(|(k, v)| (k, v)));
-        Ok(self.send(self.client.get(url))?.json()?)
+        self.answer(self.client.get(url), &format!("GET {path}"))
     }
 
-    pub(crate) fn delete(&self, path: &str) -> Result<Value> {
-        Ok(self
-            .send(self.client.delete(format!("{}{path}", self.config.server)))?
-            .json()?)
+    /// DELETE `path`.
+    pub(crate) fn delete<T: DeserializeOwned>(&self, path: &str) -> Result<T> {
+        let url = format!("{}{path}", self.config.server);
+        self.answer(self.client.delete(url), &format!("DELETE {path}"))
     }
 
-    pub(crate) fn post(&self, path: &str, body: &Value) -> Result<Value> {
-        Ok(self
-            .send(
-                self.client
-                    .post(format!("{}{path}", self.config.server))
-                    .json(body),
-            )?
-            .json()?)
+    /// POST `body`, as JSON, to `path`.
+    pub(crate) fn post<T: DeserializeOwned>(&self, path: &str, body: &impl Serialize) -> Result<T> {
+        let url = format!("{}{path}", self.config.server);
+        self.answer(self.client.post(url).json(body), &format!("POST {path}"))
     }
 }
 
@@ -328,11 +387,16 @@ pub fn parse_duration(text: &str) -> Result<u64> {
     n.checked_mul(factor).ok_or_else(bad)
 }
 
-/// The server's answer to a request made from a `--file`, in the file's terms: it speaks of a
-/// "JSON body" and of positions in the JSON perch sent, neither of which the user wrote.
-fn in_file_terms(message: &str, file: &std::path::Path) -> String {
+/// The server's answer to a request made from a `--file`, in the file's terms: a malformed
+/// request's message speaks of a "JSON body" and of positions in the JSON perch sent, neither
+/// of which the user wrote.
+fn in_file_terms(e: &anyhow::Error, file: &std::path::Path) -> String {
     const PREFIX: &str = "Failed to deserialize the JSON body into the target type: ";
-    let Some((_, rest)) = message.split_once(PREFIX) else {
+    let message = e.to_string();
+    let malformed = e
+        .downcast_ref::<Refused>()
+        .is_some_and(|r| r.code == Some(ErrorCode::MalformedRequest));
+    let Some((_, rest)) = message.split_once(PREFIX).filter(|_| malformed) else {
         return format!("{}: {message}", file.display());
     };
     let rest = match rest.find(" at line ") {
@@ -343,6 +407,10 @@ fn in_file_terms(message: &str, file: &std::path::Path) -> String {
 }
 
 pub fn submit(args: SubmitArgs, config_file: Option<&ConfigFile>) -> Result<()> {
+    // The request stays JSON as the file has it, rather than a `JobRequest`: the server checks
+    // every key (naming it, in the file's terms, when it is wrong), fills in the defaults, and
+    // takes the keys of its own version, which this build's `JobRequest` may not know; the
+    // flags only replace keys.
     let mut request: serde_json::Map<String, Value> = match &args.file {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -437,7 +505,7 @@ pub fn submit(args: SubmitArgs, config_file: Option<&ConfigFile>) -> Result<()> 
             let (k, v) = kv
                 .split_once('=')
                 .ok_or_else(|| anyhow::anyhow!("--env {kv:?}: use KEY=VALUE"))?;
-            env.insert(k.to_owned(), Value::from(v));
+            env.insert(k, v);
         }
         set("env", serde_json::to_value(env)?);
     }
@@ -453,60 +521,50 @@ pub fn submit(args: SubmitArgs, config_file: Option<&ConfigFile>) -> Result<()> 
     {
         request.insert("user".to_owned(), v.into());
     }
-    let job = match (api.post("/v1/jobs", &Value::Object(request)), &args.file) {
-        (Err(e), Some(file)) => bail!("{}", in_file_terms(&e.to_string(), file)),
+    let submitted: Submitted = match (api.post("/v1/jobs", &request), &args.file) {
+        (Err(e), Some(file)) => bail!("{}", in_file_terms(&e, file)),
         (result, _) => result?,
     };
-    match job["array_jobs"].as_array() {
-        Some(ids) => println!(
-            "Submitted array job {} (tasks {}-{})",
-            job["id"],
-            ids.first().unwrap_or(&Value::Null),
-            ids.last().unwrap_or(&Value::Null)
-        ),
-        None => println!("Submitted job {}", job["id"]),
+    let id = submitted.job.id;
+    match (submitted.array_jobs.first(), submitted.array_jobs.last()) {
+        (Some(first), Some(last)) => {
+            println!("Submitted array job {id} (tasks {first}-{last})")
+        }
+        _ => println!("Submitted job {id}"),
     }
-    if let Some(warning) = job["warning"].as_str() {
+    if let Some(warning) = &submitted.warning {
         eprintln!("warning: {warning}");
     }
     Ok(())
 }
 
 /// The GPUs a request holds: `nodes x gpus_per_node`, or its fraction of one GPU.
-fn gpu_count(request: &Value) -> String {
-    match request["gpu_share"]["fraction"].as_f64() {
-        Some(f) => format!("{f:.2}"),
-        None => (request["nodes"].as_u64().unwrap_or(1)
-            * request["gpus_per_node"].as_u64().unwrap_or(1))
-        .to_string(),
+fn gpu_count(request: &JobRequest) -> String {
+    match &request.gpu_share {
+        Some(share) => format!("{:.2}", share.fraction),
+        None => (u64::from(request.nodes) * u64::from(request.gpus_per_node)).to_string(),
     }
 }
 
-fn gpus_of(job: &Value) -> String {
-    let placement = job["placement"].as_array().cloned().unwrap_or_default();
-    if placement.is_empty() {
+fn gpus_of(job: &JobRecord) -> String {
+    if job.placement.is_empty() {
         return "-".into();
     }
-    placement
+    job.placement
         .iter()
         .map(|p| {
-            let gpus: Vec<String> = p["gpus"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|g| g.to_string())
-                .collect();
-            format!("{}[{}]", p["node"].as_str().unwrap_or("?"), gpus.join(","))
+            let gpus: Vec<String> = p.gpus.iter().map(u32::to_string).collect();
+            format!("{}[{}]", p.node, gpus.join(","))
         })
         .collect::<Vec<_>>()
         .join(" ")
 }
 
-fn elapsed(job: &Value) -> String {
-    let Some(start) = job["start_ms"].as_i64() else {
+fn elapsed(job: &JobRecord) -> String {
+    let Some(start) = job.start_ms else {
         return "-".into();
     };
-    let end = job["end_ms"].as_i64().unwrap_or_else(|| {
+    let end = job.end_ms.unwrap_or_else(|| {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(start, |d| d.as_millis() as i64)
@@ -536,12 +594,15 @@ pub(crate) fn print_table(header: &[&str], rows: Vec<Vec<String>>) {
     }
 }
 
-pub(crate) fn s(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        Value::Null => "-".into(),
-        other => other.to_string(),
-    }
+/// `v` as a cell or field: `-` for none.
+fn or_dash(v: Option<impl std::fmt::Display>) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| v.to_string())
+}
+
+/// `v` as JSON text: a command line as the JSON array it is, a number as JSON writes it
+/// (`10.0`, where Rust's `{}` writes `10`).
+fn json_text(v: &impl Serialize) -> String {
+    serde_json::to_string(v).unwrap_or_default()
 }
 
 /// Jobs the server returns in one page at most (its `MAX_PAGE`).
@@ -577,11 +638,9 @@ pub fn jobs(args: JobsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
         if let Some(before) = before {
             page_query.push(("before", before.to_string()));
         }
-        let mut page = api.get_query("/v1/jobs", &page_query)?;
-        if let Some(jobs) = page["jobs"].as_array_mut() {
-            listed.append(jobs);
-        }
-        before = page["next_before"].as_u64();
+        let page: JobsPage<'static> = api.get_query("/v1/jobs", &page_query)?;
+        listed.extend(page.jobs);
+        before = page.next_before;
         if before.is_none() {
             break false;
         }
@@ -591,21 +650,21 @@ pub fn jobs(args: JobsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
     }
     let rows = listed
         .iter()
-        .map(|j| {
-            let r = &j["request"];
-            let pending = j["state"] == "pending";
+        .map(|view| {
+            let (j, r) = (&*view.record, &view.record.request);
+            let pending = j.state == JobState::Pending;
             vec![
-                s(&j["id"]),
-                s(&r["name"]),
-                s(&r["user"]),
-                s(&r["account"]),
-                s(&j["state"]),
+                j.id.to_string(),
+                or_dash(r.name.as_deref()),
+                or_dash(r.user.as_deref()),
+                or_dash(r.account.as_deref()),
+                j.state.as_str().to_owned(),
                 gpu_count(r),
                 // A requeued job keeps its last run's start and placement: pending, it runs
                 // nowhere and for no time.
                 if pending { "-".into() } else { elapsed(j) },
                 if pending { "-".into() } else { gpus_of(j) },
-                s(&j["reason"]),
+                or_dash(j.reason.as_deref()),
             ]
         })
         .collect();
@@ -627,134 +686,128 @@ pub fn jobs(args: JobsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
 }
 
 pub fn show(args: JobIdArgs, config_file: Option<&ConfigFile>) -> Result<()> {
-    let j = Api::new(&args.server, config_file)?.get(&format!("/v1/jobs/{}", args.id))?;
-    let r = &j["request"];
+    let view: JobView<'static> =
+        Api::new(&args.server, config_file)?.get(&format!("/v1/jobs/{}", args.id))?;
+    let (j, r) = (&*view.record, &view.record.request);
     println!(
         "JobId={} Name={} User={} Account={}",
-        j["id"],
-        s(&r["name"]),
-        s(&r["user"]),
-        s(&r["account"])
+        j.id,
+        or_dash(r.name.as_deref()),
+        or_dash(r.user.as_deref()),
+        or_dash(r.account.as_deref())
     );
-    if let Some(task) = j["array"].as_object() {
+    if let Some(task) = &j.array {
         // Slurm's ArrayJobId and ArrayTaskId.
-        println!(
-            "   ArrayJobId={} ArrayTaskId={}",
-            task["job_id"], task["task_id"]
-        );
+        println!("   ArrayJobId={} ArrayTaskId={}", task.job_id, task.task_id);
     }
     println!(
         "   State={} Reason={} ExitCode={}",
-        s(&j["state"]),
-        s(&j["reason"]),
-        s(&j["exit_code"])
+        j.state.as_str(),
+        or_dash(j.reason.as_deref()),
+        or_dash(j.exit_code)
     );
-    if j["state"] == "pending" {
-        println!(
-            "   StartTime={} (estimated)",
-            start_of(&j["estimated_start"])
-        );
+    let pending = j.state == JobState::Pending;
+    if pending {
+        let at = view
+            .estimate
+            .as_ref()
+            .and_then(|e| e.estimated_start.as_deref());
+        println!("   StartTime={} (estimated)", start_of(at));
     }
-    println!("   Command={}", r["command"]);
+    println!("   Command={}", json_text(&r.command));
     println!(
         "   Nodes={} GPUsPerNode={} TimeLimit={}s QOS={} Preemptible={} MaxRequeues={}",
-        r["nodes"],
-        r["gpus_per_node"],
-        r["time_limit_secs"],
-        s(&r["qos"]),
-        r["preemptible"],
-        r["max_requeues"]
+        r.nodes,
+        r.gpus_per_node,
+        r.time_limit_secs,
+        or_dash(r.qos.as_deref()),
+        r.preemptible,
+        r.max_requeues
     );
     println!(
         "   Attempts={} Requeues={} Preemptions={} Elapsed={}",
-        j["attempts"],
-        j["requeues"],
-        j["preemptions"],
-        elapsed(&j)
+        j.attempts,
+        j.requeues,
+        j.preemptions,
+        elapsed(j)
     );
-    if r["gpu_share"].is_object() {
+    if let Some(share) = &r.gpu_share {
         println!(
             "   GpuShare={} of a GPU, {} GiB of its memory",
-            s(&r["gpu_share"]["fraction"]),
-            s(&r["gpu_share"]["memory_gb"])
+            json_text(&share.fraction),
+            json_text(&share.memory_gb)
         );
     }
-    if !r["cpus"].is_null() || !r["memory_mb"].is_null() {
-        println!("   CPUs={} MemoryMiB={}", s(&r["cpus"]), s(&r["memory_mb"]));
+    if r.cpus.is_some() || r.memory_mb.is_some() {
+        println!(
+            "   CPUs={} MemoryMiB={}",
+            or_dash(r.cpus),
+            or_dash(r.memory_mb)
+        );
     }
-    if j["state"] == "pending" && j["placement"].as_array().is_some_and(|p| !p.is_empty()) {
-        println!("   Placement=- (last run: {})", gpus_of(&j));
+    if pending && !j.placement.is_empty() {
+        println!("   Placement=- (last run: {})", gpus_of(j));
     } else {
-        println!("   Placement={}", gpus_of(&j));
+        println!("   Placement={}", gpus_of(j));
     }
-    if let Some(ranks) = j["placement"].as_array().filter(|p| p.len() > 1) {
+    if j.placement.len() > 1 {
         // A job on several nodes: how far each rank got (rank = position in the placement).
-        let each: Vec<String> = ranks
+        let each: Vec<String> = j
+            .placement
             .iter()
             .enumerate()
             .map(|(rank, p)| {
-                let state = match p["exit_code"].as_i64() {
+                let state = match p.exit_code {
                     Some(code) => format!("exited {code}"),
-                    None if j["state"] == "running" => "running".into(),
+                    None if j.state == JobState::Running => "running".into(),
                     None => "stopped".into(),
                 };
-                format!("{rank}:{}={state}", s(&p["node"]))
+                format!("{rank}:{}={state}", p.node)
             })
             .collect();
         println!("   Ranks={}", each.join(" "));
     }
-    if let Some(gpus) = j["gpus_now"].as_array() {
+    if let Some(gpus) = &view.gpus_now {
         println!("   GPUs now:");
         for g in gpus {
-            let util = g["utilization_gpu_pct"]
-                .as_f64()
+            let util = g
+                .utilization_gpu_pct
                 .map_or("-".into(), |u| format!("{u:.0}%"));
-            let mem = g["memory_used_bytes"].as_f64().map_or("-".into(), |m| {
-                format!("{:.1} GiB", m / f64::from(1u32 << 30))
+            let mem = g.memory_used_bytes.map_or("-".into(), |m| {
+                format!("{:.1} GiB", m as f64 / f64::from(1u32 << 30))
             });
-            let sim = if g["simulated"] == true {
+            let sim = if g.simulated == Some(true) {
                 " (simulated)"
             } else {
                 ""
             };
-            println!(
-                "     {}[{}] util {util} mem {mem}{sim}",
-                s(&g["node"]),
-                g["gpu"]
-            );
+            println!("     {}[{}] util {util} mem {mem}{sim}", g.node, g.gpu);
         }
     }
-    let u = &j["usage"];
-    if u.is_object() {
-        let hours = |v: &Value| {
-            v.as_f64()
-                .map_or("-".into(), |s| format!("{:.2}", s / 3600.0))
-        };
-        let num =
-            |v: &Value, unit: &str| v.as_f64().map_or("-".into(), |x| format!("{x:.1}{unit}"));
+    if let Some(Some(u)) = &view.usage {
+        let hours = |v: Option<f64>| v.map_or("-".into(), |s| format!("{:.2}", s / 3600.0));
+        let num = |v: Option<f64>, unit: &str| v.map_or("-".into(), |x| format!("{x:.1}{unit}"));
         // Money to the cent: a 45 s job on a $0.95 GPU-hour read 0.0 before.
-        let money = |v: &Value| v.as_f64().map_or("-".into(), |x| format!("{x:.2}"));
+        let money = |v: Option<f64>| v.map_or("-".into(), |x| format!("{x:.2}"));
         println!(
             "   Usage: GPUHoursAllocated={} GPUHoursUsed={} MeanUtil={} EnergyKWh={} CostAllocated={} CostUsed={} AccountedUntil={}",
-            hours(&u["gpu_seconds_allocated"]),
-            hours(&u["gpu_seconds_used"]),
-            num(&u["utilization_mean_pct"], "%"),
-            u["energy_joules"]
-                .as_f64()
+            hours(u.gpu_seconds_allocated),
+            hours(u.gpu_seconds_used),
+            num(u.utilization_mean_pct, "%"),
+            u.energy_joules
                 .map_or("-".into(), |e| format!("{:.3}", e / 3.6e6)),
-            money(&u["cost_allocated"]),
-            money(&u["cost_used"]),
-            s(&u["accounted_until"]),
+            money(u.cost_allocated),
+            money(u.cost_used),
+            or_dash(u.accounted_until.as_deref()),
         );
-        if let Some(note) = u["note"].as_str() {
+        if let Some(note) = &u.note {
             println!("   Note: {note}");
         }
     }
     println!("   Timeline:");
-    let submit = j["submit_ms"].as_i64().unwrap_or(0);
-    for t in j["timeline"].as_array().into_iter().flatten() {
-        let at = (t["time_ms"].as_i64().unwrap_or(submit) - submit) as f64 / 1000.0;
-        println!("     +{at:>8.1}s  {}", s(&t["event"]));
+    for t in &j.timeline {
+        let at = (t.time_ms - j.submit_ms) as f64 / 1000.0;
+        println!("     +{at:>8.1}s  {}", t.event);
     }
     Ok(())
 }
@@ -763,62 +816,58 @@ pub fn show(args: JobIdArgs, config_file: Option<&ConfigFile>) -> Result<()> {
 /// line a job for a few, a count and the ids for many. Fails if a named job was not found,
 /// was not the caller's or had ended: the others are cancelled all the same.
 pub fn cancel(args: CancelArgs, config_file: Option<&ConfigFile>) -> Result<()> {
+    /// `POST /v1/jobs/cancel`'s body: only what was given. (The server's own type reads
+    /// `state` as a `JobState`; a name that is none is the server's to refuse.)
+    #[derive(Serialize)]
+    struct CancelBody<'a> {
+        #[serde(skip_serializing_if = "<[u64]>::is_empty")]
+        ids: &'a [u64],
+        #[serde(skip_serializing_if = "Option::is_none")]
+        array: Option<u64>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        user: Option<&'a str>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        account: Option<&'a str>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        name: Option<&'a str>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        state: Option<&'a str>,
+    }
     let api = Api::new(&args.server, config_file)?;
-    let mut body = serde_json::Map::new();
-    if !args.ids.is_empty() {
-        body.insert("ids".into(), args.ids.clone().into());
-    }
-    let filters = [
-        ("array", args.array.map(Value::from)),
-        ("user", args.user.map(Value::from)),
-        ("account", args.account.map(Value::from)),
-        ("name", args.name.map(Value::from)),
-        ("state", args.state.map(Value::from)),
-    ];
-    for (key, value) in filters {
-        if let Some(v) = value {
-            body.insert(key.into(), v);
-        }
-    }
-    let out = api.post("/v1/jobs/cancel", &Value::Object(body))?;
-    let ids = |key: &str| -> Vec<u64> {
-        out[key]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(Value::as_u64)
-            .collect()
+    let body = CancelBody {
+        ids: &args.ids,
+        array: args.array,
+        user: args.user.as_deref(),
+        account: args.account.as_deref(),
+        name: args.name.as_deref(),
+        state: args.state.as_deref(),
     };
-    let cancelled = ids("cancelled");
+    let out: CancelAnswer = api.post("/v1/jobs/cancel", &body)?;
+    let cancelled = &out.cancelled;
     if cancelled.len() <= 20 {
-        for id in &cancelled {
+        for id in cancelled {
             println!("job {id}: cancelled");
         }
     } else {
         println!(
             "cancelled {} jobs: {}",
             cancelled.len(),
-            id_ranges(&cancelled)
+            id_ranges(cancelled)
         );
     }
     let mut failed = 0;
-    for ended in out["already_ended"].as_array().into_iter().flatten() {
-        eprintln!(
-            "job {}: already ended ({})",
-            ended["id"],
-            s(&ended["state"])
-        );
+    for ended in &out.already_ended {
+        eprintln!("job {}: already ended ({})", ended.id, ended.state);
         failed += 1;
     }
-    for id in ids("not_found") {
+    for id in &out.not_found {
         eprintln!("job {id}: no job {id}; `perch jobs --all` lists them");
         failed += 1;
     }
-    for job in out["forbidden"].as_array().into_iter().flatten() {
+    for job in &out.forbidden {
         eprintln!(
             "job {}: belongs to {}; only its owner or an operator may cancel it",
-            job["id"],
-            s(&job["user"])
+            job.id, job.user
         );
         failed += 1;
     }
@@ -970,32 +1019,37 @@ pub fn queue(args: QueueArgs, config_file: Option<&ConfigFile>) -> Result<()> {
         ("start", args.start.to_string()),
         ("limit", args.limit.to_string()),
     ];
-    let q = Api::new(&args.server, config_file)?.get_query("/v1/queue", &query)?;
-    let shown = q["queue"].as_array().map_or(0, Vec::len);
-    if let Some(total) = q["total"].as_u64().filter(|&t| t > shown as u64) {
-        eprintln!("the first {shown} of {total} pending jobs shown; more with --limit");
+    let q: QueueView<'static> =
+        Api::new(&args.server, config_file)?.get_query("/v1/queue", &query)?;
+    let shown = q.queue.len();
+    if q.total > shown {
+        eprintln!(
+            "the first {shown} of {} pending jobs shown; more with --limit",
+            q.total
+        );
     }
-    let rows = q["queue"]
-        .as_array()
-        .into_iter()
-        .flatten()
+    let rows = q
+        .queue
+        .iter()
         .map(|e| {
-            let j = &e["job"];
-            let r = &j["request"];
+            let (j, r) = (&*e.job.record, &e.job.record.request);
             let mut row = vec![
-                s(&e["position"]),
-                s(&j["id"]),
-                s(&r["user"]),
-                s(&r["account"]),
+                or_dash(e.position),
+                j.id.to_string(),
+                or_dash(r.user.as_deref()),
+                or_dash(r.account.as_deref()),
                 gpu_count(r),
-                e["priority"]
-                    .as_f64()
+                e.priority
                     .map_or_else(|| "-".to_owned(), |p| format!("{p:.3}")),
             ];
             if args.start {
-                row.push(start_of(&e["estimated_start"]));
+                let at = e
+                    .estimate
+                    .as_ref()
+                    .and_then(|e| e.estimated_start.as_deref());
+                row.push(start_of(at));
             }
-            row.push(s(&j["reason"]));
+            row.push(or_dash(j.reason.as_deref()));
             row
         })
         .collect();
@@ -1009,30 +1063,24 @@ pub fn queue(args: QueueArgs, config_file: Option<&ConfigFile>) -> Result<()> {
 }
 
 /// An estimated start as `squeue --start` shows it: the time, or N/A.
-fn start_of(v: &Value) -> String {
-    v.as_str().map_or_else(|| "N/A".to_owned(), str::to_owned)
+fn start_of(at: Option<&str>) -> String {
+    at.unwrap_or("N/A").to_owned()
 }
 
 pub fn nodes(args: ListArgs, config_file: Option<&ConfigFile>) -> Result<()> {
-    let n = Api::new(&args.server, config_file)?.get("/v1/nodes")?;
-    let rows = n["nodes"]
-        .as_array()
-        .into_iter()
-        .flatten()
+    let list: NodeList = Api::new(&args.server, config_file)?.get("/v1/nodes")?;
+    let rows = list
+        .nodes
+        .iter()
         .map(|n| {
-            let jobs: Vec<String> = n["jobs"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|j| j.to_string())
-                .collect();
+            let jobs: Vec<String> = n.jobs.iter().map(u64::to_string).collect();
             vec![
-                s(&n["name"]),
-                s(&n["state"]),
-                format!("{}/{}", n["allocated_gpus"], n["gpus"]),
-                s(&n["gpu_model"]),
-                s(&n["rack"]),
-                nvlink_of(&n["nvlink_islands"], n["gpu_sharing"] == true),
+                n.name.clone(),
+                n.state.clone(),
+                format!("{}/{}", n.allocated_gpus, n.gpus),
+                n.gpu_model.clone(),
+                n.rack.clone(),
+                nvlink_of(&n.nvlink_islands, n.gpu_sharing),
                 if jobs.is_empty() {
                     "-".into()
                 } else {
@@ -1057,24 +1105,17 @@ pub fn nodes(args: ListArgs, config_file: Option<&ConfigFile>) -> Result<()> {
 }
 
 /// NVLink islands as `0-3|4-7`, then `shared` when the node takes shared jobs.
-fn nvlink_of(islands: &Value, sharing: bool) -> String {
+fn nvlink_of(islands: &[Vec<u32>], sharing: bool) -> String {
     let groups: Vec<String> = islands
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|i| {
-            let ids: Vec<u64> = i
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(Value::as_u64)
-                .collect();
-            match (ids.first(), ids.last()) {
-                (Some(a), Some(b)) if ids.len() > 1 && b - a + 1 == ids.len() as u64 => {
-                    format!("{a}-{b}")
-                }
-                _ => ids.iter().map(u64::to_string).collect::<Vec<_>>().join(","),
+        .iter()
+        .map(|ids| match (ids.first(), ids.last()) {
+            (Some(&a), Some(&b))
+                if ids.len() > 1
+                    && b.checked_sub(a).map(|d| u64::from(d) + 1) == Some(ids.len() as u64) =>
+            {
+                format!("{a}-{b}")
             }
+            _ => ids.iter().map(u32::to_string).collect::<Vec<_>>().join(","),
         })
         .collect();
     let mut text = if groups.is_empty() {
@@ -1094,9 +1135,10 @@ pub fn set_drained(args: NodeArgs, drain: bool, config_file: Option<&ConfigFile>
     // send the request to another endpoint.
     perch_model::NodeId::new(args.node.as_str())
         .map_err(|e| anyhow::anyhow!("{e}; `perch nodes` lists the nodes"))?;
-    let r = Api::new(&args.server, config_file)?
-        .post(&format!("/v1/nodes/{}/{verb}", args.node), &Value::Null)?;
-    println!("node {}: {}", args.node, s(&r["state"]));
+    // The body is `null`: the route takes none.
+    let r: NodeStateChange = Api::new(&args.server, config_file)?
+        .post(&format!("/v1/nodes/{}/{verb}", args.node), &())?;
+    println!("node {}: {}", args.node, r.state.as_str());
     Ok(())
 }
 
@@ -1106,13 +1148,13 @@ mod tests {
 
     #[test]
     fn nvlink_islands_read_compactly() {
-        let islands = serde_json::json!([[0, 1, 2, 3], [4, 5, 6, 7]]);
-        assert_eq!(nvlink_of(&islands, false), "0-3|4-7");
         assert_eq!(
-            nvlink_of(&serde_json::json!([[0, 2], [1]]), true),
-            "0,2|1 shared"
+            nvlink_of(&[vec![0, 1, 2, 3], vec![4, 5, 6, 7]], false),
+            "0-3|4-7"
         );
-        assert_eq!(nvlink_of(&serde_json::Value::Null, false), "-");
+        assert_eq!(nvlink_of(&[vec![0, 2], vec![1]], true), "0,2|1 shared");
+        assert_eq!(nvlink_of(&[vec![3, 1]], false), "3,1", "out of order");
+        assert_eq!(nvlink_of(&[], false), "-");
     }
 
     #[test]

@@ -81,7 +81,7 @@ pub struct SimulateArgs {
     pub restart_delay_s: i64,
     /// Run the scorecard: fifo, backfill, srtf, las, gittins, themis and perch (with and without trace
     /// quotas) on the built-in matrix of traces, cluster sizes and seeds; a table per perch
-    /// variant, issue 19's targets checked per case.
+    /// variant, the targets listed in scheduler/README.md checked per case.
     #[arg(long, conflicts_with_all = ["policy", "plot", "show_config", "cluster"])]
     pub suite: bool,
     /// With `--suite`: seed 1 of the synthetic traces only, no Philly (seconds, not minutes).

@@ -1,10 +1,10 @@
 //! `perch sql`: sends one query to a server's `POST /v1/sql` and prints the answer as an
 //! aligned table (decoded from Arrow IPC), CSV or JSON.
 
-use super::jobs::ServerArg;
+use super::jobs::{Refused, ServerArg};
 use crate::client::ClientConfig;
 use crate::config::ConfigFile;
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -62,14 +62,7 @@ async fn query(args: SqlArgs, client: ClientConfig) -> Result<()> {
         .is_some_and(|v| v == "true");
     let body = response.bytes().await.context("reading the answer")?;
     if !status.is_success() {
-        let message = serde_json::from_slice::<serde_json::Value>(&body)
-            .ok()
-            .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
-            .unwrap_or_else(|| String::from_utf8_lossy(&body).into_owned());
-        if matches!(status.as_u16(), 401 | 403) {
-            bail!("{message} (HTTP {status}; {})", client.refused());
-        }
-        bail!("{message} (HTTP {status})");
+        return Err(Refused::new(status, &body, &client).into());
     }
     match args.format {
         OutputFormat::Table => {

@@ -6,7 +6,7 @@
 //! One module per section owns its struct, its defaults and its `check`, whose message names
 //! the key and what to change: `server` (with `[server.storage]`), `query`, `agent`,
 //! `telemetry`, `accounting`, `client` and `scheduler`. `[alerts]` and `[accounts.<name>]` are
-//! the alerts crate's and the server's own types, checked by them. [`Config::check`] runs every
+//! the alerts crate's and the control plane's own types, checked by them. [`Config::check`] runs every
 //! section's check, then those that read keys of two sections (`check_across_sections`).
 
 mod accounting;
@@ -45,7 +45,7 @@ pub struct Config {
     /// Where the client commands (`sql`, `submit`, `jobs`, ...) send requests, with which token.
     pub client: ClientSection,
     /// Which users may charge which accounts, at which QOS (`[accounts.<name>]`).
-    pub accounts: perch_server::jobs::accounts::AccountRules,
+    pub accounts: perch_control::accounts::AccountRules,
     /// The scheduling policy the server runs and `perch simulate` replays.
     pub scheduler: SchedulerSection,
     /// The file this came from, if any: the server reads its `[scheduler]` again on SIGHUP.
@@ -134,7 +134,7 @@ impl Config {
         self.agent.check()?;
         self.accounting.check()?;
         self.telemetry.check()?;
-        if let Err(e) = perch_server::jobs::accounts::validate(&self.accounts) {
+        if let Err(e) = perch_control::accounts::validate(&self.accounts) {
             anyhow::bail!("config key {e}");
         }
         self.scheduler.check()?;

@@ -74,10 +74,9 @@ impl Default for ServerSection {
             max_buffered_rows: 4_000_000,
             max_body_mb: 64,
             node_stale_after_secs: 60,
-            node_lease_secs: perch_server::jobs::DEFAULT_LEASE.as_secs(),
-            max_pending_jobs_per_user: perch_server::jobs::DEFAULT_MAX_PENDING_PER_USER,
-            max_pending_job_mb_per_user: perch_server::jobs::DEFAULT_MAX_PENDING_BYTES_PER_USER
-                >> 20,
+            node_lease_secs: perch_control::DEFAULT_LEASE.as_secs(),
+            max_pending_jobs_per_user: perch_control::DEFAULT_MAX_PENDING_PER_USER,
+            max_pending_job_mb_per_user: perch_control::DEFAULT_MAX_PENDING_BYTES_PER_USER >> 20,
             max_connections: perch_server::listener::ConnectionLimits::default().max_connections,
             max_connections_per_ip: perch_server::listener::ConnectionLimits::default().max_per_ip,
             idle_timeout_secs: perch_server::listener::ConnectionLimits::default()
@@ -90,11 +89,11 @@ impl Default for ServerSection {
             compact_below_mb: 64,
             compact_min_files: 8,
             retention_days: Default::default(),
-            job_output_days: perch_server::jobs::DEFAULT_OUTPUT_RETENTION.as_secs() / 86_400,
-            max_job_output_mb_per_user: perch_server::jobs::JobsConfig::default()
+            job_output_days: perch_control::DEFAULT_OUTPUT_RETENTION.as_secs() / 86_400,
+            max_job_output_mb_per_user: perch_control::JobsConfig::default()
                 .max_output_bytes_per_user
                 .map_or(0, |b| b >> 20),
-            max_job_output_total_mb: perch_server::jobs::JobsConfig::default()
+            max_job_output_total_mb: perch_control::JobsConfig::default()
                 .max_output_bytes_total
                 .map_or(0, |b| b >> 20),
             storage: StorageSection::default(),

@@ -1,5 +1,5 @@
 //! The scorecard: every policy on a matrix of traces, cluster sizes and seeds, one table, and
-//! issue 19's targets checked on each case where queues form.
+//! the targets below checked on each case where queues form.
 //!
 //! Targets for perch (durations unknown, preemption cost on), per case, scored for perch as a
 //! server runs it by default (`perch-noquota`) and with quotas derived from the trace

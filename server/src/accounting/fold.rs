@@ -9,25 +9,7 @@ use arrow::datatypes::{Float64Type, Int64Type, UInt64Type};
 use perch_query::SqlEngine;
 use std::fmt::Write;
 
-/// Telemetry of `gpus` of `node` in [from_ms, to_ms), for one allocation of one job.
-#[derive(Debug, Clone, PartialEq)]
-pub struct FoldWindow {
-    pub job: u64,
-    pub attempt: u32,
-    pub node: String,
-    pub gpus: Vec<u32>,
-    pub from_ms: i64,
-    pub to_ms: i64,
-}
-
-/// A window and what its samples add up to, one [`GpuUsage`] per GPU in the window's order.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Folded {
-    pub window: FoldWindow,
-    pub usage: Vec<GpuUsage>,
-    /// Some of its samples came from simulated GPUs.
-    pub simulated: bool,
-}
+pub use perch_control::cost::{FoldWindow, Folded};
 
 /// Why a fold failed (it is retried at the next one; nothing was applied).
 #[derive(Debug, thiserror::Error)]

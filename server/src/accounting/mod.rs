@@ -2,8 +2,8 @@
 //! what that cost; cluster utilization per day; and the server tasks that keep it current.
 //!
 //! The numbers come from two places. The control plane's records say who held which GPUs
-//! when ([`crate::jobs::record::Allocation`]) and what state each node was in
-//! ([`crate::jobs::record::NodeSpan`]). Raw telemetry says what the GPUs did: [`run`]
+//! when ([`perch_control::record::Allocation`]) and what state each node was in
+//! ([`perch_control::record::NodeSpan`]). Raw telemetry says what the GPUs did: [`run`]
 //! periodically folds the settled samples of every open allocation into partial aggregates
 //! ([`usage::GpuUsage`]) through one grouped SQL query ([`fold`]), committed with the
 //! allocation's checkpoint in the job database. Folding from raw samples long before
@@ -13,17 +13,16 @@
 
 pub mod daily;
 pub mod fold;
+pub mod history;
 pub(crate) mod settled;
 pub mod tables;
-pub mod usage;
+pub use perch_control::usage;
 
 pub use usage::GpuUsage;
 
-use crate::jobs::JobService;
-use crate::jobs::record::Allocation;
+use perch_control::JobService;
 use perch_model::ClusterEvent;
 use perch_query::{SqlEngine, Store};
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,106 +48,7 @@ impl Default for AccountingConfig {
     }
 }
 
-/// What GPU time and energy cost.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Prices {
-    /// Per GPU-hour for models not in `gpu_per_hour` (OpenCost's default, $0.95).
-    pub default_gpu_per_hour: f64,
-    /// Per GPU-hour by GPU model, as the model is named in `gpu_samples.model` and
-    /// `perch nodes`.
-    pub gpu_per_hour: BTreeMap<String, f64>,
-    /// Per kWh of GPU energy, added to both allocated and used cost (0: energy is included in
-    /// the GPU price).
-    pub energy_per_kwh: f64,
-}
-
-impl Default for Prices {
-    fn default() -> Self {
-        Prices {
-            default_gpu_per_hour: 0.95,
-            gpu_per_hour: BTreeMap::new(),
-            energy_per_kwh: 0.0,
-        }
-    }
-}
-
-impl Prices {
-    pub fn gpu_hour(&self, model: &str) -> f64 {
-        self.gpu_per_hour
-            .get(model)
-            .copied()
-            .unwrap_or(self.default_gpu_per_hour)
-    }
-
-    /// What one GPU of `model` cost, allocated and used, given its figures: the one
-    /// definition, for figures worked out from a record ([`gpu_figures`]) and for those read
-    /// back from the settled rows ([`settled`]), which are stored unpriced.
-    pub fn gpu_costs(
-        &self,
-        model: &str,
-        allocated_seconds: f64,
-        used_seconds: Option<f64>,
-        energy_joules: Option<f64>,
-    ) -> (f64, Option<f64>) {
-        let price = self.gpu_hour(model);
-        let energy_cost = energy_joules.unwrap_or(0.0) / 3.6e6 * self.energy_per_kwh;
-        (
-            allocated_seconds / 3600.0 * price + energy_cost,
-            used_seconds.map(|s| s / 3600.0 * price + energy_cost),
-        )
-    }
-}
-
-/// One GPU of one allocation, as the tables show it.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct GpuFigures {
-    pub allocated_seconds: f64,
-    /// Seconds of the allocation whose samples are folded and reported utilization: what
-    /// `used_seconds` is measured over.
-    pub accounted_seconds: Option<f64>,
-    pub used_seconds: Option<f64>,
-    pub util_peak_pct: Option<f64>,
-    pub memory_peak_bytes: Option<u64>,
-    pub energy_joules: Option<f64>,
-    pub samples: u64,
-    pub cost_allocated: f64,
-    pub cost_used: Option<f64>,
-}
-
-/// The figures of GPU `g` (position in `a.gpus`) of allocation `a` at `now_ms`.
-///
-/// A job on a share of a GPU is allocated its fraction of the time; what it used, its peaks
-/// and its energy are unknown (NULL): the GPU's telemetry covers every job sharing it and
-/// cannot be split among them.
-pub fn gpu_figures(a: &Allocation, g: usize, now_ms: i64, prices: &Prices) -> GpuFigures {
-    let allocated_seconds = a.held_ms(now_ms) as f64 / 1000.0 * a.gpu_fraction();
-    if a.share_percent.is_some() {
-        let (cost_allocated, _) = prices.gpu_costs(&a.gpu_model, allocated_seconds, None, None);
-        return GpuFigures {
-            allocated_seconds,
-            samples: a.usage.get(g).map_or(0, |u| u.samples),
-            cost_allocated,
-            ..GpuFigures::default()
-        };
-    }
-    let u = a.usage.get(g).cloned().unwrap_or_default();
-    let folded = a.folded_ms() as f64 / 1000.0;
-    let used_seconds = u.used_seconds(folded);
-    let energy_joules = u.energy_joules(folded);
-    let (cost_allocated, cost_used) =
-        prices.gpu_costs(&a.gpu_model, allocated_seconds, used_seconds, energy_joules);
-    GpuFigures {
-        allocated_seconds,
-        accounted_seconds: used_seconds.map(|_| folded),
-        used_seconds,
-        util_peak_pct: u.util_max,
-        memory_peak_bytes: u.memory_max_bytes,
-        energy_joules,
-        samples: u.samples,
-        cost_allocated,
-        cost_used,
-    }
-}
+pub use perch_control::cost::{GpuFigures, Prices, gpu_figures};
 
 /// Folds the settled telemetry (before `until_ms`) of every allocation that needs it and
 /// commits the result; returns how many windows were applied.

@@ -5,7 +5,7 @@
 //!
 //! The job database stays the truth; these files are a copy of what it holds that can always
 //! be made again. A settled job is *recorded* once its rows are here
-//! ([`crate::jobs::JobService::record_settled`]); until then SQL reads its record from the job
+//! ([`perch_control::JobService::record_settled`]); until then SQL reads its record from the job
 //! database as before. The rows are stored unpriced: cost columns are worked out when read,
 //! at the prices of the moment ([`super::Prices::gpu_costs`]), as for jobs held in memory.
 //!
@@ -35,7 +35,6 @@
 
 use super::Prices;
 use super::tables;
-use crate::jobs::record::JobRecord;
 use arrow::array::{
     Array, ArrayRef, BooleanArray, Float64Array, RecordBatch, RecordBatchOptions, StringArray,
 };
@@ -48,6 +47,7 @@ use parquet::arrow::arrow_reader::statistics::StatisticsConverter;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::metadata::{KeyValue, ParquetMetaData};
 use parquet::file::properties::WriterProperties;
+use perch_control::record::JobRecord;
 use perch_query::{Pruning, Room};
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -941,10 +941,25 @@ fn unopened(path: &Path, e: &std::io::Error) -> Unread {
     }
 }
 
+/// The control plane writes settled jobs' rows here, and is told when they are lost.
+impl perch_control::SettledRecords for SettledRows {
+    fn append(&self, records: &[JobRecord]) -> Result<(), String> {
+        SettledRows::append(self, records)
+    }
+
+    fn lost(&self) -> Option<String> {
+        SettledRows::lost(self)
+    }
+
+    fn reset(&self) {
+        SettledRows::reset(self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::jobs::record::Allocation;
+    use perch_control::record::Allocation;
 
     fn job(id: u64) -> JobRecord {
         let mut job: JobRecord = serde_json::from_value(serde_json::json!({

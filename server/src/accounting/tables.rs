@@ -5,16 +5,17 @@
 //! are SQL views over `jobs`. Columns are documented in `docs/schema.md`.
 
 use super::daily::{self, Availability, Held, Span};
+use super::history::History as JobService;
 use super::settled::{Unread, View};
 use super::{AccountingConfig, GpuFigures, Prices, gpu_figures};
-use crate::jobs::JobService;
-use crate::jobs::db::NodeRecord;
-use crate::jobs::record::{JobRecord, NodeSpan, NodeState};
 use arrow::array::{
     Array, ArrayRef, BooleanArray, Float64Array, Int32Array, RecordBatch, StringArray,
     TimestampMillisecondArray, UInt32Array, UInt64Array, downcast_array,
 };
 use arrow::datatypes::{Field, Schema, SchemaRef};
+use perch_control::cost::{Totals, job_totals};
+use perch_control::db::NodeRecord;
+use perch_control::record::{JobRecord, NodeSpan, NodeState};
 use perch_query::{LiveTable, Room, SqlEngine, project};
 use std::sync::{Arc, LazyLock};
 
@@ -93,62 +94,6 @@ impl<'a, R> Columns<'a, R> {
         RecordBatch::try_new(self.schema(), self.arrays)
             .map(|b| vec![b])
             .map_err(|e| e.to_string())
-    }
-}
-
-/// Sums of per-GPU figures; `None` stays `None` only when every GPU's is.
-#[derive(Debug, Default)]
-pub(crate) struct Totals {
-    pub(crate) allocated: f64,
-    pub(crate) accounted: Option<f64>,
-    pub(crate) used: Option<f64>,
-    pub(crate) peak: Option<f64>,
-    pub(crate) memory: Option<u64>,
-    pub(crate) energy: Option<f64>,
-    pub(crate) cost_allocated: f64,
-    pub(crate) cost_used: Option<f64>,
-}
-
-/// One job's figures over all its allocations and GPUs at `now`: what the `jobs` table
-/// shows and what `/metrics` sums per account.
-pub(crate) fn job_totals(j: &JobRecord, now: i64, prices: &crate::accounting::Prices) -> Totals {
-    let mut totals = Totals::default();
-    for a in &j.allocations {
-        for g in 0..a.gpus.len() {
-            totals.add(&gpu_figures(a, g, now, prices));
-        }
-    }
-    totals
-}
-
-fn add(a: Option<f64>, b: Option<f64>) -> Option<f64> {
-    match (a, b) {
-        (Some(x), Some(y)) => Some(x + y),
-        (x, y) => x.or(y),
-    }
-}
-
-impl Totals {
-    fn add(&mut self, f: &GpuFigures) {
-        self.allocated += f.allocated_seconds;
-        self.accounted = add(self.accounted, f.accounted_seconds);
-        self.used = add(self.used, f.used_seconds);
-        self.peak = match (self.peak, f.util_peak_pct) {
-            (Some(x), Some(y)) => Some(x.max(y)),
-            (x, y) => x.or(y),
-        };
-        self.memory = self.memory.max(f.memory_peak_bytes);
-        self.energy = add(self.energy, f.energy_joules);
-        self.cost_allocated += f.cost_allocated;
-        self.cost_used = add(self.cost_used, f.cost_used);
-    }
-
-    /// Time-weighted mean utilization over the accounted GPU-time.
-    fn mean_pct(&self) -> Option<f64> {
-        match (self.used, self.accounted) {
-            (Some(u), Some(a)) if a > 0.0 => Some(100.0 * u / a),
-            _ => None,
-        }
     }
 }
 
@@ -656,7 +601,7 @@ pub(crate) fn days(
     now: i64,
     room: &mut Room<'_>,
 ) -> Result<Vec<daily::Day>, String> {
-    let node_spans: Vec<crate::jobs::record::NodeSpan> = jobs
+    let node_spans: Vec<perch_control::record::NodeSpan> = jobs
         .read_durable(|c| c.node_spans().cloned().collect())
         .map_err(|e| e.to_string())?;
     let spans: Vec<Span<'_>> = node_spans

@@ -4,8 +4,9 @@
 //! samples. One job crosses midnight and has its first day's raw samples dropped by retention
 //! between two folds.
 
+use super::history::History;
 use super::*;
-use crate::jobs::{JobService, JobsConfig};
+use perch_control::JobsConfig;
 use perch_model::Batch;
 use perch_model::control::SyncRequest;
 use perch_query::{QueryLimits, Room, StoreConfig, Table};
@@ -58,7 +59,7 @@ async fn schema_doc_covers_every_accounting_column() {
 #[test]
 fn a_shared_gpu_is_allocated_its_fraction_and_its_use_is_unknown() {
     let mut a =
-        crate::jobs::record::Allocation::new(1, "n".into(), vec![0], "H100".into(), 0, false);
+        perch_control::record::Allocation::new(1, "n".into(), vec![0], "H100".into(), 0, false);
     a.end_ms = Some(3_600_000);
     a.folded_until_ms = 3_600_000;
     a.usage[0].merge(&GpuUsage {
@@ -91,7 +92,7 @@ const NODE: &str = "gpu-a";
 struct Harness {
     _dir: tempfile::TempDir,
     store: Arc<Store>,
-    jobs: JobService,
+    jobs: History,
     sql: SqlEngine,
     events: tokio::sync::mpsc::UnboundedReceiver<Vec<ClusterEvent>>,
     seq: u64,
@@ -106,7 +107,7 @@ impl Harness {
         let store = Store::open(config).expect("store");
         let (tx, events) = JobService::event_channel();
         let jobs =
-            JobService::open(&dir.path().join("control"), JobsConfig::default(), tx).expect("jobs");
+            History::open(&dir.path().join("control"), JobsConfig::default(), tx).expect("jobs");
         let sql = tables::register(
             SqlEngine::new(store.clone(), QueryLimits::default()),
             &jobs,
@@ -255,7 +256,7 @@ async fn a_job_across_midnight_and_retention_accounts_exactly() {
     let mut h = Harness::open(tempfile::tempdir().expect("tempdir"));
     let all = samples();
     h.sync(T0 - 1000, &[], &[]).await;
-    let request: crate::jobs::spec::JobRequest = serde_json::from_value(json!({
+    let request: perch_control::spec::JobRequest = serde_json::from_value(json!({
         "command": ["train"], "user": "alice", "account": "vision", "name": "train",
         "time_limit_secs": 36_000
     }))
@@ -396,7 +397,7 @@ async fn a_job_across_midnight_and_retention_accounts_exactly() {
 async fn node_states_and_events_follow_drain_down_and_requeue() {
     let mut h = Harness::open(tempfile::tempdir().expect("tempdir"));
     h.sync(T0, &[], &[]).await;
-    let request: crate::jobs::spec::JobRequest = serde_json::from_value(json!({
+    let request: perch_control::spec::JobRequest = serde_json::from_value(json!({
         "command": ["train"], "user": "bob", "max_requeues": 1, "gpus_per_node": 2
     }))
     .expect("request");
@@ -475,15 +476,15 @@ async fn node_states_and_events_follow_drain_down_and_requeue() {
 }
 
 /// The `jobs` and `job_allocations` tables and `/metrics`' usage read the history a chunk at
-/// a time ([`crate::jobs::SCAN_CHUNK`]), letting the control lock go between chunks: across
+/// a time ([`perch_control::SCAN_CHUNK`]), letting the control lock go between chunks: across
 /// chunks every job is still in them exactly once, each with its own figures.
 #[tokio::test]
 async fn the_history_is_read_a_chunk_at_a_time_and_every_job_is_in_it_once() {
     let h = Harness::open(tempfile::tempdir().expect("tempdir"));
-    let n = crate::jobs::SCAN_CHUNK as u64 * 2 + 5;
+    let n = perch_control::SCAN_CHUNK as u64 * 2 + 5;
     h.sync(T0, &[], &[]).await;
     for (user, count) in [("alice", n - 3), ("bob", 3)] {
-        let request: crate::jobs::spec::JobRequest = serde_json::from_value(
+        let request: perch_control::spec::JobRequest = serde_json::from_value(
             json!({ "command": ["x"], "user": user, "array": count, "time_limit_secs": 7200 }),
         )
         .expect("request");
@@ -541,7 +542,7 @@ async fn settled_rows_answer_sql_as_the_records_did() {
             clock: clock.clone(),
             ..JobsConfig::default()
         };
-        let jobs = JobService::open(&dir.path().join("control"), config, tx).expect("jobs");
+        let jobs = History::open(&dir.path().join("control"), config, tx).expect("jobs");
         let accounting = AccountingConfig {
             prices,
             ..AccountingConfig::default()
@@ -607,7 +608,7 @@ async fn settled_rows_answer_sql_as_the_records_did() {
     };
     sync(T0, vec![]).await;
     let submit = |user: &str, account: &str, gpus: u32| {
-        let request: crate::jobs::spec::JobRequest = serde_json::from_value(json!({
+        let request: perch_control::spec::JobRequest = serde_json::from_value(json!({
             "command": ["x"], "user": user, "account": account, "gpus_per_node": gpus,
             "time_limit_secs": 7200,
         }))
@@ -652,7 +653,7 @@ async fn settled_rows_answer_sql_as_the_records_did() {
     assert!(held[0].contains("\"state\":\"failed\""), "{}", held[0]);
     assert!(held[1].contains("\"n\":4,\"d\":4"), "{}", held[1]);
     // A walk bounded to ids 2 to 3 visits those two of the four held in memory.
-    let bounded = |jobs: &crate::jobs::JobService, ids| {
+    let bounded = |jobs: &History, ids| {
         jobs.accounting_of(ids, |n: &mut Vec<u64>, j| n.push(j.id), |_, _| Ok(()))
             .expect("scan")
     };
@@ -675,7 +676,7 @@ async fn settled_rows_answer_sql_as_the_records_did() {
     );
     assert_eq!(jobs.record_settled().expect("record"), 4);
     assert_eq!(jobs.record_settled().expect("record"), 0, "each job once");
-    let walked = |jobs: &crate::jobs::JobService| {
+    let walked = |jobs: &History| {
         jobs.accounting(|n: &mut usize, _| *n += 1, |_, _| Ok(()))
             .expect("scan")
     };
@@ -849,7 +850,7 @@ async fn settled_rows_answer_sql_as_the_records_did() {
     }
     let (tx, _events) = JobService::event_channel();
     let fresh =
-        JobService::open(&other.path().join("control"), JobsConfig::default(), tx).expect("jobs");
+        History::open(&other.path().join("control"), JobsConfig::default(), tx).expect("jobs");
     assert_eq!(
         std::fs::read_dir(&copied).expect("dir").count(),
         0,
@@ -879,8 +880,7 @@ async fn live_tables_and_metrics_show_only_durable_changes() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Store::open(StoreConfig::new(dir.path())).expect("store");
     let (tx, _events) = JobService::event_channel();
-    let jobs =
-        JobService::open(&dir.path().join("control"), JobsConfig::default(), tx).expect("jobs");
+    let jobs = History::open(&dir.path().join("control"), JobsConfig::default(), tx).expect("jobs");
     let sql = tables::register(
         SqlEngine::new(store, QueryLimits::default()),
         &jobs,
@@ -891,19 +891,19 @@ async fn live_tables_and_metrics_show_only_durable_changes() {
         let column = out.batches[0].column(0).clone();
         arrow::array::downcast_array::<arrow::array::Int64Array>(column.as_ref()).value(0)
     };
-    let request: crate::jobs::spec::JobRequest =
+    let request: perch_control::spec::JobRequest =
         serde_json::from_value(json!({"command": ["x"], "user": "alice"})).expect("request");
     let now = jobs.now_ms();
     for (query, change) in [
         (
             "SELECT count(*) FROM jobs",
-            Box::new(move |c: &mut crate::jobs::control::Control| {
+            Box::new(move |c: &mut perch_control::control::Control| {
                 c.submit(request, now).expect("submit");
-            }) as Box<dyn FnOnce(&mut crate::jobs::control::Control)>,
+            }) as Box<dyn FnOnce(&mut perch_control::control::Control)>,
         ),
         (
             "SELECT count(*) FROM nodes",
-            Box::new(move |c: &mut crate::jobs::control::Control| {
+            Box::new(move |c: &mut perch_control::control::Control| {
                 let req: SyncRequest = serde_json::from_value(
                     json!({"node": NODE, "gpus": 2, "gpu_model": "Test H100", "running": []}),
                 )
@@ -918,7 +918,7 @@ async fn live_tables_and_metrics_show_only_durable_changes() {
         assert!(jobs.durable(seq), "{query} showed a change not yet durable");
     }
     let sync = move |node: String| {
-        move |c: &mut crate::jobs::control::Control| {
+        move |c: &mut perch_control::control::Control| {
             let req: SyncRequest = serde_json::from_value(
                 json!({"node": node, "gpus": 1, "gpu_model": "Test H100", "running": []}),
             )

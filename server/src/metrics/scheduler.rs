@@ -3,7 +3,7 @@
 //! GPU telemetry with jobs, users and accounts instead of a job label on every GPU series).
 
 use super::{Labels, Scrape};
-use crate::jobs::ControlSnapshot;
+use perch_control::ControlSnapshot;
 use std::collections::BTreeMap;
 
 pub(super) fn scheduler(s: &mut Scrape, snap: &ControlSnapshot) {
@@ -97,7 +97,7 @@ pub(super) fn scheduler(s: &mut Scrape, snap: &ControlSnapshot) {
 
 /// GPU-seconds and cost per account and user: counters over every job so far (running jobs
 /// add as they run), the same accounting as the `jobs` and `account_usage` tables.
-pub(super) fn usage(s: &mut Scrape, usage: &[crate::jobs::UsageView]) {
+pub(super) fn usage(s: &mut Scrape, usage: &[perch_control::UsageView]) {
     for u in usage {
         let l = |basis: &str| -> Labels {
             vec![
@@ -136,7 +136,7 @@ pub(super) fn usage(s: &mut Scrape, usage: &[crate::jobs::UsageView]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::jobs::{AllocationView, NodeView, PendingView};
+    use perch_control::{AllocationView, NodeView, PendingView};
 
     #[test]
     fn capacity_adds_up_and_every_family_is_documented() {
