@@ -85,7 +85,7 @@ fn tokens_decide_who_may_do_what() {
     // Bob may list and show, but not cancel or read Alice's job.
     let (ok, out, _) = cli(&url, Some(BOB), &["jobs"]);
     assert!(ok && out.contains("alice"), "{out}");
-    // Issue 16: nor see her environment or command line (an API key, a password argument),
+    // Nor see her environment or command line (an API key, a password argument),
     // through any listing; she and the operators still do.
     let body = |token: &str, path: &str| {
         reqwest::blocking::Client::new()
@@ -121,7 +121,7 @@ fn tokens_decide_who_may_do_what() {
     let (ok, _, err) = cli(&url, Some(BOB), &["logs", "1"]);
     assert!(!ok && err.contains("403"), "{err}");
 
-    // Issue 16: gpu-a's token cannot report or sync as another node.
+    // Gpu-a's token cannot report or sync as another node.
     let client = reqwest::blocking::Client::new();
     let forged = client
         .post(format!("{url}/v1/ingest"))
@@ -331,7 +331,7 @@ fn open_mode_refuses_to_listen_beyond_loopback() {
     );
 }
 
-/// Issue 16: a user token submitted with another user's `account` and `qos = high`, and the
+/// A user token submitted with another user's `account` and `qos = high`, and the
 /// usage was charged there. Now accounts and QOS levels are granted in `[accounts]`; anything
 /// else is refused with 403 naming the section to change. The agent, with a token the server
 /// does not know yet, keeps its telemetry until the operator adds it (a token rotation).
@@ -449,7 +449,7 @@ fn accounts_and_qos_are_granted_not_claimed() {
     });
 }
 
-/// Issue 16: tokens were stored in plain text and read at startup only. `perch token create`
+/// Tokens were stored in plain text and read at startup only. `perch token create`
 /// prints a new token once and files only its hash; SIGHUP makes the server read the file
 /// again, so a token is granted or revoked without a restart, and a broken file changes
 /// nothing.
@@ -546,7 +546,7 @@ fn tokens_are_created_hashed_and_granted_or_revoked_on_sighup() {
     );
 }
 
-/// Issue 16: tokens had no end, and two `perch token create --append` at once could each
+/// Tokens had no end, and two `perch token create --append` at once could each
 /// read the file before the other wrote (no lock). Eight at once all land; a token made with
 /// `--expires` works until then and is refused after, saying when it expired and what to do.
 #[test]
@@ -628,7 +628,7 @@ fn tokens_expire_and_concurrent_appends_all_land() {
     );
 }
 
-/// Issue 16: a token of each role against each route, as `docs/security.md` ("Who may call
+/// A token of each role against each route, as `docs/security.md` ("Who may call
 /// what") gives them. A call the role may make is answered anything but 401 or 403 (a missing
 /// job is 404, an empty body 400); one it may not is 401 without a token and 403 with one.
 #[test]
@@ -740,7 +740,7 @@ fn every_role_reaches_exactly_the_routes_the_table_gives() {
     );
 }
 
-/// Issue 55: an agent token's sync without its agent's id skipped the node's claim check, so
+/// An agent token's sync without its agent's id skipped the node's claim check, so
 /// a second sender could report the node's jobs as gone and have them killed. It is refused,
 /// saying what to send; with the id it is served.
 #[test]

@@ -1,4 +1,4 @@
-//! Issue 15: a job never runs twice at once, whatever dies or is cut off.
+//! A job never runs twice at once, whatever dies or is cut off.
 //!
 //! Each test runs a job that appends `start`, then a `tick` every 100 ms (and `end` on its
 //! signal), each line with its attempt, the time in nanoseconds and the job shell's pid, to a

@@ -1,4 +1,4 @@
-//! Every benchmark in a tiny mode, so that none can silently stop working (issue 21: `perch
+//! Every benchmark in a tiny mode, so that none can silently stop working (`perch
 //! bench jobs` had failed after its submission half, unseen, since the probe job began to run
 //! as `nobody`). Each runs the real benchmark with the smallest sizes its flags allow, must end
 //! well, and must print figures that can be true: finite (no NaN, no inf), above zero where a

@@ -1249,7 +1249,7 @@ mod tests {
         assert_eq!((exit.code, exit.stopped), (128 + 9, true));
     }
 
-    /// Issue 15: one sync answer can carry stop(X, 1) and start(X, 2). The stop touches only
+    /// One sync answer can carry stop(X, 1) and start(X, 2). The stop touches only
     /// attempt 1; attempt 2 waits until attempt 1 is gone; each exit names its attempt.
     #[test]
     fn orders_name_attempts_and_a_new_attempt_waits_for_the_old_one() {

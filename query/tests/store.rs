@@ -234,7 +234,7 @@ async fn ingest_as(store: &Store, source: Source, (raw, b): (Bytes, Batch)) -> I
     store.ingest_from(source, raw, &b).await.expect("ingest")
 }
 
-/// Issue 14: a job's OTLP export, filed under its node with a clock-sized `seq`, made every
+/// A job's OTLP export, filed under its node with a clock-sized `seq`, made every
 /// later agent batch of that node a "duplicate" until the agent restarted. The two sources
 /// number their batches independently, so neither may shadow the other, live, after a replay
 /// of the log, or after a flush (the manifest's sequences).
@@ -306,7 +306,7 @@ async fn otlp_exports_never_make_the_nodes_agent_batches_look_old() {
     assert_eq!(count(&sql, "SELECT count(*) FROM job_metrics").await, 3);
 }
 
-/// Issue 16: a request dropped while its batch was being written to the log (the client timed
+/// A request dropped while its batch was being written to the log (the client timed
 /// out) left its claim behind, and every retry of that batch was refused as in flight, so the
 /// node's telemetry never resumed. The retry must be stored, once.
 #[tokio::test]
@@ -447,7 +447,7 @@ async fn limits_stop_runaway_queries_with_a_clear_error() {
     // A result holds its memory until it is dropped (answered).
     assert!(sql.memory_in_use() > 0);
     drop(cut);
-    // Issue 16: a function's output is invisible to the memory pool; repeat('x', 1e9) ran
+    // A function's output is invisible to the memory pool; repeat('x', 1e9) ran
     // 50 s and took 6 GB past a 1 GiB limit. Now it is refused before it is built.
     for query in [
         "SELECT repeat('x', 1000000000)",
@@ -455,7 +455,7 @@ async fn limits_stop_runaway_queries_with_a_clear_error() {
         "SELECT lpad('x', 2000000000)",
         "SELECT rpad('x', 2000000000, 'ab')",
         // The same for arrays and the other amplifiers: range(1, 2e9) took a server to 10.8
-        // GB, array_repeat to 21.7 GB, and the next one had it killed (issue 17's attack).
+        // GB, array_repeat to 21.7 GB, and the next one had it killed (an attack from the second trust pass).
         "SELECT cardinality(range(1, 2000000000))",
         "SELECT cardinality(generate_series(1, 2000000000))",
         "SELECT cardinality(range(-9223372036854775807, 9223372036854775807))",
@@ -776,7 +776,7 @@ async fn time_predicates_prune_pages_inside_files_and_files_keep_their_sort_orde
     assert!(!plan.contains("SortExec"), "{plan}");
 }
 
-/// Issue 14: `user` columns became `user_name` (an unquoted `user` is the login name in
+/// `user` columns became `user_name` (an unquoted `user` is the login name in
 /// PostgreSQL clients). A store written before keeps its users: its files are rewritten at the
 /// next start, and the manifest records the new version.
 #[tokio::test]
@@ -884,7 +884,7 @@ async fn files_of_an_older_perch_keep_their_users_under_the_new_column_name() {
     assert!(err.to_string().contains("newer perch"), "{err}");
 }
 
-/// Issue 16: when flushes fail (a full disk, an unwritable bucket) rows piled up in memory
+/// When flushes fail (a full disk, an unwritable bucket) rows piled up in memory
 /// without bound, and the flusher retried every 250 ms. Now ingest is refused past
 /// `max_buffered_rows` with `Backpressure` (503 store_busy: senders keep their batches and
 /// retry), nothing acknowledged is lost, the failure is counted, and ingest resumes by itself
@@ -967,7 +967,7 @@ async fn failing_flushes_refuse_ingest_past_the_bound_and_lose_nothing() {
     );
 }
 
-/// Issue 16: the rows a query returns were collected outside its memory limit, so a result
+/// The rows a query returns were collected outside its memory limit, so a result
 /// within `max_rows` could still take any amount of memory. They count against the limit (and
 /// the server's budget) now.
 #[tokio::test]
