@@ -228,11 +228,20 @@ fn a_full_disk_refuses_job_changes_keeps_leases_and_the_job_database_recovers() 
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-    let still = submit(vec!["true"], 0);
-    assert_eq!(still.status().as_u16(), 503);
+    // Whatever perch gave back meanwhile (a write-ahead log segment it could not begin, pages
+    // redb freed inside its file) is taken again: the disk is full when this is sent.
+    let topped_up = data.join("filler-2");
+    let _ = Command::new("dd")
+        .args(["if=/dev/zero", "bs=4k"])
+        .arg(format!("of={}", topped_up.display()))
+        .output()
+        .expect("dd");
+    let still = submit(vec!["true"], 180 << 10);
+    assert_eq!(still.status().as_u16(), 503, "{:?}", still.text());
 
     // Room again: the job database comes back by itself.
     std::fs::remove_file(&filler).expect("free the disk");
+    std::fs::remove_file(&topped_up).expect("free the disk");
     wait_for("/readyz ready again", || {
         (ready().status().as_u16() == 200).then_some(())
     });

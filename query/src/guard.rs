@@ -160,6 +160,13 @@ const CONCAT_LEVELS: usize = 4;
 /// 3.2 s).
 const JOIN_LEVELS: usize = 4;
 
+/// Levels a query block (a `SELECT` in a bracket, or the statement) adds over the expressions
+/// in it: the plan nodes one block can stack above them (limit, sort, projection, window,
+/// `HAVING`'s filter, aggregate, `WHERE`'s filter, an alias) and the subquery's own level in
+/// the expression that holds it. A chain of `(SELECT ...)` was counted one level each, and
+/// its plan is two or more each deeper.
+const QUERY_LEVELS: usize = 8;
+
 /// What a bracket is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -184,6 +191,8 @@ struct Open {
     part_inner: usize,
     /// After `FROM` (until the next clause): commas join tables, one level each.
     in_from: bool,
+    /// It holds a query (`SELECT`, `VALUES`): [`QUERY_LEVELS`] more, once.
+    query: bool,
 }
 
 impl Open {
@@ -195,6 +204,7 @@ impl Open {
             part_levels: 0,
             part_inner: 0,
             in_from: false,
+            query: false,
         }
     }
 
@@ -209,7 +219,9 @@ impl Open {
     /// Its depth once closed: its own level, what chains its parts, and its deepest part.
     fn close(mut self) -> usize {
         self.end_part();
+        let query = if self.query { QUERY_LEVELS } else { 0 };
         1usize
+            .saturating_add(query)
             .saturating_add(self.chained)
             .saturating_add(self.deepest)
     }
@@ -336,6 +348,9 @@ fn word(open: &mut Vec<Open>, keyword: Keyword) {
         | Keyword::FETCH
         | Keyword::WITH
         | Keyword::VALUES => {
+            if matches!(keyword, Keyword::SELECT | Keyword::VALUES) {
+                open[top].query = true;
+            }
             open[top].end_part();
             open[top].in_from = false;
         }
@@ -386,7 +401,7 @@ mod tests {
     fn chains_count_their_length_and_lists_do_not() {
         let plus = |n: usize| format!("SELECT {}", vec!["1"; n].join("+"));
         assert!(depth(&plus(2_000)) >= 2_000, "{}", depth(&plus(2_000)));
-        assert!(depth(&plus(10)) < 20);
+        assert!(depth(&plus(10)) < 20 + QUERY_LEVELS);
         let ors = (0..2_500)
             .map(|i| format!("gpu = {i}"))
             .collect::<Vec<_>>()
@@ -398,14 +413,32 @@ mod tests {
             .map(|i| i.to_string())
             .collect::<Vec<_>>()
             .join(", ");
-        assert!(depth(&format!("SELECT * FROM t WHERE gpu IN ({list})")) < 10);
-        assert!(depth(&format!("SELECT {list} FROM t")) < 10);
-        assert!(depth(&format!("SELECT coalesce({list})")) < 10);
+        assert!(depth(&format!("SELECT * FROM t WHERE gpu IN ({list})")) < 10 + QUERY_LEVELS);
+        assert!(depth(&format!("SELECT {list} FROM t")) < 10 + QUERY_LEVELS);
+        assert!(depth(&format!("SELECT coalesce({list})")) < 10 + QUERY_LEVELS);
         let cases = (0..200)
             .map(|i| format!("WHEN x = {i} THEN 'v{i}'"))
             .collect::<String>();
         let d = depth(&format!("SELECT CASE {cases} ELSE 'z' END FROM t"));
-        assert!((200..220).contains(&d), "{d}");
+        assert!((200..220 + QUERY_LEVELS).contains(&d), "{d}");
+    }
+
+    /// Each query block in a bracket counts its plan's levels: a chain of subqueries is as deep
+    /// as the plan it makes, not one level a bracket.
+    #[test]
+    fn subqueries_count_the_levels_of_their_plans() {
+        let chain = |n: usize| {
+            format!(
+                "SELECT {}x IS NULL{}",
+                "(SELECT ".repeat(n),
+                " FROM t LIMIT 1)".repeat(n)
+            )
+        };
+        assert!(
+            depth(&chain(17)) >= 17 * (1 + QUERY_LEVELS),
+            "{}",
+            depth(&chain(17))
+        );
     }
 
     #[test]
@@ -416,7 +449,7 @@ mod tests {
             .map(|_| "(1 + 1)".to_owned())
             .collect::<Vec<_>>()
             .join(", ");
-        assert!(depth(&format!("SELECT {siblings}")) < 10);
+        assert!(depth(&format!("SELECT {siblings}")) < 10 + QUERY_LEVELS);
         // Subscripts wrap what they follow.
         assert!(depth(&format!("SELECT a{}", "[1]".repeat(300))) >= 300);
         // CASE nests like a bracket; END outside a CASE is a name.
@@ -426,7 +459,7 @@ mod tests {
             " END".repeat(30)
         );
         assert!(depth(&cases) >= 60, "{}", depth(&cases));
-        assert!(depth("SELECT end FROM t") < 5);
+        assert!(depth("SELECT end FROM t") < 5 + QUERY_LEVELS);
     }
 
     #[test]
@@ -446,7 +479,9 @@ mod tests {
         let concat = format!("SELECT {}", vec!["'a'"; 300].join(" || "));
         assert!(depth(&concat) >= 4 * 299, "{}", depth(&concat));
         // Commas after the FROM's tables are a list again.
-        assert!(depth("SELECT a FROM t WHERE x IN (1, 2, 3) GROUP BY a, b, c, d") < 10);
+        assert!(
+            depth("SELECT a FROM t WHERE x IN (1, 2, 3) GROUP BY a, b, c, d") < 10 + QUERY_LEVELS
+        );
     }
 
     #[test]

@@ -456,10 +456,18 @@ impl Writer {
         let mut header = [0u8; SEGMENT_HEADER];
         header[..MAGIC.len()].copy_from_slice(&MAGIC);
         header[MAGIC.len()..].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
-        file.write_all(&header)
+        let written = file
+            .write_all(&header)
             .and_then(|()| file.sync_data())
-            .map_err(Error::io("writing write-ahead log segment header", &path))?;
-        sync_dir(&dir).map_err(Error::io("syncing directory", &dir))?;
+            .map_err(Error::io("writing write-ahead log segment header", &path))
+            .and_then(|()| sync_dir(&dir).map_err(Error::io("syncing directory", &dir)));
+        if let Err(e) = written {
+            // No record was written to it: removed, so that the next try (once a full disk has
+            // room again) can create the segment afresh instead of finding it there.
+            drop(file);
+            let _ = std::fs::remove_file(&path);
+            return Err(e);
+        }
         Ok(Writer {
             dir,
             id,

@@ -78,6 +78,15 @@ fn shapes(n: usize) -> Vec<(&'static str, String)> {
             format!("SELECT {}1{}", "(SELECT ".repeat(n), ")".repeat(n)),
         ),
         (
+            "an IS NULL chain in subqueries",
+            format!(
+                "SELECT {}1{}{}",
+                "(SELECT ".repeat(17),
+                " IS NULL".repeat(n),
+                " FROM gpu_samples LIMIT 1)".repeat(17)
+            ),
+        ),
+        (
             "derived tables",
             format!(
                 "SELECT * FROM {}SELECT 1 AS x{}",
