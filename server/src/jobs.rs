@@ -186,6 +186,20 @@ fn as_seen_by<'a>(job: Cow<'a, JobRecord>, who: &Identity) -> JobView<'a> {
     }
 }
 
+/// A route's query string, or 400 `bad_parameters` saying what went wrong and which
+/// parameters it takes (`hint`).
+fn query_params<T>(
+    params: Result<Query<T>, axum::extract::rejection::QueryRejection>,
+    hint: &str,
+) -> Result<T, ApiError> {
+    params.map(|Query(p)| p).map_err(|e| {
+        ApiError::bad_request(
+            crate::ErrorCode::BadParameters,
+            format!("{}; use {hint}", e.body_text()),
+        )
+    })
+}
+
 /// What stands for another user's command line.
 const HIDDEN: &str = "(hidden: not your job)";
 
@@ -194,12 +208,7 @@ pub async fn list(
     Extension(who): Extension<Identity>,
     params: Result<Query<ListParams>, axum::extract::rejection::QueryRejection>,
 ) -> Result<axum::response::Response, ApiError> {
-    let Query(p) = params.map_err(|e| {
-        ApiError::bad_request(
-            crate::ErrorCode::BadParameters,
-            format!("{}; use state, user, account, limit, before", e.body_text()),
-        )
-    })?;
+    let p = query_params(params, "state, user, account, limit, before")?;
     let wanted = p.state.as_deref().map(parse_states).transpose()?;
     let limit = page_limit(
         p.limit,
@@ -412,15 +421,10 @@ pub async fn logs(
     Path(id): Path<u64>,
     params: Result<Query<LogParams>, axum::extract::rejection::QueryRejection>,
 ) -> Result<(axum::http::HeaderMap, Vec<u8>), ApiError> {
-    let Query(p) = params.map_err(|e| {
-        ApiError::bad_request(
-            crate::ErrorCode::BadParameters,
-            format!(
-                "{}; use stream=stdout|stderr, offset, attempt and rank (numbers)",
-                e.body_text()
-            ),
-        )
-    })?;
+    let p = query_params(
+        params,
+        "stream=stdout|stderr, offset, attempt and rank (numbers)",
+    )?;
     let stream = p.stream.unwrap_or(LogStream::Stdout);
     let offset = p.offset.unwrap_or(0);
     let (attempt, rank) = (p.attempt, p.rank);
@@ -493,12 +497,7 @@ pub async fn queue(
     Extension(who): Extension<Identity>,
     params: Result<Query<QueueParams>, axum::extract::rejection::QueryRejection>,
 ) -> Result<axum::response::Response, ApiError> {
-    let Query(params) = params.map_err(|e| {
-        ApiError::bad_request(
-            crate::ErrorCode::BadParameters,
-            format!("{}; use start, limit", e.body_text()),
-        )
-    })?;
+    let params = query_params(params, "start, limit")?;
     let limit = page_limit(params.limit, ": the queue is shown from its head")?;
     let estimates = if params.start {
         Some(state.jobs.estimated_starts(None).await?)
