@@ -19,6 +19,9 @@ command -v curl >/dev/null 2>&1 || missing+=(curl)
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 # psql (Debian's postgresql-client) is the real client the PostgreSQL-protocol test connects with.
 command -v psql >/dev/null 2>&1 || missing+=(postgresql-client)
+# Debian's PostgreSQL server: the job store on PostgreSQL and the standby control plane
+# (control/tests/job_store.rs, tests/ha.rs) start clusters of their own with its binaries.
+compgen -G '/usr/lib/postgresql/*/bin/postgres' >/dev/null || missing+=(postgresql)
 # pip installs the Python OpenTelemetry SDK below.
 python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
 # The isolation tests (tests/isolation.rs, launcher::isolation_tests) create a user, switch to it

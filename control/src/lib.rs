@@ -15,8 +15,12 @@ pub mod claims;
 pub mod control;
 pub mod cost;
 pub mod db;
+pub mod ha;
 pub mod job_token;
 pub mod node_commands;
+pub mod pg;
+#[cfg(feature = "testing")]
+pub mod pg_testing;
 pub mod record;
 mod service;
 pub mod spec;

@@ -198,3 +198,198 @@ fn the_format_document_names_the_version_written() {
         );
     }
 }
+
+// --- the PostgreSQL store ------------------------------------------------------------------
+
+use perch_control::ha::{Lease, LeaseConfig};
+use perch_control::pg::PgStore;
+use perch_control::pg_testing::TempPostgres;
+use std::time::{Duration, Instant};
+
+fn lease(pg: &TempPostgres, name: &str, ttl: Duration) -> Lease {
+    let config = LeaseConfig::new(name.into(), format!("http://{name}:7300"), ttl);
+    Lease::connect(&pg.url().parse().expect("url"), config).expect("lease")
+}
+
+/// Takes the lease for `name`, waiting for the current one to run out.
+fn lead(lease: &mut Lease) -> i64 {
+    lease.acquire(&|| false).expect("acquired").epoch
+}
+
+#[test]
+fn the_postgresql_store_keeps_the_job_store_contract() {
+    let fixture = tempfile::tempdir().expect("tempdir");
+    let sample = jobs_of(&RedbStore::open(&copy_fixture(fixture.path())).expect("fixture"));
+    let pg = TempPostgres::start().expect("PostgreSQL");
+    let epoch = lead(&mut lease(&pg, "a", Duration::from_secs(30)));
+    let store = PgStore::open(&pg.url().parse().expect("url"), epoch).expect("open");
+    keeps_the_contract(&store, &sample);
+    // Saved twice in one change set: the later record is what is kept.
+    let mut first = sample[0].clone();
+    first.id = 20;
+    let mut second = first.clone();
+    second.request.name = Some("renamed".into());
+    store
+        .save(&Dirty {
+            jobs: vec![first, second],
+            ..Dirty::default()
+        })
+        .expect("save");
+    assert_eq!(
+        store.get(&[20]).expect("get")[0].request.name.as_deref(),
+        Some("renamed")
+    );
+}
+
+#[test]
+fn a_deposed_leaders_late_writes_are_refused_by_the_database() {
+    let fixture = tempfile::tempdir().expect("tempdir");
+    let sample = jobs_of(&RedbStore::open(&copy_fixture(fixture.path())).expect("fixture"));
+    let pg = TempPostgres::start().expect("PostgreSQL");
+    let url: postgres::Config = pg.url().parse().expect("url");
+    let ttl = Duration::from_secs(1);
+    let mut a = lease(&pg, "a", ttl);
+    let first = lead(&mut a);
+    let old = PgStore::open(&url, first).expect("open");
+    let one = Dirty {
+        jobs: vec![sample[0].clone()],
+        ..Dirty::default()
+    };
+    old.save(&one).expect("the leader writes");
+    // a stops renewing (a pause, a cut link); b takes over once the lease runs out.
+    let mut b = lease(&pg, "b", ttl);
+    let started = Instant::now();
+    let second = lead(&mut b);
+    assert!(started.elapsed() <= ttl + Duration::from_secs(2));
+    assert_eq!(second, first + 1, "each holder gets the next epoch");
+    let err = old.save(&one).expect_err("a write of the old epoch");
+    assert!(
+        err.to_string().contains("refused by the database")
+            && err.to_string().contains(&format!("epoch {first}")),
+        "{err}"
+    );
+    assert!(
+        a.renew(first).expect("renew").is_none(),
+        "the old holder cannot renew"
+    );
+    let new = PgStore::open(&url, second).expect("open");
+    new.save(&one).expect("the new leader writes");
+    // A write carrying a made-up epoch is refused too: the check is the database's.
+    let forged = PgStore::open(&url, second + 5).expect("open");
+    assert!(forged.save(&one).is_err());
+    // Once the new leader's lease runs out unrenewed, even its own writes are refused.
+    std::thread::sleep(ttl + Duration::from_millis(200));
+    assert!(new.save(&one).is_err(), "an expired lease writes nothing");
+}
+
+#[test]
+fn a_released_lease_is_taken_at_the_next_try_and_a_holder_that_stops_renewing_is_told() {
+    let pg = TempPostgres::start().expect("PostgreSQL");
+    let mut a = lease(&pg, "a", Duration::from_secs(30));
+    let first = lead(&mut a);
+    let mut b = lease(&pg, "b", Duration::from_secs(30));
+    assert!(b.try_acquire().expect("try").is_none(), "a holds it");
+    match b.status().role() {
+        perch_control::ha::Role::Standby {
+            leader: Some(holder),
+        } => {
+            assert_eq!(
+                (holder.name.as_str(), holder.epoch),
+                ("a", first),
+                "the standby knows who leads"
+            );
+            assert_eq!(holder.address, "http://a:7300");
+        }
+        other => panic!("{other:?}"),
+    }
+    a.release(first).expect("release");
+    let started = Instant::now();
+    assert_eq!(lead(&mut b), first + 1);
+    assert!(started.elapsed() < Duration::from_secs(2));
+    // The watchdog: a holder whose renewals cannot reach the database loses the lease at its
+    // deadline. Here the database is stopped under it.
+    let mut pg = pg;
+    let (lost_tx, lost_rx) = std::sync::mpsc::channel();
+    let mut c = lease(&pg, "c", Duration::from_secs(2));
+    b.release(first + 1).expect("release");
+    let holder = c.acquire(&|| false).expect("c leads");
+    let taken = Instant::now();
+    pg.stop();
+    std::thread::spawn(move || {
+        c.hold(
+            holder,
+            taken,
+            &|| false,
+            std::sync::Arc::new(move |why| {
+                let _ = lost_tx.send(why);
+            }),
+        )
+    });
+    let why = lost_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the holder is told it lost the lease");
+    assert!(why.contains("could not be renewed in time"), "{why}");
+    let elapsed = taken.elapsed();
+    assert!(
+        elapsed < Duration::from_secs(2),
+        "told before the lease ran out in the database: {elapsed:?}"
+    );
+}
+
+#[test]
+fn a_postgresql_job_database_of_a_newer_format_is_refused() {
+    let pg = TempPostgres::start().expect("PostgreSQL");
+    let url: postgres::Config = pg.url().parse().expect("url");
+    drop(PgStore::open(&url, 0).expect("creates the schema"));
+    let mut client = url.connect(postgres::NoTls).expect("connect");
+    client
+        .execute(
+            "UPDATE perch_meta SET value = $1 WHERE key = 'format_version'",
+            &[&(perch_control::pg::FORMAT_VERSION + 1)],
+        )
+        .expect("a newer perch's version");
+    let err = PgStore::open(&url, 0).expect_err("refused");
+    let err = err.to_string();
+    assert!(
+        err.contains(&format!(
+            "format version {}",
+            perch_control::pg::FORMAT_VERSION + 1
+        )) && err.contains("docs/format/job-database.md"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_control_plane_runs_on_the_postgresql_store() {
+    let pg = TempPostgres::start().expect("PostgreSQL");
+    let url: postgres::Config = pg.url().parse().expect("url");
+    let epoch = lead(&mut lease(&pg, "a", Duration::from_secs(30)));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let open = || {
+        let (tx, _events) = perch_control::JobService::event_channel();
+        let store = std::sync::Arc::new(PgStore::open(&url, epoch).expect("open"));
+        perch_control::JobService::open(
+            dir.path(),
+            Default::default(),
+            tx,
+            store,
+            std::sync::Arc::new(perch_control::store::NoSettledRecords),
+            Vec::new(),
+        )
+        .expect("the control plane opens on PostgreSQL")
+    };
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let service = open();
+    let spec: perch_control::spec::JobRequest = serde_json::from_value(
+        serde_json::json!({ "command": ["train"], "user": "alice", "gpus_per_node": 1 }),
+    )
+    .expect("spec");
+    let (first, _, _) = rt.block_on(service.submit(spec, false)).expect("submitted");
+    drop(service);
+    let again = open();
+    let view = again
+        .read(|c| c.view(first.id))
+        .expect("view")
+        .expect("the job");
+    assert_eq!(view.state, JobState::Pending);
+}
