@@ -150,14 +150,19 @@ pub struct Lease {
 impl Lease {
     /// Connects and makes sure the schema exists. Blocking; call from a thread of its own or
     /// before the async runtime starts.
-    pub fn connect(db: &postgres::Config, config: LeaseConfig) -> Result<Lease, DbError> {
+    /// `status` is where the lease is shown as it changes.
+    pub fn connect(
+        db: &postgres::Config,
+        config: LeaseConfig,
+        status: Status,
+    ) -> Result<Lease, DbError> {
         let mut client = pg::connect(db)?;
         pg::migrate(&mut client)?;
         Ok(Lease {
             config,
             db: db.clone(),
             client: Some(client),
-            status: Status::default(),
+            status,
         })
     }
 
@@ -237,16 +242,18 @@ impl Lease {
 
     /// Waits as standby until this server takes the lease (trying every `try_every`, the
     /// database unreachable included), or `stop` says to give up. Returns the holder
-    /// (this server at its new epoch). Blocking.
-    pub fn acquire(&mut self, stop: &dyn Fn() -> bool) -> Option<Holder> {
+    /// (this server at its new epoch) and when the request that took it was sent, which
+    /// [`Lease::hold`] counts the lease from. Blocking.
+    pub fn acquire(&mut self, stop: &dyn Fn() -> bool) -> Option<(Holder, Instant)> {
         let mut unreachable = false;
         while !stop() {
+            let sent = Instant::now();
             match self.try_acquire() {
                 Ok(Some(holder)) => {
                     self.status.set(Role::Leader {
                         holder: holder.clone(),
                     });
-                    return Some(holder);
+                    return Some((holder, sent));
                 }
                 Ok(None) => unreachable = false,
                 Err(e) => {
@@ -262,15 +269,16 @@ impl Lease {
         None
     }
 
-    /// Keeps the lease held as `holder` (just taken), renewing every `renew_every`, until it
-    /// is lost or `stop` says to release it. `lost` is called once, from a watchdog thread the
-    /// moment the deadline passes (whatever a renewal in flight is waiting for), or when the
-    /// database says another server holds the lease. Blocking.
+    /// Keeps the lease held as `holder` (taken by a request sent at `taken_at`), renewing
+    /// every `renew_every`, until it is lost or `stop` receives (or is dropped): then it is
+    /// released. `lost` is called once, from a watchdog thread the moment the deadline passes
+    /// (whatever a renewal in flight is waiting for), or when the database says another
+    /// server holds the lease. Blocking.
     pub fn hold(
         mut self,
         holder: Holder,
         taken_at: Instant,
-        stop: &dyn Fn() -> bool,
+        stop: std::sync::mpsc::Receiver<()>,
         lost: Arc<dyn Fn(String) + Send + Sync>,
     ) {
         let epoch = holder.epoch;
@@ -309,11 +317,14 @@ impl Lease {
         };
         let mut failing = false;
         loop {
-            std::thread::sleep(self.config.renew_every);
+            let stopped = !matches!(
+                stop.recv_timeout(self.config.renew_every),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+            );
             if done.load(std::sync::atomic::Ordering::Acquire) {
                 break;
             }
-            if stop() {
+            if stopped {
                 done.store(true, std::sync::atomic::Ordering::Release);
                 if let Err(e) = self.release(epoch) {
                     tracing::warn!(error = %e, "could not release the lease; a standby takes over once it runs out");

@@ -38,6 +38,7 @@ pub const NETWORK_TIMEOUT: Duration = Duration::from_secs(5);
 /// Version 1 of the schema. Idempotent: run at every open, under an advisory lock so two
 /// servers starting together do not race.
 const SCHEMA: &str = r#"
+SET LOCAL client_min_messages = warning;
 CREATE TABLE IF NOT EXISTS perch_meta (key text PRIMARY KEY, value bigint NOT NULL);
 CREATE TABLE IF NOT EXISTS perch_leader (
     id smallint PRIMARY KEY CHECK (id = 1),

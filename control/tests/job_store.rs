@@ -208,12 +208,12 @@ use std::time::{Duration, Instant};
 
 fn lease(pg: &TempPostgres, name: &str, ttl: Duration) -> Lease {
     let config = LeaseConfig::new(name.into(), format!("http://{name}:7300"), ttl);
-    Lease::connect(&pg.url().parse().expect("url"), config).expect("lease")
+    Lease::connect(&pg.url().parse().expect("url"), config, Default::default()).expect("lease")
 }
 
 /// Takes the lease for `name`, waiting for the current one to run out.
 fn lead(lease: &mut Lease) -> i64 {
-    lease.acquire(&|| false).expect("acquired").epoch
+    lease.acquire(&|| false).expect("acquired").0.epoch
 }
 
 #[test]
@@ -312,14 +312,14 @@ fn a_released_lease_is_taken_at_the_next_try_and_a_holder_that_stops_renewing_is
     let (lost_tx, lost_rx) = std::sync::mpsc::channel();
     let mut c = lease(&pg, "c", Duration::from_secs(2));
     b.release(first + 1).expect("release");
-    let holder = c.acquire(&|| false).expect("c leads");
-    let taken = Instant::now();
+    let (holder, taken) = c.acquire(&|| false).expect("c leads");
     pg.stop();
+    let (_keep, stop) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         c.hold(
             holder,
             taken,
-            &|| false,
+            stop,
             std::sync::Arc::new(move |why| {
                 let _ = lost_tx.send(why);
             }),

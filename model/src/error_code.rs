@@ -88,6 +88,8 @@ error_codes! {
     ShuttingDown => "shutting_down",
     /// Every SQL slot is taken; retry (503).
     SqlBusy => "sql_busy",
+    /// A standby server that knows no leader yet; retry, or ask another server (503).
+    Standby => "standby",
     /// The store cannot be read or written (503).
     StorageUnavailable => "storage_unavailable",
     /// The store holds too many unflushed rows; retry (503).

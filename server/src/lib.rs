@@ -10,6 +10,7 @@ pub mod alerting;
 pub mod auth;
 pub use perch_model::clock;
 mod error;
+pub mod ha;
 mod ingest;
 pub mod jobs;
 mod latest;
@@ -62,6 +63,8 @@ pub struct ServerConfig {
     pub policy_source: Option<PolicySource>,
     /// Where every "now" the server takes comes from (the system's; a manual one in tests).
     pub clock: clock::Clock,
+    /// This server's part in a deployment with a standby (`[ha]`); `None`: one server.
+    pub ha: Option<ha::Ha>,
 }
 
 /// Reads the scheduling policy again (the config file's `[scheduler]`); the error says what
@@ -103,6 +106,7 @@ impl ServerConfig {
             alerts: perch_alerts::AlertsConfig::default(),
             policy_source: None,
             clock: clock::Clock::system(),
+            ha: None,
         }
     }
 }
@@ -138,11 +142,21 @@ impl AppState {
     /// Opens the store (replaying its write-ahead log) and the job database, and builds the
     /// state.
     pub fn open(config: ServerConfig) -> Result<AppState, OpenError> {
+        AppState::open_with(config, None)
+    }
+
+    /// Opens the server on `job_store`, or the embedded one (`control/jobs.redb` in the data
+    /// directory) when `None`.
+    pub fn open_with(
+        config: ServerConfig,
+        job_store: Option<Arc<dyn perch_control::JobStore>>,
+    ) -> Result<AppState, OpenError> {
         let store = Store::open(config.store.clone())?;
         let (events_tx, events_rx) = perch_control::JobService::event_channel();
         // The control plane keeps the server's time.
         let history = accounting::history::History::open(
             &config.store.data_dir.join("control"),
+            job_store,
             perch_control::JobsConfig {
                 clock: config.clock.clone(),
                 ..config.jobs.clone()
@@ -288,7 +302,13 @@ pub(crate) async fn readyz(
         );
     }
     match state.jobs.failing() {
-        None => (axum::http::StatusCode::OK, "ready\n".into()),
+        None => (
+            axum::http::StatusCode::OK,
+            match &state.config.ha {
+                None => "ready\n".into(),
+                Some(ha) => format!("ready{}\n", ha::leader_words(ha)),
+            },
+        ),
         Some(why) => (
             axum::http::StatusCode::SERVICE_UNAVAILABLE,
             format!(

@@ -171,6 +171,14 @@ pub static ROUTES: &[Route] = &[
     },
     Route {
         method: Method::GET,
+        path: "/v1/ha",
+        what: "who leads: this server's part, the leader, its epoch and since when",
+        access: PUBLIC,
+        job_token: false,
+        handler: |_| get(crate::ha::status),
+    },
+    Route {
+        method: Method::GET,
         path: "/v1/openapi.json",
         what: "the OpenAPI 3 description of this API",
         access: PUBLIC,
@@ -355,6 +363,7 @@ mod tests {
         "GET /v1/whoami P",
         "GET /healthz -",
         "GET /readyz -",
+        "GET /v1/ha -",
         "GET /v1/openapi.json -",
         "POST /v1/ingest A",
         "POST /v1/sql P",

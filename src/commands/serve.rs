@@ -72,12 +72,17 @@ async fn bind(config: &Config) -> Result<(TcpListener, AppState)> {
 }
 
 pub fn server(config: Config) -> Result<()> {
+    if config.ha.enabled() {
+        return ha::server(config);
+    }
     runtime()?.block_on(async {
         let (listener, state) = bind(&config).await?;
         tracing::info!(listen = %listener.local_addr()?, data_dir = %config.server.data_dir.display(), "perch server ready");
         perch_server::serve(listener, state, terminate()).await.context("serving HTTP")
     })
 }
+
+mod ha;
 
 pub fn agent(config: Config) -> Result<()> {
     let agent_config = config.agent_config()?;

@@ -5,13 +5,14 @@
 //!
 //! One module per section owns its struct, its defaults and its `check`, whose message names
 //! the key and what to change: `server` (with `[server.storage]`), `query`, `agent`,
-//! `telemetry`, `accounting`, `client` and `scheduler`. `[alerts]` and `[accounts.<name>]` are
+//! `telemetry`, `accounting`, `client`, `scheduler` and `ha`. `[alerts]` and `[accounts.<name>]` are
 //! the alerts crate's and the control plane's own types, checked by them. [`Config::check`] runs every
 //! section's check, then those that read keys of two sections (`check_across_sections`).
 
 mod accounting;
 mod agent;
 mod client;
+mod ha;
 mod query;
 mod scheduler;
 mod server;
@@ -19,6 +20,7 @@ mod telemetry;
 
 pub use agent::hostname;
 pub use client::ClientSection;
+pub use ha::{HaSection, STARTUP_ALLOWANCE as HA_STARTUP_ALLOWANCE};
 pub use scheduler::SchedulerSection;
 pub use telemetry::TelemetrySection;
 
@@ -48,6 +50,8 @@ pub struct Config {
     pub accounts: perch_control::accounts::AccountRules,
     /// The scheduling policy the server runs and `perch simulate` replays.
     pub scheduler: SchedulerSection,
+    /// A control plane with standbys: the job database on PostgreSQL, one leader at a time.
+    pub ha: HaSection,
     /// The file this came from, if any: the server reads its `[scheduler]` again on SIGHUP.
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -142,11 +146,13 @@ impl Config {
             .validate()
             .map_err(|e| anyhow::anyhow!("config section [alerts]: {e}"))?;
         self.client.check()?;
+        self.ha.check()?;
         self.check_across_sections()
     }
 
     /// The checks that read keys of more than one section.
     fn check_across_sections(&self) -> Result<()> {
+        self.ha.check_node_lease(self.server.node_lease_secs)?;
         if (self.server.idle_timeout_secs as f64) <= self.query.timeout_secs {
             return bad(
                 "server.idle_timeout_secs",

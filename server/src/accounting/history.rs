@@ -6,7 +6,7 @@
 use super::settled::{self, SettledRows};
 use perch_control::db::RedbStore;
 use perch_control::record::JobRecord;
-use perch_control::{ControlError, JobService, JobsConfig};
+use perch_control::{ControlError, JobService, JobStore, JobsConfig};
 use std::sync::Arc;
 
 /// How many times [`History::accounting`] begins an answer before it gives up: a read of lost
@@ -30,16 +30,20 @@ impl std::ops::Deref for History {
 }
 
 impl History {
-    /// Opens the job database (`jobs.redb` under `dir`, the embedded store), the settled
+    /// Opens the job database (`store`, or `jobs.redb` under `dir`, the embedded store), the settled
     /// rows' files (`settled/` under `dir`) and rebuilds the control plane from them. Audit
     /// events go to `events` once durable.
     pub fn open(
         dir: &std::path::Path,
+        store: Option<Arc<dyn JobStore>>,
         config: JobsConfig,
         events: tokio::sync::mpsc::UnboundedSender<Vec<perch_model::ClusterEvent>>,
     ) -> Result<History, ControlError> {
         std::fs::create_dir_all(dir).map_err(ControlError::Logs)?;
-        let store = Arc::new(RedbStore::open(&dir.join("jobs.redb"))?);
+        let store = match store {
+            Some(store) => store,
+            None => Arc::new(RedbStore::open(&dir.join("jobs.redb"))?),
+        };
         let (settled, recorded) =
             SettledRows::open(&dir.join("settled")).map_err(ControlError::SettledRows)?;
         let settled = Arc::new(settled);

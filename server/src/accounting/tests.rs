@@ -106,8 +106,8 @@ impl Harness {
             .insert(Table::GpuSamples, Duration::from_secs(3600));
         let store = Store::open(config).expect("store");
         let (tx, events) = JobService::event_channel();
-        let jobs =
-            History::open(&dir.path().join("control"), JobsConfig::default(), tx).expect("jobs");
+        let jobs = History::open(&dir.path().join("control"), None, JobsConfig::default(), tx)
+            .expect("jobs");
         let sql = tables::register(
             SqlEngine::new(store.clone(), QueryLimits::default()),
             &jobs,
@@ -542,7 +542,7 @@ async fn settled_rows_answer_sql_as_the_records_did() {
             clock: clock.clone(),
             ..JobsConfig::default()
         };
-        let jobs = History::open(&dir.path().join("control"), config, tx).expect("jobs");
+        let jobs = History::open(&dir.path().join("control"), None, config, tx).expect("jobs");
         let accounting = AccountingConfig {
             prices,
             ..AccountingConfig::default()
@@ -849,8 +849,13 @@ async fn settled_rows_answer_sql_as_the_records_did() {
         std::fs::copy(&path, copied.join(path.file_name().expect("name"))).expect("copy");
     }
     let (tx, _events) = JobService::event_channel();
-    let fresh =
-        History::open(&other.path().join("control"), JobsConfig::default(), tx).expect("jobs");
+    let fresh = History::open(
+        &other.path().join("control"),
+        None,
+        JobsConfig::default(),
+        tx,
+    )
+    .expect("jobs");
     assert_eq!(
         std::fs::read_dir(&copied).expect("dir").count(),
         0,
@@ -880,7 +885,8 @@ async fn live_tables_and_metrics_show_only_durable_changes() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Store::open(StoreConfig::new(dir.path())).expect("store");
     let (tx, _events) = JobService::event_channel();
-    let jobs = History::open(&dir.path().join("control"), JobsConfig::default(), tx).expect("jobs");
+    let jobs =
+        History::open(&dir.path().join("control"), None, JobsConfig::default(), tx).expect("jobs");
     let sql = tables::register(
         SqlEngine::new(store, QueryLimits::default()),
         &jobs,
