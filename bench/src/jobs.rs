@@ -1,7 +1,7 @@
 //! `perch bench jobs`: job submission throughput over HTTP, and submit-to-start latency on an
 //! idle node with a real agent.
 
-use super::start_server;
+use super::{postgres_store, start_server, start_server_on};
 use anyhow::Result;
 use clap::Args;
 use std::sync::Arc;
@@ -22,6 +22,11 @@ pub(super) struct JobsArgs {
     /// Directory to put the temporary data directories in.
     #[arg(long, default_value = ".")]
     dir: std::path::PathBuf,
+    /// Also measure submission with the job store on this PostgreSQL database (a connection
+    /// string; the deployment with a standby, docs/ha.md), after the embedded store, in the
+    /// same run. Its perch tables are used as they are: give it a database of its own.
+    #[arg(long)]
+    postgres: Option<String>,
 }
 
 pub(super) fn jobs(args: JobsArgs) -> Result<()> {
@@ -30,36 +35,10 @@ pub(super) fn jobs(args: JobsArgs) -> Result<()> {
         .build()?;
     rt.block_on(async move {
         // 1. Sustained submission: every acknowledgement means the job is in the job database.
-        let dir = tempfile::Builder::new().prefix("perch-bench-").tempdir_in(&args.dir)?;
-        let (addr, stop, server) = start_server(dir.path()).await?;
-        let submitted = Arc::new(AtomicU64::new(0));
-        let deadline = Instant::now() + Duration::from_secs(args.seconds);
-        let mut tasks = Vec::new();
-        for c in 0..args.clients {
-            let submitted = submitted.clone();
-            tasks.push(tokio::spawn(async move {
-                perch_model::tls::use_ring();
-                perch_model::tls::use_ring();
-        let client = reqwest::Client::new();
-                let body = serde_json::json!({"command": ["true"], "gpus_per_node": 1, "user": format!("u{c}"), "time_limit_secs": 600});
-                while Instant::now() < deadline {
-                    let r = client.post(format!("http://{addr}/v1/jobs")).json(&body).send().await?;
-                    anyhow::ensure!(r.status().is_success(), "submit answered {}", r.status());
-                    submitted.fetch_add(1, Ordering::Relaxed);
-                }
-                Ok::<_, anyhow::Error>(())
-            }));
+        submissions(&args, None).await?;
+        if let Some(url) = &args.postgres {
+            submissions(&args, Some(url)).await?;
         }
-        let started = Instant::now();
-        for t in tasks {
-            t.await??;
-        }
-        let elapsed = started.elapsed().as_secs_f64();
-        let n = submitted.load(Ordering::Relaxed);
-        println!("job submission over HTTP ({} clients, each job durable in the job database before its answer)", args.clients);
-        println!("  {n} jobs in {elapsed:.1} s = {:.0} jobs/s", n as f64 / elapsed);
-        let _ = stop.send(());
-        server.await??;
 
         // 2. Submit-to-start on an idle node: from sending the request to the job's process
         // running on the agent (it creates a file).
@@ -120,4 +99,58 @@ pub(super) fn jobs(args: JobsArgs) -> Result<()> {
         server.await??;
         Ok(())
     })
+}
+
+/// Submits 1-GPU jobs from `args.clients` clients for `args.seconds` to a server whose job
+/// store is PostgreSQL at `postgres`, or the embedded one; prints the rate.
+async fn submissions(args: &JobsArgs, postgres: Option<&String>) -> Result<()> {
+    let dir = tempfile::Builder::new()
+        .prefix("perch-bench-")
+        .tempdir_in(&args.dir)?;
+    let job_store = match postgres {
+        Some(url) => Some(postgres_store(url).await?),
+        None => None,
+    };
+    let (addr, stop, server) = start_server_on(dir.path(), job_store).await?;
+    let submitted = Arc::new(AtomicU64::new(0));
+    let deadline = Instant::now() + Duration::from_secs(args.seconds);
+    let mut tasks = Vec::new();
+    for c in 0..args.clients {
+        let submitted = submitted.clone();
+        tasks.push(tokio::spawn(async move {
+                perch_model::tls::use_ring();
+                perch_model::tls::use_ring();
+        let client = reqwest::Client::new();
+                let body = serde_json::json!({"command": ["true"], "gpus_per_node": 1, "user": format!("u{c}"), "time_limit_secs": 600});
+                while Instant::now() < deadline {
+                    let r = client.post(format!("http://{addr}/v1/jobs")).json(&body).send().await?;
+                    anyhow::ensure!(r.status().is_success(), "submit answered {}", r.status());
+                    submitted.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok::<_, anyhow::Error>(())
+            }));
+    }
+    let started = Instant::now();
+    for t in tasks {
+        t.await??;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let n = submitted.load(Ordering::Relaxed);
+    let store = if postgres.is_some() {
+        "PostgreSQL"
+    } else {
+        "the embedded redb"
+    };
+    println!(
+        "job submission over HTTP ({} clients, each job durable in the job database before its answer; job store: {store})",
+        args.clients
+    );
+    println!(
+        "  {n} jobs in {elapsed:.1} s = {:.0} jobs/s",
+        n as f64 / elapsed
+    );
+    let _ = stop.send(());
+    server.await??;
+
+    Ok(())
 }

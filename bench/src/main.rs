@@ -116,9 +116,43 @@ async fn start_server(
     tokio::sync::oneshot::Sender<()>,
     tokio::task::JoinHandle<std::io::Result<()>>,
 )> {
+    start_server_on(dir, None).await
+}
+
+/// The job store on the PostgreSQL database `url`, as a leader writes it: the lease taken
+/// (waiting for a holder's to run out) and the store fenced at its epoch.
+async fn postgres_store(url: &str) -> Result<std::sync::Arc<dyn perch_control::JobStore>> {
+    let url = url.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let db = perch_control::pg::parse_config(&url)?;
+        let name = format!("perch-bench-{}", std::process::id());
+        let config = perch_control::ha::LeaseConfig::new(
+            name.clone(),
+            format!("http://{name}"),
+            std::time::Duration::from_secs(300),
+        );
+        let mut lease = perch_control::ha::Lease::connect(&db, config, Default::default())?;
+        let (holder, _) = lease
+            .acquire(&|| false)
+            .ok_or_else(|| anyhow::anyhow!("the lease was not taken"))?;
+        let store = perch_control::pg::PgStore::open(&db, holder.epoch)?;
+        Ok(std::sync::Arc::new(store) as std::sync::Arc<dyn perch_control::JobStore>)
+    })
+    .await?
+}
+
+/// A server on `dir` with `job_store` (the embedded one when `None`).
+async fn start_server_on(
+    dir: &std::path::Path,
+    job_store: Option<std::sync::Arc<dyn perch_control::JobStore>>,
+) -> Result<(
+    std::net::SocketAddr,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<std::io::Result<()>>,
+)> {
     let mut config = perch_server::ServerConfig::new(perch_query::StoreConfig::new(dir));
     config.pg_listen = None;
-    let state = perch_server::AppState::open(config)?;
+    let state = perch_server::AppState::open_with(config, job_store)?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();

@@ -178,6 +178,56 @@ impl Lease {
         Ok(self.client.as_mut().expect("connected above"))
     }
 
+    /// Checks that `dir` is the deployment's shared data directory: the first server marks it
+    /// (`ha/deployment`, a random id) and records the mark in the database; a server whose
+    /// directory lacks the recorded mark (a standby started on an empty local disk, a wrong
+    /// mount) is refused before it could lead on it with no telemetry and no job output.
+    pub fn check_data_dir(&mut self, dir: &std::path::Path) -> Result<(), DbError> {
+        let path = dir.join("ha").join("deployment");
+        let local: Option<i64> = match std::fs::read_to_string(&path) {
+            Ok(text) => Some(text.trim().parse().map_err(|_| {
+                DbError::new(format!("{} does not hold a deployment id", path.display()))
+            })?),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(DbError::new(format!("{}: {e}", path.display()))),
+        };
+        let c = self.client()?;
+        let mut tx = c.transaction().map_err(pg_error)?;
+        let recorded: Option<i64> = tx
+            .query_opt(
+                "SELECT value FROM perch_meta WHERE key = 'data_dir' FOR UPDATE",
+                &[],
+            )
+            .map_err(pg_error)?
+            .map(|row| row.get(0));
+        match (recorded, local) {
+            (Some(r), Some(l)) if r == l => Ok(()),
+            (Some(r), found) => Err(DbError::new(format!(
+                "{} is not this deployment's shared data directory: the job database names directory {r}, and {} {}; set server.data_dir to the directory the other servers share (docs/ha.md)",
+                dir.display(),
+                path.display(),
+                found.map_or("does not exist".to_owned(), |l| format!("names {l}"))
+            ))),
+            (None, found) => {
+                let id = match found {
+                    Some(l) => l,
+                    None => {
+                        let mut bytes = [0u8; 8];
+                        getrandom::fill(&mut bytes).map_err(|e| DbError::new(e.to_string()))?;
+                        let id = (i64::from_le_bytes(bytes) & i64::MAX).max(1);
+                        std::fs::create_dir_all(dir.join("ha"))
+                            .and_then(|()| std::fs::write(&path, format!("{id}\n")))
+                            .map_err(|e| DbError::new(format!("{}: {e}", path.display())))?;
+                        id
+                    }
+                };
+                tx.execute("INSERT INTO perch_meta VALUES ('data_dir', $1)", &[&id])
+                    .map_err(pg_error)?;
+                tx.commit().map_err(pg_error)
+            }
+        }
+    }
+
     /// Takes the lease if it has expired: Ok(Some) with the new epoch's holder, Ok(None) with
     /// the status showing who holds it.
     pub fn try_acquire(&mut self) -> Result<Option<Holder>, DbError> {

@@ -393,3 +393,27 @@ fn the_control_plane_runs_on_the_postgresql_store() {
         .expect("the job");
     assert_eq!(view.state, JobState::Pending);
 }
+
+#[test]
+fn a_server_on_another_data_directory_than_the_deployments_is_refused() {
+    let pg = TempPostgres::start().expect("PostgreSQL");
+    let shared = tempfile::tempdir().expect("tempdir");
+    let mut a = lease(&pg, "a", Duration::from_secs(30));
+    a.check_data_dir(shared.path())
+        .expect("the first server marks it");
+    a.check_data_dir(shared.path())
+        .expect("and finds its mark again");
+    let mut b = lease(&pg, "b", Duration::from_secs(30));
+    b.check_data_dir(shared.path())
+        .expect("a second server on the shared directory");
+    let empty = tempfile::tempdir().expect("tempdir");
+    let err = b
+        .check_data_dir(empty.path())
+        .expect_err("an empty local disk is not the shared directory");
+    assert!(
+        err.to_string()
+            .contains("is not this deployment's shared data directory")
+            && err.to_string().contains("server.data_dir"),
+        "{err}"
+    );
+}

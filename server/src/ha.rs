@@ -122,6 +122,17 @@ async fn standby(State(ha): State<Ha>, request: Request) -> Response {
     match path {
         "/healthz" => return "ok (standby)\n".into_response(),
         "/v1/ha" => return Json(view(Some(&ha))).into_response(),
+        // Its own series only: a redirect would have a scraper of both count the leader's twice.
+        "/metrics" => {
+            return (
+                [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                format!(
+                    "# HELP perch_ha_standby This server is a standby (the leader serves every other series)\n# TYPE perch_ha_standby gauge\nperch_ha_standby{{server=\"{}\"}} 1\n",
+                    ha.name.replace('\\', "\\\\").replace('"', "\\\"")
+                ),
+            )
+                .into_response();
+        }
         _ => {}
     }
     let leader = ha.status.role();

@@ -428,3 +428,53 @@ impl Drop for Agent {
         self.kill();
     }
 }
+
+/// A job that appends `start`, then a `tick` every 100 ms (and `end` on its signal), each
+/// line with its attempt, the time in nanoseconds and the job shell's pid, to `file`. Its `sleep 0.1` is the job's own pace, not a wait of the
+/// test's.
+pub fn attempt_script(file: &Path) -> String {
+    let f = file.display();
+    format!(
+        "line() {{ echo \"$1 $PERCH_JOB_ATTEMPT $(date +%s%N) $$\" >> {f}; }}; \
+         trap 'line end; exit 0' TERM; line start; \
+         while :; do line tick; sleep 0.1; done"
+    )
+}
+
+/// (attempt, first line's time, last line's time, lines) of each attempt in `file`, by start.
+pub fn attempts(file: &Path) -> Vec<(u64, u128, u128, usize)> {
+    let text = std::fs::read_to_string(file).unwrap_or_default();
+    let mut runs: Vec<(u64, u128, u128, usize)> = Vec::new();
+    for line in text.lines() {
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        let (Some(a), Some(t)) = (
+            parts.get(1).and_then(|a| a.parse().ok()),
+            parts.get(2).and_then(|t| t.parse().ok()),
+        ) else {
+            continue;
+        };
+        match runs.iter_mut().find(|r| r.0 == a) {
+            Some(r) => {
+                r.1 = r.1.min(t);
+                r.2 = r.2.max(t);
+                r.3 += 1;
+            }
+            None => runs.push((a, t, t, 1)),
+        }
+    }
+    runs.sort_by_key(|r| r.1);
+    runs
+}
+
+/// Asserts that no two attempts' lines overlap in time.
+pub fn assert_one_at_a_time(file: &Path) {
+    let runs = attempts(file);
+    for w in runs.windows(2) {
+        assert!(
+            w[1].1 > w[0].2,
+            "attempt {} started while attempt {} still ran: {runs:?}",
+            w[1].0,
+            w[0].0
+        );
+    }
+}

@@ -71,11 +71,12 @@ pub fn server(config: Config) -> Result<()> {
         // Wait for the lease on a thread of its own, answering as a standby meanwhile.
         let (led_tx, led_rx) = tokio::sync::oneshot::channel::<(Lease, Holder, Instant)>();
         {
-            let (db, lease_config, status, stopping) = (
+            let (db, lease_config, status, stopping, data_dir) = (
                 db.clone(),
                 config.ha.lease_config(name.clone(), address.clone()),
                 status.clone(),
                 stopping.clone(),
+                data_dir.clone(),
             );
             std::thread::Builder::new()
                 .name("perch-lease".into())
@@ -97,6 +98,11 @@ pub fn server(config: Config) -> Result<()> {
                             }
                         }
                     };
+                    if let Err(e) = lease.check_data_dir(&data_dir) {
+                        tracing::error!(error = %e, "refusing to join the deployment");
+                        eprintln!("perch server: {e}");
+                        std::process::exit(2);
+                    }
                     if let Some((holder, sent)) = lease.acquire(&stop) {
                         let _ = led_tx.send((lease, holder, sent));
                     }
