@@ -422,6 +422,21 @@ fn killing_the_leader_under_load_loses_nothing_and_runs_no_job_twice() {
     }
     nothing_lost(&b, &load);
     still_first_attempt(&b, id, &file);
+    // `perch ha status` asks each server: the killed one is unreachable, b leads.
+    let out = common::client()
+        .args(["ha", "status", "--server", &format!("{},{}", a.url, b.url)])
+        .output()
+        .expect("perch ha status");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("unreachable") && text.contains(&format!("b {}", b.url)),
+        "{text}"
+    );
     eprintln!(
         "takeover after kill -9: {takeover:?}; acknowledged {:?} (samples, jobs)",
         load.counts()

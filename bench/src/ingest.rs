@@ -36,6 +36,10 @@ pub(super) struct IngestArgs {
     /// server.tls_cert: its cost is in the server's CPU time.
     #[arg(long)]
     tls: bool,
+    /// Run the server with its job store on this PostgreSQL database (a connection string),
+    /// as a leader with a standby runs (docs/ha.md); the embedded store when left out.
+    #[arg(long)]
+    postgres: Option<String>,
 }
 
 /// A throwaway CA and a certificate for 127.0.0.1 it signed, written to `dir`; returns the
@@ -113,7 +117,24 @@ pub(super) fn ingest(args: IngestArgs) -> Result<()> {
     } else {
         None
     };
-    let state = perch_server::AppState::open(config)?;
+    let job_store = match &args.postgres {
+        Some(url) => Some(
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?
+                .block_on(super::postgres_store(url))?,
+        ),
+        None => None,
+    };
+    println!(
+        "job store: {}",
+        if job_store.is_some() {
+            "PostgreSQL"
+        } else {
+            "the embedded redb"
+        }
+    );
+    let state = perch_server::AppState::open_with(config, job_store)?;
     let std_listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     std_listener.set_nonblocking(true)?;
     let addr = std_listener.local_addr()?;

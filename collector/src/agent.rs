@@ -29,8 +29,13 @@ use tokio::time::MissedTickBehavior;
 /// Everything the agent needs. Build it with [`AgentConfig::new`] and adjust fields.
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
-    /// Base URL of the server, e.g. `http://127.0.0.1:7300`.
+    /// Base URL of the server, e.g. `http://127.0.0.1:7300`: the one used first.
     pub server: String,
+    /// Every server the agent may follow (`agent.servers`): a leader and its standbys. The
+    /// agent talks to whichever leads ([`crate::servers`]), starting with `server`. Used only
+    /// when it holds `server` (or `server` is empty); otherwise (empty, or a caller replaced
+    /// `server`) `server` alone is used.
+    pub servers: Vec<String>,
     pub node: NodeId,
     /// Time between sampling rounds.
     pub interval: Duration,
@@ -108,6 +113,7 @@ impl AgentConfig {
     pub fn new(server: String, node: NodeId) -> Self {
         Self {
             server,
+            servers: Vec::new(),
             node,
             interval: Duration::from_secs(1),
             data_dir: PathBuf::from("./perch-data"),
@@ -140,6 +146,28 @@ impl AgentConfig {
             uids: crate::launcher::UidPolicy::default(),
             supervisor: None,
             jobs: JobRegistry::default(),
+        }
+    }
+
+    /// [`AgentConfig::new`] with several servers, the first tried first.
+    pub fn with_servers(servers: Vec<String>, node: NodeId) -> Self {
+        let first = servers.first().cloned().unwrap_or_default();
+        Self {
+            servers,
+            ..Self::new(first, node)
+        }
+    }
+
+    /// The servers the agent follows (see [`AgentConfig::servers`]), checked: each a URL,
+    /// none twice.
+    pub fn server_list(&self) -> Result<crate::servers::Servers> {
+        use crate::servers::{Servers, normalise};
+        let server = normalise(&self.server);
+        let listed = self.servers.iter().any(|s| normalise(s) == server);
+        if !self.servers.is_empty() && (server.is_empty() || listed) {
+            Servers::starting_at(&self.servers, server)
+        } else {
+            Servers::one(&self.server)
         }
     }
 
@@ -426,12 +454,13 @@ pub async fn run_agent_with(
     counters: Arc<AgentCounters>,
 ) -> Result<AgentStats> {
     config.check()?;
+    let servers = Arc::new(config.server_list()?);
     // A second agent on this data directory for the node stops before it sends anything in
     // the node's name; the id goes with every sync and batch ([`crate::agent_claim`]).
     let jobs_dir = config.data_dir.join("jobs").join(config.node.as_str());
     let claim = Arc::new(crate::agent_claim::claim(&jobs_dir, config.node.as_str())?);
-    let sender = Sender::new(
-        &config.server,
+    let sender = Sender::with_servers(
+        servers.clone(),
         config.request_timeout,
         config.ca_file.as_deref(),
     )?
@@ -477,7 +506,7 @@ pub async fn run_agent_with(
         draining: Arc::new(AtomicBool::new(false)),
         counters: counters.clone(),
     };
-    tracing::info!(node = %config.node, url = %sender.url(), interval = ?config.interval, first_seq, "agent started");
+    tracing::info!(node = %config.node, url = %sender.url(), servers = ?servers.list(), interval = ?config.interval, first_seq, "agent started");
     let (control_stop, control_stopped) = tokio::sync::watch::channel(false);
     let control_task = config.run_jobs.then(|| {
         let (gpus, gpu_model) = sampler.gpu_inventory();
@@ -489,7 +518,7 @@ pub async fn run_agent_with(
             tracing::warn!(gpu = bad, gpus, "agent.nvlink_islands names a GPU this node does not have; the server will treat the node as one island");
         }
         let control = crate::control_loop::ControlConfig {
-            server: config.server.clone(),
+            servers: servers.clone(),
             node: config.node.clone(),
             gpus,
             gpu_model,

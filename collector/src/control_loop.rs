@@ -4,7 +4,8 @@
 //! is unreachable, jobs keep running and exits wait to be reported.
 
 use crate::jobs::JobRegistry;
-use crate::launcher::{Isolation, Launcher};
+use crate::launcher::{Isolation, Launcher, OtelTarget};
+use crate::servers::{Route, Servers};
 use perch_model::NodeId;
 use perch_model::control::{CommandResult, SyncRequest, SyncResponse};
 use std::future::Future;
@@ -14,7 +15,9 @@ use std::time::Duration;
 
 #[derive(Debug, Clone)]
 pub struct ControlConfig {
-    pub server: String,
+    /// The servers, shared with the rest of the agent: syncs go to the one in use and follow
+    /// the leader ([`crate::servers`]).
+    pub servers: Arc<Servers>,
     pub node: NodeId,
     /// GPUs jobs may use here, and their model.
     pub gpus: u32,
@@ -71,14 +74,18 @@ pub async fn run_control(
                 source: e,
             }
         })?;
-    launcher.set_otel(crate::launcher::OtelTarget {
-        endpoint: config.server.clone(),
+    // Jobs send their OTLP data to the server in use when they start.
+    let otel = |endpoint: &str| OtelTarget {
+        endpoint: endpoint.to_owned(),
         ca_file: config
             .ca_file
             .as_ref()
             .map(|p| p.to_string_lossy().into_owned()),
         node: config.node.as_str().to_owned(),
-    });
+    };
+    let servers = config.servers.clone();
+    let mut otel_endpoint = servers.current_url().to_owned();
+    launcher.set_otel(otel(&otel_endpoint));
     launcher.set_isolation(&config.isolation);
     launcher.set_output_limit(config.max_job_output_bytes);
     if let Some(program) = &config.supervisor {
@@ -87,17 +94,18 @@ pub async fn run_control(
     let launcher = Arc::new(Mutex::new(launcher));
     perch_model::tls::use_ring();
     let client = crate::sender::trust(
-        reqwest::Client::builder().timeout(config.request_timeout),
+        reqwest::Client::builder()
+            .timeout(config.request_timeout)
+            .redirect(servers.redirect_policy()),
         config.ca_file.as_deref(),
     )?
     .build()
     .map_err(|e| crate::CollectorError::Config(format!("HTTP client: {e}")))?;
-    let url = format!("{}/v1/agent/sync", config.server.trim_end_matches('/'));
     // Finding the route may resolve the server's name: not on the async workers.
     let advertise = match config.advertise_addr.clone() {
         Some(a) => Some(a),
         None => {
-            let server = config.server.clone();
+            let server = servers.current_url().to_owned();
             tokio::task::spawn_blocking(move || route_address(&server))
                 .await
                 .ok()
@@ -147,11 +155,33 @@ pub async fn run_control(
         };
         let sent_boot_ms = crate::launcher::lease::boot_ms();
         let answer = async {
-            let mut post = client.post(&url).json(&request);
-            if let Some(token) = config.token.as_deref().filter(|t| !t.is_empty()) {
-                post = post.bearer_auth(token);
-            }
-            let r = post.send().await.map_err(|e| (false, e.to_string()))?;
+            // Bounds the redirects followed at once: standbys naming each other cannot spin.
+            let mut redirects = servers.len();
+            let r = loop {
+                let (from, base) = servers.current();
+                let mut post = client.post(format!("{base}/v1/agent/sync")).json(&request);
+                if let Some(token) = config.token.as_deref().filter(|t| !t.is_empty()) {
+                    post = post.bearer_auth(token);
+                }
+                let r = match post.send().await {
+                    Ok(r) => r,
+                    Err(e) => {
+                        servers.failed(from, &e.to_string());
+                        return Err((false, e.to_string()));
+                    }
+                };
+                match servers.route(from, r.status(), r.headers()) {
+                    Route::Answered => break r,
+                    Route::Next(reason) => return Err((false, reason)),
+                    Route::Again if redirects > 0 => redirects -= 1,
+                    Route::Again => {
+                        return Err((
+                            false,
+                            "the standby servers keep redirecting to each other".to_owned(),
+                        ));
+                    }
+                }
+            };
             let status = r.status();
             if !status.is_success() {
                 let text = r.text().await.unwrap_or_default();
@@ -172,6 +202,11 @@ pub async fn run_control(
                     tracing::debug!(start = ?response.start.iter().map(|l| l.job).collect::<Vec<_>>(), stop = ?response.stop.iter().map(|s| s.job).collect::<Vec<_>>(), "orders from the server");
                 }
                 let mut l = lock(&launcher);
+                // The orders came from the server in use: jobs started now report to it.
+                if servers.current_url() != otel_endpoint {
+                    otel_endpoint = servers.current_url().to_owned();
+                    l.set_otel(otel(&otel_endpoint));
+                }
                 // The lease first: the supervisors of the jobs started now must see it.
                 l.renew_lease(sent_boot_ms, response.lease_ms);
                 l.apply(&response);

@@ -25,6 +25,7 @@ pub mod node_command;
 pub mod queue;
 pub mod sampler;
 pub mod sender;
+pub mod servers;
 pub mod sim_node;
 pub mod spool;
 pub mod topology;

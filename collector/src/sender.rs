@@ -1,4 +1,7 @@
 //! Delivery to the server: `POST {server}/v1/ingest` with the batch as zstd-compressed JSON.
+//! With several servers configured, to the one in use, following the leader
+//! ([`crate::servers`]): a standby or a dead server counts as a failed attempt, retried as below
+//! on the next server.
 //!
 //! Replies decide a batch's fate: 2xx means durable (remove it); 4xx means the batch itself is
 //! bad (log the server's message once, count it, drop it: retrying cannot help), except 408 and
@@ -13,6 +16,7 @@
 use crate::agent::AgentCounters;
 use crate::error::{CollectorError, Result};
 use crate::queue::SendQueue;
+use crate::servers::{Route, Servers};
 use crate::spool::{Spool, SpoolEntry};
 use perch_model::Batch;
 use reqwest::header::{CONTENT_ENCODING, CONTENT_TYPE};
@@ -69,11 +73,11 @@ impl Backoff {
     }
 }
 
-/// An HTTP client bound to one server.
+/// An HTTP client of the configured servers, sending to the one in use ([`Servers`]).
 #[derive(Debug, Clone)]
 pub struct Sender {
     client: reqwest::Client,
-    url: String,
+    servers: Arc<Servers>,
     /// Bearer token for servers that require one (the `agent` role).
     token: Option<String>,
     /// The agent's id ([`crate::agent_claim`]), sent with every batch.
@@ -90,22 +94,27 @@ impl Sender {
     /// `server` is the base URL, e.g. `http://127.0.0.1:7300`; `timeout` bounds one request.
     /// `ca_file`: PEM certificates of a CA to trust besides the system's (see [`trust`]).
     pub fn new(server: &str, timeout: Duration, ca_file: Option<&Path>) -> Result<Self> {
-        let base = server.trim_end_matches('/');
-        if !(base.starts_with("http://") || base.starts_with("https://")) {
-            return Err(CollectorError::Config(format!(
-                "server {server:?} must be a URL such as http://127.0.0.1:7300"
-            )));
-        }
+        Self::with_servers(Arc::new(Servers::one(server)?), timeout, ca_file)
+    }
+
+    /// A sender to whichever of `servers` leads (see [`crate::servers`]); `servers` is shared
+    /// with the rest of the agent, so they follow the leader together.
+    pub fn with_servers(
+        servers: Arc<Servers>,
+        timeout: Duration,
+        ca_file: Option<&Path>,
+    ) -> Result<Self> {
         perch_model::tls::use_ring();
         let builder = reqwest::Client::builder()
             .timeout(timeout)
-            .connect_timeout(timeout.min(Duration::from_secs(5)));
+            .connect_timeout(timeout.min(Duration::from_secs(5)))
+            .redirect(servers.redirect_policy());
         let client = trust(builder, ca_file)?
             .build()
             .map_err(|e| CollectorError::Config(format!("cannot build HTTP client: {e}")))?;
         Ok(Self {
             client,
-            url: format!("{base}/v1/ingest"),
+            servers,
             token: None,
             agent_id: None,
         })
@@ -123,9 +132,9 @@ impl Sender {
         self
     }
 
-    /// The ingest URL batches go to.
-    pub fn url(&self) -> &str {
-        &self.url
+    /// The ingest URL batches go to now.
+    pub fn url(&self) -> String {
+        format!("{}/v1/ingest", self.servers.current_url())
     }
 
     /// Sends one batch once and classifies the reply.
@@ -139,27 +148,60 @@ impl Sender {
         }
     }
 
-    /// Sends an already encoded batch (zstd JSON) once and classifies the reply.
-    pub async fn post_body(&self, body: Vec<u8>) -> SendOutcome {
-        let mut request = self
-            .client
-            .post(&self.url)
-            .header(CONTENT_TYPE, "application/json")
-            .header(CONTENT_ENCODING, "zstd");
-        if let Some(token) = &self.token {
-            request = request.bearer_auth(token);
-        }
-        if let Some(id) = &self.agent_id {
-            request = request.header("x-perch-agent", id);
-        }
-        let response = request.body(body).send().await;
-        let response = match response {
-            Ok(r) => r,
-            Err(e) => {
-                return SendOutcome::Retry {
-                    reason: error_chain(&e),
-                    after: None,
-                };
+    /// Sends an already encoded batch (zstd JSON) once and classifies the reply. A standby
+    /// that names a configured leader is answered by sending to the leader at once; any other
+    /// standby or a server that does not answer moves the next attempt to the next server.
+    pub async fn post_body(&self, mut body: Vec<u8>) -> SendOutcome {
+        // Bounds the redirects followed at once: standbys naming each other cannot spin.
+        let mut redirects = self.servers.len();
+        let response = loop {
+            let (from, base) = self.servers.current();
+            let mut request = self
+                .client
+                .post(format!("{base}/v1/ingest"))
+                .header(CONTENT_TYPE, "application/json")
+                .header(CONTENT_ENCODING, "zstd");
+            if let Some(token) = &self.token {
+                request = request.bearer_auth(token);
+            }
+            if let Some(id) = &self.agent_id {
+                request = request.header("x-perch-agent", id);
+            }
+            // One server sends once: no copy.
+            let payload = if self.servers.fails_over() {
+                body.clone()
+            } else {
+                std::mem::take(&mut body)
+            };
+            let response = match request.body(payload).send().await {
+                Ok(r) => r,
+                Err(e) => {
+                    let reason = error_chain(&e);
+                    self.servers.failed(from, &reason);
+                    return SendOutcome::Retry {
+                        reason,
+                        after: None,
+                    };
+                }
+            };
+            match self
+                .servers
+                .route(from, response.status(), response.headers())
+            {
+                Route::Answered => break response,
+                Route::Next(reason) => {
+                    return SendOutcome::Retry {
+                        reason,
+                        after: None,
+                    };
+                }
+                Route::Again if redirects > 0 => redirects -= 1,
+                Route::Again => {
+                    return SendOutcome::Retry {
+                        reason: "the standby servers keep redirecting to each other".into(),
+                        after: None,
+                    };
+                }
             }
         };
         let status = response.status();
@@ -298,6 +340,8 @@ pub async fn run_sender(sender: Sender, shared: SenderShared, backoff: Backoff) 
         // A batch from memory was never sent by an earlier run of the agent; with no failure
         // since the last answer, this is its first try.
         let first_try = matches!(next, Next::Memory(_)) && failures == 0;
+        // Where this attempt goes (a failure moves the next one elsewhere, see crate::servers).
+        let url = sender.url();
         let (seq, samples, outcome) = match next {
             Next::Memory(batch) => (
                 batch.seq,
@@ -365,7 +409,7 @@ pub async fn run_sender(sender: Sender, shared: SenderShared, backoff: Backoff) 
                 failures += 1;
                 let delay = backoff.delay(failures).max(after.unwrap_or_default());
                 if failures == 1 {
-                    tracing::warn!(url = %sender.url(), error = %reason, "cannot deliver batch, keeping it queued and retrying");
+                    tracing::warn!(url = %url, error = %reason, "cannot deliver batch, keeping it queued and retrying");
                 } else {
                     tracing::debug!(attempt = failures, error = %reason, ?delay, "delivery still failing");
                 }

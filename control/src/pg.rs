@@ -79,7 +79,7 @@ $triggers$;
 "#;
 
 /// Serialises schema creation across servers (an arbitrary constant: "perch" in ASCII).
-const SCHEMA_LOCK: i64 = 0x7065_7263_68;
+const SCHEMA_LOCK: i64 = 0x0070_6572_6368;
 
 fn e(x: impl std::fmt::Display) -> DbError {
     DbError::new(x.to_string())

@@ -333,7 +333,7 @@ fn messages_say_where_the_address_came_from() {
         text.contains("at http://127.0.0.1:7300 (from the default, as no --server"),
         "{text}"
     );
-    let refused = got.refused();
+    let refused = got.refused_by(&got.server);
     assert!(refused.contains("no token: give --token"), "{refused}");
     let env = |name: &str| (name == "PERCH_SERVER").then(|| "http://gpu-head:7300".to_owned());
     let got = resolve(None, Some("t"), &env, None, None).expect("env");
@@ -344,7 +344,7 @@ fn messages_say_where_the_address_came_from() {
         got.unreachable()
     );
     assert_eq!(
-        got.refused(),
+        got.refused_by(&got.server),
         "server http://gpu-head:7300 from PERCH_SERVER; token from --token"
     );
 }

@@ -2,7 +2,7 @@
 //! `drain`, `resume`. Thin clients of the server's HTTP API, with output shaped like Slurm's
 //! (sbatch, squeue, scontrol show job, scancel, sinfo) so its users feel at home.
 
-use crate::client::ClientConfig;
+use crate::client::{ClientConfig, Connection};
 use crate::config::ConfigFile;
 use anyhow::{Context, Result, bail};
 use clap::Args;
@@ -22,8 +22,9 @@ use std::path::PathBuf;
 /// config file, per-user file, default) is in client.rs.
 #[derive(Debug, Args)]
 pub struct ServerArg {
-    /// Server URL. Else PERCH_SERVER, else the --config file's [client] server or
-    /// server.listen, else ~/.config/perch/config.toml, else http://127.0.0.1:7300.
+    /// Server URL; several, separated by commas, for a leader and its standbys. Else
+    /// PERCH_SERVER, else the --config file's [client] server(s) or server.listen, else
+    /// ~/.config/perch/config.toml, else http://127.0.0.1:7300.
     #[arg(long, global = true)]
     server: Option<String>,
     /// Bearer token, when the server requires one. Else PERCH_TOKEN, else [client] token of the
@@ -234,13 +235,17 @@ pub(crate) struct Refused {
 }
 
 impl Refused {
-    /// The refusal `body` says, with `status`, from the server `config` names.
-    pub(crate) fn new(status: reqwest::StatusCode, body: &[u8], config: &ClientConfig) -> Refused {
+    /// The refusal `body` says, with `status`, from the server in use of `connection`.
+    pub(crate) fn new(
+        status: reqwest::StatusCode,
+        body: &[u8],
+        connection: &Connection,
+    ) -> Refused {
         let (code, message) = match serde_json::from_slice::<ErrorBody>(body) {
             Ok(ErrorBody { error }) => (error.code, error.message),
             Err(_) => (None, String::from_utf8_lossy(body).into_owned()),
         };
-        let credentials = matches!(status.as_u16(), 401 | 403).then(|| config.refused());
+        let credentials = matches!(status.as_u16(), 401 | 403).then(|| connection.refused());
         Refused {
             status,
             code,
@@ -265,42 +270,36 @@ impl std::error::Error for Refused {}
 /// A client of the server's HTTP API: each call answers the type `perch_control::api` says
 /// the route answers, or [`Refused`].
 pub(crate) struct Api {
-    client: reqwest::blocking::Client,
-    config: ClientConfig,
+    connection: Connection,
 }
 
+/// Makes a request from the HTTP client and a server's base URL.
+type Build<'a> = &'a dyn Fn(&reqwest::blocking::Client, &str) -> reqwest::blocking::RequestBuilder;
+
 impl Api {
-    /// A client of the server that `server` and the config resolve to.
+    /// A client of the server (or the leader among the servers) that `server` and the config
+    /// resolve to.
     pub(crate) fn new(server: &ServerArg, config_file: Option<&ConfigFile>) -> Result<Api> {
         let config = server.resolve(config_file)?;
-        let client = config.blocking_http(std::time::Duration::from_secs(30))?;
-        Ok(Api { client, config })
+        let connection = Connection::new(config, Some(std::time::Duration::from_secs(30)))?;
+        Ok(Api { connection })
     }
 
-    fn send(
-        &self,
-        request: reqwest::blocking::RequestBuilder,
-    ) -> Result<reqwest::blocking::Response> {
-        let request = match &self.config.token {
-            Some(t) => request.bearer_auth(t),
-            None => request,
-        };
-        let response = request.send().with_context(|| self.config.unreachable())?;
+    /// Sends the request `build` makes for the server in use (see [`Connection::send`]); an
+    /// answer other than a success is [`Refused`].
+    fn send(&self, build: Build<'_>) -> Result<reqwest::blocking::Response> {
+        let response = self.connection.send(build)?;
         if response.status().is_success() {
             return Ok(response);
         }
         let status = response.status();
         let body = response.bytes().unwrap_or_default();
-        Err(Refused::new(status, &body, &self.config).into())
+        Err(Refused::new(status, &body, &self.connection).into())
     }
 
-    /// The answer to `request` (`what` names it in errors), read as a `T`.
-    fn answer<T: DeserializeOwned>(
-        &self,
-        request: reqwest::blocking::RequestBuilder,
-        what: &str,
-    ) -> Result<T> {
-        let body = self.send(request)?.bytes()?;
+    /// The answer to the request `build` makes (`what` names it in errors), read as a `T`.
+    fn answer<T: DeserializeOwned>(&self, build: Build<'_>, what: &str) -> Result<T> {
+        let body = self.send(build)?.bytes()?;
         serde_json::from_slice(&body).with_context(|| {
             format!(
                 "the server's answer to {what} is not what this perch expects; is the server another version of perch?"
@@ -310,8 +309,10 @@ impl Api {
 
     /// GET `path`.
     pub(crate) fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T> {
-        let url = format!("{}{path}", self.config.server);
-        self.answer(self.client.get(url), &format!("GET {path}"))
+        self.answer(
+            &|client, server| client.get(format!("{server}{path}")),
+            &format!("GET {path}"),
+        )
     }
 
     /// GET `path` with `query`'s pairs, encoded.
@@ -320,23 +321,41 @@ impl Api {
         path: &str,
         query: &[(&str, String)],
     ) -> Result<T> {
-        let mut url = reqwest::Url::parse(&format!("{}{path}", self.config.server))
-            .with_context(|| format!("{}{path} is not a URL", self.config.server))?;
-        url.query_pairs_mut()
-            .extend_pairs(query.iter().map(|(k, v)| (k, v)));
-        self.answer(self.client.get(url), &format!("GET {path}"))
+        // Each server's URL, with the query.
+        let mut urls = Vec::new();
+        for server in &self.connection.config.servers {
+            let mut url = reqwest::Url::parse(&format!("{server}{path}"))
+                .with_context(|| format!("{server}{path} is not a URL"))?;
+            url.query_pairs_mut()
+                .extend_pairs(query.iter().map(|(k, v)| (k, v)));
+            urls.push((server.as_str(), url));
+        }
+        self.answer(
+            &|client, server| {
+                let url = urls
+                    .iter()
+                    .find(|(s, _)| *s == server)
+                    .map(|(_, u)| u.clone());
+                client.get(url.expect("the server is one of the configured ones"))
+            },
+            &format!("GET {path}"),
+        )
     }
 
     /// DELETE `path`.
     pub(crate) fn delete<T: DeserializeOwned>(&self, path: &str) -> Result<T> {
-        let url = format!("{}{path}", self.config.server);
-        self.answer(self.client.delete(url), &format!("DELETE {path}"))
+        self.answer(
+            &|client, server| client.delete(format!("{server}{path}")),
+            &format!("DELETE {path}"),
+        )
     }
 
     /// POST `body`, as JSON, to `path`.
     pub(crate) fn post<T: DeserializeOwned>(&self, path: &str, body: &impl Serialize) -> Result<T> {
-        let url = format!("{}{path}", self.config.server);
-        self.answer(self.client.post(url).json(body), &format!("POST {path}"))
+        self.answer(
+            &|client, server| client.post(format!("{server}{path}")).json(body),
+            &format!("POST {path}"),
+        )
     }
 }
 
@@ -517,7 +536,7 @@ pub fn submit(args: SubmitArgs, config_file: Option<&ConfigFile>) -> Result<()> 
     if let Some(v) = args
         .user
         .clone()
-        .or_else(|| login_name(api.config.token.is_none()))
+        .or_else(|| login_name(api.connection.config.token.is_none()))
     {
         request.insert("user".to_owned(), v.into());
     }
@@ -924,10 +943,12 @@ pub fn logs(args: LogsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
             .attempt
             .map(|a| format!("&attempt={a}"))
             .unwrap_or_default();
-        let response = api.send(api.client.get(format!(
-            "{}/v1/jobs/{}/logs?stream={stream}&offset={offset}&rank={}{attempt}",
-            api.config.server, args.id, args.rank
-        )))?;
+        let response = api.send(&|client, server| {
+            client.get(format!(
+                "{server}/v1/jobs/{}/logs?stream={stream}&offset={offset}&rank={}{attempt}",
+                args.id, args.rank
+            ))
+        })?;
         let header = |name: &str| {
             response
                 .headers()
@@ -978,10 +999,12 @@ pub fn logs(args: LogsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
             }
             if offset == 0 && finished && !args.stderr {
                 // A job that failed before printing anything said why on standard error.
-                let probe = api.send(api.client.get(format!(
-                    "{}/v1/jobs/{}/logs?stream=stderr&offset=0&rank={}{attempt}",
-                    api.config.server, args.id, args.rank
-                )))?;
+                let probe = api.send(&|client, server| {
+                    client.get(format!(
+                        "{server}/v1/jobs/{}/logs?stream=stderr&offset=0&rank={}{attempt}",
+                        args.id, args.rank
+                    ))
+                })?;
                 if !probe.bytes()?.is_empty() {
                     eprintln!(
                         "perch: job {} wrote nothing to standard output; its standard error: perch logs {} --stderr",

@@ -3,6 +3,7 @@
 mod alerts;
 mod bench;
 mod demo_workload;
+mod ha;
 mod jobs;
 mod serve;
 pub mod simulate;
@@ -67,6 +68,8 @@ enum Command {
     /// Alerts (pending, firing), what perch did about them, silences and the remediation
     /// circuit breaker.
     Alerts(alerts::AlertsArgs),
+    /// A control plane with standbys: `perch ha status` says who leads (docs/ha.md).
+    Ha(ha::HaArgs),
     /// Access tokens: `perch token create --user alice --role user` prints a new one once.
     Token(token::TokenArgs),
 }
@@ -155,7 +158,8 @@ struct AgentFlags {
 
 #[derive(Debug, Args)]
 struct AgentArgs {
-    /// Server URL, e.g. http://perch-server:7300.
+    /// Server URL, e.g. http://perch-server:7300; several, separated by commas, for a leader
+    /// and its standbys (the agent follows whichever leads).
     #[arg(long, env = "PERCH_SERVER")]
     server: Option<String>,
     /// Agent data directory (spool, free-space reporting).
@@ -339,7 +343,9 @@ pub fn run(cli: Cli) -> Result<()> {
         }
         Command::Agent(args) => {
             if let Some(v) = args.server {
-                config.agent.server = v;
+                config
+                    .agent
+                    .set_servers_from(&v, "--server (or PERCH_SERVER)")?;
             }
             if let Some(v) = args.data_dir {
                 config.agent.data_dir = v;
@@ -407,5 +413,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Resume(args) => jobs::set_drained(args, false, file),
         Command::Alerts(args) => alerts::run(args, file),
         Command::Token(args) => token::run(args),
+        Command::Ha(args) => ha::run(args, file),
     }
 }

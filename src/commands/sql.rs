@@ -2,7 +2,7 @@
 //! aligned table (decoded from Arrow IPC), CSV or JSON.
 
 use super::jobs::{Refused, ServerArg};
-use crate::client::ClientConfig;
+use crate::client::{ClientConfig, Connection};
 use crate::config::ConfigFile;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
@@ -29,13 +29,10 @@ pub struct SqlArgs {
 
 pub fn run(args: SqlArgs, config_file: Option<&ConfigFile>) -> Result<()> {
     let client = args.server.resolve(config_file)?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    runtime.block_on(query(args, client))
+    query(args, client)
 }
 
-async fn query(args: SqlArgs, client: ClientConfig) -> Result<()> {
+fn query(args: SqlArgs, client: ClientConfig) -> Result<()> {
     let sql = if args.explain {
         format!("EXPLAIN {}", args.query)
     } else {
@@ -46,23 +43,19 @@ async fn query(args: SqlArgs, client: ClientConfig) -> Result<()> {
         OutputFormat::Csv => "csv",
         OutputFormat::Json => "json",
     };
-    let url = format!("{}/v1/sql", client.server);
-    let mut request = client
-        .http()?
-        .post(&url)
-        .json(&serde_json::json!({"sql": sql, "format": wire}));
-    if let Some(t) = &client.token {
-        request = request.bearer_auth(t);
-    }
-    let response = request.send().await.with_context(|| client.unreachable())?;
+    // No time limit: the server bounds a query's time itself (query.timeout_secs).
+    let connection = Connection::new(client, None)?;
+    let body = serde_json::json!({"sql": sql, "format": wire});
+    let response =
+        connection.send(|http, server| http.post(format!("{server}/v1/sql")).json(&body))?;
     let status = response.status();
     let truncated = response
         .headers()
         .get("x-perch-truncated")
         .is_some_and(|v| v == "true");
-    let body = response.bytes().await.context("reading the answer")?;
+    let body = response.bytes().context("reading the answer")?;
     if !status.is_success() {
-        return Err(Refused::new(status, &body, &client).into());
+        return Err(Refused::new(status, &body, &connection).into());
     }
     match args.format {
         OutputFormat::Table => {

@@ -13,7 +13,11 @@ use std::time::Duration;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AgentSection {
+    /// The server's URL. Empty: `servers`, else [`DEFAULT_SERVER`].
     pub server: String,
+    /// Several servers, a leader and its standbys: the agent follows whichever leads.
+    /// Instead of `server`, not beside it.
+    pub servers: Vec<String>,
     /// Empty: the machine's hostname.
     pub node: String,
     /// Rack or switch label; empty: from `topology_file`, else "default".
@@ -61,7 +65,8 @@ pub struct AgentSection {
 impl Default for AgentSection {
     fn default() -> Self {
         AgentSection {
-            server: "http://127.0.0.1:7300".into(),
+            server: String::new(),
+            servers: Vec::new(),
             node: String::new(),
             rack: String::new(),
             topology_file: PathBuf::new(),
@@ -143,14 +148,39 @@ impl AgentSection {
                 ),
             );
         }
-        if !(self.server.starts_with("http://") || self.server.starts_with("https://")) {
+        let server = &self.server;
+        if !(server.is_empty() || server.starts_with("http://") || server.starts_with("https://")) {
             return bad(
                 "agent.server",
                 &format!(
-                    "{:?} must be a URL such as http://perch-server:7300",
-                    self.server
+                    "{server:?} must be a URL such as http://perch-server:7300 (\"\": agent.servers, else {DEFAULT_SERVER})"
                 ),
             );
+        }
+        super::client::check_servers("agent", &self.server, &self.servers)
+    }
+
+    /// The servers the agent reports to: `servers`, else `server`, else [`DEFAULT_SERVER`];
+    /// trailing `/`s trimmed.
+    pub fn server_list(&self) -> Vec<String> {
+        let list = super::client::server_list(&self.server, &self.servers);
+        if list.is_empty() {
+            vec![DEFAULT_SERVER.to_owned()]
+        } else {
+            list
+        }
+    }
+
+    /// Sets the servers from `--server` or `PERCH_SERVER` (`what`): one URL, or several
+    /// separated by commas. They replace the file's `server` and `servers`.
+    pub fn set_servers_from(&mut self, text: &str, what: &str) -> Result<()> {
+        let mut list = super::ClientSection::parse_server_list(text, what)?;
+        if list.len() == 1 {
+            self.server = list.remove(0);
+            self.servers = Vec::new();
+        } else {
+            self.server = String::new();
+            self.servers = list;
         }
         Ok(())
     }
@@ -173,8 +203,12 @@ impl AgentSection {
             );
         }
         let rack = self.rack(&node)?;
-        let mut config =
-            perch_collector::AgentConfig::new(self.server.trim_end_matches('/').to_owned(), node);
+        let mut servers = self.server_list();
+        let mut config = if servers.len() == 1 {
+            perch_collector::AgentConfig::new(servers.remove(0), node)
+        } else {
+            perch_collector::AgentConfig::with_servers(servers, node)
+        };
         config.interval = Duration::from_millis(self.interval_ms);
         config.data_dir = self.data_dir.clone();
         config.nvml = match self.nvml.as_str() {
@@ -248,6 +282,9 @@ impl AgentSection {
     }
 }
 
+/// The server of an agent that nothing else names.
+pub const DEFAULT_SERVER: &str = "http://127.0.0.1:7300";
+
 /// The largest topology file read (a cluster of 100,000 nodes takes a few MiB).
 const TOPOLOGY_MAX_BYTES: u64 = 16 << 20;
 
@@ -289,5 +326,54 @@ pub fn hostname() -> String {
         "localhost".into()
     } else {
         name
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_agent_gets_every_server_and_starts_with_the_first() {
+        let mut section = AgentSection {
+            node: "n1".into(),
+            ..AgentSection::default()
+        };
+        let one = section.agent_config().expect("default");
+        assert_eq!(
+            (one.server.as_str(), one.servers.len()),
+            (DEFAULT_SERVER, 0)
+        );
+        section.servers = vec!["http://a:7300/".into(), "http://b:7300".into()];
+        section.check().expect("valid");
+        let two = section.agent_config().expect("two");
+        assert_eq!(two.server, "http://a:7300");
+        assert_eq!(two.servers, ["http://a:7300", "http://b:7300"]);
+        assert_eq!(
+            two.server_list().expect("valid").list(),
+            ["http://a:7300", "http://b:7300"]
+        );
+        // --server / PERCH_SERVER replace the file's servers, one or several.
+        section
+            .set_servers_from("http://c:7300", "--server")
+            .expect("one");
+        assert_eq!(
+            (section.server.as_str(), section.servers.len()),
+            ("http://c:7300", 0)
+        );
+        section.check().expect("valid");
+        section
+            .set_servers_from("http://c:7300,http://d:7300", "--server")
+            .expect("two");
+        assert_eq!((section.server.as_str(), section.servers.len()), ("", 2));
+        section.check().expect("valid");
+        let err = section
+            .set_servers_from("http://c:7300,d:7300", "--server (or PERCH_SERVER)")
+            .expect_err("not a URL");
+        assert!(
+            err.to_string()
+                .starts_with("--server (or PERCH_SERVER): \"d:7300\" is not a URL"),
+            "{err}"
+        );
     }
 }

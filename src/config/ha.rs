@@ -96,3 +96,37 @@ impl HaSection {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    fn refused(text: &str) -> String {
+        format!("{:#}", Config::parse(text).expect_err(text))
+    }
+
+    #[test]
+    fn a_node_lease_shorter_than_a_takeover_is_refused_naming_both_keys() {
+        let short = "[server]\nnode_stale_after_secs = 10\nnode_lease_secs = 65\n";
+        Config::parse(short).expect("one server has no takeover to outlast");
+        let err = refused(&format!(
+            "{short}[ha]\ndatabase = \"host=/run/postgresql\"\n"
+        ));
+        assert!(
+            err.contains("server.node_lease_secs") && err.contains("ha.lease_secs"),
+            "{err}"
+        );
+        Config::parse(
+            "[server]\nnode_stale_after_secs = 10\nnode_lease_secs = 72\n[ha]\ndatabase = \"host=/run/postgresql\"\n",
+        )
+        .expect("10 s + 1 s + 60 s is 71 s");
+    }
+
+    #[test]
+    fn a_bad_database_advertise_or_lease_names_its_key() {
+        assert!(refused("[ha]\ndatabase = \"port=seventy\"\n").contains("ha.database"));
+        let db = "[ha]\ndatabase = \"host=/run/postgresql\"\n";
+        assert!(refused(&format!("{db}advertise = \"perch-a:7300\"\n")).contains("ha.advertise"));
+        assert!(refused("[ha]\nlease_secs = 1\n").contains("ha.lease_secs"));
+    }
+}
