@@ -103,7 +103,7 @@ allow perch-pgwire "perch-model perch-query"
 allow perch-server "perch-model perch-query perch-scheduler perch-control perch-alerts perch-pgwire"
 # The benchmarks are their own binary (perch bench runs it), never built into perch.
 allow perch "perch-model perch-collector perch-query perch-scheduler perch-control perch-alerts perch-server"
-allow perch-bench "perch-model perch-collector perch-query perch-server"
+allow perch-bench "perch-model perch-collector perch-query perch-control perch-server"
 for crate in $(cargo metadata --locked --no-deps --format-version 1 |
                  grep -o '"name":"[a-z-]*","version"' | cut -d'"' -f4); do
   case " perch-model nvml-standin perch-scheduler perch-control perch-alerts perch-planner perch-query perch-collector perch-pgwire perch-server perch perch-bench " in
