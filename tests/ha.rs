@@ -2,9 +2,10 @@
 //! directory and a real PostgreSQL (Debian's, started per test on a socket of its own), an
 //! agent given both servers, and clients that follow the leader.
 //!
-//! - `kill -9` of the leader under steady ingest, submissions and a running job: the standby
-//!   leads within 15 s; every acknowledged sample and submission is there (counted); the job
-//!   runs on as its one attempt;
+//! - `kill -9` of the leader under steady ingest, submissions and a running job, while it is
+//!   delivering a notification: the standby leads within 15 s; every acknowledged sample and
+//!   submission is there (counted); the job runs on as its one attempt; the notification cut
+//!   short is delivered by the new leader, once;
 //! - the leader cut from the database (its connections go through a proxy the test cuts): it
 //!   stops (exit status 3) before the standby takes over;
 //! - the database restarted under the leader, then both servers restarted: nothing lost, the
@@ -16,6 +17,7 @@ use common::{Agent, PATIENCE, assert_one_at_a_time, attempt_script, attempts, wa
 use perch_control::pg_testing::TempPostgres;
 use serde_json::{Value, json};
 use std::collections::BTreeSet;
+use std::io::{Read as _, Write as _};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,7 +39,12 @@ impl Server {
     /// Starts `perch server` named `name` on the shared data directory `shared`, leasing
     /// through `database`, and waits until it answers.
     fn start(dir: &Path, shared: &Path, database: &str, name: &str) -> Server {
-        Server::start_on(dir, shared, database, name, "127.0.0.1:0")
+        Server::start_on(dir, shared, database, name, "127.0.0.1:0", "")
+    }
+
+    /// [`Server::start`] with more configuration (whole sections) after perch's own.
+    fn start_with(dir: &Path, shared: &Path, database: &str, name: &str, more: &str) -> Server {
+        Server::start_on(dir, shared, database, name, "127.0.0.1:0", more)
     }
 
     /// Starts it again on the address it had, which agents and clients were given (as a
@@ -45,17 +52,24 @@ impl Server {
     fn restart(mut self, dir: &Path, shared: &Path, database: &str) -> Server {
         self.terminate();
         let listen = self.url.trim_start_matches("http://").to_owned();
-        Server::start_on(dir, shared, database, &self.name.clone(), &listen)
+        Server::start_on(dir, shared, database, &self.name.clone(), &listen, "")
     }
 
-    fn start_on(dir: &Path, shared: &Path, database: &str, name: &str, listen: &str) -> Server {
+    fn start_on(
+        dir: &Path,
+        shared: &Path,
+        database: &str,
+        name: &str,
+        listen: &str,
+        more: &str,
+    ) -> Server {
         let config = dir.join(format!("{name}.toml"));
         std::fs::write(
             &config,
             format!(
                 "[server]\nlisten = \"{listen}\"\ndata_dir = \"{}\"\npg_listen = \"\"\n\
                  node_stale_after_secs = 5\nnode_lease_secs = 120\nflush_interval_secs = 1\n\
-                 [ha]\ndatabase = \"{database}\"\nname = \"{name}\"\n",
+                 [ha]\ndatabase = \"{database}\"\nname = \"{name}\"\n{more}",
                 shared.display()
             ),
         )
@@ -364,14 +378,118 @@ fn nothing_lost(leader: &Server, load: &Load) {
     }
 }
 
+/// A webhook receiver on port 0 that leaves its first request unanswered (the leader sending
+/// it is killed meanwhile) and answers every later one; it keeps each request's
+/// `(groupKey, status)` and whether it was answered.
+struct Hook {
+    url: String,
+    seen: Arc<Mutex<Vec<(String, String, bool)>>>,
+}
+
+impl Hook {
+    fn start() -> Hook {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let url = format!("http://{}/hook", listener.local_addr().expect("addr"));
+        let seen: Arc<Mutex<Vec<(String, String, bool)>>> = Arc::default();
+        let record = seen.clone();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let Some(body) = read_request(&mut stream) else {
+                    continue;
+                };
+                let v: Value = serde_json::from_slice(&body).unwrap_or_default();
+                let key = v["groupKey"].as_str().unwrap_or_default().to_owned();
+                let status = v["status"].as_str().unwrap_or_default().to_owned();
+                let mut seen = record.lock().expect("seen");
+                let answer = !seen.is_empty();
+                seen.push((key, status, answer));
+                drop(seen);
+                if answer {
+                    let _ = stream.write_all(
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                    );
+                } else {
+                    held.push(stream);
+                }
+            }
+        });
+        Hook { url, seen }
+    }
+
+    fn seen(&self) -> Vec<(String, String, bool)> {
+        self.seen.lock().expect("seen").clone()
+    }
+}
+
+/// The body of one HTTP/1.1 request with a `content-length`.
+fn read_request(stream: &mut std::net::TcpStream) -> Option<Vec<u8>> {
+    let mut data = Vec::new();
+    let mut buf = [0u8; 8192];
+    loop {
+        let n = stream.read(&mut buf).ok()?;
+        if n == 0 {
+            return None;
+        }
+        data.extend_from_slice(&buf[..n]);
+        let Some(end) = data.windows(4).position(|w| w == b"\r\n\r\n") else {
+            continue;
+        };
+        let head = String::from_utf8_lossy(&data[..end]).to_ascii_lowercase();
+        let length: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
+        while data.len() < end + 4 + length {
+            let n = stream.read(&mut buf).ok()?;
+            if n == 0 {
+                return None;
+            }
+            data.extend_from_slice(&buf[..n]);
+        }
+        return Some(data[end + 4..end + 4 + length].to_vec());
+    }
+}
+
+/// An alert that fires once node ingest-ha has samples, notified to `hook` only.
+fn alerting_to(hook: &Hook) -> String {
+    format!(
+        r#"[alerts]
+evaluation_interval = "1s"
+[alerts.builtin]
+enabled = false
+[[alerts.rules]]
+name = "IngestSeen"
+sql = "SELECT node FROM gpu_samples WHERE node = 'ingest-ha' GROUP BY node"
+interval = "1s"
+[[alerts.receivers]]
+name = "hook"
+[[alerts.receivers.webhook]]
+url = "{}"
+timeout = "5m"
+send_resolved = false
+[alerts.route]
+receiver = "hook"
+group_wait = "1s"
+group_interval = "1h"
+repeat_interval = "4h"
+"#,
+        hook.url
+    )
+}
+
 #[test]
 fn killing_the_leader_under_load_loses_nothing_and_runs_no_job_twice() {
     let pg = TempPostgres::start().expect("PostgreSQL");
     let dir = tempfile::tempdir().expect("tempdir");
     let shared = dir.path().join("shared");
-    let mut a = Server::start(dir.path(), &shared, &pg.url(), "a");
+    let hook = Hook::start();
+    let alerting = alerting_to(&hook);
+    let mut a = Server::start_with(dir.path(), &shared, &pg.url(), "a", &alerting);
     a.wait_leads();
-    let b = Server::start(dir.path(), &shared, &pg.url(), "b");
+    let b = Server::start_with(dir.path(), &shared, &pg.url(), "b", &alerting);
     let ha = b.ha().expect("b's status");
     assert_eq!(
         (ha["role"].as_str(), ha["leader"]["name"].as_str()),
@@ -402,6 +520,10 @@ fn killing_the_leader_under_load_loses_nothing_and_runs_no_job_twice() {
         let (samples, jobs) = load.counts();
         (samples > 50 && jobs > 10).then_some(())
     });
+    // The leader is sending the alert's notification, and the receiver does not answer.
+    wait_for("the notification on its way", || {
+        (!hook.seen().is_empty()).then_some(())
+    });
 
     a.kill();
     let killed = Instant::now();
@@ -422,6 +544,19 @@ fn killing_the_leader_under_load_loses_nothing_and_runs_no_job_twice() {
     }
     nothing_lost(&b, &load);
     still_first_attempt(&b, id, &file);
+    // The notification cut short was made once and is delivered by the new leader: the
+    // receiver saw the same group's firing message twice, answered once.
+    let seen = wait_for("the notification delivered by the new leader", || {
+        let seen = hook.seen();
+        seen.iter().any(|s| s.2).then_some(seen)
+    });
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(
+        (&seen[0].0, &seen[0].1),
+        (&seen[1].0, &seen[1].1),
+        "{seen:?}"
+    );
+    assert_eq!(seen[1].1, "firing");
     // `perch ha status` asks each server: the killed one is unreachable, b leads.
     let out = common::client()
         .args(["ha", "status", "--server", &format!("{},{}", a.url, b.url)])
@@ -440,6 +575,12 @@ fn killing_the_leader_under_load_loses_nothing_and_runs_no_job_twice() {
     eprintln!(
         "takeover after kill -9: {takeover:?}; acknowledged {:?} (samples, jobs)",
         load.counts()
+    );
+    assert_eq!(
+        hook.seen().len(),
+        2,
+        "no notification sent again: {:?}",
+        hook.seen()
     );
 
     // The killed server, started again, is a standby that knows the new leader.
@@ -506,8 +647,6 @@ impl Proxy {
         Proxy { port, cut }
     }
 }
-
-use std::io::{Read as _, Write as _};
 
 #[test]
 fn a_leader_cut_from_the_database_stops_before_the_standby_takes_over() {

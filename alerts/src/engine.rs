@@ -40,7 +40,16 @@ pub struct Snapshot {
     dispatch: DispatchState,
     remediation: PlannerState,
     last_evaluation_ms: BTreeMap<String, i64>,
+    /// Notifications made and not yet handed to their receivers (absent in snapshots of
+    /// releases before the outbox: none).
+    #[serde(default)]
+    outbox: Vec<Notification>,
 }
+
+/// Most notifications kept waiting for delivery; past it the oldest is dropped (and logged):
+/// deliveries end after their bounded retries, so only a receiver configuration that stalls
+/// every delivery for hours reaches it.
+const OUTBOX_MAX: usize = 10_000;
 
 /// A rule's evaluation health, for the API.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -124,6 +133,10 @@ pub struct Engine {
     planner: Planner,
     last_evaluation_ms: BTreeMap<String, i64>,
     last_error: BTreeMap<String, String>,
+    /// Notifications made and not yet delivered (or given up on): saved with the state, so a
+    /// server that stops before delivering them (a crash, a takeover) sends them when the
+    /// state is next loaded ([`Engine::undelivered`]).
+    outbox: Vec<Notification>,
 }
 
 impl Engine {
@@ -144,6 +157,7 @@ impl Engine {
             silences: Silences::default(),
             last_evaluation_ms: BTreeMap::new(),
             last_error: BTreeMap::new(),
+            outbox: Vec::new(),
         })
     }
 
@@ -171,6 +185,7 @@ impl Engine {
         engine.dispatcher = engine.dispatcher.clone().with_state(snapshot.dispatch);
         engine.planner = engine.planner.clone().with_state(snapshot.remediation);
         engine.last_evaluation_ms = snapshot.last_evaluation_ms;
+        engine.outbox = snapshot.outbox;
         let mut names: Vec<&str> = engine.rules.iter().map(|r| r.name.as_str()).collect();
         names.push(BREAKER_ALERT);
         let transitions = engine.alerts.retain_rules(&names, now_ms);
@@ -206,6 +221,7 @@ impl Engine {
             dispatch: self.dispatcher.state().clone(),
             remediation: self.planner.state().clone(),
             last_evaluation_ms: self.last_evaluation_ms.clone(),
+            outbox: self.outbox.clone(),
         }
     }
 
@@ -431,12 +447,40 @@ impl Engine {
         self.planner.drained_by_perch()
     }
 
-    /// The notifications due at `now_ms`.
+    /// The notifications due at `now_ms`. Each waits in the outbox, saved with the state,
+    /// until [`Engine::delivered`] says it was handed to its receiver: save the state before
+    /// sending them, so that a notification is neither made twice nor lost by a crash.
     pub fn notifications(&mut self, now_ms: i64) -> Vec<Notification> {
         self.silences.gc(now_ms);
         self.alerts.expire(now_ms);
         let alerts: Vec<&Alert> = self.alerts.iter().collect();
-        self.dispatcher.step(&alerts, &self.silences, now_ms)
+        let due = self.dispatcher.step(&alerts, &self.silences, now_ms);
+        self.outbox.extend(due.iter().cloned());
+        if self.outbox.len() > OUTBOX_MAX {
+            let dropped = self.outbox.len() - OUTBOX_MAX;
+            tracing::error!(
+                dropped,
+                "more notifications wait for delivery than the outbox keeps; the oldest are dropped"
+            );
+            self.outbox.drain(..dropped);
+        }
+        due
+    }
+
+    /// `n` was handed to its receiver's integrations (sent, or given up on after retries): it
+    /// leaves the outbox.
+    pub fn delivered(&mut self, n: &Notification) {
+        if let Some(i) = self.outbox.iter().position(|o| {
+            o.receiver == n.receiver && o.group_key == n.group_key && o.at_ms == n.at_ms
+        }) {
+            self.outbox.remove(i);
+        }
+    }
+
+    /// The notifications made and not yet delivered: after a load, those the server that
+    /// saved the state did not get to send.
+    pub fn undelivered(&self) -> Vec<Notification> {
+        self.outbox.clone()
     }
 
     /// When the engine next has something to do: the next rule evaluation or group flush.

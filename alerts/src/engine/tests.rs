@@ -319,3 +319,29 @@ fn a_long_group_interval_still_gets_its_resolved_notice() {
     assert_eq!(sent.len(), 1);
     assert_eq!(sent[0].status(), "resolved");
 }
+
+#[test]
+fn a_notification_made_and_not_delivered_before_a_restart_is_sent_after_it_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("alerts-state.json");
+    let mut engine = Engine::new(config()).expect("engine");
+    engine
+        .evaluate("XidReboot", &xid_instances("n1", 1), 0)
+        .expect("eval");
+    tick(&mut engine, &cluster(10), 0);
+    let (_, sent) = tick(&mut engine, &cluster(10), 30 * S);
+    assert_eq!(sent.len(), 1);
+    // Saved before sending, as the server does; the server dies before delivering it.
+    engine.save(&path, 30 * S).expect("save");
+    drop(engine);
+
+    let (mut engine, _) = Engine::load(config(), &path, M).expect("load");
+    assert_eq!(engine.undelivered(), sent, "the next server sends it");
+    let (_, again) = tick(&mut engine, &cluster(10), M);
+    assert!(again.is_empty(), "and does not make it again: {again:?}");
+    engine.delivered(&sent[0]);
+    assert!(engine.undelivered().is_empty());
+    engine.save(&path, M).expect("save");
+    let (engine, _) = Engine::load(config(), &path, 2 * M).expect("load");
+    assert!(engine.undelivered().is_empty(), "delivered once, sent once");
+}

@@ -123,6 +123,19 @@ pub async fn run(state: AppState, shutdown: impl std::future::Future<Output = ()
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
+    // Notifications made before the last stop (a crash, a takeover by this server) and not
+    // delivered then: their state was saved first, so they are sent now, once.
+    let undelivered = state.alerts.with(|e| e.undelivered());
+    if !undelivered.is_empty() {
+        tracing::info!(
+            notifications = undelivered.len(),
+            "sending the notifications made before the last stop and not delivered then"
+        );
+    }
+    for n in undelivered {
+        let state = state.clone();
+        tokio::spawn(async move { deliver(&state, n).await });
+    }
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
@@ -195,6 +208,10 @@ async fn deliver(state: &AppState, n: Notification) {
             }
         }
     }
+    // Handed over (or given up on after retries): out of the outbox, saved at once so a
+    // restart does not send it again.
+    state.alerts.with(|e| e.delivered(&n));
+    state.alerts.save(state.now_ms());
 }
 
 /// The rows of a rule's query as JSON objects (column name -> value).
