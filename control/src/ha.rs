@@ -127,6 +127,9 @@ impl Status {
     }
 }
 
+/// Serialises the first servers' marking of the shared data directory (`Lease::check_data_dir`).
+const DATA_DIR_LOCK: i64 = 0x0070_6572_6369;
+
 const HOLDER_COLUMNS: &str = "holder, address, epoch, (extract(epoch from since) * 1000)::bigint, (extract(epoch from expires) * 1000)::bigint";
 
 fn holder(row: &postgres::Row) -> Holder {
@@ -184,6 +187,11 @@ impl Lease {
     /// mount) is refused before it could lead on it with no telemetry and no job output.
     pub fn check_data_dir(&mut self, dir: &std::path::Path) -> Result<(), DbError> {
         let path = dir.join("ha").join("deployment");
+        let c = self.client()?;
+        let mut tx = c.transaction().map_err(pg_error)?;
+        // Servers of a new deployment started together: one marks, the others find its mark.
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&DATA_DIR_LOCK])
+            .map_err(pg_error)?;
         let local: Option<i64> = match std::fs::read_to_string(&path) {
             Ok(text) => Some(text.trim().parse().map_err(|_| {
                 DbError::new(format!("{} does not hold a deployment id", path.display()))
@@ -191,13 +199,8 @@ impl Lease {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(e) => return Err(DbError::new(format!("{}: {e}", path.display()))),
         };
-        let c = self.client()?;
-        let mut tx = c.transaction().map_err(pg_error)?;
         let recorded: Option<i64> = tx
-            .query_opt(
-                "SELECT value FROM perch_meta WHERE key = 'data_dir' FOR UPDATE",
-                &[],
-            )
+            .query_opt("SELECT value FROM perch_meta WHERE key = 'data_dir'", &[])
             .map_err(pg_error)?
             .map(|row| row.get(0));
         match (recorded, local) {
@@ -414,8 +417,12 @@ impl Lease {
     }
 }
 
+/// A database error, with PostgreSQL's own message when it has one ("db error" says nothing).
 fn pg_error(x: postgres::Error) -> DbError {
-    DbError::new(format!("PostgreSQL: {x}"))
+    match x.as_db_error() {
+        Some(db) => DbError::new(format!("PostgreSQL: {}", db.message())),
+        None => DbError::new(format!("PostgreSQL: {x}")),
+    }
 }
 
 #[cfg(test)]

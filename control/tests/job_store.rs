@@ -417,3 +417,36 @@ fn a_server_on_another_data_directory_than_the_deployments_is_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn servers_of_a_new_deployment_started_together_agree_on_its_data_directory() {
+    let pg = TempPostgres::start().expect("PostgreSQL");
+    let shared = tempfile::tempdir().expect("tempdir");
+    let url = pg.url();
+    let servers = 8;
+    // Each connects, then all check at once.
+    let together = std::sync::Arc::new(std::sync::Barrier::new(servers));
+    let starts: Vec<_> = (0..servers)
+        .map(|i| {
+            let (url, dir, together) = (url.clone(), shared.path().to_owned(), together.clone());
+            std::thread::spawn(move || {
+                let config = LeaseConfig::new(
+                    format!("s{i}"),
+                    format!("http://s{i}"),
+                    Duration::from_secs(30),
+                );
+                let mut lease =
+                    Lease::connect(&url.parse().expect("url"), config, Default::default())
+                        .expect("lease");
+                together.wait();
+                lease.check_data_dir(&dir).map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    for start in starts {
+        start
+            .join()
+            .expect("thread")
+            .expect("every server finds the one mark");
+    }
+}
