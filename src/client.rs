@@ -230,7 +230,7 @@ impl Connection {
                         servers[at]
                     )));
                 }
-                Err(e) => Step::Next(error_chain(&e)),
+                Err(e) => Step::Next(perch_collector::sender::error_chain(&e)),
             };
             match step {
                 Step::Answered(response) => return Ok(response),
@@ -301,18 +301,6 @@ fn origin(url: &str) -> Option<&str> {
     let (scheme, rest) = url.split_once("://")?;
     let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
     Some(&url[..scheme.len() + 3 + end])
-}
-
-/// An error and its sources on one line ("error sending request: connection refused").
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(inner) = source {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        source = inner.source();
-    }
-    s
 }
 
 /// Which of a config file's keys gives the server.

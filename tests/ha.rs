@@ -250,14 +250,19 @@ impl Load {
         None
     }
 
+    /// A client that follows no redirect: [`Load::send`] decides where to go next.
+    fn client() -> reqwest::blocking::Client {
+        reqwest::blocking::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .timeout(Duration::from_secs(5))
+            .build()
+            .expect("client")
+    }
+
     /// Sends numbered telemetry batches of node `ingest-ha`, one after another.
     fn ingest(self) -> std::thread::JoinHandle<()> {
         std::thread::spawn(move || {
-            let client = reqwest::blocking::Client::builder()
-                .redirect(reqwest::redirect::Policy::none())
-                .timeout(Duration::from_secs(5))
-                .build()
-                .expect("client");
+            let client = Load::client();
             let mut at = 0;
             for seq in 1u64.. {
                 let batch = common::marked_batch("ingest-ha", seq);
@@ -272,11 +277,7 @@ impl Load {
     /// Submits small jobs (they wait: the one GPU is busy), one after another.
     fn submit(self) -> std::thread::JoinHandle<()> {
         std::thread::spawn(move || {
-            let client = reqwest::blocking::Client::builder()
-                .redirect(reqwest::redirect::Policy::none())
-                .timeout(Duration::from_secs(5))
-                .build()
-                .expect("client");
+            let client = Load::client();
             let mut at = 0;
             let job = json!({ "command": ["true"], "user": "alice", "gpus_per_node": 1 });
             while let Some(answer) = self.send(&client, &mut at, "/v1/jobs", &job) {

@@ -265,7 +265,7 @@ impl Sender {
 }
 
 /// An error and its sources on one line ("error sending request: connection refused").
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut source = e.source();
     while let Some(inner) = source {

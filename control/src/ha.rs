@@ -87,14 +87,12 @@ pub enum Role {
 #[derive(Debug, Clone)]
 pub struct Status {
     role: Arc<Mutex<Role>>,
-    changed: tokio::sync::watch::Sender<u64>,
 }
 
 impl Default for Status {
     fn default() -> Status {
         Status {
             role: Arc::new(Mutex::new(Role::Standby { leader: None })),
-            changed: tokio::sync::watch::Sender::new(0),
         }
     }
 }
@@ -105,25 +103,7 @@ impl Status {
     }
 
     fn set(&self, role: Role) {
-        let mut current = self.role.lock();
-        if *current != role {
-            *current = role;
-            self.changed.send_modify(|n| *n += 1);
-        }
-    }
-
-    /// Resolves when the role has changed since the last call on the same receiver.
-    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
-        self.changed.subscribe()
-    }
-
-    /// The leader's address, if one is known.
-    pub fn leader_address(&self) -> Option<String> {
-        match &*self.role.lock() {
-            Role::Standby { leader } => leader.as_ref().map(|h| h.address.clone()),
-            Role::Leader { holder } => Some(holder.address.clone()),
-            Role::Deposed { .. } => None,
-        }
+        *self.role.lock() = role;
     }
 }
 
@@ -430,10 +410,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_leader_gives_up_before_the_lease_can_be_taken() {
+    fn three_renewals_may_fail_before_the_leader_gives_up() {
         let c = LeaseConfig::new("a".into(), "http://a".into(), Duration::from_secs(10));
-        assert!(c.ttl - c.margin < c.ttl);
         assert!(c.renew_every * 3 < c.ttl - c.margin, "three renewals fit");
+        assert!(c.try_every <= Duration::from_secs(1));
         assert_eq!(c.takeover_bound(), Duration::from_secs(11));
     }
 }

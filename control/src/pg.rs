@@ -33,7 +33,7 @@ const PAGE: i64 = 5_000;
 
 /// How long a connection attempt or an unanswered request may take before the store reports
 /// the database unreachable (the lease is what stops a leader cut from it: [`crate::ha`]).
-pub const NETWORK_TIMEOUT: Duration = Duration::from_secs(5);
+const NETWORK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Version 1 of the schema. Idempotent: run at every open, under an advisory lock so two
 /// servers starting together do not race.
@@ -235,11 +235,6 @@ impl PgStore {
             .join()
             .map_err(|_| DbError::new("opening the PostgreSQL job store panicked".into()))?
         })
-    }
-
-    /// The leader epoch this store writes as.
-    pub fn epoch(&self) -> i64 {
-        self.epoch
     }
 }
 

@@ -114,11 +114,7 @@ pub(super) fn check_servers(section: &str, server: &str, servers: &[String]) -> 
 
 #[cfg(test)]
 mod tests {
-    use super::super::Config;
-
-    fn refused(text: &str) -> String {
-        format!("{:#}", Config::parse(text).expect_err(text))
-    }
+    use super::super::{Config, refused};
 
     #[test]
     fn server_lists_are_urls_named_once_and_not_beside_server() {

@@ -99,11 +99,7 @@ impl HaSection {
 
 #[cfg(test)]
 mod tests {
-    use crate::config::Config;
-
-    fn refused(text: &str) -> String {
-        format!("{:#}", Config::parse(text).expect_err(text))
-    }
+    use crate::config::{Config, refused};
 
     #[test]
     fn a_node_lease_shorter_than_a_takeover_is_refused_naming_both_keys() {

@@ -220,6 +220,12 @@ impl Config {
     }
 }
 
+/// The message refusing the config file `text` (its test fails when `text` parses).
+#[cfg(test)]
+fn refused(text: &str) -> String {
+    format!("{:#}", Config::parse(text).expect_err(text))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
