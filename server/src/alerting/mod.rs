@@ -44,6 +44,8 @@ pub struct AlertService {
     state_path: PathBuf,
     /// When the state was last saved (Unix ms), for the periodic save of quiet rounds.
     saved_at_ms: std::sync::atomic::AtomicI64,
+    /// A notification left the outbox since the last save: the next round saves.
+    delivered: std::sync::atomic::AtomicBool,
     pub counters: AlertCounters,
 }
 
@@ -84,6 +86,7 @@ impl AlertService {
                 notifier,
                 state_path,
                 saved_at_ms: std::sync::atomic::AtomicI64::new(now_ms),
+                delivered: std::sync::atomic::AtomicBool::new(false),
                 counters: AlertCounters::default(),
             },
             events,
@@ -186,7 +189,11 @@ pub async fn round(state: &AppState) {
     let notifications = service.with(|e| e.notifications(now));
     // Transitions, decisions and notifications are saved at once (a restart must not page or
     // act again); a quiet round only moves timestamps, saved once a minute.
-    let quiet = events.is_empty() && notifications.is_empty();
+    // A delivery since the last save is saved here, once a round however many ended, rather
+    // than the whole state once each: a restart within the second sends those again.
+    let quiet = events.is_empty()
+        && notifications.is_empty()
+        && !service.delivered.swap(false, Ordering::Relaxed);
     if !quiet || now - service.saved_at_ms.load(Ordering::Relaxed) >= QUIET_SAVE_MS {
         service.save(now);
     }
@@ -208,10 +215,9 @@ async fn deliver(state: &AppState, n: Notification) {
             }
         }
     }
-    // Handed over (or given up on after retries): out of the outbox, saved at once so a
-    // restart does not send it again.
+    // Handed over (or given up on after retries): out of the outbox, saved by the next round.
     state.alerts.with(|e| e.delivered(&n));
-    state.alerts.save(state.now_ms());
+    state.alerts.delivered.store(true, Ordering::Relaxed);
 }
 
 /// The rows of a rule's query as JSON objects (column name -> value).
