@@ -146,8 +146,17 @@ fn text(bytes: &[u8]) -> String {
 /// `perch up` with one simulated GPU and its PostgreSQL listener on a free port, in `dir`;
 /// returns it and the listener's address.
 fn up_with_psql(dir: &std::path::Path) -> (Perch, String) {
+    up_with_psql_and(dir, "")
+}
+
+/// [`up_with_psql`] with more `[server]` settings.
+fn up_with_psql_and(dir: &std::path::Path, server: &str) -> (Perch, String) {
     let config = dir.join("perch.toml");
-    std::fs::write(&config, "[server]\npg_listen = \"127.0.0.1:0\"\n").expect("write config");
+    std::fs::write(
+        &config,
+        format!("[server]\npg_listen = \"127.0.0.1:0\"\n{server}"),
+    )
+    .expect("write config");
     let data = dir.join("data");
     let config = config.to_string_lossy().into_owned();
     let perch = Perch::start(
@@ -798,3 +807,99 @@ with psycopg.connect(host=host, port=int(port), user="perch", dbname="perch", ss
     except psycopg.Error as e:
         print(e.sqlstate)
 "#;
+
+/// A client logged in over the raw protocol (open mode: no password), at ReadyForQuery.
+fn logged_in(addr: &str) -> std::net::TcpStream {
+    let mut socket = std::net::TcpStream::connect(addr).expect("connect");
+    socket
+        .set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .expect("timeout");
+    let params = b"user\0perch\0database\0perch\0\0";
+    let mut startup = ((8 + params.len()) as u32).to_be_bytes().to_vec();
+    startup.extend(196_608u32.to_be_bytes());
+    startup.extend(params);
+    std::io::Write::write_all(&mut socket, &startup).expect("startup");
+    loop {
+        let (kind, body) = read_message(&mut socket).expect("a message while logging in");
+        assert_ne!(
+            kind,
+            b'E',
+            "login refused: {}",
+            String::from_utf8_lossy(&body)
+        );
+        if kind == b'Z' {
+            return socket;
+        }
+    }
+}
+
+/// Asserts the server closed `socket`, with nothing more sent.
+fn assert_closed(socket: &mut std::net::TcpStream) {
+    let mut byte = [0u8; 1];
+    match std::io::Read::read(socket, &mut byte) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("the connection stays open: {other:?} {byte:?}"),
+    }
+}
+
+/// One backend message: its type and body; `None` when the connection ends.
+fn read_message(socket: &mut std::net::TcpStream) -> Option<(u8, Vec<u8>)> {
+    use std::io::Read;
+    let mut header = [0u8; 5];
+    socket.read_exact(&mut header).ok()?;
+    let len = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
+    let mut body = vec![0u8; len.checked_sub(4)?];
+    socket.read_exact(&mut body).ok()?;
+    Some((header[0], body))
+}
+
+/// A client declaring a 512 MiB statement is refused once the header is in (54000, naming
+/// the setting), and the server reads no more than the bound again before it closes: the
+/// protocol crate took messages of up to 1 GiB, whole, so a few clients took the memory.
+/// Connections past `server.pg_max_connections` wait until one closes.
+#[test]
+fn huge_messages_are_refused_and_connections_are_capped() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (mut perch, addr) = up_with_psql_and(dir.path(), "pg_max_connections = 3\n");
+    perch.wait_nodes_up(1);
+
+    let mut socket = logged_in(&addr);
+    let mut writer = socket.try_clone().expect("clone");
+    let sent = std::thread::spawn(move || {
+        let mut header = vec![b'Q'];
+        header.extend((512u32 << 20).to_be_bytes());
+        let chunk = vec![b' '; 1 << 20];
+        let mut sent = 0usize;
+        std::io::Write::write_all(&mut writer, &header).expect("header");
+        while sent < 64 << 20 && std::io::Write::write_all(&mut writer, &chunk).is_ok() {
+            sent += chunk.len();
+        }
+        sent
+    });
+    let (kind, body) = read_message(&mut socket).expect("an answer before the message ends");
+    let body = String::from_utf8_lossy(&body);
+    assert_eq!(kind, b'E', "{body}");
+    assert!(
+        body.contains("54000") && body.contains("query.max_statement_kb"),
+        "{body}"
+    );
+    let sent = sent.join().expect("writer");
+    assert!(sent < 64 << 20, "the server read all {} MiB", sent >> 20);
+    assert_closed(&mut socket);
+    perch.assert_running();
+
+    // Three connections held: a fourth is not served until one closes.
+    let held: Vec<_> = (0..3).map(|_| logged_in(&addr)).collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiting = addr.clone();
+    std::thread::spawn(move || tx.send(logged_in(&waiting)).ok());
+    assert!(
+        rx.recv_timeout(std::time::Duration::from_secs(2)).is_err(),
+        "a fourth connection was served past pg_max_connections = 3"
+    );
+    drop(held);
+    rx.recv_timeout(std::time::Duration::from_secs(30))
+        .expect("served once one closed");
+    assert_eq!(psql(&addr, "SELECT 1").status.code(), Some(0));
+}

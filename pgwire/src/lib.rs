@@ -35,6 +35,7 @@
 //! supported; results past `max_rows` are cut, as on HTTP.
 
 mod catalog;
+pub mod connection;
 
 use arrow::array::{Array, AsArray, RecordBatch};
 use arrow::compute::cast;
@@ -103,6 +104,9 @@ pub struct Services {
     /// TLS, when the server has a certificate: a client that did not ask for it is then refused
     /// before it can send a password (a token) in clear text.
     pub tls: Option<pgwire::tokio::TlsAcceptor>,
+    /// Connections served at once (`server.pg_max_connections`); the next waits in the kernel's
+    /// backlog until one closes.
+    pub max_connections: usize,
 }
 
 impl std::fmt::Debug for Services {
@@ -190,7 +194,10 @@ pub async fn serve(
         auth,
         clock,
         tls,
+        max_connections,
     } = services;
+    let max_message = connection::max_message_bytes(sql.limits().max_statement_bytes);
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections.max(1)));
     let handler = Arc::new(PgHandler {
         sql,
         auth,
@@ -201,13 +208,22 @@ pub async fn serve(
     });
     tokio::pin!(shutdown);
     loop {
+        // A slot first, then a descriptor: past the cap, clients wait in the backlog.
+        let slot = tokio::select! {
+            _ = &mut shutdown => return,
+            slot = slots.clone().acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => return,
+            },
+        };
         tokio::select! {
             _ = &mut shutdown => return,
             accepted = listener.accept() => match accepted {
                 Ok((socket, _)) => {
                     let (handler, tls) = (handler.clone(), tls.clone());
                     tokio::spawn(async move {
-                        if let Err(e) = pgwire::tokio::process_socket(socket, tls, handler).await {
+                        let _slot = slot;
+                        if let Err(e) = connection::serve(socket, tls, handler, max_message).await {
                             tracing::debug!(error = %e, "PostgreSQL connection ended with an error");
                         }
                     });
@@ -590,7 +606,9 @@ fn setting_named(sql: &str) -> String {
         .split(|c: char| c.is_whitespace() || c == '=')
         .filter(|w| !w.is_empty())
         .skip(1)
-        .map(str::to_ascii_lowercase)
+        // Three words at most, each cut short: the statement may be as long as a message.
+        .take(3)
+        .map(|w| w[..w.floor_char_boundary(64)].to_ascii_lowercase())
         .collect();
     let mut words = words.iter().map(String::as_str).peekable();
     if matches!(words.peek(), Some(&"session" | &"local")) {
@@ -615,7 +633,7 @@ fn client_command(sql: &str) -> Option<Response> {
         .trim_end_matches(';')
         .split_whitespace()
         .take(2)
-        .map(str::to_ascii_uppercase)
+        .map(|w| w[..w.floor_char_boundary(16)].to_ascii_uppercase())
         .collect();
     let first = words.first()?.as_str();
     let second = words.get(1).map(String::as_str);

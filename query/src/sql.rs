@@ -505,6 +505,8 @@ impl SqlEngine {
     }
 
     async fn plan(&self, ctx: &SessionContext, sql: &str) -> Result<LogicalPlan, Failure> {
+        // Checked first: nothing may read a statement past the length bound word by word.
+        self.check(sql).map_err(Failure::Perch)?;
         let shown;
         let sql = if is_show_tables(sql) {
             shown = SHOW_TABLES.to_owned();
@@ -512,7 +514,6 @@ impl SqlEngine {
         } else {
             sql
         };
-        self.check(sql).map_err(Failure::Perch)?;
         let plan = perch_planner::plan(&ctx.state(), sql).await?;
         check_read_only(&plan).map_err(Failure::Perch)?;
         crate::guard::plan_depth(&plan, self.limits.max_expression_depth)
@@ -670,13 +671,9 @@ const SHOW_TABLES: &str = "SELECT table_catalog, table_schema, table_name, table
 
 /// `SHOW TABLES`, in any case and spacing, with or without a semicolon.
 fn is_show_tables(sql: &str) -> bool {
-    let words: Vec<String> = sql
-        .trim()
-        .trim_end_matches(';')
-        .split_whitespace()
-        .map(str::to_ascii_lowercase)
-        .collect();
-    words == ["show", "tables"]
+    let mut words = sql.trim().trim_end_matches(';').split_whitespace();
+    let mut next = |want: &str| words.next().is_some_and(|w| w.eq_ignore_ascii_case(want));
+    next("show") && next("tables") && words.next().is_none()
 }
 
 /// Refuses DDL, DML (INSERT, COPY...) and statements such as SET: perch's SQL is read-only

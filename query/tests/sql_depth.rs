@@ -151,6 +151,26 @@ fn every_shape_past_the_bound_is_refused_with_what_to_change() {
     ));
 }
 
+/// A statement far past the length bound is refused for its length before anything reads
+/// it: a gigabyte of short words was split into words first (for `SHOW TABLES`), which took
+/// more than the query's timeout and gigabytes of memory.
+#[test]
+fn a_statement_far_past_the_length_bound_is_refused_before_it_is_read() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(StoreConfig::new(dir.path())).expect("store");
+    let limits = QueryLimits {
+        timeout: std::time::Duration::from_secs(5),
+        ..QueryLimits::default()
+    };
+    let engine = SqlEngine::new(store, limits);
+    let rt = runtime();
+    let sql = format!("SELECT 1{}", " ,1".repeat(40 << 20));
+    match run(&rt, &engine, &sql) {
+        Err(Error::TooComplex(why)) => assert!(why.contains("query.max_statement_kb"), "{why}"),
+        other => panic!("a {} MiB statement: {other:?}", sql.len() >> 20),
+    }
+}
+
 /// The longest `n` of `shape` the guard lets through.
 fn at_the_bound(shape: &str) -> (usize, String) {
     let sql = |n| {
@@ -197,6 +217,23 @@ fn every_shape_at_the_bound_runs_in_the_stack_it_gets() {
     });
 }
 
+/// The longest statement the strategies make: four times the default bound, so statements
+/// refused for their length are made too, but never so long (nested repetitions multiply)
+/// that making one takes gigabytes. One of a gigabyte killed CI's test run.
+const MAX_GENERATED: usize = 4 * perch_query::guard::DEFAULT_MAX_BYTES;
+
+/// `e` joined `n` times by `sep`, fewer times where that would pass [`MAX_GENERATED`].
+fn chain(e: &str, n: usize, sep: &str) -> String {
+    let n = n.min(MAX_GENERATED / (e.len() + sep.len())).max(1);
+    vec![e; n].join(sep)
+}
+
+/// `e` inside `n` pairs of `open` and `close`, fewer where that would pass [`MAX_GENERATED`].
+fn wrap(open: &str, e: &str, close: &str, n: usize) -> String {
+    let n = n.min(MAX_GENERATED.saturating_sub(e.len()) / (open.len() + close.len()));
+    format!("{}{e}{}", open.repeat(n), close.repeat(n))
+}
+
 /// A random statement: leaves combined by chains of operators, brackets, CASE, functions,
 /// subqueries and lists, each as long as the strategy likes.
 fn expression() -> impl Strategy<Value = String> {
@@ -223,33 +260,29 @@ fn expression() -> impl Strategy<Value = String> {
     ];
     leaf.prop_recursive(4, 64, 8, move |inner| {
         prop_oneof![
-            (inner.clone(), 1..1_500usize, 0..ops.len())
-                .prop_map(move |(e, n, op)| vec![e; n + 1].join(ops[op])),
-            (inner.clone(), 1..600usize).prop_map(|(e, n)| format!(
-                "{}{e}{}",
-                "(".repeat(n),
-                ")".repeat(n)
+            (inner.clone(), 1..1_500usize, 0..ops.len()).prop_map(move |(e, n, op)| chain(
+                &e,
+                n + 1,
+                ops[op]
             )),
-            (inner.clone(), 1..300usize).prop_map(|(e, n)| format!(
-                "{}{e}{}",
-                "CASE WHEN gpu > 0 THEN ".repeat(n),
-                " ELSE 0 END".repeat(n)
+            (inner.clone(), 1..600usize).prop_map(|(e, n)| wrap("(", &e, ")", n)),
+            (inner.clone(), 1..300usize).prop_map(|(e, n)| wrap(
+                "CASE WHEN gpu > 0 THEN ",
+                &e,
+                " ELSE 0 END",
+                n
             )),
-            (inner.clone(), 1..400usize).prop_map(|(e, n)| format!(
-                "{}{e}{}",
-                "coalesce(".repeat(n),
-                ")".repeat(n)
-            )),
-            (inner.clone(), 1..200usize).prop_map(|(e, n)| format!(
-                "{}{e}{}",
-                "(SELECT ".repeat(n),
-                " FROM gpu_samples LIMIT 1)".repeat(n)
+            (inner.clone(), 1..400usize).prop_map(|(e, n)| wrap("coalesce(", &e, ")", n)),
+            (inner.clone(), 1..200usize).prop_map(|(e, n)| wrap(
+                "(SELECT ",
+                &e,
+                " FROM gpu_samples LIMIT 1)",
+                n
             )),
             (inner.clone(), 1..5_000usize)
                 .prop_map(|(e, n)| format!("{e} IN ({})", joined(n, |i| i.to_string(), ","))),
-            (inner.clone(), 1..1_500usize)
-                .prop_map(|(e, n)| format!("{e}{}", " IS NULL".repeat(n))),
-            (inner, 1..1_500usize).prop_map(|(e, n)| format!("{}{e}", "NOT ".repeat(n))),
+            (inner.clone(), 1..1_500usize).prop_map(|(e, n)| wrap("", &e, " IS NULL", n)),
+            (inner, 1..1_500usize).prop_map(|(e, n)| wrap("NOT ", &e, "", n)),
         ]
     })
 }
@@ -258,7 +291,7 @@ fn statement() -> impl Strategy<Value = String> {
     (expression(), 0..4usize, 1..400usize).prop_map(|(e, form, n)| match form {
         0 => format!("SELECT {e}"),
         1 => format!("SELECT count(*) FROM gpu_samples WHERE {e}"),
-        2 => vec![format!("SELECT {e} AS x"); n].join(" UNION ALL "),
+        2 => chain(&format!("SELECT {e} AS x"), n, " UNION ALL "),
         _ => format!("SELECT {e} FROM gpu_samples GROUP BY 1 HAVING {e} IS NOT NULL"),
     })
 }

@@ -37,6 +37,10 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 
 /// What the server needs to start.
+/// The default of `server.pg_max_connections`: PostgreSQL's own default is 100. Within the
+/// descriptors the HTTP listener leaves for the rest of the server ([`listener`]).
+pub const PG_MAX_CONNECTIONS: usize = 256;
+
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     pub store: StoreConfig,
@@ -50,6 +54,8 @@ pub struct ServerConfig {
     pub tokens: auth::Tokens,
     /// Address of the PostgreSQL-protocol SQL listener, if any.
     pub pg_listen: Option<String>,
+    /// Connections that listener serves at once (`server.pg_max_connections`).
+    pub pg_max_connections: usize,
     /// The certificate both listeners serve TLS with; `None`: plain HTTP and PostgreSQL.
     pub tls: Option<Arc<tls::Certificates>>,
     /// The HTTP listener's connection cap and idle timeout.
@@ -100,6 +106,7 @@ impl ServerConfig {
             jobs: perch_control::JobsConfig::default(),
             tokens: auth::Tokens::open(),
             pg_listen: None,
+            pg_max_connections: PG_MAX_CONNECTIONS,
             tls: None,
             connections: listener::ConnectionLimits::default(),
             accounting: accounting::AccountingConfig::default(),

@@ -38,6 +38,7 @@ pub(crate) async fn start(
         auth: state.tokens.clone(),
         clock: state.config.clock.clone(),
         tls: tls_acceptor(state, &[])?,
+        max_connections: state.config.pg_max_connections,
     };
     Ok(perch_pgwire::start(addr, &state.config.store.data_dir, services, shutdown).await)
 }

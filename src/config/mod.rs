@@ -199,6 +199,7 @@ impl Config {
             request_timeout: Duration::from_secs(s.request_timeout_secs),
         };
         config.pg_listen = Some(s.pg_listen.clone()).filter(|a| !a.is_empty());
+        config.pg_max_connections = s.pg_max_connections;
         config.accounting = self.accounting.server_config();
         config.alerts = self.alerts.clone();
         if !s.tokens_file.as_os_str().is_empty() {

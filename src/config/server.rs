@@ -55,6 +55,8 @@ pub struct ServerSection {
     /// Address of the PostgreSQL-protocol SQL listener; empty turns it off. With a tokens file
     /// clients log in with a token as their password; without one it is trust mode, loopback only.
     pub pg_listen: String,
+    /// Most PostgreSQL-protocol connections served at once; the next waits until one closes.
+    pub pg_max_connections: usize,
     /// TOML file of accepted bearer tokens; empty runs open (loopback only).
     pub tokens_file: PathBuf,
     /// PEM certificate chain (the server's first) for TLS on HTTP and PostgreSQL; with
@@ -98,6 +100,7 @@ impl Default for ServerSection {
                 .map_or(0, |b| b >> 20),
             storage: StorageSection::default(),
             pg_listen: "127.0.0.1:7432".into(),
+            pg_max_connections: perch_server::PG_MAX_CONNECTIONS,
             tokens_file: PathBuf::new(),
             tls_cert: PathBuf::new(),
             tls_key: PathBuf::new(),
@@ -312,6 +315,12 @@ impl ServerSection {
             return bad(
                 "server.max_connections",
                 "must be at least 16 (agents, clients and scrapers share them)",
+            );
+        }
+        if !(1..=512).contains(&self.pg_max_connections) {
+            return bad(
+                "server.pg_max_connections",
+                "must be 1 to 512 (PostgreSQL-protocol connections at once; they share the descriptors the HTTP listener leaves)",
             );
         }
         if self.max_pending_jobs_per_user == 0 {
