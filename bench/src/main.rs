@@ -7,6 +7,7 @@
 
 mod dataset;
 mod duckdb;
+mod fleet;
 mod freshness;
 mod ingest;
 mod jobs;
@@ -32,6 +33,9 @@ struct Cli {
 enum What {
     /// Ingest throughput over HTTP into durable storage.
     Ingest(ingest::IngestArgs),
+    /// What one `perch server` holds as the fleet grows: N simulated nodes speaking the agent
+    /// protocol from this process, the server in its own.
+    Fleet(fleet::FleetArgs),
     /// Time to render /metrics for a large fleet.
     Metrics(metrics::MetricsArgs),
     /// Job submission throughput over HTTP, and submit-to-start latency on an idle node.
@@ -66,6 +70,7 @@ fn main() -> Result<()> {
         .init();
     match cli.what {
         What::Ingest(a) => ingest::ingest(a),
+        What::Fleet(a) => fleet::fleet(a),
         What::Metrics(a) => metrics::metrics(a),
         What::Jobs(a) => jobs::jobs(a),
         What::Query(a) => query::query(a),

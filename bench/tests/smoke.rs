@@ -229,6 +229,81 @@ fn ingest_in_a_tiny_mode() {
     }
 }
 
+/// The fleet benchmark with 20 nodes against the `perch` built beside this binary
+/// (`cargo test --workspace` builds it): every node up throughout, every acknowledged sample
+/// in SQL, syncs and batches counted, jobs placed and reported, the server's passes and alert
+/// rounds read from its `/metrics`.
+#[test]
+fn fleet_in_a_tiny_mode() {
+    let perch = std::path::Path::new(env!("CARGO_BIN_EXE_perch-bench")).with_file_name("perch");
+    assert!(
+        perch.exists(),
+        "{} missing: build the workspace (cargo test --workspace)",
+        perch.display()
+    );
+    let perch = perch.to_string_lossy().into_owned();
+    let out = bench(&[
+        "fleet",
+        "--nodes",
+        "20",
+        "--gpus",
+        "2",
+        "--interval-ms",
+        "200",
+        "--sync-ms",
+        "200",
+        "--seconds",
+        "6",
+        "--ramp-seconds",
+        "1",
+        "--jobs-per-second",
+        "5",
+        "--json",
+        "--perch",
+        &perch,
+    ]);
+    no_nan(&out);
+    let json: serde_json::Value = out
+        .lines()
+        .last()
+        .and_then(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no JSON line:\n{out}"));
+    let n = |k: &str| {
+        json[k]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{k} missing:\n{out}"))
+    };
+    assert_eq!(n("lost"), 0.0, "{out}");
+    assert_eq!(n("not_up_worst"), 0.0, "{out}");
+    assert_eq!(n("marked_down"), 0.0, "{out}");
+    sane(
+        "acknowledged samples",
+        n("acked_samples"),
+        100.0..=1e7,
+        &out,
+    );
+    assert!(n("in_sql") >= n("acked_samples"), "{out}");
+    // "p50 4.5 ms  p99 12.6 ms  max 19.9 ms  (600 syncs)": 50, 4.5, 99, 12.6, 19.9, 600.
+    let syncs = figures(&out, "sync round trip");
+    ordered_latencies("sync", &[syncs[1], syncs[3], syncs[4]], 60_000.0, &out);
+    sane("syncs", syncs[5], 20.0..=1e7, &out);
+    let batches = figures(&out, "ingest round trip");
+    ordered_latencies(
+        "ingest",
+        &[batches[1], batches[3], batches[4]],
+        60_000.0,
+        &out,
+    );
+    sane("batches", batches[5], 20.0..=1e7, &out);
+    let passes = figures(&out, "scheduling pass");
+    sane("scheduling passes", passes[2], 1.0..=1e7, &out);
+    let rounds = figures(&out, "alert round");
+    sane("alert rounds", rounds[2], 1.0..=1e5, &out);
+    sane("server cores", n("server_cores"), 1e-4..=64.0, &out);
+    sane("server RSS MiB", n("rss_mib"), 1.0..=1e5, &out);
+    assert_eq!(json["held"], true, "{out}");
+}
+
 #[test]
 fn metrics_in_a_tiny_mode() {
     let out = bench(&["metrics", "--nodes", "3", "--gpus", "2", "--scrapes", "2"]);

@@ -25,7 +25,7 @@ mod tests;
 mod views;
 
 pub use cancel::{CancelOutcome, CancelSelection, EndedJob, OwnedJob};
-pub use scrape::{AllocationView, ControlSnapshot, NodeView, PendingView, UsageView};
+pub use scrape::{AllocationView, ControlSnapshot, NodeView, PassStats, PendingView, UsageView};
 pub use views::{NodeDetail, QueuePage};
 
 use super::db::{Dirty, Loaded, NodeRecord};
@@ -248,7 +248,8 @@ pub struct Control {
     next_id: u64,
     outbox: HashMap<usize, Outbox>,
     /// (job, node) launches handed to an agent; a running job is only missed once delivered.
-    delivered: HashSet<(u64, usize)>,
+    /// Ordered by node, so that a sync reads its own node's as a range.
+    delivered: BTreeSet<(usize, u64)>,
     dirty_jobs: BTreeSet<u64>,
     dirty_nodes: BTreeSet<usize>,
     /// Pending jobs whose dependencies are not met yet; the scheduler does not see them.
@@ -271,6 +272,8 @@ pub struct Control {
     acting: Option<String>,
     /// Makes and checks the tokens jobs push their metrics with.
     job_tokens: JobTokens,
+    /// Scheduling passes so far, timed ([`Control::step`]).
+    passes: PassStats,
     /// Pending jobs per user, for the pending cap without a scan of every job: kept in step
     /// by [`Control::take_dirty`], through which every change of a job passes.
     pending: PendingCount,
@@ -434,7 +437,7 @@ impl Control {
         } else {
             Event::Resume(NodeId(idx as u32))
         };
-        let actions = self.scheduler.step(now, event)?;
+        let actions = self.step(now, event)?;
         self.apply(now, actions);
         let record = &mut self.nodes[idx].record;
         let changed = record.drained != drained;
@@ -460,6 +463,21 @@ impl Control {
         Ok(())
     }
 
+    /// One scheduling step: `event`, then a pass ([`Scheduler::step`]).
+    fn step(&mut self, now: i64, event: Event) -> Result<Vec<Action>, perch_scheduler::Error> {
+        let mut actions = self.scheduler.handle(now, event)?;
+        actions.extend(self.pass(now));
+        Ok(actions)
+    }
+
+    /// A scheduling pass over the queue, timed ([`PassStats`]).
+    fn pass(&mut self, now: i64) -> Vec<Action> {
+        let started = std::time::Instant::now();
+        let actions = self.scheduler.schedule(now);
+        self.passes.record(started.elapsed());
+        actions
+    }
+
     /// Puts a new scheduling policy in force (SIGHUP): queued and running jobs stay, and a
     /// pass runs under the new rules at once. Returns whether anything changed.
     pub fn set_policy(&mut self, policy: Config, now: i64) -> Result<bool, ControlError> {
@@ -469,7 +487,7 @@ impl Control {
         self.now = now;
         self.config.policy = policy.clone();
         self.scheduler.reconfigure(policy);
-        let actions = self.scheduler.step(now, Event::Tick)?;
+        let actions = self.step(now, Event::Tick)?;
         self.apply(now, actions);
         self.release_held(now)?;
         Ok(true)
@@ -490,7 +508,7 @@ impl Control {
                 let name = self.nodes[idx].record.name.clone();
                 let left = (lease - silent).max(0) / 1000;
                 tracing::warn!(node = %name, lease_left_secs = left, "node stopped reporting; marking it down (its jobs count as running until its lease runs out)");
-                let actions = self.scheduler.step(now, Event::NodeSilent(node))?;
+                let actions = self.step(now, Event::NodeSilent(node))?;
                 self.apply(now, actions);
                 self.track_node_state(idx, now);
                 let jobs: Vec<u64> = self
@@ -523,7 +541,7 @@ impl Control {
                 self.nodes[idx].lease_expired = true;
                 let name = self.nodes[idx].record.name.clone();
                 tracing::warn!(node = %name, "node's lease ran out; requeueing its jobs");
-                let actions = self.scheduler.step(now, Event::NodeDown(node))?;
+                let actions = self.step(now, Event::NodeDown(node))?;
                 self.apply(now, actions);
                 // Its supervisors have stopped everything there: no attempt waits on it.
                 self.confirm_stops(idx, None, now);
@@ -539,7 +557,7 @@ impl Control {
                 );
             }
         }
-        let actions = self.scheduler.step(now, Event::Tick)?;
+        let actions = self.step(now, Event::Tick)?;
         self.apply(now, actions);
         self.release_held(now)?;
         Ok(())

@@ -30,7 +30,7 @@ pub mod usage;
 pub use control::{
     AllocationView, CancelOutcome, CancelSelection, ControlError, ControlSnapshot, DEFAULT_LEASE,
     DEFAULT_MAX_PENDING_BYTES_PER_USER, DEFAULT_MAX_PENDING_PER_USER, DEFAULT_OUTPUT_RETENTION,
-    JobsConfig, NodeView, PendingView, UsageView,
+    JobsConfig, NodeView, PassStats, PendingView, UsageView,
 };
 pub use service::*;
 pub use store::{JobStore, SettledRecords};

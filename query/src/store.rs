@@ -173,6 +173,9 @@ pub struct FlushStats {
 #[derive(Default)]
 pub(crate) struct TableData {
     mem: Vec<RecordBatch>,
+    /// Each of `mem`'s batches' merge level ([`push`]); [`UNMERGED`] for batches put back
+    /// after a failed flush.
+    mem_levels: Vec<u8>,
     mem_rows: usize,
     flushing: Vec<RecordBatch>,
     /// Rows in `flushing`, kept so the back-pressure check on every ingest is O(tables).
@@ -221,8 +224,14 @@ impl std::fmt::Debug for Store {
     }
 }
 
-/// Merge this many small buffered record batches into one, to keep scans cheap.
-const COALESCE_AT: usize = 256;
+/// Buffered record batches of one merge level merged into one of the next, to keep scans
+/// cheap: a row is copied once a level, and the buffer holds fewer than this many batches a
+/// level. (Merging the whole buffer every 256 batches copied every row again each time: with
+/// 5,000 nodes sending every second, 8% of the server's CPU.)
+const MERGE_FANOUT: usize = 16;
+
+/// The level of batches that are never merged again (put back after a failed flush).
+const UNMERGED: u8 = u8::MAX;
 
 impl Store {
     /// Opens (or creates) the store in `config.data_dir`, replaying the write-ahead log.
@@ -503,6 +512,7 @@ impl Store {
             let mut work = Vec::new();
             for (table, data) in inner.tables.iter_mut() {
                 data.flushing.append(&mut data.mem);
+                data.mem_levels.clear();
                 data.flushing_rows += data.mem_rows;
                 data.mem_rows = 0;
                 if !data.flushing.is_empty() {
@@ -526,8 +536,11 @@ impl Store {
                 for data in inner.tables.values_mut() {
                     let mut back = std::mem::take(&mut data.flushing);
                     data.mem_rows += std::mem::take(&mut data.flushing_rows);
+                    let mut levels = vec![UNMERGED; back.len()];
                     back.append(&mut data.mem);
+                    levels.append(&mut data.mem_levels);
                     data.mem = back;
+                    data.mem_levels = levels;
                 }
                 return Err(e);
             }
@@ -816,12 +829,36 @@ fn push(inner: &mut Inner, table: Table, rb: RecordBatch) {
     if let Some(data) = inner.tables.get_mut(&table) {
         data.mem_rows += rb.num_rows();
         data.mem.push(rb);
-        if data.mem.len() >= COALESCE_AT
-            && let Ok(merged) = concat_batches(&table.schema(), &data.mem)
-        {
-            data.mem = vec![merged];
-        }
+        data.mem_levels.push(0);
+        merge_tail(&table.schema(), &mut data.mem, &mut data.mem_levels);
     }
+}
+
+/// Merges the newest batches as an LSM tree merges its levels: [`MERGE_FANOUT`] batches of
+/// one level at the end become one batch of the next, and again while that completes a run.
+/// Returns the rows it copied.
+fn merge_tail(
+    schema: &arrow::datatypes::SchemaRef,
+    mem: &mut Vec<RecordBatch>,
+    levels: &mut Vec<u8>,
+) -> usize {
+    let mut copied = 0;
+    while let Some(&level) = levels.last() {
+        let run = levels.iter().rev().take_while(|&&l| l == level).count();
+        if level == UNMERGED || run < MERGE_FANOUT {
+            break;
+        }
+        let from = mem.len() - run;
+        let Ok(merged) = concat_batches(schema, &mem[from..]) else {
+            break;
+        };
+        copied += merged.num_rows();
+        mem.truncate(from);
+        mem.push(merged);
+        levels.truncate(from);
+        levels.push(level + 1);
+    }
+    copied
 }
 
 /// How long the flusher waits after `failures` flushes failed in a row: 1 s, doubling, at
@@ -896,5 +933,45 @@ impl Drop for InFlightClaim<'_> {
         if let Some(key) = self.key.take() {
             self.store.lock().in_flight.remove(&key);
         }
+    }
+}
+
+#[cfg(test)]
+mod buffer_tests {
+    use super::*;
+    use arrow::array::{Array, UInt64Array};
+    use arrow::datatypes::{DataType, Field, Schema};
+
+    /// 5,000 one-row batches: the buffer stays a few dozen batches, in order, and each row is
+    /// copied once a level (four levels of 16 for 5,000), not once every 256 batches.
+    #[test]
+    fn buffered_batches_merge_by_level_in_order_copying_each_row_a_few_times() {
+        let schema = Arc::new(Schema::new(vec![Field::new("x", DataType::UInt64, false)]));
+        let (mut mem, mut levels, mut copied) = (Vec::new(), Vec::new(), 0);
+        let n = 5_000u64;
+        for i in 0..n {
+            let column = Arc::new(UInt64Array::from(vec![i]));
+            mem.push(RecordBatch::try_new(schema.clone(), vec![column]).expect("batch"));
+            levels.push(0);
+            copied += merge_tail(&schema, &mut mem, &mut levels);
+            assert!(
+                mem.len() < 4 * MERGE_FANOUT,
+                "{} batches buffered",
+                mem.len()
+            );
+        }
+        assert!(copied <= 4 * n as usize, "{copied} rows copied for {n}");
+        let all = concat_batches(&schema, &mem).expect("concat");
+        let x = all
+            .column(0)
+            .as_any()
+            .downcast_ref::<UInt64Array>()
+            .expect("u64");
+        assert_eq!(x.len(), n as usize);
+        assert!(x.values().iter().copied().eq(0..n), "order changed");
+        // Batches put back after a failed flush are never merged again.
+        let mut levels = vec![UNMERGED; MERGE_FANOUT];
+        let mut back = vec![mem[0].clone(); MERGE_FANOUT];
+        assert_eq!(merge_tail(&schema, &mut back, &mut levels), 0);
     }
 }

@@ -36,7 +36,7 @@ impl Control {
             out.stop.push(stop.clone());
             // An agent handed the launch may run it until it gets this stop; one past its
             // lease has stopped it already.
-            if self.delivered.remove(&(id, n)) && !self.nodes[n].lease_expired {
+            if self.delivered.remove(&(n, id)) && !self.nodes[n].lease_expired {
                 stopping.push(StoppingRun {
                     node: self.nodes[n].record.name.clone(),
                     attempt: stop.attempt,

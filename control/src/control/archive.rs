@@ -406,7 +406,7 @@ impl Control {
                 }
             }
             // Launches handed over stay known until the job leaves memory.
-            self.delivered.retain(|(job, _)| !moved.contains(job));
+            self.delivered.retain(|(_, job)| !moved.contains(job));
             return moved.len();
         }
         if now < self.archive.next_look_ms {

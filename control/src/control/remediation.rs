@@ -26,7 +26,7 @@ impl Control {
             .map(|j| j.id)
             .collect();
         for &id in &running {
-            let actions = self.scheduler.step(now, Event::Evict(JobId(id)))?;
+            let actions = self.step(now, Event::Evict(JobId(id)))?;
             self.apply(now, actions);
             if let Some(j) = self.jobs.get_mut(&id) {
                 j.note(now, format!("moved off {name} by perch's remediation"));

@@ -23,7 +23,7 @@ impl Control {
             node_index: HashMap::new(),
             next_id: 1,
             outbox: HashMap::new(),
-            delivered: HashSet::new(),
+            delivered: BTreeSet::new(),
             dirty_jobs: BTreeSet::new(),
             dirty_nodes: BTreeSet::new(),
             held: BTreeSet::new(),
@@ -43,6 +43,7 @@ impl Control {
             archive: archive::Archive::new(db.clone()),
             deleted_output: Vec::new(),
             output_usage: Default::default(),
+            passes: PassStats::default(),
         };
         for record in nodes {
             // Agents get one heartbeat timeout from now to come back.
@@ -96,7 +97,7 @@ impl Control {
                     );
                     for p in job.placement.iter().filter(|p| p.delivered) {
                         if let Some(&n) = c.node_index.get(&p.node) {
-                            c.delivered.insert((job.id, n));
+                            c.delivered.insert((n, job.id));
                         }
                     }
                     restored.map(|_| ())

@@ -7,6 +7,7 @@ use crate::record::JobState;
 use perch_model::AgentLiveness;
 use perch_scheduler::PendingReason;
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 /// A running job the scheduler has reported idle (`[scheduler.idle]`), for the JobIdle alert.
 #[derive(Debug, Clone)]
@@ -67,6 +68,25 @@ pub struct ControlSnapshot {
     pub jobs_by_state: BTreeMap<&'static str, u64>,
     pub pending: Vec<PendingView>,
     pub allocations: Vec<AllocationView>,
+    /// Scheduling passes since the server started.
+    pub passes: PassStats,
+}
+
+/// Scheduling passes over the queue since the server started: how many, their time in all
+/// and the slowest, for `/metrics` and `perch bench fleet`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PassStats {
+    pub count: u64,
+    pub total: Duration,
+    pub max: Duration,
+}
+
+impl PassStats {
+    pub(crate) fn record(&mut self, took: Duration) {
+        self.count += 1;
+        self.total += took;
+        self.max = self.max.max(took);
+    }
 }
 
 /// A label value for a pending reason: short, stable, low cardinality.
@@ -211,6 +231,7 @@ impl Control {
             jobs_by_state,
             pending,
             allocations,
+            passes: self.passes,
         }
     }
 }

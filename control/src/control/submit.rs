@@ -96,7 +96,7 @@ impl Control {
                 }
             }
         }
-        let actions = self.scheduler.schedule(now);
+        let actions = self.pass(now);
         self.apply(now, actions);
         self.release_held(now)
     }
@@ -241,7 +241,7 @@ impl Control {
             }
         }
         if released {
-            let actions = self.scheduler.schedule(now);
+            let actions = self.pass(now);
             self.apply(now, actions);
         }
         Ok(())
@@ -298,7 +298,7 @@ impl Control {
         } else {
             let mut actions = self.scheduler.handle(now, Event::Submit(spec))?;
             if pass == Pass::Now {
-                actions.extend(self.scheduler.schedule(now));
+                actions.extend(self.pass(now));
             }
             self.apply(now, actions);
         }

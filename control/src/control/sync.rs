@@ -175,7 +175,7 @@ impl Control {
             self.dirty_jobs.insert(*job);
         }
         let current = self.runs_here(*job, &name).then(|| self.jobs[job].attempts);
-        if current != Some(*attempt) || !self.delivered.contains(&(*job, idx)) {
+        if current != Some(*attempt) || !self.delivered.contains(&(idx, *job)) {
             // An earlier attempt's exit (it was stopped after the job was requeued): it
             // never ends the attempt that runs now.
             if let Some(j) = self.jobs.get_mut(job) {
@@ -196,7 +196,7 @@ impl Control {
                     format!("stopped on {name} by its supervisor: the node's lease ran out while it could not reach the server"),
                 );
             }
-            let actions = self.scheduler.step(now, Event::JobLost(JobId(*job)))?;
+            let actions = self.step(now, Event::JobLost(JobId(*job)))?;
             self.apply(now, actions);
             return Ok(());
         }
@@ -239,7 +239,7 @@ impl Control {
             }
         }
         j.exit_code = Some(*code);
-        let actions = self.scheduler.step(
+        let actions = self.step(
             now,
             Event::JobExited {
                 job: JobId(*job),
@@ -298,9 +298,12 @@ impl Control {
     ) -> Result<(), ControlError> {
         let name = req.node.as_str();
         let exited: HashSet<JobAttempt> = req.exited.iter().map(JobExit::id).collect();
+        // The jobs handed to this node, not every job: a sync's cost must not grow with the
+        // queue (walking 20,000 pending jobs on each of 10,000 syncs a second).
         let lost: Vec<u64> = self
-            .jobs
-            .values()
+            .delivered
+            .range((idx, 0)..=(idx, u64::MAX))
+            .filter_map(|&(_, job)| self.jobs.get(&job))
             .filter(|j| j.state == JobState::Running && j.placement.iter().any(|p| p.node == name))
             .filter(|j| {
                 let run = JobAttempt {
@@ -312,17 +315,14 @@ impl Control {
                     .placement
                     .iter()
                     .any(|p| p.node == name && p.exit_code.is_some());
-                self.delivered.contains(&(j.id, idx))
-                    && !reported.contains(&run)
-                    && !exited.contains(&run)
-                    && !ended_here
+                !reported.contains(&run) && !exited.contains(&run) && !ended_here
             })
             .map(|j| j.id)
             .collect();
         for job in lost {
             // Handling one lost job runs a scheduling pass, which may already have preempted
             // or requeued the next one: only a job still running here is lost.
-            if !self.runs_here(job, name) || !self.delivered.contains(&(job, idx)) {
+            if !self.runs_here(job, name) || !self.delivered.contains(&(idx, job)) {
                 continue;
             }
             if let Some(j) = self.jobs.get_mut(&job) {
@@ -331,7 +331,7 @@ impl Control {
                     format!("processes lost on {name} (its agent restarted without them)"),
                 );
             }
-            let actions = self.scheduler.step(now, Event::JobLost(JobId(job)))?;
+            let actions = self.step(now, Event::JobLost(JobId(job)))?;
             self.apply(now, actions);
         }
         Ok(())
@@ -365,7 +365,7 @@ impl Control {
         if let Some(out) = self.outbox.remove(&idx) {
             let name = &self.nodes[idx].record.name;
             for launch in &out.start {
-                self.delivered.insert((launch.job, idx));
+                self.delivered.insert((idx, launch.job));
                 if let Some(j) = self.jobs.get_mut(&launch.job) {
                     for p in j.placement.iter_mut().filter(|p| &p.node == name) {
                         p.delivered = true;

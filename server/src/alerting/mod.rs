@@ -34,6 +34,10 @@ pub struct AlertCounters {
     pub notifications: Mutex<BTreeMap<(String, String), u64>>,
     /// Rule evaluations that failed.
     pub evaluation_failures: AtomicU64,
+    /// Rounds run, their microseconds in all, and the slowest's.
+    pub rounds: AtomicU64,
+    pub round_us: AtomicU64,
+    pub round_us_max: AtomicU64,
 }
 
 /// The engine, its senders and where its state lives.
@@ -151,6 +155,16 @@ pub async fn run(state: AppState, shutdown: impl std::future::Future<Output = ()
 
 /// One round: due rules, remediation, notifications, save.
 pub async fn round(state: &AppState) {
+    let started = std::time::Instant::now();
+    round_inner(state).await;
+    let took = started.elapsed().as_micros() as u64;
+    let counters = &state.alerts.counters;
+    counters.rounds.fetch_add(1, Ordering::Relaxed);
+    counters.round_us.fetch_add(took, Ordering::Relaxed);
+    counters.round_us_max.fetch_max(took, Ordering::Relaxed);
+}
+
+async fn round_inner(state: &AppState) {
     let service = &state.alerts;
     let now = state.now_ms();
     let mut events = Vec::new();

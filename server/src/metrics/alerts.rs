@@ -39,6 +39,25 @@ pub(super) fn alerts(s: &mut Scrape, service: &AlertService, now: i64) {
         &none,
         Some(m.nodes_drained_by_perch as f64),
     );
+    let counters = &service.counters;
+    s.counter(
+        "perch_alert_rounds",
+        "Alert rounds run (due rules, remediation, notifications, save)",
+        &none,
+        Some(counters.rounds.load(Ordering::Relaxed) as f64),
+    );
+    s.counter(
+        "perch_alert_round_seconds",
+        "Time in alert rounds, in all (with perch_alert_rounds_total: the mean)",
+        &none,
+        Some(counters.round_us.load(Ordering::Relaxed) as f64 / 1e6),
+    );
+    s.gauge(
+        "perch_alert_round_seconds_max",
+        "The slowest alert round since the server started",
+        &none,
+        Some(counters.round_us_max.load(Ordering::Relaxed) as f64 / 1e6),
+    );
     s.counter(
         "perch_alert_evaluation_failures",
         "Rule evaluations that failed (the rule's alerts keep their state)",

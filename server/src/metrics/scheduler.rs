@@ -7,6 +7,25 @@ use perch_control::ControlSnapshot;
 use std::collections::BTreeMap;
 
 pub(super) fn scheduler(s: &mut Scrape, snap: &ControlSnapshot) {
+    let none: Labels = Vec::new();
+    s.counter(
+        "perch_scheduling_passes",
+        "Scheduling passes over the queue run (after a submission, a sync's report, a tick)",
+        &none,
+        Some(snap.passes.count as f64),
+    );
+    s.counter(
+        "perch_scheduling_pass_seconds",
+        "Time in scheduling passes, in all (with perch_scheduling_passes_total: the mean)",
+        &none,
+        Some(snap.passes.total.as_secs_f64()),
+    );
+    s.gauge(
+        "perch_scheduling_pass_seconds_max",
+        "The slowest scheduling pass since the server started",
+        &none,
+        Some(snap.passes.max.as_secs_f64()),
+    );
     let mut capacity: BTreeMap<&str, u32> = ["allocated", "idle", "drained", "down"]
         .into_iter()
         .map(|k| (k, 0))
@@ -202,6 +221,11 @@ mod tests {
                 node: "a".into(),
                 gpu: 0,
             }],
+            passes: perch_control::PassStats {
+                count: 3,
+                total: std::time::Duration::from_millis(6),
+                max: std::time::Duration::from_millis(4),
+            },
         };
         let mut s = Scrape::default();
         scheduler(&mut s, &snap);
@@ -209,6 +233,9 @@ mod tests {
         s.encode(&mut text);
         let text = super::super::to_classic_text(&text);
         for line in [
+            "perch_scheduling_passes_total 3",
+            "perch_scheduling_pass_seconds_total 0.006",
+            "perch_scheduling_pass_seconds_max 0.004",
             "perch_cluster_gpus{state=\"allocated\"} 5",
             "perch_cluster_gpus{state=\"idle\"} 5",
             "perch_cluster_gpus{state=\"drained\"} 6",
