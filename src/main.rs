@@ -8,12 +8,6 @@ mod telemetry;
 
 use clap::Parser;
 
-/// mimalloc rather than glibc's malloc: the server allocates and frees many small buffers a
-/// request from several threads, where glibc's spent a fifth of its CPU (BENCHMARKS.md,
-/// "Fleet size").
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 fn main() -> std::process::ExitCode {
     // A job's supervisor, started by the agent (not a command for people): it must not parse
     // a config or start a runtime, only watch its job.

@@ -372,7 +372,7 @@ async fn run(args: &FleetArgs, server: &Server) -> Result<Figures> {
         worst_not_up = worst_not_up.max(scrape.not_up);
         last = Some(scrape);
     }
-    let elapsed = measure_start.elapsed().as_secs_f64();
+    let elapsed = after.at.duration_since(before.at).as_secs_f64();
     recorder.stop.store(true, Ordering::Relaxed);
     for t in tasks {
         t.await??;
@@ -716,6 +716,9 @@ impl Timed {
 
 /// The processes' use, read from `/proc`, and what `/metrics` said when it answered.
 struct Observation {
+    /// When the usage below was read: CPU is divided by the time between two readings, not by
+    /// the window, since a scrape after the reading can take seconds.
+    at: Instant,
     cpu_secs: f64,
     own_cpu_secs: f64,
     rss_bytes: u64,
@@ -756,6 +759,7 @@ impl Observer {
         let (cpu_secs, rss_bytes, hwm_bytes) = proc_usage(self.pid);
         let (own_cpu_secs, _, _) = proc_usage(std::process::id());
         Observation {
+            at: Instant::now(),
             cpu_secs,
             own_cpu_secs,
             rss_bytes,
