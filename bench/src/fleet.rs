@@ -517,29 +517,26 @@ impl NodeCtx {
             for g in 0..self.gpus {
                 let x = ((r as u32 * 31 + g * 7 + seq as u32) % 20) as f64;
                 let util = if busy[g as usize] { 75.0 + x } else { x / 4.0 };
-                gpus.push(serde_json::json!({
-                    "time_ms": time_ms,
-                    "gpu": g,
-                    "uuid": format!("GPU-{}-{g}", self.node),
-                    "model": "Fleet GPU (simulated)",
-                    "simulated": true,
-                    "utilization_gpu_pct": util,
-                    "utilization_memory_pct": util / 2.0,
-                    "memory_used_bytes": if busy[g as usize] { 60u64 << 30 } else { 1 << 30 },
-                    "memory_total_bytes": 80u64 << 30,
-                    "power_watts": 90.0 + util * 5.0,
-                    "energy_joules": 1e6 + (time_ms / 1000) as f64 * 300.0,
-                    "temperature_celsius": 40.0 + util / 4.0,
-                    "sm_clock_mhz": 1980,
-                    "memory_clock_mhz": 2619,
-                }));
+                gpus.push(perch_model::GpuSample {
+                    time_ms,
+                    gpu: perch_model::GpuIndex(g),
+                    uuid: format!("GPU-{}-{g}", self.node),
+                    model: "Fleet GPU (simulated)".into(),
+                    simulated: true,
+                    utilization_gpu_pct: Some(util),
+                    utilization_memory_pct: Some(util / 2.0),
+                    memory_used_bytes: Some(if busy[g as usize] { 60 << 30 } else { 1 << 30 }),
+                    memory_total_bytes: Some(80 << 30),
+                    power_watts: Some(90.0 + util * 5.0),
+                    energy_joules: Some(1e6 + (time_ms / 1000) as f64 * 300.0),
+                    temperature_celsius: Some(40.0 + util / 4.0),
+                    sm_clock_mhz: Some(1980),
+                    memory_clock_mhz: Some(2619),
+                    ..perch_model::GpuSample::default()
+                });
             }
         }
-        let json = serde_json::to_vec(&serde_json::json!({
-            "node": self.node,
-            "seq": seq,
-            "gpus": gpus,
-        }))?;
+        let json = serde_json::to_vec(&super::gpu_batch(&self.node, seq, gpus)?)?;
         Ok(zstd::bulk::compress(&json, 3)?)
     }
 

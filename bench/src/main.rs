@@ -105,6 +105,11 @@ fn sample_batch(node: &str, seq: u64, rounds: u32, gpus: u32, now_ms: i64) -> Re
             });
         }
     }
+    gpu_batch(node, seq, samples)
+}
+
+/// `node`'s batch number `seq` holding `samples` and nothing else.
+fn gpu_batch(node: &str, seq: u64, samples: Vec<GpuSample>) -> Result<Batch> {
     // Built from JSON so that fields added to `Batch` later default to empty here too.
     let node = NodeId::new(node).map_err(anyhow::Error::msg)?;
     let mut batch: Batch = serde_json::from_value(serde_json::json!({"node": node, "seq": seq}))?;

@@ -1,10 +1,10 @@
 //! One client connection, served as `pgwire::tokio::process_socket` serves it (TLS negotiated
 //! first, then each message handed to the crate's `process_message`), with perch's bounds:
 //!
-//! - a message longer than [`max_message_bytes`] is refused as soon as its 5-byte header is
-//!   read, with SQLSTATE 54000 naming `query.max_statement_kb`, and the connection closed. The
-//!   crate takes messages of up to 1 GiB and buffers each whole before anyone looks at it, so
-//!   a few clients sending gigabyte statements took the server's memory;
+//! - a message longer than a statement may be ([`MESSAGE_ROOM`] more) is refused as soon as
+//!   its 5-byte header is read, with SQLSTATE 54000 naming `query.max_statement_kb`, and the
+//!   connection closed. The crate takes messages of up to 1 GiB and buffers each whole before
+//!   anyone looks at it, so a few clients sending gigabyte statements took the server's memory;
 //! - a client must finish logging in within [`STARTUP_TIMEOUT`] (the crate's own is a
 //!   minute), so clients that connect and stall hold a slot ([`crate::serve`]) briefly.
 
@@ -27,19 +27,18 @@ pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(10);
 /// the answer on its way.
 const LINGER: Duration = Duration::from_secs(2);
 
-/// The longest message a client may send: a statement at the bound, with room for a Parse
-/// message's name and types or a Bind's parameters.
-pub fn max_message_bytes(max_statement_bytes: usize) -> usize {
-    max_statement_bytes.saturating_add(64 << 10)
-}
+/// Room past the statement bound for a Parse message's name and types or a Bind's parameters.
+const MESSAGE_ROOM: usize = 64 << 10;
 
 /// Serves one connection until the client leaves, the login times out or a message is refused.
+/// A message may hold a statement of up to `max_statement` bytes ([`MESSAGE_ROOM`] more).
 pub async fn serve<H: PgWireServerHandlers>(
     socket: TcpStream,
     tls: Option<pgwire::tokio::TlsAcceptor>,
     handlers: H,
-    max_message: usize,
+    max_statement: usize,
 ) -> std::io::Result<()> {
+    let max_message = max_statement.saturating_add(MESSAGE_ROOM);
     let startup = tokio::time::sleep(STARTUP_TIMEOUT);
     tokio::pin!(startup);
     let negotiated = tokio::select! {
@@ -73,7 +72,9 @@ pub async fn serve<H: PgWireServerHandlers>(
         };
         let message = match message {
             Some(Ok(message)) => message,
-            Some(Err(Refused(len))) => return refuse(socket, len, max_message).await,
+            Some(Err(Refused(len))) => {
+                return refuse(socket, len, max_statement, max_message).await;
+            }
             None => return Ok(()),
         };
         // The client is leaving; some (asyncpg) wait for the server to close.
@@ -144,11 +145,16 @@ fn declared_length<S>(socket: &Socket<S>) -> Option<usize> {
 }
 
 /// Answers a message past the bound with an error that says what to change, and closes.
-async fn refuse<S>(mut socket: Socket<S>, len: usize, max: usize) -> std::io::Result<()> {
+async fn refuse<S>(
+    mut socket: Socket<S>,
+    len: usize,
+    max_statement: usize,
+    max_message: usize,
+) -> std::io::Result<()> {
     let message = format!(
         "the message is {} KiB long; perch takes statements of at most {} KiB (query.max_statement_kb): filter with a join or a subquery instead of a long literal list, or split the statement",
         len.div_ceil(1024),
-        max.saturating_sub(64 << 10) / 1024
+        max_statement / 1024
     );
     tracing::info!(
         client = %socket.socket_addr(),
@@ -164,7 +170,7 @@ async fn refuse<S>(mut socket: Socket<S>, len: usize, max: usize) -> std::io::Re
     let mut scratch = vec![0u8; 64 << 10];
     let mut dropped = 0usize;
     let drain = async {
-        while dropped < max {
+        while dropped < max_message {
             match io.read(&mut scratch).await {
                 Ok(0) | Err(_) => break,
                 Ok(n) => dropped += n,

@@ -196,7 +196,7 @@ pub async fn serve(
         tls,
         max_connections,
     } = services;
-    let max_message = connection::max_message_bytes(sql.limits().max_statement_bytes);
+    let max_statement = sql.limits().max_statement_bytes;
     let slots = Arc::new(tokio::sync::Semaphore::new(max_connections.max(1)));
     let handler = Arc::new(PgHandler {
         sql,
@@ -223,7 +223,7 @@ pub async fn serve(
                     let (handler, tls) = (handler.clone(), tls.clone());
                     tokio::spawn(async move {
                         let _slot = slot;
-                        if let Err(e) = connection::serve(socket, tls, handler, max_message).await {
+                        if let Err(e) = connection::serve(socket, tls, handler, max_statement).await {
                             tracing::debug!(error = %e, "PostgreSQL connection ended with an error");
                         }
                     });

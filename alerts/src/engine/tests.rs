@@ -106,10 +106,8 @@ fn an_xid_on_fifty_gpus_drains_once_and_sends_one_message_saying_so() {
     );
 }
 
-#[test]
-fn a_restart_does_not_page_again() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("alerts-state.json");
+/// An engine whose XidReboot alert on n1 fired and paged once, at 30 s; and that page.
+fn paged_once() -> (Engine, Vec<Notification>) {
     let mut engine = Engine::new(config()).expect("engine");
     engine
         .evaluate("XidReboot", &xid_instances("n1", 1), 0)
@@ -117,6 +115,14 @@ fn a_restart_does_not_page_again() {
     tick(&mut engine, &cluster(10), 0);
     let (_, sent) = tick(&mut engine, &cluster(10), 30 * S);
     assert_eq!(sent.len(), 1);
+    (engine, sent)
+}
+
+#[test]
+fn a_restart_does_not_page_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("alerts-state.json");
+    let (engine, _) = paged_once();
     engine.save(&path, 31 * S).expect("save");
     drop(engine);
 
@@ -324,13 +330,7 @@ fn a_long_group_interval_still_gets_its_resolved_notice() {
 fn a_notification_made_and_not_delivered_before_a_restart_is_sent_after_it_once() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("alerts-state.json");
-    let mut engine = Engine::new(config()).expect("engine");
-    engine
-        .evaluate("XidReboot", &xid_instances("n1", 1), 0)
-        .expect("eval");
-    tick(&mut engine, &cluster(10), 0);
-    let (_, sent) = tick(&mut engine, &cluster(10), 30 * S);
-    assert_eq!(sent.len(), 1);
+    let (engine, sent) = paged_once();
     // Saved before sending, as the server does; the server dies before delivering it.
     engine.save(&path, 30 * S).expect("save");
     drop(engine);
