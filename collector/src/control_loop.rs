@@ -207,6 +207,7 @@ pub async fn run_control(
                     otel_endpoint = servers.current_url().to_owned();
                     l.set_otel(otel(&otel_endpoint));
                 }
+                servers.set_ingest(response.ingest_url.as_deref());
                 // The lease first: the supervisors of the jobs started now must see it.
                 l.renew_lease(sent_boot_ms, response.lease_ms);
                 l.apply(&response);

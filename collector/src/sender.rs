@@ -134,7 +134,27 @@ impl Sender {
 
     /// The ingest URL batches go to now.
     pub fn url(&self) -> String {
-        format!("{}/v1/ingest", self.servers.current_url())
+        let base = self
+            .servers
+            .ingest()
+            .unwrap_or_else(|| self.servers.current_url().to_owned());
+        format!("{base}/v1/ingest")
+    }
+
+    /// The request sending `body` to `base`.
+    fn request(&self, base: &str, body: Vec<u8>) -> reqwest::RequestBuilder {
+        let mut request = self
+            .client
+            .post(format!("{base}/v1/ingest"))
+            .header(CONTENT_TYPE, "application/json")
+            .header(CONTENT_ENCODING, "zstd");
+        if let Some(token) = &self.token {
+            request = request.bearer_auth(token);
+        }
+        if let Some(id) = &self.agent_id {
+            request = request.header("x-perch-agent", id);
+        }
+        request.body(body)
     }
 
     /// Sends one batch once and classifies the reply.
@@ -152,28 +172,28 @@ impl Sender {
     /// that names a configured leader is answered by sending to the leader at once; any other
     /// standby or a server that does not answer moves the next attempt to the next server.
     pub async fn post_body(&self, mut body: Vec<u8>) -> SendOutcome {
+        if let Some(ingest) = self.servers.ingest() {
+            // An ingest server the control server named: no standby answers there, and a
+            // failure keeps the batch for the next try (the next sync may name another).
+            return match self.request(&ingest, body).send().await {
+                Ok(response) => Self::outcome(response).await,
+                Err(e) => SendOutcome::Retry {
+                    reason: format!("ingest server {ingest}: {}", error_chain(&e)),
+                    after: None,
+                },
+            };
+        }
         // Bounds the redirects followed at once: standbys naming each other cannot spin.
         let mut redirects = self.servers.len();
         let response = loop {
             let (from, base) = self.servers.current();
-            let mut request = self
-                .client
-                .post(format!("{base}/v1/ingest"))
-                .header(CONTENT_TYPE, "application/json")
-                .header(CONTENT_ENCODING, "zstd");
-            if let Some(token) = &self.token {
-                request = request.bearer_auth(token);
-            }
-            if let Some(id) = &self.agent_id {
-                request = request.header("x-perch-agent", id);
-            }
             // One server sends once: no copy.
             let payload = if self.servers.fails_over() {
                 body.clone()
             } else {
                 std::mem::take(&mut body)
             };
-            let response = match request.body(payload).send().await {
+            let response = match self.request(base, payload).send().await {
                 Ok(r) => r,
                 Err(e) => {
                     let reason = error_chain(&e);
@@ -204,6 +224,11 @@ impl Sender {
                 }
             }
         };
+        Self::outcome(response).await
+    }
+
+    /// What a server's answer to a batch means.
+    async fn outcome(response: reqwest::Response) -> SendOutcome {
         let status = response.status();
         let after = response
             .headers()

@@ -25,6 +25,9 @@ pub struct Servers {
     /// Base URLs, without a trailing `/`.
     list: Vec<String>,
     current: AtomicUsize,
+    /// The ingest server the control server named in its last sync answer
+    /// (`SyncResponse::ingest_url`): where telemetry goes instead of the server in use.
+    ingest: std::sync::RwLock<Option<String>>,
 }
 
 /// What an answer means for where requests go.
@@ -80,6 +83,7 @@ impl Servers {
         Ok(Self {
             list: bases,
             current: AtomicUsize::new(0),
+            ingest: std::sync::RwLock::new(None),
         })
     }
 
@@ -121,6 +125,33 @@ impl Servers {
     pub fn current(&self) -> (usize, &str) {
         let i = self.current.load(Ordering::Relaxed) % self.list.len();
         (i, &self.list[i])
+    }
+
+    /// Sends telemetry to `url` (an ingest server the control server named; `None`: to the
+    /// server in use). Only `http(s)://` URLs are taken; the change is logged.
+    pub fn set_ingest(&self, url: Option<&str>) {
+        let url = url
+            .map(normalise)
+            .filter(|u| u.starts_with("http://") || u.starts_with("https://"));
+        let mut ingest = self.ingest.write().unwrap_or_else(|p| p.into_inner());
+        if ingest.as_deref() != url {
+            match url {
+                Some(u) => tracing::info!(
+                    ingest = u,
+                    "the control server sends this node's telemetry to an ingest server"
+                ),
+                None => tracing::info!("telemetry goes to the control server again"),
+            }
+            *ingest = url.map(str::to_owned);
+        }
+    }
+
+    /// Where telemetry goes when not to the server in use ([`Servers::set_ingest`]).
+    pub fn ingest(&self) -> Option<String> {
+        self.ingest
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// The base URL of the server in use.

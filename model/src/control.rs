@@ -230,6 +230,10 @@ pub struct SyncResponse {
     /// Commands to run on the node; results come back in the next syncs.
     #[serde(default)]
     pub commands: Vec<NodeCommand>,
+    /// Where the node sends its telemetry (`POST <ingest_url>/v1/ingest`) when the deployment
+    /// spreads ingest over several servers (docs/scale.md); absent: to this server.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ingest_url: Option<String>,
 }
 
 /// Start this job's processes on this node.

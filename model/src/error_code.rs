@@ -41,6 +41,9 @@ error_codes! {
     BatchInFlight => "batch_in_flight",
     /// The token may not do this (403).
     Forbidden => "forbidden",
+    /// An ingest server was asked what only the control server does; the message and the
+    /// `x-perch-control` header name the control server (421).
+    IngestOnly => "ingest_only",
     /// A failure on the server side (500).
     Internal => "internal",
     /// A telemetry batch whose values are not valid.
@@ -105,4 +108,7 @@ error_codes! {
     UnreadableBody => "unreadable_body",
     /// A content type the route does not take (415).
     UnsupportedMediaType => "unsupported_media_type",
+    /// A request for a server of another role (an ingest server's push to a server that is
+    /// not a control server of ingest servers) (409).
+    WrongServer => "wrong_server",
 }

@@ -155,8 +155,9 @@ impl Store {
         let ready: Vec<String> = {
             let mut inner = self.lock();
             let mut ready = Vec::new();
+            let grace = self.config.delete_grace;
             inner.graveyard.retain(|grave| {
-                if Arc::strong_count(&grave.pinned) > 1 {
+                if Arc::strong_count(&grave.pinned) > 1 || grave.buried.elapsed() < grace {
                     return true;
                 }
                 ready.extend(grave.paths.iter().cloned());

@@ -140,14 +140,15 @@ impl TableProvider for StoreTable {
                 self.table.name()
             ))
         })?;
-        let (files, buffered) = self
+        let crate::store::TableSnapshot {
+            pin,
+            files,
+            buffered,
+        } = self
             .store
             .snapshot(self.table)
             .map_err(|e| DataFusionError::External(Box::new(e)))?;
-        pins.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(files.clone());
+        pins.0.lock().unwrap_or_else(|p| p.into_inner()).push(pin);
         let (lo, hi) = time_bounds(filters);
         let files = if lo.is_some() || hi.is_some() {
             let kept: Vec<FileEntry> = files

@@ -156,8 +156,12 @@ impl Storage {
         }
     }
 
-    /// The URL DataFusion reads the file at `rel` (relative to the storage root) by.
+    /// The URL DataFusion reads the file at `rel` (relative to the storage root) by. A path
+    /// already absolute (a peer's file, [`crate::peers`]) is its own URL.
     pub(crate) fn file_url(&self, rel: &str) -> String {
+        if rel.starts_with('/') || rel.contains("://") {
+            return rel.to_owned();
+        }
         match self {
             Storage::Local(dir) => dir.join(rel).to_string_lossy().into_owned(),
             Storage::Object { url, prefix, .. } => format!("{}{prefix}{rel}", url.as_str()),

@@ -18,6 +18,7 @@
 
 use crate::files::{NewFile, flush_files};
 use crate::manifest::{FileEntry, Manifest};
+use crate::peers::{PeerConfig, Peers};
 use crate::schema::{self, Table};
 use crate::storage::{self, Storage, StorageConfig};
 use crate::wal::{self, RecordKind, Wal, WalStats};
@@ -61,6 +62,13 @@ pub struct StoreConfig {
     /// and host samples 30 days, their 1-minute rollups 180 days and their 1-hour rollups
     /// three years.
     pub retention: BTreeMap<Table, Duration>,
+    /// Other writers' stores this store's queries read beside its own ([`crate::peers`]):
+    /// the ingest servers of a deployment that spreads telemetry over several.
+    pub peers: Vec<PeerConfig>,
+    /// How long a file replaced by compaction or dropped by retention stays after it left the
+    /// manifest, once no query of this server reads it: other servers that read this store
+    /// as a peer may still list it. Zero for a store no one else reads.
+    pub delete_grace: Duration,
 }
 
 impl StoreConfig {
@@ -75,6 +83,8 @@ impl StoreConfig {
             compact_below_bytes: 64 << 20,
             compact_min_files: 8,
             retention: Self::default_retention(),
+            peers: Vec::new(),
+            delete_grace: Duration::ZERO,
         }
     }
 
@@ -199,9 +209,20 @@ pub(crate) struct Inner {
     flush_error: Option<String>,
 }
 
+/// What a query's scan of one table reads: [`Store::snapshot`].
+pub(crate) struct TableSnapshot {
+    /// This store's files, held by the query so none is deleted under it.
+    pub(crate) pin: Arc<Vec<FileEntry>>,
+    /// The files to scan: `pin`'s and every peer's.
+    pub(crate) files: Arc<Vec<FileEntry>>,
+    pub(crate) buffered: Vec<RecordBatch>,
+}
+
 pub(crate) struct Grave {
     pub(crate) pinned: Arc<Vec<FileEntry>>,
     pub(crate) paths: Vec<String>,
+    /// When the files left the manifest ([`StoreConfig::delete_grace`] runs from here).
+    pub(crate) buried: std::time::Instant,
 }
 
 pub struct Store {
@@ -216,6 +237,8 @@ pub struct Store {
     inner: Mutex<Inner>,
     _lock_file: File,
     pub stats: StoreStats,
+    /// Other writers' stores read beside this one.
+    pub(crate) peers: Peers,
 }
 
 impl std::fmt::Debug for Store {
@@ -263,6 +286,7 @@ impl Store {
             Ok(manifest)
         })?;
         let storage = Storage::new(&config.storage, &dir)?;
+        let peers = Peers::new(&config.peers, &config.storage, &dir)?;
         let mut tables: BTreeMap<Table, TableData> = Table::ALL
             .into_iter()
             .map(|t| (t, TableData::default()))
@@ -310,6 +334,7 @@ impl Store {
             inner: Mutex::new(inner),
             _lock_file: lock_file,
             stats,
+            peers,
         }))
     }
 
@@ -447,7 +472,10 @@ impl Store {
     /// each other (no row in both). For a rollup, the buffered rows are the partial rows of the
     /// source table's buffer, taken under the same lock as the rollup's files: a flush lists
     /// the rollup files and drops the raw rows from the buffer in one step.
-    pub(crate) fn snapshot(&self, table: Table) -> Result<(Arc<Vec<FileEntry>>, Vec<RecordBatch>)> {
+    ///
+    /// With peers ([`crate::peers`]), the files are this store's and the peers' together; the
+    /// first of the three is this store's alone, for the query to pin.
+    pub(crate) fn snapshot(&self, table: Table) -> Result<TableSnapshot> {
         let rollup = table.rollup();
         let buffer_of = rollup.map_or(table, |(spec, _)| spec.source);
         let (files, buffered) = {
@@ -464,15 +492,21 @@ impl Store {
                 .unwrap_or_default();
             (files, buffered)
         };
-        match rollup {
-            None => Ok((files, buffered)),
-            Some((spec, width)) => Ok((
-                files,
-                rollup::of_rows(spec, width, &buffered)?
-                    .into_iter()
-                    .collect(),
-            )),
-        }
+        let scanned = match self.peer_files(table) {
+            Some(peer) if !peer.is_empty() => self.peers.with_own(table, &files, &peer),
+            _ => files.clone(),
+        };
+        let buffered = match rollup {
+            None => buffered,
+            Some((spec, width)) => rollup::of_rows(spec, width, &buffered)?
+                .into_iter()
+                .collect(),
+        };
+        Ok(TableSnapshot {
+            pin: files,
+            files: scanned,
+            buffered,
+        })
     }
 
     /// Where the files and the manifest live (`s3://bucket/prefix/` or the data directory).
@@ -643,7 +677,11 @@ impl Store {
             );
             let old = std::mem::replace(&mut data.files, files);
             if let Some(paths) = removed.remove(table).filter(|p| !p.is_empty()) {
-                inner.graveyard.push(Grave { pinned: old, paths });
+                inner.graveyard.push(Grave {
+                    pinned: old,
+                    paths,
+                    buried: std::time::Instant::now(),
+                });
             }
         }
         also(inner);

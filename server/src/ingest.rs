@@ -100,6 +100,13 @@ async fn handle(
     })?;
     match state.store.ingest(body, &batch).await? {
         IngestOutcome::Stored { samples } => {
+            if let Some(forward) = &state.forward {
+                // An ingest server: the control server takes the node's latest state.
+                forward.add(&batch);
+                return Ok(
+                    serde_json::json!({"accepted": true, "duplicate": false, "samples": samples}),
+                );
+            }
             state.latest.update(&batch, now);
             let telemetry = !batch.gpus.is_empty()
                 || !batch.gpu_events.is_empty()

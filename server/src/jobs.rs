@@ -714,13 +714,16 @@ pub async fn sync(
     if state.jobs.failing().is_some() {
         // The node's lease is renewed however long the job database takes to come back; the
         // agent keeps its exits, output and command results for a later sync.
-        return Ok(Json(state.jobs.sync_degraded(request).await?));
+        let mut response = state.jobs.sync_degraded(request).await?;
+        response.ingest_url = state.config.cluster.ingest_url(&node, state.now_ms());
+        return Ok(Json(response));
     }
     state
         .node_commands
         .deliver(std::mem::take(&mut request.command_results));
     let mut response = state.jobs.run(move |c, now| c.sync(request, now)).await?;
     response.commands = state.node_commands.take(&node);
+    response.ingest_url = state.config.cluster.ingest_url(&node, state.now_ms());
     Ok(Json(response))
 }
 

@@ -8,6 +8,7 @@
 pub mod accounting;
 pub mod alerting;
 pub mod auth;
+pub mod cluster;
 pub use perch_model::clock;
 mod error;
 pub mod ha;
@@ -71,6 +72,9 @@ pub struct ServerConfig {
     pub clock: clock::Clock,
     /// This server's part in a deployment with a standby (`[ha]`); `None`: one server.
     pub ha: Option<ha::Ha>,
+    /// This server's part in a deployment that spreads telemetry over several servers
+    /// (`[cluster]`).
+    pub cluster: cluster::Cluster,
 }
 
 /// Reads the scheduling policy again (the config file's `[scheduler]`); the error says what
@@ -114,6 +118,7 @@ impl ServerConfig {
             policy_source: None,
             clock: clock::Clock::system(),
             ha: None,
+            cluster: cluster::Cluster::Single,
         }
     }
 }
@@ -133,6 +138,8 @@ pub struct AppState {
     pub alerts: Arc<alerting::AlertService>,
     /// Commands for agents to run on their nodes (remediation), and their results.
     pub node_commands: Arc<perch_control::node_commands::NodeCommands>,
+    /// On an ingest server: each node's latest state on its way to the control server.
+    pub forward: Option<Arc<cluster::Forwarder>>,
     /// The control plane's audit events on their way to the `events` table; [`serve`] takes
     /// it and appends them.
     events: Arc<std::sync::Mutex<Option<EventReceiver>>>,
@@ -189,6 +196,10 @@ impl AppState {
             );
         }
         Ok(AppState {
+            forward: config
+                .cluster
+                .is_ingest()
+                .then(|| Arc::new(cluster::Forwarder::default())),
             alerts: Arc::new(alerts),
             node_commands: Arc::default(),
             store,
@@ -224,6 +235,10 @@ pub fn router(state: AppState) -> Router {
     routes
         .fallback(error::not_found)
         .layer(axum::middleware::from_fn(error::json_errors))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            cluster::ingest_only,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::middleware,
@@ -359,12 +374,47 @@ pub async fn serve(
             }
         },
     ));
-    let alerting = tokio::spawn(alerting::run(state.clone(), {
+    let stopped = || {
         let mut rx = stop_rx.clone();
         async move {
             let _ = rx.wait_for(|stop| *stop).await;
         }
-    }));
+    };
+    // An ingest server evaluates no alert: the control server sees every node's latest state
+    // and evaluates them once.
+    let alerting = tokio::spawn({
+        let state = state.clone();
+        let stop = stopped();
+        async move {
+            if !state.config.cluster.is_ingest() {
+                alerting::run(state, stop).await;
+            }
+        }
+    });
+    let forwarder = match &state.config.cluster {
+        cluster::Cluster::Ingest(role) => {
+            let advertise = if role.advertise.is_empty() {
+                cluster::advertise(listener.local_addr()?, state.config.tls.is_some())
+            } else {
+                role.advertise.clone()
+            };
+            tracing::info!(control = %role.control_url, advertise = %advertise, "ingest server: pushing the nodes' latest state to the control server");
+            Some(tokio::spawn(cluster::run_forwarder(
+                state.clone(),
+                role.clone(),
+                advertise,
+                stopped(),
+            )))
+        }
+        _ => None,
+    };
+    tokio::spawn(state.store.clone().run_peer_refresh(
+        {
+            let clock = state.config.clock.clone();
+            move || clock.now_ms()
+        },
+        stopped(),
+    ));
     let events = state
         .events
         .lock()
@@ -426,6 +476,12 @@ pub async fn serve(
     }
     if let Err(e) = alerting.await {
         tracing::error!(error = %e, "alerting task failed");
+    }
+    if let Some(Err(e)) = match forwarder {
+        Some(task) => Some(task.await),
+        None => None,
+    } {
+        tracing::error!(error = %e, "the task pushing the latest state to the control server failed");
     }
     result
 }

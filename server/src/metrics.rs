@@ -41,6 +41,8 @@ pub struct ServerMetrics {
     /// The histogram's sum as f64 bits: prometheus-client does not expose it, and the OTLP
     /// export of perch's own metrics reports it as `perch_sql_query_seconds`.
     sql_seconds_sum: AtomicU64,
+    /// Batches of ingest servers' pushes of latest state, by outcome (taken, refused).
+    cluster: Family<Labels, Counter>,
 }
 
 impl Default for ServerMetrics {
@@ -72,7 +74,14 @@ impl Default for ServerMetrics {
             "perch version (value is always 1)",
             info,
         );
+        let cluster = Family::<Labels, Counter>::default();
+        registry.register(
+            "perch_cluster_latest_batches",
+            "Nodes' latest states pushed by ingest servers, by outcome (taken, refused)",
+            cluster.clone(),
+        );
         ServerMetrics {
+            cluster,
             registry,
             ingest,
             sql,
@@ -87,6 +96,17 @@ impl ServerMetrics {
         self.ingest
             .get_or_create(&vec![("outcome", outcome.to_owned())])
             .inc();
+    }
+
+    /// Counts an ingest server's push: batches taken and refused.
+    pub fn cluster_pushes(&self, taken: u64, refused: u64) {
+        for (outcome, n) in [("taken", taken), ("refused", refused)] {
+            if n > 0 {
+                self.cluster
+                    .get_or_create(&vec![("outcome", outcome.to_owned())])
+                    .inc_by(n);
+            }
+        }
     }
 
     pub fn sql_query(&self, ok: bool, took: Duration) {
@@ -532,6 +552,13 @@ pub async fn metrics(State(state): State<AppState>, headers: axum::http::HeaderM
 fn render(state: AppState, headers: axum::http::HeaderMap) -> Response {
     let mut scrape = Scrape::default();
     let now = state.now_ms();
+    cluster_series(&mut scrape, &state, now);
+    if state.config.cluster.is_ingest() {
+        // Its own series only: the control server exports the fleet (every node's latest
+        // state comes to it), so a scraper of both counts nothing twice.
+        store_series(&mut scrape, &state);
+        return encode(scrape, &state, &headers);
+    }
     let latest = state.latest.snapshot();
     // Usage first: the snapshot then waits for every change either could see to be durable.
     let usage = state.jobs.usage(&state.config.accounting.prices);
@@ -570,6 +597,91 @@ fn render(state: AppState, headers: axum::http::HeaderMap) -> Response {
                 .load(Ordering::Relaxed) as f64,
         ),
     );
+    encode(scrape, &state, &headers)
+}
+
+/// The ingest server's pushes to its control server, and the peer stores this server reads.
+fn cluster_series(s: &mut Scrape, state: &AppState, now: i64) {
+    if let Some(f) = &state.forward {
+        let none: Labels = Vec::new();
+        let load = |a: &AtomicU64| Some(a.load(Ordering::Relaxed) as f64);
+        s.counter(
+            "perch_cluster_pushes",
+            "Pushes of the nodes' latest state to the control server that it took",
+            &none,
+            load(&f.stats.pushes),
+        );
+        s.counter(
+            "perch_cluster_push_failures",
+            "Pushes of the nodes' latest state the control server did not take (kept and retried)",
+            &none,
+            load(&f.stats.push_failures),
+        );
+        s.counter(
+            "perch_cluster_pushed_nodes",
+            "Nodes' latest states the control server took, summed over pushes",
+            &none,
+            load(&f.stats.nodes_pushed),
+        );
+        s.counter(
+            "perch_cluster_dropped_gpu_events",
+            "GPU events not pushed to the control server: more than 1,024 of one node between two pushes (all are stored)",
+            &none,
+            load(&f.stats.events_dropped),
+        );
+    }
+    if let crate::cluster::Cluster::Control(ingest) = &state.config.cluster {
+        for (name, last) in ingest.view() {
+            let labels: Labels = vec![("ingest", name)];
+            let age = last.map(|(_, t)| (now - t).max(0));
+            s.gauge(
+                "perch_cluster_ingest_up",
+                "1 while an ingest server pushes (nodes are sent to it), 0 when it has not pushed within cluster.ingest_timeout_secs",
+                &labels,
+                Some(if age.is_some_and(|a| a <= ingest.alive_ms()) { 1.0 } else { 0.0 }),
+            );
+            s.gauge(
+                "perch_cluster_ingest_push_age_seconds",
+                "Seconds since the ingest server's last push (absent: never)",
+                &labels,
+                age.map(|a| a as f64 / 1000.0),
+            );
+        }
+    }
+    for peer in state.store.peer_status() {
+        let labels: Labels = vec![("peer", peer.name.clone())];
+        s.gauge(
+            "perch_store_peer_files",
+            "Parquet files of another server's store (an ingest server's) this server's SQL reads, as of its manifest's last read",
+            &labels,
+            Some(peer.files as f64),
+        );
+        s.gauge(
+            "perch_store_peer_bytes",
+            "Bytes of those files",
+            &labels,
+            Some(peer.bytes as f64),
+        );
+        s.gauge(
+            "perch_store_peer_read_age_seconds",
+            "Seconds since the peer store's manifest was last read whole (absent: never)",
+            &labels,
+            peer.read_ms.map(|t| (now - t).max(0) as f64 / 1000.0),
+        );
+        s.gauge(
+            "perch_store_peer_up",
+            "1 when the peer store's manifest was read at the last try, 0 when it could not be",
+            &labels,
+            Some(if peer.error.is_none() && peer.read_ms.is_some() {
+                1.0
+            } else {
+                0.0
+            }),
+        );
+    }
+}
+
+fn encode(scrape: Scrape, state: &AppState, headers: &axum::http::HeaderMap) -> Response {
     let mut body = String::with_capacity(16 << 20);
     let encoded = encode_registry(&mut body, &state.metrics.registry).map(|()| {
         scrape.encode(&mut body);

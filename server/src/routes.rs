@@ -195,6 +195,14 @@ pub static ROUTES: &[Route] = &[
     },
     Route {
         method: Method::POST,
+        path: "/v1/cluster/latest",
+        what: "an ingest server's push of its nodes' latest state (control server only)",
+        access: AGENTS,
+        job_token: false,
+        handler: |_| post(crate::cluster::latest),
+    },
+    Route {
+        method: Method::POST,
         path: "/v1/sql",
         what: "read-only SQL: body {\"sql\": \"...\", \"format\": \"json|csv|arrow\"} or text/plain",
         access: PEOPLE,
@@ -448,7 +456,10 @@ mod tests {
         assert_eq!(route(M::POST, "/v1/agent/other"), None);
         assert!(public("/ui/app.js") && public("/metrics") && !public("/v1/metrics"));
         assert!(for_agents("/v1/agent/sync") && !for_agents("/v1/agent/other"));
-        assert_eq!(agent_paths(), vec!["/v1/ingest", "/v1/agent/sync"]);
+        assert_eq!(
+            agent_paths(),
+            vec!["/v1/ingest", "/v1/cluster/latest", "/v1/agent/sync"]
+        );
     }
 
     /// `openapi.json` describes exactly the table's operations, and says of each what the

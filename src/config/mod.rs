@@ -5,13 +5,14 @@
 //!
 //! One module per section owns its struct, its defaults and its `check`, whose message names
 //! the key and what to change: `server` (with `[server.storage]`), `query`, `agent`,
-//! `telemetry`, `accounting`, `client`, `scheduler` and `ha`. `[alerts]` and `[accounts.<name>]` are
+//! `telemetry`, `accounting`, `client`, `scheduler`, `ha` and `cluster`. `[alerts]` and `[accounts.<name>]` are
 //! the alerts crate's and the control plane's own types, checked by them. [`Config::check`] runs every
 //! section's check, then those that read keys of two sections (`check_across_sections`).
 
 mod accounting;
 mod agent;
 mod client;
+mod cluster;
 mod ha;
 mod query;
 mod scheduler;
@@ -52,6 +53,8 @@ pub struct Config {
     pub scheduler: SchedulerSection,
     /// A control plane with standbys: the job database on PostgreSQL, one leader at a time.
     pub ha: HaSection,
+    /// Telemetry spread over several servers: this server's role (single, control, ingest).
+    pub cluster: cluster::ClusterSection,
     /// The file this came from, if any: the server reads its `[scheduler]` again on SIGHUP.
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -107,6 +110,9 @@ const WEEK: u64 = 7 * DAY;
 /// Sizes in MiB become bytes (`<< 20`): a pebibyte at most, far from wrapping.
 const PIB: u64 = 1 << 30;
 const SECONDS: &str = "seconds";
+/// How long an ingest server keeps a file after it left its manifest: far past the control
+/// server's next read of the manifest and its longest query.
+const INGEST_DELETE_GRACE: Duration = Duration::from_secs(600);
 const MIB: &str = "MiB";
 
 /// The error about one key: `config key <key>: <why>`.
@@ -147,12 +153,19 @@ impl Config {
             .map_err(|e| anyhow::anyhow!("config section [alerts]: {e}"))?;
         self.client.check()?;
         self.ha.check()?;
+        self.cluster.check()?;
         self.check_across_sections()
     }
 
     /// The checks that read keys of more than one section.
     fn check_across_sections(&self) -> Result<()> {
         self.ha.check_node_lease(self.server.node_lease_secs)?;
+        if self.ha.enabled() && self.cluster.role == cluster::ClusterRole::Ingest {
+            return bad(
+                "ha.database",
+                "an ingest server runs no control plane, so no standby: leave [ha] out of its config (the control server's standbys take [ha])",
+            );
+        }
         if (self.server.idle_timeout_secs as f64) <= self.query.timeout_secs {
             return bad(
                 "server.idle_timeout_secs",
@@ -169,7 +182,15 @@ impl Config {
     /// alerts, tokens and TLS certificates (both files read here).
     pub fn server_config(&self) -> Result<perch_server::ServerConfig> {
         let s = &self.server;
-        let mut config = perch_server::ServerConfig::new(s.store());
+        let mut store = s.store();
+        store.peers = self.cluster.peers();
+        if self.cluster.role == cluster::ClusterRole::Ingest {
+            // The control server reads this store as a peer, as of the manifest it last read:
+            // a file compaction or retention replaced stays that much longer.
+            store.delete_grace = INGEST_DELETE_GRACE;
+        }
+        let mut config = perch_server::ServerConfig::new(store);
+        config.cluster = self.cluster.server_cluster()?;
         config.query = self.query.limits();
         config.max_body_bytes = s.max_body_mb << 20;
         config.node_stale_after = Duration::from_secs(s.node_stale_after_secs);
