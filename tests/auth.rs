@@ -656,6 +656,14 @@ fn every_role_reaches_exactly_the_routes_the_table_gives() {
         ("POST", "/v1/metrics", "{}", [false, true, true, false]),
         ("POST", "/v1/ingest", "{}", [false, false, true, true]),
         ("POST", "/v1/agent/sync", sync, [false, false, true, true]),
+        // An ingest server's push: operators, or an agent token bound to no node (this one
+        // is bound to gpu-a); this server is no control server, so those it takes get 409.
+        (
+            "POST",
+            "/v1/cluster/latest",
+            "{}",
+            [false, false, true, false],
+        ),
         (
             "POST",
             "/v1/sql",

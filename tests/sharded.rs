@@ -23,7 +23,8 @@ fn tokens(dir: &Path) -> std::path::PathBuf {
         &file,
         format!(
             "[[tokens]]\ntoken = \"{OPERATOR}\"\nuser = \"ops\"\nrole = \"operator\"\n\
-             [[tokens]]\ntoken = \"{AGENT}\"\nuser = \"fleet\"\nrole = \"agent\"\n"
+             [[tokens]]\ntoken = \"{AGENT}\"\nuser = \"fleet\"\nrole = \"agent\"\n\
+             [[tokens]]\ntoken = \"{NODE_TOKEN}\"\nuser = \"node-1\"\nrole = \"agent\"\nnodes = [\"real-1\"]\n"
         ),
     )
     .expect("tokens");
@@ -38,6 +39,9 @@ fn start(dir: &Path, name: &str, config: &str) -> Perch {
         &["server", "--config", file.to_str().expect("utf-8")],
     )
 }
+
+/// An agent token bound to one node.
+const NODE_TOKEN: &str = "node-token-0123456789abc";
 
 const INGEST: [&str; 3] = ["ingest-a", "ingest-b", "ingest-c"];
 
@@ -382,6 +386,23 @@ fn a_real_agent_sends_its_telemetry_where_its_sync_answer_says() {
         .json()
         .expect("json");
     assert_eq!(common::nodes_up(&nodes), 1, "{nodes}");
+    // A node's token (a compromised node) cannot pose as an ingest server and send every
+    // node's telemetry, and token, elsewhere; a user's neither.
+    for token in [NODE_TOKEN, OPERATOR.replace("operator", "nobody").as_str()] {
+        let hijack = http
+            .post(format!("{}/v1/cluster/latest", control.url))
+            .bearer_auth(token)
+            .json(&json!({"from": "ingest-a", "url": "http://attacker:1", "batches": []}))
+            .send()
+            .expect("push");
+        assert!(
+            matches!(hijack.status().as_u16(), 401 | 403),
+            "{}",
+            hijack.status()
+        );
+    }
+    let sync_url = sync(&http, &control.url, "real-2");
+    assert_eq!(sync_url.as_deref(), Some(ingest.url.as_str()));
     // An ingest server that is not configured is refused, naming where to add it.
     let stranger = start_ingest(dir, "ingest-x", &control.url);
     wait_for("the stranger's refusal in its log", || {

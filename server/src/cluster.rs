@@ -492,6 +492,18 @@ pub async fn latest(
     Extension(who): Extension<Identity>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
+    if who.role == crate::auth::Role::Agent && who.nodes.is_some() {
+        // A push names where nodes send their telemetry (and their tokens): one node's token
+        // must not be able to send every node's elsewhere.
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            ErrorCode::Forbidden,
+            format!(
+                "this token ({}) is bound to node(s); an ingest server pushes with an agent token bound to no node, or an operator's (cluster.token_file)",
+                who.user
+            ),
+        ));
+    }
     let Cluster::Control(ingest) = &state.config.cluster else {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
