@@ -60,6 +60,14 @@ pub(super) struct FleetArgs {
     /// CPUs to run the server on (taskset's list, e.g. "0").
     #[arg(long)]
     server_cpus: Option<String>,
+    /// Ingest servers to spread the telemetry over (`[cluster]`, docs/scale.md): the server
+    /// under test becomes the control server, and each node sends its telemetry where its sync
+    /// answers say. 0: one server takes everything.
+    #[arg(long, default_value_t = 0)]
+    ingest_servers: u32,
+    /// CPUs to run the ingest servers on (taskset's list); `--server-cpus` by default.
+    #[arg(long)]
+    ingest_cpus: Option<String>,
     /// CPUs to run this generator on (e.g. "1"); its worker threads are as many.
     #[arg(long)]
     generator_cpus: Option<String>,
@@ -96,7 +104,15 @@ pub(super) fn fleet(args: FleetArgs) -> Result<()> {
     let dir = tempfile::Builder::new()
         .prefix("perch-bench-fleet-")
         .tempdir_in(&args.dir)?;
-    let server = Server::start(&perch, dir.path(), &args)?;
+    let server = Server::start(&perch, dir.path(), &args, &Role::Control)?;
+    let mut ingest = Vec::new();
+    for i in 0..args.ingest_servers {
+        let role = Role::Ingest {
+            name: format!("ingest-{i}"),
+            control: server.url.clone(),
+        };
+        ingest.push(Server::start(&perch, dir.path(), &args, &role)?);
+    }
     if let Some(cpus) = &args.generator_cpus {
         pin(std::process::id(), cpus)?;
     }
@@ -105,8 +121,11 @@ pub(super) fn fleet(args: FleetArgs) -> Result<()> {
         .worker_threads(workers)
         .enable_all()
         .build()?;
-    let result = runtime.block_on(run(&args, &server));
+    let result = runtime.block_on(run(&args, &server, &mut ingest));
     drop(runtime);
+    for i in ingest {
+        i.stop();
+    }
     let log = server.stop();
     let figures = result.with_context(|| format!("the server's log:\n{log}"))?;
     figures.print(&args, workers);
@@ -137,6 +156,13 @@ fn cpu_count(list: &str) -> usize {
         .sum()
 }
 
+/// A server of the run: the server under test (the control server, with ingest servers), or
+/// one of its ingest servers.
+enum Role {
+    Control,
+    Ingest { name: String, control: String },
+}
+
 /// The server under test: a `perch server` process of its own.
 struct Server {
     child: std::process::Child,
@@ -147,29 +173,76 @@ struct Server {
 }
 
 impl Server {
-    fn start(perch: &Path, dir: &Path, args: &FleetArgs) -> Result<Server> {
-        let agent_token = format!("bench-agent-{}", random_hex());
-        let user_token = format!("bench-operator-{}", random_hex());
-        std::fs::write(
-            dir.join("tokens.toml"),
-            format!(
-                "[[tokens]]\ntoken = \"{agent_token}\"\nuser = \"fleet\"\nrole = \"agent\"\n\n[[tokens]]\ntoken = \"{user_token}\"\nuser = \"bench\"\nrole = \"operator\"\n"
+    fn start(perch: &Path, dir: &Path, args: &FleetArgs, role: &Role) -> Result<Server> {
+        let tokens = dir.join("tokens.toml");
+        let (agent_token, user_token) = match std::fs::read_to_string(&tokens) {
+            // The ingest servers take the control server's tokens.
+            Ok(text) => {
+                let token = |user: &str| {
+                    text.split("[[tokens]]")
+                        .find(|t| t.contains(&format!("user = \"{user}\"")))
+                        .and_then(|t| t.split('"').nth(1))
+                        .map(str::to_owned)
+                        .context("the run's tokens file")
+                };
+                (token("fleet")?, token("bench")?)
+            }
+            Err(_) => {
+                let agent_token = format!("bench-agent-{}", random_hex());
+                let user_token = format!("bench-operator-{}", random_hex());
+                std::fs::write(
+                    &tokens,
+                    format!(
+                        "[[tokens]]\ntoken = \"{agent_token}\"\nuser = \"fleet\"\nrole = \"agent\"\n\n[[tokens]]\ntoken = \"{user_token}\"\nuser = \"bench\"\nrole = \"operator\"\n"
+                    ),
+                )?;
+                (agent_token, user_token)
+            }
+        };
+        let (name, cpus) = match role {
+            Role::Control => ("server".to_owned(), args.server_cpus.as_ref()),
+            Role::Ingest { name, .. } => (
+                name.clone(),
+                args.ingest_cpus.as_ref().or(args.server_cpus.as_ref()),
             ),
-        )?;
-        let data = dir.join("data");
+        };
+        let data = dir.join(format!("{name}-data"));
+        let cluster = match role {
+            Role::Control if args.ingest_servers > 0 => {
+                let mut text = "[cluster]\nrole = \"control\"\n".to_owned();
+                for i in 0..args.ingest_servers {
+                    text.push_str(&format!(
+                        "[[cluster.ingest]]\nname = \"ingest-{i}\"\nstore = \"{}\"\n",
+                        dir.join(format!("ingest-{i}-data")).display()
+                    ));
+                }
+                text
+            }
+            Role::Control => String::new(),
+            Role::Ingest { name, control } => {
+                let token = dir.join("push.token");
+                std::fs::write(&token, &agent_token)?;
+                format!(
+                    "[cluster]\nrole = \"ingest\"\nname = \"{name}\"\ncontrol = \"{control}\"\ntoken_file = \"{}\"\n",
+                    token.display()
+                )
+            }
+        };
         // Two connections a node, with room for clients; within the descriptor limit the
         // server raises at start.
         let max_connections = (2 * args.nodes as usize + 1024).max(4096);
+        let config = dir.join(format!("{name}.toml"));
         std::fs::write(
-            dir.join("perch.toml"),
+            &config,
             format!(
-                "[server]\nlisten = \"127.0.0.1:0\"\npg_listen = \"\"\ndata_dir = \"{}\"\ntokens_file = \"{}\"\nmax_connections = {max_connections}\n",
+                "[server]\nlisten = \"127.0.0.1:0\"\npg_listen = \"\"\ndata_dir = \"{}\"\ntokens_file = \"{}\"\nmax_connections = {max_connections}\n{cluster}",
                 data.display(),
-                dir.join("tokens.toml").display()
+                tokens.display()
             ),
         )?;
-        let log = dir.join("server.log");
-        let mut command = match &args.server_cpus {
+        let log = dir.join(format!("{name}.log"));
+        let err = dir.join(format!("{name}.err"));
+        let mut command = match cpus {
             Some(cpus) => {
                 let mut c = std::process::Command::new("taskset");
                 c.args(["-c", cpus]).arg(perch);
@@ -179,10 +252,10 @@ impl Server {
         };
         let child = command
             .args(["server", "--config"])
-            .arg(dir.join("perch.toml"))
+            .arg(&config)
             .env("PERCH_LOG", "warn")
             .stdout(std::fs::File::create(&log)?)
-            .stderr(std::fs::File::create(dir.join("server.err"))?)
+            .stderr(std::fs::File::create(&err)?)
             .spawn()
             .with_context(|| format!("start {} server", perch.display()))?;
         let mut server = Server {
@@ -203,8 +276,8 @@ impl Server {
             }
             if let Some(status) = server.child.try_wait()? {
                 bail!(
-                    "the server exited ({status}) before it listened:\n{}",
-                    std::fs::read_to_string(dir.join("server.err")).unwrap_or_default()
+                    "{name} exited ({status}) before it listened:\n{}",
+                    std::fs::read_to_string(&err).unwrap_or_default()
                 );
             }
             ensure!(
@@ -219,14 +292,22 @@ impl Server {
         self.child.id()
     }
 
-    /// Stops it (SIGTERM, as an operator would) and returns the end of its log.
-    fn stop(mut self) -> String {
+    /// SIGTERM, and waits for it to exit (it flushes its buffer first).
+    fn terminate(&mut self) {
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return; // Already exited (and reaped): its pid may be another process's now.
+        }
         let _ = std::process::Command::new("kill")
             .arg(self.child.id().to_string())
             .status();
         let _ = self.child.wait();
+    }
+
+    /// Stops it (SIGTERM, as an operator would) and returns the end of its log.
+    fn stop(mut self) -> String {
+        self.terminate();
         let mut text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let err = self.log.with_file_name("server.err");
+        let err = self.log.with_extension("err");
         text.push_str(&std::fs::read_to_string(err).unwrap_or_default());
         let tail = text.len().saturating_sub(4000);
         text[text.floor_char_boundary(tail)..].to_owned()
@@ -289,7 +370,7 @@ struct NodeJobs {
     exited: Vec<(u64, u32, i32, bool)>,
 }
 
-async fn run(args: &FleetArgs, server: &Server) -> Result<Figures> {
+async fn run(args: &FleetArgs, server: &Server, ingest: &mut [Server]) -> Result<Figures> {
     let recorder = Arc::new(Recorder::default());
     let mut clients = Vec::new();
     for group in 0..args.nodes.div_ceil(NODES_PER_ADDRESS) {
@@ -312,6 +393,7 @@ async fn run(args: &FleetArgs, server: &Server) -> Result<Figures> {
         let ctx = NodeCtx {
             client,
             url: server.url.clone(),
+            ingest_url: Arc::default(),
             token: server.agent_token.clone(),
             node,
             agent_id: format!("fe{n:014x}"),
@@ -340,7 +422,7 @@ async fn run(args: &FleetArgs, server: &Server) -> Result<Figures> {
     ));
     // Joined and settled.
     tokio::time::sleep(2 * ramp).await;
-    let observer = Observer::new(server, clients[0].clone());
+    let observer = Observer::new(server, ingest, clients[0].clone());
     let before = observer.sample().await;
     recorder.measuring.store(true, Ordering::Relaxed);
     let window = Duration::from_secs(args.seconds);
@@ -379,9 +461,21 @@ async fn run(args: &FleetArgs, server: &Server) -> Result<Figures> {
     }
     submitter.await??;
     // Every acknowledged sample is in SQL; nodes marked down at any time since the start.
-    let in_sql = observer
-        .scalar("SELECT count(*) AS n FROM gpu_samples")
-        .await?;
+    // With ingest servers, once they have stopped (flushing) and the control server has
+    // read their stores.
+    let acked = recorder.acked_samples.load(Ordering::Relaxed);
+    let count = "SELECT count(*) AS n FROM gpu_samples";
+    let mut in_sql = observer.scalar(count).await?;
+    if !ingest.is_empty() {
+        for i in ingest.iter_mut() {
+            i.terminate();
+        }
+        let waited = Instant::now();
+        while in_sql < acked && waited.elapsed() < Duration::from_secs(60) {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            in_sql = observer.scalar(count).await?;
+        }
+    }
     let marked_down = observer
         .scalar("SELECT count(*) AS n FROM events WHERE kind = 'node_down'")
         .await?;
@@ -400,6 +494,12 @@ async fn run(args: &FleetArgs, server: &Server) -> Result<Figures> {
         acked_samples: recorder.acked_samples.load(Ordering::Relaxed),
         in_sql,
         server_cores: (after.cpu_secs - before.cpu_secs) / elapsed,
+        ingest_cores: after
+            .ingest_cpu_secs
+            .iter()
+            .zip(&before.ingest_cpu_secs)
+            .map(|(a, b)| (a - b) / elapsed)
+            .collect(),
         generator_cores: (after.own_cpu_secs - before.own_cpu_secs) / elapsed,
         rss_bytes: after.rss_bytes,
         peak_rss_bytes: peak_rss.max(after.rss_bytes).max(after.hwm_bytes),
@@ -421,6 +521,8 @@ fn take(v: &Mutex<Vec<u64>>) -> Vec<u64> {
 struct NodeCtx {
     client: reqwest::Client,
     url: String,
+    /// The ingest server the last sync answer named, if any (as `perch agent` follows it).
+    ingest_url: Arc<Mutex<Option<String>>>,
     token: String,
     node: String,
     /// As agents make them: hex digits, the same across the run.
@@ -455,10 +557,16 @@ impl NodeCtx {
                 continue;
             }
             let body = self.batch(seq, &pending)?;
+            let base = self
+                .ingest_url
+                .lock()
+                .expect("ingest url")
+                .clone()
+                .unwrap_or_else(|| self.url.clone());
             let sent = Instant::now();
             let answer = self
                 .client
-                .post(format!("{}/v1/ingest", self.url))
+                .post(format!("{base}/v1/ingest"))
                 .bearer_auth(&self.token)
                 .header(reqwest::header::CONTENT_TYPE, "application/json")
                 .header(reqwest::header::CONTENT_ENCODING, "zstd")
@@ -540,13 +648,22 @@ impl NodeCtx {
         Ok(zstd::bulk::compress(&json, 3)?)
     }
 
-    /// Syncs every `interval`: what runs, what ended; starts and stops what the server says.
+    /// Syncs every `interval`, or as the server paces it (`next_sync_ms`) unless a job ended,
+    /// as `perch agent` does: what runs, what ended; starts and stops what the server says.
     async fn sync(self, interval: Duration) -> Result<()> {
         let mut ticks = tokio::time::interval(interval);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut paced_until = tokio::time::Instant::now();
         while !self.recorder.stop.load(Ordering::Relaxed) {
             ticks.tick().await;
             let now = now_ms();
+            let ended = {
+                let jobs = self.jobs.lock().expect("jobs");
+                !jobs.exited.is_empty() || jobs.running.values().any(|r| r.ends_ms <= now)
+            };
+            if tokio::time::Instant::now() < paced_until && !ended {
+                continue;
+            }
             let (running, exited) = {
                 let mut jobs = self.jobs.lock().expect("jobs");
                 let ended: Vec<u64> = jobs
@@ -584,6 +701,7 @@ impl NodeCtx {
                 "exited": exited,
             });
             let sent = Instant::now();
+            let sent_at = tokio::time::Instant::now();
             let answer = self
                 .client
                 .post(format!("{}/v1/agent/sync", self.url))
@@ -608,6 +726,11 @@ impl NodeCtx {
                 self.recorder.failed.fetch_add(1, Ordering::Relaxed);
                 continue;
             };
+            response
+                .ingest_url
+                .clone_into(&mut self.ingest_url.lock().expect("ingest url"));
+            paced_until =
+                sent_at + Duration::from_millis(response.next_sync_ms.unwrap_or(0).min(60_000));
             let now = now_ms();
             let mut jobs = self.jobs.lock().expect("jobs");
             let acknowledged: std::collections::HashSet<(u64, u32)> = response
@@ -717,6 +840,8 @@ struct Observation {
     /// the window, since a scrape after the reading can take seconds.
     at: Instant,
     cpu_secs: f64,
+    /// Each ingest server's.
+    ingest_cpu_secs: Vec<f64>,
     own_cpu_secs: f64,
     rss_bytes: u64,
     hwm_bytes: u64,
@@ -740,15 +865,17 @@ struct Observer {
     url: String,
     token: String,
     pid: u32,
+    ingest_pids: Vec<u32>,
 }
 
 impl Observer {
-    fn new(server: &Server, client: reqwest::Client) -> Observer {
+    fn new(server: &Server, ingest: &[Server], client: reqwest::Client) -> Observer {
         Observer {
             client,
             url: server.url.clone(),
             token: server.user_token.clone(),
             pid: server.pid(),
+            ingest_pids: ingest.iter().map(Server::pid).collect(),
         }
     }
 
@@ -758,6 +885,7 @@ impl Observer {
         Observation {
             at: Instant::now(),
             cpu_secs,
+            ingest_cpu_secs: self.ingest_pids.iter().map(|p| proc_usage(*p).0).collect(),
             own_cpu_secs,
             rss_bytes,
             hwm_bytes,
@@ -858,6 +986,8 @@ struct Figures {
     acked_samples: u64,
     in_sql: u64,
     server_cores: f64,
+    /// Each ingest server's cores.
+    ingest_cores: Vec<f64>,
     generator_cores: f64,
     rss_bytes: u64,
     peak_rss_bytes: u64,
@@ -940,6 +1070,22 @@ impl Figures {
             self.rss_bytes >> 20,
             self.peak_rss_bytes >> 20
         );
+        if !self.ingest_cores.is_empty() {
+            let each: Vec<String> = self
+                .ingest_cores
+                .iter()
+                .map(|c| format!("{c:.2}"))
+                .collect();
+            println!(
+                "  ingest servers      {} on CPUs {}: {} cores (the server above is their control server)",
+                self.ingest_cores.len(),
+                args.ingest_cpus
+                    .as_deref()
+                    .or(args.server_cpus.as_deref())
+                    .unwrap_or("any"),
+                each.join(", ")
+            );
+        }
         println!("  generator           {:.2} cores", self.generator_cores);
         println!(
             "  nodes not up        {} at worst in a scrape; {} marked down in all",
@@ -970,6 +1116,7 @@ impl Figures {
                     "metrics_median_ms": ms(pct(&self.metrics_us, 0.5)),
                     "pass_mean_ms": self.pass.mean_ms(), "alert_round_mean_ms": self.alerts.mean_ms(),
                     "server_cores": self.server_cores, "generator_cores": self.generator_cores,
+                    "ingest_servers": self.ingest_cores.len(), "ingest_cores": self.ingest_cores,
                     "rss_mib": self.rss_bytes >> 20, "peak_rss_mib": self.peak_rss_bytes >> 20,
                     "refused": self.refused, "failed": self.failed,
                     "not_up_worst": self.worst_not_up, "marked_down": self.marked_down,

@@ -57,6 +57,10 @@ pub struct ControlConfig {
 /// How often the agent checks its jobs' output against the node's limit between syncs.
 const OUTPUT_CHECK: Duration = Duration::from_millis(100);
 
+/// The longest pace a server's answer may set (`SyncResponse::next_sync_ms`); servers ask for
+/// at most a quarter of their heartbeat timeout, a minute by default.
+const MAX_PACE_MS: u64 = 60_000;
+
 fn lock(l: &Mutex<Launcher>) -> std::sync::MutexGuard<'_, Launcher> {
     l.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -118,6 +122,10 @@ pub async fn run_control(
     let mut limits = tokio::time::interval(OUTPUT_CHECK);
     limits.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut unreachable = false;
+    // The server's pace (`SyncResponse::next_sync_ms`): no sync before this unless a job
+    // exited or a new rendezvous port is to be told.
+    let mut paced_until = tokio::time::Instant::now();
+    let mut ports_told: Vec<perch_model::control::MasterPort> = Vec::new();
     // Results of the server's node commands, waiting for the next sync.
     let results: Arc<Mutex<Vec<CommandResult>>> = Arc::default();
     tokio::pin!(shutdown);
@@ -134,6 +142,10 @@ pub async fn run_control(
         let request = {
             let mut l = lock(&launcher);
             l.poll();
+            let news = !l.exited().is_empty() || l.master_ports() != ports_told;
+            if tokio::time::Instant::now() < paced_until && !news {
+                continue;
+            }
             SyncRequest {
                 node: config.node.clone(),
                 gpus: config.gpus,
@@ -154,6 +166,7 @@ pub async fn run_control(
             }
         };
         let sent_boot_ms = crate::launcher::lease::boot_ms();
+        let sent_at = tokio::time::Instant::now();
         let answer = async {
             // Bounds the redirects followed at once: standbys naming each other cannot spin.
             let mut redirects = servers.len();
@@ -194,6 +207,10 @@ pub async fn run_control(
         .await;
         match answer {
             Ok(response) => {
+                ports_told.clone_from(&request.master_ports);
+                // A server's pace past a minute is not taken: the node's lease needs syncs.
+                paced_until = sent_at
+                    + Duration::from_millis(response.next_sync_ms.unwrap_or(0).min(MAX_PACE_MS));
                 if unreachable {
                     tracing::info!("job control reaches the server again");
                     unreachable = false;

@@ -228,6 +228,14 @@ impl JobService {
         self.claims.claim(name, agent, self.now_ms(), None)
     }
 
+    /// How many nodes the scheduler knows (cheap: no control lock).
+    pub fn known_node_count(&self) -> usize {
+        self.known_nodes
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
+    }
+
     /// Whether the scheduler knows node `name` (cheap: no control lock).
     pub fn knows_node(&self, name: &str) -> bool {
         self.known_nodes

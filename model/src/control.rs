@@ -234,6 +234,11 @@ pub struct SyncResponse {
     /// spreads ingest over several servers (docs/scale.md); absent: to this server.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ingest_url: Option<String>,
+    /// The server's pace: sync again in no less than this (ms), unless a job exited or a gang
+    /// needs its rendezvous port. Larger fleets are paced slower, so the syncs of the whole
+    /// fleet stay within what the server takes (`server.max_syncs_per_second`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_sync_ms: Option<u64>,
 }
 
 /// Start this job's processes on this node.

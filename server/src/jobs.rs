@@ -675,6 +675,26 @@ pub async fn resume(
     set_drained(state, who, name, false).await
 }
 
+/// How long a node waits before its next sync (ms): the fleet's syncs spread to at most
+/// `server.max_syncs_per_second`, and never so slow that a quarter of the heartbeat timeout or
+/// of the lease passes without one (a node is down only after four missed syncs).
+pub fn sync_pace(state: &AppState) -> u64 {
+    pace(
+        state.jobs.known_node_count(),
+        state.config.max_syncs_per_second,
+        state
+            .config
+            .jobs
+            .heartbeat_timeout
+            .min(state.config.jobs.lease),
+    )
+}
+
+fn pace(nodes: usize, per_second: u32, timeout: std::time::Duration) -> u64 {
+    let spread = (nodes as u64).saturating_mul(1000) / u64::from(per_second.max(1));
+    spread.min(u64::try_from(timeout.as_millis() / 4).unwrap_or(u64::MAX))
+}
+
 pub async fn sync(
     State(state): State<AppState>,
     Extension(who): Extension<Identity>,
@@ -716,6 +736,7 @@ pub async fn sync(
         // agent keeps its exits, output and command results for a later sync.
         let mut response = state.jobs.sync_degraded(request).await?;
         response.ingest_url = state.config.cluster.ingest_url(&node, state.now_ms());
+        response.next_sync_ms = Some(sync_pace(&state));
         return Ok(Json(response));
     }
     state
@@ -724,6 +745,7 @@ pub async fn sync(
     let mut response = state.jobs.run(move |c, now| c.sync(request, now)).await?;
     response.commands = state.node_commands.take(&node);
     response.ingest_url = state.config.cluster.ingest_url(&node, state.now_ms());
+    response.next_sync_ms = Some(sync_pace(&state));
     Ok(Json(response))
 }
 
@@ -731,6 +753,28 @@ pub async fn sync(
 mod tests {
     use super::*;
     use crate::auth::Role;
+
+    #[test]
+    fn syncs_are_paced_to_the_fleet_and_never_past_a_quarter_of_the_timeout() {
+        let minute = std::time::Duration::from_secs(60);
+        assert_eq!(
+            pace(100, 2_000, minute),
+            50,
+            "a small fleet: the agent's own pace"
+        );
+        assert_eq!(pace(1_000, 2_000, minute), 500);
+        assert_eq!(pace(10_000, 2_000, minute), 5_000);
+        assert_eq!(
+            pace(1_000_000, 2_000, minute),
+            15_000,
+            "a quarter of the timeout"
+        );
+        assert_eq!(
+            pace(10, 0, minute),
+            10_000,
+            "a zero rate is read as one a second"
+        );
+    }
     use perch_control::api::{JobsPage, QueueView};
     use perch_control::record::{Allocation, ArrayTask};
 

@@ -42,6 +42,10 @@ use tokio::net::TcpListener;
 /// descriptors the HTTP listener leaves for the rest of the server ([`listener`]).
 pub const PG_MAX_CONNECTIONS: usize = 256;
 
+/// The default of `server.max_syncs_per_second`: up to 1,000 nodes sync at the agents' own
+/// 500 ms; a larger fleet is paced slower (BENCHMARKS.md, "Fleet size").
+pub const MAX_SYNCS_PER_SECOND: u32 = 2_000;
+
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     pub store: StoreConfig,
@@ -75,6 +79,9 @@ pub struct ServerConfig {
     /// This server's part in a deployment that spreads telemetry over several servers
     /// (`[cluster]`).
     pub cluster: cluster::Cluster,
+    /// The syncs a second the whole fleet is paced to (`server.max_syncs_per_second`): each
+    /// sync answer says how long the node waits before the next ([`jobs::sync_pace`]).
+    pub max_syncs_per_second: u32,
 }
 
 /// Reads the scheduling policy again (the config file's `[scheduler]`); the error says what
@@ -119,6 +126,7 @@ impl ServerConfig {
             clock: clock::Clock::system(),
             ha: None,
             cluster: cluster::Cluster::Single,
+            max_syncs_per_second: MAX_SYNCS_PER_SECOND,
         }
     }
 }

@@ -221,6 +221,7 @@ impl Config {
         };
         config.pg_listen = Some(s.pg_listen.clone()).filter(|a| !a.is_empty());
         config.pg_max_connections = s.pg_max_connections;
+        config.max_syncs_per_second = s.max_syncs_per_second;
         config.accounting = self.accounting.server_config();
         config.alerts = self.alerts.clone();
         if !s.tokens_file.as_os_str().is_empty() {

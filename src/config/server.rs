@@ -57,6 +57,9 @@ pub struct ServerSection {
     pub pg_listen: String,
     /// Most PostgreSQL-protocol connections served at once; the next waits until one closes.
     pub pg_max_connections: usize,
+    /// The agents' syncs a second the whole fleet is paced to: each sync answer tells its node
+    /// how long to wait before the next (at least the agent's own 500 ms).
+    pub max_syncs_per_second: u32,
     /// TOML file of accepted bearer tokens; empty runs open (loopback only).
     pub tokens_file: PathBuf,
     /// PEM certificate chain (the server's first) for TLS on HTTP and PostgreSQL; with
@@ -101,6 +104,7 @@ impl Default for ServerSection {
             storage: StorageSection::default(),
             pg_listen: "127.0.0.1:7432".into(),
             pg_max_connections: perch_server::PG_MAX_CONNECTIONS,
+            max_syncs_per_second: perch_server::MAX_SYNCS_PER_SECOND,
             tokens_file: PathBuf::new(),
             tls_cert: PathBuf::new(),
             tls_key: PathBuf::new(),
@@ -321,6 +325,15 @@ impl ServerSection {
             return bad(
                 "server.pg_max_connections",
                 "must be 1 to 512 (PostgreSQL-protocol connections at once; they share the descriptors the HTTP listener leaves)",
+            );
+        }
+        if !(10..=1_000_000).contains(&self.max_syncs_per_second) {
+            return bad(
+                "server.max_syncs_per_second",
+                &format!(
+                    "must be 10 to 1000000 (agents' syncs a second, all nodes together), got {}",
+                    self.max_syncs_per_second
+                ),
             );
         }
         if self.max_pending_jobs_per_user == 0 {
