@@ -466,6 +466,11 @@ async fn run(args: &FleetArgs, server: &Server, ingest: &mut [Server]) -> Result
     let acked = recorder.acked_samples.load(Ordering::Relaxed);
     let count = "SELECT count(*) AS n FROM gpu_samples";
     let mut in_sql = observer.scalar(count).await?;
+    // What each ingest server took (its own store, buffer included).
+    let mut ingest_samples = Vec::new();
+    for i in ingest.iter() {
+        ingest_samples.push(observer.scalar_at(&i.url, count).await?);
+    }
     if !ingest.is_empty() {
         for i in ingest.iter_mut() {
             i.terminate();
@@ -500,6 +505,7 @@ async fn run(args: &FleetArgs, server: &Server, ingest: &mut [Server]) -> Result
             .zip(&before.ingest_cpu_secs)
             .map(|(a, b)| (a - b) / elapsed)
             .collect(),
+        ingest_samples,
         generator_cores: (after.own_cpu_secs - before.own_cpu_secs) / elapsed,
         rss_bytes: after.rss_bytes,
         peak_rss_bytes: peak_rss.max(after.rss_bytes).max(after.hwm_bytes),
@@ -934,9 +940,14 @@ impl Observer {
     }
 
     async fn scalar(&self, sql: &str) -> Result<u64> {
+        self.scalar_at(&self.url, sql).await
+    }
+
+    /// `sql`'s one number `n`, asked of the server at `url`.
+    async fn scalar_at(&self, url: &str, sql: &str) -> Result<u64> {
         let body: serde_json::Value = self
             .client
-            .post(format!("{}/v1/sql", self.url))
+            .post(format!("{url}/v1/sql"))
             .bearer_auth(&self.token)
             .json(&serde_json::json!({ "sql": sql }))
             .send()
@@ -988,6 +999,8 @@ struct Figures {
     server_cores: f64,
     /// Each ingest server's cores.
     ingest_cores: Vec<f64>,
+    /// The samples each ingest server took.
+    ingest_samples: Vec<u64>,
     generator_cores: f64,
     rss_bytes: u64,
     peak_rss_bytes: u64,
@@ -1076,14 +1089,16 @@ impl Figures {
                 .iter()
                 .map(|c| format!("{c:.2}"))
                 .collect();
+            let took: Vec<String> = self.ingest_samples.iter().map(u64::to_string).collect();
             println!(
-                "  ingest servers      {} on CPUs {}: {} cores (the server above is their control server)",
+                "  ingest servers      {} on CPUs {}: {} cores, {} samples taken (the server above is their control server)",
                 self.ingest_cores.len(),
                 args.ingest_cpus
                     .as_deref()
                     .or(args.server_cpus.as_deref())
                     .unwrap_or("any"),
-                each.join(", ")
+                each.join(", "),
+                took.join(", ")
             );
         }
         println!("  generator           {:.2} cores", self.generator_cores);
@@ -1117,6 +1132,7 @@ impl Figures {
                     "pass_mean_ms": self.pass.mean_ms(), "alert_round_mean_ms": self.alerts.mean_ms(),
                     "server_cores": self.server_cores, "generator_cores": self.generator_cores,
                     "ingest_servers": self.ingest_cores.len(), "ingest_cores": self.ingest_cores,
+                    "ingest_samples": self.ingest_samples,
                     "rss_mib": self.rss_bytes >> 20, "peak_rss_mib": self.peak_rss_bytes >> 20,
                     "refused": self.refused, "failed": self.failed,
                     "not_up_worst": self.worst_not_up, "marked_down": self.marked_down,

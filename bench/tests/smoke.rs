@@ -310,6 +310,57 @@ fn fleet_in_a_tiny_mode() {
     assert_eq!(json["held"], follows, "{out}");
 }
 
+/// The same fleet spread over two ingest servers: every node follows its sync answer to one,
+/// both take a share, and every acknowledged sample is in the control server's SQL once they
+/// have flushed.
+#[test]
+fn fleet_with_ingest_servers_in_a_tiny_mode() {
+    let perch = std::path::Path::new(env!("CARGO_BIN_EXE_perch-bench")).with_file_name("perch");
+    let perch = perch.to_string_lossy().into_owned();
+    let out = bench(&[
+        "fleet",
+        "--nodes",
+        "20",
+        "--gpus",
+        "2",
+        "--interval-ms",
+        "200",
+        "--sync-ms",
+        "200",
+        "--seconds",
+        "5",
+        "--ramp-seconds",
+        "1",
+        "--ingest-servers",
+        "2",
+        "--json",
+        "--perch",
+        &perch,
+    ]);
+    no_nan(&out);
+    let json: serde_json::Value = out
+        .lines()
+        .last()
+        .and_then(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("no JSON line:\n{out}"));
+    assert_eq!(json["ingest_servers"], 2, "{out}");
+    assert_eq!(json["lost"], 0, "{out}");
+    assert_eq!(json["marked_down"], 0, "{out}");
+    let acked = json["acked_samples"].as_f64().unwrap_or(0.0);
+    sane("acknowledged samples", acked, 100.0..=1e7, &out);
+    // Each took a share, and together most of it (a node's batches before its first sync
+    // answer go to the control server).
+    let took: Vec<f64> = json["ingest_samples"]
+        .as_array()
+        .expect("ingest_samples")
+        .iter()
+        .map(|c| c.as_f64().unwrap_or(0.0))
+        .collect();
+    assert!(took.iter().all(|&t| t > 0.0), "{out}");
+    assert!(took.iter().sum::<f64>() >= acked / 2.0, "{out}");
+    assert!(out.contains("ingest servers      2 on CPUs"), "{out}");
+}
+
 #[test]
 fn metrics_in_a_tiny_mode() {
     let out = bench(&["metrics", "--nodes", "3", "--gpus", "2", "--scrapes", "2"]);
