@@ -35,6 +35,8 @@ command -v cc >/dev/null 2>&1 || missing+=(gcc)
 # Debian's Chromium and its WebDriver: tests/web.rs drives the web view in a headless browser.
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
+# Debian's Java runtime: Apache Spark (pyspark, below) runs on it in local mode for tests/spark.rs.
+command -v java >/dev/null 2>&1 || missing+=(default-jre-headless)
 if ((${#missing[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
@@ -53,6 +55,10 @@ python3 -c "import aiosmtpd" 2>/dev/null || PIP_BREAK_SYSTEM_PACKAGES=1 python3 
 # DuckDB recomputes job accounting from the raw Parquet files (tests/accounting.rs; that test
 # fails, never skips, without it).
 python3 -c "import duckdb" 2>/dev/null || PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet duckdb
+# Apache Spark (pyspark, local mode on the Java runtime above) recomputes accounting from the
+# store's and the settled rows' files (tests/spark.rs runs the recipe of docs/spark.md,
+# tests/accounting_spark.py; that test fails, never skips, without it).
+python3 -c "import pyspark" 2>/dev/null || PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --quiet "pyspark>=3.5"
 
 # --- a build cache shared with clones at other paths -------------------------------------------
 # Cargo names a workspace crate's artifacts and records its sources independently of where the
