@@ -735,8 +735,10 @@ impl NodeCtx {
             response
                 .ingest_url
                 .clone_into(&mut self.ingest_url.lock().expect("ingest url"));
-            paced_until =
-                sent_at + Duration::from_millis(response.next_sync_ms.unwrap_or(0).min(60_000));
+            // Half a tick early, as the agent does: the tick due at the pace syncs.
+            paced_until = sent_at
+                + Duration::from_millis(response.next_sync_ms.unwrap_or(0).min(60_000))
+                    .saturating_sub(interval / 2);
             let now = now_ms();
             let mut jobs = self.jobs.lock().expect("jobs");
             let acknowledged: std::collections::HashSet<(u64, u32)> = response

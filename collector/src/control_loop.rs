@@ -209,8 +209,11 @@ pub async fn run_control(
             Ok(response) => {
                 ports_told.clone_from(&request.master_ports);
                 // A server's pace past a minute is not taken: the node's lease needs syncs.
-                paced_until = sent_at
-                    + Duration::from_millis(response.next_sync_ms.unwrap_or(0).min(MAX_PACE_MS));
+                // Half a tick early, so the tick due at the pace syncs (ticks fall just before
+                // `sent_at` plus whole intervals); a pace of one interval changes nothing.
+                let pace =
+                    Duration::from_millis(response.next_sync_ms.unwrap_or(0).min(MAX_PACE_MS));
+                paced_until = sent_at + pace.saturating_sub(config.interval / 2);
                 if unreachable {
                     tracing::info!("job control reaches the server again");
                     unreachable = false;
