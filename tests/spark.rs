@@ -758,8 +758,10 @@ fn every_sql_block_of_the_spark_doc_is_in_the_recipe() {
         read("docs/spark.md"),
         words(&read("tests/accounting_spark.py")),
     );
+    // Spark SQL is fenced `sql spark`: the `sql` blocks of docs/ are perch's own, which
+    // tests/psql.rs runs through psql.
     let blocks: Vec<&str> = doc
-        .split("```sql\n")
+        .split("```sql spark\n")
         .skip(1)
         .map(|rest| rest.split("```").next().unwrap_or(""))
         .collect();
