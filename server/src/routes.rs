@@ -374,6 +374,7 @@ mod tests {
         "GET /v1/ha -",
         "GET /v1/openapi.json -",
         "POST /v1/ingest A",
+        "POST /v1/cluster/latest A",
         "POST /v1/sql P",
         "GET /metrics -",
         "POST /v1/metrics P+job",
