@@ -233,8 +233,9 @@ fn ingest_in_a_tiny_mode() {
 /// (`cargo test --workspace` builds it): every node up throughout, every acknowledged sample
 /// in SQL, syncs and batches counted, jobs placed and reported, the server's passes and alert
 /// rounds read from its `/metrics`.
-#[test]
-fn fleet_in_a_tiny_mode() {
+/// `perch bench fleet` of 20 nodes of 2 GPUs at 200 ms with `extra`, against the `perch`
+/// beside the bench binary: its output and its JSON line.
+fn tiny_fleet(extra: &[&str]) -> (String, serde_json::Value) {
     let perch = std::path::Path::new(env!("CARGO_BIN_EXE_perch-bench")).with_file_name("perch");
     assert!(
         perch.exists(),
@@ -242,7 +243,7 @@ fn fleet_in_a_tiny_mode() {
         perch.display()
     );
     let perch = perch.to_string_lossy().into_owned();
-    let out = bench(&[
+    let mut args = vec![
         "fleet",
         "--nodes",
         "20",
@@ -252,22 +253,26 @@ fn fleet_in_a_tiny_mode() {
         "200",
         "--sync-ms",
         "200",
-        "--seconds",
-        "6",
         "--ramp-seconds",
         "1",
-        "--jobs-per-second",
-        "5",
         "--json",
         "--perch",
         &perch,
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    let out = bench(&args);
     no_nan(&out);
     let json: serde_json::Value = out
         .lines()
         .last()
         .and_then(|l| serde_json::from_str(l).ok())
         .unwrap_or_else(|| panic!("no JSON line:\n{out}"));
+    (out, json)
+}
+
+#[test]
+fn fleet_in_a_tiny_mode() {
+    let (out, json) = tiny_fleet(&["--seconds", "6", "--jobs-per-second", "5"]);
     let n = |k: &str| {
         json[k]
             .as_f64()
@@ -315,34 +320,7 @@ fn fleet_in_a_tiny_mode() {
 /// have flushed.
 #[test]
 fn fleet_with_ingest_servers_in_a_tiny_mode() {
-    let perch = std::path::Path::new(env!("CARGO_BIN_EXE_perch-bench")).with_file_name("perch");
-    let perch = perch.to_string_lossy().into_owned();
-    let out = bench(&[
-        "fleet",
-        "--nodes",
-        "20",
-        "--gpus",
-        "2",
-        "--interval-ms",
-        "200",
-        "--sync-ms",
-        "200",
-        "--seconds",
-        "5",
-        "--ramp-seconds",
-        "1",
-        "--ingest-servers",
-        "2",
-        "--json",
-        "--perch",
-        &perch,
-    ]);
-    no_nan(&out);
-    let json: serde_json::Value = out
-        .lines()
-        .last()
-        .and_then(|l| serde_json::from_str(l).ok())
-        .unwrap_or_else(|| panic!("no JSON line:\n{out}"));
+    let (out, json) = tiny_fleet(&["--seconds", "5", "--ingest-servers", "2"]);
     assert_eq!(json["ingest_servers"], 2, "{out}");
     assert_eq!(json["lost"], 0, "{out}");
     assert_eq!(json["marked_down"], 0, "{out}");

@@ -60,6 +60,8 @@ pub(crate) struct Peer {
 
 #[derive(Default)]
 struct PeerState {
+    /// The manifest as last read whole: one that has not changed is not parsed again.
+    manifest: Option<bytes::Bytes>,
     /// Per table, with absolute paths.
     files: BTreeMap<Table, Vec<FileEntry>>,
     read_ms: Option<i64>,
@@ -244,19 +246,24 @@ impl Store {
         let mut read = 0;
         let mut changed = false;
         for peer in &peers.list {
-            let got = match peer.storage.read_manifest().await {
-                Ok(Some(data)) => files_of(peer, &data),
+            let read_now = peer.storage.read_manifest().await;
+            let mut state = peer.state.lock().unwrap_or_else(|p| p.into_inner());
+            let got = match read_now {
+                Ok(data) if data.is_some() && data == state.manifest => Ok(None),
+                Ok(Some(data)) => files_of(peer, &data).map(|files| Some((Some(data), files))),
                 // A peer that has not started yet has written nothing.
-                Ok(None) => Ok(BTreeMap::new()),
+                Ok(None) => Ok(Some((None, BTreeMap::new()))),
                 Err(e) => Err(e),
             };
-            let mut state = peer.state.lock().unwrap_or_else(|p| p.into_inner());
             match got {
-                Ok(files) => {
+                Ok(new) => {
                     read += 1;
-                    if state.files != files {
-                        state.files = files;
-                        changed = true;
+                    if let Some((manifest, files)) = new {
+                        state.manifest = manifest;
+                        if state.files != files {
+                            state.files = files;
+                            changed = true;
+                        }
                     }
                     state.read_ms = Some(now_ms);
                     state.error = None;

@@ -64,14 +64,6 @@ struct Live {
     seen_ms: i64,
 }
 
-/// An ingest server as the control server sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IngestServer {
-    pub name: String,
-    /// Its base URL, as agents reach it (`http://ingest-a:7300`), from its last push.
-    pub url: String,
-}
-
 /// An ingest server's state for `/metrics`: name, URL and last push (server ms), if any.
 pub type IngestView = (String, Option<(String, i64)>);
 
@@ -121,18 +113,15 @@ impl IngestServers {
         Ok(())
     }
 
-    /// The ingest servers alive at `now`.
-    pub fn alive(&self, now: i64) -> Vec<IngestServer> {
-        self.live
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
+    /// The URL of the ingest server alive at `now` that takes `node` ([`assign`]), read under
+    /// the lock: on every sync, so nothing is copied but the answer.
+    fn url_for(&self, node: &str, now: i64) -> Option<String> {
+        let live = self.live.read().unwrap_or_else(|p| p.into_inner());
+        let alive = live
             .iter()
             .filter(|(_, l)| now - l.seen_ms <= self.alive_ms)
-            .map(|(name, l)| IngestServer {
-                name: name.clone(),
-                url: l.url.clone(),
-            })
-            .collect()
+            .map(|(name, l)| (name.as_str(), l.url.as_str()));
+        assign(node, alive).map(|(_, url)| url.to_owned())
     }
 
     /// Every configured ingest server with its last push, for `/metrics`.
@@ -183,7 +172,7 @@ impl Cluster {
     /// The base URL `node` sends its telemetry to at `now`, when not this server.
     pub fn ingest_url(&self, node: &str, now: i64) -> Option<String> {
         match self {
-            Cluster::Control(ingest) => assign(node, &ingest.alive(now)).map(|s| s.url.clone()),
+            Cluster::Control(ingest) => ingest.url_for(node, now),
             _ => None,
         }
     }
@@ -236,10 +225,14 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
 /// The ingest server that takes `node`'s telemetry: the one whose hash with the node's name is
 /// highest (rendezvous hashing): each server gets about an equal share, and removing one moves
 /// only its own nodes.
-pub fn assign<'a>(node: &str, servers: &'a [IngestServer]) -> Option<&'a IngestServer> {
+/// `servers` are (name, anything) pairs; the chosen pair is returned.
+pub fn assign<'a, T>(
+    node: &str,
+    servers: impl IntoIterator<Item = (&'a str, T)>,
+) -> Option<(&'a str, T)> {
     servers
-        .iter()
-        .max_by_key(|s| (fnv1a(&[node.as_bytes(), s.name.as_bytes()]), &s.name))
+        .into_iter()
+        .max_by_key(|(name, _)| (fnv1a(&[node.as_bytes(), name.as_bytes()]), *name))
 }
 
 /// Most GPU events kept for one node between two pushes; older ones past it are dropped (and
@@ -614,12 +607,11 @@ mod tests {
     use super::*;
     use perch_model::{GpuEvent, GpuEventKind, GpuIndex, GpuSample, HostSample, NodeId};
 
-    fn servers(n: usize) -> Vec<IngestServer> {
-        (0..n)
-            .map(|i| IngestServer {
-                name: format!("ingest-{i}"),
-                url: format!("http://10.0.0.{i}:7300"),
-            })
+    fn servers(n: usize) -> Vec<(&'static str, usize)> {
+        ["ingest-0", "ingest-1", "ingest-2"][..n]
+            .iter()
+            .enumerate()
+            .map(|(i, name)| (*name, i))
             .collect()
     }
 
@@ -630,7 +622,7 @@ mod tests {
         let mut share = BTreeMap::new();
         for n in &nodes {
             *share
-                .entry(assign(n, &three).expect("one").name.clone())
+                .entry(assign(n, three.iter().copied()).expect("one").0)
                 .or_insert(0) += 1;
         }
         assert_eq!(share.len(), 3);
@@ -639,21 +631,24 @@ mod tests {
             "{share:?}"
         );
         // Take ingest-1 away: only its nodes move.
-        let two: Vec<IngestServer> = three
+        let two: Vec<(&str, usize)> = three
             .iter()
-            .filter(|s| s.name != "ingest-1")
-            .cloned()
+            .copied()
+            .filter(|(name, _)| *name != "ingest-1")
             .collect();
         for n in &nodes {
-            let before = assign(n, &three).expect("one");
-            let after = assign(n, &two).expect("one");
-            if before.name != "ingest-1" {
+            let before = assign(n, three.iter().copied()).expect("one");
+            let after = assign(n, two.iter().copied()).expect("one");
+            if before.0 != "ingest-1" {
                 assert_eq!(before, after, "{n} moved though its server stayed");
             }
         }
-        assert!(assign("n", &[]).is_none());
+        assert!(assign("n", Vec::<(&str, usize)>::new()).is_none());
         // The same in every release: a standby assigns as its predecessor did.
-        assert_eq!(assign("gpu-00042", &three).expect("one").name, "ingest-2");
+        assert_eq!(
+            assign("gpu-00042", three.iter().copied()).expect("one").0,
+            "ingest-2"
+        );
     }
 
     fn round(node: &str, seq: u64, t: i64, util: f64) -> Batch {
