@@ -183,14 +183,18 @@ impl Sampler {
             .map(|n| n.sample(now_ms))
             .unwrap_or_default();
         let mut gpus = nvml.gpus;
-        // Simulated GPUs follow the jobs placed on them; free ones keep their own phase model.
+        // Simulated GPUs follow the jobs placed on them (training unless the job says
+        // otherwise); a GPU no job holds is idle: no kernels, no memory, idle power, as a real
+        // free GPU is. Idle lessons, accounting and alert rules then read the truth about it.
         let jobs = self.jobs.list();
         for index in self.sim.indices() {
             let profile = jobs
                 .iter()
                 .find(|j| j.gpus.contains(&index))
-                .map(|j| j.sim_profile.unwrap_or(crate::gpu::sim::Workload::Training));
-            self.sim.set_profile(index, profile);
+                .map_or(crate::gpu::sim::Workload::Idle, |j| {
+                    j.sim_profile.unwrap_or(crate::gpu::sim::Workload::Training)
+                });
+            self.sim.set_profile(index, Some(profile));
         }
         gpus.extend(self.sim.sample(now_ms));
         let (hosts, nics, ib_ports) = match &mut self.host {
@@ -264,6 +268,52 @@ mod tests {
         assert!(!round.hosts[0].simulated && round.nics.iter().all(|n| !n.simulated));
         assert!(round.gpus.iter().all(|g| g.simulated));
         assert_eq!(round.sample_count(), 9);
+    }
+
+    /// Simulated GPUs no job holds are idle all the time (near-0 utilization, little memory,
+    /// idle power), whatever the phase model would say; a job's GPUs show its load.
+    #[test]
+    fn simulated_gpus_are_idle_unless_a_job_holds_them() {
+        let config = config(true);
+        let mut sampler = Sampler::new(&config);
+        let t0 = 1_800_000_000_000;
+        let idle = |g: &GpuSample| {
+            g.utilization_gpu_pct.is_some_and(|u| u < 1.0)
+                && g.memory_used_bytes.is_some_and(|m| m < 1 << 30)
+                && g.power_watts.is_some_and(|w| w < 100.0)
+        };
+        // An hour at 10 s, with no job: the phase model would have passed every GPU through
+        // training and allocated-idle phases.
+        for step in 0..360 {
+            let round = sampler.sample(t0 + step * 10_000);
+            for g in &round.gpus {
+                assert!(idle(g), "a GPU no job holds is busy at step {step}: {g:?}");
+            }
+        }
+        config.jobs.register(crate::jobs::JobSpec {
+            job: "7".into(),
+            user: None,
+            gpus: vec![1],
+            target: crate::jobs::JobTarget::Cgroup("/perch/job-7".into()),
+            sim_profile: None,
+        });
+        for step in 360..420 {
+            let round = sampler.sample(t0 + step * 10_000);
+            for g in &round.gpus {
+                if g.gpu.0 == 1 {
+                    assert!(
+                        g.utilization_gpu_pct.is_some_and(|u| u >= 90.0)
+                            && g.memory_used_bytes.is_some_and(|m| m > 10 << 30),
+                        "the job's GPU trains: {g:?}"
+                    );
+                } else {
+                    assert!(idle(g), "GPU {} is held by no job: {g:?}", g.gpu.0);
+                }
+            }
+        }
+        assert!(config.jobs.unregister("7"));
+        let round = sampler.sample(t0 + 420 * 10_000);
+        assert!(round.gpus.iter().all(idle), "idle again once the job ended");
     }
 
     #[test]

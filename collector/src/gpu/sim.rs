@@ -2,10 +2,12 @@
 //!
 //! A deterministic model with no clock of its own: every value is a function of the seed, the
 //! node, the GPU index and the `now_ms` the caller passes in, plus two integrators (energy and a
-//! lagging temperature) over the sequence of sample times. Each GPU moves through phases of a few
-//! minutes: idle, steady training (90-100% utilization), bursty, and allocated-but-idle (0%
-//! utilization with memory held), the pattern that makes up about a third of GPU time in public
-//! traces. Power follows utilization from ~70 W to ~700 W like an H100 SXM. The columns the model
+//! lagging temperature) over the sequence of sample times. A GPU shows the workload it is pinned
+//! to ([`SimGpus::set_profile`]): the agent's sampler pins each GPU to its job's load (steady
+//! training at 90-100% utilization, bursty, or allocated-but-idle: 0% utilization with memory
+//! held, the pattern that makes up about a third of GPU time in public traces) and a GPU no job
+//! holds to idle (0%, no memory, idle power). An unpinned GPU moves through those phases on its
+//! own, a few minutes each (the model's tests, nothing the agent reports). Power follows utilization from ~70 W to ~700 W like an H100 SXM. The columns the model
 //! does not compute take the value their catalogue line gives simulated GPUs, if any. Every
 //! sample says `simulated: true`, its UUID starts with `GPU-SIM-` and its model with
 //! `Simulated`.
