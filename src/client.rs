@@ -139,11 +139,15 @@ impl ClientConfig {
         )
     }
 
-    /// What to add to a 401 or 403 answer of `server`: which server said it and which token
-    /// was sent.
-    pub fn refused_by(&self, server: &str) -> String {
+    /// What to add to a 401 or 403 (`forbidden`) answer of `server`: which server said it and
+    /// which token was sent. A 403 to a request without a token comes from a server that runs
+    /// open (one with tokens answers 401): a token would change nothing there.
+    pub fn refused_by(&self, server: &str, forbidden: bool) -> String {
         let token = match &self.token_source {
             Some(source) => format!("token from {source}"),
+            None if forbidden => {
+                "no token sent: this server runs open and knows you as your local user".to_owned()
+            }
             None => "no token: give --token, PERCH_TOKEN or [client] token".to_owned(),
         };
         format!("server {server} from {}; {token}", self.server_source)
@@ -193,9 +197,9 @@ impl Connection {
         &self.config.servers[self.current.get()]
     }
 
-    /// What to add to a 401 or 403 answer of the server in use.
-    pub fn refused(&self) -> String {
-        self.config.refused_by(self.server())
+    /// What to add to a 401 or 403 (`forbidden`) answer of the server in use.
+    pub fn refused(&self, forbidden: bool) -> String {
+        self.config.refused_by(self.server(), forbidden)
     }
 
     /// Sends the request `build` makes from the HTTP client and a server's base URL, with the

@@ -172,19 +172,38 @@ fn a_waiting_job_says_why_and_starts_when_a_cancel_frees_its_gpus() {
     );
     let (ok, _, err) = cli(&perch, &["cancel", "99"]);
     assert!(!ok && err.contains("no job 99"), "{err}");
-    // A gang wider than the cluster was accepted in silence and waited forever.
+    // A gang wider than the cluster was accepted in silence and waited forever; then it was
+    // accepted with a warning and still waited forever: now it is refused, saying what fits.
     let r = reqwest::blocking::Client::new()
         .post(format!("{}/v1/jobs", perch.url))
         .json(&serde_json::json!({"command": ["true"], "nodes": 3, "gpus_per_node": 2}))
+        .send()
+        .expect("post");
+    assert_eq!(r.status().as_u16(), 400);
+    let body: Value = r.json().expect("json");
+    let refusal = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        refusal.contains("3 node(s) x 2")
+            && refusal.contains("1 node(s) have 2 or more")
+            && refusal.contains("ask for at most 1 node(s) x 2 GPUs")
+            && refusal.contains("--hold-until-fits"),
+        "{body}"
+    );
+    // Asked to, it waits for nodes that could run it to join.
+    let r = reqwest::blocking::Client::new()
+        .post(format!("{}/v1/jobs", perch.url))
+        .json(&serde_json::json!({"command": ["true"], "nodes": 3, "gpus_per_node": 2, "hold_until_fits": true}))
         .send()
         .expect("post");
     assert_eq!(r.status().as_u16(), 201);
     let body: Value = r.json().expect("json");
     let warning = body["warning"].as_str().unwrap_or_default();
     assert!(
-        warning.contains("3 node(s) x 2") && warning.contains("1 node(s) have 2 or more"),
+        warning.contains("3 node(s) x 2") && warning.contains("held until"),
         "{body}"
     );
+    let held = body["id"].as_u64().expect("id");
+    assert_eq!(job(&perch, held)["state"], "pending");
     let fits = reqwest::blocking::Client::new()
         .post(format!("{}/v1/jobs", perch.url))
         .json(&serde_json::json!({"command": ["true"], "nodes": 1, "gpus_per_node": 2}))
@@ -193,8 +212,28 @@ fn a_waiting_job_says_why_and_starts_when_a_cancel_frees_its_gpus() {
         .json::<Value>()
         .expect("json");
     assert!(fits.get("warning").is_none(), "{fits}");
-    let (ok, _, err) = cli(&perch, &["submit", "-N", "3", "--gpus", "2", "--", "true"]);
-    assert!(ok, "accepted: nodes may still join");
+    // A job wider than any node: the hint said "ask for at most 0 node(s) x 16 GPUs".
+    let (ok, _, err) = cli(&perch, &["submit", "--gpus", "16", "--", "true"]);
+    assert!(!ok, "refused: no node seen has 16 GPUs");
+    assert!(
+        err.contains("the largest has 2 GPUs: ask for at most 2 GPUs per node")
+            && !err.contains("0 node(s)"),
+        "{err}"
+    );
+    let (ok, _, err) = cli(
+        &perch,
+        &[
+            "submit",
+            "-N",
+            "3",
+            "--gpus",
+            "2",
+            "--hold-until-fits",
+            "--",
+            "true",
+        ],
+    );
+    assert!(ok, "accepted when asked to wait: {err}");
     assert!(
         err.starts_with("warning: ") && err.contains("largest has 2"),
         "{err}"

@@ -5,7 +5,7 @@ use crate::control::{
     Brief, CancelOutcome, CancelSelection, Control, ControlError, Found, JobsConfig, Settled,
 };
 use crate::record::JobRecord;
-use crate::spec::JobRequest;
+use crate::spec::{FieldError, JobRequest};
 use crate::store::{JobStore, SettledRecords};
 use crate::{claims, control, db};
 use futures::StreamExt;
@@ -303,8 +303,8 @@ impl JobService {
     /// and other requests get the control plane between steps. The steps run in a task of
     /// their own: a client that hangs up does not leave an array half added. A server that
     /// dies part way keeps the steps committed so far (their ids are the array's first).
-    /// Returns the first job and the array's ids, with a warning when no set of today's nodes
-    /// could run it.
+    /// Returns the first job and the array's ids, with a warning when no set of the nodes
+    /// seen could run it (accepted only with `hold_until_fits`; refused otherwise).
     pub async fn submit(
         &self,
         request: JobRequest,
@@ -319,7 +319,27 @@ impl JobService {
                     if !operator {
                         c.may_charge(&r)?;
                     }
-                    let warning = c.shape_warning(&r);
+                    // Its fields first: a shape is only compared with the nodes once valid.
+                    r.validate()?;
+                    let warning = match c.shape_warning(&r) {
+                        Some(why) if !r.hold_until_fits => {
+                            return Err(ControlError::Invalid(FieldError {
+                                field: if r.nodes > 1 {
+                                    "nodes"
+                                } else {
+                                    "gpus_per_node"
+                                },
+                                message: format!(
+                                    "{why}; or, to wait for nodes that could run it to join, \
+                                     submit it with --hold-until-fits (\"hold_until_fits\": true)"
+                                ),
+                            }));
+                        }
+                        Some(why) => Some(format!(
+                            "{why}; held until nodes that can run it join (hold_until_fits)"
+                        )),
+                        None => None,
+                    };
                     let first = c.start_array(&r, now)?;
                     Ok((first, warning))
                 })

@@ -100,16 +100,23 @@ pub struct JobRequest {
     #[serde(default)]
     pub sim_profile: Option<String>,
     /// Start only after these jobs completed successfully (Slurm's afterok); if one of them
-    /// ends otherwise, this job is cancelled.
+    /// ends otherwise, this job is cancelled. An array's id (the one `perch submit --array`
+    /// prints, its task 0's) stands for every task of the array, as in Slurm.
     #[serde(default)]
     pub after_ok: Vec<u64>,
-    /// Start only after these jobs ended, however they ended (Slurm's afterany).
+    /// Start only after these jobs ended, however they ended (Slurm's afterany); an array's
+    /// id waits for every task.
     #[serde(default)]
     pub after_any: Vec<u64>,
     /// Submit this many copies (a job array); each gets `PERCH_ARRAY_JOB_ID` (the first
     /// copy's id) and `PERCH_ARRAY_TASK_ID` (0, 1, ...).
     #[serde(default)]
     pub array: Option<u32>,
+    /// Accept the job even when no node this cluster has seen could run it, to wait for
+    /// larger nodes to join (otherwise such a job is refused, saying what fits). Read at
+    /// submission only: never stored nor sent on.
+    #[serde(default, skip_serializing)]
+    pub hold_until_fits: bool,
 }
 
 /// `gpu_share = { fraction = 0.25, memory_gb = 10 }`: the job gets a quarter of one GPU's
@@ -443,7 +450,7 @@ impl JobRequest {
             if u == "root" {
                 return Err(err(
                     "user",
-                    "jobs never run as root: every agent refuses users below agent.min_uid (1000 by default), and root cannot be allowed in agent.allowed_system_users; submit as your own user",
+                    "jobs never run as root: every agent refuses users below agent.min_uid (1000 by default), and root cannot be allowed in agent.allowed_system_users; name an ordinary user of the nodes the job runs as: `perch submit --user NAME` (or `user = \"NAME\"` in a --file)",
                 ));
             }
             if REFUSED_USERS.contains(&u.as_str()) {

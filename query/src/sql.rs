@@ -693,8 +693,58 @@ pub fn check_read_only(plan: &LogicalPlan) -> Result<()> {
 }
 
 /// DataFusion prefixes messages with its error kind and sometimes wraps them in context;
-/// keep the part that tells the user what to change.
+/// keep the part that tells the user what to change, and show the right form of a time
+/// written wrong.
 fn clean_message(e: &DataFusionError, names: &[String]) -> String {
+    let message = cleaned(e, names);
+    match time_hint(&message) {
+        Some(hint) => format!("{message}; {hint}"),
+        None => message,
+    }
+}
+
+/// The right form of a time mistake `message` (a cleaned DataFusion message) reports: an
+/// interval unit misspelled (`INTERVAL '5 minuts'`), an interval written as a bare string
+/// (`now() - '5 minutes'`) or a number (`now() - 300`), a time compared with a number.
+fn time_hint(message: &str) -> Option<&'static str> {
+    if message.contains("Invalid input syntax for type interval")
+        || message.contains("Invalid input syntax for type Interval")
+    {
+        return Some(
+            "an interval is a number and a unit, such as INTERVAL '5 minutes' (units: \
+             seconds, minutes, hours, days, weeks, months, years)",
+        );
+    }
+    let arithmetic = message.contains("Cannot coerce arithmetic expression Timestamp")
+        || message.contains("Cannot coerce arithmetic expression Date");
+    let number = [
+        "Int8", "Int16", "Int32", "Int64", "UInt", "Float", "Decimal",
+    ]
+    .iter()
+    .any(|t| message.contains(&format!("- {t}")) || message.contains(&format!("+ {t}")));
+    if arithmetic && number {
+        return Some(
+            "a number is not a duration: write now() - INTERVAL '300 seconds' \
+             (or INTERVAL '5 minutes')",
+        );
+    }
+    if arithmetic && (message.contains("Utf8") || message.contains("Null")) {
+        return Some("write the duration as an interval: now() - INTERVAL '5 minutes'");
+    }
+    let comparison = message.contains("comparison operation Timestamp")
+        || (message.contains("comparison operation") && message.contains("> Timestamp"))
+        || (message.contains("comparison operation") && message.contains("< Timestamp"));
+    if comparison {
+        return Some(
+            "compare a time with a time: time > now() - INTERVAL '5 minutes', or \
+             time > TIMESTAMP '2026-01-31 12:00:00' (UTC)",
+        );
+    }
+    None
+}
+
+/// [`clean_message`] without its hint.
+fn cleaned(e: &DataFusionError, names: &[String]) -> String {
     let root = match e.find_root() {
         DataFusionError::SQL(parser, _) => parser.to_string(),
         other => other.to_string(),
@@ -707,6 +757,7 @@ fn clean_message(e: &DataFusionError, names: &[String]) -> String {
         );
     }
     for prefix in [
+        "Arrow error: Parser error: ",
         "Error during planning: ",
         "SQL error: ",
         "Schema error: ",
@@ -724,6 +775,34 @@ fn clean_message(e: &DataFusionError, names: &[String]) -> String {
 mod tests {
     use super::*;
     use crate::StoreConfig;
+
+    #[test]
+    fn time_mistakes_get_the_right_form() {
+        let check = |message: &str, want: Option<&str>| {
+            let hint = time_hint(message);
+            match want {
+                Some(w) => assert!(hint.is_some_and(|h| h.contains(w)), "{message}: {hint:?}"),
+                None => assert_eq!(hint, None, "{message}"),
+            }
+        };
+        check(
+            "Arrow error: Parser error: Invalid input syntax for type interval: \"5 minuts\"",
+            Some("INTERVAL '5 minutes'"),
+        );
+        check(
+            "Cannot coerce arithmetic expression Timestamp(ns) - Int64 to valid types",
+            Some("INTERVAL '300 seconds'"),
+        );
+        check(
+            "Cannot coerce arithmetic expression Timestamp(ns) - Utf8 to valid types",
+            Some("now() - INTERVAL '5 minutes'"),
+        );
+        check(
+            "Cannot infer common argument type for comparison operation Timestamp(ms, \"UTC\") > Int64",
+            Some("time > now() - INTERVAL '5 minutes'"),
+        );
+        check("table 'gpu_sample' not found", None);
+    }
 
     #[test]
     fn file_statistics_are_read_once_across_queries() {

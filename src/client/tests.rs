@@ -333,8 +333,14 @@ fn messages_say_where_the_address_came_from() {
         text.contains("at http://127.0.0.1:7300 (from the default, as no --server"),
         "{text}"
     );
-    let refused = got.refused_by(&got.server);
+    let refused = got.refused_by(&got.server, false);
     assert!(refused.contains("no token: give --token"), "{refused}");
+    // A 403 without a token comes from an open server: no token would help there.
+    let refused = got.refused_by(&got.server, true);
+    assert!(
+        refused.contains("runs open") && !refused.contains("give --token"),
+        "{refused}"
+    );
     let env = |name: &str| (name == "PERCH_SERVER").then(|| "http://gpu-head:7300".to_owned());
     let got = resolve(None, Some("t"), &env, None, None).expect("env");
     assert!(
@@ -344,7 +350,7 @@ fn messages_say_where_the_address_came_from() {
         got.unreachable()
     );
     assert_eq!(
-        got.refused_by(&got.server),
+        got.refused_by(&got.server, true),
         "server http://gpu-head:7300 from PERCH_SERVER; token from --token"
     );
 }

@@ -71,8 +71,9 @@ pub struct SubmitArgs {
     time: Option<String>,
     #[arg(long, short = 'J')]
     name: Option<String>,
-    /// Default: $USER, else the name of the user running perch; with a token and no $USER, the
-    /// token's user.
+    /// Who runs the job. Default: the --file's `user`, else $USER, else the name of the user
+    /// running perch; with a token and no $USER, the token's user. Only operators (root, with
+    /// no tokens file) may name another user; jobs never run as root, so root names one.
     #[arg(long)]
     user: Option<String>,
     /// The account charged (default: the user's own).
@@ -103,13 +104,19 @@ pub struct SubmitArgs {
     /// On simulated GPUs, the load the job shows: idle, steady or bursty.
     #[arg(long)]
     sim_profile: Option<String>,
+    /// Accept the job even when no node the cluster has seen could run it, and hold it until
+    /// nodes that can join (without it, such a job is refused, saying what fits).
+    #[arg(long)]
+    hold_until_fits: bool,
     /// Submit N copies (a job array; PERCH_ARRAY_TASK_ID tells them apart).
     #[arg(long)]
     array: Option<u32>,
-    /// Start after these jobs completed successfully (comma-separated ids).
+    /// Start after these jobs completed successfully (comma-separated ids; an array's id
+    /// waits for every task of the array).
     #[arg(long, value_delimiter = ',')]
     after_ok: Vec<u64>,
-    /// Start after these jobs ended, however (comma-separated ids).
+    /// Start after these jobs ended, however (comma-separated ids; an array's id waits for
+    /// every task).
     #[arg(long, value_delimiter = ',')]
     after_any: Vec<u64>,
     /// KEY=VALUE, repeatable.
@@ -196,7 +203,8 @@ pub struct LogsArgs {
     #[arg(long)]
     stderr: bool,
     /// Keep printing new output until the job ends and its node has sent all of it (across
-    /// requeues: each new attempt's output follows a line on standard error).
+    /// requeues: each new attempt's output follows a line on standard error). A pending job
+    /// is waited for (without -f, a pending job is an error: it has no output yet).
     #[arg(long, short = 'f')]
     follow: bool,
     /// Which node of a multi-node job, by rank (0 is where MASTER_ADDR points).
@@ -245,7 +253,14 @@ impl Refused {
             Ok(ErrorBody { error }) => (error.code, error.message),
             Err(_) => (None, String::from_utf8_lossy(body).into_owned()),
         };
-        let credentials = matches!(status.as_u16(), 401 | 403).then(|| connection.refused());
+        // Who sent it matters to a 401 or 403, except to a refusal of what a statement does
+        // (SQL is read-only for everyone, whatever the token).
+        let credentials = match (status.as_u16(), &code) {
+            (403, Some(ErrorCode::ReadOnly)) => None,
+            (401, _) => Some(connection.refused(false)),
+            (403, _) => Some(connection.refused(true)),
+            _ => None,
+        };
         Refused {
             status,
             code,
@@ -500,6 +515,9 @@ pub fn submit(args: SubmitArgs, config_file: Option<&ConfigFile>) -> Result<()> 
     if let Some(v) = args.array {
         set("array", v.into());
     }
+    if args.hold_until_fits {
+        set("hold_until_fits", true.into());
+    }
     if !args.after_ok.is_empty() {
         set("after_ok", args.after_ok.clone().into());
     }
@@ -532,11 +550,13 @@ pub fn submit(args: SubmitArgs, config_file: Option<&ConfigFile>) -> Result<()> 
         bail!("give the command after --, e.g. perch submit --gpus 1 -- python train.py");
     }
     let api = Api::new(&args.server, config_file)?;
-    // With a token the server knows who submits: without `--user` or `$USER`, leave it to it.
-    if let Some(v) = args
-        .user
-        .clone()
-        .or_else(|| login_name(api.connection.config.token.is_none()))
+    // `--user` wins, then the file's `user =`, then `$USER`; with a token the server knows
+    // who submits, so without any of them it is left to the server. The server decides
+    // whether the caller may submit as that user (operators may; others only as themselves).
+    if let Some(v) = args.user.clone() {
+        request.insert("user".to_owned(), v.into());
+    } else if !request.contains_key("user")
+        && let Some(v) = login_name(api.connection.config.token.is_none())
     {
         request.insert("user".to_owned(), v.into());
     }
@@ -938,6 +958,8 @@ pub fn logs(args: LogsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
     let mut shown: Option<u32> = None;
     // When output last arrived: a follower of an ended job whose node stopped sending gives up.
     let mut progress = std::time::Instant::now();
+    // Whether a pending job was reported (once): its output is empty because it has not run.
+    let mut said_pending = false;
     loop {
         let attempt = args
             .attempt
@@ -983,6 +1005,26 @@ pub fn logs(args: LogsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
         }
         if more {
             continue;
+        }
+        if offset == 0 && !finished && !said_pending {
+            let job: Value = api.get(&format!("/v1/jobs/{}", args.id))?;
+            if job["state"] == "pending" {
+                let reason = job["reason"]
+                    .as_str()
+                    .map_or(String::new(), |r| format!(" ({r})"));
+                if !args.follow {
+                    bail!(
+                        "job {} is pending{reason}: it has no output yet; `perch logs -f {}` waits for it to start and follows it",
+                        args.id,
+                        args.id
+                    );
+                }
+                eprintln!(
+                    "perch: job {} is pending{reason}; waiting for it to start",
+                    args.id
+                );
+                said_pending = true;
+            }
         }
         let stalled = progress.elapsed() > LOGS_STALL;
         if !args.follow || (finished && data.is_empty() && (pending == 0 || stalled)) {

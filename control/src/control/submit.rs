@@ -3,6 +3,10 @@
 
 use super::*;
 
+/// How a job depended on ended: the job (for an array, the first task that did not
+/// complete, else task 0) and its final state; `None` while it has not ended.
+type Outcome = Option<(u64, JobState)>;
+
 impl Control {
     /// Submits a job, or `array` copies of it, in one step; returns the records in id order.
     /// The server submits through [`Control::start_array`] and steps of
@@ -185,24 +189,70 @@ impl Control {
 
     /// Whether a job's dependencies allow it to be scheduled.
     pub(super) fn dependencies(&self, request: &JobRequest) -> Deps {
-        let state = |&id: &u64| self.find(id).map(Found::state);
-        for id in &request.after_ok {
-            match state(id) {
-                Some(JobState::Completed) => {}
-                Some(s) if s.is_final() => {
+        self.dependencies_with(request, &mut HashMap::new())
+    }
+
+    /// [`Control::dependencies`], with the outcomes of the jobs depended on kept in `seen`
+    /// (an array's takes a walk over its tasks: one walk for all its dependents).
+    fn dependencies_with(&self, request: &JobRequest, seen: &mut HashMap<u64, Outcome>) -> Deps {
+        let mut outcome = |id: u64| *seen.entry(id).or_insert_with(|| self.outcome(id));
+        for &id in &request.after_ok {
+            match outcome(id) {
+                Some((_, JobState::Completed)) => {}
+                Some((task, s)) if task == id => {
                     return Deps::Never(format!("job {id} ended {} (after_ok)", s.as_str()));
                 }
-                _ => return Deps::Waiting,
+                Some((task, s)) => {
+                    return Deps::Never(format!(
+                        "task {} (job {task}) of array {id} ended {} (after_ok)",
+                        task - id,
+                        s.as_str()
+                    ));
+                }
+                None => return Deps::Waiting,
             }
         }
-        if request
-            .after_any
-            .iter()
-            .any(|id| !state(id).is_some_and(JobState::is_final))
-        {
+        if request.after_any.iter().any(|&id| outcome(id).is_none()) {
             return Deps::Waiting;
         }
         Deps::Met
+    }
+
+    /// How job `id` ended, for a job depending on it: `None` while it has not ended (or does
+    /// not exist). An array's id (its task 0's) stands for the whole array, as in Slurm: it
+    /// has ended when every task has, with the first task that did not complete and its
+    /// state, else task 0 and `Completed`.
+    fn outcome(&self, id: u64) -> Outcome {
+        let found = self.find(id)?;
+        let task_0 = Some(ArrayTask {
+            job_id: id,
+            task_id: 0,
+        });
+        if found.array() != task_0 {
+            return found.state().is_final().then_some((id, found.state()));
+        }
+        let mut failed = None;
+        let mut task = id;
+        while let Some(j) = self
+            .find(task)
+            .filter(|j| j.array().is_some_and(|a| a.job_id == id))
+        {
+            let state = j.state();
+            if !state.is_final() {
+                return None;
+            }
+            if state != JobState::Completed && failed.is_none() {
+                failed = Some((task, state));
+            }
+            task += 1;
+        }
+        // An array is added in steps: ids reserved and not added yet, while its user has
+        // tasks still to add, may be its later tasks.
+        let adding = self.reserved.get(found.user()).is_some_and(|r| r.jobs > 0);
+        if adding && task < self.next_id && self.find(task).is_none() {
+            return None;
+        }
+        Some(failed.unwrap_or((id, JobState::Completed)))
     }
 
     /// Hands held jobs whose dependencies are now met to the scheduler, and cancels those
@@ -211,11 +261,12 @@ impl Control {
     pub(super) fn release_held(&mut self, now: i64) -> Result<(), ControlError> {
         let held: Vec<u64> = self.held.iter().copied().collect();
         let mut released = false;
+        let mut seen = HashMap::new();
         for id in held {
             let Some(job) = self.jobs.get(&id) else {
                 continue;
             };
-            match self.dependencies(&job.request) {
+            match self.dependencies_with(&job.request, &mut seen) {
                 Deps::Waiting => {}
                 Deps::Met => {
                     self.held.remove(&id);
@@ -229,11 +280,18 @@ impl Control {
                 }
                 Deps::Never(why) => {
                     self.held.remove(&id);
+                    let mut array = None;
                     if let Some(j) = self.jobs.get_mut(&id) {
                         j.state = JobState::Cancelled;
                         j.reason = Some(format!("dependency can never be met: {why}"));
                         j.end_ms = Some(now);
                         j.note(now, "cancelled: dependency can never be met");
+                        array = j.array.map(|a| a.job_id);
+                    }
+                    // Ended now: what was known of it (and of its array) is out of date.
+                    seen.remove(&id);
+                    if let Some(a) = array {
+                        seen.remove(&a);
                     }
                     self.dirty_jobs.insert(id);
                     self.job_ended_event(now, id, false);

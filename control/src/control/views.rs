@@ -162,9 +162,10 @@ impl Control {
         (job.attempts == attempt && live).then(|| (id, job.request.user().to_owned()))
     }
 
-    /// Why no set of today's nodes could ever run `req`, naming the largest shape that fits,
-    /// or `None` when one could (or no node has joined yet: the cluster is still forming).
-    /// Such a job is still accepted (nodes may join), but its submitter is told at once.
+    /// Why no set of the nodes this cluster has seen (up, down or drained) could ever run
+    /// `req`, saying what would fit, or `None` when one could (or no node has joined yet: the
+    /// cluster is still forming). Such a job is refused unless it asks to wait for larger
+    /// nodes (`hold_until_fits`), and then its submitter is told this at once.
     pub fn shape_warning(&self, req: &JobRequest) -> Option<String> {
         if self.nodes.is_empty() || req.gpu_share.is_some() {
             return None;
@@ -178,25 +179,40 @@ impl Control {
         if fitting >= req.nodes as usize {
             return None;
         }
+        let seen = format!("the {} node(s) this cluster has seen", self.nodes.len());
         let model = req
             .gpu_model
             .as_ref()
             .map_or(String::new(), |m| format!(" {m}"));
-        let widest = self
+        let of_model: Vec<u32> = self
             .nodes
             .iter()
             .filter(|n| model_ok(n))
             .map(|n| n.record.gpus)
-            .max()
-            .unwrap_or(0);
+            .collect();
+        let Some(&widest) = of_model.iter().max() else {
+            let models: BTreeSet<&str> =
+                self.nodes.iter().map(|n| n.record.model.as_str()).collect();
+            let models: Vec<&str> = models.into_iter().collect();
+            return Some(format!(
+                "none of {seen} has{model} GPUs: ask for one of their models ({}), or for any model",
+                models.join(", ")
+            ));
+        };
+        let fits = if fitting == 0 {
+            let widest_nodes = of_model.iter().filter(|&&g| g == widest).count();
+            format!(
+                "the largest has {widest}{model} GPUs: ask for at most {widest} GPUs per node (up to {widest_nodes} node(s) x {widest})"
+            )
+        } else {
+            format!(
+                "{fitting} node(s) have {} or more{model} GPUs, and the largest has {widest}: ask for at most {fitting} node(s) x {} GPUs, or fewer GPUs per node",
+                req.gpus_per_node, req.gpus_per_node
+            )
+        };
         Some(format!(
-            "no set of this cluster's {} nodes can run {} node(s) x {}{model} GPUs: {fitting} node(s) have {} or more{model} GPUs, and the largest has {widest}; the job waits until enough nodes join (cancel it, or ask for at most {fitting} node(s) x {} GPUs, or {} GPUs on one node)",
-            self.nodes.len(),
-            req.nodes,
-            req.gpus_per_node,
-            req.gpus_per_node,
-            req.gpus_per_node,
-            widest,
+            "no set of {seen} can run {} node(s) x {}{model} GPUs: {fits}",
+            req.nodes, req.gpus_per_node
         ))
     }
 
