@@ -505,3 +505,96 @@ rogue_for = "2s"
         (j["state"] == "running").then_some(())
     });
 }
+
+/// `[alerts]` as a config file holds it: built-ins on (bar the disk rule: this test's machine
+/// is not under test) and the SQL rules `rules` (name, query).
+fn alerts_config(rules: &[(&str, &str)]) -> String {
+    let mut text = String::from(
+        "[alerts]\nevaluation_interval = \"1s\"\n[alerts.builtin]\ndisable = [\"StoreDiskFull\"]\n",
+    );
+    for (name, sql) in rules {
+        text.push_str(&format!(
+            "[[alerts.rules]]\nname = \"{name}\"\nsql = \"{sql}\"\nseverity = \"info\"\n"
+        ));
+    }
+    text
+}
+
+/// `perch alerts rules` as its rows: rule name -> the rest of its line.
+fn rules_listed(perch: &Perch) -> Vec<(String, String)> {
+    let (ok, out, err) = perch.cli_as("root", &["alerts", "rules"]);
+    assert!(ok, "{err}");
+    out.lines()
+        .skip(1)
+        .filter_map(|l| l.split_once(' '))
+        .map(|(name, rest)| (name.to_owned(), rest.trim().to_owned()))
+        .collect()
+}
+
+#[test]
+fn sighup_applies_changed_alert_rules_and_every_rule_is_listed_from_the_start() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let quiet = ("Quiet", "SELECT 'n1' AS node WHERE 1 = 0");
+    let mut perch = common::server_with_config(dir.path(), &alerts_config(&[quiet]), &[]);
+    // Every configured rule is listed before any fires (the list was empty until one did).
+    let listed = wait_for("the quiet rule to be evaluated", || {
+        let rules = rules_listed(&perch);
+        rules
+            .iter()
+            .any(|(name, rest)| name == "Quiet" && rest.starts_with("ok "))
+            .then_some(rules)
+    });
+    assert!(
+        listed.iter().any(|(name, _)| name == "NodeHeartbeatLost"),
+        "built-in rules too: {listed:?}"
+    );
+    // A rule added to the file applies on SIGHUP, without a restart (which failed the jobs of
+    // a `perch up`); a rule taken out goes.
+    let always = ("Always", "SELECT 'n1' AS node");
+    std::fs::write(dir.path().join("perch.toml"), alerts_config(&[always])).expect("config");
+    let pid = perch.child.id().to_string();
+    let hup = Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .expect("kill -HUP");
+    assert!(hup.success());
+    let rules = wait_for("the new rule to fire", || {
+        let rules = rules_listed(&perch);
+        rules
+            .iter()
+            .any(|(name, rest)| name == "Always" && rest.starts_with("firing "))
+            .then_some(rules)
+    });
+    assert!(!rules.iter().any(|(name, _)| name == "Quiet"), "{rules:?}");
+    let alerts = get(&perch, "/v1/alerts");
+    assert!(
+        alerts["alerts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|a| a["labels"]["alertname"] == "Always" && a["state"] == "firing"),
+        "{alerts}"
+    );
+    // A file that does not validate changes nothing and says why in the log.
+    std::fs::write(
+        dir.path().join("perch.toml"),
+        "[alerts]\nevaluation_interval = \"soon\"\n",
+    )
+    .expect("config");
+    Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .expect("kill -HUP");
+    wait_for("the refusal in the log", || {
+        perch
+            .log()
+            .contains("SIGHUP: [alerts] was not read again")
+            .then_some(())
+    });
+    assert!(
+        rules_listed(&perch)
+            .iter()
+            .any(|(name, _)| name == "Always")
+    );
+    perch.assert_running();
+}

@@ -192,6 +192,24 @@ impl Engine {
         Ok((engine, transitions))
     }
 
+    /// Runs `config` from now on, as a restart with it would, keeping the state: alerts of
+    /// rules still configured, silences, group timers, the circuit breaker, the outbox. Alerts
+    /// of rules no longer configured resolve (their transitions are returned for the audit
+    /// trail), and every rule is evaluated at the next round, so a changed rule applies at
+    /// once. A config that does not validate changes nothing.
+    pub fn reconfigure(&mut self, config: AlertsConfig, now_ms: i64) -> Result<Vec<Transition>> {
+        let mut snapshot = self.snapshot(now_ms);
+        snapshot.last_evaluation_ms.clear();
+        let (mut engine, transitions) = Self::restore(config, snapshot, now_ms)?;
+        let kept: Vec<String> = engine.rules.iter().map(|r| r.name.clone()).collect();
+        engine.last_error = std::mem::take(&mut self.last_error)
+            .into_iter()
+            .filter(|(rule, _)| kept.contains(rule))
+            .collect();
+        *self = engine;
+        Ok(transitions)
+    }
+
     /// Loads the engine's state from `path` (a fresh engine when the file does not exist).
     pub fn load(config: AlertsConfig, path: &Path, now_ms: i64) -> Result<(Self, Vec<Transition>)> {
         match crate::persist::load_json::<Snapshot>(path)? {

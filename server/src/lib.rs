@@ -72,6 +72,9 @@ pub struct ServerConfig {
     /// Where the scheduling policy is read again on SIGHUP (the config file); `None`: the
     /// policy stays as started.
     pub policy_source: Option<PolicySource>,
+    /// Where the alerting configuration is read again on SIGHUP (the config file); `None`:
+    /// the rules stay as started.
+    pub alerts_source: Option<AlertsSource>,
     /// Where every "now" the server takes comes from (the system's; a manual one in tests).
     pub clock: clock::Clock,
     /// This server's part in a deployment with a standby (`[ha]`); `None`: one server.
@@ -101,6 +104,29 @@ impl PolicySource {
     }
 }
 
+/// Reads the alerting configuration again (the config file's `[alerts]`); the error says what
+/// to change.
+#[derive(Clone)]
+pub struct AlertsSource(Arc<dyn Fn() -> Result<perch_alerts::AlertsConfig, String> + Send + Sync>);
+
+impl AlertsSource {
+    pub fn new(
+        read: impl Fn() -> Result<perch_alerts::AlertsConfig, String> + Send + Sync + 'static,
+    ) -> Self {
+        AlertsSource(Arc::new(read))
+    }
+
+    pub fn read(&self) -> Result<perch_alerts::AlertsConfig, String> {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for AlertsSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AlertsSource")
+    }
+}
+
 impl std::fmt::Debug for PolicySource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("PolicySource")
@@ -123,6 +149,7 @@ impl ServerConfig {
             accounting: accounting::AccountingConfig::default(),
             alerts: perch_alerts::AlertsConfig::default(),
             policy_source: None,
+            alerts_source: None,
             clock: clock::Clock::system(),
             ha: None,
             cluster: cluster::Cluster::Single,
@@ -451,6 +478,11 @@ pub async fn serve(
             .policy_source
             .clone()
             .map(|source| (source, state.jobs.clone())),
+        state
+            .config
+            .alerts_source
+            .clone()
+            .map(|source| (source, state.clone())),
         stop_rx.clone(),
     ));
     let app = router(state.clone());
@@ -507,15 +539,54 @@ fn tls_acceptor(
         .transpose()
 }
 
-/// Reads the tokens file, the TLS certificate and the scheduling policy again on each SIGHUP
-/// until the server stops: an operator adds or revokes a token, installs a renewed
-/// certificate or changes the policy, without a restart. A file that does not parse leaves
-/// what was there, with an error in the log.
+/// `[alerts]` read again and put in force (rules, receivers, routes, inhibitions,
+/// remediation), or, when it does not read or validate, the one in force kept, saying why.
+async fn reload_alerts(source: &AlertsSource, state: &AppState) {
+    let read = tokio::task::spawn_blocking({
+        let source = source.clone();
+        move || source.read()
+    })
+    .await
+    .map_err(|e| e.to_string())
+    .and_then(|r| r);
+    let config = match read {
+        Ok(config) => config,
+        Err(e) => {
+            tracing::error!(error = %e, "SIGHUP: [alerts] was not read again; the rules and receivers as they were stay");
+            return;
+        }
+    };
+    if state.alerts.with(|e| *e.config() == config) {
+        tracing::info!("SIGHUP: [alerts] unchanged");
+        return;
+    }
+    match state.alerts.reconfigure(config, state.now_ms()) {
+        Ok(events) => {
+            let rules = state.alerts.with(|e| e.rules().len());
+            tracing::info!(
+                rules,
+                "SIGHUP: [alerts] read again and in force (rules, receivers, routes, inhibitions, remediation)"
+            );
+            if let Err(e) = state.store.append_events(&events).await {
+                tracing::error!(error = %e, "could not record the alerts of removed rules as resolved");
+            }
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "SIGHUP: the new [alerts] could not be applied; the rules and receivers as they were stay")
+        }
+    }
+}
+
+/// Reads the tokens file, the TLS certificate, the scheduling policy and the alerting
+/// configuration again on each SIGHUP until the server stops: an operator adds or revokes a
+/// token, installs a renewed certificate, changes the policy or the alert rules, without a
+/// restart. A file that does not parse leaves what was there, with an error in the log.
 async fn reload_on_hangup(
     clock: clock::Clock,
     tokens: Arc<auth::Tokens>,
     tls: Option<Arc<tls::Certificates>>,
     policy: Option<(PolicySource, perch_control::JobService)>,
+    alerts: Option<(AlertsSource, AppState)>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     use tokio::signal::unix::{SignalKind, signal};
@@ -551,6 +622,9 @@ async fn reload_on_hangup(
                     tracing::error!(error = %e, "SIGHUP: [scheduler] was not read again; the policy as it was stays")
                 }
             }
+        }
+        if let Some((source, state)) = &alerts {
+            reload_alerts(source, state).await;
         }
         if let Some(tls) = &tls {
             match tls.reload() {

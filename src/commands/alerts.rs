@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 pub struct AlertsArgs {
     #[command(flatten)]
     server: ServerArg,
-    /// Also list resolved alerts and inactive rules.
+    /// Also list resolved alerts and expired silences.
     #[arg(long)]
     all: bool,
     #[command(subcommand)]
@@ -20,7 +20,8 @@ pub struct AlertsArgs {
 
 #[derive(Debug, Subcommand)]
 enum What {
-    /// Rules and their health (last evaluation, errors, alerts per state).
+    /// Every configured rule, with its state (firing, pending, failing, ok), last evaluation,
+    /// error and alerts per state.
     Rules,
     /// Silences: list them, or add or expire one (operators).
     Silence {
@@ -79,7 +80,7 @@ pub fn run(args: AlertsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
     let api = Api::new(&args.server, config_file)?;
     match args.what {
         None => list(&api, args.all),
-        Some(What::Rules) => rules(&api, args.all),
+        Some(What::Rules) => rules(&api),
         Some(What::Silence { what: None }) => silences(&api, args.all),
         Some(What::Silence {
             what:
@@ -206,16 +207,32 @@ fn list(api: &Api, all: bool) -> Result<()> {
     Ok(())
 }
 
-fn rules(api: &Api, all: bool) -> Result<()> {
+/// A rule's state in one word: what fires first, then whether its last evaluation failed.
+fn rule_state(r: &Value) -> &'static str {
+    if r["firing"] != 0 {
+        "firing"
+    } else if r["pending"] != 0 {
+        "pending"
+    } else if !r["last_error"].is_null() {
+        "failing"
+    } else if r["last_evaluation_ms"].is_null() {
+        "not evaluated yet"
+    } else {
+        "ok"
+    }
+}
+
+/// Every configured rule (built-in and from `[alerts]`), quiet ones included, with its state.
+fn rules(api: &Api) -> Result<()> {
     let v: Value = api.get("/v1/alerts")?;
     let rows = v["rules"]
         .as_array()
         .into_iter()
         .flatten()
-        .filter(|r| all || r["firing"] != 0 || r["pending"] != 0 || !r["last_error"].is_null())
         .map(|r| {
             vec![
                 s(&r["name"]),
+                rule_state(r).to_owned(),
                 if r["builtin"] == true {
                     "built-in"
                 } else {
@@ -233,6 +250,7 @@ fn rules(api: &Api, all: bool) -> Result<()> {
     print_table(
         &[
             "RULE",
+            "STATE",
             "FROM",
             "SEVERITY",
             "FIRING",

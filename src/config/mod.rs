@@ -224,6 +224,13 @@ impl Config {
         config.max_syncs_per_second = s.max_syncs_per_second;
         config.accounting = self.accounting.server_config();
         config.alerts = self.alerts.clone();
+        if let Some(path) = self.source.clone() {
+            config.alerts_source = Some(perch_server::AlertsSource::new(move || {
+                ConfigFile::read(&path)
+                    .map(|f| f.config.alerts)
+                    .map_err(|e| format!("{e:#}"))
+            }));
+        }
         if !s.tokens_file.as_os_str().is_empty() {
             config.tokens =
                 perch_server::auth::Tokens::load(&s.tokens_file).map_err(anyhow::Error::msg)?;

@@ -44,7 +44,9 @@ pub struct AlertCounters {
 #[derive(Debug)]
 pub struct AlertService {
     engine: Mutex<Engine>,
-    notifier: Notifier,
+    /// The receivers, replaced whole when `[alerts]` is read again; a delivery under way
+    /// keeps the ones it started with.
+    notifier: Mutex<std::sync::Arc<Notifier>>,
     state_path: PathBuf,
     /// When the state was last saved (Unix ms), for the periodic save of quiet rounds.
     saved_at_ms: std::sync::atomic::AtomicI64,
@@ -87,7 +89,7 @@ impl AlertService {
         Ok((
             AlertService {
                 engine: Mutex::new(engine),
-                notifier,
+                notifier: Mutex::new(std::sync::Arc::new(notifier)),
                 state_path,
                 saved_at_ms: std::sync::atomic::AtomicI64::new(now_ms),
                 delivered: std::sync::atomic::AtomicBool::new(false),
@@ -100,6 +102,25 @@ impl AlertService {
     /// Runs `f` on the engine.
     pub fn with<T>(&self, f: impl FnOnce(&mut Engine) -> T) -> T {
         f(&mut lock(&self.engine))
+    }
+
+    /// Runs `config` (`[alerts]` read again, on SIGHUP) from now on: its rules, receivers,
+    /// routes, inhibitions and remediation guardrails, keeping alerts, silences, group timers
+    /// and the circuit breaker, as a restart would. Returns the audit records of alerts whose
+    /// rule is gone (they resolve). A config whose receivers cannot be built, or that does not
+    /// validate, changes nothing.
+    pub fn reconfigure(
+        &self,
+        config: AlertsConfig,
+        now_ms: i64,
+    ) -> Result<Vec<ClusterEvent>, String> {
+        let notifier = Notifier::new(&config).map_err(|e| e.to_string())?;
+        let transitions = self
+            .with(|e| e.reconfigure(config, now_ms))
+            .map_err(|e| e.to_string())?;
+        *lock(&self.notifier) = std::sync::Arc::new(notifier);
+        self.save(now_ms);
+        Ok(transitions.iter().filter_map(|t| t.to_event()).collect())
     }
 
     /// Saves the engine's state (atomically replaced).
@@ -218,7 +239,8 @@ async fn round_inner(state: &AppState) {
 }
 
 async fn deliver(state: &AppState, n: Notification) {
-    for d in state.alerts.notifier.send(&n).await {
+    let notifier = lock(&state.alerts.notifier).clone();
+    for d in notifier.send(&n).await {
         state.alerts.count_delivery(&d);
         match &d.error {
             None => {
