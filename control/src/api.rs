@@ -86,15 +86,29 @@ pub struct StartEstimate {
 }
 
 /// A job's accounting as the `jobs` table has it, in `GET /v1/jobs/{id}`.
+///
+/// Two windows: `gpu_seconds_allocated` and `cost_allocated` run to now; every other figure
+/// covers the accounted window, up to `accounted_until` (telemetry is folded minutes behind),
+/// so `efficiency` and `idle_cost` compare `gpu_seconds_used` and `cost_used` with
+/// `gpu_seconds_accounted` and `cost_accounted`, never with the allocation to now.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct JobUsage {
     pub gpu_seconds_allocated: Option<f64>,
     pub gpu_seconds_accounted: Option<f64>,
     pub gpu_seconds_used: Option<f64>,
+    /// `gpu_seconds_used / gpu_seconds_accounted` (0 to 1), within the accounted window.
+    #[serde(default)]
+    pub efficiency: Option<f64>,
     pub utilization_mean_pct: Option<f64>,
     pub energy_joules: Option<f64>,
     pub cost_allocated: Option<f64>,
+    /// Cost by allocation of `gpu_seconds_accounted`: the accounted window's.
+    #[serde(default)]
+    pub cost_accounted: Option<f64>,
     pub cost_used: Option<f64>,
+    /// `cost_accounted - cost_used`: what idle allocated GPUs cost within the accounted window.
+    #[serde(default)]
+    pub idle_cost: Option<f64>,
     /// Telemetry is folded up to this time (as the `jobs` table writes a timestamp).
     pub accounted_until: Option<String>,
     pub end_time: Option<String>,

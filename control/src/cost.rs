@@ -55,9 +55,37 @@ impl Prices {
             used_seconds.map(|s| s / 3600.0 * price + energy_cost),
         )
     }
+
+    /// What one GPU of `model` cost by allocation over its accounted window: `accounted_seconds`
+    /// (the allocated seconds whose telemetry is folded) and the energy drawn in them; `None`
+    /// when nothing is accounted. The energy is the same as in the cost by use, so the idle
+    /// cost, this less the cost by use, is the idle GPU-seconds' price alone.
+    pub fn accounted_cost(
+        &self,
+        model: &str,
+        accounted_seconds: Option<f64>,
+        energy_joules: Option<f64>,
+    ) -> Option<f64> {
+        accounted_seconds.map(|s| self.gpu_costs(model, s, None, energy_joules).0)
+    }
+}
+
+/// The idle cost of an accounted window: its cost by allocation less its cost by use, never
+/// below 0 (the two differ by the idle GPU-seconds' price; rounding must not make it negative).
+pub fn idle_cost(cost_accounted: Option<f64>, cost_used: Option<f64>) -> Option<f64> {
+    match (cost_accounted, cost_used) {
+        (Some(a), Some(u)) => Some((a - u).max(0.0)),
+        _ => None,
+    }
 }
 
 /// One GPU of one allocation, as the tables show it.
+///
+/// Two windows: `allocated_seconds` and `cost_allocated` run to now; everything from telemetry
+/// covers the *accounted window*, from the allocation's start to its checkpoint
+/// ([`Allocation::folded_end_ms`]), and so do `accounted_seconds` (the allocated seconds of
+/// that window) and `cost_accounted`. Efficiency (used / accounted) and idle cost
+/// (`cost_accounted - cost_used`) are worked out within the accounted window only.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct GpuFigures {
     pub allocated_seconds: f64,
@@ -70,7 +98,29 @@ pub struct GpuFigures {
     pub energy_joules: Option<f64>,
     pub samples: u64,
     pub cost_allocated: f64,
+    /// Cost by allocation of `accounted_seconds` (and the energy drawn in them).
+    pub cost_accounted: Option<f64>,
     pub cost_used: Option<f64>,
+}
+
+impl GpuFigures {
+    /// `cost_accounted - cost_used`: what the idle GPU-seconds of the accounted window cost.
+    pub fn idle_cost(&self) -> Option<f64> {
+        idle_cost(self.cost_accounted, self.cost_used)
+    }
+
+    /// Used / accounted GPU-seconds (0 to 1), within the accounted window.
+    pub fn efficiency(&self) -> Option<f64> {
+        efficiency(self.used_seconds, self.accounted_seconds)
+    }
+}
+
+/// Used / accounted GPU-seconds, `None` when either is unknown or nothing is accounted.
+pub fn efficiency(used: Option<f64>, accounted: Option<f64>) -> Option<f64> {
+    match (used, accounted) {
+        (Some(u), Some(a)) if a > 0.0 => Some(u / a),
+        _ => None,
+    }
 }
 
 /// The figures of GPU `g` (position in `a.gpus`) of allocation `a` at `now_ms`.
@@ -95,9 +145,11 @@ pub fn gpu_figures(a: &Allocation, g: usize, now_ms: i64, prices: &Prices) -> Gp
     let energy_joules = u.energy_joules(folded);
     let (cost_allocated, cost_used) =
         prices.gpu_costs(&a.gpu_model, allocated_seconds, used_seconds, energy_joules);
+    let accounted_seconds = used_seconds.map(|_| folded);
     GpuFigures {
         allocated_seconds,
-        accounted_seconds: used_seconds.map(|_| folded),
+        accounted_seconds,
+        cost_accounted: prices.accounted_cost(&a.gpu_model, accounted_seconds, energy_joules),
         used_seconds,
         util_peak_pct: u.util_max,
         memory_peak_bytes: u.memory_max_bytes,
@@ -138,6 +190,7 @@ pub struct Totals {
     pub memory: Option<u64>,
     pub energy: Option<f64>,
     pub cost_allocated: f64,
+    pub cost_accounted: Option<f64>,
     pub cost_used: Option<f64>,
 }
 
@@ -172,7 +225,18 @@ impl Totals {
         self.memory = self.memory.max(f.memory_peak_bytes);
         self.energy = add(self.energy, f.energy_joules);
         self.cost_allocated += f.cost_allocated;
+        self.cost_accounted = add(self.cost_accounted, f.cost_accounted);
         self.cost_used = add(self.cost_used, f.cost_used);
+    }
+
+    /// `cost_accounted - cost_used`, within the accounted window.
+    pub fn idle_cost(&self) -> Option<f64> {
+        idle_cost(self.cost_accounted, self.cost_used)
+    }
+
+    /// Used / accounted GPU-seconds (0 to 1), within the accounted window.
+    pub fn efficiency(&self) -> Option<f64> {
+        efficiency(self.used, self.accounted)
     }
 
     /// Time-weighted mean utilization over the accounted GPU-time.

@@ -22,6 +22,12 @@ pub struct GpuUsage {
     /// Lowest and highest reading of the `energy_joules` counter.
     pub energy_min_joules: Option<f64>,
     pub energy_max_joules: Option<f64>,
+    /// When the counter was first and last read (sample times, ms): the stretch its rise
+    /// covers. `None` in usage folded before perch recorded them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub energy_first_ms: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub energy_last_ms: Option<i64>,
     /// Rows that reported `power_watts`, and the sum of their readings.
     pub power_samples: u64,
     pub power_sum_watts: f64,
@@ -54,6 +60,11 @@ impl GpuUsage {
         };
         self.energy_min_joules = min_f(self.energy_min_joules, other.energy_min_joules);
         self.energy_max_joules = max_f(self.energy_max_joules, other.energy_max_joules);
+        self.energy_first_ms = match (self.energy_first_ms, other.energy_first_ms) {
+            (Some(x), Some(y)) => Some(x.min(y)),
+            (x, y) => x.or(y),
+        };
+        self.energy_last_ms = self.energy_last_ms.max(other.energy_last_ms);
         self.power_samples += other.power_samples;
         self.power_sum_watts += other.power_sum_watts;
     }
@@ -69,16 +80,34 @@ impl GpuUsage {
         self.mean_utilization_pct().map(|pct| seconds * pct / 100.0)
     }
 
-    /// Energy drawn over `seconds` of folded allocation: the rise of the energy counter when
-    /// the GPU reports one, else the mean power times the seconds; `None` when it reports
-    /// neither.
+    /// Mean `power_watts` of the folded samples; `None` when none reported it.
+    pub fn mean_power_watts(&self) -> Option<f64> {
+        (self.power_samples > 0).then(|| self.power_sum_watts / self.power_samples as f64)
+    }
+
+    /// Energy drawn over `seconds` of folded allocation (docs/schema.md, "Accounting and
+    /// cost"): when the energy counter was read at two different times, its rise between them
+    /// plus, for the part of the `seconds` those readings do not span, the mean power times
+    /// that part (the counter's own mean rate where no power was reported); else the mean
+    /// power times the seconds; `None` when the GPU reported neither. A job with one sample
+    /// per GPU is therefore not a false 0: its counter has no rise to read.
     pub fn energy_joules(&self, seconds: f64) -> Option<f64> {
-        match (self.energy_min_joules, self.energy_max_joules) {
-            (Some(lo), Some(hi)) => Some((hi - lo).max(0.0)),
-            _ if self.power_samples > 0 => {
-                Some(self.power_sum_watts / self.power_samples as f64 * seconds)
+        let power = self.mean_power_watts();
+        match (
+            self.energy_min_joules,
+            self.energy_max_joules,
+            self.energy_first_ms,
+            self.energy_last_ms,
+        ) {
+            (Some(lo), Some(hi), Some(first), Some(last)) if last > first => {
+                let rise = (hi - lo).max(0.0);
+                let span = (last - first) as f64 / 1000.0;
+                let rate = power.unwrap_or(rise / span);
+                Some(rise + rate * (seconds - span).max(0.0))
             }
-            _ => None,
+            // Folded before the readings' times were recorded: the rise alone, as then.
+            (Some(lo), Some(hi), None, None) if hi > lo => Some(hi - lo),
+            _ => power.map(|w| w * seconds),
         }
     }
 }
@@ -134,8 +163,13 @@ mod tests {
     type Row = (Option<f64>, Option<u64>, Option<f64>, Option<f64>);
 
     fn usage(rows: &[Row]) -> GpuUsage {
+        usage_from(rows, 0)
+    }
+
+    /// The rows as samples one second apart, the first at second `first`.
+    fn usage_from(rows: &[Row], first: i64) -> GpuUsage {
         let mut u = GpuUsage::default();
-        for &(util, mem, energy, power) in rows {
+        for (t, &(util, mem, energy, power)) in (first..).map(|i| i * 1000).zip(rows) {
             u.merge(&GpuUsage {
                 samples: 1,
                 util_samples: u64::from(util.is_some()),
@@ -144,6 +178,8 @@ mod tests {
                 memory_max_bytes: mem,
                 energy_min_joules: energy,
                 energy_max_joules: energy,
+                energy_first_ms: energy.map(|_| t),
+                energy_last_ms: energy.map(|_| t),
                 power_samples: u64::from(power.is_some()),
                 power_sum_watts: power.unwrap_or(0.0),
             });
@@ -163,7 +199,31 @@ mod tests {
         assert_eq!(u.used_seconds(10.0), Some(7.5));
         assert_eq!(u.util_max, Some(100.0));
         assert_eq!(u.memory_max_bytes, Some(30));
-        assert_eq!(u.energy_joules(10.0), Some(600.0), "the counter's rise");
+        assert_eq!(
+            u.energy_joules(1.0),
+            Some(600.0),
+            "the counter's rise over the second its readings span"
+        );
+        assert_eq!(
+            u.energy_joules(10.0),
+            Some(600.0 + 250.0 * 9.0),
+            "plus the mean power over the nine seconds they do not"
+        );
+        // One sample per GPU (a short job): the counter has no rise to read, so the energy is
+        // the mean power x time, never a false 0; unknown without power.
+        let once = usage(&[(Some(90.0), None, Some(5.0e6), Some(650.0))]);
+        assert_eq!(once.energy_joules(4.0), Some(2600.0), "not a false 0");
+        let counter_only = usage(&[(Some(90.0), None, Some(5.0e6), None)]);
+        assert_eq!(counter_only.energy_joules(4.0), None, "unknown, not 0");
+        let no_power = usage(&[
+            (Some(90.0), None, Some(1000.0), None),
+            (Some(90.0), None, Some(1500.0), None),
+        ]);
+        assert_eq!(
+            no_power.energy_joules(3.0),
+            Some(1500.0),
+            "without power, the counter's own rate over the rest"
+        );
         let no_counter = usage(&[(Some(0.0), None, None, Some(100.0))]);
         assert_eq!(
             no_counter.energy_joules(4.0),
@@ -223,7 +283,7 @@ mod tests {
             let split = split.min(rows.len());
             let whole = usage(&rows);
             let mut parts = usage(&rows[..split]);
-            parts.merge(&usage(&rows[split..]));
+            parts.merge(&usage_from(&rows[split..], split as i64));
             prop_assert_eq!(whole.samples, parts.samples);
             prop_assert_eq!(whole.util_max, parts.util_max);
             prop_assert_eq!(whole.memory_max_bytes, parts.memory_max_bytes);

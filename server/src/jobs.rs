@@ -324,6 +324,9 @@ fn usage(state: &AppState, job: &JobRecord) -> Option<JobUsage> {
             return None;
         }
     };
+    // Within the accounted window, as `cost_accounted` and `idle_cost` are (the row's).
+    usage.efficiency =
+        perch_control::cost::efficiency(usage.gpu_seconds_used, usage.gpu_seconds_accounted);
     let config = &state.config.accounting;
     let (fold, settle) = (config.fold_interval.as_secs(), config.settle.as_secs());
     let folded = usage.gpu_seconds_accounted.unwrap_or(0.0) > 0.0;
@@ -338,7 +341,7 @@ fn usage(state: &AppState, job: &JobRecord) -> Option<JobUsage> {
         Some("no utilization folded yet: its GPUs have not reported any (see gpu_samples)".into())
     } else if running {
         Some(format!(
-            "telemetry figures cover the job up to accounted_until and lag it by {settle} to {} s; GPU-seconds allocated run to now",
+            "telemetry figures (GPU-seconds accounted and used, efficiency, energy, cost accounted, used and idle) cover the job up to accounted_until and lag it by {settle} to {} s; GPU-seconds and cost allocated run to now",
             fold + settle
         ))
     } else if !complete {
@@ -896,8 +899,9 @@ mod tests {
             serde_json::from_value(serde_json::Value::Object(row.clone())).expect("usage");
         let written = serde_json::to_value(&usage).expect("json");
         let written = written.as_object().expect("an object");
-        assert_eq!(written.len(), 10);
-        for (key, value) in written {
+        // Efficiency is worked out by `usage` from two of them; the rest are the row's.
+        assert_eq!(written.len(), 13);
+        for (key, value) in written.iter().filter(|(k, _)| *k != "efficiency") {
             assert_eq!(
                 value.to_string(),
                 row[key].to_string(),

@@ -2086,6 +2086,7 @@ async fn settled_jobs_leave_memory_and_read_back_as_they_were() {
         energy_max_joules: Some(510.0),
         power_samples: 5,
         power_sum_watts: 1000.0,
+        ..GpuUsage::default()
     };
     jobs.fold_all(at(60), usage).await;
     let prices = crate::cost::Prices {

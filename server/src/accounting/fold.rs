@@ -57,6 +57,8 @@ SELECT w.k AS k,
   max(s.memory_used_bytes) AS memory_max_bytes,
   min(s.energy_joules) AS energy_min_joules,
   max(s.energy_joules) AS energy_max_joules,
+  CAST(min(CASE WHEN s.energy_joules IS NOT NULL THEN s.time END) AS BIGINT) AS energy_first_ms,
+  CAST(max(CASE WHEN s.energy_joules IS NOT NULL THEN s.time END) AS BIGINT) AS energy_last_ms,
   count(s.power_watts) AS power_samples,
   sum(s.power_watts) AS power_sum_watts,
   CAST(max(CAST(s.simulated AS INT)) AS BIGINT) AS simulated
@@ -71,6 +73,14 @@ fn f64_at(b: &RecordBatch, name: &'static str, row: usize) -> Result<Option<f64>
     let c = b.column_by_name(name).ok_or(FoldError::Shape(name))?;
     let c = c
         .as_primitive_opt::<Float64Type>()
+        .ok_or(FoldError::Shape(name))?;
+    Ok(c.is_valid(row).then(|| c.value(row)))
+}
+
+fn opt_i64_at(b: &RecordBatch, name: &'static str, row: usize) -> Result<Option<i64>, FoldError> {
+    let c = b.column_by_name(name).ok_or(FoldError::Shape(name))?;
+    let c = c
+        .as_primitive_opt::<Int64Type>()
         .ok_or(FoldError::Shape(name))?;
     Ok(c.is_valid(row).then(|| c.value(row)))
 }
@@ -118,6 +128,8 @@ pub async fn fold(sql: &SqlEngine, windows: Vec<FoldWindow>) -> Result<Vec<Folde
                     memory_max_bytes: u64_at(b, "memory_max_bytes", row)?,
                     energy_min_joules: f64_at(b, "energy_min_joules", row)?,
                     energy_max_joules: f64_at(b, "energy_max_joules", row)?,
+                    energy_first_ms: opt_i64_at(b, "energy_first_ms", row)?,
+                    energy_last_ms: opt_i64_at(b, "energy_last_ms", row)?,
                     power_samples: i64_at(b, "power_samples", row)?.max(0) as u64,
                     power_sum_watts: f64_at(b, "power_sum_watts", row)?.unwrap_or(0.0),
                 };

@@ -56,7 +56,7 @@ use std::sync::Arc;
 
 /// The format version of the files this binary writes, and the only one it reads: bump it
 /// with any change to the files' columns or to what a column means.
-pub(crate) const FORMAT_VERSION: u32 = 1;
+pub(crate) const FORMAT_VERSION: u32 = 2;
 
 /// The Parquet key-value metadata key holding a file's format version (decimal). A file
 /// without it was written before versions were recorded, and is version 1.
@@ -626,15 +626,22 @@ fn floats(batch: &RecordBatch, name: &str) -> Result<Float64Array, String> {
 }
 
 /// The columns of `job_allocations` that what a GPU cost is worked out from.
-const COST_INPUTS: [&str; 4] = [
+const COST_INPUTS: [&str; 5] = [
     "gpu_model",
     "gpu_seconds_allocated",
+    "gpu_seconds_accounted",
     "gpu_seconds_used",
     "energy_joules",
 ];
 
-/// What each allocation row of `batch` (with [`COST_INPUTS`]) cost at `prices`.
-type Costs = (Vec<f64>, Vec<Option<f64>>);
+/// What each allocation row of `batch` (with [`COST_INPUTS`]) cost at `prices`: by
+/// allocation, and within the accounted window by allocation and by use.
+#[derive(Debug, Default)]
+struct Costs {
+    allocated: Vec<f64>,
+    accounted: Vec<Option<f64>>,
+    used: Vec<Option<f64>>,
+}
 
 fn costs(batch: &RecordBatch, prices: &Prices) -> Result<Costs, String> {
     let model: StringArray = downcast_array(
@@ -644,19 +651,27 @@ fn costs(batch: &RecordBatch, prices: &Prices) -> Result<Costs, String> {
             .as_ref(),
     );
     let allocated = floats(batch, "gpu_seconds_allocated")?;
+    let accounted = floats(batch, "gpu_seconds_accounted")?;
     let used = floats(batch, "gpu_seconds_used")?;
     let energy = floats(batch, "energy_joules")?;
     let value = |a: &Float64Array, i: usize| a.is_valid(i).then(|| a.value(i));
-    Ok((0..batch.num_rows())
-        .map(|i| {
-            prices.gpu_costs(
-                model.value(i),
-                allocated.value(i),
-                value(&used, i),
-                value(&energy, i),
-            )
-        })
-        .unzip())
+    let mut out = Costs::default();
+    for i in 0..batch.num_rows() {
+        let (by_allocation, by_use) = prices.gpu_costs(
+            model.value(i),
+            allocated.value(i),
+            value(&used, i),
+            value(&energy, i),
+        );
+        out.allocated.push(by_allocation);
+        out.accounted.push(prices.accounted_cost(
+            model.value(i),
+            value(&accounted, i),
+            value(&energy, i),
+        ));
+        out.used.push(by_use);
+    }
+    Ok(out)
 }
 
 /// `batch`'s job ids (its first column, as stored).
@@ -690,20 +705,24 @@ fn assemble(
     schema: &SchemaRef,
     costs: Option<Costs>,
 ) -> Result<RecordBatch, String> {
-    let (mut allocated, mut used) = costs.map_or((None, None), |(a, u)| (Some(a), Some(u)));
+    let floats = |v: Vec<Option<f64>>| Arc::new(Float64Array::from(v)) as ArrayRef;
     let columns = schema
         .fields()
         .iter()
         .map(|f| {
-            let priced: Option<ArrayRef> = match f.name().as_str() {
-                "cost_allocated" => allocated
-                    .take()
-                    .map(|a| Arc::new(Float64Array::from(a)) as ArrayRef),
-                "cost_used" => used
-                    .take()
-                    .map(|u| Arc::new(Float64Array::from(u)) as ArrayRef),
+            let priced: Option<ArrayRef> = costs.as_ref().and_then(|c| match f.name().as_str() {
+                "cost_allocated" => Some(Arc::new(Float64Array::from(c.allocated.clone())) as _),
+                "cost_accounted" => Some(floats(c.accounted.clone())),
+                "cost_used" => Some(floats(c.used.clone())),
+                "idle_cost" => Some(floats(
+                    c.accounted
+                        .iter()
+                        .zip(&c.used)
+                        .map(|(a, u)| perch_control::cost::idle_cost(*a, *u))
+                        .collect(),
+                )),
                 _ => None,
-            };
+            });
             priced
                 .or_else(|| batch.column_by_name(f.name()).cloned())
                 .ok_or_else(|| format!("settled rows lack column {}", f.name()))
@@ -840,7 +859,7 @@ impl View {
             jobs: None,
         };
         for (jobs, allocations) in &self.files {
-            let mut by_job: HashMap<u64, (f64, Option<f64>)> = HashMap::new();
+            let mut by_job: HashMap<u64, (f64, Option<f64>, Option<f64>)> = HashMap::new();
             if priced {
                 // The GPUs' costs of the jobs the query may keep: the job ids in the row
                 // groups of jobs it reads, and its filters on job ids (only a job id means
@@ -861,25 +880,31 @@ impl View {
                 };
                 let inputs: Vec<&str> = std::iter::once("job").chain(COST_INPUTS).collect();
                 self.each(allocations, &inputs, pick, |batch| {
-                    let (all, used) = costs(&batch, prices).map_err(Unread::File)?;
+                    let c = costs(&batch, prices).map_err(Unread::File)?;
+                    let add = |a: Option<f64>, b: Option<f64>| match (a, b) {
+                        (Some(x), Some(y)) => Some(x + y),
+                        (x, y) => x.or(y),
+                    };
                     for (i, job) in job_ids(&batch).values().iter().enumerate() {
-                        let sum = by_job.entry(*job).or_insert((0.0, None));
-                        sum.0 += all[i];
-                        sum.1 = match (sum.1, used[i]) {
-                            (Some(x), Some(y)) => Some(x + y),
-                            (x, y) => x.or(y),
-                        };
+                        let sum = by_job.entry(*job).or_insert((0.0, None, None));
+                        sum.0 += c.allocated[i];
+                        sum.1 = add(sum.1, c.accounted[i]);
+                        sum.2 = add(sum.2, c.used[i]);
                     }
                     Ok(())
                 })?;
             }
             self.each(jobs, &columns, pick, |batch| {
                 let costs = priced.then(|| {
-                    job_ids(&batch)
-                        .values()
-                        .iter()
-                        .map(|id| by_job.get(id).copied().unwrap_or((0.0, None)))
-                        .unzip()
+                    let mut c = Costs::default();
+                    for id in job_ids(&batch).values().iter() {
+                        let (allocated, accounted, used) =
+                            by_job.get(id).copied().unwrap_or((0.0, None, None));
+                        c.allocated.push(allocated);
+                        c.accounted.push(accounted);
+                        c.used.push(used);
+                    }
+                    c
                 });
                 out.extend(keep(room, assemble(&batch, schema, costs))?);
                 Ok(())
@@ -1271,44 +1296,26 @@ mod tests {
             .and_then(|e| e.value.clone())
     }
 
+    /// The previous release's files are version 1 (no version key): their `energy_joules` and
+    /// `accounted_until` follow older rules (a short job's energy a false 0), so a start deletes
+    /// them, and the recording task writes their jobs again from the job database.
     #[test]
-    fn the_previous_releases_files_are_read_with_their_rows() {
+    fn the_previous_releases_files_are_written_again() {
         let dir = copied(&previous_release_files());
-        let before = names(dir.path());
         let jobs_file = dir.path().join("0000000000-0000000000.jobs.parquet");
         assert_eq!(
             recorded_version(&jobs_file),
             None,
             "written before versions"
         );
-        let (rows, mut ids) = SettledRows::open(dir.path()).expect("open");
-        ids.sort();
-        assert_eq!(ids, [1, 2]);
-        assert_eq!(names(dir.path()), before, "kept, not written again");
-        let view = rows
-            .view(HashSet::new(), rows.epoch())
-            .expect("view")
-            .expect("this epoch");
-        let mut unlimited = |_| Ok(());
-        let mut models = Vec::new();
-        view.allocation_columns(&["gpu_model"], &mut Room::new(&mut unlimited), |b| {
-            let ids = job_ids(&b);
-            let column: StringArray = downcast_array(b.column(1).as_ref());
-            for i in 0..b.num_rows() {
-                models.push((ids.value(i), column.value(i).to_owned()));
-            }
-        })
-        .expect("read");
-        models.sort();
-        assert_eq!(models, [(1, "H100".to_owned()), (2, "A100".to_owned())]);
-        let users = read(
-            File::open(&jobs_file).expect("open"),
-            Kind::Jobs,
-            Some(&["job", "user_name"]),
-        )
-        .expect("read");
-        let users: StringArray = downcast_array(users[0].column(1).as_ref());
-        assert_eq!(users.iter().flatten().collect::<Vec<_>>(), ["alice", "bob"]);
+        assert_eq!(names(dir.path()).len(), 2, "a pair");
+        let Err(said) = reader(File::open(&jobs_file).expect("open"), Kind::Jobs, None) else {
+            panic!("a file of version 1 is refused");
+        };
+        assert!(said.contains("format version 1"), "{said}");
+        let (_rows, ids) = SettledRows::open(dir.path()).expect("open");
+        assert!(ids.is_empty(), "no job is read from them: {ids:?}");
+        assert!(names(dir.path()).is_empty(), "the pair is deleted");
     }
 
     #[test]

@@ -98,9 +98,16 @@ impl<'a, R> Columns<'a, R> {
 }
 
 /// Telemetry up to this time is in a job's accounting: the earliest checkpoint of its
-/// allocations (an ended and fully folded one counts as its end).
+/// allocations still being folded; once every one is final (ended and folded to its end), the
+/// latest end. An allocation that ended earlier and is final does not hold it back: a
+/// requeued job's first attempt, folded whole, says nothing of how far the running one is.
 fn accounted_until(job: &JobRecord) -> Option<i64> {
-    job.allocations.iter().map(|a| a.folded_end_ms()).min()
+    job.allocations
+        .iter()
+        .filter(|a| !a.is_final())
+        .map(|a| a.folded_end_ms())
+        .min()
+        .or_else(|| job.allocations.iter().map(|a| a.folded_end_ms()).max())
 }
 
 /// `jobs`: sacct's fields plus what sacct cannot tell.
@@ -210,6 +217,8 @@ impl JobsTable {
             .f64("energy_joules", true, |r| r.totals.energy)
             .f64("cost_allocated", false, |r| Some(r.totals.cost_allocated))
             .f64("cost_used", true, |r| r.totals.cost_used)
+            .f64("cost_accounted", true, |r| r.totals.cost_accounted)
+            .f64("idle_cost", true, |r| r.totals.idle_cost())
             .time("accounted_until", true, |r| r.accounted_until)
             .bool("simulated", false, |r| Some(r.simulated))
     }
@@ -308,7 +317,7 @@ fn projected(schema: &SchemaRef, projection: Option<&[usize]>) -> Result<SchemaR
 
 /// The columns of a table that hold prices: settled rows are stored without them
 /// ([`super::settled`]) and priced when read.
-pub(crate) const PRICED: [&str; 2] = ["cost_allocated", "cost_used"];
+pub(crate) const PRICED: [&str; 4] = ["cost_allocated", "cost_used", "cost_accounted", "idle_cost"];
 
 /// `batch` less its priced columns.
 fn unpriced(batch: &RecordBatch) -> Result<RecordBatch, String> {
@@ -418,6 +427,8 @@ impl AllocationsTable {
             .u64("samples", false, |a| Some(a.f.samples))
             .f64("cost_allocated", false, |a| Some(a.f.cost_allocated))
             .f64("cost_used", true, |a| a.f.cost_used)
+            .f64("cost_accounted", true, |a| a.f.cost_accounted)
+            .f64("idle_cost", true, |a| a.f.idle_cost())
             .time("accounted_until", false, |a| Some(a.accounted_until))
             .bool("simulated", false, |a| Some(a.simulated))
     }
@@ -696,24 +707,32 @@ impl LiveTable for DailyTable {
     }
 }
 
-/// Per-job cost, OpenCost's split: by allocation, by use, and the idle difference.
+/// Per-job cost, OpenCost's split: by allocation (to now), and within the accounted window
+/// (up to `accounted_until`) by allocation, by use, and the idle difference, with the
+/// efficiency of that same window.
 const JOB_COSTS: &str =
     "SELECT job, name, user_name, account, state, gpu_model, start_time, end_time,
   gpu_seconds_allocated / 3600 AS gpu_hours_allocated,
+  gpu_seconds_accounted / 3600 AS gpu_hours_accounted,
   gpu_seconds_used / 3600 AS gpu_hours_used,
   gpu_seconds_used / nullif(gpu_seconds_accounted, 0) AS efficiency,
   energy_joules / 3600000 AS energy_kwh,
-  cost_allocated, cost_used, cost_allocated - cost_used AS idle_cost, simulated
+  cost_allocated, cost_accounted, cost_used, idle_cost, accounted_until, simulated
 FROM jobs WHERE attempts > 0";
 
-/// The sums the per-user and per-account views share.
+/// The sums the per-user and per-account views share: allocated to now; the rest within each
+/// job's accounted window, so efficiency and idle cost compare like with like.
+/// `accounted_until` is the earliest of the jobs still being folded (NULL when none is).
 const SUMS: &str = "count(*) AS jobs,
   sum(gpu_seconds_allocated) / 3600 AS gpu_hours_allocated,
+  sum(gpu_seconds_accounted) / 3600 AS gpu_hours_accounted,
   sum(gpu_seconds_used) / 3600 AS gpu_hours_used,
   sum(gpu_seconds_used) / nullif(sum(gpu_seconds_accounted), 0) AS efficiency,
   sum(cost_allocated) AS cost_allocated,
+  sum(cost_accounted) AS cost_accounted,
   sum(cost_used) AS cost_used,
-  sum(cost_allocated) - sum(cost_used) AS idle_cost";
+  greatest(sum(cost_accounted) - sum(cost_used), 0) AS idle_cost,
+  min(accounted_until) FILTER (WHERE end_time IS NULL OR accounted_until < end_time) AS accounted_until";
 
 /// Registers the accounting tables and views on `sql`.
 pub fn register(sql: SqlEngine, jobs: &JobService, config: AccountingConfig) -> SqlEngine {

@@ -100,18 +100,25 @@ struct Harness {
 
 impl Harness {
     fn open(dir: tempfile::TempDir) -> Harness {
+        Harness::open_with(dir, JobsConfig::default(), AccountingConfig::default())
+    }
+
+    fn open_with(
+        dir: tempfile::TempDir,
+        jobs_config: JobsConfig,
+        accounting: AccountingConfig,
+    ) -> Harness {
         let mut config = StoreConfig::new(dir.path());
         config
             .retention
             .insert(Table::GpuSamples, Duration::from_secs(3600));
         let store = Store::open(config).expect("store");
         let (tx, events) = JobService::event_channel();
-        let jobs = History::open(&dir.path().join("control"), None, JobsConfig::default(), tx)
-            .expect("jobs");
+        let jobs = History::open(&dir.path().join("control"), None, jobs_config, tx).expect("jobs");
         let sql = tables::register(
             SqlEngine::new(store.clone(), QueryLimits::default()),
             &jobs,
-            AccountingConfig::default(),
+            accounting,
         );
         Harness {
             _dir: dir,
@@ -242,8 +249,15 @@ fn expected(all: &[Sample], from: i64, to: i64) -> (f64, f64, f64, u64, f64) {
     let seconds = (to - from) as f64 / 1000.0;
     let peak = utils.iter().copied().fold(f64::MIN, f64::max);
     let memory = s.iter().map(|s| s.memory).max().unwrap_or(0);
-    let energy = s.iter().map(|s| s.energy).fold(f64::MIN, f64::max)
+    // The counter's rise between its first and last reading, plus the mean power over the
+    // part of the window those readings do not span.
+    let rise = s.iter().map(|s| s.energy).fold(f64::MIN, f64::max)
         - s.iter().map(|s| s.energy).fold(f64::MAX, f64::min);
+    let span = (s.iter().map(|s| s.time).max().unwrap_or(0)
+        - s.iter().map(|s| s.time).min().unwrap_or(0)) as f64
+        / 1000.0;
+    let power = s.iter().map(|s| s.power).sum::<f64>() / s.len() as f64;
+    let energy = rise + power * (seconds - span);
     (seconds * mean / 100.0, mean, peak, memory, energy)
 }
 
@@ -645,6 +659,7 @@ async fn settled_rows_answer_sql_as_the_records_did() {
         energy_max_joules: Some(510_000.0),
         power_samples: 5,
         power_sum_watts: 1000.0,
+        ..GpuUsage::default()
     };
     let until = T0 + 3 * HOUR;
     jobs.fold_all(until, usage).await;
@@ -951,4 +966,375 @@ async fn live_tables_and_metrics_show_only_durable_changes() {
         jobs.durable(seq),
         "/metrics showed a change not yet durable"
     );
+}
+
+/// Within `tolerance` of each other (relative, or absolute near 0).
+fn near(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0)
+}
+
+/// What the agent of `NODE` says at `at`: the job's open allocation there runs, or has exited
+/// with 0 when `exit`; nothing when `silent`.
+async fn agent_sync(h: &Harness, at: i64, id: u64, exit: bool) {
+    let open = h.jobs.read(|c| {
+        c.record(id).ok().flatten().and_then(|j| {
+            j.allocations
+                .last()
+                .filter(|a| a.end_ms.is_none())
+                .map(|a| a.attempt)
+        })
+    });
+    let (running, exited) = match open {
+        Some(attempt) if exit => (
+            vec![],
+            vec![json!({"job": id, "attempt": attempt, "code": 0})],
+        ),
+        Some(attempt) => (vec![json!({"job": id, "attempt": attempt})], vec![]),
+        None => (vec![], vec![]),
+    };
+    let req: SyncRequest = serde_json::from_value(json!({
+        "node": NODE, "gpus": 2, "gpu_model": "Test H100",
+        "running": running, "exited": exited,
+    }))
+    .expect("sync request");
+    h.jobs.run(move |c, _| c.sync(req, at)).await.expect("sync");
+}
+
+/// A job queried every 10 s of virtual time from its start to its end, through a requeue (two
+/// allocations of two GPUs each) and with folds on the server's schedule (every 5 min, samples
+/// 2 min old): at every moment efficiency, idle cost and the hours beside them agree, in
+/// `jobs`, `job_allocations`, `job_costs`, `account_usage` and `GET /v1/jobs/{id}`'s row. Used
+/// is measured against the accounted window, never against the allocation to now; once the job
+/// is complete every figure equals the allocation totals.
+#[tokio::test]
+async fn figures_agree_at_every_moment_of_a_jobs_life() {
+    use crate::clock::Clock;
+    const SETTLE: i64 = 120_000;
+    const FOLD_EVERY: i64 = 300_000;
+    let clock = Clock::manual(T0 - 10_000);
+    let price = 2.0;
+    let accounting = AccountingConfig {
+        prices: Prices {
+            gpu_per_hour: [("Test H100".to_owned(), price)].into(),
+            energy_per_kwh: 0.3,
+            ..Prices::default()
+        },
+        ..AccountingConfig::default()
+    };
+    let mut h = Harness::open_with(
+        tempfile::tempdir().expect("tempdir"),
+        JobsConfig {
+            clock: clock.clone(),
+            ..JobsConfig::default()
+        },
+        accounting.clone(),
+    );
+    h.sync(T0 - 10_000, &[], &[]).await;
+    let request: perch_control::spec::JobRequest = serde_json::from_value(json!({
+        "command": ["train"], "user": "alice", "account": "vision", "gpus_per_node": 2,
+        "max_requeues": 1, "time_limit_secs": 36_000
+    }))
+    .expect("request");
+    let id = h
+        .jobs
+        .run(move |c, _| c.submit(request, T0))
+        .await
+        .expect("submit")[0]
+        .id;
+    // The agent is silent from 20 min to 26 min (its node goes down and the job is requeued),
+    // then the job runs again and exits at 45 min.
+    let (silent, back, exit_at) = (T0 + 20 * 60_000, T0 + 26 * 60_000, T0 + 45 * 60_000);
+    let mut energy = [1.0e6, 2.0e6];
+    let mut checked = 0;
+    let mut complete_at = None;
+    let mut t = T0;
+    while complete_at.is_none_or(|c: i64| t <= c + 60_000) {
+        assert!(t < T0 + 2 * HOUR, "the job never completed its accounting");
+        clock.set(t);
+        let step = (t - T0) / 10_000;
+        // Telemetry: GPU 0's utilization varies, GPU 1 runs at 30 %; power follows.
+        let util0 = ((step * 37) % 101) as f64;
+        let samples: Vec<Sample> = [(0, util0), (1, 30.0)]
+            .into_iter()
+            .map(|(gpu, util)| {
+                let power = 80.0 + 5.0 * util;
+                energy[gpu as usize] += power * 10.0;
+                Sample {
+                    time: t,
+                    gpu,
+                    util: Some(util),
+                    memory: 1 << 30,
+                    energy: energy[gpu as usize],
+                    power,
+                }
+            })
+            .collect();
+        h.ingest(&samples).await;
+        if !(silent..back).contains(&t) {
+            agent_sync(&h, t, id, t == exit_at).await;
+        }
+        h.jobs.run(move |c, _| c.tick(t)).await.expect("tick");
+        let record = h
+            .jobs
+            .read(|c| c.record(id).ok().flatten().map(|r| r.into_owned()))
+            .expect("the job");
+        let settled_end = record
+            .end_ms
+            .is_some_and(|e| t >= e + SETTLE && !record.allocations.iter().all(|a| a.is_final()));
+        if (t - T0) % FOLD_EVERY == 0 || settled_end {
+            h.fold(t - SETTLE).await;
+        }
+        let record = h
+            .jobs
+            .read(|c| c.record(id).ok().flatten().map(|r| r.into_owned()))
+            .expect("the job");
+
+        let j = h
+            .row(&format!(
+                "SELECT j.*, c.gpu_hours_allocated, c.gpu_hours_accounted, c.gpu_hours_used, \
+                 c.efficiency, c.idle_cost AS view_idle_cost, c.cost_accounted AS view_cost_accounted, \
+                 CAST(j.accounted_until AS BIGINT) AS accounted_until_ms \
+                 FROM jobs j JOIN job_costs c ON c.job = j.job WHERE j.job = {id}"
+            ))
+            .await;
+        let f = |k: &str| j[k].as_f64();
+        let at = format!("at +{} s: {j}", (t - T0) / 1000);
+        let allocated = f("gpu_seconds_allocated").expect("allocated");
+        let cost_allocated = f("cost_allocated").expect("cost allocated");
+        // Allocated to now: every allocation's GPUs x time held.
+        let held: f64 = record
+            .allocations
+            .iter()
+            .map(|a| a.held_ms(t) as f64 / 1000.0 * a.gpus.len() as f64)
+            .sum();
+        assert!(near(allocated, held), "{at}");
+        match (f("gpu_seconds_accounted"), f("gpu_seconds_used")) {
+            (Some(accounted), Some(used)) => {
+                // The accounted window: each allocation from its start to its checkpoint.
+                let window: f64 = record
+                    .allocations
+                    .iter()
+                    .map(|a| a.folded_ms() as f64 / 1000.0 * a.gpus.len() as f64)
+                    .sum();
+                assert!(near(accounted, window), "{at}");
+                assert!(accounted <= allocated + 1e-9, "{at}");
+                assert!(used >= 0.0 && used <= accounted + 1e-9, "{at}");
+                let efficiency = f("efficiency").expect("efficiency");
+                assert!((0.0..=1.0).contains(&efficiency), "{at}");
+                assert!(near(efficiency, used / accounted), "{at}");
+                assert!(near(
+                    f("utilization_mean_pct").expect("mean"),
+                    100.0 * efficiency
+                ));
+                let energy_cost = f("energy_joules").unwrap_or(0.0) / 3.6e6 * 0.3;
+                let cost_accounted = f("cost_accounted").expect("cost accounted");
+                let cost_used = f("cost_used").expect("cost used");
+                let idle = f("idle_cost").expect("idle cost");
+                assert!(
+                    near(cost_accounted, accounted / 3600.0 * price + energy_cost),
+                    "{at}"
+                );
+                assert!(cost_accounted <= cost_allocated + 1e-9, "{at}");
+                assert!(idle >= 0.0, "{at}");
+                assert!(near(idle, cost_accounted - cost_used), "{at}");
+                assert!(near(idle, (accounted - used) / 3600.0 * price), "{at}");
+                assert!(near(f("view_idle_cost").expect("view"), idle), "{at}");
+                assert!(near(
+                    f("view_cost_accounted").expect("view"),
+                    cost_accounted
+                ));
+                assert!(near(
+                    f("gpu_hours_accounted").expect("hours") * 3600.0,
+                    accounted
+                ));
+                // The account's view, of this one job, says the same.
+                let a = h
+                    .row("SELECT * FROM account_usage WHERE account = 'vision'")
+                    .await;
+                let g = |k: &str| a[k].as_f64().unwrap_or(f64::NAN);
+                assert!(
+                    near(g("gpu_hours_accounted") * 3600.0, accounted),
+                    "{at} {a}"
+                );
+                assert!(near(g("efficiency"), efficiency), "{at} {a}");
+                assert!(near(g("idle_cost"), idle), "{at} {a}");
+                assert!(near(g("cost_accounted"), cost_accounted), "{at} {a}");
+                // GET /v1/jobs/{id}'s usage is the same row.
+                let usage = tables::job_json(&record, &accounting, t).expect("row");
+                for k in [
+                    "gpu_seconds_accounted",
+                    "cost_accounted",
+                    "idle_cost",
+                    "cost_used",
+                ] {
+                    assert_eq!(usage[k], j[k], "{k} {at}");
+                }
+                // Per GPU, the same rules; the GPUs add up to the job.
+                let rows = h
+                    .sql
+                    .query(&format!("SELECT * FROM job_allocations WHERE job = {id}"))
+                    .await
+                    .expect("allocations");
+                let mut sums = [0.0; 3];
+                for b in &rows.batches {
+                    let col = |name: &str| -> arrow::array::Float64Array {
+                        arrow::array::downcast_array(
+                            b.column_by_name(name).expect("column").as_ref(),
+                        )
+                    };
+                    let (acc, used, c_acc, c_used, idle) = (
+                        col("gpu_seconds_accounted"),
+                        col("gpu_seconds_used"),
+                        col("cost_accounted"),
+                        col("cost_used"),
+                        col("idle_cost"),
+                    );
+                    for i in 0..b.num_rows() {
+                        assert!(used.value(i) <= acc.value(i) + 1e-9, "{at}");
+                        assert!(idle.value(i) >= 0.0, "{at}");
+                        assert!(
+                            near(idle.value(i), c_acc.value(i) - c_used.value(i)),
+                            "{at}"
+                        );
+                        sums[0] += acc.value(i);
+                        sums[1] += used.value(i);
+                        sums[2] += idle.value(i);
+                    }
+                }
+                assert!(near(sums[0], accounted) && near(sums[1], used), "{at}");
+                assert!(near(sums[2], idle), "{at}");
+                checked += 1;
+            }
+            (None, None) => {
+                assert!(
+                    f("idle_cost").is_none() && f("efficiency").is_none(),
+                    "{at}"
+                );
+            }
+            _ => panic!("accounted and used are known together: {at}"),
+        }
+        // `accounted_until`: the earliest checkpoint of the allocations still being folded.
+        let until = record
+            .allocations
+            .iter()
+            .filter(|a| !a.is_final())
+            .map(|a| a.folded_end_ms())
+            .min();
+        let complete = record.end_ms.is_some() && until.is_none();
+        if complete && complete_at.is_none() {
+            complete_at = Some(t);
+        }
+        if let Some(until) = until {
+            assert_eq!(j["accounted_until_ms"], until, "{at}");
+        }
+        if complete {
+            // Everything equals the allocation totals.
+            assert_eq!(j["accounted_until"], j["end_time"], "{at}");
+            assert!(
+                near(f("gpu_seconds_accounted").expect("acc"), allocated),
+                "{at}"
+            );
+            assert!(
+                near(f("cost_accounted").expect("acc"), cost_allocated),
+                "{at}"
+            );
+            assert!(
+                near(
+                    f("idle_cost").expect("idle"),
+                    cost_allocated - f("cost_used").expect("used")
+                ),
+                "{at}"
+            );
+            let a = h
+                .row("SELECT accounted_until FROM account_usage WHERE account = 'vision'")
+                .await;
+            assert_eq!(
+                a["accounted_until"],
+                serde_json::Value::Null,
+                "nothing lags: {a}"
+            );
+        }
+        t += 10_000;
+    }
+    assert_eq!(record_attempts(&h, id), 2, "the job was requeued once");
+    assert!(checked > 100, "{checked} moments with figures");
+}
+
+fn record_attempts(h: &Harness, id: u64) -> usize {
+    h.jobs.read(|c| {
+        c.record(id)
+            .ok()
+            .flatten()
+            .map_or(0, |j| j.allocations.len())
+    })
+}
+
+/// A job shorter than the sample interval has one sample per GPU: the energy counter has no
+/// rise to read, so its energy is mean power x time (not a false 0); a GPU reporting the
+/// counter but no power has unknown energy (NULL, not 0).
+#[tokio::test]
+async fn a_short_jobs_energy_is_not_a_false_zero() {
+    let mut h = Harness::open(tempfile::tempdir().expect("tempdir"));
+    h.sync(T0 - 1000, &[], &[]).await;
+    let request: perch_control::spec::JobRequest = serde_json::from_value(json!({
+        "command": ["x"], "user": "alice", "gpus_per_node": 2, "time_limit_secs": 600
+    }))
+    .expect("request");
+    let id = h
+        .jobs
+        .run(move |c, _| c.submit(request, T0))
+        .await
+        .expect("submit")[0]
+        .id;
+    h.sync(T0 + 1000, &[], &[]).await; // the launch is delivered
+    // One sample per GPU, 3 s into the 8 s job: GPU 0 reports power, GPU 1 only the counter.
+    h.ingest(&[Sample {
+        time: T0 + 3000,
+        gpu: 0,
+        util: Some(80.0),
+        memory: 1 << 30,
+        energy: 7.0e6,
+        power: 450.0,
+    }])
+    .await;
+    h.seq += 1;
+    let body = serde_json::to_vec(&json!({"node": NODE, "seq": h.seq, "gpus": [
+        {"time_ms": T0 + 3000, "gpu": 1, "uuid": "GPU-T-1", "model": "Test H100",
+         "simulated": false, "utilization_gpu_pct": 80.0, "energy_joules": 9.0e6}]}))
+    .expect("json");
+    let batch: Batch = serde_json::from_slice(&body).expect("batch");
+    h.store
+        .ingest(bytes::Bytes::from(body), &batch)
+        .await
+        .expect("ingest");
+    h.sync(T0 + 8000, &[], &[id]).await;
+    assert_eq!(h.fold(T0 + 8000 + 120_000).await, 1);
+    let rows = h
+        .sql
+        .query(&format!(
+            "SELECT gpu, gpu_seconds_used, energy_joules FROM job_allocations WHERE job = {id} ORDER BY gpu"
+        ))
+        .await
+        .expect("query");
+    let mut w = arrow::json::ArrayWriter::new(Vec::new());
+    for b in &rows.batches {
+        w.write(b).expect("write");
+    }
+    w.finish().expect("finish");
+    let rows: serde_json::Value = serde_json::from_slice(&w.into_inner()).expect("json");
+    assert_eq!(rows[0]["gpu_seconds_used"], 6.4, "{rows}");
+    assert_eq!(
+        rows[0]["energy_joules"],
+        450.0 * 8.0,
+        "mean power x 8 s: {rows}"
+    );
+    assert_eq!(
+        rows[1]["energy_joules"],
+        serde_json::Value::Null,
+        "one counter reading and no power: unknown, not 0: {rows}"
+    );
+    let j = h
+        .row(&format!("SELECT energy_joules FROM jobs WHERE job = {id}"))
+        .await;
+    assert_eq!(j["energy_joules"], 3600.0, "{j}");
 }
