@@ -247,3 +247,30 @@ fn sql_time_mistakes_are_answered_with_the_interval_form() {
     assert!(!ok && err.contains("read-only"), "{err}");
     assert!(!err.contains("token"), "{err}");
 }
+
+#[test]
+fn the_up_banner_names_the_user_for_root_and_says_what_scrapes_what() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = Perch::start(dir.path(), &["up", "--simulate-gpus", "1"]);
+    let banner = wait_for("the banner", || {
+        let log = perch.log();
+        log.contains("  stop:").then_some(log)
+    });
+    let line = |label: &str| {
+        banner
+            .lines()
+            .find(|l| l.trim_start().starts_with(label))
+            .unwrap_or_else(|| panic!("no {label} line: {banner}"))
+            .to_owned()
+    };
+    // Root's own `perch submit` was refused (jobs never run as root) without naming --user.
+    let jobs = line("jobs:");
+    let root = nix::unistd::geteuid().is_root();
+    assert_eq!(jobs.contains(" --user NAME "), root, "{jobs}");
+    // Prometheus scrapes /metrics; Grafana's Prometheus data source points at Prometheus.
+    let dashboards = line("dashboards:");
+    assert!(
+        dashboards.contains("Prometheus scrapes") && !dashboards.contains("data source at http"),
+        "{dashboards}"
+    );
+}

@@ -267,18 +267,30 @@ pub fn up(config: Config) -> Result<()> {
             }
             _ => "off (server.pg_listen is empty)".to_owned(),
         };
+        // Jobs never run as root: root's banner names the user a job runs as.
+        let submit_as = if nix::unistd::geteuid().is_root() {
+            " --user NAME"
+        } else {
+            ""
+        };
+        let grafana_sql = match config.server.pg_listen.rsplit_once(':') {
+            Some((host, port)) if !config.server.pg_listen.is_empty() => {
+                format!("; SQL: a PostgreSQL data source at {host}:{port}")
+            }
+            _ => String::new(),
+        };
         println!(
             "perch is up: server and local agent in one process.\n\
              \x20 node:       {node}\n\
              \x20 GPUs:       {gpu_line}\n\
              \x20 server:     http://{addr}  ({access})\n\
              \x20 web view:   http://{addr}/  (open it in a browser)\n\
-             \x20 jobs:       perch submit --server http://{addr} --gpus 1 -- sh -c 'echo $CUDA_VISIBLE_DEVICES'; perch jobs --all\n\
+             \x20 jobs:       perch submit --server http://{addr}{submit_as} --gpus 1 -- sh -c 'echo $CUDA_VISIBLE_DEVICES'; perch jobs --all\n\
              \x20 psql:       {psql}\n\
              \x20 data:       {data}\n\
              \x20 query:      perch sql --server http://{addr} \"SELECT node, gpu, simulated, count(*) AS samples, avg(utilization_gpu_pct) AS util FROM gpu_samples GROUP BY 1, 2, 3\"\n\
              \x20 metrics:    curl -s http://{addr}/metrics\n\
-             \x20 dashboards: dashboards/ (Grafana JSON, point a Prometheus data source at http://{addr}/metrics)\n\
+             \x20 dashboards: dashboards/ (Grafana JSON: Prometheus scrapes http://{addr}/metrics, as dashboards/prometheus.yml says, and Grafana's Prometheus data source points at Prometheus{grafana_sql})\n\
              \x20 stop:       Ctrl-C",
             node = agent_config.node,
             data = config.server.data_dir.display(),
