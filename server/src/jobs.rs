@@ -648,11 +648,12 @@ async fn set_drained(
     who: Identity,
     name: String,
     drained: bool,
+    reason: Option<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let n = name.clone();
     state
         .jobs
-        .run(move |c, now| c.set_drained(&n, drained, &who.user, None, now))
+        .run(move |c, now| c.set_drained(&n, drained, &who.user, reason, now))
         .await?;
     let state = if drained {
         NodeState::Drained
@@ -662,12 +663,42 @@ async fn set_drained(
     answer_of(&NodeStateChange { node: name, state })
 }
 
+/// The optional body of `POST /v1/nodes/{name}/drain`: why the node is drained (the `nodes`
+/// table's `reason`, the `node_drained` event's message).
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DrainBody {
+    #[serde(default)]
+    reason: Option<String>,
+}
+
+/// The drain's reason from its body: none (an empty body), or `{"reason": "..."}`.
+fn drain_reason(raw: &[u8]) -> Result<Option<String>, ApiError> {
+    if raw.iter().all(u8::is_ascii_whitespace) {
+        return Ok(None);
+    }
+    let body: DrainBody = serde_json::from_slice(raw).map_err(|e| {
+        ApiError::bad_request(
+            crate::ErrorCode::MalformedRequest,
+            format!(
+                "the drain's body is not valid: {e}; send nothing, or {{\"reason\": \"fan noise\"}}"
+            ),
+        )
+    })?;
+    Ok(body
+        .reason
+        .map(|r| r.trim().to_owned())
+        .filter(|r| !r.is_empty()))
+}
+
 pub async fn drain(
     State(state): State<AppState>,
     Extension(who): Extension<Identity>,
     Path(name): Path<String>,
+    raw: axum::body::Bytes,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    set_drained(state, who, name, true).await
+    let reason = drain_reason(&raw)?;
+    set_drained(state, who, name, true, reason).await
 }
 
 pub async fn resume(
@@ -675,7 +706,7 @@ pub async fn resume(
     Extension(who): Extension<Identity>,
     Path(name): Path<String>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    set_drained(state, who, name, false).await
+    set_drained(state, who, name, false, None).await
 }
 
 /// How long a node waits before its next sync (ms): the fleet's syncs spread to at most
@@ -944,5 +975,26 @@ mod tests {
             .collect();
         assert_eq!(listed, vec![0, 4_000_000_000]);
         assert!(gpu_status(None, None, 2).is_empty());
+    }
+
+    #[test]
+    fn a_drain_takes_an_optional_reason_and_says_what_to_send() {
+        assert_eq!(drain_reason(b"").ok(), Some(None));
+        assert_eq!(drain_reason(b" \n").ok(), Some(None));
+        assert_eq!(drain_reason(b"{}").ok(), Some(None));
+        assert_eq!(
+            drain_reason(br#"{"reason": " fan noise "}"#).ok(),
+            Some(Some("fan noise".to_owned()))
+        );
+        assert_eq!(drain_reason(br#"{"reason": "  "}"#).ok(), Some(None));
+        for bad in [&br#"{"why": "x"}"#[..], b"fan noise", br#"{"reason": 3}"#] {
+            let e = drain_reason(bad).expect_err("refused");
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+            assert!(
+                e.message.contains(r#"{"reason": "fan noise"}"#),
+                "{}",
+                e.message
+            );
+        }
     }
 }
