@@ -92,15 +92,17 @@ impl Browser {
     }
 
     /// Like [`Browser::assert_no_errors`], but the answers the test provoked on purpose (a
-    /// refused token, a refused cancel) are logged by the browser as failed loads: each entry
-    /// must name one of `expected`'s URL paths and a 401 or 403.
+    /// refused token, a refused cancel, an unknown job) are logged by the browser as failed
+    /// loads: each entry must name one of `expected`'s URL paths and a 401, 403 or 404.
     fn assert_only_expected_errors(&self, what: &str, expected: &[&str]) {
         let unexpected: Vec<String> = self
             .errors()
             .into_iter()
             .filter(|e| {
                 !(expected.iter().any(|path| e.contains(path))
-                    && (e.contains("status of 401") || e.contains("status of 403")))
+                    && (e.contains("status of 401")
+                        || e.contains("status of 403")
+                        || e.contains("status of 404")))
             })
             .collect();
         assert!(
@@ -747,6 +749,35 @@ fn a_user_token_sees_what_the_api_lets_it_see_and_markup_stays_text() {
         .expect("fetch from the page");
     assert_eq!(cancel_status, 403);
     browser.screenshot("job-not-yours");
+
+    // Her job list is her own jobs first, everyone's one choice away.
+    browser.open(&format!("{url}/#/jobs"));
+    let users = |b: &Browser| -> Vec<String> {
+        table_rows(b, "#jobs tbody tr")
+            .iter()
+            .map(|r| r[2].clone())
+            .collect()
+    };
+    let mine = users(&browser);
+    assert!(
+        !mine.is_empty() && mine.iter().all(|u| u == "alice"),
+        "{mine:?}"
+    );
+    assert_eq!(
+        browser.js(
+            "return document.getElementById('jobs-scope').value",
+            json!([])
+        ),
+        "mine"
+    );
+    browser.js(
+        "const s = document.getElementById('jobs-scope'); s.value = 'all';
+         s.dispatchEvent(new Event('change', {bubbles: true}))",
+        json!([]),
+    );
+    wait_for("everyone's jobs", || {
+        users(&browser).iter().any(|u| u == "bob").then_some(())
+    });
     browser.assert_only_expected_errors(
         "alice's views",
         &["/v1/whoami", &format!("/v1/jobs/{bobs}/cancel")],
@@ -797,4 +828,695 @@ fn a_user_token_sees_what_the_api_lets_it_see_and_markup_stays_text() {
         (job["state"] == "cancelled").then_some(())
     });
     browser.assert_no_errors("the operator's views");
+}
+
+/// Posts `body` to `url` + `path` on an open server and returns the answer's JSON.
+fn post_json(url: &str, path: &str, body: &Value) -> Value {
+    let r = reqwest::blocking::Client::new()
+        .post(format!("{url}{path}"))
+        .json(body)
+        .send()
+        .expect("post");
+    let status = r.status();
+    let answer: Value = r.json().unwrap_or(Value::Null);
+    assert!(status.is_success(), "{path}: {status} {answer}");
+    answer
+}
+
+/// Reports XID 79 on `node`'s GPU `gpu` through the ingest API, as its agent would.
+fn report_xid(url: &str, node: &str, gpu: u32) {
+    post_json(
+        url,
+        "/v1/ingest",
+        &json!({"node": node, "seq": u64::MAX / 2, "gpu_events": [{
+            "time_ms": common::now_ms(), "gpu": gpu, "uuid": format!("GPU-SIM-{gpu}"),
+            "simulated": true, "kind": "xid", "xid": 79
+        }]}),
+    );
+}
+
+/// The fleet leads from a symptom to its GPUs: problem cards that list them (node, GPU, job,
+/// user, since), problems first in the compact drawing and named above it, a shape for every
+/// state as well as a colour, one tab stop with arrow keys and spoken labels, a light theme;
+/// a node is drained with a reason after a confirmation, and an alert links to its node and
+/// is silenced from the page.
+#[test]
+fn the_fleet_leads_from_a_problem_to_its_gpus() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = demo(dir.path());
+    let url = perch.url.clone();
+    report_xid(&url, "sim-node-001", 2);
+    post_json(
+        &url,
+        "/v1/nodes/sim-node-003/drain",
+        &json!({"reason": "fan noise, ticket 77"}),
+    );
+    let browser = Browser::start();
+
+    browser.open(&format!("{url}/#/fleet"));
+    wait_for("the unhealthy GPU counted", || {
+        (browser.text("#sum-bad .v") == "1").then_some(())
+    });
+    // The count is a button: it lists the GPU, and the grid shows only its node.
+    browser.click("#sum-bad");
+    let listed = wait_for("the unhealthy GPU listed", || {
+        let rows = browser.js(
+            "return [...document.querySelectorAll('#problem-list tbody tr')].map(r => [...r.cells].map(c => c.textContent))",
+            json!([]),
+        );
+        let rows = rows.as_array().cloned().unwrap_or_default();
+        (rows.len() == 1 && rows[0][5] != "–").then_some(rows)
+    });
+    let row: Vec<&str> = listed[0]
+        .as_array()
+        .expect("cells")
+        .iter()
+        .map(|c| c.as_str().unwrap_or_default())
+        .collect();
+    assert_eq!(row[0], "sim-node-001", "{row:?}");
+    assert_eq!(row[1], "2", "{row:?}");
+    assert!(row[2].contains("xid 79"), "{row:?}");
+    assert!(row[5].contains(':'), "since when: {row:?}");
+    assert_eq!(
+        browser.js(
+            "return [...document.querySelectorAll('.node:not([hidden])')].map(n => n.dataset.node)",
+            json!([])
+        ),
+        json!(["sim-node-001"])
+    );
+    assert!(
+        browser
+            .js("return location.hash", json!([]))
+            .as_str()
+            .unwrap_or_default()
+            .contains("show=bad")
+    );
+    // Drained GPUs, with the reason and since when.
+    browser.click("#sum-drained");
+    let drained = wait_for("the drained GPUs listed", || {
+        let rows = browser.js(
+            "return [...document.querySelectorAll('#problem-list tbody tr')].map(r => [...r.cells].map(c => c.textContent))",
+            json!([]),
+        );
+        let rows = rows.as_array().cloned().unwrap_or_default();
+        (rows.len() == 8 && rows[0][5] != "–").then_some(rows)
+    });
+    assert!(
+        drained
+            .iter()
+            .all(|r| r[0] == "sim-node-003" && r[2] == "fan noise, ticket 77"),
+        "{drained:?}"
+    );
+    // Allocated and idle: as many listed as counted, each with its job and user.
+    browser.click("#sum-idle");
+    wait_for("the idle GPUs listed", || {
+        let got = browser.js(
+            "const n = +document.querySelector('#sum-idle .v').textContent;
+             const rows = [...document.querySelectorAll('#problem-list tbody tr')]
+               .filter(r => !r.querySelector('td.muted'));
+             return document.querySelector('#problem-title') !== null
+               && rows.length === n && rows.every(r => r.cells[3].querySelector('a') && r.cells[4].textContent)",
+            json!([]),
+        );
+        (got == true).then_some(())
+    });
+    browser.screenshot("fleet-problems");
+    browser.assert_no_errors("the problem lists");
+
+    // Compact: the problem node drawn first, the fault named in words above the grid.
+    browser.open(&format!("{url}/#/fleet?cells=compact"));
+    wait_for("problem nodes first", || {
+        let order = browser.js(
+            "return [...document.querySelectorAll('#fleet .node')].map(n => n.dataset.node)",
+            json!([]),
+        );
+        (order[0] == "sim-node-001" && order[1] == "sim-node-003").then_some(())
+    });
+    let strip = browser.text("#problems");
+    assert!(
+        strip.contains("sim-node-001 GPU 2") && strip.contains("xid 79"),
+        "{strip}"
+    );
+
+    // One tab stop for the whole grid; arrows move; each cell says what it is in words.
+    let keys = browser.js(
+        "const f = document.getElementById('fleet');
+         const stops = [...f.querySelectorAll('a, button, [tabindex]')].filter(e => e.tabIndex >= 0);
+         const first = stops[0]; first.focus();
+         const key = (k) => document.activeElement.dispatchEvent(new KeyboardEvent('keydown', {key: k, bubbles: true}));
+         key('ArrowRight');
+         const right = [document.activeElement.closest('.node').dataset.node, document.activeElement.dataset.gpu];
+         key('ArrowDown');
+         const down = [document.activeElement.closest('.node').dataset.node, document.activeElement.dataset.gpu];
+         return {stops: stops.length, first: [first.closest('.node').dataset.node, first.dataset.gpu],
+                 right, down, label: first.getAttribute('aria-label'),
+                 after: [...f.querySelectorAll('[tabindex=\"0\"]')].length}",
+        json!([]),
+    );
+    assert_eq!(keys["stops"], 1, "{keys}");
+    assert_eq!(keys["first"], json!(["sim-node-001", "0"]), "{keys}");
+    assert_eq!(keys["right"], json!(["sim-node-001", "1"]), "{keys}");
+    assert_eq!(keys["down"], json!(["sim-node-003", "1"]), "{keys}");
+    assert_eq!(keys["after"], 1, "{keys}");
+    let label = keys["label"].as_str().unwrap_or_default();
+    assert!(
+        label.starts_with("sim-node-001 GPU 0: ") && label.contains("utilization"),
+        "{label}"
+    );
+    let bad_label = browser.js(
+        "return document.querySelector('.node[data-node=\"sim-node-001\"] .gpu[data-gpu=\"2\"]').getAttribute('aria-label')",
+        json!([]),
+    );
+    assert!(
+        bad_label
+            .as_str()
+            .unwrap_or_default()
+            .contains("unhealthy (xid 79)"),
+        "{bad_label}"
+    );
+
+    // Colour-blind safe: each state's cell differs from every other's in a property that is
+    // not a colour (border style, the pattern drawn on it), in both drawings.
+    for compact in [false, true] {
+        let looks = browser.js(
+            "const box = document.createElement('div');
+             box.className = 'fleet' + (arguments[0] ? ' compact' : '');
+             document.body.appendChild(box);
+             const out = {};
+             for (const state of ['free', 'busy', 'idle', 'shared', 'bad', 'drained', 'off']) {
+               const c = document.createElement('a');
+               c.className = 'gpu ' + (state === 'busy' ? '' : state);
+               box.appendChild(c);
+               const s = getComputedStyle(c);
+               out[state] = [s.borderTopStyle, s.outlineStyle,
+                 s.backgroundImage.replace(/(rgba?|hsla?)\\([^)]*\\)|#[0-9a-f]+|\\b(transparent|white|black)\\b/gi, 'C')].join(' | ');
+             }
+             box.remove();
+             return out",
+            json!([compact]),
+        );
+        let looks = looks.as_object().expect("styles");
+        // Busy and free differ by their fill (utilization), not by a problem pattern.
+        let states = ["free", "idle", "shared", "bad", "drained", "off"];
+        for (i, a) in states.iter().enumerate() {
+            for b in &states[i + 1..] {
+                if (*a, *b) == ("free", "busy") {
+                    continue;
+                }
+                assert_ne!(
+                    looks[*a], looks[*b],
+                    "compact={compact}: {a} and {b} differ only in colour: {looks:?}"
+                );
+            }
+        }
+    }
+
+    // A light theme when the system asks for one, with readable contrast.
+    browser
+        .inner
+        .cdp(
+            "Emulation.setEmulatedMedia",
+            json!({"features": [{"name": "prefers-color-scheme", "value": "light"}]}),
+        )
+        .expect("emulate light");
+    let contrast = browser.js(
+        "const rgb = (c) => c.match(/\\d+(\\.\\d+)?/g).slice(0, 3).map(Number);
+         const lum = (c) => { const [r, g, b] = rgb(c).map(v => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; });
+           return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
+         const body = getComputedStyle(document.body);
+         const muted = getComputedStyle(document.querySelector('.legend') || document.body).color;
+         const ratio = (a, b) => (Math.max(lum(a), lum(b)) + 0.05) / (Math.min(lum(a), lum(b)) + 0.05);
+         return {bg: lum(body.backgroundColor), text: ratio(body.color, body.backgroundColor), muted: ratio(muted, body.backgroundColor)}",
+        json!([]),
+    );
+    assert!(contrast["bg"].as_f64().unwrap_or(0.0) > 0.8, "{contrast}");
+    assert!(
+        contrast["text"].as_f64().unwrap_or(0.0) >= 7.0,
+        "{contrast}"
+    );
+    assert!(
+        contrast["muted"].as_f64().unwrap_or(0.0) >= 4.5,
+        "{contrast}"
+    );
+    browser.screenshot("fleet-light");
+    browser
+        .inner
+        .cdp(
+            "Emulation.setEmulatedMedia",
+            json!({"features": [{"name": "prefers-color-scheme", "value": "dark"}]}),
+        )
+        .expect("emulate dark");
+
+    // Drain asks why and for a confirmation; then only Resume is offered.
+    let node_state = |name: &str| {
+        perch.get("/v1/nodes")["nodes"]
+            .as_array()
+            .expect("nodes")
+            .iter()
+            .find(|n| n["name"] == name)
+            .map(|n| n["state"].as_str().unwrap_or_default().to_owned())
+            .unwrap_or_default()
+    };
+    browser.open(&format!("{url}/#/nodes/sim-node-002"));
+    wait_for("the drain button", || {
+        browser
+            .text("#node-actions")
+            .contains("Drain")
+            .then_some(())
+    });
+    assert_eq!(
+        browser.js("return document.getElementById('resume')", json!([])),
+        Value::Null,
+        "an up node offers no Resume"
+    );
+    browser.click("#drain");
+    assert_eq!(node_state("sim-node-002"), "up", "one click drains nothing");
+    browser.js(
+        "document.getElementById('drain-reason').value = 'memory errors';
+         document.getElementById('drain-form').requestSubmit()",
+        json!([]),
+    );
+    wait_for("sim-node-002 drained", || {
+        (node_state("sim-node-002") == "drained").then_some(())
+    });
+    let reason = sql_rows(
+        &url,
+        None,
+        "SELECT reason FROM nodes WHERE node = 'sim-node-002'",
+    );
+    assert_eq!(reason[0]["reason"], "memory errors");
+    wait_for("only Resume shown", || {
+        (browser.js(
+            "return [!!document.getElementById('resume'), !!document.getElementById('drain')]",
+            json!([]),
+        ) == json!([true, false])
+            && browser.text("#node-why").contains("memory errors"))
+        .then_some(())
+    });
+    browser.click("#resume");
+    wait_for("sim-node-002 up again", || {
+        (node_state("sim-node-002") == "up").then_some(())
+    });
+
+    // The XID fires an alert: counted in the navigation, red, linked to its node, silenced
+    // from the page.
+    let firing_now = || {
+        let alerts = perch.get("/v1/alerts");
+        let list = alerts["alerts"].as_array().cloned().unwrap_or_default();
+        let n = list
+            .iter()
+            .filter(|a| a["state"] == "firing" && a["muted_by"].is_null())
+            .count();
+        let on_node = list
+            .iter()
+            .any(|a| a["state"] == "firing" && a["labels"]["node"] == "sim-node-001");
+        (n, on_node)
+    };
+    wait_for("an alert firing on sim-node-001", || {
+        firing_now().1.then_some(())
+    });
+    wait_for("the firing count in the navigation", || {
+        let shown = browser.text("#nav-firing");
+        (shown == firing_now().0.to_string()).then_some(())
+    });
+    browser.open(&format!("{url}/#/alerts"));
+    let look = browser.js(
+        "const b = [...document.querySelectorAll('#alerts .badge.firing')][0];
+         const row = b.closest('tr');
+         const c = getComputedStyle(b).backgroundColor.match(/\\d+/g).map(Number);
+         return {bg: c, link: row.querySelector('a.alert-node')?.getAttribute('href') ?? null}",
+        json!([]),
+    );
+    let bg: Vec<u64> = look["bg"]
+        .as_array()
+        .expect("rgb")
+        .iter()
+        .map(|v| v.as_u64().unwrap_or(0))
+        .collect();
+    assert!(
+        bg[0] > 150 && bg[1] < 80 && bg[2] < 80,
+        "firing is red: {look}"
+    );
+    let row_link = browser.js(
+        "return [...document.querySelectorAll('#alerts tbody tr')]
+           .map(r => r.querySelector('a.alert-node')?.getAttribute('href'))
+           .filter(Boolean)",
+        json!([]),
+    );
+    assert!(
+        row_link
+            .as_array()
+            .expect("links")
+            .iter()
+            .any(|h| h == "#/nodes/sim-node-001"),
+        "{row_link}"
+    );
+    let silenced = browser.js(
+        "const r = [...document.querySelectorAll('#alerts tbody tr')]
+           .find(r => r.querySelector('a.alert-node[href=\"#/nodes/sim-node-001\"]') && r.querySelector('button.silence'));
+         if (!r) return false;
+         r.querySelector('button.silence').click();
+         document.getElementById('silence-comment').value = 'replacing the card';
+         document.getElementById('silence-form').requestSubmit();
+         return true",
+        json!([]),
+    );
+    assert_eq!(silenced, true);
+    wait_for("the silence made", || {
+        let s = perch.get("/v1/silences");
+        s["silences"]
+            .as_array()?
+            .iter()
+            .any(|x| {
+                x["comment"] == "replacing the card"
+                    && x["matchers"].to_string().contains("sim-node-001")
+            })
+            .then_some(())
+    });
+    browser.screenshot("alerts");
+    browser.assert_no_errors("the fleet's problems, drain and alerts");
+}
+
+/// Texts of the cells of `selector`'s rows.
+fn table_rows(browser: &Browser, selector: &str) -> Vec<Vec<String>> {
+    let rows = browser.js(
+        "return [...document.querySelectorAll(arguments[0])].map(r => [...r.cells].map(c => c.textContent))",
+        json!([selector]),
+    );
+    rows.as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .cloned()
+                .unwrap_or_default()
+                .iter()
+                .map(|c| c.as_str().unwrap_or_default().to_owned())
+                .collect()
+        })
+        .collect()
+}
+
+/// The job page says where a job stands (status, place in the queue, a relative estimate, a
+/// link to its output at the top), draws no empty chart for a pending job, fixed axes for a
+/// running one with a time range, and "no such job" once for an unknown one; the job list
+/// pages, searches and sorts; accounts have totals, a ranking and a chart; the SQL console
+/// rounds floats; and every jobs view says its GPUs are simulated.
+#[test]
+fn the_job_pages_say_where_a_job_stands() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = demo(dir.path());
+    let url = perch.url.clone();
+    let browser = Browser::start();
+
+    // An unknown job: said, and not asked for again.
+    browser.open(&format!("{url}/#/jobs/999999"));
+    assert!(
+        browser.text("#no-such-job").contains("no job 999999"),
+        "{}",
+        browser.text("main")
+    );
+    let asked = "return performance.getEntriesByType('resource').filter(e => e.name.endsWith('/v1/jobs/999999')).length";
+    // The page polls every 3 s: after 7 s a page that kept polling would have asked 3 times.
+    std::thread::sleep(Duration::from_secs(7));
+    assert_eq!(browser.js(asked, json!([])), 1, "asked once only");
+    browser.assert_only_expected_errors("the unknown job", &["/v1/jobs/999999"]);
+
+    // A pending job: its place in line, when it should start, no empty chart frames.
+    let pending = wait_for("a pending job at the queue's head", || {
+        let q = perch.get("/v1/queue");
+        q["queue"]
+            .as_array()?
+            .iter()
+            .find(|e| e["position"] == 1)
+            .and_then(|e| e["job"]["id"].as_u64())
+    });
+    browser.open(&format!("{url}/#/jobs/{pending}"));
+    wait_for("its place in the queue", || {
+        browser
+            .text("#queue-place")
+            .starts_with("1st of ")
+            .then_some(())
+    });
+    let head = browser.text("#job-queue");
+    assert!(
+        head.contains("starts in ") || head.contains("start time not known"),
+        "{head}"
+    );
+    assert!(
+        !head.contains("1440 min"),
+        "hours, not thousands of minutes: {head}"
+    );
+    assert_eq!(
+        browser.js(
+            "return [document.getElementById('job-charts').hidden, document.getElementById('charts-empty').hidden,
+                     document.querySelectorAll('.uplot').length]",
+            json!([])
+        ),
+        json!([true, false, 0])
+    );
+    assert!(browser.text("#charts-empty").contains("not started"));
+    assert!(
+        browser.text("#sim-label").contains("simulated"),
+        "the job page"
+    );
+
+    // A running multi-GPU job: the left column keeps its height, the output is a click away, the
+    // axes are 24-hour, unclipped and their labels apart.
+    let running = wait_for("a running multi-GPU job", || {
+        let jobs = perch.get("/v1/jobs?state=running");
+        jobs["jobs"].as_array()?.iter().find_map(|j| {
+            let gpus: usize = j["placement"]
+                .as_array()?
+                .iter()
+                .map(|p| p["gpus"].as_array().map_or(0, Vec::len))
+                .sum();
+            (gpus >= 2).then(|| j["id"].as_u64()).flatten()
+        })
+    });
+    browser.open(&format!("{url}/#/jobs/{running}"));
+    wait_for("the utilization chart", || {
+        (browser.js(
+            "return !!document.getElementById('c-util').__uplot",
+            json!([]),
+        ) == true)
+            .then_some(())
+    });
+    let layout = browser.js(
+        "const kv = document.getElementById('job-kv'), kids = kv.children;
+         const content = kids[kids.length - 1].getBoundingClientRect().bottom - kids[0].getBoundingClientRect().top;
+         const u = document.getElementById('c-util').__uplot;
+         const ctx = document.createElement('canvas').getContext('2d');
+         ctx.font = '11px system-ui, sans-serif';
+         const x = u.axes[0], y = u.axes[1];
+         const xs = x._splits.map(s => u.valToPos(s, 'x'));
+         const widths = x._values.map(v => ctx.measureText(v).width);
+         let apart = true;
+         for (let i = 1; i < xs.length; i++) if (xs[i] - xs[i - 1] < (widths[i] + widths[i - 1]) / 2 + 4) apart = false;
+         return {stretch: kv.getBoundingClientRect().height - content, usage: document.getElementById('job-usage').getBoundingClientRect().height,
+                 xvals: x._values, yvals: y._values, ysize: y._size,
+                 ywidest: Math.max(...y._values.map(v => ctx.measureText(v).width)), apart}",
+        json!([]),
+    );
+    assert!(
+        layout["stretch"].as_f64().unwrap_or(99.0) < 8.0,
+        "the left column is as tall as its content: {layout}"
+    );
+    let xvals = layout["xvals"].as_array().expect("x labels");
+    assert!(!xvals.is_empty(), "{layout}");
+    for v in xvals {
+        let v = v.as_str().unwrap_or_default();
+        assert!(
+            !v.to_lowercase().contains("am") && !v.to_lowercase().contains("pm") && v.contains(':'),
+            "24-hour time labels: {layout}"
+        );
+    }
+    assert_eq!(layout["apart"], true, "x labels overlap: {layout}");
+    assert!(
+        layout["yvals"]
+            .as_array()
+            .expect("y labels")
+            .iter()
+            .all(|v| v.as_str().unwrap_or_default().ends_with('%')),
+        "{layout}"
+    );
+    assert!(
+        layout["ysize"].as_f64().unwrap_or(0.0) >= layout["ywidest"].as_f64().unwrap_or(99.0) + 8.0,
+        "the y axis is wider than its widest label: {layout}"
+    );
+    // The time range narrows the charts and is kept in the address.
+    browser.js(
+        "const s = document.getElementById('job-range'); s.value = '900';
+         s.dispatchEvent(new Event('change', {bubbles: true}))",
+        json!([]),
+    );
+    assert!(
+        browser
+            .js("return location.hash", json!([]))
+            .as_str()
+            .unwrap_or_default()
+            .ends_with("range=900")
+    );
+    browser.js("window.scrollTo(0, 0)", json!([]));
+    browser.click("#to-log");
+    let seen = browser.js(
+        "const r = document.getElementById('output').getBoundingClientRect();
+         return [r.top, window.innerHeight, window.scrollY]",
+        json!([]),
+    );
+    let (top, height) = (
+        seen[0].as_f64().unwrap_or(-1.0),
+        seen[1].as_f64().unwrap_or(0.0),
+    );
+    assert!(
+        top >= 0.0 && top + 60.0 <= height,
+        "the output's heading is scrolled into view: {seen}"
+    );
+    browser.screenshot("job");
+    browser.assert_no_errors("the running job");
+
+    // The job list: a page at a time, more on request, searched and sorted.
+    browser.open(&format!("{url}/#/jobs?page=5"));
+    let ids = |b: &Browser| -> Vec<u64> {
+        table_rows(b, "#jobs tbody tr")
+            .iter()
+            .filter_map(|r| r[0].parse().ok())
+            .collect()
+    };
+    let first = ids(&browser);
+    assert_eq!(first.len(), 5, "{first:?}");
+    browser.click("#jobs-more");
+    let more = wait_for("the next page", || {
+        let got = ids(&browser);
+        (got.len() == 10).then_some(got)
+    });
+    assert_eq!(&more[..5], &first[..], "{more:?}");
+    assert!(
+        more.windows(2).all(|w| w[0] > w[1]),
+        "newest first: {more:?}"
+    );
+    browser.click("#jobs th[data-sort=job]");
+    let ascending = ids(&browser);
+    assert!(ascending.windows(2).all(|w| w[0] < w[1]), "{ascending:?}");
+    let name = table_rows(&browser, "#jobs tbody tr")[0][1].clone();
+    browser.js(
+        "const s = document.getElementById('jobs-search'); s.value = arguments[0];
+         s.dispatchEvent(new Event('input', {bubbles: true}))",
+        json!([name]),
+    );
+    let found = table_rows(&browser, "#jobs tbody tr");
+    assert!(
+        !found.is_empty() && found.iter().all(|r| r[1].contains(&name)),
+        "{name}: {found:?}"
+    );
+    assert!(browser.text("#sim-label").contains("simulated"), "jobs");
+    browser.open(&format!("{url}/#/queue"));
+    wait_for("the queue's simulated label", || {
+        browser
+            .text("#sim-label")
+            .contains("simulated")
+            .then_some(())
+    });
+
+    // Accounts: totals ranked largest first, each its users' sum; a chart over time; the
+    // window of the telemetry figures named.
+    browser.open(&format!("{url}/#/accounts?days=all"));
+    wait_for("the accounts' simulated label", || {
+        browser
+            .text("#sim-label")
+            .contains("simulated")
+            .then_some(())
+    });
+    let totals = table_rows(&browser, "#account-totals tbody tr");
+    let users = table_rows(&browser, "#accounts tbody tr");
+    assert!(!totals.is_empty(), "the demo's accounts");
+    let hours = |s: &str| s.parse::<f64>().unwrap_or(f64::NAN);
+    for w in totals.windows(2) {
+        assert!(hours(&w[0][4]) >= hours(&w[1][4]), "{totals:?}");
+    }
+    for t in &totals {
+        let sum: f64 = users
+            .iter()
+            .filter(|u| u[0] == t[1])
+            .map(|u| hours(&u[3]))
+            .sum();
+        assert!(
+            (sum - hours(&t[4])).abs() < 0.02 + 0.005 * users.len() as f64,
+            "{t:?} against {users:?}"
+        );
+    }
+    assert!(
+        browser.js(
+            "return !!document.getElementById('acc-chart').__uplot",
+            json!([])
+        ) == true,
+        "GPU-hours over time"
+    );
+    assert_ne!(browser.text("#acc-until"), "–");
+    browser.screenshot("accounts");
+
+    // The SQL console rounds floats for reading; the CSV keeps them whole.
+    browser.open(&format!("{url}/#/sql?q=SELECT%201.0%2F3%20AS%20third"));
+    assert_eq!(browser.text("#sql-rows tbody td"), "0.3333");
+    browser.assert_no_errors("the job pages, lists and accounts");
+}
+
+/// With the server stopped the page says it is reconnecting and that what it shows is old
+/// (not "Failed to fetch" beside live-looking figures); when the server is back, it is live
+/// again by itself.
+#[test]
+fn a_stopped_server_is_shown_as_reconnecting_until_it_is_back() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let listen = format!("127.0.0.1:{}", common::free_port());
+    let args = ["server", "--listen", listen.as_str()];
+    let mut perch = Perch::start(dir.path(), &args);
+    let url = perch.url.clone();
+    let browser = Browser::start();
+    browser.open(&format!("{url}/#/jobs"));
+    wait_for("updated N s ago", || {
+        browser.text("#live").starts_with("updated").then_some(())
+    });
+    perch.terminate();
+    let shown = wait_for("the page to say it is reconnecting", || {
+        let s = browser.js(
+            "return [document.getElementById('live').dataset.state, document.getElementById('live').textContent,
+                     document.getElementById('banner').textContent, document.body.classList.contains('stale')]",
+            json!([]),
+        );
+        (s[0] == "reconnecting").then_some(s)
+    });
+    assert!(
+        shown[1]
+            .as_str()
+            .unwrap_or_default()
+            .contains("reconnecting"),
+        "{shown}"
+    );
+    let banner = shown[2].as_str().unwrap_or_default();
+    assert!(
+        banner.contains("reconnecting") && banner.contains("out of date"),
+        "{shown}"
+    );
+    assert!(!banner.contains("Failed to fetch"), "{shown}");
+    assert_eq!(shown[3], true, "the view is marked stale: {shown}");
+    browser.screenshot("reconnecting");
+
+    let _back = Perch::start(dir.path(), &args);
+    wait_for("the page live again", || {
+        let s = browser.js(
+            "return [document.getElementById('live').dataset.state, document.getElementById('banner').textContent,
+                     document.body.classList.contains('stale')]",
+            json!([]),
+        );
+        (s == json!(["live", "", false])).then_some(())
+    });
+    assert!(browser.text("#live").starts_with("updated"));
+    // The failed loads while it was down are the browser's, nothing else.
+    let other: Vec<String> = browser
+        .errors()
+        .into_iter()
+        .filter(|e| !e.contains("ERR_CONNECTION_REFUSED"))
+        .collect();
+    assert!(other.is_empty(), "{other:#?}");
 }
