@@ -463,14 +463,32 @@ fn describe(addr: &str) {
         .filter(|l| l.starts_with("Table ") || l.starts_with("View "))
         .map(str::to_owned)
         .collect();
+    // The rollups' stored partial rows are not listed, as SHOW TABLES does not list them.
     assert_eq!(
         titles,
         [
             "View \"public.gpu_samples_1h\"",
-            "Table \"public.gpu_samples_1h_partial\"",
             "View \"public.gpu_samples_1m\"",
-            "Table \"public.gpu_samples_1m_partial\"",
         ]
+    );
+    assert!(!all.contains("_partial"), "{all}");
+    let shown = ok("SHOW TABLES");
+    let tables: Vec<&str> = shown
+        .lines()
+        .filter_map(|l| {
+            let fields: Vec<&str> = l.split('|').collect();
+            (fields.len() == 4 && fields[1] == "public").then(|| fields[2])
+        })
+        .collect();
+    let listed: Vec<&str> = all
+        .lines()
+        .filter_map(|l| l.strip_prefix("public|"))
+        .filter_map(|l| l.split('|').next())
+        .collect();
+    assert_eq!(
+        listed.len(),
+        tables.len(),
+        "\\d: {listed:?}, SHOW TABLES: {tables:?}"
     );
     // No indexes: psql says so on stderr, as PostgreSQL's does, and succeeds.
     let out = psql_titled(addr, "\\di");

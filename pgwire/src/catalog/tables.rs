@@ -171,8 +171,13 @@ pub fn is_empty(table: &str) -> bool {
     )
 }
 
-/// `pg_class`: every table and view, numbered within one statement (tables in name order),
-/// which is all a join between catalog tables needs. `nspname` is perch's own, to join on.
+/// The tables `SHOW TABLES` lists: not the rollups' stored partial rows (`<rollup>_partial`,
+/// still readable by name), so psql's `\d` and `\dt` list what `SHOW TABLES` does.
+const LISTED: &str = "NOT (table_schema = 'public' AND ends_with(table_name, '_partial'))";
+
+/// `pg_class`: every table and view `SHOW TABLES` lists, numbered within one statement
+/// (tables in name order), which is all a join between catalog tables needs. `nspname` is
+/// perch's own, to join on.
 fn pg_class() -> String {
     format!(
         "SELECT CAST(16384 + row_number() OVER (ORDER BY table_schema, table_name) AS BIGINT) AS oid, \
@@ -188,7 +193,7 @@ fn pg_class() -> String {
          'p' AS relpersistence, CASE table_type WHEN 'VIEW' THEN 'n' ELSE 'd' END AS relreplident, \
          {NO_OPTIONS} AS reloptions, CAST(NULL AS VARCHAR) AS relpartbound, \
          table_schema AS nspname \
-         FROM information_schema.tables"
+         FROM information_schema.tables WHERE {LISTED}"
     )
 }
 
@@ -222,9 +227,11 @@ pub fn catalog_table(name: &str) -> Option<String> {
              UNION ALL SELECT CAST(13000 AS BIGINT), 'information_schema', CAST(10 AS BIGINT)"
             .to_owned(),
         "pg_class" => pg_class(),
-        "pg_tables" => "SELECT table_schema AS schemaname, table_name AS tablename, 'perch' AS tableowner, \
-             false AS hasindexes FROM information_schema.tables WHERE table_type = 'BASE TABLE'"
-            .to_owned(),
+        "pg_tables" => format!(
+            "SELECT table_schema AS schemaname, table_name AS tablename, 'perch' AS tableowner, \
+             false AS hasindexes FROM information_schema.tables \
+             WHERE table_type = 'BASE TABLE' AND {LISTED}"
+        ),
         "pg_attribute" => format!(
             "SELECT c.oid AS attrelid, col.column_name AS attname, t.oid AS atttypid, \
              col.attnum, col.is_nullable = 'NO' AS attnotnull, \
