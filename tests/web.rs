@@ -866,11 +866,12 @@ fn the_fleet_leads_from_a_problem_to_its_gpus() {
     let perch = demo(dir.path());
     let url = perch.url.clone();
     report_xid(&url, "sim-node-001", 2);
-    post_json(
-        &url,
-        "/v1/nodes/sim-node-003/drain",
-        &json!({"reason": "fan noise, ticket 77"}),
+    // Drained from the CLI with a reason, which the page shows.
+    let (ok, out, err) = perch.cli_as(
+        "root",
+        &["drain", "sim-node-003", "--reason", "fan noise, ticket 77"],
     );
+    assert!(ok, "{out}{err}");
     let browser = Browser::start();
 
     browser.open(&format!("{url}/#/fleet"));
@@ -1464,15 +1465,38 @@ fn the_job_pages_say_where_a_job_stands() {
 
 /// With the server stopped the page says it is reconnecting and that what it shows is old
 /// (not "Failed to fetch" beside live-looking figures); when the server is back, it is live
-/// again by itself.
+/// again by itself. (Its server cuts SQL results at 5 rows: the console says the CSV is cut
+/// there too, as it is.)
 #[test]
 fn a_stopped_server_is_shown_as_reconnecting_until_it_is_back() {
     let dir = tempfile::tempdir().expect("tempdir");
     let listen = format!("127.0.0.1:{}", common::free_port());
-    let args = ["server", "--listen", listen.as_str()];
-    let mut perch = Perch::start(dir.path(), &args);
+    let config = "[query]\nmax_rows = 5\n";
+    let mut perch = common::server_with_config(dir.path(), config, &["--listen", &listen]);
     let url = perch.url.clone();
     let browser = Browser::start();
+
+    let query = "SELECT * FROM (VALUES (1), (2), (3), (4), (5), (6), (7)) AS t(x)";
+    browser.open(&format!("{url}/#/sql?q={}", query.replace(' ', "%20")));
+    let note = browser.text("#sql-note");
+    assert!(
+        note.contains("cut at the server's limit of 5 rows")
+            && note.contains("the CSV is cut there too"),
+        "{note}"
+    );
+    assert!(!note.contains("has them all"), "{note}");
+    let csv = reqwest::blocking::Client::new()
+        .post(format!("{url}/v1/sql"))
+        .json(&json!({"sql": query, "format": "csv"}))
+        .send()
+        .expect("csv");
+    assert_eq!(csv.headers()["x-perch-truncated"], "true");
+    assert_eq!(
+        csv.text().expect("text").lines().count(),
+        6,
+        "a header and 5 rows"
+    );
+
     browser.open(&format!("{url}/#/jobs"));
     wait_for("updated N s ago", || {
         browser.text("#live").starts_with("updated").then_some(())
@@ -1502,7 +1526,7 @@ fn a_stopped_server_is_shown_as_reconnecting_until_it_is_back() {
     assert_eq!(shown[3], true, "the view is marked stale: {shown}");
     browser.screenshot("reconnecting");
 
-    let _back = Perch::start(dir.path(), &args);
+    let _back = common::server_with_config(dir.path(), config, &["--listen", &listen]);
     wait_for("the page live again", || {
         let s = browser.js(
             "return [document.getElementById('live').dataset.state, document.getElementById('banner').textContent,

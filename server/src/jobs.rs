@@ -672,12 +672,12 @@ struct DrainBody {
     reason: Option<String>,
 }
 
-/// The drain's reason from its body: none (an empty body), or `{"reason": "..."}`.
+/// The drain's reason from its body: none (an empty body, `null`), or `{"reason": "..."}`.
 fn drain_reason(raw: &[u8]) -> Result<Option<String>, ApiError> {
     if raw.iter().all(u8::is_ascii_whitespace) {
         return Ok(None);
     }
-    let body: DrainBody = serde_json::from_slice(raw).map_err(|e| {
+    let body: Option<DrainBody> = serde_json::from_slice(raw).map_err(|e| {
         ApiError::bad_request(
             crate::ErrorCode::MalformedRequest,
             format!(
@@ -686,7 +686,7 @@ fn drain_reason(raw: &[u8]) -> Result<Option<String>, ApiError> {
         )
     })?;
     Ok(body
-        .reason
+        .and_then(|b| b.reason)
         .map(|r| r.trim().to_owned())
         .filter(|r| !r.is_empty()))
 }
@@ -982,6 +982,7 @@ mod tests {
         assert_eq!(drain_reason(b"").ok(), Some(None));
         assert_eq!(drain_reason(b" \n").ok(), Some(None));
         assert_eq!(drain_reason(b"{}").ok(), Some(None));
+        assert_eq!(drain_reason(b"null").ok(), Some(None), "the CLI's body");
         assert_eq!(
             drain_reason(br#"{"reason": " fan noise "}"#).ok(),
             Some(Some("fan noise".to_owned()))

@@ -1194,15 +1194,38 @@ fn nvlink_of(islands: &[Vec<u32>], sharing: bool) -> String {
     text
 }
 
+#[derive(Debug, Args)]
+pub struct DrainArgs {
+    #[command(flatten)]
+    node: NodeArgs,
+    /// Why (shown by `perch nodes`' reason, the nodes table, the web view and the event).
+    #[arg(long)]
+    reason: Option<String>,
+}
+
+pub fn drain(args: DrainArgs, config_file: Option<&ConfigFile>) -> Result<()> {
+    let body = serde_json::json!({ "reason": args.reason });
+    node_state(args.node, "drain", &body, config_file)
+}
+
 pub fn set_drained(args: NodeArgs, drain: bool, config_file: Option<&ConfigFile>) -> Result<()> {
+    // Resume's body is `null`: the route takes none.
     let verb = if drain { "drain" } else { "resume" };
+    node_state(args, verb, &serde_json::Value::Null, config_file)
+}
+
+fn node_state(
+    args: NodeArgs,
+    verb: &str,
+    body: &serde_json::Value,
+    config_file: Option<&ConfigFile>,
+) -> Result<()> {
     // The name goes into the URL's path: one that is no node's name (`../jobs/5/cancel`) would
     // send the request to another endpoint.
     perch_model::NodeId::new(args.node.as_str())
         .map_err(|e| anyhow::anyhow!("{e}; `perch nodes` lists the nodes"))?;
-    // The body is `null`: the route takes none.
     let r: NodeStateChange = Api::new(&args.server, config_file)?
-        .post(&format!("/v1/nodes/{}/{verb}", args.node), &())?;
+        .post(&format!("/v1/nodes/{}/{verb}", args.node), body)?;
     println!("node {}: {}", args.node, r.state.as_str());
     Ok(())
 }

@@ -62,7 +62,7 @@ enum Command {
     /// Nodes, their GPUs and jobs (like sinfo).
     Nodes(jobs::ListArgs),
     /// Stop placing jobs on a node (running ones finish).
-    Drain(jobs::NodeArgs),
+    Drain(jobs::DrainArgs),
     /// Place jobs on a drained node again.
     Resume(jobs::NodeArgs),
     /// Alerts (pending, firing), what perch did about them, silences and the remediation
@@ -409,7 +409,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Logs(args) => jobs::logs(args, file),
         Command::Queue(args) => jobs::queue(args, file),
         Command::Nodes(args) => jobs::nodes(args, file),
-        Command::Drain(args) => jobs::set_drained(args, true, file),
+        Command::Drain(args) => jobs::drain(args, file),
         Command::Resume(args) => jobs::set_drained(args, false, file),
         Command::Alerts(args) => alerts::run(args, file),
         Command::Token(args) => token::run(args),
