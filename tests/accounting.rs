@@ -115,6 +115,13 @@ fn jobs_are_accounted_and_duckdb_agrees_from_the_raw_files() {
         );
         assert!(f(j, "memory_peak_bytes") > 0.0, "{j}");
         assert!(f(j, "cost_allocated") > f(j, "gpu_seconds_allocated") / 3600.0 * 2.0 - 1e-12);
+        // Complete: the accounted window is the whole allocation, so its cost is the
+        // allocation's, and the idle cost is what was not used of it.
+        assert!(close(f(j, "cost_accounted"), f(j, "cost_allocated")), "{j}");
+        assert!(
+            close(f(j, "idle_cost"), f(j, "cost_accounted") - f(j, "cost_used")),
+            "{j}"
+        );
     }
     assert!(
         f(b, "gpu_seconds_used") > 0.5 * f(b, "gpu_seconds_allocated"),

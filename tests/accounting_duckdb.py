@@ -25,6 +25,16 @@ def ms(text):
     return round(datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000)
 
 
+def energy(seconds, counter, span, power):
+    """docs/schema.md's energy: the counter's rise between its first and last reading plus mean
+    power (else the rise's own rate) over the seconds those readings do not span; mean power x
+    time when the counter was read once or never; None when neither is known."""
+    if counter is not None and span is not None and span > 0:
+        rate = power if power is not None else counter / span
+        return max(counter, 0.0) + rate * max(seconds - span, 0.0)
+    return None if power is None else power * seconds
+
+
 def main():
     data_dir, allocations_csv = sys.argv[1], sys.argv[2]
     con = duckdb.connect()
@@ -48,6 +58,9 @@ def main():
                max(s.utilization_gpu_pct) AS util_peak,
                max(s.memory_used_bytes) AS memory_peak,
                max(s.energy_joules) - min(s.energy_joules) AS energy_counter,
+               (max(CASE WHEN s.energy_joules IS NOT NULL THEN epoch_ms(s.time) END)
+                 - min(CASE WHEN s.energy_joules IS NOT NULL THEN epoch_ms(s.time) END))
+                 / 1000.0 AS energy_span,
                avg(s.power_watts) AS power_mean
         FROM allocs a
         LEFT JOIN read_parquet('{files}') s
@@ -57,26 +70,29 @@ def main():
     """
     con.execute(f"CREATE TABLE per_gpu AS {per_gpu}")
     gpus = {}
-    for job, node, gpu, seconds, samples, mean, peak, memory, counter, power in con.execute(
+    energy_of_job = {}
+    for job, node, gpu, seconds, samples, mean, peak, memory, counter, span, power in con.execute(
         "SELECT * FROM per_gpu"
     ).fetchall():
+        gpu_energy = energy(seconds, counter, span, power)
+        if gpu_energy is not None:
+            energy_of_job[str(job)] = energy_of_job.get(str(job), 0.0) + gpu_energy
         gpus[f"{job}/{node}/{gpu}"] = {
             "gpu_seconds_used": None if mean is None else seconds * mean / 100,
             "utilization_mean_pct": mean,
             "utilization_peak_pct": peak,
             "memory_peak_bytes": memory,
-            "energy_joules": counter if counter is not None else (None if power is None else power * seconds),
+            "energy_joules": gpu_energy,
             "samples": samples,
         }
     jobs = {}
-    for job, used, accounted, peak, memory, energy, samples in con.execute(
+    for job, used, accounted, peak, memory, samples in con.execute(
         """
         SELECT job,
                sum(seconds * util_mean / 100) AS used,
                sum(CASE WHEN util_mean IS NOT NULL THEN seconds END) AS accounted,
                max(util_peak) AS peak,
                max(memory_peak) AS memory,
-               sum(coalesce(energy_counter, power_mean * seconds)) AS energy,
                sum(samples) AS samples
         FROM per_gpu GROUP BY job ORDER BY job
         """
@@ -86,7 +102,7 @@ def main():
             "utilization_mean_pct": None if not accounted else 100.0 * used / accounted,
             "utilization_peak_pct": peak,
             "memory_peak_bytes": memory,
-            "energy_joules": energy,
+            "energy_joules": energy_of_job.get(str(job)),
             "samples": samples,
         }
     print(json.dumps({"jobs": jobs, "gpus": gpus}))

@@ -92,6 +92,9 @@ WITH folded AS (
          avg(s.utilization_gpu_pct) AS util_mean, max(s.utilization_gpu_pct) AS util_peak,
          max(CAST(s.memory_used_bytes AS BIGINT)) AS memory_peak,
          min(s.energy_joules) AS energy_min, max(s.energy_joules) AS energy_max,
+         -- the stretch the counter's readings span
+         (max(IF(s.energy_joules IS NULL, NULL, unix_millis(s.time)))
+           - min(IF(s.energy_joules IS NULL, NULL, unix_millis(s.time)))) / 1000D AS energy_span_s,
          avg(s.power_watts) AS power_mean
   FROM allocations a
   LEFT JOIN gpu_samples s
@@ -105,9 +108,13 @@ SELECT job, attempt, node, gpu, gpu_model, start_ms, end_ms, fold_end_ms, alloca
        IF(share OR util_mean IS NULL, NULL, folded_s) AS accounted_s,
        IF(share, NULL, util_peak) AS peak,
        IF(share, NULL, memory_peak) AS memory,
+       -- the counter's rise, plus mean power (else its own rate) over what it does not span;
+       -- read once or never: mean power x time
        CASE WHEN share THEN NULL
-            WHEN energy_min IS NOT NULL AND energy_max IS NOT NULL
+            WHEN energy_span_s > 0D
               THEN greatest(energy_max - energy_min, 0D)
+                   + coalesce(power_mean, greatest(energy_max - energy_min, 0D) / energy_span_s)
+                     * greatest(folded_s - energy_span_s, 0D)
             ELSE power_mean * folded_s END AS energy
 FROM folded
 """
@@ -126,7 +133,9 @@ SELECT u.*,
        u.allocated_s / 3600D * coalesce(m.per_hour, p.default_per_hour)
          + coalesce(u.energy, 0D) / 3.6e6 * p.energy_per_kwh AS cost_allocated,
        u.used_s / 3600D * coalesce(m.per_hour, p.default_per_hour)
-         + coalesce(u.energy, 0D) / 3.6e6 * p.energy_per_kwh AS cost_used
+         + coalesce(u.energy, 0D) / 3.6e6 * p.energy_per_kwh AS cost_used,
+       u.accounted_s / 3600D * coalesce(m.per_hour, p.default_per_hour)
+         + coalesce(u.energy, 0D) / 3.6e6 * p.energy_per_kwh AS cost_accounted
 FROM gpu_usage u
 CROSS JOIN params p
 LEFT JOIN model_prices m ON m.gpu_model = u.gpu_model
@@ -137,7 +146,8 @@ CREATE OR REPLACE TEMP VIEW job_totals AS
 SELECT j.job, j.user_name, j.account,
        coalesce(sum(c.allocated_s), 0D) AS allocated_s, sum(c.accounted_s) AS accounted_s,
        sum(c.used_s) AS used_s, sum(c.energy) AS energy,
-       coalesce(sum(c.cost_allocated), 0D) AS cost_allocated, sum(c.cost_used) AS cost_used
+       coalesce(sum(c.cost_allocated), 0D) AS cost_allocated, sum(c.cost_used) AS cost_used,
+       sum(c.cost_accounted) AS cost_accounted
 FROM (SELECT CAST(job AS BIGINT) AS job, user_name, account
       FROM settled_jobs WHERE attempts > 0) j
 LEFT JOIN gpu_costs c ON c.job = j.job
@@ -149,34 +159,43 @@ SELECT job, attempt, node, gpu, samples, allocated_s AS gpu_seconds_allocated,
        accounted_s AS gpu_seconds_accounted, used_s AS gpu_seconds_used,
        100D * used_s / nullif(accounted_s, 0D) AS utilization_mean_pct,
        peak AS utilization_peak_pct, memory AS memory_peak_bytes, energy AS energy_joules,
-       cost_allocated, cost_used
+       cost_allocated, cost_used, cost_accounted,
+       IF(cost_accounted < cost_used, 0D, cost_accounted - cost_used) AS idle_cost
 FROM gpu_costs
 """
 
 JOB_COSTS = """
 SELECT job, user_name, account,
-       allocated_s / 3600D AS gpu_hours_allocated, used_s / 3600D AS gpu_hours_used,
+       allocated_s / 3600D AS gpu_hours_allocated, accounted_s / 3600D AS gpu_hours_accounted,
+       used_s / 3600D AS gpu_hours_used,
        used_s / nullif(accounted_s, 0D) AS efficiency, energy / 3600000D AS energy_kwh,
-       cost_allocated, cost_used, cost_allocated - cost_used AS idle_cost
+       cost_allocated, cost_accounted, cost_used,
+       IF(cost_accounted < cost_used, 0D, cost_accounted - cost_used) AS idle_cost
 FROM job_totals
 """
 
 ACCOUNT_USAGE = """
 SELECT account, user_name, count(*) AS jobs,
-       sum(allocated_s) / 3600D AS gpu_hours_allocated, sum(used_s) / 3600D AS gpu_hours_used,
+       sum(allocated_s) / 3600D AS gpu_hours_allocated,
+       sum(accounted_s) / 3600D AS gpu_hours_accounted, sum(used_s) / 3600D AS gpu_hours_used,
        sum(used_s) / nullif(sum(accounted_s), 0D) AS efficiency,
-       sum(cost_allocated) AS cost_allocated, sum(cost_used) AS cost_used,
-       sum(cost_allocated) - sum(cost_used) AS idle_cost
+       sum(cost_allocated) AS cost_allocated, sum(cost_accounted) AS cost_accounted,
+       sum(cost_used) AS cost_used,
+       IF(sum(cost_accounted) < sum(cost_used), 0D,
+          sum(cost_accounted) - sum(cost_used)) AS idle_cost
 FROM job_totals
 GROUP BY account, user_name
 """
 
 USER_USAGE = """
 SELECT user_name, count(*) AS jobs,
-       sum(allocated_s) / 3600D AS gpu_hours_allocated, sum(used_s) / 3600D AS gpu_hours_used,
+       sum(allocated_s) / 3600D AS gpu_hours_allocated,
+       sum(accounted_s) / 3600D AS gpu_hours_accounted, sum(used_s) / 3600D AS gpu_hours_used,
        sum(used_s) / nullif(sum(accounted_s), 0D) AS efficiency,
-       sum(cost_allocated) AS cost_allocated, sum(cost_used) AS cost_used,
-       sum(cost_allocated) - sum(cost_used) AS idle_cost
+       sum(cost_allocated) AS cost_allocated, sum(cost_accounted) AS cost_accounted,
+       sum(cost_used) AS cost_used,
+       IF(sum(cost_accounted) < sum(cost_used), 0D,
+          sum(cost_accounted) - sum(cost_used)) AS idle_cost
 FROM job_totals
 GROUP BY user_name
 """

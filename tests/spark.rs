@@ -434,12 +434,14 @@ fn agree(
     }
 }
 
-const USAGE: [&str; 7] = [
+const USAGE: [&str; 9] = [
     "jobs",
     "gpu_hours_allocated",
+    "gpu_hours_accounted",
     "gpu_hours_used",
     "efficiency",
     "cost_allocated",
+    "cost_accounted",
     "cost_used",
     "idle_cost",
 ];
@@ -683,6 +685,8 @@ fn spark_recomputes_perchs_accounting_from_the_files() {
                 "energy_joules",
                 "cost_allocated",
                 "cost_used",
+                "cost_accounted",
+                "idle_cost",
             ],
         );
         agree(
@@ -692,10 +696,12 @@ fn spark_recomputes_perchs_accounting_from_the_files() {
             &s["job_costs"],
             &[
                 "gpu_hours_allocated",
+                "gpu_hours_accounted",
                 "gpu_hours_used",
                 "efficiency",
                 "energy_kwh",
                 "cost_allocated",
+                "cost_accounted",
                 "cost_used",
                 "idle_cost",
             ],
