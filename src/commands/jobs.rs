@@ -828,16 +828,24 @@ pub fn show(args: JobIdArgs, config_file: Option<&ConfigFile>) -> Result<()> {
         let num = |v: Option<f64>, unit: &str| v.map_or("-".into(), |x| format!("{x:.1}{unit}"));
         // Money to the cent: a 45 s job on a $0.95 GPU-hour read 0.0 before.
         let money = |v: Option<f64>| v.map_or("-".into(), |x| format!("{x:.2}"));
+        // Two windows, each named: allocation runs to now; what telemetry says (and the
+        // efficiency and idle cost worked out from it) covers the job up to AccountedUntil.
         println!(
-            "   Usage: GPUHoursAllocated={} GPUHoursUsed={} MeanUtil={} EnergyKWh={} CostAllocated={} CostUsed={} AccountedUntil={}",
+            "   Usage: GPUHoursAllocated={} CostAllocated={} (to now)",
             hours(u.gpu_seconds_allocated),
+            money(u.cost_allocated),
+        );
+        println!(
+            "   Accounted until {}: GPUHoursAccounted={} GPUHoursUsed={} Efficiency={} EnergyKWh={} CostAccounted={} CostUsed={} IdleCost={}",
+            or_dash(u.accounted_until.as_deref()),
+            hours(u.gpu_seconds_accounted),
             hours(u.gpu_seconds_used),
-            num(u.utilization_mean_pct, "%"),
+            num(u.efficiency.map(|e| 100.0 * e), "%"),
             u.energy_joules
                 .map_or("-".into(), |e| format!("{:.3}", e / 3.6e6)),
-            money(u.cost_allocated),
+            money(u.cost_accounted),
             money(u.cost_used),
-            or_dash(u.accounted_until.as_deref()),
+            money(u.idle_cost),
         );
         if let Some(note) = &u.note {
             println!("   Note: {note}");
