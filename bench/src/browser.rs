@@ -4,10 +4,15 @@
 
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// One Chromium session through a chromedriver of its own; both end when dropped.
+/// chromedriver runs in a process group of its own, which the Chromium it starts (and that
+/// browser's helper processes) join: dropping the browser kills the whole group, so none is
+/// left behind when the session could not be closed (a chromedriver killed alone orphaned
+/// its Chromium).
 pub struct Browser {
     driver: Child,
     http: reqwest::blocking::Client,
@@ -26,6 +31,7 @@ impl Browser {
             .arg(format!("--port={port}"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
+            .process_group(0)
             .spawn()
             .context("starting chromedriver (Debian: apt install chromium chromium-driver)")?;
         perch_model::tls::use_ring();
@@ -147,11 +153,27 @@ impl Browser {
     }
 }
 
+impl Browser {
+    /// The process group of chromedriver and its Chromium (chromedriver's pid).
+    pub fn process_group(&self) -> u32 {
+        self.driver.id()
+    }
+}
+
+/// SIGKILLs process group `group` (chromedriver and the Chromium it started).
+pub fn kill_group(group: u32) {
+    let _ = Command::new("kill")
+        .args(["-KILL", "--", &format!("-{group}")])
+        .stderr(Stdio::null())
+        .status();
+}
+
 impl Drop for Browser {
     fn drop(&mut self) {
         if !self.session.is_empty() {
             let _ = self.call("DELETE", "", None);
         }
+        kill_group(self.driver.id());
         let _ = self.driver.kill();
         let _ = self.driver.wait();
     }

@@ -4,10 +4,11 @@
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use perch_bench::browser::Browser;
+use perch_bench::browser::{Browser, kill_group};
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Args)]
@@ -57,6 +58,84 @@ impl Drop for Demo {
     }
 }
 
+/// What the benchmark started and an interruption must stop: filled in as each starts,
+/// emptied once each is stopped the ordinary way (drops do not run when a signal ends the
+/// process: Ctrl-C or SIGTERM left the demo, chromedriver and Chromium running).
+struct Started {
+    demo: Option<u32>,
+    browser_group: Option<u32>,
+    dir: Option<PathBuf>,
+}
+
+static STARTED: Mutex<Started> = Mutex::new(Started {
+    demo: None,
+    browser_group: None,
+    dir: None,
+});
+
+fn running() -> MutexGuard<'static, Started> {
+    STARTED.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Whether process `pid` has ended (gone, or a zombie waiting to be reaped).
+fn ended(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
+        stat.rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+    })
+}
+
+/// On SIGINT, SIGTERM or SIGHUP: stops what [`STARTED`] lists (the browser's process group
+/// at once; the demo with SIGTERM, so it stops its jobs, then SIGKILL after a minute), removes
+/// the demo's data directory, and exits as the signal would have (128 + its number).
+fn stop_on_signals() -> Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    // Registered before this returns: a signal from then on is caught, not fatal.
+    let (mut int, mut term, mut hup) = runtime.block_on(async {
+        Ok::<_, std::io::Error>((
+            signal(SignalKind::interrupt())?,
+            signal(SignalKind::terminate())?,
+            signal(SignalKind::hangup())?,
+        ))
+    })?;
+    std::thread::spawn(move || {
+        let code = runtime.block_on(async {
+            tokio::select! {
+                _ = int.recv() => 130,
+                _ = term.recv() => 143,
+                _ = hup.recv() => 129,
+            }
+        });
+        eprintln!("perch-bench web: interrupted; stopping the demo and the browser");
+        let started = running();
+        if let Some(group) = started.browser_group {
+            kill_group(group);
+        }
+        if let Some(pid) = started.demo {
+            let _ = Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !ended(pid) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            if !ended(pid) {
+                let _ = Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
+            }
+        }
+        if let Some(dir) = &started.dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        std::process::exit(code);
+    });
+    Ok(())
+}
+
 pub(super) fn web(args: WebArgs) -> Result<()> {
     let perch = match args.perch {
         Some(p) => p,
@@ -74,18 +153,26 @@ pub(super) fn web(args: WebArgs) -> Result<()> {
     let dir = tempfile::Builder::new()
         .prefix("perch-bench-web-")
         .tempdir_in(&args.dir)?;
+    stop_on_signals()?;
+    running().dir = Some(dir.path().to_path_buf());
     let data = dir.path().join("data");
-    let demo = Demo(
-        Command::new(&perch)
-            .args(["demo", "--nodes", &args.nodes.to_string()])
-            .args(["--gpus-per-node", &args.gpus_per_node.to_string()])
-            .args(["--listen", "127.0.0.1:0", "--data-dir"])
-            .arg(&data)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .with_context(|| format!("starting {} demo", perch.display()))?,
-    );
+    let demo = {
+        // Held while it starts: an interruption waits to see its pid.
+        let mut started = running();
+        let demo = Demo(
+            Command::new(&perch)
+                .args(["demo", "--nodes", &args.nodes.to_string()])
+                .args(["--gpus-per-node", &args.gpus_per_node.to_string()])
+                .args(["--listen", "127.0.0.1:0", "--data-dir"])
+                .arg(&data)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .with_context(|| format!("starting {} demo", perch.display()))?,
+        );
+        started.demo = Some(demo.0.id());
+        demo
+    };
     let url = wait_for_address(&data)?;
     perch_model::tls::use_ring();
     let http = reqwest::blocking::Client::builder()
@@ -111,7 +198,12 @@ pub(super) fn web(args: WebArgs) -> Result<()> {
         started.elapsed().as_secs_f64() * 1000.0
     );
 
-    let browser = Browser::start(1600, 1000)?;
+    let browser = {
+        let mut started = running();
+        let browser = Browser::start(1600, 1000)?;
+        started.browser_group = Some(browser.process_group());
+        browser
+    };
     let mut paints = Vec::new();
     for _ in 0..args.loads.max(1) {
         browser.go("about:blank")?;
@@ -196,8 +288,14 @@ pub(super) fn web(args: WebArgs) -> Result<()> {
             first.1, last.1, max, first.2, last.2
         );
     }
-    drop(browser);
-    drop(demo);
+    // Stopped here: an interruption from now on has nothing of theirs to stop.
+    {
+        let mut started = running();
+        drop(browser);
+        started.browser_group = None;
+        drop(demo);
+        started.demo = None;
+    }
     Ok(())
 }
 
