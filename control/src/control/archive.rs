@@ -144,6 +144,9 @@ struct Decayed {
 #[derive(Debug, Default, Clone, Copy)]
 struct UsageSums {
     allocated_seconds: f64,
+    /// Of the allocated seconds, those of GPUs whose use is known: what used is measured
+    /// against (a settled job's accounted window is the whole of it).
+    accounted_seconds: f64,
     used_seconds: f64,
     /// Energy of the GPUs held whole.
     energy_joules: f64,
@@ -236,6 +239,7 @@ impl Archive {
                     sums.energy_joules += energy;
                     if let Some(used) = f.used_seconds {
                         sums.used_seconds += used;
+                        sums.accounted_seconds += f.accounted_seconds.unwrap_or(0.0);
                         sums.energy_used_joules += energy;
                     }
                 }
@@ -480,8 +484,10 @@ impl Control {
                 ..UsageView::default()
             });
             u.gpu_seconds_allocated += s.allocated_seconds;
+            u.gpu_seconds_accounted += s.accounted_seconds;
             u.gpu_seconds_used += s.used_seconds;
             u.cost_allocated += s.allocated_seconds / 3600.0 * price + s.energy_joules * kwh;
+            u.cost_accounted += s.accounted_seconds / 3600.0 * price + s.energy_used_joules * kwh;
             u.cost_used += s.used_seconds / 3600.0 * price + s.energy_used_joules * kwh;
         }
         by.into_values().collect()

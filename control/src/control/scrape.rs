@@ -241,17 +241,26 @@ impl Control {
 pub struct UsageView {
     pub account: String,
     pub user: String,
+    /// To now.
     pub gpu_seconds_allocated: f64,
+    /// Of those, the ones within each job's accounted window (telemetry folded) on GPUs
+    /// whose use is known: what `gpu_seconds_used` is measured against.
+    pub gpu_seconds_accounted: f64,
     /// Utilization-weighted, over the telemetry folded so far.
     pub gpu_seconds_used: f64,
+    /// To now.
     pub cost_allocated: f64,
+    /// Cost by allocation of `gpu_seconds_accounted`.
+    pub cost_accounted: f64,
     pub cost_used: f64,
 }
 
 impl UsageView {
-    /// Allocated but unused GPU time at the used price: what idle allocations cost.
+    /// Accounted but unused GPU time at the price: what idle allocations cost, within the
+    /// accounted window (the allocation to now would count minutes whose use is not folded
+    /// yet as idle).
     pub fn cost_idle(&self) -> f64 {
-        (self.cost_allocated - self.cost_used).max(0.0)
+        (self.cost_accounted - self.cost_used).max(0.0)
     }
 }
 
@@ -276,8 +285,10 @@ impl crate::JobService {
                     ..UsageView::default()
                 });
                 u.gpu_seconds_allocated += t.allocated;
+                u.gpu_seconds_accounted += t.accounted.unwrap_or(0.0);
                 u.gpu_seconds_used += t.used.unwrap_or(0.0);
                 u.cost_allocated += t.cost_allocated;
+                u.cost_accounted += t.cost_accounted.unwrap_or(0.0);
                 u.cost_used += t.cost_used.unwrap_or(0.0);
             }
             by.into_values().collect()

@@ -2141,6 +2141,12 @@ async fn settled_jobs_leave_memory_and_read_back_as_they_were() {
         assert!(close(b.gpu_seconds_used, a.gpu_seconds_used), "{b:?} {a:?}");
         assert!(close(b.cost_allocated, a.cost_allocated), "{b:?} {a:?}");
         assert!(close(b.cost_used, a.cost_used), "{b:?} {a:?}");
+        assert!(
+            close(b.gpu_seconds_accounted, a.gpu_seconds_accounted),
+            "{b:?} {a:?}"
+        );
+        assert!(close(b.cost_accounted, a.cost_accounted), "{b:?} {a:?}");
+        assert!(close(b.cost_idle(), a.cost_idle()), "{b:?} {a:?}");
         assert!(b.gpu_seconds_used > 0.0 && b.cost_used > 0.0);
     }
     assert_eq!(

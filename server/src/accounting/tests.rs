@@ -1159,6 +1159,16 @@ async fn figures_agree_at_every_moment_of_a_jobs_life() {
                 assert!(near(g("efficiency"), efficiency), "{at} {a}");
                 assert!(near(g("idle_cost"), idle), "{at} {a}");
                 assert!(near(g("cost_accounted"), cost_accounted), "{at} {a}");
+                // `/metrics`' counters for the account agree, idle cost included.
+                let metrics = h.jobs.usage(&accounting.prices);
+                let m = metrics
+                    .iter()
+                    .find(|u| u.account == "vision")
+                    .expect("usage");
+                assert!(near(m.gpu_seconds_accounted, accounted), "{at} {m:?}");
+                assert!(near(m.gpu_seconds_used, used), "{at} {m:?}");
+                assert!(near(m.cost_accounted, cost_accounted), "{at} {m:?}");
+                assert!(near(m.cost_idle(), idle), "{at} {m:?}");
                 // GET /v1/jobs/{id}'s usage is the same row.
                 let usage = tables::job_json(&record, &accounting, t).expect("row");
                 for k in [

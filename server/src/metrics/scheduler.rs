@@ -125,26 +125,27 @@ pub(super) fn usage(s: &mut Scrape, usage: &[perch_control::UsageView]) {
                 ("basis", basis.to_owned()),
             ]
         };
-        s.counter(
-            "perch_account_gpu_seconds",
-            "GPU-seconds by account and user: allocated, or used (allocated x measured utilization)",
-            &l("allocated"),
-            Some(u.gpu_seconds_allocated),
-        );
-        s.counter(
-            "perch_account_gpu_seconds",
-            "GPU-seconds by account and user: allocated, or used (allocated x measured utilization)",
-            &l("used"),
-            Some(u.gpu_seconds_used),
-        );
+        for (basis, seconds) in [
+            ("allocated", u.gpu_seconds_allocated),
+            ("accounted", u.gpu_seconds_accounted),
+            ("used", u.gpu_seconds_used),
+        ] {
+            s.counter(
+                "perch_account_gpu_seconds",
+                "GPU-seconds by account and user: allocated (to now), accounted (allocated, within the telemetry folded so far), or used (accounted x measured utilization); efficiency is used / accounted",
+                &l(basis),
+                Some(seconds),
+            );
+        }
         for (basis, cost) in [
             ("allocation", u.cost_allocated),
+            ("accounted", u.cost_accounted),
             ("use", u.cost_used),
             ("idle", u.cost_idle()),
         ] {
             s.counter(
                 "perch_account_cost",
-                "Cost by account and user, in the configured currency: by allocation, by use, and idle (allocated minus used)",
+                "Cost by account and user, in the configured currency: by allocation (to now), accounted (by allocation within the telemetry folded so far), by use, and idle (accounted minus used)",
                 &l(basis),
                 Some(cost),
             );
