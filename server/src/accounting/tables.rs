@@ -731,7 +731,7 @@ const SUMS: &str = "count(*) AS jobs,
   sum(cost_allocated) AS cost_allocated,
   sum(cost_accounted) AS cost_accounted,
   sum(cost_used) AS cost_used,
-  CASE WHEN sum(cost_accounted) < sum(cost_used) THEN 0
+  CASE WHEN sum(cost_accounted) < sum(cost_used) THEN 0.0
     ELSE sum(cost_accounted) - sum(cost_used) END AS idle_cost,
   min(accounted_until) FILTER (WHERE end_time IS NULL OR accounted_until < end_time) AS accounted_until";
 

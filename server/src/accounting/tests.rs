@@ -1029,6 +1029,30 @@ async fn figures_agree_at_every_moment_of_a_jobs_life() {
         },
         accounting.clone(),
     );
+    // Every figure is declared a float where it is one (a CASE mixing an integer 0 with a
+    // float was declared Int64, and clients reading the declared type printed its bits).
+    for view in ["job_costs", "account_usage", "user_usage", "top_users"] {
+        let schema = h
+            .sql
+            .describe(&format!("SELECT * FROM {view}"))
+            .await
+            .expect("describe");
+        for column in [
+            "efficiency",
+            "cost_accounted",
+            "idle_cost",
+            "gpu_hours_accounted",
+        ] {
+            assert_eq!(
+                schema
+                    .field_with_name(column)
+                    .map(|f| f.data_type().clone())
+                    .ok(),
+                Some(arrow::datatypes::DataType::Float64),
+                "{view}.{column}"
+            );
+        }
+    }
     h.sync(T0 - 10_000, &[], &[]).await;
     let request: perch_control::spec::JobRequest = serde_json::from_value(json!({
         "command": ["train"], "user": "alice", "account": "vision", "gpus_per_node": 2,
