@@ -334,7 +334,7 @@ fn usage(state: &AppState, job: &JobRecord) -> Option<JobUsage> {
     let complete = !running && usage.accounted_until == usage.end_time;
     let note = if running && !folded && elapsed <= (fold + settle) as f64 {
         Some(format!(
-            "telemetry figures (GPU-seconds used, utilization, energy, cost by use) are folded every {fold} s from samples at least {settle} s old: the first ones appear within {} s of the job's start",
+            "telemetry figures (GPU-seconds accounted and used, efficiency, utilization, energy, cost accounted, used and idle) are folded every {fold} s from samples at least {settle} s old: the first ones appear within {} s of the job's start",
             fold + settle
         ))
     } else if running && !folded {
