@@ -43,7 +43,9 @@ async fn submit(
     nodes: u32,
     gpus_per_node: u32,
 ) -> Result<(), String> {
-    // The scheduler learns a node when its agent first syncs.
+    // The scheduler learns a node when its agent first syncs (a node whose telemetry came
+    // first is listed without a sync): until every node has, a gang of whole nodes would be
+    // refused as wider than the cluster.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         let known = client
@@ -53,9 +55,12 @@ async fn submit(
             .and_then(reqwest::Response::error_for_status);
         if let Ok(r) = known
             && let Ok(v) = r.json::<Value>().await
-            && v["nodes"]
-                .as_array()
-                .is_some_and(|n| n.len() as u32 >= nodes)
+            && v["nodes"].as_array().is_some_and(|n| {
+                n.iter()
+                    .filter(|n| !n["last_sync_secs_ago"].is_null())
+                    .count() as u32
+                    >= nodes
+            })
         {
             break;
         }
