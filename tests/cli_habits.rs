@@ -164,6 +164,21 @@ fn a_dependency_on_an_array_waits_for_every_task() {
         "{never}"
     );
     wait_state(&perch, 8, "completed");
+
+    // Slurm's afternotok: met when a task did not complete, never when every one did.
+    let (ok, _, err) = cli(&["submit", "--gpus", "1", "--after-not-ok", "5", "--", "true"]); // 9
+    assert!(ok, "{err}");
+    let (ok, _, err) = cli(&["submit", "--gpus", "1", "--after-not-ok", "1", "--", "true"]); // 10
+    assert!(ok, "{err}");
+    wait_state(&perch, 9, "completed");
+    let never = wait_state(&perch, 10, "cancelled");
+    assert!(
+        never["reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("every task of array 1 completed (after_not_ok)"),
+        "{never}"
+    );
 }
 
 #[test]

@@ -108,6 +108,12 @@ pub struct JobRequest {
     /// id waits for every task.
     #[serde(default)]
     pub after_any: Vec<u64>,
+    /// Start only after these jobs ended without completing: failed, cancelled, timed out
+    /// (Slurm's afternotok); if one of them completes, this job is cancelled. An array's id
+    /// waits for every task and is met when one of them did not complete. Written only when
+    /// set, so records without it read as before.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub after_not_ok: Vec<u64>,
     /// Submit this many copies (a job array); each gets `PERCH_ARRAY_JOB_ID` (the first
     /// copy's id) and `PERCH_ARRAY_TASK_ID` (0, 1, ...).
     #[serde(default)]
@@ -520,7 +526,7 @@ impl JobRequest {
                 ),
             ));
         }
-        if self.after_ok.len() + self.after_any.len() > 100 {
+        if self.after_ok.len() + self.after_any.len() + self.after_not_ok.len() > 100 {
             return Err(err("after_ok", "at most 100 dependencies in all"));
         }
         if self.grace_secs > 3600 {

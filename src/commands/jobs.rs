@@ -119,6 +119,11 @@ pub struct SubmitArgs {
     /// every task).
     #[arg(long, value_delimiter = ',')]
     after_any: Vec<u64>,
+    /// Start after these jobs ended without completing: failed, cancelled, timed out
+    /// (comma-separated ids; an array's id waits for every task, and is met when one did not
+    /// complete). The job is cancelled if they complete.
+    #[arg(long, value_delimiter = ',')]
+    after_not_ok: Vec<u64>,
     /// KEY=VALUE, repeatable.
     #[arg(long = "env", short = 'e')]
     env: Vec<String>,
@@ -523,6 +528,9 @@ pub fn submit(args: SubmitArgs, config_file: Option<&ConfigFile>) -> Result<()> 
     }
     if !args.after_any.is_empty() {
         set("after_any", args.after_any.clone().into());
+    }
+    if !args.after_not_ok.is_empty() {
+        set("after_not_ok", args.after_not_ok.clone().into());
     }
     if let Some(v) = &args.workdir {
         // As sbatch --chdir: a relative directory is the one under where you submit.

@@ -117,6 +117,7 @@ impl Control {
         for (field, deps) in [
             ("after_ok", &request.after_ok),
             ("after_any", &request.after_any),
+            ("after_not_ok", &request.after_not_ok),
         ] {
             if let Some(missing) = deps.iter().find(|&&d| self.find(d).is_none()) {
                 return Err(ControlError::Invalid(FieldError {
@@ -212,10 +213,35 @@ impl Control {
                 None => return Deps::Waiting,
             }
         }
+        for &id in &request.after_not_ok {
+            match outcome(id) {
+                Some((task, JobState::Completed)) if task == id && self.is_array(id) => {
+                    return Deps::Never(format!(
+                        "every task of array {id} completed (after_not_ok)"
+                    ));
+                }
+                Some((_, JobState::Completed)) => {
+                    return Deps::Never(format!("job {id} completed (after_not_ok)"));
+                }
+                Some(_) => {}
+                None => return Deps::Waiting,
+            }
+        }
         if request.after_any.iter().any(|&id| outcome(id).is_none()) {
             return Deps::Waiting;
         }
         Deps::Met
+    }
+
+    /// Whether `id` is an array's id (its task 0's).
+    fn is_array(&self, id: u64) -> bool {
+        self.find(id).is_some_and(|j| {
+            j.array()
+                == Some(ArrayTask {
+                    job_id: id,
+                    task_id: 0,
+                })
+        })
     }
 
     /// How job `id` ended, for a job depending on it: `None` while it has not ended (or does
@@ -224,11 +250,7 @@ impl Control {
     /// state, else task 0 and `Completed`.
     fn outcome(&self, id: u64) -> Outcome {
         let found = self.find(id)?;
-        let task_0 = Some(ArrayTask {
-            job_id: id,
-            task_id: 0,
-        });
-        if found.array() != task_0 {
+        if !self.is_array(id) {
             return found.state().is_final().then_some((id, found.state()));
         }
         let mut failed = None;

@@ -60,8 +60,13 @@ impl Control {
         let mut job = job.clone();
         if self.held.contains(&id) {
             let r = &job.request;
+            let not_ok = if r.after_not_ok.is_empty() {
+                String::new()
+            } else {
+                format!(", after_not_ok {:?}", r.after_not_ok)
+            };
             job.reason = Some(format!(
-                "waiting for dependencies: after_ok {:?}, after_any {:?}",
+                "waiting for dependencies: after_ok {:?}, after_any {:?}{not_ok}",
                 r.after_ok, r.after_any
             ));
         } else if job.state == JobState::Pending {
