@@ -288,7 +288,10 @@ folded AS (
 used AS (
   -- each allocation's used GPU-seconds, spread evenly over its folded time
   SELECT day, sum(used_s / (b - a) * (least(b, (day + 1) * 86400000)
-                                     - greatest(a, day * 86400000))) AS used_s
+                                     - greatest(a, day * 86400000))) AS used_s,
+         -- and the folded time itself, what used is measured against
+         sum((least(b, (day + 1) * 86400000) - greatest(a, day * 86400000)) / 1000D)
+           AS accounted_s
   FROM folded
   LATERAL VIEW explode(sequence(floor(a / 86400000), floor((b - 1) / 86400000))) d AS day
   GROUP BY day),
@@ -304,6 +307,7 @@ days AS (
 SELECT d.day * 86400000 AS day_ms,
        coalesce(c.capacity_ms, 0) / 3.6e6 AS capacity_gpu_hours,
        coalesce(c.allocated_ms, 0) / 3.6e6 AS allocated_gpu_hours,
+       coalesce(u.accounted_s, 0D) / 3600D AS accounted_gpu_hours,
        coalesce(u.used_s, 0D) / 3600D AS used_gpu_hours,
        coalesce(c.idle_ms, 0) / 3.6e6 AS idle_gpu_hours,
        coalesce(c.drained_ms, 0) / 3.6e6 AS drained_gpu_hours,

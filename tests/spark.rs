@@ -568,7 +568,7 @@ fn spark_recomputes_perchs_accounting_from_the_files() {
     let top_users = cluster.sql("SELECT user_name FROM top_users");
     let days = cluster.sql(
         "SELECT CAST(day AS BIGINT) AS day_ms, capacity_gpu_hours, allocated_gpu_hours, \
-         used_gpu_hours, idle_gpu_hours, drained_gpu_hours, down_gpu_hours, allocated_pct \
+         accounted_gpu_hours, used_gpu_hours, idle_gpu_hours, drained_gpu_hours, down_gpu_hours, allocated_pct \
          FROM cluster_utilization_daily ORDER BY day",
     );
     let allocations = cluster.sql("SELECT * FROM job_allocations ORDER BY job, attempt, node, gpu");
@@ -741,6 +741,7 @@ fn spark_recomputes_perchs_accounting_from_the_files() {
             &[
                 "capacity_gpu_hours",
                 "allocated_gpu_hours",
+                "accounted_gpu_hours",
                 "used_gpu_hours",
                 "idle_gpu_hours",
                 "drained_gpu_hours",

@@ -49,6 +49,9 @@ pub struct Day {
     pub drained_ms: i64,
     pub down_ms: i64,
     pub used_seconds: f64,
+    /// GPU-seconds of the allocations' folded time (GPUs whose use is known) in the day: what
+    /// `used_seconds` is measured against.
+    pub accounted_seconds: f64,
 }
 
 #[derive(Clone, Copy)]
@@ -167,7 +170,8 @@ pub fn daily(spans: &[Span<'_>], held: &[Held<'_>], now_ms: i64, day_ms: i64) ->
         }
         let per_ms = used / (b - a) as f64;
         spread(&mut days, day_ms, a, b, |d, ms| {
-            d.used_seconds += per_ms * ms as f64
+            d.used_seconds += per_ms * ms as f64;
+            d.accounted_seconds += ms as f64 / 1000.0;
         });
     }
     let (Some(&first), Some(&last)) = (days.keys().next(), days.keys().next_back()) else {
@@ -344,6 +348,8 @@ mod tests {
             for d in &days {
                 prop_assert_eq!(d.capacity_ms, d.allocated_ms + d.idle_ms + d.drained_ms + d.down_ms);
                 prop_assert!(d.used_seconds * 1000.0 <= d.allocated_ms as f64 + 1e-9, "{:?}", d);
+                prop_assert!(d.used_seconds <= d.accounted_seconds * (1.0 + 1e-12) + 1e-9, "{:?}", d);
+                prop_assert!(d.accounted_seconds * 1000.0 <= d.allocated_ms as f64 + 1e-6, "{:?}", d);
                 let want = expected.get(&(d.start_ms / day_ms)).copied().unwrap_or_default();
                 prop_assert_eq!(
                     [d.capacity_ms, d.allocated_ms, d.idle_ms, d.drained_ms, d.down_ms], want,

@@ -593,6 +593,9 @@ impl DailyTable {
             .time("day", false, |d| Some(d.start_ms))
             .f64("capacity_gpu_hours", false, move |d| hours(d.capacity_ms))
             .f64("allocated_gpu_hours", false, move |d| hours(d.allocated_ms))
+            .f64("accounted_gpu_hours", false, |d| {
+                Some(d.accounted_seconds / 3600.0)
+            })
             .f64("used_gpu_hours", false, |d| Some(d.used_seconds / 3600.0))
             .f64("idle_gpu_hours", false, move |d| hours(d.idle_ms))
             .f64("drained_gpu_hours", false, move |d| hours(d.drained_ms))

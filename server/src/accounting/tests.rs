@@ -1183,6 +1183,21 @@ async fn figures_agree_at_every_moment_of_a_jobs_life() {
                 assert!(near(g("efficiency"), efficiency), "{at} {a}");
                 assert!(near(g("idle_cost"), idle), "{at} {a}");
                 assert!(near(g("cost_accounted"), cost_accounted), "{at} {a}");
+                // The days' accounted and used GPU-hours add up to the job's (its only job).
+                let d = h
+                    .row(
+                        "SELECT sum(accounted_gpu_hours) AS a, sum(used_gpu_hours) AS u \
+                         FROM cluster_utilization_daily",
+                    )
+                    .await;
+                assert!(
+                    near(d["a"].as_f64().unwrap_or(f64::NAN) * 3600.0, accounted),
+                    "{at} {d}"
+                );
+                assert!(
+                    near(d["u"].as_f64().unwrap_or(f64::NAN) * 3600.0, used),
+                    "{at} {d}"
+                );
                 // `/metrics`' counters for the account agree, idle cost included.
                 let metrics = h.jobs.usage(&accounting.prices);
                 let m = metrics
