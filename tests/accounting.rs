@@ -103,6 +103,20 @@ fn jobs_are_accounted_and_duckdb_agrees_from_the_raw_files() {
     let shown = perch.job(b["job"].as_u64().expect("id"));
     assert!(shown["usage"]["gpu_seconds_used"].is_number(), "{shown}");
     assert!(shown["usage"].get("note").is_none(), "{shown}");
+    // Its efficiency and idle cost are the accounted window's, as the row's.
+    let u = &shown["usage"];
+    assert!(
+        close(
+            f(u, "efficiency"),
+            f(u, "gpu_seconds_used") / f(u, "gpu_seconds_accounted")
+        ),
+        "{u}"
+    );
+    assert!(close(f(u, "idle_cost"), f(b, "idle_cost")), "{u} {b}");
+    assert!(
+        close(f(u, "cost_accounted"), f(b, "cost_accounted")),
+        "{u} {b}"
+    );
     assert_eq!(b["job"], busy);
     assert_eq!(i["job"], idle);
     for j in [b, i] {
@@ -119,7 +133,10 @@ fn jobs_are_accounted_and_duckdb_agrees_from_the_raw_files() {
         // allocation's, and the idle cost is what was not used of it.
         assert!(close(f(j, "cost_accounted"), f(j, "cost_allocated")), "{j}");
         assert!(
-            close(f(j, "idle_cost"), f(j, "cost_accounted") - f(j, "cost_used")),
+            close(
+                f(j, "idle_cost"),
+                f(j, "cost_accounted") - f(j, "cost_used")
+            ),
             "{j}"
         );
     }
