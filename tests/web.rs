@@ -25,6 +25,14 @@ impl Browser {
         std::fs::create_dir_all(&shots).expect("screenshot dir");
         let inner = perch_bench::browser::Browser::start(1400, 1000)
             .expect("headless Chromium (Debian's chromium and chromium-driver; scripts/test.sh installs them)");
+        // The page follows the system's theme; the tests (and the screenshots) see the dark
+        // one unless they ask for the light one.
+        inner
+            .cdp(
+                "Emulation.setEmulatedMedia",
+                json!({"features": [{"name": "prefers-color-scheme", "value": "dark"}]}),
+            )
+            .expect("emulate the dark theme");
         Browser { inner, shots }
     }
 
@@ -996,6 +1004,19 @@ fn the_fleet_leads_from_a_problem_to_its_gpus() {
         "{bad_label}"
     );
 
+    // N opens the focused cell's node.
+    let node_link = browser.js(
+        "const c = document.querySelector('#fleet .gpu[tabindex=\"0\"]'); c.focus();
+         c.dispatchEvent(new KeyboardEvent('keydown', {key: 'n', bubbles: true}));
+         return [c.closest('.node').dataset.node, location.hash]",
+        json!([]),
+    );
+    assert_eq!(
+        node_link[1],
+        format!("#/nodes/{}", node_link[0].as_str().unwrap_or_default()),
+        "{node_link}"
+    );
+
     // Colour-blind safe: each state's cell differs from every other's in a property that is
     // not a colour (border style, the pattern drawn on it), in both drawings.
     for compact in [false, true] {
@@ -1032,7 +1053,13 @@ fn the_fleet_leads_from_a_problem_to_its_gpus() {
         }
     }
 
-    // A light theme when the system asks for one, with readable contrast.
+    // A light theme when the system asks for one, with readable contrast (dark otherwise).
+    browser.open(&format!("{url}/#/fleet"));
+    let dark = browser.js(
+        "return getComputedStyle(document.body).backgroundColor",
+        json!([]),
+    );
+    assert_eq!(dark, "rgb(18, 22, 31)", "the dark theme by default");
     browser
         .inner
         .cdp(
@@ -1194,7 +1221,7 @@ fn the_fleet_leads_from_a_problem_to_its_gpus() {
             })
             .then_some(())
     });
-    browser.screenshot("alerts");
+    browser.screenshot("alerts-firing");
     browser.assert_no_errors("the fleet's problems, drain and alerts");
 }
 
@@ -1334,18 +1361,44 @@ fn the_job_pages_say_where_a_job_stands() {
         );
     }
     assert_eq!(layout["apart"], true, "x labels overlap: {layout}");
+    let yvals = layout["yvals"].as_array().expect("y labels");
     assert!(
-        layout["yvals"]
-            .as_array()
-            .expect("y labels")
+        yvals
             .iter()
             .all(|v| v.as_str().unwrap_or_default().ends_with('%')),
         "{layout}"
     );
+    let distinct: std::collections::BTreeSet<&str> =
+        yvals.iter().filter_map(Value::as_str).collect();
+    assert_eq!(distinct.len(), yvals.len(), "no label twice: {layout}");
+    // Every chart of the page (its own metrics too): y labels apart and not clipped.
+    let every = browser.js(
+        "const ctx = document.createElement('canvas').getContext('2d');
+         ctx.font = '11px system-ui, sans-serif';
+         return [...document.querySelectorAll('#job-charts div')].filter(d => d.__uplot).map(d => {
+           const y = d.__uplot.axes[1];
+           return {id: d.id, vals: y._values, size: y._size,
+                   widest: Math.max(...y._values.map(v => ctx.measureText(v).width))};
+         })",
+        json!([]),
+    );
+    let every = every.as_array().expect("charts");
+    assert!(every.len() >= 3, "{every:?}");
+    for c in every {
+        let vals = c["vals"].as_array().expect("labels");
+        let distinct: std::collections::BTreeSet<String> =
+            vals.iter().map(Value::to_string).collect();
+        assert_eq!(distinct.len(), vals.len(), "a label twice: {c}");
+        assert!(
+            c["size"].as_f64().unwrap_or(0.0) >= c["widest"].as_f64().unwrap_or(99.0) + 8.0,
+            "{c}"
+        );
+    }
     assert!(
         layout["ysize"].as_f64().unwrap_or(0.0) >= layout["ywidest"].as_f64().unwrap_or(99.0) + 8.0,
         "the y axis is wider than its widest label: {layout}"
     );
+    browser.screenshot("job-running");
     // The time range narrows the charts and is kept in the address.
     browser.js(
         "const s = document.getElementById('job-range'); s.value = '900';
@@ -1374,7 +1427,6 @@ fn the_job_pages_say_where_a_job_stands() {
         top >= 0.0 && top + 60.0 <= height,
         "the output's heading is scrolled into view: {seen}"
     );
-    browser.screenshot("job");
     browser.assert_no_errors("the running job");
 
     // The job list: a page at a time, more on request, searched and sorted.
@@ -1455,7 +1507,7 @@ fn the_job_pages_say_where_a_job_stands() {
         "GPU-hours over time"
     );
     assert_ne!(browser.text("#acc-until"), "–");
-    browser.screenshot("accounts");
+    browser.screenshot("accounts-ranked");
 
     // The SQL console rounds floats for reading; the CSV keeps them whole.
     browser.open(&format!("{url}/#/sql?q=SELECT%201.0%2F3%20AS%20third"));

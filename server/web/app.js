@@ -480,6 +480,10 @@
       if (show === 'drained' || show === 'down') {
         const r = await rows(`SELECT node, max(start_time) AS t FROM node_states WHERE end_time IS NULL AND ${inNodes} GROUP BY node`);
         for (const x of r) since.set(x.node, { t: Date.parse(x.t) });
+        // A node whose agent syncs but whose telemetry stopped: silent since its last sample.
+        for (const { n } of shown) {
+          if (n.state === 'no_telemetry' && n.last_sample_secs_ago != null) since.set(n.name, { t: Date.now() - n.last_sample_secs_ago * 1000 });
+        }
         if (show === 'drained') {
           const why = await rows(`SELECT node, reason, drained_by FROM nodes WHERE ${inNodes}`);
           for (const x of why) since.set(`${x.node}/why`, x.reason || (x.drained_by ? `by ${x.drained_by}` : ''));
@@ -574,7 +578,7 @@
         <span class="muted" id="fleet-count"></span></div>
       <div class="cards" id="summary"></div><div id="problems" class="problems" role="region" aria-label="problems"></div>
       <div id="problem-box"></div>${LEGEND}
-      <div class="fleet" id="fleet" role="group" aria-label="GPUs by node: arrow keys move between GPUs, Enter opens one"></div>`;
+      <div class="fleet" id="fleet" role="group" aria-label="GPUs by node: arrow keys move between GPUs, Enter opens a GPU's job, N its node"></div>`;
     const fleet = document.getElementById('fleet');
     let shape = '';
     let cells = [];
@@ -615,6 +619,10 @@
           const gpus = card.querySelectorAll('.gpu');
           next = card.querySelector(`.gpu[data-gpu="${cell.dataset.gpu}"]`) || gpus[gpus.length - 1];
         }
+      } else if (e.key === 'n' || e.key === 'N') {
+        // The cell's node page (Enter opens its job).
+        location.hash = `#/nodes/${encodeURIComponent(cell.closest('.node').dataset.node)}`;
+        return;
       } else if (e.key === 'Home' || e.key === 'End') {
         const all = visibleCells();
         next = e.key === 'Home' ? all[0] : all[all.length - 1];
@@ -842,7 +850,9 @@
     measureCtx.font = AXIS_FONT;
     return measureCtx.measureText(t).width;
   };
-  function drawLines(v, chart, el, data, keyOf, field, unit) {
+  // `xRange` ([from, to], Unix seconds) fixes the x axis (a chart of one bucket would
+  // otherwise span years).
+  function drawLines(v, chart, el, data, keyOf, field, unit, xRange) {
     const keys = [...new Set(data.map(keyOf))].sort();
     const times = [...new Set(data.map((r) => Date.parse(r.t) / 1000))].sort((a, b) => a - b);
     const at = new Map(times.map((t, i) => [t, i]));
@@ -850,6 +860,7 @@
     for (const r of data) cols[keys.indexOf(keyOf(r))][at.get(Date.parse(r.t) / 1000)] = r[field];
     const shape = keys.join('|');
     if (chart && chart.__shape === shape) {
+      chart.__xRange = xRange;
       chart.setData([times, ...cols]);
       return chart;
     }
@@ -859,12 +870,13 @@
     const css = getComputedStyle(document.documentElement);
     const muted = css.getPropertyValue('--muted').trim() || '#8b95a8';
     const line = css.getPropertyValue('--line').trim() || '#2c3446';
-    const fmtY = (x) => `${Number(x.toFixed(2))}${unit}`;
+    // Ticks are round steps: as many decimals as they have (0.705 and 0.7, never 0.7 twice).
+    const fmtY = (x) => `${Number(x.toFixed(6))}${unit}`;
     const width = Math.max(320, el.clientWidth - 14);
     const made = new uPlot({
       width,
       height: el.closest('.metric') ? 150 : 220,
-      scales: { x: { time: true } },
+      scales: { x: xRange ? { time: true, range: (u) => u.__xRange || xRange } : { time: true } },
       series: [{ value: (u, ts) => (ts == null ? '–' : axisTime(ts * 1000, true, false)) },
         ...keys.map((k) => ({ label: k, stroke: jobColor(keys.indexOf(k) * 7 + 3), width: 1.5,
           value: (u, x) => (x == null ? '–' : `${x.toFixed(1)}${unit}`) }))],
@@ -882,6 +894,7 @@
       }],
     }, [times, ...cols], el);
     made.__shape = shape;
+    made.__xRange = xRange;
     el.__uplot = made; // for the browser tests: the axes as drawn
     v.charts = v.charts.filter((c) => c !== chart);
     v.charts.push(made);
@@ -1351,10 +1364,12 @@
       }
       ctx.font = '10px system-ui, sans-serif';
       ctx.textBaseline = 'middle';
+      const css = getComputedStyle(document.documentElement);
+      const [panel, bg, muted] = ['--panel', '--bg', '--muted'].map((k) => css.getPropertyValue(k).trim());
       gpus.forEach(([n, g], i) => {
-        ctx.fillStyle = i % 2 ? '#1a1f2b' : '#161b25';
+        ctx.fillStyle = i % 2 ? panel : bg;
         ctx.fillRect(0, i * ROW, width, ROW);
-        ctx.fillStyle = '#8b95a8';
+        ctx.fillStyle = muted;
         ctx.fillText(`${n} ${g}`, 2, i * ROW + ROW / 2);
       });
       // Measured utilization, grey where no job holds the GPU, the job's colour inside its band.
@@ -1426,8 +1441,6 @@ GROUP BY account, user_name ORDER BY gpu_hours_allocated DESC, account, user_nam
 FROM job_allocations ${period}
 GROUP BY account ORDER BY gpu_hours_allocated DESC, account`;
     document.getElementById('acc-sql').innerHTML = sqlLink(query);
-    // The chart's buckets: an hour for a day, six for a week, a day beyond.
-    const bucketS = days === '1' ? 3600 : days === '7' ? 6 * 3600 : 86400;
     const chartQuery = `SELECT account, job, attempt, min(start_time) AS s, max(coalesce(end_time, now())) AS e, count(*) AS gpus
 FROM job_allocations ${period} GROUP BY account, job, attempt LIMIT 20000`;
     const windowCols = [
@@ -1467,7 +1480,9 @@ FROM job_allocations ${period} GROUP BY account, job, attempt LIMIT 20000`;
       // GPU-hours allocated per bucket and account: each allocation's GPUs × its time in it.
       const byKey = new Map();
       const t1 = Date.now();
-      const t0 = days === 'all' ? Math.min(t1, ...allocs.map((a) => Date.parse(a.s))) : t1 - Number(days) * 86400e3;
+      const t0 = days === 'all' ? Math.min(t1 - 3600e3, ...allocs.map((a) => Date.parse(a.s))) : t1 - Number(days) * 86400e3;
+      // The chart's buckets: an hour up to two days, six hours up to two weeks, a day beyond.
+      const bucketS = t1 - t0 <= 2 * 86400e3 ? 3600 : t1 - t0 <= 14 * 86400e3 ? 6 * 3600 : 86400;
       const first = Math.floor(t0 / 1000 / bucketS) * bucketS;
       for (const a of allocs) {
         const s = Math.max(Date.parse(a.s) / 1000, t0 / 1000), e = Math.min(Date.parse(a.e) / 1000, t1 / 1000);
@@ -1484,7 +1499,8 @@ FROM job_allocations ${period} GROUP BY account, job, attempt LIMIT 20000`;
         for (const acc of accounts) series.push({ t: new Date(b * 1000).toISOString(), k: acc, x: byKey.get(`${acc}\n${b}`) || 0 });
       }
       document.getElementById('acc-chart-note').textContent = `per ${bucketS === 3600 ? 'hour' : bucketS === 86400 ? 'day' : '6 hours'}, by account${allocs.length >= 20000 ? ' (the first 20,000 allocations)' : ''}`;
-      chart = drawLines(v, chart, document.getElementById('acc-chart'), series, (r) => r.k, 'x', ' h');
+      chart = drawLines(v, chart, document.getElementById('acc-chart'), series, (r) => r.k, 'x', ' h',
+        [first, Math.max(t1 / 1000, first + bucketS)]);
       v.ready();
     });
   }

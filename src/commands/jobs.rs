@@ -1214,7 +1214,7 @@ fn nvlink_of(islands: &[Vec<u32>], sharing: bool) -> String {
 pub struct DrainArgs {
     #[command(flatten)]
     node: NodeArgs,
-    /// Why (shown by `perch nodes`' reason, the nodes table, the web view and the event).
+    /// Why: the nodes table's reason, the web view and the node_drained event say it.
     #[arg(long)]
     reason: Option<String>,
 }
