@@ -515,6 +515,14 @@ impl SqlEngine {
             sql
         };
         let plan = perch_planner::plan(&ctx.state(), sql).await?;
+        // Analysed (types coerced) here, so that its schema is what execution yields: before
+        // coercion `CASE WHEN .. THEN 0 ELSE <float> END` is typed by its first branch
+        // (Int64), and clients told Int64 read the floats' bits. Execution analyses it again,
+        // which changes nothing.
+        let state = ctx.state();
+        let plan = state
+            .analyzer()
+            .execute_and_check(plan, state.config_options(), |_, _| {})?;
         check_read_only(&plan).map_err(Failure::Perch)?;
         crate::guard::plan_depth(&plan, self.limits.max_expression_depth)
             .map_err(Failure::Perch)?;
@@ -848,6 +856,44 @@ mod tests {
             let out = rt.block_on(engine.query(&sql)).expect("query");
             assert_eq!(out.rows, 1);
             assert_eq!(statistics.len(), 2, "each file's statistics read once");
+        }
+    }
+
+    /// A result's declared column types are its rows' types, so clients (the CLI's table,
+    /// psql's RowDescription) read the values as what they are. Before coercion a CASE is
+    /// typed by its first branch: `THEN 0 ELSE 1.5` was declared Int64 over Float64 rows.
+    #[test]
+    fn declared_types_are_the_rows_types() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = Store::open(StoreConfig::new(dir.path())).expect("open");
+        let engine = SqlEngine::new(store, QueryLimits::default());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        for sql in [
+            "SELECT CASE WHEN 1 > 2 THEN 0 ELSE 1.5 END AS x",
+            "SELECT CASE WHEN random() > 2 THEN 0 ELSE random() END AS x",
+            "SELECT coalesce(NULL, 1, 2.5) AS x",
+            "SELECT CASE WHEN sum(power_watts) < 0 THEN 0 ELSE sum(power_watts) END AS x FROM gpu_samples",
+            "SELECT 1 AS x UNION ALL SELECT 2.5",
+        ] {
+            let out = rt.block_on(engine.query(sql)).expect(sql);
+            let declared = out.schema.field(0).data_type().clone();
+            for batch in &out.batches {
+                assert_eq!(
+                    batch.column(0).data_type(),
+                    &declared,
+                    "{sql}: rows vs declared"
+                );
+            }
+            assert_eq!(declared, arrow::datatypes::DataType::Float64, "{sql}");
+            let described = rt.block_on(engine.describe(sql)).expect(sql);
+            assert_eq!(
+                described.field(0).data_type(),
+                &declared,
+                "{sql}: described"
+            );
         }
     }
 
