@@ -308,6 +308,42 @@ pub fn fit_descriptor_limit(limits: ConnectionLimits) -> ConnectionLimits {
     }
 }
 
+/// Raises the process's descriptor limit to at least `want` where it may: the soft limit up
+/// to the hard one, and the hard one too for a process allowed to (root, up to the kernel's
+/// `fs.nr_open`). Returns the soft limit in force afterwards.
+pub fn raise_descriptor_limit(want: u64) -> u64 {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let now = getrlimit(Resource::Nofile);
+    let current = now.current.unwrap_or(u64::MAX);
+    if current >= want {
+        return current;
+    }
+    let hard = now.maximum.unwrap_or(u64::MAX);
+    if hard < want
+        && setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: Some(want),
+                maximum: Some(want),
+            },
+        )
+        .is_ok()
+    {
+        return want;
+    }
+    let raised = hard.min(want);
+    match setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(raised),
+            maximum: now.maximum,
+        },
+    ) {
+        Ok(()) => raised,
+        Err(_) => current,
+    }
+}
+
 /// A TCP listener that applies [`ConnectionLimits`], and TLS when it has an acceptor.
 pub struct LimitedListener {
     inner: TcpListener,
@@ -791,6 +827,37 @@ mod tests {
     use super::*;
     use axum::serve::Listener;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// The soft descriptor limit is raised to what is wanted, past the hard limit where the
+    /// process may raise that too (root with CAP_SYS_RESOURCE), else to the hard limit; never
+    /// lowered. `perch demo` fits its in-process agents' sockets and job files this way.
+    #[test]
+    fn the_descriptor_limit_is_raised_as_far_as_allowed() {
+        use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+        let before = getrlimit(Resource::Nofile);
+        let Some(hard) = before.maximum else {
+            return; // unlimited already: nothing to raise
+        };
+        // A soft limit below the hard one first (half of it: the other tests keep room).
+        setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: Some((hard / 2).max(4096).min(hard)),
+                maximum: Some(hard),
+            },
+        )
+        .expect("lower the soft limit");
+        let want = hard + 1000;
+        let got = raise_descriptor_limit(want);
+        assert!(got == want || got == hard, "{got} of {want} (hard {hard})");
+        let now = getrlimit(Resource::Nofile);
+        assert_eq!(
+            now.current,
+            Some(got),
+            "the limit in force is the one returned"
+        );
+        assert_eq!(raise_descriptor_limit(16), got, "never lowered");
+    }
 
     #[tokio::test]
     async fn connections_past_the_cap_wait_and_idle_ones_are_closed() {

@@ -44,8 +44,11 @@ async fn submit(
     gpus_per_node: u32,
 ) -> Result<(), String> {
     // The scheduler learns a node when its agent first syncs (a node whose telemetry came
-    // first is listed without a sync): until every node has, a gang of whole nodes would be
-    // refused as wider than the cluster.
+    // first is listed without a sync). The demo waits for every node to, so that its jobs
+    // spread over the whole fleet, but a large fleet on a small machine may take longer: its
+    // jobs then go in anyway, each asking to wait for nodes that could run it
+    // (`hold_until_fits`: a gang of whole nodes is otherwise refused as wider than the
+    // nodes seen so far).
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         let known = client
@@ -65,7 +68,11 @@ async fn submit(
             break;
         }
         if tokio::time::Instant::now() > deadline {
-            return Err("the simulated agents did not register within 60 s".into());
+            tracing::info!(
+                nodes,
+                "demo workload: not every simulated node has synced after 60 s; submitting, jobs wait for the nodes they need"
+            );
+            break;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -116,9 +123,11 @@ async fn submit(
 }
 
 async fn post_job(client: &reqwest::Client, base: &str, request: &Value) -> Result<(), String> {
+    let mut request = request.clone();
+    request["hold_until_fits"] = json!(true);
     client
         .post(format!("{base}/v1/jobs"))
-        .json(request)
+        .json(&request)
         .send()
         .await
         .and_then(reqwest::Response::error_for_status)

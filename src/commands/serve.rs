@@ -358,7 +358,27 @@ impl DemoPace {
     }
 }
 
+/// The demo's agents live in the server's process, and their descriptors count against its
+/// limit: per node its lock and a connection or two at each end, per running job its output
+/// files (read and written). A 1,000-node demo outgrew a limit of 20,000 once its agents sent
+/// telemetry and syncs on connections of their own, and the server could accept no
+/// connection (EMFILE): the limit is raised to fit where the process may, and a demo it
+/// cannot fit says what to raise.
+fn fit_demo_descriptors(config: &Config, nodes: u32, gpus_per_node: u32) {
+    let per_node = 8 + 6 * u64::from(gpus_per_node);
+    let want = u64::from(nodes) * per_node + config.server.max_connections as u64 + 1024;
+    let got = perch_server::listener::raise_descriptor_limit(want);
+    if got < want {
+        tracing::warn!(
+            descriptors = got,
+            wanted = want,
+            "the descriptor limit is low for a demo of {nodes} nodes: its agents and their jobs may run out (raise it: ulimit -n {want})"
+        );
+    }
+}
+
 pub fn demo(config: Config, nodes: u32, gpus_per_node: u32, seed: u64) -> Result<()> {
+    fit_demo_descriptors(&config, nodes, gpus_per_node);
     let base = config.agent_config()?;
     let pace = DemoPace::new(nodes, gpus_per_node, base.interval);
     runtime()?.block_on(async {
