@@ -71,7 +71,8 @@ fn heavy_queries_and_a_maximal_submission_do_not_starve_agent_syncs() {
     let queued = sql("SELECT 42 AS answer");
     // The largest array one request may make: 10,000 tasks, each with its own copy of the
     // environment, up to the 16 MiB the server keeps per submission. Two GPUs per task on a
-    // node of one, so they all stay pending.
+    // node of one, so they all stay pending (held until nodes that fit join: a shape no node
+    // seen could run is refused otherwise).
     let submit = {
         let (http, url) = (http.clone(), url.clone());
         std::thread::spawn(move || {
@@ -82,6 +83,7 @@ fn heavy_queries_and_a_maximal_submission_do_not_starve_agent_syncs() {
                     "command": ["true"],
                     "gpus_per_node": 2,
                     "array": 10000,
+                    "hold_until_fits": true,
                     "env": {"PAYLOAD": "x".repeat(1500)},
                 }))
                 .send()
