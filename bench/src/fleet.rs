@@ -418,6 +418,7 @@ async fn run(args: &FleetArgs, server: &Server, ingest: &mut [Server]) -> Result
         server.url.clone(),
         server.user_token.clone(),
         args.jobs_per_second,
+        args.gpus,
         recorder.clone(),
     ));
     // Joined and settled.
@@ -771,12 +772,14 @@ impl NodeCtx {
     }
 }
 
-/// Submits `per_second` jobs a second until the run stops.
+/// Submits `per_second` jobs a second until the run stops, of 1 to 8 GPUs, at most a node's
+/// `gpus` (a shape no node could run is refused at submit).
 async fn submit(
     client: reqwest::Client,
     url: String,
     token: String,
     per_second: f64,
+    gpus: u32,
     recorder: Arc<Recorder>,
 ) -> Result<()> {
     if per_second <= 0.0 {
@@ -789,7 +792,7 @@ async fn submit(
         i += 1;
         let body = serde_json::json!({
             "command": ["python3", "train.py"],
-            "gpus_per_node": 1 + i % 8,
+            "gpus_per_node": 1 + i % u64::from(gpus.clamp(1, 8)),
             "user": format!("user{}", i % 20),
             "account": format!("team{}", i % 5),
             "time_limit_secs": 3600,
