@@ -272,27 +272,11 @@ impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, Limi
 const RESERVED_FDS: u64 = 1024;
 
 /// Raises the process's descriptor limit so that `limits.max_connections` connections fit
-/// beside [`RESERVED_FDS`], as far as the hard limit allows; lowers the cap (with a warning)
+/// beside [`RESERVED_FDS`], as far as the process may ([`raise_descriptor_limit`]); lowers the cap (with a warning)
 /// where it does not. Returns the limits to serve with.
 pub fn fit_descriptor_limit(limits: ConnectionLimits) -> ConnectionLimits {
-    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
     let want = limits.max_connections as u64 + RESERVED_FDS;
-    let now = getrlimit(Resource::Nofile);
-    let current = now.current.unwrap_or(u64::MAX);
-    if current >= want {
-        return limits;
-    }
-    let raised = now.maximum.unwrap_or(u64::MAX).min(want);
-    let current = match setrlimit(
-        Resource::Nofile,
-        Rlimit {
-            current: Some(raised),
-            maximum: now.maximum,
-        },
-    ) {
-        Ok(()) => raised,
-        Err(_) => current,
-    };
+    let current = raise_descriptor_limit(want);
     if current >= want {
         return limits;
     }
