@@ -19,6 +19,13 @@ fn main() -> std::process::ExitCode {
         let code = perch_collector::launcher::shim::main(&args[2..]);
         return std::process::ExitCode::from(u8::try_from(code).unwrap_or(1));
     }
+    // The built-in validation check, run by the agent on the server's request.
+    if args
+        .get(1)
+        .is_some_and(|a| a == perch_collector::validation::SUBCOMMAND)
+    {
+        return std::process::ExitCode::from(commands::validate::builtin(&args[2..]));
+    }
     let cli = commands::Cli::parse();
     // Before any HTTP client (the CLI's, the agent's, the OTLP exporter's) is built.
     perch_model::tls::use_ring();

@@ -543,6 +543,16 @@ pub async fn run_agent_with(
             supervisor: config.supervisor.clone(),
             keep_jobs_on_exit: config.keep_jobs_on_exit,
             max_job_output_bytes: config.max_job_output_bytes,
+            validation: crate::validation::Builtin {
+                program: config
+                    .supervisor
+                    .clone()
+                    .or_else(|| std::env::current_exe().ok())
+                    .unwrap_or_else(|| std::path::PathBuf::from("perch")),
+                nvml: config.nvml.clone(),
+                gpus,
+                simulated_gpus: config.simulate_gpus,
+            },
         };
         let mut stopped = control_stopped.clone();
         tokio::spawn(crate::control_loop::run_control(control, async move {

@@ -52,6 +52,9 @@ pub struct ControlConfig {
     pub keep_jobs_on_exit: bool,
     /// Most output a job may write on this node ([`crate::AgentConfig::max_job_output_bytes`]).
     pub max_job_output_bytes: u64,
+    /// What the built-in validation check needs, filled into the server's request for it
+    /// ([`crate::validation::Builtin::argv`]).
+    pub validation: crate::validation::Builtin,
 }
 
 /// How often the agent checks its jobs' output against the node's limit between syncs.
@@ -232,7 +235,8 @@ pub async fn run_control(
                 l.renew_lease(sent_boot_ms, response.lease_ms);
                 l.apply(&response);
                 drop(l);
-                for cmd in response.commands {
+                for mut cmd in response.commands {
+                    cmd.argv = config.validation.argv(cmd.argv);
                     tracing::info!(id = cmd.id, argv = ?cmd.argv, "running a command the server asked for");
                     let results = results.clone();
                     tokio::spawn(async move {

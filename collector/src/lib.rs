@@ -29,6 +29,7 @@ pub mod servers;
 pub mod sim_node;
 pub mod spool;
 pub mod topology;
+pub mod validation;
 
 pub use agent::{
     AgentConfig, AgentCounters, AgentHandle, AgentStats, GpuDetection, NvmlMode, detect_gpus,

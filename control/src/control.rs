@@ -22,6 +22,7 @@ mod submit;
 mod sync;
 #[cfg(test)]
 mod tests;
+mod validation;
 mod views;
 
 pub use cancel::{CancelOutcome, CancelSelection, EndedJob, OwnedJob};
@@ -287,6 +288,8 @@ pub struct Control {
     deleted_output: Vec<(u64, i64)>,
     /// Disk used by stored job output, for its bounds ([`output_usage`]).
     output_usage: output_usage::OutputUsage,
+    /// Validation runs: in progress per node, and the latest finished ([`validation`]).
+    validations: crate::validation::Validations,
 }
 
 /// Which jobs are pending, and how many per user, with the bytes of command and environment

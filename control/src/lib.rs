@@ -26,6 +26,7 @@ mod service;
 pub mod spec;
 pub mod store;
 pub mod usage;
+pub mod validation;
 
 pub use control::{
     AllocationView, CancelOutcome, CancelSelection, ControlError, ControlSnapshot, DEFAULT_LEASE,

@@ -19,6 +19,10 @@ pub struct NodeCommands {
     waiting: Mutex<HashMap<u64, oneshot::Sender<CommandResult>>>,
 }
 
+/// Time for the agent's two syncs (the command's order, then its result) past the command's
+/// own timeout before the caller gives up on an answer.
+pub const ANSWER_SLACK: Duration = Duration::from_secs(10);
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -40,13 +44,13 @@ impl NodeCommands {
     }
 
     /// Runs `argv` on `node` through its agent, waiting for the command's own `timeout` plus
-    /// time for two syncs. Ok with a one-line outcome when it exits 0.
-    pub async fn run(
+    /// time for two syncs, and returns how it ended; an error when no answer came.
+    pub async fn run_raw(
         &self,
         node: &str,
         argv: Vec<String>,
         timeout: Duration,
-    ) -> Result<String, String> {
+    ) -> Result<CommandResult, String> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let (tx, rx) = oneshot::channel();
         lock(&self.waiting).insert(id, tx);
@@ -59,20 +63,30 @@ impl NodeCommands {
                 argv,
                 timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
             });
-        let answer = tokio::time::timeout(timeout + Duration::from_secs(10), rx).await;
+        let answer = tokio::time::timeout(timeout + ANSWER_SLACK, rx).await;
         lock(&self.waiting).remove(&id);
         if let Some(queued) = lock(&self.outbox).get_mut(node) {
             queued.retain(|c| c.id != id);
         }
-        let r = match answer {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) | Err(_) => {
-                return Err(format!(
-                    "`{shown}` on {node}: no answer from its agent within {} s (is the node up?)",
-                    (timeout + Duration::from_secs(10)).as_secs()
-                ));
-            }
-        };
+        match answer {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(_)) | Err(_) => Err(format!(
+                "`{shown}` on {node}: no answer from its agent within {} s (is the node up?)",
+                (timeout + ANSWER_SLACK).as_secs()
+            )),
+        }
+    }
+
+    /// Runs `argv` on `node` through its agent ([`NodeCommands::run_raw`]). Ok with a
+    /// one-line outcome when it exits 0.
+    pub async fn run(
+        &self,
+        node: &str,
+        argv: Vec<String>,
+        timeout: Duration,
+    ) -> Result<String, String> {
+        let shown = argv.join(" ");
+        let r = self.run_raw(node, argv, timeout).await?;
         let output = r.output.trim();
         let last = output.lines().last().unwrap_or("");
         match (r.exit_code, r.timed_out, r.error) {

@@ -108,6 +108,8 @@ error_codes! {
     UnreadableBody => "unreadable_body",
     /// A content type the route does not take (415).
     UnsupportedMediaType => "unsupported_media_type",
+    /// A validation already runs on the node; its result comes first (409).
+    ValidationRunning => "validation_running",
     /// A request for a server of another role (an ingest server's push to a server that is
     /// not a control server of ingest servers) (409).
     WrongServer => "wrong_server",

@@ -23,6 +23,7 @@ mod pg;
 pub mod routes;
 mod sql;
 pub mod tls;
+pub mod validation;
 mod web;
 
 pub use error::{ApiError, ErrorCode};
@@ -85,6 +86,9 @@ pub struct ServerConfig {
     /// The syncs a second the whole fleet is paced to (`server.max_syncs_per_second`): each
     /// sync answer says how long the node waits before the next ([`jobs::sync_pace`]).
     pub max_syncs_per_second: u32,
+    /// What a node runs to prove its GPUs healthy before it takes work again
+    /// (`[validation]`, [`validation`]).
+    pub validation: perch_control::validation::Config,
 }
 
 /// Reads the scheduling policy again (the config file's `[scheduler]`); the error says what
@@ -154,6 +158,7 @@ impl ServerConfig {
             ha: None,
             cluster: cluster::Cluster::Single,
             max_syncs_per_second: MAX_SYNCS_PER_SECOND,
+            validation: perch_control::validation::Config::default(),
         }
     }
 }

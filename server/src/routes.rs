@@ -307,6 +307,14 @@ pub static ROUTES: &[Route] = &[
     },
     Route {
         method: Method::POST,
+        path: "/v1/nodes/{name}/validate",
+        what: "drain a node and run its validation command; resumed when it passes, kept drained with the reason when not (operators)",
+        access: OPERATORS,
+        job_token: false,
+        handler: |_| post(crate::validation::validate),
+    },
+    Route {
+        method: Method::POST,
         path: "/v1/agent/sync",
         what: "agents report their jobs and receive launch and stop orders",
         access: AGENTS,
@@ -388,6 +396,7 @@ mod tests {
         "GET /v1/nodes P",
         "POST /v1/nodes/{name}/drain O",
         "POST /v1/nodes/{name}/resume O",
+        "POST /v1/nodes/{name}/validate O",
         "POST /v1/agent/sync A",
         "GET /v1/alerts P",
         "POST /v1/alerts/breaker/reset O",

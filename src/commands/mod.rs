@@ -9,6 +9,7 @@ mod serve;
 pub mod simulate;
 mod sql;
 mod token;
+pub mod validate;
 
 use crate::config::{Config, ConfigFile};
 use crate::telemetry::{Target, Telemetry};
@@ -65,6 +66,9 @@ enum Command {
     Drain(jobs::DrainArgs),
     /// Place jobs on a drained node again.
     Resume(jobs::NodeArgs),
+    /// Prove a node's GPUs healthy: drain it, run its validation command, resume it when it
+    /// passes, keep it drained with the reason when not (operators; docs/validation.md).
+    Validate(validate::ValidateArgs),
     /// Alerts (pending, firing), what perch did about them, silences and the remediation
     /// circuit breaker.
     Alerts(alerts::AlertsArgs),
@@ -411,6 +415,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Nodes(args) => jobs::nodes(args, file),
         Command::Drain(args) => jobs::drain(args, file),
         Command::Resume(args) => jobs::set_drained(args, false, file),
+        Command::Validate(args) => validate::run(args, file),
         Command::Alerts(args) => alerts::run(args, file),
         Command::Token(args) => token::run(args),
         Command::Ha(args) => ha::run(args, file),

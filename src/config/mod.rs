@@ -18,6 +18,7 @@ mod query;
 mod scheduler;
 mod server;
 mod telemetry;
+mod validation;
 
 pub use agent::hostname;
 pub use client::ClientSection;
@@ -55,6 +56,8 @@ pub struct Config {
     pub ha: HaSection,
     /// Telemetry spread over several servers: this server's role (single, control, ingest).
     pub cluster: cluster::ClusterSection,
+    /// What a node runs to prove its GPUs healthy before it takes work again.
+    pub validation: validation::ValidationSection,
     /// The file this came from, if any: the server reads its `[scheduler]` again on SIGHUP.
     #[serde(skip)]
     pub source: Option<PathBuf>,
@@ -154,6 +157,7 @@ impl Config {
         self.client.check()?;
         self.ha.check()?;
         self.cluster.check()?;
+        self.validation.check()?;
         self.check_across_sections()
     }
 
@@ -223,11 +227,18 @@ impl Config {
         config.pg_max_connections = s.pg_max_connections;
         config.max_syncs_per_second = s.max_syncs_per_second;
         config.accounting = self.accounting.server_config();
-        config.alerts = self.alerts.clone();
+        config.validation = self.validation.server_config();
+        config.alerts =
+            perch_server::validation::remediation_alerts(self.alerts.clone(), &config.validation);
         if let Some(path) = self.source.clone() {
             config.alerts_source = Some(perch_server::AlertsSource::new(move || {
                 ConfigFile::read(&path)
-                    .map(|f| f.config.alerts)
+                    .map(|f| {
+                        perch_server::validation::remediation_alerts(
+                            f.config.alerts,
+                            &f.config.validation.server_config(),
+                        )
+                    })
                     .map_err(|e| format!("{e:#}"))
             }));
         }

@@ -43,6 +43,7 @@ impl Control {
             archive: archive::Archive::new(db.clone()),
             deleted_output: Vec::new(),
             output_usage: Default::default(),
+            validations: Default::default(),
             passes: PassStats::default(),
         };
         for record in nodes {

@@ -16,6 +16,7 @@ use arrow::datatypes::{Field, Schema, SchemaRef};
 use perch_control::cost::{Totals, job_totals};
 use perch_control::db::NodeRecord;
 use perch_control::record::{JobRecord, NodeSpan, NodeState};
+use perch_control::validation::Run;
 use perch_query::{LiveTable, Room, SqlEngine, project};
 use std::sync::{Arc, LazyLock};
 
@@ -579,6 +580,46 @@ impl LiveTable for NodeStatesTable {
     }
 }
 
+/// `node_validations`: the validation runs kept by the control plane (the latest 10,000
+/// since the server started; `events` keeps every run), those in progress last.
+#[derive(Debug)]
+pub struct NodeValidationsTable {
+    jobs: JobService,
+}
+
+impl NodeValidationsTable {
+    fn columns(runs: &[Run]) -> Columns<'_, Run> {
+        Columns::new(runs)
+            .u64("id", false, |r| Some(r.id))
+            .str("node", false, |r| Some(r.node.as_str()))
+            .str("trigger", false, |r| Some(r.trigger.as_str()))
+            .str("requested_by", false, |r| Some(r.by.as_str()))
+            .u64("job", true, |r| r.job)
+            .str("command", false, |r| Some(r.command.as_str()))
+            .time("started", false, |r| Some(r.started_ms))
+            .time("finished", true, |r| r.finished_ms)
+            .str("result", true, |r| r.verdict.map(|v| v.as_str()))
+            .i32("exit_code", true, |r| r.exit_code)
+            .str("output", false, |r| Some(r.output.as_str()))
+    }
+}
+
+impl LiveTable for NodeValidationsTable {
+    fn schema(&self) -> SchemaRef {
+        static SCHEMA: LazyLock<SchemaRef> =
+            LazyLock::new(|| NodeValidationsTable::columns(&[]).schema());
+        SCHEMA.clone()
+    }
+
+    fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
+        let runs: Vec<Run> = self
+            .jobs
+            .read_durable(|c| c.validation_runs())
+            .map_err(|e| e.to_string())?;
+        Self::columns(&runs).batches()
+    }
+}
+
 /// `cluster_utilization_daily`: sreport's cluster utilization, per UTC day.
 #[derive(Debug)]
 pub struct DailyTable {
@@ -764,6 +805,10 @@ pub fn register(sql: SqlEngine, jobs: &JobService, config: AccountingConfig) -> 
     .with_table(
         "node_states",
         Arc::new(NodeStatesTable { jobs: jobs.clone() }),
+    )
+    .with_table(
+        "node_validations",
+        Arc::new(NodeValidationsTable { jobs: jobs.clone() }),
     )
     .with_table(
         "cluster_utilization_daily",

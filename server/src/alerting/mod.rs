@@ -450,6 +450,9 @@ async fn execute(state: &AppState, decision: &Decision) -> Result<String, String
             .await
             .map(|()| "resumed".to_owned())
             .map_err(|e| e.to_string()),
+        Action::HealthCheck { node, argv, .. } if state.config.validation.after_remediation => {
+            crate::validation::for_remediation(state, &node, argv).await
+        }
         Action::RunCommand {
             node,
             argv,
