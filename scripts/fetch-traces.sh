@@ -72,7 +72,7 @@ if $regenerate; then
       perch="$built"
     fi
   fi
-  for kind in small fractional gangs heavy-tail mixed-cluster; do
+  for kind in small fractional gangs heavy-tail testbed overloaded small-nodes bursts mixed-cluster; do
     "$perch" simulate --generate "$kind" --seed 1 >"scheduler/traces/$kind.csv"
     echo "scheduler/traces/$kind.csv: regenerated"
   done

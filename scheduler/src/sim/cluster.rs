@@ -192,6 +192,22 @@ impl SimCluster {
         )
     }
 
+    /// A short label without spaces or commas: `3x8` for 3 nodes of 8 GPUs, `mixed12n56g` for a
+    /// mixed fleet of 12 nodes and 56 GPUs.
+    pub fn label(&self) -> String {
+        match self.nodes.first() {
+            Some(first)
+                if self
+                    .nodes
+                    .iter()
+                    .all(|n| n.gpus == first.gpus && n.model == first.model) =>
+            {
+                format!("{}x{}", self.nodes.len(), first.gpus)
+            }
+            _ => format!("mixed{}n{}g", self.nodes.len(), self.total_gpus()),
+        }
+    }
+
     /// The scheduler's cluster: every node Up, sharing as the file says.
     pub fn build(&self) -> Result<Cluster> {
         let mut c = Cluster::new();

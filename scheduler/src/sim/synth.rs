@@ -8,9 +8,14 @@
 //! | `fractional` | single-GPU work, 40% of jobs asking for a fraction of a GPU, 10% pinned to A100, on mixed 2/4/8-GPU nodes of three models (`mixed-cluster.csv`) |
 //! | `gangs` | half the jobs are gangs of 16 to 64 GPUs; a tenth high priority and not preemptible |
 //! | `heavy-tail` | Pareto durations (a few jobs run for days) and idle tails on a third of the GPU-time |
+//! | `testbed` | a research testbed: 30 to 100 jobs (the seed draws how many) on 8 to 16 GPUs, most of them multi-GPU, up to a whole 8-GPU node |
+//! | `overloaded` | 3,000 jobs on 24 GPUs loaded to 2x: the queue grows for the whole trace, and what a policy starts first decides everything |
+//! | `small-nodes` | 800 jobs of 1 to 8 GPUs for clusters of 2- and 4-GPU nodes (32 GPUs), where a 4- or 8-GPU job is a gang across nodes |
+//! | `bursts` | 800 jobs, 70% of them in sweeps of 5 to 40 alike jobs submitted by one user within a minute, on 48 and 64 GPUs |
 //!
 //! Arrivals are Poisson at a rate that loads the cluster the trace is meant for to about 1.2x
-//! its capacity over the trace, so queues form; durations are log-normal unless said otherwise.
+//! its capacity over the trace (2x for `overloaded`; `bursts` draws its sweeps' starts that
+//! way), so queues form; durations are log-normal unless said otherwise.
 
 use super::trace::unit;
 
@@ -25,15 +30,27 @@ pub enum SynthKind {
     Gangs,
     /// See the module table.
     HeavyTail,
+    /// See the module table.
+    Testbed,
+    /// See the module table.
+    Overloaded,
+    /// See the module table.
+    SmallNodes,
+    /// See the module table.
+    Bursts,
 }
 
 impl SynthKind {
     /// Every kind, in table order.
-    pub const ALL: [SynthKind; 4] = [
+    pub const ALL: [SynthKind; 8] = [
         SynthKind::Small,
         SynthKind::Fractional,
         SynthKind::Gangs,
         SynthKind::HeavyTail,
+        SynthKind::Testbed,
+        SynthKind::Overloaded,
+        SynthKind::SmallNodes,
+        SynthKind::Bursts,
     ];
 
     /// Name on the command line and file name stem.
@@ -43,6 +60,10 @@ impl SynthKind {
             SynthKind::Fractional => "fractional",
             SynthKind::Gangs => "gangs",
             SynthKind::HeavyTail => "heavy-tail",
+            SynthKind::Testbed => "testbed",
+            SynthKind::Overloaded => "overloaded",
+            SynthKind::SmallNodes => "small-nodes",
+            SynthKind::Bursts => "bursts",
         }
     }
 
@@ -123,17 +144,23 @@ struct Job {
     gpu_model: &'static str,
     priority: &'static str,
     preemptible: bool,
+    /// Submitted with the job before it, in one sweep (`bursts`).
+    follows: bool,
 }
 
 /// Generates the trace `kind` from `seed`, as generic trace CSV.
 pub fn generate(kind: SynthKind, seed: u64) -> String {
     let d = Draw { seed };
-    // (jobs, GPUs the trace is meant for, accounts, users per account)
-    let (n, capacity, accounts, users) = match kind {
-        SynthKind::Small => (40u64, 12.0, 3usize, 2usize),
-        SynthKind::Fractional => (2000, 56.0, 6, 5),
-        SynthKind::Gangs => (600, 128.0, 4, 4),
-        SynthKind::HeavyTail => (1500, 64.0, 5, 4),
+    // (jobs, GPUs the trace is meant for, accounts, users per account, load)
+    let (n, capacity, accounts, users, load) = match kind {
+        SynthKind::Small => (40u64, 12.0, 3usize, 2usize, 1.2),
+        SynthKind::Fractional => (2000, 56.0, 6, 5, 1.2),
+        SynthKind::Gangs => (600, 128.0, 4, 4, 1.2),
+        SynthKind::HeavyTail => (1500, 64.0, 5, 4, 1.2),
+        SynthKind::Testbed => (30 + (d.u(0, 11) * 71.0) as u64, 12.0, 3, 3, 1.3),
+        SynthKind::Overloaded => (3000, 24.0, 6, 4, 2.0),
+        SynthKind::SmallNodes => (800, 32.0, 5, 4, 1.2),
+        SynthKind::Bursts => (800, 56.0, 5, 4, 1.2),
     };
     let mut jobs: Vec<Job> = (0..n)
         .map(|i| {
@@ -149,6 +176,7 @@ pub fn generate(kind: SynthKind, seed: u64) -> String {
                 gpu_model: "",
                 priority: "",
                 preemptible: true,
+                follows: false,
             };
             match kind {
                 SynthKind::Small => {
@@ -199,6 +227,26 @@ pub fn generate(kind: SynthKind, seed: u64) -> String {
                     job.gpus = g.to_string();
                     job.duration = d.pareto(i, 4, 120.0, 1.1, 7.0 * 86_400.0);
                 }
+                SynthKind::Testbed => {
+                    let g = d.pick(i, 3, &[(1u32, 2.0), (2, 3.0), (4, 3.0), (8, 2.0)]);
+                    job.gpus = g.to_string();
+                    job.duration = d.lognormal(i, 4, 1200.0, 1.1).clamp(60.0, 86_400.0);
+                }
+                SynthKind::Overloaded => {
+                    let g = d.pick(i, 3, &[(1u32, 6.0), (2, 2.0), (4, 1.5), (8, 0.5)]);
+                    job.gpus = g.to_string();
+                    job.duration = d.lognormal(i, 4, 1800.0, 1.4).clamp(60.0, 2.0 * 86_400.0);
+                }
+                SynthKind::SmallNodes => {
+                    let g = d.pick(i, 3, &[(1u32, 5.0), (2, 2.5), (4, 1.5), (8, 0.5)]);
+                    job.gpus = g.to_string();
+                    job.duration = d.lognormal(i, 4, 2400.0, 1.2).clamp(60.0, 3.0 * 86_400.0);
+                }
+                SynthKind::Bursts => {
+                    let g = d.pick(i, 3, &[(1u32, 5.0), (2, 2.0), (4, 1.5), (8, 1.0)]);
+                    job.gpus = g.to_string();
+                    job.duration = d.lognormal(i, 4, 1500.0, 1.3).clamp(60.0, 2.0 * 86_400.0);
+                }
             }
             job
         })
@@ -224,15 +272,32 @@ pub fn generate(kind: SynthKind, seed: u64) -> String {
             idle += (j.duration - busy) * amount(&j.gpus);
         }
     }
-    // Poisson arrivals loading `capacity` GPUs to 1.2x over the trace.
-    let work: f64 = jobs.iter().map(|j| j.duration * amount(&j.gpus)).sum();
-    let span = work / (1.2 * capacity);
-    let mean_gap = span / n as f64;
-    let mut t = 0.0;
-    for (i, j) in jobs.iter_mut().enumerate() {
-        j.submit = t;
-        t += d.exp(i as u64, 10, mean_gap);
+    if kind == SynthKind::Bursts {
+        sweeps(&d, &mut jobs);
     }
+    // Poisson arrivals loading `capacity` GPUs to `load` over the trace; a sweep's jobs come
+    // within a minute of its first.
+    let work: f64 = jobs.iter().map(|j| j.duration * amount(&j.gpus)).sum();
+    let span = work / (load * capacity);
+    let arrivals = if kind == SynthKind::Bursts {
+        sweep_starts(&jobs)
+    } else {
+        (0..jobs.len()).collect()
+    };
+    let mean_gap = span / arrivals.len().max(1) as f64;
+    let mut t = 0.0;
+    for (k, &first) in arrivals.iter().enumerate() {
+        let last = arrivals.get(k + 1).copied().unwrap_or(jobs.len());
+        for (offset, j) in jobs[first..last].iter_mut().enumerate() {
+            j.submit = t + if offset == 0 {
+                0.0
+            } else {
+                (d.u((first + offset) as u64, 12) * 60.0).floor()
+            };
+        }
+        t += d.exp(first as u64, 10, mean_gap);
+    }
+    jobs.sort_by(|a, b| a.submit.total_cmp(&b.submit));
     let mut out = format!(
         "# perch synthetic trace `{}`, seed {seed} (perch simulate --generate {} --seed {seed})\n\
          submit,duration,gpus,account,user,utilization,gpu_model,priority,preemptible\n",
@@ -255,6 +320,40 @@ pub fn generate(kind: SynthKind, seed: u64) -> String {
         );
     }
     out
+}
+
+/// The sweeps of a `bursts` trace: runs of 5 to 40 consecutive jobs (70% of all jobs) made
+/// alike: the first one's user, shape and, within 20%, duration (a hyper-parameter sweep); the
+/// others are marked as following it.
+fn sweeps(d: &Draw, jobs: &mut [Job]) {
+    let mut i = 0;
+    while i < jobs.len() {
+        let len = if d.u(i as u64, 13) < 0.7 {
+            5 + (d.u(i as u64, 14) * 36.0) as usize
+        } else {
+            1
+        };
+        let end = (i + len).min(jobs.len());
+        let (gpus, user, account, duration) = (
+            jobs[i].gpus.clone(),
+            jobs[i].user,
+            jobs[i].account,
+            jobs[i].duration,
+        );
+        for (k, j) in jobs[i + 1..end].iter_mut().enumerate() {
+            j.gpus = gpus.clone();
+            j.user = user;
+            j.account = account;
+            j.duration = duration * (0.8 + 0.4 * d.u((i + 1 + k) as u64, 15));
+            j.follows = true;
+        }
+        i = end;
+    }
+}
+
+/// The index of each sweep's first job (see [`sweeps`]).
+fn sweep_starts(jobs: &[Job]) -> Vec<usize> {
+    (0..jobs.len()).filter(|&i| !jobs[i].follows).collect()
 }
 
 fn amount(gpus: &str) -> f64 {
