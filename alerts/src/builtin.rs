@@ -43,6 +43,7 @@ pub const BUILTIN_RULE_NAMES: &[&str] = &[
     "StoreFlushFailing",
     "JobDatabaseFailing",
     "JobIdle",
+    "JobStraggler",
 ];
 
 /// `INTERVAL 'N seconds'` for a duration (at least one second).
@@ -484,6 +485,40 @@ fn specs(cfg: &BuiltinConfig) -> Vec<Spec> {
                           on {{ labels.nodes }}) has stayed under the [scheduler.idle] threshold since \
                           {{ labels.idle_since }}. {{ labels.consequence }} Route this alert to the job's owner \
                           by its user label.",
+            actions: Vec::new(),
+        },
+        Spec {
+            name: "JobStraggler",
+            source: RuleSource::Sql(
+                "SELECT job, node, gpu, rank, max(user_name) AS \"user\", count(*) AS measures_behind, \
+                   round(100 * min(ratio)) AS worst_percent, \
+                   round(100 * coalesce(max(slowdown_share), 0)) AS slowdown_percent, \
+                   max(gang_size) AS gang_size, \
+                   min(CASE WHEN metric = 'sm_clock_mhz' THEN ratio END) AS sm_clock_ratio, \
+                   min(CASE WHEN metric = 'power_watts' THEN ratio END) AS power_ratio, \
+                   min(CASE WHEN metric = 'utilization_gpu_pct' THEN ratio END) AS utilization_ratio, \
+                   bool_or(simulated) AS simulated \
+                 FROM ( \
+                   SELECT job, node, coalesce(CAST(gpu AS VARCHAR), 'all') AS gpu, \
+                     coalesce(CAST(rank AS VARCHAR), 'node ' || CAST(node_rank AS VARCHAR)) AS rank, \
+                     user_name, metric, ratio, slowdown_share, gang_size, simulated \
+                   FROM job_stragglers \
+                 ) AS s GROUP BY job, node, gpu, rank"
+                    .to_owned(),
+            ),
+            for_ms: 0,
+            severity: Severity::Warning,
+            labels: &[],
+            summary: "Job {{ labels.job }}: rank {{ labels.rank }} ({{ labels.node }} GPU {{ labels.gpu }}) is behind its gang",
+            description: "Rank {{ labels.rank }} of job {{ labels.job }} ({{ labels.user }}), GPU {{ labels.gpu }} of \
+                          {{ labels.node }}, has run below 85% of its gang's median for the last minute on \
+                          {{ values.measures_behind }} measure(s), at worst {{ values.worst_percent }}% of it; \
+                          slowdown throttling (thermal, hardware slowdown, power brake) in \
+                          {{ values.slowdown_percent }}% of its samples. A gang moves at its slowest rank's \
+                          pace. The evidence, measure by measure: SELECT * FROM job_stragglers WHERE job = \
+                          {{ labels.job }}. To drain the node (its jobs finish), or drain it and requeue the \
+                          job elsewhere, set [alerts.builtin.actions] JobStraggler = [\"drain_node\"] or \
+                          [\"drain_node\", \"requeue_jobs\"].",
             actions: Vec::new(),
         },
     ]

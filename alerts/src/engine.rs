@@ -357,6 +357,12 @@ impl Engine {
             .collect()
     }
 
+    /// The rendered summary of the alert `key`, if there is such an alert: what a remediation
+    /// it asked for gives as its reason (a drain's names the job and rank of `JobStraggler`).
+    pub fn alert_summary(&self, key: &AlertKey) -> Option<String> {
+        self.alerts.get(key).map(|a| a.summary.clone())
+    }
+
     /// Adds a line to what perch did about an alert; false when there is no such alert.
     pub fn annotate(&mut self, key: &AlertKey, line: &str) -> bool {
         match self.alerts.get_mut(key) {

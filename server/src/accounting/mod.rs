@@ -15,6 +15,7 @@ pub mod daily;
 pub mod fold;
 pub mod history;
 pub(crate) mod settled;
+pub(crate) mod stragglers;
 pub mod tables;
 pub use perch_control::usage;
 

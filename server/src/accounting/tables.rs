@@ -2,7 +2,8 @@
 //! `node_states` are live tables read from the control plane at each query;
 //! `cluster_utilization_daily` is computed from them in Rust (splitting intervals across days
 //! is clearer here than in SQL); `job_costs`, `user_usage`, `top_users` and `account_usage`
-//! are SQL views over `jobs`. Columns are documented in `docs/schema.md`.
+//! are SQL views over `jobs`; `job_stragglers` is a SQL view over those and the telemetry
+//! (`stragglers.rs`). Columns are documented in `docs/schema.md`.
 
 use super::daily::{self, Availability, Held, Span};
 use super::history::History as JobService;
@@ -825,3 +826,4 @@ pub fn register(sql: SqlEngine, jobs: &JobService, config: AccountingConfig) -> 
     )
     .with_view("account_usage", &account_usage)
 }
+    .with_view("job_stragglers", &super::stragglers::view())

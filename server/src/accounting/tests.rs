@@ -32,6 +32,7 @@ async fn schema_doc_covers_every_accounting_column() {
         "user_usage",
         "top_users",
         "account_usage",
+        "job_stragglers",
     ] {
         assert!(names.iter().any(|n| n == name), "{name} is registered");
         let heading = format!("## `{name}`");

@@ -410,11 +410,15 @@ async fn remediate(state: &AppState, now: i64) -> Vec<ClusterEvent> {
 }
 
 async fn execute(state: &AppState, decision: &Decision) -> Result<String, String> {
-    let reason = decision
-        .rule
-        .as_deref()
-        .map(|r| format!("alert {r}"))
-        .unwrap_or_else(|| "perch remediation".into());
+    let summary = decision
+        .alert
+        .as_ref()
+        .and_then(|key| state.alerts.with(|e| e.alert_summary(key)));
+    let reason = match (decision.rule.as_deref(), summary) {
+        (Some(r), Some(summary)) => format!("alert {r}: {summary}"),
+        (Some(r), None) => format!("alert {r}"),
+        (None, _) => "perch remediation".into(),
+    };
     match decision.action.clone() {
         Action::DrainNode { node } => state
             .jobs

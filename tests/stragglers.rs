@@ -1,0 +1,215 @@
+//! Slow-rank detection end to end: two agents read their GPUs through the stand-in NVML
+//! library (nvml-wrapper's real code path), a two-node gang of four GPUs runs on them, and the
+//! stand-in throttles one GPU (SM clock and power down, thermal and hardware slowdown reasons
+//! set). `JobStraggler` fires within a minute of the job starting and names that GPU's rank
+//! only, `job_stragglers` lists the evidence, and the rule's optional remediation drains the
+//! node with a reason that names the job and the rank, while the job runs on.
+
+mod common;
+
+use common::{PERCH, Perch, wait_for};
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Builds the stand-in NVML library once per test binary and returns its path.
+fn standin_library() -> PathBuf {
+    let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join("nvml-standin");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(cargo)
+        .args(["build", "--quiet", "-p", "nvml-standin", "--manifest-path"])
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
+        .arg("--target-dir")
+        .arg(&target)
+        .status()
+        .expect("cargo build -p nvml-standin");
+    assert!(status.success(), "building nvml-standin failed");
+    target.join("debug/libnvml_standin.so")
+}
+
+/// Two busy H100s; with `throttled`, GPU 1 runs hot and slow from the start.
+fn scenario(node: usize, throttled: bool) -> Value {
+    let gpu = |i: usize| {
+        let mut timeline = vec![json!({"at": 0, "set": {
+            "util_gpu": 95, "util_memory": 40,
+            "memory_used_bytes": 8_589_934_592_u64, "memory_total_bytes": 85_520_809_984_u64,
+            "power_mw": 620_000, "temperature_c": 60, "sm_clock_mhz": 1980, "throttle_reasons": 0,
+            "pcie_tx_kbps": 2_000_000, "pcie_rx_kbps": 2_000_000
+        }})];
+        if throttled && i == 1 {
+            // hw_slowdown (0x8) and hw_thermal_slowdown (0x40).
+            timeline.push(json!({"at": 0, "set": {
+                "sm_clock_mhz": 1100, "power_mw": 380_000, "temperature_c": 91, "util_gpu": 98,
+                "throttle_reasons": 0x48
+            }}));
+        }
+        json!({
+            "uuid": format!("GPU-STANDIN-{node}-{i}"),
+            "name": "NVIDIA H100 80GB HBM3",
+            "timeline": timeline,
+        })
+    };
+    json!({"clock": "seconds", "gpus": [gpu(0), gpu(1)]})
+}
+
+/// Agent `gpu-<node>` reading its GPUs from the stand-in playing `scenario`.
+struct StandinAgent(Child);
+
+impl StandinAgent {
+    fn start(dir: &Path, server: &str, node: usize, lib: &Path, scenario: &Value) -> Self {
+        let data = dir.join(format!("agent-{node}"));
+        std::fs::create_dir_all(&data).expect("agent dir");
+        let file = data.join("scenario.json");
+        std::fs::write(&file, scenario.to_string()).expect("scenario");
+        let child = Command::new(PERCH)
+            .args([
+                "agent",
+                "--server",
+                server,
+                "--node",
+                &format!("gpu-{node}"),
+            ])
+            .arg("--nvml")
+            .arg(lib)
+            .args(["--interval-ms", "500", "--data-dir"])
+            .arg(&data)
+            .env("PERCH_NVML_STANDIN_SCENARIO", &file)
+            .env("PERCH_RUN_AS_USER", "never")
+            .env_remove("PERCH_TOKEN")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(data.join("agent.log")).expect("log"))
+            .spawn()
+            .expect("spawn perch agent");
+        StandinAgent(child)
+    }
+}
+
+impl Drop for StandinAgent {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn stragglers_alerts(perch: &Perch) -> Vec<Value> {
+    perch.get("/v1/alerts")["alerts"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter(|a| a["labels"]["alertname"] == "JobStraggler")
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_throttled_gpu_of_a_two_node_gang_is_flagged_within_a_minute_as_its_rank() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = common::server_with_config(
+        dir.path(),
+        r#"
+[alerts]
+evaluation_interval = "1s"
+[alerts.builtin]
+disable = ["StoreDiskFull", "GpuThrottled"]
+[alerts.builtin.actions]
+JobStraggler = ["drain_node"]
+[alerts.remediation]
+max_fraction_out = 0.5
+"#,
+        &[],
+    );
+    let lib = standin_library();
+    let _agents: Vec<StandinAgent> = (0..2)
+        .map(|n| StandinAgent::start(dir.path(), &perch.url, n, &lib, &scenario(n, n == 1)))
+        .collect();
+    perch.wait_nodes_up(2);
+    let submitted: Value = reqwest::blocking::Client::new()
+        .post(format!("{}/v1/jobs", perch.url))
+        .json(
+            &json!({"name": "train", "command": ["sleep", "600"], "nodes": 2,
+                      "gpus_per_node": 2, "user": "alice", "time_limit_secs": 3600}),
+        )
+        .send()
+        .expect("submit")
+        .json()
+        .expect("json");
+    let id = submitted["id"].as_u64().expect("job id");
+    wait_for("the gang to run", || {
+        (perch.job(id)["state"] == "running").then_some(())
+    });
+    let started = Instant::now();
+    // RANK as perch starts it: the place of gpu-1's GPU 1 in the placement, node by node.
+    let rank = perch.job(id)["placement"]
+        .as_array()
+        .expect("placement")
+        .iter()
+        .flat_map(|p| {
+            let node = p["node"].as_str().unwrap_or_default().to_owned();
+            p["gpus"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(move |g| (node.clone(), g.as_u64()))
+        })
+        .position(|(node, gpu)| node == "gpu-1" && gpu == Some(1))
+        .expect("gpu-1's GPU 1 is the job's");
+    let alert = wait_for("JobStraggler firing", || {
+        stragglers_alerts(&perch)
+            .into_iter()
+            .find(|a| a["state"] == "firing")
+    });
+    let took = started.elapsed();
+    assert!(took <= Duration::from_secs(60), "flagged after {took:?}");
+    let labels = &alert["labels"];
+    assert_eq!(labels["job"], id.to_string(), "{alert}");
+    assert_eq!(labels["node"], "gpu-1", "{alert}");
+    assert_eq!(labels["gpu"], "1", "{alert}");
+    assert_eq!(labels["rank"], rank.to_string(), "{alert}");
+    assert_eq!(labels["user"], "alice", "{alert}");
+    assert!(
+        alert["values"]["measures_behind"].as_f64() >= Some(2.0),
+        "{alert}"
+    );
+    assert_eq!(alert["values"]["slowdown_percent"], 100.0, "{alert}");
+    // The evidence, and no other rank.
+    let rows = perch.sql(&format!(
+        "SELECT rank, node, gpu, metric, value, gang_median, throttle_reasons FROM job_stragglers \
+         WHERE job = {id} ORDER BY metric"
+    ));
+    assert!(!rows.is_empty());
+    for r in &rows {
+        assert_eq!(r["rank"], rank, "{r}");
+        assert_eq!(r["node"], "gpu-1", "{r}");
+        assert!(
+            r["throttle_reasons"]
+                .as_str()
+                .is_some_and(|t| t.contains("hw_slowdown")),
+            "{r}"
+        );
+    }
+    let clock = rows
+        .iter()
+        .find(|r| r["metric"] == "sm_clock_mhz")
+        .expect("the SM clock is behind");
+    assert_eq!(clock["value"], 1100.0, "{clock}");
+    assert_eq!(clock["gang_median"], 1980.0, "{clock}");
+    assert_eq!(stragglers_alerts(&perch).len(), 1, "one rank is slow");
+    // The remediation: gpu-1 is drained, the reason names the job and the rank, the job runs on.
+    let node = wait_for("gpu-1 drained", || {
+        perch
+            .sql("SELECT state, reason FROM nodes WHERE node = 'gpu-1'")
+            .into_iter()
+            .find(|n| n["state"] == "drained")
+    });
+    let reason = node["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("JobStraggler")
+            && reason.contains(&format!("Job {id}"))
+            && reason.contains("rank 3"),
+        "{node}"
+    );
+    assert_eq!(perch.job(id)["state"], "running");
+}
