@@ -543,6 +543,7 @@ pub async fn run_agent_with(
             supervisor: config.supervisor.clone(),
             keep_jobs_on_exit: config.keep_jobs_on_exit,
             max_job_output_bytes: config.max_job_output_bytes,
+            versions: sampler.node_versions(),
             validation: crate::validation::Builtin {
                 program: config
                     .supervisor

@@ -52,6 +52,8 @@ pub struct ControlConfig {
     pub keep_jobs_on_exit: bool,
     /// Most output a job may write on this node ([`crate::AgentConfig::max_job_output_bytes`]).
     pub max_job_output_bytes: u64,
+    /// The node's driver and CUDA versions, for each job's start report (provenance).
+    pub versions: crate::launcher::NodeVersions,
     /// What the built-in validation check needs, filled into the server's request for it
     /// ([`crate::validation::Builtin::argv`]).
     pub validation: crate::validation::Builtin,
@@ -95,6 +97,7 @@ pub async fn run_control(
     launcher.set_otel(otel(&otel_endpoint));
     launcher.set_isolation(&config.isolation);
     launcher.set_output_limit(config.max_job_output_bytes);
+    launcher.set_node_versions(config.versions.clone());
     if let Some(program) = &config.supervisor {
         launcher.set_supervisor(program.clone());
     }
@@ -163,6 +166,7 @@ pub async fn run_control(
                 exited: l.exited(),
                 logs: l.logs(),
                 notes: l.take_notes(),
+                started: l.take_start_reports(),
                 command_results: std::mem::take(
                     &mut *results.lock().unwrap_or_else(|p| p.into_inner()),
                 ),
@@ -251,6 +255,7 @@ pub async fn run_control(
             Err((refused, e)) => {
                 // The notes were not delivered: send them with the next sync.
                 lock(&launcher).restore_notes(request.notes);
+                lock(&launcher).restore_start_reports(request.started);
                 results
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())

@@ -47,6 +47,7 @@ use output::Outputs;
 use perch_model::control::{
     JobAttempt, JobExit, JobLaunch, JobNote, JobStop, LogChunk, MasterPort, SyncResponse,
 };
+use perch_model::provenance::JobStartReport;
 use rustix::process::{Pid, Signal, kill_process_group};
 use shim::ExitRecord;
 use std::collections::{BTreeMap, HashMap};
@@ -126,6 +127,15 @@ struct Running {
 /// The state directory inside the jobs directory (root-only; see [`groups`]).
 const STATE_DIR: &str = ".state";
 
+/// The node's GPU driver and CUDA versions as NVML reports them, for jobs' start reports.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeVersions {
+    pub driver_version: Option<String>,
+    pub cuda_version: Option<String>,
+    /// The node's GPUs are simulated (no driver).
+    pub simulated: bool,
+}
+
 /// The jobs of this node.
 pub struct Launcher {
     dir: PathBuf,
@@ -157,6 +167,10 @@ pub struct Launcher {
     cgroups: Result<JobCgroups, String>,
     /// Facts for the jobs' records, not yet handed to the server.
     notes: Vec<JobNote>,
+    /// What each attempt started here ran with, not yet handed to the server.
+    started: Vec<JobStartReport>,
+    /// The node's driver and CUDA versions, for those reports.
+    versions: NodeVersions,
     /// Cgroups of ended jobs that still held processes when last tried.
     leftover_cgroups: Vec<JobCgroup>,
 }
@@ -276,6 +290,8 @@ impl Launcher {
             setpriv: None,
             cgroups: Err("cgroups are off (agent.cgroups = off)".into()),
             notes: Vec::new(),
+            started: Vec::new(),
+            versions: NodeVersions::default(),
             leftover_cgroups: Vec::new(),
         };
         let keep = l.take_over();
@@ -513,6 +529,38 @@ impl Launcher {
     pub fn restore_notes(&mut self, mut notes: Vec<JobNote>) {
         notes.append(&mut self.notes);
         self.notes = notes;
+    }
+
+    /// Start reports gathered since the last call (provenance; given back with
+    /// [`Launcher::restore_start_reports`] when the server is unreachable).
+    pub fn take_start_reports(&mut self) -> Vec<JobStartReport> {
+        std::mem::take(&mut self.started)
+    }
+
+    /// Puts back start reports that could not be delivered.
+    pub fn restore_start_reports(&mut self, mut reports: Vec<JobStartReport>) {
+        reports.append(&mut self.started);
+        self.started = reports;
+    }
+
+    /// The node's driver and CUDA versions, reported with every job started from now on.
+    pub fn set_node_versions(&mut self, versions: NodeVersions) {
+        self.versions = versions;
+    }
+
+    /// Records what attempt `l` started with ([`perch_model::provenance`]): its environment,
+    /// secrets redacted, and the node's versions.
+    fn report_start(&mut self, l: &JobLaunch, env: &BTreeMap<String, String>) {
+        let (env, env_truncated) = perch_model::provenance::reportable_env(env);
+        self.started.push(JobStartReport {
+            job: l.job,
+            attempt: l.attempt,
+            env,
+            env_truncated,
+            driver_version: self.versions.driver_version.clone(),
+            cuda_version: self.versions.cuda_version.clone(),
+            simulated: self.versions.simulated,
+        });
     }
 
     fn note(&mut self, job: u64, text: String) {

@@ -161,6 +161,23 @@ impl Sampler {
         (count, model)
     }
 
+    /// The driver and CUDA versions NVML reports, for jobs' provenance; a node of simulated
+    /// GPUs only says so.
+    pub fn node_versions(&self) -> crate::launcher::NodeVersions {
+        match &self.nvml {
+            Some(n) => crate::launcher::NodeVersions {
+                driver_version: n.driver_version(),
+                cuda_version: n.cuda_version(),
+                simulated: false,
+            },
+            None => crate::launcher::NodeVersions {
+                driver_version: None,
+                cuda_version: None,
+                simulated: !self.sim.indices().is_empty(),
+            },
+        }
+    }
+
     /// NVLink islands of this node's GPUs: NVML's answer for real GPUs (`None` when it cannot
     /// tell); simulated GPUs imitate NVSwitch H100 systems, so they form one island of their
     /// own.

@@ -15,6 +15,7 @@ mod logs;
 pub use logs::LOG_PAGE;
 mod observe;
 mod output_usage;
+mod provenance;
 mod remediation;
 mod restore;
 mod scrape;
@@ -286,6 +287,8 @@ pub struct Control {
     archive: archive::Archive,
     /// Settled jobs whose stored output was deleted, for the next commit.
     deleted_output: Vec<(u64, i64)>,
+    /// Provenance to record with the next commit ([`crate::provenance`]).
+    provenance: Vec<crate::provenance::ProvenanceChange>,
     /// Disk used by stored job output, for its bounds ([`output_usage`]).
     output_usage: output_usage::OutputUsage,
     /// Validation runs: in progress per node, and the latest finished ([`validation`]).
@@ -418,6 +421,7 @@ impl Control {
             node_spans: self.ledger.take_spans(),
             events: std::mem::take(&mut self.ledger.events),
             output_deleted: std::mem::take(&mut self.deleted_output),
+            provenance: std::mem::take(&mut self.provenance),
         }
     }
 

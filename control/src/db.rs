@@ -4,6 +4,7 @@
 //! accounting. The file's layout and its version are specified in
 //! `docs/format/job-database.md`.
 
+use crate::provenance::ProvenanceRecord;
 use crate::record::{JobRecord, NodeSpan};
 use crate::store::JobStore;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
@@ -20,6 +21,9 @@ const JOBS: TableDefinition<u64, &[u8]> = TableDefinition::new("jobs");
 const CACHE_BYTES: usize = 64 * 1024 * 1024;
 const NODES: TableDefinition<u64, &[u8]> = TableDefinition::new("nodes");
 const NODE_SPANS: TableDefinition<u64, &[u8]> = TableDefinition::new("node_spans");
+/// Each job's provenance record by job id ([`crate::provenance`]): added in version 1 without
+/// changing it (a binary without it never opens the table and leaves it alone).
+const PROVENANCE: TableDefinition<u64, &[u8]> = TableDefinition::new("provenance");
 /// The file's format version, under [`FORMAT_KEY`].
 const META: TableDefinition<&str, u32> = TableDefinition::new("meta");
 const FORMAT_KEY: &str = "format_version";
@@ -70,6 +74,8 @@ pub struct Dirty {
     /// their records are read, marked ([`JobRecord::delete_output`]) and written back in the
     /// commit, after every change queued before.
     pub output_deleted: Vec<(u64, i64)>,
+    /// Provenance records to write or add to, in order ([`crate::provenance`]).
+    pub provenance: Vec<crate::provenance::ProvenanceChange>,
 }
 
 impl Dirty {
@@ -79,6 +85,7 @@ impl Dirty {
             && self.nodes.is_empty()
             && self.node_spans.is_empty()
             && self.events.is_empty()
+            && self.provenance.is_empty()
     }
 
     /// Adds a later change set: later records replace earlier ones when written in order.
@@ -88,6 +95,7 @@ impl Dirty {
         self.nodes.extend(later.nodes);
         self.node_spans.extend(later.node_spans);
         self.events.extend(later.events);
+        self.provenance.extend(later.provenance);
     }
 }
 
@@ -154,6 +162,7 @@ impl JobStore for RedbStore {
             && nodes.is_empty()
             && spans.is_empty()
             && dirty.output_deleted.is_empty()
+            && dirty.provenance.is_empty()
         {
             return Ok(());
         }
@@ -182,6 +191,16 @@ impl JobStore for RedbStore {
             for (id, span) in spans {
                 let bytes = serde_json::to_vec(span).map_err(e)?;
                 table.insert(*id, bytes.as_slice()).map_err(e)?;
+            }
+            let mut table = tx.open_table(PROVENANCE).map_err(e)?;
+            for change in &dirty.provenance {
+                let id = change.job();
+                let stored = match table.get(id).map_err(e)? {
+                    Some(v) => Some(serde_json::from_slice(v.value()).map_err(e)?),
+                    None => None,
+                };
+                let bytes = serde_json::to_vec(&change.apply(stored)).map_err(e)?;
+                table.insert(id, bytes.as_slice()).map_err(e)?;
             }
         }
         tx.commit().map_err(e)
@@ -220,6 +239,35 @@ impl JobStore for RedbStore {
         let mut slot = self.slot.write();
         *slot = None;
         *slot = Some(open_database(&self.path)?);
+        Ok(())
+    }
+
+    fn provenance(&self, id: u64) -> Result<Option<ProvenanceRecord>, DbError> {
+        let tx = self.db()?.begin_read().map_err(e)?;
+        let table = tx.open_table(PROVENANCE).map_err(e)?;
+        let found = table.get(id).map_err(e)?;
+        found
+            .map(|v| serde_json::from_slice(v.value()).map_err(e))
+            .transpose()
+    }
+
+    fn for_each_provenance(
+        &self,
+        ids: std::ops::RangeInclusive<u64>,
+        visit: &mut dyn FnMut(ProvenanceRecord) -> bool,
+    ) -> Result<(), DbError> {
+        let tx = self.db()?.begin_read().map_err(e)?;
+        for row in tx
+            .open_table(PROVENANCE)
+            .map_err(e)?
+            .range(ids)
+            .map_err(e)?
+        {
+            let (_, v) = row.map_err(e)?;
+            if !visit(serde_json::from_slice(v.value()).map_err(e)?) {
+                break;
+            }
+        }
         Ok(())
     }
 
@@ -266,6 +314,7 @@ fn open_database(path: &Path) -> Result<Arc<Database>, DbError> {
     tx.open_table(JOBS).map_err(e)?;
     tx.open_table(NODES).map_err(e)?;
     tx.open_table(NODE_SPANS).map_err(e)?;
+    tx.open_table(PROVENANCE).map_err(e)?;
     tx.commit().map_err(e)?;
     Ok(Arc::new(db))
 }

@@ -21,6 +21,7 @@ pub mod node_commands;
 pub mod pg;
 #[cfg(feature = "testing")]
 pub mod pg_testing;
+pub mod provenance;
 pub mod record;
 mod service;
 pub mod spec;

@@ -16,6 +16,7 @@
 //! from any thread, async workers included, as the redb store can.
 
 use crate::db::{DbError, Dirty, Loaded};
+use crate::provenance::{ProvenanceChange, ProvenanceRecord};
 use crate::record::JobRecord;
 use crate::store::JobStore;
 use std::collections::BTreeMap;
@@ -53,6 +54,7 @@ INSERT INTO perch_leader VALUES (1, '', '', 0, 'epoch', 'epoch', 'epoch') ON CON
 CREATE TABLE IF NOT EXISTS perch_jobs (id bigint PRIMARY KEY, record jsonb NOT NULL, epoch bigint NOT NULL);
 CREATE TABLE IF NOT EXISTS perch_nodes (id bigint PRIMARY KEY, record jsonb NOT NULL, epoch bigint NOT NULL);
 CREATE TABLE IF NOT EXISTS perch_node_spans (id bigint PRIMARY KEY, record jsonb NOT NULL, epoch bigint NOT NULL);
+CREATE TABLE IF NOT EXISTS perch_provenance (id bigint PRIMARY KEY, record jsonb NOT NULL, epoch bigint NOT NULL);
 CREATE OR REPLACE FUNCTION perch_fence() RETURNS trigger LANGUAGE plpgsql AS $fence$
 DECLARE
     current_epoch bigint;
@@ -69,7 +71,7 @@ $fence$;
 DO $triggers$
 DECLARE t text;
 BEGIN
-    FOREACH t IN ARRAY ARRAY['perch_jobs', 'perch_nodes', 'perch_node_spans'] LOOP
+    FOREACH t IN ARRAY ARRAY['perch_jobs', 'perch_nodes', 'perch_node_spans', 'perch_provenance'] LOOP
         IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = t || '_fence') THEN
             EXECUTE format('CREATE TRIGGER %I BEFORE INSERT OR UPDATE ON %I FOR EACH ROW EXECUTE FUNCTION perch_fence()', t || '_fence', t);
         END IF;
@@ -271,7 +273,84 @@ fn upsert(
     Ok(())
 }
 
+/// Writes provenance `changes` in order: each read (locked) and written back changed.
+fn save_provenance(
+    tx: &mut postgres::Transaction<'_>,
+    changes: &[ProvenanceChange],
+    epoch: i64,
+) -> Result<(), DbError> {
+    if changes.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<i64> = changes
+        .iter()
+        .map(|c| id(c.job()))
+        .collect::<Result<_, _>>()?;
+    let mut stored: BTreeMap<u64, ProvenanceRecord> = BTreeMap::new();
+    for row in tx
+        .query(
+            "SELECT id, record::text FROM perch_provenance WHERE id = ANY($1) FOR UPDATE",
+            &[&ids],
+        )
+        .map_err(pg)?
+    {
+        let i: i64 = row.get(0);
+        stored.insert(i as u64, serde_json::from_str(row.get(1)).map_err(e)?);
+    }
+    for change in changes {
+        let job = change.job();
+        let record = change.apply(stored.remove(&job));
+        stored.insert(job, record);
+    }
+    upsert(tx, "perch_provenance", &columns(stored.into_iter())?, epoch)
+}
+
 impl JobStore for PgStore {
+    fn provenance(&self, job: u64) -> Result<Option<ProvenanceRecord>, DbError> {
+        let job = id(job)?;
+        let found: Option<String> = self.conn.call(move |c| {
+            Ok(c.query_opt(
+                "SELECT record::text FROM perch_provenance WHERE id = $1",
+                &[&job],
+            )
+            .map_err(pg)?
+            .map(|row| row.get(0)))
+        })?;
+        found
+            .map(|r| serde_json::from_str(&r).map_err(e))
+            .transpose()
+    }
+
+    fn for_each_provenance(
+        &self,
+        ids: std::ops::RangeInclusive<u64>,
+        visit: &mut dyn FnMut(ProvenanceRecord) -> bool,
+    ) -> Result<(), DbError> {
+        let last = i64::try_from(*ids.end()).unwrap_or(i64::MAX);
+        let mut after = i64::try_from(*ids.start()).unwrap_or(i64::MAX) - 1;
+        loop {
+            let page: Vec<(i64, String)> = self.conn.call(move |c| {
+                Ok(c.query(
+                    "SELECT id, record::text FROM perch_provenance WHERE id > $1 AND id <= $2 ORDER BY id LIMIT $3",
+                    &[&after, &last, &PAGE],
+                )
+                .map_err(pg)?
+                .into_iter()
+                .map(|row| (row.get(0), row.get(1)))
+                .collect())
+            })?;
+            let Some(&(end, _)) = page.last() else {
+                return Ok(());
+            };
+            after = end;
+            for (_, record) in page {
+                if !visit(serde_json::from_str(&record).map_err(e)?) {
+                    return Ok(());
+                }
+            }
+        }
+    }
+
     fn load(&self) -> Result<Loaded, DbError> {
         self.conn.call(|c| {
             let mut nodes = Vec::new();
@@ -348,9 +427,11 @@ impl JobStore for PgStore {
             && dirty.nodes.is_empty()
             && dirty.node_spans.is_empty()
             && dirty.output_deleted.is_empty()
+            && dirty.provenance.is_empty()
         {
             return Ok(());
         }
+        let provenance = dirty.provenance.clone();
         let jobs = columns(dirty.jobs.iter().map(|j| (j.id, j)))?;
         let nodes = columns(dirty.nodes.iter().map(|(i, n)| (*i, n)))?;
         let spans = columns(dirty.node_spans.iter().map(|(i, s)| (*i, s)))?;
@@ -387,6 +468,7 @@ impl JobStore for PgStore {
             }
             upsert(&mut tx, "perch_nodes", &nodes, epoch)?;
             upsert(&mut tx, "perch_node_spans", &spans, epoch)?;
+            save_provenance(&mut tx, &provenance, epoch)?;
             tx.commit().map_err(pg)
         })
     }

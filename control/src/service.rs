@@ -192,6 +192,64 @@ impl JobService {
         tokio::sync::mpsc::unbounded_channel()
     }
 
+    /// Job `id`'s provenance record, for `who` (its user or an operator; others are refused as
+    /// for its output). `Ok(None)`: the job exists and nothing was recorded for it. An array
+    /// task without a record of its own answers with its array's (the submit side is recorded
+    /// once per array). Blocking: call it off the async threads.
+    pub fn provenance_for(
+        &self,
+        id: u64,
+        who: &perch_model::identity::Identity,
+    ) -> Result<Option<crate::provenance::ProvenanceRecord>, ControlError> {
+        let (array, seen) = {
+            let c = self.control.lock();
+            c.check_owner(id, who)?;
+            let array = c
+                .view(id)?
+                .and_then(|j| j.array.map(|a| a.job_id))
+                .filter(|&a| a != id);
+            (array, self.commits.seen())
+        };
+        // What the control plane showed is durable before it is read from the store.
+        self.commits.wait(seen)?;
+        let store = &self.commits.db;
+        let mut found = store.provenance(id)?;
+        if let Some(array) = array {
+            let whole = store.provenance(array)?;
+            found = match (found, whole) {
+                (Some(mut own), Some(whole)) => {
+                    own.submit = own.submit.or(whole.submit);
+                    Some(own)
+                }
+                (own, whole) => own.or(whole.map(|mut w| {
+                    w.job = id;
+                    w.runs.clear();
+                    w
+                })),
+            };
+        }
+        Ok(found)
+    }
+
+    /// Visits the provenance records of jobs in `ids` whose user is `user` (every user's for
+    /// `None`: an operator), in id order, until `visit` says stop. Blocking.
+    pub fn for_each_provenance(
+        &self,
+        ids: std::ops::RangeInclusive<u64>,
+        user: Option<&str>,
+        visit: &mut dyn FnMut(crate::provenance::ProvenanceRecord) -> bool,
+    ) -> Result<(), ControlError> {
+        let seen = self.commits.seen();
+        self.commits.wait(seen)?;
+        self.commits.db.for_each_provenance(ids, &mut |r| {
+            if user.is_some_and(|u| u != r.user) {
+                return true;
+            }
+            visit(r)
+        })?;
+        Ok(())
+    }
+
     /// Now, by the server's clock.
     pub fn now_ms(&self) -> i64 {
         self.clock.now_ms()
@@ -312,8 +370,11 @@ impl JobService {
     ) -> Result<(JobRecord, Vec<u64>, Option<String>), ControlError> {
         let service = self.clone();
         tokio::spawn(async move {
+            let mut request = request;
+            let provenance = request.provenance.take().map(|p| *p);
             let request = Arc::new(request);
             let r = request.clone();
+            let checked = provenance.clone();
             let (first, warning) = service
                 .run(move |c, now| {
                     if !operator {
@@ -321,6 +382,9 @@ impl JobService {
                     }
                     // Its fields first: a shape is only compared with the nodes once valid.
                     r.validate()?;
+                    if let Some(p) = &checked {
+                        c.check_provenance(p, r.user(), operator)?;
+                    }
                     let warning = match c.shape_warning(&r) {
                         Some(why) if !r.hold_until_fits => {
                             return Err(ControlError::Invalid(FieldError {
@@ -350,8 +414,16 @@ impl JobService {
                 let step = done..count.min(done + ARRAY_STEP);
                 done = step.end;
                 let r = request.clone();
+                // Recorded with the first task, in the same commit.
+                let p = (step.start == 0).then(|| provenance.clone()).flatten();
                 let added = service
-                    .run(move |c, now| c.submit_array_tasks(&r, first, step, now))
+                    .run(move |c, now| {
+                        c.submit_array_tasks(&r, first, step, now)?;
+                        if let Some(p) = p {
+                            c.record_provenance(first, r.user(), p, now);
+                        }
+                        Ok(())
+                    })
                     .await;
                 if let Err(e) = added {
                     // The later steps will not be added: their tasks stop counting.

@@ -123,6 +123,11 @@ pub struct JobRequest {
     /// submission only: never stored nor sent on.
     #[serde(default, skip_serializing)]
     pub hold_until_fits: bool,
+    /// What the submit directory holds (git commit, diff, container, Python packages), as the
+    /// CLI found it ([`crate::provenance`]). Taken out at submission and stored in the job's
+    /// provenance record, never in the job's own record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provenance: Option<Box<crate::provenance::SubmitProvenance>>,
 }
 
 /// `gpu_share = { fraction = 0.25, memory_gb = 10 }`: the job gets a quarter of one GPU's

@@ -1,7 +1,7 @@
 //! Where the control plane keeps what it must not lose: the seam between the control plane and
 //! its database. [`JobStore`] is what [`crate::JobService`] commits to and rebuilds from;
 //! [`crate::db::RedbStore`] (one redb file beside the server) is the embedded default. A
-//! second implementation (a database shared by a standby server) implements the same five
+//! second implementation (a database shared by a standby server) implements the same
 //! operations with the same guarantees.
 //!
 //! [`SettledRecords`] is the other way out: the server's accounting keeps the rows of settled
@@ -9,6 +9,7 @@
 //! the job database and writes new ones through it.
 
 use crate::db::{DbError, Dirty, Loaded};
+use crate::provenance::ProvenanceRecord;
 use crate::record::JobRecord;
 
 /// The control plane's durable records: jobs, nodes and node spans, as
@@ -37,6 +38,17 @@ pub trait JobStore: Send + Sync + 'static {
     /// Closes and opens the store again after a failed commit (a full disk): the state it
     /// then holds is what the last successful [`JobStore::save`] left.
     fn reopen(&self) -> Result<(), DbError>;
+
+    /// Job `id`'s provenance record ([`crate::provenance`]), if one was written.
+    fn provenance(&self, id: u64) -> Result<Option<ProvenanceRecord>, DbError>;
+
+    /// Visits the provenance records of jobs in `ids`, in id order, until `visit` says stop
+    /// (returns false).
+    fn for_each_provenance(
+        &self,
+        ids: std::ops::RangeInclusive<u64>,
+        visit: &mut dyn FnMut(ProvenanceRecord) -> bool,
+    ) -> Result<(), DbError>;
 }
 
 /// The rows of settled jobs that accounting keeps outside the job store (the server's

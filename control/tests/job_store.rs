@@ -11,6 +11,9 @@
 
 use perch_control::JobStore;
 use perch_control::db::{Dirty, FORMAT_VERSION, NodeRecord, RedbStore};
+use perch_control::provenance::{
+    GitProvenance, ProvenanceChange, ProvenanceRecord, RunProvenance, SubmitProvenance,
+};
 use perch_control::record::{JobRecord, JobState, NodeSpan, NodeState};
 use std::path::Path;
 
@@ -155,12 +158,103 @@ fn keeps_the_contract(store: &dyn JobStore, sample: &[JobRecord]) {
         store.get(&[7]).expect("get")[0].output_deleted_ms,
         Some(5_000)
     );
+    let submitted = provenance_keeps_the_contract(store);
     store.reopen().expect("reopen");
     assert_eq!(jobs_of(store).len(), 2, "kept across a reopen");
     assert_eq!(
         store.get(&[7]).expect("get")[0].output_deleted_ms,
         Some(5_000)
     );
+    assert_eq!(
+        store.provenance(7).expect("provenance"),
+        Some(submitted),
+        "provenance kept across a reopen"
+    );
+}
+
+/// Provenance records: written whole at submit, each node report added once (a report sent
+/// again is not added twice, one for a job with no record makes one), read back by id and in
+/// id order over a range. Returns job 7's record as stored.
+fn provenance_keeps_the_contract(store: &dyn JobStore) -> ProvenanceRecord {
+    assert_eq!(store.provenance(7).expect("read"), None, "none written yet");
+    let record = ProvenanceRecord {
+        job: 7,
+        user: "alice".into(),
+        submit_ms: 1_000,
+        submit: Some(SubmitProvenance {
+            submit_dir: Some("/home/alice/model".into()),
+            git: Some(GitProvenance {
+                root: "/home/alice/model".into(),
+                commit: "0123456789abcdef0123456789abcdef01234567".into(),
+                branch: Some("main".into()),
+                dirty: true,
+                diff: "--- a/x\n+++ b/x\n".into(),
+                diff_bytes: 16,
+                ..GitProvenance::default()
+            }),
+            ..SubmitProvenance::default()
+        }),
+        runs: Vec::new(),
+        runs_dropped: 0,
+    };
+    let run = |node: &str| RunProvenance {
+        attempt: 1,
+        node: node.into(),
+        start_ms: 2_000,
+        env: [("CUDA_VISIBLE_DEVICES".to_owned(), "0".to_owned())].into(),
+        env_truncated: false,
+        driver_version: Some("560.35.03".into()),
+        cuda_version: Some("12.6".into()),
+        simulated: false,
+    };
+    let ran = |job: u64, node: &str| ProvenanceChange::Ran {
+        job,
+        user: "alice".into(),
+        submit_ms: 1_000,
+        run: run(node),
+    };
+    store
+        .save(&Dirty {
+            provenance: vec![
+                ProvenanceChange::Submitted(record.clone()),
+                ran(7, "gpu-1"),
+                ran(7, "gpu-1"),
+            ],
+            ..Dirty::default()
+        })
+        .expect("save provenance");
+    store
+        .save(&Dirty {
+            provenance: vec![ran(7, "gpu-2"), ran(3, "gpu-1")],
+            ..Dirty::default()
+        })
+        .expect("save more provenance");
+    let mut want = record;
+    want.runs = vec![run("gpu-1"), run("gpu-2")];
+    let got = store.provenance(7).expect("read").expect("written");
+    assert_eq!(got, want, "the submit side and each report once, in order");
+    let made = store
+        .provenance(3)
+        .expect("read")
+        .expect("made by its report");
+    assert_eq!((made.submit, made.runs.len()), (None, 1));
+    let mut seen = Vec::new();
+    store
+        .for_each_provenance(0..=u64::MAX, &mut |r| {
+            seen.push(r.job);
+            true
+        })
+        .expect("visit");
+    assert_eq!(seen, vec![3, 7], "in id order");
+    seen.clear();
+    store
+        .for_each_provenance(4..=10, &mut |r| {
+            seen.push(r.job);
+            true
+        })
+        .expect("visit a range");
+    assert_eq!(seen, vec![7]);
+    got
 }
 
 #[test]
@@ -191,6 +285,7 @@ fn the_format_document_names_the_version_written() {
         "`jobs`",
         "`nodes`",
         "`node_spans`",
+        "`provenance`",
     ] {
         assert!(
             doc.contains(name),

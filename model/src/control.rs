@@ -63,6 +63,10 @@ pub struct SyncRequest {
     /// ([`JobLaunch::pick_master_port`]); sent with every sync while the job runs.
     #[serde(default)]
     pub master_ports: Vec<MasterPort>,
+    /// What each attempt started since the last delivered sync ran with (its environment, the
+    /// node's driver and CUDA versions), for the job's provenance. Sent once each.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub started: Vec<crate::provenance::JobStartReport>,
 }
 
 /// A rendezvous port picked on a job's rank-0 node.

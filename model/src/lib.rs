@@ -19,6 +19,7 @@ mod infiniband;
 mod job_metrics;
 mod jobs;
 mod node_state;
+pub mod provenance;
 mod telemetry;
 mod throttle;
 pub mod timefmt;

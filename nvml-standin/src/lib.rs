@@ -202,6 +202,15 @@ pub unsafe extern "C" fn nvmlSystemGetDriverVersion(out: *mut c_char, len: c_uin
     }
 }
 
+/// The CUDA version the scenario's driver supports (`cuda_version`, default 12.6).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion_v2(out: *mut c_int) -> nvmlReturn_t {
+    match state().as_ref() {
+        Some(s) => put(out, s.scenario.cuda_version),
+        None => UNINITIALIZED,
+    }
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetCount_v2(count: *mut c_uint) -> nvmlReturn_t {
     match state().as_ref() {

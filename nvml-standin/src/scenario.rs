@@ -35,11 +35,18 @@ pub struct Scenario {
     pub clock: Clock,
     #[serde(default = "default_driver")]
     pub driver_version: String,
+    /// The CUDA version the driver supports, as NVML encodes it (`12060` is 12.6).
+    #[serde(default = "default_cuda")]
+    pub cuda_version: i32,
     pub gpus: Vec<GpuScript>,
 }
 
 fn default_driver() -> String {
     "560.35.03-standin".to_string()
+}
+
+fn default_cuda() -> i32 {
+    12060
 }
 
 /// One GPU: fixed identity, values over time, events, and when (if ever) it is lost.

@@ -278,6 +278,14 @@ impl NvmlGpus {
         self.nvml.sys_driver_version().ok()
     }
 
+    /// The CUDA version the driver supports (`12.4`), when NVML reports it.
+    pub fn cuda_version(&self) -> Option<String> {
+        self.nvml
+            .sys_cuda_driver_version()
+            .ok()
+            .map(perch_model::provenance::cuda_version_text)
+    }
+
     /// Takes every pending XID/ECC event off the event set, counts it and returns it.
     fn drain_events(&mut self, now_ms: i64) -> Vec<GpuEvent> {
         let mut out = Vec::new();

@@ -71,7 +71,7 @@ impl Launcher {
         // What an earlier attempt left here is not this attempt's.
         self.groups.forget(l.job);
         ExitRecord::remove(&state, l.job);
-        let cmd = self.command(l, user.as_ref(), cgroup.as_ref(), &dir, [stdout, stderr])?;
+        let (cmd, env) = self.command(l, user.as_ref(), cgroup.as_ref(), &dir, [stdout, stderr])?;
         // Recorded before the supervisor starts, so that an agent that dies at any point from
         // here on leaves the job to its successor; completed below.
         let mut record = self
@@ -82,6 +82,7 @@ impl Launcher {
             write_record(&state, l.job, r);
         }
         let mut started = self.start_process(l, cmd, cgroup.as_ref())?;
+        self.report_start(l, &env);
         let cgroup = self.enter_cgroup(l.job, cgroup, started.leader, &mut started.child);
         let running = Running {
             attempt: l.attempt,
@@ -248,7 +249,7 @@ impl Launcher {
     /// The job's command, ready to spawn: under its supervisor when the agent has one (else in
     /// a process group of its own), switched to its user, waiting for its go on standard input
     /// when it has a cgroup to enter first, in its working directory (else its job directory),
-    /// its output going to `logs` (stdout, stderr).
+    /// its output going to `logs` (stdout, stderr); with the environment it gets.
     fn command(
         &self,
         l: &JobLaunch,
@@ -256,7 +257,7 @@ impl Launcher {
         cgroup: Option<&JobCgroup>,
         dir: &Path,
         [stdout, stderr]: [File; 2],
-    ) -> Result<Command, NotStarted> {
+    ) -> Result<(Command, std::collections::BTreeMap<String, String>), NotStarted> {
         let shim_args = ShimArgs {
             state: self.state_dir().to_path_buf(),
             job: l.job,
@@ -280,6 +281,7 @@ impl Launcher {
         };
         let mut cmd =
             command::build(l, &shape).map_err(|e| NotStarted::io("building its command", e))?;
+        let env = command::environment(l, &shape);
         let workdir = l
             .workdir
             .as_deref()
@@ -295,7 +297,7 @@ impl Launcher {
         if self.supervisor.is_none() {
             cmd.process_group(0);
         }
-        Ok(cmd)
+        Ok((cmd, env))
     }
 
     /// Spawns `cmd` and finds the job's process group: the one its supervisor records, or,

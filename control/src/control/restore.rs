@@ -42,6 +42,7 @@ impl Control {
             reserved: HashMap::new(),
             archive: archive::Archive::new(db.clone()),
             deleted_output: Vec::new(),
+            provenance: Vec::new(),
             output_usage: Default::default(),
             validations: Default::default(),
             passes: PassStats::default(),

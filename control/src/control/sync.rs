@@ -42,6 +42,7 @@ impl Control {
                 self.dirty_jobs.insert(note.job);
             }
         }
+        self.take_start_reports(&name, &req.started, now);
         for exit in &req.exited {
             response.acknowledged.push(exit.id());
             self.take_exit(idx, exit, now)?;
