@@ -33,7 +33,7 @@ mod strings;
 pub mod wal;
 
 pub use error::{Error, Result};
-pub use live::{LiveTable, Pruning, Room, project};
+pub use live::{Caller, LiveTable, Pruning, Room, project};
 pub use maintenance::MaintenanceStats;
 pub use peers::{PEER_REFRESH, PeerConfig, PeerStatus};
 pub use schema::Table;

@@ -63,6 +63,7 @@ pub trait LiveTable: Send + Sync + std::fmt::Debug {
 pub struct Room<'a> {
     grow: &'a mut dyn FnMut(usize) -> std::result::Result<(), String>,
     rows: Option<Rows>,
+    caller: Option<Arc<Caller>>,
 }
 
 /// The query's filters on a live table, and those of them that can be evaluated over the
@@ -75,7 +76,16 @@ struct Rows {
 impl<'a> Room<'a> {
     /// Room that `grow` grants (an error: no more), for every row.
     pub fn new(grow: &'a mut dyn FnMut(usize) -> std::result::Result<(), String>) -> Self {
-        Room { grow, rows: None }
+        Room {
+            grow,
+            rows: None,
+            caller: None,
+        }
+    }
+
+    /// Who asks, for a user's query ([`Caller`]); `None` for perch's own.
+    pub fn caller(&self) -> Option<&Caller> {
+        self.caller.as_deref()
     }
 
     /// `f` with room that is never short: for reads outside a query's memory (a table's
@@ -114,6 +124,7 @@ impl<'a> Room<'a> {
             },
             predicates,
         });
+        self.caller = state.config().get_extension::<Caller>();
         self
     }
 
@@ -304,6 +315,22 @@ fn unqualified(expr: Expr) -> Option<Expr> {
     })
     .map(|t| t.data)
     .ok()
+}
+
+/// Who asks a user's query (absent for perch's own: alert rules, the accounting fold, tests),
+/// as an extension of its session's configuration: a live table of rows private to their
+/// users ([`Room::caller`]) shows a user who is not an operator only that user's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    pub user: String,
+    pub operator: bool,
+}
+
+impl Caller {
+    /// Whether rows of `owner` are shown to this caller.
+    pub fn may_see(&self, owner: &str) -> bool {
+        self.operator || self.user == owner
+    }
 }
 
 /// The rows' reservations a query's live tables made, held by its session (an extension of

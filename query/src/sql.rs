@@ -349,8 +349,12 @@ impl SqlEngine {
     #[tracing::instrument(name = "sql.query", skip_all, fields(db.query.text = &sql[..sql.floor_char_boundary(2048)]))]
     async fn query_inner(&self, sql: &str, asker: Asker) -> Result<QueryOutput> {
         let deadline = tokio::time::Instant::now() + self.limits.timeout;
+        let caller = asker.name.clone().map(|user| crate::live::Caller {
+            user,
+            operator: asker.operator,
+        });
         let slot = self.budget.slot(asker, deadline, || self.timeout()).await?;
-        self.run(sql, deadline, Some(slot)).await
+        self.run(sql, deadline, Some(slot), caller).await
     }
 
     /// Runs one read-only statement for perch itself (alert rules, the accounting fold):
@@ -363,7 +367,7 @@ impl SqlEngine {
 
     async fn query_internal_inner(&self, sql: &str) -> Result<QueryOutput> {
         let deadline = tokio::time::Instant::now() + self.limits.timeout;
-        self.run(sql, deadline, None).await
+        self.run(sql, deadline, None, None).await
     }
 
     /// Plans and executes `sql` on its slot's runtime (perch's own queries on [`sql_runtime`]),
@@ -376,6 +380,7 @@ impl SqlEngine {
         sql: &str,
         deadline: tokio::time::Instant,
         slot: Option<Slot>,
+        caller: Option<crate::live::Caller>,
     ) -> Result<QueryOutput> {
         let engine = self.clone();
         let sql = sql.to_owned();
@@ -389,7 +394,7 @@ impl SqlEngine {
             .map_or_else(|| sql_runtime().clone(), |s| s.runtime().clone());
         let work = runtime.spawn(async move {
             let _slot = slot;
-            let df = engine.prepare(&sql, pool.clone()).await;
+            let df = engine.prepare(&sql, pool.clone(), caller).await;
             let result = match df {
                 Ok(df) => execute(df, engine.limits.max_rows, pool.clone()).await,
                 Err(e) => Err(e),
@@ -423,11 +428,19 @@ impl SqlEngine {
         &self,
         sql: &str,
         pool: Arc<QueryPool>,
+        caller: Option<crate::live::Caller>,
     ) -> Result<datafusion::dataframe::DataFrame, Failure> {
         if sql.trim().is_empty() {
             return Err(Failure::Perch(Error::BadQuery("the query is empty; send one SQL statement such as SELECT count(*) FROM gpu_samples".into())));
         }
         let ctx = self.session(pool).await.map_err(Failure::Perch)?;
+        if let Some(caller) = caller {
+            // Live tables of private rows show the caller its own ([`crate::live::Caller`]).
+            ctx.state_ref()
+                .write()
+                .config_mut()
+                .set_extension(Arc::new(caller));
+        }
         let plan = self.plan(&ctx, sql).await?;
         let default_rows = ctx.state().config().batch_size();
         if let Some(rows) =

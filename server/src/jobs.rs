@@ -304,6 +304,30 @@ pub async fn show(
     answer_of(&view)
 }
 
+/// A job's provenance record (what it ran: commit, diff, image, packages, each attempt's
+/// environment and node versions), to its user and operators only, as its output is. 404
+/// `not_found` when nothing was recorded for the job.
+pub async fn provenance(
+    State(state): State<AppState>,
+    Extension(who): Extension<Identity>,
+    Path(id): Path<u64>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let jobs = state.jobs.clone();
+    let found = tokio::task::spawn_blocking(move || jobs.provenance_for(id, &who))
+        .await
+        .map_err(|e| ControlError::TaskFailed(e.to_string()))??;
+    match found {
+        Some(record) => answer_of(&record),
+        None => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            crate::ErrorCode::NotFound,
+            format!(
+                "no provenance was recorded for job {id}: it was submitted before perch recorded it, or through the API without `provenance`, and has not started"
+            ),
+        )),
+    }
+}
+
 /// The job's accounting as the `jobs` table has it (the one definition), with a note while
 /// its telemetry figures lag behind: they are folded every `fold_interval` from samples at
 /// least `settle` old, so a job's first figures come minutes after it starts. `None` when the

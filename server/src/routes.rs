@@ -275,6 +275,14 @@ pub static ROUTES: &[Route] = &[
     },
     Route {
         method: Method::GET,
+        path: "/v1/jobs/{id}/provenance",
+        what: "what a job ran: submit directory's git commit, branch and diff, container image, Python packages, and each attempt's environment and node driver/CUDA versions (its user and operators only)",
+        access: PEOPLE,
+        job_token: false,
+        handler: |_| get(jobs::provenance),
+    },
+    Route {
+        method: Method::GET,
         path: "/v1/queue",
         what: "pending jobs in scheduling order, with the reason each waits; ?start=true adds each one's estimated start (estimated_start, RFC 3339)",
         access: PEOPLE,
@@ -392,6 +400,7 @@ mod tests {
         "POST /v1/jobs/{id}/cancel P",
         "POST /v1/jobs/cancel P",
         "GET /v1/jobs/{id}/logs P",
+        "GET /v1/jobs/{id}/provenance P",
         "GET /v1/queue P",
         "GET /v1/nodes P",
         "POST /v1/nodes/{name}/drain O",

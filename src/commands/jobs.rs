@@ -129,6 +129,13 @@ pub struct SubmitArgs {
     env: Vec<String>,
     #[arg(long, short = 'D')]
     workdir: Option<String>,
+    /// Also record the Python environment's packages (`python3 -m pip freeze`, at most
+    /// 256 KiB) with the job's provenance.
+    #[arg(long)]
+    provenance_python: bool,
+    /// Record no provenance (git commit, diff, container image) for this job.
+    #[arg(long, conflicts_with = "provenance_python")]
+    no_provenance: bool,
     /// Program and arguments (after --).
     #[arg(last = true)]
     command: Vec<String>,
@@ -163,11 +170,18 @@ pub struct JobsArgs {
 }
 
 #[derive(Debug, Args)]
-pub struct JobIdArgs {
+pub struct ShowArgs {
     #[command(flatten)]
     server: ServerArg,
     /// Job id.
     id: u64,
+    /// What the job ran: the submit directory's git commit, branch and uncommitted diff,
+    /// container image, Python packages, and each attempt's environment and node versions.
+    #[arg(long)]
+    provenance: bool,
+    /// With --provenance: the record as JSON.
+    #[arg(long, requires = "provenance")]
+    json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -557,6 +571,15 @@ pub fn submit(args: SubmitArgs, config_file: Option<&ConfigFile>) -> Result<()> 
     if !request.contains_key("command") {
         bail!("give the command after --, e.g. perch submit --gpus 1 -- python train.py");
     }
+    if !args.no_provenance && !request.contains_key("provenance") {
+        let dir = std::env::current_dir().context("reading the current directory")?;
+        let command: Vec<String> = request
+            .get("command")
+            .and_then(|c| serde_json::from_value(c.clone()).ok())
+            .unwrap_or_default();
+        let p = super::provenance::collect(&dir, &command, args.provenance_python);
+        request.insert("provenance".to_owned(), serde_json::to_value(&p)?);
+    }
     let api = Api::new(&args.server, config_file)?;
     // `--user` wins, then the file's `user =`, then `$USER`; with a token the server knows
     // who submits, so without any of them it is left to the server. The server decides
@@ -732,7 +755,18 @@ pub fn jobs(args: JobsArgs, config_file: Option<&ConfigFile>) -> Result<()> {
     Ok(())
 }
 
-pub fn show(args: JobIdArgs, config_file: Option<&ConfigFile>) -> Result<()> {
+pub fn show(args: ShowArgs, config_file: Option<&ConfigFile>) -> Result<()> {
+    if args.provenance {
+        let record: perch_control::provenance::ProvenanceRecord =
+            Api::new(&args.server, config_file)?
+                .get(&format!("/v1/jobs/{}/provenance", args.id))?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&record)?);
+        } else {
+            super::provenance::print(&record);
+        }
+        return Ok(());
+    }
     let view: JobView<'static> =
         Api::new(&args.server, config_file)?.get(&format!("/v1/jobs/{}", args.id))?;
     let (j, r) = (&*view.record, &view.record.request);

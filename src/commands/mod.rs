@@ -5,6 +5,8 @@ mod bench;
 mod demo_workload;
 mod ha;
 mod jobs;
+mod provenance;
+mod rerun;
 mod serve;
 pub mod simulate;
 mod sql;
@@ -52,8 +54,11 @@ enum Command {
     Submit(Box<jobs::SubmitArgs>),
     /// List jobs (like squeue; --all for ended ones too).
     Jobs(jobs::JobsArgs),
-    /// Show one job: state, reason, GPUs, live utilization, timeline.
-    Show(jobs::JobIdArgs),
+    /// Show one job: state, reason, GPUs, live utilization, timeline (--provenance: what it
+    /// ran: commit, diff, image, environment, driver).
+    Show(jobs::ShowArgs),
+    /// Submit a job again from the code it ran (its recorded git commit and changes).
+    Rerun(rerun::RerunArgs),
     /// Cancel jobs (like scancel).
     Cancel(jobs::CancelArgs),
     /// Print a job's output (-f to follow).
@@ -409,6 +414,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Submit(args) => jobs::submit(*args, file),
         Command::Jobs(args) => jobs::jobs(args, file),
         Command::Show(args) => jobs::show(args, file),
+        Command::Rerun(args) => rerun::rerun(args, file),
         Command::Cancel(args) => jobs::cancel(args, file),
         Command::Logs(args) => jobs::logs(args, file),
         Command::Queue(args) => jobs::queue(args, file),

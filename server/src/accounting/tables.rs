@@ -16,6 +16,9 @@ use arrow::array::{
 use arrow::datatypes::{Field, Schema, SchemaRef};
 use perch_control::cost::{Totals, job_totals};
 use perch_control::db::NodeRecord;
+use perch_control::provenance::{
+    ContainerProvenance, GitProvenance, ProvenanceRecord, PythonProvenance, RunProvenance,
+};
 use perch_control::record::{JobRecord, NodeSpan, NodeState};
 use perch_control::validation::Run;
 use perch_query::{LiveTable, Room, SqlEngine, project};
@@ -780,6 +783,149 @@ const SUMS: &str = "count(*) AS jobs,
     ELSE sum(cost_accounted) - sum(cost_used) END AS idle_cost,
   min(accounted_until) FILTER (WHERE end_time IS NULL OR accounted_until < end_time) AS accounted_until";
 
+/// `job_provenance`: what each job ran, one row per job (its latest node report's
+/// environment and versions), read from the job store at each query. Private: a user who is
+/// not an operator sees only rows of their own jobs ([`perch_query::Caller`]).
+#[derive(Debug)]
+pub struct ProvenanceTable {
+    jobs: JobService,
+}
+
+impl ProvenanceTable {
+    fn columns(rows: &[ProvenanceRecord]) -> Columns<'_, ProvenanceRecord> {
+        fn git(r: &ProvenanceRecord) -> Option<&GitProvenance> {
+            r.submit.as_ref()?.git.as_ref()
+        }
+        fn container(r: &ProvenanceRecord) -> Option<&ContainerProvenance> {
+            r.submit.as_ref()?.container.as_ref()
+        }
+        fn python(r: &ProvenanceRecord) -> Option<&PythonProvenance> {
+            r.submit.as_ref()?.python.as_ref()
+        }
+        fn last(r: &ProvenanceRecord) -> Option<&RunProvenance> {
+            r.runs.last()
+        }
+        Columns::new(rows)
+            .u64("job", false, |r| Some(r.job))
+            .str("user_name", false, |r| Some(r.user.as_str()))
+            .time("submit_time", false, |r| Some(r.submit_ms))
+            .str("submit_dir", true, |r| {
+                r.submit.as_ref()?.submit_dir.as_deref()
+            })
+            .str("submit_host", true, |r| {
+                r.submit.as_ref()?.submit_host.as_deref()
+            })
+            .str("git_root", true, |r| git(r).map(|g| g.root.as_str()))
+            .str("git_commit", true, |r| git(r).map(|g| g.commit.as_str()))
+            .str("git_branch", true, |r| git(r)?.branch.as_deref())
+            .bool("git_dirty", true, |r| git(r).map(|g| g.dirty))
+            .str("git_diff", true, |r| {
+                git(r).filter(|g| g.dirty).map(|g| g.diff.as_str())
+            })
+            .u64("git_diff_bytes", true, |r| git(r).map(|g| g.diff_bytes))
+            .bool("git_diff_truncated", true, |r| {
+                git(r).map(|g| g.diff_truncated)
+            })
+            .u32("untracked_files", true, |r| {
+                git(r).map(|g| g.untracked.len() as u32)
+            })
+            .str("container_runtime", true, |r| {
+                container(r).map(|c| c.runtime.as_str())
+            })
+            .str("image", true, |r| container(r).map(|c| c.image.as_str()))
+            .str("image_digest", true, |r| container(r)?.digest.as_deref())
+            .str("python_version", true, |r| python(r)?.version.as_deref())
+            .str("python_packages", true, |r| {
+                python(r).map(|p| p.packages.as_str())
+            })
+            .u64("rerun_of", true, |r| r.submit.as_ref()?.rerun_of)
+            .u32("runs", false, |r| Some(r.runs.len() as u32))
+            .u32("last_attempt", true, |r| last(r).map(|x| x.attempt))
+            .str("last_node", true, |r| last(r).map(|x| x.node.as_str()))
+            .time("last_start_time", true, |r| last(r).map(|x| x.start_ms))
+            .str("driver_version", true, |r| {
+                last(r)?.driver_version.as_deref()
+            })
+            .str("cuda_version", true, |r| last(r)?.cuda_version.as_deref())
+            .bool("simulated", true, |r| last(r).map(|x| x.simulated))
+    }
+}
+
+/// The one JSON text of a run's environment, for the `environment` column.
+fn env_json(r: &ProvenanceRecord) -> Option<String> {
+    r.runs
+        .last()
+        .and_then(|x| serde_json::to_string(&x.env).ok())
+}
+
+impl LiveTable for ProvenanceTable {
+    fn schema(&self) -> SchemaRef {
+        static SCHEMA: LazyLock<SchemaRef> =
+            LazyLock::new(|| ProvenanceTable::table(&[], &[]).schema());
+        SCHEMA.clone()
+    }
+
+    fn snapshot(&self) -> Result<Vec<RecordBatch>, String> {
+        Room::unlimited(|room| self.snapshot_of(None, room))
+    }
+
+    fn snapshot_of(
+        &self,
+        projection: Option<&[usize]>,
+        room: &mut Room<'_>,
+    ) -> Result<Vec<RecordBatch>, String> {
+        let ids = room
+            .pruning()
+            .and_then(|p| p.range_u64("job"))
+            .map_or(0..=u64::MAX, |(a, b)| a..=b);
+        // A user's query sees that user's rows; perch's own and operators' see every row.
+        let only = room
+            .caller()
+            .filter(|c| !c.operator)
+            .map(|c| c.user.clone());
+        let mut out = Vec::new();
+        let mut rows = Vec::new();
+        let mut failed = None;
+        self.jobs
+            .jobs()
+            .for_each_provenance(ids, only.as_deref(), &mut |r| {
+                rows.push(r);
+                if rows.len() < 1024 {
+                    return true;
+                }
+                let envs: Vec<Option<String>> = rows.iter().map(env_json).collect();
+                match Self::table(&rows, &envs)
+                    .batches()
+                    .and_then(|b| project(b, projection))
+                    .and_then(|b| room.keep(b))
+                {
+                    Ok(b) => out.extend(b),
+                    Err(e) => failed = Some(e),
+                }
+                rows.clear();
+                failed.is_none()
+            })
+            .map_err(|e| e.to_string())?;
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        let envs: Vec<Option<String>> = rows.iter().map(env_json).collect();
+        out.extend(room.keep(project(Self::table(&rows, &envs).batches()?, projection)?)?);
+        Ok(out)
+    }
+}
+
+impl ProvenanceTable {
+    /// [`ProvenanceTable::columns`] with the `environment` column (a JSON object) after them.
+    fn table<'a>(
+        rows: &'a [ProvenanceRecord],
+        envs: &'a [Option<String>],
+    ) -> Columns<'a, ProvenanceRecord> {
+        let array: StringArray = envs.iter().map(|e| e.as_deref()).collect();
+        Self::columns(rows).push("environment", true, Arc::new(array))
+    }
+}
+
 /// Registers the accounting tables and views on `sql`.
 pub fn register(sql: SqlEngine, jobs: &JobService, config: AccountingConfig) -> SqlEngine {
     let config = Arc::new(config);
@@ -818,6 +964,10 @@ pub fn register(sql: SqlEngine, jobs: &JobService, config: AccountingConfig) -> 
             config,
         }),
     )
+    .with_table(
+        "job_provenance",
+        Arc::new(ProvenanceTable { jobs: jobs.clone() }),
+    )
     .with_view("job_costs", JOB_COSTS)
     .with_view("user_usage", &user_usage)
     .with_view(
@@ -825,5 +975,5 @@ pub fn register(sql: SqlEngine, jobs: &JobService, config: AccountingConfig) -> 
         "SELECT * FROM user_usage ORDER BY gpu_hours_allocated DESC, user_name LIMIT 10",
     )
     .with_view("account_usage", &account_usage)
-}
     .with_view("job_stragglers", &super::stragglers::view())
+}
