@@ -7,90 +7,10 @@
 
 mod common;
 
-use common::{PERCH, Perch, wait_for};
+use common::standin::{self, Agent};
+use common::{Perch, wait_for};
 use serde_json::{Value, json};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-/// Builds the stand-in NVML library once per test binary and returns its path.
-fn standin_library() -> PathBuf {
-    let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join("nvml-standin");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
-        .args(["build", "--quiet", "-p", "nvml-standin", "--manifest-path"])
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
-        .arg("--target-dir")
-        .arg(&target)
-        .status()
-        .expect("cargo build -p nvml-standin");
-    assert!(status.success(), "building nvml-standin failed");
-    target.join("debug/libnvml_standin.so")
-}
-
-/// Two busy H100s; with `throttled`, GPU 1 runs hot and slow from the start.
-fn scenario(node: usize, throttled: bool) -> Value {
-    let gpu = |i: usize| {
-        let mut timeline = vec![json!({"at": 0, "set": {
-            "util_gpu": 95, "util_memory": 40,
-            "memory_used_bytes": 8_589_934_592_u64, "memory_total_bytes": 85_520_809_984_u64,
-            "power_mw": 620_000, "temperature_c": 60, "sm_clock_mhz": 1980, "throttle_reasons": 0,
-            "pcie_tx_kbps": 2_000_000, "pcie_rx_kbps": 2_000_000
-        }})];
-        if throttled && i == 1 {
-            // hw_slowdown (0x8) and hw_thermal_slowdown (0x40).
-            timeline.push(json!({"at": 0, "set": {
-                "sm_clock_mhz": 1100, "power_mw": 380_000, "temperature_c": 91, "util_gpu": 98,
-                "throttle_reasons": 0x48
-            }}));
-        }
-        json!({
-            "uuid": format!("GPU-STANDIN-{node}-{i}"),
-            "name": "NVIDIA H100 80GB HBM3",
-            "timeline": timeline,
-        })
-    };
-    json!({"clock": "seconds", "gpus": [gpu(0), gpu(1)]})
-}
-
-/// Agent `gpu-<node>` reading its GPUs from the stand-in playing `scenario`.
-struct StandinAgent(Child);
-
-impl StandinAgent {
-    fn start(dir: &Path, server: &str, node: usize, lib: &Path, scenario: &Value) -> Self {
-        let data = dir.join(format!("agent-{node}"));
-        std::fs::create_dir_all(&data).expect("agent dir");
-        let file = data.join("scenario.json");
-        std::fs::write(&file, scenario.to_string()).expect("scenario");
-        let child = Command::new(PERCH)
-            .args([
-                "agent",
-                "--server",
-                server,
-                "--node",
-                &format!("gpu-{node}"),
-            ])
-            .arg("--nvml")
-            .arg(lib)
-            .args(["--interval-ms", "500", "--data-dir"])
-            .arg(&data)
-            .env("PERCH_NVML_STANDIN_SCENARIO", &file)
-            .env("PERCH_RUN_AS_USER", "never")
-            .env_remove("PERCH_TOKEN")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(data.join("agent.log")).expect("log"))
-            .spawn()
-            .expect("spawn perch agent");
-        StandinAgent(child)
-    }
-}
-
-impl Drop for StandinAgent {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn stragglers_alerts(perch: &Perch) -> Vec<Value> {
     perch.get("/v1/alerts")["alerts"]
@@ -121,9 +41,17 @@ max_fraction_out = 0.5
 "#,
         &[],
     );
-    let lib = standin_library();
-    let _agents: Vec<StandinAgent> = (0..2)
-        .map(|n| StandinAgent::start(dir.path(), &perch.url, n, &lib, &scenario(n, n == 1)))
+    let lib = standin::library();
+    let _agents: Vec<Agent> = (0..2)
+        .map(|n| {
+            Agent::start(
+                dir.path(),
+                &perch.url,
+                n,
+                &lib,
+                &standin::busy_pair(n, n == 1),
+            )
+        })
         .collect();
     perch.wait_nodes_up(2);
     let submitted: Value = reqwest::blocking::Client::new()
@@ -142,20 +70,7 @@ max_fraction_out = 0.5
     });
     let started = Instant::now();
     // RANK as perch starts it: the place of gpu-1's GPU 1 in the placement, node by node.
-    let rank = perch.job(id)["placement"]
-        .as_array()
-        .expect("placement")
-        .iter()
-        .flat_map(|p| {
-            let node = p["node"].as_str().unwrap_or_default().to_owned();
-            p["gpus"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(move |g| (node.clone(), g.as_u64()))
-        })
-        .position(|(node, gpu)| node == "gpu-1" && gpu == Some(1))
-        .expect("gpu-1's GPU 1 is the job's");
+    let rank = standin::rank_of(&perch.job(id), "gpu-1", 1).expect("gpu-1's GPU 1 is the job's");
     let alert = wait_for("JobStraggler firing", || {
         stragglers_alerts(&perch)
             .into_iter()

@@ -1596,3 +1596,75 @@ fn a_stopped_server_is_shown_as_reconnecting_until_it_is_back() {
         .collect();
     assert!(other.is_empty(), "{other:#?}");
 }
+
+/// A two-node gang whose GPU 1 on gpu-1 the stand-in NVML throttles: the job's page lists that
+/// rank under "Slow ranks" with its evidence (the SM clock against the gang's median, the
+/// throttle reasons) and marks its series in the charts' legends; the other ranks are not
+/// marked.
+#[test]
+fn the_job_page_marks_its_slow_rank() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = Perch::start(&dir.path().join("server"), &["server"]);
+    let url = perch.url.clone();
+    let lib = common::standin::library();
+    let _agents: Vec<common::standin::Agent> = (0..2)
+        .map(|n| {
+            let scenario = common::standin::busy_pair(n, n == 1);
+            common::standin::Agent::start(dir.path(), &url, n, &lib, &scenario)
+        })
+        .collect();
+    perch.wait_nodes_up(2);
+    let id = post_json(
+        &url,
+        "/v1/jobs",
+        &json!({"name": "train", "command": ["sleep", "600"], "nodes": 2, "gpus_per_node": 2,
+                "user": "alice", "time_limit_secs": 3600}),
+    )["id"]
+        .as_u64()
+        .expect("job id");
+    wait_for("the gang to run", || {
+        (perch.job(id)["state"] == "running").then_some(())
+    });
+    let rank = common::standin::rank_of(&perch.job(id), "gpu-1", 1).expect("its rank");
+    wait_for("job_stragglers to list the rank", || {
+        let q = format!("SELECT rank FROM job_stragglers WHERE job = {id}");
+        (!sql_rows(&url, None, &q).is_empty()).then_some(())
+    });
+    let browser = Browser::start();
+    browser.open(&format!("{url}/#/jobs/{id}"));
+    let listed = browser.js(
+        "return [...document.querySelectorAll('#straggler-list tbody tr')]
+           .map((r) => [r.dataset.node, r.dataset.gpu, r.dataset.rank, r.textContent])",
+        json!([]),
+    );
+    let listed = listed.as_array().expect("rows");
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0][0], "gpu-1");
+    assert_eq!(listed[0][1], "1");
+    assert_eq!(listed[0][2], rank.to_string());
+    let text = listed[0][3].as_str().unwrap_or_default();
+    assert!(
+        text.contains("sm_clock_mhz 1100 vs 1980") && text.contains("hw_slowdown"),
+        "{text}"
+    );
+    let legend = browser.js(
+        "return [...document.querySelectorAll('#c-util .u-legend .u-label')].map((e) => e.textContent)",
+        json!([]),
+    );
+    let legend: Vec<&str> = legend
+        .as_array()
+        .expect("legend")
+        .iter()
+        .filter_map(Value::as_str)
+        .filter(|l| l.starts_with("gpu-"))
+        .collect();
+    let marked: Vec<&&str> = legend.iter().filter(|l| l.contains("slow rank")).collect();
+    assert_eq!(
+        marked,
+        [&format!("gpu-1/1 ⚠ slow rank {rank}").as_str()],
+        "{legend:?}"
+    );
+    assert_eq!(legend.len(), 4, "{legend:?}");
+    browser.screenshot("job-slow-rank");
+    browser.assert_no_errors("the job page of a gang with a slow rank");
+}

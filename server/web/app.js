@@ -1049,6 +1049,32 @@
     });
   }
 
+  // The job's slow ranks (the job_stragglers view: the last minute, against the gang's
+  // median), listed above its charts with the evidence; returns `node/gpu` → rank for the
+  // charts' legends.
+  async function slowRanks(id) {
+    const box = document.getElementById('job-stragglers');
+    const found = await rows(`SELECT rank, node_rank, node, gpu, metric, value, gang_median, ratio, throttle_reasons,
+      temperature_celsius, simulated FROM job_stragglers WHERE job = ${Number(id)} ORDER BY rank, node, metric`);
+    const byRank = new Map();
+    for (const r of found) {
+      const k = `${r.node}/${r.gpu ?? 'all'}`;
+      if (!byRank.has(k)) byRank.set(k, []);
+      byRank.get(k).push(r);
+    }
+    box.hidden = !found.length;
+    box.innerHTML = found.length ? `<h2>Slow ranks <span class="muted">behind the gang's median for most of the last minute (${sqlLink(`SELECT * FROM job_stragglers WHERE job = ${Number(id)}`)})</span></h2>
+      <div class="scroll"><table id="straggler-list"><thead><tr><th>rank</th><th>node</th><th>GPU</th><th>behind on</th><th>throttle reasons</th><th>temperature</th></tr></thead><tbody>
+      ${[...byRank.values()].map((rs) => {
+        const r = rs[0];
+        return `<tr class="warn" data-rank="${esc(r.rank ?? '')}" data-node="${esc(r.node)}" data-gpu="${esc(r.gpu ?? '')}">
+          <td>${r.rank == null ? `node ${esc(r.node_rank)}` : esc(r.rank)}</td><td><a href="#/nodes/${encodeURIComponent(r.node)}">${esc(r.node)}</a></td><td>${esc(r.gpu ?? 'all')}</td>
+          <td>${rs.map((x) => `${esc(x.metric)} ${esc(num(x.value, 0))} vs ${esc(num(x.gang_median, 0))} (${esc(pct(100 * x.ratio))})`).join('<br>')}</td>
+          <td>${esc(r.throttle_reasons || '–')}</td><td>${r.temperature_celsius == null ? '–' : `${esc(num(r.temperature_celsius, 0))} °C`}</td></tr>`;
+      }).join('')}</tbody></table></div>` : '';
+    return new Map([...byRank.values()].filter((rs) => rs[0].gpu != null).map((rs) => [`${rs[0].node}/${rs[0].gpu}`, rs[0].rank]));
+  }
+
   async function jobView(v, params, idText) {
     const id = Number(idText);
     const RANGES = [['', 'the whole run'], ['900', 'last 15 minutes'], ['3600', 'last hour'], ['21600', 'last 6 hours'], ['86400', 'last 24 hours']];
@@ -1058,6 +1084,7 @@
         <a href="#/jobs/${id}" id="to-log">Output ↓</a><a href="#/jobs/${id}" id="to-charts">Charts ↓</a>
         <span class="toolbar" id="job-actions"></span></div>
       <div class="grid2"><dl class="kv" id="job-kv"></dl><dl class="kv" id="job-usage"></dl></div>
+      <div id="job-stragglers" hidden></div>
       <h2 id="charts-title">GPUs <label class="muted">time range <select id="job-range">${RANGES.map(([r, t]) => `<option value="${r}"${r === range ? ' selected' : ''}>${t}</option>`).join('')}</select></label></h2>
       <p class="empty" id="charts-empty" hidden></p>
       <div class="grid2" id="job-charts">
@@ -1155,7 +1182,8 @@
           ON s.node = a.node AND s.gpu = a.gpu AND s.time >= a.start_time AND s.time <= coalesce(a.end_time, now())
         WHERE a.job = ${Number(id)} AND s.time >= to_timestamp_millis(${Math.floor(start)})
           AND s.time <= to_timestamp_millis(${Math.floor(end)}) GROUP BY 1, 2, 3 ORDER BY 3`);
-      const key = (r) => `${r.node}/${r.gpu}`;
+      const slow = job.state === 'running' ? await slowRanks(id) : new Map();
+      const key = (r) => `${r.node}/${r.gpu}${slow.has(`${r.node}/${r.gpu}`) ? ` ⚠ slow rank ${slow.get(`${r.node}/${r.gpu}`)}` : ''}`;
       charts.u = drawLines(v, charts.u, document.getElementById('c-util'), data, key, 'u', '%');
       charts.m = drawLines(v, charts.m, document.getElementById('c-mem'), data, key, 'm', '');
       charts.p = drawLines(v, charts.p, document.getElementById('c-power'), data, key, 'p', '');

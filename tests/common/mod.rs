@@ -2,6 +2,8 @@
 //! and an OS-chosen port, wait for readiness, and talk to it over HTTP like a user would.
 #![allow(dead_code)]
 
+pub mod standin;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
 use std::time::{Duration, Instant};

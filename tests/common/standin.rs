@@ -1,0 +1,105 @@
+//! Agents that read their GPUs through the stand-in NVML library (nvml-wrapper's real code
+//! path), playing a scenario: a two-node gang whose GPU can be throttled.
+
+use super::PERCH;
+use serde_json::{Value, json};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+/// Builds the stand-in NVML library once per test binary and returns its path.
+pub fn library() -> PathBuf {
+    let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join("nvml-standin");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(cargo)
+        .args(["build", "--quiet", "-p", "nvml-standin", "--manifest-path"])
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
+        .arg("--target-dir")
+        .arg(&target)
+        .status()
+        .expect("cargo build -p nvml-standin");
+    assert!(status.success(), "building nvml-standin failed");
+    target.join("debug/libnvml_standin.so")
+}
+
+/// Two busy H100s; with `throttled`, GPU 1 runs hot and slow from the start (SM clock 1100
+/// MHz against 1980, 380 W against 620, hardware and thermal slowdown reported).
+pub fn busy_pair(node: usize, throttled: bool) -> Value {
+    let gpu = |i: usize| {
+        let mut timeline = vec![json!({"at": 0, "set": {
+            "util_gpu": 95, "util_memory": 40,
+            "memory_used_bytes": 8_589_934_592_u64, "memory_total_bytes": 85_520_809_984_u64,
+            "power_mw": 620_000, "temperature_c": 60, "sm_clock_mhz": 1980, "throttle_reasons": 0,
+            "pcie_tx_kbps": 2_000_000, "pcie_rx_kbps": 2_000_000
+        }})];
+        if throttled && i == 1 {
+            // hw_slowdown (0x8) and hw_thermal_slowdown (0x40).
+            timeline.push(json!({"at": 0, "set": {
+                "sm_clock_mhz": 1100, "power_mw": 380_000, "temperature_c": 91, "util_gpu": 98,
+                "throttle_reasons": 0x48
+            }}));
+        }
+        json!({
+            "uuid": format!("GPU-STANDIN-{node}-{i}"),
+            "name": "NVIDIA H100 80GB HBM3",
+            "timeline": timeline,
+        })
+    };
+    json!({"clock": "seconds", "gpus": [gpu(0), gpu(1)]})
+}
+
+/// Agent `gpu-<node>` reading its GPUs from the stand-in playing `scenario`; killed when
+/// dropped.
+pub struct Agent(Child);
+
+impl Agent {
+    pub fn start(dir: &Path, server: &str, node: usize, lib: &Path, scenario: &Value) -> Agent {
+        let data = dir.join(format!("agent-{node}"));
+        std::fs::create_dir_all(&data).expect("agent dir");
+        let file = data.join("scenario.json");
+        std::fs::write(&file, scenario.to_string()).expect("scenario");
+        let child = Command::new(PERCH)
+            .args([
+                "agent",
+                "--server",
+                server,
+                "--node",
+                &format!("gpu-{node}"),
+            ])
+            .arg("--nvml")
+            .arg(lib)
+            .args(["--interval-ms", "500", "--data-dir"])
+            .arg(&data)
+            .env("PERCH_NVML_STANDIN_SCENARIO", &file)
+            .env("PERCH_RUN_AS_USER", "never")
+            .env_remove("PERCH_TOKEN")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(data.join("agent.log")).expect("log"))
+            .spawn()
+            .expect("spawn perch agent");
+        Agent(child)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The place of `node`'s GPU `gpu` in job `job`'s placement (its `RANK`), from the job's API
+/// answer.
+pub fn rank_of(job: &Value, node: &str, gpu: u64) -> Option<usize> {
+    job["placement"]
+        .as_array()?
+        .iter()
+        .flat_map(|p| {
+            let n = p["node"].as_str().unwrap_or_default().to_owned();
+            p["gpus"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(move |g| (n.clone(), g.as_u64()))
+        })
+        .position(|(n, g)| n == node && g == Some(gpu))
+}
