@@ -681,6 +681,12 @@ fn every_role_reaches_exactly_the_routes_the_table_gives() {
         ),
         ("GET", "/v1/jobs/999/logs", "", [false, true, true, false]),
         (
+            "GET",
+            "/v1/jobs/999/provenance",
+            "",
+            [false, true, true, false],
+        ),
+        (
             "POST",
             "/v1/jobs/cancel",
             r#"{"ids": [999]}"#,
