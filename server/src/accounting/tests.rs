@@ -33,6 +33,7 @@ async fn schema_doc_covers_every_accounting_column() {
         "top_users",
         "account_usage",
         "job_stragglers",
+        "job_provenance",
     ] {
         assert!(names.iter().any(|n| n == name), "{name} is registered");
         let heading = format!("## `{name}`");
