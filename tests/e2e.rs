@@ -841,29 +841,48 @@ fn simulate_takes_cluster_files_warns_about_columns_and_scores_the_suite() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     let card = stdout(&out);
+    // Two sizes, in each perch variant's table, for the tuning and the held-out seed.
     assert_eq!(
         card.lines().filter(|l| l.starts_with("gangs ")).count(),
-        4,
-        "two sizes, in each perch variant's table: {card}"
+        8,
+        "{card}"
     );
     assert!(
         card.contains("perch meets, of ") && card.contains("perch-noquota meets, of "),
         "{card}"
     );
-    // The seven cases again with users' habitual time limits, in their own section.
-    assert!(
-        card.contains("== time limits: uniform") && card.contains("== time limits: habits"),
+    // Each seed set with each way of declaring limits in its own section, with its verdicts.
+    for section in [
+        "== tuning seeds: what policy changes are measured on while they are made; time limits: uniform",
+        "== tuning seeds: what policy changes are measured on while they are made; time limits: habits",
+        "== held-out seeds: only ever scored, never used to choose a change; time limits: uniform",
+        "== held-out seeds: only ever scored, never used to choose a change; time limits: habits",
+    ] {
+        assert!(card.contains(section), "{section} in {card}");
+    }
+    assert_eq!(
+        card.matches("verdicts for perch-noquota").count(),
+        4,
         "{card}"
     );
     assert_eq!(
         card.lines().filter(|l| l.starts_with("gangs/h ")).count(),
-        4,
+        8,
         "{card}"
     );
     assert!(
-        err.contains("[14/14]") && err.contains("habits limits), 10 policies"),
+        err.contains("[64/64]") && err.contains("habits limits), 10 policies"),
         "{err}"
     );
+    // --tuning: the held-out seeds are not replayed at all.
+    let out = perch(&["simulate", "--suite", "--quick", "--tuning"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("[32/32]") && !err.contains("held-out"),
+        "{err}"
+    );
+    assert!(!stdout(&out).contains("== held-out"));
 }
 
 /// A CPU-heavy query (a cross join of two generate_series) left health probes and

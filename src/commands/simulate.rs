@@ -84,11 +84,17 @@ pub struct SimulateArgs {
     /// variant, the targets listed in scheduler/README.md checked per case.
     #[arg(long, conflicts_with_all = ["policy", "plot", "show_config", "cluster"])]
     pub suite: bool,
-    /// With `--suite`: seed 1 of the synthetic traces only, no Philly (seconds, not minutes).
+    /// With `--suite`: the first tuning seed and the first held-out seed of the synthetic
+    /// traces only, no Philly (seconds, not minutes).
     #[arg(long, requires = "suite")]
     pub quick: bool,
-    /// Print a synthetic trace (`small`, `fractional`, `gangs`, `heavy-tail`) or the cluster
-    /// file the fractional one is meant for (`mixed-cluster`) to stdout, from `--seed`.
+    /// With `--suite`: the tuning seeds only, the held-out ones not even replayed: what to run
+    /// while changing a policy (the held-out seeds are only ever scored).
+    #[arg(long, requires = "suite")]
+    pub tuning: bool,
+    /// Print a synthetic trace (`small`, `fractional`, `gangs`, `heavy-tail`, `testbed`,
+    /// `overloaded`, `small-nodes`, `bursts`) or the cluster file the fractional one is meant
+    /// for (`mixed-cluster`) to stdout, from `--seed`.
     #[arg(long, conflicts_with = "suite")]
     pub generate: Option<String>,
     /// Write queue length and utilization over time to this SVG file.
@@ -108,7 +114,7 @@ pub fn run(args: SimulateArgs, file: Option<&ConfigFile>) -> anyhow::Result<()> 
         return generate(kind, args.seed);
     }
     if args.suite {
-        return suite(args.trace.as_deref(), args.quick, preemption);
+        return suite(args.trace.as_deref(), args.quick, args.tuning, preemption);
     }
     let Some(trace) = args.trace.as_deref() else {
         bail!("--trace FILE is needed (or --suite, or --generate KIND)");
@@ -352,7 +358,12 @@ fn print_sections(shown: Vec<(String, Option<SchedulerSection>)>) -> anyhow::Res
 }
 
 /// `--suite`: the scorecard, with progress on stderr.
-fn suite(philly: Option<&str>, quick: bool, preemption: PreemptionCost) -> anyhow::Result<()> {
+fn suite(
+    philly: Option<&str>,
+    quick: bool,
+    tuning: bool,
+    preemption: PreemptionCost,
+) -> anyhow::Result<()> {
     let default = "../shared/traces/philly.csv";
     let path = philly.or((!quick && std::path::Path::new(default).exists()).then_some(default));
     let philly = match path {
@@ -365,6 +376,9 @@ fn suite(philly: Option<&str>, quick: bool, preemption: PreemptionCost) -> anyho
         );
     }
     let mut cases = sim::suite::builtin(philly.as_ref(), quick)?;
+    if tuning {
+        cases.retain(|c| c.set == sim::suite::SeedSet::Tuning);
+    }
     for c in &mut cases {
         c.opts.preemption = preemption;
     }
@@ -372,12 +386,13 @@ fn suite(philly: Option<&str>, quick: bool, preemption: PreemptionCost) -> anyho
     let started = std::time::Instant::now();
     for (i, case) in cases.iter().enumerate() {
         eprintln!(
-            "[{}/{}] {} seed {} on {} GPUs ({} jobs, {} limits), {} policies...",
+            "[{}/{}] {} seed {} ({}) on {} ({} jobs, {} limits), {} policies...",
             i + 1,
             cases.len(),
             case.trace,
             case.opts.seed,
-            case.opts.cluster.total_gpus(),
+            case.set.name(),
+            case.opts.cluster.describe(),
             case.jobs.len(),
             case.opts.limits.name(),
             sim::suite::POLICIES.len()
@@ -404,6 +419,23 @@ fn parse_limits(s: &str) -> std::result::Result<sim::LimitModel, String> {
 mod tests {
     use super::*;
     use crate::config::Config;
+
+    /// The scorecard's targets are for perch as a server runs it: a server with no
+    /// `[scheduler]` at all runs exactly the policy the scorecard scores and whose figures the
+    /// regression test keeps (`sim::suite::TARGETED`).
+    #[test]
+    fn the_servers_default_policy_is_the_one_the_scorecard_scores() {
+        let jobs = vec![sim::TraceJob::new(0, 60_000, 1, "a", "a")];
+        let opts = SimOptions::uniform(4, 8);
+        let scored = sim::policy_config(sim::suite::TARGETED, &jobs, &opts);
+        let default = Config::parse("")
+            .expect("an empty config")
+            .scheduler
+            .policy()
+            .expect("the default policy");
+        assert_eq!(default, scored);
+        assert_eq!(sim::suite::TARGETED, SimPolicy::PerchNoQuotas);
+    }
 
     /// One policy, two entry points: a `[scheduler]` written to equal the built-in `perch`
     /// replay (its trace-derived quotas included) is the same core configuration and gives the
