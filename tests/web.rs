@@ -1668,3 +1668,72 @@ fn the_job_page_marks_its_slow_rank() {
     browser.screenshot("job-slow-rank");
     browser.assert_no_errors("the job page of a gang with a slow rank");
 }
+
+/// The job page's Provenance section: a job submitted from a git repository with an
+/// uncommitted change shows its commit, that it was dirty, and its node's driver and CUDA
+/// versions as the stand-in NVML reports them (docs/provenance.md).
+#[test]
+fn the_job_page_shows_what_the_job_ran() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = Perch::start(&dir.path().join("server"), &["server"]);
+    let url = perch.url.clone();
+    let lib = common::standin::library();
+    let _agent = common::standin::Agent::start(
+        dir.path(),
+        &url,
+        0,
+        &lib,
+        &common::standin::busy_pair(0, false),
+    );
+    perch.wait_nodes_up(1);
+    let repo = dir.path().join("repo");
+    std::fs::create_dir_all(&repo).expect("repo");
+    let git = |args: &[&str]| {
+        let out = std::process::Command::new("git")
+            .args(["-c", "user.name=t", "-c", "user.email=t@example.com"])
+            .args(args)
+            .current_dir(&repo)
+            .output()
+            .expect("git");
+        assert!(out.status.success(), "git {args:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    git(&["init", "-q", "-b", "main"]);
+    std::fs::write(repo.join("train.py"), "print(1)\n").expect("file");
+    git(&["add", "train.py"]);
+    git(&["commit", "-q", "-m", "first"]);
+    let commit = git(&["rev-parse", "HEAD"]);
+    std::fs::write(repo.join("train.py"), "print(2)\n").expect("edit");
+    let out = common::client()
+        .args(["submit", "--server", &url, "--user", "alice", "--", "true"])
+        .current_dir(&repo)
+        .output()
+        .expect("perch submit");
+    assert!(out.status.success(), "{out:?}");
+    let id: u64 = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .nth(2)
+        .and_then(|w| w.parse().ok())
+        .expect("job id");
+    wait_for("the node's start report", || {
+        let p = perch.get(&format!("/v1/jobs/{id}/provenance"));
+        (p["runs"].as_array().is_some_and(|r| !r.is_empty())).then_some(())
+    });
+    let browser = Browser::start();
+    browser.open(&format!("{url}/#/jobs/{id}"));
+    wait_for("the Provenance section", || {
+        (browser.text("#prov-commit") == commit).then_some(())
+    });
+    assert!(
+        browser.text("#prov-dirty").starts_with("yes"),
+        "{}",
+        browser.text("#prov-kv")
+    );
+    let run = browser.text("#prov-kv .prov-run");
+    assert!(
+        run.contains("driver 560.35.03-standin") && run.contains("CUDA 12.6"),
+        "{run}"
+    );
+    browser.screenshot("job-provenance");
+    browser.assert_no_errors("the job page's provenance");
+}

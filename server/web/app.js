@@ -1075,6 +1075,41 @@
     return new Map([...byRank.values()].filter((rs) => rs[0].gpu != null).map((rs) => [`${rs[0].node}/${rs[0].gpu}`, rs[0].rank]));
   }
 
+  // What a job ran (docs/provenance.md), for its owner and operators: the commit, branch and
+  // whether it had uncommitted changes, the container image, and each attempt's node with its
+  // driver and CUDA versions. Asked for again until every attempt's node has reported.
+  async function jobProvenance(id, job, seen) {
+    const box = document.getElementById('job-provenance');
+    if (job.private) { box.hidden = true; return; }
+    if (seen.done && seen.attempts === job.attempts) return;
+    let p = null;
+    try {
+      p = await api(`/v1/jobs/${id}/provenance`);
+    } catch (err) {
+      if (err.status !== 404) throw err;
+    }
+    const runs = (p && p.runs) || [];
+    seen.attempts = job.attempts;
+    seen.done = runs.length > 0 ? Math.max(...runs.map((r) => r.attempt)) >= job.attempts : job.attempts === 0;
+    const s = p && p.submit;
+    const g = s && s.git;
+    const c = s && s.container;
+    const row = (k, x) => `<dt>${k}</dt><dd>${x}</dd>`;
+    box.hidden = false;
+    box.innerHTML = `<h2>Provenance <span class="muted">what it ran (perch show ${esc(id)} --provenance; perch rerun ${esc(id)})</span></h2>
+      <dl class="kv" id="prov-kv">${!s ? row('submitted from', '<span class="muted">not recorded</span>') : `
+        ${row('submitted from', `<span class="mono">${esc(s.submit_dir || '–')}</span>${s.submit_host ? ` on ${esc(s.submit_host)}` : ''}`)}
+        ${g ? `${row('commit', `<span class="mono" id="prov-commit">${esc(g.commit)}</span>`)}
+          ${row('branch', esc(g.branch || '(detached HEAD)'))}
+          ${row('uncommitted changes', `<span id="prov-dirty">${g.dirty ? `yes, ${esc(g.diff_bytes)} bytes${g.diff_truncated ? ' (cut: cannot be applied again)' : ''}` : 'none'}</span>${g.untracked.length ? `; ${esc(g.untracked.length)} untracked files (names only)` : ''}`)}`
+          : row('git', `<span class="muted">${esc(s.git_note || 'none')}</span>`)}
+        ${c ? row('container', `<span class="mono">${esc(c.image)}</span> (${esc(c.runtime)}) ${c.digest ? `<span class="mono">${esc(c.digest)}</span>` : `<span class="muted">no digest: ${esc(c.digest_note || 'unknown')}</span>`}`) : ''}
+        ${s.python ? row('Python', `${esc(s.python.version || '–')}, ${esc(s.python.packages.split('\n').filter((l) => l.trim()).length)} packages`) : ''}
+        ${s.rerun_of != null ? row('rerun of', `<a href="#/jobs/${esc(s.rerun_of)}">job ${esc(s.rerun_of)}</a>`) : ''}`}
+        ${runs.map((r) => row(`attempt ${esc(r.attempt)} on ${esc(r.node)}`, `<span class="prov-run">driver ${esc(r.driver_version || '–')}, CUDA ${esc(r.cuda_version || '–')}${r.simulated ? ` ${badge('simulated')}` : ''}, ${esc(Object.keys(r.env).length)} variables</span>`)).join('')}
+        ${!runs.length && job.attempts === 0 ? row('runs', '<span class="muted">none yet: its node reports when it starts</span>') : ''}</dl>`;
+  }
+
   async function jobView(v, params, idText) {
     const id = Number(idText);
     const RANGES = [['', 'the whole run'], ['900', 'last 15 minutes'], ['3600', 'last hour'], ['21600', 'last 6 hours'], ['86400', 'last 24 hours']];
@@ -1085,6 +1120,7 @@
         <span class="toolbar" id="job-actions"></span></div>
       <div class="grid2"><dl class="kv" id="job-kv"></dl><dl class="kv" id="job-usage"></dl></div>
       <div id="job-stragglers" hidden></div>
+      <div id="job-provenance" hidden></div>
       <h2 id="charts-title">GPUs <label class="muted">time range <select id="job-range">${RANGES.map(([r, t]) => `<option value="${r}"${r === range ? ' selected' : ''}>${t}</option>`).join('')}</select></label></h2>
       <p class="empty" id="charts-empty" hidden></p>
       <div class="grid2" id="job-charts">
@@ -1233,6 +1269,7 @@
     let chartTick = 0;
     let queueTick = 0;
     let place = '';
+    const provenanceSeen = {};
     await v.every(3000, async () => {
       try {
         job = await api(`/v1/jobs/${id}`);
@@ -1289,6 +1326,7 @@
       actions();
       if (job.private) document.getElementById('log-note').textContent = 'only its owner and operators read its output';
       await followLog();
+      await jobProvenance(id, job, provenanceSeen);
       if (chartTick++ % 5 === 0 || job.state !== 'running') await drawCharts();
       if (chartTick === 1) simLabel('its GPUs are simulated: their figures are made up').catch(() => {});
       v.ready();
