@@ -77,6 +77,7 @@ max_fraction_out = 0.5
             .find(|a| a["state"] == "firing")
     });
     let took = started.elapsed();
+    eprintln!("JobStraggler fired {took:?} after the gang started running");
     assert!(took <= Duration::from_secs(60), "flagged after {took:?}");
     let labels = &alert["labels"];
     assert_eq!(labels["job"], id.to_string(), "{alert}");
