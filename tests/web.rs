@@ -1737,3 +1737,57 @@ fn the_job_page_shows_what_the_job_ran() {
     browser.screenshot("job-provenance");
     browser.assert_no_errors("the job page's provenance");
 }
+
+/// The node page's Validation section: a validation that failed on a GPU with uncorrected ECC
+/// errors shows its result, who asked and the failing GPU; the node says why it is drained;
+/// an operator's Validate button runs another (docs/validation.md).
+#[test]
+fn the_node_page_shows_its_last_validation() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = Perch::start(&dir.path().join("server"), &["server"]);
+    let url = perch.url.clone();
+    let lib = common::standin::library();
+    let mut scenario = common::standin::busy_pair(0, false);
+    scenario["gpus"][1]["timeline"]
+        .as_array_mut()
+        .expect("timeline")
+        .push(json!({"at": 0, "set": {"ecc_uncorrected_volatile": 2}}));
+    let _agent = common::standin::Agent::start(dir.path(), &url, 0, &lib, &scenario);
+    perch.wait_nodes_up(1);
+    let started = post_json(&url, "/v1/nodes/gpu-0/validate", &json!(null));
+    assert_eq!(started["validation"]["trigger"], "operator", "{started}");
+    let runs = |url: &str| {
+        sql_rows(
+            url,
+            None,
+            "SELECT result FROM node_validations WHERE node = 'gpu-0' AND result IS NOT NULL",
+        )
+    };
+    wait_for("the validation's result", || {
+        (runs(&url).len() == 1).then_some(())
+    });
+
+    let browser = Browser::start();
+    browser.open(&format!("{url}/#/nodes/gpu-0"));
+    let last = browser.text("#validation-last");
+    assert!(
+        last.contains("Last validation: failed (operator, asked by ") && last.contains("exit code 1"),
+        "{last}"
+    );
+    let output = browser.text("#validation-output");
+    assert!(
+        output.contains("GPU 1 (NVIDIA H100 80GB HBM3): 2 uncorrected ECC errors"),
+        "{output}"
+    );
+    let why = browser.text("#node-why");
+    assert!(
+        why.starts_with("drained by perch: validation failed: exit code 1: GPU 1"),
+        "{why}"
+    );
+    browser.screenshot("node-validation");
+    browser.click("#validate");
+    wait_for("a second validation", || {
+        (runs(&url).len() == 2).then_some(())
+    });
+    browser.assert_no_errors("the node page's validation");
+}

@@ -764,6 +764,7 @@
       <dl class="kv" id="node-kv"></dl>
       <h2>GPUs now</h2><div id="node-gpus"></div>
       <h2>Utilization, last hour</h2><div class="chart" id="node-chart"></div>
+      <h2>Validation</h2><div id="node-validation"></div>
       <h2>Events</h2><div id="node-events"></div>`;
     let chart = null;
     await v.every(5000, async () => {
@@ -792,6 +793,7 @@
         { title: '', html: (g) => (g.simulated ? badge('simulated') : '') },
       ], node.gpu_status);
       nodeActions(name, node.state);
+      await nodeValidation(name);
       const why = node.state === 'drained' ? await rows(`SELECT reason, drained_by FROM nodes WHERE node = ${sqlStr(name)}`) : [];
       document.getElementById('node-why').textContent = why.length
         ? `drained${why[0].drained_by ? ` by ${why[0].drained_by}` : ''}${why[0].reason ? `: ${why[0].reason}` : ''}` : '';
@@ -838,6 +840,35 @@
         post(url('drain'), { reason }).then(route, problem);
       };
     };
+  }
+
+  // The node's validation runs (node_validations): the latest with its result and the end
+  // of its output, the ones before it in a table, and, for operators, a button to run one
+  // (docs/validation.md).
+  const VALIDATION_BADGE = { passed: 'up', failed: 'failed', timed_out: 'failed', no_answer: 'failed' };
+  async function nodeValidation(name) {
+    const el = document.getElementById('node-validation');
+    if (!el) return;
+    const runs = await rows(`SELECT id, "trigger", requested_by, job, started, finished, result, exit_code, output
+      FROM node_validations WHERE node = ${sqlStr(name)} ORDER BY id DESC LIMIT 10`);
+    const last = runs[0];
+    const button = who && who.role === 'operator' && !(last && last.result == null)
+      ? '<button id="validate">Validate: drain, check the GPUs, resume if they pass</button>' : '';
+    if (!last) {
+      el.innerHTML = `<p class="muted" id="validation-last">Never validated since the server started.</p>${button}`;
+    } else {
+      const result = last.result == null ? badge('validating', 'pending') : badge(last.result.replace(/_/g, ' '), VALIDATION_BADGE[last.result] || 'failed');
+      const tail = (last.output || '').trim().split('\n').slice(-6).join('\n');
+      el.innerHTML = `<p id="validation-last">Last validation: ${result} (${esc(last.trigger.replace(/_/g, ' '))}, asked by ${esc(last.requested_by)}),
+        started ${esc(when(Date.parse(last.started)))}${last.finished ? `, finished ${esc(when(Date.parse(last.finished)))}` : ''}${last.exit_code != null ? `, exit code ${esc(last.exit_code)}` : ''}</p>
+        ${tail ? `<pre class="log" id="validation-output">${esc(tail)}</pre>` : ''}${button}
+        ${runs.length > 1 ? table([
+          { title: 'started', text: (r) => when(Date.parse(r.started)) }, { title: 'why', text: (r) => r.trigger.replace(/_/g, ' ') },
+          { title: 'by', key: 'requested_by' }, { title: 'result', html: (r) => (r.result == null ? badge('validating', 'pending') : badge(r.result.replace(/_/g, ' '), VALIDATION_BADGE[r.result] || 'failed')) },
+          { title: 'exit code', key: 'exit_code' }], runs.slice(1)) : ''}`;
+    }
+    const b = document.getElementById('validate');
+    if (b) b.onclick = () => post(`/v1/nodes/${encodeURIComponent(name)}/validate`).then(route, problem);
   }
 
   // Time series from SQL rows (`t` a timestamp) as one uPlot line per key. The axes are
