@@ -46,6 +46,7 @@ fn job(id: u64, shape: Shape, account: u64, limit_min: i64, submit: i64) -> JobS
         oracle_duration: Some(limit_min * MINUTE / 2),
         share: None,
         earlier_runs: 0,
+        gpu_profile: None,
     }
 }
 

@@ -39,6 +39,64 @@ pub struct NodeSpec {
     /// the others.
     #[serde(default)]
     pub sharing: bool,
+    /// MIG instances of its GPUs in MIG mode. Such a GPU is placed only as its instances, each
+    /// to one job asking for its profile ([`crate::JobSpec::gpu_profile`]); never whole, never
+    /// shared.
+    #[serde(default)]
+    pub mig: Vec<MigInstance>,
+}
+
+/// One MIG instance of a node's GPU, as its agent reported it (perch creates none: operators
+/// partition GPUs with `nvidia-smi mig`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MigInstance {
+    /// The GPU it is part of.
+    pub gpu: u32,
+    /// Its profile, `<compute slices>g.<memory>gb` (`3g.40gb`).
+    pub profile: String,
+    /// Its UUID, unique on the node.
+    pub uuid: String,
+}
+
+/// The compute slices of a MIG profile `<n>g.<m>gb` (1 to 7), `None` when `profile` is not of
+/// that form.
+pub fn mig_slices(profile: &str) -> Option<u32> {
+    let (g, rest) = profile.split_once("g.")?;
+    let m = rest.strip_suffix("gb")?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(g) || !digits(m) || m.bytes().all(|b| b == b'0') {
+        return None;
+    }
+    g.parse().ok().filter(|n| (1..=7).contains(n))
+}
+
+/// Checks a node's MIG instances: each on one of its GPUs, of a valid profile, UUIDs unique.
+fn check_mig(name: &str, gpus: u32, mig: &[MigInstance]) -> Result<u64> {
+    let bad = |message: String| Error::InvalidNode {
+        name: name.to_string(),
+        message,
+    };
+    let mut mask = 0u64;
+    for (k, m) in mig.iter().enumerate() {
+        if m.gpu >= gpus {
+            return Err(bad(format!(
+                "mig: GPU {} does not exist (the node has GPUs 0 to {})",
+                m.gpu,
+                gpus.saturating_sub(1)
+            )));
+        }
+        if mig_slices(&m.profile).is_none() {
+            return Err(bad(format!(
+                "mig: profile {:?} is not of the form <n>g.<m>gb (e.g. 3g.40gb)",
+                m.profile
+            )));
+        }
+        if mig[..k].iter().any(|o| o.uuid == m.uuid) {
+            return Err(bad(format!("mig: UUID {} is listed twice", m.uuid)));
+        }
+        mask |= 1 << m.gpu;
+    }
+    Ok(mask)
 }
 
 impl NodeSpec {
@@ -51,6 +109,7 @@ impl NodeSpec {
             rack: rack.to_string(),
             nvlink_islands: Vec::new(),
             sharing: false,
+            mig: Vec::new(),
         }
     }
 }
@@ -176,12 +235,16 @@ pub(crate) struct Node {
     pub(crate) owner: Vec<Option<JobId>>,
     /// The jobs sharing each GPU, with the percent and memory they were granted.
     pub(crate) sharers: Vec<Vec<(JobId, GpuShare)>>,
+    /// GPUs in MIG mode (any instance in `spec.mig`): never free for whole or shared jobs.
+    pub(crate) mig_gpus: u64,
+    /// The job holding each of `spec.mig`, by position.
+    pub(crate) mig_holder: Vec<Option<JobId>>,
 }
 
 impl Node {
     pub(crate) fn free_mask(&self) -> u64 {
         if self.state == NodeState::Up {
-            self.all & !self.alloc & !self.shared & !self.unhealthy
+            self.all & !self.alloc & !self.shared & !self.unhealthy & !self.mig_gpus
         } else {
             0
         }
@@ -220,6 +283,8 @@ pub struct Cluster {
     pub(crate) gpus: u32,
     /// Nodes that take shared jobs (a pass looks for room on shared GPUs only when some do).
     pub(crate) sharing_nodes: u32,
+    /// Nodes with MIG instances (a pass looks for free instances only when some have).
+    pub(crate) mig_nodes: u32,
 }
 
 impl Cluster {
@@ -255,6 +320,7 @@ impl Cluster {
         }
         // Checked before anything is registered, so a refused node leaves no trace.
         island_masks(&spec, u64::MAX)?;
+        let mig_gpus = check_mig(&spec.name.0, spec.gpus, &spec.mig)?;
         if self.nodes.iter().any(|n| n.spec.name == spec.name) {
             return Err(Error::InvalidNode {
                 name: spec.name.0.clone(),
@@ -286,6 +352,8 @@ impl Cluster {
         self.max_gpus = self.max_gpus.max(spec.gpus);
         self.gpus += spec.gpus;
         self.sharing_nodes += u32::from(spec.sharing);
+        self.mig_nodes += u32::from(!spec.mig.is_empty());
+        let mig_holder = vec![None; spec.mig.len()];
         self.nodes.push(Node {
             spec,
             model,
@@ -303,6 +371,8 @@ impl Cluster {
             mem_total: vec![None; n],
             owner: vec![None; n],
             sharers: vec![Vec::new(); n],
+            mig_gpus,
+            mig_holder,
         });
         let id = self.nodes.len() - 1;
         self.hist[model][self.nodes[id].free() as usize] += 1;
@@ -412,6 +482,86 @@ impl Cluster {
         }
         self.sharing_nodes = self.sharing_nodes + u32::from(sharing) - u32::from(was_sharing);
         Ok(())
+    }
+
+    /// The node's MIG instances, with the job holding each.
+    pub fn mig_instances(&self, node: NodeId) -> Vec<(MigInstance, Option<JobId>)> {
+        self.nodes.get(node.0 as usize).map_or(Vec::new(), |n| {
+            n.spec
+                .mig
+                .iter()
+                .cloned()
+                .zip(n.mig_holder.iter().copied())
+                .collect()
+        })
+    }
+
+    /// Replaces the node's MIG instances with what its agent reports now. An instance kept
+    /// (same UUID) keeps its job; one gone that a job still holds stays listed until the job
+    /// ends, so no job loses its books.
+    pub fn set_mig(&mut self, node: NodeId, mig: Vec<MigInstance>) -> Result<()> {
+        let n = self.node_mut(node)?;
+        let mut mig = mig;
+        for (old, holder) in n.spec.mig.iter().zip(&n.mig_holder) {
+            if holder.is_some() && !mig.iter().any(|m| m.uuid == old.uuid) {
+                mig.push(old.clone());
+            }
+        }
+        let mask = check_mig(&n.spec.name.0, n.spec.gpus, &mig)?;
+        let holders: Vec<Option<JobId>> = mig
+            .iter()
+            .map(|m| {
+                n.spec
+                    .mig
+                    .iter()
+                    .position(|o| o.uuid == m.uuid)
+                    .and_then(|k| n.mig_holder[k])
+            })
+            .collect();
+        let was = !n.spec.mig.is_empty();
+        let now = !mig.is_empty();
+        let idx = node.0 as usize;
+        self.modify(idx, |n| {
+            n.spec.mig = mig;
+            n.mig_holder = holders;
+            n.mig_gpus = mask;
+        });
+        self.mig_nodes = self.mig_nodes + u32::from(now) - u32::from(was);
+        Ok(())
+    }
+
+    /// Books for `job` the lowest free instance of `profile` on GPU `gpu` of `node`; false
+    /// when there is none.
+    pub(crate) fn allocate_mig(
+        &mut self,
+        job: JobId,
+        node: NodeId,
+        gpu: u32,
+        profile: &str,
+    ) -> bool {
+        let Some(n) = self.nodes.get_mut(node.0 as usize) else {
+            return false;
+        };
+        let free = n
+            .spec
+            .mig
+            .iter()
+            .zip(&n.mig_holder)
+            .position(|(m, h)| h.is_none() && m.gpu == gpu && m.profile == profile);
+        match free {
+            Some(k) => {
+                n.mig_holder[k] = Some(job);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The MIG instance `job` holds on `node`, if any.
+    pub fn mig_instance_of(&self, node: NodeId, job: JobId) -> Option<&MigInstance> {
+        let n = self.nodes.get(node.0 as usize)?;
+        let k = n.mig_holder.iter().position(|h| *h == Some(job))?;
+        n.spec.mig.get(k)
     }
 
     /// GPUs on Up nodes that are healthy and unallocated.
@@ -525,6 +675,11 @@ impl Cluster {
                             n.shared &= !bit;
                             n.forget_load(i);
                         }
+                    }
+                }
+                for h in &mut n.mig_holder {
+                    if *h == Some(job) {
+                        *h = None;
                     }
                 }
             });

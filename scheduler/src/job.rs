@@ -114,6 +114,10 @@ pub struct JobSpec {
     /// stops only jobs on their first run, still stops each job at most once.
     #[serde(default)]
     pub earlier_runs: u32,
+    /// A MIG instance of this profile (`3g.40gb`) instead of whole GPUs; then `shape` is one
+    /// node with one GPU and `share` is unset. Placed only on a free instance of the profile.
+    #[serde(default)]
+    pub gpu_profile: Option<String>,
 }
 
 impl JobSpec {
@@ -156,12 +160,41 @@ impl JobSpec {
                 ));
             }
         }
+        if let Some(profile) = &self.gpu_profile {
+            if crate::cluster::mig_slices(profile).is_none() {
+                return Err(bad(
+                    "gpu_profile",
+                    "must be a MIG profile of the form <n>g.<m>gb, n from 1 to 7 (e.g. 3g.40gb)",
+                ));
+            }
+            if self.share.is_some() {
+                return Err(bad(
+                    "gpu_profile",
+                    "a MIG instance is not shared: ask for a profile or a share, not both",
+                ));
+            }
+            if self.shape.nodes != 1 || self.shape.gpus_per_node != 1 {
+                return Err(bad(
+                    "gpu_profile",
+                    "a job on a MIG instance runs on one instance: nodes and gpus_per_node must be 1",
+                ));
+            }
+        }
         Ok(())
     }
 
-    /// What the job holds, in hundredths of a GPU: its share's percent, or 100 per GPU. Quotas
-    /// and fair-share usage count this, so a quarter-GPU job is charged a quarter.
+    /// What the job holds, in hundredths of a GPU: its share's percent, its MIG profile's
+    /// compute slices over 7 (rounded), or 100 per GPU. Quotas and fair-share usage count this,
+    /// so a quarter-GPU job is charged a quarter.
     pub fn gpu_hundredths(&self) -> u32 {
+        if let Some(slices) = self
+            .gpu_profile
+            .as_deref()
+            .and_then(crate::cluster::mig_slices)
+        {
+            // Its compute slices of the GPU's 7, in hundredths (3g: 43).
+            return (slices * 100 + 3) / 7;
+        }
         match self.share {
             Some(s) => s.percent,
             None => self.shape.gpus().saturating_mul(100),

@@ -35,7 +35,8 @@ mod share;
 pub mod sim;
 
 pub use cluster::{
-    Cluster, GpuHealth, MAX_GPUS_PER_NODE, NodeAlloc, NodeSpec, NodeState, Placement,
+    Cluster, GpuHealth, MAX_GPUS_PER_NODE, MigInstance, NodeAlloc, NodeSpec, NodeState, Placement,
+    mig_slices,
 };
 pub use error::{Error, Result};
 pub use ids::{

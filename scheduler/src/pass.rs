@@ -75,6 +75,44 @@ fn find_share_among(
         .find_map(|&m| find_share(cluster, share, m, &cap))
 }
 
+/// A free instance of MIG `profile` on an Up node of the first of `models` that has one, on a
+/// healthy GPU, as the GPU's one-bit placement: the node with the fewest free instances of
+/// the profile (packing), then the lowest. The instance itself is booked at the start.
+fn find_mig(
+    cluster: &Cluster,
+    profile: &str,
+    models: &[Option<usize>],
+) -> Option<crate::cluster::NodeAlloc> {
+    models.iter().find_map(|&model| {
+        let mut best: Option<(usize, usize, u32)> = None;
+        for (ni, n) in cluster.nodes.iter().enumerate() {
+            if n.state != NodeState::Up || model.is_some_and(|m| m != n.model) {
+                continue;
+            }
+            let free: Vec<u32> = n
+                .spec
+                .mig
+                .iter()
+                .zip(&n.mig_holder)
+                .filter(|(m, h)| {
+                    h.is_none() && m.profile == profile && n.unhealthy & (1 << m.gpu) == 0
+                })
+                .map(|(m, _)| m.gpu)
+                .collect();
+            let Some(&gpu) = free.first() else {
+                continue;
+            };
+            if best.is_none_or(|(count, _, _)| free.len() < count) {
+                best = Some((free.len(), ni, gpu));
+            }
+        }
+        best.map(|(_, ni, gpu)| crate::cluster::NodeAlloc {
+            node: crate::ids::NodeId(ni as u32),
+            mask: 1 << gpu,
+        })
+    })
+}
+
 /// What a placement lookup in a pass depends on besides the cluster and the reservation: the
 /// gang or share, the models it may go on, and whether the reservation caps it.
 type LookupKey = (Shape, Option<GpuShare>, Models, bool);
@@ -421,6 +459,30 @@ impl Scheduler {
             })
     }
 
+    /// Whether some Up node has a free MIG instance on a healthy GPU (a pass goes on looking
+    /// while one does, even with no free GPU left).
+    fn mig_room(&self) -> bool {
+        self.cluster.mig_nodes > 0
+            && self.cluster.nodes.iter().any(|n| {
+                n.state == NodeState::Up
+                    && n.spec
+                        .mig
+                        .iter()
+                        .zip(&n.mig_holder)
+                        .any(|(m, h)| h.is_none() && n.unhealthy & (1 << m.gpu) == 0)
+            })
+    }
+
+    /// Whether no node that is not down has an instance of the job's MIG profile (of its
+    /// model, when it names one).
+    fn no_mig_profile(&self, j: &Job, profile: &str) -> bool {
+        !self.cluster.nodes.iter().any(|n| {
+            n.state != NodeState::Down
+                && j.model.is_none_or(|m| m == n.model)
+                && n.spec.mig.iter().any(|m| m.profile == profile)
+        })
+    }
+
     fn free_total(&self) -> u32 {
         self.cluster.free_of(None)
     }
@@ -449,6 +511,7 @@ impl Scheduler {
         let mut reclaims_left = self.config.max_reclaims_per_pass;
         let mut free = self.free_total();
         let share_room = self.share_room();
+        let mig_room = self.mig_room();
         // Starvation reclaim can start a job only while a one-node job past its bound waits:
         // without one, a full cluster still ends the pass early.
         let starved_waiting = kind == PolicyKind::Perch
@@ -483,6 +546,7 @@ impl Scheduler {
             if fifo_blocked
                 || (free == 0
                     && !share_room
+                    && !mig_room
                     && (reservation.is_some() || kind == PolicyKind::Srtf)
                     && (!preempting || reclaims_left == 0)
                     && idle_reclaim.is_none())
@@ -521,6 +585,22 @@ impl Scheduler {
                 }
                 _ => &own_model,
             };
+            if let Some(profile) = j.spec.gpu_profile.clone() {
+                // A job on a MIG instance takes no whole GPU: like a share, it neither
+                // preempts nor reserves.
+                if let Some(alloc) = find_mig(&self.cluster, &profile, models) {
+                    out.push(self.start(now, id, vec![alloc]));
+                    continue;
+                }
+                let reason = if self.no_mig_profile(j, &profile) {
+                    PendingReason::Unsatisfiable
+                } else {
+                    PendingReason::Resources
+                };
+                fifo_blocked = kind == PolicyKind::Fifo && reason == PendingReason::Resources;
+                self.set_reason(id, reason);
+                continue;
+            }
             if let Some(share) = j.spec.share {
                 // A shared job fits on part of one GPU: it neither preempts nor reserves (a
                 // fraction of a GPU frees up far more often than a whole gang).

@@ -224,7 +224,10 @@ impl Scheduler {
             else {
                 continue;
             };
-            let whole = self.jobs.get(&id).is_some_and(|j| j.spec.share.is_none());
+            let whole = self
+                .jobs
+                .get(&id)
+                .is_some_and(|j| j.spec.share.is_none() && j.spec.gpu_profile.is_none());
             for a in placement {
                 let Some(node) = self.cluster.nodes.get(a.node.0 as usize) else {
                     continue;
@@ -262,10 +265,12 @@ impl Scheduler {
                     PendingReason::Reserved { at } => Some(at),
                     _ => None,
                 },
-                skip: matches!(
-                    entry.reason,
-                    PendingReason::QuotaExceeded | PendingReason::Unsatisfiable
-                ),
+                // A job on a MIG instance waits for an instance, not for whole GPUs.
+                skip: j.spec.gpu_profile.is_some()
+                    || matches!(
+                        entry.reason,
+                        PendingReason::QuotaExceeded | PendingReason::Unsatisfiable
+                    ),
             });
             if last {
                 break;

@@ -359,6 +359,12 @@ impl Scheduler {
         &self.cluster
     }
 
+    /// Replaces a node's MIG instances with what its agent reports (see
+    /// [`Cluster::set_mig`]); the next pass places on them.
+    pub fn set_mig(&mut self, node: NodeId, mig: Vec<crate::cluster::MigInstance>) -> Result<()> {
+        self.cluster.set_mig(node, mig)
+    }
+
     /// The policy configuration.
     pub fn config(&self) -> &Config {
         &self.config
@@ -794,6 +800,24 @@ impl Scheduler {
                 let id = spec.id;
                 for a in &placement {
                     let n = self.cluster.node_mut(a.node)?;
+                    if let Some(profile) = &spec.gpu_profile {
+                        let gpu = a.mask.trailing_zeros();
+                        let free = n
+                            .spec
+                            .mig
+                            .iter()
+                            .zip(&n.mig_holder)
+                            .any(|(m, h)| h.is_none() && m.gpu == gpu && &m.profile == profile);
+                        if a.mask.count_ones() != 1 || !free {
+                            return Err(Error::InvalidNode {
+                                name: n.spec.name.0.clone(),
+                                message: format!(
+                                    "cannot restore job {id}: no free {profile} instance on GPU {gpu}"
+                                ),
+                            });
+                        }
+                        continue;
+                    }
                     let taken = match spec.share {
                         None => n.alloc & a.mask != 0 || n.shared & a.mask != 0,
                         Some(s) => {
@@ -1084,7 +1108,17 @@ impl Scheduler {
     /// Starts a pending job on `placement`.
     pub(crate) fn start(&mut self, now: Time, job: JobId, placement: Placement) -> Action {
         let share = self.jobs.get(&job).and_then(|j| j.spec.share);
-        self.cluster.allocate(job, &placement, share);
+        match self.jobs.get(&job).and_then(|j| j.spec.gpu_profile.clone()) {
+            Some(profile) => {
+                for a in &placement {
+                    let booked =
+                        self.cluster
+                            .allocate_mig(job, a.node, a.mask.trailing_zeros(), &profile);
+                    debug_assert!(booked, "no free {profile} instance where placed");
+                }
+            }
+            None => self.cluster.allocate(job, &placement, share),
+        }
         if let Some(j) = self.jobs.get_mut(&job) {
             j.state = JobState::Running {
                 placement: placement.clone(),
@@ -1161,6 +1195,10 @@ impl Scheduler {
         let JobState::Running { placement, .. } = &j.state else {
             return Vec::new();
         };
+        if j.spec.gpu_profile.is_some() {
+            // A MIG instance frees no whole GPU.
+            return Vec::new();
+        }
         if j.spec.share.is_none() {
             return placement
                 .iter()

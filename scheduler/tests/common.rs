@@ -30,6 +30,7 @@ pub fn spec(
         oracle_duration: None,
         share: None,
         earlier_runs: 0,
+        gpu_profile: None,
     }
 }
 

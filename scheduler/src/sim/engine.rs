@@ -581,6 +581,7 @@ fn spec(t: &TraceJob, oracle: bool, opts: &SimOptions) -> JobSpec {
         oracle_duration: oracle.then_some(t.duration),
         share,
         earlier_runs: 0,
+        gpu_profile: None,
     }
 }
 
