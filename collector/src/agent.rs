@@ -525,6 +525,7 @@ pub async fn run_agent_with(
             rack: config.rack.clone(),
             nvlink_islands,
             gpu_sharing: config.gpu_sharing,
+            mig_instances: sampler.mig_instances(),
             isolation: crate::launcher::Isolation {
                 run_as_user: config.run_as_user,
                 cgroups: config.cgroups.clone(),

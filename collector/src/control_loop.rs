@@ -27,6 +27,8 @@ pub struct ControlConfig {
     pub nvlink_islands: Option<Vec<Vec<u32>>>,
     /// The node takes jobs asking for a part of a GPU.
     pub gpu_sharing: bool,
+    /// The MIG instances of its GPUs in MIG mode, as NVML listed them at the agent's start.
+    pub mig_instances: Vec<perch_model::control::MigInstance>,
     /// Whose identity jobs run under, and their cgroups.
     pub isolation: Isolation,
     /// Where jobs' directories and output go.
@@ -160,6 +162,7 @@ pub async fn run_control(
                 advertise_addr: advertise.clone(),
                 nvlink_islands: config.nvlink_islands.clone(),
                 gpu_sharing: config.gpu_sharing,
+                mig_instances: config.mig_instances.clone(),
                 agent_id: Some(config.claim.id.clone()),
                 running: l.running(),
                 master_ports: l.master_ports(),

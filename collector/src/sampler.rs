@@ -161,6 +161,13 @@ impl Sampler {
         (count, model)
     }
 
+    /// The MIG instances of this node's real GPUs in MIG mode (simulated GPUs have none).
+    pub fn mig_instances(&self) -> Vec<perch_model::control::MigInstance> {
+        self.nvml
+            .as_ref()
+            .map_or_else(Vec::new, |n| n.mig_instances())
+    }
+
     /// The driver and CUDA versions NVML reports, for jobs' provenance; a node of simulated
     /// GPUs only says so.
     pub fn node_versions(&self) -> crate::launcher::NodeVersions {

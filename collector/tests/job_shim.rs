@@ -70,6 +70,7 @@ impl Node {
             grace_secs: 1,
             sim_profile: None,
             gpu_share: None,
+            gpu_mig: None,
             cpus: None,
             memory_mb: None,
             pick_master_port: false,

@@ -255,6 +255,20 @@ pub struct NodeGpu {
     /// `gpu_samples`.
     pub sample_ms: Option<i64>,
     pub sample_secs_ago: Option<f64>,
+    /// Its MIG instances, when it is in MIG mode (the agent's report), each with its job.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig_instances: Vec<GpuMig>,
+}
+
+/// A MIG instance of a GPU in `GET /v1/nodes`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuMig {
+    pub profile: String,
+    pub uuid: String,
+    pub memory_mb: Option<u64>,
+    /// The job holding it, and its user.
+    pub job: Option<u64>,
+    pub user: Option<String>,
 }
 
 /// A job on a GPU in `GET /v1/nodes`.

@@ -370,6 +370,7 @@ fn spec_of(id: u64, req: &JobRequest, submit_ms: i64) -> JobSpec {
             memory_mb: s.memory_mb(),
         }),
         earlier_runs: 0,
+        gpu_profile: req.gpu_profile.clone(),
     }
 }
 

@@ -56,6 +56,10 @@ pub struct NodeRecord {
     /// Its GPUs are simulated (learnt from its telemetry).
     #[serde(default)]
     pub simulated: bool,
+    /// The MIG instances its agent last reported (kept so that jobs on them are restored onto
+    /// them before the agent syncs again).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig_instances: Vec<perch_model::control::MigInstance>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -388,7 +388,9 @@ impl JobService {
                     let warning = match c.shape_warning(&r) {
                         Some(why) if !r.hold_until_fits => {
                             return Err(ControlError::Invalid(FieldError {
-                                field: if r.nodes > 1 {
+                                field: if r.gpu_profile.is_some() {
+                                    "gpu_profile"
+                                } else if r.nodes > 1 {
                                     "nodes"
                                 } else {
                                     "gpus_per_node"

@@ -64,6 +64,10 @@ pub struct JobRequest {
     /// A part of one GPU instead of whole GPUs (on nodes that allow sharing).
     #[serde(default)]
     pub gpu_share: Option<GpuShareRequest>,
+    /// One MIG instance of this profile (`3g.40gb`) instead of whole GPUs, on a node whose
+    /// agent reports one (operators partition GPUs with `nvidia-smi mig`; perch creates none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_profile: Option<String>,
     /// CPUs; enforced as the job's cgroup `cpu.max` where the agent can create cgroups.
     #[serde(default)]
     pub cpus: Option<u32>,
@@ -324,6 +328,39 @@ fn check_env_name(key: &str) -> Result<(), FieldError> {
     Ok(())
 }
 
+/// Checks a MIG profile request: `<n>g.<m>gb` (n from 1 to 7), one instance on one node, not
+/// with a share.
+fn check_gpu_profile(
+    profile: &str,
+    nodes: u32,
+    gpus_per_node: u32,
+    shared: bool,
+) -> Result<(), FieldError> {
+    if perch_model::control::mig_profile_slices(profile).is_none() {
+        return Err(err(
+            "gpu_profile",
+            &format!(
+                "{profile:?} is not a MIG profile: use the form <n>g.<m>gb with n from 1 to 7, as nvidia-smi mig -lgip lists them (e.g. 3g.40gb)"
+            ),
+        ));
+    }
+    if shared {
+        return Err(err(
+            "gpu_profile",
+            "a MIG instance is not shared: drop gpu_share (--gpu-fraction, --gpu-memory-gb) or gpu_profile",
+        ));
+    }
+    if gpus_per_node != 1 || nodes != 1 {
+        return Err(err(
+            "gpu_profile",
+            &format!(
+                "a job on a MIG instance gets one instance on one node: leave gpus_per_node and nodes at 1 (got {gpus_per_node} GPUs on {nodes} nodes), or drop gpu_profile for whole GPUs"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 impl JobRequest {
     /// Bytes of command and environment: what the server keeps of the job beyond a fixed size.
     pub fn kept_bytes(&self) -> usize {
@@ -397,6 +434,14 @@ impl JobRequest {
         }
         if let Some(share) = &self.gpu_share {
             share.validate(self.nodes, self.gpus_per_node)?;
+        }
+        if let Some(profile) = &self.gpu_profile {
+            check_gpu_profile(
+                profile,
+                self.nodes,
+                self.gpus_per_node,
+                self.gpu_share.is_some(),
+            )?;
         }
         if self.cpus == Some(0) {
             return Err(err("cpus", "must be at least 1 when given"));
@@ -723,6 +768,28 @@ mod tests {
         );
         // Right-to-left script itself is a name like any other.
         check(r#"{"command": ["x"], "name": "تدريب-نموذج ✓ 训练"}"#, None);
+    }
+
+    #[test]
+    fn gpu_profiles_are_checked() {
+        let job = |rest: &str| format!(r#"{{"command": ["x"], {rest}}}"#);
+        check(&job(r#""gpu_profile": "3g.40gb""#), None);
+        for bad in ["3g", "3g.40GB", "8g.80gb", "three"] {
+            check(
+                &job(&format!(r#""gpu_profile": "{bad}""#)),
+                Some("field `gpu_profile`: "),
+            );
+        }
+        check(
+            &job(r#""gpu_profile": "3g.4gb", "gpus_per_node": 2"#),
+            Some(
+                "field `gpu_profile`: a job on a MIG instance gets one instance on one node: leave gpus_per_node and nodes at 1 (got 2 GPUs on 1 nodes)",
+            ),
+        );
+        check(
+            &job(r#""gpu_profile": "3g.40gb", "gpu_share": {"fraction": 0.5, "memory_gb": 1}"#),
+            Some("field `gpu_profile`: a MIG instance is not shared"),
+        );
     }
 
     #[test]

@@ -119,6 +119,7 @@ fn keeps_the_contract(store: &dyn JobStore, sample: &[JobRecord]) {
         drained_by: None,
         drain_reason: None,
         simulated: false,
+        mig_instances: Vec::new(),
     };
     let span = NodeSpan {
         node: "gpu-1".into(),

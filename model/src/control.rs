@@ -36,6 +36,11 @@ pub struct SyncRequest {
     /// Whether this node takes jobs asking for a part of a GPU (`agent.gpu_sharing`).
     #[serde(default)]
     pub gpu_sharing: bool,
+    /// The MIG instances of this node's GPUs in MIG mode, as NVML lists them when the agent
+    /// starts (operators partition GPUs with `nvidia-smi mig`; perch creates none). A GPU with
+    /// any is placed only as its instances, never whole.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mig_instances: Vec<MigInstance>,
     /// Which agent speaks for the node: an id its agent keeps in its data directory, the same
     /// across its restarts. While one agent syncs for a node, the server refuses another that
     /// claims the same name (a second agent started by mistake, a machine cloned with the same
@@ -271,6 +276,9 @@ pub struct JobLaunch {
     /// Set for a job that gets a part of its one GPU rather than the whole of it.
     #[serde(default)]
     pub gpu_share: Option<LaunchShare>,
+    /// Set for a job placed on a MIG instance: it sees that instance only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_mig: Option<LaunchMig>,
     /// CPUs the job asked for: its cgroup's `cpu.max`, where the agent can set one.
     #[serde(default)]
     pub cpus: Option<u32>,
@@ -286,6 +294,44 @@ pub struct JobLaunch {
     /// directory and sets `PERCH_HOSTFILE` to its path.
     #[serde(default)]
     pub hosts: Vec<LaunchHost>,
+}
+
+/// A MIG instance of one GPU, as the agent reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MigInstance {
+    /// The NVML index of the GPU it is part of.
+    pub gpu: u32,
+    /// Its profile, `<compute slices>g.<memory>gb` (`3g.40gb`).
+    pub profile: String,
+    /// Its UUID (`MIG-...`): what `CUDA_VISIBLE_DEVICES` names to select it.
+    pub uuid: String,
+    /// Its memory, MiB, when NVML tells.
+    #[serde(default)]
+    pub memory_mb: Option<u64>,
+}
+
+/// Parses a MIG profile name `<n>g.<m>gb` (`3g.40gb`) into its compute slices (1 to 7) and
+/// memory in GB; `None` for anything else.
+pub fn mig_profile_slices(profile: &str) -> Option<(u32, u32)> {
+    let (g, rest) = profile.split_once("g.")?;
+    let m = rest.strip_suffix("gb")?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(g) || !digits(m) {
+        return None;
+    }
+    let slices: u32 = g.parse().ok()?;
+    let gb: u32 = m.parse().ok()?;
+    ((1..=7).contains(&slices) && gb > 0).then_some((slices, gb))
+}
+
+/// The MIG instance a job runs on: the agent sets `CUDA_VISIBLE_DEVICES` to `uuid` and
+/// `PERCH_GPU_PROFILE` to `profile`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LaunchMig {
+    pub uuid: String,
+    pub profile: String,
 }
 
 /// The part of a GPU a shared job gets: the agent sets `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`

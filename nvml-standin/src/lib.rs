@@ -256,6 +256,41 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
     }
 }
 
+/// The GPU index and instance index a MIG device handle names, or `None` for any other
+/// handle.
+fn mig_of(device: nvmlDevice_t) -> Option<(usize, usize)> {
+    let addr = device.addr().checked_sub(MIG_BASE)?;
+    Some((addr / 256, addr % 256))
+}
+
+/// Runs `f` on the MIG instance a MIG handle names (its GPU's script, its index, its profile);
+/// `None` when `device` is no MIG handle, so the caller answers for a GPU.
+fn with_mig(
+    device: nvmlDevice_t,
+    f: impl FnOnce(&GpuScript, usize, &str) -> nvmlReturn_t,
+) -> Option<nvmlReturn_t> {
+    let (gpu, index) = mig_of(device)?;
+    let guard = state();
+    let Some(s) = guard.as_ref() else {
+        return Some(UNINITIALIZED);
+    };
+    let Some(g) = s.scenario.gpus.get(gpu) else {
+        return Some(INVALID_ARGUMENT);
+    };
+    let values = g.values_at(s.now());
+    let Some(profile) = values.mig_profiles.as_ref().and_then(|p| p.get(index)) else {
+        return Some(NOT_SUPPORTED);
+    };
+    Some(f(g, index, profile))
+}
+
+/// A MIG instance's UUID: `MIG-` and the GPU's UUID without its `GPU-`, with the instance
+/// index in its last group.
+fn mig_uuid(g: &GpuScript, index: usize) -> String {
+    let base = g.uuid.strip_prefix("GPU-").unwrap_or(&g.uuid);
+    format!("MIG-{base}-{index}")
+}
+
 /// Runs `f` on the GPU a handle names with its values now; lost and unknown GPUs answer for
 /// themselves. `f` returns `None` for an unsupported metric.
 fn with_gpu(
@@ -291,6 +326,9 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
     out: *mut c_char,
     len: c_uint,
 ) -> nvmlReturn_t {
+    if let Some(r) = with_mig(device, |g, i, _| put_str(out, len, &mig_uuid(g, i))) {
+        return r;
+    }
     with_gpu(device, |_, g, _| Some(put_str(out, len, &g.uuid)))
 }
 
@@ -300,6 +338,11 @@ pub unsafe extern "C" fn nvmlDeviceGetName(
     out: *mut c_char,
     len: c_uint,
 ) -> nvmlReturn_t {
+    if let Some(r) = with_mig(device, |g, _, p| {
+        put_str(out, len, &format!("{} MIG {p}", g.name))
+    }) {
+        return r;
+    }
     with_gpu(device, |_, g, _| Some(put_str(out, len, &g.name)))
 }
 
@@ -319,6 +362,26 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     device: nvmlDevice_t,
     out: *mut nvmlMemory_v2_t,
 ) -> nvmlReturn_t {
+    let mig = with_mig(device, |_, _, p| {
+        // The profile's memory, none of it used.
+        let gb: u64 = p
+            .split_once("g.")
+            .and_then(|(_, m)| m.strip_suffix("gb"))
+            .and_then(|m| m.parse().ok())
+            .unwrap_or(0);
+        let total = gb << 30;
+        let memory = nvmlMemory_v2_t {
+            version: (std::mem::size_of::<nvmlMemory_v2_t>() | (2 << 24)) as c_uint,
+            total,
+            reserved: 0,
+            free: total,
+            used: 0,
+        };
+        put(out, memory)
+    });
+    if let Some(r) = mig {
+        return r;
+    }
     with_gpu(device, |_, _, v| {
         let (used, total) = (v.memory_used_bytes?, v.memory_total_bytes?);
         let memory = nvmlMemory_v2_t {
@@ -649,7 +712,11 @@ pub unsafe extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
         if !v.mig_mode? {
             return Some(INVALID_ARGUMENT);
         }
-        if index >= v.mig_instances.unwrap_or(0) {
+        let count = match &v.mig_profiles {
+            Some(p) => p.len() as u32,
+            None => v.mig_instances.unwrap_or(0),
+        };
+        if index >= count {
             return Some(NOT_FOUND);
         }
         let handle = MIG_BASE + 256 * gpu + index as usize;

@@ -135,6 +135,10 @@ pub struct Values {
     pub processes: Option<Vec<Process>>,
     pub mig_mode: Option<bool>,
     pub mig_instances: Option<u32>,
+    /// The profiles of its MIG instances in order (`["3g.40gb", "4g.40gb"]`), when in MIG
+    /// mode: each answers as a MIG device named `<gpu name> MIG <profile>`, with a UUID
+    /// `MIG-<n>` from the GPU's UUID and the profile's memory. Sets the instance count too.
+    pub mig_profiles: Option<Vec<String>>,
     /// NVML field values by field id (`NVML_FI_DEV_*`, numbered as before driver 580.82);
     /// a later keyframe overrides only the fields it sets.
     pub fields: Option<BTreeMap<u32, FieldValue>>,
@@ -183,7 +187,8 @@ impl Values {
             nvlink_tx_bytes,
             processes,
             mig_mode,
-            mig_instances
+            mig_instances,
+            mig_profiles
         );
         if let Some(later) = &later.fields {
             self.fields

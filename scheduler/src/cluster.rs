@@ -429,12 +429,23 @@ impl Cluster {
             .and_then(|n| n.health.get(gpu as usize).copied())
     }
 
-    /// Every job on a GPU: its whole owner, or its sharers.
+    /// Every job on a GPU: its whole owner, or its sharers, or the jobs on its MIG instances.
     pub fn holders(&self, node: NodeId, gpu: u32) -> Vec<JobId> {
-        match self.owner(node, gpu) {
+        let mut jobs = match self.owner(node, gpu) {
             Some(j) => vec![j],
             None => self.sharers(node, gpu).iter().map(|(j, _)| *j).collect(),
+        };
+        if let Some(n) = self.nodes.get(node.0 as usize) {
+            jobs.extend(
+                n.spec
+                    .mig
+                    .iter()
+                    .zip(&n.mig_holder)
+                    .filter(|(m, _)| m.gpu == gpu)
+                    .filter_map(|(_, h)| *h),
+            );
         }
+        jobs
     }
 
     /// The node's NVLink islands as GPU index lists, GPUs in no declared island alone.

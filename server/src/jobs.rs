@@ -662,6 +662,7 @@ fn gpu_status(
                 temperature_celsius: s.and_then(|s| s.temperature_celsius),
                 sample_ms: s.map(|s| s.time_ms),
                 sample_secs_ago: s.map(|s| (now - s.time_ms) as f64 / 1000.0),
+                mig_instances: d.map_or_else(Vec::new, |d| d.mig.clone()),
             }
         })
         .collect()

@@ -60,6 +60,10 @@ pub struct SubmitArgs {
     /// GPU memory a shared job needs, GiB.
     #[arg(long, requires = "gpu_fraction", value_parser = finite)]
     gpu_memory_gb: Option<f64>,
+    /// One MIG instance of this profile instead of whole GPUs, e.g. 3g.40gb (on nodes whose
+    /// GPUs an operator partitioned with nvidia-smi mig; `perch nodes` lists them).
+    #[arg(long, conflicts_with_all = ["gpu_fraction", "gpu_memory_gb"], value_parser = mig_profile)]
+    gpu_profile: Option<String>,
     /// CPUs (the job's cgroup cpu.max, where the node can set one).
     #[arg(long, short = 'c')]
     cpus: Option<u32>,
@@ -489,6 +493,14 @@ pub fn submit(args: SubmitArgs, config_file: Option<&ConfigFile>) -> Result<()> 
     if let Some(v) = args.nodes {
         set("nodes", v.into());
     }
+    if let Some(profile) = &args.gpu_profile {
+        if args.gpus.is_some_and(|g| g != 1) || args.nodes.is_some_and(|n| n != 1) {
+            anyhow::bail!(
+                "--gpu-profile {profile} runs on one MIG instance of one GPU: drop --gpus and --nodes (or set them to 1), or drop --gpu-profile for whole GPUs"
+            );
+        }
+        set("gpu_profile", profile.clone().into());
+    }
     if let (Some(fraction), Some(memory_gb)) = (args.gpu_fraction, args.gpu_memory_gb) {
         set(
             "gpu_share",
@@ -608,8 +620,22 @@ pub fn submit(args: SubmitArgs, config_file: Option<&ConfigFile>) -> Result<()> 
     Ok(())
 }
 
-/// The GPUs a request holds: `nodes x gpus_per_node`, or its fraction of one GPU.
+/// A `--gpu-profile` value: a MIG profile `<n>g.<m>gb`.
+fn mig_profile(text: &str) -> std::result::Result<String, String> {
+    match perch_model::control::mig_profile_slices(text) {
+        Some(_) => Ok(text.to_owned()),
+        None => Err(format!(
+            "{text:?} is not a MIG profile: use the form <n>g.<m>gb with n from 1 to 7, as `nvidia-smi mig -lgip` and `perch nodes` list them (e.g. 3g.40gb)"
+        )),
+    }
+}
+
+/// The GPUs a request holds: `nodes x gpus_per_node`, its fraction of one GPU, or its MIG
+/// profile.
 fn gpu_count(request: &JobRequest) -> String {
+    if let Some(profile) = &request.gpu_profile {
+        return profile.clone();
+    }
     match &request.gpu_share {
         Some(share) => format!("{:.2}", share.fraction),
         None => (u64::from(request.nodes) * u64::from(request.gpus_per_node)).to_string(),
@@ -818,6 +844,9 @@ pub fn show(args: ShowArgs, config_file: Option<&ConfigFile>) -> Result<()> {
             json_text(&share.fraction),
             json_text(&share.memory_gb)
         );
+    }
+    if let Some(profile) = &r.gpu_profile {
+        println!("   GpuProfile={profile} (one MIG instance)");
     }
     if r.cpus.is_some() || r.memory_mb.is_some() {
         println!(
@@ -1216,6 +1245,22 @@ pub fn nodes(args: ListArgs, config_file: Option<&ConfigFile>) -> Result<()> {
         ],
         rows,
     );
+    // MIG instances, for the nodes that have any: which profile, which job holds each.
+    for n in &list.nodes {
+        for g in &n.gpu_status {
+            for m in &g.mig_instances {
+                let holder = match (m.job, &m.user) {
+                    (Some(job), Some(user)) => format!("job {job} ({user})"),
+                    (Some(job), None) => format!("job {job}"),
+                    _ => "free".into(),
+                };
+                println!(
+                    "MIG {} GPU {} {} {} {holder}",
+                    n.name, g.index, m.profile, m.uuid
+                );
+            }
+        }
+    }
     Ok(())
 }
 

@@ -235,6 +235,19 @@ impl NvmlGpus {
         &self.devices
     }
 
+    /// The MIG instances of the devices in MIG mode, read now (operators partition GPUs with
+    /// `nvidia-smi mig`; perch creates none).
+    pub fn mig_instances(&self) -> Vec<perch_model::control::MigInstance> {
+        self.devices
+            .iter()
+            .filter_map(|d| {
+                let device = self.nvml.device_by_index(d.index).ok()?;
+                Some(extended::mig_instances(&device, d.index))
+            })
+            .flatten()
+            .collect()
+    }
+
     /// The NVLink islands of the devices (see [`super::nvlink`]), by their indices; `None`
     /// when NVML cannot tell (an old driver, a device that cannot be opened), which the
     /// scheduler treats as one island.

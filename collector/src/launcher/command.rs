@@ -9,6 +9,8 @@
 //! - for a job holding part of a GPU: `PERCH_GPU_FRACTION` (e.g. `0.25`),
 //!   `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` (25) and `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` (`0=10240M`),
 //!   which the MPS server enforces when it runs on the node, and `PERCH_GPU_MEMORY_MB`;
+//! - for a job placed on a MIG instance: `CUDA_VISIBLE_DEVICES` is the instance's UUID
+//!   (`MIG-...`, how CUDA selects a MIG device) and `PERCH_GPU_PROFILE` its profile (`3g.40gb`);
 //! - for a job switched to its user: `HOME`, `USER`, `LOGNAME`, and the switch itself
 //!   (`setpriv`, or std's uid and gid: see [`super::identity`]);
 //! - for a job with a cgroup: a `sh` prefix that waits for one line on its standard input and
@@ -81,7 +83,11 @@ pub fn is_identifier(name: &str) -> bool {
 /// The environment perch adds for job `l` (the job's own `env` is applied before these, so
 /// perch's values win where both set one).
 pub fn perch_env(l: &JobLaunch) -> Vec<(String, String)> {
-    let gpus: Vec<String> = l.gpus.iter().map(u32::to_string).collect();
+    let gpus: Vec<String> = match &l.gpu_mig {
+        // CUDA selects a MIG instance by its UUID; the job sees it as device 0.
+        Some(mig) => vec![mig.uuid.clone()],
+        None => l.gpus.iter().map(u32::to_string).collect(),
+    };
     let mut env = vec![
         ("CUDA_VISIBLE_DEVICES".to_owned(), gpus.join(",")),
         // The indices are NVML's, which count GPUs in PCI bus order. CUDA counts fastest first
@@ -91,6 +97,9 @@ pub fn perch_env(l: &JobLaunch) -> Vec<(String, String)> {
         ("PERCH_NODE_RANK".to_owned(), l.node_rank.to_string()),
         ("PERCH_NUM_NODES".to_owned(), l.nodes.to_string()),
     ];
+    if let Some(mig) = &l.gpu_mig {
+        env.push(("PERCH_GPU_PROFILE".to_owned(), mig.profile.clone()));
+    }
     if let Some(share) = l.gpu_share {
         env.extend([
             (
@@ -236,6 +245,7 @@ mod tests {
                 percent: 25,
                 memory_mb: 10_240,
             }),
+            gpu_mig: None,
             cpus: None,
             memory_mb: None,
             pick_master_port: false,

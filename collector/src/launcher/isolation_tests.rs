@@ -25,6 +25,7 @@ fn launch(job: u64, user: &str, script: &str) -> JobLaunch {
         grace_secs: 1,
         sim_profile: None,
         gpu_share: None,
+        gpu_mig: None,
         cpus: None,
         memory_mb: None,
         pick_master_port: false,

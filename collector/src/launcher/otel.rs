@@ -105,6 +105,7 @@ mod tests {
             grace_secs: 1,
             sim_profile: None,
             gpu_share: None,
+            gpu_mig: None,
             cpus: None,
             memory_mb: None,
             pick_master_port: false,

@@ -452,6 +452,18 @@ impl Control {
                     percent: s.percent(),
                     memory_mb: s.memory_mb(),
                 }),
+                gpu_mig: job.request.gpu_profile.as_ref().and_then(|_| {
+                    self.scheduler
+                        .cluster()
+                        .mig_instance_of(
+                            perch_scheduler::NodeId(node as u32),
+                            perch_scheduler::JobId(id),
+                        )
+                        .map(|m| perch_model::control::LaunchMig {
+                            uuid: m.uuid.clone(),
+                            profile: m.profile.clone(),
+                        })
+                }),
                 cpus: job.request.cpus,
                 memory_mb: job.request.memory_mb,
                 pick_master_port: port.is_none(),

@@ -157,6 +157,7 @@ impl Control {
             rack: record.rack.clone(),
             nvlink_islands: record.nvlink_islands.clone(),
             sharing: record.gpu_sharing,
+            mig: super::sync::mig_spec(&record.mig_instances),
         };
         self.scheduler.handle(now_ms, Event::AddNode(spec))?;
         let idx = self.nodes.len();

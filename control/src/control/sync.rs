@@ -107,6 +107,7 @@ impl Control {
                     drained_by: None,
                     drain_reason: None,
                     simulated: false,
+                    mig_instances: reported_mig(req),
                 };
                 let i = self.add_node(record, now)?;
                 self.dirty_nodes.insert(i);
@@ -399,6 +400,19 @@ impl Control {
     ) -> Result<(), ControlError> {
         let islands = reported_islands(req);
         let rack = reported_rack(req);
+        let mig = reported_mig(req);
+        if self.nodes[idx].record.mig_instances != mig {
+            self.scheduler.set_mig(NodeId(idx as u32), mig_spec(&mig))?;
+            let name = self.nodes[idx].record.name.clone();
+            let what = format!(
+                "{name}'s agent reports {} MIG instances ({}); later placements follow them",
+                mig.len(),
+                mig_summary(&mig)
+            );
+            self.nodes[idx].record.mig_instances = mig;
+            self.dirty_nodes.insert(idx);
+            self.node_event(now, idx, "node_mig_changed", "perch", what);
+        }
         let record = &self.nodes[idx].record;
         if record.nvlink_islands == islands
             && record.gpu_sharing == req.gpu_sharing
@@ -435,6 +449,47 @@ impl Control {
         self.dirty_nodes.insert(idx);
         Ok(())
     }
+}
+
+/// The MIG instances an agent reported that the scheduler can place on: on a GPU the node
+/// has, of a profile `<n>g.<m>gb` (others, such as `1g.10gb+me`, are left out), each UUID once.
+fn reported_mig(req: &SyncRequest) -> Vec<perch_model::control::MigInstance> {
+    let mut seen = HashSet::new();
+    req.mig_instances
+        .iter()
+        .filter(|m| {
+            m.gpu < req.gpus
+                && perch_model::control::mig_profile_slices(&m.profile).is_some()
+                && seen.insert(m.uuid.clone())
+        })
+        .cloned()
+        .collect()
+}
+
+/// The scheduler's view of MIG instances.
+pub(super) fn mig_spec(
+    mig: &[perch_model::control::MigInstance],
+) -> Vec<perch_scheduler::MigInstance> {
+    mig.iter()
+        .map(|m| perch_scheduler::MigInstance {
+            gpu: m.gpu,
+            profile: m.profile.clone(),
+            uuid: m.uuid.clone(),
+        })
+        .collect()
+}
+
+/// "GPU 0: 3g.40gb, 4g.40gb" for an event.
+fn mig_summary(mig: &[perch_model::control::MigInstance]) -> String {
+    let mut by_gpu: BTreeMap<u32, Vec<&str>> = BTreeMap::new();
+    for m in mig {
+        by_gpu.entry(m.gpu).or_default().push(&m.profile);
+    }
+    by_gpu
+        .iter()
+        .map(|(g, p)| format!("GPU {g}: {}", p.join(", ")))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// The rack (topology label) a node's agent reports; "default" when it names none.

@@ -28,6 +28,8 @@ pub struct GpuDetail {
     /// The jobs on it: its whole owner, or its sharers with the percent each was granted.
     pub holders: Vec<GpuHolder>,
     pub health: perch_scheduler::GpuHealth,
+    /// Its MIG instances, each with the job holding it.
+    pub mig: Vec<crate::api::GpuMig>,
 }
 
 /// A job holding (part of) a GPU.
@@ -71,6 +73,7 @@ impl Control {
             ));
         } else if job.state == JobState::Pending {
             let shared = job.request.gpu_share.is_some();
+            let profile = job.request.gpu_profile.as_deref();
             job.reason = self
                 .scheduler
                 .pending_reason(JobId(id))
@@ -78,6 +81,8 @@ impl Control {
                 .map(|r| match r {
                     PendingReason::Unsatisfiable if shared => "no node in the cluster takes shared GPU jobs (agent.gpu_sharing) with that much GPU memory; cancel it or enable sharing on a node".into(),
                     PendingReason::Resources if shared => "waiting for a GPU whose shares, measured utilization and free memory leave room".into(),
+                PendingReason::Unsatisfiable if profile.is_some() => format!("no node reports a MIG instance of profile {} (operators partition GPUs with nvidia-smi mig); cancel it or ask for a profile `perch nodes` lists", profile.unwrap_or_default()),
+                PendingReason::Resources if profile.is_some() => format!("waiting for a free {} MIG instance (every one is held)", profile.unwrap_or_default()),
                     r => {
                         let text = reason_text(r, self.now);
                         match self.reason_detail(&job, r) {
@@ -175,6 +180,9 @@ impl Control {
         if self.nodes.is_empty() || req.gpu_share.is_some() {
             return None;
         }
+        if let Some(profile) = &req.gpu_profile {
+            return self.profile_warning(req, profile);
+        }
         let model_ok = |n: &Node| req.gpu_model.as_ref().is_none_or(|m| *m == n.record.model);
         let fitting = self
             .nodes
@@ -218,6 +226,38 @@ impl Control {
         Some(format!(
             "no set of {seen} can run {} node(s) x {}{model} GPUs: {fits}",
             req.nodes, req.gpus_per_node
+        ))
+    }
+
+    /// Why no node this cluster has seen could run a job asking for a MIG instance of
+    /// `profile`: none (of its model) reports one. Naming the profiles they do report.
+    fn profile_warning(&self, req: &JobRequest, profile: &str) -> Option<String> {
+        let model_ok = |n: &Node| req.gpu_model.as_ref().is_none_or(|m| *m == n.record.model);
+        let candidates = self.nodes.iter().filter(|n| model_ok(n));
+        let mut have: BTreeSet<&str> = BTreeSet::new();
+        for n in candidates {
+            for m in &n.record.mig_instances {
+                if m.profile == profile {
+                    return None;
+                }
+                have.insert(&m.profile);
+            }
+        }
+        let seen = format!("the {} node(s) this cluster has seen", self.nodes.len());
+        let model = req
+            .gpu_model
+            .as_ref()
+            .map_or(String::new(), |m| format!(" of model {m}"));
+        let fits = if have.is_empty() {
+            format!(
+                "none{model} has a GPU in MIG mode (operators partition GPUs with nvidia-smi mig; perch creates no instance): ask for whole GPUs (--gpus) or a share (--gpu-fraction)"
+            )
+        } else {
+            let have: Vec<&str> = have.into_iter().collect();
+            format!("ask for one of the profiles they have: {}", have.join(", "))
+        };
+        Some(format!(
+            "no node of {seen}{model} reports a MIG instance of profile {profile}: {fits}"
         ))
     }
 
@@ -306,7 +346,28 @@ impl Control {
                 .map(|(job, share)| holder(*job, Some(share.percent)))
                 .collect(),
         };
+        let memory = |uuid: &str| {
+            self.nodes
+                .get(node.0 as usize)
+                .and_then(|n| n.record.mig_instances.iter().find(|m| m.uuid == uuid))
+                .and_then(|m| m.memory_mb)
+        };
+        let mig = cluster
+            .mig_instances(node)
+            .into_iter()
+            .filter(|(m, _)| m.gpu == gpu)
+            .map(|(m, job)| crate::api::GpuMig {
+                memory_mb: memory(&m.uuid),
+                profile: m.profile,
+                uuid: m.uuid,
+                job: job.map(|j| j.0),
+                user: job
+                    .and_then(|j| self.jobs.get(&j.0))
+                    .map(|j| j.request.user().to_owned()),
+            })
+            .collect();
         GpuDetail {
+            mig,
             holders,
             health: cluster
                 .gpu_health(node, gpu)

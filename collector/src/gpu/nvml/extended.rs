@@ -93,6 +93,35 @@ pub(super) fn read_slow(device: &Device<'_>, s: &mut GpuSample) {
     s.mig_enabled = mig;
 }
 
+/// The MIG instances of `device` (NVML index `gpu`) when it is in MIG mode: each MIG device's
+/// UUID, its profile (the end of its name, `NVIDIA A100-SXM4-80GB MIG 3g.40gb`) and memory.
+/// Empty when it is not in MIG mode or NVML cannot tell; an instance whose name carries no
+/// profile is left out.
+pub(super) fn mig_instances(
+    device: &Device<'_>,
+    gpu: u32,
+) -> Vec<perch_model::control::MigInstance> {
+    if !device.mig_mode().is_ok_and(|m| m.current == 1) {
+        return Vec::new();
+    }
+    let max = device.mig_device_count().unwrap_or(0);
+    (0..max)
+        .filter_map(|i| {
+            let d = device.mig_device_by_index(i).ok()?;
+            let uuid = d.uuid().ok()?;
+            let name = d.name().ok()?;
+            let profile = name.rsplit_once("MIG ")?.1.trim().to_owned();
+            let memory_mb = d.memory_info().ok().map(|m| m.total >> 20);
+            Some(perch_model::control::MigInstance {
+                gpu,
+                profile,
+                uuid,
+                memory_mb,
+            })
+        })
+        .collect()
+}
+
 /// The compute processes on `device` with their memory and, when `last_seen` is given (NVML's
 /// timestamp of the last utilization sample read), their utilization since then; `None` when
 /// NVML cannot list them.
