@@ -212,13 +212,12 @@ impl Sampler {
         // free GPU is. Idle lessons, accounting and alert rules then read the truth about it.
         let jobs = self.jobs.list();
         for index in self.sim.indices() {
-            let profile = jobs
-                .iter()
-                .find(|j| j.gpus.contains(&index))
-                .map_or(crate::gpu::sim::Workload::Idle, |j| {
-                    j.sim_profile.unwrap_or(crate::gpu::sim::Workload::Training)
-                });
+            let job = jobs.iter().find(|j| j.gpus.contains(&index));
+            let profile = job.map_or(crate::gpu::sim::Workload::Idle, |j| {
+                j.sim_profile.unwrap_or(crate::gpu::sim::Workload::Training)
+            });
             self.sim.set_profile(index, Some(profile));
+            self.sim.set_job(index, job.map(|j| j.job.as_str()));
         }
         gpus.extend(self.sim.sample(now_ms));
         let (hosts, nics, ib_ports) = match &mut self.host {

@@ -5,7 +5,8 @@
 //! lagging temperature) over the sequence of sample times. A GPU shows the workload it is pinned
 //! to ([`SimGpus::set_profile`]): the agent's sampler pins each GPU to its job's load (steady
 //! training at 90-100% utilization, bursty, or allocated-but-idle: 0% utilization with memory
-//! held, the pattern that makes up about a third of GPU time in public traces) and a GPU no job
+//! held, the pattern that makes up about a third of GPU time in public traces; a bursty job's
+//! GPUs burst together, on every node, as a data-parallel gang's ranks do) and a GPU no job
 //! holds to idle (0%, no memory, idle power). An unpinned GPU moves through those phases on its
 //! own, a few minutes each (the model's tests, nothing the agent reports). Power follows utilization from ~70 W to ~700 W like an H100 SXM. The columns the model
 //! does not compute take the value their catalogue line gives simulated GPUs, if any. Every
@@ -65,15 +66,16 @@ pub(crate) fn unit(h: u64) -> f64 {
     (h >> 11) as f64 / (1u64 << 53) as f64
 }
 
+/// FNV-1a of a name: a stable word for a node or a job.
+fn name_key(name: &str) -> u64 {
+    name.bytes().fold(0xCBF2_9CE4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01B3)
+    })
+}
+
 /// A stable key for one simulated device, from the seed, node name and a per-node number.
 pub(crate) fn device_key(seed: u64, node: &NodeId, n: u32) -> u64 {
-    let name = node
-        .as_str()
-        .bytes()
-        .fold(0xCBF2_9CE4_8422_2325_u64, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01B3)
-        });
-    mix_all(&[seed, name, u64::from(n)])
+    mix_all(&[seed, name_key(node.as_str()), u64::from(n)])
 }
 
 /// The phase a GPU with `key` is in at `now_ms`, and a per-phase random number.
@@ -99,7 +101,9 @@ struct Instant {
     power: f64,
 }
 
-fn instant(key: u64, workload: Workload, phase: u64, now_ms: i64) -> Instant {
+/// `rhythm` sets when a bursty GPU is on: its job's key, so the GPUs of one job (a gang's
+/// ranks, on every node) burst together as a data-parallel job's do; its own key otherwise.
+fn instant(key: u64, rhythm: u64, workload: Workload, phase: u64, now_ms: i64) -> Instant {
     let second = now_ms.div_euclid(1000) as u64;
     let noise = unit(mix_all(&[key, second]));
     // Memory held by the phase's job: a fixed amount for the whole phase.
@@ -109,7 +113,7 @@ fn instant(key: u64, workload: Workload, phase: u64, now_ms: i64) -> Instant {
         Workload::Idle => (0.0, 0),
         Workload::Training => ((90.0 + 10.0 * noise).min(100.0), held(0.6, 0.95)),
         Workload::Bursty => {
-            let on = mix_all(&[key, second / 10]).is_multiple_of(2);
+            let on = mix_all(&[rhythm, second / 10]).is_multiple_of(2);
             let util = if on { 60.0 + 40.0 * noise } else { 5.0 * noise };
             (util, held(0.25, 0.75))
         }
@@ -134,6 +138,8 @@ struct SimGpu {
     index: u32,
     uuid: String,
     profile: Option<Workload>,
+    /// The key of the job holding it ([`SimGpus::set_job`]).
+    job: Option<u64>,
     last: Option<(i64, f64)>,
     energy_joules: f64,
     temperature: f64,
@@ -155,6 +161,7 @@ impl SimGpus {
                 index,
                 uuid: format!("GPU-SIM-{node}-{index}"),
                 profile: None,
+                job: None,
                 last: None,
                 energy_joules: 0.0,
                 temperature: 0.0,
@@ -177,6 +184,18 @@ impl SimGpus {
         match self.gpus.iter_mut().find(|g| g.index == index) {
             Some(g) => {
                 g.profile = profile;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Names the job holding GPU `index` (`None`: none), whose GPUs burst together. Returns
+    /// false for an unknown index.
+    pub fn set_job(&mut self, index: u32, job: Option<&str>) -> bool {
+        match self.gpus.iter_mut().find(|g| g.index == index) {
+            Some(g) => {
+                g.job = job.map(name_key);
                 true
             }
             None => false,
@@ -207,7 +226,13 @@ impl SimGpu {
     fn sample(&mut self, now_ms: i64) -> GpuSample {
         let (auto, phase) = workload_at(self.key, now_ms);
         let workload = self.profile.unwrap_or(auto);
-        let now = instant(self.key, workload, phase, now_ms);
+        let now = instant(
+            self.key,
+            self.job.unwrap_or(self.key),
+            workload,
+            phase,
+            now_ms,
+        );
         let target_temp = 28.0 + 0.07 * now.power;
         match self.last {
             None => self.temperature = target_temp,

@@ -179,3 +179,25 @@ fn the_values_the_model_does_not_compute_come_from_the_catalogue() {
         }
     }
 }
+
+/// A bursty job's GPUs burst together (a data-parallel gang's ranks wait for each other), on
+/// every node it runs on; two jobs' GPUs do not.
+#[test]
+fn a_bursty_jobs_gpus_burst_together() {
+    let mut a = SimGpus::new(&node("a"), 1, 0, 5);
+    let mut b = SimGpus::new(&node("b"), 1, 0, 5);
+    for sim in [&mut a, &mut b] {
+        assert!(sim.set_profile(0, Some(Workload::Bursty)));
+    }
+    let on = |sim: &mut SimGpus, t: i64| sim.sample(t)[0].utilization_gpu_pct > Some(30.0);
+    let differ = |a: &mut SimGpus, b: &mut SimGpus| {
+        (0..600)
+            .map(|s| T0 + s * 1000)
+            .filter(|&t| on(a, t) != on(b, t))
+            .count()
+    };
+    assert!(differ(&mut a, &mut b) > 100, "two jobs burst apart");
+    assert!(a.set_job(0, Some("7")) && b.set_job(0, Some("7")));
+    assert_eq!(differ(&mut a, &mut b), 0, "one job's GPUs burst together");
+    assert!(!a.set_job(3, None));
+}
