@@ -16,6 +16,20 @@
 //! Arrivals are Poisson at a rate that loads the cluster the trace is meant for to about 1.2x
 //! its capacity over the trace (2x for `overloaded`; `bursts` draws its sweeps' starts that
 //! way), so queues form; durations are log-normal unless said otherwise.
+//!
+//! The distributions, exactly (GPUs as value:weight; log-normal as median and sigma of the
+//! log, clamped; accounts x users per account, each job's drawn uniformly):
+//!
+//! | kind | jobs | capacity, load | GPUs per job | duration | accounts |
+//! |---|---|---|---|---|---|
+//! | `small` | 40 | 12 GPUs, 1.2 | 1:4 2:3 4:2 8:1 | log-normal 30 min, 1.2, [1 min, 1 day] | 3 x 2 |
+//! | `fractional` | 2,000 | 56, 1.2 | 40% fractions 0.1:1 0.25:3 0.46:2 0.5:3 0.75:1, else 1:7 2:1.5 4:1 8:0.5; 10% of whole-GPU jobs on A100 | log-normal 15 min, 1.5, [30 s, 3 days] | 6 x 5 |
+//! | `gangs` | 600 | 128, 1.2 | half 16:3 32:2 64:1, half 1:3 2:1 4:1 8:2; 10% high priority and not preemptible, 20% low | log-normal 1 h, 1.3, [2 min, 4 days] | 4 x 4 |
+//! | `heavy-tail` | 1,500 | 64, 1.2 | 1:6 2:1 4:1.5 8:1.5 | Pareto min 2 min, alpha 1.1, cap 7 days; idle tails to a third of GPU-time | 5 x 4 |
+//! | `testbed` | 30-100 (uniform) | 12, 1.3 | 1:2 2:3 4:3 8:2 | log-normal 20 min, 1.1, [1 min, 1 day] | 3 x 3 |
+//! | `overloaded` | 3,000 | 24, 2.0 | 1:6 2:2 4:1.5 8:0.5 | log-normal 30 min, 1.4, [1 min, 2 days] | 6 x 4 |
+//! | `small-nodes` | 800 | 32, 1.2 | 1:5 2:2.5 4:1.5 8:0.5 | log-normal 40 min, 1.2, [1 min, 3 days] | 5 x 4 |
+//! | `bursts` | 800 | 56, 1.2 | 1:5 2:2 4:1.5 8:1 | log-normal 25 min, 1.3, [1 min, 2 days]; a sweep's jobs the first's times 0.8-1.2 | 5 x 4 |
 
 use super::trace::unit;
 
