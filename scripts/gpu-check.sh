@@ -7,8 +7,10 @@
 # recorded with what nvidia-smi reads, runs a CUDA job through `perch submit` (PyTorch matrix
 # products on one GPU for BURN_SECONDS), checks that the job saw only its GPU, that its process
 # was attributed to it and that its usage (GPU-seconds, utilization, memory, energy) was
-# accounted, and writes everything it saw to REPORT_DIR (default ./gpu-check). It needs
-# nvidia-smi and python3 with torch. Exit status 0 when every check passed; each failed check is
+# accounted, then validates the node with perch's built-in check (`perch validate`: NVML health
+# of every GPU, a GPU burn and a memory check through torch; docs/validation.md) and checks that
+# it burned every GPU and resumed the node, and writes everything it saw to REPORT_DIR (default
+# ./gpu-check). It needs nvidia-smi and python3 with torch. Exit status 0 when every check passed; each failed check is
 # one `FAIL` line in REPORT_DIR/summary.txt.
 set -u
 PERCH=$(realpath "${1:?usage: gpu-check.sh PERCH_BINARY [REPORT_DIR]}")
@@ -54,6 +56,9 @@ interval_ms = 1000
 [accounting]
 fold_interval_secs = 10
 settle_secs = 5
+[validation]
+burn_secs = 10
+timeout_secs = 600
 EOF
 cp "$WORK/perch.toml" "$R/"
 export PERCH_CONFIG=$WORK/perch.toml
@@ -166,5 +171,16 @@ fi
 check "a process outside perch was flagged rogue (pid $ROGUE)" \
   grep -qE "^[^,]*,[^,]*,[^,]*,[^,]*,[^,]*,$ROGUE,.*,true$" "$R/gpu-processes-rogue.csv"
 check "the Prometheus endpoint has real GPU series" grep -q 'simulated="false"' "$R/metrics-running.txt"
+
+# The built-in validation (docs/validation.md): the node drained, every GPU's NVML health, then
+# a 10 s burn and a memory check per GPU through torch, and the node resumed when all pass.
+NODE=$(sql "SELECT node FROM nodes ORDER BY node LIMIT 1" | sed -n 2p)
+"$PERCH" validate "$NODE" >"$R/validate.txt" 2>&1
+say "validation: $(tail -1 "$R/validate.txt")"
+sql "SELECT * FROM node_validations ORDER BY id" >"$R/node-validations.csv" 2>&1
+check "the node's validation passed and resumed it ($NODE)" \
+  grep -q "validation passed, exit code 0; up$" "$R/validate.txt"
+check "the validation burned and memory-checked every GPU ($n_smi)" \
+  test "$(grep -cE '^  GPU [0-9]+: burn [0-9]+ matmuls .* memory check passed$' "$R/validate.txt")" -eq "$n_smi"
 
 exit $failed

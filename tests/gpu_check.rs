@@ -96,6 +96,9 @@ fn gpu_check_runs_every_step_and_fails_on_simulated_gpus() {
         "FAIL perch found every GPU nvidia-smi lists (1)",
         "FAIL the Prometheus endpoint has real GPU series",
         "PASS GPU 0's UUID matches nvidia-smi (GPU-SIM-gpucheck-0)",
+        // The built-in validation runs; simulated GPUs pass its health but are never burned.
+        "PASS the node's validation passed and resumed it (gpucheck)",
+        "FAIL the validation burned and memory-checked every GPU (1)",
     ] {
         assert!(
             summary.lines().any(|l| l == line),
@@ -103,4 +106,9 @@ fn gpu_check_runs_every_step_and_fails_on_simulated_gpus() {
         );
     }
     assert!(!summary.contains("PASS no simulated GPU"), "{summary}");
+    assert!(
+        read("validate.txt").contains("1 simulated GPU: nothing to check (simulated)"),
+        "{}",
+        read("validate.txt")
+    );
 }

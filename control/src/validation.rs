@@ -75,8 +75,6 @@ pub enum Trigger {
     Remediation,
     /// An operator asked (`perch validate NODE`).
     Operator,
-    /// A job was placed on the node, with `[validation] before_jobs` on.
-    PreJob,
 }
 
 impl Trigger {
@@ -85,7 +83,6 @@ impl Trigger {
         match self {
             Self::Remediation => "remediation",
             Self::Operator => "operator",
-            Self::PreJob => "pre_job",
         }
     }
 }
@@ -132,8 +129,6 @@ pub struct Run {
     pub trigger: Trigger,
     /// Who asked: an operator's name, `perch`.
     pub by: String,
-    /// The job whose placement asked for it (`pre_job`).
-    pub job: Option<u64>,
     pub command: String,
     pub started_ms: i64,
     pub finished_ms: Option<i64>,
@@ -185,21 +180,19 @@ pub enum Refused {
 }
 
 /// The reason a validation in progress drains the node with.
-pub fn validating_reason(trigger: Trigger, by: &str, job: Option<u64>) -> String {
-    match (trigger, job) {
-        (Trigger::Operator, _) => format!("{VALIDATING} (asked by {by})"),
-        (Trigger::Remediation, _) => format!("{VALIDATING} after remediation"),
-        (Trigger::PreJob, Some(job)) => format!("{VALIDATING} before job {job}"),
-        (Trigger::PreJob, None) => format!("{VALIDATING} before a job"),
+pub fn validating_reason(trigger: Trigger, by: &str) -> String {
+    match trigger {
+        Trigger::Operator => format!("{VALIDATING} (asked by {by})"),
+        Trigger::Remediation => format!("{VALIDATING} after remediation"),
     }
 }
 
 /// Starting a run on a node drained as `drain`: the step, and whether the run owns the drain.
 /// An operator's (or anyone else's) drain stays theirs; perch's own (a remediation's) is
 /// taken over, so a pass lifts it.
-pub fn begin(drain: &Drain, trigger: Trigger, by: &str, job: Option<u64>) -> (Step, bool) {
+pub fn begin(drain: &Drain, trigger: Trigger, by: &str) -> (Step, bool) {
     if !drain.drained || drain.perchs() {
-        let reason = validating_reason(trigger, by, job);
+        let reason = validating_reason(trigger, by);
         (Step::Drain { reason }, true)
     } else {
         (Step::Keep, false)
@@ -277,13 +270,11 @@ pub struct Validations {
 
 impl Validations {
     /// A new run on `node`, unless one runs there already.
-    #[allow(clippy::too_many_arguments)]
     pub fn start(
         &mut self,
         node: &str,
         trigger: Trigger,
         by: &str,
-        job: Option<u64>,
         command: String,
         owns_drain: bool,
         now: i64,
@@ -301,7 +292,6 @@ impl Validations {
             node: node.to_owned(),
             trigger,
             by: by.to_owned(),
-            job,
             command,
             started_ms: now,
             finished_ms: None,
@@ -375,7 +365,7 @@ mod tests {
     #[test]
     fn a_validation_takes_over_only_perchs_own_drains() {
         let up = drain(false, None, None);
-        let (step, owns) = begin(&up, Trigger::Operator, "ops", None);
+        let (step, owns) = begin(&up, Trigger::Operator, "ops");
         assert_eq!(
             (step, owns),
             (
@@ -386,10 +376,10 @@ mod tests {
             )
         );
         let remediated = drain(true, Some(PERCH), Some("alert GpuXid"));
-        assert!(begin(&remediated, Trigger::Remediation, PERCH, None).1);
+        assert!(begin(&remediated, Trigger::Remediation, PERCH).1);
         let operators = drain(true, Some("ops"), Some("fan noise"));
         assert_eq!(
-            begin(&operators, Trigger::Operator, "ops", None),
+            begin(&operators, Trigger::Operator, "ops"),
             (Step::Keep, false)
         );
     }

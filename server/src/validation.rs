@@ -49,14 +49,13 @@ pub async fn start(
     node: &str,
     trigger: Trigger,
     by: &str,
-    job: Option<u64>,
     argv: Vec<String>,
 ) -> Result<(Run, tokio::task::JoinHandle<Option<Run>>), StartError> {
     let config = state.config.validation.clone();
     let (n, b, command) = (node.to_owned(), by.to_owned(), argv.join(" "));
     let run = state
         .jobs
-        .run(move |c, now| c.validation_begin(&n, trigger, &b, job, command, now))
+        .run(move |c, now| c.validation_begin(&n, trigger, &b, command, now))
         .await
         .map_err(StartError::Control)?
         .map_err(StartError::Refused)?;
@@ -115,7 +114,7 @@ pub async fn for_remediation(
     node: &str,
     argv: Vec<String>,
 ) -> Result<String, String> {
-    let (_, handle) = start(state, node, Trigger::Remediation, "perch", None, argv)
+    let (_, handle) = start(state, node, Trigger::Remediation, "perch", argv)
         .await
         .map_err(|e| e.to_string())?;
     let run = handle
@@ -154,7 +153,7 @@ pub async fn validate(
     Path(name): Path<String>,
 ) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
     let argv = state.config.validation.argv();
-    let (run, _) = start(&state, &name, Trigger::Operator, &who.user, None, argv).await?;
+    let (run, _) = start(&state, &name, Trigger::Operator, &who.user, argv).await?;
     Ok((
         StatusCode::ACCEPTED,
         Json(serde_json::json!({ "validation": run })),

@@ -849,7 +849,7 @@
   async function nodeValidation(name) {
     const el = document.getElementById('node-validation');
     if (!el) return;
-    const runs = await rows(`SELECT id, "trigger", requested_by, job, started, finished, result, exit_code, output
+    const runs = await rows(`SELECT id, "trigger", requested_by, started, finished, result, exit_code, output
       FROM node_validations WHERE node = ${sqlStr(name)} ORDER BY id DESC LIMIT 10`);
     const last = runs[0];
     const button = who && who.role === 'operator' && !(last && last.result == null)

@@ -23,7 +23,6 @@ impl Control {
     fn validation_event(&mut self, now: i64, run: &Run, kind: &str, message: String) {
         let mut event = ClusterEvent::new(now, kind, run.by.clone(), message);
         event.node = Some(run.node.clone());
-        event.job = run.job;
         event.action = Some(run.trigger.as_str().to_owned());
         event.outcome = run.verdict.map(|v| v.as_str().to_owned());
         self.ledger.events.push(event);
@@ -47,7 +46,6 @@ impl Control {
         name: &str,
         trigger: Trigger,
         by: &str,
-        job: Option<u64>,
         command: String,
         now: i64,
     ) -> Result<Result<Run, Refused>, ControlError> {
@@ -59,10 +57,10 @@ impl Control {
                 since_ms: r.started_ms,
             }));
         }
-        let (step, owns) = validation::begin(&drain, trigger, by, job);
+        let (step, owns) = validation::begin(&drain, trigger, by);
         let run = match self
             .validations
-            .start(name, trigger, by, job, command, owns, now)
+            .start(name, trigger, by, command, owns, now)
         {
             Ok(run) => run,
             Err(refused) => return Ok(Err(refused)),
@@ -172,9 +170,7 @@ mod tests {
         let jobs = JobService::open_embedded(dir.path(), JobsConfig::default(), tx).expect("jobs");
         join(&jobs, "n1").await;
         let begin = |trigger| {
-            jobs.run(move |c, now| {
-                c.validation_begin("n1", trigger, "ops", None, "check".into(), now)
-            })
+            jobs.run(move |c, now| c.validation_begin("n1", trigger, "ops", "check".into(), now))
         };
         let run = begin(Trigger::Operator)
             .await

@@ -598,7 +598,6 @@ impl NodeValidationsTable {
             .str("node", false, |r| Some(r.node.as_str()))
             .str("trigger", false, |r| Some(r.trigger.as_str()))
             .str("requested_by", false, |r| Some(r.by.as_str()))
-            .u64("job", true, |r| r.job)
             .str("command", false, |r| Some(r.command.as_str()))
             .time("started", false, |r| Some(r.started_ms))
             .time("finished", true, |r| r.finished_ms)

@@ -27,6 +27,7 @@ async fn schema_doc_covers_every_accounting_column() {
         "job_allocations",
         "nodes",
         "node_states",
+        "node_validations",
         "cluster_utilization_daily",
         "job_costs",
         "user_usage",
