@@ -388,26 +388,10 @@ mod tests {
     fn a_pass_resumes_only_its_own_drain_and_a_failure_keeps_the_node_out() {
         let mut v = Validations::default();
         let run = v
-            .start(
-                "n1",
-                Trigger::Operator,
-                "ops",
-                None,
-                "check".into(),
-                true,
-                0,
-            )
+            .start("n1", Trigger::Operator, "ops", "check".into(), true, 0)
             .expect("starts");
         assert!(matches!(
-            v.start(
-                "n1",
-                Trigger::Operator,
-                "ops",
-                None,
-                "check".into(),
-                true,
-                1
-            ),
+            v.start("n1", Trigger::Operator, "ops", "check".into(), true, 1),
             Err(Refused::Running { .. })
         ));
         let ours = drain(true, Some(PERCH), Some("validating (asked by ops)"));
