@@ -142,6 +142,41 @@ impl Harness {
         }
     }
 
+    /// Node `node`'s NIC `eth0` and the job's counter `steps` in `[from, to)`, every second,
+    /// going up by `nic` bytes and `steps` steps a second.
+    async fn ingest_node(
+        &mut self,
+        node: &str,
+        job: u64,
+        from: i64,
+        to: i64,
+        nic: f64,
+        steps: f64,
+    ) {
+        let (mut nics, mut metrics) = (Vec::new(), Vec::new());
+        for t in (from..to).step_by(1000) {
+            let secs = (t - T0) as f64 / 1000.0;
+            nics.push(json!({"time_ms": t, "device": "eth0", "simulated": false,
+                "rx_bytes": (secs * nic / 2.0) as u64, "tx_bytes": (secs * nic / 2.0) as u64,
+                "link_up": true}));
+            metrics.push(
+                json!({"time_ms": t, "job": job.to_string(), "user": "alice",
+                "service_name": "train", "metric": "steps", "kind": "sum", "value": secs * steps,
+                "attributes": "{}"}),
+            );
+        }
+        self.seq += 1;
+        let body = serde_json::to_vec(
+            &json!({"node": node, "seq": self.seq, "nics": nics, "job_metrics": metrics}),
+        )
+        .expect("json");
+        let batch: Batch = serde_json::from_slice(&body).expect("batch");
+        self.store
+            .ingest(bytes::Bytes::from(body), &batch)
+            .await
+            .expect("ingest");
+    }
+
     /// The view's rows for the window that ends at `end`.
     async fn stragglers(&self, end: i64) -> Vec<Value> {
         let out = self
@@ -321,4 +356,42 @@ async fn two_ranks_need_a_cause_or_a_second_measure() {
         rows.iter().all(|r| r["rank"] == 1 && r["gang_size"] == 2),
         "{rows:?}"
     );
+}
+
+/// Node-wide measures: the job's own step counter (as an OpenTelemetry SDK pushes it, per
+/// node) and the node's NIC throughput. Two nodes: the step rate behind alone is not enough;
+/// with the NIC behind too, the node is flagged (no GPU, no rank: its `NODE_RANK`).
+#[tokio::test]
+async fn a_node_behind_on_its_steps_and_its_network_is_flagged() {
+    let mut h = Harness::open().await;
+    let (job, ranks) = h.gang(2, 1).await;
+    let end = T0 + 3 * MINUTE;
+    h.ingest(&ranks, T0, end, 1000, even).await;
+    let slow = ranks[1].0.clone();
+    let fast = ranks[0].0.clone();
+    h.ingest_node(&fast, job, T0, end, 2e9, 10.0).await;
+    h.ingest_node(&slow, job, T0, T0 + 2 * MINUTE, 2e9, 4.0)
+        .await;
+    assert!(
+        h.stragglers(T0 + 2 * MINUTE).await.is_empty(),
+        "steps alone"
+    );
+    h.ingest_node(&slow, job, T0 + 2 * MINUTE, end, 0.5e9, 4.0)
+        .await;
+    let rows = h.stragglers(end).await;
+    let mut metrics: Vec<&str> = rows.iter().filter_map(|r| r["metric"].as_str()).collect();
+    metrics.sort_unstable();
+    assert_eq!(metrics, ["job:steps", "nic_bytes_per_second"], "{rows:?}");
+    for r in &rows {
+        assert_eq!(r["node"], slow.as_str(), "{r}");
+        assert_eq!(r["node_rank"], 1, "{r}");
+        assert!(r["gpu"].is_null() && r["rank"].is_null(), "{r}");
+        assert_eq!(r["gang_size"], 2, "{r}");
+    }
+    let steps = rows
+        .iter()
+        .find(|r| r["metric"] == "job:steps")
+        .expect("steps");
+    assert_eq!(steps["value"], 4.0, "{steps}");
+    assert_eq!(steps["gang_median"], 7.0, "{steps}");
 }
