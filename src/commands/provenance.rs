@@ -110,7 +110,16 @@ fn cut(s: &str, max: usize) -> String {
 pub fn git(dir: &Path) -> Result<GitProvenance, String> {
     let top = capture("git", &["rev-parse", "--show-toplevel"], dir, 8192)?;
     if !top.ok {
-        return Err(format!("{} is not in a git repository", dir.display()));
+        // Anything else (git's "dubious ownership" of another user's repository) is said.
+        return Err(if top.stderr.contains("not a git repository") {
+            format!("{} is not in a git repository", dir.display())
+        } else {
+            format!(
+                "git cannot read the repository at {}: {}",
+                dir.display(),
+                cut(&top.stderr, 512)
+            )
+        });
     }
     let root = String::from_utf8_lossy(&top.out).trim().to_owned();
     let commit = line("git", &["rev-parse", "--verify", "-q", "HEAD"], dir)
