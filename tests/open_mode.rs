@@ -284,13 +284,23 @@ fn an_open_servers_psql_callers_are_the_local_users_they_are() {
     let data = dir.path().join("up");
     let config = dir.path().join("perch.toml");
     std::fs::write(&config, "[server]\npg_listen = \"127.0.0.1:0\"\n").expect("config");
-    let _perch = Perch::start(&data, &["up", "--config", &config.to_string_lossy()]);
+    let perch = Perch::start(&data, &["up", "--config", &config.to_string_lossy()]);
     let addr = common::wait_for("pg.addr", || {
         std::fs::read_to_string(data.join("pg.addr"))
             .ok()
             .filter(|s| s.ends_with('\n'))
     });
     let (host, port) = addr.trim().rsplit_once(':').expect("host:port");
+    // The banner's psql command names the port bound, not the 0 asked for.
+    wait_for("the banner", || {
+        perch.log().contains("perch is up").then_some(())
+    });
+    let banner = perch.log();
+    assert!(
+        banner.contains(&format!("psql -h {host} -p {port} -U perch"))
+            && banner.contains(&format!("PostgreSQL data source at {host}:{port}")),
+        "{banner}"
+    );
     let who = |(uid, gid): (u32, u32)| {
         let out = Command::new("psql")
             .args([

@@ -64,11 +64,39 @@ async fn bind(config: &Config) -> Result<(TcpListener, AppState)> {
         )
     })?;
     crate::telemetry::observe_server(&state);
+    // The PostgreSQL listener writes its bound address once it listens (`up`'s banner waits
+    // for it): one left by an earlier run must not be read as this one's.
+    let pg_file = config.server.data_dir.join("pg.addr");
+    match std::fs::remove_file(&pg_file) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(e).with_context(|| format!("removing {}", pg_file.display()));
+        }
+        _ => {}
+    }
     // Scripts and tests that listen on port 0 read the bound address from here.
     let addr_file = config.server.data_dir.join("server.addr");
     std::fs::write(&addr_file, format!("{}\n", listener.local_addr()?))
         .with_context(|| format!("writing {}", addr_file.display()))?;
     Ok((listener, state))
+}
+
+/// The address the PostgreSQL listener bound, from the `pg.addr` it writes in `data_dir` once
+/// it listens; `None` when it has not within a few seconds (it could not bind, and logged why).
+async fn pg_bound(data_dir: &std::path::Path) -> Option<std::net::SocketAddr> {
+    let file = data_dir.join("pg.addr");
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(10));
+    while tokio::time::Instant::now() < deadline {
+        tick.tick().await;
+        if let Some(addr) = std::fs::read_to_string(&file)
+            .ok()
+            .filter(|s| s.ends_with('\n')) // written whole
+            .and_then(|s| s.trim().parse().ok())
+        {
+            return Some(addr);
+        }
+    }
+    None
 }
 
 pub fn server(config: Config) -> Result<()> {
@@ -255,17 +283,30 @@ pub fn up(config: Config) -> Result<()> {
         } else {
             "bearer tokens required (PERCH_TOKEN)".to_owned()
         };
-        let psql = match config.server.pg_listen.rsplit_once(':') {
-            Some((host, port)) if !config.server.pg_listen.is_empty() => {
+        // The address the PostgreSQL listener bound (port 0 is a free port), not the setting.
+        let pg_addr = if config.server.pg_listen.is_empty() {
+            None
+        } else {
+            pg_bound(&config.server.data_dir).await
+        };
+        let psql = match pg_addr {
+            Some(pg) => {
                 // With tokens, the PostgreSQL listener takes one as the password.
                 let password = if config.server.tokens_file.as_os_str().is_empty() {
                     ""
                 } else {
                     "PGPASSWORD=<your token> "
                 };
+                let (host, port) = (pg.ip(), pg.port());
                 format!("{password}psql -h {host} -p {port} -U perch -c \"SELECT count(*) FROM gpu_samples\"")
             }
-            _ => "off (server.pg_listen is empty)".to_owned(),
+            None if config.server.pg_listen.is_empty() => {
+                "off (server.pg_listen is empty)".to_owned()
+            }
+            None => format!(
+                "off: {} could not be bound (the log above says why; set server.pg_listen to another address)",
+                config.server.pg_listen
+            ),
         };
         // Jobs never run as root: root's banner names the user a job runs as.
         let submit_as = if nix::unistd::geteuid().is_root() {
@@ -273,11 +314,9 @@ pub fn up(config: Config) -> Result<()> {
         } else {
             ""
         };
-        let grafana_sql = match config.server.pg_listen.rsplit_once(':') {
-            Some((host, port)) if !config.server.pg_listen.is_empty() => {
-                format!("; SQL: a PostgreSQL data source at {host}:{port}")
-            }
-            _ => String::new(),
+        let grafana_sql = match pg_addr {
+            Some(pg) => format!("; SQL: a PostgreSQL data source at {pg}"),
+            None => String::new(),
         };
         println!(
             "perch is up: server and local agent in one process.\n\
