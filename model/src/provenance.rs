@@ -14,7 +14,9 @@ pub const MAX_REPORTED_ENV_BYTES: usize = 64 << 10;
 pub const REDACTED: &str = "<redacted>";
 
 /// Parts of a variable name that mark its value as a secret (compared case-insensitively).
-pub const SECRET_NAME_PARTS: [&str; 7] = [
+/// `HEADERS` is OpenTelemetry's `OTEL_EXPORTER_OTLP_*HEADERS`, which carries an exporter's
+/// credentials (perch's own job token among them).
+pub const SECRET_NAME_PARTS: [&str; 9] = [
     "TOKEN",
     "SECRET",
     "PASSWORD",
@@ -22,6 +24,8 @@ pub const SECRET_NAME_PARTS: [&str; 7] = [
     "KEY",
     "CREDENTIAL",
     "AUTH",
+    "HEADERS",
+    "COOKIE",
 ];
 
 /// One attempt's start on one node.
@@ -52,6 +56,38 @@ pub fn is_secret_name(name: &str) -> bool {
     SECRET_NAME_PARTS.iter().any(|p| upper.contains(p))
 }
 
+/// Whether a value carries a credential whatever its variable is called: an HTTP
+/// authorization (`Bearer ...`, `Basic ...`, `authorization=...`) or a URL with a password
+/// (`postgresql://user:pass@host/db`).
+pub fn is_secret_value(value: &str) -> bool {
+    let lower = value.to_ascii_lowercase();
+    if lower.contains("bearer ")
+        || lower.contains("bearer%20")
+        || lower.contains("basic ")
+        || lower.contains("basic%20")
+        || lower.contains("authorization")
+    {
+        return true;
+    }
+    // scheme://user:password@host: a ':' in the part before '@' of any authority.
+    lower.match_indices("://").any(|(at, _)| {
+        let rest = &value[at + 3..];
+        let authority = rest
+            .split(['/', '?', '#', ' ', ',', ';'])
+            .next()
+            .unwrap_or("");
+        authority
+            .rsplit_once('@')
+            .is_some_and(|(userinfo, _)| userinfo.contains(':'))
+    })
+}
+
+/// Whether a variable's value is kept out of provenance ([`is_secret_name`],
+/// [`is_secret_value`]).
+pub fn is_secret(name: &str, value: &str) -> bool {
+    is_secret_name(name) || is_secret_value(value)
+}
+
 /// `env` with secrets' values replaced by [`REDACTED`] and cut to [`MAX_REPORTED_ENV_BYTES`];
 /// the second value says whether variables were left out.
 pub fn reportable_env(env: &BTreeMap<String, String>) -> (BTreeMap<String, String>, bool) {
@@ -59,7 +95,7 @@ pub fn reportable_env(env: &BTreeMap<String, String>) -> (BTreeMap<String, Strin
     let mut bytes = 0;
     let mut truncated = false;
     for (k, v) in env {
-        let v = if is_secret_name(k) {
+        let v = if is_secret(k, v) {
             REDACTED
         } else {
             v.as_str()
@@ -91,6 +127,14 @@ mod tests {
             ("DB_PASSWORD", "p"),
             ("CUDA_VISIBLE_DEVICES", "0,1"),
             ("PATH", "/bin"),
+            (
+                "OTEL_EXPORTER_OTLP_HEADERS",
+                "authorization=Bearer%20perch-job.1.1.abc",
+            ),
+            ("DATABASE_URL", "postgresql://app:hunter2@db:5432/runs"),
+            ("EXTRA", "x-api: Bearer abc"),
+            ("MLFLOW_TRACKING_URI", "http://mlflow:5000/api"),
+            ("MODEL_REPO", "https://hf.co/user@org/model"),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
@@ -102,6 +146,13 @@ mod tests {
         assert_eq!(out["DB_PASSWORD"], REDACTED);
         assert_eq!(out["CUDA_VISIBLE_DEVICES"], "0,1");
         assert_eq!(out["PATH"], "/bin");
+        // Credentials by value, whatever the name.
+        assert_eq!(out["OTEL_EXPORTER_OTLP_HEADERS"], REDACTED);
+        assert_eq!(out["DATABASE_URL"], REDACTED);
+        assert_eq!(out["EXTRA"], REDACTED);
+        // A URL without a password, and an '@' outside an authority's user part, stay.
+        assert_eq!(out["MLFLOW_TRACKING_URI"], "http://mlflow:5000/api");
+        assert_eq!(out["MODEL_REPO"], "https://hf.co/user@org/model");
     }
 
     #[test]
