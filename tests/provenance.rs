@@ -230,6 +230,12 @@ fn a_job_records_what_it_ran_and_runs_it_again() {
         "perch's additions are"
     );
     assert!(!p.to_string().contains("hf_secret"), "{p}");
+    // The job's own metrics token (perch's addition) is a credential too.
+    assert_eq!(
+        run["env"]["OTEL_EXPORTER_OTLP_HEADERS"], "<redacted>",
+        "{p}"
+    );
+    assert!(!p.to_string().contains("perch-job."), "{p}");
 
     let (ok, shown, err) = perch_in(
         &repo,
