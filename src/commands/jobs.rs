@@ -131,6 +131,9 @@ pub struct SubmitArgs {
     /// KEY=VALUE, repeatable.
     #[arg(long = "env", short = 'e')]
     env: Vec<String>,
+    /// The directory the job runs in, on its nodes (relative: under the current directory;
+    /// `-D .` runs it where you submit, as sbatch does). Default: the job's own directory under
+    /// the agent's data directory, where its hostfile is.
     #[arg(long, short = 'D')]
     workdir: Option<String>,
     /// Also record the Python environment's packages (`python3 -m pip freeze`, at most
