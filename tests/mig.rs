@@ -13,28 +13,12 @@ use serde_json::{Value, json};
 
 /// Node `gpu-0`: two A100s, GPU 0 in MIG mode as 3g.40gb + 4g.40gb, GPU 1 not.
 fn mig_node() -> Value {
-    let gpu = |i: usize, mig: bool| {
-        let mut set = json!({
-            "util_gpu": 0, "util_memory": 0,
-            "memory_used_bytes": 0, "memory_total_bytes": 85_899_345_920_u64,
-            "power_mw": 60_000, "temperature_c": 35, "sm_clock_mhz": 1410,
-            "mig_mode": mig,
-        });
-        if mig {
-            set["mig_profiles"] = json!(["3g.40gb", "4g.40gb"]);
-        }
-        json!({
-            "uuid": format!("GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd"),
-            "name": "NVIDIA A100-SXM4-80GB",
-            "timeline": [{"at": 0, "set": set}],
-        })
-    };
-    json!({"clock": "seconds", "gpus": [gpu(0, true), gpu(1, false)]})
+    standin::mig_pair()
 }
 
 /// The UUID the stand-in gives instance `index` of GPU 0.
 fn instance_uuid(index: usize) -> String {
-    format!("MIG-00000000-aaaa-bbbb-cccc-dddddddddddd-{index}")
+    standin::mig_uuid(index)
 }
 
 fn submit(perch: &Perch, args: &[&str]) -> (bool, String) {

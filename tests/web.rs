@@ -1771,7 +1771,8 @@ fn the_node_page_shows_its_last_validation() {
     browser.open(&format!("{url}/#/nodes/gpu-0"));
     let last = browser.text("#validation-last");
     assert!(
-        last.contains("Last validation: failed (operator, asked by ") && last.contains("exit code 1"),
+        last.contains("Last validation: failed (operator, asked by ")
+            && last.contains("exit code 1"),
         "{last}"
     );
     let output = browser.text("#validation-output");
@@ -1790,4 +1791,104 @@ fn the_node_page_shows_its_last_validation() {
         (runs(&url).len() == 2).then_some(())
     });
     browser.assert_no_errors("the node page's validation");
+}
+
+/// The node page of a node whose GPU 0 is in MIG mode (a 3g.40gb and a 4g.40gb instance, the
+/// stand-in NVML) and whose GPU 1 takes MPS shares: its MIG instances are listed with their
+/// profile, UUID, memory and job (a link) or free, GPU 1's sharers with their percents; a MIG
+/// job's page says which profile it asked for and which instance it holds, a shared job's page
+/// its share (docs/mig.md).
+#[test]
+fn the_node_page_shows_mig_instances_and_mps_sharers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let perch = Perch::start(&dir.path().join("server"), &["server"]);
+    let url = perch.url.clone();
+    let lib = common::standin::library();
+    let _agent = common::standin::Agent::start_with(
+        dir.path(),
+        &url,
+        0,
+        &lib,
+        &common::standin::mig_pair(),
+        &[("PERCH_GPU_SHARING", "true")],
+    );
+    perch.wait_nodes_up(1);
+    let submit = |extra: Value| {
+        let mut body =
+            json!({"command": ["sleep", "600"], "user": "alice", "time_limit_secs": 3600});
+        for (k, v) in extra.as_object().expect("fields") {
+            body[k] = v.clone();
+        }
+        post_json(&url, "/v1/jobs", &body)["id"]
+            .as_u64()
+            .expect("job id")
+    };
+    let on_mig = submit(json!({"gpu_profile": "3g.40gb"}));
+    let share = json!({"gpu_share": {"fraction": 0.25, "memory_gb": 4.0}});
+    let shared = [submit(share.clone()), submit(share)];
+    for id in [on_mig, shared[0], shared[1]] {
+        wait_for(&format!("job {id} to run"), || {
+            (perch.job(id)["state"] == "running").then_some(())
+        });
+    }
+    for id in shared {
+        assert_eq!(perch.job(id)["placement"][0]["gpus"], json!([1]));
+    }
+
+    let browser = Browser::start();
+    browser.open(&format!("{url}/#/nodes/gpu-0"));
+    let hidden = browser.js(
+        "return document.getElementById('node-mig-section').hidden",
+        json!([]),
+    );
+    assert_eq!(hidden, false, "the MIG section is shown");
+    let mig = table_rows(&browser, "#mig-instances tbody tr");
+    assert_eq!(
+        mig,
+        [
+            vec![
+                "0".to_owned(),
+                "3g.40gb".to_owned(),
+                common::standin::mig_uuid(0),
+                "40.0 GiB".to_owned(),
+                format!("{on_mig} alice"),
+            ],
+            vec![
+                "0".to_owned(),
+                "4g.40gb".to_owned(),
+                common::standin::mig_uuid(1),
+                "40.0 GiB".to_owned(),
+                "free".to_owned(),
+            ],
+        ],
+    );
+    let gpus = table_rows(&browser, "#node-gpus tbody tr");
+    assert_eq!(gpus[0][1], "MIG mode: 2 instances, 1 held", "{gpus:?}");
+    assert_eq!(
+        gpus[1][1],
+        format!(
+            "shared (MPS): {} alice (25%), {} alice (25%), 50% granted",
+            shared[0], shared[1]
+        ),
+        "{gpus:?}"
+    );
+    browser.screenshot("node-mig");
+    browser.assert_no_errors("the node page of a MIG node");
+
+    // The instance's job link opens the job, which names its profile and instance.
+    browser.js(
+        "document.querySelector('#mig-instances tbody tr a').click()",
+        json!([]),
+    );
+    browser.wait_ready("the MIG job's page");
+    wait_for("the job page's MIG instance", || {
+        (browser.text("#job-mig-uuid") == common::standin::mig_uuid(0)).then_some(())
+    });
+    assert_eq!(browser.text("#job-gpu-profile"), "one 3g.40gb MIG instance");
+    browser.open(&format!("{url}/#/jobs/{}", shared[0]));
+    assert_eq!(
+        browser.text("#job-gpu-share"),
+        "0.25 of a GPU (MPS share, 4 GiB of its memory)"
+    );
+    browser.assert_no_errors("the pages of a MIG job and a shared job");
 }

@@ -351,7 +351,10 @@
     for (const j of g.jobs) {
       lines.push(`job ${j.job}: ${j.user} / ${j.account}${j.share_percent != null ? `, ${j.share_percent}% share` : ''}`);
     }
-    if (!g.jobs.length) lines.push('free');
+    for (const m of g.mig_instances || []) {
+      lines.push(`MIG ${m.profile}: ${m.job != null ? `job ${m.job} (${m.user})` : 'free'}`);
+    }
+    if (!g.jobs.length && !(g.mig_instances || []).length) lines.push('free');
     lines.push(`utilization ${pct(g.utilization_gpu_pct)}, memory ${gib(g.memory_used_bytes)} of ${gib(g.memory_total_bytes)}, ${num(g.power_watts, 0)} W, ${num(g.temperature_celsius, 0)} °C`);
     if (g.health !== 'healthy') lines.push(`health: ${healthText(g)}`);
     if (node.state !== 'up') lines.push(`node ${node.state}`);
@@ -763,6 +766,9 @@
       <div id="node-actions" class="toolbar"></div>
       <dl class="kv" id="node-kv"></dl>
       <h2>GPUs now</h2><div id="node-gpus"></div>
+      <section id="node-mig-section" hidden><h2>MIG instances</h2>
+        <p class="muted">GPUs in MIG mode are placed only as these instances (<code>perch submit --gpu-profile</code>), never whole; perch does not create or remove them (docs/mig.md).</p>
+        <div id="node-mig"></div></section>
       <h2>Utilization, last hour</h2><div class="chart" id="node-chart"></div>
       <h2>Validation</h2><div id="node-validation"></div>
       <h2>Events</h2><div id="node-events"></div>`;
@@ -784,7 +790,7 @@
         <dt>last agent sync</dt><dd>${node.last_sync_secs_ago == null ? '–' : `${num(node.last_sync_secs_ago)} s ago`}</dd>`;
       document.getElementById('node-gpus').innerHTML = table([
         { title: 'GPU', key: 'index' },
-        { title: 'jobs', html: (g) => g.jobs.map((j) => `<a href="#/jobs/${j.job}">${j.job}</a> ${esc(j.user)}${j.share_percent != null ? ` (${j.share_percent}%)` : ''}`).join(', ') || '<span class="muted">free</span>' },
+        { title: 'jobs', html: gpuJobs },
         { title: 'utilization', num: true, text: (g) => pct(g.utilization_gpu_pct) },
         { title: 'memory', num: true, text: (g) => `${gib(g.memory_used_bytes)} / ${gib(g.memory_total_bytes)}` },
         { title: 'power', num: true, text: (g) => `${num(g.power_watts, 0)} W` },
@@ -792,6 +798,7 @@
         { title: 'health', html: (g) => (g.health === 'healthy' ? 'healthy' : `<span class="bad">${esc(g.health)}${g.xid != null ? ` ${g.xid}` : ''}</span>`) },
         { title: '', html: (g) => (g.simulated ? badge('simulated') : '') },
       ], node.gpu_status);
+      nodeMig(node);
       nodeActions(name, node.state);
       await nodeValidation(name);
       const why = node.state === 'drained' ? await rows(`SELECT reason, drained_by FROM nodes WHERE node = ${sqlStr(name)}`) : [];
@@ -808,6 +815,34 @@
         { title: 'what', key: 'message' }], events, { empty: 'No events for this node.' });
       v.ready();
     });
+  }
+
+  // A GPU's jobs on the node page: its whole owner, its MPS sharers with the percent of the
+  // GPU each was granted, or, in MIG mode, how many of its instances are held.
+  function gpuJobs(g) {
+    const mig = g.mig_instances || [];
+    if (mig.length) {
+      const held = mig.filter((m) => m.job != null).length;
+      return `<span class="mig-summary">MIG mode: ${mig.length} instance${mig.length === 1 ? '' : 's'}, ${held} held</span>`;
+    }
+    const shared = g.jobs.some((j) => j.share_percent != null);
+    const jobs = g.jobs.map((j) => `<a href="#/jobs/${j.job}">${j.job}</a> ${esc(j.user)}${j.share_percent != null ? ` (${j.share_percent}%)` : ''}`).join(', ');
+    if (!jobs) return '<span class="muted">free</span>';
+    return shared ? `<span class="mps-sharers">shared (MPS): ${jobs}, ${g.jobs.reduce((a, j) => a + (j.share_percent || 0), 0)}% granted</span>` : jobs;
+  }
+
+  // The node's MIG instances (GET /v1/nodes' mig_instances): GPU, profile, UUID, memory and
+  // the job on each, or free. Hidden for a node with none.
+  function nodeMig(node) {
+    const mig = node.gpu_status.flatMap((g) => (g.mig_instances || []).map((m) => ({ gpu: g.index, ...m })));
+    document.getElementById('node-mig-section').hidden = !mig.length;
+    document.getElementById('node-mig').innerHTML = mig.length ? table([
+      { title: 'GPU', key: 'gpu' },
+      { title: 'profile', key: 'profile' },
+      { title: 'UUID', html: (m) => `<span class="mono">${esc(m.uuid)}</span>` },
+      { title: 'memory', num: true, text: (m) => (m.memory_mb == null ? '–' : `${num(m.memory_mb / 1024, 1)} GiB`) },
+      { title: 'job', html: (m) => (m.job != null ? `<a href="#/jobs/${m.job}">${m.job}</a> ${esc(m.user || '')}` : '<span class="muted">free</span>') },
+    ], mig, { id: 'mig-instances' }) : '';
   }
 
   // Drain or Resume, whichever the node's state allows (operators only). Drain asks for a
@@ -947,7 +982,24 @@
       ? j.placement.map((p) => `<a href="#/nodes/${encodeURIComponent(p.node)}">${esc(p.node)}</a>[${esc(p.gpus.join(','))}]`).join(' ')
       : esc(humanReason(j.reason))) },
   ];
-  const gpusOf = (r) => (r.gpu_share ? `${r.gpu_share.fraction}` : `${(r.nodes || 1) * (r.gpus_per_node || 1)}`);
+  const gpusOf = (r) => (r.gpu_profile ? `MIG ${r.gpu_profile}` : r.gpu_share ? `${r.gpu_share.fraction}` : `${(r.nodes || 1) * (r.gpus_per_node || 1)}`);
+  // What a job asked for, in words: a MIG instance of a profile, a share of one GPU (its MPS
+  // compute fraction and memory), or whole GPUs.
+  const askedFor = (r) => {
+    if (r.gpu_profile) return `<span id="job-gpu-profile">one ${esc(r.gpu_profile)} MIG instance</span>`;
+    if (r.gpu_share) return `<span id="job-gpu-share">${esc(r.gpu_share.fraction)} of a GPU (MPS share${r.gpu_share.memory_gb != null ? `, ${esc(r.gpu_share.memory_gb)} GiB of its memory` : ''})</span>`;
+    return `${esc(r.nodes || 1)} node(s) × ${esc(r.gpus_per_node || 1)} GPU(s)`;
+  };
+
+  // The MIG instance job `job` holds on its node, from GET /v1/nodes; null when none is listed.
+  async function migOf(job) {
+    const node = (await api('/v1/nodes')).nodes.find((n) => n.name === job.placement[0].node);
+    for (const g of (node && node.gpu_status) || []) {
+      const m = (g.mig_instances || []).find((i) => i.job === job.id);
+      if (m) return { gpu: g.index, ...m };
+    }
+    return null;
+  }
 
   // The "simulated" label of views whose figures come from simulated GPUs.
   let simKnown = null;
@@ -1323,16 +1375,19 @@
       document.getElementById('job-queue').innerHTML = job.state === 'pending'
         ? `<span id="queue-place">${esc(place)}</span>${job.estimated_start_ms ? ` · starts <span id="job-eta" title="${esc(when(job.estimated_start_ms))}">${esc(rel(job.estimated_start_ms))}</span> <span class="muted">(${esc(when(job.estimated_start_ms))})</span>` : ' · start time not known yet'}${job.reason ? ` · <span class="muted">${esc(humanReason(job.reason))}</span>` : ''}`
         : '';
+      // The MIG instance a running job holds: GET /v1/nodes names each instance's job.
+      const mig = r.gpu_profile && job.state === 'running' && job.placement.length ? await migOf(job) : null;
       document.getElementById('job-title').innerHTML = `${esc(r.name || '')} ${badge(job.state)}${job.private ? ' <span class="muted">(not yours: command and environment hidden)</span>' : ''}`;
       document.getElementById('job-kv').innerHTML = `
         <dt>user / account</dt><dd>${esc(r.user)} / ${esc(r.account || r.user)}</dd>
-        <dt>asked for</dt><dd>${r.gpu_share ? `${esc(r.gpu_share.fraction)} of a GPU` : `${esc(r.nodes || 1)} node(s) × ${esc(r.gpus_per_node || 1)} GPU(s)`}${r.gpu_model ? ` of ${esc(r.gpu_model)}` : ''}, time limit ${span(r.time_limit_secs)}</dd>
+        <dt>asked for</dt><dd>${askedFor(r)}${r.gpu_model ? ` of ${esc(r.gpu_model)}` : ''}, time limit ${span(r.time_limit_secs)}</dd>
         <dt>command</dt><dd class="mono">${esc((r.command || []).join(' '))}</dd>
         ${Object.keys(r.env || {}).length ? `<dt>environment</dt><dd class="mono">${Object.entries(r.env).map(([k, x]) => `${esc(k)}=${esc(x)}`).join('<br>')}</dd>` : ''}
         <dt>state</dt><dd>${badge(job.state)}${job.exit_code != null ? ` exit ${esc(job.exit_code)}` : ''}</dd>
         ${job.reason ? `<dt>reason</dt><dd>${esc(humanReason(job.reason))}</dd>` : ''}
         ${job.estimated_start_ms ? `<dt>estimated start</dt><dd>${esc(rel(job.estimated_start_ms))} (${when(job.estimated_start_ms)})</dd>` : ''}
         <dt>${job.state === 'pending' && job.placement.length ? 'last run on' : 'placement'}</dt><dd>${job.placement.map((p) => `<a href="#/nodes/${encodeURIComponent(p.node)}">${esc(p.node)}</a> GPUs ${esc(p.gpus.join(', '))}`).join('<br>') || '–'}</dd>
+        ${mig ? `<dt>MIG instance</dt><dd><span class="mono" id="job-mig-uuid">${esc(mig.uuid)}</span> (${esc(mig.profile)}, GPU ${esc(mig.gpu)})</dd>` : ''}
         <dt>submitted</dt><dd>${when(job.submit_ms)}</dd><dt>started</dt><dd>${when(job.start_ms)}</dd><dt>ended</dt><dd>${when(job.end_ms)}</dd>
         <dt>attempts</dt><dd>${job.attempts} (preempted ${job.preemptions}, requeued ${job.requeues})</dd>`;
       const u = job.usage;

@@ -47,12 +47,51 @@ pub fn busy_pair(node: usize, throttled: bool) -> Value {
     json!({"clock": "seconds", "gpus": [gpu(0), gpu(1)]})
 }
 
+/// Two idle A100s, GPU 0 in MIG mode as a 3g.40gb and a 4g.40gb instance (UUIDs
+/// [`mig_uuid`] 0 and 1), GPU 1 not.
+pub fn mig_pair() -> Value {
+    let gpu = |i: usize, mig: bool| {
+        let mut set = json!({
+            "util_gpu": 0, "util_memory": 0,
+            "memory_used_bytes": 0, "memory_total_bytes": 85_899_345_920_u64,
+            "power_mw": 60_000, "temperature_c": 35, "sm_clock_mhz": 1410,
+            "mig_mode": mig,
+        });
+        if mig {
+            set["mig_profiles"] = json!(["3g.40gb", "4g.40gb"]);
+        }
+        json!({
+            "uuid": format!("GPU-0000000{i}-aaaa-bbbb-cccc-dddddddddddd"),
+            "name": "NVIDIA A100-SXM4-80GB",
+            "timeline": [{"at": 0, "set": set}],
+        })
+    };
+    json!({"clock": "seconds", "gpus": [gpu(0, true), gpu(1, false)]})
+}
+
+/// The UUID the stand-in gives MIG instance `index` of [`mig_pair`]'s GPU 0.
+pub fn mig_uuid(index: usize) -> String {
+    format!("MIG-00000000-aaaa-bbbb-cccc-dddddddddddd-{index}")
+}
+
 /// Agent `gpu-<node>` reading its GPUs from the stand-in playing `scenario`; killed when
 /// dropped.
 pub struct Agent(Child);
 
 impl Agent {
     pub fn start(dir: &Path, server: &str, node: usize, lib: &Path, scenario: &Value) -> Agent {
+        Agent::start_with(dir, server, node, lib, scenario, &[])
+    }
+
+    /// [`Agent::start`] with `env` added to the agent's environment (`PERCH_GPU_SHARING`).
+    pub fn start_with(
+        dir: &Path,
+        server: &str,
+        node: usize,
+        lib: &Path,
+        scenario: &Value,
+        env: &[(&str, &str)],
+    ) -> Agent {
         let data = dir.join(format!("agent-{node}"));
         std::fs::create_dir_all(&data).expect("agent dir");
         let file = data.join("scenario.json");
@@ -72,6 +111,7 @@ impl Agent {
             .env("PERCH_NVML_STANDIN_SCENARIO", &file)
             .env("PERCH_RUN_AS_USER", "never")
             .env_remove("PERCH_TOKEN")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(data.join("agent.log")).expect("log"))
             .spawn()
