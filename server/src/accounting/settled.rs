@@ -56,7 +56,7 @@ use std::sync::Arc;
 
 /// The format version of the files this binary writes, and the only one it reads: bump it
 /// with any change to the files' columns or to what a column means.
-pub(crate) const FORMAT_VERSION: u32 = 2;
+pub(crate) const FORMAT_VERSION: u32 = 3;
 
 /// The Parquet key-value metadata key holding a file's format version (decimal). A file
 /// without it was written before versions were recorded, and is version 1.

@@ -149,6 +149,8 @@ struct JobRow {
     elapsed_seconds: Option<f64>,
     nodes: String,
     gpu_model: Option<String>,
+    gpu_profile: Option<String>,
+    gpu_fraction: Option<f64>,
 }
 
 fn job_row(j: &JobRecord, prices: &Prices, now: i64) -> JobRow {
@@ -184,6 +186,8 @@ fn job_row(j: &JobRecord, prices: &Prices, now: i64) -> JobRow {
             .last()
             .map(|a| a.gpu_model.clone())
             .or_else(|| r.gpu_model.clone()),
+        gpu_profile: r.gpu_profile.clone(),
+        gpu_fraction: r.gpu_share.as_ref().map(|s| s.fraction),
     }
 }
 
@@ -209,6 +213,8 @@ impl JobsTable {
                 Some(r.node_count.saturating_mul(r.gpus_per_node))
             })
             .str("gpu_model", true, |r| r.gpu_model.as_deref())
+            .str("gpu_profile", true, |r| r.gpu_profile.as_deref())
+            .f64("gpu_fraction", true, |r| r.gpu_fraction)
             .u32("attempts", false, |r| Some(r.attempts))
             .u32("preemptions", false, |r| Some(r.preemptions))
             .u32("requeues", false, |r| Some(r.requeues))
