@@ -10,7 +10,13 @@
 # accounted, then validates the node with perch's built-in check (`perch validate`: NVML health
 # of every GPU, a GPU burn and a memory check through torch; docs/validation.md) and checks that
 # it burned every GPU and resumed the node, and writes everything it saw to REPORT_DIR (default
-# ./gpu-check). It needs nvidia-smi and python3 with torch. Exit status 0 when every check passed; each failed check is
+# ./gpu-check). MIG and MPS (docs/mig.md) are checked where the machine has them: on a GPU
+# already in MIG mode, that perch lists the instances nvidia-smi lists and that a
+# `--gpu-profile` job sees its instance's UUID; where nvidia-cuda-mps-control is installed,
+# whether its daemon runs and that a shared job gets the MPS limits. It never enables MIG,
+# creates or removes instances, starts or stops the MPS daemon, or resets a GPU: what it
+# cannot check it writes as a SKIP line with the reason. It needs nvidia-smi and python3 with
+# torch. Exit status 0 when every check passed; each failed check is
 # one `FAIL` line in REPORT_DIR/summary.txt.
 set -u
 PERCH=$(realpath "${1:?usage: gpu-check.sh PERCH_BINARY [REPORT_DIR]}")
@@ -53,6 +59,7 @@ flush_interval_secs = 2
 pg_listen = "127.0.0.1:$((PORT + 1))"
 [agent]
 interval_ms = 1000
+gpu_sharing = true
 [accounting]
 fold_interval_secs = 10
 settle_secs = 5
@@ -171,6 +178,88 @@ fi
 check "a process outside perch was flagged rogue (pid $ROGUE)" \
   grep -qE "^[^,]*,[^,]*,[^,]*,[^,]*,[^,]*,$ROGUE,.*,true$" "$R/gpu-processes-rogue.csv"
 check "the Prometheus endpoint has real GPU series" grep -q 'simulated="false"' "$R/metrics-running.txt"
+
+# The state of job $1 once it matches the regex $2 (perch show), waiting up to $3 seconds; the
+# last state seen otherwise.
+wait_state() {
+  local state=
+  for _ in $(seq "$3"); do
+    state=$("$PERCH" show "$1" 2>/dev/null | grep -oE 'State=[a-z_]+' | head -1)
+    echo "$state" | grep -qE "$2" && break
+    sleep 1
+  done
+  echo "$state"
+}
+
+# MIG (docs/mig.md): GPUs an operator put in MIG mode are placed only as their instances. Only
+# read here: MIG mode, the instances and the GPUs are left as they are.
+nvidia-smi --query-gpu=index,mig.mode.current --format=csv,noheader >"$R/smi-mig-mode.csv" 2>&1
+mig_gpus=$(awk -F', *' '$2 == "Enabled" {print $1}' "$R/smi-mig-mode.csv" | paste -sd' ')
+if [ -z "$mig_gpus" ]; then
+  say "SKIP MIG: not enabled on any GPU (nvidia-smi's mig.mode.current; this script never enables it)"
+else
+  say "MIG: enabled on GPU(s) $mig_gpus"
+  nvidia-smi -L >"$R/smi-list.txt" 2>&1
+  grep -oE 'MIG-[^) ]+' "$R/smi-list.txt" | sort >"$R/smi-mig-uuids.txt"
+  "$PERCH" nodes >"$R/nodes-mig.txt" 2>&1
+  # `MIG <node> GPU <index> <profile> <uuid> free|job <id> (<user>)`
+  awk '$1 == "MIG" {print $6}' "$R/nodes-mig.txt" | sort >"$R/perch-mig-uuids.txt"
+  check "perch lists the MIG instances nvidia-smi lists ($(grep -c . "$R/smi-mig-uuids.txt"))" \
+    bash -c "test -s '$R/smi-mig-uuids.txt' && diff '$R/smi-mig-uuids.txt' '$R/perch-mig-uuids.txt'"
+  profile=$(awk '$1 == "MIG" && $7 == "free" {print $5; exit}' "$R/nodes-mig.txt")
+  if [ -z "$profile" ]; then
+    say "SKIP the MIG job: perch lists no free MIG instance"
+  else
+    "$PERCH" submit --user "$JOB_USER" --gpu-profile "$profile" --time 5m -J gpu-check-mig -D "$WORK" \
+      -- sh -c 'echo CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES PERCH_GPU_PROFILE=$PERCH_GPU_PROFILE
+        python3 -c "import torch; print(\"device_count\", torch.cuda.device_count())" 2>&1 | tail -1
+        sleep 5' >"$R/submit-mig.txt" 2>&1
+    MJOB=$(grep -oE '[0-9]+' "$R/submit-mig.txt" | head -1)
+    say "MIG job ($profile): $(cat "$R/submit-mig.txt")"
+    wait_state "$MJOB" 'running|completed|failed|cancelled' 60 >/dev/null
+    "$PERCH" nodes >"$R/nodes-mig-running.txt" 2>&1
+    held=$(awk -v j="$MJOB" '$1 == "MIG" && $7 == "job" && $8 == j {print $6; exit}' "$R/nodes-mig-running.txt")
+    wait_state "$MJOB" 'completed|failed|cancelled|timeout' 60 >/dev/null
+    "$PERCH" logs "$MJOB" >"$R/job-mig-log.txt" 2>&1
+    check "the $profile job held a $profile instance (${held:-none listed})" \
+      grep -qE "^MIG [^ ]+ GPU [0-9]+ $profile ${held:-none} job $MJOB " "$R/nodes-mig-running.txt"
+    check "the $profile job saw CUDA_VISIBLE_DEVICES=its MIG UUID" \
+      grep -qx "CUDA_VISIBLE_DEVICES=${held:-none} PERCH_GPU_PROFILE=$profile" "$R/job-mig-log.txt"
+    if grep -q '^device_count' "$R/job-mig-log.txt"; then
+      check "CUDA in the $profile job saw one device" grep -qx 'device_count 1' "$R/job-mig-log.txt"
+    else
+      say "SKIP CUDA in the MIG job: no python3 with torch as $JOB_USER"
+    fi
+  fi
+fi
+
+# MPS (docs/mig.md): a shared job (--gpu-fraction) gets the MPS limits in its environment; the
+# MPS control daemon, which enforces them, is the operator's to start (never done here).
+if ! command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+  say "SKIP MPS: nvidia-cuda-mps-control is not installed (shares would run without MPS's limits)"
+else
+  if pgrep -x nvidia-cuda-mps-control >/dev/null 2>&1; then
+    say "MPS: the control daemon is running (shares' limits are enforced)"
+  else
+    say "MPS: nvidia-cuda-mps-control is installed but its daemon is not running (shares' limits are not enforced; nvidia-cuda-mps-control -d starts it)"
+  fi
+  "$PERCH" submit --user "$JOB_USER" --gpu-fraction 0.25 --gpu-memory-gb 1 --time 5m -J gpu-check-mps \
+    -D "$WORK" -- sh -c 'env | grep -E "^(CUDA_VISIBLE_DEVICES|CUDA_MPS_|PERCH_GPU_)" | sort' \
+    >"$R/submit-mps.txt" 2>&1
+  SJOB=$(grep -oE '[0-9]+' "$R/submit-mps.txt" | head -1)
+  say "shared job: $(cat "$R/submit-mps.txt")"
+  state=$(wait_state "$SJOB" 'completed|failed|cancelled|timeout' 60)
+  "$PERCH" show "$SJOB" >"$R/show-mps.txt" 2>&1
+  "$PERCH" logs "$SJOB" >"$R/job-mps-log.txt" 2>&1
+  if [ -z "$state" ] || echo "$state" | grep -q pending; then
+    say "SKIP the shared job's environment: it did not start in 60 s ($(grep -oE 'Reason=.* ExitCode' "$R/show-mps.txt" | head -1 | sed 's/ ExitCode$//'))"
+  else
+    check "the shared job got CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" \
+      grep -qx 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25' "$R/job-mps-log.txt"
+    check "the shared job got CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=1024M" \
+      grep -qx 'CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=1024M' "$R/job-mps-log.txt"
+  fi
+fi
 
 # The built-in validation (docs/validation.md): the node drained, every GPU's NVML health, then
 # a 10 s burn and a memory check per GPU through torch, and the node resumed when all pass.
