@@ -339,7 +339,7 @@ fn check_gpu_profile(
     if perch_model::control::mig_profile_slices(profile).is_none() {
         return Err(err(
             "gpu_profile",
-            &format!(
+            format!(
                 "{profile:?} is not a MIG profile: use the form <n>g.<m>gb with n from 1 to 7, as nvidia-smi mig -lgip lists them (e.g. 3g.40gb)"
             ),
         ));
@@ -353,7 +353,7 @@ fn check_gpu_profile(
     if gpus_per_node != 1 || nodes != 1 {
         return Err(err(
             "gpu_profile",
-            &format!(
+            format!(
                 "a job on a MIG instance gets one instance on one node: leave gpus_per_node and nodes at 1 (got {gpus_per_node} GPUs on {nodes} nodes), or drop gpu_profile for whole GPUs"
             ),
         ));
