@@ -198,7 +198,7 @@ impl ProvenanceRecord {
 #[derive(Debug, Clone, PartialEq)]
 pub enum ProvenanceChange {
     /// A job submitted: its record, first written.
-    Submitted(ProvenanceRecord),
+    Submitted(Box<ProvenanceRecord>),
     /// An attempt started on a node: added to the job's record (one is made for a job that
     /// has none).
     Ran {
@@ -221,7 +221,7 @@ impl ProvenanceChange {
     pub fn apply(&self, stored: Option<ProvenanceRecord>) -> ProvenanceRecord {
         match self {
             ProvenanceChange::Submitted(r) => {
-                let mut r = r.clone();
+                let mut r = ProvenanceRecord::clone(r);
                 if let Some(old) = stored {
                     // Reports that came first (never, from one server) are not lost.
                     for run in old.runs {

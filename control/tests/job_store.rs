@@ -217,7 +217,7 @@ fn provenance_keeps_the_contract(store: &dyn JobStore) -> ProvenanceRecord {
     store
         .save(&Dirty {
             provenance: vec![
-                ProvenanceChange::Submitted(record.clone()),
+                ProvenanceChange::Submitted(Box::new(record.clone())),
                 ran(7, "gpu-1"),
                 ran(7, "gpu-1"),
             ],

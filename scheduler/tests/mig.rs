@@ -128,7 +128,10 @@ fn no_whole_or_shared_job_goes_on_a_mig_gpu() {
     let a = step(&mut s, 3, Event::Submit(shared));
     assert!(started(&a).is_empty());
     // Job 2 waits for GPU 1 (reserved at job 1's time limit), never for the MIG GPU.
-    assert!(matches!(reason(&s, 2), Some(PendingReason::Reserved { .. })));
+    assert!(matches!(
+        reason(&s, 2),
+        Some(PendingReason::Reserved { .. })
+    ));
     // But the profile jobs start beside them.
     let a = step(&mut s, 4, Event::Submit(profiled(4, "4g.40gb", "a")));
     assert_eq!(started(&a), vec![4]);
@@ -158,7 +161,9 @@ fn a_profile_job_is_charged_its_slices_of_seven() {
     for bad in [
         "3g", "3g.40", "8g.80gb", "0g.5gb", "g.40gb", "3g.0gb", "3G.40GB",
     ] {
-        let err = profiled(1, bad, "a").validate().map(|_| ()).unwrap_err();
+        let Err(err) = profiled(1, bad, "a").validate() else {
+            panic!("{bad} was accepted");
+        };
         assert!(err.to_string().contains("<n>g.<m>gb"), "{bad}: {err}");
     }
     let mut two = profiled(1, "3g.40gb", "a");

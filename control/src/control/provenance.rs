@@ -39,14 +39,14 @@ impl Control {
     /// Queues job `job`'s submit-side provenance for the commit that adds it.
     pub fn record_provenance(&mut self, job: u64, user: &str, p: SubmitProvenance, now: i64) {
         self.provenance
-            .push(ProvenanceChange::Submitted(ProvenanceRecord {
+            .push(ProvenanceChange::Submitted(Box::new(ProvenanceRecord {
                 job,
                 user: user.to_owned(),
                 submit_ms: now,
                 submit: Some(p),
                 runs: Vec::new(),
                 runs_dropped: 0,
-            }));
+            })));
     }
 
     /// Node `node`'s reports of attempts it started: each added to its job's record, for a
@@ -124,7 +124,10 @@ mod tests {
         }))
         .expect("request");
         let (job, _, _) = jobs.submit(request, false).await.expect("submit");
-        assert!(job.request.provenance.is_none(), "not kept in the job's record");
+        assert!(
+            job.request.provenance.is_none(),
+            "not kept in the job's record"
+        );
         sync(&jobs, "b", json!({})).await;
         sync(&jobs, "b", report(job.id, "from-b")).await;
         sync(&jobs, "a", report(job.id, "from-a")).await;
