@@ -141,6 +141,17 @@ fn jobs_asking_for_a_mig_profile_get_a_free_instance_of_it_and_whole_gpu_jobs_ne
     assert_eq!(logs(&perch, 2), format!("{}\n", instance_uuid(0)));
     assert_eq!(state(&perch, 4), "pending", "never placed on the MIG GPU");
     assert_eq!(perch.job(4)["placement"], json!([]));
+
+    // Accounting charges job 1 its slices (3 of 7: 43%), not the whole GPU; the GPU's
+    // telemetry is every instance's, so what it used is unknown (NULL), as for a share.
+    let rows = perch.sql(
+        "SELECT gpu_seconds_allocated / elapsed_seconds AS part, gpu_seconds_used, gpu_profile \
+         FROM jobs WHERE job = 1",
+    );
+    let part = rows[0]["part"].as_f64().expect("part");
+    assert!((part - 0.43).abs() < 1e-9, "{rows:?}");
+    assert!(rows[0]["gpu_seconds_used"].is_null(), "{rows:?}");
+    assert_eq!(rows[0]["gpu_profile"], "3g.40gb", "{rows:?}");
 }
 
 #[test]

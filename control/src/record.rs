@@ -172,7 +172,8 @@ pub struct Allocation {
     /// The node's GPUs are simulated.
     #[serde(default)]
     pub simulated: bool,
-    /// The job held this percent of its one GPU (GPU sharing), not the whole GPU.
+    /// The job held this percent of its one GPU, not the whole GPU: its share (GPU sharing),
+    /// or its MIG instance's compute slices over 7.
     #[serde(default)]
     pub share_percent: Option<u32>,
     /// Telemetry of these GPUs before this time (and after `start_ms`) is folded into

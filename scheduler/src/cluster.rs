@@ -70,6 +70,12 @@ pub fn mig_slices(profile: &str) -> Option<u32> {
     g.parse().ok().filter(|n| (1..=7).contains(n))
 }
 
+/// The part of its GPU a MIG profile holds, in hundredths: its compute slices over 7, rounded
+/// (3g: 43). `None` when `profile` is not a MIG profile.
+pub fn mig_hundredths(profile: &str) -> Option<u32> {
+    mig_slices(profile).map(|slices| (slices * 100 + 3) / 7)
+}
+
 /// Checks a node's MIG instances: each on one of its GPUs, of a valid profile, UUIDs unique.
 fn check_mig(name: &str, gpus: u32, mig: &[MigInstance]) -> Result<u64> {
     let bad = |message: String| Error::InvalidNode {

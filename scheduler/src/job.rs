@@ -187,13 +187,12 @@ impl JobSpec {
     /// compute slices over 7 (rounded), or 100 per GPU. Quotas and fair-share usage count this,
     /// so a quarter-GPU job is charged a quarter.
     pub fn gpu_hundredths(&self) -> u32 {
-        if let Some(slices) = self
+        if let Some(part) = self
             .gpu_profile
             .as_deref()
-            .and_then(crate::cluster::mig_slices)
+            .and_then(crate::cluster::mig_hundredths)
         {
-            // Its compute slices of the GPU's 7, in hundredths (3g: 43).
-            return (slices * 100 + 3) / 7;
+            return part;
         }
         match self.share {
             Some(s) => s.percent,

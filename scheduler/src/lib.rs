@@ -36,7 +36,7 @@ pub mod sim;
 
 pub use cluster::{
     Cluster, GpuHealth, MAX_GPUS_PER_NODE, MigInstance, NodeAlloc, NodeSpec, NodeState, Placement,
-    mig_slices,
+    mig_hundredths, mig_slices,
 };
 pub use error::{Error, Result};
 pub use ids::{

@@ -142,7 +142,14 @@ impl Control {
         let Some(job) = self.jobs.get_mut(&id) else {
             return;
         };
-        let share = job.request.gpu_share.as_ref().map(|s| s.percent());
+        // A share holds its percent of the GPU; a MIG instance its compute slices over 7
+        // (3g: 43%): accounting charges that part, and leaves the GPU's telemetry (all its
+        // jobs') unsplit, as the scheduler's quotas and fair share already count it.
+        let share = match (&job.request.gpu_share, &job.request.gpu_profile) {
+            (Some(s), _) => Some(s.percent()),
+            (None, Some(profile)) => perch_scheduler::mig_hundredths(profile),
+            (None, None) => None,
+        };
         for p in &job.placement {
             let node = self
                 .node_index
