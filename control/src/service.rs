@@ -193,22 +193,29 @@ impl JobService {
     }
 
     /// Job `id`'s provenance record, for `who` (its user or an operator; others are refused as
-    /// for its output). `Ok(None)`: the job exists and nothing was recorded for it. An array
+    /// for its output). A job with nothing recorded (submitted through the API without
+    /// `provenance`, not started yet) has an empty record: no submit side, no runs. An array
     /// task without a record of its own answers with its array's (the submit side is recorded
     /// once per array). Blocking: call it off the async threads.
     pub fn provenance_for(
         &self,
         id: u64,
         who: &perch_model::identity::Identity,
-    ) -> Result<Option<crate::provenance::ProvenanceRecord>, ControlError> {
-        let (array, seen) = {
+    ) -> Result<crate::provenance::ProvenanceRecord, ControlError> {
+        let (array, seen, empty) = {
             let c = self.control.lock();
             c.check_owner(id, who)?;
-            let array = c
-                .view(id)?
-                .and_then(|j| j.array.map(|a| a.job_id))
-                .filter(|&a| a != id);
-            (array, self.commits.seen())
+            let job = c.view(id)?.ok_or(ControlError::NoSuchJob(id))?;
+            let array = job.array.map(|a| a.job_id).filter(|&a| a != id);
+            let empty = crate::provenance::ProvenanceRecord {
+                job: id,
+                user: job.request.user().to_owned(),
+                submit_ms: job.submit_ms,
+                submit: None,
+                runs: Vec::new(),
+                runs_dropped: 0,
+            };
+            (array, self.commits.seen(), empty)
         };
         // What the control plane showed is durable before it is read from the store.
         self.commits.wait(seen)?;
@@ -228,7 +235,7 @@ impl JobService {
                 })),
             };
         }
-        Ok(found)
+        Ok(found.unwrap_or(empty))
     }
 
     /// Visits the provenance records of jobs in `ids` whose user is `user` (every user's for

@@ -305,27 +305,19 @@ pub async fn show(
 }
 
 /// A job's provenance record (what it ran: commit, diff, image, packages, each attempt's
-/// environment and node versions), to its user and operators only, as its output is. 404
-/// `not_found` when nothing was recorded for the job.
+/// environment and node versions), to its user and operators only, as its output is. A job
+/// with nothing recorded answers an empty record (`submit` null, no `runs`), so asking is
+/// never an error for a job that exists; 404 only for a job that does not.
 pub async fn provenance(
     State(state): State<AppState>,
     Extension(who): Extension<Identity>,
     Path(id): Path<u64>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
     let jobs = state.jobs.clone();
-    let found = tokio::task::spawn_blocking(move || jobs.provenance_for(id, &who))
+    let record = tokio::task::spawn_blocking(move || jobs.provenance_for(id, &who))
         .await
         .map_err(|e| ControlError::TaskFailed(e.to_string()))??;
-    match found {
-        Some(record) => answer_of(&record),
-        None => Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            crate::ErrorCode::NotFound,
-            format!(
-                "no provenance was recorded for job {id}: it was submitted before perch recorded it, or through the API without `provenance`, and has not started"
-            ),
-        )),
-    }
+    answer_of(&record)
 }
 
 /// The job's accounting as the `jobs` table has it (the one definition), with a note while

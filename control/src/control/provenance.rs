@@ -132,10 +132,7 @@ mod tests {
         sync(&jobs, "b", report(job.id, "from-b")).await;
         sync(&jobs, "a", report(job.id, "from-a")).await;
         let alice = who("alice", Role::User);
-        let p = jobs
-            .provenance_for(job.id, &alice)
-            .expect("read")
-            .expect("recorded");
+        let p = jobs.provenance_for(job.id, &alice).expect("read");
         let git = p.submit.and_then(|s| s.git).expect("git");
         assert_eq!(git.commit, "abcdef12");
         assert_eq!(p.runs.len(), 1, "{:?}", p.runs);
@@ -148,6 +145,7 @@ mod tests {
         assert!(
             jobs.provenance_for(job.id, &who("ops", Role::Operator))
                 .expect("read")
+                .submit
                 .is_some()
         );
         let rerun = |user: &str| {
@@ -161,10 +159,19 @@ mod tests {
             Err(ControlError::Forbidden(_))
         ));
         let (again, _, _) = jobs.submit(rerun("alice"), false).await.expect("rerun");
-        let p = jobs
-            .provenance_for(again.id, &alice)
-            .expect("read")
-            .expect("recorded");
+        let p = jobs.provenance_for(again.id, &alice).expect("read");
         assert_eq!(p.submit.and_then(|s| s.rerun_of), Some(job.id));
+        // Nothing recorded (the API without provenance): an empty record, not an error; a
+        // job that does not exist is one.
+        let plain = serde_json::from_value(json!({"command": ["train"], "user": "alice"}))
+            .expect("request");
+        let (plain, _, _) = jobs.submit(plain, false).await.expect("submit");
+        let p = jobs.provenance_for(plain.id, &alice).expect("read");
+        assert!(p.submit.is_none() && p.runs.is_empty(), "{p:?}");
+        assert_eq!((p.job, p.user.as_str()), (plain.id, "alice"));
+        assert!(matches!(
+            jobs.provenance_for(plain.id + 100, &alice),
+            Err(ControlError::NoSuchJob(_))
+        ));
     }
 }
