@@ -124,7 +124,7 @@ max_fraction_out = 0.5
     assert!(
         reason.contains("JobStraggler")
             && reason.contains(&format!("Job {id}"))
-            && reason.contains("rank 3"),
+            && reason.contains(&format!("rank {rank} (gpu-1 GPU 1)")),
         "{node}"
     );
     assert_eq!(perch.job(id)["state"], "running");
