@@ -8,67 +8,33 @@
 
 mod common;
 
+use common::standin::{self, Agent};
 use common::{ALICE, BOB, OPERATOR, Perch, wait_for};
 use serde_json::{Value, json};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-
-/// Builds the stand-in NVML library once per test binary and returns its path.
-fn standin_library() -> PathBuf {
-    let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join("nvml-standin");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
-        .args(["build", "--quiet", "-p", "nvml-standin", "--manifest-path"])
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
-        .arg("--target-dir")
-        .arg(&target)
-        .status()
-        .expect("cargo build -p nvml-standin");
-    assert!(status.success(), "building nvml-standin failed");
-    target.join("debug/libnvml_standin.so")
-}
+use std::path::Path;
+use std::process::Command;
 
 /// `perch agent` for node `gpu-a` on the stand-in NVML (one H100, driver 550.54.15, CUDA
 /// 12.4), with the agent's token; killed when dropped.
-struct StandinAgent(Child);
-
-impl StandinAgent {
-    fn start(dir: &Path, server: &str) -> StandinAgent {
-        let data = dir.join("agent");
-        std::fs::create_dir_all(&data).expect("agent dir");
-        let scenario = json!({
-            "clock": "seconds",
-            "driver_version": "550.54.15",
-            "cuda_version": 12040,
-            "gpus": [{
-                "uuid": "GPU-PROVENANCE-0",
-                "name": "NVIDIA H100 80GB HBM3",
-                "timeline": [{"at": 0, "set": {"util_gpu": 50, "memory_total_bytes": 85_520_809_984_u64}}],
-            }],
-        });
-        let file = data.join("scenario.json");
-        std::fs::write(&file, scenario.to_string()).expect("scenario");
-        let child = Command::new(common::PERCH)
-            .args(["agent", "--server", server, "--node", "gpu-a", "--nvml"])
-            .arg(standin_library())
-            .args(["--interval-ms", "200", "--data-dir"])
-            .arg(&data)
-            .env("PERCH_NVML_STANDIN_SCENARIO", &file)
-            .env("PERCH_RUN_AS_USER", "never")
-            .env("PERCH_TOKEN", common::AGENT)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(data.join("agent.log")).expect("log"))
-            .spawn()
-            .expect("spawn perch agent");
-        StandinAgent(child)
-    }
-}
-
-impl Drop for StandinAgent {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+fn standin_agent(dir: &Path, server: &str) -> Agent {
+    let scenario = json!({
+        "clock": "seconds",
+        "driver_version": "550.54.15",
+        "cuda_version": 12040,
+        "gpus": [{
+            "uuid": "GPU-PROVENANCE-0",
+            "name": "NVIDIA H100 80GB HBM3",
+            "timeline": [{"at": 0, "set": {"util_gpu": 50, "memory_total_bytes": 85_520_809_984_u64}}],
+        }],
+    });
+    Agent::start_named(
+        dir,
+        server,
+        "gpu-a",
+        &standin::library(),
+        &scenario,
+        &[("PERCH_TOKEN", common::AGENT)],
+    )
 }
 
 fn git(dir: &Path, args: &[&str]) -> String {
@@ -171,7 +137,7 @@ fn stdout_of(server: &Perch, id: u64) -> String {
 fn a_job_records_what_it_ran_and_runs_it_again() {
     let dir = tempfile::tempdir().expect("tempdir");
     let server = common::server_with_tokens(dir.path(), &common::role_tokens("gpu-a"));
-    let _agent = StandinAgent::start(dir.path(), &server.url);
+    let _agent = standin_agent(dir.path(), &server.url);
     wait_for("gpu-a up", || {
         (common::nodes_up(&get_as(&server, ALICE, "/v1/nodes").1) == 1).then_some(())
     });

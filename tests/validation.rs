@@ -8,25 +8,10 @@
 
 mod common;
 
-use common::{AGENT, ALICE, OPERATOR, PERCH, Perch, client, role_tokens, wait_for};
+use common::standin::{self, Agent};
+use common::{AGENT, ALICE, OPERATOR, Perch, client, role_tokens, wait_for};
 use serde_json::{Value, json};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-
-/// Builds the stand-in NVML library once per test binary and returns its path.
-fn standin_library() -> PathBuf {
-    let target = Path::new(env!("CARGO_TARGET_TMPDIR")).join("nvml-standin");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
-        .args(["build", "--quiet", "-p", "nvml-standin", "--manifest-path"])
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
-        .arg("--target-dir")
-        .arg(&target)
-        .status()
-        .expect("cargo build -p nvml-standin");
-    assert!(status.success(), "building nvml-standin failed");
-    target.join("debug/libnvml_standin.so")
-}
+use std::path::Path;
 
 /// Two H100s; `faulty` GPU 1 has uncorrected ECC errors since the driver loaded; `xid_at`
 /// makes GPU 0 report XID 79 that many seconds after NVML opens.
@@ -55,37 +40,17 @@ fn scenario(node: &str, faulty: bool, xid_at: Option<f64>) -> Value {
     json!({"clock": "seconds", "gpus": [gpu(0), gpu(1)]})
 }
 
-/// `perch agent` for `node` on the stand-in playing `scenario`; killed when dropped.
-struct StandinAgent(Child);
-
-impl StandinAgent {
-    fn start(dir: &Path, server: &str, node: &str, scenario: &Value, token: Option<&str>) -> Self {
-        let data = dir.join(format!("agent-{node}"));
-        std::fs::create_dir_all(&data).expect("agent dir");
-        let file = data.join("scenario.json");
-        std::fs::write(&file, scenario.to_string()).expect("scenario");
-        let mut cmd = Command::new(PERCH);
-        cmd.args(["agent", "--server", server, "--node", node, "--nvml"])
-            .arg(standin_library())
-            .args(["--interval-ms", "500", "--data-dir"])
-            .arg(&data)
-            .env("PERCH_NVML_STANDIN_SCENARIO", &file)
-            .env("PERCH_RUN_AS_USER", "never")
-            .env_remove("PERCH_TOKEN")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(data.join("agent.log")).expect("log"));
-        if let Some(t) = token {
-            cmd.env("PERCH_TOKEN", t);
-        }
-        StandinAgent(cmd.spawn().expect("spawn perch agent"))
-    }
-}
-
-impl Drop for StandinAgent {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+/// `perch agent` for `node` on the stand-in playing `scenario`, with `token` if any; killed
+/// when dropped.
+fn standin_agent(
+    dir: &Path,
+    server: &str,
+    node: &str,
+    scenario: &Value,
+    token: Option<&str>,
+) -> Agent {
+    let env: Vec<(&str, &str)> = token.map(|t| ("PERCH_TOKEN", t)).into_iter().collect();
+    Agent::start_named(dir, server, node, &standin::library(), scenario, &env)
 }
 
 /// `perch server` with `config` (TOML) in `dir/perch.toml`, plus a tokens file with the
@@ -188,7 +153,7 @@ fn finished_run(perch: &Perch, token: Option<&str>, node: &str) -> Value {
 fn an_operator_validates_a_healthy_node_and_it_is_resumed_but_a_user_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
     let perch = server(dir.path(), NO_REMEDIATION, true);
-    let _agent = StandinAgent::start(
+    let _agent = standin_agent(
         dir.path(),
         &perch.url,
         "gpu-0",
@@ -266,7 +231,7 @@ fn an_operator_validates_a_healthy_node_and_it_is_resumed_but_a_user_is_refused(
 fn a_faulty_gpu_keeps_the_node_drained_with_the_reason() {
     let dir = tempfile::tempdir().expect("tempdir");
     let perch = server(dir.path(), NO_REMEDIATION, false);
-    let _agent = StandinAgent::start(
+    let _agent = standin_agent(
         dir.path(),
         &perch.url,
         "gpu-0",
@@ -378,7 +343,7 @@ cooldown = "2s"
     let perch = server(dir.path(), config, false);
     // GPU 0 reports XID 79 (fallen off the bus) 3 s after the agent opens NVML; the
     // validation's own NVML, opened later, plays the scenario from its start.
-    let _agent = StandinAgent::start(
+    let _agent = standin_agent(
         dir.path(),
         &perch.url,
         "gpu-0",

@@ -92,18 +92,25 @@ impl Agent {
         scenario: &Value,
         env: &[(&str, &str)],
     ) -> Agent {
-        let data = dir.join(format!("agent-{node}"));
+        Agent::start_named(dir, server, &format!("gpu-{node}"), lib, scenario, env)
+    }
+
+    /// Agent for node `name`, with `env` added (`PERCH_TOKEN` for a server with tokens: the
+    /// agent's own is removed).
+    pub fn start_named(
+        dir: &Path,
+        server: &str,
+        name: &str,
+        lib: &Path,
+        scenario: &Value,
+        env: &[(&str, &str)],
+    ) -> Agent {
+        let data = dir.join(format!("agent-{name}"));
         std::fs::create_dir_all(&data).expect("agent dir");
         let file = data.join("scenario.json");
         std::fs::write(&file, scenario.to_string()).expect("scenario");
         let child = Command::new(PERCH)
-            .args([
-                "agent",
-                "--server",
-                server,
-                "--node",
-                &format!("gpu-{node}"),
-            ])
+            .args(["agent", "--server", server, "--node", name])
             .arg("--nvml")
             .arg(lib)
             .args(["--interval-ms", "500", "--data-dir"])
