@@ -21,7 +21,7 @@
 set -u
 PERCH=$(realpath "${1:?usage: gpu-check.sh PERCH_BINARY [REPORT_DIR]}")
 R=$(mkdir -p "${2:-./gpu-check}" && realpath "${2:-./gpu-check}")
-PORT=${PORT:-17391}
+PORT=${PORT:-17391} # 0: free ports, read back from the server (as the tests run it)
 BURN_SECONDS=${BURN_SECONDS:-45}
 UP_ARGS=${UP_ARGS:-} # e.g. "--nvml off --simulate-gpus 1" to try the script without GPUs
 # perch never runs a job as root, nor as nobody: as root, the job runs as JOB_USER (default
@@ -56,7 +56,7 @@ cat >"$WORK/perch.toml" <<EOF
 listen = "127.0.0.1:$PORT"
 data_dir = "$WORK/data"
 flush_interval_secs = 2
-pg_listen = "127.0.0.1:$((PORT + 1))"
+pg_listen = "127.0.0.1:$((PORT == 0 ? 0 : PORT + 1))"
 [agent]
 interval_ms = 1000
 gpu_sharing = true
@@ -72,6 +72,9 @@ export PERCH_CONFIG=$WORK/perch.toml
 "$PERCH" up $UP_ARGS >"$R/perch-up.log" 2>&1 &
 UP=$!
 trap 'kill $UP 2>/dev/null; wait $UP 2>/dev/null; rm -rf "$WORK"' EXIT
+# The address the server bound (PORT=0 asks for a free one).
+for _ in $(seq 60); do [ -s "$WORK/data/server.addr" ] && break; sleep 0.5; done
+export PERCH_SERVER=http://$(head -1 "$WORK/data/server.addr" 2>/dev/null || echo "127.0.0.1:$PORT")
 for _ in $(seq 60); do curl -sf "$PERCH_SERVER/healthz" >/dev/null && break; sleep 0.5; done
 sleep 6
 

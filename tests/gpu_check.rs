@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{PERCH, free_port};
+use common::PERCH;
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
 use std::process::Command;
@@ -35,7 +35,7 @@ fn gpu_check_runs_every_step_and_fails_on_simulated_gpus() {
         .arg(PERCH)
         .arg(&report)
         .env("PATH", path)
-        .env("PORT", free_port().to_string())
+        .env("PORT", "0")
         .env("BURN_SECONDS", "4")
         .env("UP_ARGS", "--nvml off --simulate-gpus 1 --node gpucheck")
         .env("XDG_CONFIG_HOME", dir.path().join("no-user-config"))
@@ -175,7 +175,7 @@ fn gpu_check_checks_mig_instances_and_mps_limits_on_the_stand_in_nvml() {
         .arg(PERCH)
         .arg(&report)
         .env("PATH", path)
-        .env("PORT", free_port().to_string())
+        .env("PORT", "0")
         .env("BURN_SECONDS", "2")
         .env(
             "UP_ARGS",
