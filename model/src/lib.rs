@@ -24,6 +24,7 @@ mod telemetry;
 mod throttle;
 pub mod timefmt;
 pub mod tls;
+pub mod wire;
 pub mod xid;
 
 pub use audit::ClusterEvent;
