@@ -55,8 +55,8 @@ pub struct GpuEvent {
 pub(crate) fn validate(events: &[GpuEvent], now_ms: i64) -> Result<(), BatchError> {
     for (i, e) in events.iter().enumerate() {
         let f = |name: &str| format!("gpu_events[{i}].{name}");
-        check_time(&f("time_ms"), e.time_ms, now_ms)?;
-        check_label(&f("uuid"), &e.uuid)?;
+        check_time(|| f("time_ms"), e.time_ms, now_ms)?;
+        check_label(|| f("uuid"), &e.uuid)?;
         // NVML may not know an XID's code (`xid` absent); a code on another kind is a mistake.
         if e.kind != GpuEventKind::Xid && e.xid.is_some() {
             return Err(field_error(

@@ -41,10 +41,10 @@ pub struct IbPortSample {
 pub(crate) fn validate(ports: &[IbPortSample], now_ms: i64) -> Result<(), BatchError> {
     for (i, p) in ports.iter().enumerate() {
         let f = |name: &str| format!("ib_ports[{i}].{name}");
-        check_time(&f("time_ms"), p.time_ms, now_ms)?;
-        check_label(&f("device"), &p.device)?;
+        check_time(|| f("time_ms"), p.time_ms, now_ms)?;
+        check_label(|| f("device"), &p.device)?;
         if let Some(s) = &p.state {
-            check_label(&f("state"), s)?;
+            check_label(|| f("state"), s)?;
         }
         for c in crate::catalogue::IB_PORT {
             c.validate(p, f)?;

@@ -58,8 +58,8 @@ pub const JOB_METRIC_KINDS: [&str; 3] = ["gauge", "sum", "histogram"];
 pub(crate) fn validate(samples: &[JobMetricSample], now_ms: i64) -> Result<(), BatchError> {
     for (i, s) in samples.iter().enumerate() {
         let f = |name: &str| format!("job_metrics[{i}].{name}");
-        check_time(&f("time_ms"), s.time_ms, now_ms)?;
-        check_label(&f("metric"), &s.metric)?;
+        check_time(|| f("time_ms"), s.time_ms, now_ms)?;
+        check_label(|| f("metric"), &s.metric)?;
         if !JOB_METRIC_KINDS.contains(&s.kind.as_str()) {
             return Err(field_error(
                 f("kind"),
@@ -73,7 +73,7 @@ pub(crate) fn validate(samples: &[JobMetricSample], now_ms: i64) -> Result<(), B
             ("unit", &s.unit),
         ] {
             if !text.is_empty() {
-                check_label(&f(name), text)?;
+                check_label(|| f(name), text)?;
             }
         }
         if s.attributes.len() > MAX_ATTRIBUTES_LEN {

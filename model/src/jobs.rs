@@ -66,21 +66,21 @@ pub(crate) fn validate(
 ) -> Result<(), BatchError> {
     for (i, p) in procs.iter().enumerate() {
         let f = |name: &str| format!("gpu_processes[{i}].{name}");
-        check_time(&f("time_ms"), p.time_ms, now_ms)?;
-        check_label(&f("uuid"), &p.uuid)?;
-        check_pct(&f("sm_utilization_pct"), p.sm_utilization_pct)?;
-        check_pct(&f("memory_utilization_pct"), p.memory_utilization_pct)?;
+        check_time(|| f("time_ms"), p.time_ms, now_ms)?;
+        check_label(|| f("uuid"), &p.uuid)?;
+        check_pct(|| f("sm_utilization_pct"), p.sm_utilization_pct)?;
+        check_pct(|| f("memory_utilization_pct"), p.memory_utilization_pct)?;
         if let Some(j) = &p.job {
-            check_label(&f("job"), j)?;
+            check_label(|| f("job"), j)?;
         }
     }
     for (i, j) in jobs.iter().enumerate() {
         let f = |name: &str| format!("jobs[{i}].{name}");
-        check_time(&f("time_ms"), j.time_ms, now_ms)?;
-        check_label(&f("job"), &j.job)?;
-        check_label(&f("source"), &j.source)?;
+        check_time(|| f("time_ms"), j.time_ms, now_ms)?;
+        check_label(|| f("job"), &j.job)?;
+        check_label(|| f("source"), &j.source)?;
         if let Some(u) = &j.user {
-            check_label(&f("user"), u)?;
+            check_label(|| f("user"), u)?;
         }
         for c in crate::catalogue::JOB {
             c.validate(j, f)?;
