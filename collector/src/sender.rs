@@ -1,4 +1,10 @@
-//! Delivery to the server: `POST {server}/v1/ingest` with the batch as zstd-compressed JSON.
+//! Delivery to the server: `POST {server}/v1/ingest` with the batch zstd-compressed, as
+//! MessagePack ([`perch_model::wire`]; the server parses it several times faster than JSON),
+//! or as JSON once a server has shown it takes only JSON: it answered 415, or it read the
+//! MessagePack as JSON and answered 400 `malformed_batch` (every server before the binary
+//! encoding did that). The refused batch is sent again at once as JSON, and the sender sends JSON
+//! from then on, until the agent restarts. Batches spilled to the disk spool are JSON (the
+//! spool's format is unchanged), and are sent as JSON.
 //! With several servers configured, to the one in use, following the leader
 //! ([`crate::servers`]): a standby or a dead server counts as a failed attempt, retried as below
 //! on the next server.
@@ -19,6 +25,7 @@ use crate::queue::SendQueue;
 use crate::servers::{Route, Servers};
 use crate::spool::{Spool, SpoolEntry};
 use perch_model::Batch;
+use perch_model::wire::Encoding;
 use reqwest::header::{CONTENT_ENCODING, CONTENT_TYPE};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -82,12 +89,20 @@ pub struct Sender {
     token: Option<String>,
     /// The agent's id ([`crate::agent_claim`]), sent with every batch.
     agent_id: Option<String>,
+    /// Cleared once a server has shown it takes only JSON (see [`self`]); shared by the
+    /// sender's clones.
+    binary: Arc<AtomicBool>,
 }
 
-/// Serializes and compresses a batch the way the server expects it.
+/// Serializes and compresses a batch as JSON: what the disk spool holds ([`Sender::post_body`]).
 pub fn encode(batch: &Batch) -> Result<Vec<u8>> {
-    let json = serde_json::to_vec(batch).map_err(|e| CollectorError::Encode(e.to_string()))?;
-    zstd::bulk::compress(&json, ZSTD_LEVEL).map_err(|e| CollectorError::Encode(e.to_string()))
+    encode_as(Encoding::Json, batch)
+}
+
+/// Serializes `batch` in `encoding` and compresses it (zstd).
+pub fn encode_as(encoding: Encoding, batch: &Batch) -> Result<Vec<u8>> {
+    let raw = encoding.encode(batch).map_err(CollectorError::Encode)?;
+    zstd::bulk::compress(&raw, ZSTD_LEVEL).map_err(|e| CollectorError::Encode(e.to_string()))
 }
 
 impl Sender {
@@ -117,7 +132,17 @@ impl Sender {
             servers,
             token: None,
             agent_id: None,
+            binary: Arc::new(AtomicBool::new(true)),
         })
+    }
+
+    /// The encoding new batches are sent in: MessagePack, or JSON once a server refused it.
+    pub fn encoding(&self) -> Encoding {
+        if self.binary.load(Relaxed) {
+            Encoding::Msgpack
+        } else {
+            Encoding::Json
+        }
     }
 
     /// Sends `Authorization: Bearer <token>` with every batch.
@@ -141,12 +166,12 @@ impl Sender {
         format!("{base}/v1/ingest")
     }
 
-    /// The request sending `body` to `base`.
-    fn request(&self, base: &str, body: Vec<u8>) -> reqwest::RequestBuilder {
+    /// The request sending `body`, zstd-compressed `encoding`, to `base`.
+    fn request(&self, base: &str, encoding: Encoding, body: Vec<u8>) -> reqwest::RequestBuilder {
         let mut request = self
             .client
             .post(format!("{base}/v1/ingest"))
-            .header(CONTENT_TYPE, "application/json")
+            .header(CONTENT_TYPE, encoding.media_type())
             .header(CONTENT_ENCODING, "zstd");
         if let Some(token) = &self.token {
             request = request.bearer_auth(token);
@@ -157,10 +182,26 @@ impl Sender {
         request.body(body)
     }
 
-    /// Sends one batch once and classifies the reply.
+    /// Sends one batch once, in [`Sender::encoding`], and classifies the reply. A server that
+    /// shows it takes only JSON (see [`self`]) gets the batch again at once as JSON, and every
+    /// later one.
     pub async fn post(&self, batch: &Batch) -> SendOutcome {
-        match encode(batch) {
-            Ok(body) => self.post_body(body).await,
+        let encoding = self.encoding();
+        let outcome = self.post_as(encoding, batch).await;
+        if encoding == Encoding::Msgpack && takes_only_json(&outcome) {
+            self.binary.store(false, Relaxed);
+            tracing::info!(
+                answer = ?outcome,
+                "the server does not take MessagePack batches (a perch server older than the binary ingest encoding); sending JSON from now on"
+            );
+            return self.post_as(Encoding::Json, batch).await;
+        }
+        outcome
+    }
+
+    async fn post_as(&self, encoding: Encoding, batch: &Batch) -> SendOutcome {
+        match encode_as(encoding, batch) {
+            Ok(body) => self.post_encoded(encoding, body).await,
             Err(e) => SendOutcome::Rejected {
                 status: 0,
                 message: e.to_string(),
@@ -168,14 +209,20 @@ impl Sender {
         }
     }
 
-    /// Sends an already encoded batch (zstd JSON) once and classifies the reply. A standby
+    /// Sends an already encoded batch (zstd JSON, as the spool holds it) once and classifies
+    /// the reply.
+    pub async fn post_body(&self, body: Vec<u8>) -> SendOutcome {
+        self.post_encoded(Encoding::Json, body).await
+    }
+
+    /// Sends a zstd-compressed batch in `encoding` once and classifies the reply. A standby
     /// that names a configured leader is answered by sending to the leader at once; any other
     /// standby or a server that does not answer moves the next attempt to the next server.
-    pub async fn post_body(&self, mut body: Vec<u8>) -> SendOutcome {
+    pub async fn post_encoded(&self, encoding: Encoding, mut body: Vec<u8>) -> SendOutcome {
         if let Some(ingest) = self.servers.ingest() {
             // An ingest server the control server named: no standby answers there, and a
             // failure keeps the batch for the next try (the next sync may name another).
-            return match self.request(&ingest, body).send().await {
+            return match self.request(&ingest, encoding, body).send().await {
                 Ok(response) => Self::outcome(response).await,
                 Err(e) => SendOutcome::Retry {
                     reason: format!("ingest server {ingest}: {}", error_chain(&e)),
@@ -193,7 +240,7 @@ impl Sender {
             } else {
                 std::mem::take(&mut body)
             };
-            let response = match self.request(base, payload).send().await {
+            let response = match self.request(base, encoding, payload).send().await {
                 Ok(r) => r,
                 Err(e) => {
                     let reason = error_chain(&e);
@@ -286,6 +333,23 @@ impl Sender {
                 after,
             }
         }
+    }
+}
+
+/// Whether a server's answer to a MessagePack batch shows that it takes only JSON: 415, or 400
+/// `malformed_batch` from a server that read the body as JSON (its message does not name the
+/// MessagePack media type, as a server that decoded MessagePack would).
+fn takes_only_json(outcome: &SendOutcome) -> bool {
+    match outcome {
+        SendOutcome::Rejected { status: 415, .. } => true,
+        SendOutcome::Rejected {
+            status: 400,
+            message,
+        } => {
+            message.contains("\"malformed_batch\"")
+                && !message.contains(perch_model::wire::MSGPACK_MEDIA_TYPE)
+        }
+        _ => false,
     }
 }
 

@@ -1,4 +1,5 @@
-//! Delivery against a real HTTP server in the test: an axum app that decodes the zstd body,
+//! Delivery against a real HTTP server in the test: an axum app that decodes the zstd body
+//! (MessagePack or JSON, by its Content-Type, or only JSON as older servers took it),
 //! validates and deduplicates batches by `(node, seq)` like the perch server does, and can be
 //! scripted to fail. Backoff is shortened so retries do not slow the suite; nothing here asserts
 //! on timing.
@@ -11,6 +12,7 @@ use perch_collector::queue::SendQueue;
 use perch_collector::sampler::Round;
 use perch_collector::sender::{Backoff, SendOutcome, Sender, SenderShared, run_sender};
 use perch_collector::{AgentConfig, NvmlMode, spawn_agent};
+use perch_model::wire::{Encoding, MSGPACK_MEDIA_TYPE};
 use perch_model::{Batch, HostSample, NodeId};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
@@ -28,8 +30,24 @@ enum Fault {
     StoreThenFail,
 }
 
+/// Which bodies the scripted server takes.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+enum Takes {
+    /// JSON or MessagePack, by Content-Type, as today's perch server.
+    #[default]
+    Both,
+    /// JSON only, and 415 for any other Content-Type.
+    JsonRefusingOthers,
+    /// Every body read as JSON, whatever its Content-Type, and 400 `malformed_batch` when it
+    /// is not: the perch server before the binary encoding.
+    JsonWhatever,
+}
+
 #[derive(Default)]
 struct Ingest {
+    takes: Takes,
+    /// The Content-Type of every request, in order.
+    content_types: Mutex<Vec<String>>,
     faults: Mutex<VecDeque<Fault>>,
     reject: HashSet<u64>,
     stored: Mutex<Vec<Batch>>,
@@ -57,16 +75,37 @@ async fn ingest(
             .unwrap_or("")
             .to_string()
     };
-    if header("content-encoding") != "zstd" || header("content-type") != "application/json" {
-        return (StatusCode::UNSUPPORTED_MEDIA_TYPE, "want zstd JSON".into());
+    let content_type = header("content-type");
+    s.content_types
+        .lock()
+        .expect("lock")
+        .push(content_type.clone());
+    let encoding = match (s.takes, Encoding::from_content_type(Some(&content_type))) {
+        (Takes::JsonWhatever, _) => Encoding::Json,
+        (Takes::JsonRefusingOthers, Ok(Encoding::Json)) | (Takes::Both, Ok(_)) => {
+            Encoding::from_content_type(Some(&content_type)).expect("known")
+        }
+        _ => return (StatusCode::UNSUPPORTED_MEDIA_TYPE, "want JSON".into()),
+    };
+    if header("content-encoding") != "zstd" {
+        return (StatusCode::UNSUPPORTED_MEDIA_TYPE, "want zstd".into());
     }
-    let json = match zstd::stream::decode_all(&body[..]) {
+    let raw = match zstd::stream::decode_all(&body[..]) {
         Ok(j) => j,
         Err(e) => return (StatusCode::BAD_REQUEST, format!("bad zstd: {e}")),
     };
-    let batch: Batch = match serde_json::from_slice(&json) {
+    let batch: Batch = match encoding.decode(&raw) {
         Ok(b) => b,
-        Err(e) => return (StatusCode::BAD_REQUEST, format!("bad JSON: {e}")),
+        // As the perch server answers it (before the binary encoding, without naming one).
+        Err(e) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                format!(
+                    r#"{{"error":{{"code":"malformed_batch","message":"the body is not a valid telemetry batch: {}"}}}}"#,
+                    e.to_string().replace('"', "'")
+                ),
+            );
+        }
     };
     if let Err(e) = batch.validate(now_ms()) {
         return (StatusCode::BAD_REQUEST, e.to_string());
@@ -545,4 +584,88 @@ async fn a_busy_answer_says_when_to_retry_and_the_sender_hears_it() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// The agent sends MessagePack to a server that takes it, and nothing else.
+#[tokio::test]
+async fn batches_go_as_messagepack_to_a_server_that_takes_it() {
+    let state = Arc::new(Ingest::default());
+    let url = start(state.clone(), 0).await;
+    let counters = deliver(&url, 4).await;
+    assert_eq!(stored_seqs(&state), [100, 101, 102, 103]);
+    assert_eq!(
+        *state.content_types.lock().expect("lock"),
+        vec![MSGPACK_MEDIA_TYPE; 4]
+    );
+    let stats = counters.snapshot();
+    assert_eq!((stats.batches_sent, stats.batches_rejected), (4, 0));
+}
+
+/// A server that takes only JSON, answering 415 or (as every perch server before the binary
+/// encoding did) reading the MessagePack as JSON and answering 400 `malformed_batch`: the
+/// refused batch is sent again as JSON at once, nothing is dropped or counted as an error, and
+/// every later batch goes as JSON without trying MessagePack again.
+#[tokio::test]
+async fn a_server_that_takes_only_json_gets_json_from_the_first_refusal_on() {
+    for takes in [Takes::JsonRefusingOthers, Takes::JsonWhatever] {
+        let state = Arc::new(Ingest {
+            takes,
+            ..Ingest::default()
+        });
+        let url = start(state.clone(), 0).await;
+        let mut queue = SendQueue::new(node(), 100, 1, 1000);
+        for i in 0..5 {
+            queue.push(round(i));
+        }
+        let counters = Arc::new(AgentCounters::default());
+        let shared = SenderShared {
+            queue: Arc::new(Mutex::new(queue)),
+            spool: None,
+            wake: Arc::new(Notify::new()),
+            draining: Arc::new(AtomicBool::new(true)),
+            counters: counters.clone(),
+        };
+        let sender = Sender::new(&url, Duration::from_secs(10), None).expect("client");
+        assert_eq!(sender.encoding(), Encoding::Msgpack);
+        bounded(run_sender(sender.clone(), shared, FAST)).await;
+        assert_eq!(stored_seqs(&state), [100, 101, 102, 103, 104], "{takes:?}");
+        let mut expected = vec![MSGPACK_MEDIA_TYPE];
+        expected.extend(["application/json"; 5]);
+        assert_eq!(
+            *state.content_types.lock().expect("lock"),
+            expected,
+            "{takes:?}"
+        );
+        assert_eq!(sender.encoding(), Encoding::Json, "remembered");
+        let stats = counters.snapshot();
+        assert_eq!(
+            (
+                stats.batches_sent,
+                stats.batches_rejected,
+                stats.samples_dropped,
+                stats.send_errors
+            ),
+            (5, 0, 0, 0),
+            "{takes:?}"
+        );
+    }
+}
+
+/// A MessagePack batch refused for what it holds (400 `invalid_batch`, not a body the server
+/// could not read) is a bad batch, not a server that takes only JSON: dropped once, and the
+/// next batch is MessagePack.
+#[tokio::test]
+async fn a_messagepack_batch_refused_by_a_server_that_reads_it_stays_refused() {
+    let state = Arc::new(Ingest {
+        reject: [101].into(),
+        ..Ingest::default()
+    });
+    let url = start(state.clone(), 0).await;
+    let counters = deliver(&url, 3).await;
+    assert_eq!(stored_seqs(&state), [100, 102]);
+    assert_eq!(
+        *state.content_types.lock().expect("lock"),
+        vec![MSGPACK_MEDIA_TYPE; 3]
+    );
+    assert_eq!(counters.snapshot().batches_rejected, 1);
 }
