@@ -27,6 +27,7 @@ use arrow::array::RecordBatch;
 use arrow::compute::concat_batches;
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
+use perch_model::wire::Encoding;
 use perch_model::{Batch, ClusterEvent};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{self, File};
@@ -123,7 +124,7 @@ impl Source {
         }
     }
 
-    /// How the write-ahead log tags its batches.
+    /// How the write-ahead log tags its JSON batches.
     fn record_kind(self) -> RecordKind {
         match self {
             Source::Agent => RecordKind::AgentBatch,
@@ -355,7 +356,19 @@ impl Store {
     /// Stores one validated batch an agent sent. `raw` is its JSON encoding, written to the log
     /// as is. Returns once the batch is durable and visible to SQL.
     pub async fn ingest(&self, raw: Bytes, batch: &Batch) -> Result<IngestOutcome> {
-        self.ingest_from(Source::Agent, raw, batch).await
+        self.ingest_encoded(Encoding::Json, raw, batch).await
+    }
+
+    /// Stores one validated batch an agent sent in `encoding`; `raw` is that encoding of it, as
+    /// received, written to the log as is (tagged with its encoding, so replay decodes it).
+    pub async fn ingest_encoded(
+        &self,
+        encoding: Encoding,
+        raw: Bytes,
+        batch: &Batch,
+    ) -> Result<IngestOutcome> {
+        self.ingest_record(Source::Agent, RecordKind::agent_batch(encoding), raw, batch)
+            .await
     }
 
     /// Stores one validated batch numbered by `source`, deduplicated on that source's own
@@ -364,10 +377,22 @@ impl Store {
     ///
     /// Cancel-safe: a caller dropped while the log write is pending (a client that hung up)
     /// leaves no trace of the attempt, so the sender's retry is written, not refused.
-    #[tracing::instrument(name = "store.ingest", skip_all, fields(node = %batch.node, seq = batch.seq))]
     pub async fn ingest_from(
         &self,
         source: Source,
+        raw: Bytes,
+        batch: &Batch,
+    ) -> Result<IngestOutcome> {
+        self.ingest_record(source, source.record_kind(), raw, batch)
+            .await
+    }
+
+    /// [`Store::ingest_from`] with the log record's kind (which says how `raw` is encoded).
+    #[tracing::instrument(name = "store.ingest", skip_all, fields(node = %batch.node, seq = batch.seq))]
+    async fn ingest_record(
+        &self,
+        source: Source,
+        kind: RecordKind,
         raw: Bytes,
         batch: &Batch,
     ) -> Result<IngestOutcome> {
@@ -409,7 +434,7 @@ impl Store {
                 key: Some(key),
             }
         };
-        let written = self.wal.append(source.record_kind(), raw).await;
+        let written = self.wal.append(kind, raw).await;
         let mut inner = self.lock();
         claim.release(&mut inner);
         written?;
@@ -837,7 +862,7 @@ async fn remove_orphans(storage: &Storage, manifest: &Manifest) -> Result<()> {
 fn replay(inner: &mut Inner, records: Vec<wal::Record>) -> Result<u64> {
     let mut applied = 0u64;
     for record in records {
-        let source = match record.kind {
+        let (source, encoding) = match record.kind {
             RecordKind::Events => {
                 let events: Vec<ClusterEvent> =
                     serde_json::from_slice(&record.body).map_err(|e| record.unreadable(e))?;
@@ -847,11 +872,13 @@ fn replay(inner: &mut Inner, records: Vec<wal::Record>) -> Result<u64> {
                 applied += 1;
                 continue;
             }
-            RecordKind::AgentBatch => Source::Agent,
-            RecordKind::OtlpBatch => Source::Otlp,
+            RecordKind::AgentBatch => (Source::Agent, Encoding::Json),
+            RecordKind::AgentBatchMsgpack => (Source::Agent, Encoding::Msgpack),
+            RecordKind::OtlpBatch => (Source::Otlp, Encoding::Json),
         };
-        let batch: Batch =
-            serde_json::from_slice(&record.body).map_err(|e| record.unreadable(e))?;
+        let batch = encoding
+            .decode(&record.body)
+            .map_err(|e| record.unreadable(e))?;
         let parts = schema::to_record_batches(&batch).map_err(|e| record.unreadable(e))?;
         let stream = source.stream(batch.node.as_str());
         if inner.node_seq.get(&stream).is_some_and(|&s| batch.seq <= s) {

@@ -17,6 +17,7 @@
 
 use crate::{Error, Result};
 use bytes::Bytes;
+use perch_model::wire::Encoding;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -27,7 +28,7 @@ use tokio::sync::oneshot;
 
 /// The format version of the segments this binary writes; it reads every version from 1 up to
 /// this one.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 
 /// The version of a segment with no header: written before versions were recorded.
 pub const HEADERLESS_VERSION: u32 = 1;
@@ -55,6 +56,9 @@ const _: () = assert!(
 pub enum RecordKind {
     /// A `Batch` an agent sent, its JSON as received (`A`).
     AgentBatch,
+    /// A `Batch` an agent sent, its MessagePack as received
+    /// ([`perch_model::wire::Encoding::Msgpack`]; `M`, from version 3).
+    AgentBatchMsgpack,
     /// A `Batch` the server's OTLP receiver numbered, as JSON (`O`).
     OtlpBatch,
     /// A JSON array of the server's `ClusterEvent`s (`E`).
@@ -62,8 +66,9 @@ pub enum RecordKind {
 }
 
 impl RecordKind {
-    pub const ALL: [RecordKind; 3] = [
+    pub const ALL: [RecordKind; 4] = [
         RecordKind::AgentBatch,
+        RecordKind::AgentBatchMsgpack,
         RecordKind::OtlpBatch,
         RecordKind::Events,
     ];
@@ -72,6 +77,7 @@ impl RecordKind {
     pub const fn tag(self) -> u8 {
         match self {
             RecordKind::AgentBatch => b'A',
+            RecordKind::AgentBatchMsgpack => b'M',
             RecordKind::OtlpBatch => b'O',
             RecordKind::Events => b'E',
         }
@@ -80,26 +86,48 @@ impl RecordKind {
     pub fn name(self) -> &'static str {
         match self {
             RecordKind::AgentBatch => "agent batch",
+            RecordKind::AgentBatchMsgpack => "agent batch (MessagePack)",
             RecordKind::OtlpBatch => "OTLP batch",
             RecordKind::Events => "cluster events",
         }
     }
 
-    fn of_tag(tag: u8) -> Option<RecordKind> {
-        RecordKind::ALL.into_iter().find(|k| k.tag() == tag)
+    /// The first format version whose segments may hold this kind.
+    pub const fn since(self) -> u32 {
+        match self {
+            RecordKind::AgentBatch | RecordKind::OtlpBatch | RecordKind::Events => {
+                HEADERLESS_VERSION
+            }
+            RecordKind::AgentBatchMsgpack => 3,
+        }
+    }
+
+    /// The kind of an agent's batch sent in `encoding`, written as received.
+    pub const fn agent_batch(encoding: Encoding) -> RecordKind {
+        match encoding {
+            Encoding::Json => RecordKind::AgentBatch,
+            Encoding::Msgpack => RecordKind::AgentBatchMsgpack,
+        }
+    }
+
+    /// The kind tagged `tag` in a segment of `version`.
+    fn of_tag(version: u32, tag: u8) -> Option<RecordKind> {
+        RecordKind::ALL
+            .into_iter()
+            .find(|k| k.tag() == tag && k.since() <= version)
     }
 
     /// The kind and body of a payload in a segment of `version`; `None` for a tag this binary
     /// does not know. Version 1 tagged only events (`E`) and OTLP batches (`O`): any other
     /// payload is an agent's batch, its JSON from the first byte. From version 2 every payload
-    /// starts with its tag.
+    /// starts with its tag; version 3 added `M` (an agent's batch as MessagePack).
     pub fn split(version: u32, payload: &Bytes) -> Option<(RecordKind, Bytes)> {
         let tagged = |kind| (kind, payload.slice(1..));
         match (version, payload.first().copied()) {
             (HEADERLESS_VERSION, Some(b'E')) => Some(tagged(RecordKind::Events)),
             (HEADERLESS_VERSION, Some(b'O')) => Some(tagged(RecordKind::OtlpBatch)),
             (HEADERLESS_VERSION, _) => Some((RecordKind::AgentBatch, payload.clone())),
-            (_, Some(tag)) => RecordKind::of_tag(tag).map(tagged),
+            (_, Some(tag)) => RecordKind::of_tag(version, tag).map(tagged),
             (_, None) => None,
         }
     }

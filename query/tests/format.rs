@@ -5,6 +5,7 @@
 //! writes.
 
 use bytes::Bytes;
+use perch_model::wire::Encoding;
 use perch_model::{Batch, GpuIndex, GpuSample, NodeId};
 use perch_query::wal::{self, RecordKind};
 use perch_query::{QueryLimits, SqlEngine, Store, StoreConfig};
@@ -238,7 +239,7 @@ fn a_record_this_binary_cannot_read_refuses_the_store_naming_file_offset_and_ver
         &[
             "00000000000000000003.wal",
             "offset 12",
-            "format version 2",
+            &format!("format version {}", wal::FORMAT_VERSION),
             "0x58 ('X')",
             what_to_do,
         ],
@@ -259,7 +260,7 @@ fn a_record_this_binary_cannot_read_refuses_the_store_naming_file_offset_and_ver
         &[
             "00000000000000000003.wal",
             "offset 12",
-            "format version 2, agent batch",
+            &format!("format version {}, agent batch", wal::FORMAT_VERSION),
             "fan_speed_pct",
             what_to_do,
         ],
@@ -351,4 +352,75 @@ fn the_documents_name_the_versions_the_code_writes() {
             "wal.md lacks the row {row:?} for {kind:?}"
         );
     }
+}
+
+/// A segment of version 2 (JSON batches only), written by the release before MessagePack
+/// batches (`tests/fixtures/format/5a0f826/wal`: one agent batch, seq 3, one GPU row at
+/// 00:02Z, utilization 50, its server killed with -9 after the answer), replays beside the
+/// fixture store's version-1 segment; batches received as MessagePack and as JSON afterwards
+/// go to a segment of version 3 and replay after a restart; a version-2 segment holding a
+/// MessagePack record is refused (version 2 had no such tag).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_segments_of_version_2_and_messagepack_batches_replay_after_a_restart() {
+    let dir = old_store();
+    std::fs::copy(
+        fixtures().join("5a0f826/wal/00000000000000000001.wal"),
+        dir.path().join("wal/00000000000000000003.wal"),
+    )
+    .expect("copy");
+    let utilization = "SELECT utilization_gpu_pct FROM gpu_samples ORDER BY 1";
+    let store = Store::open(StoreConfig::new(dir.path())).expect("open");
+    assert_eq!(store.stats.batches_replayed.load(Ordering::Relaxed), 4);
+    assert_eq!(
+        rows(&store, utilization).await,
+        ["10", "20", "30", "40", "50"]
+    );
+
+    let (_, four) = gpu_batch(4, T0 + 180_000);
+    let msgpack = Encoding::Msgpack.encode(&four).expect("encode");
+    store
+        .ingest_encoded(Encoding::Msgpack, Bytes::from(msgpack), &four)
+        .await
+        .expect("ingest");
+    let (raw, five) = gpu_batch(5, T0 + 240_000);
+    store.ingest(raw, &five).await.expect("ingest");
+    // The same batch again, in the other encoding: a duplicate on the node's one stream.
+    let again = Encoding::Msgpack.encode(&five).expect("encode");
+    assert_eq!(
+        store
+            .ingest_encoded(Encoding::Msgpack, Bytes::from(again), &five)
+            .await
+            .expect("ingest"),
+        perch_query::IngestOutcome::Duplicate
+    );
+    drop(store);
+    let segment = std::fs::read(dir.path().join("wal/00000000000000000004.wal")).expect("read");
+    assert_eq!(segment[..12], header(3)[..]);
+    assert_eq!(segment[12 + 8], b'M', "the MessagePack batch's tag");
+    let store = Store::open(StoreConfig::new(dir.path())).expect("reopen");
+    assert_eq!(store.stats.batches_replayed.load(Ordering::Relaxed), 6);
+    assert_eq!(
+        rows(&store, utilization).await,
+        ["10", "20", "30", "40", "50", "99", "99"]
+    );
+    store.flush().await.expect("flush");
+    drop(store);
+
+    let dir = old_store();
+    let (_, batch) = gpu_batch(3, T0);
+    let mut payload = vec![RecordKind::AgentBatchMsgpack.tag()];
+    payload.extend_from_slice(&Encoding::Msgpack.encode(&batch).expect("encode"));
+    let mut segment = header(2);
+    segment.extend_from_slice(&framed(&payload));
+    std::fs::write(dir.path().join("wal/00000000000000000003.wal"), segment).expect("write");
+    refused(
+        dir.path(),
+        &[
+            "00000000000000000003.wal",
+            "offset 12",
+            "format version 2",
+            "0x4d ('M')",
+            "run the perch release that wrote it",
+        ],
+    );
 }
