@@ -168,6 +168,19 @@ fn processes_under(dir: &std::path::Path) -> Vec<String> {
     found
 }
 
+/// The lines of `out` from the one that starts with `header` to the next that starts at the
+/// left margin.
+fn block(out: &str, header: &str) -> String {
+    let mut lines = out.lines().skip_while(|l| !l.starts_with(header));
+    let first = lines
+        .next()
+        .unwrap_or_else(|| panic!("no block {header:?} in:\n{out}"));
+    std::iter::once(first)
+        .chain(lines.take_while(|l| l.starts_with(' ')))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 #[test]
 fn ingest_in_a_tiny_mode() {
     for tls in [false, true] {
@@ -190,40 +203,85 @@ fn ingest_in_a_tiny_mode() {
         // 2 rounds x 2 GPUs, 9 values each.
         let per_batch = figures(&out, "clients, ");
         assert_eq!(per_batch[..2], [4.0, 9.0], "{out}");
-        let acked = figures(&out, "batches acknowledged");
-        let (batches, wall) = (acked[0], acked[1]);
-        sane("batches acknowledged", batches, 1.0..=1e8, &out);
-        sane("wall seconds", wall, 0.5..=60.0, &out);
-        let per_wall = figures(&out, "values per second (wall)")[0];
-        sane("values per second (wall)", per_wall, 1.0..=1e10, &out);
-        about(
-            "values per second (wall)",
-            per_wall * wall,
-            batches * 36.0,
-            0.05 / wall + 0.01,
-            &out,
-        );
-        let cpu = figures(&out, "server CPU  ")[0];
-        sane("server CPU seconds", cpu, 0.01..=120.0, &out);
-        let per_cpu = figures(&out, "values per server CPU-s")[0];
-        sane("values per server CPU-s", per_cpu, 1.0..=1e10, &out);
-        about(
-            "values per server CPU-s",
-            per_cpu * cpu,
-            batches * 36.0,
-            0.005 / cpu + 0.01,
-            &out,
-        );
+        // Both encodings in the same run, taking turns: 2 turns each of 0.5 s.
+        let phases = figures(&out, "alternating JSON and MessagePack,");
+        assert_eq!(phases, [4.0, 0.5], "{out}");
         // "values per second 1201 (11 KiB of Parquet per batch)": the peer's rate.
         let direct = figures(&out, "values per second        ");
         sane("arrow-rs values per second", direct[0], 1.0..=1e10, &out);
-        let ratio = figures(&out, "perch per core / arrow-rs direct =")[0];
-        sane("per core / direct", ratio, 1e-4..=1e5, &out);
+        let mut per_cpus = Vec::new();
+        for (name, media_type) in [
+            ("json", "application/json"),
+            ("msgpack", "application/vnd.perch.batch+msgpack"),
+        ] {
+            let b = block(&out, &format!("{name} ({media_type})"));
+            let acked = figures(&b, "batches acknowledged");
+            let (batches, wall) = (acked[0], acked[1]);
+            sane("batches acknowledged", batches, 1.0..=1e8, &b);
+            sane("wall seconds", wall, 0.5..=60.0, &b);
+            let per_wall = figures(&b, "values per second (wall)")[0];
+            sane("values per second (wall)", per_wall, 1.0..=1e10, &b);
+            about(
+                "values per second (wall)",
+                per_wall * wall,
+                batches * 36.0,
+                0.05 / wall + 0.01,
+                &b,
+            );
+            let cpu = figures(&b, "server CPU  ")[0];
+            sane("server CPU seconds", cpu, 0.01..=120.0, &b);
+            let per_cpu = figures(&b, "values per server CPU-s")[0];
+            sane("values per server CPU-s", per_cpu, 1.0..=1e10, &b);
+            about(
+                "values per server CPU-s",
+                per_cpu * cpu,
+                batches * 36.0,
+                0.005 / cpu + 0.01,
+                &b,
+            );
+            let ratio = figures(
+                &out,
+                &format!("perch per core ({name}) / arrow-rs direct ="),
+            )[0];
+            sane("per core / direct", ratio, 1e-4..=1e5, &out);
+            about(
+                "per core / direct",
+                ratio,
+                per_cpu / direct[0],
+                0.005 / ratio + 0.01,
+                &out,
+            );
+            per_cpus.push(per_cpu);
+        }
+        // "verdict: binary ingest 0.12 M values per server CPU-s, 1.50x JSON's 0.08 M: below
+        // the target of 3 M", made of the two blocks' figures.
+        let verdict = figures(&out, "verdict: binary ingest");
+        let (binary, json) = (per_cpus[1] / 1e6, per_cpus[0] / 1e6);
+        about("binary M", verdict[0], binary, 0.006 / binary + 0.01, &out);
         about(
-            "per core / direct",
-            ratio,
-            per_cpu / direct[0],
-            0.005 / ratio + 0.01,
+            "x JSON",
+            verdict[1],
+            binary / json,
+            0.006 / verdict[1] + 0.01,
+            &out,
+        );
+        about("JSON M", verdict[2], json, 0.006 / json + 0.01, &out);
+        assert_eq!(verdict[3], 3.0, "{out}");
+        let says = if binary >= 3.0 { ": meets" } else { ": below" };
+        assert!(out.contains(says), "{says:?} not in:\n{out}");
+        // The agent's encoding of one round (2 GPU samples), in each encoding.
+        let json_us = figures(&out, "samples as json");
+        let msgpack_us = figures(&out, "samples as msgpack");
+        for (what, f) in [("json", &json_us), ("msgpack", &msgpack_us)] {
+            sane(what, f[0], 0.01..=1e5, &out);
+            sane(what, f[1], 10.0..=1e5, &out);
+        }
+        let agent = figures(&out, "agent encoding msgpack / json =")[0];
+        about(
+            "agent msgpack / json",
+            agent,
+            msgpack_us[0] / json_us[0],
+            0.05 / json_us[0].min(msgpack_us[0]) + 0.006 / agent + 0.01,
             &out,
         );
     }
