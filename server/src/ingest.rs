@@ -179,9 +179,13 @@ mod tests {
         b
     }
 
-    /// A server over a fresh data directory (open mode) and its router.
+    /// A server over a fresh data directory and its router; requests go as an operator.
     fn server(dir: &std::path::Path) -> (crate::AppState, axum::Router) {
-        let config = crate::ServerConfig::new(perch_query::StoreConfig::new(dir));
+        let mut config = crate::ServerConfig::new(perch_query::StoreConfig::new(dir));
+        config.tokens = crate::auth::Tokens::parse(
+            "[[tokens]]\ntoken = \"oper-token-0123456\"\nuser = \"ops\"\nrole = \"operator\"\n",
+        )
+        .expect("tokens");
         let state = crate::AppState::open(config).expect("state");
         let router = crate::router(state.clone());
         (state, router)
@@ -195,7 +199,10 @@ mod tests {
         body: Vec<u8>,
         zstd: bool,
     ) -> (u16, serde_json::Value) {
-        let mut request = Request::builder().method("POST").uri("/v1/ingest");
+        let mut request = Request::builder()
+            .method("POST")
+            .uri("/v1/ingest")
+            .header("authorization", "Bearer oper-token-0123456");
         if let Some(t) = content_type {
             request = request.header("content-type", t);
         }
