@@ -373,7 +373,7 @@ async fn json_segments_of_version_2_and_messagepack_batches_replay_after_a_resta
     assert_eq!(store.stats.batches_replayed.load(Ordering::Relaxed), 4);
     assert_eq!(
         rows(&store, utilization).await,
-        ["10", "20", "30", "40", "50"]
+        ["10.0", "20.0", "30.0", "40.0", "50.0"]
     );
 
     let (_, four) = gpu_batch(4, T0 + 180_000);
@@ -401,7 +401,7 @@ async fn json_segments_of_version_2_and_messagepack_batches_replay_after_a_resta
     assert_eq!(store.stats.batches_replayed.load(Ordering::Relaxed), 6);
     assert_eq!(
         rows(&store, utilization).await,
-        ["10", "20", "30", "40", "50", "99", "99"]
+        ["10.0", "20.0", "30.0", "40.0", "50.0", "99.0", "99.0"]
     );
     store.flush().await.expect("flush");
     drop(store);
