@@ -175,6 +175,13 @@ impl TableProvider for StoreTable {
                 .await?;
             inputs.push(split_one_file(scan, state).await?);
         }
+        // Buffered batches out of the query's time range go too, as files do: a query over
+        // past days then reads only files, each partition in the files' order, and a window
+        // over each series needs no sort.
+        let buffered: Vec<_> = buffered
+            .into_iter()
+            .filter(|b| may_hold(b, lo, hi))
+            .collect();
         if !buffered.is_empty() || inputs.is_empty() {
             // Only the projected columns are cast to views: the buffer may hold a million rows.
             let schema = match projection {
@@ -195,6 +202,27 @@ impl TableProvider for StoreTable {
             inputs.push(mem.scan(state, None, &[], limit).await?);
         }
         UnionExec::try_new(inputs)
+    }
+}
+
+/// Whether a buffered batch may hold rows with `time` in `[lo, hi]` (milliseconds, either
+/// bound open): its own range of `time` meets it. A batch without a millisecond `time` column,
+/// or with no time at all, is kept.
+fn may_hold(batch: &arrow::array::RecordBatch, lo: Option<i64>, hi: Option<i64>) -> bool {
+    use arrow::array::AsArray;
+    use arrow::datatypes::TimestampMillisecondType;
+    if lo.is_none() && hi.is_none() {
+        return true;
+    }
+    let Some(time) = batch
+        .column_by_name("time")
+        .and_then(|c| c.as_primitive_opt::<TimestampMillisecondType>())
+    else {
+        return true;
+    };
+    match (arrow::compute::min(time), arrow::compute::max(time)) {
+        (Some(min), Some(max)) => lo.is_none_or(|lo| max >= lo) && hi.is_none_or(|hi| min <= hi),
+        _ => true,
     }
 }
 

@@ -257,6 +257,11 @@ impl SqlEngine {
         // rows. An eighth of the query's memory at most.
         let merge = &mut config.options_mut().execution.sort_spill_reservation_bytes;
         *merge = (*merge).min(self.limits.memory_bytes / 8);
+        // The store's files are sorted by series and time, and each scan partition reads them
+        // in that order: a window over each series (`PARTITION BY node, gpu ORDER BY time`)
+        // needs only its rows regrouped by series, merged in order, not sorted again.
+        // DataFusion's default repartitions for parallelism and then sorts every partition.
+        config.options_mut().optimizer.prefer_existing_sort = true;
         let ctx = SessionContext::new_with_state(
             SessionStateBuilder::new()
                 .with_config(config)
@@ -273,6 +278,7 @@ impl SqlEngine {
                 .with_optimizer_rule(Arc::new(
                     optimizer::merge_aggregates::MergeStackedAggregates,
                 ))
+                .with_optimizer_rule(Arc::new(optimizer::distinct_inputs::DistinctInputsFirst))
                 .with_physical_optimizer_rules(optimizer::physical_optimizer_rules())
                 .build(),
         );
@@ -280,6 +286,14 @@ impl SqlEngine {
         ctx.register_udaf(median::median());
         ctx.register_udaf(crate::by_key::arg_max());
         ctx.register_udaf(crate::by_key::arg_min());
+        // DuckDB's, Spark's and BigQuery's name for DataFusion's `approx_distinct`, so a query
+        // written for them runs here unchanged.
+        ctx.register_udaf(
+            datafusion::functions_aggregate::approx_distinct::approx_distinct_udaf()
+                .as_ref()
+                .clone()
+                .with_aliases(["approx_count_distinct"]),
+        );
         for f in functions::size_capped(self.limits.memory_bytes) {
             ctx.register_udf(f);
         }

@@ -997,3 +997,56 @@ async fn a_result_is_held_to_the_query_memory_limit() {
         "the result's memory is given back with it"
     );
 }
+
+/// A window over each GPU's series reads the files in their order: over a past day it sorts
+/// nothing, even while rows of today wait in the memory buffer, and every answer counts each
+/// sample once, buffered or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_over_a_past_day_sorts_nothing_with_rows_buffered() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(config(dir.path())).expect("open");
+    let sql = SqlEngine::new(store.clone(), QueryLimits::default());
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis() as i64;
+    let yesterday = (now / DAY_MS - 1) * DAY_MS;
+    let mut seq = 0;
+    for round in 0..30 {
+        for node in ["node-a", "node-b"] {
+            seq += 1;
+            let (raw, b) = batch(node, seq, yesterday + round * 10_000, 4);
+            store.ingest(raw, &b).await.expect("ingest");
+        }
+    }
+    store.flush().await.expect("flush");
+    for round in 0..5 {
+        for node in ["node-a", "node-b"] {
+            seq += 1;
+            let (raw, b) = batch(node, seq, now - 60_000 + round * 10_000, 4);
+            store.ingest(raw, &b).await.expect("ingest");
+        }
+    }
+    assert!(store.buffered_rows() > 0, "today's rows are buffered");
+    let day = format!(
+        "time >= TIMESTAMP '{}' AND time < TIMESTAMP '{}'",
+        perch_model::timefmt::rfc3339_seconds(yesterday),
+        perch_model::timefmt::rfc3339_seconds(yesterday + DAY_MS)
+    );
+    let window = |filter: &str| {
+        format!(
+            "SELECT count(previous) FROM (SELECT lag(sm_clock_mhz) OVER (PARTITION BY node, gpu ORDER BY time) AS previous
+             FROM gpu_samples WHERE {filter})"
+        )
+    };
+    // 8 series of 30 samples: every sample but each series' first has a previous one, the
+    // one before it in time.
+    assert_eq!(count(&sql, &window(&day)).await, 8 * 29);
+    let plan = explain(&sql, &window(&day)).await;
+    assert!(
+        plan.contains("BoundedWindowAggExec") && !plan.contains("SortExec"),
+        "a window over files alone needs no sort:\n{plan}"
+    );
+    // With the buffer in range, the rows are sorted with it, and counted once.
+    assert_eq!(count(&sql, &window("true")).await, 8 * 34);
+}

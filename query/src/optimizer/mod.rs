@@ -9,10 +9,12 @@
 //! - [`interval_join::IntervalJoinRule`] runs joins on equal keys and a time interval (a
 //!   sample inside an allocation) as an interval join.
 //!
-//! Two logical rules run after DataFusion's own: [`first_row::FirstRowPerPartition`] plans
+//! Three logical rules run after DataFusion's own: [`first_row::FirstRowPerPartition`] plans
 //! `row_number() OVER (PARTITION BY ...) = 1` as an aggregate instead of a sort, and
 //! [`merge_aggregates::MergeStackedAggregates`] merges an aggregate over an aggregate (a
-//! dashboard's query over a rollup view) into one.
+//! dashboard's query over a rollup view) into one, and [`distinct_inputs::DistinctInputsFirst`]
+//! runs an aggregate that ignores duplicates (`count(DISTINCT node || '/' || gpu)`) over the
+//! distinct columns its strings are built from, building each string once.
 //!
 //! [`prefilter::PrefilterRule`] runs after all of DataFusion's rules, filter pushdown included:
 //! where a filter sits on a Parquet scan, it tests the filter's comparisons on the columns'
@@ -28,6 +30,7 @@
 //! order, so the repartition to the final stage does not merge the partitions in order.
 
 mod aggregate_build;
+pub mod distinct_inputs;
 pub mod first_row;
 pub mod float_compare;
 pub mod interval_join;
