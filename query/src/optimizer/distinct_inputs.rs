@@ -288,8 +288,7 @@ mod tests {
                 // The inner aggregate groups the columns the strings are built from.
                 let inner = plan
                     .lines()
-                    .filter(|l| l.contains("aggr=[[]]"))
-                    .next_back()
+                    .rfind(|l| l.contains("aggr=[[]]"))
                     .unwrap_or_else(|| panic!("no inner DISTINCT:\n{plan}"));
                 assert!(
                     inner.contains("t.node") && !inner.contains("||") && !inner.contains("substr"),
