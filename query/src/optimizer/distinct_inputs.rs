@@ -15,8 +15,10 @@
 //! `DISTINCT` and the inner aggregate DataFusion makes of a single `count(DISTINCT ...)`
 //! (`SingleDistinctToGroupBy`). It is applied only where it saves work: when every argument
 //! of its aggregates, and at least one of its keys or arguments, is an expression that builds
-//! a string from columns (building and hashing strings is what costs; an aggregate of a plain
-//! column, a measured value, would make the distinct inputs as many as the rows). The other keys are computed as before, in the inner aggregate; the string
+//! a string from columns, one of them a string column (a label such as `node`, which telemetry
+//! repeats in long runs). Building and hashing strings is what costs; strings built from
+//! numbers alone, or an aggregate of a plain column (a measured value), would make the
+//! distinct inputs as many as the rows. The other keys are computed as before, in the inner aggregate; the string
 //! expressions are computed in the outer one, over its distinct inputs. Volatile expressions
 //! and subqueries are left alone, and so is an aggregate whose input is already a `DISTINCT`
 //! (it would gain nothing, and the rule would rewrite its own output again). The rewrite must
@@ -96,11 +98,21 @@ fn builds_a_string(expr: &Expr, schema: &DFSchema) -> bool {
             TreeNodeRecursion::Continue
         })
     });
-    !unsafe_part
-        && matches!(
-            expr.get_type(schema),
+    let is_string = |t: Result<DataType>| {
+        matches!(
+            t,
             Ok(DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View)
         )
+    };
+    // Built from a label (a string column such as `node`), which telemetry repeats in long
+    // runs: strings built from numbers alone (a measured value, a counter) are as many as the
+    // rows, and grouping those first would only add work.
+    !unsafe_part
+        && is_string(expr.get_type(schema))
+        && expr
+            .column_refs()
+            .iter()
+            .any(|c| is_string(Expr::Column((*c).clone()).get_type(schema)))
 }
 
 fn distinct_first(aggregate: &Aggregate) -> Result<Option<LogicalPlan>> {
@@ -244,6 +256,11 @@ mod tests {
                 "SELECT gpu, approx_distinct(node || CAST(gpu AS VARCHAR)) AS n
                  FROM t GROUP BY gpu ORDER BY gpu",
                 true,
+            ),
+            // Strings built from numbers alone: as many as the rows, left alone.
+            (
+                "SELECT count(DISTINCT concat('x', CAST(v AS VARCHAR), CAST(gpu AS VARCHAR))) AS n FROM t",
+                false,
             ),
             // A measured value among the arguments: as many distinct inputs as rows.
             (
