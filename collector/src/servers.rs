@@ -373,8 +373,13 @@ mod tests {
                 )
                     .into_response(),
                 Mode::Lead if path == "/v1/ingest" => {
-                    let json = zstd::stream::decode_all(body).expect("zstd");
-                    let batch: Batch = serde_json::from_slice(&json).expect("batch");
+                    // Whichever encoding the agent sent, as the server reads it.
+                    let raw = zstd::stream::decode_all(body).expect("zstd");
+                    let encoding = perch_model::wire::Encoding::from_content_type(
+                        headers.get("content-type").and_then(|v| v.to_str().ok()),
+                    )
+                    .expect("an encoding the server takes");
+                    let batch: Batch = encoding.decode(&raw).expect("batch");
                     seen.batches.push(batch);
                     r#"{"accepted":true,"duplicate":false}"#.into_response()
                 }
