@@ -13,7 +13,8 @@
 //! so the figures are the server's and the generator's own CPU use is reported beside them:
 //! a generator that used all its CPU measured itself, not the server.
 //!
-//! Measured after the fleet has joined and settled, over `--seconds`:
+//! Measured after the fleet has joined and settled and the server has ended its first alert
+//! round (which plans every built-in rule), over `--seconds`:
 //! - sync and ingest round trips (p50, p99, max), and answers refused by back-pressure;
 //! - ingest lag: from a sample's time to its acknowledgement, which means it is durable in the
 //!   write-ahead log and visible to SQL;
@@ -421,9 +422,12 @@ async fn run(args: &FleetArgs, server: &Server, ingest: &mut [Server]) -> Result
         args.gpus,
         recorder.clone(),
     ));
-    // Joined and settled.
+    // Joined and settled: the ramp twice over, and the server warm, its first alert round
+    // ended (that round plans every built-in rule; measured from a cold start it would count
+    // planning once as if every round paid it, and a short window could end inside it).
     tokio::time::sleep(2 * ramp).await;
     let observer = Observer::new(server, ingest, clients[0].clone());
+    observer.warm(WARM_UP_LIMIT).await?;
     let before = observer.sample().await;
     recorder.measuring.store(true, Ordering::Relaxed);
     let window = Duration::from_secs(args.seconds);
@@ -517,6 +521,9 @@ async fn run(args: &FleetArgs, server: &Server, ingest: &mut [Server]) -> Result
         alerts: last.alerts.since(&first.alerts),
     })
 }
+
+/// How long the server may take to end its first alert round once the fleet has joined.
+const WARM_UP_LIMIT: Duration = Duration::from_secs(120);
 
 fn take(v: &Mutex<Vec<u64>>) -> Vec<u64> {
     let mut v = std::mem::take(&mut *v.lock().expect("recorder"));
@@ -901,6 +908,23 @@ impl Observer {
             rss_bytes,
             hwm_bytes,
             scrape: self.scrape().await.ok(),
+        }
+    }
+
+    /// Waits until the server has ended its first alert round; an error after `limit`.
+    async fn warm(&self, limit: Duration) -> Result<()> {
+        let waited = Instant::now();
+        loop {
+            if self.scrape().await.is_ok_and(|s| s.alerts.count >= 1.0) {
+                return Ok(());
+            }
+            ensure!(
+                waited.elapsed() < limit,
+                "the server ended no alert round in {} s after the fleet joined: see its log \
+                 (perch_alert_rounds_total stayed 0)",
+                limit.as_secs()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 

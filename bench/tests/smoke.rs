@@ -330,9 +330,10 @@ fn tiny_fleet(extra: &[&str]) -> (String, serde_json::Value) {
 
 #[test]
 fn fleet_in_a_tiny_mode() {
-    // 10 s: the first alert round plans every built-in SQL rule, JobStraggler's statement the
-    // largest (about 2.5 s in a debug build on an idle core); with the other smoke tests on
-    // the same two cores it took more than the 6 s this window used to be, and no round ended.
+    // The bench measures once the server has ended its first alert round, which plans every
+    // built-in SQL rule (JobStraggler's statement takes 2-5 s to plan in a debug build; with
+    // the other smoke tests on the same two cores a round could outlast the window, and none
+    // ended in it). Later rounds take about a second here, so 10 s sees several.
     let (out, json) = tiny_fleet(&["--seconds", "10", "--jobs-per-second", "5"]);
     let n = |k: &str| {
         json[k]
