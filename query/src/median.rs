@@ -1,29 +1,39 @@
-//! An exact `median` that counts equal values instead of keeping each one.
+//! An exact `median` and `percentile_cont` that count equal values instead of keeping each one.
 //!
-//! DataFusion's `median` keeps every value of every group in a vector. Its partial stage hands
-//! those vectors to the final stage as lists (236 MB for the benchmark's median per node over
-//! a week, query (h)), and the final stage copies them again before it selects the middle.
-//! Telemetry repeats itself: utilization comes in whole percent, temperature in whole
-//! degrees; the benchmark's week of power readings holds 3,012 distinct values in 31 M rows.
-//! So this `median` counts how often each value occurs in a group, and hands the counts
+//! DataFusion's `median` and `percentile_cont` keep every value of every group in a vector.
+//! Their partial stage hands those vectors to the final stage as lists (236 MB for the
+//! benchmark's median per node over a week, query (h)), and the final stage copies them again
+//! before it selects. Telemetry repeats itself: utilization comes in whole percent, temperature
+//! in whole degrees; the benchmark's week of power readings holds 3,012 distinct values in
+//! 31 M rows. So these count how often each value occurs in a group, and hand the counts
 //! between the stages. A group whose values turn out mostly distinct stops counting and keeps
 //! its values as DataFusion does, so the worst case costs what DataFusion's does.
 //!
-//! The answer is DataFusion's, by the same definition: the middle value in ascending total
-//! order (-0 below +0, NaN above every number), or the mean of the two middle values when the
-//! count is even; NULL for a group without values. Values are counted by their bits, so
-//! different NaNs and the two zeros stay apart, as they do in that order.
+//! The answers are DataFusion's, by the same definitions, over values in ascending total order
+//! (-0 below +0, NaN above every number):
+//! - `median`: the middle value, or the mean of the two middle values when the count is even;
+//! - `percentile_cont(p) WITHIN GROUP (ORDER BY x)`: the value at position `p × (n - 1)` from
+//!   0, interpolated linearly between its two neighbours with DataFusion's quantized weight
+//!   (`ORDER BY x DESC` reads `1 - p`);
 //!
-//! Only `Float64` arguments take this path; the function's signature casts integers to
-//! `Float64`, which covers every column perch stores. `median(DISTINCT ...)`, `Float16`,
-//! `Float32` and decimals go to DataFusion's `median` unchanged.
+//! and NULL for a group without values. Values are counted by their bits, so different NaNs
+//! and the two zeros stay apart, as they do in that order.
+//!
+//! Only `Float64` arguments take this path; the functions' signatures cast integers to
+//! `Float64`, which covers every column perch stores. `DISTINCT`, `Float16`, `Float32` and
+//! decimals go to DataFusion's functions unchanged, and so does every check of a
+//! `percentile_cont`'s fraction (a literal from 0 to 1), made before an accumulator exists.
 
+use arrow::array::RecordBatch;
 use arrow::array::{Array, ArrayRef, AsArray, BooleanArray, Float64Array, ListArray, UInt64Array};
 use arrow::buffer::{NullBuffer, OffsetBuffer, ScalarBuffer};
-use arrow::datatypes::{DataType, Field, FieldRef, Float64Type, UInt64Type};
+use arrow::datatypes::{DataType, Field, FieldRef, Float64Type, Schema, UInt64Type};
 use datafusion::common::{HashMap, ScalarValue};
 use datafusion::error::{DataFusionError, Result};
 use datafusion::functions_aggregate::median::Median;
+use datafusion::functions_aggregate::percentile_cont::PercentileCont;
+use datafusion::logical_expr::ColumnarValue;
+use datafusion::logical_expr::function::AggregateFunctionSimplification;
 use datafusion::logical_expr::function::{AccumulatorArgs, StateFieldsArgs};
 use datafusion::logical_expr::utils::format_state_name;
 use datafusion::logical_expr::{
@@ -35,9 +45,18 @@ use std::sync::Arc;
 
 /// `median`, replacing DataFusion's in perch's sessions.
 pub(crate) fn median() -> AggregateUDF {
-    AggregateUDF::new_from_impl(CountingMedian(Median::new()))
+    AggregateUDF::new_from_impl(Counting(Median::new()))
 }
 
+/// `percentile_cont` (and its alias `quantile_cont`), replacing DataFusion's in perch's
+/// sessions.
+pub(crate) fn percentile_cont() -> AggregateUDF {
+    AggregateUDF::new_from_impl(Counting(PercentileCont::new()))
+}
+
+/// DataFusion's quantization of `percentile_cont`'s interpolation weight (its
+/// `INTERPOLATION_PRECISION`, private there), which answers must match.
+const INTERPOLATION_PRECISION: f64 = 1_000_000.0;
 /// Uncounted values a group collects before it counts them.
 const COUNT_EVERY: usize = 1024;
 /// Distinct values a group may count before it may give up counting...
@@ -46,8 +65,56 @@ const GIVE_UP_PAST: usize = 4096;
 /// count costs about four times a kept value.
 const GIVE_UP_BELOW_REPEATS: u64 = 4;
 
+/// DataFusion's function `F`, whose accumulators for `Float64` count (see the module).
 #[derive(Debug, PartialEq, Eq, Hash)]
-struct CountingMedian(Median);
+struct Counting<F>(F);
+
+/// What a group's accumulator selects from its values.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Select {
+    Median,
+    /// `percentile_cont` at this fraction of the ascending order.
+    Percentile(f64),
+}
+
+/// A DataFusion function whose answer is a selection from each group's values.
+trait Selects: AggregateUDFImpl {
+    /// The selection `args` ask for. Runs where DataFusion's accumulator would be made, after
+    /// DataFusion has checked the arguments as it would for its own accumulator.
+    fn select(&self, args: &AccumulatorArgs) -> Result<Select>;
+}
+
+impl Selects for Median {
+    fn select(&self, _args: &AccumulatorArgs) -> Result<Select> {
+        Ok(Select::Median)
+    }
+}
+
+impl Selects for PercentileCont {
+    fn select(&self, args: &AccumulatorArgs) -> Result<Select> {
+        // DataFusion's own accumulator checks the fraction: a literal from 0 to 1, or the
+        // error a user would see without perch.
+        self.accumulator(args.clone())?;
+        let no_rows = RecordBatch::new_empty(Arc::new(Schema::empty()));
+        let fraction = match args.exprs.get(1).map(|e| e.evaluate(&no_rows)) {
+            Some(Ok(ColumnarValue::Scalar(ScalarValue::Float64(Some(p))))) => p,
+            Some(Ok(ColumnarValue::Scalar(ScalarValue::Float32(Some(p))))) => f64::from(p),
+            _ => {
+                return Err(DataFusionError::Plan(
+                    "percentile_cont: the fraction must be a literal from 0 to 1, as in \
+                     percentile_cont(0.9) WITHIN GROUP (ORDER BY x)"
+                        .to_string(),
+                ));
+            }
+        };
+        let descending = args.order_bys.first().is_some_and(|o| o.options.descending);
+        Ok(Select::Percentile(if descending {
+            1.0 - fraction
+        } else {
+            fraction
+        }))
+    }
+}
 
 /// Whether an argument takes the counting path.
 fn counts(data_type: &DataType, distinct: bool) -> bool {
@@ -58,9 +125,21 @@ fn list_of(data_type: DataType) -> DataType {
     DataType::List(Arc::new(Field::new_list_field(data_type, true)))
 }
 
-impl AggregateUDFImpl for CountingMedian {
+impl<F: Selects + std::hash::Hash + Eq> AggregateUDFImpl for Counting<F> {
     fn name(&self) -> &str {
         self.0.name()
+    }
+
+    fn aliases(&self) -> &[String] {
+        self.0.aliases()
+    }
+
+    fn simplify(&self) -> Option<AggregateFunctionSimplification> {
+        self.0.simplify()
+    }
+
+    fn supports_within_group_clause(&self) -> bool {
+        self.0.supports_within_group_clause()
     }
 
     fn signature(&self) -> &Signature {
@@ -78,13 +157,13 @@ impl AggregateUDFImpl for CountingMedian {
         }
         Ok(vec![
             Field::new(
-                format_state_name(args.name, "median_values"),
+                format_state_name(args.name, "counted_values"),
                 list_of(DataType::Float64),
                 true,
             )
             .into(),
             Field::new(
-                format_state_name(args.name, "median_counts"),
+                format_state_name(args.name, "value_counts"),
                 list_of(DataType::UInt64),
                 true,
             )
@@ -96,7 +175,10 @@ impl AggregateUDFImpl for CountingMedian {
         if !counts(args.expr_fields[0].data_type(), args.is_distinct) {
             return self.0.accumulator(args);
         }
-        Ok(Box::new(MedianAccumulator(Values::default())))
+        Ok(Box::new(SelectAccumulator {
+            values: Values::default(),
+            select: self.0.select(&args)?,
+        }))
     }
 
     fn groups_accumulator_supported(&self, args: AccumulatorArgs) -> bool {
@@ -110,7 +192,7 @@ impl AggregateUDFImpl for CountingMedian {
         if !counts(args.expr_fields[0].data_type(), args.is_distinct) {
             return self.0.create_groups_accumulator(args);
         }
-        Ok(Box::new(MedianGroups::default()))
+        Ok(Box::new(SelectGroups::new(self.0.select(&args)?)))
     }
 
     fn documentation(&self) -> Option<&Documentation> {
@@ -292,7 +374,8 @@ impl Values {
             return Ok(());
         }
         Err(DataFusionError::Internal(
-            "median: a window frame retracted a value it does not hold".to_string(),
+            "median, percentile_cont: a window frame retracted a value it does not hold"
+                .to_string(),
         ))
     }
 
@@ -345,6 +428,59 @@ impl Values {
         })
     }
 
+    /// What `select` selects; reorders the values but keeps them (a window evaluates again).
+    fn select(&mut self, select: Select) -> Option<f64> {
+        match select {
+            Select::Median => self.median(),
+            Select::Percentile(fraction) => self.percentile(fraction),
+        }
+    }
+
+    /// DataFusion's `percentile_cont` at `fraction` (checked to be from 0 to 1).
+    fn percentile(&mut self, fraction: f64) -> Option<f64> {
+        if matches!(self.counted, Counted::Counts(_)) {
+            self.count_kept();
+        }
+        let n = match &self.counted {
+            Counted::Counts(tally) => tally.total + self.kept.len() as u64,
+            Counted::Nothing | Counted::GaveUp => self.kept.len() as u64,
+        };
+        if n == 0 {
+            return None;
+        }
+        let index = fraction * ((n - 1) as f64);
+        let (lower, upper) = (index.floor() as u64, index.ceil() as u64);
+        let [low, high] = self.at_positions([lower, upper]);
+        if lower == upper {
+            return Some(low);
+        }
+        let scaled = ((index - lower as f64) * INTERPOLATION_PRECISION) as usize;
+        let weight = scaled as f64 / INTERPOLATION_PRECISION;
+        Some(low + (high - low) * weight)
+    }
+
+    /// The values at positions `at` (from 0, each below the number of values) in ascending
+    /// order.
+    fn at_positions<const N: usize>(&mut self, at: [u64; N]) -> [f64; N] {
+        let Counted::Counts(tally) = &self.counted else {
+            return at.map(|at| {
+                *self
+                    .kept
+                    .select_nth_unstable_by(at as usize, f64::total_cmp)
+                    .1
+            });
+        };
+        // Counted values, and any not counted yet, each once.
+        let mut sorted: Vec<(f64, u64)> = tally
+            .by_bits
+            .iter()
+            .map(|(&bits, &count)| (f64::from_bits(bits), count))
+            .chain(self.kept.iter().map(|&value| (value, 1)))
+            .collect();
+        sorted.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
+        at.map(|at| nth(&sorted, at))
+    }
+
     fn size(&self) -> usize {
         let counted = match &self.counted {
             Counted::Counts(tally) => {
@@ -387,7 +523,9 @@ fn median_of_kept(values: &mut [f64]) -> Option<f64> {
 }
 
 fn too_many(count: u64) -> DataFusionError {
-    DataFusionError::ResourcesExhausted(format!("median: {count} values do not fit in memory"))
+    DataFusionError::ResourcesExhausted(format!(
+        "median, percentile_cont: {count} values do not fit in memory"
+    ))
 }
 
 /// The rows of `values` that count: not NULL, and passing the aggregate's `FILTER`.
@@ -413,7 +551,7 @@ fn for_each_state_row(
 ) -> Result<()> {
     let [values, counts] = states else {
         return Err(DataFusionError::Internal(format!(
-            "median: a state has two columns, not {}",
+            "median, percentile_cont: a state has two columns, not {}",
             states.len()
         )));
     };
@@ -430,7 +568,7 @@ fn for_each_state_row(
             n if n == at.len() => Some(&all_counts[counted_at]),
             n => {
                 return Err(DataFusionError::Internal(format!(
-                    "median: row {row} of a state has {} values but {n} counts",
+                    "median, percentile_cont: row {row} of a state has {} values but {n} counts",
                     at.len()
                 )));
             }
@@ -469,7 +607,7 @@ impl StateLists {
     fn finish(self) -> Result<Vec<ArrayRef>> {
         if i32::try_from(self.values.len()).is_err() {
             return Err(DataFusionError::ResourcesExhausted(format!(
-                "median: a state of {} values is larger than a list holds",
+                "median, percentile_cont: a state of {} values is larger than a list holds",
                 self.values.len()
             )));
         }
@@ -497,14 +635,23 @@ impl StateLists {
 }
 
 /// One [`Values`] per group.
-#[derive(Debug, Default)]
-struct MedianGroups {
+#[derive(Debug)]
+struct SelectGroups {
     groups: Vec<Values>,
     /// What the groups' values and counts take (`size` must not visit every group).
     bytes: usize,
+    select: Select,
 }
 
-impl MedianGroups {
+impl SelectGroups {
+    fn new(select: Select) -> Self {
+        SelectGroups {
+            groups: Vec::new(),
+            bytes: 0,
+            select,
+        }
+    }
+
     fn grew(&mut self, by: isize) {
         self.bytes = self.bytes.saturating_add_signed(by);
     }
@@ -517,7 +664,7 @@ impl MedianGroups {
     }
 }
 
-impl GroupsAccumulator for MedianGroups {
+impl GroupsAccumulator for SelectGroups {
     fn update_batch(
         &mut self,
         values: &[ArrayRef],
@@ -567,8 +714,13 @@ impl GroupsAccumulator for MedianGroups {
     }
 
     fn evaluate(&mut self, emit_to: EmitTo) -> Result<ArrayRef> {
-        let medians: Float64Array = self.take(emit_to).iter_mut().map(Values::median).collect();
-        Ok(Arc::new(medians))
+        let select = self.select;
+        let selected: Float64Array = self
+            .take(emit_to)
+            .iter_mut()
+            .map(|group| group.select(select))
+            .collect();
+        Ok(Arc::new(selected))
     }
 
     /// Each row as a state of its own: its value, once (NULL when it does not count).
@@ -610,25 +762,28 @@ impl GroupsAccumulator for MedianGroups {
 
 /// The same for an aggregate without groups, and for windows.
 #[derive(Debug)]
-struct MedianAccumulator(Values);
+struct SelectAccumulator {
+    values: Values,
+    select: Select,
+}
 
-impl Accumulator for MedianAccumulator {
+impl Accumulator for SelectAccumulator {
     fn update_batch(&mut self, values: &[ArrayRef]) -> Result<()> {
         for (_, value) in counted_rows(values[0].as_primitive::<Float64Type>(), None) {
-            self.0.push(value);
+            self.values.push(value);
         }
         Ok(())
     }
 
     fn merge_batch(&mut self, states: &[ArrayRef]) -> Result<()> {
         for_each_state_row(states, |_, values, counts| {
-            self.0.merge(values, counts).map(|_| ())
+            self.values.merge(values, counts).map(|_| ())
         })
     }
 
     fn state(&mut self) -> Result<Vec<ScalarValue>> {
         let mut lists = StateLists::new();
-        lists.push(&mut self.0);
+        lists.push(&mut self.values);
         lists
             .finish()?
             .into_iter()
@@ -637,16 +792,16 @@ impl Accumulator for MedianAccumulator {
     }
 
     fn evaluate(&mut self) -> Result<ScalarValue> {
-        Ok(ScalarValue::Float64(self.0.median()))
+        Ok(ScalarValue::Float64(self.values.select(self.select)))
     }
 
     fn size(&self) -> usize {
-        size_of::<Self>() + self.0.size()
+        size_of::<Self>() + self.values.size()
     }
 
     fn retract_batch(&mut self, values: &[ArrayRef]) -> Result<()> {
         for (_, value) in counted_rows(values[0].as_primitive::<Float64Type>(), None) {
-            self.0.retract(value)?;
+            self.values.retract(value)?;
         }
         Ok(())
     }
@@ -707,6 +862,7 @@ mod tests {
         let ctx = SessionContext::new_with_config(config);
         if counting {
             ctx.register_udaf(median());
+            ctx.register_udaf(percentile_cont());
         }
         let partitions = batches
             .iter()
@@ -742,6 +898,12 @@ mod tests {
         "SELECT g, median(x) FROM t WHERE k % 2 = 0 OR g = 1 GROUP BY g ORDER BY g",
         "SELECT k, median(x) OVER (PARTITION BY g ORDER BY k ROWS BETWEEN 40 PRECEDING AND CURRENT ROW) FROM t WHERE k < 3000 ORDER BY k",
         "SELECT k, median(x) OVER (PARTITION BY g ORDER BY k) FROM t WHERE k < 3000 ORDER BY k",
+        "SELECT g, percentile_cont(0.5) WITHIN GROUP (ORDER BY x), percentile_cont(0.9) WITHIN GROUP (ORDER BY x), percentile_cont(0.99) WITHIN GROUP (ORDER BY x) FROM t GROUP BY g ORDER BY g",
+        "SELECT percentile_cont(0.25) WITHIN GROUP (ORDER BY x), percentile_cont(0.999) WITHIN GROUP (ORDER BY i), quantile_cont(x, 0.75) FROM t",
+        "SELECT g, percentile_cont(0.1) WITHIN GROUP (ORDER BY x DESC), percentile_cont(0.3) WITHIN GROUP (ORDER BY f) FROM t GROUP BY g ORDER BY g",
+        "SELECT g, percentile_cont(0.0) WITHIN GROUP (ORDER BY x), percentile_cont(1.0) WITHIN GROUP (ORDER BY x), percentile_cont(0.37) WITHIN GROUP (ORDER BY x) FILTER (WHERE k % 3 = 0) FROM t GROUP BY g ORDER BY g",
+        "SELECT g, percentile_cont(0.95) WITHIN GROUP (ORDER BY x) FILTER (WHERE k < 0) FROM t WHERE k % 2 = 0 OR g = 1 GROUP BY g ORDER BY g",
+        "SELECT k, quantile_cont(x, 0.8) OVER (PARTITION BY g ORDER BY k ROWS BETWEEN 40 PRECEDING AND CURRENT ROW) FROM t WHERE k < 3000 ORDER BY k",
     ];
 
     /// The attack of a median over values that never repeat: the kept values count against the
@@ -901,7 +1063,7 @@ mod tests {
     /// Grown and emitted groups are accounted for without visiting every group.
     #[test]
     fn size_follows_the_groups() {
-        let mut groups = MedianGroups::default();
+        let mut groups = SelectGroups::new(Select::Median);
         let values: ArrayRef = Arc::new(Float64Array::from_iter_values(
             (0..10_000).map(|k| k as f64),
         ));
@@ -938,7 +1100,7 @@ mod tests {
             Arc::new(UInt64Array::from(vec![1])),
             None,
         ));
-        let mut groups = MedianGroups::default();
+        let mut groups = SelectGroups::new(Select::Median);
         let Err(error) = groups.merge_batch(&[values.clone(), counts], &[0], 1) else {
             panic!("a state with 2 values and 1 count was merged");
         };
@@ -947,6 +1109,77 @@ mod tests {
             "{error}"
         );
         assert!(groups.merge_batch(&[values], &[0], 1).is_err());
+    }
+
+    /// DataFusion's percentile_cont over every value, sorted (its definition, written out).
+    fn sorted_percentile(mut all: Vec<f64>, fraction: f64) -> Option<f64> {
+        all.sort_by(f64::total_cmp);
+        let n = all.len();
+        (n > 0).then(|| {
+            let index = fraction * (n - 1) as f64;
+            let (low, high) = (all[index.floor() as usize], all[index.ceil() as usize]);
+            let weight = ((index - index.floor()) * 1_000_000.0) as usize as f64 / 1_000_000.0;
+            if index.floor() == index.ceil() {
+                low
+            } else {
+                low + (high - low) * weight
+            }
+        })
+    }
+
+    /// A percentile of counted values, of kept values, and of a group that gave counting up
+    /// are each DataFusion's, at the ends and between.
+    #[test]
+    fn percentiles_of_counted_and_kept_values() {
+        let repeating: Vec<f64> = (0..50_000u64).map(|k| ((k * 37) % 101) as f64).collect();
+        let distinct: Vec<f64> = (0..50_000u64).map(|k| k as f64 * 0.37).collect();
+        let few = vec![3.0, -0.0, 0.0, f64::NAN, 1.5];
+        for all in [repeating, distinct, few] {
+            let mut group = Values::default();
+            all.iter().for_each(|&v| {
+                group.push(v);
+            });
+            for fraction in [0.0, 0.01, 0.25, 0.5, 0.9, 0.99, 0.999, 1.0] {
+                let want = sorted_percentile(all.clone(), fraction);
+                let got = group.select(Select::Percentile(fraction));
+                assert_eq!(
+                    got.map(f64::to_bits),
+                    want.map(f64::to_bits),
+                    "{fraction} of {} values",
+                    all.len()
+                );
+            }
+        }
+        assert_eq!(Values::default().select(Select::Percentile(0.5)), None);
+    }
+
+    /// The error `query` ends in, planned or run.
+    async fn refusal(ctx: &SessionContext, query: &str) -> String {
+        let result = match ctx.sql(query).await {
+            Ok(frame) => frame.collect().await.map(|_| ()),
+            Err(e) => Err(e),
+        };
+        result.expect_err(query).to_string()
+    }
+
+    /// A fraction that is not a literal from 0 to 1 gets DataFusion's own error, not a panic.
+    #[tokio::test]
+    async fn a_bad_fraction_is_refused_as_datafusion_refuses_it() {
+        let batches = table(100, 5, false, |k| k as f64);
+        let config = SessionConfig::new().with_target_partitions(2);
+        let stock = context(config.clone(), &batches, false);
+        let perch = context(config, &batches, true);
+        for query in [
+            "SELECT percentile_cont(1.5) WITHIN GROUP (ORDER BY x) FROM t",
+            "SELECT percentile_cont(x) WITHIN GROUP (ORDER BY x) FROM t",
+            "SELECT g, percentile_cont(-0.1) WITHIN GROUP (ORDER BY x) FROM t GROUP BY g",
+        ] {
+            assert_eq!(
+                refusal(&perch, query).await,
+                refusal(&stock, query).await,
+                "{query}"
+            );
+        }
     }
 
     /// The naive median: every value, sorted.

@@ -284,6 +284,7 @@ impl SqlEngine {
         );
         ctx.register_udf(functions::date_trunc());
         ctx.register_udaf(median::median());
+        ctx.register_udaf(median::percentile_cont());
         ctx.register_udaf(crate::by_key::arg_max());
         ctx.register_udaf(crate::by_key::arg_min());
         // DuckDB's, Spark's and BigQuery's name for DataFusion's `approx_distinct`, so a query
