@@ -772,7 +772,10 @@ fn deep_statements_are_refused_and_the_server_lives() {
     // The statement at the bound must be answered; how fast is not this test's business.
     // DataFusion's planning of a 1,000-term sum took 14 s, and then over the default 30 s
     // limit, in a debug build beside another build on the same two cores.
-    let (mut perch, addr) = up_with_psql_and(dir.path(), "\n[query]\ntimeout_secs = 150\n");
+    let (mut perch, addr) = up_with_psql_and(
+        dir.path(),
+        "idle_timeout_secs = 200\n\n[query]\ntimeout_secs = 150\n",
+    );
     perch.wait_nodes_up(1);
     let plus = |n: usize| format!("SELECT {}", vec!["1"; n].join("+"));
     let ors = (0..2_500)
