@@ -409,23 +409,13 @@ impl Values {
         let Counted::Counts(tally) = &self.counted else {
             return median_of_kept(&mut self.kept);
         };
-        let mut sorted: Vec<(f64, u64)> = tally
-            .by_bits
-            .iter()
-            .map(|(&bits, &count)| (f64::from_bits(bits), count))
-            .collect();
-        sorted.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
-        let n = tally.total;
+        let n = tally.total + self.kept.len() as u64;
         if n == 0 {
             return None;
         }
-        // The values at positions n/2 (and n/2 - 1 when n is even) in ascending order.
-        let high = nth(&sorted, n / 2);
-        Some(if n % 2 == 1 {
-            high
-        } else {
-            (nth(&sorted, n / 2 - 1) + high) / 2.0
-        })
+        // The values at positions n/2 - 1 and n/2 in ascending order (one value when n is odd).
+        let [low, high] = self.at_positions([(n - 1) / 2, n / 2]);
+        Some(if n % 2 == 1 { high } else { (low + high) / 2.0 })
     }
 
     /// What `select` selects; reorders the values but keeps them (a window evaluates again).
