@@ -107,6 +107,10 @@ pub struct JobRecord {
 /// does ([`JobRecord::is_settled`], `control/archive.rs`).
 pub const ARCHIVE_AFTER_MS: i64 = 10 * 60 * 1000;
 
+/// About how many bytes a job's record takes beyond its command, environment and timeline
+/// ([`JobRecord::weight`]).
+pub const RECORD_BYTES: usize = 1024;
+
 impl JobRecord {
     /// Ended at or before `before_ms`, with nothing left to change: no earlier attempt
     /// waiting to be confirmed stopped, and every allocation's accounting final. Only its
@@ -135,11 +139,12 @@ impl JobRecord {
         true
     }
 
-    /// About how many bytes the job's text takes in an answer: command and environment
-    /// ([`JobRequest::kept_bytes`]), timeline, and a kilobyte for the rest.
+    /// About how many bytes the job's text takes in an answer or in the job store: command
+    /// and environment ([`JobRequest::kept_bytes`]), timeline, and [`RECORD_BYTES`] for the
+    /// rest.
     pub fn weight(&self) -> usize {
         let timeline: usize = self.timeline.iter().map(|e| e.event.len() + 32).sum();
-        self.request.kept_bytes() + timeline + 1024
+        self.request.kept_bytes() + timeline + RECORD_BYTES
     }
 }
 

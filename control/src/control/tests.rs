@@ -1814,6 +1814,108 @@ async fn an_array_larger_than_a_step_is_cancelled_whole() {
     assert_eq!(pending, super::Held::default());
 }
 
+/// A job store that keeps, for each commit, the weight of the job records it writes
+/// ([`JobRecord::weight`]).
+struct Weighing {
+    inner: crate::db::RedbStore,
+    commits: std::sync::Mutex<Vec<usize>>,
+}
+
+impl crate::JobStore for Weighing {
+    fn load(&self) -> Result<crate::db::Loaded, crate::db::DbError> {
+        self.inner.load()
+    }
+    fn for_each_job(&self, visit: &mut dyn FnMut(JobRecord)) -> Result<(), crate::db::DbError> {
+        self.inner.for_each_job(visit)
+    }
+    fn get(&self, ids: &[u64]) -> Result<Vec<JobRecord>, crate::db::DbError> {
+        self.inner.get(ids)
+    }
+    fn save(&self, dirty: &crate::db::Dirty) -> Result<(), crate::db::DbError> {
+        let weight = dirty.jobs.iter().map(JobRecord::weight).sum();
+        self.commits.lock().expect("commits").push(weight);
+        self.inner.save(dirty)
+    }
+    fn reopen(&self) -> Result<(), crate::db::DbError> {
+        self.inner.reopen()
+    }
+    fn provenance(
+        &self,
+        id: u64,
+    ) -> Result<Option<crate::provenance::ProvenanceRecord>, crate::db::DbError> {
+        self.inner.provenance(id)
+    }
+    fn for_each_provenance(
+        &self,
+        ids: std::ops::RangeInclusive<u64>,
+        visit: &mut dyn FnMut(crate::provenance::ProvenanceRecord) -> bool,
+    ) -> Result<(), crate::db::DbError> {
+        self.inner.for_each_provenance(ids, visit)
+    }
+}
+
+/// An agent's sync waits for at most one step of an array or a batch cancel, so no step may
+/// write more than [`crate::STEP_BYTES`] of job records, however large each job is: a
+/// submission of the most bytes one may make (256 tasks with 64,000 bytes of environment
+/// each), and its cancel, were one commit of 16 MiB each, and held syncs for 1.5 s in a
+/// debug build. Every task is still added, and cancelled.
+#[tokio::test]
+async fn no_step_of_a_large_array_or_its_cancel_commits_more_than_step_bytes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = std::sync::Arc::new(Weighing {
+        inner: crate::db::RedbStore::open(&dir.path().join("jobs.redb")).expect("store"),
+        commits: Default::default(),
+    });
+    let (tx, _rx) = JobService::event_channel();
+    let jobs = JobService::open(
+        dir.path(),
+        JobsConfig::default(),
+        tx,
+        store.clone(),
+        std::sync::Arc::new(crate::store::NoSettledRecords),
+        Vec::new(),
+    )
+    .expect("jobs");
+    let heaviest = |store: &Weighing| {
+        let mut commits = store.commits.lock().expect("commits");
+        let heaviest = commits.iter().copied().max().unwrap_or(0);
+        let count = commits.len();
+        commits.clear();
+        (heaviest, count)
+    };
+    let n = 256;
+    let array = json!({
+        "command": ["eval"], "user": "bob", "array": n, "hold_until_fits": true,
+        "env": { "PAYLOAD": "x".repeat(65_000) },
+    });
+    let request: crate::spec::JobRequest = serde_json::from_value(array).expect("request");
+    let (first, ids, _) = jobs.submit(request, false).await.expect("submit");
+    assert_eq!(ids.len(), n);
+    let first = first.id;
+    let (weight, commits) = heaviest(&store);
+    assert!(
+        weight <= crate::STEP_BYTES,
+        "a step of the array committed {weight} bytes of jobs"
+    );
+    assert!(commits > 1, "{commits} commits");
+    let all = jobs
+        .list_jobs(u64::MAX, usize::MAX, |j| j.state == JobState::Pending)
+        .expect("list")
+        .0;
+    assert_eq!(all.len(), n);
+    let bob = identity("bob", perch_model::identity::Role::User);
+    let out = jobs
+        .cancel_many(selection(json!({ "array": first })), bob)
+        .await
+        .expect("cancel");
+    assert_eq!(out.cancelled.len(), n);
+    let (weight, _) = heaviest(&store);
+    assert!(
+        weight <= crate::STEP_BYTES,
+        "a step of the cancel committed {weight} bytes of jobs"
+    );
+}
+
 /// An exit sent again (its acknowledgement lost, or the agent restarted before it came) is
 /// acknowledged again and taken once: one note in the job's timeline, whether the exit ended
 /// the job or came after a cancel had.

@@ -47,6 +47,14 @@ pub struct GpuHolder {
 pub type QueuePage = (Vec<(JobRecord, Option<f64>)>, usize);
 
 impl Control {
+    /// About how many bytes job `id`'s record takes ([`JobRecord::weight`]); a job not held in
+    /// memory (settled, or none) counts as an empty record: changing it writes nothing.
+    pub fn weight(&self, id: u64) -> usize {
+        self.jobs
+            .get(&id)
+            .map_or(crate::record::RECORD_BYTES, JobRecord::weight)
+    }
+
     /// A record with its live pending reason filled in; a settled job's is read from the
     /// job database.
     pub fn view(&self, id: u64) -> Result<Option<JobRecord>, ControlError> {
