@@ -25,6 +25,7 @@ pub mod optimizer;
 mod peers;
 mod provider;
 mod rollup;
+mod rounding;
 pub mod schema;
 mod sql;
 mod storage;

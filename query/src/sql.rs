@@ -283,6 +283,8 @@ impl SqlEngine {
                 .build(),
         );
         ctx.register_udf(functions::date_trunc());
+        ctx.register_udf(crate::rounding::floor());
+        ctx.register_udf(crate::rounding::ceil());
         ctx.register_udaf(median::median());
         ctx.register_udaf(median::percentile_cont());
         ctx.register_udaf(crate::by_key::arg_max());
