@@ -82,6 +82,30 @@ fn a_job_files_user_is_the_jobs_user_and_only_operators_may_name_another() {
     );
     assert!(ok, "{err}");
     assert_eq!(user_of(3), "alice");
+    // The body of POST /v1/jobs, as JSON, is a job file too.
+    let json = dir.path().join("mine.json");
+    std::fs::write(&json, r#"{"command": ["true"], "name": "from-json"}"#).expect("job file");
+    let (ok, _, err) = submit(
+        common::ALICE,
+        "alice",
+        &["--file", json.to_str().expect("utf-8")],
+    );
+    assert!(ok, "{err}");
+    assert_eq!(get("/v1/jobs/4")["request"]["name"], "from-json");
+    // A file that is neither says which file, where, and what it may be.
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "command = \n").expect("job file");
+    let (ok, _, err) = submit(
+        common::ALICE,
+        "alice",
+        &["--file", bad.to_str().expect("utf-8")],
+    );
+    assert!(!ok);
+    assert!(
+        err.contains("bad.toml as TOML (or give the JSON object POST /v1/jobs takes)")
+            && err.contains("line 1"),
+        "{err}"
+    );
 }
 
 #[test]

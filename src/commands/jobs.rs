@@ -44,7 +44,8 @@ impl ServerArg {
 pub struct SubmitArgs {
     #[command(flatten)]
     server: ServerArg,
-    /// A TOML file with the job request (fields as in POST /v1/jobs); flags override it.
+    /// A file with the job request: the JSON object POST /v1/jobs takes, or its fields in TOML;
+    /// flags override it.
     #[arg(long)]
     file: Option<PathBuf>,
     /// GPUs per node.
@@ -475,12 +476,26 @@ pub fn submit(args: SubmitArgs, config_file: Option<&ConfigFile>) -> Result<()> 
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading {}", path.display()))?;
-            let table: toml::Table =
-                toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-            serde_json::to_value(table)?
-                .as_object()
-                .cloned()
-                .unwrap_or_default()
+            // The body of POST /v1/jobs as it is (a JSON object), or the same keys in TOML.
+            if text.trim_start().starts_with('{') {
+                serde_json::from_str(&text).with_context(|| {
+                    format!(
+                        "parsing {} as a JSON object (the body of POST /v1/jobs)",
+                        path.display()
+                    )
+                })?
+            } else {
+                let table: toml::Table = toml::from_str(&text).with_context(|| {
+                    format!(
+                        "parsing {} as TOML (or give the JSON object POST /v1/jobs takes)",
+                        path.display()
+                    )
+                })?;
+                serde_json::to_value(table)?
+                    .as_object()
+                    .cloned()
+                    .unwrap_or_default()
+            }
         }
         None => serde_json::Map::new(),
     };
