@@ -24,7 +24,8 @@
 //!
 //! [`run_aggregate::RunAggregateRule`] runs after all of DataFusion's rules (before the final
 //! sanity check): it replaces partial hash aggregations with one that looks up each run of
-//! equal group keys once, which sorted telemetry is full of.
+//! equal group keys once, which sorted telemetry is full of, and where runs are long folds
+//! each run into one partial state of `count`, `sum`, `avg`, `min` or `max`.
 //! [`run_aggregate::SortedPartialRule`] runs just before DataFusion's distribution and sorting
 //! rules (`EnsureRequirements`): a partial aggregation over sorted input stops promising its
 //! order, so the repartition to the final stage does not merge the partitions in order.
