@@ -9,28 +9,39 @@
 //! time), and the string is built once per pair.
 //!
 //! The rewrite is exact for any deterministic expression: the set of `f(x)` over the rows is
-//! the set of `f(x)` over the distinct `x`. It applies to an aggregate whose every aggregate
-//! is insensitive to duplicates (`DISTINCT`, `min`, `max`, `approx_distinct`, `bool_and`,
-//! `bool_or`, `bit_and`, `bit_or`; none with a filter or an order), which includes a plain
+//! the set of `f(x)` over the distinct `x`. It defers aggregates insensitive to duplicates
+//! (`DISTINCT`, `min`, `max`, `approx_distinct`, `bool_and`, `bool_or`, `bit_and`, `bit_or`;
+//! none with a filter or an order) whose every argument builds a string from columns, one of
+//! them a string column (a label such as `node`, which telemetry repeats in long runs), and
+//! keys that build such strings: the inner aggregate groups by the columns they read, the
+//! outer one computes them over its distinct inputs. Building and hashing strings is what
+//! costs; strings built from numbers alone, or a plain column (a measured value), would make
+//! the distinct inputs as many as the rows. Beside them, `sum`, `count`, `min`, `max` and `avg`
+//! of anything (no `DISTINCT`, filter or order) are computed per distinct input in the inner
+//! aggregate and combined in the outer one (sums of sums, sums of counts, an average as its
+//! sum over its count), so an average of utilization next to a count of distinct GPUs builds
+//! each GPU's name once, not once per sample. Such combined sums of floats add in another
+//! order than one aggregate would, and can differ in the last bits.
+//!
+//! It applies only where at least one string is deferred. The other keys are computed as
+//! before, in the inner aggregate. Volatile expressions and subqueries are left alone, and so
+//! is an aggregate over grouped rows (it would gain nothing, and the rule would rewrite its own
+//! output again). The rewrite must give every column the name and type it had (an average of
+//! decimals, a decimal, does not), or the plan is left as written. It includes a plain
 //! `DISTINCT` and the inner aggregate DataFusion makes of a single `count(DISTINCT ...)`
-//! (`SingleDistinctToGroupBy`). It is applied only where it saves work: when every argument
-//! of its aggregates, and at least one of its keys or arguments, is an expression that builds
-//! a string from columns, one of them a string column (a label such as `node`, which telemetry
-//! repeats in long runs). Building and hashing strings is what costs; strings built from
-//! numbers alone, or an aggregate of a plain column (a measured value), would make the
-//! distinct inputs as many as the rows. The other keys are computed as before, in the inner aggregate; the string
-//! expressions are computed in the outer one, over its distinct inputs. Volatile expressions
-//! and subqueries are left alone, and so is an aggregate whose input is already a `DISTINCT`
-//! (it would gain nothing, and the rule would rewrite its own output again). The rewrite must
-//! give every column the name and type it had, or the plan is left as written.
+//! (`SingleDistinctToGroupBy`).
 
 use super::strip_alias;
 use datafusion::arrow::datatypes::DataType;
 use datafusion::common::tree_node::{Transformed, TreeNode, TreeNodeRecursion};
 use datafusion::common::{Column, DFSchema};
 use datafusion::error::Result;
+use datafusion::functions::expr_fn::coalesce;
+use datafusion::functions_aggregate::expr_fn::{count, max, min, sum};
 use datafusion::logical_expr::expr::AggregateFunction;
-use datafusion::logical_expr::{Aggregate, Expr, ExprSchemable, LogicalPlan};
+use datafusion::logical_expr::{
+    Aggregate, Expr, ExprSchemable, LogicalPlan, Projection, cast, lit,
+};
 use datafusion::optimizer::{ApplyOrder, OptimizerConfig, OptimizerRule};
 use std::sync::Arc;
 
@@ -115,6 +126,48 @@ fn builds_a_string(expr: &Expr, schema: &DFSchema) -> bool {
             .any(|c| is_string(Expr::Column((*c).clone()).get_type(schema)))
 }
 
+/// What the rewrite does with one of the aggregate's aggregates.
+#[derive(Clone, Copy, PartialEq)]
+enum Part {
+    /// Computed in the outer aggregate as written, over the distinct columns its arguments
+    /// read.
+    Deferred,
+    /// Computed as partial states in the inner aggregate, combined in the outer one.
+    Sum,
+    Count,
+    Min,
+    Max,
+    Avg,
+}
+
+impl Part {
+    fn of(f: &AggregateFunction, schema: &DFSchema) -> Option<Part> {
+        let p = &f.params;
+        if duplicate_insensitive(f)
+            && !p.args.is_empty()
+            && p.args.iter().all(|a| builds_a_string(a, schema))
+        {
+            return Some(Part::Deferred);
+        }
+        if p.distinct || p.filter.is_some() || !p.order_by.is_empty() || p.args.len() != 1 {
+            return None;
+        }
+        Some(match f.func.name() {
+            "sum" => Part::Sum,
+            "count" => Part::Count,
+            "min" => Part::Min,
+            "max" => Part::Max,
+            "avg" => Part::Avg,
+            _ => return None,
+        })
+    }
+}
+
+/// The column the inner aggregate names `name`.
+fn part(name: &str) -> Expr {
+    Expr::Column(Column::new_unqualified(name))
+}
+
 fn distinct_first(aggregate: &Aggregate) -> Result<Option<LogicalPlan>> {
     if aggregate
         .group_expr
@@ -123,35 +176,37 @@ fn distinct_first(aggregate: &Aggregate) -> Result<Option<LogicalPlan>> {
     {
         return Ok(None);
     }
-    if let LogicalPlan::Aggregate(below) = aggregate.input.as_ref()
-        && below.aggr_expr.is_empty()
-    {
+    // Already over grouped rows (this rule's own inner aggregate among them): nothing to gain.
+    let mut below = aggregate.input.as_ref();
+    while let LogicalPlan::Projection(p) = below {
+        below = p.input.as_ref();
+    }
+    if matches!(below, LogicalPlan::Aggregate(_)) {
         return Ok(None);
     }
-    let mut args = Vec::new();
+    let input_schema = aggregate.input.schema();
+    let mut parts = Vec::new();
     for e in &aggregate.aggr_expr {
         match strip_alias(e) {
-            Expr::AggregateFunction(f) if duplicate_insensitive(f) => {
-                args.extend(f.params.args.iter())
-            }
+            Expr::AggregateFunction(f) => match Part::of(f, input_schema) {
+                Some(part) => parts.push((part, f)),
+                None => return Ok(None),
+            },
             _ => return Ok(None),
         }
     }
-    let input_schema = aggregate.input.schema();
     let deferred: Vec<bool> = aggregate
         .group_expr
         .iter()
         .map(|g| builds_a_string(g, input_schema))
         .collect();
-    // Every argument a string built from columns: a plain column (a measured value) would
-    // make the inner aggregate as large as its input.
-    if !args.iter().all(|a| builds_a_string(a, input_schema))
-        || (args.is_empty() && !deferred.contains(&true))
-    {
+    // At least one string built from columns, by a key or an aggregate that can wait for the
+    // distinct inputs.
+    if !parts.iter().any(|(p, _)| *p == Part::Deferred) && !deferred.contains(&true) {
         return Ok(None);
     }
     // The inner aggregate: the keys computed as before, then every column the string keys and
-    // the aggregates' arguments read, in the input's order.
+    // the deferred aggregates' arguments read, in the input's order.
     let mut inner_keys = Vec::new();
     let mut outer_keys = Vec::new();
     let mut carried: Vec<&Column> = Vec::new();
@@ -165,8 +220,10 @@ fn distinct_first(aggregate: &Aggregate) -> Result<Option<LogicalPlan>> {
             outer_keys.push(Expr::Column(Column::new(qualifier.cloned(), field.name())));
         }
     }
-    for arg in &args {
-        carried.extend(arg.column_refs());
+    for (_, f) in parts.iter().filter(|(p, _)| *p == Part::Deferred) {
+        for arg in &f.params.args {
+            carried.extend(arg.column_refs());
+        }
     }
     carried.sort_by_key(|c| input_schema.index_of_column(c).unwrap_or(usize::MAX));
     carried.dedup();
@@ -176,21 +233,82 @@ fn distinct_first(aggregate: &Aggregate) -> Result<Option<LogicalPlan>> {
             inner_keys.push(key);
         }
     }
+    // Partial states in the inner aggregate, combined in the outer one, finished in a
+    // projection over it where a combination is not the aggregate itself.
+    let mut inner_aggr = Vec::new();
+    let mut outer_aggr = Vec::new();
+    let mut finals = Vec::new();
+    let keys = aggregate.group_expr.len();
+    for (i, ((kind, f), written)) in parts.iter().zip(&aggregate.aggr_expr).enumerate() {
+        let name = aggregate.schema.field(keys + i).name().clone();
+        if *kind == Part::Deferred {
+            outer_aggr.push(written.clone());
+            finals.push(part(&name));
+            continue;
+        }
+        let arg = f.params.args[0].clone();
+        let (p, q) = (format!("__perch_part_{i}"), format!("__perch_total_{i}"));
+        let finished = match kind {
+            Part::Sum | Part::Min | Part::Max => {
+                let (inner, outer) = match kind {
+                    Part::Sum => (sum(arg), sum(part(&p))),
+                    Part::Min => (min(arg), min(part(&p))),
+                    _ => (max(arg), max(part(&p))),
+                };
+                inner_aggr.push(inner.alias(&p));
+                outer_aggr.push(outer.alias(&q));
+                part(&q)
+            }
+            // A sum of counts is NULL where a count is 0: without GROUP BY, over no rows.
+            Part::Count => {
+                inner_aggr.push(count(arg).alias(&p));
+                outer_aggr.push(sum(part(&p)).alias(&q));
+                coalesce(vec![part(&q), lit(0_i64)])
+            }
+            // The sum over the count, NULL where no value was seen (the sum is NULL).
+            Part::Avg => {
+                let (ps, pn) = (format!("{p}_sum"), format!("{p}_count"));
+                let (qs, qn) = (format!("{q}_sum"), format!("{q}_count"));
+                inner_aggr.push(sum(arg.clone()).alias(&ps));
+                inner_aggr.push(count(arg).alias(&pn));
+                outer_aggr.push(sum(part(&ps)).alias(&qs));
+                outer_aggr.push(sum(part(&pn)).alias(&qn));
+                part(&qs) / cast(part(&qn), DataType::Float64)
+            }
+            Part::Deferred => unreachable!("handled above"),
+        };
+        finals.push(finished.alias(name));
+    }
     let inner = LogicalPlan::Aggregate(Aggregate::try_new(
         aggregate.input.clone(),
         inner_keys,
-        Vec::new(),
+        inner_aggr,
     )?);
-    let outer = Aggregate::try_new(Arc::new(inner), outer_keys, aggregate.aggr_expr.clone())?;
-    let same = outer.schema.fields().len() == aggregate.schema.fields().len()
-        && outer
-            .schema
+    let outer = Aggregate::try_new(Arc::new(inner), outer_keys, outer_aggr)?;
+    let plan = if parts.iter().all(|(p, _)| *p == Part::Deferred) {
+        LogicalPlan::Aggregate(outer)
+    } else {
+        let mut exprs: Vec<Expr> = (0..keys)
+            .map(|i| {
+                let (qualifier, field) = outer.schema.qualified_field(i);
+                Expr::Column(Column::new(qualifier.cloned(), field.name()))
+            })
+            .collect();
+        exprs.extend(finals);
+        LogicalPlan::Projection(Projection::try_new(
+            exprs,
+            Arc::new(LogicalPlan::Aggregate(outer)),
+        )?)
+    };
+    let schema = plan.schema();
+    let same = schema.fields().len() == aggregate.schema.fields().len()
+        && schema
             .iter()
             .zip(aggregate.schema.iter())
             .all(|((q1, f1), (q2, f2))| {
                 q1 == q2 && f1.name() == f2.name() && f1.data_type() == f2.data_type()
             });
-    Ok(same.then_some(LogicalPlan::Aggregate(outer)))
+    Ok(same.then_some(plan))
 }
 
 #[cfg(test)]
@@ -262,11 +380,12 @@ mod tests {
                 "SELECT count(DISTINCT concat('x', CAST(v AS VARCHAR), CAST(gpu AS VARCHAR))) AS n FROM t",
                 false,
             ),
-            // A measured value among the arguments: as many distinct inputs as rows.
+            // A measured value among the arguments: its maximum is taken in the inner
+            // aggregate, not grouped by (as many distinct inputs as rows).
             (
                 "SELECT gpu, approx_distinct(node || CAST(gpu AS VARCHAR)) AS n, max(v) AS top
                  FROM t GROUP BY gpu ORDER BY gpu",
-                false,
+                true,
             ),
             // The same string twice is computed once, in a projection under the aggregate
             // (common subexpressions): as with a DISTINCT's expressions, not rewritten (yet).
@@ -292,6 +411,38 @@ mod tests {
                 "SELECT count(DISTINCT node || CAST(random() AS VARCHAR)) > 0 AS n FROM t",
                 false,
             ),
+            // Beside aggregates that count duplicates: those are summed up per distinct
+            // input in the inner aggregate and combined in the outer one.
+            (
+                "SELECT gpu % 2 AS parity, avg(v) AS a,
+                        count(DISTINCT node || '/' || CAST(gpu AS VARCHAR)) AS n,
+                        count(v) AS c, count(*) AS rows, sum(v) AS s, min(v) AS lo,
+                        max(node) AS hi
+                 FROM t GROUP BY gpu % 2 HAVING avg(v) > 1 ORDER BY parity",
+                true,
+            ),
+            (
+                "SELECT node, sum(gpu) AS s, count(DISTINCT node || CAST(gpu AS VARCHAR)) AS n
+                 FROM t GROUP BY node ORDER BY node",
+                true,
+            ),
+            // No rows: counts are 0, the rest NULL.
+            (
+                "SELECT count(v) AS c, count(*) AS rows, avg(v) AS a, sum(v) AS s,
+                        count(DISTINCT node || 'x') AS n
+                 FROM t WHERE v > 1000",
+                true,
+            ),
+            // An average of decimals is a decimal: its sum over its count would not be.
+            (
+                "SELECT avg(CAST(v AS DECIMAL(10, 2))) AS a, count(DISTINCT node || 'x') AS n
+                 FROM t",
+                false,
+            ),
+            (
+                "SELECT count(DISTINCT node || 'x') AS n, stddev(v) AS sd FROM t",
+                false,
+            ),
         ];
         let batch = samples();
         for (sql, rewritten) in cases {
@@ -305,10 +456,11 @@ mod tests {
                 // The inner aggregate groups the columns the strings are built from.
                 let inner = plan
                     .lines()
-                    .rfind(|l| l.contains("aggr=[[]]"))
-                    .unwrap_or_else(|| panic!("no inner DISTINCT:\n{plan}"));
+                    .rfind(|l| l.contains("Aggregate: groupBy="))
+                    .unwrap_or_else(|| panic!("no aggregate:\n{plan}"));
+                let keys = inner.split("aggr=").next().unwrap_or_default();
                 assert!(
-                    inner.contains("t.node") && !inner.contains("||") && !inner.contains("substr"),
+                    keys.contains("t.node") && !inner.contains("||") && !inner.contains("substr"),
                     "{sql}\n{plan}"
                 );
             }
