@@ -530,7 +530,8 @@ const RUN_PROBE_ROWS: usize = 65_536;
 /// At or above this many rows per run on average, aggregates that can fold a run into one
 /// partial state ([`Fold`]) do so: a run then costs one call of arrow's kernel over a slice
 /// (about as much as 10 rows updated one by one) instead of an update per row. Runs in a
-/// day's file of samples are as long as the batches when grouped by node or GPU.
+/// day's file of samples are as long as the batches when grouped by node or GPU. A count of
+/// values that are never NULL (`count(*)`) folds runs of any length: it is their lengths.
 const FOLD_MIN_RUN: usize = 32;
 
 impl Table {
@@ -624,12 +625,14 @@ impl Table {
             return Ok((rows, 0));
         };
         let total = self.values.len();
-        let fold = rows >= FOLD_MIN_RUN * ranges.len();
+        let long = rows >= FOLD_MIN_RUN * ranges.len();
         let (mut grouped, mut folded) = (false, false);
         for (i, acc) in self.accumulators.iter_mut().enumerate() {
-            if fold
-                && filters[i].is_none()
+            if filters[i].is_none()
                 && let Some(fold) = self.folds[i]
+                // A count of values that are never NULL (`count(*)`) is each run's length:
+                // worth taking for runs of any length.
+                && (long || (fold == Fold::Count && args[i][0].logical_null_count() == 0))
             {
                 let states = fold.states(&args[i][0], &ranges)?;
                 acc.merge_batch(&states, &self.head_groups, total)?;
@@ -973,18 +976,15 @@ fn integers(data_type: &DataType) -> Option<DataType> {
 }
 
 /// The values each run counts: its rows less its NULLs.
-fn counts<T: ArrowPrimitiveType>(values: &ArrayRef, runs: &[Range<usize>]) -> PrimitiveArray<T>
-where
-    T::Native: TryFrom<usize>,
-{
-    let nulls = values.logical_nulls();
+fn counts<T: ArrowPrimitiveType>(values: &ArrayRef, runs: &[Range<usize>]) -> PrimitiveArray<T> {
+    let nulls = values.logical_nulls().filter(|n| n.null_count() > 0);
     PrimitiveArray::<T>::from_iter_values(runs.iter().map(|run| {
         let len = run.end - run.start;
         let valid = len
             - nulls
                 .as_ref()
                 .map_or(0, |n| n.slice(run.start, len).null_count());
-        T::Native::try_from(valid).unwrap_or_else(|_| unreachable!("a run's length fits"))
+        T::Native::usize_as(valid)
     }))
 }
 
