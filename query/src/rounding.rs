@@ -89,27 +89,25 @@ fn round<T: Round>(values: &[T], op: Op) -> Vec<T> {
     each(values, op)
 }
 
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-fn round_avx<T: Round>(values: &[T], op: Op) -> Vec<T> {
-    #[target_feature(enable = "avx")]
-    fn with_avx<T: Round>(values: &[T], op: Op) -> Vec<T> {
-        each(values, op)
-    }
-    // SAFETY: the only caller checked that this CPU has AVX.
-    unsafe { with_avx(values, op) }
+/// `$name`: [`each`] compiled with the CPU feature `$feature` enabled; the only caller,
+/// [`round`], checks that this CPU has it.
+macro_rules! compiled_for {
+    ($name:ident, $feature:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        #[allow(unsafe_code)]
+        fn $name<T: Round>(values: &[T], op: Op) -> Vec<T> {
+            #[target_feature(enable = $feature)]
+            fn compiled<T: Round>(values: &[T], op: Op) -> Vec<T> {
+                each(values, op)
+            }
+            // SAFETY: the only caller checked that this CPU has the feature.
+            unsafe { compiled(values, op) }
+        }
+    };
 }
 
-#[cfg(target_arch = "x86_64")]
-#[allow(unsafe_code)]
-fn round_sse41<T: Round>(values: &[T], op: Op) -> Vec<T> {
-    #[target_feature(enable = "sse4.1")]
-    fn with_sse41<T: Round>(values: &[T], op: Op) -> Vec<T> {
-        each(values, op)
-    }
-    // SAFETY: the only caller checked that this CPU has SSE4.1.
-    unsafe { with_sse41(values, op) }
-}
+compiled_for!(round_avx, "avx");
+compiled_for!(round_sse41, "sse4.1");
 
 #[inline(always)]
 fn each<T: Round>(values: &[T], op: Op) -> Vec<T> {
