@@ -433,6 +433,12 @@ mod tests {
                  FROM t WHERE v > 1000",
                 true,
             ),
+            // Integer sums that wrap: a sum of sums wraps to the same value.
+            (
+                "SELECT count(DISTINCT node || 'x') AS n,
+                        sum(CAST(9223372036854775000 AS BIGINT) + gpu) AS s FROM t",
+                true,
+            ),
             // An average of decimals is a decimal: its sum over its count would not be.
             (
                 "SELECT avg(CAST(v AS DECIMAL(10, 2))) AS a, count(DISTINCT node || 'x') AS n
