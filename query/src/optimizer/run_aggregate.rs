@@ -1211,6 +1211,21 @@ mod tests {
         SessionContext::new_with_state(state.build())
     }
 
+    /// A session with perch's rules and one without, each with `runs` as table `t`.
+    fn both(
+        runs: &[Run],
+        batch_rows: usize,
+        skip_probe_rows: usize,
+    ) -> (SessionContext, SessionContext) {
+        let with = session(true, skip_probe_rows, None);
+        let without = session(false, skip_probe_rows, None);
+        for ctx in [&with, &without] {
+            ctx.register_table("t", Arc::new(table(runs, batch_rows)))
+                .expect("test table");
+        }
+        (with, without)
+    }
+
     const QUERIES: &[&str] = &[
         "SELECT node, gpu, count(*) AS n, count(v) AS nv, sum(v) AS s, avg(v) AS a,
                 min(v) AS lo, max(f) AS hi, min(f) AS flo, max(node) AS mx
@@ -1250,12 +1265,7 @@ mod tests {
     }
 
     async fn check(runs: Vec<Run>, batch_rows: usize, skip_probe_rows: usize) {
-        let with = session(true, skip_probe_rows, None);
-        let without = session(false, skip_probe_rows, None);
-        for ctx in [&with, &without] {
-            ctx.register_table("t", Arc::new(table(&runs, batch_rows)))
-                .expect("test table");
-        }
+        let (with, without) = both(&runs, batch_rows, skip_probe_rows);
         for sql in QUERIES {
             let (got, plan, _) = run(&with, sql, "looked_up_rows").await;
             let (want, stock, _) = run(&without, sql, "looked_up_rows").await;
@@ -1327,12 +1337,7 @@ mod tests {
         // A run of 200 rows with no values of `v` (`table` leaves it NULL where
         // (seed * 31 + i) % 7 == 4, so at seed 6 on the first row of each run of one).
         runs.extend([(1, Some(9), Some(9), 6); 200]);
-        let with = session(true, 100_000, None);
-        let without = session(false, 100_000, None);
-        for ctx in [&with, &without] {
-            ctx.register_table("t", Arc::new(table(&runs, 1000)))
-                .expect("test table");
-        }
+        let (with, without) = both(&runs, 1000, 100_000);
         for sql in [
             QUERIES[0],
             "SELECT node, count(*) AS n, count(v) AS nv, sum(v) AS s, min(v) AS lo,
@@ -1478,12 +1483,7 @@ mod tests {
                 )
             })
             .collect();
-        let with = session(true, 100_000, None);
-        let without = session(false, 100_000, None);
-        for ctx in [&with, &without] {
-            ctx.register_table("t", Arc::new(table(&runs, 16)))
-                .expect("test table");
-        }
+        let (with, without) = both(&runs, 16, 100_000);
         for sql in [
             "SELECT v > 50 AS big, count(*) AS n FROM t GROUP BY v > 50 ORDER BY big",
             "SELECT arrow_cast(node, 'Dictionary(Int32, Utf8)') AS d, count(*) AS n FROM t
